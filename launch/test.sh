@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The test command: sets up .venv (if needed) and runs the CPU test suite.
+# GPU tests (tests/gpu) run on GPU machines only: `bash launch/test.sh tests/gpu`.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash launch/setup.sh
+venv="${WORKBENCH_VENV:-$root/.venv}"
+export MPLBACKEND=Agg PYTHONUNBUFFERED=1
+set +e
+"$venv/bin/python" -m pytest -q "${@:-tests}" --ignore=tests/gpu -p no:cacheprovider
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "error: pytest collected no tests; that is a failure, not a pass" >&2
+  exit 1
+fi
+exit "$rc"

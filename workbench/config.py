@@ -1,0 +1,793 @@
+"""The run config: one typed source of truth for widgets, CLI, planner and backend.
+
+A :class:`RunConfig` groups five dataclasses (model / parallel / train / data /
+checkpoint).  It round-trips through JSON and YAML, refuses unknown keys (a typo
+must never be silently ignored), and :meth:`RunConfig.validate` reports *every*
+problem at once, each naming the field, the rule and a fix, before any GPU
+process starts.  Quantities derived from a config (padded vocab, data-parallel
+size, micro-batches, parameter counts, Megatron FLOPs) live in :func:`derive`
+so no two parts of the workbench ever compute them differently.
+
+This module imports neither torch nor megatron-core: it must stay light enough
+for a notebook kernel and for a 50 ms planner loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+__all__ = [
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "DataConfig",
+    "CheckpointConfig",
+    "GenerationConfig",
+    "RunConfig",
+    "Problem",
+    "ConfigError",
+    "Derived",
+    "derive",
+    "pad_vocab_size",
+    "megatron_flops_per_step",
+    "PRESETS",
+    "preset",
+    "load_config",
+    "from_accelerate",
+]
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """Architecture. GPT now; `bert` and `t5` are reserved names (validated, not yet trained)."""
+
+    arch: Literal["gpt", "bert", "t5"] = "gpt"
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    #: multihead: one KV head per query head; multiquery: one KV head; grouped: `num_query_groups` KV heads.
+    attention_type: Literal["multihead", "multiquery", "grouped"] = "multihead"
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None  # None -> 4*hidden (gelu) or Llama's 8/3*hidden rounded (swiglu)
+    kv_channels: int | None = None  # None -> hidden / heads
+    vocab_size: int = 50257  # the tokenizer's; padded by `make_vocab_size_divisible_by * tp`
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 1024
+    seq_length: int = 256
+    position_embedding: Literal["learned", "rope", "alibi"] = "learned"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_epsilon: float = 1e-5
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    tie_embeddings: bool = True
+    init_method_std: float = 0.02
+    #: auto: Transformer Engine when importable, else the workbench SDPA module; local: stock mcore (unfused).
+    attention_backend: Literal["auto", "sdpa", "te", "local"] = "auto"
+
+    # -- derived helpers (kept here because every consumer needs them)
+    @property
+    def query_groups(self) -> int:
+        if self.attention_type == "multihead":
+            return self.num_attention_heads
+        if self.attention_type == "multiquery":
+            return 1
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // max(self.num_attention_heads, 1)
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            # Llama's rule: 2/3 of 4h, rounded up to a multiple of 64.
+            return int(math.ceil(8 * self.hidden_size / 3 / 64) * 64)
+        return 4 * self.hidden_size
+
+
+@dataclass
+class ParallelConfig:
+    """Layout. Data parallel size is derived: world_size / (tp * pp)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    #: model chunks per pipeline rank (interleaved 1F1B); None or 1 = plain 1F1B.
+    virtual_pipeline_parallel: int | None = None
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_num_layers: int = 1  # full recompute: layers per checkpointed block
+    #: launch context: world size = nnodes * nproc_per_node
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    #: cuda: NCCL on GPUs (the product path). cpu: gloo emulation for tiny models (tests, laptops).
+    device: Literal["cuda", "cpu"] = "cuda"
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def vpp(self) -> int:
+        return self.virtual_pipeline_parallel or 1
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    train_iters: int = 50
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    lr_warmup_iters: int = 5
+    lr_decay_style: Literal["linear", "cosine", "constant"] = "cosine"
+    lr_decay_iters: int | None = None  # None -> train_iters
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    #: fp16 only: None = dynamic loss scaling, a number = static scale.
+    loss_scale: float | None = None
+    grad_reduce_in_fp32: bool = True
+    seed: int = 1234
+    eval_interval: int = 25  # 0 disables eval
+    eval_iters: int = 4
+    log_interval: int = 1
+    #: record per-micro-batch forward/backward CUDA-event timings every K steps (0 = never).
+    microbatch_timing_interval: int = 5
+    #: torch.compile the fused element-wise pieces of each layer (GPU only).
+    compile_kernels: bool = True
+
+
+@dataclass
+class DatasetEntry:
+    prefix: str  # path prefix of PREFIX.bin / PREFIX.idx
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    #: demo: the embedded corpus (no download); indexed: Megatron .bin/.idx prefixes; synthetic: tests only.
+    source: Literal["demo", "indexed", "synthetic"] = "demo"
+    datasets: list[DatasetEntry] = field(default_factory=list)
+    split: str = "949,50,1"
+    #: 'demo' (the embedded corpus's byte-level BPE), a local HF tokenizer dir / tokenizer.json, or 'gpt2' from a local dir
+    tokenizer: str = "demo"
+    cache_dir: str | None = None  # None -> <run_dir>/data_cache
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    num_workers: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: str | None = None  # None -> <run_dir>/checkpoints
+    save_interval: int = 0  # 0: only at the end / on clean exit
+    save_on_exit: bool = True
+    load_dir: str | None = None
+    #: load weights only (fresh optimizer, iteration 0): fine-tuning a converted model.
+    finetune: bool = False
+
+
+@dataclass
+class GenerationConfig:
+    """Decoding options; validated like the rest so CLI, notebook and backend agree."""
+
+    max_new_tokens: int = 32
+    greedy: bool = False
+    top_k: int = 0
+    top_p: float = 0.0
+    top_p_decay: float = 0.0
+    top_p_bound: float = 0.0
+    temperature: float = 1.0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    add_bos: bool = False
+    stop_token: int | None = None
+    seed: int = 1234
+    return_log_probs: bool = False
+
+    def validate(self, prefix: str = "generation") -> list["Problem"]:
+        p: list[Problem] = []
+        if self.max_new_tokens < 1:
+            p.append(Problem(f"{prefix}.max_new_tokens", "must be >= 1", "set max_new_tokens to a positive number"))
+        if self.top_k < 0:
+            p.append(Problem(f"{prefix}.top_k", "must be >= 0", "use 0 to disable top-k"))
+        if not 0.0 <= self.top_p <= 1.0:
+            p.append(Problem(f"{prefix}.top_p", "must be in [0, 1]", "use 0 to disable top-p"))
+        if self.top_k > 0 and self.top_p > 0:
+            p.append(Problem(f"{prefix}.top_k", "top-k and top-p are mutually exclusive", "set one of top_k / top_p to 0"))
+        if self.temperature <= 0:
+            p.append(Problem(f"{prefix}.temperature", "must be > 0", "use greedy=True for deterministic decoding"))
+        if self.top_p_decay and not self.top_p:
+            p.append(Problem(f"{prefix}.top_p_decay", "needs top_p > 0", "set top_p or drop top_p_decay"))
+        if not 0.0 <= self.top_p_decay <= 1.0 or not 0.0 <= self.top_p_bound <= 1.0:
+            p.append(Problem(f"{prefix}.top_p_decay", "top_p_decay and top_p_bound must be in [0, 1]", "e.g. top_p_decay=0.5"))
+        if self.num_beams < 1:
+            p.append(Problem(f"{prefix}.num_beams", "must be >= 1", "use 1 to disable beam search"))
+        if self.num_beams > 1 and (self.top_k > 0 or self.top_p > 0):
+            p.append(Problem(f"{prefix}.num_beams", "beam search is deterministic: it cannot be combined with top-k/top-p sampling", "set top_k=0 and top_p=0, or num_beams=1"))
+        if self.greedy and (self.top_k > 0 or self.top_p > 0):
+            p.append(Problem(f"{prefix}.greedy", "greedy excludes top-k/top-p sampling", "drop greedy or the sampling options"))
+        return p
+
+
+# --------------------------------------------------------------------------- problems
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One validation failure: which field, which rule, and how to fix it."""
+
+    field: str
+    rule: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.rule} -> {self.fix}"
+
+
+class ConfigError(ValueError):
+    """Raised with every problem of a config (or file) at once."""
+
+    def __init__(self, problems: list[Problem], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        head = f"invalid config{f' {source}' if source else ''} ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+# --------------------------------------------------------------------------- run config
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    # ---- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str | None = None) -> "RunConfig":
+        """Build from nested dicts; unknown keys and wrong types are problems, not silence."""
+        problems: list[Problem] = []
+        cfg = _build(cls, data or {}, "", problems)
+        if problems:
+            raise ConfigError(problems, source)
+        return cfg
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str, source: str | None = None) -> "RunConfig":
+        return cls.from_dict(json.loads(text), source)
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str | None = None) -> "RunConfig":
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(text) or {}, source)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json()
+        path.write_text(text)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        return load_config(path)
+
+    def replace(self, **overrides: Any) -> "RunConfig":
+        """Copy with dotted overrides: ``cfg.replace(**{"parallel.tensor_parallel": 2})``."""
+        d = self.to_dict()
+        for key, value in overrides.items():
+            _set_dotted(d, key, value)
+        return RunConfig.from_dict(d)
+
+    # ---- validation
+    def validate(self) -> list[Problem]:
+        return validate(self)
+
+    def check(self) -> "RunConfig":
+        problems = self.validate()
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def derived(self) -> "Derived":
+        return derive(self)
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    parts = key.replace("__", ".").split(".")
+    cur = d
+    for part in parts[:-1]:
+        if part not in cur or not isinstance(cur[part], dict):
+            raise ConfigError([Problem(key, f"unknown section '{part}'", "use model./parallel./train./data./checkpoint.")])
+        cur = cur[part]
+    if parts[-1] not in cur:
+        raise ConfigError([Problem(key, "unknown field", f"known fields: {', '.join(sorted(cur))}")])
+    cur[parts[-1]] = value
+
+
+def _closest(name: str, options: list[str]) -> str:
+    import difflib
+
+    m = difflib.get_close_matches(name, options, n=1)
+    return f"did you mean '{m[0]}'?" if m else f"known keys: {', '.join(options)}"
+
+
+def _build(cls: type, data: Any, path: str, problems: list[Problem]) -> Any:
+    if not isinstance(data, dict):
+        problems.append(Problem(path or "<root>", f"expected a mapping, got {type(data).__name__}", "check the file's nesting"))
+        return cls()
+    hints = get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        fpath = f"{path}.{key}" if path else key
+        if key not in names:
+            problems.append(Problem(fpath, "unknown key", _closest(key, names)))
+            continue
+        kwargs[key] = _coerce(hints[key], value, fpath, problems)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str, problems: list[Problem]) -> Any:
+    origin = get_origin(tp)
+    args = get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, problems)
+    if origin is Literal:
+        if value not in args:
+            problems.append(Problem(path, f"must be one of {', '.join(map(repr, args))}, got {value!r}", f"pick one of {list(args)}"))
+            return args[0]
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(Problem(path, "expected a list", "write it as a list"))
+            return []
+        return [_coerce(args[0], v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    if origin in (getattr(__import__("types"), "UnionType"), getattr(__import__("typing"), "Union")):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path, problems)
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append(Problem(path, f"expected true/false, got {value!r}", "use true or false"))
+            return False
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            problems.append(Problem(path, f"expected an integer, got {value!r}", "use a whole number"))
+            return 0
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):
+                try:
+                    return float(value)  # YAML reads "3e-4" as a string
+                except ValueError:
+                    pass
+            problems.append(Problem(path, f"expected a number, got {value!r}", "use a number such as 3e-4"))
+            return 0.0
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append(Problem(path, f"expected a string, got {value!r}", "quote the value"))
+            return str(value)
+        return value
+    return value
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a JSON or YAML run config; every problem in it is reported at once."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError([Problem(str(path), "file not found", "check the path")])
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            return RunConfig.from_yaml(text, str(path))
+        return RunConfig.from_json(text, str(path))
+    except (json.JSONDecodeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError([Problem(str(path), f"not valid {path.suffix.lstrip('.') or 'JSON'}: {e}", "fix the syntax")]) from None
+    except Exception as e:  # yaml.YAMLError
+        raise ConfigError([Problem(str(path), f"could not parse: {e}", "fix the syntax")]) from None
+
+
+# --------------------------------------------------------------------------- derived
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: pad to a multiple of ``divisible_by * tp`` so every TP shard is equal."""
+    multiple = max(divisible_by, 1) * max(tp, 1)
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def megatron_flops_per_step(cfg: RunConfig, batch_size: int | None = None) -> float:
+    """Model FLOPs of one training step (forward + backward), Megatron's formula.
+
+    From ``megatron/training/training.py::num_floating_point_operations``:
+    12 * B * s * L * h^2 * ((1 + g/a + s/h) * (d*a/h) + (f/h) * gate + V / (2 L h)).
+    Recompute is deliberately not counted (MFU, not hardware FLOPs).
+    """
+    m, t = cfg.model, cfg.train
+    b = batch_size if batch_size is not None else t.global_batch_size
+    s, L, h = m.seq_length, m.num_layers, m.hidden_size
+    a, g = m.num_attention_heads, m.query_groups
+    qproj = m.head_dim * a / h
+    gate = 1.5 if m.activation == "swiglu" else 1.0
+    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
+    return 12.0 * b * s * L * h * h * ((1 + g / a + s / h) * qproj + (m.ffn_size / h) * gate + vocab / (2 * L * h))
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int  # word embeddings (padded vocab) + learned positions
+    per_layer: int
+    final_norm: int
+    output_layer: int  # 0 when tied
+    total: int
+
+
+@dataclass(frozen=True)
+class Derived:
+    world_size: int
+    data_parallel: int
+    padded_vocab_size: int
+    num_microbatches: int
+    tokens_per_step: int
+    layers_per_stage: int  # per pipeline rank (all its virtual chunks together)
+    layers_per_chunk: int
+    params: ParamCounts
+    params_per_stage: tuple[int, ...]  # unsharded (before TP) parameters held by each pipeline stage
+    flops_per_step: float
+
+
+def _param_counts(cfg: RunConfig, padded_vocab: int) -> ParamCounts:
+    m = cfg.model
+    h, d = m.hidden_size, m.head_dim
+    a, g, f = m.num_attention_heads, m.query_groups, m.ffn_size
+    bias = m.add_bias_linear
+    norm = (2 * h) if m.normalization == "layernorm" else h
+    qkv_out = d * (a + 2 * g)
+    attn = h * qkv_out + (qkv_out if bias else 0) + a * d * h + (h if bias else 0)
+    fc1_out = 2 * f if m.activation == "swiglu" else f
+    mlp = h * fc1_out + (fc1_out if bias else 0) + f * h + (h if bias else 0)
+    per_layer = attn + mlp + 2 * norm
+    emb = padded_vocab * h + (m.max_position_embeddings * h if m.position_embedding == "learned" else 0)
+    out = 0 if m.tie_embeddings else padded_vocab * h
+    total = emb + m.num_layers * per_layer + norm + out
+    return ParamCounts(emb, per_layer, norm, out, total)
+
+
+def derive(cfg: RunConfig) -> Derived:
+    """Everything computed from a config, in one place. Tolerant of invalid configs (no division by zero)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, pp = max(p.tensor_parallel, 1), max(p.pipeline_parallel, 1)
+    world = max(p.world_size, 1)
+    dp = max(world // (tp * pp), 1)
+    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    micro = max(t.global_batch_size // max(t.micro_batch_size * dp, 1), 1)
+    layers_per_stage = max(m.num_layers // pp, 1)
+    layers_per_chunk = max(layers_per_stage // p.vpp, 1)
+    params = _param_counts(cfg, vocab)
+    stages = []
+    for s in range(pp):
+        n = layers_per_stage * params.per_layer
+        if s == 0:
+            n += params.embedding
+        if s == pp - 1:
+            n += params.final_norm + (params.output_layer if not m.tie_embeddings else (vocab * m.hidden_size if pp > 1 else 0))
+        stages.append(n)
+    return Derived(
+        world_size=world,
+        data_parallel=dp,
+        padded_vocab_size=vocab,
+        num_microbatches=micro,
+        tokens_per_step=t.global_batch_size * m.seq_length,
+        layers_per_stage=layers_per_stage,
+        layers_per_chunk=layers_per_chunk,
+        params=params,
+        params_per_stage=tuple(stages),
+        flops_per_step=megatron_flops_per_step(cfg),
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(cfg: RunConfig) -> list[Problem]:
+    """Every rule, every problem at once. Each names the field, the rule and a fix."""
+    P: list[Problem] = []
+    add = lambda f, r, x: P.append(Problem(f, r, x))  # noqa: E731
+    m, p, t, d, c = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
+
+    positive = [
+        ("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads), ("model.vocab_size", m.vocab_size),
+        ("model.max_position_embeddings", m.max_position_embeddings), ("model.seq_length", m.seq_length),
+        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+        ("parallel.tensor_parallel", p.tensor_parallel), ("parallel.pipeline_parallel", p.pipeline_parallel),
+        ("parallel.nnodes", p.nnodes), ("parallel.nproc_per_node", p.nproc_per_node),
+        ("train.micro_batch_size", t.micro_batch_size), ("train.global_batch_size", t.global_batch_size),
+        ("train.train_iters", t.train_iters), ("train.log_interval", t.log_interval),
+    ]
+    bad_positive = set()
+    for name, value in positive:
+        if value is None or value < 1:
+            add(name, f"must be >= 1 (got {value})", f"set {name.split('.')[-1]} to a positive integer")
+            bad_positive.add(name)
+    if bad_positive:
+        return P  # the divisibility rules below would only repeat the same mistake
+
+    tp, pp, vpp = p.tensor_parallel, p.pipeline_parallel, p.vpp
+    heads, groups = m.num_attention_heads, m.query_groups
+
+    # model
+    if m.arch != "gpt":
+        add("model.arch", f"'{m.arch}' training is not implemented yet (GPT only)", "set arch: gpt")
+    if m.kv_channels is None and m.hidden_size % heads:
+        add("model.hidden_size", f"hidden_size {m.hidden_size} is not divisible by num_attention_heads {heads}", f"use a hidden size that is a multiple of {heads}, or set kv_channels")
+    if m.attention_type == "grouped":
+        if not m.num_query_groups:
+            add("model.num_query_groups", "grouped attention needs num_query_groups", f"set num_query_groups to a divisor of {heads}")
+        elif heads % m.num_query_groups:
+            add("model.num_query_groups", f"num_attention_heads {heads} is not divisible by num_query_groups {m.num_query_groups}", "choose a divisor of the head count")
+    elif m.num_query_groups not in (None, groups):
+        add("model.num_query_groups", f"num_query_groups={m.num_query_groups} conflicts with attention_type '{m.attention_type}'", "set attention_type: grouped, or remove num_query_groups")
+    if heads % tp:
+        add("parallel.tensor_parallel", f"num_attention_heads {heads} is not divisible by tensor_parallel {tp}", f"use a tensor_parallel that divides {heads}")
+    if groups % tp:
+        add("model.num_query_groups", f"query groups ({groups}) are not divisible by tensor_parallel {tp}: every TP rank needs whole KV heads", f"use tensor_parallel dividing {groups}, or more query groups")
+    if m.ffn_size % tp:
+        add("model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by tensor_parallel {tp}", "pick an ffn_hidden_size that is a multiple of tensor_parallel")
+    if m.seq_length > m.max_position_embeddings and m.position_embedding == "learned":
+        add("model.seq_length", f"seq_length {m.seq_length} > max_position_embeddings {m.max_position_embeddings} (learned positions)", f"lower seq_length or raise max_position_embeddings to >= {m.seq_length}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        v = getattr(m, name)
+        if not 0.0 <= v < 1.0:
+            add(f"model.{name}", f"must be in [0, 1) (got {v})", "use e.g. 0.1, or 0 to disable")
+    if m.rotary_percent <= 0 or m.rotary_percent > 1:
+        add("model.rotary_percent", "must be in (0, 1]", "use 1.0")
+    if m.position_embedding == "alibi" and m.attention_backend in ("te", "local"):
+        add("model.attention_backend", f"ALiBi is implemented only in the workbench SDPA attention, not '{m.attention_backend}'", "set attention_backend: sdpa (or auto)")
+
+    # parallel
+    world = p.world_size
+    if world % (tp * pp):
+        add("parallel.nproc_per_node", f"world size {world} (nnodes*nproc_per_node) is not divisible by tp*pp = {tp * pp}", f"use a world size that is a multiple of {tp * pp}")
+    if m.num_layers % pp:
+        add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pipeline_parallel {pp}", f"use a pipeline_parallel that divides {m.num_layers}")
+    if p.virtual_pipeline_parallel not in (None, 1):
+        if p.virtual_pipeline_parallel < 1:
+            add("parallel.virtual_pipeline_parallel", "must be >= 1", "use null to disable interleaving")
+        elif pp < 2:
+            add("parallel.virtual_pipeline_parallel", "interleaving needs pipeline_parallel >= 2", "raise pipeline_parallel or set virtual_pipeline_parallel: null")
+        elif m.num_layers % (pp * vpp):
+            add("parallel.virtual_pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pp*vpp = {pp * vpp}", f"choose vpp so that pp*vpp divides {m.num_layers}")
+    if p.sequence_parallel and tp < 2:
+        add("parallel.sequence_parallel", "sequence parallelism needs tensor_parallel > 1", "set tensor_parallel >= 2 or sequence_parallel: false")
+    if p.sequence_parallel and m.seq_length % tp:
+        add("model.seq_length", f"with sequence parallelism seq_length {m.seq_length} must be divisible by tensor_parallel {tp}", "round seq_length to a multiple of tensor_parallel")
+    if p.recompute_num_layers < 1:
+        add("parallel.recompute_num_layers", "must be >= 1", "use 1")
+    if p.device == "cpu":
+        if world > 8:
+            add("parallel.device", f"CPU emulation is for tiny models on 1-8 processes, not {world}", "use device: cuda on GPUs")
+        if p.overlap_grad_reduce or p.overlap_param_gather:
+            add("parallel.overlap_grad_reduce", "communication overlap needs CUDA streams", "turn overlap off on device: cpu")
+    if p.overlap_param_gather and not p.distributed_optimizer:
+        add("parallel.overlap_param_gather", "param-gather overlap needs the distributed optimizer", "set distributed_optimizer: true or overlap_param_gather: false")
+
+    # train
+    dp = world // (tp * pp) if world % (tp * pp) == 0 else None
+    if dp:
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            add("train.global_batch_size", f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size*dp = {t.micro_batch_size}*{dp}", f"use a multiple of {t.micro_batch_size * dp}")
+        else:
+            micro = t.global_batch_size // (t.micro_batch_size * dp)
+            if vpp > 1 and pp > 1 and micro % pp:
+                add("train.global_batch_size", f"interleaved 1F1B needs the number of micro-batches ({micro}) divisible by pipeline_parallel {pp}", f"use a global batch giving a multiple of {pp} micro-batches")
+    if t.lr <= 0:
+        add("train.lr", "must be > 0", "use e.g. 3e-4")
+    if t.min_lr < 0 or t.min_lr > t.lr:
+        add("train.min_lr", f"must be in [0, lr] (lr={t.lr}, min_lr={t.min_lr})", "lower min_lr")
+    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > (t.lr_decay_iters or t.train_iters):
+        add("train.lr_warmup_iters", "must be in [0, decay iters]", "use fewer warmup iterations")
+    if not 0 <= t.adam_beta1 < 1 or not 0 <= t.adam_beta2 < 1:
+        add("train.adam_beta1", "Adam betas must be in [0, 1)", "use 0.9 / 0.95")
+    if t.adam_eps <= 0:
+        add("train.adam_eps", "must be > 0", "use 1e-8")
+    if t.clip_grad < 0:
+        add("train.clip_grad", "must be >= 0", "use 1.0, or 0 to disable")
+    if t.weight_decay < 0:
+        add("train.weight_decay", "must be >= 0", "use 0.1 or 0")
+    if t.loss_scale is not None and t.precision != "fp16":
+        add("train.loss_scale", f"loss scaling applies to fp16 only (precision is {t.precision})", "remove loss_scale or set precision: fp16")
+    if t.eval_interval < 0 or t.eval_iters < 0:
+        add("train.eval_interval", "must be >= 0", "use 0 to disable evaluation")
+    if t.microbatch_timing_interval < 0:
+        add("train.microbatch_timing_interval", "must be >= 0", "use 0 to disable")
+    if p.device == "cpu" and t.precision == "fp16":
+        add("train.precision", "fp16 is not supported on CPU", "use bf16 or fp32 on device: cpu")
+
+    # data
+    if d.source == "indexed":
+        if not d.datasets:
+            add("data.datasets", "source 'indexed' needs at least one dataset prefix", "add {prefix: /path/to/name_text_document, weight: 1}")
+        for i, e in enumerate(d.datasets):
+            if e.weight <= 0:
+                add(f"data.datasets[{i}].weight", "must be > 0", "use a positive weight")
+            if not e.prefix:
+                add(f"data.datasets[{i}].prefix", "empty prefix", "give PREFIX of PREFIX.bin/PREFIX.idx")
+    try:
+        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
+        if len(parts) != 3 or any(x < 0 for x in parts) or sum(parts) <= 0:
+            raise ValueError
+    except ValueError:
+        add("data.split", f"'{d.split}' is not three non-negative numbers", "use e.g. '949,50,1'")
+
+    # checkpoint
+    if c.save_interval < 0:
+        add("checkpoint.save_interval", "must be >= 0", "use 0 to save only at the end")
+    if c.finetune and not c.load_dir:
+        add("checkpoint.finetune", "finetune needs load_dir", "set checkpoint.load_dir")
+    return P
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def _gpt2(layers: int, hidden: int, heads: int, name: str) -> RunConfig:
+    return RunConfig(
+        name=name,
+        model=ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=50257,
+                          max_position_embeddings=1024, seq_length=1024, hidden_dropout=0.0, attention_dropout=0.0),
+        train=TrainConfig(micro_batch_size=8, global_batch_size=64, train_iters=1000, lr=6e-4, min_lr=6e-5, lr_warmup_iters=100),
+        data=DataConfig(source="demo"),
+    )
+
+
+def _tiny() -> RunConfig:
+    return RunConfig(
+        name="tiny",
+        model=ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=4096,
+                          max_position_embeddings=128, seq_length=64, make_vocab_size_divisible_by=64),
+        parallel=ParallelConfig(device="cpu"),
+        train=TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=10, lr=1e-3, min_lr=1e-4,
+                          lr_warmup_iters=2, eval_interval=5, eval_iters=2, precision="fp32", compile_kernels=False),
+        data=DataConfig(source="demo"),
+    )
+
+
+def _demo_small() -> RunConfig:
+    """A small GPT on the embedded corpus: trains in minutes on one GPU."""
+    cfg = _gpt2(6, 384, 6, "demo-small")
+    cfg.model.vocab_size = 8192
+    cfg.model.seq_length = 256
+    cfg.model.max_position_embeddings = 256
+    cfg.train = TrainConfig(micro_batch_size=16, global_batch_size=32, train_iters=200, lr=1e-3, min_lr=1e-4, lr_warmup_iters=20)
+    return cfg
+
+
+def _llama() -> RunConfig:
+    return RunConfig(
+        name="llama-small",
+        model=ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, attention_type="grouped",
+                          num_query_groups=4, vocab_size=32000, max_position_embeddings=2048, seq_length=1024,
+                          position_embedding="rope", normalization="rmsnorm", activation="swiglu",
+                          add_bias_linear=False, tie_embeddings=False, norm_epsilon=1e-6),
+        train=TrainConfig(micro_batch_size=8, global_batch_size=64, train_iters=1000, lr=3e-4, lr_warmup_iters=100),
+    )
+
+
+PRESETS: dict[str, Any] = {
+    "tiny": _tiny,
+    "demo-small": _demo_small,
+    "gpt2-small": lambda: _gpt2(12, 768, 12, "gpt2-small"),
+    "gpt2-medium": lambda: _gpt2(24, 1024, 16, "gpt2-medium"),
+    "gpt2-large": lambda: _gpt2(36, 1280, 20, "gpt2-large"),
+    "gpt2-xl": lambda: _gpt2(48, 1600, 25, "gpt2-xl"),
+    "llama-small": _llama,
+}
+
+
+def preset(name: str, **overrides: Any) -> RunConfig:
+    """A fresh copy of a named preset, with optional dotted overrides."""
+    if name not in PRESETS:
+        raise ConfigError([Problem("preset", f"unknown preset '{name}'", _closest(name, list(PRESETS)))])
+    cfg = PRESETS[name]()
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+# --------------------------------------------------------------------------- accelerate import
+
+
+def from_accelerate(path_or_dict: str | Path | dict, base: RunConfig | None = None) -> RunConfig:
+    """Convert an Accelerate config (with a ``megatron_lm_config`` section) into a workbench config.
+
+    Mapping: tp/pp degree, micro-batch count (-> global batch = micro * mbs * dp), sequence
+    parallelism, recompute_activations (-> selective), distributed optimizer, gradient
+    clipping, mixed precision, num_processes / num_machines.
+    """
+    if isinstance(path_or_dict, dict):
+        acc, source = path_or_dict, "<dict>"
+    else:
+        import yaml
+
+        source = str(path_or_dict)
+        try:
+            acc = yaml.safe_load(Path(path_or_dict).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError([Problem(source, "file not found", "check the path")]) from None
+    mlm = acc.get("megatron_lm_config")
+    if not isinstance(mlm, dict):
+        raise ConfigError([Problem("megatron_lm_config", "missing from the Accelerate config", "run `accelerate config` and answer yes to Megatron-LM")], source)
+    known = {
+        "megatron_lm_gradient_clipping", "megatron_lm_num_micro_batches", "megatron_lm_pp_degree",
+        "megatron_lm_recompute_activations", "megatron_lm_sequence_parallelism", "megatron_lm_tp_degree",
+        "megatron_lm_use_distributed_optimizer",
+    }
+    unknown = [k for k in mlm if k not in known]
+    if unknown:
+        raise ConfigError([Problem(f"megatron_lm_config.{k}", "not understood by the importer", _closest(k, sorted(known))) for k in unknown], source)
+    cfg = base or RunConfig()
+    d = cfg.to_dict()
+    par, tr = d["parallel"], d["train"]
+    par["tensor_parallel"] = int(mlm.get("megatron_lm_tp_degree", 1))
+    par["pipeline_parallel"] = int(mlm.get("megatron_lm_pp_degree", 1))
+    par["sequence_parallel"] = bool(mlm.get("megatron_lm_sequence_parallelism", False))
+    par["distributed_optimizer"] = bool(mlm.get("megatron_lm_use_distributed_optimizer", False))
+    par["recompute"] = "selective" if mlm.get("megatron_lm_recompute_activations") else "none"
+    machines = int(acc.get("num_machines", 1) or 1)
+    procs = int(acc.get("num_processes", 1) or 1)
+    par["nnodes"] = machines
+    par["nproc_per_node"] = max(procs // machines, 1)
+    par["device"] = "cpu" if acc.get("use_cpu") else "cuda"
+    tr["clip_grad"] = float(mlm.get("megatron_lm_gradient_clipping", 1.0))
+    mp = acc.get("mixed_precision", "no")
+    tr["precision"] = {"bf16": "bf16", "fp16": "fp16"}.get(str(mp), "fp32")
+    micro = int(mlm.get("megatron_lm_num_micro_batches", 1))
+    dp = max(procs // (par["tensor_parallel"] * par["pipeline_parallel"]), 1)
+    tr["global_batch_size"] = micro * tr["micro_batch_size"] * dp
+    return RunConfig.from_dict(d, source)
