@@ -1,0 +1,182 @@
+"""The workbench core-attention module: megatron's ``CoreAttention`` slot on torch SDPA.
+
+Why: megatron-core's local ``DotProductAttention`` materialises the s x s score matrix
+(slow, memory hungry, no flash kernel), and Transformer Engine is often not installed.
+``torch.nn.functional.scaled_dot_product_attention`` dispatches to flash / memory-efficient
+/ cuDNN kernels on GPUs and to a fused CPU kernel otherwise.
+
+Features
+- causal (top-left aligned when sq == sk; bottom-right aligned when a KV cache makes
+  sk > sq, i.e. query i sits at absolute position sk - sq + i), ``no_mask`` and explicit
+  boolean masks (megatron convention: ``True`` = masked out);
+- MHA / MQA / GQA: SDPA's ``enable_gqa`` when no additive bias is needed (flash path),
+  otherwise an explicit ``repeat_interleave`` of the KV heads;
+- ALiBi (Press et al., 2022), which megatron-core lacks: per-head slopes from the paper
+  (geometric sequence ``2^(-8 i / n)``; for non-power-of-two n the closest power of two
+  plus every other slope of the doubled sequence), the bias ``-slope * (i - j)`` is built
+  for the heads this TP rank owns (heads are sharded contiguously across TP ranks);
+- attention dropout under megatron's TP RNG tracker (as stock ``DotProductAttention``).
+
+Signature is mcore's: ``__init__(config, layer_number, attn_mask_type, attention_type,
+attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None)`` and
+``forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+packed_seq_params=None)`` with q/k/v ``[s, b, heads, head_dim]`` and output ``[sq, b, hp]``.
+Packed sequences (THD) need Transformer Engine and are refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+__all__ = ["SDPAttention", "alibi_slopes", "alibi_bias"]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi head slopes exactly as in the paper's reference implementation (fp32, [num_heads])."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, sq: int, sk: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias ``[heads, sq, sk]`` = ``-slope * (query_pos - key_pos)`` (query i at position sk - sq + i).
+
+    Future positions get a positive distance' bias too; the causal mask removes them.
+    """
+    q_pos = torch.arange(sk - sq, sk, device=device, dtype=torch.float32)[:, None]
+    k_pos = torch.arange(sk, device=device, dtype=torch.float32)[None, :]
+    dist = (q_pos - k_pos).abs()
+    return (-slopes.to(device)[:, None, None] * dist[None]).to(dtype)
+
+
+class SDPAttention(MegatronModule):
+    """Core attention on ``torch.nn.functional.scaled_dot_product_attention`` (see module docstring)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("the workbench SDPA attention does not support context parallelism; use Transformer Engine")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        tp_size = pg_collection.tp.size()
+        tp_rank = pg_collection.tp.rank()
+        projection = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection, tp_size)
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.groups_per_partition = divide(config.num_query_groups, tp_size)
+        head_dim = divide(projection, config.num_attention_heads)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        # ALiBi: stored as a non-persistent buffer so checkpoints stay identical to stock GPT.
+        self.use_alibi = bool(getattr(config, "workbench_alibi", False))
+        if self.use_alibi:
+            all_slopes = alibi_slopes(config.num_attention_heads)
+            lo = tp_rank * self.heads_per_partition
+            self.register_buffer("alibi_slopes", all_slopes[lo : lo + self.heads_per_partition].clone(), persistent=False)
+        self._bias_cache: dict[tuple, torch.Tensor] = {}
+
+    def _alibi(self, sq: int, sk: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (sq, sk, device, dtype)
+        bias = self._bias_cache.get(key)
+        if bias is None:
+            bias = alibi_bias(self.alibi_slopes, sq, sk, device, dtype)
+            self._bias_cache = {key: bias}  # keep only the latest shape
+        return bias
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences (THD) need Transformer Engine attention; set model.attention_backend: te")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        sq, b, _, _ = query.shape
+        sk = key.shape[0]
+        # [s, b, h, d] -> [b, h, s, d]
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+
+        additive: Optional[torch.Tensor] = None
+        if self.use_alibi:
+            additive = self._alibi(sq, sk, q.device, q.dtype)[None]
+        if attention_bias is not None:
+            additive = attention_bias if additive is None else additive + attention_bias
+
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        allowed: Optional[torch.Tensor] = None  # boolean, True = may attend
+        if attention_mask is not None and mask_type != AttnMaskType.no_mask:
+            allowed = ~attention_mask.bool()
+            causal = causal and mask_type == AttnMaskType.padding_causal
+        if causal and (sq != sk or additive is not None or allowed is not None):
+            # bottom-right aligned causal mask (KV-cache prefill/decode), or combined with a bias
+            tri = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+            allowed = tri if allowed is None else (allowed & tri)
+            causal = False
+
+        attn_mask: Optional[torch.Tensor] = None
+        if additive is not None:
+            attn_mask = additive if allowed is None else additive.masked_fill(~allowed, float("-inf"))
+        elif allowed is not None:
+            attn_mask = allowed
+
+        groups = self.heads_per_partition // self.groups_per_partition
+        gqa_kwargs = {}
+        if groups > 1:
+            if attn_mask is None:
+                gqa_kwargs = {"enable_gqa": True}
+            else:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def run() -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale, **gqa_kwargs
+            )
+
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = run()
+        else:
+            out = run()
+        # [b, h, sq, d] -> [sq, b, h*d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

@@ -1,0 +1,122 @@
+"""CPU emulation mode: run the *real* megatron-core training path on CPU under gloo.
+
+Deliberate choice (issue 3, "CPU"): a CPU-only user and CI should exercise exactly the code
+that runs on GPUs -- mcore's ``get_forward_backward_func`` schedules (1F1B, interleaved),
+DDP grad buffers, ``get_megatron_optimizer``, ``dist_checkpointing`` -- on tiny models with
+1-8 gloo processes.  Those pieces assume CUDA in a handful of places; this module patches
+exactly those, in this one process, and only when :func:`enable` is called, which
+:func:`workbench.backend.distributed.initialize` does only for ``parallel.device == "cpu"``.
+GPU runs never call it and never depend on it.
+
+Patches (all reversible by :func:`disable`, all listed in :data:`PATCHES`):
+- ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` (tensors allocated "on the
+  current device" land on CPU);
+- tensor factories (``torch.zeros/empty/ones/full/tensor``) called with a CUDA device ->
+  CPU (e.g. ``torch.zeros([], device="cuda")`` in the schedules' token counter);
+- ``torch.cuda.synchronize`` / ``torch.cuda.current_stream`` / ``Stream.wait_stream`` -> no-ops
+  (dist_checkpointing's save strategy synchronises before writing);
+- ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> CPU generator state, and megatron's RNG
+  tracker ``fork`` -> a no-op context (there is no CUDA generator to fork; dropout then uses
+  the CPU generator, which is fine for tests);
+- ``batch_p2p_comm=False`` is set in the TransformerConfig by :mod:`workbench.backend.model`
+  (gloo has no batched isend/irecv) -- a config choice, not a patch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["enable", "disable", "enabled", "PATCHES"]
+
+PATCHES = (
+    "torch.cuda.current_device",
+    "torch.{zeros,empty,ones,full,tensor}(device=cuda)",
+    "torch.cuda.synchronize / current_stream",
+    "torch.cuda.get_rng_state / set_rng_state",
+    "megatron CudaRNGStatesTracker.fork / add",
+)
+
+_saved: list[tuple[Any, str, Any]] = []
+
+
+def enabled() -> bool:
+    return bool(_saved)
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _saved.append((owner, name, getattr(owner, name, None)))
+    setattr(owner, name, value)
+
+
+def _is_cuda(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True  # a bare index means a CUDA ordinal
+    return str(device).startswith("cuda")
+
+
+def _cpu_factory(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _NoStream:
+    def wait_stream(self, *_: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoStream":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        pass
+
+
+def enable() -> None:
+    """Apply the CPU patches (idempotent). Call before building the model."""
+    if _saved:
+        return
+    cuda = torch.cuda
+    _patch(cuda, "current_device", lambda: torch.device("cpu"))
+    _patch(cuda, "synchronize", lambda *a, **k: None)
+    _patch(cuda, "current_stream", lambda *a, **k: _NoStream())
+    _patch(cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(cuda, "set_rng_state", lambda state, *a, **k: None)
+    for name in ("zeros", "empty", "ones", "full", "tensor"):
+        _patch(torch, name, _cpu_factory(getattr(torch, name)))
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker_cls = mrandom.CudaRNGStatesTracker
+
+    @contextlib.contextmanager
+    def fork(self: Any, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):  # noqa: ANN202
+        yield
+
+    def add(self: Any, name: str, seed: int) -> None:
+        self.seeds_.add(seed)
+        self.states_[name] = torch.get_rng_state()
+
+    _patch(tracker_cls, "fork", fork)
+    _patch(tracker_cls, "add", add)
+    _patch(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
+
+
+def disable() -> None:
+    """Undo every patch (tests use this to keep processes clean)."""
+    while _saved:
+        owner, name, old = _saved.pop()
+        setattr(owner, name, old)

@@ -1,0 +1,140 @@
+"""Parallel initialisation from a RunConfig: process group, megatron parallel state, seeds.
+
+``initialize(cfg)`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT), starts NCCL on GPUs or gloo for ``parallel.device == "cpu"`` (after
+turning on :mod:`workbench.backend.cpu_mode`), builds megatron's TP/PP/VPP/DP groups
+(DP = world / (tp * pp)) and seeds the RNGs the way Megatron does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from workbench.backend import cpu_mode
+from workbench.config import RunConfig, derive
+
+__all__ = ["Coords", "initialize", "initialize_for_tests", "coords", "destroy", "device"]
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where this rank sits in the 3-D layout."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def device(cfg: RunConfig) -> torch.device:
+    if cfg.parallel.device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def coords() -> Coords:
+    return Coords(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        tp=parallel_state.get_tensor_model_parallel_rank(),
+        pp=parallel_state.get_pipeline_model_parallel_rank(),
+        dp=parallel_state.get_data_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def _seed(cfg: RunConfig) -> None:
+    # Megatron's rule: a different stream per pipeline stage; TP ranks share the default
+    # stream (CPU initialisation of full weights then splits identically) and get a
+    # separate tracked stream for TP-sharded dropout.
+    seed = cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+    if cfg.parallel.device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _init_parallel_state(cfg: RunConfig) -> Coords:
+    p = cfg.parallel
+    world = dist.get_world_size()
+    if world % (p.tensor_parallel * p.pipeline_parallel):
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_parallel*pipeline_parallel = {p.tensor_parallel * p.pipeline_parallel}; "
+            "fix parallel.nproc_per_node / nnodes"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_parallel,
+        pipeline_model_parallel_size=p.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_parallel if p.vpp > 1 else None,
+    )
+    _seed(cfg)
+    return coords()
+
+
+def initialize(cfg: RunConfig, timeout_s: float = 600.0) -> Coords:
+    """Initialise from torchrun's environment. Safe to call once per process."""
+    if cfg.parallel.device == "cpu":
+        cpu_mode.enable()
+        backend = "gloo"
+    else:
+        if not torch.cuda.is_available():
+            raise RuntimeError("parallel.device is 'cuda' but no GPU is visible; set parallel.device: cpu for the CPU emulation mode")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    expected = derive(cfg).world_size
+    if dist.get_world_size() != expected:
+        print(
+            f"[workbench] note: torchrun world size {dist.get_world_size()} differs from parallel.nnodes*nproc_per_node = {expected}; "
+            "using the actual world size",
+            flush=True,
+        )
+    return _init_parallel_state(cfg)
+
+
+def initialize_for_tests(cfg: RunConfig, rank: int = 0, world_size: int = 1, port: int = 29533) -> Coords:
+    """In-process initialisation (no torchrun): gloo on localhost. For tests and notebooks."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    return initialize(cfg, timeout_s=120.0)
+
+
+def destroy() -> None:
+    """Tear down megatron's groups and the default process group (idempotent)."""
+    try:
+        parallel_state.destroy_model_parallel()
+    except Exception:
+        pass
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
