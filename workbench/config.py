@@ -68,6 +68,8 @@ class ModelConfig:
     normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_epsilon: float = 1e-5
     activation: Literal["gelu", "swiglu"] = "gelu"
+    #: GELU flavour (torch's F.gelu ``approximate``): HF GPT-2's ``gelu_new`` is "tanh"; Megatron's default is exact ("none").
+    gelu_approximate: Literal["none", "tanh"] = "none"
     add_bias_linear: bool = True
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -587,6 +589,8 @@ def validate(cfg: RunConfig) -> list[Problem]:
         v = getattr(m, name)
         if not 0.0 <= v < 1.0:
             add(f"model.{name}", f"must be in [0, 1) (got {v})", "use e.g. 0.1, or 0 to disable")
+    if m.gelu_approximate != "none" and m.activation != "gelu":
+        add("model.gelu_approximate", f"gelu_approximate applies to activation 'gelu' only (activation is '{m.activation}')", "set gelu_approximate: none")
     if m.rotary_percent <= 0 or m.rotary_percent > 1:
         add("model.rotary_percent", "must be in (0, 1]", "use 1.0")
     if m.position_embedding == "alibi" and m.attention_backend in ("te", "local"):
