@@ -1,0 +1,506 @@
+"""The one checkpoint format of the workbench: mcore dist checkpoints in an iteration tree.
+
+Layout of a checkpoint ROOT::
+
+    ROOT/
+      iter_0000100/                      # an mcore dist_checkpointing (torch_dist) save
+        .metadata, __*.distcp, metadata.json
+        workbench.json                   # {"format": "workbench-mcore-v1", "iteration", "config", "complete": true, ...}
+      latest_checkpointed_iteration.txt  # written LAST, atomically (tmp + os.replace)
+
+Why this shape: dist checkpoints store *global* tensors keyed by stock megatron-core
+names, so a checkpoint written at one TP/PP/VPP loads at any other; the iteration
+tree and the tracker file are what Megatron-LM users already know.  A save goes to
+``iter_XXXXXXX.tmp-<pid>`` and is renamed only after every rank has written and
+``workbench.json`` says ``"complete": true``, so an interrupted save never shadows
+the last good checkpoint, and :func:`find_checkpoint` never picks a partial one.
+
+The one layout-dependent quantity is the vocab padding (``make_vocab_size_divisible_by
+* tp``): :func:`load_checkpoint` re-pads the embedding / output rows when the loading
+model is padded differently (the pad rows carry no information).
+
+CPU note: mcore's save path calls ``torch.cuda.synchronize()`` / ``current_device()``
+and its writer creates a ``spawn`` multiprocessing Manager for a results queue.  On a
+machine without CUDA, :func:`save_checkpoint` no-ops the two CUDA calls *only while
+saving* and hands the writer an in-process queue (the sync save runs in this
+process), so no ``if __name__ == "__main__":`` guard is needed in the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "TRACKER_FILE",
+    "METADATA_FILE",
+    "iter_dir_name",
+    "save_checkpoint",
+    "load_checkpoint",
+    "find_checkpoint",
+    "read_metadata",
+    "list_checkpoints",
+    "checkpoint_tensor_shapes",
+    "vocab_keys",
+]
+
+FORMAT = "workbench-mcore-v1"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+METADATA_FILE = "workbench.json"
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+
+#: checkpoint keys whose first dimension is the (padded) vocabulary
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be found, read or matched to a model; the message names the path and the fix."""
+
+
+def vocab_keys() -> tuple[str, ...]:
+    return _VOCAB_KEYS
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{int(iteration):07d}"
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _is_complete(d: Path) -> bool:
+    meta = d / METADATA_FILE
+    if not meta.is_file():
+        return False
+    try:
+        data = json.loads(meta.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool(data.get("complete")) and data.get("format") == FORMAT
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete ``iter_XXXXXXX`` directories under ``root``, oldest first (partial saves are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _ITER_RE.match(d.name)
+        if m and d.is_dir() and _is_complete(d):
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found)]
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """Resolve a checkpoint ROOT or an ``iter_XXXXXXX`` dir to a complete iteration directory.
+
+    From a root: the iteration named by ``latest_checkpointed_iteration.txt`` if complete,
+    else the newest complete ``iter_*`` (an interrupted save never wins).
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint path {p} does not exist -> check the path (a checkpoint root or an iter_XXXXXXX directory)")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint path {p} is a file, not a directory -> pass the checkpoint root or an iter_XXXXXXX directory")
+    if (p / METADATA_FILE).exists() or _ITER_RE.match(p.name) or ".tmp-" in p.name:
+        if _is_complete(p):
+            return p
+        raise CheckpointError(
+            f"{p} is not a complete workbench checkpoint ({METADATA_FILE} missing or not marked complete: "
+            "the save was interrupted or this is not a workbench checkpoint) -> use an earlier iteration, "
+            "or import foreign checkpoints with `workbench convert`")
+    tracker = p / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text.isdigit():
+            d = p / iter_dir_name(int(text))
+            if _is_complete(d):
+                return d
+    complete = list_checkpoints(p)
+    if complete:
+        return complete[-1]
+    partial = sorted(x.name for x in p.iterdir() if x.name.startswith("iter_"))
+    legacy = any(x.name.startswith("mp_rank_") for x in p.iterdir()) or any(
+        x.is_dir() and any(y.name.startswith("mp_rank_") for y in x.iterdir()) for x in p.iterdir() if x.is_dir())
+    hint = ("this looks like a legacy Megatron-LM checkpoint -> import it with `workbench convert legacy`" if legacy
+            else "train with a save_dir, or convert a model with `workbench convert hf-to-megatron`")
+    raise CheckpointError(
+        f"no complete checkpoint under {p}" + (f" (incomplete: {', '.join(partial)})" if partial else "") + f" -> {hint}")
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The ``workbench.json`` of the checkpoint at ``path`` (root or iter dir), plus ``path``."""
+    d = find_checkpoint(path)
+    data = json.loads((d / METADATA_FILE).read_text())
+    data["path"] = str(d)
+    return data
+
+
+def checkpoint_tensor_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Global shape and dtype of every tensor stored in a checkpoint (reads metadata only)."""
+    from megatron.core import dist_checkpointing
+
+    d = find_checkpoint(path)
+    md = dist_checkpointing.load_tensors_metadata(str(d))
+    return {k: (tuple(v.global_shape), str(v.dtype).replace("torch.", "")) for k, v in md.items()}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _chunks(model_chunks: Any) -> list:
+    if isinstance(model_chunks, (list, tuple)):
+        return list(model_chunks)
+    return [model_chunks]
+
+
+def _unwrap(m: Any) -> Any:
+    # DDP / Float16Module wrappers expose the GPTModel as .module
+    while hasattr(m, "module") and not hasattr(m, "sharded_state_dict"):
+        m = m.module
+    return m
+
+
+def _model_keys(n: int) -> list[str]:
+    return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
+
+
+def _model_sharded_sd(chunks: Sequence[Any]) -> dict[str, Any]:
+    return {key: _unwrap(c).sharded_state_dict() for key, c in zip(_model_keys(len(chunks)), chunks)}
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_obj(obj: Any) -> Any:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def _require_dist(what: str) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError(
+            f"{what} needs torch.distributed to be initialised (mcore dist checkpointing is collective) -> "
+            "call workbench.backend.distributed.initialize(cfg) first, or use "
+            "workbench.conversion.single_process_group() for a one-process CPU group")
+
+
+@contextlib.contextmanager
+def _cpu_save_compat():
+    """Make mcore's sync torch_dist save work without CUDA, only for the duration of the save."""
+    import queue
+
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    saved = (torch.cuda.synchronize, torch.cuda.current_device, fsa._results_queue)
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"  # used as a tensor device for a failure-flag broadcast
+    if fsa._results_queue is None:
+        fsa._results_queue = queue.Queue()  # the sync writer runs in-process: no spawn Manager needed
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device, fsa._results_queue = saved
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    _fsync_write(tmp, text)
+    os.replace(tmp, path)
+
+
+def _jsonable(x: Any) -> Any:
+    try:
+        json.dumps(x)
+        return x
+    except (TypeError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    root: str | Path,
+    iteration: int,
+    model_chunks: Any,
+    cfg: Any,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+    tokenizer: Any = None,
+) -> Path:
+    """Collectively save ``model_chunks`` (one GPTModel or the list of VPP chunks) to ``root/iter_XXXXXXX``.
+
+    Every rank of the job calls this.  ``optimizer`` is an mcore optimizer (its
+    ``sharded_state_dict`` is stored next to the model's); ``scheduler`` anything with
+    ``state_dict()``; ``extra`` rank-common state (data position, RNG seeds...) that must
+    survive ``torch.load(weights_only=True)`` (tensors, numbers, strings, containers);
+    ``tokenizer`` a JSON-able spec (e.g. a tokenizer dir or name) for exporters and generation.
+    Returns the final iteration directory.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    _require_dist("save_checkpoint")
+    root = Path(root)
+    chunks = _chunks(model_chunks)
+    final = root / iter_dir_name(iteration)
+
+    tmp = None
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f"{final.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    tmp = Path(_broadcast_obj(str(tmp) if tmp else None))
+
+    sharded = _model_sharded_sd(chunks)
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded)
+    if scheduler is not None:
+        sharded["scheduler"] = scheduler.state_dict()
+    sharded["workbench_extra"] = dict(extra or {})
+    sharded["iteration"] = int(iteration)
+
+    with _cpu_save_compat():
+        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=TorchDistSaveShardedStrategy())
+    _barrier()
+
+    if _rank() == 0:
+        cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+        meta = {
+            "format": FORMAT,
+            "iteration": int(iteration),
+            "config": cfg_dict,
+            "tokenizer": tokenizer,
+            "has_optimizer": optimizer is not None,
+            "has_scheduler": scheduler is not None,
+            "num_model_chunks": len(chunks),
+            "extra": _jsonable(dict(extra or {})),
+            "complete": True,
+        }
+        _fsync_write(tmp / METADATA_FILE, json.dumps(meta, indent=2))
+        old = None
+        if final.exists():  # re-saving the same iteration: keep the old one until the new one is in place
+            old = final.with_name(f"{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        _atomic_write(root / TRACKER_FILE, str(int(iteration)))
+    _barrier()
+    return final
+
+
+# --------------------------------------------------------------------------- load
+
+
+_ARCH_FIELDS = (
+    ("num_layers", "num_layers"),
+    ("hidden_size", "hidden_size"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("num_query_groups", "num_query_groups"),
+    ("ffn_hidden_size", "ffn_hidden_size"),
+    ("kv_channels", "kv_channels"),
+)
+
+
+def _check_config(ckpt: Path, meta: dict, chunks: Sequence[Any]) -> None:
+    """Name the first architectural field that differs between checkpoint and model."""
+    ccfg = (meta.get("config") or {}).get("model") or {}
+    if not ccfg:
+        return
+    try:
+        from workbench.config import RunConfig
+
+        cm = RunConfig.from_dict(meta["config"]).model
+    except Exception:  # an old/foreign config: the tensor-shape check below still applies
+        return
+    tc = getattr(_unwrap(chunks[0]), "config", None)
+    if tc is None:
+        return
+    want = {
+        "num_layers": cm.num_layers,
+        "hidden_size": cm.hidden_size,
+        "num_attention_heads": cm.num_attention_heads,
+        "num_query_groups": cm.query_groups,
+        "ffn_hidden_size": cm.ffn_size,
+        "kv_channels": cm.head_dim,
+    }
+    diffs = []
+    for name, ckey in _ARCH_FIELDS:
+        have = getattr(tc, ckey, None)
+        if have is not None and want[name] is not None and int(have) != int(want[name]):
+            diffs.append(f"model.{name}: checkpoint {want[name]}, model {have}")
+    if bool(getattr(tc, "gated_linear_unit", False)) != (cm.activation == "swiglu"):
+        diffs.append(f"model.activation: checkpoint {cm.activation}, model {'swiglu' if getattr(tc, 'gated_linear_unit', False) else 'gelu'}")
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {ckpt} does not fit the model being loaded ({'; '.join(diffs)}) -> "
+            "build the model from the checkpoint's config (workbench.json 'config'), or point load_dir at a matching checkpoint")
+
+
+def _retarget_vocab_entries(sharded: dict, ckpt_shapes: dict, ckpt: Path) -> list[tuple[Any, Any]]:
+    """Replace vocab-dim ShardedTensors whose padded size differs from the checkpoint's.
+
+    Each such entry is swapped for a request of the *whole* stored tensor (main replica
+    on rank 0 only, so integrity checks hold); after loading, :func:`_copy_vocab_rows`
+    copies the rows that exist into the local shard and zeroes new pad rows.
+    Returns (original ShardedTensor, full-tensor ShardedTensor) pairs.
+    """
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    pairs: list[tuple[Any, Any]] = []
+    rank = _rank()
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, ShardedTensor) and x.key in _VOCAB_KEYS and x.key in ckpt_shapes:
+            stored = ckpt_shapes[x.key][0]
+            if tuple(x.global_shape) != tuple(stored):
+                if tuple(x.global_shape[1:]) != tuple(stored[1:]) or x.flattened_range is not None:
+                    raise CheckpointError(
+                        f"checkpoint {ckpt}: tensor {x.key} has shape {tuple(stored)}, the model wants {tuple(x.global_shape)} -> "
+                        "hidden sizes differ: load a checkpoint of the same architecture")
+                full = torch.empty(stored, dtype=x.data.dtype, device=x.data.device)
+                req = ShardedTensor.from_rank_offsets(x.key, full, replica_id=rank)
+                pairs.append((x, req))
+                return req
+        return x
+
+    dict_list_map_inplace(visit, sharded)
+    return pairs
+
+
+def _copy_vocab_rows(pairs: list[tuple[Any, Any]]) -> None:
+    import torch
+
+    with torch.no_grad():
+        for orig, req in pairs:
+            local = orig.data
+            start = orig.global_offset[0]
+            n = local.shape[0]
+            stored = req.data.to(local.dtype)
+            take = max(0, min(n, stored.shape[0] - start))
+            local.zero_()
+            if take:
+                local[:take].copy_(stored[start:start + take])
+
+
+def _check_shapes(sharded: dict, ckpt_shapes: dict, ckpt: Path) -> None:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    problems = []
+    for x in nested_values(sharded):
+        if isinstance(x, ShardedTensor) and x.key in ckpt_shapes and x.key not in _VOCAB_KEYS:
+            stored = ckpt_shapes[x.key][0]
+            if tuple(stored) != tuple(x.global_shape):
+                problems.append(f"{x.key}: checkpoint {tuple(stored)}, model {tuple(x.global_shape)}")
+    missing = sorted({x.key for x in nested_values(sharded) if isinstance(x, ShardedTensor)} - set(ckpt_shapes))
+    missing = [k for k in missing if not k.startswith("optimizer")]
+    if missing:
+        problems.append(f"missing from the checkpoint: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {ckpt} does not fit the model being loaded:\n  " + "\n  ".join(problems[:10]) +
+            "\n-> build the model from the checkpoint's config (workbench.json 'config'), or use a matching checkpoint")
+
+
+def load_checkpoint(
+    path: str | Path,
+    model_chunks: Any,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    load_optimizer: bool = True,
+) -> dict[str, Any]:
+    """Collectively load a checkpoint (root or iter dir) into ``model_chunks``, at any TP/PP/VPP.
+
+    Optimizer state is loaded when ``optimizer`` is given, ``load_optimizer`` is true and the
+    checkpoint has it (fine-tuning passes ``load_optimizer=False``).  Returns the metadata dict
+    (``iteration``, ``config``, ``tokenizer``, ``extra`` - with tensors restored -, ``path``).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    _require_dist("load_checkpoint")
+    ckpt = find_checkpoint(path)
+    meta = read_metadata(ckpt)
+    chunks = _chunks(model_chunks)
+    _check_config(ckpt, meta, chunks)
+    ckpt_shapes = checkpoint_tensor_shapes(ckpt)
+
+    sharded = _model_sharded_sd(chunks)
+    _check_shapes(sharded, ckpt_shapes, ckpt)
+    pairs = _retarget_vocab_entries(sharded, ckpt_shapes, ckpt)
+    want_optim = optimizer is not None and load_optimizer
+    if want_optim and not meta.get("has_optimizer"):
+        raise CheckpointError(f"checkpoint {ckpt} holds no optimizer state -> load with load_optimizer=False (finetune)")
+    if want_optim:
+        if pairs:
+            raise CheckpointError(
+                f"checkpoint {ckpt} was saved with a different vocab padding (tensor parallel size changed); "
+                "optimizer state cannot be re-padded -> load with load_optimizer=False (finetune), "
+                "or resume at the original tensor_parallel")
+        sharded["optimizer"] = optimizer.sharded_state_dict(_model_sharded_sd(chunks), is_loading=True)
+
+    loaded = dist_checkpointing.load(sharded, str(ckpt), sharded_strategy=TorchDistLoadShardedStrategy(),
+                                     validate_access_integrity=not pairs)
+    _copy_vocab_rows(pairs)
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        state = loaded[key]
+        if pairs:  # these entries were loaded as whole stored tensors; the local shards were filled in place
+            own = _unwrap(chunk).state_dict(keep_vars=False)
+            for k in list(state):
+                if k in own and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape):
+                    state[k] = own[k]
+        _unwrap(chunk).load_state_dict(state, strict=True)
+    if want_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and "scheduler" in loaded and load_optimizer:
+        scheduler.load_state_dict(loaded["scheduler"])
+    meta["extra"] = loaded.get("workbench_extra", meta.get("extra") or {})
+    meta["iteration"] = int(loaded.get("iteration", meta.get("iteration", 0)))
+    meta["path"] = str(ckpt)
+    _barrier()
+    return meta
