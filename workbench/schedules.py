@@ -1,0 +1,696 @@
+"""Pipeline-parallel schedules: megatron-core's exact operation order, simulated.
+
+Three schedules, each reproducing the order in which megatron-core 0.19 runs forward (F)
+and backward (B) micro-batch passes on every pipeline rank:
+
+- ``gpipe``: all forwards, then all backwards (micro-batches first-in first-out, like
+  mcore's activation queues).  mcore does not ship it; it is here for comparison.
+- ``1f1b`` (PipeDream-Flush): ``forward_backward_pipelining_without_interleaving``.
+  Rank ``r`` runs ``w = min(p - r - 1, m)`` warm-up forwards, then ``m - w`` steady
+  (F, B) pairs, then ``w`` cool-down backwards.
+- ``interleaved``: ``forward_backward_pipelining_with_interleaving`` with ``v`` model
+  chunks per rank.  The (micro-batch, chunk) order comes from mcore's
+  ``get_schedule_table`` (groups of ``g = microbatch_group_size_per_vp_stage``
+  micro-batches, default ``g = p``, each run through chunk 0, then chunk 1, ...);
+  backwards walk the same table with chunks reversed (``get_model_chunk_id``).  Warm-up
+  is ``2 (p - r - 1) + (v - 1) g`` forwards (capped at ``m v``).  mcore refuses
+  ``g`` outside ``[p, m]`` and a last group of ``0 < m mod g < p`` micro-batches, so with
+  the default ``g = p`` the number of micro-batches must be a multiple of ``p``.
+
+The simulator is event driven: each rank runs its ops strictly in that order, one at a
+time; an op starts when the rank is free and its input exists (F of micro-batch i at
+virtual stage ``c p + r`` needs F of i at the previous virtual stage, B needs B of the
+next virtual stage and its own F), plus an optional send/recv latency across ranks.  It
+does not model mcore's blocking send/recv pairing beyond that latency.
+
+Bubble fraction is defined as idle time / compute time (``(step - busy) / busy``), the
+definition under which the textbook closed forms are exact for uniform stage times:
+``(p - 1) / m`` for GPipe and 1F1B, ``(p - 1) / (v m)`` for interleaved 1F1B.
+
+Durations are given per pipeline *stage* (all layers a rank holds): a chunk of an
+interleaved schedule takes ``1 / v`` of its stage's time, so schedules of one model are
+comparable.  Per-virtual-stage lists (length ``p v``) are taken literally as chunk times.
+
+Pure Python: no torch, no megatron-core, no matplotlib (plots live in
+``workbench.plots.schedule``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal, Sequence
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleError",
+    "Op",
+    "Timeline",
+    "resolve_schedule",
+    "check_schedule",
+    "schedule_table",
+    "warmup_microbatches",
+    "operation_order",
+    "simulate",
+    "inflight_microbatches",
+    "inflight_chunks",
+    "closed_form_bubble_fraction",
+    "MeasuredStep",
+    "load_measured",
+    "measured_report",
+    "add_cli",
+]
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+
+
+class ScheduleError(ValueError):
+    """A (schedule, p, m, v) that megatron-core would refuse, or malformed durations/events."""
+
+
+# --------------------------------------------------------------------------- order
+
+
+def resolve_schedule(schedule: str | None, v: int = 1) -> str:
+    """``None``/``"auto"`` -> interleaved when ``v > 1`` else 1f1b; names are case-insensitive."""
+    if schedule in (None, "", "auto"):
+        return "interleaved" if v > 1 else "1f1b"
+    s = str(schedule).lower().replace("-", "").replace("_", "")
+    aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "pipedream": "1f1b", "pipedreamflush": "1f1b",
+               "interleaved": "interleaved", "interleaved1f1b": "interleaved", "vpp": "interleaved"}
+    if s not in aliases:
+        raise ScheduleError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    return aliases[s]
+
+
+def check_schedule(schedule: str, p: int, m: int, v: int = 1, microbatch_group_size: int | None = None) -> None:
+    """Raise :class:`ScheduleError` naming the rule and the fix when mcore would refuse the layout."""
+    schedule = resolve_schedule(schedule, v)
+    for name, val in (("p (pipeline_parallel)", p), ("m (micro-batches)", m), ("v (virtual_pipeline_parallel)", v)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {val!r}")
+    if schedule != "interleaved":
+        if v != 1:
+            raise ScheduleError(f"schedule {schedule!r} runs one model chunk per rank (v=1), got v={v}: "
+                                "use --schedule interleaved or v=1")
+        return
+    if p < 2:
+        raise ScheduleError("interleaved 1F1B needs p >= 2 (mcore runs p=1 without pipelining): raise p or use 1f1b")
+    g = p if microbatch_group_size is None else microbatch_group_size
+    if g > m or g < p:
+        raise ScheduleError(f"interleaved 1F1B needs microbatch_group_size_per_vp_stage in [p={p}, m={m}], got {g}: "
+                            f"use at least {max(p, g)} micro-batches" + ("" if g >= p else f" or a group size >= {p}"))
+    rest = m % g
+    if 0 < rest < p:
+        raise ScheduleError(f"interleaved 1F1B: m={m} leaves a last group of {rest} micro-batches (m mod {g}), "
+                            f"fewer than p={p}; mcore refuses this: use m a multiple of {g}"
+                            + (" (with the default group size, a multiple of p)" if microbatch_group_size is None else ""))
+
+
+def schedule_table(m: int, v: int, g: int) -> list[tuple[int, int]]:
+    """mcore's ``get_schedule_table``: (micro-batch, chunk) per virtual micro-batch id."""
+    table: list[tuple[int, int]] = []
+    for lo in range(0, m, g):
+        hi = m if lo + g >= m else lo + g
+        table.extend((mb, c) for c in range(v) for mb in range(lo, hi))
+    return table
+
+
+def warmup_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0,
+                        microbatch_group_size: int | None = None) -> int:
+    """Forward passes (chunk passes for interleaved) a rank runs before its first backward."""
+    schedule = resolve_schedule(schedule, v)
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p - rank - 1, m)
+    g = p if microbatch_group_size is None else microbatch_group_size
+    return min(2 * (p - rank - 1) + (v - 1) * g, m * v)
+
+
+def operation_order(schedule: str, p: int, m: int, v: int = 1, rank: int = 0,
+                    microbatch_group_size: int | None = None) -> list[tuple[str, int, int]]:
+    """The (kind, micro-batch, chunk) sequence rank ``rank`` executes, in mcore's order."""
+    schedule = resolve_schedule(schedule, v)
+    check_schedule(schedule, p, m, v, microbatch_group_size)
+    if not 0 <= rank < p:
+        raise ScheduleError(f"rank must be in [0, {p}), got {rank}")
+    if schedule == "gpipe":
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+    if schedule == "1f1b":
+        w = warmup_microbatches("1f1b", p, m, 1, rank)
+        ops = [("F", i, 0) for i in range(w)]
+        for i in range(m - w):
+            ops += [("F", w + i, 0), ("B", i, 0)]
+        ops += [("B", i, 0) for i in range(m - w, m)]
+        return ops
+    g = p if microbatch_group_size is None else microbatch_group_size
+    table = schedule_table(m, v, g)
+    total = m * v
+    w = warmup_microbatches("interleaved", p, m, v, rank, g)
+
+    def fwd(k: int) -> tuple[str, int, int]:
+        mb, c = table[k]
+        return ("F", mb, c)
+
+    def bwd(k: int) -> tuple[str, int, int]:
+        mb, c = table[k]
+        return ("B", mb, v - 1 - c)
+
+    ops = [fwd(k) for k in range(w)]
+    for k in range(total - w):
+        ops += [fwd(k + w), bwd(k)]
+    ops += [bwd(k) for k in range(total - w, total)]
+    return ops
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+@dataclass(frozen=True)
+class Op:
+    """One forward or backward pass of one micro-batch through one model chunk on one rank."""
+
+    rank: int
+    kind: str  # "F" | "B"
+    microbatch: int
+    chunk: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "microbatch": self.microbatch, "chunk": self.chunk,
+                "start": self.start, "end": self.end}
+
+
+def _inflight_peak(ops: Iterable[tuple[str, int, int]]) -> int:
+    live = peak = 0
+    for kind, _, _ in ops:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@dataclass
+class Timeline:
+    """A simulated (or measured) step: per-rank ordered ops with start/end times, and its metrics."""
+
+    schedule: str
+    p: int
+    m: int
+    v: int
+    ops: list[list[Op]]  # ops[rank] in execution order
+    forward: list[float] = field(default_factory=list)  # per virtual stage (c * p + r), one chunk
+    backward: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    microbatch_group_size: int | None = None
+    unit: str = "units"  # "units" for simulated abstract time, "ms" for measured
+
+    # -- metrics
+    @property
+    def step_time(self) -> float:
+        """From 0 (step start) to the last op's end on any rank."""
+        return max((ops[-1].end for ops in self.ops if ops), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        return sum(o.duration for o in self.ops[rank])
+
+    def bubble(self, rank: int) -> float:
+        """Idle time of ``rank`` within the step (including waiting for the slowest rank to finish)."""
+        return self.step_time - self.busy(rank)
+
+    def bubble_fraction(self, rank: int | None = None) -> float:
+        """Idle / compute, per rank, or over all ranks (sum idle / sum compute) when ``rank`` is None."""
+        if rank is not None:
+            b = self.busy(rank)
+            return self.bubble(rank) / b if b > 0 else 0.0
+        busy = sum(self.busy(r) for r in range(self.p))
+        return (self.p * self.step_time - busy) / busy if busy > 0 else 0.0
+
+    def peak_inflight(self, rank: int) -> int:
+        """Most (micro-batch, chunk) activations held at once (forwards not yet backwarded)."""
+        return _inflight_peak((o.kind, o.microbatch, o.chunk) for o in self.ops[rank])
+
+    def idle_gaps(self, rank: int) -> list[tuple[float, float]]:
+        """(start, end) of each idle interval of ``rank`` within [0, step_time]."""
+        gaps, t = [], 0.0
+        for o in self.ops[rank]:
+            if o.start > t + 1e-12:
+                gaps.append((t, o.start))
+            t = max(t, o.end)
+        if self.step_time > t + 1e-12:
+            gaps.append((t, self.step_time))
+        return gaps
+
+    def metrics(self) -> dict[str, Any]:
+        per_rank = [{
+            "rank": r,
+            "busy": self.busy(r),
+            "bubble": self.bubble(r),
+            "bubble_fraction": self.bubble_fraction(r),
+            "peak_inflight_chunks": self.peak_inflight(r),
+            "peak_inflight_microbatches": self.peak_inflight(r) / self.v,
+            "warmup": warmup_microbatches(self.schedule, self.p, self.m, self.v, r, self.microbatch_group_size),
+            "forwards_before_first_backward": _warmup_of(self.ops[r]),
+        } for r in range(self.p)]
+        out = {
+            "step_time": self.step_time,
+            "bubble_fraction": self.bubble_fraction(),
+            "bubble_time": self.p * self.step_time - sum(x["busy"] for x in per_rank),
+            "per_rank": per_rank,
+        }
+        if self.schedule in SCHEDULES:
+            out["closed_form_bubble_fraction"] = closed_form_bubble_fraction(self.schedule, self.p, self.m, self.v)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule, "p": self.p, "m": self.m, "v": self.v,
+            "microbatch_group_size": self.microbatch_group_size,
+            "latency": self.latency, "unit": self.unit,
+            "forward": list(self.forward), "backward": list(self.backward),
+            "metrics": self.metrics(),
+            "ranks": [{"rank": r, "ops": [o.to_dict() for o in self.ops[r]]} for r in range(self.p)],
+        }
+
+    def __repr__(self) -> str:
+        return (f"Timeline({self.schedule}, p={self.p}, m={self.m}, v={self.v}, step={self.step_time:.4g} {self.unit}, "
+                f"bubble={self.bubble_fraction():.3f})")
+
+
+def _warmup_of(ops: Sequence[Op]) -> int:
+    n = 0
+    for o in ops:
+        if o.kind == "B":
+            break
+        n += 1
+    return n
+
+
+def _per_virtual_stage(value: float | Sequence[float], p: int, v: int, name: str) -> list[float]:
+    """Normalise a duration spec to one chunk time per virtual stage (index c * p + r)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        vals = [float(value) / v] * (p * v)
+    else:
+        seq = [float(x) for x in value]
+        if len(seq) == p:
+            vals = [seq[vs % p] / v for vs in range(p * v)]
+        elif len(seq) == p * v:
+            vals = list(seq)
+        else:
+            raise ScheduleError(f"{name}: expected one number, {p} per-stage values or {p * v} per-virtual-stage "
+                                f"values, got {len(seq)}")
+    if any(x < 0 for x in vals) or any(x != x for x in vals):
+        raise ScheduleError(f"{name}: durations must be non-negative numbers")
+    return vals
+
+
+def simulate(schedule: str | None, p: int, m: int, v: int = 1, *,
+             forward: float | Sequence[float] = 1.0, backward: float | Sequence[float] = 2.0,
+             latency: float = 0.0, microbatch_group_size: int | None = None, unit: str = "units") -> Timeline:
+    """Event-driven timeline of one training step.
+
+    ``forward``/``backward``: one number (every stage), ``p`` per-stage numbers (time of the
+    rank's whole stage; an interleaved chunk takes 1/v of it) or ``p*v`` per-virtual-stage
+    chunk times.  The default backward = 2 x forward is the usual transformer ratio.
+    ``latency``: added between an op and a dependent op on another rank (send/recv).
+    """
+    schedule = resolve_schedule(schedule, v)
+    check_schedule(schedule, p, m, v, microbatch_group_size)
+    if latency < 0:
+        raise ScheduleError("latency must be >= 0")
+    fw = _per_virtual_stage(forward, p, v, "forward")
+    bw = _per_virtual_stage(backward, p, v, "backward")
+    nvs = p * v
+    orders = [operation_order(schedule, p, m, v, r, microbatch_group_size) for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
+    pos = [0] * p
+    free = [0.0] * p
+    result: list[list[Op]] = [[] for _ in range(p)]
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                kind, mb, c = orders[r][pos[r]]
+                vs = c * p + r
+                deps: list[tuple[tuple[str, int, int], bool]] = []  # (key, crosses ranks)
+                if kind == "F":
+                    if vs > 0:
+                        deps.append((("F", mb, vs - 1), True))
+                else:
+                    deps.append((("F", mb, vs), False))
+                    if vs < nvs - 1:
+                        deps.append((("B", mb, vs + 1), True))
+                if any(k not in done for k, _ in deps):
+                    break
+                ready = max([free[r]] + [done[k] + (latency if cross and p > 1 else 0.0) for k, cross in deps])
+                dur = fw[vs] if kind == "F" else bw[vs]
+                op = Op(r, kind, mb, c, ready, ready + dur)
+                result[r].append(op)
+                done[(kind, mb, vs)] = op.end
+                free[r] = op.end
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for mcore's orders; guards custom ones
+            stuck = {r: orders[r][pos[r]] for r in range(p) if pos[r] < len(orders[r])}
+            raise ScheduleError(f"schedule deadlocks: next ops {stuck} wait on each other")
+    return Timeline(schedule, p, m, v, result, fw, bw, latency, microbatch_group_size, unit)
+
+
+# --------------------------------------------------------------------------- closed forms (planner API)
+
+
+def closed_form_bubble_fraction(schedule: str | None, p: int, m: int, v: int = 1) -> float:
+    """Textbook bubble / compute for uniform stage times: (p-1)/m, or (p-1)/(v m) interleaved."""
+    schedule = resolve_schedule(schedule, v)
+    return (p - 1) / (m * (v if schedule == "interleaved" else 1))
+
+
+def inflight_chunks(schedule: str | None, p: int, m: int, v: int = 1, rank: int = 0,
+                    microbatch_group_size: int | None = None) -> int:
+    """Peak number of (micro-batch, chunk) forward activations rank ``rank`` holds at once.
+
+    O(1): warm-up forwards plus the one steady-state forward that precedes each backward.
+    """
+    schedule = resolve_schedule(schedule, v)
+    check_schedule(schedule, p, m, v, microbatch_group_size)
+    total = m * (v if schedule == "interleaved" else 1)
+    w = warmup_microbatches(schedule, p, m, v, rank, microbatch_group_size)
+    return total if w >= total else w + 1
+
+
+def inflight_microbatches(schedule: str | None, p: int, m: int, v: int = 1, rank: int = 0,
+                          microbatch_group_size: int | None = None) -> float:
+    """Activation-memory factor: peak micro-batches of this rank's *whole stage* held at once.
+
+    Multiply by one micro-batch's activation memory for all the rank's layers to get the
+    pipeline's activation footprint.  1F1B: ``min(p - rank, m)``; GPipe: ``m``;
+    interleaved: peak chunk activations / v (a chunk holds 1/v of the rank's layers), e.g.
+    ``p + (p - 1) / v`` on rank 0 when m is large.  Cheap (no simulation); raises
+    :class:`ScheduleError` for layouts mcore refuses.
+    """
+    schedule = resolve_schedule(schedule, v)
+    n = inflight_chunks(schedule, p, m, v, rank, microbatch_group_size)
+    return n / v if schedule == "interleaved" else float(n)
+
+
+# --------------------------------------------------------------------------- measured runs
+
+
+@dataclass
+class MeasuredStep:
+    """One step's measured per-micro-batch timings: a Timeline in ms, plus where it came from."""
+
+    run_dir: str
+    iteration: int
+    timeline: Timeline  # unit "ms"; ops[pp_rank]
+    global_ranks: list[int]  # global rank whose events represent each pipeline rank
+    device: str | None = None
+
+
+def _run_layout(run_dir: Path, events: list[dict]) -> tuple[int, int, str | None]:
+    """(p, v, schedule) from config.json, else from the events themselves."""
+    p = v = None
+    cfg_path = run_dir / "config.json"
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+            par = cfg.get("parallel", {})
+            p = int(par.get("pipeline_parallel") or 1)
+            v = int(par.get("virtual_pipeline_parallel") or 1)
+        except (ValueError, TypeError, json.JSONDecodeError) as e:
+            raise ScheduleError(f"{cfg_path}: cannot read the pipeline layout ({e})") from e
+    if p is None:
+        for ev in events:
+            if ev.get("event") == "run_start":
+                cfg = ev.get("config") or {}
+                par = cfg.get("parallel", {}) if isinstance(cfg, dict) else {}
+                if par:
+                    p = int(par.get("pipeline_parallel") or 1)
+                    v = int(par.get("virtual_pipeline_parallel") or 1)
+                    break
+    if p is None:
+        ranks = {ev.get("rank") for ev in events if ev.get("event") == "microbatch"}
+        p = len(ranks)
+        v = 1 + max((op.get("chunk", 0) for ev in events if ev.get("event") == "microbatch" for op in ev.get("ops", [])),
+                    default=0)
+    return p, v or 1, None
+
+
+def _pp_rank_map(events: list[dict], p: int) -> dict[int, int]:
+    """global rank -> pipeline rank, one representative (tp=0, dp=0 preferred) per stage."""
+    coords: dict[int, dict] = {}
+    for ev in events:
+        if ev.get("event") == "run_start" and isinstance(ev.get("coords"), dict):
+            coords[int(ev["rank"])] = ev["coords"]
+    ranks = sorted({int(ev["rank"]) for ev in events if ev.get("event") == "microbatch"})
+    chosen: dict[int, tuple[tuple[int, int], int]] = {}
+    for g in ranks:
+        c = coords.get(g)
+        if c is not None and "pp" in c:
+            pp = int(c["pp"])
+            key = (int(c.get("tp", 0) or 0), int(c.get("dp", 0) or 0))
+        elif len(ranks) == p:
+            pp, key = ranks.index(g), (0, 0)
+        else:
+            continue
+        if pp not in chosen or key < chosen[pp][0]:
+            chosen[pp] = (key, g)
+    return {g: pp for pp, (_, g) in chosen.items()}
+
+
+def load_measured(run_dir: str | Path, iteration: int | None = None) -> MeasuredStep:
+    """Read one step's ``microbatch`` events (default: the latest step every pipeline rank recorded)."""
+    from workbench.events import read_events
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "events").is_dir():
+        raise ScheduleError(f"{run_dir}: no events/ directory; pass a run directory written by the backend")
+    events = read_events(run_dir)
+    p, v, _ = _run_layout(run_dir, events)
+    mb_events = [e for e in events if e.get("event") == "microbatch"]
+    if not mb_events:
+        raise ScheduleError(f"{run_dir}: no 'microbatch' events; run with train.microbatch_timing_interval > 0")
+    rank_map = _pp_rank_map(events, p)
+    by_iter: dict[int, dict[int, dict]] = {}
+    for e in mb_events:
+        g = int(e["rank"])
+        if g in rank_map:
+            by_iter.setdefault(int(e["iteration"]), {})[rank_map[g]] = e
+    complete = sorted(it for it, per in by_iter.items() if len(per) == p)
+    if iteration is None:
+        if not complete:
+            raise ScheduleError(f"{run_dir}: no iteration has micro-batch timings from all {p} pipeline ranks "
+                                f"(iterations seen: {sorted(by_iter)})")
+        iteration = complete[-1]
+    elif iteration not in by_iter or len(by_iter[iteration]) != p:
+        raise ScheduleError(f"{run_dir}: iteration {iteration} lacks micro-batch timings from every pipeline rank; "
+                            f"complete iterations: {complete}")
+    ops: list[list[Op]] = []
+    m = 0
+    for pp in range(p):
+        raw = by_iter[iteration][pp].get("ops") or []
+        try:
+            rank_ops = [Op(pp, str(o["kind"]), int(o["microbatch"]), int(o.get("chunk", 0) or 0),
+                           float(o["start_ms"]), float(o["end_ms"])) for o in raw]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ScheduleError(f"{run_dir}: malformed microbatch op on pipeline rank {pp} ({e}); "
+                                "each op needs kind, microbatch, chunk, start_ms, end_ms") from e
+        rank_ops.sort(key=lambda o: (o.start, o.end))
+        ops.append(rank_ops)
+        m = max([m] + [o.microbatch + 1 for o in rank_ops])
+    device = next((e.get("device") for e in events if e.get("event") == "run_start" and e.get("device")), None)
+    sched = "interleaved" if v > 1 else "1f1b"
+    tl = Timeline(sched, p, m, v, ops, unit="ms")
+    inv = {pp: g for g, pp in rank_map.items()}
+    return MeasuredStep(str(run_dir), iteration, tl, [inv[pp] for pp in range(p)], device)
+
+
+def _mean_durations(tl: Timeline) -> tuple[list[float], list[float]]:
+    """Mean measured F and B chunk time per virtual stage (c * p + r)."""
+    fw, bw = [], []
+    for kind, out in (("F", fw), ("B", bw)):
+        for vs in range(tl.p * tl.v):
+            c, r = divmod(vs, tl.p)
+            d = [o.duration for o in tl.ops[r] if o.kind == kind and o.chunk == c]
+            if not d:
+                raise ScheduleError(f"no measured {kind} ops for pipeline rank {r} chunk {c}")
+            out.append(statistics.fmean(d))
+    return fw, bw
+
+
+def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
+    """Ideal timeline from the measured mean durations, and a report of where the time went.
+
+    Per rank the measured step splits exactly into: compute (sum of op times);
+    ``wait_upstream`` (idle until the op's producer on the neighbouring rank had finished:
+    pipeline dependency, i.e. bubble); ``comm`` (idle after the producer finished: send/recv
+    and host overhead); ``host`` (idle before ops with no cross-rank input, e.g. the first
+    stage's forwards: data loading, launch); ``tail`` (idle after the rank's last op, waiting
+    for the others).  Ranks are aligned at their own step start (clocks are per rank).
+    Stragglers: ranks whose mean F+B chunk time exceeds the median rank's by > 10 %.
+    """
+    tl = measured.timeline
+    p, v = tl.p, tl.v
+    fw, bw = _mean_durations(tl)
+    ideal = simulate(tl.schedule, p, tl.m, v, forward=fw, backward=bw, unit="ms")
+    end_of: dict[tuple[str, int, int], float] = {}
+    for r in range(p):
+        for o in tl.ops[r]:
+            end_of[(o.kind, o.microbatch, o.chunk * p + r)] = o.end
+    step = tl.step_time
+    ranks = []
+    for r in range(p):
+        parts = {"compute": 0.0, "wait_upstream": 0.0, "comm": 0.0, "host": 0.0, "tail": 0.0}
+        t = 0.0
+        for o in tl.ops[r]:
+            vs = o.chunk * p + r
+            gap = max(o.start - t, 0.0)
+            if o.kind == "F":
+                producer = ("F", o.microbatch, vs - 1) if vs > 0 else None
+            else:
+                producer = ("B", o.microbatch, vs + 1) if vs < p * v - 1 else None
+            if producer is None or producer not in end_of:
+                parts["host"] += gap
+            else:
+                wait = min(max(end_of[producer] - t, 0.0), gap)
+                parts["wait_upstream"] += wait
+                parts["comm"] += gap - wait
+            parts["compute"] += o.duration
+            t = max(t, o.end)
+        parts["tail"] = max(step - t, 0.0)
+        ranks.append({
+            "pipeline_rank": r,
+            "global_rank": measured.global_ranks[r],
+            "measured_bubble_fraction": tl.bubble_fraction(r),
+            "ideal_bubble_fraction": ideal.bubble_fraction(r),
+            "mean_forward_ms": statistics.fmean([fw[c * p + r] for c in range(v)]),
+            "mean_backward_ms": statistics.fmean([bw[c * p + r] for c in range(v)]),
+            "time_ms": parts,
+        })
+    per_rank_work = [x["mean_forward_ms"] + x["mean_backward_ms"] for x in ranks]
+    med = statistics.median(per_rank_work)
+    stragglers = [x["pipeline_rank"] for x, w in zip(ranks, per_rank_work) if med > 0 and w > 1.1 * med]
+    tot = {k: sum(x["time_ms"][k] for x in ranks) for k in ranks[0]["time_ms"]}
+    idle = sum(v_ for k, v_ in tot.items() if k != "compute")
+    summary = [
+        f"{tl.schedule} p={p} v={v} m={tl.m}, iteration {measured.iteration}: measured step {step:.2f} ms vs ideal "
+        f"{ideal.step_time:.2f} ms; bubble {tl.bubble_fraction():.3f} measured vs {ideal.bubble_fraction():.3f} ideal "
+        f"(closed form {closed_form_bubble_fraction(tl.schedule, p, tl.m, v):.3f})."
+    ]
+    if idle > 0:
+        summary.append("Idle time: " + ", ".join(f"{k} {100 * tot[k] / idle:.0f}%" for k in ("wait_upstream", "comm", "host", "tail"))
+                       + " (wait_upstream = pipeline dependency, comm = send/recv + overhead after the input was ready).")
+    if stragglers:
+        summary.append("Stragglers (mean F+B > 1.1 x median rank): pipeline ranks " + ", ".join(map(str, stragglers)) + ".")
+    report = {
+        "run_dir": measured.run_dir,
+        "iteration": measured.iteration,
+        "device": measured.device,
+        "schedule": tl.schedule, "p": p, "v": v, "m": tl.m,
+        "measured_step_ms": step,
+        "ideal_step_ms": ideal.step_time,
+        "measured_bubble_fraction": tl.bubble_fraction(),
+        "ideal_bubble_fraction": ideal.bubble_fraction(),
+        "closed_form_bubble_fraction": closed_form_bubble_fraction(tl.schedule, p, tl.m, v),
+        "time_ms": tot,
+        "ranks": ranks,
+        "stragglers": stragglers,
+        "summary": " ".join(summary),
+    }
+    return ideal, report
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _floats(text: str) -> float | list[float]:
+    parts = [x for x in text.split(",") if x.strip()]
+    try:
+        vals = [float(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or comma-separated numbers, got {text!r}")
+    return vals[0] if len(vals) == 1 else vals
+
+
+def _text_chart(tl: Timeline, width: int = 100) -> str:
+    step = tl.step_time or 1.0
+    scale = min(width / step, 8.0 / min([x for x in tl.forward + tl.backward if x > 0] or [1.0]))
+    lines = []
+    for r in range(tl.p):
+        row = [" "] * (int(round(step * scale)) + 1)
+        for o in tl.ops[r]:
+            a, b = int(round(o.start * scale)), max(int(round(o.end * scale)), int(round(o.start * scale)) + 1)
+            fill = "-" if o.kind == "F" else "="
+            label = next((x for x in (f"{o.kind}{o.microbatch}" + (f"c{o.chunk}" if tl.v > 1 else ""),
+                                      f"{o.kind}{o.microbatch}") if len(x) <= b - a), o.kind)
+            cell = (label + fill * (b - a))[: b - a]
+            row[a:b] = list(cell)
+        lines.append(f"rank {r}: |" + "".join(row).rstrip() + "|")
+    return "\n".join(lines)
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    try:
+        v = args.vpp or 1
+        tl = simulate(args.schedule, args.pp, args.microbatches, v, forward=args.forward, backward=args.backward,
+                      latency=args.latency, microbatch_group_size=args.group_size)
+    except ScheduleError as e:
+        print(f"workbench schedule: {e}", file=sys.stderr)
+        return 2
+    if args.chart:
+        path = Path(args.chart)
+        if path.suffix.lower() not in (".png", ".svg", ".pdf"):
+            print(f"workbench schedule: --chart {path}: use a .png, .svg or .pdf file name", file=sys.stderr)
+            return 2
+        from workbench.plots.schedule import gantt
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig = gantt(tl)
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    if args.json:
+        d = tl.to_dict()
+        if args.chart:
+            d["chart"] = str(args.chart)
+        print(json.dumps(d, indent=2))
+        return 0
+    met = tl.metrics()
+    print(f"{tl.schedule}: p={tl.p} m={tl.m} v={tl.v}  step {met['step_time']:.4g}  "
+          f"bubble {met['bubble_fraction']:.4f} (closed form {met['closed_form_bubble_fraction']:.4f})")
+    for x in met["per_rank"]:
+        print(f"  rank {x['rank']}: warm-up {x['warmup']:>3}  busy {x['busy']:.4g}  idle {x['bubble']:.4g}  "
+              f"bubble {x['bubble_fraction']:.4f}  peak in flight {x['peak_inflight_microbatches']:.3g} micro-batches")
+    print(_text_chart(tl))
+    if args.chart:
+        print(f"wrote {args.chart}")
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("schedule", help="simulate a pipeline schedule (GPipe, 1F1B, interleaved 1F1B)",
+                              description="Per-rank operation order and timing of megatron-core's pipeline schedules, "
+                                          "with bubble and in-flight metrics.")
+    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size p")
+    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step m")
+    p.add_argument("--vpp", type=int, default=None, help="model chunks per rank v (interleaved)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="default: interleaved when --vpp > 1, else 1f1b")
+    p.add_argument("--forward", type=_floats, default=1.0, help="forward time per stage (one number or p comma-separated)")
+    p.add_argument("--backward", type=_floats, default=2.0, help="backward time per stage (default 2.0)")
+    p.add_argument("--latency", type=float, default=0.0, help="send/recv latency between ranks")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="interleaved: microbatch_group_size_per_vp_stage (default p)")
+    p.add_argument("--json", action="store_true", help="print per-rank ops and metrics as JSON")
+    p.add_argument("--chart", default=None, help="write a Gantt chart (.png/.svg/.pdf)")
+    p.set_defaults(func=_cmd_schedule)
