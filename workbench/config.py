@@ -157,6 +157,15 @@ class TrainConfig:
     microbatch_timing_interval: int = 5
     #: torch.compile the fused element-wise pieces of each layer (GPU only).
     compile_kernels: bool = True
+    #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
+    forward_step: str | None = None
+    loss_func: str | None = None
+    #: keyword arguments passed to the custom forward_step / loss_func.
+    hook_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: compute the loss from the last stage's logits and keep them for the loss hook / Python API.
+    return_logits: bool = False
+    #: peak dense TFLOP/s per GPU for MFU; None = look the device up in workbench.backend.metrics.
+    peak_tflops: float | None = None
 
 
 @dataclass
@@ -652,6 +661,23 @@ def validate(cfg: RunConfig) -> list[Problem]:
         add("train.eval_interval", "must be >= 0", "use 0 to disable evaluation")
     if t.microbatch_timing_interval < 0:
         add("train.microbatch_timing_interval", "must be >= 0", "use 0 to disable")
+    for hook in ("forward_step", "loss_func"):
+        path = getattr(t, hook)
+        if path is not None:
+            mod = path.split(":", 1)[0] if ":" in path else path.rpartition(".")[0]
+            if not mod or (":" in path and not path.split(":", 1)[1]):
+                add(f"train.{hook}", f"'{path}' is not a dotted path to a function", "write it as 'package.module:function'")
+            else:
+                import importlib.util
+
+                try:
+                    found = importlib.util.find_spec(mod) is not None
+                except (ImportError, ValueError):
+                    found = False
+                if not found:
+                    add(f"train.{hook}", f"module '{mod}' is not importable", "put the module on PYTHONPATH (e.g. next to the notebook) or fix the path")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        add("train.peak_tflops", "must be > 0", "use null to look the GPU up")
     if p.device == "cpu" and t.precision == "fp16":
         add("train.precision", "fp16 is not supported on CPU", "use bf16 or fp32 on device: cpu")
 
