@@ -1,0 +1,463 @@
+"""Fast paths for megatron-core when Transformer Engine and apex are absent (the usual case).
+
+Where stock megatron-core (local spec, no TE/apex) loses time against a compiled plain-PyTorch
+GPT, and what this module does about it -- every change keeps the training maths (same ops,
+same dtypes, no skipped work):
+
+1. **One compiled function per transformer layer** (:class:`CompiledTransformerLayer`, put in
+   the layer spec by :mod:`workbench.backend.model` when ``train.compile_kernels`` is on and the
+   device is CUDA).  Eagerly, a megatron layer is ~40 kernel launches with Python between each
+   (norm, linear, split, SDPA, bias-dropout-add, norm, linear, bias+GELU, linear, add) and
+   every element-wise op makes its own pass over HBM.  On the dense path (TP=1, no dropout,
+   no recompute, plain causal mask, learned/no positions) the layer's forward runs as one
+   ``torch.compile``'d free function of its parameters: norms fuse with the residual adds,
+   biases fuse into GEMM epilogues, GELU/SwiGLU fuse with their bias, and backward is one
+   compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
+   gradients flow to them through autograd as usual, so mcore DDP's grad hooks, buffers and
+   overlap are untouched.  All layers share one compiled graph (a free function guarded on
+   shapes, not one graph per module).  Any other case falls back to the stock forward.
+2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy
+   makes ~10 passes over the fp32 up-cast [tokens, vocab] logits and keeps an fp32 softmax
+   for backward.  With TP=1 the loss is ``F.cross_entropy(logits.float())`` compiled: the same
+   fp32 log-softmax maths (the reference's autocast runs cross-entropy in fp32 too) in one
+   fused pass, recomputed from the bf16 logits in backward.
+3. **Optimizer fast paths** (:func:`prepare_optimizer`): without apex, megatron falls back to
+   ``local_multi_tensor_l2_norm`` (a Python loop of ``torch.norm`` plus a host round trip per
+   tensor: hundreds of device syncs a step) and ``local_multi_tensor_scale`` (a Python loop of
+   copies).  These are replaced by ``torch._foreach_norm`` / ``_foreach_mul_`` /
+   ``_foreach_copy_`` (a handful of multi-tensor kernels, no syncs), and torch's AdamW under
+   megatron's optimizer is switched to its fused CUDA kernel (the same AdamW update).
+4. **TransformerConfig switches** (:func:`transformer_config_overrides`): megatron's own
+   compiled bias-dropout-add and fused vocab-parallel cross entropy for the paths that keep
+   the stock forward (TP>1).  ``bias_activation_fusion`` stays off: megatron's fused
+   bias-GELU is the tanh approximation, which would change the model's maths.
+
+Not done, and why: CUDA graphs (mcore DDP's per-parameter backward hooks and the Python
+schedules are not capture-safe without TE's graph machinery); FP8 / lower precision
+(would not be the same maths as the reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
+
+__all__ = [
+    "transformer_config_overrides",
+    "layer_module",
+    "CompiledTransformerLayer",
+    "dense_layer_forward",
+    "fast_path_blocker",
+    "prepare_model",
+    "prepare_optimizer",
+    "install_multi_tensor_fallbacks",
+    "foreach_l2_norm",
+    "foreach_scale",
+    "use_fused_adam",
+    "lm_cross_entropy",
+    "set_compile",
+    "summary",
+]
+
+log = logging.getLogger(__name__)
+
+#: When False the fast paths still run, but eagerly (CPU tests compare the maths; debugging).
+_COMPILE = True
+#: What was switched on in this process (for the run_start event's kernel_path and the benchmark).
+_STATE: dict[str, str] = {}
+
+
+def set_compile(enabled: bool) -> None:
+    """Run the fused paths compiled (default) or eagerly (same maths, for tests / debugging)."""
+    global _COMPILE
+    _COMPILE = bool(enabled)
+    _compiled.cache_clear()
+
+
+def summary() -> dict[str, str]:
+    """What this module switched on in this process, e.g. ``{"layer": "compiled dense layer", ...}``."""
+    return dict(_STATE)
+
+
+def _wanted(cfg: Any) -> bool:
+    return bool(cfg.train.compile_kernels) and cfg.parallel.device == "cuda"
+
+
+# --------------------------------------------------------------------------- config
+
+
+def transformer_config_overrides(cfg: Any) -> dict[str, Any]:
+    """TransformerConfig fields for the stock-forward paths (called by ``model.transformer_config``).
+
+    Only maths-preserving switches: megatron's torch.compile'd bias-dropout-add and its fused
+    vocab-parallel cross entropy (fp32 like the unfused one).  Empty unless
+    ``train.compile_kernels`` is on and the device is CUDA.
+    """
+    if not _wanted(cfg):
+        return {}
+    return {
+        "bias_dropout_fusion": True,
+        "cross_entropy_loss_fusion": True,
+        "cross_entropy_fusion_impl": "native",
+    }
+
+
+def layer_module(cfg: Any) -> type:
+    """The TransformerLayer class for the layer spec: compiled dense layer when wanted, else stock."""
+    return CompiledTransformerLayer if _wanted(cfg) else TransformerLayer
+
+
+# --------------------------------------------------------------------------- the dense layer
+
+
+def _norm(x: torch.Tensor, kind: str, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    if kind == "rmsnorm":
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def dense_layer_forward(
+    x: torch.Tensor,
+    ln1_w: torch.Tensor,
+    ln1_b: Optional[torch.Tensor],
+    qkv_w: torch.Tensor,
+    qkv_b: Optional[torch.Tensor],
+    proj_w: torch.Tensor,
+    proj_b: Optional[torch.Tensor],
+    ln2_w: torch.Tensor,
+    ln2_b: Optional[torch.Tensor],
+    fc1_w: torch.Tensor,
+    fc1_b: Optional[torch.Tensor],
+    fc2_w: torch.Tensor,
+    fc2_b: Optional[torch.Tensor],
+    *,
+    norm: str,
+    eps1: float,
+    eps2: float,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    scale: float,
+    activation: str,
+) -> torch.Tensor:
+    """One pre-norm GPT layer on ``[s, b, h]``, with megatron's exact QKV layout and maths.
+
+    megatron's fused QKV output is grouped per KV group: ``[q_1..q_{n/g}, k, v]`` for each of
+    the g groups (see ``SelfAttention.get_query_key_value_tensors``).  Attention is causal
+    SDPA; biases of the output projections are added before the residual (megatron adds
+    them in bias-dropout-add, which is the same sum).
+    """
+    s, b, _ = x.shape
+    per_group = heads // groups
+    h_in = _norm(x, norm, ln1_w, ln1_b, eps1)
+    qkv = F.linear(h_in, qkv_w, qkv_b).view(s, b, groups, (per_group + 2) * head_dim)
+    q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
+    q = q.reshape(s, b, heads, head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
+    k = k.permute(1, 2, 0, 3)  # [b, groups, s, d]
+    v = v.permute(1, 2, 0, 3)
+    if per_group > 1:
+        k = k.repeat_interleave(per_group, dim=1)
+        v = v.repeat_interleave(per_group, dim=1)
+    ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
+    x = x + F.linear(ctx, proj_w, proj_b)
+    h_mlp = F.linear(_norm(x, norm, ln2_w, ln2_b, eps2), fc1_w, fc1_b)
+    if activation == "swiglu":
+        gate, lin = torch.chunk(h_mlp, 2, dim=-1)
+        h_mlp = F.silu(gate) * lin
+    else:
+        h_mlp = F.gelu(h_mlp, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return x + F.linear(h_mlp, fc2_w, fc2_b)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str):
+    fn = {"layer": dense_layer_forward, "ce": _cross_entropy_sb}[name]
+    if not _COMPILE:
+        return fn
+    import torch._dynamo
+
+    # one graph serves every layer (guards are on shapes/dtypes); leave room for eval shapes
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    return torch.compile(fn, dynamic=False)
+
+
+def _norm_kind(module: torch.nn.Module) -> Optional[str]:
+    from workbench.backend.norms import WorkbenchLayerNorm, WorkbenchRMSNorm
+
+    if isinstance(module, WorkbenchLayerNorm) or type(module) is torch.nn.LayerNorm:
+        return "layernorm"
+    if isinstance(module, WorkbenchRMSNorm) or type(module) is getattr(torch.nn, "RMSNorm", None):
+        return "rmsnorm"
+    return None
+
+
+def _eps(module: torch.nn.Module) -> float:
+    return float(getattr(module, "eps"))
+
+
+def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
+    """Why this layer cannot take the compiled dense path (None when it can)."""
+    c = layer.config
+    checks = [
+        (c.tensor_model_parallel_size != 1, "tensor parallel > 1"),
+        (c.context_parallel_size != 1, "context parallel"),
+        (bool(c.sequence_parallel), "sequence parallel"),
+        (c.recompute_granularity is not None, "activation recompute"),
+        (bool(c.fp32_residual_connection), "fp32 residual connection"),
+        (c.hidden_dropout > 0 or c.attention_dropout > 0, "dropout"),
+        (getattr(c, "workbench_alibi", False), "ALiBi"),
+        (c.softmax_type != "vanilla", "non-vanilla softmax"),
+        (bool(getattr(c, "layernorm_zero_centered_gamma", False)), "zero-centred gamma"),
+        (getattr(c, "window_size", None) is not None, "sliding window"),
+        (bool(getattr(c, "cpu_offloading", False)), "CPU offloading"),
+        (bool(getattr(c, "fp8", None)) or bool(getattr(c, "fp4", None)), "fp8/fp4"),
+        (float(getattr(c, "glu_linear_offset", 0.0) or 0.0) != 0.0, "GLU offset"),
+        (getattr(c, "activation_func_clamp_value", None) is not None, "activation clamp"),
+        (not isinstance(layer.cross_attention, IdentityOp), "cross attention"),
+        (type(layer.mlp) is not MLP, "MoE / non-dense MLP"),
+    ]
+    for bad, why in checks:
+        if bad:
+            return why
+    attn = layer.self_attention
+    if type(getattr(attn, "linear_qkv", None)) is not ColumnParallelLinear:
+        return "QKV projection is not megatron's ColumnParallelLinear"
+    if type(getattr(attn, "linear_proj", None)) is not RowParallelLinear:
+        return "output projection is not megatron's RowParallelLinear"
+    if type(layer.mlp.linear_fc1) is not ColumnParallelLinear or type(layer.mlp.linear_fc2) is not RowParallelLinear:
+        return "MLP linears are not megatron's Column/RowParallelLinear"
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name, None) is not None and not isinstance(getattr(attn, name), IdentityOp):
+            return "QK layernorm"
+    if getattr(attn.config, "attention_output_gate", False):
+        return "gated attention"
+    core = type(attn.core_attention).__name__
+    if core != "SDPAttention":  # stock DotProductAttention stays stock (it is the 'local' kernel path)
+        return f"core attention {core}"
+    n1, n2 = _norm_kind(layer.input_layernorm), _norm_kind(layer.pre_mlp_layernorm)
+    if n1 is None or n2 is None or n1 != n2:
+        return "norm is not the workbench / torch LayerNorm or RMSNorm"
+    act = c.activation_func
+    if c.gated_linear_unit and act is not F.silu:
+        return "gated activation other than SwiGLU"
+    if not c.gated_linear_unit and act is not F.gelu:
+        return "activation other than GELU"
+    return None
+
+
+class CompiledTransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer whose dense forward (+backward) is one compiled graph.
+
+    Same submodules, parameters and checkpoint keys as :class:`TransformerLayer`; only
+    ``forward`` differs, and only when :func:`fast_path_blocker` finds nothing and the call
+    is a plain causal self-attention step (no mask tensor, no rotary embedding, no KV cache,
+    no packed sequences).  Otherwise the stock forward runs.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.fast_path_blocker = fast_path_blocker(self)
+        if self.fast_path_blocker is None:
+            c = self.config
+            attn = self.self_attention
+            if c.gated_linear_unit:
+                act = "swiglu"
+            else:
+                act = "gelu_tanh" if c.bias_activation_fusion else "gelu"  # megatron's fused bias-GELU is tanh
+            self._static = dict(
+                norm=_norm_kind(self.input_layernorm),
+                eps1=_eps(self.input_layernorm),
+                eps2=_eps(self.pre_mlp_layernorm),
+                heads=attn.num_attention_heads_per_partition,
+                groups=attn.num_query_groups_per_partition,
+                head_dim=attn.hidden_size_per_attention_head,
+                scale=float(getattr(attn.core_attention, "softmax_scale", None) or attn.hidden_size_per_attention_head**-0.5),
+                activation=act,
+            )
+        self.fast_calls = 0  # observable: how many forwards took the compiled path
+
+    _PLAIN_NONE = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
+                   "rotary_pos_cos_sin", "attention_bias", "inference_context", "packed_seq_params",
+                   "sequence_len_offset", "inference_params")
+
+    def _call_is_plain(self, args: tuple, kwargs: dict) -> bool:
+        if self.fast_path_blocker is not None or args or "hidden_states" not in kwargs:
+            return False
+        if kwargs.get("attention_mask") is not None:
+            return False
+        return all(kwargs.get(k) is None for k in self._PLAIN_NONE)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        if not self._call_is_plain(args, kwargs):
+            return super().forward(*args, **kwargs)
+        x = kwargs["hidden_states"]
+        attn, mlp = self.self_attention, self.mlp
+        ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
+        out = _compiled("layer")(
+            x,
+            ln1.weight, getattr(ln1, "bias", None),
+            attn.linear_qkv.weight, attn.linear_qkv.bias,
+            attn.linear_proj.weight, attn.linear_proj.bias,
+            ln2.weight, getattr(ln2, "bias", None),
+            mlp.linear_fc1.weight, mlp.linear_fc1.bias,
+            mlp.linear_fc2.weight, mlp.linear_fc2.bias,
+            **self._static,
+        )
+        self.fast_calls += 1
+        # pipeline parallelism frees stage outputs by swapping .data: they must not be views
+        out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
+        return out, None
+
+
+# --------------------------------------------------------------------------- cross entropy
+
+
+def _cross_entropy_sb(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token loss [b, s] from logits [s, b, V] and labels [b, s]; fp32 log-softmax like megatron."""
+    s, b, v = logits.shape
+    loss = F.cross_entropy(logits.reshape(s * b, v).float(), labels.t().reshape(s * b), reduction="none")
+    return loss.view(s, b).t().contiguous()
+
+
+def lm_cross_entropy(self: Any, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Drop-in for ``LanguageModule.compute_language_model_loss`` at TP=1 (bound per model instance)."""
+    return _compiled("ce")(logits, labels)
+
+
+# --------------------------------------------------------------------------- model / optimizer hooks
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str, str]:
+    """Per-model fast paths (called by the training loop after the model is built/wrapped).
+
+    Binds the compiled cross-entropy on last-stage chunks at TP=1.  Returns what it did.
+    """
+    notes: dict[str, str] = {}
+    if not _wanted(cfg):
+        return notes
+    for chunk in model_chunks:
+        gpt = _unwrap(chunk)
+        if not getattr(gpt, "post_process", False) or not hasattr(gpt, "compute_language_model_loss"):
+            continue
+        c = gpt.config
+        if c.tensor_model_parallel_size == 1 and getattr(c, "calculate_per_token_loss", False) is False:
+            gpt.compute_language_model_loss = types.MethodType(lm_cross_entropy, gpt)
+            notes["cross_entropy"] = "compiled F.cross_entropy (fp32 log-softmax)"
+    layers = [m for chunk in model_chunks for m in _unwrap(chunk).modules() if isinstance(m, TransformerLayer)]
+    if layers:
+        compiled = [m for m in layers if isinstance(m, CompiledTransformerLayer) and m.fast_path_blocker is None]
+        if compiled:
+            notes["layer"] = f"compiled dense layer ({len(compiled)}/{len(layers)} layers)"
+        else:
+            why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
+            notes["layer"] = f"stock megatron layer ({why})"
+    _STATE.update(notes)
+    return notes
+
+
+def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool, *args: Any):
+    """Drop-in for ``amp_C.multi_tensor_l2norm`` via ``torch._foreach_norm`` (no host syncs)."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    norms = torch._foreach_norm(tensors, 2.0)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0).reshape(1)
+    return total, (torch.stack(norms) if per_tensor else None)
+
+
+def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, scale: float) -> None:
+    """Drop-in for ``amp_C.multi_tensor_scale``: ``dst = src * scale`` as multi-tensor kernels."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    elif all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def install_multi_tensor_fallbacks() -> bool:
+    """Replace megatron's Python-loop multi-tensor fallbacks with foreach kernels (idempotent).
+
+    Only the local fallbacks are replaced (when apex / TE provide real kernels nothing changes).
+    """
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads, optimizer as mopt
+
+    changed = False
+    if getattr(clip_grads, "l2_norm_impl", None) is mutils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+        changed = True
+    for mod in (clip_grads, mopt):
+        if getattr(mod, "multi_tensor_scale_impl", None) is mutils.local_multi_tensor_scale:
+            mod.multi_tensor_scale_impl = foreach_scale
+            changed = True
+    if changed or clip_grads.l2_norm_impl is foreach_l2_norm:
+        _STATE["multi_tensor"] = "torch._foreach_* (replacing megatron's Python-loop fallbacks)"
+        return True
+    return False
+
+
+def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:
+    found = []
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", opt)
+        if isinstance(inner, (torch.optim.AdamW, torch.optim.Adam)):
+            found.append(inner)
+    return found
+
+
+def use_fused_adam(optimizer: Any) -> int:
+    """Switch torch AdamW/Adam param groups under a megatron optimizer to the fused CUDA kernel.
+
+    Same update rule (``torch._fused_adamw_``); returns the number of param groups switched.
+    Existing per-parameter ``step`` counters are moved to the device as fused Adam expects.
+    """
+    switched = 0
+    for opt in _torch_adams(optimizer):
+        for group in opt.param_groups:
+            params = [p for p in group["params"]]
+            if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
+                continue
+            if group.get("differentiable"):
+                continue
+            group["fused"] = True
+            group["foreach"] = False
+            for p in params:
+                st = opt.state.get(p)
+                if st and "step" in st and torch.is_tensor(st["step"]) and st["step"].device != p.device:
+                    st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+            switched += 1
+        if switched:
+            opt._step_supports_amp_scaling = True
+    if switched:
+        _STATE["optimizer"] = "torch fused AdamW (torch._fused_adamw_)"
+    return switched
+
+
+def prepare_optimizer(optimizer: Any, cfg: Any) -> dict[str, str]:
+    """Optimizer fast paths (called by the training loop after ``get_megatron_optimizer``)."""
+    if not _wanted(cfg):
+        return {}
+    install_multi_tensor_fallbacks()
+    use_fused_adam(optimizer)
+    return {k: v for k, v in _STATE.items() if k in ("multi_tensor", "optimizer")}
