@@ -120,6 +120,15 @@ def _fusion_overrides(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     return overrides, notes
 
 
+def _layer_module(cfg: RunConfig) -> type:
+    """[perf hook] The TransformerLayer class: fusions' compiled dense layer when ``train.compile_kernels`` (CUDA)."""
+    try:
+        from workbench.backend import fusions  # owned by the performance helper
+    except ImportError:
+        return TransformerLayer
+    return getattr(fusions, "layer_module", lambda _cfg: TransformerLayer)(cfg)
+
+
 def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformerConfig:
     """The mcore TransformerConfig for a RunConfig (parallel sizes, dtypes, recompute, kernels)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -198,7 +207,7 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
         # the stock spec as-is (torch norms) when the user asked for stock behaviour
         return get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
     return ModuleSpec(
-        module=TransformerLayer,
+        module=_layer_module(cfg),
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
