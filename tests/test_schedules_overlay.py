@@ -1,0 +1,127 @@
+"""Measured-vs-ideal overlay on synthetic event directories written with the real EventWriter."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.config import preset
+from workbench.events import EventWriter
+from workbench.schedules import ScheduleError, Timeline, load_measured, measured_report, simulate
+
+
+def write_run(run_dir, timelines_by_iteration: dict[int, Timeline], tp: int = 1, tp_shift_ms: float = 0.0,
+              skip: set[tuple[int, int]] = frozenset()):
+    """A run directory as the backend writes it: config.json + run_start/microbatch events per global rank.
+
+    Global rank g = pp * tp + t (tp fastest).  Ranks with t > 0 get their ops shifted by
+    ``tp_shift_ms`` so a test can tell which TP rank the reader picked.  ``skip`` holds
+    (iteration, pipeline rank) pairs whose events are left out.
+    """
+    tl0 = next(iter(timelines_by_iteration.values()))
+    cfg = preset("tiny").replace(**{"parallel.pipeline_parallel": tl0.p, "parallel.tensor_parallel": tp,
+                                    "parallel.nproc_per_node": tl0.p * tp,
+                                    "parallel.virtual_pipeline_parallel": tl0.v if tl0.v > 1 else None})
+    cfg.save(run_dir / "config.json")
+    for pp in range(tl0.p):
+        for t in range(tp):
+            g = pp * tp + t
+            with EventWriter(run_dir, g) as w:
+                w.emit("run_start", config=cfg.to_dict(), coords={"tp": t, "pp": pp, "dp": 0}, device="synthetic",
+                       world_size=tl0.p * tp)
+                for it, tl in timelines_by_iteration.items():
+                    if (it, pp) in skip:
+                        continue
+                    shift = tp_shift_ms if t else 0.0
+                    ops = [{"kind": o.kind, "microbatch": o.microbatch, "chunk": o.chunk,
+                            "start_ms": o.start + shift, "end_ms": o.end + shift} for o in tl.ops[pp]]
+                    w.emit("microbatch", iteration=it, ops=ops)
+    return run_dir
+
+
+def _partition_ok(report):
+    for r in report["ranks"]:
+        parts = r["time_ms"]
+        assert sum(parts.values()) == pytest.approx(report["measured_step_ms"], rel=1e-9)
+
+
+def test_ideal_events_reproduce_the_ideal_timeline(tmp_path):
+    tl = simulate("1f1b", 2, 4, forward=10.0, backward=20.0, unit="ms")
+    write_run(tmp_path, {5: tl})
+    ms = load_measured(tmp_path)
+    assert ms.iteration == 5 and ms.timeline.p == 2 and ms.timeline.m == 4 and ms.device == "synthetic"
+    ideal, report = measured_report(ms)
+    for r in range(2):
+        assert [(o.kind, o.microbatch, o.start, o.end) for o in ideal.ops[r]] == \
+               [(o.kind, o.microbatch, o.start, o.end) for o in tl.ops[r]]
+    assert report["measured_bubble_fraction"] == pytest.approx(0.25)
+    assert report["ideal_bubble_fraction"] == pytest.approx(0.25)
+    assert report["closed_form_bubble_fraction"] == pytest.approx(0.25)
+    assert report["time_ms"]["comm"] == pytest.approx(0.0)
+    assert report["stragglers"] == []
+    _partition_ok(report)
+
+
+def test_send_recv_latency_shows_up_as_comm_time(tmp_path):
+    tl = simulate("1f1b", 2, 4, forward=10.0, backward=20.0, latency=2.0, unit="ms")
+    write_run(tmp_path, {3: tl})
+    _, report = measured_report(load_measured(tmp_path))
+    assert report["measured_bubble_fraction"] > report["ideal_bubble_fraction"] == pytest.approx(0.25)
+    assert report["time_ms"]["comm"] > 0
+    # rank 1's first forward waits for rank 0's F0 (10 ms: pipeline dependency) then 2 ms of send/recv
+    r1 = report["ranks"][1]["time_ms"]
+    assert r1["wait_upstream"] >= 10.0 and r1["comm"] >= 2.0
+    assert report["measured_step_ms"] == pytest.approx(tl.step_time)
+    _partition_ok(report)
+    assert "comm" in report["summary"]
+
+
+def test_straggler_rank_is_named(tmp_path):
+    tl = simulate("1f1b", 3, 6, forward=[10, 16, 10], backward=[20, 32, 20], unit="ms")
+    write_run(tmp_path, {1: tl})
+    _, report = measured_report(load_measured(tmp_path))
+    assert report["stragglers"] == [1]
+    assert report["ranks"][1]["mean_forward_ms"] == pytest.approx(16.0)
+    assert "Stragglers" in report["summary"]
+
+
+def test_tp_ranks_map_to_their_pipeline_stage(tmp_path):
+    tl = simulate("1f1b", 2, 4, forward=10.0, backward=20.0, unit="ms")
+    write_run(tmp_path, {2: tl}, tp=2, tp_shift_ms=100.0)  # global ranks 0,1 -> pp 0; 2,3 -> pp 1
+    ms = load_measured(tmp_path)
+    assert ms.global_ranks == [0, 2]
+    assert ms.timeline.step_time == pytest.approx(tl.step_time)
+
+
+def test_interleaved_overlay_figure_and_report(tmp_path):
+    from workbench.plots.schedule import measured_overlay
+
+    tl = simulate("interleaved", 2, 4, 2, forward=[8.0, 12.0], backward=[16.0, 24.0], latency=0.5, unit="ms")
+    write_run(tmp_path, {4: tl, 8: tl})
+    fig, report = measured_overlay(tmp_path)
+    assert report["schedule"] == "interleaved" and report["v"] == 2 and report["iteration"] == 8
+    assert report["closed_form_bubble_fraction"] == pytest.approx(1 / 8)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["rank 0 ideal", "rank 0 measured", "rank 1 ideal", "rank 1 measured"]
+    assert f"{report['measured_bubble_fraction']:.3f}" in ax.get_title()
+    out = tmp_path / "overlay.png"
+    fig.savefig(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _partition_ok(report)
+
+
+def test_iteration_selection(tmp_path):
+    tl = simulate("1f1b", 2, 2, unit="ms")
+    write_run(tmp_path, {5: tl, 10: tl}, skip={(10, 1)})
+    assert load_measured(tmp_path).iteration == 5  # 10 lacks pipeline rank 1
+    with pytest.raises(ScheduleError, match="iteration 10"):
+        load_measured(tmp_path, iteration=10)
+
+
+def test_missing_events_are_clear_errors(tmp_path):
+    with pytest.raises(ScheduleError, match="no events/"):
+        load_measured(tmp_path)
+    with EventWriter(tmp_path, 0) as w:
+        w.emit("step", iteration=1, loss=1.0)
+    with pytest.raises(ScheduleError, match="microbatch_timing_interval"):
+        load_measured(tmp_path)
