@@ -1,0 +1,65 @@
+"""The embedded demo corpus: real text that trains out of the box, with no download.
+
+``corpus/kjv.txt.gz`` holds the King James Version of the Bible (public domain), one chapter per
+document, documents separated by blank lines (see ``corpus/README.md``).  :func:`ensure_demo_dataset`
+tokenizes it once with the demo tokenizer into a Megatron indexed dataset in a cache directory and
+reuses it afterwards; the cache name carries a hash of the corpus and the tokenizer, so a changed
+tokenizer never reads stale ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from workbench.data.errors import DataError
+
+__all__ = ["CORPUS_DIR", "DEMO_CORPUS", "user_cache_dir", "demo_prefix", "ensure_demo_dataset"]
+
+CORPUS_DIR = Path(__file__).parent / "corpus"
+DEMO_CORPUS = CORPUS_DIR / "kjv.txt.gz"
+_DEMO_FORMAT = "1"
+
+
+def user_cache_dir() -> Path:
+    """``$WORKBENCH_CACHE``, else ``$XDG_CACHE_HOME/megatron-workbench``, else ``~/.cache/megatron-workbench``."""
+    env = os.environ.get("WORKBENCH_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "megatron-workbench"
+
+
+def _demo_key(tokenizer_sha: str) -> str:
+    h = hashlib.sha256()
+    h.update(_DEMO_FORMAT.encode())
+    h.update(DEMO_CORPUS.read_bytes())
+    h.update(tokenizer_sha.encode())
+    return h.hexdigest()[:12]
+
+
+def demo_prefix(cache_dir: str | Path | None = None) -> str:
+    """Where the demo dataset lives (or will live): ``<cache>/demo/kjv-<hash>_text_document``."""
+    from workbench.data.tokenizer import load_tokenizer
+
+    if not DEMO_CORPUS.is_file():
+        raise DataError(str(DEMO_CORPUS), "the embedded demo corpus is missing from this install", "reinstall the workbench (pip install -e .)")
+    tok = load_tokenizer("demo")
+    root = Path(cache_dir) if cache_dir else user_cache_dir()
+    return str(root / "demo" / f"kjv-{_demo_key(tok.unique_identifiers['sha'])}_text_document")
+
+
+def ensure_demo_dataset(cache_dir: str | Path | None = None, progress: bool = False, workers: int = 1) -> str:
+    """Build the demo .bin/.idx if it is not cached yet; return its prefix. Safe to call repeatedly."""
+    from workbench.data.indexed import check_indexed
+    from workbench.data.preprocess import preprocess
+
+    prefix = demo_prefix(cache_dir)
+    try:
+        check_indexed(prefix)
+        return prefix
+    except DataError:
+        pass  # not built yet (or damaged): build it
+    preprocess([DEMO_CORPUS], prefix, tokenizer="demo", append_eod=True, workers=workers, split_docs="blank-line", progress=progress)
+    return prefix

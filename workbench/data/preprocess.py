@@ -1,0 +1,213 @@
+"""Text -> Megatron indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``), written by megatron-core itself.
+
+Documents are read in order, tokenized (in ``workers`` processes when > 1: workers tokenize
+batches, the parent writes them in input order) and appended with megatron-core's
+``IndexedDatasetBuilder``, one sequence per document, so megatron-core's ``IndexedDataset``
+reads the result unchanged.
+
+Crash safety: everything is written under temporary names; at the end the old ``.idx`` is
+removed first, then the ``.bin``, the sidecar and finally the ``.idx`` are renamed into place.
+An interrupted run therefore leaves either the previous complete pair, or a ``.bin`` without
+``.idx`` (which megatron-core and :func:`check_indexed` refuse) - never an ``.idx`` that looks valid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from workbench.data.errors import DataError
+from workbench.data.sources import InvalidPolicy, ReadStats, SplitDocs, iter_documents, resolve_inputs, uncompressed_size
+from workbench.data.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["PreprocessSummary", "preprocess", "token_dtype", "SIDECAR_FORMAT"]
+
+SIDECAR_FORMAT = "workbench-indexed-v1"
+_BATCH_DOCS = 64
+_BATCH_BYTES = 1 << 20
+
+
+@dataclass
+class PreprocessSummary:
+    prefix: str
+    files: int
+    documents: int
+    tokens: int
+    bytes: int
+    seconds: float
+    workers: int
+    dtype: str
+    max_token_id: int
+    invalid_utf8: int = 0
+    invalid_utf8_where: list[str] = field(default_factory=list)
+    empty_skipped: int = 0
+    tokenizer: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens_per_s"] = self.tokens_per_s
+        return d
+
+    def __str__(self) -> str:
+        lines = [f"wrote {self.prefix}.bin / .idx ({self.dtype})",
+                 f"  files {self.files}  documents {self.documents:,}  tokens {self.tokens:,}  bytes {self.bytes:,}",
+                 f"  {self.seconds:.2f} s  ({self.tokens_per_s:,.0f} tokens/s, {self.workers} worker{'s' if self.workers != 1 else ''})"]
+        if self.empty_skipped:
+            lines.append(f"  skipped {self.empty_skipped} empty JSON record(s)")
+        if self.invalid_utf8:
+            lines.append(f"  WARNING: {self.invalid_utf8} line(s) with invalid UTF-8 (first at {', '.join(self.invalid_utf8_where)})")
+        return "\n".join(lines)
+
+
+def token_dtype(vocab_size: int):
+    """megatron-core's choice: uint16 when the vocabulary fits, else int32."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    return DType.optimal_dtype(vocab_size)
+
+
+# ---- worker side (kept at module level so 'spawn' workers can import it cheaply)
+
+_WORKER: dict = {}
+
+
+def _worker_init(tokenizer: Tokenizer, append_eod: bool, dtype_name: str) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _WORKER.update(tokenizer=tokenizer, append_eod=append_eod, dtype=dtype_name)
+
+
+def _encode_batch(texts: list[str]) -> list:
+    import numpy as np
+
+    tok: Tokenizer = _WORKER["tokenizer"]
+    eod = tok.eod if _WORKER["append_eod"] else None
+    out = []
+    for text in texts:
+        ids = tok.encode(text)
+        if eod is not None:
+            ids.append(eod)
+        out.append(np.asarray(ids, dtype=_WORKER["dtype"]))
+    return out
+
+
+def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for d in docs:
+        batch.append(d)
+        size += len(d)
+        if len(batch) >= _BATCH_DOCS or size >= _BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+# ---- parent side
+
+
+def _tmp(path: str) -> str:
+    return f"{path}.tmp-{os.getpid()}"
+
+
+def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Path, tokenizer: "str | Tokenizer" = "demo",
+               json_key: str = "text", append_eod: bool = True, workers: int = 1, split_docs: SplitDocs = "blank-line",
+               invalid_utf8: InvalidPolicy = "replace", model_vocab_size: int | None = None,
+               progress: bool = True) -> PreprocessSummary:
+    """Tokenize ``inputs`` into ``output_prefix``.bin/.idx; returns the summary (also stored as a sidecar)."""
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    paths = resolve_inputs(inputs)
+    tok = load_tokenizer(tokenizer)
+    if model_vocab_size is not None and tok.vocab_size > model_vocab_size:
+        raise DataError(f"tokenizer {tok.name}", f"vocabulary of {tok.vocab_size} tokens exceeds the model's vocab_size {model_vocab_size}",
+                        f"set model.vocab_size >= {tok.vocab_size}, or use a smaller tokenizer")
+    if append_eod and not tok.has_eod:
+        tok.eod  # raises the DataError that says what is missing
+    if workers < 1:
+        raise DataError("--workers", f"must be >= 1 (got {workers})", "use 1 for in-process tokenization")
+    prefix = str(output_prefix)
+    for suf in (".bin", ".idx"):
+        if prefix.endswith(suf):
+            prefix = prefix[: -len(suf)]
+    out_dir = Path(prefix).parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = token_dtype(tok.vocab_size)
+    bin_final, idx_final, side_final = prefix + ".bin", prefix + ".idx", str(Path(prefix + ".workbench.json"))
+    bin_tmp, idx_tmp, side_tmp = _tmp(bin_final), _tmp(idx_final), _tmp(side_final)
+    stats = ReadStats()
+    total_bytes = sum(uncompressed_size(p) for p in paths)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"preprocess {Path(prefix).name}", disable=not progress)
+    documents = tokens = 0
+    max_id = -1
+    t0 = time.perf_counter()
+    pool = None
+    builder = None
+    try:
+        builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)
+        docs = iter_documents(paths, json_key=json_key, split_docs=split_docs, stats=stats, invalid_utf8=invalid_utf8, progress=bar)
+        if workers == 1:
+            _worker_init(tok, append_eod, np.dtype(dtype).name)
+            results = map(_encode_batch, _batches(docs))
+        else:
+            import multiprocessing as mp
+
+            pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(tok, append_eod, np.dtype(dtype).name))
+            results = pool.imap(_encode_batch, _batches(docs), chunksize=1)
+        for arrays in results:
+            for arr in arrays:
+                if arr.size == 0:
+                    continue
+                builder.add_document(arr, [int(arr.size)])
+                documents += 1
+                tokens += int(arr.size)
+                max_id = max(max_id, int(arr.max()))
+            bar.set_postfix(docs=documents, tokens=tokens, refresh=False)
+        if pool is not None:
+            pool.close()
+            pool.join()
+            pool = None
+        builder.finalize(idx_tmp)
+        builder = None
+        seconds = time.perf_counter() - t0
+        if documents == 0:
+            raise DataError(", ".join(map(str, paths)), "no tokens produced (every document tokenized to nothing)", "check the inputs and --json-key")
+        summary = PreprocessSummary(prefix=prefix, files=stats.files, documents=documents, tokens=tokens, bytes=stats.bytes,
+                                    seconds=seconds, workers=workers, dtype=np.dtype(dtype).name, max_token_id=max_id,
+                                    invalid_utf8=stats.invalid_utf8, invalid_utf8_where=list(stats.invalid_utf8_where),
+                                    empty_skipped=stats.empty_skipped, tokenizer=tok.spec())
+        meta = {"format": SIDECAR_FORMAT, **summary.to_dict(), "append_eod": append_eod, "json_key": json_key,
+                "split_docs": split_docs, "inputs": [str(p) for p in paths], "created": time.time()}
+        Path(side_tmp).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        # Commit: the .idx goes last, so a half-finished commit never looks like a valid dataset.
+        if os.path.exists(idx_final):
+            os.remove(idx_final)
+        os.replace(bin_tmp, bin_final)
+        os.replace(side_tmp, side_final)
+        os.replace(idx_tmp, idx_final)
+        return summary
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        if builder is not None:
+            try:
+                builder.data_file.close()
+            except Exception:
+                pass
+        for f in (bin_tmp, idx_tmp, side_tmp):
+            if os.path.exists(f):
+                os.remove(f)

@@ -1,0 +1,214 @@
+"""Tokenizers: one small wrapper over Hugging Face ``tokenizers`` for every spec the workbench accepts.
+
+Specs:
+
+- ``"demo"``: the byte-level BPE trained on the embedded corpus (``workbench/data/corpus/demo-tokenizer``).
+- a local Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``, or any
+  directory ``transformers.AutoTokenizer`` can load offline as a *fast* tokenizer);
+- a ``tokenizer.json`` file.
+
+Nothing is downloaded: a hub name such as ``gpt2`` is refused with the fix (save it to a local
+directory first).  The wrapper exposes what megatron-core's datasets need (``eod``, ``pad``,
+``vocab_size``, ``unique_identifiers`` for the index cache key) and ``save(dir)`` writes files an
+``AutoTokenizer`` loads, for checkpoint export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from workbench.data.errors import DataError
+
+__all__ = ["Tokenizer", "load_tokenizer", "train_tokenizer", "DEMO_TOKENIZER_DIR", "EOD_CANDIDATES"]
+
+DEMO_TOKENIZER_DIR = Path(__file__).parent / "corpus" / "demo-tokenizer"
+#: end-of-document tokens recognised when a tokenizer config names no eos_token (first match wins)
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
+PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
+DEFAULT_SPECIALS = ("<|endoftext|>", "<pad>")
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """A fast tokenizer plus the special ids Megatron needs. Picklable (for worker processes)."""
+
+    def __init__(self, backend: Any, name: str, eos_token: str | None = None, bos_token: str | None = None,
+                 pad_token: str | None = None):
+        self.backend = backend
+        self.name = name
+        vocab = backend.get_vocab(with_added_tokens=True)
+        eos_token = eos_token or next((t for t in EOD_CANDIDATES if t in vocab), None)
+        pad_token = pad_token or next((t for t in PAD_CANDIDATES if t in vocab), None)
+        self.eos_token, self.bos_token, self.pad_token = eos_token, bos_token or eos_token, pad_token
+        self._eod = vocab.get(eos_token) if eos_token else None
+        self.bos = vocab.get(self.bos_token) if self.bos_token else None
+        self.pad = vocab.get(pad_token) if pad_token else None
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+
+    # -- what megatron-core's datasets read
+    @property
+    def eod(self) -> int:
+        if self._eod is None:
+            raise DataError(self.name, f"tokenizer has no end-of-document token (looked for {', '.join(EOD_CANDIDATES)})",
+                            "set eos_token in its tokenizer_config.json")
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @property
+    def has_eod(self) -> bool:
+        return self._eod is not None
+
+    @property
+    def unique_identifiers(self) -> dict:
+        """Cache key for megatron-core's dataset indices: changes when the vocabulary changes."""
+        digest = hashlib.md5(self.backend.to_str().encode("utf-8"), usedforsecurity=False).hexdigest()
+        return {"class": "workbench.data.tokenizer.Tokenizer", "name": self.name, "vocab_size": self.vocab_size,
+                "eod": self._eod, "sha": digest[:16]}
+
+    # -- encode / decode
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def spec(self) -> dict:
+        """What a checkpoint records about its tokenizer."""
+        return {"name": self.name, "vocab_size": self.vocab_size, "eod": self._eod, "bos": self.bos, "pad": self.pad,
+                "eos_token": self.eos_token, "pad_token": self.pad_token}
+
+    # -- export
+    def save(self, directory: str | Path) -> Path:
+        """Write ``tokenizer.json`` + ``tokenizer_config.json`` (+ special tokens map) for ``AutoTokenizer``."""
+        from transformers import PreTrainedTokenizerFast
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        kwargs = {k: v for k, v in (("eos_token", self.eos_token), ("bos_token", self.bos_token),
+                                    ("pad_token", self.pad_token)) if v}
+        hf = PreTrainedTokenizerFast(tokenizer_object=self.backend, **kwargs)
+        hf.save_pretrained(str(directory))
+        # transformers 5 writes its own class name; the 4.x name loads in both (pyproject allows >= 4.45).
+        cfg_file = directory / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        cfg_file.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        return directory
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["backend"] = self.backend.to_str()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        from tokenizers import Tokenizer as _Backend
+
+        state = dict(state)
+        state["backend"] = _Backend.from_str(state["backend"])
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eod={self._eod}, pad={self.pad})"
+
+
+def _read_tokenizer_config(directory: Path) -> dict:
+    cfg: dict = {}
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
+        f = directory / fname
+        if f.is_file():
+            try:
+                cfg.update(json.loads(f.read_text(encoding="utf-8")))
+            except json.JSONDecodeError as e:
+                raise DataError(str(f), f"not valid JSON ({e})", "repair or delete the file") from None
+    return cfg
+
+
+def _from_tokenizer_json(path: Path, name: str) -> Tokenizer:
+    from tokenizers import Tokenizer as _Backend
+
+    try:
+        backend = _Backend.from_file(str(path))
+    except Exception as e:  # tokenizers raises a plain Exception with the serde message
+        raise DataError(str(path), f"not a valid tokenizer.json ({e})", "point at a tokenizer.json written by Hugging Face tokenizers") from None
+    cfg = _read_tokenizer_config(path.parent)
+    return Tokenizer(backend, name, eos_token=_token_content(cfg.get("eos_token")),
+                     bos_token=_token_content(cfg.get("bos_token")), pad_token=_token_content(cfg.get("pad_token")))
+
+
+def load_tokenizer(spec: "str | Path | Tokenizer") -> Tokenizer:
+    """Resolve a tokenizer spec (see module docstring); a clear :class:`DataError` for anything else."""
+    if isinstance(spec, Tokenizer):
+        return spec
+    if spec is None or str(spec).strip() == "":
+        raise DataError("tokenizer", "no tokenizer given", "use 'demo', a local tokenizer directory or a tokenizer.json")
+    text = str(spec)
+    if text == "demo":
+        f = DEMO_TOKENIZER_DIR / "tokenizer.json"
+        if not f.is_file():
+            raise DataError(str(f), "the demo tokenizer is missing from this install", "reinstall the workbench (pip install -e .)")
+        return _from_tokenizer_json(f, "demo")
+    path = Path(text).expanduser()
+    if path.is_file():
+        return _from_tokenizer_json(path, str(path))
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return _from_tokenizer_json(path / "tokenizer.json", str(path))
+        try:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+        except Exception as e:
+            raise DataError(str(path), f"no tokenizer could be loaded from this directory ({type(e).__name__}: {e})",
+                            "give a directory with tokenizer.json (or vocab.json + merges.txt)") from None
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None:
+            raise DataError(str(path), "only fast (Rust) tokenizers are supported", "convert it with transformers and save tokenizer.json")
+        return Tokenizer(backend, str(path), eos_token=hf.eos_token, bos_token=hf.bos_token, pad_token=hf.pad_token)
+    hint = ("nothing is downloaded: save the tokenizer to a local directory first "
+            "(e.g. AutoTokenizer.from_pretrained(name).save_pretrained(DIR)) and pass DIR")
+    if "/" not in text and not text.endswith(".json"):
+        raise DataError(text, "not 'demo' and not a local tokenizer path", hint)
+    raise DataError(text, "tokenizer path does not exist", hint)
+
+
+def train_tokenizer(inputs: "Iterable[str] | Iterator[str]", vocab_size: int, out_dir: str | Path | None = None,
+                    min_frequency: int = 2, special_tokens: tuple[str, ...] = DEFAULT_SPECIALS,
+                    name: str | None = None) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style, no unknown tokens) on an iterator of documents.
+
+    Special tokens come first (``<|endoftext|>`` = id 0 is the end-of-document token, ``<pad>`` = 1).
+    """
+    from tokenizers import Tokenizer as _Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256 + len(special_tokens) + 1:
+        raise DataError("--vocab-size", f"{vocab_size} is too small for a byte-level BPE", f"use at least {256 + len(special_tokens) + 1}")
+    backend = _Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True)
+    backend.train_from_iterator(inputs, trainer=trainer)
+    eos = special_tokens[0] if special_tokens else None
+    pad = next((t for t in special_tokens if t in PAD_CANDIDATES), None)
+    tok = Tokenizer(backend, name or (str(out_dir) if out_dir else "trained"), eos_token=eos, bos_token=eos, pad_token=pad)
+    if out_dir is not None:
+        tok.save(out_dir)
+    return tok
