@@ -1,0 +1,268 @@
+"""The launch bridge against real processes: real torchrun, real supervisor, a tiny rank script.
+
+The rank script below stands in for ``workbench.backend`` at the process boundary only: it
+writes the event stream through the real :class:`workbench.events.EventWriter` the way a
+rank does, with behaviours the tests need (partial lines, failures, ignoring SIGTERM).
+Tests against the real backend live in ``test_bridge_backend.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from workbench.bridge import Run
+from workbench.config import ConfigError, preset
+
+pytestmark = pytest.mark.slow
+
+RANK_SCRIPT = textwrap.dedent(
+    '''
+    import argparse, json, os, signal, sys, time
+    from pathlib import Path
+    from workbench.events import EventWriter, event_file
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config")
+    ap.add_argument("--run-dir")
+    a = ap.parse_args()
+    run_dir = Path(a.run_dir)
+    rank = int(os.environ["RANK"])
+    mode = os.environ["FAKE_MODE"]
+    cfg = json.load(open(a.config))
+    iters = cfg["train"]["train_iters"]
+
+    def wait_for(name):
+        while not (run_dir / name).exists():
+            time.sleep(0.05)
+
+    if mode == "hang":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a rank stuck in a collective ignores politeness
+    if mode == "partial":
+        wait_for("go-start")                              # lets the test observe 'starting'
+    w = EventWriter(run_dir, rank)
+    w.emit("run_start", config=cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    if mode in ("hang", "slow"):
+        it = 0
+        while not (run_dir / "go-finish").exists():
+            it += 1
+            w.emit("step", iteration=it, loss=1.0, step_time=0.1)
+            time.sleep(0.1)
+    if mode == "crash" and rank == 1:
+        print("rank 1 about to crash", flush=True)
+        raise ValueError("bad shard index 7 on rank 1")  # no error event: only stderr knows
+    for it in range(1, iters + 1):
+        loss = 4.0 / it if rank == 0 else None
+        rec = {"event": "step", "time": time.time(), "rank": rank, "iteration": it, "loss": loss, "lr": 1e-3 * it,
+               "grad_norm": 0.5, "step_time": 0.02, "tokens_per_s": 100.0 * it, "mfu": 0.01,
+               "mem_allocated": 1000 * (rank + 1), "mem_reserved": 2000 * (rank + 1), "mem_peak": 1500 * (rank + 1)}
+        line = json.dumps(rec) + "\\n"
+        if mode == "partial" and it == 2:
+            with open(event_file(run_dir, rank), "a") as fh:   # half a line, flushed, then a pause
+                fh.write(line[:25]); fh.flush()
+                wait_for("go-rest")
+                fh.write(line[25:]); fh.flush()
+        else:
+            w._fh.write(line); w._fh.flush()
+        if mode == "fail" and rank == 1 and it == 2:
+            try:
+                raise RuntimeError("boom on rank 1")
+            except RuntimeError as e:
+                import traceback
+                w.emit("error", message=str(e), type="RuntimeError", traceback=traceback.format_exc())
+                raise
+        time.sleep(0.02)
+    if mode == "fail":
+        while True:            # the healthy rank would block in the next collective
+            time.sleep(0.1)
+    w.emit("eval", iteration=iters, loss=2.0, ppl=7.39)
+    w.emit("run_end", status="finished", iteration=iters, seconds=1.0)
+    '''
+)
+
+
+@pytest.fixture()
+def rank_script(tmp_path: Path) -> Path:
+    p = tmp_path / "fake_rank.py"
+    p.write_text(RANK_SCRIPT)
+    return p
+
+
+def _cfg(nproc: int, iters: int = 4):
+    return preset("tiny").replace(**{"parallel.nproc_per_node": nproc, "train.train_iters": iters,
+                                     "train.lr_warmup_iters": 1})
+
+
+def run_processes(run_dir: Path) -> list[psutil.Process]:
+    """Every process on the machine whose command line names this run directory (zombies included)."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "pid"]):
+        try:
+            if str(run_dir) in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def wait_until(pred, timeout: float, what: str, poll: float = 0.05):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def launch(rank_script: Path, tmp_path: Path, mode: str, nproc: int, **kw) -> Run:
+    return Run.launch(_cfg(nproc, kw.pop("iters", 4)), run_root=tmp_path / "runs", entry=[str(rank_script)],
+                      env={"FAKE_MODE": mode}, **kw)
+
+
+def test_partial_lines_and_status_transitions(rank_script, tmp_path):
+    run = launch(rank_script, tmp_path, "partial", 1)
+    seen = [run.status]
+    assert seen[0] == "starting"
+    assert json.loads((run.run_dir / "config.json").read_text())["parallel"]["nproc_per_node"] == 1
+    (run.run_dir / "go-start").touch()
+    ev = run.run_dir / "events" / "rank-0.jsonl"
+    # the rank has written exactly one complete step and half of the second
+    wait_until(lambda: ev.exists() and not ev.read_bytes().endswith(b"\n"), 30, "a partial line")
+    seen.append(run.status)
+    assert run.steps["iteration"].tolist() == [1]  # the half line is not parsed (nor lost)
+    assert run._follower.bad_lines == 0
+    (run.run_dir / "go-rest").touch()
+    assert run.wait(timeout=30) == "finished"
+    seen.append(run.status)
+    assert seen == ["starting", "running", "finished"]
+    assert run.steps["iteration"].tolist() == [1, 2, 3, 4]
+    assert run.train_loss["loss"].tolist() == pytest.approx([4.0, 2.0, 4 / 3, 1.0])
+    assert run.evals["loss"].tolist() == [2.0]
+    assert run.exit_status["status"] == "finished" and run.exit_status["returncode"] == 0
+    assert run.progress()[:2] == (4, 4)
+    assert run.failure is None
+    assert not run_processes(run.run_dir)
+
+
+def test_frames_two_ranks_and_reattach(rank_script, tmp_path):
+    run = launch(rank_script, tmp_path, "ok", 2, iters=3)
+    assert run.wait(timeout=40) == "finished"
+    mem = run.memory.set_index("rank")
+    assert mem.loc[1, "mem_reserved"] == 4000 and mem.loc[0, "mem_allocated"] == 1000
+    assert sorted(run.steps["rank"].unique().tolist()) == [0, 1]
+    # per-rank logs captured by torchrun in the run dir
+    assert run.rank_log(0, "stdout") is not None and run.rank_log(1, "stderr") is not None
+    again = Run.attach(run.run_dir)
+    assert again.status == "finished"
+    assert again.steps.drop(columns=[]).equals(run.steps)
+    assert again.final_metrics()["train_loss"] == pytest.approx(4 / 3)
+    with pytest.raises(FileNotFoundError):
+        Run.attach(tmp_path / "nope")
+
+
+def test_stop_escalates_and_leaves_no_process(rank_script, tmp_path):
+    run = launch(rank_script, tmp_path, "hang", 2, grace=1.5)
+    wait_until(lambda: len(run.events("run_start")) == 2, 40, "both ranks to start")
+    procs = run_processes(run.run_dir)
+    assert len(procs) >= 4  # supervisor, torchrun, two ranks
+    # a second notebook re-attaches to the still-running run
+    other = Run.attach(run.run_dir)
+    assert other.status == "running" and other.is_alive()
+    t0 = time.time()
+    assert run.stop(grace=1.5) == "stopped"
+    assert time.time() - t0 < 15
+    assert run_processes(run.run_dir) == []
+    assert run.exit_status["status"] == "stopped"
+    assert other.status == "stopped" and not other.is_alive()
+
+
+def test_stop_from_reattached_run(rank_script, tmp_path):
+    run = launch(rank_script, tmp_path, "slow", 1)
+    wait_until(lambda: run.events("step"), 40, "a step")
+    attached = Run.attach(run.run_dir)
+    assert attached.stop(grace=5) == "stopped"
+    wait_until(lambda: not run_processes(run.run_dir), 10, "no processes")
+    run._reap()
+    assert run.status == "stopped"
+
+
+def test_failure_surfaces_rank_and_traceback_and_stops_job(rank_script, tmp_path):
+    run = launch(rank_script, tmp_path, "fail", 2)
+    wait_until(lambda: run.events("error"), 40, "the error event")
+    t0 = time.time()
+    assert run.status == "failed"
+    f = run.failure
+    assert f.rank == 1 and f.source == "event"
+    assert "boom on rank 1" in f.message and "Traceback" in f.traceback
+    # rank 0 would block forever; the job must still be torn down, within seconds
+    assert run.wait(timeout=20) == "failed"
+    assert time.time() - t0 < 20
+    wait_until(lambda: not run_processes(run.run_dir), 10, "no processes")
+    ex = json.loads((run.run_dir / "exit_status.json").read_text())
+    assert ex["status"] == "failed" and ex["failed_rank"] == 1 and ex["returncode"] != 0
+
+
+def test_crash_without_error_event_uses_stderr(rank_script, tmp_path):
+    run = launch(rank_script, tmp_path, "crash", 2)
+    assert run.wait(timeout=40) == "failed"
+    f = run.failure
+    assert f.rank == 1 and f.source == "stderr"
+    assert "ValueError: bad shard index 7 on rank 1" in f.traceback
+    assert f.log_path and Path(f.log_path).exists()
+    assert "bad shard index" in run.log_tail(1)
+    assert not run_processes(run.run_dir)
+
+
+def test_dead_kernel_leaves_no_orphans(rank_script, tmp_path):
+    """A killed kernel (SIGKILL: no atexit) must not leave the run's processes behind."""
+    kernel = textwrap.dedent(
+        f'''
+        import sys, time
+        from workbench.bridge import Run
+        from workbench.config import preset
+        cfg = preset("tiny").replace(**{{"parallel.nproc_per_node": 2}})
+        run = Run.launch(cfg, run_root={str(tmp_path / "runs")!r}, entry=[{str(rank_script)!r}], env={{"FAKE_MODE": "slow"}})
+        print(run.run_dir, flush=True)
+        time.sleep(600)
+        '''
+    )
+    k = subprocess.Popen([sys.executable, "-c", kernel], stdout=subprocess.PIPE, text=True)
+    try:
+        run_dir = Path(k.stdout.readline().strip())
+        run = Run.attach(run_dir)
+        wait_until(lambda: len(run.events("run_start")) == 2, 40, "both ranks to start")
+        assert len(run_processes(run_dir)) >= 4
+        k.send_signal(signal.SIGKILL)
+        k.wait()
+        wait_until(lambda: not run_processes(run_dir), 15, "the run's processes to go after the kernel died")
+        assert run.status == "stopped"
+        assert run.exit_status["reason"] == "kernel-exited"
+    finally:
+        if k.poll() is None:
+            k.kill()
+            k.wait()
+
+
+def test_invalid_config_refused_before_anything_starts(rank_script, tmp_path):
+    cfg = preset("tiny").replace(**{"parallel.tensor_parallel": 3, "parallel.nproc_per_node": 2})
+    root = tmp_path / "runs"
+    with pytest.raises(ConfigError) as ei:
+        Run.launch(cfg, run_root=root, entry=[str(rank_script)], env={"FAKE_MODE": "ok"})
+    fields = {p.field for p in ei.value.problems}
+    assert "parallel.tensor_parallel" in fields
+    assert not root.exists()
+    cuda = preset("gpt2-small").replace(**{"parallel.device": "cuda"})
+    if not os.path.exists("/dev/nvidia0"):
+        with pytest.raises(ConfigError, match="no NVIDIA GPU"):
+            Run.launch(cuda, run_root=root)
+        assert not root.exists()

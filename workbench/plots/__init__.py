@@ -1,0 +1,1 @@
+"""plots package (import-free marker)."""

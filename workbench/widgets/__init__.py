@@ -1,0 +1,1 @@
+"""widgets package (import-free marker)."""
