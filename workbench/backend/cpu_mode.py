@@ -18,6 +18,8 @@ Patches (all reversible by :func:`disable`, all listed in :data:`PATCHES`):
 - ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> CPU generator state, and megatron's RNG
   tracker ``fork`` -> a no-op context (there is no CUDA generator to fork; dropout then uses
   the CPU generator, which is fine for tests);
+- megatron's ``clip_grad_by_total_norm_fp32`` (asserts CUDA grad tensors) -> the same
+  scaling written for CPU tensors;
 - ``batch_p2p_comm=False`` is set in the TransformerConfig by :mod:`workbench.backend.model`
   (gloo has no batched isend/irecv) -- a config choice, not a patch.
 """
@@ -38,6 +40,7 @@ PATCHES = (
     "torch.cuda.synchronize / current_stream",
     "torch.cuda.get_rng_state / set_rng_state",
     "megatron CudaRNGStatesTracker.fork / add",
+    "megatron clip_grad_by_total_norm_fp32 (asserts CUDA grads)",
 )
 
 _saved: list[tuple[Any, str, Any]] = []
@@ -110,6 +113,25 @@ def enable() -> None:
         self.seeds_.add(seed)
         self.states_[name] = torch.get_rng_state()
 
+    # clip_grad_by_total_norm_fp32 asserts 'torch.cuda.FloatTensor' grads; same maths on CPU.
+    from megatron.core.optimizer import clip_grads as mclip
+    from megatron.core.optimizer import optimizer as moptim
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if isinstance(coeff, torch.Tensor):
+            coeff = coeff.clamp_max(1.0)
+        elif coeff >= 1.0:
+            return
+        for g in grads:
+            g.mul_(coeff)
+
+    _patch(mclip, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+    _patch(moptim, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
     _patch(tracker_cls, "fork", fork)
     _patch(tracker_cls, "add", add)
     _patch(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)

@@ -248,11 +248,21 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
     n1, n2 = _norm_kind(layer.input_layernorm), _norm_kind(layer.pre_mlp_layernorm)
     if n1 is None or n2 is None or n1 != n2:
         return "norm is not the workbench / torch LayerNorm or RMSNorm"
+    if _activation(c) is None:
+        return "activation other than GELU / SwiGLU"
+    return None
+
+
+def _activation(c: Any) -> Optional[str]:
+    """'gelu' | 'gelu_tanh' | 'swiglu' for the activations the dense path implements, else None."""
     act = c.activation_func
-    if c.gated_linear_unit and act is not F.silu:
-        return "gated activation other than SwiGLU"
-    if not c.gated_linear_unit and act is not F.gelu:
-        return "activation other than GELU"
+    if c.gated_linear_unit:
+        return "swiglu" if act is F.silu else None
+    if act is F.gelu:
+        return "gelu_tanh" if c.bias_activation_fusion else "gelu"  # megatron's fused bias-GELU is tanh
+    if isinstance(act, functools.partial) and act.func is F.gelu and not act.args:
+        approx = act.keywords.get("approximate", "none")
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx)
     return None
 
 
@@ -271,10 +281,6 @@ class CompiledTransformerLayer(TransformerLayer):
         if self.fast_path_blocker is None:
             c = self.config
             attn = self.self_attention
-            if c.gated_linear_unit:
-                act = "swiglu"
-            else:
-                act = "gelu_tanh" if c.bias_activation_fusion else "gelu"  # megatron's fused bias-GELU is tanh
             self._static = dict(
                 norm=_norm_kind(self.input_layernorm),
                 eps1=_eps(self.input_layernorm),
@@ -283,7 +289,7 @@ class CompiledTransformerLayer(TransformerLayer):
                 groups=attn.num_query_groups_per_partition,
                 head_dim=attn.hidden_size_per_attention_head,
                 scale=float(getattr(attn.core_attention, "softmax_scale", None) or attn.hidden_size_per_attention_head**-0.5),
-                activation=act,
+                activation=_activation(c),
             )
         self.fast_calls = 0  # observable: how many forwards took the compiled path
 

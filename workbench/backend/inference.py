@@ -175,6 +175,13 @@ class StageRunner:
         if self.position_type not in ("learned_absolute", "rope", "none"):
             raise NotImplementedError(f"generation: position embedding '{self.position_type}' is not supported")
         self._rope_table: Tensor | None = None
+        self.alibi_slopes: Tensor | None = None
+        if getattr(cfg, "workbench_alibi", False):
+            from workbench.backend.attention import alibi_slopes
+
+            tp_rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+            slopes = alibi_slopes(cfg.num_attention_heads)
+            self.alibi_slopes = slopes[tp_rank * self.heads:(tp_rank + 1) * self.heads]
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
 
@@ -183,9 +190,8 @@ class StageRunner:
         """Rotary frequencies for per-sequence positions ``[s, b]`` -> ``[s, b, 1, dim]``."""
         if self.position_type != "rope":
             return None
-        need = int(self.config.max_position_embeddings if hasattr(self.config, "max_position_embeddings") else 0)
         if self._rope_table is None:
-            length = max(need, getattr(self.model, "max_sequence_length", 0) or 0, 1)
+            length = max(int(getattr(self.model, "max_sequence_length", 0) or 0), int(positions.max()) + 1)
             self._rope_table = self.model.rotary_pos_emb(length)[:, 0, 0, :]  # [L, dim]
         return self._rope_table[positions].unsqueeze(2)
 
@@ -207,6 +213,10 @@ class StageRunner:
             rep = self.heads // self.groups
             keys = keys.repeat_interleave(rep, dim=1)
             values = values.repeat_interleave(rep, dim=1)
+        if self.alibi_slopes is not None:  # -slope * (query slot - key slot): slots are positions within a row
+            dist_ = slots.view(1, -1, 1) - torch.arange(kc.shape[2], device=kc.device).view(1, 1, -1)
+            bias = -self.alibi_slopes.to(kc.device).view(-1, 1, 1) * dist_.float()
+            mask = torch.where(mask, 0.0, float("-inf")).to(qb.dtype) + bias.to(qb.dtype)[None]
         ctx = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=self.softmax_scale)
         s, b = x.shape[0], x.shape[1]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
@@ -693,19 +703,21 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     """
     from workbench.backend.checkpointing import find_checkpoint, load_checkpoint, read_metadata
     from workbench.backend.model import build_model
-    from workbench.config import RunConfig, derive
+    from workbench.config import RunConfig
 
     path = find_checkpoint(ckpt)
     meta = read_metadata(path)
     cfg = RunConfig.from_dict(meta["config"])
+    if parallel_state.model_parallel_is_initialized():
+        cfg = cfg.replace(**{"parallel.tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+                             "parallel.pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+                             "parallel.sequence_parallel": False, "parallel.virtual_pipeline_parallel": None,
+                             "parallel.recompute": "none", **({"parallel.device": device} if device else {})})
     pp_rank, pp = _pp_info()
     model = build_model(cfg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
     load_checkpoint(path, [model], load_optimizer=False)
     tok = _load_tokenizer(Path(path), meta)
-    vocab = cfg.model.vocab_size
-    if tok is not None and hasattr(tok, "__len__"):
-        vocab = min(vocab, len(tok)) if len(tok) <= derive(cfg).padded_vocab_size else vocab
-    return InferenceEngine(model, vocab_size=vocab, max_positions=cfg.model.max_position_embeddings,
+    return InferenceEngine(model, vocab_size=cfg.model.vocab_size, max_positions=cfg.model.max_position_embeddings,
                            tokenizer=tok, cuda_graphs=cuda_graphs)
 
 
@@ -727,50 +739,66 @@ def run_request(engine: InferenceEngine, request: dict[str, Any]) -> dict[str, A
             "new_tokens": new_tokens, "tokens_per_s": new_tokens / secs if secs > 0 else None}
 
 
-def _init_parallel(tp: int, pp: int, device: str) -> None:
-    """Initialise torch.distributed + megatron model parallel from torchrun's environment."""
-    try:
-        from workbench.backend.distributed import initialize_inference  # type: ignore
+def _checkpoint_config(ckpt: str | Path):
+    """The RunConfig stored with a checkpoint (``workbench.json``), read without megatron."""
+    from workbench.config import RunConfig
 
-        initialize_inference(tp=tp, pp=pp, device=device)
-        return
-    except ImportError:
-        pass
+    meta_path = None
+    p = Path(ckpt)
+    for cand in [p / "workbench.json"] + sorted(p.glob("iter_*/workbench.json"), reverse=True):
+        if cand.is_file():
+            meta_path = cand
+            break
+    if meta_path is None:
+        from workbench.backend.checkpointing import read_metadata
+
+        return RunConfig.from_dict(read_metadata(ckpt)["config"])
+    return RunConfig.from_dict(json.loads(meta_path.read_text())["config"])
+
+
+def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
+    """Start torch.distributed + megatron model parallel for generating from ``ckpt`` at TP x PP.
+
+    The checkpoint's config gives the architecture; the layout is the caller's (dist
+    checkpoints load at any TP/PP).  Returns the RunConfig used.
+    """
+    from workbench.backend import distributed
+
+    cfg = _checkpoint_config(ckpt)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp * pp:
+        raise SystemExit(f"generation at tp={tp} x pp={pp} needs {tp * pp} processes, torchrun started {world}: "
+                         f"use --nproc-per-node {tp * pp}")
+    overrides = {"parallel.tensor_parallel": tp, "parallel.pipeline_parallel": pp, "parallel.device": device,
+                 "parallel.nnodes": 1, "parallel.nproc_per_node": world, "parallel.sequence_parallel": False,
+                 "parallel.virtual_pipeline_parallel": None, "parallel.recompute": "none"}
+    if device == "cpu" and cfg.train.precision == "fp16":
+        overrides["train.precision"] = "fp32"
+    cfg = cfg.replace(**overrides)
     if not _dist_ready():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo")
-    world = torch.distributed.get_world_size()
-    if world != tp * pp:
-        raise SystemExit(f"generation needs tp*pp = {tp * pp} processes, got {world}: start torchrun with --nproc-per-node {tp * pp}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    distributed.initialize(cfg)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workbench.backend.inference", description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", required=True, help="checkpoint root or iter_XXXXXXX directory")
     ap.add_argument("--request", required=True, help="request JSON: prompts / prompt_ids + generation options")
-    ap.add_argument("--out", required=True, help="where the last pipeline stage's first TP rank writes the results JSON")
-    ap.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: the world size / pp)")
-    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--out", required=True, help="results JSON (written by the last stage's first TP rank)")
+    ap.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: world size / pp)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     args = ap.parse_args(argv)
     request = json.loads(Path(args.request).read_text())
     device = args.device or request.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = args.tp or max(world // args.pp, 1)
-    if device == "cpu":
-        try:
-            from workbench.backend import cpu_mode  # type: ignore
-
-            cpu_mode.enable()
-        except ImportError:
-            pass
-    _init_parallel(tp, args.pp, device)
+    initialize_for_generation(args.ckpt, tp, args.pp, device)
     engine = load_engine(args.ckpt, device=device, cuda_graphs=request.get("cuda_graphs", "auto"))
     result = run_request(engine, request)
     result.update({"tp": tp, "pp": args.pp, "device": device, "ckpt": str(args.ckpt)})
@@ -783,7 +811,9 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, out)
     if _dist_ready():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    from workbench.backend import distributed
+
+    distributed.destroy()
     return 0
 
 

@@ -144,7 +144,7 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=m.activation == "swiglu",
-        activation_func=F.silu if m.activation == "swiglu" else F.gelu,
+        activation_func=F.silu if m.activation == "swiglu" else (partial(F.gelu, approximate="tanh") if getattr(m, "gelu_approximate", "none") == "tanh" else F.gelu),
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_bias_linear,
         hidden_dropout=m.hidden_dropout,

@@ -1,0 +1,497 @@
+"""The training loop every rank runs: megatron-core schedules, DDP, optimizer, events, checkpoints.
+
+``Trainer(cfg, run_dir, hooks=None).run() -> exit code``.  Pieces (all real megatron-core):
+- model chunks from :func:`workbench.backend.model.build_model` (one per virtual pipeline
+  stage), ``Float16Module`` for bf16/fp16, mcore ``DistributedDataParallel`` (fp32 grad
+  reduction by default, optional distributed optimizer / overlap);
+- ``get_megatron_optimizer`` (Adam, grad clipping, dynamic or static fp16 loss scaling) and
+  ``OptimizerParamScheduler`` (linear warmup, then linear / cosine / constant decay,
+  stepped once per iteration);
+- ``get_forward_backward_func()``: no-pipelining, 1F1B, or interleaved 1F1B when VPP > 1,
+  over ``derive(cfg).num_microbatches`` micro-batches;
+- eval every ``train.eval_interval`` iterations (loss, perplexity) on the validation set;
+- checkpoints through :mod:`workbench.backend.checkpointing` (interval, on clean exit and
+  on a graceful stop), resume from ``checkpoint.load_dir`` continuing iteration, LR
+  schedule and data position (``consumed_samples``); ``checkpoint.finetune`` loads weights only;
+- events (:mod:`workbench.events`): run_start, step, microbatch, eval, checkpoint, error, run_end;
+- SIGTERM/SIGINT: the current step finishes, all ranks agree to stop (one tiny all-reduce
+  per step), a checkpoint is saved if ``checkpoint.save_on_exit``, ``run_end`` says
+  "stopped", and the exit code is 143 / 130.  A second signal (or 60 s without reaching
+  a step boundary) exits at once.  Any exception -> ``error`` event, ``run_end`` "failed",
+  exit code 1, so torchrun tears the job down.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from workbench.config import RunConfig, derive
+from workbench.events import EventWriter
+from workbench.hooks import Batch, TrainHooks, default_forward_step, load_hooks
+
+__all__ = ["Trainer", "main"]
+
+STOP_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+def _versions() -> dict[str, str]:
+    import megatron.core
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", "?")}
+    for name in ("transformer_engine", "apex", "transformers"):
+        try:
+            mod = __import__(name)
+            out[name] = getattr(mod, "__version__", "present")
+        except Exception:
+            pass
+    try:
+        import subprocess
+
+        out["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                           cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except Exception:
+        pass
+    return out
+
+
+class Trainer:
+    """One rank's training run. See the module docstring."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, hooks: Optional[TrainHooks] = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.hooks = hooks if hooks is not None else load_hooks(cfg)
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.events = EventWriter(self.run_dir, self.rank)
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.stop_signal: Optional[int] = None
+        self.t0 = time.time()
+        self.last_logits: list[torch.Tensor] = []  # last stage, return_logits: this step's logits per micro-batch
+        self.last_loss: Optional[float] = None
+        self._ended = False
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.module import Float16Module
+
+        from workbench.backend import distributed, timing
+        from workbench.backend.data import MicroBatchStream, build_datasets
+        from workbench.backend.model import build_model, kernel_path, transformer_config
+
+        cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
+        self.coords = distributed.initialize(cfg)
+        self.device = distributed.device(cfg)
+        self.cuda = p.device == "cuda"
+        self.derived = derive(cfg)
+        self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        self.is_logging_rank = self.is_last_stage and self.coords.tp == 0 and self.coords.dp == 0
+
+        tc = transformer_config(cfg)
+        self.tconfig = tc
+        vpp = p.vpp
+        chunks = []
+        for i in range(vpp):
+            vp = i if vpp > 1 else None
+            pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+            post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+            chunks.append(build_model(cfg, pre_process=pre, post_process=post, vp_stage=vp, config=tc))
+        if tc.fp16 or tc.bf16:
+            chunks = [Float16Module(tc, c) for c in chunks]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=t.grad_reduce_in_fp32,
+            overlap_grad_reduce=p.overlap_grad_reduce,
+            overlap_param_gather=p.overlap_param_gather,
+            use_distributed_optimizer=p.distributed_optimizer,
+        )
+        self.model = [DistributedDataParallel(config=tc, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
+                      for i, c in enumerate(chunks)]
+        for m in self.model:
+            m.broadcast_params()
+        self._chunk_of = {id(m): i for i, m in enumerate(self.model)}
+
+        ocfg = OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad, bf16=tc.bf16, fp16=tc.fp16, params_dtype=tc.params_dtype,
+            loss_scale=t.loss_scale, initial_loss_scale=2.0 ** 16,
+            use_distributed_optimizer=p.distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(ocfg, self.model)
+        decay = t.lr_decay_iters or t.train_iters
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
+            lr_decay_steps=decay, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay,
+            wd_incr_steps=decay, wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+        )
+
+        # Megatron's training.py wiring of the schedule callbacks
+        tc.grad_scale_func = self.optimizer.scale_loss
+        tc.finalize_model_grads_func = finalize_model_grads
+        if p.overlap_grad_reduce:
+            tc.no_sync_func = [m.no_sync for m in self.model]
+            tc.no_sync_func = tc.no_sync_func[0] if len(self.model) == 1 else tc.no_sync_func
+            if p.distributed_optimizer and p.overlap_param_gather:
+                pass  # param-gather hooks are installed by the DDP wrapper itself in mcore 0.19
+        self.forward_backward = get_forward_backward_func()
+
+        self.timer = timing.MicrobatchTimer(cuda=self.cuda)
+        timing.install()
+        self.kernel_path = kernel_path(cfg)
+        self.kernel_path["optimizer"] = self._optimizer_path()
+        self.kernel_path["schedule"] = ("interleaved 1F1B" if vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
+
+        self._maybe_load()
+
+        train_ds, valid_ds, self.data_desc = build_datasets(cfg, self.run_dir, log=self._log)
+        self.train_ds, self.valid_ds = train_ds, valid_ds
+        self.train_iters = [MicroBatchStream(train_ds, cfg, self.coords.dp, self.consumed_samples, self.device) for _ in range(vpp)]
+
+    def _optimizer_path(self) -> str:
+        opts = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        names = []
+        for o in opts:
+            inner = getattr(o, "optimizer", None)
+            if inner is None:
+                continue
+            d = inner.defaults if hasattr(inner, "defaults") else {}
+            mode = "fused" if d.get("fused") else ("foreach" if d.get("foreach") or (d.get("foreach") is None and self.cuda) else "for-loop")
+            names.append(f"{type(inner).__module__}.{type(inner).__name__} ({mode}); {type(o).__name__}")
+        return "; ".join(names) or type(self.optimizer).__name__
+
+    def _maybe_load(self) -> None:
+        c = self.cfg.checkpoint
+        if not c.load_dir:
+            return
+        from workbench.backend.checkpointing import load_checkpoint
+
+        meta = load_checkpoint(c.load_dir, self.model, optimizer=None if c.finetune else self.optimizer,
+                               scheduler=None if c.finetune else self.scheduler, load_optimizer=not c.finetune)
+        if c.finetune:
+            self._log(f"[workbench] loaded weights from {meta['path']} (finetune: iteration 0, fresh optimizer)")
+            return
+        self.iteration = int(meta["iteration"])
+        extra = meta.get("extra") or {}
+        self.consumed_samples = int(extra.get("consumed_samples", self.iteration * self.cfg.train.global_batch_size))
+        self._log(f"[workbench] resumed from {meta['path']} at iteration {self.iteration}, consumed_samples {self.consumed_samples}")
+
+    # ------------------------------------------------------------------ steps
+    def _log(self, msg: str) -> None:
+        if self.rank == 0 or getattr(self, "is_logging_rank", False):
+            print(msg, flush=True)
+
+    def _to_batch(self, raw: dict) -> Batch:
+        return Batch(tokens=raw.get("tokens"), labels=raw.get("labels"), loss_mask=raw.get("loss_mask"),
+                     position_ids=raw.get("position_ids"), attention_mask=raw.get("attention_mask"),
+                     extra={k: v for k, v in raw.items() if k not in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")})
+
+    def _make_forward_step(self, train: bool):
+        from megatron.core import tensor_parallel
+
+        hooks = self.hooks
+        fwd = hooks.forward_step or default_forward_step
+        counters = [0] * len(self.model)
+        timer = self.timer if train else None
+        return_logits = hooks.return_logits
+        logits_store = self.last_logits
+
+        def loss_func(batch: Batch, mb: int, chunk: int, output_tensor: torch.Tensor):
+            if return_logits:
+                logits = output_tensor
+                if train:
+                    logits_store.append(logits.detach())
+                batch.logits = logits
+                losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch.labels)
+            else:
+                losses = output_tensor
+            if train and hooks.loss_func is not None:
+                res = hooks.loss_func(batch, losses, **hooks.kwargs)
+                loss, extras = (res if isinstance(res, tuple) else (res, {}))
+                report = {"lm loss": loss.detach().clone().float()}
+                report.update({k: torch.as_tensor(v).detach().float() for k, v in extras.items()})
+                if timer is not None:
+                    timer.remember(loss, mb, chunk)
+                return loss, report
+            mask = batch.loss_mask.reshape(-1).float()
+            loss_sum = torch.sum(losses.reshape(-1).float() * mask)
+            num_tokens = mask.sum().to(torch.int)
+            if timer is not None:
+                timer.remember(loss_sum, mb, chunk)
+            return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])}
+
+        def forward_step(data_iterator, model):
+            chunk = self._chunk_of.get(id(model), 0)
+            mb = counters[chunk]
+            counters[chunk] += 1
+            batch = self._to_batch(next(data_iterator))
+            op = timer.forward_start(mb, chunk) if timer is not None else None
+            if fwd is default_forward_step:
+                out = fwd(batch, model, return_logits=return_logits)
+            else:
+                out = fwd(batch, model, **{**hooks.kwargs, **({"return_logits": True} if return_logits else {})})
+            if timer is not None:
+                timer.forward_end(op, out)
+            return out, partial(loss_func, batch, mb, chunk)
+
+        return forward_step
+
+    def _reduce_loss(self, reports: list[dict]) -> dict[str, float]:
+        """Average the last stage's reported losses across micro-batches and DP ranks (None elsewhere)."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or not reports:
+            return {}
+        out = {}
+        for key in reports[0]:
+            vals = torch.stack([r[key].float().reshape(-1) for r in reports]).to(self.device)
+            if vals.shape[1] == 2:  # [sum, tokens] per micro-batch: token-weighted mean
+                tot = vals.sum(dim=0)
+                dist.all_reduce(tot, group=parallel_state.get_data_parallel_group())
+                out[key] = float(tot[0] / tot[1].clamp(min=1))
+            else:
+                v = vals.mean().reshape(1)
+                dist.all_reduce(v, group=parallel_state.get_data_parallel_group())
+                out[key] = float(v / parallel_state.get_data_parallel_world_size())
+        return out
+
+    def _data_iter(self, its: list):
+        return its if len(its) > 1 else its[0]
+
+    def train_step(self) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        sample = t.microbatch_timing_interval > 0 and (self.iteration + 1) % t.microbatch_timing_interval == 0
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.last_logits.clear()
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.timer.begin_step(sample)
+        reports = self.forward_backward(
+            forward_step_func=self._make_forward_step(train=True),
+            data_iterator=self._data_iter(self.train_iters),
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.derived.num_microbatches,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+        )
+        ops = self.timer.end_step()
+        ok, grad_norm, _zeros = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        losses = self._reduce_loss(reports)
+        if self.cuda:
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - start
+        self.iteration += 1
+        self.consumed_samples += t.global_batch_size
+        return {"losses": losses, "grad_norm": grad_norm, "skipped": not ok, "step_time": step_time, "ops": ops}
+
+    def evaluate(self) -> Optional[dict[str, float]]:
+        from workbench.backend.data import MicroBatchStream
+
+        t = self.cfg.train
+        if t.eval_iters <= 0:
+            return None
+        for m in self.model:
+            m.eval()
+        its = [MicroBatchStream(self.valid_ds, self.cfg, self.coords.dp, 0, self.device) for _ in self.model]
+        reports: list[dict] = []
+        with torch.no_grad():
+            for _ in range(t.eval_iters):
+                reports += self.forward_backward(
+                    forward_step_func=self._make_forward_step(train=False),
+                    data_iterator=self._data_iter(its),
+                    model=self.model if len(self.model) > 1 else self.model[0],
+                    num_microbatches=self.derived.num_microbatches,
+                    seq_length=self.cfg.model.seq_length,
+                    micro_batch_size=t.micro_batch_size,
+                    forward_only=True,
+                )
+        for m in self.model:
+            m.train()
+        losses = self._reduce_loss(reports)
+        if "lm loss" not in losses:
+            return None
+        loss = losses["lm loss"]
+        return {"loss": loss, "ppl": math.exp(min(loss, 80.0))}
+
+    def save(self) -> Path:
+        from workbench.backend.checkpointing import save_checkpoint
+
+        root = Path(self.cfg.checkpoint.save_dir or (self.run_dir / "checkpoints"))
+        t0 = time.time()
+        path = save_checkpoint(root, self.iteration, self.model, self.cfg, optimizer=self.optimizer, scheduler=self.scheduler,
+                               extra={"consumed_samples": self.consumed_samples}, tokenizer=self.cfg.data.tokenizer)
+        self.events.emit("checkpoint", iteration=self.iteration, path=str(path), seconds=time.time() - t0)
+        self._log(f"[workbench] saved checkpoint {path}")
+        return path
+
+    # ------------------------------------------------------------------ signals
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, _frame):
+            if self.stop_signal is not None:  # second signal: leave now
+                self._end("stopped", STOP_CODES.get(signum, 1))
+                os._exit(STOP_CODES.get(signum, 1))
+            self.stop_signal = signum
+            print(f"[workbench] rank {self.rank}: received signal {signum}; stopping after this step", file=sys.stderr, flush=True)
+
+            def watchdog():
+                time.sleep(60)
+                self._end("stopped", STOP_CODES.get(signum, 1))
+                os._exit(STOP_CODES.get(signum, 1))
+
+            threading.Thread(target=watchdog, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def _agree_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop_signal is not None else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and self.stop_signal is None:
+            self.stop_signal = signal.SIGTERM  # another rank was signalled
+        return flag.item() > 0
+
+    def _end(self, status: str, code: int) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            self.events.emit("run_end", status=status, iteration=self.iteration, seconds=time.time() - self.t0, exit_code=code)
+            self.events.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> int:
+        """Set up, train, evaluate, checkpoint. Returns the process exit code."""
+        self._install_signals()
+        try:
+            self.setup()
+            return self._loop()
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the event stream
+            tb = traceback.format_exc()
+            print(tb, file=sys.stderr, flush=True)
+            try:
+                self.events.emit("error", message=str(e), traceback=tb, exception=type(e).__name__)
+            except Exception:
+                pass
+            self._end("failed", 1)
+            return 1
+
+    def _loop(self) -> int:
+        from tqdm import tqdm
+
+        from workbench.backend.metrics import memory_stats, peak_tflops
+
+        cfg, t, c = self.cfg, self.cfg.train, self.cfg.checkpoint
+        dev_name = torch.cuda.get_device_name() if self.cuda else f"cpu ({platform.processor() or platform.machine()})"
+        self.events.emit(
+            "run_start", config=cfg.to_dict(), versions=_versions(), device=dev_name, hostname=socket.gethostname(),
+            world_size=self.coords.world_size, coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp},
+            kernel_path=self.kernel_path, data=self.data_desc, start_iteration=self.iteration,
+        )
+        peak = peak_tflops(dev_name, t.precision, t.peak_tflops) if self.cuda else t.peak_tflops
+        flops = self.derived.flops_per_step
+        tokens = self.derived.tokens_per_step
+        world = self.coords.world_size
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        bar = tqdm(total=t.train_iters, initial=self.iteration, desc="train", disable=not self.is_logging_rank,
+                   mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
+        saved_at = -1
+        while self.iteration < t.train_iters:
+            res = self.train_step()
+            it = self.iteration
+            loss = res["losses"].get("lm loss")
+            self.last_loss = loss
+            if it % t.log_interval == 0 or it == t.train_iters:
+                tflops = flops / res["step_time"] / world / 1e12
+                self.events.emit(
+                    "step", iteration=it, loss=loss, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
+                    grad_norm=None if res["grad_norm"] is None else float(res["grad_norm"]), skipped=res["skipped"],
+                    step_time=res["step_time"], tokens_per_s=tokens / res["step_time"], tflops_per_gpu=tflops,
+                    mfu=(tflops / peak) if peak else None, consumed_samples=self.consumed_samples,
+                    **{k: v for k, v in res["losses"].items() if k != "lm loss"}, **memory_stats(self.cuda),
+                )
+            if res["ops"]:
+                self.events.emit("microbatch", iteration=it, ops=res["ops"], pp_rank=self.coords.pp,
+                                 num_microbatches=self.derived.num_microbatches, num_chunks=len(self.model))
+            bar.update(1)
+            if loss is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            if t.eval_interval and it % t.eval_interval == 0:
+                ev = self.evaluate()
+                if ev is not None:
+                    self.events.emit("eval", iteration=it, **ev)
+                    self._log(f"[workbench] eval @ {it}: loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
+            if c.save_interval and it % c.save_interval == 0:
+                self.save()
+                saved_at = it
+            if self._agree_stop():
+                code = STOP_CODES.get(self.stop_signal, 143)
+                if c.save_on_exit and saved_at != it:
+                    self.save()
+                bar.close()
+                self._end("stopped", code)
+                return code
+        bar.close()
+        if c.save_on_exit and saved_at != self.iteration:
+            self.save()
+        self._end("finished", 0)
+        return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m workbench.backend --config RUN.json --run-dir DIR`` (under torchrun)."""
+    import argparse
+
+    from workbench.config import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(prog="python -m workbench.backend", description="Workbench training backend (one rank; start with torchrun).")
+    ap.add_argument("--config", required=True, help="RunConfig JSON/YAML")
+    ap.add_argument("--run-dir", required=True, help="run directory (events/, checkpoints/, exit_status.json)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        cfg.check()
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg, args.run_dir)
+    code = trainer.run()
+    if code == 1:
+        # another rank may be blocked in a collective; do not wait for process-group teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    from workbench.backend import distributed
+
+    distributed.destroy()
+    return code
