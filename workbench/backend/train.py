@@ -137,6 +137,12 @@ class Trainer:
             use_distributed_optimizer=p.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
+        # [perf hook] compiled cross-entropy, foreach multi-tensor ops, fused AdamW (no-ops unless
+        # train.compile_kernels on CUDA); see workbench.backend.fusions
+        from workbench.backend import fusions
+
+        fusions.prepare_model(self.model, cfg)
+        fusions.prepare_optimizer(self.optimizer, cfg)
         decay = t.lr_decay_iters or t.train_iters
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
@@ -159,6 +165,7 @@ class Trainer:
         timing.install()
         self.kernel_path = kernel_path(cfg)
         self.kernel_path["optimizer"] = self._optimizer_path()
+        self.kernel_path.update({f"fast_{k}": v for k, v in fusions.summary().items()})  # [perf hook]
         self.kernel_path["schedule"] = ("interleaved 1F1B" if vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
 
         self._maybe_load()
