@@ -455,6 +455,7 @@ def use_fused_adam(optimizer: Any) -> int:
             switched += 1
         if switched:
             opt._step_supports_amp_scaling = True
+            opt.defaults["fused"], opt.defaults["foreach"] = True, False
     if switched:
         _STATE["optimizer"] = "torch fused AdamW (torch._fused_adamw_)"
     return switched

@@ -1,0 +1,545 @@
+"""Training throughput: the workbench backend vs a compiled plain-PyTorch GPT, side by side.
+
+One launch runs every variant that fits the GPUs present, each in its own ``torchrun``
+process group (fresh CUDA context, fresh compile caches, no memory left over from the
+previous variant), then prints one table and appends one JSON line per variant to
+``--out`` (default ``bench/results/train_throughput.jsonl``) with device name, date and git
+commit.
+
+Variants (``--variants`` picks a subset by name):
+
+==================  ====  ==============================================================
+name                GPUs  what runs
+==================  ====  ==============================================================
+reference           1     bench/reference_gpt.py: SDPA, fused AdamW, torch.compile, bf16 autocast
+workbench           1     the backend's train step, default kernels (SDPA + workbench fusions)
+workbench-eager     1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
+workbench-local     1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
+workbench-te        1     Transformer Engine spec (only when transformer_engine is importable)
+dp2                 2     workbench, data parallel 2 (grad-reduce overlap on)
+dp2-distopt         2     dp2 + distributed optimizer (param-gather overlap on)
+tp2-large           2     GPT-2 large, tensor parallel 2 (+ its 1-GPU baseline ``large-1gpu``)
+pp2-m8              2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
+==================  ====  ==============================================================
+
+Per variant: tokens/s, MFU (Megatron's formula via ``derive(cfg).flops_per_step`` over
+``--peak-tflops`` per GPU, 989 by default), peak memory, ratio to the reference of the same
+model, and (workbench variants) the cost of the event stream (micro-batch timing on every
+step vs off).  ``--profile`` adds a torch-profiler summary (top kernels, time by category)
+for the reference and the default workbench variant.
+
+``--quick``: fewer steps.  ``--cpu-smoke``: tiny config, 2 steps, on CPU (CI tests the script).
+
+Run on a GPU machine from the repository root::
+
+    python bench/train_throughput.py --quick --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "train_throughput.jsonl"
+PEAK_TFLOPS = 989.0
+
+#: model -> micro-batch size (the issue's anchors: GPT-2 small mbs 16, medium mbs 8)
+MODELS = {"gpt2-small": 16, "gpt2-medium": 8, "gpt2-large": 8}
+
+
+@dataclass
+class Variant:
+    """One benchmark row: what to build and how many GPUs it takes."""
+
+    name: str
+    kind: str  # "reference" | "workbench"
+    model: str
+    gpus: int = 1
+    microbatches: int = 4  # per data-parallel rank and step
+    overrides: dict[str, Any] = field(default_factory=dict)  # dotted RunConfig overrides
+    baseline: Optional[str] = None  # row this one is compared against (scaling), same model
+
+
+def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list[Variant]:
+    """Every variant that fits ``gpus`` GPUs, single-GPU rows first."""
+    rows: list[Variant] = []
+    for m in models:
+        rows.append(Variant(f"reference/{m}", "reference", m, microbatches=microbatches))
+        rows.append(Variant(f"workbench/{m}", "workbench", m, microbatches=microbatches))
+        rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,
+                            overrides={"train.compile_kernels": False}))
+        rows.append(Variant(f"workbench-local/{m}", "workbench", m, microbatches=microbatches,
+                            overrides={"train.compile_kernels": False, "model.attention_backend": "local"}))
+        if have_te:
+            rows.append(Variant(f"workbench-te/{m}", "workbench", m, microbatches=microbatches,
+                                overrides={"model.attention_backend": "te"}))
+    if gpus >= 2:
+        for m in models:
+            base = f"workbench/{m}"
+            rows.append(Variant(f"dp2/{m}", "workbench", m, gpus=2, microbatches=microbatches, baseline=base,
+                                overrides={"parallel.overlap_grad_reduce": True}))
+            rows.append(Variant(f"dp2-distopt/{m}", "workbench", m, gpus=2, microbatches=microbatches, baseline=base,
+                                overrides={"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
+                                           "parallel.overlap_param_gather": True}))
+        rows.append(Variant("large-1gpu/gpt2-large", "workbench", "gpt2-large", microbatches=microbatches))
+        rows.append(Variant("tp2/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
+                            baseline="large-1gpu/gpt2-large", overrides={"parallel.tensor_parallel": 2}))
+        if "gpt2-medium" in models:
+            rows.append(Variant("pp2-m8/gpt2-medium", "workbench", "gpt2-medium", gpus=2, microbatches=8,
+                                baseline="pp1-m8/gpt2-medium", overrides={"parallel.pipeline_parallel": 2}))
+            rows.append(Variant("pp1-m8/gpt2-medium", "workbench", "gpt2-medium", microbatches=8))
+    return rows
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def bench_config(v: Variant, cpu_smoke: bool = False):
+    """The RunConfig a variant trains (the reference reads the same config)."""
+    from workbench.config import preset
+
+    if cpu_smoke:
+        cfg = preset("tiny")
+        mbs = cfg.train.micro_batch_size
+        over = {"train.compile_kernels": False}
+    else:
+        cfg = preset(v.model)
+        mbs = MODELS[v.model]
+        over = {"model.seq_length": 1024, "train.precision": "bf16", "parallel.device": "cuda"}
+    tp = int(v.overrides.get("parallel.tensor_parallel", 1))
+    pp = int(v.overrides.get("parallel.pipeline_parallel", 1))
+    dp = max(v.gpus // (tp * pp), 1)
+    over.update({
+        "train.micro_batch_size": mbs,
+        "train.global_batch_size": mbs * dp * v.microbatches,
+        "train.eval_interval": 0,
+        "train.train_iters": 10_000,
+        "train.lr_warmup_iters": 0,
+        "train.lr_decay_style": "constant",
+        "parallel.nproc_per_node": v.gpus,
+        "data.source": "synthetic",
+        "checkpoint.save_on_exit": False,
+    })
+    over.update({k: val for k, val in v.overrides.items()})
+    return cfg.replace(**over)
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _profile_summary(prof: Any, steps: int, top: int = 15) -> dict[str, Any]:
+    """Top kernels by device time and device time by category, per step."""
+    events = prof.key_averages()
+    rows = []
+    for e in events:
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0)
+        if dev and dev > 0:
+            rows.append((e.key, float(dev) / 1000.0 / steps, int(e.count) // steps))
+    total = sum(r[1] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r[1])
+
+    def category(name: str) -> str:
+        n = name.lower()
+        if "nccl" in n:
+            return "communication"
+        if any(k in n for k in ("flash", "fmha", "attention", "sdpa")):
+            return "attention"
+        if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul", "sm90", "cublas")):
+            return "gemm"
+        if "adam" in n or "foreach" in n or "multi_tensor" in n:
+            return "optimizer / multi-tensor"
+        if n.startswith("triton") or "triton" in n:
+            return "compiled (triton) fused"
+        if "memcpy" in n or "memset" in n:
+            return "memcpy/memset"
+        if any(k in n for k in ("layer_norm", "layernorm", "softmax", "cross_entropy", "nll", "log_softmax")):
+            return "norm / softmax / loss (eager)"
+        return "other element-wise (eager)"
+
+    by_cat: dict[str, float] = {}
+    for name, ms, _ in rows:
+        by_cat[category(name)] = by_cat.get(category(name), 0.0) + ms
+    return {
+        "device_ms_per_step": round(total, 3),
+        "by_category_ms": {k: round(v, 3) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:120], "ms_per_step": round(ms, 3), "calls_per_step": c,
+                         "share": round(ms / total, 4)} for n, ms, c in rows[:top]],
+        "kernels_per_step": sum(c for _, _, c in rows),
+    }
+
+
+def _time_steps(step_fn, n: int, cuda: bool) -> list[float]:
+    times = []
+    for _ in range(n):
+        _sync(cuda)
+        t0 = time.perf_counter()
+        step_fn()
+        _sync(cuda)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _maybe_profile(step_fn, cuda: bool, want: bool, steps: int = 3) -> Optional[dict]:
+    if not (want and cuda):
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+    return _profile_summary(prof, steps)
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else float("nan")
+
+
+def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from bench.reference_gpt import ReferenceTrainer
+
+    cfg = bench_config(v, a.cpu_smoke)
+    cuda = not a.cpu_smoke
+    dev = "cuda" if cuda else "cpu"
+    trainer = ReferenceTrainer(cfg, device=dev, compile=cuda and not a.no_compile_reference)
+    mbs, s, vocab = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(0)
+    pool = [torch.randint(0, vocab, (mbs, s + 1), generator=g) for _ in range(8)]
+    pool = [(t[:, :-1].contiguous().to(dev), t[:, 1:].contiguous().to(dev)) for t in pool]
+    k = trainer.num_microbatches
+    state = {"i": 0}
+
+    def step() -> float:
+        i = state["i"]
+        state["i"] += 1
+        return trainer.step([pool[(i * k + j) % len(pool)] for j in range(k)])
+
+    t_warm = time.perf_counter()
+    losses = [step() for _ in range(a.warmup)]
+    warmup_s = time.perf_counter() - t_warm
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = _time_steps(step, a.steps, cuda)
+    prof = _maybe_profile(step, cuda, a.profile and v.model == a.profile_model)
+    return {
+        "step_times": times,
+        "warmup_s": warmup_s,
+        "first_loss": losses[0] if losses else None,
+        "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None,
+        "profile": prof,
+        "kernel_path": {"attention": "torch SDPA", "optimizer": "torch fused AdamW" if cuda else "torch AdamW",
+                        "compile": "torch.compile(whole model)" if cuda and not a.no_compile_reference else "eager"},
+    }
+
+
+def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
+    """Train with the backend's own Trainer (real mcore model, DDP, Megatron optimizer, schedules)."""
+    import torch
+
+    from workbench.backend.train import Trainer
+
+    cfg = bench_config(v, a.cpu_smoke)
+    cuda = not a.cpu_smoke
+    run_dir = Path(tempfile.mkdtemp(prefix="wb-bench-"))
+    tr = Trainer(cfg, run_dir)
+    tr.setup()
+    t = tr.cfg.train
+    t.microbatch_timing_interval = 0  # the timed steps: no micro-batch timing, no events
+    t_warm = time.perf_counter()
+    first = tr.train_step()
+    for _ in range(max(a.warmup - 1, 0)):
+        tr.train_step()
+    warmup_s = time.perf_counter() - t_warm
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = _time_steps(tr.train_step, a.steps, cuda)
+    mem_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
+    stream = None
+    if not a.no_stream_cost:
+        # The event stream's own cost: the Trainer's full loop (step + microbatch events every
+        # step, micro-batch CUDA-event timing every step, the per-step stop agreement) against
+        # bare train steps with timing off.  An upper bound on what monitoring costs.
+        n = max(a.steps, 4)
+        t.microbatch_timing_interval, t.log_interval = 1, 1
+        t.eval_interval, t.train_iters = 0, tr.iteration + n
+        tr.cfg.checkpoint.save_on_exit, tr.cfg.checkpoint.save_interval = False, 0
+        _sync(cuda)
+        t0 = time.perf_counter()
+        tr._loop()
+        _sync(cuda)
+        on = (time.perf_counter() - t0) / n
+        t.microbatch_timing_interval = 0
+        off = _median(_time_steps(tr.train_step, n, cuda))
+        stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0}
+    prof = _maybe_profile(tr.train_step, cuda, a.profile and v.model == a.profile_model and v.name.startswith("workbench/"))
+    losses = first.get("losses") or {}
+    return {
+        "step_times": times,
+        "warmup_s": warmup_s,
+        "first_loss": losses.get("lm loss"),
+        "mem_peak": mem_peak,
+        "stream_cost": stream,
+        "profile": prof,
+        "kernel_path": tr.kernel_path,
+    }
+
+
+def worker(a: argparse.Namespace) -> int:
+    v = Variant(**json.loads(a.worker))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        res = run_reference(v, a) if v.kind == "reference" else run_workbench(v, a)
+        res["ok"] = True
+    except Exception as e:  # the row records the failure; the launch goes on with the next variant
+        import traceback
+
+        traceback.print_exc()
+        res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    if rank == 0 and a.result_file:
+        Path(a.result_file).write_text(json.dumps(res, default=str))
+    return 0 if res["ok"] else 1
+
+
+# --------------------------------------------------------------------------- launcher side
+
+
+def _device_name(cpu_smoke: bool) -> str:
+    if cpu_smoke:
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="wb-bench-") as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={v.gpus}",
+               str(Path(__file__).resolve()), "--worker", json.dumps(asdict(v)), "--result-file", str(result), *passthrough]
+        env = dict(os.environ)
+        env.setdefault("PYTHONPATH", "")
+        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}".rstrip(os.pathsep)
+        env.setdefault("OMP_NUM_THREADS", "1" if a.cpu_smoke else "8")
+        env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=a.variant_timeout, capture_output=True, text=True)
+            rc = proc.returncode
+            tail = (proc.stdout + proc.stderr)[-3000:]
+        except subprocess.TimeoutExpired as e:
+            rc, tail = 124, f"timed out after {a.variant_timeout}s"
+        wall = time.perf_counter() - t0
+        if result.exists():
+            res = json.loads(result.read_text())
+        else:
+            res = {"ok": False, "error": f"worker exited {rc} without a result"}
+        if not res.get("ok"):
+            res["log_tail"] = tail
+        res["wall_s"] = round(wall, 1)
+        return res
+
+
+def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> dict[str, Any]:
+    from workbench.config import derive
+
+    d = derive(cfg)
+    row: dict[str, Any] = {"variant": v.name, "kind": v.kind, "model": v.model, "gpus": v.gpus,
+                           "tp": cfg.parallel.tensor_parallel, "pp": cfg.parallel.pipeline_parallel,
+                           "dp": d.data_parallel, "micro_batch_size": cfg.train.micro_batch_size,
+                           "microbatches": d.num_microbatches, "global_batch_size": cfg.train.global_batch_size,
+                           "seq_length": cfg.model.seq_length, "tokens_per_step": d.tokens_per_step,
+                           "overrides": v.overrides, "ok": bool(res.get("ok")), "wall_s": res.get("wall_s")}
+    if not res.get("ok"):
+        row["error"] = res.get("error")
+        row["log_tail"] = res.get("log_tail")
+        return row
+    step_s = _median(res["step_times"])
+    row.update({
+        "step_s": step_s,
+        "step_s_min": min(res["step_times"]),
+        "steps_timed": len(res["step_times"]),
+        "tokens_per_s": d.tokens_per_step / step_s,
+        "flops_per_step": d.flops_per_step,
+        "tflops_per_gpu": d.flops_per_step / step_s / v.gpus / 1e12,
+        "mfu": d.flops_per_step / step_s / v.gpus / (peak * 1e12),
+        "mem_peak_gib": (res["mem_peak"] / 2**30) if res.get("mem_peak") else None,
+        "warmup_s": res.get("warmup_s"),
+        "first_loss": res.get("first_loss"),
+        "kernel_path": res.get("kernel_path"),
+    })
+    if res.get("stream_cost"):
+        row["event_stream_overhead"] = res["stream_cost"]["overhead"]
+        row["stream_cost"] = res["stream_cost"]
+    if res.get("profile"):
+        row["profile"] = res["profile"]
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    by_name = {r["variant"]: r for r in rows}
+    hdr = f"{'variant':28s} {'gpus':>4s} {'tok/s':>10s} {'MFU':>6s} {'mem GiB':>8s} {'vs ref':>7s} {'scaling':>8s} {'events':>7s}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if not r["ok"]:
+            print(f"{r['variant']:28s} {r['gpus']:>4d}  FAILED: {str(r.get('error'))[:80]}")
+            continue
+        ref = by_name.get(f"reference/{r['model']}")
+        vs = r["tokens_per_s"] / ref["tokens_per_s"] if ref and ref.get("ok") else None
+        r["ratio_to_reference"] = vs
+        sc = r.get("scaling")
+        ev = r.get("event_stream_overhead")
+        print(f"{r['variant']:28s} {r['gpus']:>4d} {r['tokens_per_s']:>10.0f} {r['mfu'] * 100:>5.1f}% "
+              f"{(r['mem_peak_gib'] or 0):>8.2f} {('%.2fx' % vs) if vs else '-':>7s} {('%.2fx' % sc) if sc else '-':>8s} "
+              f"{('%+.1f%%' % (ev * 100)) if ev is not None else '-':>7s}")
+
+
+def add_scaling(rows: list[dict[str, Any]], variants: list[Variant]) -> None:
+    """Speed-up over the variant's single-GPU baseline, and the target it is judged against."""
+    by_name = {r["variant"]: r for r in rows}
+    for v in variants:
+        r = by_name.get(v.name)
+        base = by_name.get(v.baseline or "")
+        if not (r and base and r["ok"] and base["ok"]):
+            continue
+        r["scaling"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if v.name.startswith("pp2"):
+            m, p = r["microbatches"], r["pp"]
+            ideal = p * m / (m + p - 1)  # 1F1B with bubble (p-1)/m relative to the work
+            r["scaling_ideal"] = ideal
+            r["scaling_vs_ideal"] = r["scaling"] / ideal
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short run: 3 warm-up + 6 timed steps")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny config, 2 steps, on CPU (for CI)")
+    ap.add_argument("--models", default="gpt2-small,gpt2-medium", help="comma list of gpt2-small, gpt2-medium, gpt2-large")
+    ap.add_argument("--variants", default="", help="comma list of variant-name prefixes to run (default: all that fit)")
+    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step and data-parallel rank")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (compile, allocator)")
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="peak dense TFLOP/s per GPU for MFU (default 989)")
+    ap.add_argument("--profile", action="store_true", help="torch-profiler summary for the reference and default workbench")
+    ap.add_argument("--profile-model", default="gpt2-small")
+    ap.add_argument("--no-stream-cost", action="store_true", help="skip the event-stream cost measurement")
+    ap.add_argument("--no-compile-reference", action="store_true", help="run the reference eagerly")
+    ap.add_argument("--variant-timeout", type=float, default=900.0, help="seconds before a variant is abandoned")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON-lines file to append results to")
+    ap.add_argument("--gpus", type=int, default=None, help="use at most this many GPUs (default: all visible)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.cpu_smoke:
+        a.steps = a.steps or 2
+        a.warmup = a.warmup if a.warmup is not None else 1
+        a.microbatches = 2
+        a.no_stream_cost = True
+    elif a.quick:
+        a.steps = a.steps or 6
+        a.warmup = a.warmup if a.warmup is not None else 3
+    else:
+        a.steps = a.steps or 20
+        a.warmup = a.warmup if a.warmup is not None else 5
+    if a.steps < 1 or a.warmup < 0 or a.microbatches < 1:
+        ap.error("--steps must be >= 1, --warmup >= 0, --microbatches >= 1")
+
+    if a.worker:
+        return worker(a)
+
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    if a.cpu_smoke:
+        gpus, have_te = 0, False
+        variants = [Variant("reference/tiny", "reference", "tiny", microbatches=a.microbatches),
+                    Variant("workbench/tiny", "workbench", "tiny", microbatches=a.microbatches)]
+    else:
+        import importlib.util
+
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("no CUDA GPU visible: run on a GPU machine, or use --cpu-smoke")
+        gpus = torch.cuda.device_count() if a.gpus is None else min(a.gpus, torch.cuda.device_count())
+        have_te = importlib.util.find_spec("transformer_engine") is not None
+        variants = plan(models, gpus, have_te, a.microbatches)
+    if a.variants:
+        wanted = [w.strip() for w in a.variants.split(",") if w.strip()]
+        variants = [v for v in variants if any(v.name.startswith(w) for w in wanted)]
+        if not variants:
+            ap.error(f"--variants {a.variants!r} matches nothing")
+
+    passthrough = [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--profile-model={a.profile_model}"]
+    for flag in ("cpu_smoke", "profile", "no_stream_cost", "no_compile_reference"):
+        if getattr(a, flag):
+            passthrough.append("--" + flag.replace("_", "-"))
+
+    device = _device_name(a.cpu_smoke)
+    commit, date = _git_commit(), _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    rows = []
+    for v in variants:
+        print(f"[bench] {v.name} on {v.gpus or 'cpu'} GPU(s) ...", flush=True)
+        res = _launch(v, a, passthrough)
+        cfg = bench_config(v, a.cpu_smoke)
+        row = summarise(v, res, cfg, a.peak_tflops, gpus)
+        row.update({"device": device, "date": date, "git_commit": commit, "peak_tflops": a.peak_tflops,
+                    "quick": bool(a.quick), "cpu_smoke": bool(a.cpu_smoke)})
+        rows.append(row)
+        if not row["ok"]:
+            print(f"[bench] {v.name} FAILED: {row.get('error')}\n{row.get('log_tail', '')}", flush=True)
+    add_scaling(rows, variants)
+    print()
+    print(f"device: {device}   commit: {commit[:10]}   peak: {a.peak_tflops:g} TFLOP/s per GPU")
+    print_table(rows)
+    for r in rows:
+        if r.get("profile"):
+            p = r["profile"]
+            print(f"\nprofile {r['variant']}: {p['device_ms_per_step']:.1f} ms device time/step, {p['kernels_per_step']} kernels/step")
+            for cat, ms in p["by_category_ms"].items():
+                print(f"  {cat:34s} {ms:8.2f} ms")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as fh:
+        for r in rows:
+            fh.write(json.dumps(r, default=str) + "\n")
+    print(f"\n[bench] {len(rows)} rows appended to {out}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
