@@ -69,7 +69,11 @@ class PreprocessSummary:
 
 def token_dtype(vocab_size: int):
     """megatron-core's choice: uint16 when the vocabulary fits, else int32."""
-    from megatron.core.datasets.indexed_dataset import DType
+    import warnings
+
+    with warnings.catch_warnings():  # megatron-core's import warns about missing TE / apex
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import DType
 
     return DType.optimal_dtype(vocab_size)
 
@@ -142,9 +146,9 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
     out_dir = Path(prefix).parent
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    dtype = token_dtype(tok.vocab_size)
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    dtype = token_dtype(tok.vocab_size)
     bin_final, idx_final, side_final = prefix + ".bin", prefix + ".idx", str(Path(prefix + ".workbench.json"))
     bin_tmp, idx_tmp, side_tmp = _tmp(bin_final), _tmp(idx_final), _tmp(side_final)
     stats = ReadStats()
