@@ -22,27 +22,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_model_parallel(tp: int = 1, pp: int = 1) -> bool:
-    """Initialise a 1-process gloo world + megatron model parallel; True if we did it."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+def gpt2_run_config(tp: int = 1, pp: int = 1, **overrides):
+    """The workbench RunConfig of the test GPT-2 (CPU, fp32)."""
+    from workbench.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 
-    created = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        created = True
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    return created
+    cfg = RunConfig(
+        name="gen-test",
+        model=ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                          make_vocab_size_divisible_by=128, max_position_embeddings=POSITIONS, seq_length=64,
+                          attention_backend="sdpa"),
+        parallel=ParallelConfig(device="cpu", tensor_parallel=tp, pipeline_parallel=pp, nproc_per_node=tp * pp),
+        train=TrainConfig(precision="fp32", compile_kernels=False, micro_batch_size=1, global_batch_size=1),
+        data=DataConfig(source="synthetic", tokenizer="demo"),
+    )
+    return cfg.replace(**overrides) if overrides else cfg
 
 
-def teardown_model_parallel() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+def init_single_process(cfg) -> bool:
+    """1-process gloo world + megatron parallel state via the backend's test initialiser.
 
-    ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    Returns whether cpu_mode was already enabled (so teardown leaves it as found)."""
+    from workbench.backend import cpu_mode, distributed
+
+    was = cpu_mode.enabled()
+    distributed.destroy()
+    distributed.initialize_for_tests(cfg, port=free_port())
+    return was
+
+
+def teardown_single_process(cpu_mode_was_enabled: bool) -> None:
+    from workbench.backend import cpu_mode, distributed
+
+    distributed.destroy()
+    if not cpu_mode_was_enabled:
+        cpu_mode.disable()
 
 
 def hf_gpt2(seed: int = 0, init_range: float = 0.2):
@@ -57,18 +70,11 @@ def hf_gpt2(seed: int = 0, init_range: float = 0.2):
     return model
 
 
-def mcore_gpt(pre_process: bool = True, post_process: bool = True):
-    """A stock megatron-core GPTModel (local spec, CPU init) with GPT-2's layout."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def workbench_gpt(cfg, pre_process: bool = True, post_process: bool = True):
+    """The model the workbench trains (its layer spec, SDPA core attention), built for this rank."""
+    from workbench.backend.model import build_model
 
-    cfg = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                            layernorm_epsilon=1e-5, params_dtype=torch.float32)
-    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=PADDED_VOCAB, max_sequence_length=POSITIONS,
-                    pre_process=pre_process, post_process=post_process,
-                    share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute").eval()
+    return build_model(cfg, pre_process=pre_process, post_process=post_process).eval()
 
 
 def hf_to_mcore_state(hf_model) -> dict[str, torch.Tensor]:

@@ -468,7 +468,7 @@ class InferenceEngine:
     """
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, max_positions: int,
-                 tokenizer: Any = None, eos_id: int | None = None, pad_id: int | None = None,
+                 tokenizer: Any = None, eos_id: int | None = None, pad_id: int | None = None, bos_id: int | None = None,
                  cuda_graphs: bool | str = "auto", sync_interval: int = 16):
         model.eval()
         self.model = model
@@ -479,6 +479,7 @@ class InferenceEngine:
         if eos_id is None and tokenizer is not None:
             eos_id = getattr(tokenizer, "eos_token_id", None)
         self.eos_id = eos_id
+        self.bos_id = bos_id if bos_id is not None else getattr(tokenizer, "bos_token_id", None)
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
         self.device = self.runner.device
         tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
@@ -505,8 +506,7 @@ class InferenceEngine:
             raise ConfigError(problems)
         prompts = [list(p) for p in prompts]
         if gen.add_bos:
-            bos = getattr(self.tokenizer, "bos_token_id", None) if self.tokenizer is not None else None
-            bos = bos if bos is not None else self.eos_id
+            bos = self.bos_id if self.bos_id is not None else self.eos_id
             if bos is None:
                 raise ValueError("add_bos: the tokenizer has no BOS (or EOS) token id")
             prompts = [[bos] + p for p in prompts]
@@ -671,28 +671,11 @@ class InferenceEngine:
 # --------------------------------------------------------------------------- from a checkpoint
 
 
-def _load_tokenizer(ckpt_dir: Path, meta: dict[str, Any]):
-    """The tokenizer recorded with the checkpoint (data helper's loader when present, else HF)."""
-    spec = meta.get("tokenizer")
-    candidates = []
-    if spec:
-        candidates.append(spec)
-    for d in (ckpt_dir, ckpt_dir.parent):
-        if (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists():
-            candidates.append(str(d))
-    if not candidates:
-        return None
-    spec = candidates[0]
-    try:
-        from workbench.data.tokenizer import load_tokenizer  # type: ignore
+def _load_tokenizer(path: Path):
+    """The checkpoint's tokenizer (files next to it, its recorded spec, or the run's data.tokenizer)."""
+    from workbench.generation import checkpoint_info, resolve_tokenizer
 
-        return load_tokenizer(spec)
-    except ImportError:
-        pass
-    from transformers import AutoTokenizer
-
-    path = spec.get("path") if isinstance(spec, dict) else spec
-    return AutoTokenizer.from_pretrained(str(path))
+    return resolve_tokenizer(checkpoint_info(path))
 
 
 def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: bool | str = "auto") -> InferenceEngine:
@@ -716,9 +699,12 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     pp_rank, pp = _pp_info()
     model = build_model(cfg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
     load_checkpoint(path, [model], load_optimizer=False)
-    tok = _load_tokenizer(Path(path), meta)
+    from workbench.generation import special_ids
+
+    tok = _load_tokenizer(Path(path))
+    ids = special_ids(tok)
     return InferenceEngine(model, vocab_size=cfg.model.vocab_size, max_positions=cfg.model.max_position_embeddings,
-                           tokenizer=tok, cuda_graphs=cuda_graphs)
+                           tokenizer=tok, eos_id=ids["eos"], bos_id=ids["bos"], pad_id=ids["pad"], cuda_graphs=cuda_graphs)
 
 
 def run_request(engine: InferenceEngine, request: dict[str, Any]) -> dict[str, Any]:

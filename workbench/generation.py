@@ -1,0 +1,306 @@
+"""Text generation from workbench checkpoints: the light, notebook-side API and ``workbench generate``.
+
+Everything here checks the request *before* any GPU process starts -- decoding options
+through :meth:`workbench.config.GenerationConfig.validate`, then the prompts against the
+checkpoint's tokenizer and ``max_position_embeddings`` -- and only then starts one process
+per rank with torchrun, exactly like training::
+
+    torchrun --standalone --nproc-per-node TP*PP -m workbench.backend.inference \\
+        --ckpt DIR --request REQ.json --out OUT.json --tp TP --pp PP
+
+(a single CPU/GPU process is started without torchrun).  The engine itself
+(:mod:`workbench.backend.inference`) keeps megatron-core out of this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from workbench.config import ConfigError, GenerationConfig, Problem, RunConfig
+
+__all__ = [
+    "GenerationResult",
+    "CheckpointInfo",
+    "checkpoint_info",
+    "resolve_tokenizer",
+    "special_ids",
+    "prepare_request",
+    "generation_command",
+    "generate",
+    "add_cli",
+]
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's continuation: decoded text and token ids (prompt excluded)."""
+
+    prompt: str | None
+    text: str | None
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str
+    log_probs: list[float] | None = None
+    score: float | None = None
+
+
+@dataclass
+class CheckpointInfo:
+    """What generation needs to know about a checkpoint without loading it."""
+
+    path: Path  # the iter_XXXXXXX directory
+    config: RunConfig
+    meta: dict[str, Any]
+
+
+def checkpoint_info(ckpt: str | Path) -> CheckpointInfo:
+    """Resolve ``ckpt`` (root or iter dir) and read its ``workbench.json``; clear error if there is none."""
+    from workbench.backend.checkpointing import CheckpointError, find_checkpoint  # stdlib-only at import
+
+    try:
+        path = find_checkpoint(ckpt)
+    except CheckpointError as e:
+        raise ConfigError([Problem("ckpt", str(e).split(" -> ")[0], str(e).split(" -> ")[-1])]) from None
+    meta = json.loads((path / "workbench.json").read_text())
+    return CheckpointInfo(path=path, config=RunConfig.from_dict(meta.get("config") or {}, source=str(path)), meta=meta)
+
+
+def _tokenizer_spec(info: CheckpointInfo) -> Any:
+    """Where the checkpoint's tokenizer lives: files next to the weights, the recorded spec, the run's data.tokenizer."""
+    for d in (info.path, info.path.parent):
+        if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
+            return str(d)
+    spec = info.meta.get("tokenizer")
+    if isinstance(spec, dict):
+        spec = spec.get("path") or spec.get("name")
+    if spec:
+        return spec
+    return info.config.data.tokenizer or None
+
+
+def resolve_tokenizer(info: CheckpointInfo):
+    """The checkpoint's tokenizer (``workbench.data.tokenizer.Tokenizer``) or None when it records none."""
+    spec = _tokenizer_spec(info)
+    if spec is None:
+        return None
+    from workbench.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(spec)
+
+
+def special_ids(tok: Any) -> dict[str, int | None]:
+    """EOS / BOS / PAD ids of a workbench or HF tokenizer (None when absent)."""
+    if tok is None:
+        return {"eos": None, "bos": None, "pad": None}
+    if hasattr(tok, "has_eod"):  # workbench.data.tokenizer.Tokenizer
+        eos = tok.eod if tok.has_eod else None
+        return {"eos": eos, "bos": tok.bos, "pad": tok.pad}
+    return {"eos": getattr(tok, "eos_token_id", None), "bos": getattr(tok, "bos_token_id", None),
+            "pad": getattr(tok, "pad_token_id", None)}
+
+
+def prepare_request(info: CheckpointInfo, prompts: Sequence[str] | None, gen: GenerationConfig,
+                    prompt_ids: Sequence[Sequence[int]] | None = None, tokenizer: Any = None) -> dict[str, Any]:
+    """Validate everything and tokenise; raises :class:`ConfigError` listing every problem.
+
+    Returns the request the backend reads (token ids, so every rank sees the same prompts).
+    """
+    problems = list(gen.validate())
+    m = info.config.model
+    if gen.stop_token is not None and not 0 <= gen.stop_token < m.vocab_size:
+        problems.append(Problem("generation.stop_token", f"{gen.stop_token} is not a token id of this model (vocab {m.vocab_size})",
+                                f"use an id in [0, {m.vocab_size})"))
+    texts: list[str] | None = None
+    if prompt_ids is None:
+        if not prompts:
+            problems.append(Problem("prompts", "no prompt given", "pass --prompt TEXT or --prompts-file FILE"))
+            raise ConfigError(problems)
+        texts = [str(p) for p in prompts]
+        for i, p in enumerate(texts):
+            if not p.strip():
+                problems.append(Problem(f"prompts[{i}]", "empty prompt", "give some text to continue"))
+        tokenizer = tokenizer if tokenizer is not None else resolve_tokenizer(info)
+        if tokenizer is None:
+            problems.append(Problem("ckpt", f"{info.path} records no tokenizer", "pass prompt token ids, or save the tokenizer with the checkpoint"))
+            raise ConfigError(problems)
+        ids = [list(tokenizer.encode(p)) if p.strip() else [] for p in texts]
+    else:
+        ids = [[int(t) for t in p] for p in prompt_ids]
+        if not ids:
+            problems.append(Problem("prompt_ids", "no prompt given", "pass at least one prompt"))
+        for i, p in enumerate(ids):
+            if not p:
+                problems.append(Problem(f"prompts[{i}]", "empty prompt", "give at least one token"))
+            bad = [t for t in p if not 0 <= t < m.vocab_size]
+            if bad:
+                problems.append(Problem(f"prompts[{i}]", f"token ids {bad[:3]} outside the vocabulary (size {m.vocab_size})", "check the tokenizer"))
+    extra = 1 if gen.add_bos else 0
+    for i, p in enumerate(ids):
+        n = len(p) + extra
+        if p and n > m.max_position_embeddings:
+            problems.append(Problem(f"prompts[{i}]", f"prompt is {n} tokens, longer than the model's {m.max_position_embeddings} positions",
+                                    "shorten the prompt"))
+        elif p and n + gen.max_new_tokens > m.max_position_embeddings:
+            problems.append(Problem("generation.max_new_tokens", f"prompt {i} ({n} tokens) + max_new_tokens {gen.max_new_tokens} exceeds "
+                                    f"the model's {m.max_position_embeddings} positions",
+                                    f"use max_new_tokens <= {m.max_position_embeddings - n}"))
+    if problems:
+        raise ConfigError(problems)
+    return {"prompts": texts, "prompt_ids": ids, "generation": dataclasses.asdict(gen)}
+
+
+def generation_command(ckpt: str | Path, request_path: str | Path, out_path: str | Path, *, tp: int, pp: int,
+                       device: str, python: str | None = None) -> list[str]:
+    """The exact command that runs generation: torchrun for several ranks, plain python for one."""
+    python = python or sys.executable
+    entry = ["-m", "workbench.backend.inference", "--ckpt", str(ckpt), "--request", str(request_path),
+             "--out", str(out_path), "--tp", str(tp), "--pp", str(pp), "--device", device]
+    world = tp * pp
+    if world == 1:
+        return [python, *entry]
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", str(world), *entry]
+
+
+def _default_device(info: CheckpointInfo) -> str:
+    if info.config.parallel.device == "cpu":
+        return "cpu"
+    try:  # only the device count, through nvidia-smi-free torch check in a child would be slow; torch is cheap here
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def generate(ckpt: str | Path, prompts: Sequence[str] | str | None = None, gen: GenerationConfig | None = None, *,
+             prompt_ids: Sequence[Sequence[int]] | None = None, tp: int | None = None, pp: int | None = None,
+             device: str | None = None, work_dir: str | Path | None = None, timeout: float | None = None,
+             verbose: bool = False, **options: Any) -> list[GenerationResult]:
+    """Generate continuations of ``prompts`` with the checkpoint's model, on its TP x PP layout.
+
+    ``gen`` (or keyword options such as ``max_new_tokens=64, top_p=0.9``) sets the decoding.
+    Bad input raises :class:`ConfigError` before any process starts.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    gen = dataclasses.replace(gen or GenerationConfig(), **options) if options else (gen or GenerationConfig())
+    info = checkpoint_info(ckpt)
+    request = prepare_request(info, prompts, gen, prompt_ids=prompt_ids)
+    tp = tp or info.config.parallel.tensor_parallel
+    pp = pp or info.config.parallel.pipeline_parallel
+    device = device or _default_device(info)
+    request["device"] = device
+    tmp = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="workbench-generate-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    req_path, out_path = tmp / "request.json", tmp / "output.json"
+    req_path.write_text(json.dumps(request))
+    if out_path.exists():
+        out_path.unlink()
+    cmd = generation_command(info.path, req_path, out_path, tp=tp, pp=pp, device=device)
+    if verbose:
+        print("$", shlex.join(cmd), flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=not verbose, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0 or not out_path.exists():
+        tail = ((proc.stderr or "") + (proc.stdout or ""))[-4000:] if not verbose else ""
+        raise RuntimeError(f"generation failed (exit code {proc.returncode}); command: {shlex.join(cmd)}\n{tail}")
+    data = json.loads(out_path.read_text())
+    texts = request["prompts"] or [None] * len(request["prompt_ids"])
+    return [GenerationResult(prompt=t, text=o.get("text"), token_ids=o["token_ids"], prompt_ids=o["prompt_ids"],
+                             finish_reason=o["finish_reason"], log_probs=o.get("log_probs"), score=o.get("score"))
+            for t, o in zip(texts, data["outputs"])]
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _gen_from_args(args: argparse.Namespace) -> GenerationConfig:
+    g = GenerationConfig()
+    kw: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "greedy": args.greedy, "add_bos": args.add_bos,
+                          "return_log_probs": args.log_probs}
+    for name in ("top_k", "top_p", "top_p_decay", "top_p_bound", "temperature", "num_beams", "length_penalty",
+                 "stop_token", "seed"):
+        v = getattr(args, name)
+        if v is not None:
+            kw[name] = v
+    return dataclasses.replace(g, **kw)
+
+
+def _cli_generate(args: argparse.Namespace) -> int:
+    prompts: list[str] = list(args.prompt or [])
+    if args.prompts_file:
+        f = Path(args.prompts_file)
+        if not f.is_file():
+            print(f"--prompts-file {f}: file not found -> check the path", file=sys.stderr)
+            return 2
+        if f.suffix == ".jsonl":
+            for i, line in enumerate(f.read_text().splitlines()):
+                if line.strip():
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError:
+                        print(f"--prompts-file {f}: line {i + 1} is not JSON -> one JSON string or {{\"prompt\": ...}} per line", file=sys.stderr)
+                        return 2
+                    prompts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
+        else:
+            prompts += [line for line in f.read_text().splitlines() if line.strip()]
+    if args.prompt is None and not args.prompts_file:
+        print("give --prompt TEXT (repeatable) or --prompts-file FILE", file=sys.stderr)
+        return 2
+    try:
+        gen = _gen_from_args(args)
+        results = generate(args.ckpt, prompts, gen, tp=args.tp, pp=args.pp, device=args.device,
+                           work_dir=args.work_dir, verbose=args.verbose)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
+    else:
+        for r in results:
+            print(f"--- prompt: {r.prompt!r}")
+            print(f"{r.prompt or ''}{r.text or ''}")
+            print(f"    [{len(r.token_ids)} tokens, {r.finish_reason}{'' if r.score is None else f', score {r.score:.3f}'}] ids={r.token_ids}")
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a checkpoint (greedy, top-k, top-p, beam search)",
+                       description="Generate with the checkpoint's model on its TP/PP layout (torchrun, one process per rank).")
+    p.add_argument("--ckpt", required=True, help="checkpoint root or iter_XXXXXXX directory")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--prompts-file", help="one prompt per line (.txt) or JSON lines (.jsonl)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="argmax decoding")
+    mode.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    mode.add_argument("--top-p", type=float, default=None, help="nucleus sampling")
+    p.add_argument("--top-p-decay", type=float, default=None, help="multiply top-p by this after every token (Megatron)")
+    p.add_argument("--top-p-bound", type=float, default=None, help="lower bound for the decayed top-p")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--num-beams", type=int, default=None, help="beam search (HF semantics)")
+    p.add_argument("--length-penalty", type=float, default=None, help="beam score = log-prob / length**penalty")
+    p.add_argument("--add-bos", action="store_true", help="prepend the tokenizer's BOS (or EOS) token")
+    p.add_argument("--stop-token", type=int, default=None, help="stop a sequence at this token id (as at EOS)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens at any TP)")
+    p.add_argument("--log-probs", action="store_true", help="return each generated token's log-probability")
+    p.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: the checkpoint's)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline parallel size (default: the checkpoint's)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--work-dir", default=None, help="where request/output JSON go (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--verbose", action="store_true", help="show the command and the ranks' output")
+    p.set_defaults(func=_cli_generate)
