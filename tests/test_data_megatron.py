@@ -22,7 +22,7 @@ def _write_docs(path, n, word_pool, seed, min_words=20, max_words=120):
 
 
 def _cfg(tmp_path, **overrides):
-    base = {"model.vocab_size": 8192, "data.cache_dir": str(tmp_path / "cache"), "train.train_iters": 20}
+    base = {"data.cache_dir": str(tmp_path / "cache"), "train.train_iters": 20}
     base.update(overrides)
     return preset("tiny", **base)
 
@@ -170,8 +170,8 @@ def test_bad_data_configs_are_refused_with_the_fix(tmp_path):
     preprocess([tmp_path / "a.txt"], tmp_path / "a", progress=False)
     indexed = {"data.source": "indexed", "data.datasets": [{"prefix": str(tmp_path / "a")}]}
 
-    with pytest.raises(DataError, match="8192 exceeds model.vocab_size 4096"):
-        build_datasets(_cfg(tmp_path, **indexed, **{"model.vocab_size": 4096}), tmp_path / "run")
+    with pytest.raises(DataError, match="4096 exceeds model.vocab_size 1000"):
+        build_datasets(_cfg(tmp_path, **indexed, **{"model.vocab_size": 1000}), tmp_path / "run")
     with pytest.raises(DataError, match="not found") as e:
         build_datasets(_cfg(tmp_path, **{**indexed, "data.datasets": [{"prefix": str(tmp_path / "missing")}]}), tmp_path / "run")
     assert "missing" in str(e.value)
@@ -188,7 +188,7 @@ def test_data_tokenized_beyond_the_model_vocab_is_refused(tmp_path):
 
     docs = _write_docs(tmp_path / "a.txt", 40, ["zebra", "quartz", "xylophone", "jam"], seed=6)
     small = train_tokenizer(iter(docs), vocab_size=300, out_dir=tmp_path / "small")
-    preprocess([tmp_path / "a.txt"], tmp_path / "a", tokenizer="demo", progress=False)  # ids up to ~8k
+    preprocess([tmp_path / "a.txt"], tmp_path / "a", tokenizer="demo", progress=False)  # ids up to ~4k
     cfg = _cfg(tmp_path, **{"data.source": "indexed", "data.datasets": [{"prefix": str(tmp_path / "a")}],
                             "data.split": "90,10,0", "data.tokenizer": str(tmp_path / "small"), "model.vocab_size": 320})
     assert small.vocab_size <= 320

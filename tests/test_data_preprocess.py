@@ -59,7 +59,7 @@ def test_round_trip_matches_tokenizer_ids(tmp_path, mixed_inputs, workers):
     for i, doc in enumerate(docs):
         assert ds[i].tolist() == tok.encode(doc) + [tok.eod]
     assert summary.tokens == sum(len(tok.encode(d)) + 1 for d in docs)
-    assert ds.index.dtype == np.uint16  # megatron-core's own choice for an 8192-token vocabulary
+    assert ds.index.dtype == np.uint16  # megatron-core's own choice for a 4096-token vocabulary
     assert list(ds.document_indices) == list(range(len(docs) + 1))
     meta = read_sidecar(tmp_path / "out" / "ds")
     assert meta["tokenizer"]["name"] == "demo" and meta["documents"] == len(docs)
@@ -151,8 +151,8 @@ def test_invalid_utf8_is_counted_and_reported(tmp_path):
 
 def test_tokenizer_vocab_larger_than_model_is_refused(tmp_path):
     (tmp_path / "a.txt").write_text("some text\n")
-    with pytest.raises(DataError, match="exceeds the model's vocab_size 4096"):
-        preprocess([tmp_path / "a.txt"], tmp_path / "ds", tokenizer="demo", model_vocab_size=4096, progress=False)
+    with pytest.raises(DataError, match="exceeds the model's vocab_size 1000"):
+        preprocess([tmp_path / "a.txt"], tmp_path / "ds", tokenizer="demo", model_vocab_size=1000, progress=False)
     assert not list(tmp_path.glob("ds*"))
 
 
