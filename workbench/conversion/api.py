@@ -1,0 +1,358 @@
+"""Conversion entry points (Python API behind ``workbench convert`` and the conversion notebook).
+
+Every writer validates the target first (a layout that cannot hold the model is refused
+before anything is written), writes into ``OUT.tmp-<pid>`` and renames it to ``OUT`` only
+when complete, so an interrupted conversion never leaves an output that looks finished.
+Output of the Megatron-side writers is a checkpoint ROOT (``iter_XXXXXXX/`` + tracker, see
+:mod:`workbench.backend.checkpointing`) plus ``workbench_config.json`` - the RunConfig it
+implies, with ``checkpoint.load_dir`` pointing at it and ``finetune: true`` - and, when the
+source had one, a ``tokenizer/`` copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from workbench.config import ConfigError, RunConfig, derive
+from workbench.conversion.hf import (
+    TOKENIZER_FILES,
+    ConversionError,
+    hf_config_dict_from_run,
+    hf_to_mcore,
+    infer_model_type,
+    load_hf_state_dict,
+    mcore_to_hf,
+    pad_vocab_rows,
+    parse_size,
+    read_hf_config,
+    run_config_from_hf,
+    save_hf_state_dict,
+)
+
+__all__ = [
+    "ConversionResult",
+    "CONFIG_FILE",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "reshape",
+    "import_legacy",
+    "checkpoint_structure",
+    "format_structure",
+]
+
+CONFIG_FILE = "workbench_config.json"
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass
+class ConversionResult:
+    """What a conversion wrote."""
+
+    output: Path
+    checkpoint: Path | None = None  # iteration dir (megatron side)
+    config: RunConfig | None = None
+    config_path: Path | None = None
+    files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    def wrap(it):
+        return tqdm(it, total=total, desc=desc, disable=not enabled, leave=False)
+
+    return wrap
+
+
+def _torch_dtype(name: str | None):
+    import torch
+
+    return {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+@contextmanager
+def _staged_output(out: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out``; rename it to ``out`` only if the block succeeds."""
+    out = Path(out).expanduser().resolve()
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ConversionError(f"--out {out} already exists and is not empty -> choose a new directory (or pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def _check(cfg: RunConfig, what: str) -> None:
+    """Refuse a target layout/config before anything is written (model and parallel rules only matter here)."""
+    problems = [p for p in cfg.validate() if p.field.startswith(("model.", "parallel."))]
+    if problems:
+        raise ConfigError(problems, what)
+
+
+def _finish_config(cfg: RunConfig, out_final: Path, tokenizer_dir: str | None) -> RunConfig:
+    over: dict[str, Any] = {"checkpoint.load_dir": str(out_final), "checkpoint.finetune": True}
+    if tokenizer_dir:
+        over["data.tokenizer"] = tokenizer_dir
+    return cfg.replace(**over)
+
+
+def _copy_tokenizer(src: Path | None, dst: Path) -> bool:
+    if src is None or not src.is_dir():
+        return False
+    files = [src / n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if not files:
+        return False
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy2(f, dst / f.name)
+    return True
+
+
+def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, full_sd: dict, iteration: int, dtype: str | None,
+                    source: dict, tokenizer_src: Path | None) -> ConversionResult:
+    from workbench.conversion.runtime import save_full_state_dict, single_process_group
+
+    tok_ok = _copy_tokenizer(tokenizer_src, tmp / "tokenizer")
+    tok_spec = str(final / "tokenizer") if tok_ok else None
+    cfg = _finish_config(cfg, final, tok_spec)
+    with single_process_group():
+        ckpt = save_full_state_dict(tmp, iteration, full_sd, cfg, dtype=dtype, tokenizer=tok_spec, extra={"source": source})
+    (tmp / CONFIG_FILE).write_text(cfg.to_json())
+    return ConversionResult(output=final, checkpoint=final / ckpt.name, config=cfg, config_path=final / CONFIG_FILE,
+                            files=sorted(p.name for p in tmp.iterdir()))
+
+
+# --------------------------------------------------------------------------- HF -> megatron
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                   dtype: str | None = None, make_vocab_size_divisible_by: int | None = None,
+                   base_config: RunConfig | None = None, device: str | None = None, force: bool = False,
+                   progress: bool = True) -> ConversionResult:
+    """HF GPT-2 / Llama directory -> workbench checkpoint + config for the given layout.
+
+    ``dtype`` (fp32/bf16/fp16) sets both the stored tensors and ``train.precision``; default:
+    the HF config's torch_dtype when it is one of those, else fp32.  ``device`` sets
+    ``parallel.device`` of the written config (default: the base config's, i.e. cuda).
+    """
+    hf_dir = Path(hf_dir).expanduser().resolve()
+    hf = read_hf_config(hf_dir)
+    if dtype is None:
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(hf.get("torch_dtype") or hf.get("dtype")), "fp32")
+    if dtype not in _DTYPES:
+        raise ConversionError(f"--dtype {dtype!r} -> one of {', '.join(_DTYPES)}")
+    cfg = run_config_from_hf(hf, base=base_config, tp=tp, pp=pp, vpp=vpp, dtype=dtype,
+                             make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    if device:
+        cfg = cfg.replace(**{"parallel.device": device})
+    _check(cfg, f"(target layout for {hf_dir.name})")
+    mt = hf["model_type"]
+    sd = load_hf_state_dict(hf_dir)
+    full = hf_to_mcore(sd, cfg, mt, dtype=_torch_dtype(dtype), progress=_progress(cfg.model.num_layers, f"{mt} -> mcore", progress))
+    del sd
+    final = Path(out).expanduser().resolve()
+    with _staged_output(final, force) as tmp:
+        res = _write_megatron(tmp, final, cfg, full, 0, dtype,
+                              {"format": "hf", "model_type": mt, "path": str(hf_dir), "hf_config": hf}, hf_dir)
+    res.notes.append(f"padded vocab {cfg.model.vocab_size} -> {derive(cfg).padded_vocab_size} (mean rows; stripped on export)")
+    return res
+
+
+# --------------------------------------------------------------------------- megatron -> HF
+
+
+def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "2GB", dtype: str | None = None,
+                   force: bool = False, progress: bool = True) -> ConversionResult:
+    """Workbench checkpoint (root or iter dir, any layout) -> HF directory that ``from_pretrained`` loads."""
+    from workbench.backend.checkpointing import read_metadata
+    from workbench.conversion.runtime import load_full_state_dict, single_process_group
+
+    meta = read_metadata(ckpt)
+    cfg = RunConfig.from_dict(meta["config"])
+    source = ((meta.get("extra") or {}).get("source") or {})
+    mt = source.get("model_type") if source.get("format") == "hf" else None
+    mt = mt or infer_model_type(cfg.model)
+    limit = parse_size(max_shard_size)
+    if dtype is not None and dtype not in _DTYPES:
+        raise ConversionError(f"--dtype {dtype!r} -> one of {', '.join(_DTYPES)}")
+    with single_process_group():
+        full, meta = load_full_state_dict(meta["path"], cfg)
+    hf_sd = mcore_to_hf(full, cfg, mt, dtype=_torch_dtype(dtype), progress=_progress(cfg.model.num_layers, f"mcore -> {mt}", progress))
+    del full
+    out_dtype = _DTYPES[dtype or cfg.train.precision]
+    hf_cfg = hf_config_dict_from_run(cfg, mt, source.get("hf_config"), dtype=out_dtype)
+    final = Path(out).expanduser().resolve()
+    with _staged_output(final, force) as tmp:
+        files = save_hf_state_dict(hf_sd, tmp, limit)
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        tok = meta.get("tokenizer")
+        tok_dir = Path(tok) if isinstance(tok, str) and tok else None
+        if tok_dir is not None and tok_dir.is_file():
+            tok_dir = tok_dir.parent
+        copied = _copy_tokenizer(tok_dir, tmp)
+        names = sorted(p.name for p in tmp.iterdir())
+    res = ConversionResult(output=final, config=cfg, files=names)
+    res.notes.append(f"{len(files)} safetensors shard(s), max {limit} bytes; model_type {mt}; dtype {out_dtype}")
+    if not copied:
+        res.notes.append("no tokenizer files known for this checkpoint: copy them into the output yourself")
+    return res
+
+
+# --------------------------------------------------------------------------- reshape
+
+
+def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None, force: bool = False) -> ConversionResult:
+    """Re-target a checkpoint's parallel layout (config + vocab padding); weights only (no optimizer state)."""
+    from workbench.backend.checkpointing import read_metadata
+    from workbench.conversion.runtime import load_full_state_dict, single_process_group
+
+    meta = read_metadata(ckpt)
+    src_cfg = RunConfig.from_dict(meta["config"])
+    d = src_cfg.to_dict()
+    d["parallel"].update(tensor_parallel=int(tp), pipeline_parallel=int(pp),
+                         virtual_pipeline_parallel=int(vpp) if vpp and vpp > 1 else None)
+    if d["parallel"]["nnodes"] * d["parallel"]["nproc_per_node"] % (int(tp) * int(pp)):
+        d["parallel"].update(nnodes=1, nproc_per_node=int(tp) * int(pp))
+    cfg = RunConfig.from_dict(d)
+    _check(cfg, f"(reshape target tp={tp} pp={pp}{f' vpp={vpp}' if vpp else ''})")
+    V = cfg.model.vocab_size
+    padded = derive(cfg).padded_vocab_size
+    final = Path(out).expanduser().resolve()
+    with single_process_group():
+        full, meta = load_full_state_dict(meta["path"], src_cfg)
+    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if k in full:
+            full[k] = pad_vocab_rows(full[k], padded, real=V)
+    tok = meta.get("tokenizer")
+    tok_src = Path(tok) if isinstance(tok, str) and Path(tok).is_dir() else None
+    source = dict((meta.get("extra") or {}).get("source") or {})
+    source["reshaped_from"] = {"path": meta["path"], "tensor_parallel": src_cfg.parallel.tensor_parallel,
+                               "pipeline_parallel": src_cfg.parallel.pipeline_parallel}
+    with _staged_output(final, force) as tmp:
+        res = _write_megatron(tmp, final, cfg, full, int(meta.get("iteration", 0)), cfg.train.precision, source, tok_src)
+    if meta.get("has_optimizer"):
+        res.notes.append("optimizer state was not carried over (reshape writes weights; resume with finetune or a fresh optimizer)")
+    return res
+
+
+# --------------------------------------------------------------------------- legacy
+
+
+def import_legacy(path: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                  dtype: str | None = None, vocab_size: int | None = None, num_attention_heads: int | None = None,
+                  make_vocab_size_divisible_by: int | None = None, tokenizer_dir: str | Path | None = None,
+                  force: bool = False) -> ConversionResult:
+    """Legacy Megatron-LM GPT checkpoint (``mp_rank_XX[_YYY]/model_optim_rng.pt``) -> workbench checkpoint."""
+    from workbench.conversion.legacy import legacy_to_mcore, load_legacy, run_config_from_legacy
+
+    ck = load_legacy(path, num_attention_heads)
+    dtype = dtype or "fp32"
+    if dtype not in _DTYPES:
+        raise ConversionError(f"--dtype {dtype!r} -> one of {', '.join(_DTYPES)}")
+    cfg = run_config_from_legacy(ck, vocab_size=vocab_size, num_attention_heads=num_attention_heads, tp=tp, pp=pp,
+                                 vpp=vpp, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    _check(cfg, "(legacy import target)")
+    full = legacy_to_mcore(ck, cfg, derive(cfg).padded_vocab_size)
+    tdt = _torch_dtype(dtype)
+    full = {k: v.to(tdt) for k, v in full.items()}
+    final = Path(out).expanduser().resolve()
+    source = {"format": "megatron-lm-legacy", "path": str(Path(path).resolve()), "checkpoint_version": ck.checkpoint_version,
+              "tensor_parallel": ck.tp, "pipeline_parallel": ck.pp, "iteration": ck.iteration}
+    with _staged_output(final, force) as tmp:
+        res = _write_megatron(tmp, final, cfg, full, 0, dtype, source, Path(tokenizer_dir) if tokenizer_dir else None)
+    res.notes.append(f"merged {ck.tp} TP shard(s) x {ck.pp} PP stage(s), checkpoint_version {ck.checkpoint_version}")
+    if vocab_size is None:
+        res.notes.append(f"vocab_size taken as the checkpoint's {cfg.model.vocab_size} rows (pass --vocab-size to strip padding)")
+    return res
+
+
+# --------------------------------------------------------------------------- inspection
+
+
+def checkpoint_structure(path: str | Path) -> dict[str, Any]:
+    """Tensors (name -> shape, dtype) and metadata of a workbench checkpoint, an HF dir, or a legacy checkpoint."""
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        hf = read_hf_config(p)
+        from safetensors import safe_open
+
+        tensors: dict[str, Any] = {}
+        files = sorted(p.glob("*.safetensors"))
+        for f in files:
+            with safe_open(str(f), "pt") as fh:
+                for k in fh.keys():
+                    sl = fh.get_slice(k)
+                    tensors[k] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+        if not files:
+            tensors = {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in load_hf_state_dict(p).items()}
+        return {"kind": "hf", "path": str(p), "model_type": hf["model_type"], "tensors": tensors}
+    from workbench.backend.checkpointing import CheckpointError, checkpoint_tensor_shapes, read_metadata
+
+    try:
+        meta = read_metadata(p)
+    except CheckpointError:
+        from workbench.conversion.legacy import find_legacy_files
+
+        try:
+            find_legacy_files(p)
+        except ConversionError:
+            raise CheckpointError(f"{p}: neither a workbench checkpoint, an HF model directory nor a legacy Megatron-LM checkpoint") from None
+        from workbench.conversion.legacy import _lm_tensors, safe_torch_load
+
+        files = find_legacy_files(p)
+        tensors = {}
+        for (r, s), f in sorted(files.items()):
+            for k, v in _lm_tensors(safe_torch_load(f), f).items():
+                if hasattr(v, "shape"):
+                    tensors[f"mp_rank_{r:02d}_{s:03d}/{k}"] = (tuple(v.shape), str(v.dtype).replace("torch.", ""))
+        return {"kind": "megatron-lm-legacy", "path": str(p), "tensors": tensors}
+    tensors = checkpoint_tensor_shapes(meta["path"])
+    return {"kind": "workbench", "path": meta["path"], "iteration": meta.get("iteration"),
+            "config": meta.get("config"), "tokenizer": meta.get("tokenizer"), "tensors": tensors,
+            "source": ((meta.get("extra") or {}).get("source") or {}).get("format")}
+
+
+def format_structure(info: dict[str, Any]) -> str:
+    lines = [f"{info['kind']} checkpoint: {info['path']}"]
+    if info.get("iteration") is not None:
+        lines.append(f"iteration: {info['iteration']}")
+    if info.get("model_type"):
+        lines.append(f"model_type: {info['model_type']}")
+    if info.get("config"):
+        m = info["config"]["model"]
+        p = info["config"]["parallel"]
+        lines.append(f"model: {m['num_layers']} layers, hidden {m['hidden_size']}, heads {m['num_attention_heads']}, "
+                     f"vocab {m['vocab_size']}; saved for tp={p['tensor_parallel']} pp={p['pipeline_parallel']} (loads at any layout)")
+    total = 0
+    width = max((len(k) for k in info["tensors"]), default=10)
+    for k, (shape, dt) in sorted(info["tensors"].items()):
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+        lines.append(f"  {k:<{width}}  {str(list(shape)):<22} {dt}")
+    lines.append(f"{len(info['tensors'])} tensors, {total / 1e6:.2f}M elements")
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""The megatron side of conversion: a one-process CPU group, TP=1 models, full state dicts <-> checkpoints.
+
+Why a real model: the checkpoint's storage keys (stacked layers, TE-style norm names,
+the SwiGLU factory, tied output weights on the last stage) are produced by megatron's own
+``sharded_state_dict``; building a TP=1/PP=1 ``GPTModel`` with the workbench builder and
+loading the full state dict into it means the conversion never re-implements them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import Any, Iterator
+
+from workbench.config import RunConfig
+
+__all__ = ["single_process_group", "cpu_build_config", "model_overrides", "build_full_model",
+           "save_full_state_dict", "load_full_state_dict"]
+
+_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_build_config(cfg: RunConfig, dtype: str | None = None) -> RunConfig:
+    """``cfg`` at TP=1/PP=1 on one CPU process (the layout conversion works at), optionally another dtype.
+
+    The vocab stays padded for ``cfg``'s tensor-parallel size, so the written checkpoint has
+    exactly the rows the target layout's model holds.
+    """
+    # keep the target layout's vocab padding: pad(V, d, tp) == pad(V, d * tp, 1)
+    over: dict[str, Any] = {
+        "model.make_vocab_size_divisible_by": cfg.model.make_vocab_size_divisible_by * max(cfg.parallel.tensor_parallel, 1),
+        "parallel.tensor_parallel": 1, "parallel.pipeline_parallel": 1,
+        "parallel.virtual_pipeline_parallel": None, "parallel.sequence_parallel": False,
+        "parallel.nnodes": 1, "parallel.nproc_per_node": 1, "parallel.device": "cpu",
+        "parallel.distributed_optimizer": False, "parallel.overlap_grad_reduce": False,
+        "parallel.overlap_param_gather": False, "parallel.recompute": "none",
+        "train.compile_kernels": False, "model.attention_backend": "sdpa",
+    }
+    if dtype:
+        over["train.precision"] = dtype
+    return cfg.replace(**over)
+
+
+def model_overrides(cfg: RunConfig) -> dict[str, Any]:
+    """TransformerConfig overrides the conversion needs beyond the builder's defaults."""
+    import functools
+
+    import torch.nn.functional as F
+
+    over: dict[str, Any] = {}
+    if cfg.model.activation == "gelu" and cfg.model.gelu_approximate == "tanh":
+        over["activation_func"] = functools.partial(F.gelu, approximate="tanh")
+    return over
+
+
+@contextlib.contextmanager
+def single_process_group() -> Iterator[None]:
+    """A one-process gloo group with megatron's TP=PP=1 state and CPU mode; torn down on exit.
+
+    Re-uses an existing group when this process already has one of model-parallel size 1.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if dist.is_available() and dist.is_initialized():
+        created = False
+        if ps.model_parallel_is_initialized():
+            if ps.get_tensor_model_parallel_world_size() != 1 or ps.get_pipeline_model_parallel_world_size() != 1:
+                raise RuntimeError("conversion runs at TP=1/PP=1 but this process already has a model-parallel group; "
+                                   "run the conversion in its own process (e.g. the `workbench convert` CLI)")
+        else:
+            ps.initialize_model_parallel(1, 1)
+            created = True
+        try:
+            yield
+        finally:
+            if created:
+                ps.destroy_model_parallel()
+        return
+
+    from workbench.backend import cpu_mode
+    from workbench.backend.distributed import destroy, initialize_for_tests
+
+    saved_env = {k: os.environ.get(k) for k in _ENV_KEYS}
+    was_enabled = cpu_mode.enabled()
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        initialize_for_tests(cpu_build_config(RunConfig()), rank=0, world_size=1, port=_free_port())
+        yield
+    finally:
+        destroy()
+        if not was_enabled:
+            cpu_mode.disable()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def build_full_model(cfg: RunConfig, dtype: str | None = None) -> Any:
+    """A TP=1/PP=1 CPU GPTModel for ``cfg`` (call inside :func:`single_process_group`)."""
+    import torch
+
+    from workbench.backend.model import build_model, transformer_config
+
+    c = cpu_build_config(cfg, dtype)
+    config = transformer_config(c, perform_initialization=False, **model_overrides(c))
+    with torch.device("cpu"):
+        return build_model(c, config=config)
+
+
+def _model_state(model: Any) -> dict[str, Any]:
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state") and hasattr(v, "shape")}
+
+
+def save_full_state_dict(root: str | Path, iteration: int, full_sd: dict[str, Any], cfg: RunConfig,
+                         dtype: str | None = None, tokenizer: Any = None, extra: dict | None = None) -> Path:
+    """Write a full TP=1 state dict as a workbench checkpoint (any TP/PP can load it). Needs a process group."""
+    import torch
+
+    from workbench.backend.checkpointing import save_checkpoint
+
+    model = build_full_model(cfg, dtype)
+    own = _model_state(model)
+    missing = sorted(set(own) - set(full_sd))
+    unexpected = sorted(set(full_sd) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for k, p in own.items():
+            t = full_sd[k]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{k}: shape {tuple(t.shape)} but the model wants {tuple(p.shape)}")
+            p.copy_(t.to(p.dtype))
+    return save_checkpoint(root, iteration, [model], cfg, extra=extra, tokenizer=tokenizer)
+
+
+def load_full_state_dict(path: str | Path, cfg: RunConfig | None = None, dtype: str | None = None) -> tuple[dict[str, Any], dict]:
+    """(full TP=1 state dict, metadata) of a workbench checkpoint. Needs a process group."""
+    from workbench.backend.checkpointing import load_checkpoint, read_metadata
+
+    meta = read_metadata(path)
+    cfg = cfg or RunConfig.from_dict(meta["config"])
+    model = build_full_model(cfg, dtype)
+    meta = load_checkpoint(path, [model], load_optimizer=False)
+    return {k: v.detach().clone() for k, v in _model_state(model).items()}, meta

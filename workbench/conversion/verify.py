@@ -1,0 +1,179 @@
+"""Prove a checkpoint: run it at a TP/PP/VPP layout on CPU (real torchrun, gloo) and compare with HF logits.
+
+``forward_logits`` launches ``torchrun --nproc_per_node tp*pp -m workbench.conversion.verify``;
+every rank builds its model chunk(s) with the workbench builder, loads the checkpoint through
+:func:`workbench.backend.checkpointing.load_checkpoint` (so the layout change is megatron's own
+resharding), and runs a forward-only pass.  Pipeline stages pass activations with gloo
+``send``/``recv`` in virtual-stage order (stage 0 chunk 0, stage 1 chunk 0, ..., stage 0
+chunk 1, ...), which is exactly the layer order of interleaved pipelining.  The last stage
+gathers the vocab-parallel logits over TP and writes them (pad rows included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["forward_logits", "verify_against_hf", "main"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                   timeout_s: float = 300.0) -> Any:
+    """Logits ``[b, s, padded_vocab]`` (fp32) of the checkpoint run at the given layout on CPU under torchrun."""
+    import torch
+
+    world = tp * pp
+    with tempfile.TemporaryDirectory(prefix="wb-verify-") as td:
+        tok_path, out_path = Path(td) / "tokens.pt", Path(td) / "logits.pt"
+        torch.save(tokens.cpu(), tok_path)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               "-m", "workbench.conversion.verify", "--ckpt", str(ckpt), "--tokens", str(tok_path), "--out", str(out_path),
+               "--tp", str(tp), "--pp", str(pp)] + (["--vpp", str(vpp)] if vpp and vpp > 1 else [])
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + [p for p in [env.get("PYTHONPATH")] if p])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not out_path.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+            raise RuntimeError(f"verification run (torchrun, {world} CPU ranks) failed with exit code {proc.returncode}:\n{tail}")
+        return torch.load(out_path, weights_only=True)
+
+
+def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                      seq_length: int = 16, batch_size: int = 2, atol: float = 1e-4, seed: int = 0) -> dict[str, Any]:
+    """Compare HF logits with the checkpoint's at a layout (fp32, CPU). Returns max_abs_diff and ok."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    V = hf.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (batch_size, seq_length), generator=g)
+    with torch.no_grad():
+        ref = hf(tokens).logits.float()
+    got = forward_logits(ckpt, tokens, tp=tp, pp=pp, vpp=vpp)[..., :V]
+    diff = float((got - ref).abs().max())
+    return {"max_abs_diff": diff, "ok": diff <= atol, "tokens": tokens, "hf_logits": ref, "mcore_logits": got}
+
+
+# --------------------------------------------------------------------------- worker (runs under torchrun)
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    """Without CUDA, let ``Tensor.cuda()`` return the tensor while models are built.
+
+    megatron's LanguageModule moves the tied output-embedding copy of the last pipeline
+    stage to CUDA before all-reducing it with the first stage (``weight.data.cuda()``);
+    on a CPU-only machine that is the one remaining CUDA call of a PP>1 tied model build.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = saved
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from workbench.backend.checkpointing import load_checkpoint, read_metadata
+    from workbench.backend.distributed import destroy, initialize
+    from workbench.backend.model import build_model, transformer_config
+    from workbench.config import RunConfig
+    from workbench.conversion.runtime import model_overrides
+
+    meta = read_metadata(args.ckpt)
+    cfg = RunConfig.from_dict(meta["config"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    vpp = args.vpp if args.vpp and args.vpp > 1 else None
+    cfg = cfg.replace(**{
+        "parallel.tensor_parallel": args.tp, "parallel.pipeline_parallel": args.pp,
+        "parallel.virtual_pipeline_parallel": vpp, "parallel.nnodes": 1, "parallel.nproc_per_node": world,
+        "parallel.device": "cpu", "parallel.sequence_parallel": False, "parallel.distributed_optimizer": False,
+        "parallel.overlap_grad_reduce": False, "parallel.overlap_param_gather": False,
+        "train.precision": "fp32", "train.compile_kernels": False, "model.attention_backend": "sdpa",
+        "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0,
+    })
+    initialize(cfg)
+    try:
+        pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), args.pp
+        nchunks = vpp or 1
+        config = transformer_config(cfg, **model_overrides(cfg))
+        chunks = []
+        with _tensor_cuda_is_identity():
+            for v in range(nchunks):
+                pre = pp_rank == 0 and v == 0
+                post = pp_rank == pp_size - 1 and v == nchunks - 1
+                chunks.append(build_model(cfg, pre_process=pre, post_process=post, vp_stage=v if vpp else None, config=config))
+        load_checkpoint(args.ckpt, chunks, load_optimizer=False)
+        for c in chunks:
+            c.eval()
+        tokens = torch.load(args.tokens, weights_only=True)
+        b, s = tokens.shape
+        pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+        h = cfg.model.hidden_size
+        nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
+        last = pp_size * nchunks - 1
+        logits = None
+        with torch.no_grad():
+            for vs in range(pp_size * nchunks):
+                stage, v = vs % pp_size, vs // pp_size
+                if stage != pp_rank:
+                    continue
+                chunk = chunks[v]
+                if vs > 0:
+                    hidden = torch.empty(s, b, h, dtype=torch.float32)
+                    dist.recv(hidden, src=prv)
+                    chunk.set_input_tensor(hidden)
+                out = chunk(tokens, pos, None)
+                if vs < last:
+                    dist.send(out.contiguous(), dst=nxt)
+                else:
+                    logits = tensor_parallel.gather_from_tensor_model_parallel_region(out)
+        if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+            tmp = Path(str(args.out) + f".tmp-{os.getpid()}")
+            torch.save(logits.float().contiguous(), tmp)
+            os.replace(tmp, args.out)
+        dist.barrier()
+    finally:
+        destroy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="forward a workbench checkpoint at a TP/PP layout (run under torchrun)")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--tokens", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    _worker(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
