@@ -63,6 +63,8 @@ __all__ = [
     "sweep",
     "parse_grid",
     "record_metrics",
+    "quickstart_config",
+    "generate_from_run",
     "add_cli",
 ]
 
@@ -690,9 +692,10 @@ class Run:
         if errors:
             e = min(errors, key=lambda r: r.get("time", 0))
             log = self.rank_log(e["rank"]) if isinstance(e.get("rank"), int) else None
-            msg = e.get("message") or e.get("type") or "error"
-            if e.get("type") and e.get("type") not in msg:
-                msg = f"{e['type']}: {msg}"
+            etype = e.get("type") or e.get("exception")
+            msg = e.get("message") or etype or "error"
+            if etype and etype not in msg:
+                msg = f"{etype}: {msg}"
             return Failure(e.get("rank"), msg, e.get("traceback") or "", "event", str(log) if log else None)
         ex = self.exit_status
         if not ex or ex.get("status") != "failed":
@@ -853,6 +856,89 @@ def _last_traceback(text: str) -> str:
     return text[i:].strip() if i >= 0 else ""
 
 
+# --------------------------------------------------------------------------- notebook helpers
+
+
+def quickstart_config(preset_name: str = "demo-small", *, tp: int = 1, pp: int = 1, steps: int | None = None,
+                      nproc: int | None = None, device: str = "auto", ci: bool = False) -> tuple[RunConfig, str]:
+    """The quickstart notebook's config from its parameters, fitted to this machine; returns (config, note).
+
+    device "auto": CUDA when GPUs are visible (asked of nvidia-smi; the kernel never touches
+    CUDA), else the backend's CPU mode (gloo) with the tiny preset.  ``ci``: the tiny preset
+    on CPU with a few steps.  The global batch is rounded to a multiple of micro-batch x dp.
+    """
+    from workbench.config import preset as make_preset
+
+    notes = []
+    gpus = detect_gpus()
+    if device not in ("auto", "cuda", "cpu"):
+        raise ConfigError([Problem("device", f"unknown device {device!r}", "use auto, cuda or cpu")])
+    device_requested = device
+    if ci:
+        preset_name, device = "tiny", "cpu"
+        steps = min(steps or 6, 6)
+        notes.append("CI mode: the tiny preset in the backend's CPU mode (gloo), a few steps")
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+        if not gpus:
+            notes.append("no GPU visible: running in the backend's CPU mode (gloo) with the tiny preset")
+    if device == "cpu" and preset_name != "tiny":
+        if gpus or device_requested == "cpu":
+            notes.append(f"preset {preset_name!r} is too large for CPU emulation: using 'tiny'")
+        preset_name = "tiny"
+    cfg = make_preset(preset_name)
+    model_parallel = max(tp, 1) * max(pp, 1)
+    if nproc is None:
+        nproc = model_parallel * max(gpus // model_parallel, 1) if device == "cuda" else model_parallel
+    over: dict[str, Any] = {"parallel.tensor_parallel": tp, "parallel.pipeline_parallel": pp,
+                            "parallel.nproc_per_node": nproc, "parallel.device": device}
+    if device == "cpu" and cfg.train.precision == "fp16":
+        over["train.precision"] = "fp32"
+    if steps:
+        over["train.train_iters"] = int(steps)
+        over["train.lr_warmup_iters"] = min(cfg.train.lr_warmup_iters, max(int(steps) // 5, 0))
+        if cfg.train.eval_interval > int(steps) or cfg.train.eval_interval == 0:
+            over["train.eval_interval"] = max(int(steps) // 2, 1)
+    cfg = cfg.replace(**over)
+    dp = cfg.derived().data_parallel if nproc % model_parallel == 0 else 1
+    unit = cfg.train.micro_batch_size * dp
+    if cfg.train.global_batch_size % unit:
+        cfg = cfg.replace(**{"train.global_batch_size": unit * max(cfg.train.global_batch_size // unit, 1)})
+        notes.append(f"global batch rounded to {cfg.train.global_batch_size} (micro-batch {cfg.train.micro_batch_size} x dp {dp})")
+    if cfg.data.tokenizer == "demo":
+        try:
+            from workbench.data.tokenizer import load_tokenizer
+
+            vocab = load_tokenizer("demo").vocab_size
+            if vocab > cfg.model.vocab_size:
+                cfg = cfg.replace(**{"model.vocab_size": vocab})
+                notes.append(f"model.vocab_size raised to the demo tokenizer's {vocab}")
+        except Exception:
+            pass
+    note = f"{cfg.name}: device {device}, tp {tp} x pp {pp}, {nproc} process(es), {cfg.train.train_iters} steps"
+    return cfg, "; ".join([note, *notes])
+
+
+def generate_from_run(run: "Run", prompts: Sequence[str] | str, **options: Any) -> list:
+    """Generate text from a finished run's latest checkpoint (``workbench.generation``), or say why not.
+
+    Returns the generation results, or an empty list with the reason printed (generation
+    module missing from this checkout, or the run saved no checkpoint).
+    """
+    try:
+        from workbench import generation
+    except ImportError:
+        print("text generation is not available in this checkout (workbench.generation missing): skipped")
+        return []
+    cfg = run.config
+    root = Path(cfg.checkpoint.save_dir) if cfg and cfg.checkpoint.save_dir else run.run_dir / "checkpoints"
+    if not (root / "latest_checkpointed_iteration.txt").exists() and not list(root.glob("iter_*")):
+        print(f"no checkpoint under {root} (status {run.status}): generation skipped")
+        return []
+    device = cfg.parallel.device if cfg else None
+    return generation.generate(root, prompts, device=device, **options)
+
+
 # --------------------------------------------------------------------------- papermill
 
 
@@ -901,12 +987,19 @@ def run_notebook(notebook: str | Path, parameters: dict | None = None, out_dir: 
     executed = out / f"{nb.stem}.ipynb"
     t0 = time.time()
     error = None
+    previous = os.environ.get("WORKBENCH_HEADLESS")
+    os.environ["WORKBENCH_HEADLESS"] = "1"  # inherited by the kernel: watch() renders static plots
     try:
         pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name=kernel_name,
                             progress_bar=progress, log_output=False, execution_timeout=timeout,
                             cwd=os.getcwd())
     except pm.PapermillExecutionError as e:
         error = f"cell {e.exec_count}: {e.ename}: {e.evalue}"
+    finally:
+        if previous is None:
+            os.environ.pop("WORKBENCH_HEADLESS", None)
+        else:
+            os.environ["WORKBENCH_HEADLESS"] = previous
     html_path = None
     if html and executed.exists():
         html_path = _export_html(executed)

@@ -1,0 +1,203 @@
+"""Config form, dashboard, watch() and training plots, instantiated headless and driven programmatically."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import typing
+from pathlib import Path
+from typing import Literal, get_args, get_origin, get_type_hints
+
+import pytest
+
+from workbench.bridge import Run
+from workbench.config import PRESETS, ConfigError, RunConfig, load_config, preset
+from workbench.events import EventWriter
+from workbench.plots.training import frames_from_run, training_figure
+from workbench.widgets.config_form import ConfigForm
+from workbench.widgets.dashboard import Dashboard, watch
+
+from tests.test_bridge import RANK_SCRIPT, run_processes, wait_until
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- config form
+
+
+def test_form_is_generated_from_the_dataclasses():
+    form = ConfigForm()
+    hints = get_type_hints(RunConfig)
+    expected = {"name"}
+    for section in ("model", "parallel", "train", "data", "checkpoint"):
+        cls = hints[section]
+        for f in dataclasses.fields(cls):
+            name = f"{section}.{f.name}"
+            expected.add(name)
+            tp = get_type_hints(cls)[f.name]
+            if get_origin(tp) is Literal:  # choices come from the Literal, nothing hand-written
+                assert tuple(form.fields[name].options) == get_args(tp)
+    assert set(form.fields) == expected
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_form_round_trips_every_preset(name):
+    cfg = preset(name)
+    form = ConfigForm(cfg)
+    assert form.config.to_dict() == cfg.to_dict()
+
+
+def test_changing_a_field_revalidates_next_to_it_and_replans():
+    form = ConfigForm(preset("tiny"))
+    assert form.problems == [] and not form.launch_button.disabled
+    plan_before = form.plan_text
+    form.set("parallel.tensor_parallel", 3)  # 4 heads are not divisible by 3
+    assert any(p.field == "parallel.tensor_parallel" for p in form.problems)
+    assert "not divisible by tensor_parallel 3" in form.messages["parallel.tensor_parallel"].value
+    assert form.messages["model.num_layers"].value == ""
+    assert form.launch_button.disabled
+    assert "problem" in form.summary.value
+    form.set("parallel.tensor_parallel", 1)
+    assert form.problems == [] and form.messages["parallel.tensor_parallel"].value == ""
+    form.set("model.num_layers", 8)
+    assert form.config.model.num_layers == 8
+    try:
+        from workbench import planner
+    except ImportError:
+        assert "not available" in form.plan_text
+    else:  # the readout is the planner's prediction for the *current* form values
+        assert form.plan_text != plan_before
+        assert form.plan_text == planner.format_plan(planner.predict(form.config))
+    assert form.preset.value == "(custom)"
+
+
+def test_type_errors_and_optional_fields():
+    form = ConfigForm(preset("tiny"))
+    form.fields["model.kv_channels"].value = "abc"
+    assert [p.field for p in form.problems] == ["model.kv_channels"]
+    assert "integer" in form.messages["model.kv_channels"].value
+    form.fields["model.kv_channels"].value = ""
+    assert form.problems == [] and form.config.model.kv_channels is None
+    form.fields["data.source"].value = "indexed"
+    assert any(p.field == "data.datasets" for p in form.problems)
+    form.fields["data.datasets"].value = "/data/a_text_document 0.7\n/data/b_text_document 0.3"
+    assert form.problems == []
+    assert [(d.prefix, d.weight) for d in form.config.data.datasets] == [("/data/a_text_document", 0.7), ("/data/b_text_document", 0.3)]
+    form.set("train.hook_kwargs", {"alpha": 0.5})
+    assert form.config.train.hook_kwargs == {"alpha": 0.5}
+    form.fields["train.hook_kwargs"].value = "{alpha: 1"
+    assert [p.field for p in form.problems] == ["train.hook_kwargs"]
+
+
+def test_preset_dropdown_and_export(tmp_path):
+    form = ConfigForm(preset("tiny"))
+    form.preset.value = "llama-small"
+    assert form.config.to_dict() == preset("llama-small").to_dict()
+    assert form.fields["model.normalization"].value == "rmsnorm"
+    form.set("train.train_iters", 770)
+    for suffix in ("json", "yaml"):
+        path = form.export(tmp_path / f"cfg.{suffix}")
+        assert load_config(path).to_dict() == form.config.to_dict()
+    assert load_config(tmp_path / "cfg.yaml").train.train_iters == 770
+    form.set("model.num_attention_heads", 5)
+    with pytest.raises(ConfigError):
+        form.export(tmp_path / "bad.json")
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_launch_button_starts_the_run(tmp_path):
+    script = tmp_path / "fake_rank.py"
+    script.write_text(RANK_SCRIPT)
+    launched = []
+    form = ConfigForm(preset("tiny").replace(**{"train.train_iters": 3}), on_launch=launched.append, show_dashboard=False,
+                      launch_kwargs={"entry": [str(script)], "env": {"FAKE_MODE": "ok"}, "run_root": tmp_path / "runs"})
+    form.launch_button.click()
+    assert launched and launched[0] is form.run
+    assert form.run.wait(timeout=40) == "finished"
+    assert load_config(form.run.run_dir / "config.json").to_dict() == form.config.to_dict()
+    assert form.run.train_loss["iteration"].tolist() == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------- dashboard / plots
+
+
+def _synthetic_run(run_dir: Path, iters: int = 5, fail_rank: int | None = None, world: int = 2) -> Path:
+    cfg = preset("tiny").replace(**{"parallel.nproc_per_node": world, "train.train_iters": iters})
+    cfg.save(run_dir / "config.json")
+    for r in range(world):
+        with EventWriter(run_dir, r) as w:
+            w.emit("run_start", config=cfg.to_dict(), world_size=world)
+            for it in range(1, iters + 1):
+                w.emit("step", iteration=it, loss=(10.0 - it) if r == world - 1 else None, lr=1e-4 * it, grad_norm=2.0 / it,
+                       step_time=0.5, tokens_per_s=1000.0 + it, mfu=0.3, mem_allocated=(r + 1) * 2**30,
+                       mem_reserved=(r + 2) * 2**30, mem_peak=(r + 1.5) * 2**30)
+            w.emit("eval", iteration=iters, loss=4.5, ppl=90.0)
+            if fail_rank == r:
+                w.emit("error", message="CUDA out of memory", exception="OutOfMemoryError", traceback="Traceback (most recent call last):\n  boom\nOutOfMemoryError: CUDA out of memory")
+                w.emit("run_end", status="failed", iteration=iters, seconds=3.0)
+            else:
+                w.emit("run_end", status="finished", iteration=iters, seconds=3.0)
+    return run_dir
+
+
+def test_dashboard_renders_a_finished_run(tmp_path):
+    run = Run.attach(_synthetic_run(tmp_path / "r"))
+    dash = Dashboard(run, autostart=False, predicted_memory={0: 1.0 * 2**30, 1: 2.0 * 2**30})
+    assert dash._thread is None  # nothing to follow
+    assert "finished" in dash.status.value and "iteration 5/5" in dash.status.value
+    assert dash.progress.value == 5 and dash.progress.max == 5 and dash.progress.bar_style == "success"
+    assert bytes(dash.figure.value).startswith(PNG)
+    assert dash.failure.layout.display == "none"
+    assert dash.stop_button.disabled
+
+
+def test_dashboard_shows_the_failing_rank(tmp_path):
+    run = Run.attach(_synthetic_run(tmp_path / "r", fail_rank=1))
+    dash = Dashboard(run, autostart=False)
+    assert run.status == "failed"
+    assert "rank 1 failed" in dash.failure.value and "OutOfMemoryError" in dash.failure.value
+    assert dash.failure.layout.display != "none"
+
+
+def test_training_figure_draws_the_frames(tmp_path):
+    run = Run.attach(_synthetic_run(tmp_path / "r", iters=6))
+    fig = training_figure(frames_from_run(run), predicted_memory={0: 2**30, 1: 2**30})
+    ax_loss, ax_tput, ax_mem, ax_grad = fig.axes[:4]
+    train = ax_loss.get_lines()[0]
+    assert list(train.get_xdata()) == [1, 2, 3, 4, 5, 6] and list(train.get_ydata()) == [9, 8, 7, 6, 5, 4]
+    assert list(ax_loss.get_lines()[1].get_ydata()) == [4.5]  # eval
+    heights = sorted(round(p.get_height(), 3) for p in ax_mem.patches)
+    assert heights == [1.0, 1.0, 1.0, 2.0, 2.0, 3.0]  # allocated 1,2 / reserved 2,3 / planner 1,1 (GiB)
+    assert list(ax_tput.get_lines()[0].get_ydata()) == [1001.0 + i for i in range(6)]
+    # an empty run still draws (placeholders), so a dashboard can open before the first step
+    empty = tmp_path / "empty"
+    preset("tiny").save(empty / "config.json")
+    assert training_figure(frames_from_run(Run.attach(empty))).axes
+
+
+def test_dashboard_follows_live_run_and_stop_button(tmp_path):
+    script = tmp_path / "fake_rank.py"
+    script.write_text(RANK_SCRIPT)
+    run = Run.launch(preset("tiny").replace(**{"parallel.nproc_per_node": 2, "train.train_iters": 1000}),
+                     run_root=tmp_path / "runs", entry=[str(script)], env={"FAKE_MODE": "slow"})
+    dash = Dashboard(run, interval=0.2)
+    try:
+        wait_until(lambda: dash.progress.value >= 2, 40, "the dashboard to show progress")
+        assert "running" in dash.status.value and bytes(dash.figure.value).startswith(PNG)
+        assert dash._thread.is_alive()
+        dash.stop_button.click()
+        assert run.status == "stopped"
+        wait_until(lambda: not dash._thread.is_alive(), 10, "the polling thread to end with the run")
+        assert "stopped" in dash.status.value
+        assert run_processes(run.run_dir) == []
+    finally:
+        run.stop(grace=2)
+        dash.close()
+
+
+def test_watch_headless_prints_progress_and_static_plots(tmp_path, capsys):
+    run = Run.attach(_synthetic_run(tmp_path / "r"))
+    assert watch(run, live=False, interval=0.05) == "finished"
+    out = capsys.readouterr().out
+    assert "run finished" in out
+    assert "IPython.core.display.Image" in out or "<IPython" in out  # static images displayed (outside a kernel: reprs)

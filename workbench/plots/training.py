@@ -1,0 +1,152 @@
+"""Training curves of a run: loss, throughput / MFU, memory per rank, grad norm / LR.
+
+Pure functions of the DataFrames :class:`workbench.bridge.Run` exposes, drawn on a
+``matplotlib.figure.Figure`` that lives outside pyplot (safe from a background thread, never
+auto-shown twice).  The dashboard re-renders it to PNG for in-place updates; headless
+(papermill) runs display the final PNG as a static image.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["TrainingFrames", "frames_from_run", "training_figure", "figure_png", "GIB"]
+
+GIB = float(1 << 30)
+
+
+@dataclass
+class TrainingFrames:
+    """What the training figure needs (all pandas DataFrames, possibly empty)."""
+
+    steps: Any  # rank, iteration, loss, lr, grad_norm, tokens_per_s, mfu, mem_*
+    train_loss: Any  # iteration, loss
+    evals: Any  # iteration, loss, ppl
+    memory: Any  # rank, mem_allocated, mem_reserved, mem_peak
+    train_iters: int | None = None
+    title: str | None = None
+
+
+def frames_from_run(run) -> TrainingFrames:
+    total = run.config.train.train_iters if getattr(run, "config", None) else None
+    return TrainingFrames(run.steps, run.train_loss, run.evals, run.memory, total, run.run_dir.name)
+
+
+def _per_iteration(steps, column: str, how: str = "max"):
+    if not len(steps) or column not in steps or not steps[column].notna().any():
+        return None
+    s = steps[steps[column].notna()].groupby("iteration")[column]
+    return getattr(s, how)()
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.5", fontsize=9)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def training_figure(frames: TrainingFrames, predicted_memory: Mapping[int, float] | float | None = None,
+                    figsize: tuple[float, float] = (11.0, 6.5)):
+    """A 2x2 figure: loss (train and eval) | tokens/s and MFU / memory per rank | grad norm and LR.
+
+    ``predicted_memory``: the planner's prediction in bytes, one number for every rank or a
+    ``{rank: bytes}`` mapping; drawn as a third bar next to allocated and reserved.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    (ax_loss, ax_tput), (ax_mem, ax_grad) = fig.subplots(2, 2)
+    steps = frames.steps
+
+    # loss
+    tl, ev = frames.train_loss, frames.evals
+    if len(tl):
+        ax_loss.plot(tl["iteration"], tl["loss"], label="train", color="C0", lw=1.2)
+    if len(ev):
+        ax_loss.plot(ev["iteration"], ev["loss"], "o-", label="eval", color="C3", ms=4)
+    if len(tl) or len(ev):
+        ax_loss.set_xlabel("iteration")
+        ax_loss.set_ylabel("loss")
+        ax_loss.legend(fontsize=8)
+        if frames.train_iters:
+            ax_loss.set_xlim(0, max(frames.train_iters, 1))
+        ax_loss.grid(alpha=0.3)
+    else:
+        _empty(ax_loss, "no loss yet")
+    ax_loss.set_title("loss", fontsize=10)
+
+    # throughput and MFU
+    # every rank reports the job's tokens/s of the same step: take the max, never the sum
+    tput = _per_iteration(steps, "tokens_per_s", "max")
+    if tput is not None:
+        ax_tput.plot(tput.index, tput.values, color="C2", lw=1.2, label="tokens/s")
+        ax_tput.set_ylabel("tokens/s", color="C2")
+        ax_tput.set_xlabel("iteration")
+        mfu = _per_iteration(steps, "mfu", "mean")
+        if mfu is not None:
+            ax2 = ax_tput.twinx()
+            ax2.plot(mfu.index, 100.0 * mfu.values, color="C4", lw=1.0, ls="--", label="MFU")
+            ax2.set_ylabel("MFU %", color="C4")
+        ax_tput.grid(alpha=0.3)
+    else:
+        _empty(ax_tput, "no throughput yet")
+    ax_tput.set_title("throughput", fontsize=10)
+
+    # memory per rank
+    mem = frames.memory
+    if len(mem) and mem[["mem_allocated", "mem_reserved"]].notna().any().any():
+        ranks = [int(r) for r in mem["rank"]]
+        x = list(range(len(ranks)))
+        pred = None
+        if predicted_memory is not None:
+            pred = [float(predicted_memory.get(r, float("nan"))) if isinstance(predicted_memory, Mapping) else float(predicted_memory)
+                    for r in ranks]
+        n = 3 if pred is not None else 2
+        w = 0.8 / n
+        ax_mem.bar([i - 0.4 + w / 2 for i in x], mem["mem_allocated"].fillna(0) / GIB, w, label="allocated", color="C0")
+        ax_mem.bar([i - 0.4 + 1.5 * w for i in x], mem["mem_reserved"].fillna(0) / GIB, w, label="reserved", color="C1")
+        if pred is not None:
+            ax_mem.bar([i - 0.4 + 2.5 * w for i in x], [p / GIB for p in pred], w, label="planner", color="0.6", hatch="//")
+        ax_mem.set_xticks(x)
+        ax_mem.set_xticklabels([str(r) for r in ranks])
+        ax_mem.set_xlabel("rank")
+        ax_mem.set_ylabel("GiB")
+        ax_mem.legend(fontsize=8)
+        ax_mem.grid(alpha=0.3, axis="y")
+    else:
+        _empty(ax_mem, "no memory numbers yet")
+    ax_mem.set_title("memory per rank (latest step)", fontsize=10)
+
+    # grad norm and LR
+    gn = _per_iteration(steps, "grad_norm", "max")
+    lr = _per_iteration(steps, "lr", "max")
+    if gn is not None or lr is not None:
+        if gn is not None:
+            ax_grad.plot(gn.index, gn.values, color="C5", lw=1.2)
+            ax_grad.set_ylabel("grad norm", color="C5")
+        ax_grad.set_xlabel("iteration")
+        if lr is not None:
+            ax3 = ax_grad.twinx() if gn is not None else ax_grad
+            ax3.plot(lr.index, lr.values, color="C7", lw=1.0, ls="--")
+            ax3.set_ylabel("learning rate", color="C7")
+        ax_grad.grid(alpha=0.3)
+    else:
+        _empty(ax_grad, "no gradients yet")
+    ax_grad.set_title("grad norm and LR", fontsize=10)
+
+    if frames.title:
+        fig.suptitle(frames.title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def figure_png(fig, dpi: int = 80) -> bytes:
+    """Render a Figure to PNG bytes (Agg canvas; works in any thread)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()

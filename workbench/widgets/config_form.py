@@ -1,0 +1,367 @@
+"""An ipywidgets form generated from the run-config dataclasses.
+
+Why generated: :mod:`workbench.config` is the single source of truth, so every field (its
+type, its ``Literal`` options, its default) comes from ``dataclasses.fields`` and the type
+hints; a new config field appears in the form without touching this file.  Every change
+rebuilds the :class:`RunConfig`, re-runs ``validate()`` and shows each problem next to the
+field it names, refreshes the memory-planner readout, and keeps export / launch in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
+
+from workbench.config import PRESETS, ConfigError, DatasetEntry, Problem, RunConfig, preset
+
+__all__ = ["ConfigForm", "field_specs", "FieldSpec"]
+
+SECTIONS = ("model", "parallel", "train", "data", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+    """One form field: dotted name, the widget kind and (for choices) the options."""
+
+    name: str  # "parallel.tensor_parallel"
+    kind: str  # bool | choice | int | float | str | optional-int | optional-float | optional-str | datasets | json
+    options: tuple = ()
+    default: Any = None
+
+
+def _kind(tp: Any) -> tuple[str, tuple]:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "choice", get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        base, _ = _kind(inner[0])
+        return f"optional-{base}", ()
+    if origin is list and get_args(tp) and get_args(tp)[0] is DatasetEntry:
+        return "datasets", ()
+    # anything else (dicts, lists of plain values) is edited as JSON text
+    return {bool: "bool", int: "int", float: "float", str: "str"}.get(tp, "json"), ()
+
+
+def field_specs() -> list[FieldSpec]:
+    """Every editable field of RunConfig, in declaration order, from the dataclasses themselves."""
+    out = [FieldSpec("name", "str", (), RunConfig().name)]
+    hints = get_type_hints(RunConfig)
+    default = RunConfig()
+    for section in SECTIONS:
+        cls = hints[section]
+        sh = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind, options = _kind(sh[f.name])
+            out.append(FieldSpec(f"{section}.{f.name}", kind, options, getattr(getattr(default, section), f.name)))
+    return out
+
+
+def _datasets_text(entries: list) -> str:
+    rows = []
+    for e in entries or []:
+        e = e if isinstance(e, dict) else dataclasses.asdict(e)
+        rows.append(f"{e['prefix']} {e.get('weight', 1.0):g}")
+    return "\n".join(rows)
+
+
+def _parse_datasets(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        weight: Any = 1.0
+        if len(parts) > 1:
+            try:
+                weight = float(parts[-1])
+            except ValueError:
+                weight = parts[-1]  # from_dict reports it against the field
+        out.append({"prefix": parts[0], "weight": weight})
+    return out
+
+
+class ConfigForm:
+    """Widgets for a :class:`RunConfig` with live validation, planner readout, export and launch.
+
+    Drive it programmatically (tests, scripts) with :meth:`set` / :meth:`load` / :meth:`export`
+    / :meth:`launch`; read :attr:`config` and :attr:`problems`.
+    """
+
+    def __init__(self, cfg: RunConfig | None = None, *, preset_name: str | None = "tiny",
+                 on_launch: Callable[[Any], None] | None = None, launch_kwargs: dict | None = None,
+                 show_dashboard: bool = True):
+        import ipywidgets as W
+
+        self._W = W
+        self.on_launch = on_launch
+        self.launch_kwargs = dict(launch_kwargs or {})
+        self.show_dashboard = show_dashboard
+        self.specs = {s.name: s for s in field_specs()}
+        self.fields: dict[str, Any] = {}
+        self._parse_problems: list[Problem] = []
+        self.messages: dict[str, Any] = {}
+        self._suspend = False
+        self.config: RunConfig = cfg or (preset(preset_name) if preset_name else RunConfig())
+        self.problems: list[Problem] = []
+        self.plan_text = ""
+        self.prediction: Any = None  # the planner's last prediction object
+        self.run = None
+
+        self.preset = W.Dropdown(options=["(custom)", *PRESETS], value=preset_name if (preset_name and cfg is None) else "(custom)",
+                                 description="preset")
+        self.preset.observe(self._on_preset, names="value")
+        rows: dict[str, list] = {s: [] for s in ("run", *SECTIONS)}
+        for spec in self.specs.values():
+            w = self._make_widget(spec)
+            msg = W.HTML(layout=W.Layout(width="auto"))
+            self.fields[spec.name], self.messages[spec.name] = w, msg
+            w.observe(self._on_change, names="value")
+            section = spec.name.split(".")[0] if "." in spec.name else "run"
+            rows[section].append(W.HBox([w, msg]))
+        self.summary = W.HTML()
+        self.plan = W.HTML()
+        self.export_path = W.Text(value="run.yaml", description="export to", layout=W.Layout(width="360px"))
+        self.export_button = W.Button(description="export", icon="download")
+        self.export_button.on_click(lambda _b: self._export_clicked())
+        self.launch_button = W.Button(description="launch", button_style="success", icon="play")
+        self.launch_button.on_click(lambda _b: self._launch_clicked())
+        self.output = W.Output()
+        tabs = W.Tab(children=[W.VBox(rows[s]) for s in SECTIONS], titles=SECTIONS)
+        self.widget = W.VBox([
+            W.HBox([self.preset, *[r.children[0] for r in rows["run"]]]),
+            tabs,
+            self.summary,
+            W.HTML("<b>memory plan</b>"), self.plan,
+            W.HBox([self.export_path, self.export_button, self.launch_button]),
+            self.output,
+        ])
+        self.load(self.config)
+
+    # ---- widgets
+    def _make_widget(self, spec: FieldSpec):
+        W = self._W
+        label = spec.name.split(".")[-1]
+        style = {"description_width": "190px"}
+        layout = W.Layout(width="420px")
+        if spec.kind == "bool":
+            return W.Checkbox(description=label, style=style, layout=layout, indent=True)
+        if spec.kind == "choice":
+            return W.Dropdown(options=list(spec.options), description=label, style=style, layout=layout)
+        if spec.kind == "int":
+            return W.IntText(description=label, style=style, layout=layout)
+        if spec.kind == "float":
+            return W.FloatText(description=label, style=style, layout=layout)
+        if spec.kind == "datasets":
+            return W.Textarea(description=label, placeholder="one per line: PREFIX [WEIGHT]", style=style,
+                              layout=W.Layout(width="420px", height="70px"))
+        placeholder = "none" if spec.kind.startswith("optional") else ""
+        return W.Text(description=label, placeholder=placeholder, style=style, layout=layout)
+
+    def _to_widget(self, spec: FieldSpec, value: Any) -> Any:
+        if spec.kind == "datasets":
+            return _datasets_text(value)
+        if spec.kind == "json":
+            return json.dumps(value)
+        if spec.kind.startswith("optional") or spec.kind == "str":
+            return "" if value is None else str(value)
+        return value
+
+    def _from_widget(self, spec: FieldSpec, value: Any) -> Any:
+        if spec.kind == "datasets":
+            return _parse_datasets(value)
+        if spec.kind == "json":
+            try:
+                return json.loads(value) if str(value).strip() else spec.default
+            except ValueError as e:
+                self._parse_problems.append(Problem(spec.name, f"not valid JSON ({e})", 'write JSON, e.g. {"alpha": 0.1}'))
+                return spec.default
+        if spec.kind.startswith("optional"):
+            text = str(value).strip()
+            if text == "" or text.lower() in ("none", "null"):
+                return None
+            for conv in ((int,) if spec.kind == "optional-int" else (float,) if spec.kind == "optional-float" else ()):
+                try:
+                    return conv(text)
+                except ValueError:
+                    return text  # RunConfig.from_dict names the field and the expected type
+            return text
+        return value
+
+    # ---- state
+    def values(self) -> dict[str, Any]:
+        """The form as a nested dict (what RunConfig.from_dict receives)."""
+        d: dict[str, Any] = {s: {} for s in SECTIONS}
+        self._parse_problems = []
+        for name, spec in self.specs.items():
+            v = self._from_widget(spec, self.fields[name].value)
+            if "." in name:
+                sec, key = name.split(".", 1)
+                d[sec][key] = v
+            else:
+                d[name] = v
+        return d
+
+    def load(self, cfg: RunConfig) -> None:
+        """Show ``cfg`` in the form (one validation at the end, not one per field)."""
+        d = cfg.to_dict()
+        self._suspend = True
+        try:
+            for name, spec in self.specs.items():
+                v = d[name] if "." not in name else d[name.split(".")[0]][name.split(".", 1)[1]]
+                self.fields[name].value = self._to_widget(spec, v)
+        finally:
+            self._suspend = False
+        self.revalidate()
+
+    def set(self, name: str, value: Any) -> None:
+        """Set one field by dotted name, as a user would (re-validates and re-plans)."""
+        if name not in self.fields:
+            raise KeyError(f"unknown field {name!r}; known: {', '.join(self.fields)}")
+        self.fields[name].value = self._to_widget(self.specs[name], value)
+
+    def _on_change(self, _change) -> None:
+        if not self._suspend:
+            if self.preset.value != "(custom)":
+                self._suspend = True
+                self.preset.value = "(custom)"
+                self._suspend = False
+            self.revalidate()
+
+    def _on_preset(self, change) -> None:
+        if self._suspend or change["new"] == "(custom)":
+            return
+        self.load(preset(change["new"]))
+        self._suspend = True
+        self.preset.value = change["new"]
+        self._suspend = False
+
+    def revalidate(self) -> list[Problem]:
+        """Rebuild the config from the widgets, validate, and refresh messages and plan."""
+        values = self.values()
+        try:
+            cfg = RunConfig.from_dict(values)
+            problems = self._parse_problems + cfg.validate()
+            if not self._parse_problems:
+                self.config = cfg
+        except ConfigError as e:
+            problems = self._parse_problems + list(e.problems)  # type errors: the previous config stays in .config
+        self.problems = problems
+        by_field: dict[str, list[Problem]] = {}
+        unplaced = []
+        for p in problems:
+            key = self._field_for(p.field)
+            (by_field.setdefault(key, []) if key else unplaced).append(p)
+        for name, msg in self.messages.items():
+            ps = by_field.get(name, [])
+            msg.value = "".join(f"<span style='color:#d62728'>&#9888; {html.escape(p.rule)} &rarr; {html.escape(p.fix)}</span><br>"
+                                for p in ps)
+        if problems:
+            items = "".join(f"<li><code>{html.escape(p.field)}</code>: {html.escape(p.rule)} &rarr; {html.escape(p.fix)}</li>" for p in problems)
+            self.summary.value = f"<div style='color:#d62728'><b>{len(problems)} problem(s)</b><ul>{items}</ul></div>"
+        else:
+            d = self.config.derived()
+            self.summary.value = (f"<div style='color:#2ca02c'><b>valid</b>: world {d.world_size} = tp {self.config.parallel.tensor_parallel}"
+                                  f" x pp {self.config.parallel.pipeline_parallel} x dp {d.data_parallel}; "
+                                  f"{d.params.total / 1e6:.2f}M parameters; {d.num_microbatches} micro-batches per step</div>")
+        self.launch_button.disabled = bool(problems)
+        self._update_plan()
+        return problems
+
+    def _field_for(self, problem_field: str) -> str | None:
+        name = problem_field.split("[")[0]
+        if name in self.fields:
+            return name
+        return None
+
+    def _update_plan(self) -> None:
+        if self.problems:
+            self.plan_text = "(fix the problems above to see the memory plan)"
+            self.plan.value = f"<i>{self.plan_text}</i>"
+            return
+        try:
+            from workbench import planner
+        except ImportError:
+            self.plan_text = "memory planner not available in this checkout (workbench.planner)"
+            self.plan.value = f"<i>{self.plan_text}</i>"
+            return
+        try:
+            pred = planner.predict(self.config)
+        except Exception as e:
+            self.plan_text = f"planner error: {e}"
+            self.plan.value = f"<span style='color:#d62728'>{html.escape(self.plan_text)}</span>"
+            return
+        self.prediction = pred
+        fmt = getattr(planner, "format_plan", None)
+        self.plan_text = fmt(pred) if fmt else str(pred)
+        self.plan.value = f"<pre style='font-size:11px'>{html.escape(self.plan_text)}</pre>"
+
+    # ---- actions
+    def export(self, path: str | Path) -> Path:
+        """Write the config as JSON or YAML (by suffix). Refuses an invalid config."""
+        self.revalidate()
+        if self.problems:
+            raise ConfigError(self.problems)
+        return self.config.save(path)
+
+    def _export_clicked(self) -> None:
+        with self.output:
+            try:
+                print(f"wrote {self.export(self.export_path.value)}")
+            except ConfigError as e:
+                print(e)
+
+    def launch(self, **kwargs: Any):
+        """Launch the current config (``Run.launch``); shows the dashboard below the form."""
+        from workbench.bridge import Run
+
+        self.revalidate()
+        if self.problems:
+            raise ConfigError(self.problems)
+        self.run = Run.launch(self.config, **{**self.launch_kwargs, **kwargs})
+        if self.on_launch is not None:
+            self.on_launch(self.run)
+        return self.run
+
+    def _launch_clicked(self) -> None:
+        with self.output:
+            try:
+                run = self.launch()
+            except ConfigError as e:
+                print(e)
+                return
+            print(f"launched: {run.run_dir}")
+            if self.show_dashboard:
+                from IPython.display import display
+
+                display(run.dashboard())
+
+    def report(self) -> str:
+        """Plain-text validity summary and memory plan (what papermill output shows)."""
+        if self.problems:
+            head = f"{len(self.problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in self.problems)
+        else:
+            d = self.config.derived()
+            head = (f"valid: world {d.world_size} = tp {self.config.parallel.tensor_parallel} x pp {self.config.parallel.pipeline_parallel}"
+                    f" x dp {d.data_parallel}; {d.params.total / 1e6:.2f}M parameters; {d.num_microbatches} micro-batches per step")
+        return f"{head}\n\nmemory plan:\n{self.plan_text}"
+
+    def to_json(self) -> str:
+        return self.config.to_json()
+
+    def to_yaml(self) -> str:
+        return self.config.to_yaml()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    def __repr__(self) -> str:
+        return f"ConfigForm({self.config.name!r}, {len(self.problems)} problem(s))"
+

@@ -1,0 +1,270 @@
+"""The live run dashboard, and :func:`watch` for headless (papermill) execution.
+
+Why a background thread: a notebook cell must return while the backend trains, yet the
+plots must keep moving.  :class:`Dashboard` polls the run's event files from a daemon thread
+and updates widgets in place (status line, progress bar with ETA, training figure and
+pipeline-schedule figure as PNG ``Image`` widgets, log tail, failure box).  Widget state
+changes are sent from that thread over the kernel's IOPub channel, which is thread-safe.
+
+:func:`watch` blocks until the run ends: live it shows the dashboard; headless (papermill,
+plain Python) it prints a progress bar and finishes with static PNG plots, so the executed
+notebook and its HTML export carry the figures.  Interrupting the kernel during ``watch``
+stops the run.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import sys
+import threading
+import time
+from typing import Any, Mapping
+
+from workbench.plots.training import figure_png, frames_from_run, training_figure
+
+__all__ = ["Dashboard", "watch", "static_figures", "planner_memory", "is_headless"]
+
+_STATUS_COLOURS = {"starting": "#888", "running": "#1f77b4", "finished": "#2ca02c", "failed": "#d62728", "stopped": "#ff7f0e"}
+
+
+def is_headless() -> bool:
+    """True under papermill (``run_notebook`` sets WORKBENCH_HEADLESS) or outside an IPython kernel."""
+    if os.environ.get("WORKBENCH_HEADLESS"):
+        return True
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+    except ImportError:
+        return True
+    return ip is None or "Terminal" in type(ip).__name__
+
+
+def planner_memory(cfg) -> Mapping[int, float] | float | None:
+    """The memory planner's predicted peak allocated bytes per rank (``workbench.planner.predict``), if available."""
+    if cfg is None:
+        return None
+    try:
+        from workbench import planner  # the planner helper's module; optional
+    except ImportError:
+        return None
+    try:
+        plan = planner.predict(cfg)
+    except Exception:
+        return None
+    ranks = getattr(plan, "ranks", None) or []
+    out = {int(r.rank): float(r.peak_allocated) for r in ranks if getattr(r, "peak_allocated", None) is not None}
+    return out or None
+
+
+def _fmt_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "ETA --"
+    seconds = int(seconds)
+    return f"ETA {seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Dashboard:
+    """Live view of a :class:`workbench.bridge.Run` (launched here or re-attached)."""
+
+    def __init__(self, run, interval: float = 1.0, predicted_memory: Mapping[int, float] | float | None = None,
+                 log_lines: int = 15, autostart: bool = True):
+        import ipywidgets as W
+
+        self.run = run
+        self.interval = interval
+        self.log_lines = log_lines
+        self.predicted_memory = predicted_memory if predicted_memory is not None else planner_memory(run.config)
+        self.status = W.HTML()
+        self.progress = W.IntProgress(min=0, max=max(self._total(), 1), description="progress")
+        self.eta = W.Label("ETA --")
+        self.figure = W.Image(format="png")
+        self.schedule = W.Image(format="png", layout=W.Layout(display="none"))
+        self.failure = W.HTML(layout=W.Layout(display="none"))
+        self.log = W.HTML()
+        self.stop_button = W.Button(description="stop", button_style="danger", icon="stop")
+        self.stop_button.on_click(lambda _b: self.stop())
+        self.widget = W.VBox([
+            W.HBox([self.status, self.stop_button]),
+            W.HBox([self.progress, self.eta]),
+            self.failure, self.figure, self.schedule,
+            W.Accordion(children=[self.log], titles=("log tail",)),
+        ])
+        self._n_events = -1
+        self._last_status: str | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+        self.updates = 0
+        self.update()
+        if autostart and not self.finished:
+            self.start()
+
+    def _total(self) -> int:
+        return self.run.config.train.train_iters if self.run.config else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.run.status in ("finished", "failed", "stopped") and not self.run.is_alive()
+
+    # ---- updating
+    def update(self, force: bool = False) -> None:
+        """One refresh: re-read events; redraw only when something changed."""
+        run = self.run
+        run.refresh()
+        status = run.status
+        n = sum(len(v) for v in run._records.values())
+        it, total, eta = run.progress()
+        colour = _STATUS_COLOURS.get(status, "#000")
+        self.status.value = (f"<b style='color:{colour}'>{status}</b> &nbsp; <code>{html.escape(str(run.run_dir))}</code>"
+                             f" &nbsp; iteration {it}/{total}")
+        self.progress.max = max(total, 1)
+        self.progress.value = min(it, self.progress.max)
+        self.progress.bar_style = {"finished": "success", "failed": "danger", "stopped": "warning"}.get(status, "info")
+        self.eta.value = _fmt_eta(eta) if status in ("running", "starting") else status
+        self.stop_button.disabled = status in ("finished", "failed", "stopped") and not run.is_alive()
+        f = run.failure if status == "failed" else None
+        if f is not None:
+            self.failure.value = (f"<div style='color:#d62728'><b>rank {f.rank} failed</b>: {html.escape(f.message)}</div>"
+                                  f"<pre style='font-size:11px;max-height:300px;overflow:auto'>{html.escape(f.traceback)}</pre>")
+            self.failure.layout.display = None
+        self.log.value = f"<pre style='font-size:11px'>{html.escape(run.log_tail(None, self.log_lines))}</pre>"
+        if force or n != self._n_events or status != self._last_status:
+            self.figure.value = figure_png(training_figure(frames_from_run(run), self.predicted_memory))
+            sched = self._schedule_png()
+            if sched:
+                self.schedule.value = sched
+                self.schedule.layout.display = None
+            self._n_events, self._last_status = n, status
+        self.updates += 1
+
+    def _schedule_png(self) -> bytes | None:
+        if not self.run.events("microbatch"):
+            return None
+        try:
+            from workbench.plots.schedule import measured_overlay
+        except ImportError:
+            return None
+        try:
+            fig, _report = measured_overlay(self.run.run_dir)
+            return figure_png(fig)
+        except Exception:
+            return None
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.update()
+                if self.finished:
+                    self.update(force=True)
+                    break
+            except Exception as e:  # keep polling; show the problem instead of dying silently
+                self.status.value = f"<b>dashboard error</b>: {html.escape(repr(e))}"
+            self._closed.wait(self.interval)
+
+    def start(self) -> "Dashboard":
+        if self._thread is None or not self._thread.is_alive():
+            self._closed.clear()
+            self._thread = threading.Thread(target=self._loop, name=f"dashboard-{self.run.run_dir.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def stop(self, grace: float = 10.0) -> str:
+        """The stop button: stop the run (SIGTERM, SIGKILL after ``grace``)."""
+        self.stop_button.disabled = True
+        self.stop_button.description = "stopping..."
+        st = self.run.stop(grace=grace)
+        self.stop_button.description = "stopped"
+        self.update(force=True)
+        return st
+
+    # ---- display
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    def static(self) -> list:
+        """The current figures as IPython PNG images (for papermill / HTML export)."""
+        return static_figures(self.run, self.predicted_memory)
+
+
+def watch(run, until_done: bool = True, *, live: bool | None = None, interval: float = 1.0,
+          timeout: float | None = None, show: bool = True) -> str:
+    """Follow a run until it ends and show its plots; returns the final status.
+
+    live (default: auto): the ipywidgets dashboard updating in place.  Headless: a text
+    progress bar, the failure (rank + traceback) if any, then static PNG figures.
+    A kernel interrupt (or Ctrl-C) while waiting stops the run.
+    """
+    from tqdm import tqdm
+
+    live = (not is_headless()) if live is None else live
+    dash = None
+    if live:
+        from IPython.display import display
+
+        dash = Dashboard(run, interval=interval)
+        display(dash)
+        if not until_done:
+            return run.status
+    end = None if timeout is None else time.time() + timeout
+    total = run.config.train.train_iters if run.config else None
+    bar = None if live else tqdm(total=total, desc=run.run_dir.name, unit="it", file=sys.stdout, mininterval=5.0,
+                                 disable=not show)
+    try:
+        while True:
+            st = run.status
+            if bar is not None:
+                it, _total, _eta = run.progress()
+                bar.update(max(it - bar.n, 0))
+                bar.set_postfix_str(st, refresh=False)
+            if st in ("finished", "failed", "stopped") and not run.is_alive():
+                break
+            if end is not None and time.time() > end:
+                print(f"watch: timeout after {timeout}s; stopping the run", flush=True)
+                run.stop()
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        print("interrupted: stopping the run", flush=True)
+        run.stop()
+    finally:
+        if bar is not None:
+            bar.close()
+    st = run.wait(timeout=30)
+    if dash is not None:
+        dash.update(force=True)
+        dash.close()
+    elif show:
+        from IPython.display import display
+
+        print(f"run {st}: {run.run_dir}")
+        f = run.failure
+        if f is not None:
+            print(str(f))
+        for img in static_figures(run):
+            display(img)
+    return st
+
+
+def static_figures(run, predicted_memory: Mapping[int, float] | float | None = None) -> list:
+    """The training figure (and the measured pipeline schedule, when micro-batch events exist) as PNG images."""
+    from IPython.display import Image
+
+    pred = predicted_memory if predicted_memory is not None else planner_memory(run.config)
+    out = [Image(data=figure_png(training_figure(frames_from_run(run), pred), dpi=90))]
+    if run.events("microbatch"):
+        try:
+            from workbench.plots.schedule import measured_overlay
+
+            fig, _ = measured_overlay(run.run_dir)
+            out.append(Image(data=figure_png(fig, dpi=90)))
+        except Exception as e:
+            print(f"(pipeline schedule view unavailable: {e})")
+    return out
