@@ -463,17 +463,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    steps, warmup = (2, 1) if a.cpu_smoke else (6, 3) if a.quick else (20, 5)
+    a.steps = steps if a.steps is None else a.steps
+    a.warmup = warmup if a.warmup is None else a.warmup
     if a.cpu_smoke:
-        a.steps = a.steps or 2
-        a.warmup = a.warmup if a.warmup is not None else 1
         a.microbatches = 2
-        a.no_stream_cost = True
-    elif a.quick:
-        a.steps = a.steps or 6
-        a.warmup = a.warmup if a.warmup is not None else 3
-    else:
-        a.steps = a.steps or 20
-        a.warmup = a.warmup if a.warmup is not None else 5
     if a.steps < 1 or a.warmup < 0 or a.microbatches < 1:
         ap.error("--steps must be >= 1, --warmup >= 0, --microbatches >= 1")
 

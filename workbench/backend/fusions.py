@@ -66,6 +66,7 @@ __all__ = [
     "use_fused_adam",
     "lm_cross_entropy",
     "set_compile",
+    "allow_on_cpu",
     "summary",
 ]
 
@@ -75,6 +76,16 @@ log = logging.getLogger(__name__)
 _COMPILE = True
 #: What was switched on in this process (for the run_start event's kernel_path and the benchmark).
 _STATE: dict[str, str] = {}
+
+
+#: Tests only: let the fast paths run on CPU (normally GPU-only) to compare their maths with stock.
+_ALLOW_CPU = False
+
+
+def allow_on_cpu(enabled: bool = True) -> None:
+    """Tests: enable the fast paths for ``parallel.device: cpu`` too (they are GPU-only otherwise)."""
+    global _ALLOW_CPU
+    _ALLOW_CPU = bool(enabled)
 
 
 def set_compile(enabled: bool) -> None:
@@ -90,7 +101,7 @@ def summary() -> dict[str, str]:
 
 
 def _wanted(cfg: Any) -> bool:
-    return bool(cfg.train.compile_kernels) and cfg.parallel.device == "cuda"
+    return bool(cfg.train.compile_kernels) and (cfg.parallel.device == "cuda" or _ALLOW_CPU)
 
 
 # --------------------------------------------------------------------------- config

@@ -1,0 +1,184 @@
+"""Subprocess helper for tests/test_fusions.py (own process: megatron parallel state is global).
+
+    python tests/fusions_check.py layer [--compile]   -> JSON: stock vs fast-layer loss / grad diffs
+    python tests/fusions_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
+    python tests/fusions_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
+    python tests/fusions_check.py all                 -> all of the above in one process (stock trainer first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from workbench.config import preset  # noqa: E402
+
+VARIANTS = {
+    "gpt": {},
+    "llama-like": {"model.normalization": "rmsnorm", "model.activation": "swiglu", "model.attention_type": "grouped",
+                   "model.num_query_groups": 2, "model.add_bias_linear": False},
+    # not on the dense path: rotary embeddings arrive per call (stock forward), dropout is refused at build
+    "rope": {"model.position_embedding": "rope"},
+    "dropout": {"model.hidden_dropout": 0.1},
+}
+
+
+def _env(port: int) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+
+
+def _build(cfg, layer_cls):
+    from workbench.backend import model as wm
+
+    spec = wm.layer_spec(cfg)
+    spec.module = layer_cls
+    orig = wm.layer_spec
+    wm.layer_spec = lambda _cfg: spec
+    try:
+        torch.manual_seed(0)
+        return wm.build_model(cfg)
+    finally:
+        wm.layer_spec = orig
+
+
+def check_layer(compile_: bool) -> dict:
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from workbench.backend import distributed, fusions
+
+    fusions.set_compile(compile_)
+    out = {}
+    for i, (name, over) in enumerate(VARIANTS.items()):
+        cfg = preset("tiny", **over)
+        if i == 0:
+            distributed.initialize_for_tests(cfg, port=int(os.environ.get("CHECK_PORT", "29611")))
+        stock = _build(cfg, TransformerLayer)
+        fast = _build(cfg, fusions.CompiledTransformerLayer)
+        fast.load_state_dict(stock.state_dict())
+        g = torch.Generator().manual_seed(1)
+        b, s = 2, cfg.model.seq_length
+        tok = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+        lab = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+        pos = torch.arange(s)[None].expand(b, s)
+        losses = []
+        if cfg.model.hidden_dropout:
+            stock.eval(), fast.eval()  # same maths without random masks
+        for m in (stock, fast):
+            loss = m(tok, pos, None, labels=lab).mean()
+            loss.backward()
+            losses.append(loss.item())
+        grad_rel = 0.0
+        for (n, p), (_, q) in zip(stock.named_parameters(), fast.named_parameters()):
+            grad_rel = max(grad_rel, ((p.grad - q.grad).norm() / (p.grad.norm() + 1e-12)).item())
+        out[name] = {
+            "loss_stock": losses[0], "loss_fast": losses[1], "grad_rel_max": grad_rel,
+            "fast_calls": sum(getattr(l, "fast_calls", 0) for l in fast.decoder.layers),
+            "blockers": [l.fast_path_blocker for l in fast.decoder.layers],
+            "stock_keys_equal": sorted(stock.state_dict()) == sorted(fast.state_dict()),
+        }
+    return out
+
+
+def check_reference() -> dict:
+    """Copy the workbench GPT's weights into the bench reference GPT; the losses must agree."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench.reference_gpt import ReferenceGPT, spec_from_config
+    from workbench.backend import distributed
+    from workbench.config import derive
+
+    cfg = preset("tiny")
+    distributed.initialize_for_tests(cfg, port=int(os.environ.get("CHECK_PORT", "29612")))
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    wb = _build(cfg, TransformerLayer)
+    ref = ReferenceGPT(spec_from_config(cfg))
+    sd = wb.state_dict()
+    h, heads = cfg.model.hidden_size, cfg.model.num_attention_heads
+    d = h // heads
+    new = {"wte.weight": sd["embedding.word_embeddings.weight"], "wpe.weight": sd["embedding.position_embeddings.weight"],
+           "ln_f.weight": sd["decoder.final_layernorm.weight"], "ln_f.bias": sd["decoder.final_layernorm.bias"]}
+    for i in range(cfg.model.num_layers):
+        p = f"decoder.layers.{i}."
+        qkv_w = sd[p + "self_attention.linear_qkv.weight"].view(heads, 3, d, h).transpose(0, 1).reshape(3 * h, h)
+        qkv_b = sd[p + "self_attention.linear_qkv.bias"].view(heads, 3, d).transpose(0, 1).reshape(3 * h)
+        new.update({
+            f"blocks.{i}.ln_1.weight": sd[p + "input_layernorm.weight"], f"blocks.{i}.ln_1.bias": sd[p + "input_layernorm.bias"],
+            f"blocks.{i}.c_attn.weight": qkv_w, f"blocks.{i}.c_attn.bias": qkv_b,
+            f"blocks.{i}.c_proj.weight": sd[p + "self_attention.linear_proj.weight"],
+            f"blocks.{i}.c_proj.bias": sd[p + "self_attention.linear_proj.bias"],
+            f"blocks.{i}.ln_2.weight": sd[p + "pre_mlp_layernorm.weight"], f"blocks.{i}.ln_2.bias": sd[p + "pre_mlp_layernorm.bias"],
+            f"blocks.{i}.c_fc.weight": sd[p + "mlp.linear_fc1.weight"], f"blocks.{i}.c_fc.bias": sd[p + "mlp.linear_fc1.bias"],
+            f"blocks.{i}.mlp_proj.weight": sd[p + "mlp.linear_fc2.weight"], f"blocks.{i}.mlp_proj.bias": sd[p + "mlp.linear_fc2.bias"],
+        })
+    new["lm_head.weight"] = new["wte.weight"]
+    missing, unexpected = ref.load_state_dict(new, strict=True), None
+    g = torch.Generator().manual_seed(2)
+    b, s = 2, cfg.model.seq_length
+    tok = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+    lab = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+    pos = torch.arange(s)[None].expand(b, s)
+    wb_loss = wb(tok, pos, None, labels=lab).mean().item()
+    ref_loss = ref(tok, lab).item()
+    n_ref = sum(p.numel() for p in ref.parameters())
+    n_wb = sum(p.numel() for p in wb.parameters())
+    return {"wb_loss": wb_loss, "ref_loss": ref_loss, "ref_params": n_ref, "wb_params": n_wb,
+            "derived_params": derive(cfg).params.total}
+
+
+def check_trainer(fast: bool) -> dict:
+    from workbench.backend import fusions
+    from workbench.backend.train import Trainer
+
+    fusions.allow_on_cpu(fast)
+    fusions.set_compile(False)
+    cfg = preset("tiny", **{"train.compile_kernels": fast, "data.source": "synthetic", "train.eval_interval": 0})
+    _env(int(os.environ.get("CHECK_PORT", "29613")))
+    tr = Trainer(cfg, tempfile.mkdtemp(prefix="fusions-check-"))
+    tr.setup()
+    losses, norms = [], []
+    for _ in range(3):
+        res = tr.train_step()
+        losses.append(res["losses"]["lm loss"])
+        norms.append(float(res["grad_norm"]))
+    layers = [m for m in tr.model[0].modules() if hasattr(m, "fast_calls")]
+    return {"losses": losses, "grad_norms": norms, "kernel_path": tr.kernel_path,
+            "fast_calls": sum(m.fast_calls for m in layers)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["layer", "reference", "trainer", "all"])
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--fast", type=int, default=1)
+    a = ap.parse_args()
+    if a.what == "all":
+        from megatron.core import parallel_state
+
+        res = {"layer": check_layer(a.compile), "reference": None, "trainer_stock": None, "trainer_fast": None}
+        parallel_state.destroy_model_parallel()
+        res["reference"] = check_reference()
+        parallel_state.destroy_model_parallel()
+        res["trainer_stock"] = check_trainer(False)  # before the fast run patches megatron's fallbacks
+        parallel_state.destroy_model_parallel()
+        res["trainer_fast"] = check_trainer(True)
+    elif a.what == "layer":
+        res = check_layer(a.compile)
+    elif a.what == "reference":
+        res = check_reference()
+    else:
+        res = check_trainer(bool(a.fast))
+    print("RESULT " + json.dumps(res, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

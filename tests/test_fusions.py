@@ -1,0 +1,139 @@
+"""The performance fast paths (workbench.backend.fusions) keep the training maths.
+
+Model-level checks run in a subprocess (tests/fusions_check.py): megatron's parallel state
+is process-global.  They compare, on CPU with the same weights and data:
+- the compiled-layer forward/backward against stock megatron TransformerLayer (GPT and a
+  GQA/SwiGLU/RMSNorm variant), and that unsupported cases fall back to the stock forward;
+- the bench reference GPT against the workbench GPT (identical architecture);
+- three real Trainer steps with all fast paths on against the stock path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_check(*args: str, port: int) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fusions_check.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "CHECK_PORT": str(port)})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict:
+    return _run_check("all", port=29641)
+
+
+def _close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1.0)
+
+
+def test_dense_layer_matches_stock_megatron_layer(checks):
+    layers = 4  # preset("tiny")
+    for name in ("gpt", "llama-like"):
+        r = checks["layer"][name]
+        assert r["fast_calls"] == layers, (name, r)  # every layer took the fast path
+        assert r["blockers"] == [None] * layers
+        assert _close(r["loss_fast"], r["loss_stock"]), (name, r)
+        assert r["grad_rel_max"] < 1e-5, (name, r)
+        assert r["stock_keys_equal"]  # same parameters / checkpoint keys as the stock layer
+
+
+def test_unsupported_cases_fall_back_to_stock_forward(checks):
+    rope, drop = checks["layer"]["rope"], checks["layer"]["dropout"]
+    assert rope["fast_calls"] == 0 and _close(rope["loss_fast"], rope["loss_stock"])
+    assert drop["blockers"] == ["dropout"] * 4 and drop["fast_calls"] == 0
+    assert _close(drop["loss_fast"], drop["loss_stock"])
+
+
+def test_reference_gpt_is_the_same_architecture(checks):
+    r = checks["reference"]
+    assert r["ref_params"] == r["wb_params"] == r["derived_params"]
+    assert _close(r["ref_loss"], r["wb_loss"]), r
+    assert abs(r["ref_loss"] - math.log(4096)) < 0.5  # near-uniform predictions at init (padded vocab 4096)
+
+
+def test_trainer_steps_identical_with_fast_paths(checks):
+    stock, fast = checks["trainer_stock"], checks["trainer_fast"]
+    assert len(stock["losses"]) == len(fast["losses"]) == 3
+    for a, b in zip(stock["losses"], fast["losses"]):
+        assert _close(a, b), (stock["losses"], fast["losses"])
+    for a, b in zip(stock["grad_norms"], fast["grad_norms"]):
+        assert _close(a, b, 1e-4), (stock["grad_norms"], fast["grad_norms"])
+    assert fast["losses"][0] != fast["losses"][1]  # the optimizer really stepped
+    assert fast["fast_calls"] == 4 * 2 * 3  # layers x micro-batches x steps
+    assert stock["fast_calls"] == 0
+    assert "fast_layer" in fast["kernel_path"] and "fast_multi_tensor" in fast["kernel_path"]
+    assert not any(k.startswith("fast_") for k in stock["kernel_path"])
+
+
+@pytest.mark.slow
+def test_compiled_layer_matches_stock_under_torch_compile():
+    r = _run_check("layer", "--compile", port=29642)
+    for name in ("gpt", "llama-like"):
+        assert r[name]["fast_calls"] == 4
+        assert _close(r[name]["loss_fast"], r[name]["loss_stock"], 1e-4), r[name]
+        assert r[name]["grad_rel_max"] < 1e-4, r[name]
+
+
+def test_foreach_multi_tensor_ops_match_plain_torch(monkeypatch):
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads, optimizer as mopt
+
+    from workbench.backend import fusions
+
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(n, generator=g) for n in (7, 300, 1)] + [torch.randn(5, 9, generator=g)]
+    flag = torch.zeros(1, dtype=torch.int)
+    total, per = fusions.foreach_l2_norm(2048, flag, [ts], True)
+    expect = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in ts]))
+    assert total.shape == (1,) and torch.allclose(total[0], expect, rtol=1e-6)
+    assert torch.allclose(per, torch.stack([t.norm() for t in ts]))
+
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in ts]
+    fusions.foreach_scale(2048, flag, [ts, dst], 1.0)  # main fp32 -> model bf16 copy
+    assert all(torch.equal(d, t.to(torch.bfloat16)) for d, t in zip(dst, ts))
+    inplace = [t.clone() for t in ts]
+    fusions.foreach_scale(2048, flag, [inplace, inplace], 0.25)  # grad clipping scale
+    assert all(torch.allclose(a, 0.25 * b) for a, b in zip(inplace, ts))
+
+    for mod, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"), (mopt, "multi_tensor_scale_impl")):
+        monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
+    if clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm:  # no apex / TE here
+        assert fusions.install_multi_tensor_fallbacks()
+        assert clip_grads.l2_norm_impl is fusions.foreach_l2_norm
+        assert mopt.multi_tensor_scale_impl is fusions.foreach_scale
+
+
+def test_fused_adam_leaves_cpu_params_alone():
+    from workbench.backend import fusions
+
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    assert fusions.use_fused_adam(opt) == 0  # the fused kernel is CUDA-only
+    assert not opt.param_groups[0].get("fused")
+
+
+def test_transformer_config_overrides_only_on_gpu_with_compile_kernels():
+    from workbench.backend import fusions
+    from workbench.config import preset
+
+    assert fusions.transformer_config_overrides(preset("tiny")) == {}  # CPU preset
+    gpu = preset("gpt2-small")
+    over = fusions.transformer_config_overrides(gpu)
+    assert over["bias_dropout_fusion"] and over["cross_entropy_loss_fusion"]
+    assert "bias_activation_fusion" not in over  # megatron's fused bias-GELU is tanh: different maths
+    assert fusions.transformer_config_overrides(gpu.replace(**{"train.compile_kernels": False})) == {}
+    assert fusions.layer_module(gpu) is fusions.CompiledTransformerLayer
+    assert fusions.layer_module(preset("tiny")) is not fusions.CompiledTransformerLayer
