@@ -163,8 +163,10 @@ def _chunks(model_chunks: Any) -> list:
 
 
 def _unwrap(m: Any) -> Any:
-    # DDP / Float16Module wrappers expose the GPTModel as .module
-    while hasattr(m, "module") and not hasattr(m, "sharded_state_dict"):
+    """The GPTModel inside DDP / Float16Module wrappers (their state dicts prefix keys with 'module.')."""
+    import torch
+
+    while isinstance(getattr(m, "module", None), torch.nn.Module):
         m = m.module
     return m
 
