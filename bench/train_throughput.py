@@ -76,9 +76,10 @@ class Variant:
 def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list[Variant]:
     """Every variant that fits ``gpus`` GPUs, single-GPU rows first."""
     rows: list[Variant] = []
-    for m in models:
+    for m in models:  # the headline comparison first, so a cut-short launch still has it
         rows.append(Variant(f"reference/{m}", "reference", m, microbatches=microbatches))
         rows.append(Variant(f"workbench/{m}", "workbench", m, microbatches=microbatches))
+    for m in models:
         rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.compile_kernels": False}))
         rows.append(Variant(f"workbench-local/{m}", "workbench", m, microbatches=microbatches,
@@ -288,7 +289,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     times = _time_steps(tr.train_step, a.steps, cuda)
     mem_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
     stream = None
-    if not a.no_stream_cost:
+    if not a.no_stream_cost and v.name.startswith("workbench/"):
         # The event stream's own cost: the Trainer's full loop (step + microbatch events every
         # step, micro-batch CUDA-event timing every step, the per-step stop agreement) against
         # bare train steps with timing off.  An upper bound on what monitoring costs.
@@ -506,6 +507,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = _device_name(a.cpu_smoke)
     commit, date = _git_commit(), _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     rows = []
+    partial = Path(a.out).with_suffix(".partial.jsonl")
+    partial.parent.mkdir(parents=True, exist_ok=True)
     for v in variants:
         print(f"[bench] {v.name} on {v.gpus or 'cpu'} GPU(s) ...", flush=True)
         res = _launch(v, a, passthrough)
@@ -514,8 +517,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         row.update({"device": device, "date": date, "git_commit": commit, "peak_tflops": a.peak_tflops,
                     "quick": bool(a.quick), "cpu_smoke": bool(a.cpu_smoke)})
         rows.append(row)
-        if not row["ok"]:
-            print(f"[bench] {v.name} FAILED: {row.get('error')}\n{row.get('log_tail', '')}", flush=True)
+        print(f"[bench] {v.name}: " + (f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, wall {row['wall_s']} s"
+                                       if row["ok"] else f"FAILED: {row.get('error')}\n{row.get('log_tail', '')}"), flush=True)
+        with open(partial, "a") as fh:  # survives a launch that is cut short
+            fh.write(json.dumps(row, default=str) + "\n")
     add_scaling(rows, variants)
     print()
     print(f"device: {device}   commit: {commit[:10]}   peak: {a.peak_tflops:g} TFLOP/s per GPU")
@@ -531,6 +536,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(out, "a") as fh:
         for r in rows:
             fh.write(json.dumps(r, default=str) + "\n")
+    partial.unlink(missing_ok=True)
     print(f"\n[bench] {len(rows)} rows appended to {out}")
     return 0 if all(r["ok"] for r in rows) else 1
 

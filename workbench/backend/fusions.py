@@ -199,7 +199,9 @@ def _compiled(name: str):
     import torch._dynamo
 
     # one graph serves every layer (guards are on shapes/dtypes); leave room for eval shapes
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 32))
     return torch.compile(fn, dynamic=False)
 
 
