@@ -29,6 +29,7 @@ Entry point (one process per rank, started by torchrun like training)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -678,6 +679,21 @@ def _load_tokenizer(path: Path):
     return resolve_tokenizer(checkpoint_info(path))
 
 
+@contextlib.contextmanager
+def _tensor_cuda_noop(active: bool):
+    """CPU emulation: mcore's tied-embedding sync across pipeline stages calls ``Tensor.cuda()``
+    (``LanguageModule.setup_embeddings_and_output_layer``); keep the tensor on CPU while building."""
+    if not active:
+        yield
+        return
+    saved = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = saved  # type: ignore[method-assign]
+
+
 def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: bool | str = "auto") -> InferenceEngine:
     """Build this rank's stage of the checkpoint's model, load its weights, return an engine.
 
@@ -697,7 +713,8 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
                              "parallel.sequence_parallel": False, "parallel.virtual_pipeline_parallel": None,
                              "parallel.recompute": "none", **({"parallel.device": device} if device else {})})
     pp_rank, pp = _pp_info()
-    model = build_model(cfg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+    with _tensor_cuda_noop(cfg.parallel.device == "cpu" and not torch.cuda.is_available()):
+        model = build_model(cfg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
     load_checkpoint(path, [model], load_optimizer=False)
     from workbench.generation import special_ids
 
@@ -751,7 +768,7 @@ def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
     from workbench.backend import distributed
 
     cfg = _checkpoint_config(ckpt)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ else 1
     if world != tp * pp:
         raise SystemExit(f"generation at tp={tp} x pp={pp} needs {tp * pp} processes, torchrun started {world}: "
                          f"use --nproc-per-node {tp * pp}")
@@ -761,12 +778,15 @@ def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
     if device == "cpu" and cfg.train.precision == "fp16":
         overrides["train.precision"] = "fp32"
     cfg = cfg.replace(**overrides)
-    if not _dist_ready():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+    if not _dist_ready() and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # one process started without torchrun: a private 1-rank world on a free port
+        # (an inherited MASTER_PORT may belong to the parent's own process group)
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     distributed.initialize(cfg)
     return cfg
 
@@ -782,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     request = json.loads(Path(args.request).read_text())
     device = args.device or request.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ else 1
     tp = args.tp or max(world // args.pp, 1)
     initialize_for_generation(args.ckpt, tp, args.pp, device)
     engine = load_engine(args.ckpt, device=device, cuda_graphs=request.get("cuda_graphs", "auto"))

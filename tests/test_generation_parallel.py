@@ -1,0 +1,130 @@
+"""Generation from a real checkpoint through the real entry point, at TP=2 and PP=2 (gloo, CPU).
+
+A random GPT-2 is converted (test mapping), saved with the workbench checkpoint format and a
+small trained tokenizer, then generated from by ``python -m workbench.backend.inference``
+started by torchrun (2 processes) -- the product path -- and compared with the same model
+generating in this process at TP=1: seeded sampling must give the same tokens at TP=2, and
+beam search the same beams across two pipeline stages.  Bad input must be refused before
+any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_generation_support import (
+    POSITIONS,
+    VOCAB,
+    gpt2_run_config,
+    hf_gpt2,
+    hf_to_mcore_state,
+    init_single_process,
+    load_into,
+    teardown_single_process,
+    workbench_gpt,
+)
+from workbench.config import ConfigError, GenerationConfig
+
+PROMPTS = [[11, 12, 13, 14, 15, 16], [900, 3], [250, 251, 252, 253]]
+TEXTS = ["the cat sat on the mat", "a dog"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """(checkpoint root, in-process engine at TP=1) for the same weights."""
+    root = tmp_path_factory.mktemp("gen-ckpt")
+    from workbench.data.tokenizer import train_tokenizer
+
+    corpus = ["the cat sat on the mat", "a dog ran in the park", "the quick brown fox jumps over the lazy dog"] * 20
+    tok_dir = root / "tokenizer"
+    tok = train_tokenizer(corpus, vocab_size=400, out_dir=tok_dir)
+    assert tok.vocab_size <= VOCAB
+    cfg = gpt2_run_config(**{"data.tokenizer": str(tok_dir)})
+    was = init_single_process(cfg)
+    from workbench.backend.checkpointing import save_checkpoint
+    from workbench.backend.inference import InferenceEngine
+
+    model = workbench_gpt(cfg)
+    load_into(model, hf_to_mcore_state(hf_gpt2(seed=1)))
+    save_checkpoint(root / "ckpt", 0, [model], cfg, tokenizer=str(tok_dir))
+    engine = InferenceEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, eos_id=tok.eod, pad_id=tok.pad)
+    yield root / "ckpt", engine, tok
+    teardown_single_process(was)
+
+
+def test_seeded_sampling_same_tokens_at_tp1_and_tp2(ckpt, tmp_path):
+    from workbench.generation import generate
+
+    root, engine, _ = ckpt
+    gen = GenerationConfig(max_new_tokens=12, top_k=40, temperature=1.3, seed=2024, return_log_probs=True)
+    here = engine.generate(PROMPTS, gen, stop_ids=[])
+    tp2 = generate(root, prompt_ids=PROMPTS, gen=gen, tp=2, pp=1, device="cpu", work_dir=tmp_path, timeout=300)
+    assert [r.token_ids for r in tp2] == [o.token_ids for o in here]
+    for r, o in zip(tp2, here):
+        assert r.log_probs == pytest.approx(o.log_probs, abs=1e-4)
+    request = json.loads((tmp_path / "request.json").read_text())
+    assert request["prompt_ids"] == PROMPTS and request["generation"]["seed"] == 2024
+
+
+def test_beam_search_across_two_pipeline_stages(ckpt, tmp_path):
+    from workbench.generation import generate
+
+    root, engine, _ = ckpt
+    gen = GenerationConfig(max_new_tokens=8, num_beams=3, length_penalty=0.7)
+    here = engine.generate(PROMPTS, gen, stop_ids=[])
+    pp2 = generate(root, prompt_ids=PROMPTS, gen=gen, tp=1, pp=2, device="cpu", work_dir=tmp_path, timeout=300)
+    assert [r.token_ids for r in pp2] == [o.token_ids for o in here]
+    assert [r.score for r in pp2] == pytest.approx([o.score for o in here], abs=1e-4)
+
+
+def test_cli_generates_text_with_the_checkpoint_tokenizer(ckpt, tmp_path):
+    root, engine, tok = ckpt
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "generate", "--ckpt", str(root), "--prompt", TEXTS[0],
+                           "--prompt", TEXTS[1], "--greedy", "--max-new-tokens", "6", "--device", "cpu", "--json",
+                           "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    here = engine.generate([tok.encode(t) for t in TEXTS], GenerationConfig(max_new_tokens=6, greedy=True))
+    assert [r["token_ids"] for r in results] == [o.token_ids for o in here]
+    assert [r["prompt_ids"] for r in results] == [tok.encode(t) for t in TEXTS]
+    assert results[0]["text"] == tok.decode(results[0]["token_ids"])
+    assert results[0]["prompt"] == TEXTS[0]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--prompt", ""], "empty prompt"),
+    (["--prompt", "the cat " * 200], "longer than the model's"),
+    (["--prompt", "a dog", "--top-k", "5", "--top-p", "0.9"], None),  # argparse: mutually exclusive
+    (["--prompt", "a dog", "--temperature", "0"], "temperature"),
+    (["--prompt", "a dog", "--num-beams", "4", "--top-k", "5"], "num_beams"),
+    (["--prompt", "a dog", "--max-new-tokens", "95"], "max_new_tokens"),
+    (["--prompt", "a dog", "--stop-token", "5000"], "stop_token"),
+    (["--prompt", "a dog", "--top-p", "0.9", "--top-p-decay", "1.5"], "top_p_decay"),
+])
+def test_cli_bad_input_exits_2_before_any_process_starts(ckpt, monkeypatch, capsys, argv, needle):
+    from workbench import cli, generation
+
+    root, _, _ = ckpt
+    started = []
+    monkeypatch.setattr(generation.subprocess, "run", lambda *a, **k: started.append(a) or pytest.fail("a process was started"))
+    try:
+        code = cli.main(["generate", "--ckpt", str(root), "--device", "cpu", *argv])
+    except SystemExit as e:  # argparse usage errors
+        code = e.code
+    assert code == 2 and not started
+    if needle:
+        assert needle in capsys.readouterr().err
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    from workbench import cli
+
+    assert cli.main(["generate", "--ckpt", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
+    with pytest.raises(ConfigError, match="does not exist"):
+        from workbench.generation import generate
+
+        generate(tmp_path / "nope", ["hi"])
