@@ -14,7 +14,9 @@ and a crashed or restarted kernel must not leave GPU processes behind.  So a run
 - :class:`Run` (kernel side) follows ``<run_dir>/events/rank-*.jsonl`` incrementally
   (:class:`workbench.events.EventFollower`, partial lines tolerated), exposes the records as
   pandas DataFrames and a status, surfaces a failing rank with its traceback, and stops the
-  run (SIGTERM to the group and the tree, SIGKILL after a grace period).
+  run: SIGTERM to the supervisor, which SIGTERMs torchrun, which SIGTERMs each rank once (the
+  backend finishes its step and saves); SIGKILL for anything left after the grace period,
+  and the kernel side kills the process group and every process it saw if even that fails.
 - :meth:`Run.attach` rebuilds all of that from the files of a run directory, whether the
   run is finished or still running (``launch.json`` records the supervisor's PID).
 
@@ -258,6 +260,31 @@ def _terminate(procs: list, grace: float) -> None:
         psutil.wait_procs(alive, timeout=5)
 
 
+def _stop_tree(me, child: subprocess.Popen, grace: float) -> None:
+    """Graceful stop of the job: ONE SIGTERM per rank, SIGKILL for whatever is left after ``grace``.
+
+    torchrun forwards a SIGTERM to every rank exactly once, so it is the only process we signal
+    while it lives (a second SIGTERM makes the backend's ranks leave without finishing the step).
+    Ranks orphaned by a dead torchrun get the SIGTERM directly.
+    """
+    import psutil
+
+    procs = _tree(me)
+    if child.poll() is None:
+        try:
+            child.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    else:
+        _signal_all(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=max(grace, 0.0))
+    alive = [p for p in alive if _alive(p)] + [p for p in _tree(me) if p not in procs]
+    if alive:
+        print(f"[supervisor] {len(alive)} process(es) still alive after {grace:.0f}s: SIGKILL", flush=True)
+        _signal_all(alive, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+
+
 def _set_child_subreaper() -> None:
     """Linux: orphaned descendants (e.g. ranks whose torchrun died) re-parent to us, not init."""
     if not sys.platform.startswith("linux"):
@@ -380,7 +407,7 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
         time.sleep(poll)
 
     if rc is None:  # stop requested, kernel gone, or hung after an error: take the whole tree down
-        _terminate(_tree(me), grace)
+        _stop_tree(me, child, grace)
         try:
             rc = child.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -648,17 +675,18 @@ class Run:
             self._reap()
             return self.status
         snapshot = [sup, *_tree(sup)]
-        pgid = self.launch_info.get("pgid") or sup.pid
-        try:
-            os.killpg(int(pgid), signal.SIGTERM)  # supervisor + torchrun; the supervisor then takes the ranks down
-        except (ProcessLookupError, PermissionError):
-            pass
-        _signal_all(snapshot[1:], signal.SIGTERM)
-        # The supervisor escalates to SIGKILL for the ranks after ``grace``; give it that plus a margin.
-        _, alive = psutil.wait_procs([sup], timeout=grace + 5.0)
-        leftovers = [p for p in snapshot + _tree(sup) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] if alive else \
-                    [p for p in snapshot if _alive(p)]
+        # Only the supervisor is signalled: it SIGTERMs torchrun, which SIGTERMs each rank once (see
+        # _stop_tree), and it escalates to SIGKILL after ``grace``.  We wait for that plus a margin,
+        # then kill the process group and every process seen in the tree, whatever happened.
+        _signal_all([sup], signal.SIGTERM)
+        psutil.wait_procs([sup], timeout=grace + 8.0)
+        leftovers = [p for p in snapshot + (_tree(sup) if _alive(sup) else []) if _alive(p)]
         if leftovers:
+            pgid = self.launch_info.get("pgid") or sup.pid
+            try:
+                os.killpg(int(pgid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             _signal_all(leftovers, signal.SIGKILL)
             psutil.wait_procs(leftovers, timeout=5)
         self._reap()
