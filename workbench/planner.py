@@ -1,0 +1,944 @@
+"""Memory planner: per-rank peak GPU memory of a training layout, before anything launches.
+
+Why: an OOM after a multi-minute start-up (or after the first optimizer step, when Adam's
+moments appear) is the most expensive way to learn that a layout does not fit.  This module
+predicts, for every rank (tp, pp, dp coordinates), the peak of ``torch.cuda.max_memory_allocated``
+during training and the device memory that peak really needs, with a breakdown by component.
+
+What is modelled (bytes on one rank; ``t`` = tensor parallel, ``s`` = sequence length,
+``b`` = micro-batch size, ``h`` = hidden, ``e`` = bytes per activation element):
+
+* **Static state** -- model weights (``P`` parameters of this rank's stage, TP-sharded; norms,
+  row-parallel biases and learned positions replicated), mcore DDP's gradient buffer
+  (fp32 when ``train.grad_reduce_in_fp32``), the mixed-precision optimizer's fp32 master
+  weights and Adam's two fp32 moments -- both sharded ``1/dp`` with the distributed
+  optimizer.  Embeddings live on the first stage, the output layer on the last; with tied
+  embeddings and ``pp > 1`` the last stage holds its own copy of the word embeddings.
+  Vocab padding (``derive().padded_vocab_size``) is part of both.
+* **Activations** of one micro-batch per layer, term by term for the kernels the backend
+  actually runs (see :class:`KernelPath`): Korthikanti et al. 2022 (Table 2) is the
+  starting point -- ``sbh (34 + 5 a s / h)`` unparallelised -- refined to what autograd
+  keeps alive in megatron-core 0.19: with SDPA / flash attention there is no ``s^2`` term
+  (only the fp32 log-sum-exp), with ``attention_backend: local`` the fp32 softmax and its
+  bf16 copy are kept (``6 a s^2 b / t``); sequence parallelism divides the norm / dropout /
+  linear-input terms by ``t``; selective recompute drops what the workbench recomputes
+  (norm outputs and the MLP, see ``workbench.backend.model.SELECTIVE_RECOMPUTE_MODULES``);
+  full recompute keeps one ``sbh`` input per checkpointed block plus one block's
+  activations while it is recomputed.
+* **Micro-batches in flight** per stage from :mod:`workbench.schedules` (1F1B:
+  ``min(pp - rank, m)``; interleaved: warm-up chunk passes + 1).
+* **Logits and loss** on the last stage: ``[s, b, V/t]`` logits plus megatron's fp32
+  up-cast softmax kept for backward (the compiled TP=1 cross entropy keeps only the bf16
+  logits), and the output layer's weight-gradient transient.
+* **Pipeline buffers**: received activation/gradient tensors, and un-freed stage outputs when
+  ``deallocate_pipeline_outputs`` is off.
+* **Transients**: one layer's backward working set, the optimizer step (torch's foreach
+  AdamW materialises ``sqrt(v)``; fused Adam does not), cuBLAS workspaces, megatron's
+  global gather buffer under sequence parallelism.
+
+The allocated peak is the larger of the forward/backward peak and the optimizer-step peak.
+On top of it, :class:`PlannerAssumptions` adds what ``max_memory_allocated`` does not see:
+CUDA context, NCCL communicator buffers and allocator fragmentation.  Every number there is
+documented and configurable; the GPU measurements in ``tests/gpu/evidence`` calibrate them.
+
+Pure arithmetic (no torch, no megatron import): ``predict`` takes well under 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+from workbench import schedules
+from workbench.config import ConfigError, Derived, Problem, RunConfig, derive, load_config
+
+__all__ = [
+    "GiB",
+    "MiB",
+    "GPUSpec",
+    "GPUS",
+    "gpu_spec",
+    "PlannerAssumptions",
+    "KernelPath",
+    "kernel_path",
+    "StagePlan",
+    "RankPlan",
+    "Suggestion",
+    "MegatronEstimate",
+    "Plan",
+    "predict",
+    "layer_activation_terms",
+    "megatron_theoretical_memory",
+    "largest_micro_batch",
+    "compare",
+    "measured_peaks",
+    "format_plan",
+    "add_cli",
+]
+
+MiB = 1024**2
+GiB = 1024**3
+
+# Components of the allocated peak, in stacking order (the widget and the table use it).
+COMPONENTS = (
+    "weights",
+    "gradients",
+    "master_weights",
+    "optimizer_moments",
+    "activations",
+    "logits_loss",
+    "pipeline_buffers",
+    "workspace",
+)
+# What max_memory_allocated cannot see, but the device must still hold.
+OVERHEADS = ("cuda_context", "nccl", "fragmentation")
+
+
+# --------------------------------------------------------------------------- GPUs
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """A GPU model and its memory as the driver reports it (``nvidia-smi`` total)."""
+
+    name: str
+    capacity_bytes: int
+
+
+GPUS: dict[str, GPUSpec] = {
+    "H100-80GB": GPUSpec("H100-80GB", 81559 * MiB),
+    "H200-141GB": GPUSpec("H200-141GB", 143771 * MiB),
+    "A100-40GB": GPUSpec("A100-40GB", 40960 * MiB),
+    "A100-80GB": GPUSpec("A100-80GB", 81920 * MiB),
+}
+_GPU_ALIASES = {
+    "h100": "H100-80GB", "h100-80gb": "H100-80GB", "h100-80g": "H100-80GB", "h100-sxm": "H100-80GB",
+    "h200": "H200-141GB", "h200-141gb": "H200-141GB", "h200-141g": "H200-141GB",
+    "a100": "A100-80GB", "a100-80gb": "A100-80GB", "a100-80g": "A100-80GB",
+    "a100-40gb": "A100-40GB", "a100-40g": "A100-40GB",
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(b|kb|kib|mb|mib|gb|gib|tb|tib)?\s*$", re.I)
+_UNITS = {None: 1, "b": 1, "kb": 10**3, "kib": 1024, "mb": 10**6, "mib": MiB, "gb": 10**9, "gib": GiB, "tb": 10**12, "tib": 1024**4}
+
+
+def gpu_spec(gpu: str | int | GPUSpec | None) -> GPUSpec | None:
+    """A catalogue GPU by (case-insensitive) name, or a custom capacity: bytes, '24GiB', '80GB'."""
+    if gpu is None or isinstance(gpu, GPUSpec):
+        return gpu
+    if isinstance(gpu, bool):
+        raise ValueError(f"not a GPU: {gpu!r}")
+    if isinstance(gpu, (int, float)):
+        if gpu <= 0:
+            raise ValueError(f"GPU capacity must be positive bytes, got {gpu}")
+        return GPUSpec(f"custom ({int(gpu) / GiB:.1f} GiB)", int(gpu))
+    key = str(gpu).strip()
+    if key in GPUS:
+        return GPUS[key]
+    alias = _GPU_ALIASES.get(key.lower().replace(" ", "-").replace("_", "-"))
+    if alias:
+        return GPUS[alias]
+    m = _SIZE_RE.match(key)
+    if m:
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None])
+        if n > 0:
+            return GPUSpec(f"custom ({n / GiB:.1f} GiB)", n)
+    raise ValueError(f"unknown GPU {gpu!r}: use one of {', '.join(GPUS)} or a capacity such as '24GiB' / 25769803776")
+
+
+# --------------------------------------------------------------------------- assumptions
+
+
+@dataclass
+class PlannerAssumptions:
+    """Everything the planner cannot read from the config, with the reasoning for each default.
+
+    Allocated (counted by ``torch.cuda.max_memory_allocated``):
+
+    * ``cublas_workspace_bytes``: cuBLAS / cuBLASLt workspaces come from the caching
+      allocator (torch sizes them 32 MiB per handle on Hopper; one stream, one handle each).
+    * ``backward_overlap``: fraction of one layer's activations that is alive a second time
+      during that layer's backward (gradients w.r.t. the largest intermediates before their
+      inputs are freed).  1.0 is a conservative reading of autograd's order.
+
+    Not allocated (added for "fits"):
+
+    * ``cuda_context_bytes``: CUDA context + kernels images of torch/NCCL (about 0.5 GiB with
+      lazy module loading on CUDA 12).
+    * ``nccl_bytes_per_group``: NCCL buffers per communicator this rank belongs to with more
+      than one member (channels x NCCL_BUFFSIZE; ~0.1-0.3 GiB on NVLink).
+    * ``fragmentation``: caching-allocator headroom (reserved - allocated) as a fraction of the
+      allocated peak; ``expandable_segments`` makes it small.
+
+    Kernel paths (None = what the backend picks on this machine, see :func:`kernel_path`):
+    ``transformer_engine`` (TE installed where training runs), ``compiled_layer`` (the
+    performance helper's compiled dense layer), ``optimizer`` ('foreach' torch AdamW,
+    'fused' kernel: no step temporaries).  ``deallocate_pipeline_outputs`` mirrors the
+    backend's TransformerConfig (True on CUDA).
+    """
+
+    cublas_workspace_bytes: int = 64 * MiB
+    backward_overlap: float = 1.0
+    cuda_context_bytes: int = 512 * MiB
+    nccl_bytes_per_group: int = 192 * MiB
+    fragmentation: float = 0.06
+    transformer_engine: bool | None = None
+    compiled_layer: bool | None = None
+    optimizer: Literal["auto", "foreach", "fused"] = "auto"
+    deallocate_pipeline_outputs: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@lru_cache(maxsize=None)
+def _have_te() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """The kernels whose saved tensors differ (mirrors ``workbench.backend.model`` / ``fusions``)."""
+
+    attention: Literal["flash", "local"]  # flash = TE / SDPA (no s^2 kept); local = mcore unfused
+    layer: Literal["eager", "compiled"]
+    cross_entropy: Literal["vocab_parallel", "compiled"]
+    optimizer: Literal["foreach", "fused"]
+
+
+def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -> KernelPath:
+    """Which kernels a config trains with (the same rules as the backend's builder)."""
+    a = assumptions or PlannerAssumptions()
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    cuda = p.device == "cuda"
+    te = _have_te() if a.transformer_engine is None else a.transformer_engine
+    backend = m.attention_backend
+    if backend == "auto":
+        impl = "te" if te and m.position_embedding != "alibi" and cuda else "sdpa"
+    else:
+        impl = backend
+    wanted = bool(t.compile_kernels) and cuda
+    if a.compiled_layer is None:
+        compiled = (
+            wanted and impl == "sdpa" and p.tensor_parallel == 1 and not p.sequence_parallel
+            and p.recompute == "none" and m.hidden_dropout == 0 and m.attention_dropout == 0
+            and m.position_embedding == "learned"
+        )
+    else:
+        compiled = a.compiled_layer
+    ce = "compiled" if wanted and p.tensor_parallel == 1 else "vocab_parallel"
+    opt = a.optimizer if a.optimizer != "auto" else ("fused" if wanted or te else "foreach")
+    return KernelPath("local" if impl == "local" else "flash", "compiled" if compiled else "eager", ce, opt)
+
+
+# --------------------------------------------------------------------------- structure
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage (all its TP x DP ranks hold the same bytes)."""
+
+    pp_rank: int
+    layers: int
+    params: int  # parameters on one TP rank of this stage
+    inflight_microbatches: float  # stage-equivalent micro-batches of activations held at peak
+    components: dict[str, int]  # at the peak moment; sums to peak_allocated
+    peak_allocated: int
+    peak_phase: Literal["forward_backward", "optimizer_step"]
+    phases: dict[str, int]  # allocated peak of each phase
+    overheads: dict[str, int]
+    total: int  # peak_allocated + overheads: what the device must hold
+    detail: dict[str, Any]
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    peak_allocated: int
+    total: int
+    fits: bool | None  # None when no GPU was chosen
+
+
+@dataclass
+class Suggestion:
+    """A change that lowers the worst rank's memory; ``fits`` says whether it is enough alone."""
+
+    text: str
+    overrides: dict[str, Any]
+    worst_total: int
+    fits: bool | None
+
+
+@dataclass
+class MegatronEstimate:
+    """Megatron-LM's ``theoretical_memory_usage`` numbers (bytes; it models the first stage only)."""
+
+    weight_and_optimizer: int
+    activation: int
+    total: int
+    formula: str  # which activation formula megatron picks for this config
+
+
+@dataclass
+class Plan:
+    config_name: str
+    gpu: GPUSpec | None
+    kernel_path: KernelPath
+    stages: list[StagePlan]
+    ranks: list[RankPlan]
+    largest_micro_batch: int | None  # None when no GPU was chosen; 0 = not even 1 fits
+    suggestions: list[Suggestion]
+    megatron: MegatronEstimate
+    assumptions: PlannerAssumptions
+    layout: dict[str, int]
+
+    @property
+    def fits(self) -> bool | None:
+        if self.gpu is None:
+            return None
+        return all(r.fits for r in self.ranks)
+
+    @property
+    def worst(self) -> StagePlan:
+        return max(self.stages, key=lambda s: s.total)
+
+    def stage_of(self, rank: int) -> StagePlan:
+        return self.stages[self.ranks[rank].pp_rank]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["fits"] = self.fits
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The numbers the formulas need, computed once per config (micro-batch overridable)."""
+
+    s: int
+    b: int
+    h: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    fc1_out: int
+    vocab: int  # padded
+    layers: int
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    m: int  # micro-batches per step
+    sp: bool
+    e: int  # bytes per activation element
+    w: int  # bytes per weight element
+    grad_bytes: int
+    mixed: bool  # bf16/fp16 with fp32 master weights
+    swiglu: bool
+    layernorm: bool
+    bias: bool
+    rope: bool
+    learned_pos: bool
+    tied: bool
+    hidden_dropout: bool
+    attention_dropout: bool
+    recompute: str
+    recompute_num_layers: int
+    dist_opt: bool
+    max_pos: int
+
+
+def _shape(cfg: RunConfig, d: Derived, micro_batch: int | None = None) -> _Shape:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    e = 4 if t.precision == "fp32" else 2
+    return _Shape(
+        s=m.seq_length, b=micro_batch or t.micro_batch_size, h=m.hidden_size, heads=m.num_attention_heads,
+        groups=m.query_groups, head_dim=m.head_dim, ffn=m.ffn_size,
+        fc1_out=2 * m.ffn_size if m.activation == "swiglu" else m.ffn_size,
+        vocab=d.padded_vocab_size, layers=m.num_layers, tp=p.tensor_parallel, pp=p.pipeline_parallel,
+        vpp=p.vpp, dp=d.data_parallel, m=d.num_microbatches, sp=p.sequence_parallel, e=e, w=e,
+        grad_bytes=4 if (t.grad_reduce_in_fp32 or t.precision == "fp32") else 2, mixed=t.precision != "fp32",
+        swiglu=m.activation == "swiglu", layernorm=m.normalization == "layernorm", bias=m.add_bias_linear,
+        rope=m.position_embedding == "rope", learned_pos=m.position_embedding == "learned", tied=m.tie_embeddings,
+        hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0, recompute=p.recompute,
+        recompute_num_layers=p.recompute_num_layers, dist_opt=p.distributed_optimizer, max_pos=m.max_position_embeddings,
+    )
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def _stage_params(cfg: RunConfig, sh: _Shape, d: Derived) -> list[dict[str, int]]:
+    """Parameters on one TP rank of each stage, split into where they live.
+
+    Totals per stage come from ``derive().params_per_stage``; only the TP split is done here:
+    norms, row-parallel biases (attention output, fc2) and learned positions are replicated
+    on every TP rank, everything else is divided by ``t`` (vocab is padded so shards are equal).
+    """
+    h, t = sh.h, sh.tp
+    norm = (2 if sh.layernorm else 1) * h
+    replicated_per_layer = 2 * norm + (2 * h if sh.bias else 0)
+    word = sh.vocab * h
+    pos = sh.max_pos * h if sh.learned_pos else 0
+    out = []
+    for r, total in enumerate(d.params_per_stage):
+        layers = d.layers_per_stage
+        layer_part = layers * d.params.per_layer
+        emb_word = word if r == 0 else 0
+        emb_pos = pos if r == 0 else 0
+        final_norm = d.params.final_norm if r == sh.pp - 1 else 0
+        output = total - layer_part - emb_word - emb_pos - final_norm  # untied head or the tied copy on the last stage
+        sharded = (layer_part - layers * replicated_per_layer) + emb_word + output
+        per_rank = sharded // t + layers * replicated_per_layer + emb_pos + final_norm
+        out.append({
+            "total": per_rank,
+            "layers": (layer_part - layers * replicated_per_layer) // t + layers * replicated_per_layer,
+            "embedding": emb_word // t + emb_pos,
+            "output_layer": output // t,
+            "final_norm": final_norm,
+            "vocab_padding": (sh.vocab - cfg.model.vocab_size) * h // t * ((1 if emb_word else 0) + (1 if output else 0)),
+        })
+    return out
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def layer_activation_terms(sh: _Shape, kp: KernelPath) -> dict[str, float]:
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank.
+
+    Eager megatron layer (local spec linears + SDPA/TE attention or mcore's unfused one):
+
+    ========================  ============================================  =========
+    term                      tensor kept                                    bytes
+    ========================  ============================================  =========
+    norm1_input               layer input (saved by the norm)                e sbh / t_sp
+    qkv_input                 norm output (saved by linear_qkv)              e sbh / t_sp
+    qkv_output                q, k, v (views of the fused QKV output)        e sb(a+2g)d / t
+    rope_qk                   rotated q, k copies (RoPE)                      e sb(a+g)d / t
+    attention_output          context (SDPA output = linear_proj input)      e sb a d / t
+    softmax_lse               flash log-sum-exp (fp32)                        4 b a s / t
+    scores                    local: fp32 softmax + its bf16 copy             (4+e) a s^2 b / t
+    norm2_input / fc1_input   residual / pre-MLP norm output                  e sbh / t_sp each
+    fc1_output                GELU / SwiGLU input                             e sb f1 / t
+    act_output                fc2 input (SwiGLU: + silu(gate), x_lin copy)    e sb f / t (x3)
+    dropout_masks             hidden dropout (1 byte, when p > 0)             sbh / t_sp each
+    norm_stats                mean / rstd (fp32)                              4-8 sb / t_sp each
+    ========================  ============================================  =========
+
+    ``t_sp`` is ``t`` with sequence parallelism, else 1.  Selective recompute (workbench:
+    norms + MLP) drops the norm outputs and the MLP intermediates; ``recompute: full``
+    is handled by the caller.  The compiled dense layer (TP=1) lets Inductor's min-cut
+    partitioner choose what to keep; measured on CPU it keeps exactly the eager set above.
+    """
+    s, b, h, t, e = sh.s, sh.b, sh.h, sh.tp, sh.e
+    tok = s * b
+    tsp = t if sh.sp else 1
+    a_loc, g_loc = sh.heads / t, sh.groups / t
+    d = sh.head_dim
+    terms: dict[str, float] = {}
+    terms["norm1_input"] = e * tok * h / tsp
+    terms["qkv_input"] = e * tok * h / tsp
+    terms["qkv_output"] = e * tok * (a_loc + 2 * g_loc) * d
+    if sh.rope:
+        terms["rope_qk"] = e * tok * (a_loc + g_loc) * d
+    elif sh.groups != sh.heads:
+        terms["gqa_query_copy"] = e * tok * a_loc * d  # q of a grouped layout is reshaped by copy
+    terms["attention_output"] = e * tok * a_loc * d
+    if kp.attention == "flash":
+        terms["softmax_lse"] = 4 * b * a_loc * s
+    else:
+        if sh.groups != sh.heads:
+            terms["kv_repeat"] = 2 * e * tok * a_loc * d
+        probs = 4 + (e if e < 4 else 0)  # fp32 softmax output + the low-precision copy bmm keeps
+        if sh.attention_dropout:
+            probs += 1 + e
+        terms["scores"] = probs * b * a_loc * s * s
+    terms["norm2_input"] = e * tok * h / tsp
+    terms["fc1_input"] = e * tok * h / tsp
+    terms["fc1_output"] = e * tok * sh.fc1_out / t
+    # SwiGLU (mcore's glu): silu(gate), the `x_linear + offset` copy and their product
+    terms["act_output"] = e * tok * sh.ffn / t * (3 if sh.swiglu else 1)
+    if sh.hidden_dropout:
+        terms["dropout_masks"] = 2 * tok * h / tsp
+    terms["norm_stats"] = 2 * (8 if sh.layernorm else 4) * tok / tsp
+
+    if sh.recompute == "selective":
+        # workbench selective = recompute norms + MLP: their outputs / intermediates are dropped;
+        # the MLP's input (the residual, norm2_input) is what the checkpoint keeps.
+        # The norms run without a graph (megatron's CheckpointWithoutOutput), so their statistics go too.
+        for k in ("qkv_input", "fc1_input", "fc1_output", "act_output", "norm_stats"):
+            terms.pop(k, None)
+        if "dropout_masks" in terms:
+            terms["dropout_masks"] /= 2
+    return terms
+
+
+def _layer_bytes(sh: _Shape, kp: KernelPath) -> float:
+    return float(sum(layer_activation_terms(sh, kp).values()))
+
+
+def _layer_backward_transient(sh: _Shape, kp: KernelPath, assumptions: PlannerAssumptions) -> float:
+    """Extra bytes alive while one layer runs backward (besides what it keeps).
+
+    The gradients of the largest intermediates (fc1 output and activation output) coexist
+    with the saved tensors until the fc1 backward frees them; plus the fc1 weight gradient
+    before mcore's DDP hook folds it into the main-grad buffer, plus the incoming and outgoing
+    residual-stream gradients.
+    """
+    s, b, h, t, e = sh.s, sh.b, sh.h, sh.tp, sh.e
+    tok = s * b
+    tsp = t if sh.sp else 1
+    grads = e * tok * (sh.fc1_out + sh.ffn) / t * assumptions.backward_overlap
+    weight_grad = e * h * sh.fc1_out / t
+    stream = 2 * e * tok * h / tsp
+    recomputed = 0.0
+    if sh.recompute == "selective":
+        # the MLP intermediates and norm outputs are rebuilt for the layer in backward
+        recomputed = e * tok * (2 * h / tsp + (sh.fc1_out + sh.ffn * (3 if sh.swiglu else 1)) / t)
+    return grads + weight_grad + stream + recomputed
+
+
+def _inflight(sh: _Shape, rank: int) -> tuple[int, float]:
+    """(chunk passes held, stage-equivalent micro-batches) at the peak, from workbench.schedules."""
+    try:
+        chunks = schedules.inflight_chunks(None, sh.pp, sh.m, sh.vpp, rank)
+    except schedules.ScheduleError as err:
+        raise ConfigError([Problem("parallel.pipeline_parallel", f"the pipeline schedule is not runnable: {err}",
+                                   "fix the layout (see `workbench schedule`)")]) from None
+    return chunks, chunks / sh.vpp
+
+
+def _logits_bytes(sh: _Shape, kp: KernelPath) -> tuple[float, float]:
+    """(forward/backward peak of the logits + loss, bytes kept from forward to backward)."""
+    tok = sh.s * sh.b
+    vt = sh.vocab / sh.tp
+    if kp.cross_entropy == "compiled":
+        # F.cross_entropy(logits.float()) compiled: bf16 logits kept, fp32 work fused away
+        kept = sh.e * tok * vt
+        return kept + sh.e * tok * vt, kept
+    if sh.e >= 4:
+        kept = 4 * tok * vt  # .float() is a no-op: the softmax is computed in place
+        return kept, kept
+    kept = 4 * tok * vt  # fp32 softmax saved by the vocab-parallel cross entropy
+    return kept + sh.e * tok * vt, kept  # + the bf16 logits (forward) / bf16 grad (backward)
+
+
+def _stage(sh: _Shape, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
+           params: dict[str, int]) -> StagePlan:
+    s, b, h, t, e = sh.s, sh.b, sh.h, sh.tp, sh.e
+    tok = s * b
+    tsp = t if sh.sp else 1
+    first, last = r == 0, r == sh.pp - 1
+    P = params["total"]
+
+    # ---- static state
+    weights = P * sh.w
+    grads = P * sh.grad_bytes
+    shard = math.ceil(P / sh.dp) if sh.dist_opt else P
+    master = 4 * shard if sh.mixed else 0
+    moments = 8 * shard
+
+    # ---- activations
+    layers = d.layers_per_stage
+    layer = _layer_bytes(sh, kp)
+    chunks, inflight = _inflight(sh, r)
+    per_chunk_layers = d.layers_per_chunk
+    if sh.recompute == "full":
+        k = max(1, min(sh.recompute_num_layers, per_chunk_layers))
+        blocks_per_chunk = math.ceil(per_chunk_layers / k)
+        kept_per_chunk = blocks_per_chunk * e * tok * h / tsp
+        saved = chunks * kept_per_chunk
+        recompute_block = k * layer  # one block's activations rebuilt during its backward
+    else:
+        saved = chunks * per_chunk_layers * layer
+        recompute_block = 0.0
+    if first:
+        # token / position ids and the embedding output's extra copies are small; ids are kept
+        saved += inflight * 16 * tok
+    if last:
+        # final-norm input and output (saved by the output layer)
+        saved += 2 * e * tok * h / tsp
+    backward = _layer_backward_transient(sh, kp, a)
+
+    logits_peak, logits_kept = (0.0, 0.0)
+    out_weight_grad = 0.0
+    if last:
+        logits_peak, logits_kept = _logits_bytes(sh, kp)
+        out_weight_grad = e * sh.vocab * h / t
+        labels = 16 * tok  # labels + loss mask + per-token loss
+        logits_peak += labels
+    # the output layer's weight grad appears after the fp32 softmax gradient is gone
+    head = max(logits_peak, (logits_peak - logits_kept) + out_weight_grad) if last else 0.0
+
+    pipeline = 0.0
+    if sh.pp > 1:
+        pipeline = 2 * e * tok * h / tsp  # the received activation's gradient + the outgoing one
+        if not a.deallocate_pipeline_outputs and not last:
+            pipeline += chunks * e * tok * h / tsp
+
+    # megatron's global "mpu" buffer: SP all-gather of linear inputs; local attention's baddbmm input
+    gbuf = 0.0
+    if sh.sp:
+        gbuf = e * tok * max(h, sh.fc1_out / t)
+    if kp.attention == "local":
+        gbuf = max(gbuf, e * b * (sh.heads / t) * s * s)
+    workspace_fb = a.cublas_workspace_bytes + gbuf + max(backward + recompute_block, 0.0)
+
+    static = weights + grads + master + moments
+    fb_dynamic = saved + head + pipeline + workspace_fb
+    fb_peak = static + fb_dynamic
+
+    # ---- optimizer step
+    step_tmp = 0.0
+    if kp.optimizer == "foreach":
+        step_tmp += 4 * shard  # sqrt(exp_avg_sq) materialised by _multi_tensor_adam
+    if sh.mixed and sh.grad_bytes < 4:
+        step_tmp += 4 * shard  # main_grad.float() copies handed to the fp32 master params
+    opt_peak = static + a.cublas_workspace_bytes + gbuf + step_tmp
+
+    if fb_peak >= opt_peak:
+        phase = "forward_backward"
+        comp = {"activations": saved, "logits_loss": head, "pipeline_buffers": pipeline, "workspace": workspace_fb}
+        peak = fb_peak
+    else:
+        phase = "optimizer_step"
+        comp = {"activations": 0.0, "logits_loss": 0.0, "pipeline_buffers": 0.0,
+                "workspace": a.cublas_workspace_bytes + gbuf + step_tmp}
+        peak = opt_peak
+    components = {"weights": weights, "gradients": grads, "master_weights": master, "optimizer_moments": moments, **comp}
+    components = {k: int(round(components[k])) for k in COMPONENTS}
+    peak_i = sum(components.values())
+
+    groups = sum(1 for n in (sh.tp, sh.pp, sh.dp) if n > 1) + (1 if sh.tp * sh.pp * sh.dp > 1 else 0)
+    if sh.pp > 1 and (first or last):
+        groups += 1  # embedding group (tied word embeddings / position embeddings)
+    overheads = {
+        "cuda_context": a.cuda_context_bytes,
+        "nccl": groups * a.nccl_bytes_per_group,
+        "fragmentation": int(peak_i * a.fragmentation),
+    }
+    detail = {
+        "params": params,
+        "layer_activation_terms": {k: int(v) for k, v in layer_activation_terms(sh, kp).items()},
+        "layer_activation_bytes": int(layer),
+        "layers": layers,
+        "chunks_in_flight": chunks,
+        "logits_kept": int(logits_kept),
+        "backward_transient": int(backward),
+        "recompute_block": int(recompute_block),
+        "optimizer_step_transient": int(step_tmp),
+        "global_buffer": int(gbuf),
+        "communicators": groups,
+    }
+    return StagePlan(
+        pp_rank=r, layers=layers, params=P, inflight_microbatches=inflight, components=components,
+        peak_allocated=peak_i, peak_phase=phase,
+        phases={"forward_backward": int(fb_peak), "optimizer_step": int(opt_peak)},
+        overheads=overheads, total=peak_i + sum(overheads.values()), detail=detail,
+    )
+
+
+def _stages(cfg: RunConfig, kp: KernelPath, a: PlannerAssumptions, micro_batch: int | None = None,
+            d: Derived | None = None) -> list[StagePlan]:
+    d = d or derive(cfg)
+    sh = _shape(cfg, d, micro_batch)
+    params = _stage_params(cfg, sh, d)
+    return [_stage(sh, d, kp, a, r, params[r]) for r in range(sh.pp)]
+
+
+# --------------------------------------------------------------------------- megatron's formula
+
+
+def megatron_theoretical_memory(cfg: RunConfig) -> MegatronEstimate:
+    """Megatron-LM's ``report_theoretical_memory`` for this config, in bytes.
+
+    Re-derived from ``megatron/training/theoretical_memory_usage.py`` (dense GPT, no MoE/MTP):
+    weights+optimizer = params of the most loaded shard (1/pp of the layers + the embedding,
+    + the untied output layer when pp == 1) / tp x (18 bytes, or 6 + 12/dp with the
+    distributed optimizer).  Activations: with SP *and* selective recompute it uses
+    Korthikanti's Table 2, ``sbh (18 + 4 f/h)`` per layer over all layers (/ t), else
+    ``sbh (10 + 24/t)`` per layer with a 5% margin; both add the embedding terms for ``pp``
+    micro-batches, scale by the interleaving penalty or ``min(1, m/pp)``, and add the output
+    layer only when pp == 1.  It models the first pipeline stage, whatever the rank.
+    """
+    m, p = cfg.model, cfg.parallel
+    d = derive(cfg)
+    h, L, V = m.hidden_size, m.num_layers, d.padded_vocab_size
+    a, g = m.num_attention_heads, m.query_groups
+    tp, pp, dp = p.tensor_parallel, p.pipeline_parallel, d.data_parallel
+    s, b = m.seq_length, cfg.train.micro_batch_size
+    gated = 1.5 if m.activation == "swiglu" else 1.0
+    norm = 1 if m.normalization == "rmsnorm" else 2
+    qproj = m.head_dim * a / h
+    attn = 2 * h * h * ((1 + g / a) * qproj)
+    per_layer = 2 * h * (m.ffn_size * gated + norm) + attn
+    emb = h * V
+    block = per_layer * L + norm * h
+    shard = (block / pp + emb) / tp
+    if not m.tie_embeddings and pp == 1:
+        shard += emb / tp
+    bytes_per_param = (6 + 12 / dp) if p.distributed_optimizer else 18
+    weights = shard * bytes_per_param
+
+    vpp = p.virtual_pipeline_parallel if p.vpp > 1 else None
+    micro = d.num_microbatches
+
+    def schedule_factor(x: float) -> float:
+        if vpp is not None:
+            x *= 1 + (pp - 1) / (pp * vpp)
+        elif pp > 1:
+            x *= min(1, micro / pp)
+        return x
+
+    if p.sequence_parallel and p.recompute == "selective":
+        formula = "table2_sp_selective"
+        act = s * b * h * (18 + 4 * (m.ffn_size / h)) * L
+        act += 8 * s * b * pp + s * b * h * pp
+        act = schedule_factor(act)
+        if pp == 1:
+            act += s * b * h * 4 * (1 + V / h)
+        act /= tp
+    else:
+        formula = "without_sp"
+        act = s * b * h * (10 + 24 / tp) * L
+        act += 8 * s * b * pp + s * b * h * pp
+        act = schedule_factor(act)
+        if pp == 1:
+            act += (s * b * V / tp + s * b * h) * 2
+        act *= 1.05
+    return MegatronEstimate(int(weights), int(act), int(weights + act), formula)
+
+
+# --------------------------------------------------------------------------- predict
+
+
+def _rank_coords(tp: int, pp: int, dp: int) -> Iterable[tuple[int, int, int, int]]:
+    """(global rank, tp, pp, dp) in megatron-core's default order 'tp-cp-ep-dp-pp' (tp fastest)."""
+    for pr in range(pp):
+        for dr in range(dp):
+            for tr in range(tp):
+                yield tr + tp * (dr + dp * pr), tr, pr, dr
+
+
+def _fits(total: int, gpu: GPUSpec | None) -> bool | None:
+    return None if gpu is None else total <= gpu.capacity_bytes
+
+
+def largest_micro_batch(cfg: RunConfig, gpu: str | int | GPUSpec, assumptions: PlannerAssumptions | None = None,
+                        limit: int = 4096) -> int:
+    """Largest micro-batch size whose every rank fits (same number of micro-batches per step); 0 if none."""
+    spec = gpu_spec(gpu)
+    a = assumptions or PlannerAssumptions()
+    kp = kernel_path(cfg, a)
+    d = derive(cfg)
+
+    def ok(mbs: int) -> bool:
+        return all(st.total <= spec.capacity_bytes for st in _stages(cfg, kp, a, mbs, d))
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # memory grows with the micro-batch: bisect between the last fit and the first miss
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _suggestions(cfg: RunConfig, gpu: GPUSpec, a: PlannerAssumptions, worst: int) -> list[Suggestion]:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    d = derive(cfg)
+    cands: list[tuple[str, dict[str, Any]]] = []
+    if p.tensor_parallel > 1 and not p.sequence_parallel and m.seq_length % p.tensor_parallel == 0:
+        cands.append(("enable sequence parallelism (SP)", {"parallel.sequence_parallel": True}))
+    if p.recompute == "none":
+        cands.append(("selective recompute (norms + MLP)", {"parallel.recompute": "selective"}))
+    if p.recompute != "full":
+        cands.append(("full recompute (1 layer per block)", {"parallel.recompute": "full", "parallel.recompute_num_layers": 1}))
+    if d.data_parallel > 1 and not p.distributed_optimizer:
+        cands.append(("distributed optimizer (shard master weights + Adam over DP)", {"parallel.distributed_optimizer": True}))
+    if t.precision == "bf16" and t.grad_reduce_in_fp32:
+        cands.append(("reduce gradients in bf16 (grad_reduce_in_fp32: false)", {"train.grad_reduce_in_fp32": False}))
+    for tp in (2, 4, 8):
+        if tp > p.tensor_parallel and m.num_attention_heads % tp == 0 and m.query_groups % tp == 0 and m.ffn_size % tp == 0:
+            cands.append((f"raise tp to {tp} (world {tp * p.pipeline_parallel * d.data_parallel})",
+                          {"parallel.tensor_parallel": tp, "parallel.nproc_per_node": p.nproc_per_node * tp // p.tensor_parallel}))
+            break
+    for pp in (2, 4, 8, 16):
+        if pp > p.pipeline_parallel and m.num_layers % pp == 0:
+            cands.append((f"raise pp to {pp} (world {p.tensor_parallel * pp * d.data_parallel})",
+                          {"parallel.pipeline_parallel": pp, "parallel.nproc_per_node": p.nproc_per_node * pp // p.pipeline_parallel,
+                           "parallel.virtual_pipeline_parallel": None}))
+            break
+    out: list[Suggestion] = []
+    for text, ov in cands:
+        try:
+            alt = cfg.replace(**ov)
+            if alt.validate():
+                continue
+            stages = _stages(alt, kernel_path(alt, a), a)
+        except (ConfigError, ValueError):
+            continue
+        w = max(st.total for st in stages)
+        if w < worst:
+            out.append(Suggestion(text, ov, w, w <= gpu.capacity_bytes))
+    # the largest smaller micro-batch that fits and keeps the global batch (more micro-batches per step)
+    per_dp = t.global_batch_size // d.data_parallel
+    for mbs in range(t.micro_batch_size - 1, 0, -1):
+        if per_dp % mbs:
+            continue
+        alt = cfg.replace(**{"train.micro_batch_size": mbs})
+        if alt.validate():
+            continue
+        w = max(st.total for st in _stages(alt, kernel_path(alt, a), a))
+        if w <= gpu.capacity_bytes:
+            out.append(Suggestion(f"lower micro_batch_size to {mbs} ({per_dp // mbs} micro-batches per step, same global batch)",
+                                  {"train.micro_batch_size": mbs}, w, True))
+            break
+    out.sort(key=lambda sg: (not sg.fits, sg.worst_total))
+    return out
+
+
+def predict(cfg: RunConfig, gpu: str | int | GPUSpec | None = None, assumptions: PlannerAssumptions | None = None,
+            suggest: bool = True) -> Plan:
+    """Per-rank memory plan of a (valid) config; with a GPU: fits, largest micro-batch, suggestions."""
+    problems = cfg.validate()
+    if problems:
+        raise ConfigError(problems)
+    spec = gpu_spec(gpu)
+    a = assumptions or PlannerAssumptions()
+    kp = kernel_path(cfg, a)
+    stages = _stages(cfg, kp, a)
+    d = derive(cfg)
+    p = cfg.parallel
+    ranks = [
+        RankPlan(rank=g, tp_rank=tr, pp_rank=pr, dp_rank=dr, peak_allocated=stages[pr].peak_allocated,
+                 total=stages[pr].total, fits=_fits(stages[pr].total, spec))
+        for g, tr, pr, dr in _rank_coords(p.tensor_parallel, p.pipeline_parallel, d.data_parallel)
+    ]
+    ranks.sort(key=lambda r: r.rank)
+    largest = largest_micro_batch(cfg, spec, a) if spec is not None else None
+    worst = max(st.total for st in stages)
+    sugg = _suggestions(cfg, spec, a, worst) if (suggest and spec is not None and worst > spec.capacity_bytes) else []
+    return Plan(
+        config_name=cfg.name, gpu=spec, kernel_path=kp, stages=stages, ranks=ranks, largest_micro_batch=largest,
+        suggestions=sugg, megatron=megatron_theoretical_memory(cfg), assumptions=a,
+        layout={"world_size": d.world_size, "tp": p.tensor_parallel, "pp": p.pipeline_parallel, "dp": d.data_parallel,
+                "vpp": p.vpp, "micro_batch_size": cfg.train.micro_batch_size, "num_microbatches": d.num_microbatches},
+    )
+
+
+# --------------------------------------------------------------------------- measured vs predicted
+
+
+def measured_peaks(run_dir: str | Path) -> dict[int, int]:
+    """Peak allocated bytes per rank of a run: the max ``mem_peak`` of its ``step`` events."""
+    from workbench.events import read_events
+
+    out: dict[int, int] = {}
+    for ev in read_events(run_dir):
+        if ev.get("event") == "step" and ev.get("mem_peak") is not None:
+            r = int(ev["rank"])
+            out[r] = max(out.get(r, 0), int(ev["mem_peak"]))
+    return out
+
+
+def compare(plan: Plan, measured: dict[int, int]):
+    """A DataFrame of predicted vs measured peak allocated bytes per rank (and megatron's formula)."""
+    import pandas as pd
+
+    rows = []
+    for r in plan.ranks:
+        meas = measured.get(r.rank, measured.get(str(r.rank)))  # type: ignore[call-overload]
+        rows.append({
+            "rank": r.rank, "tp": r.tp_rank, "pp": r.pp_rank, "dp": r.dp_rank,
+            "predicted": r.peak_allocated, "measured": meas,
+            "error_pct": None if not meas else 100.0 * (r.peak_allocated - meas) / meas,
+            "megatron_formula": plan.megatron.total,
+            "megatron_error_pct": None if not meas else 100.0 * (plan.megatron.total - meas) / meas,
+            "predicted_total": r.total,
+        })
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- text / CLI
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:7.2f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """A per-rank table (GiB) with the breakdown, totals, fits, and suggestions."""
+    short = {"weights": "weights", "gradients": "grads", "master_weights": "master", "optimizer_moments": "adam",
+             "activations": "activ", "logits_loss": "logits", "pipeline_buffers": "p2p", "workspace": "work"}
+    lay = plan.layout
+    lines = [f"{plan.config_name}: tp {lay['tp']} x pp {lay['pp']} x dp {lay['dp']}"
+             f"{' (vpp ' + str(lay['vpp']) + ')' if lay['vpp'] > 1 else ''}, micro-batch {lay['micro_batch_size']}"
+             f" x {lay['num_microbatches']}; kernels: attention {plan.kernel_path.attention}, layer {plan.kernel_path.layer},"
+             f" CE {plan.kernel_path.cross_entropy}, optimizer {plan.kernel_path.optimizer}"]
+    if plan.gpu:
+        lines.append(f"GPU {plan.gpu.name}: {plan.gpu.capacity_bytes / GiB:.1f} GiB")
+    head = ["rank", "tp", "pp", "dp"] + [short[c] for c in COMPONENTS] + ["alloc", "+ovh", "total", "fits"]
+    lines.append("  ".join(f"{h:>7}" for h in head) + "   (GiB)")
+    for r in plan.ranks:
+        st = plan.stages[r.pp_rank]
+        cells = [f"{r.rank:>7}", f"{r.tp_rank:>7}", f"{r.pp_rank:>7}", f"{r.dp_rank:>7}"]
+        cells += [_gib(st.components[c]) for c in COMPONENTS]
+        cells += [_gib(r.peak_allocated), _gib(r.total - r.peak_allocated), _gib(r.total),
+                  f"{'-' if r.fits is None else ('yes' if r.fits else 'OOM'):>7}"]
+        lines.append("  ".join(cells))
+    mg = plan.megatron
+    lines.append(f"megatron theoretical formula ({mg.formula}, first stage only): {mg.total / GiB:.2f} GiB "
+                 f"(weights+optimizer {mg.weight_and_optimizer / GiB:.2f}, activations {mg.activation / GiB:.2f})")
+    if plan.gpu is not None:
+        lines.append(f"fits: {'yes' if plan.fits else 'NO'}; largest micro-batch that fits: {plan.largest_micro_batch}")
+        for sg in plan.suggestions:
+            lines.append(f"  - {sg.text}: worst rank {sg.worst_total / GiB:.2f} GiB{' (fits)' if sg.fits else ''}")
+    return "\n".join(lines)
+
+
+def _cli_plan(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.file)
+        plan = predict(cfg, gpu=args.gpu)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    except ValueError as err:  # unknown GPU name
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.json else format_plan(plan))
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="predict per-rank GPU memory of a run config (before launching)")
+    p.add_argument("file", help="run config (JSON or YAML)")
+    p.add_argument("--gpu", default=None, help=f"GPU to check against: {', '.join(GPUS)} or a capacity like 24GiB")
+    p.add_argument("--json", action="store_true", help="print the whole plan (every rank, breakdown) as JSON")
+    p.set_defaults(func=_cli_plan)
