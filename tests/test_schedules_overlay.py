@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from workbench.config import preset
@@ -9,7 +12,7 @@ from workbench.events import EventWriter
 from workbench.schedules import ScheduleError, Timeline, load_measured, measured_report, simulate
 
 
-def write_run(run_dir, timelines_by_iteration: dict[int, Timeline], tp: int = 1, tp_shift_ms: float = 0.0,
+def write_run(run_dir: Path, timelines_by_iteration: dict[int, Timeline], tp: int = 1, tp_shift_ms: float = 0.0,
               skip: set[tuple[int, int]] = frozenset()):
     """A run directory as the backend writes it: config.json + run_start/microbatch events per global rank.
 
@@ -18,9 +21,12 @@ def write_run(run_dir, timelines_by_iteration: dict[int, Timeline], tp: int = 1,
     (iteration, pipeline rank) pairs whose events are left out.
     """
     tl0 = next(iter(timelines_by_iteration.values()))
-    cfg = preset("tiny").replace(**{"parallel.pipeline_parallel": tl0.p, "parallel.tensor_parallel": tp,
+    mbs = preset("tiny").train.micro_batch_size
+    cfg = preset("tiny").replace(**{"train.global_batch_size": tl0.m * mbs,  # dp = 1: m micro-batches per step
+                                    "parallel.pipeline_parallel": tl0.p, "parallel.tensor_parallel": tp,
                                     "parallel.nproc_per_node": tl0.p * tp,
                                     "parallel.virtual_pipeline_parallel": tl0.v if tl0.v > 1 else None})
+    run_dir = Path(run_dir)
     cfg.save(run_dir / "config.json")
     for pp in range(tl0.p):
         for t in range(tp):
@@ -125,3 +131,40 @@ def test_missing_events_are_clear_errors(tmp_path):
         w.emit("step", iteration=1, loss=1.0)
     with pytest.raises(ScheduleError, match="microbatch_timing_interval"):
         load_measured(tmp_path)
+
+
+def test_evidence_runs_finds_only_dirs_with_microbatch_timings(tmp_path):
+    from workbench.schedules import evidence_runs
+
+    assert evidence_runs(tmp_path) == []
+    runs = tmp_path / "tests" / "gpu" / "evidence" / "runs"
+    write_run(runs / "pp2", {1: simulate("1f1b", 2, 2, unit="ms")})
+    with EventWriter(runs / "no_timings", 0) as w:
+        w.emit("step", iteration=1, loss=2.0)
+    assert evidence_runs(tmp_path) == [runs / "pp2"]
+
+
+def test_unmatched_backward_ids_are_repaired_from_mcore_order(tmp_path):
+    tl = simulate("interleaved", 2, 4, 2, forward=5.0, backward=10.0, unit="ms")
+    write_run(tmp_path, {1: tl})
+    # the backend writes microbatch/chunk -1 for a backward it could not match: blank two of rank 1's
+    path = tmp_path / "events" / "rank-1.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    ops = lines[-1]["ops"]
+    blanked = [i for i, o in enumerate(ops) if o["kind"] == "B"][:2]
+    for i in blanked:
+        ops[i]["microbatch"] = ops[i]["chunk"] = -1
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ms = load_measured(tmp_path)
+    assert ms.repaired_ops == 2 and ms.dropped_ops == 0
+    assert [(o.kind, o.microbatch, o.chunk) for o in ms.timeline.ops[1]] == \
+           [(o.kind, o.microbatch, o.chunk) for o in tl.ops[1]]
+    # m comes from the run's config through derive(): a config saying 2 micro-batches wins over the events
+    other = write_run(tmp_path / "other", {1: tl})
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["train"]["global_batch_size"] = 2 * cfg["train"]["micro_batch_size"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    ms = load_measured(other)
+    assert ms.timeline.m == 2 and ms.dropped_ops > 0
+    _, report = measured_report(ms)
+    assert report["dropped_ops"] == ms.dropped_ops and "dropped" in report["summary"]

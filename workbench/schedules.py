@@ -62,6 +62,7 @@ __all__ = [
     "MeasuredStep",
     "load_measured",
     "measured_report",
+    "evidence_runs",
     "add_cli",
 ]
 
@@ -417,35 +418,64 @@ class MeasuredStep:
     timeline: Timeline  # unit "ms"; ops[pp_rank]
     global_ranks: list[int]  # global rank whose events represent each pipeline rank
     device: str | None = None
+    repaired_ops: int = 0  # ops whose unknown (-1) micro-batch/chunk was taken from mcore's order
+    dropped_ops: int = 0  # ops with ids that fit neither the layout nor mcore's order
 
 
-def _run_layout(run_dir: Path, events: list[dict]) -> tuple[int, int, str | None]:
-    """(p, v, schedule) from config.json, else from the events themselves."""
-    p = v = None
+def _repair_ids(raw: list[list[Op]], schedule: str, p: int, m: int, v: int) -> tuple[list[list[Op]], int, int]:
+    """Fill unknown ids (the backend writes -1 when it cannot match a backward) from mcore's order.
+
+    mcore's per-rank order is deterministic, so when a rank's measured kinds follow
+    :func:`operation_order` position by position, position i *is* expected op i.  Ops whose
+    ids still fall outside the layout are dropped (and counted) rather than mis-drawn.
+    """
+    out, repaired, dropped = [], 0, 0
+    for r, ops in enumerate(raw):
+        try:
+            expected = operation_order(schedule, p, m, v, r)
+        except ScheduleError:
+            expected = []
+        aligned = len(expected) == len(ops) and all(o.kind == e[0] for o, e in zip(ops, expected))
+        fixed = []
+        for i, o in enumerate(ops):
+            ok = o.kind in ("F", "B") and 0 <= o.microbatch < m and 0 <= o.chunk < v
+            if not ok and aligned:
+                _, mb, c = expected[i]
+                o = Op(r, o.kind, mb, c, o.start, o.end)
+                repaired += 1
+                ok = True
+            if ok:
+                fixed.append(o)
+            else:
+                dropped += 1
+        out.append(fixed)
+    return out, repaired, dropped
+
+
+def _run_layout(run_dir: Path, events: list[dict]) -> tuple[int, int, int | None]:
+    """(p, v, m) of a run: from config.json (m through :func:`workbench.config.derive`), else run_start, else events."""
+    from workbench.config import ConfigError, RunConfig, derive
+
+    sources = []
     cfg_path = run_dir / "config.json"
     if cfg_path.is_file():
         try:
-            cfg = json.loads(cfg_path.read_text())
-            par = cfg.get("parallel", {})
-            p = int(par.get("pipeline_parallel") or 1)
-            v = int(par.get("virtual_pipeline_parallel") or 1)
-        except (ValueError, TypeError, json.JSONDecodeError) as e:
-            raise ScheduleError(f"{cfg_path}: cannot read the pipeline layout ({e})") from e
-    if p is None:
-        for ev in events:
-            if ev.get("event") == "run_start":
-                cfg = ev.get("config") or {}
-                par = cfg.get("parallel", {}) if isinstance(cfg, dict) else {}
-                if par:
-                    p = int(par.get("pipeline_parallel") or 1)
-                    v = int(par.get("virtual_pipeline_parallel") or 1)
-                    break
-    if p is None:
-        ranks = {ev.get("rank") for ev in events if ev.get("event") == "microbatch"}
-        p = len(ranks)
-        v = 1 + max((op.get("chunk", 0) for ev in events if ev.get("event") == "microbatch" for op in ev.get("ops", [])),
-                    default=0)
-    return p, v or 1, None
+            sources.append(json.loads(cfg_path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ScheduleError(f"{cfg_path}: not valid JSON ({e}); it should be the run's RunConfig") from e
+    sources += [ev["config"] for ev in events if ev.get("event") == "run_start" and isinstance(ev.get("config"), dict)]
+    for raw in sources:
+        try:
+            cfg = RunConfig.from_dict(raw)
+            return max(cfg.parallel.pipeline_parallel, 1), cfg.parallel.vpp, derive(cfg).num_microbatches
+        except ConfigError:
+            par = raw.get("parallel") or {}
+            if isinstance(par, dict) and par.get("pipeline_parallel"):
+                return int(par["pipeline_parallel"]), int(par.get("virtual_pipeline_parallel") or 1), None
+    mbs = [ev for ev in events if ev.get("event") == "microbatch"]
+    p = len({ev.get("rank") for ev in mbs})
+    v = 1 + max((int(op.get("chunk", 0) or 0) for ev in mbs for op in ev.get("ops") or []), default=0)
+    return p, v, None
 
 
 def _pp_rank_map(events: list[dict], p: int) -> dict[int, int]:
@@ -478,7 +508,7 @@ def load_measured(run_dir: str | Path, iteration: int | None = None) -> Measured
     if not (run_dir / "events").is_dir():
         raise ScheduleError(f"{run_dir}: no events/ directory; pass a run directory written by the backend")
     events = read_events(run_dir)
-    p, v, _ = _run_layout(run_dir, events)
+    p, v, m = _run_layout(run_dir, events)
     mb_events = [e for e in events if e.get("event") == "microbatch"]
     if not mb_events:
         raise ScheduleError(f"{run_dir}: no 'microbatch' events; run with train.microbatch_timing_interval > 0")
@@ -497,8 +527,7 @@ def load_measured(run_dir: str | Path, iteration: int | None = None) -> Measured
     elif iteration not in by_iter or len(by_iter[iteration]) != p:
         raise ScheduleError(f"{run_dir}: iteration {iteration} lacks micro-batch timings from every pipeline rank; "
                             f"complete iterations: {complete}")
-    ops: list[list[Op]] = []
-    m = 0
+    raw_ops: list[list[Op]] = []
     for pp in range(p):
         raw = by_iter[iteration][pp].get("ops") or []
         try:
@@ -508,13 +537,34 @@ def load_measured(run_dir: str | Path, iteration: int | None = None) -> Measured
             raise ScheduleError(f"{run_dir}: malformed microbatch op on pipeline rank {pp} ({e}); "
                                 "each op needs kind, microbatch, chunk, start_ms, end_ms") from e
         rank_ops.sort(key=lambda o: (o.start, o.end))
-        ops.append(rank_ops)
-        m = max([m] + [o.microbatch + 1 for o in rank_ops])
-    device = next((e.get("device") for e in events if e.get("event") == "run_start" and e.get("device")), None)
+        raw_ops.append(rank_ops)
+    if m is None:
+        m = max((o.microbatch + 1 for ops_ in raw_ops for o in ops_), default=0)
     sched = "interleaved" if v > 1 else "1f1b"
+    ops, repaired, dropped = _repair_ids(raw_ops, sched, p, m, v)
+    device = next((e.get("device") for e in events if e.get("event") == "run_start" and e.get("device")), None)
     tl = Timeline(sched, p, m, v, ops, unit="ms")
     inv = {pp: g for g, pp in rank_map.items()}
-    return MeasuredStep(str(run_dir), iteration, tl, [inv[pp] for pp in range(p)], device)
+    return MeasuredStep(str(run_dir), iteration, tl, [inv[pp] for pp in range(p)], device, repaired, dropped)
+
+
+def evidence_runs(root: str | Path | None = None) -> list[Path]:
+    """Run directories with micro-batch timings under ``<repo>/tests/gpu/evidence/runs/`` (committed GPU runs).
+
+    ``root`` defaults to the first ancestor of the working directory (or of this package)
+    that holds ``tests/gpu/evidence``.  Sorted by name; empty when there are none.
+    """
+    if root is None:
+        here = [Path.cwd(), *Path.cwd().parents, *Path(__file__).resolve().parents]
+        root = next((d for d in here if (d / "tests" / "gpu" / "evidence").is_dir()), None)
+        if root is None:
+            return []
+    base = Path(root) / "tests" / "gpu" / "evidence" / "runs"
+    found = []
+    for events in sorted(base.glob("**/events")):
+        if any('"microbatch"' in f.read_text(errors="replace") for f in events.glob("rank-*.jsonl")):
+            found.append(events.parent)
+    return found
 
 
 def _mean_durations(tl: Timeline) -> tuple[list[float], list[float]]:
@@ -592,6 +642,9 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
     if idle > 0:
         summary.append("Idle time: " + ", ".join(f"{k} {100 * tot[k] / idle:.0f}%" for k in ("wait_upstream", "comm", "host", "tail"))
                        + " (wait_upstream = pipeline dependency, comm = send/recv + overhead after the input was ready).")
+    if measured.repaired_ops or measured.dropped_ops:
+        summary.append(f"{measured.repaired_ops} ops had unknown ids filled from mcore's order; "
+                       f"{measured.dropped_ops} ops dropped (ids outside p={p}, v={v}, m={tl.m}: check config.json).")
     if stragglers:
         summary.append("Stragglers (mean F+B > 1.1 x median rank): pipeline ranks " + ", ".join(map(str, stragglers)) + ".")
     report = {
@@ -607,6 +660,8 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
         "time_ms": tot,
         "ranks": ranks,
         "stragglers": stragglers,
+        "repaired_ops": measured.repaired_ops,
+        "dropped_ops": measured.dropped_ops,
         "summary": " ".join(summary),
     }
     return ideal, report

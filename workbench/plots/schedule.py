@@ -21,7 +21,26 @@ def _figure(figsize):
     """A Figure outside pyplot's global state: no plt.close needed, never auto-shown twice in notebooks."""
     from matplotlib.figure import Figure
 
+    _register_ipython_png(Figure)
     return Figure(figsize=figsize)
+
+
+def _register_ipython_png(figure_type) -> None:
+    """Let IPython render pyplot-free Figures (the inline backend only registers this once pyplot is used)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is None:
+        return
+    fmt = ip.display_formatter.formatters["image/png"]
+    try:
+        fmt.lookup_by_type(figure_type)
+    except KeyError:
+        from IPython.core.pylabtools import print_figure
+
+        fmt.for_type(figure_type, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
 
 
 def _colour(mb: int, m: int, kind: str, chunk: int, v: int):

@@ -1,0 +1,79 @@
+"""Measured-vs-ideal pipeline overlay for GPU runs: one PNG + one JSON per run directory.
+
+Usage (after pipeline-parallel training runs with micro-batch timing enabled)::
+
+    python tests/gpu/schedule_overlay.py RUN_DIR [RUN_DIR ...] [--iteration N] [--out tests/gpu/evidence/schedules]
+
+For each run it writes ``<out>/<run name>.png`` (the overlay chart) and ``<out>/<run name>.json``
+(the report: measured vs ideal vs closed-form bubble, per-rank time split), and appends one
+line per run to ``<out>/schedule_overlay.jsonl``.  Every JSON record carries "device"
+(the run's device from its run_start event, else torch.cuda.get_device_name()), "date" and
+"git_commit".  Exits 2 with the reason when a run directory has no usable timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from workbench.plots.schedule import measured_overlay  # noqa: E402
+from workbench.schedules import ScheduleError  # noqa: E402
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _cuda_device() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dirs", nargs="+", type=Path)
+    ap.add_argument("--iteration", type=int, default=None, help="step to show (default: latest complete one)")
+    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "gpu" / "evidence" / "schedules")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    commit, date = _git_commit(), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    rc = 0
+    for run in args.run_dirs:
+        try:
+            fig, report = measured_overlay(run, args.iteration)
+        except ScheduleError as e:
+            print(f"error: {e}", file=sys.stderr)
+            rc = 2
+            continue
+        name = run.resolve().name
+        png = args.out / f"{name}.png"
+        fig.savefig(png, dpi=110, bbox_inches="tight")
+        record = {"device": report.get("device") or _cuda_device(), "date": date, "git_commit": commit,
+                  "run": name, "png": png.name, **report}
+        (args.out / f"{name}.json").write_text(json.dumps(record, indent=2))
+        with open(args.out / "schedule_overlay.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        print(f"{name}: measured bubble {report['measured_bubble_fraction']:.3f} vs ideal "
+              f"{report['ideal_bubble_fraction']:.3f} (closed form {report['closed_form_bubble_fraction']:.3f}) -> {png}")
+        print("  " + report["summary"])
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
