@@ -197,3 +197,35 @@ def test_data_tokenized_beyond_the_model_vocab_is_refused(tmp_path):
     sidecar_path(tmp_path / "a").unlink()  # a dataset made elsewhere: the .bin itself is scanned
     with pytest.raises(DataError, match="holds token id"):
         build_datasets(cfg, tmp_path / "run")
+
+
+def test_data_made_with_another_tokenizer_is_refused(tmp_path):
+    from workbench.data.tokenizer import train_tokenizer
+
+    docs = _write_docs(tmp_path / "a.txt", 40, ["zebra", "quartz", "xylophone", "jam"], seed=7)
+    train_tokenizer(iter(docs), vocab_size=300, out_dir=tmp_path / "small")
+    preprocess([tmp_path / "a.txt"], tmp_path / "a", tokenizer=str(tmp_path / "small"), progress=False)
+    cfg = _cfg(tmp_path, **{"data.source": "indexed", "data.datasets": [{"prefix": str(tmp_path / "a")}], "data.split": "90,10,0"})
+    assert cfg.data.tokenizer == "demo"
+    with pytest.raises(DataError, match="different vocabulary") as e:
+        build_datasets(cfg, tmp_path / "run")
+    assert str(tmp_path / "small") in str(e.value)
+    train, _, _ = build_datasets(cfg.replace(**{"data.tokenizer": str(tmp_path / "small")}), tmp_path / "run")
+    assert len(train) > 0
+
+
+def test_demo_source_follows_data_tokenizer(tmp_path):
+    import gzip
+
+    from workbench.data.demo import DEMO_CORPUS
+    from workbench.data.tokenizer import train_tokenizer
+
+    chapters = [c for c in gzip.open(DEMO_CORPUS, "rt", encoding="utf-8").read().split("\n\n") if c.strip()]
+    small = train_tokenizer(iter(chapters[:50]), vocab_size=512, out_dir=tmp_path / "small")
+    cfg = _cfg(tmp_path, **{"data.tokenizer": str(tmp_path / "small")})
+    train, _, _ = build_datasets(cfg, tmp_path / "run")
+    built = [p for p in (tmp_path / "cache" / "demo").iterdir() if p.name.endswith(".idx")]
+    assert len(built) == 1
+    ds = _indexed(str(built[0])[:-4])
+    assert ds[0].tolist() == small.encode(chapters[0]) + [small.eod]
+    assert max(int(train[i]["tokens"].max()) for i in range(10)) < small.vocab_size

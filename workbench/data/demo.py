@@ -39,27 +39,31 @@ def _demo_key(tokenizer_sha: str) -> str:
     return h.hexdigest()[:12]
 
 
-def demo_prefix(cache_dir: str | Path | None = None) -> str:
-    """Where the demo dataset lives (or will live): ``<cache>/demo/kjv-<hash>_text_document``."""
+def demo_prefix(cache_dir: str | Path | None = None, tokenizer="demo") -> str:
+    """Where the demo dataset lives (or will live): ``<cache>/demo/kjv-<hash>_text_document``.
+
+    The hash covers the corpus and the tokenizer: the corpus can be tokenized with any tokenizer
+    (``data.tokenizer``), each gets its own files.
+    """
     from workbench.data.tokenizer import load_tokenizer
 
     if not DEMO_CORPUS.is_file():
         raise DataError(str(DEMO_CORPUS), "the embedded demo corpus is missing from this install", "reinstall the workbench (pip install -e .)")
-    tok = load_tokenizer("demo")
+    tok = load_tokenizer(tokenizer)
     root = Path(cache_dir) if cache_dir else user_cache_dir()
     return str(root / "demo" / f"kjv-{_demo_key(tok.unique_identifiers['sha'])}_text_document")
 
 
-def ensure_demo_dataset(cache_dir: str | Path | None = None, progress: bool = False, workers: int = 1) -> str:
+def ensure_demo_dataset(cache_dir: str | Path | None = None, progress: bool = False, workers: int = 1, tokenizer="demo") -> str:
     """Build the demo .bin/.idx if it is not cached yet; return its prefix. Safe to call repeatedly."""
     from workbench.data.indexed import check_indexed
     from workbench.data.preprocess import preprocess
 
-    prefix = demo_prefix(cache_dir)
+    prefix = demo_prefix(cache_dir, tokenizer)
     try:
         check_indexed(prefix)
         return prefix
     except DataError:
         pass  # not built yet (or damaged): build it
-    preprocess([DEMO_CORPUS], prefix, tokenizer="demo", append_eod=True, workers=workers, split_docs="blank-line", progress=progress)
+    preprocess([DEMO_CORPUS], prefix, tokenizer=tokenizer, append_eod=True, workers=workers, split_docs="blank-line", progress=progress)
     return prefix

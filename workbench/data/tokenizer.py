@@ -92,7 +92,7 @@ class Tokenizer:
     def spec(self) -> dict:
         """What a checkpoint records about its tokenizer."""
         return {"name": self.name, "vocab_size": self.vocab_size, "eod": self._eod, "bos": self.bos, "pad": self.pad,
-                "eos_token": self.eos_token, "pad_token": self.pad_token}
+                "eos_token": self.eos_token, "pad_token": self.pad_token, "sha": self.unique_identifiers["sha"]}
 
     # -- export
     def save(self, directory: str | Path) -> Path:
