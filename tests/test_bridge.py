@@ -266,3 +266,24 @@ def test_invalid_config_refused_before_anything_starts(rank_script, tmp_path):
         with pytest.raises(ConfigError, match="no NVIDIA GPU"):
             Run.launch(cuda, run_root=root)
         assert not root.exists()
+
+
+def test_kernel_exit_stops_its_runs_via_atexit(rank_script, tmp_path):
+    """A kernel that shuts down normally (restart, papermill's end) stops the runs it launched."""
+    kernel = textwrap.dedent(
+        f'''
+        import time
+        from workbench.bridge import Run
+        from workbench.config import preset
+        run = Run.launch(preset("tiny"), run_root={str(tmp_path / "runs")!r}, entry=[{str(rank_script)!r}], env={{"FAKE_MODE": "slow"}})
+        print(run.run_dir, flush=True)
+        while not run.events("step"):
+            time.sleep(0.1)
+        '''
+    )
+    k = subprocess.run([sys.executable, "-c", kernel], capture_output=True, text=True, timeout=120)
+    assert k.returncode == 0, k.stderr
+    run_dir = Path(k.stdout.splitlines()[0])
+    assert run_processes(run_dir) == []
+    ex = json.loads((run_dir / "exit_status.json").read_text())
+    assert ex["status"] == "stopped" and ex["reason"] == "stopped"  # stopped by Run.stop, not by the orphan watchdog

@@ -201,3 +201,37 @@ def test_watch_headless_prints_progress_and_static_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "run finished" in out
     assert "IPython.core.display.Image" in out or "<IPython" in out  # static images displayed (outside a kernel: reprs)
+
+
+def test_interrupting_watch_stops_the_run(tmp_path):
+    """Kernel interrupt (SIGINT -> KeyboardInterrupt) while watch() blocks: the run is stopped."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "fake_rank.py"
+    script.write_text(RANK_SCRIPT)
+    kernel = textwrap.dedent(
+        f'''
+        from workbench.bridge import Run
+        from workbench.config import preset
+        from workbench.widgets.dashboard import watch
+        run = Run.launch(preset("tiny"), run_root={str(tmp_path / "runs")!r}, entry=[{str(script)!r}], env={{"FAKE_MODE": "slow"}})
+        print(run.run_dir, flush=True)
+        print("watch returned", watch(run, live=False, interval=0.1, show=False), flush=True)
+        '''
+    )
+    k = subprocess.Popen([sys.executable, "-c", kernel], stdout=subprocess.PIPE, text=True)
+    try:
+        run = Run.attach(Path(k.stdout.readline().strip()))
+        wait_until(lambda: run.events("step"), 60, "a step")
+        k.send_signal(signal.SIGINT)
+        out, _ = k.communicate(timeout=60)
+        assert "watch returned stopped" in out
+        assert run_processes(run.run_dir) == []
+        assert run.status == "stopped"
+    finally:
+        if k.poll() is None:
+            k.kill()
+            k.wait()

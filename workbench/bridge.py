@@ -1178,7 +1178,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     print(f"run directory: {run.run_dir}")
     print(f"command: {run.plan.shell()}")
     if args.detach:
-        print(f"detached; follow with: python -m workbench.cli launch --attach {run.run_dir}  (or Run.attach in a notebook)")
+        print(f"detached; follow it in a notebook with: Run.attach({str(run.run_dir)!r}).dashboard()")
+        print(f"stop it with: Run.attach({str(run.run_dir)!r}).stop()")
         return 0
     return _follow_cli(run)
 

@@ -94,21 +94,36 @@ def training_figure(frames: TrainingFrames, predicted_memory: Mapping[int, float
         _empty(ax_tput, "no throughput yet")
     ax_tput.set_title("throughput", fontsize=10)
 
-    # memory per rank
+    # memory per rank: measured allocated / reserved (latest step) next to the planner's prediction
     mem = frames.memory
-    if len(mem) and mem[["mem_allocated", "mem_reserved"]].notna().any().any():
-        ranks = [int(r) for r in mem["rank"]]
+    measured = {}
+    if len(mem):
+        for _, row in mem.iterrows():
+            measured[int(row["rank"])] = (row.get("mem_allocated"), row.get("mem_reserved"))
+    has_measured = any(v is not None and v == v for pair in measured.values() for v in pair)
+    pred: dict[int, float] = {}
+    if isinstance(predicted_memory, Mapping):
+        pred = {int(k): float(v) for k, v in predicted_memory.items()}
+    elif predicted_memory is not None:
+        pred = {r: float(predicted_memory) for r in (measured or {0: None})}
+    ranks = sorted(set(measured) | set(pred))
+    if ranks and (has_measured or pred):
+        nan = float("nan")
         x = list(range(len(ranks)))
-        pred = None
-        if predicted_memory is not None:
-            pred = [float(predicted_memory.get(r, float("nan"))) if isinstance(predicted_memory, Mapping) else float(predicted_memory)
-                    for r in ranks]
-        n = 3 if pred is not None else 2
+        n = 3 if pred else 2
         w = 0.8 / n
-        ax_mem.bar([i - 0.4 + w / 2 for i in x], mem["mem_allocated"].fillna(0) / GIB, w, label="allocated", color="C0")
-        ax_mem.bar([i - 0.4 + 1.5 * w for i in x], mem["mem_reserved"].fillna(0) / GIB, w, label="reserved", color="C1")
-        if pred is not None:
-            ax_mem.bar([i - 0.4 + 2.5 * w for i in x], [p / GIB for p in pred], w, label="planner", color="0.6", hatch="//")
+
+        def col(i: int) -> list[float]:
+            out = []
+            for r in ranks:
+                v = measured.get(r, (None, None))[i]
+                out.append(nan if v is None or v != v else float(v) / GIB)
+            return out
+
+        ax_mem.bar([i - 0.4 + w / 2 for i in x], col(0), w, label="allocated", color="C0")
+        ax_mem.bar([i - 0.4 + 1.5 * w for i in x], col(1), w, label="reserved", color="C1")
+        if pred:
+            ax_mem.bar([i - 0.4 + 2.5 * w for i in x], [pred.get(r, nan) / GIB for r in ranks], w, label="planner", color="0.6", hatch="//")
         ax_mem.set_xticks(x)
         ax_mem.set_xticklabels([str(r) for r in ranks])
         ax_mem.set_xlabel("rank")
@@ -117,7 +132,8 @@ def training_figure(frames: TrainingFrames, predicted_memory: Mapping[int, float
         ax_mem.grid(alpha=0.3, axis="y")
     else:
         _empty(ax_mem, "no memory numbers yet")
-    ax_mem.set_title("memory per rank (latest step)", fontsize=10)
+    ax_mem.set_title("memory per rank (latest step)" if has_measured or not pred else
+                     "memory per rank: planner only (none measured: CPU mode or no step yet)", fontsize=10 if has_measured else 8)
 
     # grad norm and LR
     gn = _per_iteration(steps, "grad_norm", "max")
