@@ -129,3 +129,24 @@ def test_cli_tokenizer_train_and_info(tmp_path, capsys):
     assert rc == 0 and '"vocab_size"' in out
     assert cli_main(["tokenizer", "train", "--input", str(tmp_path / "missing.txt"), "--vocab-size", "300", "--out", str(tmp_path / "x")]) == 2
     assert cli_main(["tokenizer", "train", "--input", str(src), "--vocab-size", "10", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_gpt2_style_directory_loads_through_transformers(tmp_path):
+    """A directory with vocab.json + merges.txt (no tokenizer.json), as GPT-2 checkpoints ship."""
+    demo = load_tokenizer("demo")
+    demo.backend.model.save(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}))
+    assert not (tmp_path / "tokenizer.json").exists()
+    tok = load_tokenizer(tmp_path)
+    assert (tok.vocab_size, tok.eod) == (demo.vocab_size, demo.eod)
+    for text in SAMPLES[:2]:
+        assert tok.encode(text) == demo.encode(text)
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_directory_without_a_tokenizer_is_refused(tmp_path):
+    (tmp_path / "README.md").write_text("not a tokenizer")
+    with pytest.raises(DataError, match="no tokenizer could be loaded") as e:
+        load_tokenizer(tmp_path)
+    assert str(tmp_path) in str(e.value)
