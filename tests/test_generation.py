@@ -1,7 +1,7 @@
 """Generation engine vs HF transformers on the same random GPT-2 (CPU, one process).
 
 The mcore model is the workbench's own (``build_model``: its layer spec, SDPA core
-attention) with the HF weights copied in; HF ``generate`` is the oracle for greedy,
+attention) with the HF weights mapped by ``workbench.conversion``; HF ``generate`` is the oracle for greedy,
 beam search (scores included) and log-probs.  EOS ids are picked from the model's own
 greedy output so the stop paths are really exercised.
 """
@@ -16,7 +16,7 @@ from tests.test_generation_support import (
     VOCAB,
     gpt2_run_config,
     hf_gpt2,
-    hf_to_mcore_state,
+    converted_state,
     init_single_process,
     load_into,
     teardown_single_process,
@@ -29,11 +29,11 @@ PROMPTS = [[5, 17, 300, 42, 9], [7, 8], [100, 200, 300, 400, 500, 600, 700, 800]
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = gpt2_run_config()
-    was = init_single_process(cfg)
     hf = hf_gpt2(seed=0)
+    cfg = gpt2_run_config(hf)
+    was = init_single_process(cfg)
     model = workbench_gpt(cfg)
-    load_into(model, hf_to_mcore_state(hf))
+    load_into(model, converted_state(hf, cfg))
     from workbench.backend.inference import InferenceEngine
 
     engine = InferenceEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, eos_id=None, pad_id=0)

@@ -1,7 +1,7 @@
 """Generation from a real checkpoint through the real entry point, at TP=2 and PP=2 (gloo, CPU).
 
-A random GPT-2 is converted (test mapping), saved with the workbench checkpoint format and a
-small trained tokenizer, then generated from by ``python -m workbench.backend.inference``
+A random GPT-2 with a small trained tokenizer is converted by ``workbench convert``'s API into
+a workbench checkpoint, then generated from by ``python -m workbench.backend.inference``
 started by torchrun (2 processes) -- the product path -- and compared with the same model
 generating in this process at TP=1: seeded sampling must give the same tokens at TP=2, and
 beam search the same beams across two pipeline stages.  Bad input must be refused before
@@ -16,17 +16,7 @@ import sys
 
 import pytest
 
-from tests.test_generation_support import (
-    POSITIONS,
-    VOCAB,
-    gpt2_run_config,
-    hf_gpt2,
-    hf_to_mcore_state,
-    init_single_process,
-    load_into,
-    teardown_single_process,
-    workbench_gpt,
-)
+from tests.test_generation_support import VOCAB, hf_gpt2, init_single_process, teardown_single_process
 from workbench.config import ConfigError, GenerationConfig
 
 PROMPTS = [[11, 12, 13, 14, 15, 16], [900, 3], [250, 251, 252, 253]]
@@ -35,24 +25,27 @@ TEXTS = ["the cat sat on the mat", "a dog"]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """(checkpoint root, in-process engine at TP=1) for the same weights."""
+    """(checkpoint root, in-process engine at TP=1 loaded from it, tokenizer).
+
+    Product path end to end: an HF GPT-2 directory (random weights + a small trained
+    tokenizer) -> ``workbench.conversion.hf_to_megatron`` -> workbench checkpoint."""
     root = tmp_path_factory.mktemp("gen-ckpt")
+    from workbench.conversion import hf_to_megatron
     from workbench.data.tokenizer import train_tokenizer
 
     corpus = ["the cat sat on the mat", "a dog ran in the park", "the quick brown fox jumps over the lazy dog"] * 20
-    tok_dir = root / "tokenizer"
-    tok = train_tokenizer(corpus, vocab_size=400, out_dir=tok_dir)
+    hf_dir = root / "hf"
+    hf_gpt2(seed=1).save_pretrained(hf_dir)
+    tok = train_tokenizer(corpus, vocab_size=400, out_dir=hf_dir)
     assert tok.vocab_size <= VOCAB
-    cfg = gpt2_run_config(**{"data.tokenizer": str(tok_dir)})
-    was = init_single_process(cfg)
-    from workbench.backend.checkpointing import save_checkpoint
-    from workbench.backend.inference import InferenceEngine
+    res = hf_to_megatron(hf_dir, root / "ckpt", dtype="fp32", device="cpu", make_vocab_size_divisible_by=128, progress=False)
+    from workbench.backend.inference import _checkpoint_config, load_engine
 
-    model = workbench_gpt(cfg)
-    load_into(model, hf_to_mcore_state(hf_gpt2(seed=1)))
-    save_checkpoint(root / "ckpt", 0, [model], cfg, tokenizer=str(tok_dir))
-    engine = InferenceEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, eos_id=tok.eod, pad_id=tok.pad)
-    yield root / "ckpt", engine, tok
+    cfg = _checkpoint_config(res.output)
+    was = init_single_process(cfg.replace(**{"model.attention_backend": "sdpa", "parallel.nproc_per_node": 1}))
+    engine = load_engine(res.output, device="cpu")
+    assert engine.eos_id == tok.eod and engine.tokenizer is not None
+    yield res.output, engine, tok
     teardown_single_process(was)
 
 
@@ -61,7 +54,7 @@ def test_seeded_sampling_same_tokens_at_tp1_and_tp2(ckpt, tmp_path):
 
     root, engine, _ = ckpt
     gen = GenerationConfig(max_new_tokens=12, top_k=40, temperature=1.3, seed=2024, return_log_probs=True)
-    here = engine.generate(PROMPTS, gen, stop_ids=[])
+    here = engine.generate(PROMPTS, gen)
     tp2 = generate(root, prompt_ids=PROMPTS, gen=gen, tp=2, pp=1, device="cpu", work_dir=tmp_path, timeout=300)
     assert [r.token_ids for r in tp2] == [o.token_ids for o in here]
     for r, o in zip(tp2, here):
@@ -75,7 +68,7 @@ def test_beam_search_across_two_pipeline_stages(ckpt, tmp_path):
 
     root, engine, _ = ckpt
     gen = GenerationConfig(max_new_tokens=8, num_beams=3, length_penalty=0.7)
-    here = engine.generate(PROMPTS, gen, stop_ids=[])
+    here = engine.generate(PROMPTS, gen)
     pp2 = generate(root, prompt_ids=PROMPTS, gen=gen, tp=1, pp=2, device="cpu", work_dir=tmp_path, timeout=300)
     assert [r.token_ids for r in pp2] == [o.token_ids for o in here]
     assert [r.score for r in pp2] == pytest.approx([o.score for o in here], abs=1e-4)

@@ -1,8 +1,5 @@
-"""Shared fixtures for the generation tests: a random HF GPT-2 and the same weights in mcore.
-
-Test-only: the HF->mcore mapping below is the minimal one the parity tests need; the
-product mapping lives in ``workbench.conversion`` (used when it is importable).
-"""
+"""Shared fixtures for the generation tests: a random HF GPT-2 and the same weights in the
+workbench's mcore model (config and weight mapping from ``workbench.conversion``)."""
 
 from __future__ import annotations
 
@@ -11,8 +8,7 @@ import socket
 
 import torch
 
-VOCAB = 1000          # tokenizer vocabulary (HF model size)
-PADDED_VOCAB = 1024   # mcore embedding rows (Megatron pads the vocabulary)
+VOCAB = 1000          # tokenizer vocabulary (HF model size; mcore pads it to 1024)
 HIDDEN, HEADS, LAYERS, POSITIONS = 64, 4, 2, 96
 
 
@@ -22,20 +18,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def gpt2_run_config(tp: int = 1, pp: int = 1, **overrides):
-    """The workbench RunConfig of the test GPT-2 (CPU, fp32)."""
-    from workbench.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+def gpt2_run_config(hf_model, tp: int = 1, pp: int = 1):
+    """The workbench RunConfig of an HF GPT-2, from the conversion helper's mapping (CPU, fp32)."""
+    from workbench.conversion.hf import run_config_from_hf
 
-    cfg = RunConfig(
-        name="gen-test",
-        model=ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
-                          make_vocab_size_divisible_by=128, max_position_embeddings=POSITIONS, seq_length=64,
-                          attention_backend="sdpa"),
-        parallel=ParallelConfig(device="cpu", tensor_parallel=tp, pipeline_parallel=pp, nproc_per_node=tp * pp),
-        train=TrainConfig(precision="fp32", compile_kernels=False, micro_batch_size=1, global_batch_size=1),
-        data=DataConfig(source="synthetic", tokenizer="demo"),
-    )
-    return cfg.replace(**overrides) if overrides else cfg
+    cfg = run_config_from_hf(hf_model.config.to_dict(), tp=tp, pp=pp, dtype="fp32", make_vocab_size_divisible_by=128)
+    return cfg.replace(**{"parallel.device": "cpu", "parallel.nproc_per_node": tp * pp, "model.attention_backend": "sdpa",
+                          "train.compile_kernels": False, "train.micro_batch_size": 1, "train.global_batch_size": 1,
+                          "data.source": "synthetic"})
 
 
 def init_single_process(cfg) -> bool:
@@ -59,12 +49,12 @@ def teardown_single_process(cpu_mode_was_enabled: bool) -> None:
 
 
 def hf_gpt2(seed: int = 0, init_range: float = 0.2):
-    """A random GPT-2 (exact-erf GELU, as mcore's default) with peaky logits so argmax ties are rare."""
+    """A random GPT-2 (stock gelu_new) with peaky logits (init std 0.2) so argmax ties are rare."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                     activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      initializer_range=init_range, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
     model = GPT2LMHeadModel(cfg).eval()
     return model
@@ -77,36 +67,11 @@ def workbench_gpt(cfg, pre_process: bool = True, post_process: bool = True):
     return build_model(cfg, pre_process=pre_process, post_process=post_process).eval()
 
 
-def hf_to_mcore_state(hf_model) -> dict[str, torch.Tensor]:
-    """GPT-2 HF state dict -> full (TP=1) mcore names. Conv1D weights are [in, out]: transpose."""
-    sd = hf_model.state_dict()
-    out: dict[str, torch.Tensor] = {}
-    wte = sd["transformer.wte.weight"]
-    emb = torch.zeros(PADDED_VOCAB, HIDDEN)
-    emb[: wte.shape[0]] = wte
-    out["embedding.word_embeddings.weight"] = emb
-    out["embedding.position_embeddings.weight"] = sd["transformer.wpe.weight"].clone()
-    hn = HIDDEN // HEADS
-    for i in range(LAYERS):
-        p, q = f"transformer.h.{i}.", f"decoder.layers.{i}."
-        out[q + "input_layernorm.weight"] = sd[p + "ln_1.weight"]
-        out[q + "input_layernorm.bias"] = sd[p + "ln_1.bias"]
-        w = sd[p + "attn.c_attn.weight"].t()  # [3h, h], rows: all Q, all K, all V
-        b = sd[p + "attn.c_attn.bias"]
-        # mcore interleaves per head: [q_h, k_h, v_h] for each head
-        out[q + "self_attention.linear_qkv.weight"] = w.view(3, HEADS, hn, HIDDEN).transpose(0, 1).reshape(3 * HIDDEN, HIDDEN)
-        out[q + "self_attention.linear_qkv.bias"] = b.view(3, HEADS, hn).transpose(0, 1).reshape(3 * HIDDEN)
-        out[q + "self_attention.linear_proj.weight"] = sd[p + "attn.c_proj.weight"].t()
-        out[q + "self_attention.linear_proj.bias"] = sd[p + "attn.c_proj.bias"]
-        out[q + "pre_mlp_layernorm.weight"] = sd[p + "ln_2.weight"]
-        out[q + "pre_mlp_layernorm.bias"] = sd[p + "ln_2.bias"]
-        out[q + "mlp.linear_fc1.weight"] = sd[p + "mlp.c_fc.weight"].t()
-        out[q + "mlp.linear_fc1.bias"] = sd[p + "mlp.c_fc.bias"]
-        out[q + "mlp.linear_fc2.weight"] = sd[p + "mlp.c_proj.weight"].t()
-        out[q + "mlp.linear_fc2.bias"] = sd[p + "mlp.c_proj.bias"]
-    out["decoder.final_layernorm.weight"] = sd["transformer.ln_f.weight"]
-    out["decoder.final_layernorm.bias"] = sd["transformer.ln_f.bias"]
-    return {k: v.contiguous().clone() for k, v in out.items()}
+def converted_state(hf_model, cfg) -> dict[str, torch.Tensor]:
+    """HF GPT-2 weights as the full (TP=1) mcore state dict, via ``workbench.conversion``."""
+    from workbench.conversion.hf import hf_to_mcore
+
+    return hf_to_mcore(hf_model.state_dict(), cfg, "gpt2")
 
 
 def load_into(model, full_state: dict[str, torch.Tensor]) -> None:

@@ -185,15 +185,18 @@ class StageRunner:
             self.alibi_slopes = slopes[tp_rank * self.heads:(tp_rank + 1) * self.heads]
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
+        if self.alibi_slopes is not None:
+            self.alibi_slopes = self.alibi_slopes.to(self.device)
+        if self.position_type == "rope" and self.pre_process is not None:
+            # the whole table up front: no host sync (or allocation) inside a captured decode step
+            length = int(getattr(model, "max_sequence_length", 0) or 0)
+            self._rope_table = model.rotary_pos_emb(length)[:, 0, 0, :].to(self.device)  # [L, dim]
 
     # ---- pieces
     def rope_freqs(self, positions: Tensor) -> Tensor | None:
         """Rotary frequencies for per-sequence positions ``[s, b]`` -> ``[s, b, 1, dim]``."""
         if self.position_type != "rope":
             return None
-        if self._rope_table is None:
-            length = max(int(getattr(self.model, "max_sequence_length", 0) or 0), int(positions.max()) + 1)
-            self._rope_table = self.model.rotary_pos_emb(length)[:, 0, 0, :]  # [L, dim]
         return self._rope_table[positions].unsqueeze(2)
 
     def _attention(self, layer, x: Tensor, layer_idx: int, cache: KVCache, slots: Tensor,
@@ -216,7 +219,7 @@ class StageRunner:
             values = values.repeat_interleave(rep, dim=1)
         if self.alibi_slopes is not None:  # -slope * (query slot - key slot): slots are positions within a row
             dist_ = slots.view(1, -1, 1) - torch.arange(kc.shape[2], device=kc.device).view(1, 1, -1)
-            bias = -self.alibi_slopes.to(kc.device).view(-1, 1, 1) * dist_.float()
+            bias = -self.alibi_slopes.view(-1, 1, 1) * dist_.float()
             mask = torch.where(mask, 0.0, float("-inf")).to(qb.dtype) + bias.to(qb.dtype)[None]
         ctx = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=self.softmax_scale)
         s, b = x.shape[0], x.shape[1]
@@ -634,6 +637,8 @@ class InferenceEngine:
                 self.cuda_graphs = False
                 torch.cuda.synchronize()
         graph = sess["graph"] if self.cuda_graphs else None
+        if graph is not None:  # capture warm-up wrote a decode slot: forget it
+            cache.valid[:, P:] = False
 
         for t in range(max_new):
             tok = reorder = None
