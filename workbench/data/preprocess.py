@@ -118,6 +118,23 @@ def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
 # ---- parent side
 
 
+def _ordered(pool, batches: Iterator[list[str]], window: int) -> Iterator[list]:
+    """Results in input order with at most ``window`` batches in flight.
+
+    (``Pool.imap`` would read the whole input into its task queue ahead of the workers: unbounded
+    memory on a large corpus, and a progress bar that measures reading, not tokenizing.)
+    """
+    from collections import deque
+
+    pending: deque = deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_encode_batch, (batch,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 def _tmp(path: str) -> str:
     return f"{path}.tmp-{os.getpid()}"
 
@@ -169,7 +186,7 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
             import multiprocessing as mp
 
             pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(tok, append_eod, np.dtype(dtype).name))
-            results = pool.imap(_encode_batch, _batches(docs), chunksize=1)
+            results = _ordered(pool, _batches(docs), window=4 * workers)
         for arrays in results:
             for arr in arrays:
                 if arr.size == 0:
