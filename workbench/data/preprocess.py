@@ -136,7 +136,10 @@ def _ordered(pool, batches: Iterator[list[str]], window: int) -> Iterator[list]:
 
 
 def _tmp(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}"
+    """Unique per process and host: several nodes may build the same prefix on a shared filesystem."""
+    import socket
+
+    return f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
 
 
 def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Path, tokenizer: "str | Tokenizer" = "demo",
