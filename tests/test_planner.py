@@ -191,8 +191,8 @@ def test_local_attention_costs_s_squared():
     local = planner.predict(tiny_bf16(**{"model.seq_length": 128, "model.attention_backend": "local"}), assumptions=EAGER).stages[0]
     s, b, a = 128, 2, 4
     extra = local.detail["layer_activation_bytes"] - flash.detail["layer_activation_bytes"]
-    # fp32 softmax + its bf16 copy, minus flash's fp32 log-sum-exp
-    assert extra == (4 + 2) * b * a * s * s - 4 * b * a * s
+    # fp32 softmax + its bf16 copy + the causal mask, minus flash's fp32 log-sum-exp
+    assert extra == (4 + 2) * b * a * s * s + s * s - 4 * b * a * s  # + the bool causal mask
 
 
 def test_full_recompute_keeps_one_input_per_block():

@@ -437,6 +437,7 @@ def layer_activation_terms(sh: _Shape, kp: KernelPath) -> dict[str, float]:
     attention_output          context (SDPA output = linear_proj input)      e sb a d / t
     softmax_lse               flash log-sum-exp (fp32)                        4 b a s / t
     scores                    local: fp32 softmax + its bf16 copy             (4+e) a s^2 b / t
+    causal_mask               local: bool [s, s] kept by masked_fill           s^2
     norm2_input / fc1_input   residual / pre-MLP norm output                  e sbh / t_sp each
     fc1_output                GELU / SwiGLU input                             e sb f1 / t
     act_output                fc2 input (SwiGLU: + silu(gate), x_lin copy)    e sb f / t (x3)
@@ -472,6 +473,7 @@ def layer_activation_terms(sh: _Shape, kp: KernelPath) -> dict[str, float]:
         if sh.attention_dropout:
             probs += 1 + e
         terms["scores"] = probs * b * a_loc * s * s
+        terms["causal_mask"] = s * s  # the bool mask masked_fill keeps, one per layer
     terms["norm2_input"] = e * tok * h / tsp
     terms["fc1_input"] = e * tok * h / tsp
     terms["fc1_output"] = e * tok * sh.fc1_out / t
