@@ -20,6 +20,10 @@ Patches (all reversible by :func:`disable`, all listed in :data:`PATCHES`):
   the CPU generator, which is fine for tests);
 - megatron's ``clip_grad_by_total_norm_fp32`` (asserts CUDA grad tensors) -> the same
   scaling written for CPU tensors;
+- ``Tensor.cuda()`` / ``Module.cuda()`` -> no-ops (tied output weights are moved with
+  ``.cuda()`` in ``setup_embeddings_and_output_layer``);
+- ``Tensor.type()`` (no-argument form) reports ``torch.cuda.<T>Tensor`` for CPU tensors,
+  because mcore's fp16/bf16 and distributed optimizers only accept that type name;
 - ``batch_p2p_comm=False`` is set in the TransformerConfig by :mod:`workbench.backend.model`
   (gloo has no batched isend/irecv) -- a config choice, not a patch.
 """
@@ -41,6 +45,8 @@ PATCHES = (
     "torch.cuda.get_rng_state / set_rng_state",
     "megatron CudaRNGStatesTracker.fork / add",
     "megatron clip_grad_by_total_norm_fp32 (asserts CUDA grads)",
+    "torch.Tensor.cuda / torch.nn.Module.cuda -> no-op",
+    "torch.Tensor.type() -> 'torch.cuda.<T>' name (optimizers' dtype checks)",
 )
 
 _saved: list[tuple[Any, str, Any]] = []
@@ -133,6 +139,21 @@ def enable() -> None:
     _patch(mclip, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
     _patch(moptim, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
     _patch(tracker_cls, "fork", fork)
+    _patch(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    # mcore moves tied output weights / buffers with .cuda(); keep them where they are.
+    _patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    _patch(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    # mcore's mixed-precision / distributed optimizers accept only 'torch.cuda.*Tensor' params:
+    # report CPU tensors under their CUDA type name (no-argument form of Tensor.type only).
+    orig_type = torch.Tensor.type
+
+    def tensor_type(self, *a, **k):
+        if a or k:
+            return orig_type(self, *a, **k)
+        name = orig_type(self)
+        return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") and ".cuda." not in name else name
+
+    _patch(torch.Tensor, "type", tensor_type)
     _patch(tracker_cls, "add", add)
     _patch(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
 

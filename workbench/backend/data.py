@@ -25,6 +25,18 @@ from workbench.config import RunConfig, derive
 __all__ = ["SyntheticGPTDataset", "build_datasets", "MicroBatchStream", "microbatch_indices"]
 
 
+def _mix32(*values: int) -> int:
+    """splitmix64 over the values, folded to 32 bits (distinct streams for distinct inputs)."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+        x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & 0xFFFFFFFF
+
+
 class SyntheticGPTDataset:
     """Deterministic, learnable sequences: arithmetic progressions modulo the vocab (ids >= 1).
 
@@ -44,7 +56,8 @@ class SyntheticGPTDataset:
         return self.size
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.offset + int(idx))
+        # torch's CPU generator keeps only 32 bits of a seed: mix (seed, offset, idx) first
+        g = torch.Generator().manual_seed(_mix32(self.seed, self.offset, int(idx)))
         start = int(torch.randint(0, self.vocab - 1, (1,), generator=g))
         stride = int(torch.randint(1, 8, (1,), generator=g))
         t = torch.arange(self.seq + 1)
@@ -70,7 +83,7 @@ def build_datasets(cfg: RunConfig, run_dir: Any, log: Any = print) -> tuple[Any,
             train, valid, _test = data_build(cfg, run_dir)
             return train, valid, f"{cfg.data.source} (workbench.data.megatron)"
     train = SyntheticGPTDataset(m.vocab_size, m.seq_length, cfg.train.seed)
-    valid = SyntheticGPTDataset(m.vocab_size, m.seq_length, cfg.train.seed, offset=1 << 40)
+    valid = SyntheticGPTDataset(m.vocab_size, m.seq_length, cfg.train.seed, offset=1)
     return train, valid, "synthetic"
 
 

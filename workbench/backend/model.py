@@ -50,6 +50,9 @@ from workbench.backend.attention import SDPAttention
 from workbench.backend.norms import WorkbenchNorm
 from workbench.config import RunConfig, derive
 
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+HAVE_APEX = importlib.util.find_spec("apex") is not None
+
 __all__ = [
     "WorkbenchTransformerConfig",
     "transformer_config",
@@ -58,20 +61,25 @@ __all__ = [
     "build_model",
     "kernel_path",
     "attention_impl",
-    "SELECTIVE_RECOMPUTE_MODULES",
+    "SELECTIVE_RECOMPUTE",
+    "RecomputedMLP",
     "HAVE_TE",
     "HAVE_APEX",
 ]
 
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
-HAVE_APEX = importlib.util.find_spec("apex") is not None
 
 #: What ``parallel.recompute: selective`` recomputes on this workbench.  Stock Megatron's
 #: default (``core_attn``) saves nothing with SDPA/flash attention, which keeps no s x s
-#: scores.  Instead we recompute the two norms and the whole dense MLP in backward: the
-#: MLP's fc1 output and activation output (2 x 4h per token, the largest activations of a
-#: layer) and both norm outputs are dropped; the attention block's activations are kept.
-SELECTIVE_RECOMPUTE_MODULES = ["layernorm", "mlp"]
+#: scores.  Instead we recompute the dense MLP in backward (:class:`RecomputedMLP`): its
+#: fc1 output and activation output (2 x ffn values per token, e.g. 8h for GELU -- the
+#: largest activations of a layer) are dropped and rebuilt from the saved MLP input; the
+#: attention block's activations are kept.  mcore's own ``recompute_modules=["mlp"]`` is
+#: not used: with linear biases it returns the fc2 bias *parameter* from a checkpointed
+#: function, which gives the parameter a grad_fn and recurses without end in backward
+#: (measured: unbounded memory growth); and its "layernorm" recompute takes the fp8 path
+#: without TE (``CheckpointWithoutOutput``: ``self.fp8 = fp8 is not None``).  With the TE
+#: spec selective recompute keeps Megatron's default (core attention).
+SELECTIVE_RECOMPUTE = "mlp (workbench RecomputedMLP: fc1 + activation rebuilt in backward)"
 
 
 class _DropGPTDeprecation(logging.Filter):
@@ -90,6 +98,28 @@ class WorkbenchTransformerConfig(TransformerConfig):
 
     #: ALiBi position bias inside :class:`SDPAttention` (megatron-core has none).
     workbench_alibi: bool = False
+    #: selective recompute of the dense MLP (:class:`RecomputedMLP`).
+    workbench_recompute_mlp: bool = False
+
+
+class RecomputedMLP(MLP):
+    """mcore's MLP (same parameters and names) that can recompute itself in backward.
+
+    With ``config.workbench_recompute_mlp`` the forward runs under megatron's
+    ``tensor_parallel.checkpoint`` and returns ``(output + bias, None)``: the bias is added
+    inside the checkpointed function so no parameter is ever returned from it.
+    """
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):  # noqa: D102
+        if not (self.config.workbench_recompute_mlp and self.training and torch.is_grad_enabled()):
+            return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+        from megatron.core import tensor_parallel
+
+        def run(x):
+            out, bias = MLP.forward(self, x, per_token_scale=per_token_scale, **kwargs)
+            return out + bias if bias is not None else out
+
+        return tensor_parallel.checkpoint(run, False, hidden_states), None
 
 
 def attention_impl(cfg: RunConfig) -> str:
@@ -174,7 +204,10 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
     if p.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=p.recompute_num_layers)
     elif p.recompute == "selective":
-        kwargs.update(recompute_granularity="selective", recompute_modules=list(SELECTIVE_RECOMPUTE_MODULES))
+        if attention_impl(cfg) == "te":
+            kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+        else:
+            kwargs.update(workbench_recompute_mlp=True)
     fusion_kwargs, _ = _fusion_overrides(cfg)
     kwargs.update(fusion_kwargs)
     kwargs.update(overrides)
@@ -223,7 +256,7 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp=partial(RecomputedMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -293,7 +326,7 @@ def kernel_path(cfg: RunConfig) -> dict[str, str]:
         "norm": norm,
         "linear": "Transformer Engine" if impl == "te" else "megatron Column/RowParallelLinear",
         "recompute": {"none": "none", "full": f"full (uniform, {cfg.parallel.recompute_num_layers} layer/block)",
-                      "selective": "selective: " + "+".join(SELECTIVE_RECOMPUTE_MODULES)}[cfg.parallel.recompute],
+                      "selective": "selective: " + ("core_attn (TE)" if impl == "te" else SELECTIVE_RECOMPUTE)}[cfg.parallel.recompute],
     }
     _, fusion_notes = _fusion_overrides(cfg)
     out["fusions"] = ", ".join(f"{k}={v}" for k, v in fusion_notes.items() if v) or "none"

@@ -16,8 +16,8 @@
 - events (:mod:`workbench.events`): run_start, step, microbatch, eval, checkpoint, error, run_end;
 - SIGTERM/SIGINT: the current step finishes, all ranks agree to stop (one tiny all-reduce
   per step), a checkpoint is saved if ``checkpoint.save_on_exit``, ``run_end`` says
-  "stopped", and the exit code is 143 / 130.  A second signal (or 60 s without reaching
-  a step boundary) exits at once.  Any exception -> ``error`` event, ``run_end`` "failed",
+  "stopped", and the exit code is 143 / 130.  A second signal, or max(15 s, 3 step times)
+  without reaching a step boundary (a rank blocked in a collective), exits at once.  Any exception -> ``error`` event, ``run_end`` "failed",
   exit code 1, so torchrun tears the job down.
 """
 
@@ -68,6 +68,22 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _reshardable_optimizer_state(optimizer: Any) -> None:
+    """Make the distributed optimizer's checkpoint state 'fully_reshardable'.
+
+    mcore 0.19's default sharding ('fully_sharded_model_space') uses flattened ranges that the
+    torch_dist save strategy refuses ("ShardedTensor.flattened_range is not supported");
+    'fully_reshardable' saves canonical per-parameter state, loadable at any TP/PP/DP.
+    """
+    original = optimizer.sharded_state_dict
+
+    def sharded_state_dict(model_sharded_state_dict, is_loading=False, **kwargs):
+        kwargs.setdefault("metadata", {"distrib_optim_sharding_type": "fully_reshardable"})
+        return original(model_sharded_state_dict, is_loading, **kwargs)
+
+    optimizer.sharded_state_dict = sharded_state_dict
+
+
 class Trainer:
     """One rank's training run. See the module docstring."""
 
@@ -84,6 +100,7 @@ class Trainer:
         self.last_logits: list[torch.Tensor] = []  # last stage, return_logits: this step's logits per micro-batch
         self.last_loss: Optional[float] = None
         self._ended = False
+        self._last_step_time = 0.0
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -137,6 +154,8 @@ class Trainer:
             use_distributed_optimizer=p.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
+        if p.distributed_optimizer:
+            _reshardable_optimizer_state(self.optimizer)
         # [perf hook] compiled cross-entropy, foreach multi-tensor ops, fused AdamW (no-ops unless
         # train.compile_kernels on CUDA); see workbench.backend.fusions
         from workbench.backend import fusions
@@ -312,6 +331,7 @@ class Trainer:
         if self.cuda:
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
+        self._last_step_time = step_time
         self.iteration += 1
         self.consumed_samples += t.global_batch_size
         return {"losses": losses, "grad_norm": grad_norm, "skipped": not ok, "step_time": step_time, "ops": ops}
@@ -369,7 +389,7 @@ class Trainer:
             print(f"[workbench] rank {self.rank}: received signal {signum}; stopping after this step", file=sys.stderr, flush=True)
 
             def watchdog():
-                time.sleep(60)
+                time.sleep(max(15.0, 3.0 * self._last_step_time))
                 self._end("stopped", STOP_CODES.get(signum, 1))
                 os._exit(STOP_CODES.get(signum, 1))
 
