@@ -20,6 +20,8 @@ __all__ = [
     "checkpoint_structure",
     "format_structure",
     "verify_against_hf",
+    "make_random_hf_model",
+    "compare_hf_dirs",
     "ConversionError",
     "add_cli",
 ]
@@ -27,7 +29,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:  # lazy re-exports keep `import workbench.conversion` light
     if name in ("hf_to_megatron", "megatron_to_hf", "reshape", "import_legacy", "checkpoint_structure",
-                "format_structure", "ConversionResult"):
+                "format_structure", "ConversionResult", "make_random_hf_model", "compare_hf_dirs"):
         from workbench.conversion import api
 
         return getattr(api, name)

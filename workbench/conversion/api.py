@@ -44,6 +44,8 @@ __all__ = [
     "import_legacy",
     "checkpoint_structure",
     "format_structure",
+    "make_random_hf_model",
+    "compare_hf_dirs",
 ]
 
 CONFIG_FILE = "workbench_config.json"
@@ -356,3 +358,37 @@ def format_structure(info: dict[str, Any]) -> str:
         lines.append(f"  {k:<{width}}  {str(list(shape)):<22} {dt}")
     lines.append(f"{len(info['tensors'])} tensors, {total / 1e6:.2f}M elements")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- demos
+
+
+def make_random_hf_model(out: str | Path, model_type: str = "gpt2", hidden: int = 96, layers: int = 4, heads: int = 6,
+                         kv_heads: int = 2, vocab: int = 1000, positions: int = 128, seed: int = 0) -> Path:
+    """A small randomly initialised HF model dir (GPT-2, or Llama with GQA and an untied head) for demos and tests."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if model_type == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, n_positions=positions,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    elif model_type == "llama":
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                             num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=vocab,
+                                             max_position_embeddings=positions, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+    else:
+        raise ConversionError(f"model_type {model_type!r} -> gpt2 or llama")
+    out = Path(out)
+    model.save_pretrained(out)
+    return out
+
+
+def compare_hf_dirs(a: str | Path, b: str | Path) -> dict[str, Any]:
+    """Tensor-by-tensor comparison of two HF model dirs: {'identical': bool, 'differing': [...], 'missing': [...]}."""
+    import torch
+
+    sa, sb = load_hf_state_dict(a), load_hf_state_dict(b)
+    differing = [k for k in sa if k in sb and (sa[k].dtype != sb[k].dtype or not torch.equal(sa[k], sb[k]))]
+    missing = sorted(set(sa) ^ set(sb))
+    return {"identical": not differing and not missing, "differing": differing, "missing": missing, "tensors": len(sa)}

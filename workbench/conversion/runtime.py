@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -67,6 +68,17 @@ def single_process_group() -> Iterator[None]:
 
     Re-uses an existing group when this process already has one of model-parallel size 1.
     """
+    with warnings.catch_warnings():
+        # megatron / torch.distributed.checkpoint deprecation chatter is not actionable for a conversion
+        for mod in (r"megatron\..*", r"torch\.distributed\..*"):
+            warnings.filterwarnings("ignore", category=UserWarning, module=mod)
+            warnings.filterwarnings("ignore", category=FutureWarning, module=mod)
+        with _group():
+            yield
+
+
+@contextlib.contextmanager
+def _group() -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
