@@ -168,3 +168,20 @@ def test_unmatched_backward_ids_are_repaired_from_mcore_order(tmp_path):
     assert ms.timeline.m == 2 and ms.dropped_ops > 0
     _, report = measured_report(ms)
     assert report["dropped_ops"] == ms.dropped_ops and "dropped" in report["summary"]
+
+
+def test_measured_durations_feed_what_if_simulations(tmp_path, capsys):
+    from workbench.cli import main
+    from workbench.schedules import measured_durations
+
+    tl = simulate("1f1b", 2, 4, forward=[10.0, 14.0], backward=[20.0, 28.0], unit="ms")
+    write_run(tmp_path, {1: tl})
+    d = measured_durations(tmp_path)
+    assert d["forward"] == pytest.approx([10.0, 14.0]) and d["backward"] == pytest.approx([20.0, 28.0])
+    bigger = simulate("1f1b", 2, 16, **d)
+    assert bigger.unit == "ms" and bigger.step_time >= 16 * (14.0 + 28.0)
+    assert main(["schedule", "--pp", "2", "--microbatches", "16", "--from-run", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["metrics"]["step_time"] == pytest.approx(bigger.step_time) and out["unit"] == "ms"
+    assert main(["schedule", "--pp", "4", "--microbatches", "16", "--from-run", str(tmp_path)]) == 2
+    assert "use the run's p and v" in capsys.readouterr().err

@@ -62,6 +62,7 @@ __all__ = [
     "MeasuredStep",
     "load_measured",
     "measured_report",
+    "measured_durations",
     "evidence_runs",
     "add_cli",
 ]
@@ -580,6 +581,18 @@ def _mean_durations(tl: Timeline) -> tuple[list[float], list[float]]:
     return fw, bw
 
 
+def measured_durations(run_dir: str | Path | MeasuredStep, iteration: int | None = None) -> dict[str, Any]:
+    """Mean measured chunk times of a run, ready for ``simulate(..., **measured_durations(run))``.
+
+    Returns ``{"forward": [...], "backward": [...], "unit": "ms"}`` with one value per virtual
+    stage (index ``c * p + r``), so "what if m were 16?" can be asked with real stage times.
+    Only valid for the run's own p and v.
+    """
+    ms = run_dir if isinstance(run_dir, MeasuredStep) else load_measured(run_dir, iteration)
+    fw, bw = _mean_durations(ms.timeline)
+    return {"forward": fw, "backward": bw, "unit": "ms"}
+
+
 def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
     """Ideal timeline from the measured mean durations, and a report of where the time went.
 
@@ -699,8 +712,14 @@ def _text_chart(tl: Timeline, width: int = 100) -> str:
 def _cmd_schedule(args: argparse.Namespace) -> int:
     try:
         v = args.vpp or 1
-        tl = simulate(args.schedule, args.pp, args.microbatches, v, forward=args.forward, backward=args.backward,
-                      latency=args.latency, microbatch_group_size=args.group_size)
+        times: dict[str, Any] = {"forward": args.forward, "backward": args.backward}
+        if args.from_run:
+            times = measured_durations(args.from_run)
+            if len(times["forward"]) != args.pp * v:
+                raise ScheduleError(f"--from-run {args.from_run}: its timings cover {len(times['forward'])} virtual "
+                                    f"stages but --pp {args.pp} x --vpp {v} = {args.pp * v}: use the run's p and v")
+        tl = simulate(args.schedule, args.pp, args.microbatches, v, latency=args.latency,
+                      microbatch_group_size=args.group_size, **times)
     except ScheduleError as e:
         print(f"workbench schedule: {e}", file=sys.stderr)
         return 2
@@ -744,6 +763,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--forward", type=_floats, default=1.0, help="forward time per stage (one number or p comma-separated)")
     p.add_argument("--backward", type=_floats, default=2.0, help="backward time per stage (default 2.0)")
     p.add_argument("--latency", type=float, default=0.0, help="send/recv latency between ranks")
+    p.add_argument("--from-run", default=None, metavar="RUN_DIR",
+                   help="take per-stage F/B times (ms) from a run's micro-batch events instead of --forward/--backward")
     p.add_argument("--group-size", type=int, default=None,
                    help="interleaved: microbatch_group_size_per_vp_stage (default p)")
     p.add_argument("--json", action="store_true", help="print per-rank ops and metrics as JSON")
