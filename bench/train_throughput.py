@@ -18,7 +18,7 @@ workbench-local     1     stock megatron-core local spec (unfused DotProductAtte
 workbench-te        1     Transformer Engine spec (only when transformer_engine is importable)
 dp2                 2     workbench, data parallel 2 (grad-reduce overlap on)
 dp2-distopt         2     dp2 + distributed optimizer (param-gather overlap on)
-tp2-large           2     GPT-2 large, tensor parallel 2 (+ its 1-GPU baseline ``large-1gpu``)
+tp2/gpt2-large      2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
 pp2-m8              2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
 ==================  ====  ==============================================================
 
@@ -95,9 +95,10 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             rows.append(Variant(f"dp2-distopt/{m}", "workbench", m, gpus=2, microbatches=microbatches, baseline=base,
                                 overrides={"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
                                            "parallel.overlap_param_gather": True}))
-        rows.append(Variant("large-1gpu/gpt2-large", "workbench", "gpt2-large", microbatches=microbatches))
+        if "gpt2-large" not in models:  # TP=2's one-GPU baseline
+            rows.append(Variant("workbench/gpt2-large", "workbench", "gpt2-large", microbatches=microbatches))
         rows.append(Variant("tp2/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
-                            baseline="large-1gpu/gpt2-large", overrides={"parallel.tensor_parallel": 2}))
+                            baseline="workbench/gpt2-large", overrides={"parallel.tensor_parallel": 2}))
         if "gpt2-medium" in models:
             rows.append(Variant("pp2-m8/gpt2-medium", "workbench", "gpt2-medium", gpus=2, microbatches=8,
                                 baseline="pp1-m8/gpt2-medium", overrides={"parallel.pipeline_parallel": 2}))
@@ -142,10 +143,12 @@ def bench_config(v: Variant, cpu_smoke: bool = False):
 
 
 def _git_commit() -> str:
+    if os.environ.get("GIT_COMMIT"):  # copies of the tree without .git (e.g. a GPU machine)
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def _sync(cuda: bool) -> None:
@@ -155,17 +158,21 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _profile_summary(prof: Any, steps: int, top: int = 15) -> dict[str, Any]:
+def _profile_summary(prof: Any, steps: int, wall_s: Optional[float] = None, top: int = 15) -> dict[str, Any]:
     """Top kernels by device time and device time by category, per step."""
-    events = prof.key_averages()
+    from torch.autograd import DeviceType
+
     rows = []
-    for e in events:
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CPU:  # CPU ops also carry their kernels' time: count kernels only
+            continue
         dev = getattr(e, "self_device_time_total", None)
         if dev is None:
             dev = getattr(e, "self_cuda_time_total", 0)
         if dev and dev > 0:
             rows.append((e.key, float(dev) / 1000.0 / steps, int(e.count) // steps))
     total = sum(r[1] for r in rows) or 1.0
+    step_wall_ms = wall_s / steps * 1000.0 if wall_s else None
     rows.sort(key=lambda r: -r[1])
 
     def category(name: str) -> str:
@@ -174,7 +181,7 @@ def _profile_summary(prof: Any, steps: int, top: int = 15) -> dict[str, Any]:
             return "communication"
         if any(k in n for k in ("flash", "fmha", "attention", "sdpa")):
             return "attention"
-        if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul", "sm90", "cublas")):
+        if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul", "cublas")) or n.startswith("sm90_"):
             return "gemm"
         if "adam" in n or "foreach" in n or "multi_tensor" in n:
             return "optimizer / multi-tensor"
@@ -184,13 +191,15 @@ def _profile_summary(prof: Any, steps: int, top: int = 15) -> dict[str, Any]:
             return "memcpy/memset"
         if any(k in n for k in ("layer_norm", "layernorm", "softmax", "cross_entropy", "nll", "log_softmax")):
             return "norm / softmax / loss (eager)"
-        return "other element-wise (eager)"
+        return "other (eager element-wise, reductions)"
 
     by_cat: dict[str, float] = {}
     for name, ms, _ in rows:
         by_cat[category(name)] = by_cat.get(category(name), 0.0) + ms
     return {
-        "device_ms_per_step": round(total, 3),
+        "device_ms_per_step": round(total, 3),  # kernels, summed (streams may overlap)
+        "wall_ms_per_step": round(step_wall_ms, 3) if step_wall_ms else None,  # under the profiler
+        "device_busy_fraction": round(total / step_wall_ms, 4) if step_wall_ms else None,
         "by_category_ms": {k: round(v, 3) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n[:120], "ms_per_step": round(ms, 3), "calls_per_step": c,
                          "share": round(ms / total, 4)} for n, ms, c in rows[:top]],
@@ -216,10 +225,13 @@ def _maybe_profile(step_fn, cuda: bool, want: bool, steps: int = 3) -> Optional[
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         for _ in range(steps):
             step_fn()
         torch.cuda.synchronize()
-    return _profile_summary(prof, steps)
+        wall = time.perf_counter() - t0
+    return _profile_summary(prof, steps, wall)
 
 
 def _median(xs: list[float]) -> float:
@@ -292,19 +304,31 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     if not a.no_stream_cost and v.name.startswith("workbench/"):
         # The event stream's own cost: the Trainer's full loop (step + microbatch events every
         # step, micro-batch CUDA-event timing every step, the per-step stop agreement) against
-        # bare train steps with timing off.  An upper bound on what monitoring costs.
-        n = max(a.steps, 4)
-        t.microbatch_timing_interval, t.log_interval = 1, 1
-        t.eval_interval, t.train_iters = 0, tr.iteration + n
+        # bare train steps with timing off.  Each loop call also emits run_start (one-time
+        # imports, a git call): timing a loop of n and one of 2n steps and taking the
+        # difference leaves exactly the per-step cost.  An upper bound on what monitoring costs.
+        n = max(a.steps, 3)
+        t.log_interval, t.eval_interval = 1, 0
         tr.cfg.checkpoint.save_on_exit, tr.cfg.checkpoint.save_interval = False, 0
-        _sync(cuda)
-        t0 = time.perf_counter()
-        tr._loop()
-        _sync(cuda)
-        on = (time.perf_counter() - t0) / n
+
+        from workbench.events import EventWriter
+
+        def loop(k: int) -> float:
+            t.microbatch_timing_interval, t.train_iters = 1, tr.iteration + k
+            tr.events, tr._ended = EventWriter(tr.run_dir, tr.rank), False  # _loop closes them at run_end
+            _sync(cuda)
+            t0 = time.perf_counter()
+            tr._loop()
+            _sync(cuda)
+            return time.perf_counter() - t0
+
+        loop(1)  # first run_start: one-time imports
+        t_n, t_2n = loop(n), loop(2 * n)
+        on = (t_2n - t_n) / n
         t.microbatch_timing_interval = 0
         off = _median(_time_steps(tr.train_step, n, cuda))
-        stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0}
+        stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0,
+                  "loop_s_n": t_n, "loop_s_2n": t_2n, "n": n}
     prof = _maybe_profile(tr.train_step, cuda, a.profile and v.model == a.profile_model and v.name.startswith("workbench/"))
     losses = first.get("losses") or {}
     return {

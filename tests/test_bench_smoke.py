@@ -41,7 +41,8 @@ def test_cpu_smoke_writes_one_row_per_variant(tmp_path):
     assert math.isclose(wb["ratio_to_reference"], wb["tokens_per_s"] / ref["tokens_per_s"])
     assert wb["kernel_path"]["schedule"] == "no pipelining"
     cost = wb["stream_cost"]
-    assert cost["step_s_bare"] > 0 and cost["step_s_loop_events_timing_every_step"] > 0
+    assert cost["step_s_bare"] > 0 and cost["n"] == 3 and cost["loop_s_2n"] > 0 and cost["loop_s_n"] > 0
+    assert math.isclose(cost["step_s_loop_events_timing_every_step"], (cost["loop_s_2n"] - cost["loop_s_n"]) / 3)
     assert "workbench/tiny" in proc.stdout and "tok/s" in proc.stdout  # the table
 
 
