@@ -185,3 +185,17 @@ def test_measured_durations_feed_what_if_simulations(tmp_path, capsys):
     assert out["metrics"]["step_time"] == pytest.approx(bigger.step_time) and out["unit"] == "ms"
     assert main(["schedule", "--pp", "4", "--microbatches", "16", "--from-run", str(tmp_path)]) == 2
     assert "use the run's p and v" in capsys.readouterr().err
+
+
+def test_clock_skew_between_ranks_is_removed_only_when_causality_demands(tmp_path):
+    from workbench.schedules import align_clocks
+
+    tl = simulate("1f1b", 2, 4, forward=10.0, backward=20.0, latency=1.0, unit="ms")
+    # rank 1's clock started 4 ms late: its times read 4 ms early, so its F0 "starts" before rank 0's F0 ends
+    skewed = [tl.ops[0], [type(o)(o.rank, o.kind, o.microbatch, o.chunk, o.start - 4.0, o.end - 4.0) for o in tl.ops[1]]]
+    fixed, shifts = align_clocks(skewed, 2)
+    # forwards need shift >= 10 - 7 = 3 (F0: r0 ends 10, r1 starts 11 - 4 = 7); backwards allow up to 5
+    assert shifts == pytest.approx([0.0, 3.0])
+    assert fixed[1][0].start == pytest.approx(fixed[0][0].end)
+    same, none = align_clocks(tl.ops, 2)  # consistent clocks are left alone
+    assert none == [0.0, 0.0] and same == tl.ops

@@ -63,6 +63,7 @@ __all__ = [
     "load_measured",
     "measured_report",
     "measured_durations",
+    "align_clocks",
     "evidence_runs",
     "add_cli",
 ]
@@ -421,6 +422,7 @@ class MeasuredStep:
     device: str | None = None
     repaired_ops: int = 0  # ops whose unknown (-1) micro-batch/chunk was taken from mcore's order
     dropped_ops: int = 0  # ops with ids that fit neither the layout nor mcore's order
+    clock_shift_ms: list[float] = field(default_factory=list)  # added to each rank's times by align_clocks
 
 
 def _repair_ids(raw: list[list[Op]], schedule: str, p: int, m: int, v: int) -> tuple[list[list[Op]], int, int]:
@@ -501,8 +503,45 @@ def _pp_rank_map(events: list[dict], p: int) -> dict[int, int]:
     return {g: pp for pp, (_, g) in chosen.items()}
 
 
-def load_measured(run_dir: str | Path, iteration: int | None = None) -> MeasuredStep:
-    """Read one step's ``microbatch`` events (default: the latest step every pipeline rank recorded)."""
+def align_clocks(ops: list[list[Op]], p: int) -> tuple[list[list[Op]], list[float]]:
+    """Shift each rank's times (measured from its *own* step start) just enough to respect causality.
+
+    For neighbours r-1 -> r, forwards need ``shift_r - shift_(r-1) >= end_(r-1)(F_i) - start_r(F_i)`` and
+    backwards ``<= start_(r-1)(B_i) - end_r(B_i)``.  The raw difference (0) is clamped into that
+    interval: nothing moves when the clocks already agree (the usual case on GPUs, where every
+    rank leaves the previous step's collectives together).  If the interval is empty (timing
+    noise), its midpoint is used.  Shifts are then re-based so the earliest is 0.
+    """
+    shifts = [0.0] * p
+    for r in range(1, p):
+        prev = {(o.kind, o.microbatch, o.chunk): o for o in ops[r - 1]}
+        lo, hi = float("-inf"), float("inf")
+        for o in ops[r]:
+            q = prev.get((o.kind, o.microbatch, o.chunk))
+            if q is None:
+                continue
+            if o.kind == "F":
+                lo = max(lo, q.end - o.start)
+            else:
+                hi = min(hi, q.start - o.end)
+        if lo <= hi:
+            d = min(max(0.0, lo), hi)
+        else:
+            d = (lo + hi) / 2
+        shifts[r] = shifts[r - 1] + (d if d == d and abs(d) != float("inf") else 0.0)
+    base = min(shifts) if shifts else 0.0
+    shifts = [x - base for x in shifts]
+    out = [[Op(o.rank, o.kind, o.microbatch, o.chunk, o.start + shifts[r], o.end + shifts[r]) for o in ops[r]]
+           for r in range(p)]
+    return out, shifts
+
+
+def load_measured(run_dir: str | Path, iteration: int | None = None, align: bool = True) -> MeasuredStep:
+    """Read one step's ``microbatch`` events (default: the latest step every pipeline rank recorded).
+
+    ``align``: correct per-rank clock offsets with :func:`align_clocks` (times are relative to
+    each rank's own step start, so cross-rank order can be off by the step-start skew).
+    """
     from workbench.events import read_events
 
     run_dir = Path(run_dir)
@@ -543,10 +582,11 @@ def load_measured(run_dir: str | Path, iteration: int | None = None) -> Measured
         m = max((o.microbatch + 1 for ops_ in raw_ops for o in ops_), default=0)
     sched = "interleaved" if v > 1 else "1f1b"
     ops, repaired, dropped = _repair_ids(raw_ops, sched, p, m, v)
+    ops, shifts = align_clocks(ops, p) if align else (ops, [0.0] * p)
     device = next((e.get("device") for e in events if e.get("event") == "run_start" and e.get("device")), None)
     tl = Timeline(sched, p, m, v, ops, unit="ms")
     inv = {pp: g for g, pp in rank_map.items()}
-    return MeasuredStep(str(run_dir), iteration, tl, [inv[pp] for pp in range(p)], device, repaired, dropped)
+    return MeasuredStep(str(run_dir), iteration, tl, [inv[pp] for pp in range(p)], device, repaired, dropped, shifts)
 
 
 def evidence_runs(root: str | Path | None = None) -> list[Path]:
@@ -601,7 +641,7 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
     pipeline dependency, i.e. bubble); ``comm`` (idle after the producer finished: send/recv
     and host overhead); ``host`` (idle before ops with no cross-rank input, e.g. the first
     stage's forwards: data loading, launch); ``tail`` (idle after the rank's last op, waiting
-    for the others).  Ranks are aligned at their own step start (clocks are per rank).
+    for the others).  Per-rank clocks are first made causal by :func:`align_clocks` (``clock_shift_ms``).
     Stragglers: ranks whose mean F+B chunk time exceeds the median rank's by > 10 %.
     """
     tl = measured.timeline
@@ -674,6 +714,7 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
         "ranks": ranks,
         "stragglers": stragglers,
         "repaired_ops": measured.repaired_ops,
+        "clock_shift_ms": list(measured.clock_shift_ms),
         "dropped_ops": measured.dropped_ops,
         "summary": " ".join(summary),
     }
