@@ -111,6 +111,22 @@ def test_gpt2_conv1d_qkv_is_regrouped_per_head(hf_models):
     assert "output_layer.weight" not in out  # tied
 
 
+def test_pytorch_bin_checkpoints_load_with_weights_only(hf_models, tmp_path):
+    """Non-safetensors HF dirs (pytorch_model.bin) are read with torch.load(weights_only=True)."""
+    from workbench.conversion.hf import ConversionError, load_hf_state_dict
+
+    _, gpt2 = hf_models["gpt2"]
+    (tmp_path / "bin").mkdir()
+    gpt2.config.save_pretrained(tmp_path / "bin")
+    torch.save(gpt2.state_dict(), tmp_path / "bin" / "pytorch_model.bin")  # the pre-safetensors layout
+    sd = load_hf_state_dict(tmp_path / "bin")
+    ref = gpt2.state_dict()
+    assert all(torch.equal(sd[k], ref[k]) for k in sd) and "transformer.wte.weight" in sd
+    torch.save({"w": _Evil()}, tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="weights_only"):
+        load_hf_state_dict(tmp_path / "bin")
+
+
 def test_architecture_refusals():
     from workbench.config import ModelConfig
     from workbench.conversion.hf import ConversionError, infer_model_type, run_config_from_hf

@@ -58,17 +58,17 @@ def _git_commit() -> str | None:
         return None
 
 
-def _hf_loss(hf_dir: Path, batches: list[dict], dtype: Any) -> float:
+def _hf_loss(hf_dir: Path, batches: list[dict], dtype: Any, device: str = "cuda") -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
     tot, n = 0.0, 0.0
     with torch.no_grad():
         for b in batches:
-            logits = model(b["tokens"].cuda()).logits.float()
-            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].cuda().reshape(-1), reduction="none")
-            m = b["loss_mask"].cuda().reshape(-1).float()
+            logits = model(b["tokens"].to(device)).logits.float()
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].to(device).reshape(-1), reduction="none")
+            m = b["loss_mask"].to(device).reshape(-1).float()
             tot += float((ce * m).sum())
             n += float(m.sum())
     return tot / n
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--atol", type=float, default=0.05, help="|backend step-1 loss - HF fp32 loss| allowed (bf16 training)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of this script (fp32, gloo)")
     ap.add_argument("--work", type=Path, default=None, help="keep files here (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "gpu" / "evidence" / "conversion_continue_training.jsonl")
     args = ap.parse_args(argv)
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="wb-convert-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     hf_dir = make_random_hf_model(work / "hf-gpt2", "gpt2", hidden=256, layers=4, heads=8, vocab=8192, positions=512, seed=0)
-    res = hf_to_megatron(hf_dir, work / "megatron", tp=args.tp, pp=args.pp, dtype="bf16", device="cuda", force=True)
+    precision = "bf16" if args.device == "cuda" else "fp32"
+    res = hf_to_megatron(hf_dir, work / "megatron", tp=args.tp, pp=args.pp, dtype=precision, device=args.device, force=True)
     world = args.tp * args.pp
     rec = work / "recorded"
     rec.mkdir(exist_ok=True)
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "train.lr": 1e-4, "train.min_lr": 1e-5, "train.lr_warmup_iters": 0, "train.eval_interval": 0,
         "train.forward_step": "tests.gpu.conversion_continue_training:recording_forward_step",
         "train.hook_kwargs": {"record_dir": str(rec), "record_first": micro},
-        "data.source": "demo", "checkpoint.save_on_exit": False,
+        "data.source": "demo", "checkpoint.save_on_exit": False, "train.precision": precision,
     })
     problems = cfg.validate()
     if problems:
@@ -126,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(rec.glob("rank*_mb*.pt"))
     first_rank = min((int(p.name.split("_")[0][4:]) for p in files), default=None)
     batches = [torch.load(p, weights_only=True) for p in files if p.name.startswith(f"rank{first_rank}_")]
-    hf32 = _hf_loss(hf_dir, batches, torch.float32) if batches else float("nan")
-    hf16 = _hf_loss(hf_dir, batches, torch.bfloat16) if batches else float("nan")
+    hf32 = _hf_loss(hf_dir, batches, torch.float32, args.device) if batches else float("nan")
+    hf16 = _hf_loss(hf_dir, batches, torch.bfloat16, args.device) if batches else float("nan")
     first = losses[0] if losses else float("nan")
     diff = abs(first - hf32)
 
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "test": "conversion_continue_training", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
-        "tp": args.tp, "pp": args.pp, "precision": "bf16", "backend_exit_code": proc.returncode,
+        "tp": args.tp, "pp": args.pp, "precision": precision, "backend_exit_code": proc.returncode,
         "backend_losses": losses, "hf_loss_fp32": hf32, "hf_loss_bf16": hf16, "abs_diff_step1_vs_hf_fp32": diff,
         "atol": args.atol, "microbatches_recorded": len(batches),
         "backend_activation": getattr(act, "keywords", {}).get("approximate", "none") if hasattr(act, "keywords") else getattr(act, "__name__", str(act)),

@@ -179,7 +179,8 @@ def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | No
             "activation_function": "gelu_new" if m.gelu_approximate == "tanh" else "gelu",
             "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
             "initializer_range": m.init_method_std, "tie_word_embeddings": m.tie_embeddings,
-            "bos_token_id": 50256, "eos_token_id": 50256,
+            # GPT-2's <|endoftext|> is the last id; kept in range for other vocab sizes
+            "bos_token_id": m.vocab_size - 1, "eos_token_id": m.vocab_size - 1,
         }
     else:
         out = {
