@@ -219,6 +219,11 @@ def _eps(module: torch.nn.Module) -> float:
     return float(getattr(module, "eps"))
 
 
+def _plain_mlp(mlp: torch.nn.Module) -> bool:
+    """mcore's dense MLP, or the backend's RecomputedMLP (same maths when recompute is off)."""
+    return type(mlp) is MLP or (isinstance(mlp, MLP) and type(mlp).__name__ == "RecomputedMLP")
+
+
 def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
     """Why this layer cannot take the compiled dense path (None when it can)."""
     c = layer.config
@@ -238,7 +243,8 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
         (float(getattr(c, "glu_linear_offset", 0.0) or 0.0) != 0.0, "GLU offset"),
         (getattr(c, "activation_func_clamp_value", None) is not None, "activation clamp"),
         (not isinstance(layer.cross_attention, IdentityOp), "cross attention"),
-        (type(layer.mlp) is not MLP, "MoE / non-dense MLP"),
+        (not _plain_mlp(layer.mlp), "MoE / non-dense MLP"),
+        (bool(getattr(c, "workbench_recompute_mlp", False)), "activation recompute (MLP)"),
     ]
     for bad, why in checks:
         if bad:
