@@ -461,11 +461,16 @@ def add_scaling(rows: list[dict[str, Any]], variants: list[Variant]) -> None:
         if not (r and base and r["ok"] and base["ok"]):
             continue
         r["scaling"] = r["tokens_per_s"] / base["tokens_per_s"]
-        if v.name.startswith("pp2"):
+        if v.name.startswith("pp"):
             m, p = r["microbatches"], r["pp"]
             ideal = p * m / (m + p - 1)  # 1F1B with bubble (p-1)/m relative to the work
             r["scaling_ideal"] = ideal
             r["scaling_vs_ideal"] = r["scaling"] / ideal
+            r["target"], r["meets_target"] = "within 10% of the ideal bubble", r["scaling"] / ideal >= 0.9
+        elif v.name.startswith("tp"):
+            r["target"], r["meets_target"] = ">= 1.6x one GPU", r["scaling"] >= 1.6
+        elif v.name.startswith("dp"):
+            r["target"], r["meets_target"] = ">= 95% of 2x one GPU", r["scaling"] >= 0.95 * r["gpus"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

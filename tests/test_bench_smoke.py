@@ -53,3 +53,40 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (args, proc.stderr)
         assert needle in proc.stderr, (args, proc.stderr)
+
+
+def test_planned_layouts_are_valid_configs_with_the_intended_layout():
+    """Every variant the benchmark would launch on 2 GPUs is a valid RunConfig with its layout."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_throughput as tt
+
+    from workbench.config import derive
+
+    variants = tt.plan(["gpt2-small", "gpt2-medium"], gpus=2, have_te=False, microbatches=4)
+    names = [v.name for v in variants]
+    assert names[:4] == ["reference/gpt2-small", "workbench/gpt2-small", "reference/gpt2-medium", "workbench/gpt2-medium"]
+    assert "workbench-te/gpt2-small" not in names  # only when Transformer Engine is importable
+    expect = {  # name: (tp, pp, dp, micro-batches, micro-batch size)
+        "workbench/gpt2-small": (1, 1, 1, 4, 16),
+        "workbench/gpt2-medium": (1, 1, 1, 4, 8),
+        "dp2/gpt2-medium": (1, 1, 2, 4, 8),
+        "dp2-distopt/gpt2-small": (1, 1, 2, 4, 16),
+        "tp2/gpt2-large": (2, 1, 1, 4, 8),
+        "workbench/gpt2-large": (1, 1, 1, 4, 8),
+        "pp2-m8/gpt2-medium": (1, 2, 1, 8, 8),
+        "pp1-m8/gpt2-medium": (1, 1, 1, 8, 8),
+    }
+    by_name = {v.name: v for v in variants}
+    for name, (tp, pp, dp, micro, mbs) in expect.items():
+        cfg = tt.bench_config(by_name[name])
+        assert cfg.validate() == [], (name, cfg.validate())
+        d = derive(cfg)
+        assert (cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, d.data_parallel, d.num_microbatches,
+                cfg.train.micro_batch_size) == (tp, pp, dp, micro, mbs), name
+        assert cfg.model.seq_length == 1024 and cfg.train.precision == "bf16"
+    # every scaled row names a one-GPU baseline of the same model that is also planned
+    for v in variants:
+        if v.baseline:
+            assert v.baseline in by_name and by_name[v.baseline].gpus == 1 and by_name[v.baseline].model == v.model
+    assert by_name["dp2-distopt/gpt2-small"].overrides["parallel.overlap_param_gather"] is True
