@@ -64,8 +64,12 @@ def read_documents(prefix: str | Path):
 
     from workbench.data.indexed import check_indexed
 
+    import warnings
+
     info = check_indexed(prefix)
-    return IndexedDataset(info.prefix)
+    with warnings.catch_warnings():  # megatron-core's rank lookup warns outside torchrun
+        warnings.filterwarnings("ignore", message="Could not determine rank")
+        return IndexedDataset(info.prefix)
 
 
 def inspect_dataset(prefix: str | Path, tokenizer=None, samples: int = 3, bins: int = 20, seed: int = 0) -> DatasetReport:

@@ -24,6 +24,7 @@ megatron-core is imported inside the functions (this module lives outside ``work
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -200,8 +201,11 @@ def build_datasets(cfg, run_dir: str | Path, is_built_on_rank: Callable[[], bool
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    config = gpt_dataset_config(cfg, prefixes, weights, tok, cache, create_attention_mask)
-    sizes = dataset_sizes(cfg).as_list()
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
-    train, valid, test = builder.build()
+    with warnings.catch_warnings():
+        # outside torchrun megatron-core's rank lookup warns once per log line; nothing is wrong
+        warnings.filterwarnings("ignore", message="Could not determine rank")
+        config = gpt_dataset_config(cfg, prefixes, weights, tok, cache, create_attention_mask)
+        sizes = dataset_sizes(cfg).as_list()
+        builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
+        train, valid, test = builder.build()
     return train, valid, test
