@@ -50,13 +50,18 @@ def _cuda_device() -> str | None:
         return None
 
 
-def train_evidence_runs(runs_root: Path, steps: int = 20) -> list[Path]:
-    """torchrun the workbench backend twice (PP=2, PP=2 x VPP=2) on 2 GPUs; returns the run directories."""
+def train_evidence_runs(runs_root: Path, steps: int = 20, cpu_smoke: bool = False) -> list[Path]:
+    """torchrun the workbench backend twice (PP=2, PP=2 x VPP=2) on 2 GPUs; returns the run directories.
+
+    ``cpu_smoke``: the tiny preset on CPU for 3 steps (checks this script's plumbing without GPUs).
+    """
     import tempfile
 
     from workbench.config import preset
 
-    base = preset("demo-small")
+    base = preset("tiny" if cpu_smoke else "demo-small")
+    interval = 1 if cpu_smoke else 5
+    steps = 3 if cpu_smoke else steps
     runs_root.mkdir(parents=True, exist_ok=True)
     cache = Path(tempfile.mkdtemp(prefix="wb-sched-data-"))  # keep the tokenized corpus out of the evidence
     out = []
@@ -65,7 +70,7 @@ def train_evidence_runs(runs_root: Path, steps: int = 20) -> list[Path]:
             "name": f"schedule-{name}", "model.num_layers": 8,
             "parallel.pipeline_parallel": 2, "parallel.virtual_pipeline_parallel": vpp, "parallel.nproc_per_node": 2,
             "train.global_batch_size": 8 * base.train.micro_batch_size,  # 8 micro-batches per step
-            "train.train_iters": steps, "train.microbatch_timing_interval": 5, "train.eval_interval": 0,
+            "train.train_iters": steps, "train.microbatch_timing_interval": interval, "train.eval_interval": 0,
             "checkpoint.save_on_exit": False, "data.cache_dir": str(cache)})
         cfg.check()
         run_dir = runs_root / name
@@ -88,11 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dirs", nargs="*", type=Path)
     ap.add_argument("--train", type=Path, default=None, metavar="RUNS_ROOT",
                     help="first train the PP=2 and PP=2xVPP=2 evidence runs under RUNS_ROOT (needs 2 GPUs)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="with --train: tiny preset on CPU (no GPUs needed)")
     ap.add_argument("--iteration", type=int, default=None, help="step to show (default: latest complete one)")
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "gpu" / "evidence" / "schedules")
     args = ap.parse_args(argv)
     if args.train:
-        args.run_dirs = list(args.run_dirs) + train_evidence_runs(args.train)
+        args.run_dirs = list(args.run_dirs) + train_evidence_runs(args.train, cpu_smoke=args.cpu_smoke)
     if not args.run_dirs:
         ap.error("give run directories or --train RUNS_ROOT")
     args.out.mkdir(parents=True, exist_ok=True)
