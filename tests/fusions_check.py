@@ -3,6 +3,7 @@
     python tests/fusions_check.py layer [--compile]   -> JSON: stock vs fast-layer loss / grad diffs
     python tests/fusions_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
     python tests/fusions_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
+    torchrun --nproc_per_node 2 tests/fusions_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
     python tests/fusions_check.py all                 -> all of the above in one process (stock trainer first)
 """
 
@@ -88,6 +89,48 @@ def check_layer(compile_: bool) -> dict:
     return out
 
 
+def check_tp2() -> dict:
+    """Under torchrun --nproc_per_node 2 (CPU, gloo): the TP=2 fast layer vs stock, per rank."""
+    import torch.distributed as dist
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from workbench.backend import distributed, fusions
+
+    fusions.set_compile(os.environ.get("CHECK_COMPILE") == "1")
+    out = {}
+    first = True
+    for name in ("gpt", "llama-like"):
+        cfg = preset("tiny", **VARIANTS[name], **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
+        if first:
+            distributed.initialize(cfg)
+            first = False
+        stock = _build(cfg, TransformerLayer)
+        fast = _build(cfg, fusions.CompiledTransformerLayer)
+        fast.load_state_dict(stock.state_dict())
+        g = torch.Generator().manual_seed(1)
+        b, s = 2, cfg.model.seq_length
+        tok = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+        lab = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+        pos = torch.arange(s)[None].expand(b, s)
+        losses = []
+        for m in (stock, fast):
+            loss = m(tok, pos, None, labels=lab).mean()
+            loss.backward()
+            losses.append(loss.item())
+        rel = 0.0
+        for (n, p), (_, q) in zip(stock.named_parameters(), fast.named_parameters()):
+            rel = max(rel, ((p.grad - q.grad).norm() / (p.grad.norm() + 1e-12)).item())
+        worst = torch.tensor([rel, abs(losses[0] - losses[1])])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        calls = torch.tensor([float(sum(l.fast_calls for l in fast.decoder.layers))])
+        dist.all_reduce(calls)
+        out[name] = {"loss_stock": losses[0], "loss_fast": losses[1], "grad_rel_max": worst[0].item(),
+                     "loss_diff_max": worst[1].item(), "fast_calls_all_ranks": calls.item(),
+                     "blockers": [l.fast_path_blocker for l in fast.decoder.layers],
+                     "local_qkv_rows": int(fast.decoder.layers[0].self_attention.linear_qkv.weight.shape[0])}
+    return out
+
+
 def check_reference() -> dict:
     """Copy the workbench GPT's weights into the bench reference GPT; the losses must agree."""
     sys.path.insert(0, str(ROOT / "bench"))
@@ -156,7 +199,7 @@ def check_trainer(fast: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["layer", "reference", "trainer", "all"])
+    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fast", type=int, default=1)
     a = ap.parse_args()
@@ -170,6 +213,10 @@ def main() -> int:
         res["trainer_stock"] = check_trainer(False)  # before the fast run patches megatron's fallbacks
         parallel_state.destroy_model_parallel()
         res["trainer_fast"] = check_trainer(True)
+    elif a.what == "tp2":
+        res = check_tp2()
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
     elif a.what == "layer":
         res = check_layer(a.compile)
     elif a.what == "reference":

@@ -137,3 +137,22 @@ def test_transformer_config_overrides_only_on_gpu_with_compile_kernels():
     assert fusions.transformer_config_overrides(gpu.replace(**{"train.compile_kernels": False})) == {}
     assert fusions.layer_module(gpu) is fusions.CompiledTransformerLayer
     assert fusions.layer_module(preset("tiny")) is not fusions.CompiledTransformerLayer
+
+
+@pytest.mark.slow
+def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
+    """TP=2 (two gloo processes): compiled pieces around megatron's own TP collectives."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "tests" / "fusions_check.py"), "tp2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    for name, heads_per_rank, groups_per_rank in (("gpt", 2, 2), ("llama-like", 2, 1)):
+        v = r[name]
+        assert v["blockers"] == [None] * 4 and v["fast_calls_all_ranks"] == 8  # 4 layers x 2 ranks
+        assert v["loss_diff_max"] <= 1e-5 * abs(v["loss_stock"]) and v["grad_rel_max"] < 1e-5, v
+        head_dim = 16  # tiny: hidden 64 / 4 heads; each rank holds only its shard of the fused QKV
+        assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim

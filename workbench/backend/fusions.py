@@ -8,14 +8,17 @@ same dtypes, no skipped work):
    the layer spec by :mod:`workbench.backend.model` when ``train.compile_kernels`` is on and the
    device is CUDA).  Eagerly, a megatron layer is ~40 kernel launches with Python between each
    (norm, linear, split, SDPA, bias-dropout-add, norm, linear, bias+GELU, linear, add) and
-   every element-wise op makes its own pass over HBM.  On the dense path (TP=1, no dropout,
+   every element-wise op makes its own pass over HBM.  On the dense path (no SP, no dropout,
    no recompute, plain causal mask, learned/no positions) the layer's forward runs as one
    ``torch.compile``'d free function of its parameters: norms fuse with the residual adds,
    biases fuse into GEMM epilogues, GELU/SwiGLU fuse with their bias, and backward is one
    compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
    gradients flow to them through autograd as usual, so mcore DDP's grad hooks, buffers and
    overlap are untouched.  All layers share one compiled graph (a free function guarded on
-   shapes, not one graph per module).  Any other case falls back to the stock forward.
+   shapes, not one graph per module).  With tensor parallelism the layer runs as five compiled
+   pieces around megatron's own TP collectives (``copy_to`` / ``reduce_from`` the TP region,
+   exactly where Column/RowParallelLinear put them without sequence parallelism).  Any other
+   case (SP, dropout, recompute, RoPE / masks per call, ...) falls back to the stock forward.
 2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy
    makes ~10 passes over the fp32 up-cast [tokens, vocab] logits and keeps an fp32 softmax
    for backward.  With TP=1 the loss is ``F.cross_entropy(logits.float())`` compiled: the same
@@ -191,9 +194,73 @@ def dense_layer_forward(
     return x + F.linear(h_mlp, fc2_w, fc2_b)
 
 
+# ---- the same layer in pieces for tensor parallelism: megatron's TP collectives (autograd
+# functions with process-group calls) stay eager between compiled pieces.  Column-parallel
+# inputs go through copy_to (identity forward, all-reduce of the input grad backward);
+# row-parallel partial outputs through reduce_from (all-reduce forward), after which the
+# unsplit bias is added -- exactly what megatron's Column/RowParallelLinear do without SP.
+
+
+def tp_norm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], *, norm: str, eps: float) -> torch.Tensor:
+    return _norm(x, norm, w, b, eps)
+
+
+def tp_attention_partial(
+    h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], proj_w: torch.Tensor,
+    *, heads: int, groups: int, head_dim: int, scale: float,
+) -> torch.Tensor:
+    """This rank's heads: QKV GEMM, causal SDPA, and its partial sum of the output projection."""
+    s, b, _ = h.shape
+    per_group = heads // groups
+    qkv = F.linear(h, qkv_w, qkv_b).view(s, b, groups, (per_group + 2) * head_dim)
+    q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
+    q = q.reshape(s, b, heads, head_dim).permute(1, 2, 0, 3)
+    k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+    if per_group > 1:
+        k = k.repeat_interleave(per_group, dim=1)
+        v = v.repeat_interleave(per_group, dim=1)
+    ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.linear(ctx.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim), proj_w)
+
+
+def tp_residual_norm(
+    x: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor], w: torch.Tensor, b: Optional[torch.Tensor],
+    *, norm: str, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual + (reduced projection + its bias), and the next norm of it."""
+    x = x + (y if bias is None else y + bias)
+    return x, _norm(x, norm, w, b, eps)
+
+
+def tp_mlp_partial(
+    h: torch.Tensor, fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor], fc2_w: torch.Tensor, *, activation: str,
+) -> torch.Tensor:
+    z = F.linear(h, fc1_w, fc1_b)
+    if activation == "swiglu":
+        gate, lin = torch.chunk(z, 2, dim=-1)
+        z = F.silu(gate) * lin
+    else:
+        z = F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return F.linear(z, fc2_w)
+
+
+def tp_residual(x: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x + (y if bias is None else y + bias)
+
+
+_PIECES = {
+    "layer": dense_layer_forward,
+    "tp_norm": tp_norm,
+    "tp_attention_partial": tp_attention_partial,
+    "tp_residual_norm": tp_residual_norm,
+    "tp_mlp_partial": tp_mlp_partial,
+    "tp_residual": tp_residual,
+}
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str):
-    fn = {"layer": dense_layer_forward, "ce": _cross_entropy_sb}[name]
+    fn = _PIECES[name] if name in _PIECES else {"ce": _cross_entropy_sb}[name]
     if not _COMPILE:
         return fn
     import torch._dynamo
@@ -228,7 +295,7 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
     """Why this layer cannot take the compiled dense path (None when it can)."""
     c = layer.config
     checks = [
-        (c.tensor_model_parallel_size != 1, "tensor parallel > 1"),
+        ((c.num_query_groups or c.num_attention_heads) < c.tensor_model_parallel_size, "fewer KV groups than TP ranks"),
         (c.context_parallel_size != 1, "context parallel"),
         (bool(c.sequence_parallel), "sequence parallel"),
         (c.recompute_granularity is not None, "activation recompute"),
@@ -289,7 +356,8 @@ class CompiledTransformerLayer(TransformerLayer):
     """megatron's TransformerLayer whose dense forward (+backward) is one compiled graph.
 
     Same submodules, parameters and checkpoint keys as :class:`TransformerLayer`; only
-    ``forward`` differs, and only when :func:`fast_path_blocker` finds nothing and the call
+    ``forward`` differs (one graph at TP=1, compiled pieces around megatron's TP collectives
+    at TP>1), and only when :func:`fast_path_blocker` finds nothing and the call
     is a plain causal self-attention step (no mask tensor, no rotary embedding, no KV cache,
     no packed sequences).  Otherwise the stock forward runs.
     """
@@ -329,6 +397,10 @@ class CompiledTransformerLayer(TransformerLayer):
         x = kwargs["hidden_states"]
         attn, mlp = self.self_attention, self.mlp
         ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
+        if self.config.tensor_model_parallel_size > 1:
+            out = self._tp_forward(x)
+            self.fast_calls += 1
+            return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True), None
         out = _compiled("layer")(
             x,
             ln1.weight, getattr(ln1, "bias", None),
@@ -343,6 +415,31 @@ class CompiledTransformerLayer(TransformerLayer):
         # pipeline parallelism frees stage outputs by swapping .data: they must not be views
         out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
         return out, None
+
+
+    def _tp_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """TP>1: compiled pieces around megatron's own TP collectives (see ``tp_*``)."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        st = self._static
+        attn, mlp = self.self_attention, self.mlp
+        ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
+        tp_group = attn.linear_qkv.tp_group
+        h = _compiled("tp_norm")(x, ln1.weight, getattr(ln1, "bias", None), norm=st["norm"], eps=st["eps1"])
+        h = copy_to_tensor_model_parallel_region(h, group=tp_group)
+        y = _compiled("tp_attention_partial")(h, attn.linear_qkv.weight, attn.linear_qkv.bias, attn.linear_proj.weight,
+                                              heads=st["heads"], groups=st["groups"], head_dim=st["head_dim"], scale=st["scale"])
+        y = reduce_from_tensor_model_parallel_region(y, group=tp_group)
+        x, h = _compiled("tp_residual_norm")(x, y, attn.linear_proj.bias, ln2.weight, getattr(ln2, "bias", None),
+                                             norm=st["norm"], eps=st["eps2"])
+        h = copy_to_tensor_model_parallel_region(h, group=tp_group)
+        z = _compiled("tp_mlp_partial")(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight,
+                                        activation=st["activation"])
+        z = reduce_from_tensor_model_parallel_region(z, group=tp_group)
+        return _compiled("tp_residual")(x, z, mlp.linear_fc2.bias)
 
 
 # --------------------------------------------------------------------------- cross entropy
