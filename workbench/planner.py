@@ -180,8 +180,9 @@ class PlannerAssumptions:
 
     Kernel paths (None = what the backend picks on this machine, see :func:`kernel_path`):
     ``transformer_engine`` (TE installed where training runs), ``compiled_layer`` (the
-    performance helper's compiled dense layer), ``optimizer`` ('foreach' torch AdamW,
-    'fused' kernel: no step temporaries).  ``deallocate_pipeline_outputs`` mirrors the
+    performance helper's compiled dense layer), ``optimizer`` ('foreach' torch AdamW keeps
+    ``sqrt(v)`` of all its parameters, 'fused' kernel: no step temporaries, 'for-loop':
+    torch's single-tensor AdamW off CUDA, two temporaries of the largest tensor).  ``deallocate_pipeline_outputs`` mirrors the
     backend's TransformerConfig (True on CUDA).
     """
 
@@ -192,7 +193,7 @@ class PlannerAssumptions:
     fragmentation: float = 0.06
     transformer_engine: bool | None = None
     compiled_layer: bool | None = None
-    optimizer: Literal["auto", "foreach", "fused"] = "auto"
+    optimizer: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
     deallocate_pipeline_outputs: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,7 +212,7 @@ class KernelPath:
     attention: Literal["flash", "local"]  # flash = TE / SDPA (no s^2 kept); local = mcore unfused
     layer: Literal["eager", "compiled"]
     cross_entropy: Literal["vocab_parallel", "compiled"]
-    optimizer: Literal["foreach", "fused"]
+    optimizer: Literal["foreach", "fused", "for-loop"]
 
 
 def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -> KernelPath:
@@ -235,7 +236,12 @@ def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -
     else:
         compiled = a.compiled_layer
     ce = "compiled" if wanted and p.tensor_parallel == 1 else "vocab_parallel"
-    opt = a.optimizer if a.optimizer != "auto" else ("fused" if wanted or te else "foreach")
+    if a.optimizer != "auto":
+        opt = a.optimizer
+    elif not cuda:
+        opt = "for-loop"  # torch's AdamW defaults to its single-tensor loop off CUDA
+    else:
+        opt = "fused" if wanted or te else "foreach"
     return KernelPath("local" if impl == "local" else "flash", "compiled" if compiled else "eager", ce, opt)
 
 
@@ -613,6 +619,10 @@ def _stage(sh: _Shape, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int
     step_tmp = 0.0
     if kp.optimizer == "foreach":
         step_tmp += 4 * shard  # sqrt(exp_avg_sq) materialised by _multi_tensor_adam
+    elif kp.optimizer == "for-loop":
+        # _single_tensor_adam: sqrt(v) and its quotient for one tensor at a time: the largest one
+        largest = max(sh.vocab * h / t if (first or last) else 0, h * sh.fc1_out / t, sh.ffn * h / t)
+        step_tmp += 2 * 4 * min(largest, shard)
     if sh.mixed and sh.grad_bytes < 4:
         step_tmp += 4 * shard  # main_grad.float() copies handed to the fp32 master params
     opt_peak = static + a.cublas_workspace_bytes + gbuf + step_tmp
