@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from workbench.bridge import run_notebook, sweep
+from workbench.bridge import run_notebook
 from workbench.cli import main
 
 pytestmark = pytest.mark.slow
@@ -74,17 +74,9 @@ def _tiny_notebook(path: Path) -> Path:
     return path
 
 
-def test_sweep_collects_metrics_into_csv(tmp_path):
+def test_cli_notebook_run_and_sweep(tmp_path, capsys):
     import pandas as pd
 
-    nb = _tiny_notebook(tmp_path / "grid.ipynb")
-    df = sweep(nb, {"x": [1, 3], "y": [10]}, tmp_path / "sweep", progress=False)
-    table = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
-    assert table[["x", "y", "product", "sum"]].values.tolist() == [[1, 10, 10, 11], [3, 10, 30, 13]]
-    assert df["ok"].all()
-
-
-def test_cli_notebook_run_and_sweep(tmp_path, capsys):
     nb = _tiny_notebook(tmp_path / "one.ipynb")
     out = tmp_path / "out"
     assert main(["notebook", "run", str(nb), "-p", "x", "4", "-p", "y", "2.5", "--out", str(out), "--quiet"]) == 0
@@ -96,5 +88,9 @@ def test_cli_notebook_run_and_sweep(tmp_path, capsys):
     # a failing notebook: exit 1, and the executed notebook is still written for inspection
     assert main(["notebook", "run", str(nb), "-p", "x", "'text'", "-p", "y", "[1]", "--out", str(tmp_path / "o3"), "--quiet"]) == 1
     assert (tmp_path / "o3" / "one.ipynb").exists()
-    assert main(["sweep", str(nb), "--grid", "x=2", "-p", "y", "3", "--out", str(tmp_path / "sw")]) == 0
+    # sweep: one executed notebook per grid point, their metrics.json collected into one CSV
+    assert main(["sweep", str(nb), "--grid", "x=1,3", "-p", "y", "10", "--out", str(tmp_path / "sw")]) == 0
     assert "sweep.csv" in capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "sw" / "sweep.csv")
+    assert table[["x", "y", "product", "sum"]].values.tolist() == [[1, 10, 10, 11], [3, 10, 30, 13]]
+    assert table["ok"].all()

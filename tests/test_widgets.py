@@ -178,7 +178,7 @@ def test_training_figure_draws_the_frames(tmp_path):
 def test_dashboard_follows_live_run_and_stop_button(tmp_path):
     script = tmp_path / "fake_rank.py"
     script.write_text(RANK_SCRIPT)
-    run = Run.launch(preset("tiny").replace(**{"parallel.nproc_per_node": 2, "train.train_iters": 1000}),
+    run = Run.launch(preset("tiny").replace(**{"train.train_iters": 1000}),
                      run_root=tmp_path / "runs", entry=[str(script)], env={"FAKE_MODE": "slow"})
     dash = Dashboard(run, interval=0.2)
     try:

@@ -1110,7 +1110,7 @@ def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, *, p
         sub = out / re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{i:03d}-{label}")
         res = run_notebook(notebook, {**(parameters or {}), **point}, sub, html=html)
         metrics = _read_json(sub / "metrics.json") or {}
-        rows.append({**point, "ok": res.ok, "error": res.error, **metrics, "notebook": str(res.notebook)})
+        rows.append({**(parameters or {}), **point, "ok": res.ok, "error": res.error, **metrics, "notebook": str(res.notebook)})
     df = pd.DataFrame(rows)
     df.to_csv(out / "sweep.csv", index=False)
     return df
