@@ -360,3 +360,29 @@ def test_cli(hf_models, tp2pp2, tmp_path, capsys):
     assert "embedding.word_embeddings.weight" in out and "[1024, 48]" in out and "bfloat16" in out
     cfg = json.loads((tmp_path / "ok" / "workbench_config.json").read_text())
     assert cfg["train"]["precision"] == "bf16" and cfg["model"]["make_vocab_size_divisible_by"] == 64
+
+
+def test_tokenizer_files_travel_with_the_checkpoint(hf_models, tmp_path):
+    """HF dir with a tokenizer -> checkpoint (tokenizer/ copy, data.tokenizer set) -> HF export that AutoTokenizer loads."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from workbench.backend.checkpointing import read_metadata
+    from workbench.conversion import hf_to_megatron, megatron_to_hf
+
+    src, _ = hf_models["gpt2"]
+    hf_dir = tmp_path / "with-tok"
+    shutil.copytree(src, hf_dir)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V_GPT2 - 1)} | {"<unk>": V_GPT2 - 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(hf_dir)
+
+    res = hf_to_megatron(hf_dir, tmp_path / "mc", device="cpu", progress=False)
+    assert (res.output / "tokenizer" / "tokenizer.json").is_file()
+    assert res.config.data.tokenizer == str(res.output / "tokenizer")
+    assert read_metadata(res.output)["tokenizer"] == str(res.output / "tokenizer")
+    megatron_to_hf(res.output, tmp_path / "back", progress=False)
+    back = AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+    assert back("w5 w17 zz")["input_ids"] == [5, 17, V_GPT2 - 1]
