@@ -84,6 +84,7 @@ RULES = [
     ({"checkpoint.finetune": True}, "checkpoint.finetune", {"checkpoint.finetune": True, "checkpoint.load_dir": "/ckpt"}),
     ({"parallel.overlap_param_gather": True}, "parallel.overlap_param_gather", {"parallel.overlap_param_gather": True, "parallel.distributed_optimizer": True}),
     ({"train.micro_batch_size": 0}, "train.micro_batch_size", {"train.micro_batch_size": 1}),
+    ({"train.lr_warmup_iters": 1000}, "train.lr_warmup_iters", {"train.lr_warmup_iters": 999}),
 ]
 
 

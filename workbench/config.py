@@ -645,8 +645,10 @@ def validate(cfg: RunConfig) -> list[Problem]:
         add("train.lr", "must be > 0", "use e.g. 3e-4")
     if t.min_lr < 0 or t.min_lr > t.lr:
         add("train.min_lr", f"must be in [0, lr] (lr={t.lr}, min_lr={t.min_lr})", "lower min_lr")
-    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > (t.lr_decay_iters or t.train_iters):
-        add("train.lr_warmup_iters", "must be in [0, decay iters]", "use fewer warmup iterations")
+    decay_iters = t.lr_decay_iters or t.train_iters
+    if t.lr_warmup_iters < 0 or (t.lr_warmup_iters >= decay_iters and t.lr_warmup_iters > 0):
+        add("train.lr_warmup_iters", f"must be in [0, decay iters) = [0, {decay_iters}) (megatron's LR scheduler asserts warmup < decay)",
+            f"use at most {max(decay_iters - 1, 0)} warmup iterations, or 0")
     if not 0 <= t.adam_beta1 < 1 or not 0 <= t.adam_beta2 < 1:
         add("train.adam_beta1", "Adam betas must be in [0, 1)", "use 0.9 / 0.95")
     if t.adam_eps <= 0:
