@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from workbench.data.demo import DEMO_CORPUS
-    from workbench.data.preprocess import preprocess
+    from workbench.data.preprocess import preprocess, token_dtype
+    from workbench.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(a.tokenizer)  # loaded once, outside the timings
+    token_dtype(tok.vocab_size)  # imports megatron-core (seconds) outside the timings
 
     cpus = os.cpu_count() or 1
     counts = a.workers or sorted({1, cpus})
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             for t in range(a.trials):
                 prefix = Path(tmp) / f"w{w}_{t}"
                 t0 = os.times()
-                s = preprocess([src], prefix, tokenizer=a.tokenizer, workers=w, progress=False)
+                s = preprocess([src], prefix, tokenizer=tok, workers=w, progress=False)
                 t1 = os.times()
                 # CPU seconds of this process and its (joined) workers: unaffected by other load on the machine
                 s.cpu_seconds = (t1.user - t0.user) + (t1.system - t0.system) + (t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)
