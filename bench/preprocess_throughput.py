@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="copies of the corpus in the input (default 2: ~8.5 MB, ~2.1M tokens)")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--tokenizer", default="demo")
+    ap.add_argument("--limit-docs", type=int, default=None, help="use only the first N chapters (a quick smoke run; CI)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "preprocess_throughput.jsonl"))
     a = ap.parse_args(argv)
 
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     cpus = os.cpu_count() or 1
     counts = a.workers or sorted({1, cpus})
     text = gzip.open(DEMO_CORPUS, "rt", encoding="utf-8").read().rstrip("\n")
+    if a.limit_docs:
+        text = "\n\n".join(text.split("\n\n")[: a.limit_docs])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "corpus.txt"
