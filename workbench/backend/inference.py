@@ -187,7 +187,7 @@ class StageRunner:
         self.dtype, self.device = p.dtype, p.device
         if self.alibi_slopes is not None:
             self.alibi_slopes = self.alibi_slopes.to(self.device)
-        if self.position_type == "rope" and self.pre_process is not None:
+        if self.position_type == "rope":
             # the whole table up front: no host sync (or allocation) inside a captured decode step
             length = int(getattr(model, "max_sequence_length", 0) or 0)
             self._rope_table = model.rotary_pos_emb(length)[:, 0, 0, :].to(self.device)  # [L, dim]
@@ -474,6 +474,11 @@ class InferenceEngine:
     def __init__(self, model: torch.nn.Module, vocab_size: int, max_positions: int,
                  tokenizer: Any = None, eos_id: int | None = None, pad_id: int | None = None, bos_id: int | None = None,
                  cuda_graphs: bool | str = "auto", sync_interval: int = 16):
+        while hasattr(model, "module") and not hasattr(model, "decoder"):  # DDP / Float16Module wrappers
+            model = model.module
+        half = torch.bfloat16 if getattr(model.config, "bf16", False) else torch.float16 if getattr(model.config, "fp16", False) else None
+        if half is not None and any(p.dtype != half for p in model.parameters()):
+            model.to(half)  # what Float16Module does: mcore keeps e.g. position embeddings in fp32
         model.eval()
         self.model = model
         self.runner = StageRunner(model, vocab_size)
