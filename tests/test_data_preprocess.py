@@ -236,3 +236,12 @@ def test_cli_preprocess_summary_and_errors(tmp_path, capsys):
     assert rc == 2 and "exceeds" in err and "Traceback" not in err
     rc = cli_main(["preprocess", "--input", str(tmp_path / "zzz.txt"), "--output-prefix", str(tmp_path / "ds3"), "-q"])
     assert rc == 2 and "zzz.txt" in capsys.readouterr().err
+
+
+def test_utf8_byte_order_mark_is_not_data(tmp_path):
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "first"}).encode() + b"\n")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfsecond\n")
+    tok = load_tokenizer("demo")
+    preprocess([tmp_path / "bom.jsonl", tmp_path / "bom.txt"], tmp_path / "ds", progress=False)
+    ds = _indexed(tmp_path / "ds")
+    assert [ds[i].tolist() for i in range(2)] == [tok.encode("first") + [tok.eod], tok.encode("second") + [tok.eod]]

@@ -110,6 +110,8 @@ def _open(path: Path) -> IO[bytes]:
 
 
 def _decode(raw: bytes, where: str, stats: ReadStats, policy: InvalidPolicy) -> str | None:
+    if raw.startswith(b"\xef\xbb\xbf") and where.endswith(":1"):
+        raw = raw[3:]  # a UTF-8 byte-order mark is not part of the first document
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
