@@ -274,3 +274,24 @@ def test_kernel_exit_stops_its_runs_via_atexit(rank_script, tmp_path):
     assert run_processes(run_dir) == []
     ex = json.loads((run_dir / "exit_status.json").read_text())
     assert ex["status"] == "stopped" and ex["reason"] == "stopped"  # stopped by Run.stop, not by the orphan watchdog
+
+
+def test_two_nodes_on_one_machine_rendezvous(rank_script, tmp_path):
+    """The multi-node torchrun arguments really rendezvous: two 'nodes' (static rendezvous) on localhost."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = preset("tiny").replace(**{"parallel.nnodes": 2, "parallel.nproc_per_node": 1, "train.train_iters": 3, "train.lr_warmup_iters": 1})
+    with pytest.raises(ConfigError, match="rendezvous endpoint"):
+        Run.launch(cfg, run_root=tmp_path / "runs", entry=[str(rank_script)])
+    nodes = [Run.launch(cfg, run_root=tmp_path / f"node{r}", node_rank=r, rdzv_endpoint=f"127.0.0.1:{port}",
+                        entry=[str(rank_script)], env={"FAKE_MODE": "ok"}) for r in (0, 1)]
+    for r, node in enumerate(nodes):
+        assert node.wait(timeout=60) == "finished"
+        start = node.events("run_start")
+        assert [e["rank"] for e in start] == [r] and start[0]["world_size"] == 2  # global rank = node_rank * nproc + local
+        assert node.rank_log(r, "stdout") is not None and node.rank_log(1 - r) is None
+        assert (node.run_dir / "slurm.sbatch").exists()
+        assert not run_processes(node.run_dir)

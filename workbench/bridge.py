@@ -97,7 +97,8 @@ class LaunchPlan:
         self.run_dir = Path(self.run_dir).absolute()
         self.entry = tuple(str(e) for e in self.entry)
         if self.rdzv_id is None:
-            self.rdzv_id = self.run_dir.name
+            # must be the same on every node (each node may have its own run directory)
+            self.rdzv_id = "workbench"
 
     @property
     def config_path(self) -> Path:
@@ -490,6 +491,7 @@ class Run:
         nnodes: int | None = None,
         node_rank: int = 0,
         rdzv_endpoint: str | None = None,
+        rdzv_id: str | None = None,
         run_root: str | Path | None = None,
         entry: Sequence[str] = BACKEND_ENTRY,
         env: dict[str, str] | None = None,
@@ -522,7 +524,8 @@ class Run:
         if problems:
             raise ConfigError(problems)
 
-        plan = LaunchPlan(run_dir, cfg.parallel.nproc_per_node, cfg.parallel.nnodes, node_rank, rdzv_endpoint, entry=tuple(entry))
+        plan = LaunchPlan(run_dir, cfg.parallel.nproc_per_node, cfg.parallel.nnodes, node_rank, rdzv_endpoint,
+                          rdzv_id or f"workbench-{cfg.name}", entry=tuple(entry))
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (run_dir / "events").mkdir(exist_ok=True)
         cfg.save(plan.config_path)
@@ -1145,7 +1148,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         print(ConfigError(problems, args.file), file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir).absolute() if args.run_dir else new_run_dir(cfg.name, args.run_root)
-    plan = LaunchPlan(run_dir, cfg.parallel.nproc_per_node, cfg.parallel.nnodes, args.node_rank, args.rdzv_endpoint)
+    plan = LaunchPlan(run_dir, cfg.parallel.nproc_per_node, cfg.parallel.nnodes, args.node_rank, args.rdzv_endpoint,
+                      args.rdzv_id or f"workbench-{cfg.name}")
     if args.dry_run:
         print(f"# run directory: {run_dir}")
         print(f"# config (written to {plan.config_path} at launch): {args.file}")
@@ -1171,7 +1175,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return subprocess.call([sbatch, str(script)])
     try:
         run = Run.launch(cfg, run_dir, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                         watch_parent=not args.detach)
+                         rdzv_id=args.rdzv_id, watch_parent=not args.detach)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -1260,6 +1264,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nnodes", type=int, help="number of nodes (default: the config's parallel.nnodes)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node, static rendezvous)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node)")
+    p.add_argument("--rdzv-id", help="rendezvous id, identical on every node (default: workbench-<config name>)")
     p.add_argument("--run-dir", help="run directory (default: a fresh runs/<name>-<timestamp>)")
     p.add_argument("--run-root", help="parent of fresh run directories (default: runs/ or $WORKBENCH_RUNS)")
     p.add_argument("--dry-run", action="store_true", help="print the exact commands, start nothing")
