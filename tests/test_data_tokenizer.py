@@ -150,3 +150,17 @@ def test_directory_without_a_tokenizer_is_refused(tmp_path):
     with pytest.raises(DataError, match="no tokenizer could be loaded") as e:
         load_tokenizer(tmp_path)
     assert str(tmp_path) in str(e.value)
+
+
+def test_data_modules_import_light():
+    """Notebook-side rule: importing workbench.data* pulls in neither torch, megatron-core nor tokenizers."""
+    import subprocess
+    import sys
+
+    code = ("import sys, workbench.data, workbench.data.megatron, workbench.data.preprocess, workbench.data.inspect, "
+            "workbench.data.demo, workbench.data.indexed, workbench.data.tokenizer\n"
+            "heavy = [m for m in ('torch', 'megatron', 'tokenizers', 'transformers', 'numpy') if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+            "assert callable(workbench.data.add_cli) and callable(workbench.data.build_datasets)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
