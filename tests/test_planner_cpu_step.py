@@ -29,6 +29,7 @@ LAYOUTS = {
     "tp2": {"parallel.tensor_parallel": 2},
     "tp2-sp-full-recompute": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True, "parallel.recompute": "full"},
     "dp2-distopt": {"parallel.distributed_optimizer": True},
+    "tp2-sp-selective": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True, "parallel.recompute": "selective"},
     "tp2-local-attention": {"parallel.tensor_parallel": 2, "model.attention_backend": "local", "model.seq_length": 128},
 }
 

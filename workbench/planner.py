@@ -22,7 +22,8 @@ What is modelled (bytes on one rank; ``t`` = tensor parallel, ``s`` = sequence l
   (only the fp32 log-sum-exp), with ``attention_backend: local`` the fp32 softmax and its
   bf16 copy are kept (``6 a s^2 b / t``); sequence parallelism divides the norm / dropout /
   linear-input terms by ``t``; selective recompute drops what the workbench recomputes
-  (norm outputs and the MLP, see ``workbench.backend.model.SELECTIVE_RECOMPUTE_MODULES``);
+  (the MLP's fc1 output and activation, ``workbench.backend.model.RecomputedMLP``; core
+  attention with Transformer Engine);
   full recompute keeps one ``sbh`` input per checkpointed block plus one block's
   activations while it is recomputed.
 * **Micro-batches in flight** per stage from :mod:`workbench.schedules` (1F1B:
@@ -213,6 +214,8 @@ class KernelPath:
     layer: Literal["eager", "compiled"]
     cross_entropy: Literal["vocab_parallel", "compiled"]
     optimizer: Literal["foreach", "fused", "for-loop"]
+    #: what ``recompute: selective`` recomputes: the workbench's RecomputedMLP, or mcore's core attention (TE spec)
+    selective: Literal["mlp", "core_attn"] = "mlp"
 
 
 def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -> KernelPath:
@@ -242,7 +245,8 @@ def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -
         opt = "for-loop"  # torch's AdamW defaults to its single-tensor loop off CUDA
     else:
         opt = "fused" if wanted or te else "foreach"
-    return KernelPath("local" if impl == "local" else "flash", "compiled" if compiled else "eager", ce, opt)
+    return KernelPath("local" if impl == "local" else "flash", "compiled" if compiled else "eager", ce, opt,
+                      "core_attn" if impl == "te" else "mlp")
 
 
 # --------------------------------------------------------------------------- structure
@@ -451,9 +455,9 @@ def layer_activation_terms(sh: _Shape, kp: KernelPath) -> dict[str, float]:
     norm_stats                mean / rstd (fp32)                              4-8 sb / t_sp each
     ========================  ============================================  =========
 
-    ``t_sp`` is ``t`` with sequence parallelism, else 1.  Selective recompute (workbench:
-    norms + MLP) drops the norm outputs and the MLP intermediates; ``recompute: full``
-    is handled by the caller.  The compiled dense layer (TP=1) lets Inductor's min-cut
+    ``t_sp`` is ``t`` with sequence parallelism, else 1.  Selective recompute drops the MLP
+    intermediates (workbench RecomputedMLP) or, on the TE spec, core attention's kept
+    tensors; ``recompute: full`` is handled by the caller.  The compiled dense layer (TP=1) lets Inductor's min-cut
     partitioner choose what to keep; measured on CPU it keeps exactly the eager set above.
     """
     s, b, h, t, e = sh.s, sh.b, sh.h, sh.tp, sh.e
@@ -490,13 +494,15 @@ def layer_activation_terms(sh: _Shape, kp: KernelPath) -> dict[str, float]:
     terms["norm_stats"] = 2 * (8 if sh.layernorm else 4) * tok / tsp
 
     if sh.recompute == "selective":
-        # workbench selective = recompute norms + MLP: their outputs / intermediates are dropped;
-        # the MLP's input (the residual, norm2_input) is what the checkpoint keeps.
-        # The norms run without a graph (megatron's CheckpointWithoutOutput), so their statistics go too.
-        for k in ("qkv_input", "fc1_input", "fc1_output", "act_output", "norm_stats"):
-            terms.pop(k, None)
-        if "dropout_masks" in terms:
-            terms["dropout_masks"] /= 2
+        if kp.selective == "mlp":
+            # the workbench's RecomputedMLP: the checkpoint keeps the MLP input (fc1_input) and
+            # rebuilds fc1's output and the activation in backward
+            for k in ("fc1_output", "act_output"):
+                terms.pop(k, None)
+        else:
+            # mcore's core-attention recompute (TE spec): q, k, v are the checkpoint's inputs
+            for k in ("softmax_lse", "scores", "causal_mask", "kv_repeat"):
+                terms.pop(k, None)
     return terms
 
 
@@ -519,9 +525,9 @@ def _layer_backward_transient(sh: _Shape, kp: KernelPath, assumptions: PlannerAs
     weight_grad = e * h * sh.fc1_out / t
     stream = 2 * e * tok * h / tsp
     recomputed = 0.0
-    if sh.recompute == "selective":
-        # the MLP intermediates and norm outputs are rebuilt for the layer in backward
-        recomputed = e * tok * (2 * h / tsp + (sh.fc1_out + sh.ffn * (3 if sh.swiglu else 1)) / t)
+    if sh.recompute == "selective" and kp.selective == "mlp":
+        # the MLP intermediates are rebuilt for the layer in backward
+        recomputed = e * tok * (sh.fc1_out + sh.ffn * (3 if sh.swiglu else 1)) / t
     return grads + weight_grad + stream + recomputed
 
 
@@ -788,7 +794,7 @@ def _suggestions(cfg: RunConfig, gpu: GPUSpec, a: PlannerAssumptions, worst: int
     if p.tensor_parallel > 1 and not p.sequence_parallel and m.seq_length % p.tensor_parallel == 0:
         cands.append(("enable sequence parallelism (SP)", {"parallel.sequence_parallel": True}))
     if p.recompute == "none":
-        cands.append(("selective recompute (norms + MLP)", {"parallel.recompute": "selective"}))
+        cands.append(("selective recompute (MLP)", {"parallel.recompute": "selective"}))
     if p.recompute != "full":
         cands.append(("full recompute (1 layer per block)", {"parallel.recompute": "full", "parallel.recompute_num_layers": 1}))
     if d.data_parallel > 1 and not p.distributed_optimizer:
