@@ -43,7 +43,6 @@ schedules are not capture-safe without TE's graph machinery); FP8 / lower precis
 from __future__ import annotations
 
 import functools
-import logging
 import types
 from typing import Any, Iterable, Optional
 
@@ -72,8 +71,6 @@ __all__ = [
     "allow_on_cpu",
     "summary",
 ]
-
-log = logging.getLogger(__name__)
 
 #: When False the fast paths still run, but eagerly (CPU tests compare the maths; debugging).
 _COMPILE = True
