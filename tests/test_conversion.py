@@ -386,3 +386,18 @@ def test_tokenizer_files_travel_with_the_checkpoint(hf_models, tmp_path):
     megatron_to_hf(res.output, tmp_path / "back", progress=False)
     back = AutoTokenizer.from_pretrained(str(tmp_path / "back"))
     assert back("w5 w17 zz")["input_ids"] == [5, 17, V_GPT2 - 1]
+
+
+@pytest.mark.slow
+def test_backend_continues_training_from_a_converted_checkpoint(tmp_path):
+    """The GPU proof's script on CPU (fp32, PP=2 with tied embeddings): the real backend (torchrun +
+    ``python -m workbench.backend``) fine-tunes the converted GPT-2; step 1's loss is HF's loss on the same batches."""
+    from tests.gpu.conversion_continue_training import main
+
+    out = tmp_path / "evidence.jsonl"
+    rc = main(["--device", "cpu", "--tp", "1", "--pp", "2", "--steps", "2", "--work", str(tmp_path / "w"), "--out", str(out)])
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rc == 0 and rec["ok"], rec
+    assert rec["backend_exit_code"] == 0 and len(rec["backend_losses"]) == 2 and rec["microbatches_recorded"] == 2
+    assert abs(rec["backend_losses"][0] - rec["hf_loss_fp32"]) < 1e-4  # fp32: tighter than the GPU's bf16 tolerance
+    assert rec["backend_losses"][1] < rec["backend_losses"][0]  # and it trains

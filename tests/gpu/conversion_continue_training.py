@@ -45,9 +45,11 @@ def recording_forward_step(batch: Any, model: Any, record_dir: str = "", record_
     i = _CALLS["n"]
     _CALLS["n"] += 1
     rank = int(os.environ.get("RANK", "0"))
-    if record_dir and i < record_first and batch.tokens is not None and batch.labels is not None:
-        torch.save({"tokens": batch.tokens.cpu(), "labels": batch.labels.cpu(), "loss_mask": batch.loss_mask.cpu()},
-                   Path(record_dir) / f"rank{rank}_mb{i}.pt")
+    if record_dir and i < record_first:
+        # pipeline stages see different parts of a micro-batch (tokens first, labels last): keep what is here
+        fields = {k: getattr(batch, k).cpu() for k in ("tokens", "labels", "loss_mask") if getattr(batch, k) is not None}
+        if fields:
+            torch.save(fields, Path(record_dir) / f"rank{rank}_mb{i}.pt")
     return default_forward_step(batch, model, **kwargs)
 
 
@@ -125,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     steps = sorted((e for e in read_events(run_dir) if e.get("event") == "step" and e.get("loss") is not None),
                    key=lambda e: e["iteration"])
     losses = [float(e["loss"]) for e in steps]
-    files = sorted(rec.glob("rank*_mb*.pt"))
-    first_rank = min((int(p.name.split("_")[0][4:]) for p in files), default=None)
-    batches = [torch.load(p, weights_only=True) for p in files if p.name.startswith(f"rank{first_rank}_")]
+    merged: dict[int, dict] = {}
+    for p in sorted(rec.glob("rank*_mb*.pt")):  # dp=1: every rank sees the same micro-batch sequence
+        mb = int(p.stem.split("_mb")[1])
+        for k, v in torch.load(p, weights_only=True).items():
+            merged.setdefault(mb, {}).setdefault(k, v)
+    batches = [merged[i] for i in sorted(merged) if {"tokens", "labels", "loss_mask"} <= set(merged[i])]
     hf32 = _hf_loss(hf_dir, batches, torch.float32, args.device) if batches else float("nan")
     hf16 = _hf_loss(hf_dir, batches, torch.bfloat16, args.device) if batches else float("nan")
     first = losses[0] if losses else float("nan")
