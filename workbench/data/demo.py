@@ -64,6 +64,19 @@ def ensure_demo_dataset(cache_dir: str | Path | None = None, progress: bool = Fa
         check_indexed(prefix)
         return prefix
     except DataError:
-        pass  # not built yet (or damaged): build it
-    preprocess([DEMO_CORPUS], prefix, tokenizer=tokenizer, append_eod=True, workers=workers, split_docs="blank-line", progress=progress)
+        pass  # not built yet (or damaged): build it, one process at a time
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    with open(prefix + ".lock", "w") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)  # others (other runs, other ranks) wait here, then find it built
+        except (ImportError, OSError):
+            pass  # no advisory locks here: the atomic renames in preprocess still keep readers safe
+        try:
+            check_indexed(prefix)
+            return prefix
+        except DataError:
+            pass
+        preprocess([DEMO_CORPUS], prefix, tokenizer=tokenizer, append_eod=True, workers=workers, split_docs="blank-line", progress=progress)
     return prefix
