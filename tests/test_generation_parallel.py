@@ -50,17 +50,22 @@ def ckpt(tmp_path_factory):
 
 
 def test_seeded_sampling_same_tokens_at_tp1_and_tp2(ckpt, tmp_path):
-    from workbench.generation import generate
+    from workbench.generation import compare
 
     root, engine, _ = ckpt
     gen = GenerationConfig(max_new_tokens=12, top_k=40, temperature=1.3, seed=2024, return_log_probs=True)
+    other_seed = GenerationConfig(max_new_tokens=12, top_k=40, temperature=1.3, seed=2025)
     here = engine.generate(PROMPTS, gen)
-    tp2 = generate(root, prompt_ids=PROMPTS, gen=gen, tp=2, pp=1, device="cpu", work_dir=tmp_path, timeout=300)
+    runs = compare(root, None, {"first": gen, "again": gen, "other": other_seed}, prompt_ids=PROMPTS, tp=2, pp=1,
+                   device="cpu", work_dir=tmp_path, timeout=300)
+    tp2 = runs["first"]
     assert [r.token_ids for r in tp2] == [o.token_ids for o in here]
+    assert [r.token_ids for r in runs["again"]] == [o.token_ids for o in here]  # same seed, second run
+    assert [r.token_ids for r in runs["other"]] != [o.token_ids for o in here]
     for r, o in zip(tp2, here):
         assert r.log_probs == pytest.approx(o.log_probs, abs=1e-4)
     request = json.loads((tmp_path / "request.json").read_text())
-    assert request["prompt_ids"] == PROMPTS and request["generation"]["seed"] == 2024
+    assert request["prompt_ids"] == PROMPTS and request["runs"]["first"]["seed"] == 2024
 
 
 def test_beam_search_across_two_pipeline_stages(ckpt, tmp_path):

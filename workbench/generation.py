@@ -37,6 +37,7 @@ __all__ = [
     "prepare_request",
     "generation_command",
     "generate",
+    "compare",
     "add_cli",
 ]
 
@@ -182,20 +183,9 @@ def _default_device(info: CheckpointInfo) -> str:
         return "cpu"
 
 
-def generate(ckpt: str | Path, prompts: Sequence[str] | str | None = None, gen: GenerationConfig | None = None, *,
-             prompt_ids: Sequence[Sequence[int]] | None = None, tp: int | None = None, pp: int | None = None,
-             device: str | None = None, work_dir: str | Path | None = None, timeout: float | None = None,
-             verbose: bool = False, **options: Any) -> list[GenerationResult]:
-    """Generate continuations of ``prompts`` with the checkpoint's model, on its TP x PP layout.
-
-    ``gen`` (or keyword options such as ``max_new_tokens=64, top_p=0.9``) sets the decoding.
-    Bad input raises :class:`ConfigError` before any process starts.
-    """
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    gen = dataclasses.replace(gen or GenerationConfig(), **options) if options else (gen or GenerationConfig())
-    info = checkpoint_info(ckpt)
-    request = prepare_request(info, prompts, gen, prompt_ids=prompt_ids)
+def _launch(info: CheckpointInfo, request: dict[str, Any], *, tp: int | None, pp: int | None, device: str | None,
+            work_dir: str | Path | None, timeout: float | None, verbose: bool) -> dict[str, Any]:
+    """Write the request, run one process per rank, return the backend's results JSON."""
     tp = tp or info.config.parallel.tensor_parallel
     pp = pp or info.config.parallel.pipeline_parallel
     device = device or _default_device(info)
@@ -214,11 +204,62 @@ def generate(ckpt: str | Path, prompts: Sequence[str] | str | None = None, gen: 
     if proc.returncode != 0 or not out_path.exists():
         tail = ((proc.stderr or "") + (proc.stdout or ""))[-4000:] if not verbose else ""
         raise RuntimeError(f"generation failed (exit code {proc.returncode}); command: {shlex.join(cmd)}\n{tail}")
-    data = json.loads(out_path.read_text())
-    texts = request["prompts"] or [None] * len(request["prompt_ids"])
+    return json.loads(out_path.read_text())
+
+
+def _results(texts: list[str] | None, n: int, outputs: list[dict]) -> list[GenerationResult]:
+    texts = texts or [None] * n
     return [GenerationResult(prompt=t, text=o.get("text"), token_ids=o["token_ids"], prompt_ids=o["prompt_ids"],
                              finish_reason=o["finish_reason"], log_probs=o.get("log_probs"), score=o.get("score"))
-            for t, o in zip(texts, data["outputs"])]
+            for t, o in zip(texts, outputs)]
+
+
+def generate(ckpt: str | Path, prompts: Sequence[str] | str | None = None, gen: GenerationConfig | None = None, *,
+             prompt_ids: Sequence[Sequence[int]] | None = None, tp: int | None = None, pp: int | None = None,
+             device: str | None = None, work_dir: str | Path | None = None, timeout: float | None = None,
+             verbose: bool = False, **options: Any) -> list[GenerationResult]:
+    """Generate continuations of ``prompts`` with the checkpoint's model, on its TP x PP layout.
+
+    ``gen`` (or keyword options such as ``max_new_tokens=64, top_p=0.9``) sets the decoding.
+    Bad input raises :class:`ConfigError` before any process starts.
+    """
+    gen = dataclasses.replace(gen or GenerationConfig(), **options) if options else (gen or GenerationConfig())
+    return compare(ckpt, prompts, {"default": gen}, prompt_ids=prompt_ids, tp=tp, pp=pp, device=device,
+                   work_dir=work_dir, timeout=timeout, verbose=verbose)["default"]
+
+
+def compare(ckpt: str | Path, prompts: Sequence[str] | str | None, configs: dict[str, GenerationConfig], *,
+            prompt_ids: Sequence[Sequence[int]] | None = None, tp: int | None = None, pp: int | None = None,
+            device: str | None = None, work_dir: str | Path | None = None, timeout: float | None = None,
+            verbose: bool = False) -> dict[str, list[GenerationResult]]:
+    """Several decoding configs on the same prompts, the model loaded once: {name: results}.
+
+    Every config is validated (each problem prefixed with its name) before anything starts.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not configs:
+        raise ConfigError([Problem("configs", "no decoding config given", "pass {name: GenerationConfig(...)}")])
+    info = checkpoint_info(ckpt)
+    problems: list[Problem] = []
+    request: dict[str, Any] | None = None
+    tokenizer = None
+    for name, gen in configs.items():
+        try:
+            if tokenizer is None and prompt_ids is None:
+                tokenizer = resolve_tokenizer(info)
+            r = prepare_request(info, prompts, gen, prompt_ids=prompt_ids, tokenizer=tokenizer)
+            request = request or r
+        except ConfigError as e:
+            prefix = "" if len(configs) == 1 else f"[{name}] "
+            problems += [Problem(prefix + p.field, p.rule, p.fix) for p in e.problems]
+    if problems or request is None:
+        raise ConfigError(problems)
+    request.pop("generation", None)
+    request["runs"] = {name: dataclasses.asdict(gen) for name, gen in configs.items()}
+    data = _launch(info, request, tp=tp, pp=pp, device=device, work_dir=work_dir, timeout=timeout, verbose=verbose)
+    n = len(request["prompt_ids"])
+    return {name: _results(request["prompts"], n, data["runs"][name]["outputs"]) for name in configs}
 
 
 # --------------------------------------------------------------------------- CLI
@@ -261,7 +302,7 @@ def _cli_generate(args: argparse.Namespace) -> int:
         gen = _gen_from_args(args)
         results = generate(args.ckpt, prompts, gen, tp=args.tp, pp=args.pp, device=args.device,
                            work_dir=args.work_dir, verbose=args.verbose)
-    except ConfigError as e:
+    except ValueError as e:  # ConfigError, CheckpointError, DataError: bad input, nothing started
         print(e, file=sys.stderr)
         return 2
     except RuntimeError as e:

@@ -735,21 +735,28 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
 
 
 def run_request(engine: InferenceEngine, request: dict[str, Any]) -> dict[str, Any]:
-    """Execute a request dict ({"prompts": [...]} or {"prompt_ids": [[...]]}, "generation": {...})."""
+    """Execute a request: prompts (``prompt_ids`` or ``prompts`` text) and either one
+    ``generation`` dict or several named ones under ``runs`` ({name: generation dict}), all
+    on the model loaded once.  Returns {"runs": {name: {"outputs": [...], ...}}} (one run is
+    named "default")."""
     from workbench.config import GenerationConfig
 
-    gen = GenerationConfig(**request.get("generation", {}))
     if request.get("prompt_ids"):
         prompt_ids = [list(map(int, p)) for p in request["prompt_ids"]]
     else:
         if engine.tokenizer is None:
             raise ValueError("the checkpoint has no tokenizer: pass prompt_ids instead of prompts")
         prompt_ids = [list(engine.tokenizer.encode(p)) for p in request["prompts"]]
-    outs = engine.generate(prompt_ids, gen, early_stopping=request.get("early_stopping", False))
-    new_tokens = sum(len(o.token_ids) for o in outs)
-    secs = engine.last_timing.get("seconds", 0.0)
-    return {"outputs": [o.to_dict() for o in outs], "generation": asdict(gen), "seconds": secs,
-            "new_tokens": new_tokens, "tokens_per_s": new_tokens / secs if secs > 0 else None}
+    runs = request.get("runs") or {"default": request.get("generation", {})}
+    out: dict[str, Any] = {}
+    for name, options in runs.items():
+        gen = GenerationConfig(**options)
+        outs = engine.generate(prompt_ids, gen, early_stopping=request.get("early_stopping", False))
+        new_tokens = sum(len(o.token_ids) for o in outs)
+        secs = engine.last_timing.get("seconds", 0.0)
+        out[name] = {"outputs": [o.to_dict() for o in outs], "generation": asdict(gen), "seconds": secs,
+                     "new_tokens": new_tokens, "tokens_per_s": new_tokens / secs if secs > 0 else None}
+    return {"runs": out}
 
 
 def _checkpoint_config(ckpt: str | Path):
