@@ -612,7 +612,7 @@ def _stage(sh: _Shape, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int
     # megatron's global "mpu" buffer: SP all-gather of linear inputs; local attention's baddbmm input
     gbuf = 0.0
     if sh.sp:
-        gbuf = e * tok * max(h, sh.fc1_out / t)
+        gbuf = e * tok * h  # the all-gathered [s, b, h] input of a column-parallel linear
     if kp.attention == "local":
         gbuf = max(gbuf, e * b * (sh.heads / t) * s * s)
     workspace_fb = a.cublas_workspace_bytes + gbuf + max(backward + recompute_block, 0.0)

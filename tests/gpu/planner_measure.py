@@ -197,8 +197,16 @@ def main() -> int:
     singles = [n for n in names if CONFIGS[n][0] == 1]
     doubles = [n for n in names if CONFIGS[n][0] == 2]
     port = 29611
-    # one-GPU jobs in pairs, one per GPU (CPU self-check: one at a time)
-    lanes = ["0", "1"] if not tiny else [None]
+    n_gpus = 0
+    if not tiny:
+        import torch
+
+        n_gpus = torch.cuda.device_count()
+        if n_gpus < 2 and doubles:
+            print(f"only {n_gpus} GPU(s): skipping the 2-GPU configs {doubles}", flush=True)
+            doubles = []
+    # one-GPU jobs side by side, one per GPU (CPU self-check: one at a time)
+    lanes = [str(i) for i in range(max(n_gpus, 1))] if not tiny else [None]
     i = 0
     while i < len(singles):
         batch = []
