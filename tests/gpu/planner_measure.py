@@ -23,6 +23,7 @@ git commit.  A failed job writes one line with ``status: failed`` and the log's 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -133,21 +134,21 @@ def records(name: str, cfg: RunConfig, run_dir: Path, rc: int, seconds: float, s
                 pass
         errors = [ev.get("message") for ev in events if ev.get("event") == "error"]
         return [{**common, "status": "failed", "returncode": rc, "errors": errors, "log_tail": tail[-6000:]}]
-    plan = planner.predict(cfg)
-    df = planner.compare(plan, peaks)
+    plan = planner.predict(cfg)  # no pandas here: the device's Python may not have it
     out = []
-    for row in df.to_dict("records"):
-        r = int(row["rank"])
-        st = plan.stages[int(row["pp"])]
+    for rk in plan.ranks:
+        r = rk.rank
+        st = plan.stages[rk.pp_rank]
+        meas = peaks.get(r)
         out.append({
-            **common, "rank": r, "tp_rank": int(row["tp"]), "pp_rank": int(row["pp"]), "dp_rank": int(row["dp"]),
-            "measured_peak": peaks.get(r), "measured_reserved": reserved.get(r), "predicted": int(row["predicted"]),
+            **common, "rank": r, "tp_rank": rk.tp_rank, "pp_rank": rk.pp_rank, "dp_rank": rk.dp_rank,
             "status": "ok" if peaks else "no_memory_stats (cpu)",
-            "predicted_total": int(row["predicted_total"]), "predicted_components": st.components, "predicted_phase": st.peak_phase,
-            "planner_kernel_path": vars(plan.kernel_path) if hasattr(plan.kernel_path, "__dict__") else str(plan.kernel_path),
+            "measured_peak": meas, "measured_reserved": reserved.get(r), "predicted": rk.peak_allocated,
+            "predicted_total": rk.total, "predicted_components": st.components, "predicted_phase": st.peak_phase,
+            "planner_kernel_path": dataclasses.asdict(plan.kernel_path),
             "megatron_formula": plan.megatron.total, "megatron_formula_kind": plan.megatron.formula,
-            "error_pct": None if row["error_pct"] is None else round(float(row["error_pct"]), 2),
-            "megatron_error_pct": None if row["megatron_error_pct"] is None else round(float(row["megatron_error_pct"]), 2),
+            "error_pct": None if not meas else round(100.0 * (rk.peak_allocated - meas) / meas, 2),
+            "megatron_error_pct": None if not meas else round(100.0 * (plan.megatron.total - meas) / meas, 2),
         })
     return out
 
