@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     token_dtype(tok.vocab_size)  # imports megatron-core (seconds) outside the timings
 
     cpus = os.cpu_count() or 1
+    commit = _git_commit()  # once: others may commit while the benchmark runs
     counts = a.workers or sorted({1, cpus})
     text = gzip.open(DEMO_CORPUS, "rt", encoding="utf-8").read().rstrip("\n")
     if a.limit_docs:
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             base_tps = base_tps or (tps if w == counts[0] else None)
             row = {
                 "bench": "preprocess_throughput", "device": _cpu_name(), "cpu_count": cpus,
-                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
+                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": commit,
                 "tokenizer": a.tokenizer, "workers": w, "documents": best.documents, "tokens": best.tokens, "bytes": best.bytes,
                 "seconds": round(best.seconds, 4), "trials_seconds": trials, "tokens_per_s": round(tps, 1),
                 "cpu_seconds": round(best.cpu_seconds, 3), "tokens_per_cpu_s": round(best.tokens / best.cpu_seconds, 1),
