@@ -121,6 +121,8 @@ def prepare_request(info: CheckpointInfo, prompts: Sequence[str] | None, gen: Ge
     if gen.stop_token is not None and not 0 <= gen.stop_token < m.vocab_size:
         problems.append(Problem("generation.stop_token", f"{gen.stop_token} is not a token id of this model (vocab {m.vocab_size})",
                                 f"use an id in [0, {m.vocab_size})"))
+    if gen.top_k > m.vocab_size:
+        problems.append(Problem("generation.top_k", f"top_k {gen.top_k} exceeds the vocabulary ({m.vocab_size})", f"use top_k <= {m.vocab_size}"))
     texts: list[str] | None = None
     if prompt_ids is None:
         if not prompts:
@@ -175,8 +177,8 @@ def generation_command(ckpt: str | Path, request_path: str | Path, out_path: str
 def _default_device(info: CheckpointInfo) -> str:
     if info.config.parallel.device == "cpu":
         return "cpu"
-    try:  # only the device count, through nvidia-smi-free torch check in a child would be slow; torch is cheap here
-        import torch
+    try:
+        import torch  # CUDA is only queried, never initialised for compute, in this process
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     except ImportError:

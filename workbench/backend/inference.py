@@ -24,6 +24,12 @@ HF transformers' vectorised ``_beam_search`` (``length_penalty``, default
 Entry point (one process per rank, started by torchrun like training)::
 
     python -m workbench.backend.inference --ckpt DIR --request REQ.json --out OUT.json
+
+``REQ.json``: ``{"prompt_ids": [[...], ...]}`` (or ``"prompts": [text, ...]``) plus either
+``"generation": {GenerationConfig fields}`` or ``"runs": {name: {...}, ...}`` (several decoding
+configs, model loaded once).  ``OUT.json`` (written by the last stage's first TP rank):
+``{"runs": {name: {"outputs": [GenerationOutput dicts], "seconds", "tokens_per_s", ...}}, "tp", "pp", ...}``.
+The notebook-side API that validates and launches this is :mod:`workbench.generation`.
 """
 
 from __future__ import annotations
