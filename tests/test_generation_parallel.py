@@ -126,3 +126,21 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         from workbench.generation import generate
 
         generate(tmp_path / "nope", ["hi"])
+
+
+def test_cli_prompts_file_is_read_and_checked_before_launch(ckpt, tmp_path, monkeypatch, capsys):
+    from workbench import cli, generation
+
+    root, _, _ = ckpt
+    monkeypatch.setattr(generation.subprocess, "run", lambda *a, **k: pytest.fail("a process was started"))
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("a dog\n\n" + "the cat " * 200 + "\n")
+    assert cli.main(["generate", "--ckpt", str(root), "--prompts-file", str(txt), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "prompts[1]" in err and "prompts[0]" not in err  # blank line skipped, the long prompt is the second
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "a dog"}\nnot json\n')
+    assert cli.main(["generate", "--ckpt", str(root), "--prompts-file", str(jsonl)]) == 2
+    assert "line 2 is not JSON" in capsys.readouterr().err
+    assert cli.main(["generate", "--ckpt", str(root), "--prompts-file", str(tmp_path / "missing.txt")]) == 2
+    assert "file not found" in capsys.readouterr().err
