@@ -229,3 +229,48 @@ def test_demo_source_follows_data_tokenizer(tmp_path):
     ds = _indexed(str(built[0])[:-4])
     assert ds[0].tolist() == small.encode(chapters[0]) + [small.eod]
     assert max(int(train[i]["tokens"].max()) for i in range(10)) < small.vocab_size
+
+
+@pytest.mark.parametrize("split", ["949,50,1", "80,15,5", "100,0,0", "90/10/0", "1,1,1", "0,1,0", "98,2", "7"])
+@pytest.mark.parametrize("n", [1, 10, 1189])
+def test_split_ranges_equal_megatron_cores(split, n):
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    from workbench.data.megatron import split_ranges
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    expected = [None if m is None else (int(round(m[0] * n)), int(round(m[1] * n))) for m in matrix]
+    assert split_ranges(split, n) == expected
+
+
+def test_check_data_reports_problems_before_launch(tmp_path):
+    import subprocess
+    import sys
+
+    from workbench.data.megatron import check_data
+
+    _write_docs(tmp_path / "a.txt", 10, ["x", "y"], seed=8)
+    preprocess([tmp_path / "a.txt"], tmp_path / "a", progress=False)
+    good = _cfg(tmp_path, **{"data.source": "indexed", "data.split": "90,10,0", "data.datasets": [{"prefix": str(tmp_path / "a")}]})
+    assert check_data(good) == []
+    assert check_data(preset("tiny")) == []  # the demo corpus and its tokenizer fit the tiny preset
+    assert check_data(preset("tiny", **{"data.source": "synthetic", "data.tokenizer": "/nowhere"})) == []
+
+    bad = good.replace(**{"data.split": "949,50,1",
+                          "data.datasets": [{"prefix": str(tmp_path / "a")}, {"prefix": str(tmp_path / "gone")}]})
+    problems = check_data(bad)
+    assert [p.field for p in problems] == ["data.datasets[0].prefix", "data.datasets[1].prefix"]
+    assert "test split no documents" in str(problems[0]) and "gone" in str(problems[1])
+    small = check_data(good.replace(**{"model.vocab_size": 1000}))
+    assert small[0].field == "model.vocab_size" and "exceeds model.vocab_size 1000" in str(small[0])
+    assert [p.field for p in check_data(good.replace(**{"data.tokenizer": "gpt2"}))] == ["data.tokenizer"]
+
+    # light enough for a notebook kernel or the launcher: no torch, no megatron-core
+    code = ("import sys; from workbench.config import preset; from workbench.data import check_data; "
+            "assert check_data(preset('tiny')) == []; "
+            "assert not [m for m in ('torch', 'megatron') if m in sys.modules]")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -5,7 +5,8 @@ Light at import time: torch / megatron-core / tokenizers load inside the functio
 - :mod:`workbench.data.tokenizer`  ``load_tokenizer(spec)``, ``train_tokenizer``
 - :mod:`workbench.data.preprocess` ``preprocess(inputs, output_prefix, ...)`` -> ``PREFIX.bin/.idx``
 - :mod:`workbench.data.indexed`    ``check_indexed(prefix)`` (.idx header / .bin size checks)
-- :mod:`workbench.data.megatron`   ``build_datasets(cfg, run_dir)`` -> megatron-core train/valid/test
+- :mod:`workbench.data.megatron`   ``build_datasets(cfg, run_dir)`` -> megatron-core train/valid/test;
+  ``check_data(cfg)`` -> config Problems, light, for launchers (before torchrun)
 - :mod:`workbench.data.demo`       ``ensure_demo_dataset()`` (the embedded KJV corpus)
 - :mod:`workbench.data.inspect`    ``inspect_dataset(prefix)``, ``plot_lengths``
 """
@@ -22,6 +23,7 @@ _LAZY = {
     "check_indexed": "workbench.data.indexed",
     "build_datasets": "workbench.data.megatron",
     "dataset_sizes": "workbench.data.megatron",
+    "check_data": "workbench.data.megatron",
     "ensure_demo_dataset": "workbench.data.demo",
     "inspect_dataset": "workbench.data.inspect",
     "plot_lengths": "workbench.data.inspect",

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from workbench.data.errors import DataError
 
-__all__ = ["DatasetSizes", "dataset_sizes", "resolve_blend", "check_blend", "check_tokenizer_fits", "gpt_dataset_config", "build_datasets"]
+__all__ = ["DatasetSizes", "dataset_sizes", "resolve_blend", "check_blend", "check_tokenizer_fits", "check_data", "split_ranges", "gpt_dataset_config", "build_datasets"]
 
 _SPLIT_NAMES = ("train", "valid", "test")
 #: scan .bin files without a sidecar for their largest token id only up to this many tokens
@@ -98,15 +98,26 @@ def resolve_blend(cfg, run_dir: str | Path | None = None, tokenizer=None) -> tup
     return prefixes, [float(e.weight) for e in d.datasets]
 
 
-def _split_ranges(split: str, n: int) -> list[tuple[int, int] | None]:
-    """The exact document ranges megatron-core gives each split (same parse, same rounding)."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
+def split_ranges(split: str, n: int) -> list[tuple[int, int] | None]:
+    """The document ranges megatron-core gives each split of ``n`` documents (``None``: no split).
 
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    return [None if m is None else (int(round(m[0] * n)), int(round(m[1] * n))) for m in matrix]
+    Same parse, normalisation and rounding as megatron-core's ``parse_and_normalize_split`` /
+    ``convert_split_vector_to_split_matrix`` / ``_build_megatron_dataset_splits`` (a test holds
+    them equal), written out so a launcher can check data without importing megatron-core.
+    """
+    import re
+
+    vector = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    vector = (vector + [0.0, 0.0, 0.0])[:3]
+    total = sum(vector)
+    vector = [v / total for v in vector]
+    out: list[tuple[int, int] | None] = []
+    lo = 0.0
+    for v in vector:
+        hi = lo + v
+        out.append(None if hi <= lo else (int(round(lo * n)), int(round(hi * n))))
+        lo = hi
+    return out
 
 
 def check_tokenizer_fits(cfg, tokenizer) -> None:
@@ -118,13 +129,17 @@ def check_tokenizer_fits(cfg, tokenizer) -> None:
 
 
 def check_blend(cfg, prefixes: list[str], tokenizer) -> list[Any]:
-    """Validate every prefix before megatron-core touches it; returns their :class:`IndexInfo`."""
+    """Validate every prefix before megatron-core touches it; returns their :class:`IndexInfo`.
+
+    Per prefix: the .idx/.bin pair (:func:`check_indexed`), the tokenizer recorded by preprocess
+    (same vocabulary as ``tokenizer``, not larger than the model's), the largest token id, and
+    that every split the run uses receives at least one document.
+    """
     import numpy as np
 
     from workbench.data.indexed import check_indexed, read_sidecar
 
     vocab = cfg.model.vocab_size
-    check_tokenizer_fits(cfg, tokenizer)
     infos = []
     for i, prefix in enumerate(prefixes):
         info = check_indexed(prefix)
@@ -149,7 +164,7 @@ def check_blend(cfg, prefixes: list[str], tokenizer) -> list[Any]:
         if max_id >= vocab:
             raise DataError(prefix, f"holds token id {max_id}, but model.vocab_size is {vocab}",
                             f"set model.vocab_size > {max_id}, or re-tokenize with the model's tokenizer")
-        for name, rng, size in zip(_SPLIT_NAMES, _split_ranges(cfg.data.split, info.sequences), dataset_sizes(cfg).as_list()):
+        for name, rng, size in zip(_SPLIT_NAMES, split_ranges(cfg.data.split, info.sequences), dataset_sizes(cfg).as_list()):
             if rng is None or size == 0:
                 continue
             if rng[1] <= rng[0]:
@@ -157,6 +172,45 @@ def check_blend(cfg, prefixes: list[str], tokenizer) -> list[Any]:
                                 "use more documents, or a split that gives every used split at least one document (e.g. '90,10,0' drops test)")
         infos.append(info)
     return infos
+
+
+def check_data(cfg) -> list:
+    """Data problems as config :class:`~workbench.config.Problem` s, for a launcher to report before torchrun.
+
+    Light: loads the tokenizer and reads .idx headers / sidecars (numpy at most), builds nothing and
+    never imports torch or megatron-core.  ``synthetic`` data has nothing to check.
+    """
+    from workbench.config import Problem
+    from workbench.data.tokenizer import load_tokenizer
+
+    d = cfg.data
+    if d.source == "synthetic":
+        return []
+    problems: list = []
+    try:
+        tok = load_tokenizer(d.tokenizer)
+    except DataError as e:
+        return [Problem("data.tokenizer", f"{e.where}: {e.problem}", e.fix or "use 'demo' or a local tokenizer directory")]
+    try:
+        check_tokenizer_fits(cfg, tok)
+    except DataError as e:
+        problems.append(Problem("model.vocab_size", e.problem, e.fix or ""))
+    if d.source == "demo":
+        from workbench.data.demo import DEMO_CORPUS
+
+        if not DEMO_CORPUS.is_file():
+            problems.append(Problem("data.source", f"the embedded corpus {DEMO_CORPUS} is missing", "reinstall the workbench (pip install -e .)"))
+        return problems
+    if not d.datasets:
+        return problems + [Problem("data.datasets", "source 'indexed' needs at least one dataset prefix", "add {prefix: /path/to/name_text_document, weight: 1}")]
+    from workbench.data.indexed import strip_prefix
+
+    for i, entry in enumerate(d.datasets):
+        try:
+            check_blend(cfg, [strip_prefix(entry.prefix)], tok)
+        except DataError as e:
+            problems.append(Problem(f"data.datasets[{i}].prefix", f"{e.where}: {e.problem}", e.fix or ""))
+    return problems
 
 
 def gpt_dataset_config(cfg, prefixes: list[str], weights: list[float] | None, tokenizer, cache_dir: str | Path,
