@@ -148,18 +148,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
                     secs, out = _timed(call, args.repeats, cuda)
                     first_tokens = out[0, args.prompt_len:].tolist()
+                    graphs_used = None
                 else:
                     graphs = variant == "workbench" and cuda
                     engine = InferenceEngine(model, vocab_size=args.vocab, max_positions=args.positions, pad_id=0,
                                              cuda_graphs=graphs)
                     secs, out = _timed(lambda: engine.generate(prompt_lists, gen, stop_ids=[], decode_text=False), args.repeats, cuda)
                     first_tokens = out[0].token_ids
+                    graphs_used = engine.cuda_graphs  # False if capture failed and it fell back to eager
                     del engine
                 results[variant] = (secs, first_tokens)
                 row = {"bench": "generate_throughput", "model": name, "variant": variant, "batch": batch,
                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype,
                        "seconds": round(secs, 5), "tokens_per_s": round(batch * args.new_tokens / secs, 2),
-                       "ms_per_token_step": round(1000 * secs / args.new_tokens, 4), "repeats": args.repeats, **meta}
+                       "ms_per_token_step": round(1000 * secs / args.new_tokens, 4), "repeats": args.repeats,
+                       "cuda_graphs": graphs_used if variant != "hf" else None, **meta}
                 rows.append(row)
                 print(f"{name:12s} batch {batch:3d} {variant:16s} {row['tokens_per_s']:10.1f} tok/s  "
                       f"({row['ms_per_token_step']:.3f} ms/token step)", flush=True)
