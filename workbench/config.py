@@ -735,7 +735,7 @@ def _tiny() -> RunConfig:
 def _demo_small() -> RunConfig:
     """A small GPT on the embedded corpus: trains in minutes on one GPU."""
     cfg = _gpt2(6, 384, 6, "demo-small")
-    cfg.model.vocab_size = 8192
+    cfg.model.vocab_size = 4096  # the demo tokenizer's vocabulary
     cfg.model.seq_length = 256
     cfg.model.max_position_embeddings = 256
     cfg.train = TrainConfig(micro_batch_size=16, global_batch_size=32, train_iters=200, lr=1e-3, min_lr=1e-4, lr_warmup_iters=20)
