@@ -476,7 +476,13 @@ class Run:
         self._lock = threading.RLock()
         self._stop_requested = False
         cfg_path = self.run_dir / "config.json"
-        self.config: RunConfig | None = load_config(cfg_path) if cfg_path.exists() else None
+        self.config: RunConfig | None = None
+        if cfg_path.exists():
+            try:
+                self.config = load_config(cfg_path)
+            except ConfigError as e:  # an older run dir whose config no longer loads: follow its events anyway
+                print(f"warning: {cfg_path} does not load with this workbench version ({len(e.problems)} problem(s)); "
+                      "progress totals and planner bars are unavailable", file=sys.stderr)
         if popen is not None:
             _LIVE_RUNS.add(self)
 
