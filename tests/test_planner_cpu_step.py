@@ -31,6 +31,11 @@ LAYOUTS = {
     "dp2-distopt": {"parallel.distributed_optimizer": True},
     "tp2-sp-selective": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True, "parallel.recompute": "selective"},
     "tp2-local-attention": {"parallel.tensor_parallel": 2, "model.attention_backend": "local", "model.seq_length": 128},
+    # activation-dominated (tiny vocab, longer sequences): the in-flight and backward terms carry the peak
+    "act-pp2": {"parallel.pipeline_parallel": 2, "model.vocab_size": 64, "model.seq_length": 128,
+                "train.micro_batch_size": 4, "train.global_batch_size": 16},
+    "act-pp2-vpp2": {"parallel.pipeline_parallel": 2, "parallel.virtual_pipeline_parallel": 2, "model.vocab_size": 64,
+                     "model.seq_length": 128, "train.micro_batch_size": 4, "train.global_batch_size": 16},
 }
 
 
@@ -126,10 +131,13 @@ def measured():
 
 
 CASES = [(name, rank) for name in LAYOUTS for rank in (0, 1)]
+# The act-* pipelines keep some per-micro-batch tensors between steps in CPU mode (the backend turns
+# deallocate_pipeline_outputs off on CPU), so only their step peak is compared.
+STATIC_CASES = [(name, rank) for name, rank in CASES if not name.startswith("act-")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,rank", CASES)
+@pytest.mark.parametrize("layout,rank", STATIC_CASES)
 def test_static_state_matches_backend(measured, layout, rank):
     r = measured[(layout, rank)]
     assert abs(r["predicted_static"] - r["measured_static"]) / r["measured_static"] < 0.02, r
