@@ -326,3 +326,40 @@ def test_cli_plan_table_json_and_errors(tmp_path, capsys):
     assert main(["plan", str(bad)]) == 2
     assert "hidden_size" in capsys.readouterr().err
     assert main(["plan", str(tmp_path / "missing.json")]) == 2
+
+
+# --------------------------------------------------------------------------- kernel paths
+
+
+def test_kernel_path_mirrors_the_backend_rules():
+    no_te = PlannerAssumptions(transformer_engine=False)
+    gpu = preset("gpt2-small")  # cuda, compile_kernels on
+    kp = planner.kernel_path(gpu, no_te)
+    assert (kp.attention, kp.layer, kp.cross_entropy, kp.optimizer, kp.selective) == ("flash", "compiled", "compiled", "fused", "mlp")
+    tp2 = planner.kernel_path(gpu.replace(**{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2}), no_te)
+    assert (tp2.layer, tp2.cross_entropy, tp2.optimizer) == ("eager", "vocab_parallel", "fused")
+    eager = planner.kernel_path(gpu.replace(**{"train.compile_kernels": False}), no_te)
+    assert (eager.layer, eager.cross_entropy, eager.optimizer) == ("eager", "vocab_parallel", "foreach")
+    assert planner.kernel_path(gpu.replace(**{"parallel.recompute": "full"}), no_te).layer == "eager"
+    assert planner.kernel_path(gpu.replace(**{"model.attention_backend": "local"}), no_te).attention == "local"
+    assert planner.kernel_path(preset("tiny"), no_te).optimizer == "for-loop"  # torch AdamW off CUDA
+    te = planner.kernel_path(gpu, PlannerAssumptions(transformer_engine=True))
+    assert te.selective == "core_attn" and te.layer == "eager"
+
+
+def test_selective_recompute_drops_what_each_path_recomputes():
+    cfg = tiny_bf16(**{"parallel.recompute": "selective"})
+    mlp = planner.predict(cfg, assumptions=EAGER).stages[0].detail["layer_activation_terms"]
+    assert "fc1_output" not in mlp and "act_output" not in mlp and "fc1_input" in mlp and "softmax_lse" in mlp
+    te = planner.predict(cfg, assumptions=PlannerAssumptions(transformer_engine=True, optimizer="foreach")).stages[0]
+    terms = te.detail["layer_activation_terms"]
+    assert "softmax_lse" not in terms and "fc1_output" in terms
+
+
+def test_foreach_adam_step_can_hold_the_peak():
+    # no activations to speak of (1 token), big parameters: the optimizer step's sqrt(v) copy decides
+    cfg = tiny_bf16(**{"model.seq_length": 1, "train.micro_batch_size": 1, "train.global_batch_size": 2})
+    st = planner.predict(cfg, assumptions=EAGER).stages[0]
+    assert st.peak_phase == "optimizer_step"
+    assert st.detail["optimizer_step_transient"] == 4 * st.params
+    assert st.components["activations"] == 0 and st.phases["optimizer_step"] == st.peak_allocated
