@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--runs-tar", default=None, help="tar.gz of the PP runs' events (default: next to --out)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--commit", default=None, help="git commit to record (when the tree has no .git)")
+    ap.add_argument("--only", default=None, help="comma-separated layouts to run (skips resume and recompute)")
     args = ap.parse_args()
 
     import torch
@@ -121,10 +123,13 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip() or "unknown"
-    except Exception:
-        commit = "unknown"
+    commit = args.commit
+    if not commit:
+        try:
+            out_ = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+            commit = out_.stdout.strip() if out_.returncode == 0 and len(out_.stdout.strip()) == 40 else "unknown"
+        except Exception:
+            commit = "unknown"
     stamp = {"device": device_name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "git_commit": commit}
     records: list[dict] = []
 
@@ -170,6 +175,8 @@ def main() -> int:
         "dp2_distopt": {"parallel.distributed_optimizer": True},
         "tp2_sp": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True},
     }
+    if args.only:
+        layouts = {k: v for k, v in layouts.items() if k in args.only.split(",")}
     for name, over in layouts.items():
         ev = run(cfg_for(**over), work / name, ngpu, log)
         l = losses(ev)
@@ -179,6 +186,8 @@ def main() -> int:
               "target": 0.02, "pass": rel <= 0.02 and len(l) == len(ref), "first_loss": l.get(1), "last_loss": l.get(max(l)),
               "ref_last_loss": ref.get(max(ref)), "microbatch_events": len(mb), "precision": base.train.precision})
 
+    if args.only:
+        return 0 if all(r.get("pass") for r in records) else 3
     # 2) resume: 20 straight vs 10 + 10
     n = 4 if tiny else 10
     rs = {"train.lr_decay_iters": 2 * n, "train.lr_warmup_iters": 2 if tiny else 5}
