@@ -14,6 +14,7 @@ the math kernel with dropout and keeps s^2 probabilities).
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ VARIANTS = {
 }
 
 
-def _probe(variants: dict[str, dict]) -> dict[str, dict]:
+def _probe(variants: dict[str, dict], port: int) -> dict[str, dict]:
     """Runs in the subprocess: build each variant, measure live bytes after forward and the forward peak."""
     import weakref
 
@@ -75,7 +76,7 @@ def _probe(variants: dict[str, dict]) -> dict[str, dict]:
     for name, overrides in variants.items():
         cfg = preset("tiny", **overrides)
         if first:
-            distributed.initialize_for_tests(cfg, port=29561)
+            distributed.initialize_for_tests(cfg, port=port)
             first = False
         torch.manual_seed(0)
         model = build_model(cfg)
@@ -111,7 +112,10 @@ def _probe(variants: dict[str, dict]) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def measured():
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(VARIANTS)], cwd=root,
+    with socket.socket() as sock:  # a free port: other test runs may share this machine
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(VARIANTS), str(port)], cwd=root,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
@@ -136,7 +140,7 @@ def test_forward_peak_matches_megatron_model(measured, variant):
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(_probe(json.loads(sys.argv[1]))), flush=True)
+    print("RESULT " + json.dumps(_probe(json.loads(sys.argv[1]), int(sys.argv[2]))), flush=True)
     import os
 
     os._exit(0)  # skip interpreter teardown: gloo / CPU-mode patches can hang it, and nothing is left to flush
