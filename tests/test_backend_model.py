@@ -172,100 +172,112 @@ print(json.dumps(out))
         assert max(errs) < 1e-5, (name, errs)
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "llama", "alibi_mqa"])
-def test_model_forward_matches_plain_reference(variant):
+def test_model_forward_matches_plain_reference():
+    """gpt2-like (learned, LayerNorm, GELU, biases, tied), llama-like (RoPE, RMSNorm, SwiGLU, GQA, untied), ALiBi+MQA."""
     res = _run(REFERENCE + r'''
 import json, torch
 from workbench.config import preset
 from workbench.backend import distributed
 from workbench.backend.model import build_model
-variant = "%s"
-over = {"data.source": "synthetic", "model.num_layers": 2}
-if variant == "llama":
-    over.update({"model.position_embedding": "rope", "model.normalization": "rmsnorm", "model.activation": "swiglu",
-                 "model.attention_type": "grouped", "model.num_query_groups": 2, "model.add_bias_linear": False,
-                 "model.tie_embeddings": False})
-if variant == "alibi_mqa":
-    over.update({"model.position_embedding": "alibi", "model.attention_type": "multiquery"})
-cfg = preset("tiny", **over)
-distributed.initialize_for_tests(cfg, port=29612)
-model = build_model(cfg).eval()
-sd = {k: v.detach().float() for k, v in model.state_dict().items() if v is not None and torch.is_tensor(v)}
-g = torch.Generator().manual_seed(1)
-tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g)
-labels = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g)
-with torch.no_grad():
-    ours = model(tokens, torch.arange(32)[None].expand(2, -1), None, labels=labels).mean().item()
-ref = gpt_ref(sd, cfg, tokens, labels)
-names = sorted(n for n, _ in model.named_parameters())
-print(json.dumps({"ours": ours, "ref": ref, "names": names}))
-''' % variant)
-    assert abs(res["ours"] - res["ref"]) < 1e-4 * abs(res["ref"]), res
-    # stock megatron parameter names (the converters rely on them)
-    assert "decoder.layers.0.self_attention.linear_qkv.weight" in res["names"]
-    assert "decoder.layers.1.mlp.linear_fc2.weight" in res["names"]
-    assert "decoder.final_layernorm.weight" in res["names"]
-    assert ("output_layer.weight" in res["names"]) == (variant == "llama")
+variants = {
+    "gpt2": {},
+    "llama": {"model.position_embedding": "rope", "model.normalization": "rmsnorm", "model.activation": "swiglu",
+              "model.attention_type": "grouped", "model.num_query_groups": 2, "model.add_bias_linear": False,
+              "model.tie_embeddings": False},
+    "alibi_mqa": {"model.position_embedding": "alibi", "model.attention_type": "multiquery"},
+}
+out = {}
+for i, (variant, over) in enumerate(variants.items()):
+    cfg = preset("tiny", **{"data.source": "synthetic", "model.num_layers": 2, **over})
+    if i == 0:
+        distributed.initialize_for_tests(cfg, port=29612)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg).eval()
+    sd = {k: v.detach().float() for k, v in model.state_dict().items() if v is not None and torch.is_tensor(v)}
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g)
+    labels = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g)
+    with torch.no_grad():
+        ours = model(tokens, torch.arange(32)[None].expand(2, -1), None, labels=labels).mean().item()
+    out[variant] = {"ours": ours, "ref": gpt_ref(sd, cfg, tokens, labels), "names": sorted(n for n, _ in model.named_parameters())}
+print(json.dumps(out))
+''')
+    for variant, r in res.items():
+        assert abs(r["ours"] - r["ref"]) < 1e-4 * abs(r["ref"]), (variant, r["ours"], r["ref"])
+        # stock megatron parameter names (the converters rely on them)
+        assert "decoder.layers.0.self_attention.linear_qkv.weight" in r["names"]
+        assert "decoder.layers.1.mlp.linear_fc2.weight" in r["names"]
+        assert "decoder.final_layernorm.weight" in r["names"]
+        assert ("output_layer.weight" in r["names"]) == (variant == "llama")
 
 
 TP_WORKER = r'''
 import json, os, sys, torch
 import torch.multiprocessing as mp
 
-def worker(rank, world, sp, q):
+def worker(rank, world, q):
     from workbench.config import preset
     from workbench.backend import distributed
     from workbench.backend.model import build_model
-    cfg = preset("tiny", **{"model.num_layers": 2, "parallel.tensor_parallel": world, "parallel.nproc_per_node": world,
-                            "parallel.sequence_parallel": sp, "model.position_embedding": "rope",
-                            "model.attention_type": "grouped", "model.num_query_groups": 2})
-    os.environ["LOCAL_RANK"] = str(rank)
-    distributed.initialize_for_tests(cfg, rank=rank, world_size=world, port=29620 + world + 3 * sp)
-    model = build_model(cfg)
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(1, cfg.model.vocab_size, (2, 64), generator=g)
-    loss = model(tokens, torch.arange(64)[None].expand(2, -1), None, labels=tokens.roll(-1, 1)).mean()
-    loss.backward()
-    # SP: the norms' grads are partial per TP rank; megatron all-reduces params flagged sequence_parallel
-    norm = model.decoder.layers[0].input_layernorm.weight
-    grad = norm.grad.clone()
-    if getattr(norm, "sequence_parallel", False):
-        torch.distributed.all_reduce(grad)
-    q.put((rank, float(loss), grad.tolist(), bool(getattr(norm, "sequence_parallel", False))))
+    res = []
+    for sp in ([False, True] if world > 1 else [False]):
+        cfg = preset("tiny", **{"model.num_layers": 2, "parallel.tensor_parallel": world, "parallel.nproc_per_node": world,
+                                "parallel.sequence_parallel": sp, "model.position_embedding": "rope",
+                                "model.attention_type": "grouped", "model.num_query_groups": 2})
+        if not sp:
+            os.environ["LOCAL_RANK"] = str(rank)
+            distributed.initialize_for_tests(cfg, rank=rank, world_size=world, port=29620 + world)
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg)
+        g = torch.Generator().manual_seed(3)
+        tokens = torch.randint(1, cfg.model.vocab_size, (2, 64), generator=g)
+        loss = model(tokens, torch.arange(64)[None].expand(2, -1), None, labels=tokens.roll(-1, 1)).mean()
+        loss.backward()
+        # SP: the norms' grads are partial per TP rank; megatron all-reduces params flagged sequence_parallel
+        norm = model.decoder.layers[0].input_layernorm.weight
+        grad = norm.grad.clone()
+        if getattr(norm, "sequence_parallel", False):
+            torch.distributed.all_reduce(grad)
+        res.append({"sp": sp, "loss": float(loss), "grad": grad.tolist(), "sp_flag": bool(getattr(norm, "sequence_parallel", False))})
+    q.put((rank, res))
     distributed.destroy()
 
 if __name__ == "__main__":
-    world, sp = int(sys.argv[1]), sys.argv[2] == "1"
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, sp, q)) for r in range(world)]
-    [p.start() for p in procs]
-    res = sorted(q.get(timeout=200) for _ in procs)
-    [p.join() for p in procs]
-    print(json.dumps({"losses": [r[1] for r in res], "grad": res[0][2], "sp_flag": res[0][3]}))
+    world = int(sys.argv[1])
+    if world == 1:
+        import queue
+        q = queue.Queue()
+        worker(0, 1, q)
+        print(json.dumps([q.get()[1]]))
+    else:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=worker, args=(r, world, q)) for r in range(world)]
+        [p.start() for p in procs]
+        res = sorted((q.get(timeout=200) for _ in procs), key=lambda r: r[0])
+        [p.join() for p in procs]
+        print(json.dumps([r[1] for r in res]))
 '''
 
 
-def _tp_run(tmp_path, world: int, sp: bool) -> dict:
-    script = tmp_path / f"tp_worker_{world}_{int(sp)}.py"
+def _tp_run(tmp_path, world: int) -> list:
+    script = tmp_path / f"tp_worker_{world}.py"
     script.write_text(TP_WORKER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([PY, str(script), str(world), "1" if sp else "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([PY, str(script), str(world)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
+    return json.loads([l for l in proc.stdout.splitlines() if l.startswith("[")][-1])
 
 
 def test_tp2_and_tp2_sp_forward_backward_match_tp1(tmp_path):
-    one = _tp_run(tmp_path, 1, False)
-    two = _tp_run(tmp_path, 2, False)
-    two_sp = _tp_run(tmp_path, 2, True)
-    ref = one["losses"][0]
+    one = _tp_run(tmp_path, 1)[0][0]
+    ranks = _tp_run(tmp_path, 2)
+    ref = one["loss"]
     assert ref > 1.0
-    for res in (two, two_sp):
-        assert len(res["losses"]) == 2 and all(abs(l - ref) < 1e-5 * ref for l in res["losses"]), (ref, res["losses"])
-    # the SP-capable norm flags its params so megatron all-reduces them; the reduced grad equals TP=1's
-    assert two_sp["sp_flag"] and not two["sp_flag"]
-    for a, b in zip(one["grad"], two_sp["grad"]):
-        assert abs(a - b) < 1e-5 + 1e-4 * abs(a)
-    for a, b in zip(one["grad"], two["grad"]):
-        assert abs(a - b) < 1e-5 + 1e-4 * abs(a)
+    for per_rank in ranks:
+        for res in per_rank:  # SP off, SP on
+            assert abs(res["loss"] - ref) < 1e-5 * ref, (ref, res["sp"], res["loss"])
+            # the reduced norm grad equals TP=1's (with SP only because the params are flagged)
+            for a, b in zip(one["grad"], res["grad"]):
+                assert abs(a - b) < 1e-5 + 1e-4 * abs(a), (res["sp"], a, b)
+            assert res["sp_flag"] == res["sp"]
