@@ -47,10 +47,9 @@ TARGETS = {1: 3.0, 32: 1.5}  # the issue's speed-up targets over HF generate
 
 
 def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    from workbench.provenance import git_commit
+
+    return git_commit()
 
 
 def _free_port() -> int:

@@ -34,10 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
+    from workbench.provenance import git_commit
+
+    return git_commit()
 
 
 def _cpu_name() -> str:

@@ -143,12 +143,9 @@ def bench_config(v: Variant, cpu_smoke: bool = False):
 
 
 def _git_commit() -> str:
-    if os.environ.get("GIT_COMMIT"):  # copies of the tree without .git (e.g. a GPU machine)
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
+    from workbench.provenance import git_commit
+
+    return git_commit()
 
 
 def _sync(cuda: bool) -> None:

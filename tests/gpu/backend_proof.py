@@ -123,13 +123,9 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    commit = args.commit
-    if not commit:
-        try:
-            out_ = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-            commit = out_.stdout.strip() if out_.returncode == 0 and len(out_.stdout.strip()) == 40 else "unknown"
-        except Exception:
-            commit = "unknown"
+    from workbench.provenance import git_commit
+
+    commit = args.commit or git_commit()
     stamp = {"device": device_name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "git_commit": commit}
     records: list[dict] = []
 

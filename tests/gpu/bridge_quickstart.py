@@ -38,10 +38,9 @@ def _device() -> str:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
+    from workbench.provenance import git_commit
+
+    return git_commit()
 
 
 def _run_processes(run_dir: Path) -> int:

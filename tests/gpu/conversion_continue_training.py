@@ -53,11 +53,10 @@ def recording_forward_step(batch: Any, model: Any, record_dir: str = "", record_
     return default_forward_step(batch, model, **kwargs)
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+def _git_commit() -> str:
+    from workbench.provenance import git_commit
+
+    return git_commit()
 
 
 def _hf_loss(hf_dir: Path, batches: list[dict], dtype: Any, device: str = "cuda") -> float:

@@ -48,10 +48,9 @@ def _free_port() -> int:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:
-        return "unknown"
+    from workbench.provenance import git_commit
+
+    return git_commit()
 
 
 def _cut(seq, eos):

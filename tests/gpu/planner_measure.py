@@ -87,17 +87,9 @@ def make_config(name: str, device: str = "cuda", tiny: bool = False) -> tuple[in
 
 
 def _stamp() -> dict:
-    try:
-        import torch
+    from workbench.provenance import stamp
 
-        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    except Exception:  # noqa: BLE001
-        dev = "unknown"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
-    return {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "git_commit": commit}
+    return stamp()
 
 
 def launch(name: str, cfg: RunConfig, gpus: int, work: Path, port: int, visible: str | None) -> subprocess.Popen:

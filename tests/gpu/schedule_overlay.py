@@ -33,12 +33,10 @@ from workbench.plots.schedule import measured_overlay  # noqa: E402
 from workbench.schedules import ScheduleError  # noqa: E402
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+def _git_commit() -> str:
+    from workbench.provenance import git_commit
+
+    return git_commit()
 
 
 def _cuda_device() -> str | None:
