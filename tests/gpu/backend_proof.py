@@ -113,6 +113,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--commit", default=None, help="git commit to record (when the tree has no .git)")
+    ap.add_argument("--compile", action="store_true", help="train.compile_kernels on (the performance helper's fast paths)")
     ap.add_argument("--only", default=None, help="comma-separated layouts to run (skips resume and recompute)")
     args = ap.parse_args()
 
@@ -139,6 +140,7 @@ def main() -> int:
     log = lambda m: print(f"[proof] {m}", flush=True)  # noqa: E731
     tiny = args.tiny
     base = base_config(args.device, tiny)
+    base.train.compile_kernels = bool(args.compile)
     ngpu = 2
 
     # 0) one set of initial weights for every layout
@@ -164,6 +166,13 @@ def main() -> int:
     # 1) reference and layouts
     ref_events = run(cfg_for(), work / "ref_1gpu", 1, log)
     ref = losses(ref_events)
+    ref_steps = steps(ref_events)
+    emit({"test": "reference_1gpu", "steps": len(ref), "first_loss": ref.get(1), "last_loss": ref.get(max(ref)),
+          "median_step_time_s": statistics.median([e["step_time"] for e in ref_steps[5:]] or [0.0]),
+          "tflops_per_gpu": statistics.median([e["tflops_per_gpu"] for e in ref_steps[5:]] or [0.0]),
+          "mfu": statistics.median([e["mfu"] or 0.0 for e in ref_steps[5:]] or [0.0]),
+          "compile_kernels": base.train.compile_kernels, "pass": ref.get(max(ref), 99) < ref.get(1, 0),
+          "kernel_path": next((e["kernel_path"] for e in ref_events if e["event"] == "run_start"), None)})
     layouts = {
         "tp2": {"parallel.tensor_parallel": 2},
         "pp2": {"parallel.pipeline_parallel": 2},
