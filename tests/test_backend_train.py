@@ -219,3 +219,14 @@ def test_custom_keytoken_loss_hook_reproduces_the_reference(tmp_path):
     assert abs(res["expected"] - res["plain"]) > 1e-3  # and differs from the plain mean loss
     # return_logits: one [b, s, padded vocab] logits tensor per micro-batch, kept on the last stage
     assert res["n_logits"] == 2 and res["logits_shape"] == [2, 64, res["padded_vocab"]]
+
+
+def test_demo_corpus_trains_through_the_data_pipeline(tmp_path):
+    cfg = preset("tiny", **{"train.train_iters": 6, "train.eval_interval": 0, "train.lr_warmup_iters": 1,
+                            "checkpoint.save_on_exit": False})
+    proc = _torchrun(cfg, tmp_path / "demo", 1, 29706)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    ev = read_events(tmp_path / "demo")
+    assert _by(ev, "run_start", 0)[0]["data"].startswith("demo")
+    losses = [e["loss"] for e in _by(ev, "step", 0)]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.05, losses

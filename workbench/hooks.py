@@ -9,8 +9,9 @@ API (``workbench.backend.train.Trainer(cfg, run_dir, hooks=TrainHooks(...))``).
     Runs one micro-batch through one model chunk.  On the last pipeline stage it returns
     per-token losses ``[b, s]`` (call ``model(batch.tokens, batch.position_ids,
     batch.attention_mask, labels=batch.labels)``), or the logits when
-    ``train.return_logits`` is on; on other stages the hidden states.  ``batch.tokens`` is
-    ``None`` on stages that do not hold the embedding.  The default is :func:`default_forward_step`.
+    ``train.return_logits`` is on; on other stages the hidden states.  Every stage receives the
+    whole batch (tokens too), so a loss hook on the last stage can look at the inputs.  The
+    default is :func:`default_forward_step`.
 
 ``loss_func(batch: Batch, losses: Tensor, **hook_kwargs) -> Tensor | (Tensor, dict)``
     Turns the per-token losses ``[b, s]`` (fp32; ``batch.logits`` holds this rank's

@@ -80,7 +80,9 @@ def build_datasets(cfg: RunConfig, run_dir: Any, log: Any = print) -> tuple[Any,
             log(f"[workbench] data source '{cfg.data.source}' needs workbench.data.megatron ({e}); "
                 "FALLING BACK to the synthetic token stream (tests only)")
         else:
-            train, valid, _test = data_build(cfg, run_dir)
+            # Megatron's GPTDataset can build a causal mask per sample; the attention module masks
+            # causally by itself (flash path), so a mask is only needed for document-level masking.
+            train, valid, _test = data_build(cfg, run_dir, create_attention_mask=bool(cfg.data.reset_attention_mask))
             return train, valid, f"{cfg.data.source} (workbench.data.megatron)"
     train = SyntheticGPTDataset(m.vocab_size, m.seq_length, cfg.train.seed)
     valid = SyntheticGPTDataset(m.vocab_size, m.seq_length, cfg.train.seed, offset=1)

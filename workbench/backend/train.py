@@ -340,7 +340,7 @@ class Trainer:
         from workbench.backend.data import MicroBatchStream
 
         t = self.cfg.train
-        if t.eval_iters <= 0:
+        if t.eval_iters <= 0 or self.valid_ds is None or len(self.valid_ds) == 0:
             return None
         for m in self.model:
             m.eval()
