@@ -295,3 +295,20 @@ def test_two_nodes_on_one_machine_rendezvous(rank_script, tmp_path):
         assert node.rank_log(r, "stdout") is not None and node.rank_log(1 - r) is None
         assert (node.run_dir / "slurm.sbatch").exists()
         assert not run_processes(node.run_dir)
+
+
+def test_bad_data_and_checkpoint_paths_refused_before_anything_starts(rank_script, tmp_path):
+    root = tmp_path / "runs"
+    cfg = preset("tiny").replace(**{
+        "data.source": "indexed",
+        "data.datasets": [{"prefix": str(tmp_path / "nowhere" / "corpus_text_document"), "weight": 1.0}],
+        "checkpoint.load_dir": str(tmp_path / "no-such-checkpoint"),
+    })
+    assert cfg.validate() == []  # well-formed: only the paths are wrong
+    with pytest.raises(ConfigError) as ei:
+        Run.launch(cfg, run_root=root, entry=[str(rank_script)], env={"FAKE_MODE": "ok"})
+    fields = {p.field for p in ei.value.problems}
+    assert "checkpoint.load_dir" in fields
+    assert any(f.startswith("data.datasets") for f in fields), fields
+    assert "nowhere" in str(ei.value)
+    assert not root.exists()

@@ -199,6 +199,14 @@ def detect_gpus() -> int:
 def launch_problems(cfg: RunConfig, *, local: bool = True) -> list[Problem]:
     """Config problems plus what this machine cannot run (checked before any process starts)."""
     problems = list(cfg.validate())
+    if not problems:  # data and checkpoint paths are only worth checking for a well-formed config
+        from workbench.data import check_data
+
+        problems += check_data(cfg)
+        load_dir = cfg.checkpoint.load_dir
+        if load_dir and not Path(load_dir).is_dir():
+            problems.append(Problem("checkpoint.load_dir", f"{load_dir} is not a directory",
+                                    "point load_dir at a checkpoint root (with latest_checkpointed_iteration.txt) or an iter_XXXXXXX dir"))
     if local and cfg.parallel.device == "cuda":
         gpus = detect_gpus()
         if gpus == 0:
