@@ -8,11 +8,14 @@ bash launch/setup.sh
 venv="${WORKBENCH_VENV:-$root/.venv}"
 export MPLBACKEND=Agg PYTHONUNBUFFERED=1
 set +e
-"$venv/bin/python" -m pytest -q "${@:-tests}" --ignore=tests/gpu -p no:cacheprovider
+# a private basetemp: another pytest session on the machine must not clean up this one's tmp dirs
+basetemp="$(mktemp -d -t workbench-tests-XXXXXX)"
+"$venv/bin/python" -m pytest -q "${@:-tests}" --ignore=tests/gpu -p no:cacheprovider --basetemp="$basetemp" --durations=15
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests; that is a failure, not a pass" >&2
   exit 1
 fi
+rm -rf "$basetemp"
 exit "$rc"

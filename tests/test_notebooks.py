@@ -44,7 +44,7 @@ def test_notebook_runs_in_ci_mode(path: Path, tmp_path: Path):
     params = _parameters_cell(nb)
     assert params is not None, f"{path.name}: no cell tagged 'parameters'"
     assert "ci = False" in params.replace("ci=False", "ci = False"), f"{path.name}: the parameters cell must declare ci = False"
-    res = run_notebook(path, {"ci": True}, tmp_path / path.stem)
+    res = run_notebook(path, {"ci": True}, tmp_path / path.stem, timeout=600)  # a cell that hangs fails, not the whole CI
     executed = nbformat.read(str(res.notebook), as_version=4)
     assert res.ok, f"{path.name} failed at {res.error}; executed notebook: {res.notebook}"
     assert _errors(executed) == []
