@@ -13,9 +13,9 @@ basetemp="$(mktemp -d -t workbench-tests-XXXXXX)"
 "$venv/bin/python" -m pytest -q "${@:-tests}" --ignore=tests/gpu -p no:cacheprovider --basetemp="$basetemp" --durations=15
 rc=$?
 set -e
+rm -rf "$basetemp"
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests; that is a failure, not a pass" >&2
   exit 1
 fi
-rm -rf "$basetemp"
 exit "$rc"
