@@ -8,12 +8,13 @@ Convention for notebook authors: a cell tagged ``parameters`` declares ``ci = Fa
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from workbench.bridge import run_notebook
 from workbench.cli import main
 
 pytestmark = pytest.mark.slow
@@ -34,6 +35,24 @@ def _errors(nb) -> list[str]:
             for o in c.get("outputs", []) if o.get("output_type") == "error"]
 
 
+def run_in_fresh_process(cmd: list[str], seconds: float) -> subprocess.CompletedProcess:
+    """Run a notebook through a command in its own process (the product's path, e.g. `workbench notebook run`).
+
+    One process per notebook: no interpreter state is shared with earlier tests. We have seen papermill's
+    client wait forever on an idle kernel (about one run in five of notebook 03 inside the full suite, never
+    outside it; root cause not found): such an attempt is killed after ``seconds`` and tried again (three attempts), so
+    a flaky hang costs minutes rather than stalling CI, and a real hang still fails.
+    """
+    for attempt in (1, 2, 3):
+        try:
+            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
+        except subprocess.TimeoutExpired:
+            if attempt == 3:
+                raise
+            print(f"note: {' '.join(cmd[3:6])} hung for {seconds:.0f}s; retrying in a fresh process")
+    raise AssertionError("unreachable")
+
+
 def test_there_are_notebooks():
     assert any(p.name == "01_quickstart.ipynb" for p in NOTEBOOKS)
 
@@ -44,11 +63,17 @@ def test_notebook_runs_in_ci_mode(path: Path, tmp_path: Path):
     params = _parameters_cell(nb)
     assert params is not None, f"{path.name}: no cell tagged 'parameters'"
     assert "ci = False" in params.replace("ci=False", "ci = False"), f"{path.name}: the parameters cell must declare ci = False"
-    res = run_notebook(path, {"ci": True}, tmp_path / path.stem, timeout=600)  # a cell that hangs fails, not the whole CI
-    executed = nbformat.read(str(res.notebook), as_version=4)
-    assert res.ok, f"{path.name} failed at {res.error}; executed notebook: {res.notebook}"
+    out = tmp_path / path.stem
+    proc = run_in_fresh_process(
+        [sys.executable, "-m", "workbench.cli", "notebook", "run", str(path), "-p", "ci", "True",
+         "--out", str(out), "--quiet", "--timeout", "600"],
+        seconds=600 if path.stem == "01_quickstart" else 150)
+    executed_path = out / f"{path.stem}.ipynb"
+    assert proc.returncode == 0, f"{path.name} failed (exit {proc.returncode}): {proc.stderr[-3000:]}; executed notebook: {executed_path}"
+    executed = nbformat.read(str(executed_path), as_version=4)
     assert _errors(executed) == []
-    assert res.html is not None and res.html.stat().st_size > 0
+    html = out / f"{path.stem}.html"
+    assert html.exists() and html.stat().st_size > 0
     if path.stem == "01_quickstart":
         metrics = json.loads((tmp_path / path.stem / "metrics.json").read_text())
         assert metrics["status"] == "finished"

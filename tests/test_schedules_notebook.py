@@ -16,15 +16,22 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_pipeline_sche
 
 @pytest.mark.slow
 def test_notebook_runs_headless_with_a_run_overlay(tmp_path):
+    import sys
+
     import nbformat
-    import papermill as pm
+
+    from tests.test_notebooks import run_in_fresh_process
 
     run = write_run(tmp_path / "run", {6: simulate("1f1b", 2, 4, forward=9.0, backward=18.0, latency=1.0, unit="ms")})
     out = tmp_path / "out.ipynb"
     t0 = time.time()
-    pm.execute_notebook(str(NOTEBOOK), str(out), parameters={"run_dir": str(run), "p": 4, "m": 8, "v": 2},
-                        kernel_name="python3", progress_bar=False, cwd=str(tmp_path),
-                        execution_timeout=120)
+    # papermill's own CLI in a fresh process: no interpreter state shared with earlier tests, and a
+    # hang fails this test instead of stalling CI
+    cmd = [sys.executable, "-m", "papermill", str(NOTEBOOK), str(out), "-p", "run_dir", str(run), "-p", "p", "4",
+           "-p", "m", "8", "-p", "v", "2", "--kernel", "python3", "--no-progress-bar", "--cwd", str(tmp_path),
+           "--execution-timeout", "120"]
+    proc = run_in_fresh_process(cmd, seconds=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     seconds = time.time() - t0
     nb = nbformat.read(str(out), as_version=4)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]

@@ -1237,7 +1237,7 @@ def _cmd_notebook_run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: {nb} has no parameter(s) {', '.join(unknown)} -> known: {', '.join(sorted(declared))}", file=sys.stderr)
         return 2
-    res = run_notebook(nb, params, args.out, runs_root=args.run_root, progress=not args.quiet)
+    res = run_notebook(nb, params, args.out, runs_root=args.run_root, progress=not args.quiet, timeout=args.timeout)
     print(f"executed notebook: {res.notebook}")
     if res.html:
         print(f"HTML export:       {res.html}")
@@ -1303,6 +1303,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", help="output directory (default: runs/<name>-<timestamp>)")
     r.add_argument("--run-root", help="parent of the default output directory")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--timeout", type=float, default=None, help="seconds a single cell may run before the notebook fails (default: no limit)")
     r.set_defaults(func=_cmd_notebook_run)
 
 
