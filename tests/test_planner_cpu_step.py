@@ -122,10 +122,10 @@ def measured():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")))
     out: dict[tuple[str, int], dict] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            out[(r["layout"], r["rank"])] = r
+    decoder = json.JSONDecoder()
+    for chunk in proc.stdout.split("RESULT ")[1:]:  # two ranks share stdout: their lines can run together
+        r, _ = decoder.raw_decode(chunk)
+        out[(r["layout"], r["rank"])] = r
     assert len(out) == 2 * len(LAYOUTS), proc.stdout[-2000:]
     return out
 
