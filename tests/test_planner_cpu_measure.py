@@ -35,41 +35,16 @@ VARIANTS = {
 
 def _probe(variants: dict[str, dict], port: int) -> dict[str, dict]:
     """Runs in the subprocess: build each variant, measure live bytes after forward and the forward peak."""
-    import weakref
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
     from workbench import planner
     from workbench.backend import distributed
     from workbench.backend.model import build_model, transformer_config
     from workbench.config import preset
 
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self, known: list[torch.Tensor]):
-            super().__init__()
-            self.live = {t.untyped_storage().data_ptr(): 0 for t in known}  # parameters: not activations
-            self.cur = 0
-            self.peak = 0
-
-        def _free(self, key: int, n: int) -> None:
-            if self.live.pop(key, None) is not None:
-                self.cur -= n
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    key = st.data_ptr()
-                    if key and key not in self.live:
-                        n = st.nbytes()
-                        self.live[key] = n
-                        self.cur += n
-                        self.peak = max(self.peak, self.cur)
-                        weakref.finalize(st, self._free, key, n)
-            return out
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ (also when run as a torchrun script)
+    from live_bytes import LiveBytes
 
     results = {}
     first = True

@@ -32,34 +32,36 @@ def _param_device(config: TransformerConfig) -> torch.device | None:
     return torch.device("cpu") if config.use_cpu_initialization else None
 
 
-class WorkbenchLayerNorm(torch.nn.Module):
-    """LayerNorm whose params are all-reduced across TP under sequence parallelism."""
+class _SPNorm(torch.nn.Module):
+    """Shared constructor: a weight (and optionally a bias) flagged ``sequence_parallel``."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float, with_bias: bool):
         super().__init__()
         self.config = config
         self.eps = eps
         self.hidden_size = hidden_size
         dev = _param_device(config)
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=dev))
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=dev))
+        if with_bias:
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=dev))
         _mark_sequence_parallel(self, config)
+
+
+class WorkbenchLayerNorm(_SPNorm):
+    """LayerNorm whose params are all-reduced across TP under sequence parallelism."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
+        super().__init__(config, hidden_size, eps, with_bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
 
-class WorkbenchRMSNorm(torch.nn.Module):
+class WorkbenchRMSNorm(_SPNorm):
     """RMSNorm (no bias) whose weight is all-reduced across TP under sequence parallelism."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
-        super().__init__()
-        self.config = config
-        self.eps = eps
-        self.hidden_size = hidden_size
-        dev = _param_device(config)
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=dev))
-        _mark_sequence_parallel(self, config)
+        super().__init__(config, hidden_size, eps, with_bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
