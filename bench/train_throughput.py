@@ -190,6 +190,16 @@ def _profile_summary(prof: Any, steps: int, wall_s: Optional[float] = None, top:
             return "norm / softmax / loss (eager)"
         return "other (eager element-wise, reductions)"
 
+    # host side: how long the CPU waited on the GPU (syncs: GPU-bound when large) and how many
+    # kernel launches it issued (host-bound when waits are ~0 and the device is often idle)
+    host_wait_ms, launches = 0.0, 0
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CPU:
+            continue
+        if "Synchronize" in e.key or e.key in ("aten::_local_scalar_dense",):
+            host_wait_ms += float(getattr(e, "self_cpu_time_total", 0.0)) / 1000.0 / steps
+        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+            launches += int(e.count) // steps
     by_cat: dict[str, float] = {}
     for name, ms, _ in rows:
         by_cat[category(name)] = by_cat.get(category(name), 0.0) + ms
@@ -201,7 +211,53 @@ def _profile_summary(prof: Any, steps: int, wall_s: Optional[float] = None, top:
         "top_kernels": [{"name": n[:120], "ms_per_step": round(ms, 3), "calls_per_step": c,
                          "share": round(ms / total, 4)} for n, ms, c in rows[:top]],
         "kernels_per_step": sum(c for _, _, c in rows),
+        "host_sync_wait_ms_per_step": round(host_wait_ms, 3),
+        "kernel_launches_per_step": launches,
     }
+
+
+def _host_profile(step_fn, cuda: bool, want: bool, steps: int = 2, top: int = 30) -> Optional[dict]:
+    """cProfile of a few steps: where the host's Python time goes (inflated by the profiler)."""
+    if not want:
+        return None
+    import cProfile
+    import pstats
+
+    _sync(cuda)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step_fn()
+    _sync(cuda)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append({"fn": f"{Path(file).name}:{line}({func})", "tottime_ms": round(tt * 1000 / steps, 3),
+                     "cumtime_ms": round(ct * 1000 / steps, 3), "calls": nc // steps})
+    by_tot = sorted(rows, key=lambda r: -r["tottime_ms"])[:top]
+    by_cum = sorted(rows, key=lambda r: -r["cumtime_ms"])[:top]
+    return {"wall_ms_per_step_under_cprofile": round(wall * 1000 / steps, 2), "by_tottime": by_tot, "by_cumtime": by_cum}
+
+
+def _fast_layer_stats(tr: Any) -> dict[str, Any]:
+    """Did the compiled layer really run (fast_calls), and did dynamo recompile or fall back?"""
+    calls, layers = 0, 0
+    for chunk in tr.model:
+        for mod in chunk.modules():
+            if hasattr(mod, "fast_calls"):
+                layers += 1
+                calls += int(mod.fast_calls)
+    out: dict[str, Any] = {"layers": layers, "fast_calls": calls}
+    try:
+        from torch._dynamo.utils import counters
+
+        out["dynamo_counters"] = {k: dict(v) for k, v in counters.items() if v}
+    except Exception as e:  # best effort
+        out["dynamo_counters"] = repr(e)
+    return out
 
 
 def _time_steps(step_fn, n: int, cuda: bool) -> list[float]:
@@ -264,7 +320,9 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     times = _time_steps(step, a.steps, cuda)
     prof = _maybe_profile(step, cuda, a.profile and v.model == a.profile_model)
+    host = _host_profile(step, cuda, a.host_profile and v.model == a.profile_model)
     return {
+        "host_profile": host,
         "step_times": times,
         "warmup_s": warmup_s,
         "first_loss": losses[0] if losses else None,
@@ -327,6 +385,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0,
                   "loop_s_n": t_n, "loop_s_2n": t_2n, "n": n}
     prof = _maybe_profile(tr.train_step, cuda, a.profile and v.model == a.profile_model and v.name.startswith("workbench/"))
+    host = _host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model)
     losses = first.get("losses") or {}
     return {
         "step_times": times,
@@ -335,6 +394,8 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         "mem_peak": mem_peak,
         "stream_cost": stream,
         "profile": prof,
+        "host_profile": host,
+        "fast_layer": _fast_layer_stats(tr),
         "kernel_path": tr.kernel_path,
     }
 
@@ -425,8 +486,9 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
     if res.get("stream_cost"):
         row["event_stream_overhead"] = res["stream_cost"]["overhead"]
         row["stream_cost"] = res["stream_cost"]
-    if res.get("profile"):
-        row["profile"] = res["profile"]
+    for key in ("profile", "host_profile", "fast_layer"):
+        if res.get(key):
+            row[key] = res[key]
     return row
 
 
@@ -482,6 +544,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="peak dense TFLOP/s per GPU for MFU (default 989)")
     ap.add_argument("--profile", action="store_true", help="torch-profiler summary for the reference and default workbench")
     ap.add_argument("--profile-model", default="gpt2-small")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile summary of the host's Python time for --profile-model")
     ap.add_argument("--no-stream-cost", action="store_true", help="skip the event-stream cost measurement")
     ap.add_argument("--no-compile-reference", action="store_true", help="run the reference eagerly")
     ap.add_argument("--variant-timeout", type=float, default=900.0, help="seconds before a variant is abandoned")
@@ -526,7 +589,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--variants {a.variants!r} matches nothing")
 
     passthrough = [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--profile-model={a.profile_model}"]
-    for flag in ("cpu_smoke", "profile", "no_stream_cost", "no_compile_reference"):
+    for flag in ("cpu_smoke", "profile", "host_profile", "no_stream_cost", "no_compile_reference"):
         if getattr(a, flag):
             passthrough.append("--" + flag.replace("_", "-"))
 
@@ -554,9 +617,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in rows:
         if r.get("profile"):
             p = r["profile"]
-            print(f"\nprofile {r['variant']}: {p['device_ms_per_step']:.1f} ms device time/step, {p['kernels_per_step']} kernels/step")
+            print(f"\nprofile {r['variant']}: {p['device_ms_per_step']:.1f} ms device time/step, {p['kernels_per_step']} kernels/step, "
+                  f"wall {p.get('wall_ms_per_step')} ms/step, host waited {p.get('host_sync_wait_ms_per_step')} ms/step in syncs")
             for cat, ms in p["by_category_ms"].items():
                 print(f"  {cat:34s} {ms:8.2f} ms")
+        if r.get("host_profile"):
+            h = r["host_profile"]
+            print(f"\nhost profile {r['variant']}: {h['wall_ms_per_step_under_cprofile']} ms/step under cProfile; top by own time:")
+            for f in h["by_tottime"][:12]:
+                print(f"  {f['tottime_ms']:8.2f} ms {f['calls']:6d}x  {f['fn']}")
+        if r.get("fast_layer"):
+            print(f"fast layer {r['variant']}: {r['fast_layer'].get('fast_calls')} compiled calls over {r['fast_layer'].get('layers')} layers")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as fh:
