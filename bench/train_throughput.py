@@ -79,6 +79,8 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
     for m in models:  # the headline comparison first, so a cut-short launch still has it
         rows.append(Variant(f"reference/{m}", "reference", m, microbatches=microbatches))
         rows.append(Variant(f"workbench/{m}", "workbench", m, microbatches=microbatches))
+        rows.append(Variant(f"workbench-nograph/{m}", "workbench", m, microbatches=microbatches,
+                            overrides={"train.cuda_graphs": False}))
     for m in models:
         rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.compile_kernels": False}))

@@ -157,6 +157,10 @@ class TrainConfig:
     microbatch_timing_interval: int = 5
     #: torch.compile the fused element-wise pieces of each layer (GPU only).
     compile_kernels: bool = True
+    #: with compile_kernels: replay each compiled layer's forward and backward as CUDA graphs
+    #: (torch.compile "reduce-overhead"), so the host no longer launches ~70 kernels per layer
+    #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
+    cuda_graphs: bool = True
     #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
     forward_step: str | None = None
     loss_func: str | None = None

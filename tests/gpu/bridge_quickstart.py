@@ -112,7 +112,7 @@ def main() -> int:
 
     # 3b. a failing run (absurd micro-batch -> CUDA OOM): failing rank + traceback surfaced, job torn down
     big = cfg.replace(**{"train.micro_batch_size": 4096, "train.global_batch_size": 4096 * max(cfg.derived().data_parallel, 1),
-                         "train.train_iters": 10})
+                         "train.train_iters": 10, "train.lr_warmup_iters": 0})
     run = Run.launch(big, run_root=work / "fail")
     t2 = time.time()
     status = run.wait(timeout=600)

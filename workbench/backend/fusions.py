@@ -62,6 +62,7 @@ __all__ = [
     "fast_path_blocker",
     "prepare_model",
     "prepare_optimizer",
+    "step_begin",
     "install_multi_tensor_fallbacks",
     "foreach_l2_norm",
     "foreach_scale",
@@ -256,7 +257,14 @@ _PIECES = {
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str):
+def _compiled(name: str, graphs: bool = False):
+    """The compiled piece ``name``; ``graphs``: replayed as CUDA graphs (cudagraph trees).
+
+    With graphs, each call site in a step (layer i, micro-batch j, forward or backward) becomes
+    one node of inductor's cudagraph tree, recorded once and replayed every step: the
+    parameters are static inputs (marked in :func:`prepare_model`), a layer's input is the
+    previous node's output (no copy), and :func:`step_begin` starts each step's path.
+    """
     fn = _PIECES[name] if name in _PIECES else {"ce": _cross_entropy_sb}[name]
     if not _COMPILE:
         return fn
@@ -266,7 +274,24 @@ def _compiled(name: str):
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 32))
+    if graphs:
+        return torch.compile(fn, dynamic=False, mode="reduce-overhead")
     return torch.compile(fn, dynamic=False)
+
+
+#: CUDA graphs for the compiled layer's training calls (set by :func:`prepare_model`).
+_GRAPHS = False
+
+
+def _piece(name: str):
+    """The compiled piece for this call: graph-replayed in training (grad on), plain otherwise."""
+    return _compiled(name, _GRAPHS and torch.is_grad_enabled())
+
+
+def step_begin() -> None:
+    """Mark the start of a training step / eval pass for the CUDA-graph trees (no-op without)."""
+    if _GRAPHS:
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def _norm_kind(module: torch.nn.Module) -> Optional[str]:
@@ -398,7 +423,7 @@ class CompiledTransformerLayer(TransformerLayer):
             out = self._tp_forward(x)
             self.fast_calls += 1
             return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True), None
-        out = _compiled("layer")(
+        out = _piece("layer")(
             x,
             ln1.weight, getattr(ln1, "bias", None),
             attn.linear_qkv.weight, attn.linear_qkv.bias,
@@ -425,18 +450,18 @@ class CompiledTransformerLayer(TransformerLayer):
         attn, mlp = self.self_attention, self.mlp
         ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
         tp_group = attn.linear_qkv.tp_group
-        h = _compiled("tp_norm")(x, ln1.weight, getattr(ln1, "bias", None), norm=st["norm"], eps=st["eps1"])
+        h = _piece("tp_norm")(x, ln1.weight, getattr(ln1, "bias", None), norm=st["norm"], eps=st["eps1"])
         h = copy_to_tensor_model_parallel_region(h, group=tp_group)
-        y = _compiled("tp_attention_partial")(h, attn.linear_qkv.weight, attn.linear_qkv.bias, attn.linear_proj.weight,
+        y = _piece("tp_attention_partial")(h, attn.linear_qkv.weight, attn.linear_qkv.bias, attn.linear_proj.weight,
                                               heads=st["heads"], groups=st["groups"], head_dim=st["head_dim"], scale=st["scale"])
         y = reduce_from_tensor_model_parallel_region(y, group=tp_group)
-        x, h = _compiled("tp_residual_norm")(x, y, attn.linear_proj.bias, ln2.weight, getattr(ln2, "bias", None),
+        x, h = _piece("tp_residual_norm")(x, y, attn.linear_proj.bias, ln2.weight, getattr(ln2, "bias", None),
                                              norm=st["norm"], eps=st["eps2"])
         h = copy_to_tensor_model_parallel_region(h, group=tp_group)
-        z = _compiled("tp_mlp_partial")(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight,
+        z = _piece("tp_mlp_partial")(h, mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight,
                                         activation=st["activation"])
         z = reduce_from_tensor_model_parallel_region(z, group=tp_group)
-        return _compiled("tp_residual")(x, z, mlp.linear_fc2.bias)
+        return _piece("tp_residual")(x, z, mlp.linear_fc2.bias)
 
 
 # --------------------------------------------------------------------------- cross entropy
@@ -479,11 +504,23 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
         if c.tensor_model_parallel_size == 1 and getattr(c, "calculate_per_token_loss", False) is False:
             gpt.compute_language_model_loss = types.MethodType(lm_cross_entropy, gpt)
             notes["cross_entropy"] = "compiled F.cross_entropy (fp32 log-softmax)"
+    global _GRAPHS
     layers = [m for chunk in model_chunks for m in _unwrap(chunk).modules() if isinstance(m, TransformerLayer)]
     if layers:
         compiled = [m for m in layers if isinstance(m, CompiledTransformerLayer) and m.fast_path_blocker is None]
         if compiled:
             notes["layer"] = f"compiled dense layer ({len(compiled)}/{len(layers)} layers)"
+            _GRAPHS = bool(getattr(cfg.train, "cuda_graphs", False)) and _COMPILE and torch.cuda.is_available() \
+                and cfg.parallel.device == "cuda"
+            if _GRAPHS:
+                import torch._dynamo
+
+                # parameters are static graph inputs: the recorded graphs read them in place
+                # (no copy per call); unguarded, so one compiled function serves all layers
+                for layer in compiled:
+                    for param in layer.parameters():
+                        torch._dynamo.mark_static_address(param, guard=False)
+                notes["cuda_graphs"] = "compiled layers' forward+backward replayed as CUDA graphs (training steps)"
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
             notes["layer"] = f"stock megatron layer ({why})"

@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from workbench.backend import fusions as _fusions
 from workbench.config import RunConfig, derive
 from workbench.events import EventWriter
 from workbench.hooks import Batch, TrainHooks, default_forward_step, load_hooks
@@ -313,6 +314,7 @@ class Trainer:
         if self.cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
+        _fusions.step_begin()  # [perf hook] a new path through the CUDA-graph trees
         self.timer.begin_step(sample)
         reports = self.forward_backward(
             forward_step_func=self._make_forward_step(train=True),
