@@ -156,3 +156,15 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
         assert v["loss_diff_max"] <= 1e-5 * abs(v["loss_stock"]) and v["grad_rel_max"] < 1e-5, v
         head_dim = 16  # tiny: hidden 64 / 4 heads; each rank holds only its shard of the fused QKV
         assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim
+
+
+def test_cuda_graphs_only_on_a_gpu_with_compiled_kernels():
+    from workbench.backend import fusions
+    from workbench.config import preset
+
+    gpu = preset("tiny").replace(**{"parallel.device": "cuda", "train.compile_kernels": True, "train.cuda_graphs": True})
+    assert fusions.graphs_wanted(gpu) == torch.cuda.is_available()
+    assert not fusions.graphs_wanted(gpu.replace(**{"train.cuda_graphs": False}))
+    assert not fusions.graphs_wanted(gpu.replace(**{"train.compile_kernels": False}))
+    assert not fusions.graphs_wanted(gpu.replace(**{"parallel.device": "cpu"}))
+    fusions.step_begin()  # a no-op without graphs (must not touch CUDA)

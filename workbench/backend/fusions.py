@@ -63,6 +63,7 @@ __all__ = [
     "prepare_model",
     "prepare_optimizer",
     "step_begin",
+    "graphs_wanted",
     "install_multi_tensor_fallbacks",
     "foreach_l2_norm",
     "foreach_scale",
@@ -288,6 +289,12 @@ def _piece(name: str):
     return _compiled(name, _GRAPHS and torch.is_grad_enabled())
 
 
+def graphs_wanted(cfg: Any) -> bool:
+    """CUDA graphs for the compiled layers: ``train.cuda_graphs`` with compiled kernels on a GPU."""
+    return bool(getattr(cfg.train, "cuda_graphs", False)) and _wanted(cfg) and _COMPILE \
+        and cfg.parallel.device == "cuda" and torch.cuda.is_available()
+
+
 def step_begin() -> None:
     """Mark the start of a training step / eval pass for the CUDA-graph trees (no-op without)."""
     if _GRAPHS:
@@ -510,16 +517,15 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
         compiled = [m for m in layers if isinstance(m, CompiledTransformerLayer) and m.fast_path_blocker is None]
         if compiled:
             notes["layer"] = f"compiled dense layer ({len(compiled)}/{len(layers)} layers)"
-            _GRAPHS = bool(getattr(cfg.train, "cuda_graphs", False)) and _COMPILE and torch.cuda.is_available() \
-                and cfg.parallel.device == "cuda"
+            _GRAPHS = graphs_wanted(cfg)
             if _GRAPHS:
-                import torch._dynamo
+                from torch._dynamo import mark_static_address
 
                 # parameters are static graph inputs: the recorded graphs read them in place
                 # (no copy per call); unguarded, so one compiled function serves all layers
                 for layer in compiled:
                     for param in layer.parameters():
-                        torch._dynamo.mark_static_address(param, guard=False)
+                        mark_static_address(param, guard=False)
                 notes["cuda_graphs"] = "compiled layers' forward+backward replayed as CUDA graphs (training steps)"
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
