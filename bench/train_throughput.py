@@ -101,10 +101,16 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             rows.append(Variant("workbench/gpt2-large", "workbench", "gpt2-large", microbatches=microbatches))
         rows.append(Variant("tp2/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
                             baseline="workbench/gpt2-large", overrides={"parallel.tensor_parallel": 2}))
+        rows.append(Variant("tp2-nograph/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
+                            baseline="workbench/gpt2-large",
+                            overrides={"parallel.tensor_parallel": 2, "train.cuda_graphs": False}))
         if "gpt2-medium" in models:
             rows.append(Variant("pp2-m8/gpt2-medium", "workbench", "gpt2-medium", gpus=2, microbatches=8,
                                 baseline="pp1-m8/gpt2-medium", overrides={"parallel.pipeline_parallel": 2}))
-            rows.append(Variant("pp1-m8/gpt2-medium", "workbench", "gpt2-medium", microbatches=8))
+            # the bubble is a schedule property: compare stages running the same kernels (CUDA
+            # graphs are off under pipeline parallelism, so off for this one-GPU baseline too)
+            rows.append(Variant("pp1-m8/gpt2-medium", "workbench", "gpt2-medium", microbatches=8,
+                                overrides={"train.cuda_graphs": False}))
     return rows
 
 

@@ -167,4 +167,5 @@ def test_cuda_graphs_only_on_a_gpu_with_compiled_kernels():
     assert not fusions.graphs_wanted(gpu.replace(**{"train.cuda_graphs": False}))
     assert not fusions.graphs_wanted(gpu.replace(**{"train.compile_kernels": False}))
     assert not fusions.graphs_wanted(gpu.replace(**{"parallel.device": "cpu"}))
+    assert not fusions.graphs_wanted(gpu.replace(**{"parallel.pipeline_parallel": 2}))
     fusions.step_begin()  # a no-op without graphs (must not touch CUDA)
