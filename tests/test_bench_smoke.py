@@ -65,7 +65,8 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
 
     variants = tt.plan(["gpt2-small", "gpt2-medium"], gpus=2, have_te=False, microbatches=4)
     names = [v.name for v in variants]
-    assert names[:4] == ["reference/gpt2-small", "workbench/gpt2-small", "reference/gpt2-medium", "workbench/gpt2-medium"]
+    assert names[:6] == ["reference/gpt2-small", "workbench/gpt2-small", "workbench-nograph/gpt2-small",
+                         "reference/gpt2-medium", "workbench/gpt2-medium", "workbench-nograph/gpt2-medium"]
     assert "workbench-te/gpt2-small" not in names  # only when Transformer Engine is importable
     expect = {  # name: (tp, pp, dp, micro-batches, micro-batch size)
         "workbench/gpt2-small": (1, 1, 1, 4, 16),
@@ -76,7 +77,14 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
         "workbench/gpt2-large": (1, 1, 1, 4, 8),
         "pp2-m8/gpt2-medium": (1, 2, 1, 8, 8),
         "pp1-m8/gpt2-medium": (1, 1, 1, 8, 8),
+        "tp2-nograph/gpt2-large": (2, 1, 1, 4, 8),
     }
+    # CUDA graphs: on by default; off in the -nograph rows and in the PP one-GPU baseline
+    # (graphs are off under pipeline parallelism, so its baseline runs the same kernels)
+    graphs = {n: tt.bench_config(v).train.cuda_graphs for n, v in {v.name: v for v in variants}.items()}
+    assert graphs["workbench/gpt2-medium"] and graphs["tp2/gpt2-large"]
+    assert not graphs["workbench-nograph/gpt2-medium"] and not graphs["tp2-nograph/gpt2-large"]
+    assert not graphs["pp1-m8/gpt2-medium"]
     by_name = {v.name: v for v in variants}
     for name, (tp, pp, dp, micro, mbs) in expect.items():
         cfg = tt.bench_config(by_name[name])

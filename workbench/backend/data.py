@@ -112,11 +112,28 @@ class MicroBatchStream:
         self.num_micro = d.num_microbatches
         self._step = 0
         self._micro = 0
+        self._ahead: Optional[dict[str, torch.Tensor]] = None
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
+    def prefetch(self) -> None:
+        """Build the next micro-batch now, while the GPU is still busy (same order, same data).
+
+        The trainer calls this once the step's forward/backward work is queued, so the next
+        step's first micro-batch is not built on the host while the GPU idles after the
+        step-boundary synchronize.
+        """
+        if self._ahead is None:
+            self._ahead = self._build()
+
     def __next__(self) -> dict[str, torch.Tensor]:
+        if self._ahead is not None:
+            out, self._ahead = self._ahead, None
+            return out
+        return self._build()
+
+    def _build(self) -> dict[str, torch.Tensor]:
         idx = microbatch_indices(self._step, self._micro, self.gbs, self.mbs, self.dp, self.dp_rank, self.consumed_samples)
         self._micro += 1
         if self._micro == self.num_micro:

@@ -326,6 +326,8 @@ class Trainer:
             forward_only=False,
         )
         ops = self.timer.end_step()
+        for stream in self.train_iters:  # next step's first micro-batch, built while the GPU works
+            stream.prefetch()
         ok, grad_norm, _zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
