@@ -121,12 +121,13 @@ def test_launch_button_starts_the_run(tmp_path):
 # --------------------------------------------------------------------------- dashboard / plots
 
 
-def _synthetic_run(run_dir: Path, iters: int = 5, fail_rank: int | None = None, world: int = 2) -> Path:
+def _synthetic_run(run_dir: Path, iters: int = 5, fail_rank: int | None = None, world: int = 2,
+                   kernel_path: dict | None = None) -> Path:
     cfg = preset("tiny").replace(**{"parallel.nproc_per_node": world, "train.train_iters": iters})
     cfg.save(run_dir / "config.json")
     for r in range(world):
         with EventWriter(run_dir, r) as w:
-            w.emit("run_start", config=cfg.to_dict(), world_size=world)
+            w.emit("run_start", config=cfg.to_dict(), world_size=world, kernel_path=kernel_path or {})
             for it in range(1, iters + 1):
                 w.emit("step", iteration=it, loss=(10.0 - it) if r == world - 1 else None, lr=1e-4 * it, grad_norm=2.0 / it,
                        step_time=0.5, tokens_per_s=1000.0 + it, mfu=0.3, mem_allocated=(r + 1) * 2**30,
@@ -169,6 +170,13 @@ def test_training_figure_draws_the_frames(tmp_path):
     heights = sorted(round(p.get_height(), 3) for p in ax_mem.patches)
     assert heights == [1.0, 1.0, 1.0, 2.0, 2.0, 3.0]  # allocated 1,2 / reserved 2,3 / planner 1,1 (GiB)
     assert list(ax_tput.get_lines()[0].get_ydata()) == [1001.0 + i for i in range(6)]
+    assert [t.get_text() for t in ax_mem.get_legend().get_texts()] == ["allocated", "reserved", "planner"]
+    # a run that replays CUDA graphs says that "allocated" leaves out the graph pool
+    graphs = Run.attach(_synthetic_run(tmp_path / "g", kernel_path={"fast_cuda_graphs": "compiled layers' forward+backward replayed"}))
+    legend = training_figure(frames_from_run(graphs)).axes[2].get_legend().get_texts()
+    assert "CUDA-graph pool" in legend[0].get_text()
+    off = Run.attach(_synthetic_run(tmp_path / "o", kernel_path={"fast_cuda_graphs": "off: pipeline parallel"}))
+    assert not frames_from_run(off).cuda_graphs
     # an empty run still draws (placeholders), so a dashboard can open before the first step
     empty = tmp_path / "empty"
     preset("tiny").save(empty / "config.json")

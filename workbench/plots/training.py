@@ -27,11 +27,22 @@ class TrainingFrames:
     memory: Any  # rank, mem_allocated, mem_reserved, mem_peak
     train_iters: int | None = None
     title: str | None = None
+    #: the run replays its layers as CUDA graphs: their pool is reserved memory, never "allocated"
+    cuda_graphs: bool = False
+
+
+def _used_cuda_graphs(run) -> bool:
+    for ev in run.events("run_start"):
+        note = str((ev.get("kernel_path") or {}).get("fast_cuda_graphs", ""))
+        if note and not note.startswith("off"):
+            return True
+    return False
 
 
 def frames_from_run(run) -> TrainingFrames:
     total = run.config.train.train_iters if getattr(run, "config", None) else None
-    return TrainingFrames(run.steps, run.train_loss, run.evals, run.memory, total, run.run_dir.name)
+    return TrainingFrames(run.steps, run.train_loss, run.evals, run.memory, total, run.run_dir.name,
+                          cuda_graphs=_used_cuda_graphs(run))
 
 
 def _per_iteration(steps, column: str, how: str = "max"):
@@ -120,7 +131,8 @@ def training_figure(frames: TrainingFrames, predicted_memory: Mapping[int, float
                 out.append(nan if v is None or v != v else float(v) / GIB)
             return out
 
-        ax_mem.bar([i - 0.4 + w / 2 for i in x], col(0), w, label="allocated", color="C0")
+        allocated = "allocated (CUDA-graph pool: see reserved)" if frames.cuda_graphs else "allocated"
+        ax_mem.bar([i - 0.4 + w / 2 for i in x], col(0), w, label=allocated, color="C0")
         ax_mem.bar([i - 0.4 + 1.5 * w for i in x], col(1), w, label="reserved", color="C1")
         if pred:
             ax_mem.bar([i - 0.4 + 2.5 * w for i in x], [pred.get(r, nan) / GIB for r in ranks], w, label="planner", color="0.6", hatch="//")
