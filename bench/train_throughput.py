@@ -167,8 +167,9 @@ def _profile_summary(prof: Any, steps: int, wall_s: Optional[float] = None, top:
     """Top kernels by device time and device time by category, per step."""
     from torch.autograd import DeviceType
 
+    events = prof.key_averages()
     rows = []
-    for e in prof.key_averages():
+    for e in events:
         if e.device_type == DeviceType.CPU:  # CPU ops also carry their kernels' time: count kernels only
             continue
         dev = getattr(e, "self_device_time_total", None)
@@ -201,7 +202,7 @@ def _profile_summary(prof: Any, steps: int, wall_s: Optional[float] = None, top:
     # host side: how long the CPU waited on the GPU (syncs: GPU-bound when large) and how many
     # kernel launches it issued (host-bound when waits are ~0 and the device is often idle)
     host_wait_ms, launches = 0.0, 0
-    for e in prof.key_averages():
+    for e in events:
         if e.device_type != DeviceType.CPU:
             continue
         if "Synchronize" in e.key or e.key in ("aten::_local_scalar_dense",):

@@ -175,7 +175,7 @@ def test_training_figure_draws_the_frames(tmp_path):
     graphs = Run.attach(_synthetic_run(tmp_path / "g", kernel_path={"fast_cuda_graphs": "compiled layers' forward+backward replayed"}))
     legend = training_figure(frames_from_run(graphs)).axes[2].get_legend().get_texts()
     assert "CUDA-graph pool" in legend[0].get_text()
-    off = Run.attach(_synthetic_run(tmp_path / "o", kernel_path={"fast_cuda_graphs": "off: pipeline parallel"}))
+    off = Run.attach(_synthetic_run(tmp_path / "o", kernel_path={"fast_cuda_graphs_off": "pipeline parallel"}))
     assert not frames_from_run(off).cuda_graphs
     # an empty run still draws (placeholders), so a dashboard can open before the first step
     empty = tmp_path / "empty"

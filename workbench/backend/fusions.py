@@ -505,6 +505,8 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
 
     Binds the compiled cross-entropy on last-stage chunks at TP=1.  Returns what it did.
     """
+    global _GRAPHS
+    _GRAPHS = False  # per model: a process may build several (tests, benchmarks)
     notes: dict[str, str] = {}
     if not _wanted(cfg):
         return notes
@@ -516,7 +518,6 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
         if c.tensor_model_parallel_size == 1 and getattr(c, "calculate_per_token_loss", False) is False:
             gpt.compute_language_model_loss = types.MethodType(lm_cross_entropy, gpt)
             notes["cross_entropy"] = "compiled F.cross_entropy (fp32 log-softmax)"
-    global _GRAPHS
     layers = [m for chunk in model_chunks for m in _unwrap(chunk).modules() if isinstance(m, TransformerLayer)]
     if layers:
         compiled = [m for m in layers if isinstance(m, CompiledTransformerLayer) and m.fast_path_blocker is None]
@@ -533,7 +534,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                         mark_static_address(param, guard=False)
                 notes["cuda_graphs"] = "compiled layers' forward+backward replayed as CUDA graphs (training steps)"
             elif getattr(cfg.train, "cuda_graphs", False) and cfg.parallel.pipeline_parallel > 1:
-                notes["cuda_graphs"] = "off: pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
+                notes["cuda_graphs_off"] = "pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
             notes["layer"] = f"stock megatron layer ({why})"
