@@ -227,5 +227,21 @@ def main() -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Tear down the process group, then leave without interpreter finalisation.
+
+    CI (torch 2.14.1, 2 cores) saw this helper abort after printing its result ("terminate
+    called without an active exception", exit -6): a gloo/compile worker thread still alive
+    while Python finalised the process group.  The result is already printed; nothing is
+    left to clean up that the OS does not.
+    """
+    from workbench.backend import distributed
+
+    distributed.destroy()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

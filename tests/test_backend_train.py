@@ -130,7 +130,14 @@ def test_sigterm_stops_cleanly_with_checkpoint(tmp_path):
             time.sleep(0.5)
         else:
             pytest.fail("no training steps within 180 s")
-        proc.send_signal(signal.SIGTERM)
+        # signal one rank only (as a scheduler's preemption of one node would): the other must
+        # learn of it through the stop agreement and stop at the very same step boundary
+        import psutil
+
+        workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "workbench.backend" in " ".join(c.cmdline())]
+        rank1 = [w for w in workers if w.environ().get("RANK") == "1"]
+        assert len(workers) == 2 and len(rank1) == 1, [w.cmdline() for w in workers]
+        rank1[0].send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -142,6 +149,7 @@ def test_sigterm_stops_cleanly_with_checkpoint(tmp_path):
         assert len(end) == 1 and end[0]["status"] == "stopped" and end[0]["exit_code"] == 143, out[-3000:]
         assert end[0]["iteration"] < 2000
     stopped_at = _by(ev, "run_end", 0)[0]["iteration"]
+    assert _by(ev, "run_end", 1)[0]["iteration"] == stopped_at  # one agreed boundary
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped_at)
     assert not _by(ev, "error")
 

@@ -75,6 +75,8 @@ def test_trainer_steps_identical_with_fast_paths(checks):
     assert fast["fast_calls"] == 4 * 2 * 3  # layers x micro-batches x steps
     assert stock["fast_calls"] == 0
     assert "fast_layer" in fast["kernel_path"] and "fast_multi_tensor" in fast["kernel_path"]
+    # the grad norm stayed on the device (clip_grad 1.0 < these norms: the clipping ran there too)
+    assert "fast_grad_norm" in fast["kernel_path"] and min(fast["grad_norms"]) > 1.0
     assert not any(k.startswith("fast_") for k in stock["kernel_path"])
 
 
@@ -108,12 +110,23 @@ def test_foreach_multi_tensor_ops_match_plain_torch(monkeypatch):
     fusions.foreach_scale(2048, flag, [inplace, inplace], 0.25)  # grad clipping scale
     assert all(torch.allclose(a, 0.25 * b) for a, b in zip(inplace, ts))
 
-    for mod, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"), (mopt, "multi_tensor_scale_impl")):
+    # clipping by a device-resident coefficient: scales like the float path, and 1.0 is bit-exact
+    clipped = [t.clone() for t in ts]
+    fusions.foreach_scale_by_tensor(2048, flag, [clipped, clipped], torch.tensor([0.25]))
+    assert all(torch.equal(a, b * 0.25) for a, b in zip(clipped, ts))
+    kept = [t.clone() for t in ts]
+    fusions.foreach_scale_by_tensor(2048, flag, [kept, kept], torch.tensor([1.0]).clamp_max(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(kept, ts))
+
+    for mod, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"), (mopt, "multi_tensor_scale_impl"),
+                      (clip_grads, "multi_tensor_scale_tensor_impl")):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
     if clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm:  # no apex / TE here
+        assert clip_grads.multi_tensor_scale_tensor_impl is None  # so megatron syncs on the norm
         assert fusions.install_multi_tensor_fallbacks()
         assert clip_grads.l2_norm_impl is fusions.foreach_l2_norm
         assert mopt.multi_tensor_scale_impl is fusions.foreach_scale
+        assert clip_grads.multi_tensor_scale_tensor_impl is fusions.foreach_scale_by_tensor
 
 
 def test_fused_adam_leaves_cpu_params_alone():

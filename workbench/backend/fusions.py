@@ -67,6 +67,7 @@ __all__ = [
     "install_multi_tensor_fallbacks",
     "foreach_l2_norm",
     "foreach_scale",
+    "foreach_scale_by_tensor",
     "use_fused_adam",
     "lm_cross_entropy",
     "set_compile",
@@ -565,10 +566,31 @@ def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, 
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
+def foreach_scale_by_tensor(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, scale: torch.Tensor) -> None:
+    """Drop-in for TE's ``multi_tensor_scale_tensor``: ``dst = src * scale`` with ``scale`` on the device.
+
+    With it, megatron keeps the gradient norm on the device (``get_grad_norm_fp32`` returns a
+    tensor and clipping multiplies by ``min(1, max_norm / (norm + 1e-6))`` there) instead of
+    a ``.item()`` in the middle of every optimizer step: one host sync fewer per step, so the
+    host launches the Adam update while the norm is still being computed.  Multiplying by
+    exactly 1.0 when no clipping is needed leaves the gradients bit-identical.
+    """
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    scale = scale.reshape(()).to(src[0].dtype)
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
 def install_multi_tensor_fallbacks() -> bool:
     """Replace megatron's Python-loop multi-tensor fallbacks with foreach kernels (idempotent).
 
     Only the local fallbacks are replaced (when apex / TE provide real kernels nothing changes).
+    Without TE megatron also has no tensor-scale kernel, so it syncs on the grad norm every
+    step; :func:`foreach_scale_by_tensor` fills that slot too.
     """
     from megatron.core import utils as mutils
     from megatron.core.optimizer import clip_grads, optimizer as mopt
@@ -581,6 +603,10 @@ def install_multi_tensor_fallbacks() -> bool:
         if getattr(mod, "multi_tensor_scale_impl", None) is mutils.local_multi_tensor_scale:
             mod.multi_tensor_scale_impl = foreach_scale
             changed = True
+    if clip_grads.l2_norm_impl is foreach_l2_norm and getattr(clip_grads, "multi_tensor_scale_tensor_impl", 0) is None:
+        clip_grads.multi_tensor_scale_tensor_impl = foreach_scale_by_tensor
+        _STATE["grad_norm"] = "on the device (no host sync in the optimizer step)"
+        changed = True
     if changed or clip_grads.l2_norm_impl is foreach_l2_norm:
         _STATE["multi_tensor"] = "torch._foreach_* (replacing megatron's Python-loop fallbacks)"
         return True

@@ -198,12 +198,16 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         apply_rope_fusion=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=not cpu,
-        # Megatron-LM's rule (batch_p2p_comm = not overlap_p2p_comm; overlap on for interleaving).
-        # Measured on 2 H200s: interleaved 1F1B with batched p2p at PP=2 (both neighbours are
-        # the same rank) mixed up activations and gradients (grad norm 1e7, no learning).
-        # gloo has no batched isend/irecv, and CPU mode keeps the plain blocking exchange.
+        # Pipeline p2p: plain isend/irecv, never batch_isend_irecv.  mcore's batched path ends
+        # every exchange with torch.cuda.synchronize() (batch_p2p_sync, a workaround for old
+        # PyTorch): ~2 device syncs per micro-batch, so the host can never run ahead of a
+        # stage and the GPU idles during every launch gap.  Measured on 2 H200s before this:
+        # PP=2, m=8 at 1.36x of one GPU against an ideal 1.78x.  Interleaved 1F1B also
+        # mixed up activations and gradients with batched p2p at PP=2 (both neighbours are
+        # the same rank; grad norm 1e7), so it overlaps its plain p2p as Megatron-LM does.
+        # gloo (CPU mode) has no batched isend/irecv either: one code path everywhere.
         overlap_p2p_comm=(not cpu) and p.vpp > 1,
-        batch_p2p_comm=(not cpu) and p.vpp == 1,
+        batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
     )
     if p.recompute == "full":

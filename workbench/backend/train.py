@@ -14,9 +14,10 @@
   on a graceful stop), resume from ``checkpoint.load_dir`` continuing iteration, LR
   schedule and data position (``consumed_samples``); ``checkpoint.finetune`` loads weights only;
 - events (:mod:`workbench.events`): run_start, step, microbatch, eval, checkpoint, error, run_end;
-- SIGTERM/SIGINT: the current step finishes, all ranks agree to stop (one tiny all-reduce
-  per step), a checkpoint is saved if ``checkpoint.save_on_exit``, ``run_end`` says
-  "stopped", and the exit code is 143 / 130.  A second signal, or max(15 s, 3 step times)
+- SIGTERM/SIGINT: all ranks agree to stop at the same step boundary (a non-blocking tiny
+  all-reduce per step, read one step later; see ``_agree_stop``), a checkpoint is saved if
+  ``checkpoint.save_on_exit``, ``run_end`` says "stopped", and the exit code is 143 / 130.
+  A second signal, or max(15 s, 5 step times)
   without reaching a step boundary (a rank blocked in a collective), exits at once.  Any exception -> ``error`` event, ``run_end`` "failed",
   exit code 1, so torchrun tears the job down.
 """
@@ -102,6 +103,7 @@ class Trainer:
         self.last_loss: Optional[float] = None
         self._ended = False
         self._last_step_time = 0.0
+        self._stop_pending: Optional[tuple[Any, torch.Tensor]] = None  # (work, flag) of the lagged stop agreement
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -325,7 +327,6 @@ class Trainer:
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
-        ops = self.timer.end_step()
         for stream in self.train_iters:  # next step's first micro-batch, built while the GPU works
             stream.prefetch()
         ok, grad_norm, _zeros = self.optimizer.step()
@@ -335,6 +336,9 @@ class Trainer:
         if self.cuda:
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
+        # micro-batch timings resolve after the step's own sync: reading them costs no extra
+        # device sync (one before the optimizer would idle the GPU while the host launches it)
+        ops = self.timer.end_step()
         self._last_step_time = step_time
         self.iteration += 1
         self.consumed_samples += t.global_batch_size
@@ -393,7 +397,7 @@ class Trainer:
             print(f"[workbench] rank {self.rank}: received signal {signum}; stopping after this step", file=sys.stderr, flush=True)
 
             def watchdog():
-                time.sleep(max(15.0, 3.0 * self._last_step_time))
+                time.sleep(max(15.0, 5.0 * self._last_step_time))  # the agreement lands within two steps
                 self._end("stopped", STOP_CODES.get(signum, 1))
                 os._exit(STOP_CODES.get(signum, 1))
 
@@ -403,11 +407,35 @@ class Trainer:
         signal.signal(signal.SIGINT, handler)
 
     def _agree_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop_signal is not None else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0 and self.stop_signal is None:
-            self.stop_signal = signal.SIGTERM  # another rank was signalled
-        return flag.item() > 0
+        """Whether every rank stops after this step; all ranks always give the same answer.
+
+        One process: its own flag.  Several: each step boundary starts a non-blocking MAX
+        all-reduce of the ranks' flags and reads the one started at the previous boundary,
+        which has long finished (the step in between ended with a device sync).  So a stop
+        lands one step after the signal, and no step waits on a collective of its own.
+        """
+        local = 1.0 if self.stop_signal is not None else 0.0
+        if self.coords.world_size == 1:
+            return local > 0
+        agreed = False
+        pending, self._stop_pending = self._stop_pending, None
+        if pending is not None:
+            work, flag = pending
+            work.wait()
+            agreed = flag.item() > 0
+        if agreed:
+            if self.stop_signal is None:
+                self.stop_signal = signal.SIGTERM  # another rank was signalled
+            return True
+        flag = torch.tensor([local], device=self.device)
+        self._stop_pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return False
+
+    def _drain_stop(self) -> None:
+        """Finish the outstanding stop all-reduce (every rank has one: same sequence everywhere)."""
+        pending, self._stop_pending = self._stop_pending, None
+        if pending is not None:
+            pending[0].wait()
 
     def _end(self, status: str, code: int) -> None:
         if self._ended:
@@ -493,6 +521,7 @@ class Trainer:
                 self._end("stopped", code)
                 return code
         bar.close()
+        self._drain_stop()
         if c.save_on_exit and saved_at != self.iteration:
             self.save()
         self._end("finished", 0)

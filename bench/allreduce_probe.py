@@ -1,0 +1,94 @@
+"""How fast the GPUs of this machine talk: NCCL all-reduce and p2p send/recv, sized like TP / PP traffic.
+
+Tensor parallelism without sequence parallelism all-reduces each layer's activations four
+times per micro-batch (two forward, two backward); pipeline parallelism sends one activation
+per micro-batch and stage boundary.  Whether TP=2 can ever pay depends on this link, so the
+benchmark results cite these numbers next to the TP rows.
+
+    torchrun --nproc-per-node 2 bench/allreduce_probe.py --out bench/results/allreduce_probe.jsonl
+
+Prints a table and appends JSON lines (device, date, commit, sizes, times, bus bandwidth).
+Bus bandwidth follows nccl-tests: all-reduce busbw = 2 (n-1)/n * bytes / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from workbench.provenance import stamp  # noqa: E402
+
+#: 20 MiB = one GPT-2 large activation [1024, 8, 1280] bf16 (the benchmark's TP=2 micro-batch)
+SIZES_MIB = (1, 5, 20, 80)
+
+
+def _time(fn, iters: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "allreduce_probe.jsonl"))
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl")
+    rows = []
+    for mib in SIZES_MIB:
+        x = torch.randn(mib * 2**19, device="cuda", dtype=torch.bfloat16)  # mib MiB of bf16
+        ms = _time(lambda: dist.all_reduce(x), a.iters)
+        nbytes = x.numel() * x.element_size()
+        rows.append({"op": "all_reduce", "mib": mib, "ms": ms, "busbw_gbs": 2 * (world - 1) / world * nbytes / ms / 1e6})
+        if world == 2:
+            peer = 1 - rank
+
+            def exchange():
+                ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, torch.empty_like(x), peer)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+
+            ms = _time(exchange, a.iters)
+            rows.append({"op": "sendrecv", "mib": mib, "ms": ms, "busbw_gbs": nbytes / ms / 1e6})
+    if rank == 0:
+        try:
+            topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+        except OSError:
+            topo = ""
+        base = {**stamp(), "world_size": world, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                "env": {k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_SHM_DISABLE")}}
+        print(topo)
+        print(f"{'op':12s} {'MiB':>5s} {'ms':>8s} {'busbw GB/s':>11s}")
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(a.out, "a") as fh:
+            for r in rows:
+                print(f"{r['op']:12s} {r['mib']:5d} {r['ms']:8.3f} {r['busbw_gbs']:11.1f}")
+                fh.write(json.dumps({**base, **r, "topology": topo.strip()}) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
