@@ -9,6 +9,7 @@ benchmark results cite these numbers next to the TP rows.
 
 Prints a table and appends JSON lines (device, date, commit, sizes, times, bus bandwidth).
 Bus bandwidth follows nccl-tests: all-reduce busbw = 2 (n-1)/n * bytes / time.
+``--cpu`` runs the same over gloo with host timers (checks the script; CI runs it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,18 +34,23 @@ from workbench.provenance import stamp  # noqa: E402
 SIZES_MIB = (1, 5, 20, 80)
 
 
-def _time(fn, iters: int) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
+def _time(fn, iters: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs (CUDA events around each on GPUs)."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
@@ -51,14 +58,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "allreduce_probe.jsonl"))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cpu", action="store_true", help="gloo on the CPU, 1 MiB only (a smoke test of the script)")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl")
+    cuda = not a.cpu
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = "cuda" if cuda else "cpu"
     rows = []
-    for mib in SIZES_MIB:
-        x = torch.randn(mib * 2**19, device="cuda", dtype=torch.bfloat16)  # mib MiB of bf16
-        ms = _time(lambda: dist.all_reduce(x), a.iters)
+    for mib in SIZES_MIB if cuda else SIZES_MIB[:1]:
+        x = torch.randn(mib * 2**19, device=device, dtype=torch.bfloat16 if cuda else torch.float16)  # mib MiB
+        ms = _time(lambda: dist.all_reduce(x), a.iters, cuda)
         nbytes = x.numel() * x.element_size()
         rows.append({"op": "all_reduce", "mib": mib, "ms": ms, "busbw_gbs": 2 * (world - 1) / world * nbytes / ms / 1e6})
         if world == 2:
@@ -69,14 +80,15 @@ def main() -> int:
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
-            ms = _time(exchange, a.iters)
+            ms = _time(exchange, a.iters, cuda)
             rows.append({"op": "sendrecv", "mib": mib, "ms": ms, "busbw_gbs": nbytes / ms / 1e6})
     if rank == 0:
         try:
-            topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
-        except OSError:
+            topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout if cuda else ""
+        except (OSError, subprocess.SubprocessError):
             topo = ""
-        base = {**stamp(), "world_size": world, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        base = {**stamp(), "world_size": world, "backend": dist.get_backend(),
+                "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
                 "env": {k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_SHM_DISABLE")}}
         print(topo)
         print(f"{'op':12s} {'MiB':>5s} {'ms':>8s} {'busbw GB/s':>11s}")

@@ -19,6 +19,8 @@ workbench-te        1     Transformer Engine spec (only when transformer_engine 
 dp2                 2     workbench, data parallel 2 (grad-reduce overlap on)
 dp2-distopt         2     dp2 + distributed optimizer (param-gather overlap on)
 tp2/gpt2-large      2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
+tp2-graph           2     tp2 with ``train.tp_collectives_in_graph`` (one graph per layer, collectives inside)
+tp2-sp-graph        2     tp2-graph plus sequence parallelism
 pp2-m8              2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
 ==================  ====  ==============================================================
 
@@ -104,6 +106,14 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         rows.append(Variant("tp2-nograph/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
                             baseline="workbench/gpt2-large",
                             overrides={"parallel.tensor_parallel": 2, "train.cuda_graphs": False}))
+        # one compiled graph per layer with the TP collectives inside (train.tp_collectives_in_graph)
+        rows.append(Variant("tp2-graph/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
+                            baseline="workbench/gpt2-large",
+                            overrides={"parallel.tensor_parallel": 2, "train.tp_collectives_in_graph": True}))
+        rows.append(Variant("tp2-sp-graph/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
+                            baseline="workbench/gpt2-large",
+                            overrides={"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True,
+                                       "train.tp_collectives_in_graph": True}))
         if "gpt2-medium" in models:
             rows.append(Variant("pp2-m8/gpt2-medium", "workbench", "gpt2-medium", gpus=2, microbatches=8,
                                 baseline="pp1-m8/gpt2-medium", overrides={"parallel.pipeline_parallel": 2}))

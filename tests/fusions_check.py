@@ -99,8 +99,17 @@ def check_tp2() -> dict:
     fusions.set_compile(os.environ.get("CHECK_COMPILE") == "1")
     out = {}
     first = True
-    for name in ("gpt", "llama-like"):
-        cfg = preset("tiny", **VARIANTS[name], **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
+    # "+graph": train.tp_collectives_in_graph (one graph per layer, functional collectives);
+    # "+sp": and sequence parallelism (all-gather / reduce-scatter inside that graph)
+    graph = {"train.tp_collectives_in_graph": True}
+    cases = {"gpt": VARIANTS["gpt"], "llama-like": VARIANTS["llama-like"], "gpt+graph": {**VARIANTS["gpt"], **graph},
+             "gpt+graph+sp": {**VARIANTS["gpt"], **graph, "parallel.sequence_parallel": True},
+             "llama-like+graph+sp": {**VARIANTS["llama-like"], **graph, "parallel.sequence_parallel": True}}
+    only = os.environ.get("CHECK_CASES")
+    for name, over in cases.items():
+        if only and name not in only.split(","):
+            continue
+        cfg = preset("tiny", **over, **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
         if first:
             distributed.initialize(cfg)
             first = False
@@ -127,8 +136,17 @@ def check_tp2() -> dict:
         out[name] = {"loss_stock": losses[0], "loss_fast": losses[1], "grad_rel_max": worst[0].item(),
                      "loss_diff_max": worst[1].item(), "fast_calls_all_ranks": calls.item(),
                      "blockers": [l.fast_path_blocker for l in fast.decoder.layers],
+                     "one_graph": ["tp_group" in getattr(l, "_static", {}) for l in fast.decoder.layers],
+                     "graph_breaks": _graph_breaks(),
                      "local_qkv_rows": int(fast.decoder.layers[0].self_attention.linear_qkv.weight.shape[0])}
     return out
+
+
+def _graph_breaks() -> int:
+    """torch.compile graph breaks so far in this process (0: every compiled piece stayed one graph)."""
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["graph_break"].values()))
 
 
 def check_reference() -> dict:

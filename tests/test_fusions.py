@@ -153,22 +153,45 @@ def test_transformer_config_overrides_only_on_gpu_with_compile_kernels():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
-    """TP=2 (two gloo processes): compiled pieces around megatron's own TP collectives."""
+def _tp2_check(**env: str) -> dict:
     import os
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(ROOT / "tests" / "fusions_check.py"), "tp2"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _assert_tp2_matches_stock(v: dict, one_graph: bool, rel: float) -> None:
+    assert v["blockers"] == [None] * 4 and v["fast_calls_all_ranks"] == 8, v  # 4 layers x 2 ranks
+    assert v["one_graph"] == [one_graph] * 4, v
+    assert v["loss_diff_max"] <= rel * abs(v["loss_stock"]) and v["grad_rel_max"] < rel, v
+
+
+def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
+    """TP=2 (two gloo processes): compiled pieces around megatron's own TP collectives, and the
+    one-graph layer with functional collectives (train.tp_collectives_in_graph), with and
+    without sequence parallelism, against the stock megatron layer with the same weights."""
+    r = _tp2_check()
     for name, heads_per_rank, groups_per_rank in (("gpt", 2, 2), ("llama-like", 2, 1)):
         v = r[name]
-        assert v["blockers"] == [None] * 4 and v["fast_calls_all_ranks"] == 8  # 4 layers x 2 ranks
-        assert v["loss_diff_max"] <= 1e-5 * abs(v["loss_stock"]) and v["grad_rel_max"] < 1e-5, v
+        _assert_tp2_matches_stock(v, one_graph=False, rel=1e-5)
         head_dim = 16  # tiny: hidden 64 / 4 heads; each rank holds only its shard of the fused QKV
         assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim
+    for name in ("gpt+graph", "gpt+graph+sp", "llama-like+graph+sp"):
+        _assert_tp2_matches_stock(r[name], one_graph=True, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_one_graph_layer_under_torch_compile():
+    """The same under torch.compile: the collectives stay inside one graph (no graph breaks)."""
+    r = _tp2_check(CHECK_COMPILE="1", CHECK_CASES="gpt+graph+sp,llama-like+graph+sp")
+    assert set(r) == {"gpt+graph+sp", "llama-like+graph+sp"}
+    for v in r.values():
+        _assert_tp2_matches_stock(v, one_graph=True, rel=1e-5)
+        assert v["graph_breaks"] == 0, v
 
 
 def test_cuda_graphs_only_on_a_gpu_with_compiled_kernels():

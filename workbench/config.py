@@ -161,6 +161,12 @@ class TrainConfig:
     #: (torch.compile "reduce-overhead"), so the host no longer launches ~70 kernels per layer
     #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
     cuda_graphs: bool = True
+    #: with compile_kernels and tensor_parallel > 1: each layer is ONE compiled graph with its TP
+    #: collectives inside (torch functional collectives; all-gather / reduce-scatter under
+    #: sequence parallelism) instead of five compiled pieces around megatron's eager collectives,
+    #: so TP+SP also gets the compiled path.  Same maths (CPU-tested against the stock layer);
+    #: off until measured on GPUs (bench/train_throughput.py variant tp2-graph).
+    tp_collectives_in_graph: bool = False
     #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
     forward_step: str | None = None
     loss_func: str | None = None

@@ -17,8 +17,12 @@ same dtypes, no skipped work):
    overlap are untouched.  All layers share one compiled graph (a free function guarded on
    shapes, not one graph per module).  With tensor parallelism the layer runs as five compiled
    pieces around megatron's own TP collectives (``copy_to`` / ``reduce_from`` the TP region,
-   exactly where Column/RowParallelLinear put them without sequence parallelism).  Any other
-   case (SP, dropout, recompute, RoPE / masks per call, ...) falls back to the stock forward.
+   exactly where Column/RowParallelLinear put them without sequence parallelism).  With
+   ``train.tp_collectives_in_graph`` the TP layer is instead one compiled graph with its
+   collectives inside (torch functional collectives: all-reduce, or all-gather /
+   reduce-scatter under sequence parallelism), which also gives TP+SP the compiled path and
+   lets CUDA graphs capture the whole layer.  Any other case (SP without that switch,
+   dropout, recompute, RoPE / masks per call, ...) falls back to the stock forward.
 2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy
    makes ~10 passes over the fp32 up-cast [tokens, vocab] logits and keeps an fp32 softmax
    for backward.  With TP=1 the loss is ``F.cross_entropy(logits.float())`` compiled: the same
@@ -140,6 +144,74 @@ def _norm(x: torch.Tensor, kind: str, weight: torch.Tensor, bias: Optional[torch
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
+def _funcol():
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol
+
+
+def _all_gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
+    """All-gather along dim 0 (the sequence), waited; ``all_gather_single`` where torch has it."""
+    f = _funcol()
+    gather = getattr(f, "all_gather_single", None) or f.all_gather_tensor
+    return f.wait_tensor(gather(x.contiguous(), 0, group))
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum-reduce-scatter along dim 0 (the sequence), waited."""
+    f = _funcol()
+    scatter = getattr(f, "reduce_scatter_single", None) or f.reduce_scatter_tensor
+    return f.wait_tensor(scatter(x.contiguous(), "sum", 0, group))
+
+
+def _all_reduce_sum(x: torch.Tensor, group: str) -> torch.Tensor:
+    f = _funcol()
+    return f.wait_tensor(f.all_reduce(x.contiguous(), "sum", group))
+
+
+class _EnterTensorParallel(torch.autograd.Function):
+    """Input of a column-parallel GEMM: megatron's ``copy_to`` / ``gather_from_sequence_parallel``.
+
+    Forward: identity (all-gather along the sequence under SP); backward: all-reduce of the
+    input gradient (reduce-scatter under SP).  Functional collectives, so ``torch.compile``
+    keeps them inside the layer's graph (and CUDA graphs capture them).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str, sequence_parallel: bool) -> torch.Tensor:
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        return _all_gather_seq(x, group) if sequence_parallel else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.sequence_parallel:
+            return _reduce_scatter_seq(grad, ctx.group), None, None
+        return _all_reduce_sum(grad, ctx.group), None, None
+
+
+class _LeaveTensorParallel(torch.autograd.Function):
+    """Partial output of a row-parallel GEMM: megatron's ``reduce_from`` / ``reduce_scatter_to_sequence_parallel``.
+
+    Forward: all-reduce (reduce-scatter along the sequence under SP); backward: identity
+    (all-gather under SP).
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group: str, sequence_parallel: bool) -> torch.Tensor:
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        return _reduce_scatter_seq(y, group) if sequence_parallel else _all_reduce_sum(y, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (_all_gather_seq(grad, ctx.group) if ctx.sequence_parallel else grad), None, None
+
+
+def _row_parallel_out(y_partial: torch.Tensor, bias: Optional[torch.Tensor], tp_group: Optional[str], sp: bool) -> torch.Tensor:
+    """Reduce a row-parallel partial product across TP ranks, then add the (unsplit) bias, as megatron does."""
+    y = _LeaveTensorParallel.apply(y_partial, tp_group, sp)
+    return y if bias is None else y + bias
+
+
 def dense_layer_forward(
     x: torch.Tensor,
     ln1_w: torch.Tensor,
@@ -163,6 +235,8 @@ def dense_layer_forward(
     head_dim: int,
     scale: float,
     activation: str,
+    tp_group: Optional[str] = None,
+    sequence_parallel: bool = False,
 ) -> torch.Tensor:
     """One pre-norm GPT layer on ``[s, b, h]``, with megatron's exact QKV layout and maths.
 
@@ -170,10 +244,16 @@ def dense_layer_forward(
     the g groups (see ``SelfAttention.get_query_key_value_tensors``).  Attention is causal
     SDPA; biases of the output projections are added before the residual (megatron adds
     them in bias-dropout-add, which is the same sum).
+
+    ``tp_group`` (a process-group name): this rank's shard of a tensor-parallel layer, with
+    the TP collectives in the graph exactly where Column/RowParallelLinear put them (``x`` is
+    the local sequence shard ``[s/tp, b, h]`` under ``sequence_parallel``).
     """
-    s, b, _ = x.shape
-    per_group = heads // groups
     h_in = _norm(x, norm, ln1_w, ln1_b, eps1)
+    if tp_group is not None:
+        h_in = _EnterTensorParallel.apply(h_in, tp_group, sequence_parallel)
+    s, b, _ = h_in.shape
+    per_group = heads // groups
     qkv = F.linear(h_in, qkv_w, qkv_b).view(s, b, groups, (per_group + 2) * head_dim)
     q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
     q = q.reshape(s, b, heads, head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
@@ -184,14 +264,22 @@ def dense_layer_forward(
         v = v.repeat_interleave(per_group, dim=1)
     ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
-    x = x + F.linear(ctx, proj_w, proj_b)
-    h_mlp = F.linear(_norm(x, norm, ln2_w, ln2_b, eps2), fc1_w, fc1_b)
+    if tp_group is None:
+        x = x + F.linear(ctx, proj_w, proj_b)
+    else:
+        x = x + _row_parallel_out(F.linear(ctx, proj_w), proj_b, tp_group, sequence_parallel)
+    h_mlp = _norm(x, norm, ln2_w, ln2_b, eps2)
+    if tp_group is not None:
+        h_mlp = _EnterTensorParallel.apply(h_mlp, tp_group, sequence_parallel)
+    h_mlp = F.linear(h_mlp, fc1_w, fc1_b)
     if activation == "swiglu":
         gate, lin = torch.chunk(h_mlp, 2, dim=-1)
         h_mlp = F.silu(gate) * lin
     else:
         h_mlp = F.gelu(h_mlp, approximate="tanh" if activation == "gelu_tanh" else "none")
-    return x + F.linear(h_mlp, fc2_w, fc2_b)
+    if tp_group is None:
+        return x + F.linear(h_mlp, fc2_w, fc2_b)
+    return x + _row_parallel_out(F.linear(h_mlp, fc2_w), fc2_b, tp_group, sequence_parallel)
 
 
 # ---- the same layer in pieces for tensor parallelism: megatron's TP collectives (autograd
@@ -332,7 +420,8 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
     checks = [
         ((c.num_query_groups or c.num_attention_heads) < c.tensor_model_parallel_size, "fewer KV groups than TP ranks"),
         (c.context_parallel_size != 1, "context parallel"),
-        (bool(c.sequence_parallel), "sequence parallel"),
+        (bool(c.sequence_parallel) and not getattr(c, "workbench_tp_graph", False),
+         "sequence parallel (set train.tp_collectives_in_graph)"),
         (c.recompute_granularity is not None, "activation recompute"),
         (bool(c.fp32_residual_connection), "fp32 residual connection"),
         (c.hidden_dropout > 0 or c.attention_dropout > 0, "dropout"),
@@ -413,6 +502,9 @@ class CompiledTransformerLayer(TransformerLayer):
                 scale=float(getattr(attn.core_attention, "softmax_scale", None) or attn.hidden_size_per_attention_head**-0.5),
                 activation=_activation(c),
             )
+            if c.tensor_model_parallel_size > 1 and getattr(c, "workbench_tp_graph", False):
+                # one graph per layer with the TP collectives inside (see dense_layer_forward)
+                self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
         self.fast_calls = 0  # observable: how many forwards took the compiled path
 
     _PLAIN_NONE = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
@@ -432,7 +524,7 @@ class CompiledTransformerLayer(TransformerLayer):
         x = kwargs["hidden_states"]
         attn, mlp = self.self_attention, self.mlp
         ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
-        if self.config.tensor_model_parallel_size > 1:
+        if self.config.tensor_model_parallel_size > 1 and "tp_group" not in self._static:
             out = self._tp_forward(x)
             self.fast_calls += 1
             return make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True), None
@@ -524,6 +616,9 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
         compiled = [m for m in layers if isinstance(m, CompiledTransformerLayer) and m.fast_path_blocker is None]
         if compiled:
             notes["layer"] = f"compiled dense layer ({len(compiled)}/{len(layers)} layers)"
+            if getattr(compiled[0].config, "workbench_tp_graph", False):
+                sp = " + sequence parallel" if compiled[0].config.sequence_parallel else ""
+                notes["layer"] += f", one graph per layer with its TP collectives{sp}"
             _GRAPHS = graphs_wanted(cfg)
             if _GRAPHS:
                 from torch._dynamo import mark_static_address

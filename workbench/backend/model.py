@@ -100,6 +100,8 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_alibi: bool = False
     #: selective recompute of the dense MLP (:class:`RecomputedMLP`).
     workbench_recompute_mlp: bool = False
+    #: TP layers as one compiled graph with in-graph collectives (``train.tp_collectives_in_graph``).
+    workbench_tp_graph: bool = False
 
 
 class RecomputedMLP(MLP):
@@ -209,6 +211,7 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         overlap_p2p_comm=(not cpu) and p.vpp > 1,
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
+        workbench_tp_graph=bool(t.tp_collectives_in_graph) and p.tensor_parallel > 1,
     )
     if p.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=p.recompute_num_layers)
