@@ -39,9 +39,10 @@ same dtypes, no skipped work):
    the stock forward (TP>1).  ``bias_activation_fusion`` stays off: megatron's fused
    bias-GELU is the tanh approximation, which would change the model's maths.
 
-Not done, and why: CUDA graphs (mcore DDP's per-parameter backward hooks and the Python
-schedules are not capture-safe without TE's graph machinery); FP8 / lower precision
-(would not be the same maths as the reference).
+CUDA graphs cover the compiled layers only (``train.cuda_graphs``, :func:`graphs_wanted`):
+mcore DDP's per-parameter backward hooks and the Python schedules are not capture-safe
+without TE's graph machinery, so embedding, loss, optimizer and schedule stay eager.
+Not done: FP8 / lower precision (would not be the same maths as the reference).
 """
 
 from __future__ import annotations
