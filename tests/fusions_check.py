@@ -51,9 +51,35 @@ def _build(cfg, layer_cls):
         wm.layer_spec = orig
 
 
-def check_layer(compile_: bool) -> dict:
+def _stock_vs_fast(cfg):
+    """Stock and compiled-layer GPTs with the same weights, one forward/backward each on the same
+    batch: (stock, fast, [loss_stock, loss_fast], max relative grad difference over parameters)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from workbench.backend import fusions
+
+    stock = _build(cfg, TransformerLayer)
+    fast = _build(cfg, fusions.CompiledTransformerLayer)
+    fast.load_state_dict(stock.state_dict())
+    g = torch.Generator().manual_seed(1)
+    b, s = 2, cfg.model.seq_length
+    tok = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+    lab = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+    pos = torch.arange(s)[None].expand(b, s)
+    if cfg.model.hidden_dropout:
+        stock.eval(), fast.eval()  # same maths without random masks
+    losses = []
+    for m in (stock, fast):
+        loss = m(tok, pos, None, labels=lab).mean()
+        loss.backward()
+        losses.append(loss.item())
+    grad_rel = 0.0
+    for (_, p), (_, q) in zip(stock.named_parameters(), fast.named_parameters()):
+        grad_rel = max(grad_rel, ((p.grad - q.grad).norm() / (p.grad.norm() + 1e-12)).item())
+    return stock, fast, losses, grad_rel
+
+
+def check_layer(compile_: bool) -> dict:
     from workbench.backend import distributed, fusions
 
     fusions.set_compile(compile_)
@@ -62,24 +88,7 @@ def check_layer(compile_: bool) -> dict:
         cfg = preset("tiny", **over)
         if i == 0:
             distributed.initialize_for_tests(cfg, port=int(os.environ.get("CHECK_PORT", "29611")))
-        stock = _build(cfg, TransformerLayer)
-        fast = _build(cfg, fusions.CompiledTransformerLayer)
-        fast.load_state_dict(stock.state_dict())
-        g = torch.Generator().manual_seed(1)
-        b, s = 2, cfg.model.seq_length
-        tok = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-        lab = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-        pos = torch.arange(s)[None].expand(b, s)
-        losses = []
-        if cfg.model.hidden_dropout:
-            stock.eval(), fast.eval()  # same maths without random masks
-        for m in (stock, fast):
-            loss = m(tok, pos, None, labels=lab).mean()
-            loss.backward()
-            losses.append(loss.item())
-        grad_rel = 0.0
-        for (n, p), (_, q) in zip(stock.named_parameters(), fast.named_parameters()):
-            grad_rel = max(grad_rel, ((p.grad - q.grad).norm() / (p.grad.norm() + 1e-12)).item())
+        stock, fast, losses, grad_rel = _stock_vs_fast(cfg)
         out[name] = {
             "loss_stock": losses[0], "loss_fast": losses[1], "grad_rel_max": grad_rel,
             "fast_calls": sum(getattr(l, "fast_calls", 0) for l in fast.decoder.layers),
@@ -92,7 +101,6 @@ def check_layer(compile_: bool) -> dict:
 def check_tp2() -> dict:
     """Under torchrun --nproc_per_node 2 (CPU, gloo): the TP=2 fast layer vs stock, per rank."""
     import torch.distributed as dist
-    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from workbench.backend import distributed, fusions
 
@@ -113,22 +121,7 @@ def check_tp2() -> dict:
         if first:
             distributed.initialize(cfg)
             first = False
-        stock = _build(cfg, TransformerLayer)
-        fast = _build(cfg, fusions.CompiledTransformerLayer)
-        fast.load_state_dict(stock.state_dict())
-        g = torch.Generator().manual_seed(1)
-        b, s = 2, cfg.model.seq_length
-        tok = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-        lab = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-        pos = torch.arange(s)[None].expand(b, s)
-        losses = []
-        for m in (stock, fast):
-            loss = m(tok, pos, None, labels=lab).mean()
-            loss.backward()
-            losses.append(loss.item())
-        rel = 0.0
-        for (n, p), (_, q) in zip(stock.named_parameters(), fast.named_parameters()):
-            rel = max(rel, ((p.grad - q.grad).norm() / (p.grad.norm() + 1e-12)).item())
+        stock, fast, losses, rel = _stock_vs_fast(cfg)
         worst = torch.tensor([rel, abs(losses[0] - losses[1])])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         calls = torch.tensor([float(sum(l.fast_calls for l in fast.decoder.layers))])

@@ -213,6 +213,33 @@ def _row_parallel_out(y_partial: torch.Tensor, bias: Optional[torch.Tensor], tp_
     return y if bias is None else y + bias
 
 
+def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """SwiGLU on the [gate, linear] halves, or exact / tanh GELU."""
+    if activation == "swiglu":
+        gate, lin = torch.chunk(z, 2, dim=-1)
+        return F.silu(gate) * lin
+    return F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def _causal_self_attention(
+    h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
+    *, heads: int, groups: int, head_dim: int, scale: float,
+) -> torch.Tensor:
+    """Fused QKV GEMM in megatron's layout, causal SDPA: the context ``[s, b, heads * head_dim]``."""
+    s, b, _ = h.shape
+    per_group = heads // groups
+    qkv = F.linear(h, qkv_w, qkv_b).view(s, b, groups, (per_group + 2) * head_dim)
+    q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
+    q = q.reshape(s, b, heads, head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
+    k = k.permute(1, 2, 0, 3)  # [b, groups, s, d]
+    v = v.permute(1, 2, 0, 3)
+    if per_group > 1:
+        k = k.repeat_interleave(per_group, dim=1)
+        v = v.repeat_interleave(per_group, dim=1)
+    ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
+
+
 def dense_layer_forward(
     x: torch.Tensor,
     ln1_w: torch.Tensor,
@@ -253,18 +280,7 @@ def dense_layer_forward(
     h_in = _norm(x, norm, ln1_w, ln1_b, eps1)
     if tp_group is not None:
         h_in = _EnterTensorParallel.apply(h_in, tp_group, sequence_parallel)
-    s, b, _ = h_in.shape
-    per_group = heads // groups
-    qkv = F.linear(h_in, qkv_w, qkv_b).view(s, b, groups, (per_group + 2) * head_dim)
-    q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
-    q = q.reshape(s, b, heads, head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
-    k = k.permute(1, 2, 0, 3)  # [b, groups, s, d]
-    v = v.permute(1, 2, 0, 3)
-    if per_group > 1:
-        k = k.repeat_interleave(per_group, dim=1)
-        v = v.repeat_interleave(per_group, dim=1)
-    ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
+    ctx = _causal_self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
     if tp_group is None:
         x = x + F.linear(ctx, proj_w, proj_b)
     else:
@@ -272,12 +288,7 @@ def dense_layer_forward(
     h_mlp = _norm(x, norm, ln2_w, ln2_b, eps2)
     if tp_group is not None:
         h_mlp = _EnterTensorParallel.apply(h_mlp, tp_group, sequence_parallel)
-    h_mlp = F.linear(h_mlp, fc1_w, fc1_b)
-    if activation == "swiglu":
-        gate, lin = torch.chunk(h_mlp, 2, dim=-1)
-        h_mlp = F.silu(gate) * lin
-    else:
-        h_mlp = F.gelu(h_mlp, approximate="tanh" if activation == "gelu_tanh" else "none")
+    h_mlp = _activate(F.linear(h_mlp, fc1_w, fc1_b), activation)
     if tp_group is None:
         return x + F.linear(h_mlp, fc2_w, fc2_b)
     return x + _row_parallel_out(F.linear(h_mlp, fc2_w), fc2_b, tp_group, sequence_parallel)
@@ -299,17 +310,8 @@ def tp_attention_partial(
     *, heads: int, groups: int, head_dim: int, scale: float,
 ) -> torch.Tensor:
     """This rank's heads: QKV GEMM, causal SDPA, and its partial sum of the output projection."""
-    s, b, _ = h.shape
-    per_group = heads // groups
-    qkv = F.linear(h, qkv_w, qkv_b).view(s, b, groups, (per_group + 2) * head_dim)
-    q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
-    q = q.reshape(s, b, heads, head_dim).permute(1, 2, 0, 3)
-    k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-    if per_group > 1:
-        k = k.repeat_interleave(per_group, dim=1)
-        v = v.repeat_interleave(per_group, dim=1)
-    ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.linear(ctx.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim), proj_w)
+    ctx = _causal_self_attention(h, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
+    return F.linear(ctx, proj_w)
 
 
 def tp_residual_norm(
@@ -324,13 +326,7 @@ def tp_residual_norm(
 def tp_mlp_partial(
     h: torch.Tensor, fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor], fc2_w: torch.Tensor, *, activation: str,
 ) -> torch.Tensor:
-    z = F.linear(h, fc1_w, fc1_b)
-    if activation == "swiglu":
-        gate, lin = torch.chunk(z, 2, dim=-1)
-        z = F.silu(gate) * lin
-    else:
-        z = F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
-    return F.linear(z, fc2_w)
+    return F.linear(_activate(F.linear(h, fc1_w, fc1_b), activation), fc2_w)
 
 
 def tp_residual(x: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
