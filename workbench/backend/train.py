@@ -394,7 +394,7 @@ class Trainer:
                 self._end("stopped", STOP_CODES.get(signum, 1))
                 os._exit(STOP_CODES.get(signum, 1))
             self.stop_signal = signum
-            print(f"[workbench] rank {self.rank}: received signal {signum}; stopping after this step", file=sys.stderr, flush=True)
+            print(f"[workbench] rank {self.rank}: received signal {signum}; stopping at the next step boundary all ranks agree on", file=sys.stderr, flush=True)
 
             def watchdog():
                 time.sleep(max(15.0, 5.0 * self._last_step_time))  # the agreement lands within two steps
@@ -427,7 +427,7 @@ class Trainer:
             if self.stop_signal is None:
                 self.stop_signal = signal.SIGTERM  # another rank was signalled
             return True
-        flag = torch.tensor([local], device=self.device)
+        flag = torch.full((1,), local, device=self.device)  # a fill kernel: no host-to-device copy, no sync
         self._stop_pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         return False
 
