@@ -105,3 +105,18 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
         if v.baseline:
             assert v.baseline in by_name and by_name[v.baseline].gpus == 1 and by_name[v.baseline].model == v.model
     assert by_name["dp2-distopt/gpt2-small"].overrides["parallel.overlap_param_gather"] is True
+
+
+def test_allreduce_probe_runs_over_two_ranks(tmp_path):
+    """bench/allreduce_probe.py over gloo (--cpu): one all-reduce and one send/recv row, stamped."""
+    out = tmp_path / "probe.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "bench" / "allreduce_probe.py"), "--cpu", "--iters", "3", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [(r["op"], r["mib"]) for r in rows] == [("all_reduce", 1), ("sendrecv", 1)]  # rank 0 writes, once
+    for r in rows:
+        assert r["world_size"] == 2 and r["backend"] == "gloo" and r["device"] and r["git_commit"]
+        factor = 2 * (2 - 1) / 2 if r["op"] == "all_reduce" else 1.0  # nccl-tests' bus bandwidth, n = 2
+        assert r["ms"] > 0 and math.isclose(r["busbw_gbs"], factor * 2**20 / r["ms"] / 1e6)

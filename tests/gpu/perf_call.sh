@@ -2,22 +2,23 @@
 # Batched GPU work on 2 GPUs (device kind nvidia-h200-x2) for issue 10 and the backend's proofs.
 # Each phase has its own timeout; results land in OUTDIR as JSON lines (device, date,
 # git_commit on every row) plus logs.tgz.
-#   1 (~20 s):  bench/allreduce_probe.py: link speed; can TP=2 pay on this machine at all?
-#   2 (~5 min): bench/train_throughput.py: reference vs workbench on GPT-2 small / medium (with the
-#               event-stream cost) and PP=2 m=8 against one GPU
-#   3 (~3 min): the TP=2 rows on GPT-2 large: pieces (tp2), one graph (tp2-graph), + SP (tp2-sp-graph)
-#   4 (~3 min): tests/gpu/backend_proof.py --compile: losses of pp2, pp2_vpp2, tp2, tp2_sp_graph vs one GPU
-#   5 (~3 min): tests/gpu/bridge_quickstart.py: the quickstart notebook, stop and failure on the GPUs present
-# Usage (device, repo root, .whl carried; two calls stay inside the 10-minute limit per command):
-#   PHASES=123 GIT_COMMIT=<sha> bash tests/gpu/perf_call.sh $OUT/a      then      PHASES=45 ... $OUT/b
+#   1 (~30 s):   bench/allreduce_probe.py: link speed; can TP=2 pay on this machine at all?
+#   2 (~5.5 min): bench/train_throughput.py: reference vs workbench on GPT-2 small / medium (with the
+#                event-stream cost) and PP=2 m=8 against one GPU
+#   3 (~3 min):  the TP=2 rows on GPT-2 large: pieces (tp2), one graph (tp2-graph), + SP (tp2-sp-graph)
+#   4 (~4 min):  tests/gpu/backend_proof.py --compile: losses of pp2, pp2_vpp2, tp2, tp2_sp_graph vs one GPU
+#   5 (~3.5 min): tests/gpu/bridge_quickstart.py: the quickstart notebook, stop and failure on the GPUs present
+# Usage (device, repo root, .whl carried), three calls inside the 10-minute limit per command,
+# back to back so the machine stays warm:
+#   PHASES=12 GIT_COMMIT=<sha> bash tests/gpu/perf_call.sh $OUT/a;  PHASES=34 ... $OUT/b;  PHASES=5 ... $OUT/c
 set -u
 out="${1:?usage: perf_call.sh OUTDIR}"
-phases="${PHASES:-12345}"
+phases="${PHASES:?set PHASES, e.g. 12, 34 or 5 (see the header)}"
 mkdir -p "$out"
 source tests/gpu/device_env.sh || exit 1
 t0=$(date +%s)
-bench() {  # bench NAME TIMEOUT VARIANTS
-  timeout "$2" python3 bench/train_throughput.py --quick --models gpt2-small,gpt2-medium --variants "$3" \
+bench() {  # bench NAME TIMEOUT VARIANTS [EXTRA ARGS]
+  timeout "$2" python3 bench/train_throughput.py --quick --models gpt2-small,gpt2-medium --variants "$3" "${@:4}" \
     --out "$out/train_throughput.jsonl" > "$out/bench_$1.log" 2>&1
   echo "bench $1 rc=$? after $(( $(date +%s) - t0 ))s"; grep -A20 "^device:" "$out/bench_$1.log" | head -20
 }
@@ -25,10 +26,10 @@ if [[ $phases == *1* ]]; then
   timeout 90 python3 -m torch.distributed.run --nproc-per-node 2 bench/allreduce_probe.py --out "$out/allreduce_probe.jsonl" > "$out/probe.log" 2>&1
   echo "probe rc=$? after $(( $(date +%s) - t0 ))s"; tail -10 "$out/probe.log"
 fi
-[[ $phases == *2* ]] && bench single 300 "reference/,workbench/gpt2-small,workbench/gpt2-medium,pp"
-[[ $phases == *3* ]] && bench tp 200 "workbench/gpt2-large,tp2/,tp2-graph,tp2-sp-graph"
+[[ $phases == *2* ]] && bench single 340 "reference/,workbench/gpt2-small,workbench/gpt2-medium,pp"
+[[ $phases == *3* ]] && bench tp 220 "workbench/gpt2-large,tp2/,tp2-graph,tp2-sp-graph" --no-stream-cost
 if [[ $phases == *4* ]]; then
-  timeout 200 python3 tests/gpu/backend_proof.py --compile --only pp2,pp2_vpp2,tp2,tp2_sp_graph --out "$out/backend_proof.jsonl" --work /tmp/bp > "$out/backend_proof.log" 2>&1
+  timeout 260 python3 tests/gpu/backend_proof.py --compile --only pp2,pp2_vpp2,tp2,tp2_sp_graph --out "$out/backend_proof.jsonl" --work /tmp/bp > "$out/backend_proof.log" 2>&1
   echo "backend_proof rc=$? after $(( $(date +%s) - t0 ))s"; tail -6 "$out/backend_proof.log"
 fi
 if [[ $phases == *5* ]]; then
