@@ -205,3 +205,50 @@ def test_cuda_graphs_only_on_a_gpu_with_compiled_kernels():
     assert not fusions.graphs_wanted(gpu.replace(**{"parallel.device": "cpu"}))
     assert not fusions.graphs_wanted(gpu.replace(**{"parallel.pipeline_parallel": 2}))
     fusions.step_begin()  # a no-op without graphs (must not touch CUDA)
+
+
+CLIP_CHECK = r'''
+import json, socket, torch, torch.distributed as dist
+from megatron.core.optimizer import clip_grads
+from workbench.backend import cpu_mode, fusions
+
+megatron_clip = clip_grads.clip_grad_by_total_norm_fp32  # before cpu_mode swaps in its own CPU copy
+cpu_mode.enable()  # 'cuda' factories -> CPU, CUDA tensor type names: megatron's own code runs on CPU
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+fusions.install_multi_tensor_fallbacks()
+out = {}
+for max_norm in (0.5, 1e6):  # clipping, and a coefficient clamped to exactly 1.0
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 300, 64)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    before = [p.grad.clone() for p in params]
+    norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
+    megatron_clip(params, max_norm, norm)
+    expect_norm = torch.linalg.vector_norm(torch.cat([b.reshape(-1) for b in before])).item()
+    coeff = min(1.0, max_norm / (expect_norm + 1e-6))
+    out[str(max_norm)] = {
+        "norm_is_tensor": isinstance(norm, torch.Tensor), "norm": float(norm), "expect_norm": expect_norm,
+        "max_err": max(((p.grad - b * coeff).abs().max().item()) for p, b in zip(params, before)),
+        "bit_exact_when_unclipped": all(torch.equal(p.grad, b) for p, b in zip(params, before)) if coeff == 1.0 else None,
+    }
+dist.destroy_process_group()
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_megatron_clipping_keeps_the_norm_on_the_device():
+    """megatron's own get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 with the foreach tensor-scale slot
+    filled: the norm stays a tensor (no .item() mid-step), clipping scales like the float path, and an
+    unclipped step leaves the gradients bit-identical."""
+    proc = subprocess.run([sys.executable, "-c", CLIP_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    for case in r.values():
+        assert case["norm_is_tensor"], case
+        assert math.isclose(case["norm"], case["expect_norm"], rel_tol=1e-5), case
+        assert case["max_err"] < 1e-6, case
+    assert r["1000000.0"]["bit_exact_when_unclipped"] is True
