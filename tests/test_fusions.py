@@ -112,10 +112,10 @@ def test_foreach_multi_tensor_ops_match_plain_torch(monkeypatch):
 
     # clipping by a device-resident coefficient: scales like the float path, and 1.0 is bit-exact
     clipped = [t.clone() for t in ts]
-    fusions.foreach_scale_by_tensor(2048, flag, [clipped, clipped], torch.tensor([0.25]))
+    fusions.foreach_scale(2048, flag, [clipped, clipped], torch.tensor([0.25]))
     assert all(torch.equal(a, b * 0.25) for a, b in zip(clipped, ts))
     kept = [t.clone() for t in ts]
-    fusions.foreach_scale_by_tensor(2048, flag, [kept, kept], torch.tensor([1.0]).clamp_max(1.0))
+    fusions.foreach_scale(2048, flag, [kept, kept], torch.tensor([1.0]).clamp_max(1.0))
     assert all(torch.equal(a, b) for a, b in zip(kept, ts))
 
     for mod, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"), (mopt, "multi_tensor_scale_impl"),
@@ -126,7 +126,7 @@ def test_foreach_multi_tensor_ops_match_plain_torch(monkeypatch):
         assert fusions.install_multi_tensor_fallbacks()
         assert clip_grads.l2_norm_impl is fusions.foreach_l2_norm
         assert mopt.multi_tensor_scale_impl is fusions.foreach_scale
-        assert clip_grads.multi_tensor_scale_tensor_impl is fusions.foreach_scale_by_tensor
+        assert clip_grads.multi_tensor_scale_tensor_impl is fusions.foreach_scale
 
 
 def test_fused_adam_leaves_cpu_params_alone():

@@ -54,6 +54,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from torch.distributed import _functional_collectives as funcol
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -72,7 +73,6 @@ __all__ = [
     "install_multi_tensor_fallbacks",
     "foreach_l2_norm",
     "foreach_scale",
-    "foreach_scale_by_tensor",
     "use_fused_adam",
     "lm_cross_entropy",
     "set_compile",
@@ -145,29 +145,23 @@ def _norm(x: torch.Tensor, kind: str, weight: torch.Tensor, bias: Optional[torch
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def _funcol():
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol
+# torch >= 2.12 names them *_single (the *_tensor names warn); 2.11 has only the old names
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def _all_gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
-    """All-gather along dim 0 (the sequence), waited; ``all_gather_single`` where torch has it."""
-    f = _funcol()
-    gather = getattr(f, "all_gather_single", None) or f.all_gather_tensor
-    return f.wait_tensor(gather(x.contiguous(), 0, group))
+    """All-gather along dim 0 (the sequence), waited."""
+    return funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     """Sum-reduce-scatter along dim 0 (the sequence), waited."""
-    f = _funcol()
-    scatter = getattr(f, "reduce_scatter_single", None) or f.reduce_scatter_tensor
-    return f.wait_tensor(scatter(x.contiguous(), "sum", 0, group))
+    return funcol.wait_tensor(_reduce_scatter(x.contiguous(), "sum", 0, group))
 
 
 def _all_reduce_sum(x: torch.Tensor, group: str) -> torch.Tensor:
-    f = _funcol()
-    return f.wait_tensor(f.all_reduce(x.contiguous(), "sum", group))
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
 class _EnterTensorParallel(torch.autograd.Function):
@@ -207,9 +201,17 @@ class _LeaveTensorParallel(torch.autograd.Function):
         return (_all_gather_seq(grad, ctx.group) if ctx.sequence_parallel else grad), None, None
 
 
-def _row_parallel_out(y_partial: torch.Tensor, bias: Optional[torch.Tensor], tp_group: Optional[str], sp: bool) -> torch.Tensor:
-    """Reduce a row-parallel partial product across TP ranks, then add the (unsplit) bias, as megatron does."""
-    y = _LeaveTensorParallel.apply(y_partial, tp_group, sp)
+def _column_parallel_input(h: torch.Tensor, tp_group: Optional[str], sp: bool) -> torch.Tensor:
+    """The input of a column-parallel GEMM (unchanged without TP)."""
+    return h if tp_group is None else _EnterTensorParallel.apply(h, tp_group, sp)
+
+
+def _row_parallel_linear(h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], tp_group: Optional[str], sp: bool) -> torch.Tensor:
+    """``h @ w.T + bias``; with TP the partial product is reduced across ranks first and the
+    (unsplit) bias added after, as megatron's RowParallelLinear does."""
+    if tp_group is None:
+        return F.linear(h, w, bias)
+    y = _LeaveTensorParallel.apply(F.linear(h, w), tp_group, sp)
     return y if bias is None else y + bias
 
 
@@ -277,21 +279,13 @@ def dense_layer_forward(
     the TP collectives in the graph exactly where Column/RowParallelLinear put them (``x`` is
     the local sequence shard ``[s/tp, b, h]`` under ``sequence_parallel``).
     """
-    h_in = _norm(x, norm, ln1_w, ln1_b, eps1)
-    if tp_group is not None:
-        h_in = _EnterTensorParallel.apply(h_in, tp_group, sequence_parallel)
+    sp = sequence_parallel
+    h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
     ctx = _causal_self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
-    if tp_group is None:
-        x = x + F.linear(ctx, proj_w, proj_b)
-    else:
-        x = x + _row_parallel_out(F.linear(ctx, proj_w), proj_b, tp_group, sequence_parallel)
-    h_mlp = _norm(x, norm, ln2_w, ln2_b, eps2)
-    if tp_group is not None:
-        h_mlp = _EnterTensorParallel.apply(h_mlp, tp_group, sequence_parallel)
+    x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp)
+    h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
     h_mlp = _activate(F.linear(h_mlp, fc1_w, fc1_b), activation)
-    if tp_group is None:
-        return x + F.linear(h_mlp, fc2_w, fc2_b)
-    return x + _row_parallel_out(F.linear(h_mlp, fc2_w), fc2_b, tp_group, sequence_parallel)
+    return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
 
 
 # ---- the same layer in pieces for tensor parallelism: megatron's TP collectives (autograd
@@ -499,7 +493,7 @@ class CompiledTransformerLayer(TransformerLayer):
                 scale=float(getattr(attn.core_attention, "softmax_scale", None) or attn.hidden_size_per_attention_head**-0.5),
                 activation=_activation(c),
             )
-            if c.tensor_model_parallel_size > 1 and getattr(c, "workbench_tp_graph", False):
+            if getattr(c, "workbench_tp_graph", False):  # set only at TP > 1 (model.transformer_config)
                 # one graph per layer with the TP collectives inside (see dense_layer_forward)
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
         self.fast_calls = 0  # observable: how many forwards took the compiled path
@@ -645,32 +639,23 @@ def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list
     return total, (torch.stack(norms) if per_tensor else None)
 
 
-def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, scale: float) -> None:
-    """Drop-in for ``amp_C.multi_tensor_scale``: ``dst = src * scale`` as multi-tensor kernels."""
-    src, dst = tensor_lists[0], tensor_lists[1]
-    if not src:
-        return
-    if scale == 1.0:
-        torch._foreach_copy_(dst, src)
-    elif all(a is b for a, b in zip(src, dst)):
-        torch._foreach_mul_(dst, scale)
-    else:
-        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, scale: float | torch.Tensor) -> None:
+    """Drop-in for ``amp_C.multi_tensor_scale`` and TE's ``multi_tensor_scale_tensor``: ``dst = src * scale``.
 
-
-def foreach_scale_by_tensor(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, scale: torch.Tensor) -> None:
-    """Drop-in for TE's ``multi_tensor_scale_tensor``: ``dst = src * scale`` with ``scale`` on the device.
-
-    With it, megatron keeps the gradient norm on the device (``get_grad_norm_fp32`` returns a
-    tensor and clipping multiplies by ``min(1, max_norm / (norm + 1e-6))`` there) instead of
-    a ``.item()`` in the middle of every optimizer step: one host sync fewer per step, so the
-    host launches the Adam update while the norm is still being computed.  Multiplying by
-    exactly 1.0 when no clipping is needed leaves the gradients bit-identical.
+    ``scale`` may be a float or a one-element device tensor.  Filling megatron's tensor-scale
+    slot keeps the gradient norm on the device (``get_grad_norm_fp32`` returns a tensor and
+    clipping multiplies by ``min(1, max_norm / (norm + 1e-6))`` there) instead of an
+    ``.item()`` in the middle of every optimizer step, so the host launches the Adam update
+    while the norm is still being computed.  x1.0 leaves the gradients bit-identical.
     """
     src, dst = tensor_lists[0], tensor_lists[1]
     if not src:
         return
-    scale = scale.reshape(()).to(src[0].dtype)
+    if torch.is_tensor(scale):
+        scale = scale.reshape(()).to(src[0].dtype)  # stays on the device: never compared on the host
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+        return
     if all(a is b for a, b in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
     else:
@@ -682,7 +667,7 @@ def install_multi_tensor_fallbacks() -> bool:
 
     Only the local fallbacks are replaced (when apex / TE provide real kernels nothing changes).
     Without TE megatron also has no tensor-scale kernel, so it syncs on the grad norm every
-    step; :func:`foreach_scale_by_tensor` fills that slot too.
+    step; :func:`foreach_scale` fills that slot too.
     """
     from megatron.core import utils as mutils
     from megatron.core.optimizer import clip_grads, optimizer as mopt
@@ -696,7 +681,7 @@ def install_multi_tensor_fallbacks() -> bool:
             mod.multi_tensor_scale_impl = foreach_scale
             changed = True
     if clip_grads.l2_norm_impl is foreach_l2_norm and getattr(clip_grads, "multi_tensor_scale_tensor_impl", 0) is None:
-        clip_grads.multi_tensor_scale_tensor_impl = foreach_scale_by_tensor
+        clip_grads.multi_tensor_scale_tensor_impl = foreach_scale
         _STATE["grad_norm"] = "on the device (no host sync in the optimizer step)"
         changed = True
     if changed or clip_grads.l2_norm_impl is foreach_l2_norm:

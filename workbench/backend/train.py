@@ -417,13 +417,7 @@ class Trainer:
         local = 1.0 if self.stop_signal is not None else 0.0
         if self.coords.world_size == 1:
             return local > 0
-        agreed = False
-        pending, self._stop_pending = self._stop_pending, None
-        if pending is not None:
-            work, flag = pending
-            work.wait()
-            agreed = flag.item() > 0
-        if agreed:
+        if self._finish_stop_agreement():
             if self.stop_signal is None:
                 self.stop_signal = signal.SIGTERM  # another rank was signalled
             return True
@@ -431,11 +425,14 @@ class Trainer:
         self._stop_pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         return False
 
-    def _drain_stop(self) -> None:
-        """Finish the outstanding stop all-reduce (every rank has one: same sequence everywhere)."""
+    def _finish_stop_agreement(self) -> bool:
+        """Wait for the outstanding stop all-reduce, if any (every rank has the same sequence); its result."""
         pending, self._stop_pending = self._stop_pending, None
-        if pending is not None:
-            pending[0].wait()
+        if pending is None:
+            return False
+        work, flag = pending
+        work.wait()
+        return flag.item() > 0
 
     def _end(self, status: str, code: int) -> None:
         if self._ended:
@@ -521,7 +518,7 @@ class Trainer:
                 self._end("stopped", code)
                 return code
         bar.close()
-        self._drain_stop()
+        self._finish_stop_agreement()  # the run ends here anyway; no collective may be left in flight
         if c.save_on_exit and saved_at != self.iteration:
             self.save()
         self._end("finished", 0)
