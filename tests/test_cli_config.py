@@ -19,7 +19,7 @@ def test_validate_ok(tmp_path, capsys):
 
 def test_validate_lists_every_problem_and_exits_2(tmp_path, capsys):
     cfg = preset("tiny").replace(**{"model.num_layers": 3, "parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2,
-                                    "train.global_batch_size": 3})
+                                    "parallel.pipeline_split": "even", "train.global_batch_size": 3})
     path = cfg.save(tmp_path / "bad.json")
     assert main(["config", "validate", str(path)]) == 2
     err = capsys.readouterr().err

@@ -69,7 +69,8 @@ RULES = [
     ({"parallel.tensor_parallel": 5, "parallel.nproc_per_node": 10}, "parallel.tensor_parallel", {"parallel.tensor_parallel": 4, "parallel.nproc_per_node": 8, "parallel.pipeline_parallel": 1}),
     ({"model.attention_type": "grouped", "model.num_query_groups": 1}, "model.num_query_groups", {"model.attention_type": "grouped", "model.num_query_groups": 2}),
     ({"model.attention_type": "grouped", "model.num_query_groups": 5}, "model.num_query_groups", {"model.attention_type": "grouped", "model.num_query_groups": 4}),
-    ({"model.num_layers": 11}, "parallel.pipeline_parallel", {"model.num_layers": 10}),
+    ({"model.num_layers": 11, "parallel.pipeline_split": "even"}, "parallel.pipeline_parallel", {"model.num_layers": 10}),
+    ({"model.num_layers": 1}, "parallel.pipeline_parallel", {"model.num_layers": 2}),
     ({"parallel.virtual_pipeline_parallel": 4}, "parallel.virtual_pipeline_parallel", {"parallel.virtual_pipeline_parallel": 3}),
     ({"parallel.sequence_parallel": True, "parallel.tensor_parallel": 1, "parallel.nproc_per_node": 4}, "parallel.sequence_parallel", {"parallel.sequence_parallel": True}),
     ({"parallel.nproc_per_node": 6}, "parallel.nproc_per_node", {"parallel.nproc_per_node": 4, "train.global_batch_size": 2}),
@@ -113,7 +114,7 @@ def test_query_groups_must_divide_by_tp():
 
 
 def test_every_problem_is_reported_at_once():
-    cfg = base().replace(**{"model.num_layers": 11, "train.global_batch_size": 10, "data.split": "x", "train.lr": -1.0})
+    cfg = base().replace(**{"model.num_layers": 11, "parallel.pipeline_split": "even", "train.global_batch_size": 10, "data.split": "x", "train.lr": -1.0})
     found = fields_of(cfg)
     assert {"parallel.pipeline_parallel", "train.global_batch_size", "data.split", "train.lr"} <= found
     with pytest.raises(ConfigError) as e:
@@ -202,10 +203,53 @@ def test_derived_layout():
     d = derive(cfg)
     assert (d.world_size, d.data_parallel, d.num_microbatches) == (8, 2, 4)
     assert d.tokens_per_step == 16 * 1024
-    assert d.layers_per_stage == 6
-    assert len(d.params_per_stage) == 2
+    assert sum(d.stage_layers) == 12 and len(d.params_per_stage) == 2
+    even = derive(cfg.replace(**{"parallel.pipeline_split": "even"}))
+    assert even.stage_layers == (6, 6)
     # the last stage of a tied model keeps its own copy of the word embeddings when pp > 1
-    assert d.params_per_stage[0] - d.params_per_stage[1] == d.params.embedding - d.padded_vocab_size * 768 - d.params.final_norm
+    assert even.params_per_stage[0] - even.params_per_stage[1] == even.params.embedding - even.padded_vocab_size * 768 - even.params.final_norm
+    # a layer moved between stages moves its parameters with it
+    moved = d.stage_layers[0] - 6
+    assert d.params_per_stage[0] - even.params_per_stage[0] == moved * d.params.per_layer
+    assert even.params_per_stage[1] - d.params_per_stage[1] == moved * d.params.per_layer
+
+
+def _stage_flops(cfg, split):
+    """Per-stage FLOPs from megatron's formula: the layers' share, plus the output layer on the last stage."""
+    L = cfg.model.num_layers
+    total, head_only = derive(cfg).flops_per_step, derive(cfg.replace(**{"model.num_layers": 1})).flops_per_step
+    one_layer_and_head = head_only
+    per_layer = (total - one_layer_and_head) / (L - 1)
+    head = one_layer_and_head - per_layer
+    return [n * per_layer + (head if r == len(split) - 1 else 0) for r, n in enumerate(split)]
+
+
+@pytest.mark.parametrize("name,pp", [("gpt2-small", 2), ("gpt2-medium", 2), ("gpt2-medium", 3), ("gpt2-large", 4), ("llama-small", 2)])
+def test_balanced_pipeline_split_evens_out_the_stages(name, pp):
+    cfg = preset(name, **{"parallel.pipeline_parallel": pp, "parallel.nproc_per_node": pp})
+    split = derive(cfg).stage_layers
+    assert sum(split) == cfg.model.num_layers and min(split) >= 1
+    assert len(set(split[1:-1])) <= 1  # megatron splits the middle stages evenly
+    # the output layer costs layers' worth of FLOPs: the last stage holds fewer layers
+    assert split[-1] < split[0]
+    slowest = max(_stage_flops(cfg, split))
+    # moving one layer onto or off the last stage (from / to the first) makes the slowest stage slower
+    for d in (-1, 1):
+        other = (split[0] + d, *split[1:-1], split[-1] - d)
+        if min(other) >= 1:
+            assert max(_stage_flops(cfg, other)) >= slowest
+    assert slowest < max(_stage_flops(cfg, derive(cfg.replace(**{"parallel.pipeline_split": "even"})).stage_layers))
+    assert cfg.validate() == []
+
+
+def test_balanced_split_allows_indivisible_layer_counts_and_interleaving_stays_even():
+    cfg = preset("gpt2-medium", **{"parallel.pipeline_parallel": 5, "parallel.nproc_per_node": 5})  # 24 layers on 5 stages
+    assert cfg.validate() == [] and sum(derive(cfg).stage_layers) == 24
+    problems = cfg.replace(**{"parallel.pipeline_split": "even"}).validate()
+    assert [p.field for p in problems] == ["parallel.pipeline_parallel"] and "pipeline_split: balanced" in problems[0].fix
+    vpp = preset("gpt2-medium", **{"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2, "parallel.virtual_pipeline_parallel": 2,
+                                   "train.global_batch_size": 16})
+    assert derive(vpp).stage_layers == (12, 12)
 
 
 def test_llama_preset_shape():

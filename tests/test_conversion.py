@@ -324,8 +324,8 @@ def test_hf_to_megatron_refuses_before_writing(hf_models, tmp_path):
     hf_dir, _ = hf_models["gpt2"]
     with pytest.raises(ConfigError, match="num_attention_heads 6 is not divisible by tensor_parallel 4"):
         hf_to_megatron(hf_dir, tmp_path / "x", tp=4, pp=1)
-    with pytest.raises(ConfigError, match="num_layers 4 is not divisible by pipeline_parallel 3"):
-        hf_to_megatron(hf_dir, tmp_path / "x", tp=1, pp=3)
+    with pytest.raises(ConfigError, match="num_layers 4 is fewer than pipeline_parallel 5 stages"):
+        hf_to_megatron(hf_dir, tmp_path / "x", tp=1, pp=5)
     assert not (tmp_path / "x").exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")

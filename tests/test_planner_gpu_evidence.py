@@ -40,7 +40,10 @@ pytestmark = pytest.mark.skipif(not RECORDS, reason="no GPU evidence committed y
 
 
 def _replan(rec: dict) -> planner.Plan:
-    cfg = RunConfig.from_dict(rec["run_config"])
+    run_config = json.loads(json.dumps(rec["run_config"]))
+    # records from before parallel.pipeline_split ran with the only split there was: even
+    run_config["parallel"].setdefault("pipeline_split", "even")
+    cfg = RunConfig.from_dict(run_config)
     te = "Transformer Engine" in json.dumps(rec.get("kernel_path") or {})
     return planner.predict(cfg, assumptions=planner.PlannerAssumptions(transformer_engine=te))
 

@@ -113,6 +113,11 @@ class ParallelConfig:
     distributed_optimizer: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_num_layers: int = 1  # full recompute: layers per checkpointed block
+    #: layers per pipeline stage. "balanced": the output layer and loss count as the layers
+    #: they cost in FLOPs, so the last stage gets fewer transformer layers and no stage waits
+    #: on it (GPT-2 medium on 2 stages: 14 + 10, not 12 + 12). "even": num_layers /
+    #: pipeline_parallel each. Interleaved 1F1B (virtual_pipeline_parallel > 1) is always even.
+    pipeline_split: Literal["balanced", "even"] = "balanced"
     #: launch context: world size = nnodes * nproc_per_node
     nnodes: int = 1
     nproc_per_node: int = 1
@@ -481,6 +486,50 @@ def megatron_flops_per_step(cfg: RunConfig, batch_size: int | None = None) -> fl
     return 12.0 * b * s * L * h * h * ((1 + g / a + s / h) * qproj + (m.ffn_size / h) * gate + vocab / (2 * L * h))
 
 
+def _layer_and_head_cost(cfg: RunConfig) -> tuple[float, float]:
+    """(one transformer layer, output layer + loss) in units of ``12 * tokens * h^2`` FLOPs:
+    the two kinds of term of :func:`megatron_flops_per_step`."""
+    m = cfg.model
+    h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
+    gate = 1.5 if m.activation == "swiglu" else 1.0
+    layer = (1 + g / a + m.seq_length / h) * (m.head_dim * a / h) + (m.ffn_size / h) * gate
+    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
+    return layer, vocab / (2 * h)
+
+
+def pipeline_stage_layers(cfg: RunConfig) -> tuple[int, ...]:
+    """Transformer layers held by each pipeline rank (all its virtual chunks together).
+
+    ``parallel.pipeline_split: balanced`` (without interleaving) picks the first and last
+    stages' counts (megatron's ``num_layers_in_first/last_pipeline_stage``; middle stages
+    split the rest evenly) that minimise the slowest stage's FLOPs, the output layer and
+    loss counted on the last stage.  In 1F1B every stage runs at the pace of the slowest,
+    so this is the split the ideal ``(p-1)/m`` bubble assumes.  Ties go to the even split.
+    Falls back to the even split when no other split is valid (e.g. too few layers).
+    """
+    L, pp = cfg.model.num_layers, max(cfg.parallel.pipeline_parallel, 1)
+    even = tuple([max(L // pp, 1)] * pp)
+    if pp == 1 or cfg.parallel.pipeline_split != "balanced" or cfg.parallel.vpp > 1 or L < pp:
+        return even
+    layer, head = _layer_and_head_cost(cfg)
+
+    def slowest(split: tuple[int, ...]) -> float:
+        return max(n * layer + (head if r == pp - 1 else 0.0) for r, n in enumerate(split))
+
+    best = even if L % pp == 0 else None
+    for first in range(1, L):
+        for last in range(1, L - first + 1):
+            middle = L - first - last
+            if pp == 2 and middle:
+                continue
+            if pp > 2 and (middle < pp - 2 or middle % (pp - 2)):
+                continue
+            split = (first, *([middle // (pp - 2)] * (pp - 2) if pp > 2 else ()), last)
+            if best is None or slowest(split) < slowest(best) - 1e-9:
+                best = split
+    return best or even
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     embedding: int  # word embeddings (padded vocab) + learned positions
@@ -497,8 +546,8 @@ class Derived:
     padded_vocab_size: int
     num_microbatches: int
     tokens_per_step: int
-    layers_per_stage: int  # per pipeline rank (all its virtual chunks together)
-    layers_per_chunk: int
+    stage_layers: tuple[int, ...]  # transformer layers per pipeline rank (all its virtual chunks together)
+    layers_per_chunk: int  # per virtual chunk (interleaving splits evenly)
     params: ParamCounts
     params_per_stage: tuple[int, ...]  # unsharded (before TP) parameters held by each pipeline stage
     flops_per_step: float
@@ -529,12 +578,12 @@ def derive(cfg: RunConfig) -> Derived:
     dp = max(world // (tp * pp), 1)
     vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     micro = max(t.global_batch_size // max(t.micro_batch_size * dp, 1), 1)
-    layers_per_stage = max(m.num_layers // pp, 1)
-    layers_per_chunk = max(layers_per_stage // p.vpp, 1)
+    stage_layers = pipeline_stage_layers(cfg)
+    layers_per_chunk = max(stage_layers[0] // p.vpp, 1)
     params = _param_counts(cfg, vocab)
     stages = []
     for s in range(pp):
-        n = layers_per_stage * params.per_layer
+        n = stage_layers[s] * params.per_layer
         if s == 0:
             n += params.embedding
         if s == pp - 1:
@@ -546,7 +595,7 @@ def derive(cfg: RunConfig) -> Derived:
         padded_vocab_size=vocab,
         num_microbatches=micro,
         tokens_per_step=t.global_batch_size * m.seq_length,
-        layers_per_stage=layers_per_stage,
+        stage_layers=stage_layers,
         layers_per_chunk=layers_per_chunk,
         params=params,
         params_per_stage=tuple(stages),
@@ -619,8 +668,13 @@ def validate(cfg: RunConfig) -> list[Problem]:
     world = p.world_size
     if world % (tp * pp):
         add("parallel.nproc_per_node", f"world size {world} (nnodes*nproc_per_node) is not divisible by tp*pp = {tp * pp}", f"use a world size that is a multiple of {tp * pp}")
-    if m.num_layers % pp:
-        add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pipeline_parallel {pp}", f"use a pipeline_parallel that divides {m.num_layers}")
+    if m.num_layers < pp:
+        add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is fewer than pipeline_parallel {pp} stages", f"use pipeline_parallel <= {m.num_layers}")
+    elif sum(pipeline_stage_layers(cfg)) != m.num_layers:
+        how = ("interleaving splits layers evenly" if vpp > 1 else
+               "pipeline_split is even" if p.pipeline_split == "even" else "no balanced split exists")
+        add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pipeline_parallel {pp} ({how})",
+            f"use a pipeline_parallel that divides {m.num_layers}" + ("" if vpp > 1 or p.pipeline_split == "balanced" else ", or pipeline_split: balanced"))
     if p.virtual_pipeline_parallel not in (None, 1):
         if p.virtual_pipeline_parallel < 1:
             add("parallel.virtual_pipeline_parallel", "must be >= 1", "use null to disable interleaving")

@@ -421,7 +421,7 @@ def _stage_params(cfg: RunConfig, sh: _Shape, d: Derived) -> list[dict[str, int]
     pos = sh.max_pos * h if sh.learned_pos else 0
     out = []
     for r, total in enumerate(d.params_per_stage):
-        layers = d.layers_per_stage
+        layers = d.stage_layers[r]
         layer_part = layers * d.params.per_layer
         emb_word = word if r == 0 else 0
         emb_pos = pos if r == 0 else 0
@@ -583,10 +583,10 @@ def _stage(sh: _Shape, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int
     moments = 8 * shard
 
     # ---- activations
-    layers = d.layers_per_stage
+    layers = d.stage_layers[r]
     layer = _layer_bytes(sh, kp)
     chunks, inflight = _inflight(sh, r)
-    per_chunk_layers = d.layers_per_chunk
+    per_chunk_layers = max(layers // sh.vpp, 1)
     if sh.recompute == "full":
         k = max(1, min(sh.recompute_num_layers, per_chunk_layers))
         blocks_per_chunk = math.ceil(per_chunk_layers / k)

@@ -48,7 +48,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from workbench.backend.attention import SDPAttention
 from workbench.backend.norms import WorkbenchNorm
-from workbench.config import RunConfig, derive
+from workbench.config import RunConfig, derive, pipeline_stage_layers
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 HAVE_APEX = importlib.util.find_spec("apex") is not None
@@ -213,6 +213,9 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         workbench_alibi=m.position_embedding == "alibi",
         workbench_tp_graph=bool(t.tp_collectives_in_graph) and p.tensor_parallel > 1,
     )
+    stage_layers = pipeline_stage_layers(cfg)
+    if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
+        kwargs.update(num_layers_in_first_pipeline_stage=stage_layers[0], num_layers_in_last_pipeline_stage=stage_layers[-1])
     if p.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=p.recompute_num_layers)
     elif p.recompute == "selective":
