@@ -19,8 +19,9 @@ workbench-te        1     Transformer Engine spec (only when transformer_engine 
 dp2                 2     workbench, data parallel 2 (grad-reduce overlap on)
 dp2-distopt         2     dp2 + distributed optimizer (param-gather overlap on)
 tp2/gpt2-large      2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
-tp2-graph           2     tp2 with ``train.tp_collectives_in_graph`` (one graph per layer, collectives inside)
-tp2-sp-graph        2     tp2-graph plus sequence parallelism
+tp2-reorder         2     tp2 with ``train.tp_comm_overlap: reorder`` (inductor overlaps the collectives)
+tp2-sp[-reorder]    2     tp2 plus sequence parallelism (and reordering)
+tp2-sp-async        2     tp2-sp with ``train.tp_comm_overlap: async_tp`` (micro-pipelined TP, symmetric memory)
 pp2-m8              2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
 ==================  ====  ==============================================================
 
@@ -101,19 +102,21 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
                                            "parallel.overlap_param_gather": True}))
         if "gpt2-large" not in models:  # TP=2's one-GPU baseline
             rows.append(Variant("workbench/gpt2-large", "workbench", "gpt2-large", microbatches=microbatches))
-        rows.append(Variant("tp2/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
-                            baseline="workbench/gpt2-large", overrides={"parallel.tensor_parallel": 2}))
-        rows.append(Variant("tp2-nograph/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
-                            baseline="workbench/gpt2-large",
-                            overrides={"parallel.tensor_parallel": 2, "train.cuda_graphs": False}))
-        # one compiled graph per layer with the TP collectives inside (train.tp_collectives_in_graph)
-        rows.append(Variant("tp2-graph/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
-                            baseline="workbench/gpt2-large",
-                            overrides={"parallel.tensor_parallel": 2, "train.tp_collectives_in_graph": True}))
-        rows.append(Variant("tp2-sp-graph/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
-                            baseline="workbench/gpt2-large",
-                            overrides={"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True,
-                                       "train.tp_collectives_in_graph": True}))
+        # TP=2 layouts: the compiled layer is one graph with its collectives inside; the rows
+        # differ in how inductor overlaps those collectives (train.tp_comm_overlap) and in SP
+        tp_rows = {
+            "tp2": {},
+            "tp2-nograph": {"train.cuda_graphs": False},
+            "tp2-reorder": {"train.tp_comm_overlap": "reorder"},
+            "tp2-sp": {"parallel.sequence_parallel": True},
+            "tp2-sp-reorder": {"parallel.sequence_parallel": True, "train.tp_comm_overlap": "reorder"},
+            "tp2-sp-async": {"parallel.sequence_parallel": True, "train.tp_comm_overlap": "async_tp"},
+            "tp2-sp-async-nograph": {"parallel.sequence_parallel": True, "train.tp_comm_overlap": "async_tp",
+                                     "train.cuda_graphs": False},
+        }
+        for name, over in tp_rows.items():
+            rows.append(Variant(f"{name}/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
+                                baseline="workbench/gpt2-large", overrides={"parallel.tensor_parallel": 2, **over}))
         if "gpt2-medium" in models:
             rows.append(Variant("pp2-m8/gpt2-medium", "workbench", "gpt2-medium", gpus=2, microbatches=8,
                                 baseline="pp1-m8/gpt2-medium", overrides={"parallel.pipeline_parallel": 2}))
@@ -405,7 +408,8 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         off = _median(_time_steps(tr.train_step, n, cuda))
         stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0,
                   "loop_s_n": t_n, "loop_s_2n": t_2n, "n": n}
-    prof = _maybe_profile(tr.train_step, cuda, a.profile and v.model == a.profile_model and v.name.startswith("workbench/"))
+    prof = _maybe_profile(tr.train_step, cuda, a.profile and (v.name in a.profile_variants.split(",") if a.profile_variants
+                                                              else v.model == a.profile_model and v.name.startswith("workbench/")))
     host = _host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model)
     losses = first.get("losses") or {}
     return {
@@ -568,6 +572,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="peak dense TFLOP/s per GPU for MFU (default 989)")
     ap.add_argument("--profile", action="store_true", help="torch-profiler summary for the reference and default workbench")
     ap.add_argument("--profile-model", default="gpt2-small")
+    ap.add_argument("--profile-variants", default="", help="with --profile: profile these variants (comma list of full names) instead")
     ap.add_argument("--host-profile", action="store_true", help="cProfile summary of the host's Python time for --profile-model")
     ap.add_argument("--no-stream-cost", action="store_true", help="skip the event-stream cost measurement")
     ap.add_argument("--no-compile-reference", action="store_true", help="run the reference eagerly")
@@ -612,7 +617,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not variants:
             ap.error(f"--variants {a.variants!r} matches nothing")
 
-    passthrough = [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--profile-model={a.profile_model}"]
+    passthrough = [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--profile-model={a.profile_model}",
+                   f"--profile-variants={a.profile_variants}"]
     for flag in ("cpu_smoke", "profile", "host_profile", "no_stream_cost", "no_compile_reference"):
         if getattr(a, flag):
             passthrough.append("--" + flag.replace("_", "-"))

@@ -107,12 +107,11 @@ def check_tp2() -> dict:
     fusions.set_compile(os.environ.get("CHECK_COMPILE") == "1")
     out = {}
     first = True
-    # "+graph": train.tp_collectives_in_graph (one graph per layer, functional collectives);
-    # "+sp": and sequence parallelism (all-gather / reduce-scatter inside that graph)
-    graph = {"train.tp_collectives_in_graph": True}
-    cases = {"gpt": VARIANTS["gpt"], "llama-like": VARIANTS["llama-like"], "gpt+graph": {**VARIANTS["gpt"], **graph},
-             "gpt+graph+sp": {**VARIANTS["gpt"], **graph, "parallel.sequence_parallel": True},
-             "llama-like+graph+sp": {**VARIANTS["llama-like"], **graph, "parallel.sequence_parallel": True}}
+    # one compiled graph per layer with functional collectives; "+sp": sequence parallelism
+    # (all-gather / reduce-scatter inside that graph)
+    cases = {"gpt": VARIANTS["gpt"], "llama-like": VARIANTS["llama-like"],
+             "gpt+sp": {**VARIANTS["gpt"], "parallel.sequence_parallel": True},
+             "llama-like+sp": {**VARIANTS["llama-like"], "parallel.sequence_parallel": True}}
     only = os.environ.get("CHECK_CASES")
     for name, over in cases.items():
         if only and name not in only.split(","):
@@ -121,6 +120,12 @@ def check_tp2() -> dict:
         if first:
             distributed.initialize(cfg)
             first = False
+            overlap = os.environ.get("CHECK_OVERLAP")  # train.tp_comm_overlap, set before the first compile
+            if overlap:
+                from megatron.core import parallel_state
+
+                fusions._tp_comm_overlap(cfg.replace(**{"train.tp_comm_overlap": overlap}),
+                                         parallel_state.get_tensor_model_parallel_group().group_name)
         stock, fast, losses, rel = _stock_vs_fast(cfg)
         worst = torch.tensor([rel, abs(losses[0] - losses[1])])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)

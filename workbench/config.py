@@ -166,12 +166,13 @@ class TrainConfig:
     #: (torch.compile "reduce-overhead"), so the host no longer launches ~70 kernels per layer
     #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
     cuda_graphs: bool = True
-    #: with compile_kernels and tensor_parallel > 1: each layer is ONE compiled graph with its TP
-    #: collectives inside (torch functional collectives; all-gather / reduce-scatter under
-    #: sequence parallelism) instead of five compiled pieces around megatron's eager collectives,
-    #: so TP+SP also gets the compiled path.  Same maths (CPU-tested against the stock layer);
-    #: off until measured on GPUs (bench/train_throughput.py variant tp2-graph).
-    tp_collectives_in_graph: bool = False
+    #: tensor_parallel > 1 with compile_kernels: how each layer's TP collectives (inside its
+    #: compiled graph) overlap with its GEMMs.  "none": in program order.  "reorder": inductor
+    #: issues each collective early and waits late (the input-gradient all-reduce runs under
+    #: the weight-gradient GEMM).  "async_tp" (needs sequence_parallel, GPUs with NVLink):
+    #: all-gather -> GEMM and GEMM -> reduce-scatter become chunked GEMMs overlapping
+    #: peer-to-peer copies over symmetric memory (torch's micro-pipelined async TP).
+    tp_comm_overlap: Literal["none", "reorder", "async_tp"] = "none"
     #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
     forward_step: str | None = None
     loss_func: str | None = None
@@ -682,6 +683,13 @@ def validate(cfg: RunConfig) -> list[Problem]:
             add("parallel.virtual_pipeline_parallel", "interleaving needs pipeline_parallel >= 2", "raise pipeline_parallel or set virtual_pipeline_parallel: null")
         elif m.num_layers % (pp * vpp):
             add("parallel.virtual_pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pp*vpp = {pp * vpp}", f"choose vpp so that pp*vpp divides {m.num_layers}")
+    if t.tp_comm_overlap == "async_tp":
+        if not p.sequence_parallel:
+            add("train.tp_comm_overlap", "async_tp overlaps the all-gather / reduce-scatter of sequence parallelism",
+                "set parallel.sequence_parallel: true (with tensor_parallel >= 2), or tp_comm_overlap: reorder")
+        if p.device != "cuda" or not t.compile_kernels:
+            add("train.tp_comm_overlap", "async_tp is an inductor pass over the compiled layer on GPUs",
+                "set parallel.device: cuda and train.compile_kernels: true, or tp_comm_overlap: none")
     if p.sequence_parallel and tp < 2:
         add("parallel.sequence_parallel", "sequence parallelism needs tensor_parallel > 1", "set tensor_parallel >= 2 or sequence_parallel: false")
     if p.sequence_parallel and m.seq_length % tp:

@@ -179,8 +179,9 @@ def main() -> int:
         "pp2_vpp2": {"parallel.pipeline_parallel": 2, "parallel.virtual_pipeline_parallel": 2},
         "dp2_distopt": {"parallel.distributed_optimizer": True},
         "tp2_sp": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True},
-        # the one-graph TP layer (functional collectives inside the compiled graph); with --compile
-        "tp2_sp_graph": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True, "train.tp_collectives_in_graph": True},
+        # the compiled TP layer's collectives overlapped by inductor (with --compile)
+        "tp2_reorder": {"parallel.tensor_parallel": 2, "train.tp_comm_overlap": "reorder"},
+        "tp2_sp_async": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True, "train.tp_comm_overlap": "async_tp"},
     }
     if args.only:
         layouts = {k: v for k, v in layouts.items() if k in args.only.split(",")}

@@ -100,8 +100,6 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_alibi: bool = False
     #: selective recompute of the dense MLP (:class:`RecomputedMLP`).
     workbench_recompute_mlp: bool = False
-    #: TP layers as one compiled graph with in-graph collectives (``train.tp_collectives_in_graph``).
-    workbench_tp_graph: bool = False
 
 
 class RecomputedMLP(MLP):
@@ -211,7 +209,6 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         overlap_p2p_comm=(not cpu) and p.vpp > 1,
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
-        workbench_tp_graph=bool(t.tp_collectives_in_graph) and p.tensor_parallel > 1,
     )
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
