@@ -8,22 +8,23 @@ commit.
 
 Variants (``--variants`` picks a subset by name):
 
-==================  ====  ==============================================================
-name                GPUs  what runs
-==================  ====  ==============================================================
-reference           1     bench/reference_gpt.py: SDPA, fused AdamW, torch.compile, bf16 autocast
-workbench           1     the backend's train step, default kernels (SDPA + workbench fusions)
-workbench-eager     1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
-workbench-local     1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
-workbench-te        1     Transformer Engine spec (only when transformer_engine is importable)
-dp2                 2     workbench, data parallel 2 (grad-reduce overlap on)
-dp2-distopt         2     dp2 + distributed optimizer (param-gather overlap on)
-tp2/gpt2-large      2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
-tp2-reorder         2     tp2 with ``train.tp_comm_overlap: reorder`` (inductor overlaps the collectives)
-tp2-sp[-reorder]    2     tp2 plus sequence parallelism (and reordering)
-tp2-sp-async        2     tp2-sp with ``train.tp_comm_overlap: async_tp`` (micro-pipelined TP, symmetric memory)
-pp2-m8              2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
-==================  ====  ==============================================================
+========================  ====  ==============================================================
+name                      GPUs  what runs
+========================  ====  ==============================================================
+reference                 1     bench/reference_gpt.py: SDPA, fused AdamW, torch.compile, bf16 autocast
+workbench                 1     the backend's train step, default kernels (SDPA + workbench fusions)
+workbench-wgrad-unfused   1     same, ``train.gradient_accumulation_fusion: false`` (DDP's hook adds each .grad)
+workbench-eager           1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
+workbench-local           1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
+workbench-te              1     Transformer Engine spec (only when transformer_engine is importable)
+dp2                       2     workbench, data parallel 2 (grad-reduce overlap on)
+dp2-distopt               2     dp2 + distributed optimizer (param-gather overlap on)
+tp2/gpt2-large            2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
+tp2-reorder               2     tp2 with ``train.tp_comm_overlap: reorder`` (inductor overlaps the collectives)
+tp2-sp[-reorder]          2     tp2 plus sequence parallelism (and reordering)
+tp2-sp-async              2     tp2-sp with ``train.tp_comm_overlap: async_tp`` (micro-pipelined TP, symmetric memory)
+pp2-m8                    2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
+========================  ====  ==============================================================
 
 Per variant: tokens/s, MFU (Megatron's formula via ``derive(cfg).flops_per_step`` over
 ``--peak-tflops`` per GPU, 989 by default), peak memory, ratio to the reference of the same
@@ -85,6 +86,8 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         rows.append(Variant(f"workbench-nograph/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.cuda_graphs": False}))
     for m in models:
+        rows.append(Variant(f"workbench-wgrad-unfused/{m}", "workbench", m, microbatches=microbatches,
+                            overrides={"train.gradient_accumulation_fusion": False}))
         rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.compile_kernels": False}))
         rows.append(Variant(f"workbench-local/{m}", "workbench", m, microbatches=microbatches,
@@ -401,13 +404,24 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
             _sync(cuda)
             return time.perf_counter() - t0
 
+        def bare(k: int) -> float:  # the same steps with timing off and nothing around them
+            t.microbatch_timing_interval = 0
+            _sync(cuda)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                tr.train_step()
+            _sync(cuda)
+            return time.perf_counter() - t0
+
+        # Both sides the same estimator (a mean per step from the difference of an n- and a
+        # 2n-step run), interleaved so that clock / thermal drift hits both alike.  (A median
+        # of single steps against a loop's mean read 1% high: step times have a slow tail.)
         loop(1)  # first run_start: one-time imports
-        t_n, t_2n = loop(n), loop(2 * n)
-        on = (t_2n - t_n) / n
-        t.microbatch_timing_interval = 0
-        off = _median(_time_steps(tr.train_step, n, cuda))
+        t_n, b_n = loop(n), bare(n)
+        t_2n, b_2n = loop(2 * n), bare(2 * n)
+        on, off = (t_2n - t_n) / n, (b_2n - b_n) / n
         stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0,
-                  "loop_s_n": t_n, "loop_s_2n": t_2n, "n": n}
+                  "loop_s_n": t_n, "loop_s_2n": t_2n, "bare_s_n": b_n, "bare_s_2n": b_2n, "n": n}
     prof = _maybe_profile(tr.train_step, cuda, a.profile and (v.name in a.profile_variants.split(",") if a.profile_variants
                                                               else v.model == a.profile_model and v.name.startswith("workbench/")))
     host = _host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model)

@@ -166,6 +166,11 @@ class TrainConfig:
     #: (torch.compile "reduce-overhead"), so the host no longer launches ~70 kernels per layer
     #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
     cuda_graphs: bool = True
+    #: with compile_kernels: the compiled layers' backward GEMMs accumulate the QKV / projection /
+    #: MLP weight gradients straight into megatron DDP's fp32 main_grad (Megatron's
+    #: gradient_accumulation_fusion, which otherwise needs apex or TE), instead of a bf16 .grad
+    #: per weight that DDP then adds to main_grad one parameter at a time.  Same sums, in fp32.
+    gradient_accumulation_fusion: bool = True
     #: tensor_parallel > 1 with compile_kernels: how each layer's TP collectives (inside its
     #: compiled graph) overlap with its GEMMs.  "none": in program order.  "reorder": inductor
     #: issues each collective early and waits late (the input-gradient all-reduce runs under
