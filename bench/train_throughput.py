@@ -13,16 +13,14 @@ name                      GPUs  what runs
 ========================  ====  ==============================================================
 reference                 1     bench/reference_gpt.py: SDPA, fused AdamW, torch.compile, bf16 autocast
 workbench                 1     the backend's train step, default kernels (SDPA + workbench fusions)
-workbench-wgrad-unfused   1     same, ``train.gradient_accumulation_fusion: false`` (DDP's hook adds each .grad)
 workbench-eager           1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
 workbench-local           1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
 workbench-te              1     Transformer Engine spec (only when transformer_engine is importable)
 dp2                       2     workbench, data parallel 2 (grad-reduce overlap on)
 dp2-distopt               2     dp2 + distributed optimizer (param-gather overlap on)
 tp2/gpt2-large            2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
-tp2-reorder               2     tp2 with ``train.tp_comm_overlap: reorder`` (inductor overlaps the collectives)
-tp2-sp[-reorder]          2     tp2 plus sequence parallelism (and reordering)
-tp2-sp-async              2     tp2-sp with ``train.tp_comm_overlap: async_tp`` (micro-pipelined TP, symmetric memory)
+tp2-nograph               2     tp2 without CUDA graphs
+tp2-sp                    2     tp2 plus sequence parallelism
 pp2-m8                    2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
 ========================  ====  ==============================================================
 
@@ -86,8 +84,6 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         rows.append(Variant(f"workbench-nograph/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.cuda_graphs": False}))
     for m in models:
-        rows.append(Variant(f"workbench-wgrad-unfused/{m}", "workbench", m, microbatches=microbatches,
-                            overrides={"train.gradient_accumulation_fusion": False}))
         rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.compile_kernels": False}))
         rows.append(Variant(f"workbench-local/{m}", "workbench", m, microbatches=microbatches,
@@ -105,17 +101,11 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
                                            "parallel.overlap_param_gather": True}))
         if "gpt2-large" not in models:  # TP=2's one-GPU baseline
             rows.append(Variant("workbench/gpt2-large", "workbench", "gpt2-large", microbatches=microbatches))
-        # TP=2 layouts: the compiled layer is one graph with its collectives inside; the rows
-        # differ in how inductor overlaps those collectives (train.tp_comm_overlap) and in SP
+        # TP=2 layouts: the compiled layer is one graph with its collectives inside
         tp_rows = {
             "tp2": {},
             "tp2-nograph": {"train.cuda_graphs": False},
-            "tp2-reorder": {"train.tp_comm_overlap": "reorder"},
             "tp2-sp": {"parallel.sequence_parallel": True},
-            "tp2-sp-reorder": {"parallel.sequence_parallel": True, "train.tp_comm_overlap": "reorder"},
-            "tp2-sp-async": {"parallel.sequence_parallel": True, "train.tp_comm_overlap": "async_tp"},
-            "tp2-sp-async-nograph": {"parallel.sequence_parallel": True, "train.tp_comm_overlap": "async_tp",
-                                     "train.cuda_graphs": False},
         }
         for name, over in tp_rows.items():
             rows.append(Variant(f"{name}/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,

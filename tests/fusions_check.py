@@ -1,7 +1,6 @@
 """Subprocess helper for tests/test_fusions.py (own process: megatron parallel state is global).
 
     python tests/fusions_check.py layer [--compile]   -> JSON: stock vs fast-layer loss / grad diffs
-    python tests/fusions_check.py wgrad [--compile]   -> JSON: main_grad by the fused wgrad GEMMs vs DDP's hook
     python tests/fusions_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
     python tests/fusions_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
     torchrun --nproc_per_node 2 tests/fusions_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
@@ -99,57 +98,6 @@ def check_layer(compile_: bool) -> dict:
     return out
 
 
-def check_wgrad(compile_: bool) -> dict:
-    """bf16 layers whose weights carry megatron DDP's fp32 ``main_grad`` (DDP's contract,
-    emulated: its buffers need CUDA): two micro-batches through the stock layer (DDP's hook
-    adds each bf16 .grad to main_grad) and through the compiled layer with
-    ``fuse_wgrad_accumulation`` (the GEMMs accumulate into main_grad; the hook skips the
-    placeholder .grad of weights marked ``grad_added_to_main_grad``)."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    from workbench.backend import distributed, fusions
-
-    fusions.set_compile(compile_)
-    cfg = preset("tiny")
-    distributed.initialize_for_tests(cfg, port=int(os.environ.get("CHECK_PORT", "29615")))
-    stock = _build(cfg, TransformerLayer).bfloat16()  # bf16 weights and activations, as in bf16 training
-    fast = _build(cfg, fusions.CompiledTransformerLayer).bfloat16()
-    fast.load_state_dict(stock.state_dict())
-    for m in (stock, fast):
-        for p in m.parameters():
-            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-            p.grad_added_to_main_grad = False  # megatron DDP's zero_grad_buffer
-    for layer in fast.decoder.layers:
-        layer.fuse_wgrad_accumulation = True
-
-    def ddp_hook(m) -> None:  # megatron DDP's backward post-hook, per parameter
-        for p in m.parameters():
-            if p.grad is not None and not p.grad_added_to_main_grad:
-                p.main_grad.add_(p.grad.data)
-            p.grad = None
-
-    g = torch.Generator().manual_seed(2)
-    b, s = 2, cfg.model.seq_length
-    losses = {"stock": [], "fast": []}
-    for _ in range(2):  # micro-batches accumulate into the same main_grad
-        tok = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-        lab = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
-        pos = torch.arange(s)[None].expand(b, s)
-        for name, m in (("stock", stock), ("fast", fast)):
-            loss = m(tok, pos, None, labels=lab).float().mean()
-            loss.backward()
-            ddp_hook(m)
-            losses[name].append(loss.item())
-    rel = {}
-    for (name, p), (_, q) in zip(stock.named_parameters(), fast.named_parameters()):
-        rel[name] = ((p.main_grad - q.main_grad).norm() / (p.main_grad.norm() + 1e-12)).item()
-    layer0 = fast.decoder.layers[0]
-    return {"losses": losses, "main_grad_rel": rel, "fast_calls": sum(l.fast_calls for l in fast.decoder.layers),
-            "flagged": [bool(w.grad_added_to_main_grad) for w in layer0._gemm_weights()],
-            "unflagged_norm": bool(layer0.input_layernorm.weight.grad_added_to_main_grad),
-            "main_grad_norm": {n: p.main_grad.norm().item() for n, p in fast.named_parameters()}}
-
-
 def check_tp2() -> dict:
     """Under torchrun --nproc_per_node 2 (CPU, gloo): the TP=2 fast layer vs stock, per rank."""
     import torch.distributed as dist
@@ -172,12 +120,6 @@ def check_tp2() -> dict:
         if first:
             distributed.initialize(cfg)
             first = False
-            overlap = os.environ.get("CHECK_OVERLAP")  # train.tp_comm_overlap, set before the first compile
-            if overlap:
-                from megatron.core import parallel_state
-
-                fusions._tp_comm_overlap(cfg.replace(**{"train.tp_comm_overlap": overlap}),
-                                         parallel_state.get_tensor_model_parallel_group().group_name)
         stock, fast, losses, rel = _stock_vs_fast(cfg)
         worst = torch.tensor([rel, abs(losses[0] - losses[1])])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -267,16 +209,14 @@ def check_trainer(fast: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2", "wgrad"])
+    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fast", type=int, default=1)
     a = ap.parse_args()
     if a.what == "all":
         from megatron.core import parallel_state
 
-        res = {"layer": check_layer(a.compile), "wgrad": None, "reference": None, "trainer_stock": None, "trainer_fast": None}
-        parallel_state.destroy_model_parallel()
-        res["wgrad"] = check_wgrad(a.compile)
+        res = {"layer": check_layer(a.compile), "reference": None, "trainer_stock": None, "trainer_fast": None}
         parallel_state.destroy_model_parallel()
         res["reference"] = check_reference()
         parallel_state.destroy_model_parallel()
@@ -289,8 +229,6 @@ def main() -> int:
             return 0
     elif a.what == "layer":
         res = check_layer(a.compile)
-    elif a.what == "wgrad":
-        res = check_wgrad(a.compile)
     elif a.what == "reference":
         res = check_reference()
     else:

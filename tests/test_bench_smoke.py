@@ -78,8 +78,7 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
         "pp2-m8/gpt2-medium": (1, 2, 1, 8, 8),
         "pp1-m8/gpt2-medium": (1, 1, 1, 8, 8),
         "tp2-nograph/gpt2-large": (2, 1, 1, 4, 8),
-        "tp2-reorder/gpt2-large": (2, 1, 1, 4, 8),
-        "tp2-sp-async/gpt2-large": (2, 1, 1, 4, 8),
+        "tp2-sp/gpt2-large": (2, 1, 1, 4, 8),
     }
     # CUDA graphs: on by default; off in the -nograph rows and in the PP one-GPU baseline
     # (graphs are off under pipeline parallelism, so its baseline runs the same kernels)
@@ -88,11 +87,9 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
     assert not graphs["workbench-nograph/gpt2-medium"] and not graphs["tp2-nograph/gpt2-large"]
     assert not graphs["pp1-m8/gpt2-medium"]
     by_name = {v.name: v for v in variants}
-    # the TP rows differ only in SP and in how inductor overlaps the collectives
-    for name, sp, overlap in (("tp2/gpt2-large", False, "none"), ("tp2-reorder/gpt2-large", False, "reorder"),
-                              ("tp2-sp/gpt2-large", True, "none"), ("tp2-sp-async/gpt2-large", True, "async_tp")):
-        cfg = tt.bench_config(by_name[name])
-        assert (cfg.parallel.sequence_parallel, cfg.train.tp_comm_overlap) == (sp, overlap), name
+    # the TP rows differ only in SP (and graphs)
+    for name, sp in (("tp2/gpt2-large", False), ("tp2-nograph/gpt2-large", False), ("tp2-sp/gpt2-large", True)):
+        assert tt.bench_config(by_name[name]).parallel.sequence_parallel is sp, name
     for name, (tp, pp, dp, micro, mbs) in expect.items():
         cfg = tt.bench_config(by_name[name])
         assert cfg.validate() == [], (name, cfg.validate())

@@ -193,61 +193,6 @@ def test_tensor_parallel_one_graph_layer_under_torch_compile():
         assert v["graph_breaks"] == 0, v
 
 
-GEMM_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
-
-
-def _assert_wgrad_fused(r: dict, other_rel: float) -> None:
-    assert r["fast_calls"] == 8, r["fast_calls"]  # 4 layers x 2 micro-batches on the compiled path
-    assert r["flagged"] == [True] * 4 and r["unflagged_norm"] is False  # DDP's hook skips only the fused four
-    for name, rel in r["main_grad_rel"].items():
-        if name.endswith(GEMM_WEIGHTS):
-            # fp32 sums of the bf16 products vs bf16-rounded .grad added by the hook: ~0.2% apart;
-            # a dropped micro-batch, a transposed product or an added placeholder would be >= 50%
-            assert rel < 1e-2, (name, rel)
-        else:
-            assert rel <= other_rel, (name, rel)
-    assert all(v > 0 for v in r["main_grad_norm"].values())
-
-
-def test_weight_gradients_accumulate_into_ddp_main_grad(checks):
-    """train.gradient_accumulation_fusion: two bf16 micro-batches, the GEMMs' weight gradients
-    summed into fp32 main_grad by the fused path agree with DDP's hook adding each .grad;
-    every other parameter's main_grad is bit-identical (it still goes through the hook)."""
-    r = checks["wgrad"]
-    assert r["losses"]["stock"] == r["losses"]["fast"]
-    _assert_wgrad_fused(r, other_rel=0.0)
-
-
-@pytest.mark.slow
-def test_weight_gradients_into_main_grad_under_torch_compile():
-    r = _run_check("wgrad", "--compile", port=29645)
-    assert all(_close(a, b, 1e-4) for a, b in zip(r["losses"]["stock"], r["losses"]["fast"])), r["losses"]
-    _assert_wgrad_fused(r, other_rel=5e-2)  # the compiled graph's bf16 roundings differ from eager's
-
-
-@pytest.mark.slow
-def test_tensor_parallel_layer_with_inductor_reordering_matches_stock():
-    """``train.tp_comm_overlap: reorder``: inductor's compute/communication reordering of the
-    compiled TP layer (collectives issued early, waited late) keeps the maths, with and without SP."""
-    r = _tp2_check(CHECK_COMPILE="1", CHECK_OVERLAP="reorder", CHECK_CASES="gpt,gpt+sp")
-    assert set(r) == {"gpt", "gpt+sp"}
-    for v in r.values():
-        _assert_tp2_matches_stock(v, rel=1e-5)
-        assert v["graph_breaks"] == 0, v
-
-
-def test_async_tp_needs_sequence_parallel_and_compiled_gpu_layers():
-    from workbench.config import preset
-
-    tp2 = {"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2, "train.tp_comm_overlap": "async_tp"}
-    gpu = preset("gpt2-small", **tp2)
-    problems = [p for p in gpu.validate() if p.field == "train.tp_comm_overlap"]
-    assert len(problems) == 1 and "sequence_parallel: true" in problems[0].fix
-    assert gpu.replace(**{"parallel.sequence_parallel": True}).validate() == []
-    eager = gpu.replace(**{"parallel.sequence_parallel": True, "train.compile_kernels": False})
-    assert [p.field for p in eager.validate()] == ["train.tp_comm_overlap"]
-
-
 def test_cuda_graphs_only_on_a_gpu_with_compiled_kernels():
     from workbench.backend import fusions
     from workbench.config import preset

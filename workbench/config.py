@@ -166,18 +166,6 @@ class TrainConfig:
     #: (torch.compile "reduce-overhead"), so the host no longer launches ~70 kernels per layer
     #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
     cuda_graphs: bool = True
-    #: with compile_kernels: the compiled layers' backward GEMMs accumulate the QKV / projection /
-    #: MLP weight gradients straight into megatron DDP's fp32 main_grad (Megatron's
-    #: gradient_accumulation_fusion, which otherwise needs apex or TE), instead of a bf16 .grad
-    #: per weight that DDP then adds to main_grad one parameter at a time.  Same sums, in fp32.
-    gradient_accumulation_fusion: bool = True
-    #: tensor_parallel > 1 with compile_kernels: how each layer's TP collectives (inside its
-    #: compiled graph) overlap with its GEMMs.  "none": in program order.  "reorder": inductor
-    #: issues each collective early and waits late (the input-gradient all-reduce runs under
-    #: the weight-gradient GEMM).  "async_tp" (needs sequence_parallel, GPUs with NVLink):
-    #: all-gather -> GEMM and GEMM -> reduce-scatter become chunked GEMMs overlapping
-    #: peer-to-peer copies over symmetric memory (torch's micro-pipelined async TP).
-    tp_comm_overlap: Literal["none", "reorder", "async_tp"] = "none"
     #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
     forward_step: str | None = None
     loss_func: str | None = None
@@ -688,13 +676,6 @@ def validate(cfg: RunConfig) -> list[Problem]:
             add("parallel.virtual_pipeline_parallel", "interleaving needs pipeline_parallel >= 2", "raise pipeline_parallel or set virtual_pipeline_parallel: null")
         elif m.num_layers % (pp * vpp):
             add("parallel.virtual_pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pp*vpp = {pp * vpp}", f"choose vpp so that pp*vpp divides {m.num_layers}")
-    if t.tp_comm_overlap == "async_tp":
-        if not p.sequence_parallel:
-            add("train.tp_comm_overlap", "async_tp overlaps the all-gather / reduce-scatter of sequence parallelism",
-                "set parallel.sequence_parallel: true (with tensor_parallel >= 2), or tp_comm_overlap: reorder")
-        if p.device != "cuda" or not t.compile_kernels:
-            add("train.tp_comm_overlap", "async_tp is an inductor pass over the compiled layer on GPUs",
-                "set parallel.device: cuda and train.compile_kernels: true, or tp_comm_overlap: none")
     if p.sequence_parallel and tp < 2:
         add("parallel.sequence_parallel", "sequence parallelism needs tensor_parallel > 1", "set tensor_parallel >= 2 or sequence_parallel: false")
     if p.sequence_parallel and m.seq_length % tp:

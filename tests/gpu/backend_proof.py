@@ -179,11 +179,6 @@ def main() -> int:
         "pp2_vpp2": {"parallel.pipeline_parallel": 2, "parallel.virtual_pipeline_parallel": 2},
         "dp2_distopt": {"parallel.distributed_optimizer": True},
         "tp2_sp": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True},
-        # the compiled TP layer's collectives overlapped by inductor (with --compile)
-        "tp2_reorder": {"parallel.tensor_parallel": 2, "train.tp_comm_overlap": "reorder"},
-        "tp2_sp_async": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True, "train.tp_comm_overlap": "async_tp"},
-        # DDP's hook adding each bf16 .grad, against the reference's fused weight-gradient accumulation
-        "dp2_wgrad_unfused": {"train.gradient_accumulation_fusion": False},
     }
     if args.only:
         layouts = {k: v for k, v in layouts.items() if k in args.only.split(",")}

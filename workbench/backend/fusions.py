@@ -18,9 +18,10 @@ same dtypes, no skipped work):
    shapes, not one graph per module).  With tensor parallelism the layer is still one compiled
    graph, with its TP collectives inside (torch functional collectives exactly where
    Column/RowParallelLinear put them: all-reduce, or all-gather / reduce-scatter under
-   sequence parallelism), so CUDA graphs capture the whole layer and ``train.tp_comm_overlap``
-   lets inductor overlap the collectives with GEMMs.  (Measured on 2 H200s, GPT-2 large:
-   1.27x one GPU, against 1.11x for compiled pieces around megatron's eager collectives.)
+   sequence parallelism), so CUDA graphs capture the whole layer.  (Measured on 2 H200s,
+   GPT-2 large: 1.27x one GPU, against 1.11x for compiled pieces around megatron's eager
+   collectives; inductor's compute/communication reordering and its async-TP pass gained
+   nothing or failed there: bench/README.md.)
    Any other case (dropout, recompute, RoPE / masks per call, ...) falls back to the stock
    forward.
 2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy
@@ -206,89 +207,13 @@ def _column_parallel_input(h: torch.Tensor, tp_group: Optional[str], sp: bool) -
     return h if tp_group is None else _EnterTensorParallel.apply(h, tp_group, sp)
 
 
-#: how :func:`wgrad_into_main_grad` accumulates a bf16 weight gradient into an fp32 main grad on
-#: this process's GPU: "addmm_out_dtype" (one cuBLAS GEMM with an fp32 C, as apex's
-#: fused_weight_gradient_mlp_cuda) or "mm_then_add" (bf16 GEMM, then an add); set by prepare_model.
-_WGRAD_GPU_PATH = "mm_then_add"
-
-
-def _accumulate_wgrad(main_grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``main_grad += a @ b`` with ``a``, ``b`` in the activation dtype."""
-    if main_grad.dtype == a.dtype:
-        main_grad.addmm_(a, b)
-    elif main_grad.device.type != "cuda":  # CPU: the same fp32 sums of exact bf16 products
-        main_grad.addmm_(a.to(main_grad.dtype), b.to(main_grad.dtype))
-    elif _WGRAD_GPU_PATH == "addmm_out_dtype":
-        torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
-    else:
-        main_grad.add_(a @ b)
-
-
-@torch.library.custom_op("workbench::wgrad_into_main_grad", mutates_args=())
-def wgrad_into_main_grad(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """``main_grad += grad_out^T @ inp`` (2-D: tokens x out, tokens x in); returns the weight's
-    ``.grad``, an uninitialised placeholder that megatron DDP's hook skips because the layer set
-    ``grad_added_to_main_grad`` (the same contract as megatron's gradient_accumulation_fusion).
-
-    Opaque to the compiler on purpose: ``main_grad`` (a view of DDP's grad buffer) is read and
-    written only here, and is a static address under CUDA graphs, so replays write in place.
-    """
-    _accumulate_wgrad(main_grad, grad_out.t(), inp)
-    return grad_out.new_empty(main_grad.shape)
-
-
-@wgrad_into_main_grad.register_fake
-def _(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    return grad_out.new_empty(main_grad.shape)
-
-
-class _LinearWgradIntoMainGrad(torch.autograd.Function):
-    """``x @ w.T`` whose weight gradient goes straight into ``main_grad`` (fp32) in backward,
-    instead of a bf16 ``.grad`` that DDP's hook then adds to ``main_grad`` one parameter at a
-    time (measured: 1,168 mixed-dtype add kernels, 5% of a GPT-2 medium step on an H100)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        # not a saved tensor: other micro-batches' backwards add into it in between (1F1B,
-        # gradient accumulation), which autograd's version check would reject
-        ctx.main_grad = main_grad
-        return F.linear(x, w)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w = ctx.saved_tensors
-        main_grad = ctx.main_grad
-        dw = wgrad_into_main_grad(main_grad, grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]))
-        return grad.matmul(w), dw, None
-
-
-def _linear(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], main_grad: Optional[torch.Tensor],
-            bias_apart: bool = False) -> torch.Tensor:
-    """``h @ w.T + b``; with ``main_grad`` the weight gradient accumulates into it (see
-    :class:`_LinearWgradIntoMainGrad`); ``bias_apart``: the bias is added after the GEMM."""
-    if main_grad is None and not bias_apart:
-        return F.linear(h, w, b)
-    y = F.linear(h, w) if main_grad is None else _LinearWgradIntoMainGrad.apply(h, w, main_grad)
-    return y if b is None else y + b
-
-
-def _row_parallel_linear(h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], tp_group: Optional[str], sp: bool,
-                         main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _row_parallel_linear(h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], tp_group: Optional[str], sp: bool) -> torch.Tensor:
     """``h @ w.T + bias``; with TP the partial product is reduced across ranks first and the
     (unsplit) bias added after, as megatron's RowParallelLinear does."""
     if tp_group is None:
-        return _linear(h, w, bias, main_grad)
-    y = _LeaveTensorParallel.apply(_linear(h, w, None, main_grad), tp_group, sp)
+        return F.linear(h, w, bias)
+    y = _LeaveTensorParallel.apply(F.linear(h, w), tp_group, sp)
     return y if bias is None else y + bias
-
-
-def _column_linear(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], tp_group: Optional[str],
-                   main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``h @ w.T + b``.  Under TP the bias is added after the GEMM (as megatron's
-    ColumnParallelLinear does), leaving a plain ``mm`` that inductor's async-TP pass can fuse
-    with the all-gather feeding it (``train.tp_comm_overlap: async_tp``)."""
-    return _linear(h, w, b, main_grad, bias_apart=tp_group is not None)
 
 
 def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -301,13 +226,12 @@ def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
 
 def _causal_self_attention(
     h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
-    *, heads: int, groups: int, head_dim: int, scale: float, tp_group: Optional[str] = None,
-    qkv_main_grad: Optional[torch.Tensor] = None,
+    *, heads: int, groups: int, head_dim: int, scale: float,
 ) -> torch.Tensor:
     """Fused QKV GEMM in megatron's layout, causal SDPA: the context ``[s, b, heads * head_dim]``."""
     s, b, _ = h.shape
     per_group = heads // groups
-    qkv = _column_linear(h, qkv_w, qkv_b, tp_group, qkv_main_grad).view(s, b, groups, (per_group + 2) * head_dim)
+    qkv = F.linear(h, qkv_w, qkv_b).view(s, b, groups, (per_group + 2) * head_dim)
     q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
     q = q.reshape(s, b, heads, head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
     k = k.permute(1, 2, 0, 3)  # [b, groups, s, d]
@@ -344,7 +268,6 @@ def dense_layer_forward(
     activation: str,
     tp_group: Optional[str] = None,
     sequence_parallel: bool = False,
-    main_grads: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """One pre-norm GPT layer on ``[s, b, h]``, with megatron's exact QKV layout and maths.
 
@@ -356,20 +279,14 @@ def dense_layer_forward(
     ``tp_group`` (a process-group name): this rank's shard of a tensor-parallel layer, with
     the TP collectives in the graph exactly where Column/RowParallelLinear put them (``x`` is
     the local sequence shard ``[s/tp, b, h]`` under ``sequence_parallel``).
-
-    ``main_grads``: megatron DDP's fp32 grad-buffer views of the QKV, projection, fc1 and fc2
-    weights; their weight gradients are accumulated into them by the backward GEMMs
-    (``train.gradient_accumulation_fusion``).
     """
     sp = sequence_parallel
-    qkv_mg, proj_mg, fc1_mg, fc2_mg = main_grads if main_grads is not None else (None,) * 4
     h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
-    ctx = _causal_self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
-                                 tp_group=tp_group, qkv_main_grad=qkv_mg)
-    x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp, proj_mg)
+    ctx = _causal_self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
+    x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp)
     h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
-    h_mlp = _activate(_column_linear(h_mlp, fc1_w, fc1_b, tp_group, fc1_mg), activation)
-    return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp, fc2_mg)
+    h_mlp = _activate(F.linear(h_mlp, fc1_w, fc1_b), activation)
+    return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
 
 
 _PIECES = {"layer": dense_layer_forward}
@@ -531,8 +448,6 @@ class CompiledTransformerLayer(TransformerLayer):
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
         self.fast_calls = 0  # observable: how many forwards took the compiled path
-        #: weight gradients into megatron DDP's main_grad by the GEMM (set by prepare_model)
-        self.fuse_wgrad_accumulation = False
 
     _PLAIN_NONE = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
                    "rotary_pos_cos_sin", "attention_bias", "inference_context", "packed_seq_params",
@@ -544,25 +459,6 @@ class CompiledTransformerLayer(TransformerLayer):
         if kwargs.get("attention_mask") is not None:
             return False
         return all(kwargs.get(k) is None for k in self._PLAIN_NONE)
-
-    def _gemm_weights(self) -> tuple[torch.Tensor, ...]:
-        attn, mlp = self.self_attention, self.mlp
-        return attn.linear_qkv.weight, attn.linear_proj.weight, mlp.linear_fc1.weight, mlp.linear_fc2.weight
-
-    def _main_grads(self) -> Optional[tuple[torch.Tensor, ...]]:
-        """DDP's main_grad of the four GEMM weights when their gradients go straight into them.
-
-        Marks each weight ``grad_added_to_main_grad`` for this step (megatron DDP resets the
-        flag in ``zero_grad_buffer``), so DDP's hook skips the placeholder ``.grad``.
-        """
-        if not (self.fuse_wgrad_accumulation and torch.is_grad_enabled()):
-            return None
-        weights = self._gemm_weights()
-        if not all(w.requires_grad and getattr(w, "main_grad", None) is not None for w in weights):
-            return None
-        for w in weights:
-            w.grad_added_to_main_grad = True
-        return tuple(w.main_grad for w in weights)
 
     def forward(self, *args: Any, **kwargs: Any):
         if not self._call_is_plain(args, kwargs):
@@ -579,7 +475,6 @@ class CompiledTransformerLayer(TransformerLayer):
             mlp.linear_fc1.weight, mlp.linear_fc1.bias,
             mlp.linear_fc2.weight, mlp.linear_fc2.bias,
             **self._static,
-            main_grads=self._main_grads(),
         )
         self.fast_calls += 1
         # pipeline parallelism frees stage outputs by swapping .data: they must not be views
@@ -611,68 +506,6 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _tp_comm_overlap(cfg: Any, tp_group: str) -> dict[str, str]:
-    """Inductor's overlap of the in-graph TP collectives with GEMMs (``train.tp_comm_overlap``).
-
-    Set before the layer graph is first compiled (inductor reads its config at compile time).
-    ``reorder``: inductor's compute/communication reordering (each collective is issued as
-    early and waited on as late as its data allow: the input-gradient all-reduce of a
-    column-parallel GEMM runs under that GEMM's weight-gradient GEMM).  ``async_tp`` (needs
-    sequence parallelism): the micro-pipeline TP pass rewrites all-gather -> GEMM and GEMM ->
-    reduce-scatter into chunked GEMMs that overlap peer-to-peer copies over NVLink symmetric
-    memory (torch's async TP).
-    """
-    import torch._inductor.config as inductor
-
-    mode = getattr(cfg.train, "tp_comm_overlap", "none")
-    inductor.reorder_for_compute_comm_overlap = mode == "reorder"
-    inductor._micro_pipeline_tp = mode == "async_tp"
-    if mode == "async_tp":
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-        enable_symm_mem_for_group(tp_group)
-    return {} if mode == "none" else {"tp_comm_overlap": {
-        "reorder": "inductor compute/communication reordering of the layer graph",
-        "async_tp": "micro-pipelined all-gather/reduce-scatter GEMMs over symmetric memory (async TP)"}[mode]}
-
-
-def _addmm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(C_fp32, A, B, out_dtype=fp32, out=C)`` runs (and adds) here."""
-    try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        a = torch.randn(64, 32, device=device, generator=gen).to(dtype)
-        b = torch.randn(32, 48, device=device, generator=gen).to(dtype)
-        c = torch.randn(64, 48, device=device, generator=gen)
-        want = c + a.float() @ b.float()
-        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
-        return bool(torch.allclose(c, want, rtol=1e-3, atol=1e-3))
-    except (RuntimeError, TypeError):
-        return False
-
-
-def _fuse_wgrad_accumulation(layers: list, cfg: Any) -> dict[str, str]:
-    """Weight gradients of the compiled layers' GEMMs straight into megatron DDP's main_grad
-    (``train.gradient_accumulation_fusion``; megatron's own switch needs apex or TE).
-
-    Only for layers wrapped by megatron DDP (their weights have ``main_grad``).
-    """
-    global _WGRAD_GPU_PATH
-    if not getattr(cfg.train, "gradient_accumulation_fusion", False):
-        return {}
-    fused = [l for l in layers if all(getattr(w, "main_grad", None) is not None for w in l._gemm_weights())]
-    if not fused:
-        return {}
-    for layer in fused:
-        layer.fuse_wgrad_accumulation = True
-    w = fused[0]._gemm_weights()[0]
-    how = f"{w.main_grad.dtype} main_grad += GEMM"
-    if w.is_cuda and w.main_grad.dtype != w.dtype:
-        _WGRAD_GPU_PATH = "addmm_out_dtype" if _addmm_out_dtype_works(w.device, w.dtype) else "mm_then_add"
-        how = {"addmm_out_dtype": f"one cuBLAS GEMM per weight with {w.main_grad.dtype} accumulation (addmm out_dtype)",
-               "mm_then_add": f"{w.dtype} GEMM + add (this torch has no addmm out_dtype)"}[_WGRAD_GPU_PATH]
-    return {"wgrad_accumulation": f"QKV/proj/fc1/fc2 weight gradients into DDP's main_grad: {how}"}
-
-
 def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str, str]:
     """Per-model fast paths (called by the training loop after the model is built/wrapped).
 
@@ -699,23 +532,15 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if compiled[0].config.tensor_model_parallel_size > 1:
                 sp = " + sequence parallel" if compiled[0].config.sequence_parallel else ""
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
-            if compiled[0].config.tensor_model_parallel_size > 1:
-                notes.update(_tp_comm_overlap(cfg, compiled[0]._static["tp_group"]))
-            notes.update(_fuse_wgrad_accumulation(compiled, cfg))
             _GRAPHS = graphs_wanted(cfg)
             if _GRAPHS:
                 from torch._dynamo import mark_static_address
 
                 # parameters are static graph inputs: the recorded graphs read them in place
-                # (no copy per call); unguarded, so one compiled function serves all layers.
-                # So are the main grads the backward GEMMs accumulate into: a copied input
-                # would take the gradient and drop it.
+                # (no copy per call); unguarded, so one compiled function serves all layers
                 for layer in compiled:
                     for param in layer.parameters():
                         mark_static_address(param, guard=False)
-                    if layer.fuse_wgrad_accumulation:
-                        for w in layer._gemm_weights():
-                            mark_static_address(w.main_grad, guard=False)
                 notes["cuda_graphs"] = "compiled layers' forward+backward replayed as CUDA graphs (training steps)"
             elif getattr(cfg.train, "cuda_graphs", False) and cfg.parallel.pipeline_parallel > 1:
                 notes["cuda_graphs_off"] = "pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
