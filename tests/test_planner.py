@@ -9,7 +9,7 @@ import time
 import pytest
 
 from workbench import planner
-from workbench.config import ConfigError, preset
+from workbench.config import ConfigError, derive, preset
 from workbench.planner import GiB, MiB, PlannerAssumptions
 
 # Fixed kernel path (no TE, eager layer, megatron's vocab-parallel CE, foreach AdamW), so the
@@ -363,3 +363,22 @@ def test_foreach_adam_step_can_hold_the_peak():
     assert st.peak_phase == "optimizer_step"
     assert st.detail["optimizer_step_transient"] == 4 * st.params
     assert st.components["activations"] == 0 and st.phases["optimizer_step"] == st.peak_allocated
+
+
+def test_balanced_pipeline_split_moves_layer_memory_to_the_first_stage():
+    """parallel.pipeline_split: balanced puts more layers on stage 0 (the last stage carries the
+    output layer): the plan follows the layers, parameters and activations alike."""
+    base = {"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2, "train.global_batch_size": 32}
+    cfg = preset("gpt2-medium", **base)
+    even = cfg.replace(**{"parallel.pipeline_split": "even"})
+    plan, plan_even = planner.predict(cfg, assumptions=EAGER), planner.predict(even, assumptions=EAGER)
+    split = derive(cfg).stage_layers
+    assert [st.layers for st in plan.stages] == list(split) and [st.layers for st in plan_even.stages] == [12, 12]
+    moved = split[0] - 12
+    assert moved > 0
+    per_layer = derive(cfg).params.per_layer
+    assert plan.stages[0].params - plan_even.stages[0].params == moved * per_layer
+    assert plan_even.stages[1].params - plan.stages[1].params == moved * per_layer
+    layer = plan.stages[0].detail["layer_activation_bytes"]
+    inflight = plan.stages[0].inflight_microbatches
+    assert plan.stages[0].components["activations"] - plan_even.stages[0].components["activations"] == pytest.approx(moved * inflight * layer)
