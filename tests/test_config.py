@@ -306,3 +306,15 @@ def test_accelerate_without_megatron_section(tmp_path):
 def test_config_is_json_serialisable_and_stable():
     cfg = preset("llama-small")
     assert RunConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+def test_retired_keys_of_older_configs_load_with_a_warning():
+    d = preset("gpt2-small").to_dict()
+    d["train"]["tp_collectives_in_graph"] = True  # written by configs saved before it was retired
+    with pytest.warns(UserWarning, match="train.tp_collectives_in_graph is ignored"):
+        cfg = RunConfig.from_dict(d)
+    assert cfg.to_dict() == preset("gpt2-small").to_dict()
+    del d["train"]["tp_collectives_in_graph"]
+    d["train"]["tp_colectives_in_graph"] = True  # a typo is still an error
+    with pytest.raises(ConfigError, match="tp_colectives_in_graph"):
+        RunConfig.from_dict(d)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -370,6 +371,13 @@ def _closest(name: str, options: list[str]) -> str:
     return f"did you mean '{m[0]}'?" if m else f"known keys: {', '.join(options)}"
 
 
+#: keys earlier versions wrote (saved run configs, checkpoints) that no longer mean anything:
+#: skipped with a warning, so old runs still load
+RETIRED_KEYS = {
+    "train.tp_collectives_in_graph": "TP layers are now always one compiled graph with their collectives inside",
+}
+
+
 def _build(cls: type, data: Any, path: str, problems: list[Problem]) -> Any:
     if not isinstance(data, dict):
         problems.append(Problem(path or "<root>", f"expected a mapping, got {type(data).__name__}", "check the file's nesting"))
@@ -379,6 +387,9 @@ def _build(cls: type, data: Any, path: str, problems: list[Problem]) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         fpath = f"{path}.{key}" if path else key
+        if key not in names and fpath in RETIRED_KEYS:
+            warnings.warn(f"config key {fpath} is ignored: {RETIRED_KEYS[fpath]}", stacklevel=2)
+            continue
         if key not in names:
             problems.append(Problem(fpath, "unknown key", _closest(key, names)))
             continue
