@@ -382,3 +382,13 @@ def test_balanced_pipeline_split_moves_layer_memory_to_the_first_stage():
     layer = plan.stages[0].detail["layer_activation_bytes"]
     inflight = plan.stages[0].inflight_microbatches
     assert plan.stages[0].components["activations"] - plan_even.stages[0].components["activations"] == pytest.approx(moved * inflight * layer)
+
+
+def test_oom_on_a_balanced_first_stage_suggests_the_even_split():
+    cfg = preset("gpt2-medium", **{"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2, "train.global_batch_size": 64,
+                                   "train.micro_batch_size": 16})
+    plan = planner.predict(cfg, assumptions=EAGER)
+    assert plan.stages[0].total > plan.stages[1].total  # more layers and more micro-batches in flight
+    tight = int(plan.stages[0].total * 0.99)  # a GPU just too small for stage 0
+    sugg = {s.overrides.get("parallel.pipeline_split"): s for s in planner.predict(cfg, gpu=tight, assumptions=EAGER).suggestions}
+    assert "even" in sugg and sugg["even"].worst_total < plan.stages[0].total

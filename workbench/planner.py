@@ -822,6 +822,9 @@ def _suggestions(cfg: RunConfig, gpu: GPUSpec, a: PlannerAssumptions, worst: int
             cands.append((f"raise tp to {tp} (world {tp * p.pipeline_parallel * d.data_parallel})",
                           {"parallel.tensor_parallel": tp, "parallel.nproc_per_node": p.nproc_per_node * tp // p.tensor_parallel}))
             break
+    if p.pipeline_parallel > 1 and p.pipeline_split == "balanced":
+        # the balanced split loads stage 0 (which also holds the most micro-batches in flight)
+        cands.append(("split layers evenly over the stages (pipeline_split: even; slower 1F1B)", {"parallel.pipeline_split": "even"}))
     for pp in (2, 4, 8, 16):
         if pp > p.pipeline_parallel and m.num_layers % pp == 0:
             cands.append((f"raise pp to {pp} (world {p.tensor_parallel * pp * d.data_parallel})",
