@@ -181,6 +181,40 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
         assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim
     for name in ("gpt+sp", "llama-like+sp"):
         _assert_tp2_matches_stock(r[name], rel=1e-5)
+    # train.tp_overlap_batch_halves: the same maths per sample, in two interleaved batch halves
+    for name in ("gpt+halves", "llama-like+halves"):
+        _assert_tp2_matches_stock(r[name], rel=1e-5)
+        assert r[name]["halves"] == [True] * 4
+    assert r["gpt"]["halves"] == [False] * 4
+
+
+def test_batch_halves_layer_issues_an_all_reduce_before_the_other_halfs_gemms():
+    """What the overlap rests on: in the code inductor generates for the halves layer's forward,
+    an all-reduce is issued, GEMMs of the other half follow, and only then is it waited on (on a
+    GPU the all-reduce runs on NCCL's stream meanwhile).  'A' issue, 'M' GEMM, 'W' wait."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "tests" / "fusions_check.py"), "tp2_schedule"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    forward = json.loads(lines[-1][len("RESULT "):])["orders"][0]
+    assert forward.count("A") == 4 and forward.count("W") == 4, forward  # 2 all-reduces x 2 halves
+    first_issue = forward.index("A")
+    assert "M" in forward[first_issue:forward.index("W")], forward
+
+
+def test_batch_halves_needs_tp_without_sp_and_an_even_micro_batch():
+    from workbench.config import preset
+
+    tp2 = {"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2, "train.tp_overlap_batch_halves": True,
+           "train.micro_batch_size": 4, "train.global_batch_size": 8}
+    assert preset("gpt2-small", **tp2).validate() == []
+    for bad in ({"parallel.sequence_parallel": True}, {"train.micro_batch_size": 1, "train.global_batch_size": 2},
+                {"parallel.tensor_parallel": 1, "parallel.nproc_per_node": 1}, {"train.compile_kernels": False}):
+        problems = preset("gpt2-small", **{**tp2, **bad}).validate()
+        assert [p.field for p in problems] == ["train.tp_overlap_batch_halves"], (bad, problems)
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@
 #   1 (~30 s):   bench/allreduce_probe.py: link speed; can TP=2 pay on this machine at all?
 #   2 (~5.5 min): bench/train_throughput.py: reference vs workbench on GPT-2 small / medium (with the
 #                event-stream cost) and PP=2 m=8 against one GPU
-#   3 (~1.2 min): the TP=2 row on GPT-2 large against one GPU
-#   4 (~2 min):  tests/gpu/backend_proof.py --compile: losses of pp2 (balanced split), tp2 vs one GPU
+#   3 (~2 min):  the TP=2 rows on GPT-2 large against one GPU (plain and in batch halves)
+#   4 (~2 min):  tests/gpu/backend_proof.py --compile: losses of pp2 (balanced split), tp2, tp2_halves vs one GPU
 #   7 (~1.5 min): only the PP rows of phase 2 (pp2-m8 against pp1-m8)
 #   5 (~3.5 min): tests/gpu/bridge_quickstart.py: the quickstart notebook, stop and failure on the GPUs present
 # Usage (device, repo root, .whl carried), three calls inside the 10-minute limit per command,
@@ -28,10 +28,10 @@ if [[ $phases == *1* ]]; then
   echo "probe rc=$? after $(( $(date +%s) - t0 ))s"; tail -10 "$out/probe.log"
 fi
 [[ $phases == *2* ]] && bench single 340 "reference/,workbench/gpt2-small,workbench/gpt2-medium,pp"
-[[ $phases == *3* ]] && bench tp 110 "workbench/gpt2-large,tp2/" --no-stream-cost
+[[ $phases == *3* ]] && bench tp 150 "workbench/gpt2-large,tp2/,tp2-halves/" --no-stream-cost
 [[ $phases == *7* ]] && bench pp 200 "pp" --no-stream-cost --steps 20  # 6 timed steps scattered 1.44x..1.82x
 if [[ $phases == *4* ]]; then
-  timeout 150 python3 tests/gpu/backend_proof.py --compile --only pp2,tp2 --out "$out/backend_proof.jsonl" --work /tmp/bp > "$out/backend_proof.log" 2>&1
+  timeout 200 python3 tests/gpu/backend_proof.py --compile --only pp2,tp2,tp2_halves --out "$out/backend_proof.jsonl" --work /tmp/bp > "$out/backend_proof.log" 2>&1
   echo "backend_proof rc=$? after $(( $(date +%s) - t0 ))s"; tail -6 "$out/backend_proof.log"
 fi
 if [[ $phases == *5* ]]; then

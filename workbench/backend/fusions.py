@@ -289,7 +289,74 @@ def dense_layer_forward(
     return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
 
 
-_PIECES = {"layer": dense_layer_forward}
+class _IssueAllReduce(torch.autograd.Function):
+    """Row-parallel partial output: start its sum over the TP group, do not wait (forward);
+    identity backward.  :class:`_WaitCollective` is where the result is first needed."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group: str) -> torch.Tensor:
+        return torch.ops._c10d_functional.all_reduce(y.contiguous(), "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _WaitCollective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return torch.ops._c10d_functional.wait_tensor(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad
+
+
+def tp_layer_in_batch_halves(
+    x: torch.Tensor,
+    ln1_w: torch.Tensor, ln1_b: Optional[torch.Tensor],
+    qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
+    proj_w: torch.Tensor, proj_b: Optional[torch.Tensor],
+    ln2_w: torch.Tensor, ln2_b: Optional[torch.Tensor],
+    fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor],
+    fc2_w: torch.Tensor, fc2_b: Optional[torch.Tensor],
+    *,
+    norm: str, eps1: float, eps2: float, heads: int, groups: int, head_dim: int, scale: float,
+    activation: str, tp_group: str,
+) -> torch.Tensor:
+    """:func:`dense_layer_forward` at TP > 1 (no SP) on two batch halves, interleaved.
+
+    The four row-parallel all-reduces of a layer are issued without waiting and waited on
+    only where their sum is needed, with the other half's work in between: half A's attention
+    all-reduce runs under half B's attention, B's under A's MLP, A's MLP all-reduce under B's
+    MLP (inductor keeps this program order: tests/test_fusions.py checks the generated code).
+    Backward: inductor's wait sinking (set by :func:`prepare_model`) lets the input-gradient
+    all-reduces run under the other half's backward.  Per sample the maths is the layer's.
+    """
+
+    def attention(xh: torch.Tensor) -> torch.Tensor:
+        h = _column_parallel_input(_norm(xh, norm, ln1_w, ln1_b, eps1), tp_group, False)
+        ctx = _causal_self_attention(h, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
+        return _IssueAllReduce.apply(F.linear(ctx, proj_w), tp_group)
+
+    def mlp(xh: torch.Tensor) -> torch.Tensor:
+        h = _column_parallel_input(_norm(xh, norm, ln2_w, ln2_b, eps2), tp_group, False)
+        return _IssueAllReduce.apply(F.linear(_activate(F.linear(h, fc1_w, fc1_b), activation), fc2_w), tp_group)
+
+    def residual(xh: torch.Tensor, pending: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        y = _WaitCollective.apply(pending)
+        return xh + (y if bias is None else y + bias)
+
+    xa, xb = x.chunk(2, dim=1)  # [s, b/2, h] each
+    ya, yb = attention(xa), attention(xb)
+    xa = residual(xa, ya, proj_b)
+    za = mlp(xa)
+    xb = residual(xb, yb, proj_b)
+    zb = mlp(xb)
+    return torch.cat([residual(xa, za, fc2_b), residual(xb, zb, fc2_b)], dim=1)
+
+
+_PIECES = {"layer": dense_layer_forward, "layer_tp_halves": tp_layer_in_batch_halves}
 
 
 @functools.lru_cache(maxsize=None)
@@ -447,6 +514,8 @@ class CompiledTransformerLayer(TransformerLayer):
             )
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
+            #: train.tp_overlap_batch_halves (set only at TP > 1 without SP)
+            self.tp_halves = bool(getattr(c, "workbench_tp_halves", False))
         self.fast_calls = 0  # observable: how many forwards took the compiled path
 
     _PLAIN_NONE = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
@@ -466,7 +535,9 @@ class CompiledTransformerLayer(TransformerLayer):
         x = kwargs["hidden_states"]
         attn, mlp = self.self_attention, self.mlp
         ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
-        out = _piece("layer")(
+        halves = self.tp_halves and x.shape[1] % 2 == 0
+        static = self._static if not halves else {k: v for k, v in self._static.items() if k != "sequence_parallel"}
+        out = _piece("layer_tp_halves" if halves else "layer")(
             x,
             ln1.weight, getattr(ln1, "bias", None),
             attn.linear_qkv.weight, attn.linear_qkv.bias,
@@ -474,7 +545,7 @@ class CompiledTransformerLayer(TransformerLayer):
             ln2.weight, getattr(ln2, "bias", None),
             mlp.linear_fc1.weight, mlp.linear_fc1.bias,
             mlp.linear_fc2.weight, mlp.linear_fc2.bias,
-            **self._static,
+            **static,
         )
         self.fast_calls += 1
         # pipeline parallelism frees stage outputs by swapping .data: they must not be views
@@ -532,6 +603,12 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if compiled[0].config.tensor_model_parallel_size > 1:
                 sp = " + sequence parallel" if compiled[0].config.sequence_parallel else ""
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
+            if any(getattr(l, "tp_halves", False) for l in compiled):
+                import torch._inductor.config as inductor
+
+                # the backward's input-gradient all-reduces: waited where needed, not where issued
+                inductor.reorder_for_compute_comm_overlap = True
+                notes["layer"] += ", in two batch halves (one half's all-reduces under the other's compute)"
             _GRAPHS = graphs_wanted(cfg)
             if _GRAPHS:
                 from torch._dynamo import mark_static_address
