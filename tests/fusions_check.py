@@ -102,7 +102,6 @@ def check_layer(compile_: bool) -> dict:
 def check_tp2_schedule() -> dict:
     """Under torchrun --nproc_per_node 2 (CPU, gloo): the order inductor gives the collectives of
     the batch-halves TP layer in its generated forward and backward code (one call each)."""
-    import torch._inductor.config as inductor
     from megatron.core import parallel_state
     from torch._inductor.utils import run_and_get_code
 
@@ -111,7 +110,8 @@ def check_tp2_schedule() -> dict:
     cfg = preset("tiny", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
     distributed.initialize(cfg)
     group = parallel_state.get_tensor_model_parallel_group().group_name
-    inductor.reorder_for_compute_comm_overlap = True  # as prepare_model sets it for this layer
+    if os.environ.get("CHECK_KEEP_APART", "1") == "1":
+        fusions.keep_halves_apart(64)  # as prepare_model does for this hidden size
     torch.manual_seed(0)
     h, heads, d, f = 64, 2, 16, 128  # this rank's shard: 2 of 4 heads, half of the 256-wide MLP
     p = lambda *shape: torch.randn(*shape, requires_grad=True)  # noqa: E731

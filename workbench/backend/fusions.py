@@ -329,9 +329,8 @@ def tp_layer_in_batch_halves(
     The four row-parallel all-reduces of a layer are issued without waiting and waited on
     only where their sum is needed, with the other half's work in between: half A's attention
     all-reduce runs under half B's attention, B's under A's MLP, A's MLP all-reduce under B's
-    MLP (inductor keeps this program order: tests/test_fusions.py checks the generated code).
-    Backward: inductor's wait sinking (set by :func:`prepare_model`) lets the input-gradient
-    all-reduces run under the other half's backward.  Per sample the maths is the layer's.
+    MLP (inductor keeps this order under :func:`keep_halves_apart`; tests/test_fusions.py checks
+    the generated code).  Per sample the maths is the layer's.
     """
 
     def attention(xh: torch.Tensor) -> torch.Tensor:
@@ -577,6 +576,23 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def keep_halves_apart(hidden_size: int) -> None:
+    """Inductor settings under which :func:`tp_layer_in_batch_halves` keeps its interleaving.
+
+    Two of inductor's heuristics undo it (found on its generated code, tests/test_fusions.py):
+    its peak-memory reordering moves each wait up to its all-reduce, and it fuses the two
+    halves' layer norms into one kernel because they read the same norm weights, which makes
+    the second half's wait come before the first half's MLP.  So: no peak-memory reordering,
+    and no horizontal fusion of kernels that share only a norm's parameters (fp32 weight and
+    bias: 8 bytes per hidden unit; kernels sharing activations share megabytes and still fuse).
+    Process-wide (inductor's config is global); set before the layers are first compiled.
+    """
+    import torch._inductor.config as inductor
+
+    inductor.reorder_for_peak_memory = False
+    inductor.score_fusion_memory_threshold = max(int(inductor.score_fusion_memory_threshold), 8 * int(hidden_size) + 1)
+
+
 def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str, str]:
     """Per-model fast paths (called by the training loop after the model is built/wrapped).
 
@@ -604,10 +620,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                 sp = " + sequence parallel" if compiled[0].config.sequence_parallel else ""
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
             if any(getattr(l, "tp_halves", False) for l in compiled):
-                import torch._inductor.config as inductor
-
-                # the backward's input-gradient all-reduces: waited where needed, not where issued
-                inductor.reorder_for_compute_comm_overlap = True
+                keep_halves_apart(compiled[0].config.hidden_size)
                 notes["layer"] += ", in two batch halves (one half's all-reduces under the other's compute)"
             _GRAPHS = graphs_wanted(cfg)
             if _GRAPHS:
