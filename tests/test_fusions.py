@@ -152,12 +152,12 @@ def test_transformer_config_overrides_only_on_gpu_with_compile_kernels():
     assert fusions.layer_module(preset("tiny")) is not fusions.CompiledTransformerLayer
 
 
-@pytest.mark.slow
-def _tp2_check(**env: str) -> dict:
+def _tp2_check(what: str = "tp2", **env: str) -> dict:
+    """tests/fusions_check.py WHAT under torchrun on two CPU ranks: its JSON result."""
     import os
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "fusions_check.py"), "tp2"], cwd=ROOT, capture_output=True, text=True,
+                           str(ROOT / "tests" / "fusions_check.py"), what], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -189,14 +189,7 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
 
 
 def _halves_schedule(**env: str) -> str:
-    import os
-
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "fusions_check.py"), "tp2_schedule"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])["orders"][0]
+    return _tp2_check("tp2_schedule", **env)["orders"][0]
 
 
 @pytest.mark.slow
