@@ -557,7 +557,6 @@ class Derived:
     num_microbatches: int
     tokens_per_step: int
     stage_layers: tuple[int, ...]  # transformer layers per pipeline rank (all its virtual chunks together)
-    layers_per_chunk: int  # per virtual chunk (interleaving splits evenly)
     params: ParamCounts
     params_per_stage: tuple[int, ...]  # unsharded (before TP) parameters held by each pipeline stage
     flops_per_step: float
@@ -589,7 +588,6 @@ def derive(cfg: RunConfig) -> Derived:
     vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     micro = max(t.global_batch_size // max(t.micro_batch_size * dp, 1), 1)
     stage_layers = pipeline_stage_layers(cfg)
-    layers_per_chunk = max(stage_layers[0] // p.vpp, 1)
     params = _param_counts(cfg, vocab)
     stages = []
     for s in range(pp):
@@ -606,7 +604,6 @@ def derive(cfg: RunConfig) -> Derived:
         num_microbatches=micro,
         tokens_per_step=t.global_batch_size * m.seq_length,
         stage_layers=stage_layers,
-        layers_per_chunk=layers_per_chunk,
         params=params,
         params_per_stage=tuple(stages),
         flops_per_step=megatron_flops_per_step(cfg),
