@@ -3,15 +3,15 @@
 # Each phase has its own timeout; results land in OUTDIR as JSON lines (device, date,
 # git_commit on every row) plus logs.tgz.
 #   1 (~30 s):   bench/allreduce_probe.py: link speed; can TP=2 pay on this machine at all?
-#   2 (~5.5 min): bench/train_throughput.py: reference vs workbench on GPT-2 small / medium (with the
-#                event-stream cost) and PP=2 m=8 against one GPU
+#   2 (~4 min):  bench/train_throughput.py: reference vs workbench on GPT-2 small / medium (with the
+#                event-stream cost)
 #   3 (~2 min):  the TP=2 rows on GPT-2 large against one GPU (plain and in batch halves)
 #   4 (~2 min):  tests/gpu/backend_proof.py --compile: losses of pp2 (balanced split), tp2, tp2_halves vs one GPU
-#   7 (~1.5 min): only the PP rows of phase 2 (pp2-m8 against pp1-m8)
+#   7 (~3 min):  the PP rows (pp2-m8 against pp1-m8, 20 timed steps)
 #   5 (~3.5 min): tests/gpu/bridge_quickstart.py: the quickstart notebook, stop and failure on the GPUs present
 # Usage (device, repo root, .whl carried), three calls inside the 10-minute limit per command,
 # back to back so the machine stays warm:
-#   PHASES=12 GIT_COMMIT=<sha> bash tests/gpu/perf_call.sh $OUT/a;  PHASES=34 ... $OUT/b;  PHASES=5 ... $OUT/c
+#   PHASES=34 GIT_COMMIT=<sha> bash tests/gpu/perf_call.sh $OUT/a;  PHASES=27 ... $OUT/b;  (PHASES=15 ... $OUT/c)
 set -u
 out="${1:?usage: perf_call.sh OUTDIR}"
 phases="${PHASES:?set PHASES, e.g. 12, 34 or 5 (see the header)}"
@@ -27,7 +27,7 @@ if [[ $phases == *1* ]]; then
   timeout 90 python3 -m torch.distributed.run --nproc-per-node 2 bench/allreduce_probe.py --out "$out/allreduce_probe.jsonl" > "$out/probe.log" 2>&1
   echo "probe rc=$? after $(( $(date +%s) - t0 ))s"; tail -10 "$out/probe.log"
 fi
-[[ $phases == *2* ]] && bench single 340 "reference/,workbench/gpt2-small,workbench/gpt2-medium,pp"
+[[ $phases == *2* ]] && bench single 300 "reference/,workbench/gpt2-small,workbench/gpt2-medium"
 [[ $phases == *3* ]] && bench tp 150 "workbench/gpt2-large,tp2/,tp2-halves/" --no-stream-cost
 [[ $phases == *7* ]] && bench pp 200 "pp" --no-stream-cost --steps 20  # 6 timed steps scattered 1.44x..1.82x
 if [[ $phases == *4* ]]; then
