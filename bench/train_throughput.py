@@ -288,6 +288,16 @@ def _time_steps(step_fn, n: int, cuda: bool) -> list[float]:
     return times
 
 
+def _profiled(v: "Variant", a: argparse.Namespace) -> bool:
+    """--profile: the variants named by --profile-variants, else the reference and default
+    workbench rows of --profile-model."""
+    if not a.profile:
+        return False
+    if a.profile_variants:
+        return v.name in a.profile_variants.split(",")
+    return v.model == a.profile_model and v.name.startswith(("reference/", "workbench/"))
+
+
 def _maybe_profile(step_fn, cuda: bool, want: bool, steps: int = 3) -> Optional[dict]:
     if not (want and cuda):
         return None
@@ -336,7 +346,7 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = _time_steps(step, a.steps, cuda)
-    prof = _maybe_profile(step, cuda, a.profile and v.model == a.profile_model)
+    prof = _maybe_profile(step, cuda, _profiled(v, a))
     host = _host_profile(step, cuda, a.host_profile and v.model == a.profile_model)
     return {
         "host_profile": host,
@@ -414,8 +424,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         on, off = (t_2n - t_n) / n, (b_2n - b_n) / n
         stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0,
                   "loop_s_n": t_n, "loop_s_2n": t_2n, "bare_s_n": b_n, "bare_s_2n": b_2n, "n": n}
-    prof = _maybe_profile(tr.train_step, cuda, a.profile and (v.name in a.profile_variants.split(",") if a.profile_variants
-                                                              else v.model == a.profile_model and v.name.startswith("workbench/")))
+    prof = _maybe_profile(tr.train_step, cuda, _profiled(v, a))
     host = _host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model)
     losses = first.get("losses") or {}
     return {

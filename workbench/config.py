@@ -479,6 +479,18 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def layer_and_head_flops(cfg: RunConfig) -> tuple[float, float]:
+    """Megatron's two kinds of term, in units of ``12 * tokens * h^2`` FLOPs (forward + backward):
+    one transformer layer ``(1 + g/a + s/h) * (d*a/h) + (f/h) * gate``, and the output layer
+    with its loss ``V / (2 h)``."""
+    m = cfg.model
+    h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
+    gate = 1.5 if m.activation == "swiglu" else 1.0
+    layer = (1 + g / a + m.seq_length / h) * (m.head_dim * a / h) + (m.ffn_size / h) * gate
+    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
+    return layer, vocab / (2 * h)
+
+
 def megatron_flops_per_step(cfg: RunConfig, batch_size: int | None = None) -> float:
     """Model FLOPs of one training step (forward + backward), Megatron's formula.
 
@@ -486,25 +498,10 @@ def megatron_flops_per_step(cfg: RunConfig, batch_size: int | None = None) -> fl
     12 * B * s * L * h^2 * ((1 + g/a + s/h) * (d*a/h) + (f/h) * gate + V / (2 L h)).
     Recompute is deliberately not counted (MFU, not hardware FLOPs).
     """
-    m, t = cfg.model, cfg.train
-    b = batch_size if batch_size is not None else t.global_batch_size
-    s, L, h = m.seq_length, m.num_layers, m.hidden_size
-    a, g = m.num_attention_heads, m.query_groups
-    qproj = m.head_dim * a / h
-    gate = 1.5 if m.activation == "swiglu" else 1.0
-    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
-    return 12.0 * b * s * L * h * h * ((1 + g / a + s / h) * qproj + (m.ffn_size / h) * gate + vocab / (2 * L * h))
-
-
-def _layer_and_head_cost(cfg: RunConfig) -> tuple[float, float]:
-    """(one transformer layer, output layer + loss) in units of ``12 * tokens * h^2`` FLOPs:
-    the two kinds of term of :func:`megatron_flops_per_step`."""
     m = cfg.model
-    h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
-    gate = 1.5 if m.activation == "swiglu" else 1.0
-    layer = (1 + g / a + m.seq_length / h) * (m.head_dim * a / h) + (m.ffn_size / h) * gate
-    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
-    return layer, vocab / (2 * h)
+    b = batch_size if batch_size is not None else cfg.train.global_batch_size
+    layer, head = layer_and_head_flops(cfg)
+    return 12.0 * b * m.seq_length * m.hidden_size**2 * (m.num_layers * layer + head)
 
 
 def pipeline_stage_layers(cfg: RunConfig) -> tuple[int, ...]:
@@ -521,7 +518,7 @@ def pipeline_stage_layers(cfg: RunConfig) -> tuple[int, ...]:
     even = tuple([max(L // pp, 1)] * pp)
     if pp == 1 or cfg.parallel.pipeline_split != "balanced" or cfg.parallel.vpp > 1 or L < pp:
         return even
-    layer, head = _layer_and_head_cost(cfg)
+    layer, head = layer_and_head_flops(cfg)
 
     def slowest(split: tuple[int, ...]) -> float:
         return max(n * layer + (head if r == pp - 1 else 0.0) for r, n in enumerate(split))

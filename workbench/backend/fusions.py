@@ -243,6 +243,24 @@ def _causal_self_attention(
     return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
 
 
+def _attention_context(
+    x: torch.Tensor, ln_w: torch.Tensor, ln_b: Optional[torch.Tensor], qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
+    *, norm: str, eps: float, heads: int, groups: int, head_dim: int, scale: float, tp_group: Optional[str], sp: bool,
+) -> torch.Tensor:
+    """Norm, the column-parallel input, QKV and SDPA: the context before the output projection."""
+    h = _column_parallel_input(_norm(x, norm, ln_w, ln_b, eps), tp_group, sp)
+    return _causal_self_attention(h, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
+
+
+def _mlp_hidden(
+    x: torch.Tensor, ln_w: torch.Tensor, ln_b: Optional[torch.Tensor], fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor],
+    *, norm: str, eps: float, activation: str, tp_group: Optional[str], sp: bool,
+) -> torch.Tensor:
+    """Norm, the column-parallel input, fc1 and the activation: the input of fc2."""
+    h = _column_parallel_input(_norm(x, norm, ln_w, ln_b, eps), tp_group, sp)
+    return _activate(F.linear(h, fc1_w, fc1_b), activation)
+
+
 def dense_layer_forward(
     x: torch.Tensor,
     ln1_w: torch.Tensor,
@@ -281,11 +299,10 @@ def dense_layer_forward(
     the local sequence shard ``[s/tp, b, h]`` under ``sequence_parallel``).
     """
     sp = sequence_parallel
-    h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
-    ctx = _causal_self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
+    ctx = _attention_context(x, ln1_w, ln1_b, qkv_w, qkv_b, norm=norm, eps=eps1, heads=heads, groups=groups,
+                             head_dim=head_dim, scale=scale, tp_group=tp_group, sp=sp)
     x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp)
-    h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
-    h_mlp = _activate(F.linear(h_mlp, fc1_w, fc1_b), activation)
+    h_mlp = _mlp_hidden(x, ln2_w, ln2_b, fc1_w, fc1_b, norm=norm, eps=eps2, activation=activation, tp_group=tp_group, sp=sp)
     return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
 
 
@@ -322,7 +339,7 @@ def tp_layer_in_batch_halves(
     fc2_w: torch.Tensor, fc2_b: Optional[torch.Tensor],
     *,
     norm: str, eps1: float, eps2: float, heads: int, groups: int, head_dim: int, scale: float,
-    activation: str, tp_group: str,
+    activation: str, tp_group: str, sequence_parallel: bool = False,
 ) -> torch.Tensor:
     """:func:`dense_layer_forward` at TP > 1 (no SP) on two batch halves, interleaved.
 
@@ -333,14 +350,16 @@ def tp_layer_in_batch_halves(
     the generated code).  Per sample the maths is the layer's.
     """
 
+    assert not sequence_parallel, "batch halves overlap the all-reduces of TP without SP"
+
     def attention(xh: torch.Tensor) -> torch.Tensor:
-        h = _column_parallel_input(_norm(xh, norm, ln1_w, ln1_b, eps1), tp_group, False)
-        ctx = _causal_self_attention(h, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
+        ctx = _attention_context(xh, ln1_w, ln1_b, qkv_w, qkv_b, norm=norm, eps=eps1, heads=heads, groups=groups,
+                                 head_dim=head_dim, scale=scale, tp_group=tp_group, sp=False)
         return _IssueAllReduce.apply(F.linear(ctx, proj_w), tp_group)
 
     def mlp(xh: torch.Tensor) -> torch.Tensor:
-        h = _column_parallel_input(_norm(xh, norm, ln2_w, ln2_b, eps2), tp_group, False)
-        return _IssueAllReduce.apply(F.linear(_activate(F.linear(h, fc1_w, fc1_b), activation), fc2_w), tp_group)
+        h = _mlp_hidden(xh, ln2_w, ln2_b, fc1_w, fc1_b, norm=norm, eps=eps2, activation=activation, tp_group=tp_group, sp=False)
+        return _IssueAllReduce.apply(F.linear(h, fc2_w), tp_group)
 
     def residual(xh: torch.Tensor, pending: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         y = _WaitCollective.apply(pending)
@@ -490,9 +509,10 @@ class CompiledTransformerLayer(TransformerLayer):
     """megatron's TransformerLayer whose dense forward (+backward) is one compiled graph.
 
     Same submodules, parameters and checkpoint keys as :class:`TransformerLayer`; only
-    ``forward`` differs (one graph, with the TP collectives inside at TP>1), and only when :func:`fast_path_blocker` finds nothing and the call
-    is a plain causal self-attention step (no mask tensor, no rotary embedding, no KV cache,
-    no packed sequences).  Otherwise the stock forward runs.
+    ``forward`` differs (one graph, with the TP collectives inside at TP>1), and only when
+    :func:`fast_path_blocker` finds nothing and the call is a plain causal self-attention step
+    (no mask tensor, no rotary embedding, no KV cache, no packed sequences).  Otherwise the
+    stock forward runs.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -535,7 +555,6 @@ class CompiledTransformerLayer(TransformerLayer):
         attn, mlp = self.self_attention, self.mlp
         ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
         halves = self.tp_halves and x.shape[1] % 2 == 0
-        static = self._static if not halves else {k: v for k, v in self._static.items() if k != "sequence_parallel"}
         out = _piece("layer_tp_halves" if halves else "layer")(
             x,
             ln1.weight, getattr(ln1, "bias", None),
@@ -544,7 +563,7 @@ class CompiledTransformerLayer(TransformerLayer):
             ln2.weight, getattr(ln2, "bias", None),
             mlp.linear_fc1.weight, mlp.linear_fc1.bias,
             mlp.linear_fc2.weight, mlp.linear_fc2.bias,
-            **static,
+            **self._static,
         )
         self.fast_calls += 1
         # pipeline parallelism frees stage outputs by swapping .data: they must not be views
