@@ -175,7 +175,8 @@ def main() -> int:
           "kernel_path": next((e["kernel_path"] for e in ref_events if e["event"] == "run_start"), None)})
     layouts = {
         "tp2": {"parallel.tensor_parallel": 2},
-        "pp2": {"parallel.pipeline_parallel": 2},
+        "pp2_even": {"parallel.pipeline_parallel": 2, "parallel.pipeline_split": "even"},
+        "pp2": {"parallel.pipeline_parallel": 2},  # balanced split: 5 + 3 layers
         "pp2_vpp2": {"parallel.pipeline_parallel": 2, "parallel.virtual_pipeline_parallel": 2},
         "dp2_distopt": {"parallel.distributed_optimizer": True},
         "tp2_sp": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True},

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import platform
@@ -535,6 +536,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--config", required=True, help="RunConfig JSON/YAML")
     ap.add_argument("--run-dir", required=True, help="run directory (events/, checkpoints/, exit_status.json)")
     args = ap.parse_args(argv)
+    # `kill -USR1 <pid>` prints every thread's Python stack to this rank's log: where a hung rank waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     try:
         cfg = load_config(args.config)
         cfg.check()
