@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,7 +78,14 @@ def run(cfg: RunConfig, run_dir: Path, nproc: int, log) -> list[dict]:
            "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     t0 = time.time()
     with open(run_dir / "log.txt", "w") as fh:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}).returncode
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+        try:  # a hung run fails here, with its log, instead of eating the device call
+            rc = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
+            proc.wait()
+            rc = "timeout (240 s)"
     events = read_events(run_dir)
     log(f"{run_dir.name}: rc={rc} in {time.time() - t0:.1f}s")
     if rc != 0:

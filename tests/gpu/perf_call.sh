@@ -6,7 +6,7 @@
 #   2 (~4 min):  bench/train_throughput.py: reference vs workbench on GPT-2 small / medium (with the
 #                event-stream cost)
 #   3 (~2 min):  the TP=2 rows on GPT-2 large against one GPU (plain and in batch halves)
-#   4 (~2 min):  tests/gpu/backend_proof.py --compile: losses of pp2 (balanced split), tp2, tp2_halves vs one GPU
+#   4 (~3.5 min): tests/gpu/backend_proof.py --compile: losses of tp2, pp2 (even and balanced split) vs one GPU
 #   7 (~3 min):  the PP rows (pp2-m8 against pp1-m8, 20 timed steps)
 #   5 (~3.5 min): tests/gpu/bridge_quickstart.py: the quickstart notebook, stop and failure on the GPUs present
 # Usage (device, repo root, .whl carried), three calls inside the 10-minute limit per command,
@@ -31,7 +31,7 @@ fi
 [[ $phases == *3* ]] && bench tp 150 "workbench/gpt2-large,tp2/,tp2-halves/" --no-stream-cost
 [[ $phases == *7* ]] && bench pp 200 "pp" --no-stream-cost --steps 20  # 6 timed steps scattered 1.44x..1.82x
 if [[ $phases == *4* ]]; then
-  timeout 200 python3 tests/gpu/backend_proof.py --compile --only pp2,tp2,tp2_halves --out "$out/backend_proof.jsonl" --work /tmp/bp > "$out/backend_proof.log" 2>&1
+  timeout 260 python3 tests/gpu/backend_proof.py --compile --only tp2,pp2_even,pp2 --out "$out/backend_proof.jsonl" --work /tmp/bp > "$out/backend_proof.log" 2>&1
   echo "backend_proof rc=$? after $(( $(date +%s) - t0 ))s"; tail -6 "$out/backend_proof.log"
 fi
 if [[ $phases == *5* ]]; then

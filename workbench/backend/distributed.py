@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -127,8 +128,21 @@ def initialize_for_tests(cfg: RunConfig, rank: int = 0, world_size: int = 1, por
     return initialize(cfg, timeout_s=120.0)
 
 
+def _free_captured_graphs() -> None:
+    """Free inductor's CUDA graphs before the NCCL communicators their collectives were captured on.
+
+    Measured on 2 H200s: with the TP collectives inside graph-replayed layers,
+    ``destroy_process_group`` otherwise waits forever (a futex) and the finished rank never exits.
+    """
+    if "torch._inductor.cudagraph_trees" not in sys.modules or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    sys.modules["torch._inductor.cudagraph_trees"].reset_cudagraph_trees()
+
+
 def destroy() -> None:
     """Tear down megatron's groups and the default process group (idempotent)."""
+    _free_captured_graphs()
     try:
         parallel_state.destroy_model_parallel()
     except Exception:

@@ -553,5 +553,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         os._exit(1)
     from workbench.backend import distributed
 
+    # a finished run must not hang in teardown (a driver or NCCL fault): leave with its code after a minute
+    guard = threading.Timer(60.0, lambda: (print("[workbench] process-group teardown hung for 60 s; exiting", file=sys.stderr, flush=True), os._exit(code)))
+    guard.daemon = True
+    guard.start()
     distributed.destroy()
+    guard.cancel()
     return code
