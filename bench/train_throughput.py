@@ -21,7 +21,6 @@ dp2-distopt               2     dp2 + distributed optimizer (param-gather overla
 tp2/gpt2-large            2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
 tp2-nograph               2     tp2 without CUDA graphs
 tp2-sp                    2     tp2 plus sequence parallelism
-tp2-halves                2     tp2 with ``train.tp_overlap_batch_halves`` (all-reduces under the other half's compute)
 pp2-m8                    2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
 ========================  ====  ==============================================================
 
@@ -107,7 +106,6 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             "tp2": {},
             "tp2-nograph": {"train.cuda_graphs": False},
             "tp2-sp": {"parallel.sequence_parallel": True},
-            "tp2-halves": {"train.tp_overlap_batch_halves": True},
         }
         for name, over in tp_rows.items():
             rows.append(Variant(f"{name}/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,

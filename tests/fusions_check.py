@@ -4,7 +4,6 @@
     python tests/fusions_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
     python tests/fusions_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
     torchrun --nproc_per_node 2 tests/fusions_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
-    torchrun --nproc_per_node 2 tests/fusions_check.py tp2_schedule -> JSON: collective order in the halves layer's code
     python tests/fusions_check.py all                 -> all of the above in one process (stock trainer first)
 """
 
@@ -99,52 +98,6 @@ def check_layer(compile_: bool) -> dict:
     return out
 
 
-def check_tp2_schedule() -> dict:
-    """Under torchrun --nproc_per_node 2 (CPU, gloo): the order inductor gives the collectives of
-    the batch-halves TP layer in its generated forward and backward code (one call each)."""
-    from megatron.core import parallel_state
-    from torch._inductor.utils import run_and_get_code
-
-    from workbench.backend import distributed, fusions
-
-    cfg = preset("tiny", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
-    distributed.initialize(cfg)
-    group = parallel_state.get_tensor_model_parallel_group().group_name
-    if os.environ.get("CHECK_KEEP_APART", "1") == "1":
-        fusions.keep_halves_apart(64)  # as prepare_model does for this hidden size
-    torch.manual_seed(0)
-    h, heads, d, f = 64, 2, 16, 128  # this rank's shard: 2 of 4 heads, half of the 256-wide MLP
-    p = lambda *shape: torch.randn(*shape, requires_grad=True)  # noqa: E731
-    args = (p(8, 4, h), p(h), p(h), p(3 * heads * d, h), p(3 * heads * d), p(h, heads * d), p(h),
-            p(h), p(h), p(f, h), p(f), p(h, f), p(h))
-    fn = torch.compile(fusions.tp_layer_in_batch_halves, dynamic=False)
-
-    def step():
-        out = fn(*args, norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads, groups=heads, head_dim=d,
-                 scale=d**-0.5, activation="gelu", tp_group=group)
-        out.sum().backward()
-
-    _, codes = run_and_get_code(step)
-
-    def order(code: str) -> list[str]:
-        """'A' (all-reduce issued), 'W' (waited), 'M' (GEMM) in the order the generated code runs them."""
-        seq = []
-        for line in code.split("def call(")[-1].splitlines():
-            line = line.strip()
-            if line.startswith("#"):
-                continue
-            if "_c10d_functional.all_reduce" in line:
-                seq.append("A")
-            elif "_c10d_functional.wait_tensor" in line:
-                seq.append("W")
-            elif "extern_kernels.mm(" in line or "extern_kernels.addmm(" in line or "extern_kernels.bmm(" in line:
-                seq.append("M")
-        return seq
-
-    with_comm = [order(c) for c in codes if "_c10d_functional" in c]
-    return {"graphs": len(codes), "orders": ["".join(o) for o in with_comm]}
-
-
 def check_tp2() -> dict:
     """Under torchrun --nproc_per_node 2 (CPU, gloo): the TP=2 fast layer vs stock, per rank."""
     import torch.distributed as dist
@@ -158,10 +111,7 @@ def check_tp2() -> dict:
     # (all-gather / reduce-scatter inside that graph)
     cases = {"gpt": VARIANTS["gpt"], "llama-like": VARIANTS["llama-like"],
              "gpt+sp": {**VARIANTS["gpt"], "parallel.sequence_parallel": True},
-             "llama-like+sp": {**VARIANTS["llama-like"], "parallel.sequence_parallel": True},
-             # train.tp_overlap_batch_halves: two interleaved batch halves per layer
-             "gpt+halves": {**VARIANTS["gpt"], "train.tp_overlap_batch_halves": True},
-             "llama-like+halves": {**VARIANTS["llama-like"], "train.tp_overlap_batch_halves": True}}
+             "llama-like+sp": {**VARIANTS["llama-like"], "parallel.sequence_parallel": True}}
     only = os.environ.get("CHECK_CASES")
     for name, over in cases.items():
         if only and name not in only.split(","):
@@ -179,7 +129,6 @@ def check_tp2() -> dict:
                      "loss_diff_max": worst[1].item(), "fast_calls_all_ranks": calls.item(),
                      "blockers": [l.fast_path_blocker for l in fast.decoder.layers],
                      "one_graph": ["tp_group" in getattr(l, "_static", {}) for l in fast.decoder.layers],
-                     "halves": [bool(getattr(l, "tp_halves", False)) for l in fast.decoder.layers],
                      "graph_breaks": _graph_breaks(),
                      "local_qkv_rows": int(fast.decoder.layers[0].self_attention.linear_qkv.weight.shape[0])}
     return out
@@ -260,7 +209,7 @@ def check_trainer(fast: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2", "tp2_schedule"])
+    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fast", type=int, default=1)
     a = ap.parse_args()
@@ -274,8 +223,8 @@ def main() -> int:
         res["trainer_stock"] = check_trainer(False)  # before the fast run patches megatron's fallbacks
         parallel_state.destroy_model_parallel()
         res["trainer_fast"] = check_trainer(True)
-    elif a.what in ("tp2", "tp2_schedule"):
-        res = check_tp2() if a.what == "tp2" else check_tp2_schedule()
+    elif a.what == "tp2":
+        res = check_tp2()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     elif a.what == "layer":

@@ -79,7 +79,6 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
         "pp1-m8/gpt2-medium": (1, 1, 1, 8, 8),
         "tp2-nograph/gpt2-large": (2, 1, 1, 4, 8),
         "tp2-sp/gpt2-large": (2, 1, 1, 4, 8),
-        "tp2-halves/gpt2-large": (2, 1, 1, 4, 8),
     }
     # CUDA graphs: on by default; off in the -nograph rows and in the PP one-GPU baseline
     # (graphs are off under pipeline parallelism, so its baseline runs the same kernels)

@@ -308,13 +308,14 @@ def test_config_is_json_serialisable_and_stable():
     assert RunConfig.from_dict(json.loads(cfg.to_json())) == cfg
 
 
-def test_retired_keys_of_older_configs_load_with_a_warning():
+@pytest.mark.parametrize("key", ["tp_collectives_in_graph", "tp_overlap_batch_halves"])
+def test_retired_keys_of_older_configs_load_with_a_warning(key):
     d = preset("gpt2-small").to_dict()
-    d["train"]["tp_collectives_in_graph"] = True  # written by configs saved before it was retired
-    with pytest.warns(UserWarning, match="train.tp_collectives_in_graph is ignored"):
+    d["train"][key] = True  # written by configs saved before it was retired
+    with pytest.warns(UserWarning, match=f"train.{key} is ignored"):
         cfg = RunConfig.from_dict(d)
     assert cfg.to_dict() == preset("gpt2-small").to_dict()
-    del d["train"]["tp_collectives_in_graph"]
-    d["train"]["tp_colectives_in_graph"] = True  # a typo is still an error
-    with pytest.raises(ConfigError, match="tp_colectives_in_graph"):
+    del d["train"][key]
+    d["train"][key[:4] + key[5:]] = True  # a typo is still an error
+    with pytest.raises(ConfigError, match=key[:4] + key[5:]):
         RunConfig.from_dict(d)

@@ -152,12 +152,12 @@ def test_transformer_config_overrides_only_on_gpu_with_compile_kernels():
     assert fusions.layer_module(preset("tiny")) is not fusions.CompiledTransformerLayer
 
 
-def _tp2_check(what: str = "tp2", **env: str) -> dict:
-    """tests/fusions_check.py WHAT under torchrun on two CPU ranks: its JSON result."""
+def _tp2_check(**env: str) -> dict:
+    """tests/fusions_check.py tp2 under torchrun on two CPU ranks: its JSON result."""
     import os
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "fusions_check.py"), what], cwd=ROOT, capture_output=True, text=True,
+                           str(ROOT / "tests" / "fusions_check.py"), "tp2"], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -181,40 +181,6 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
         assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim
     for name in ("gpt+sp", "llama-like+sp"):
         _assert_tp2_matches_stock(r[name], rel=1e-5)
-    # train.tp_overlap_batch_halves: the same maths per sample, in two interleaved batch halves
-    for name in ("gpt+halves", "llama-like+halves"):
-        _assert_tp2_matches_stock(r[name], rel=1e-5)
-        assert r[name]["halves"] == [True] * 4
-    assert r["gpt"]["halves"] == [False] * 4
-
-
-def _halves_schedule(**env: str) -> str:
-    return _tp2_check("tp2_schedule", **env)["orders"][0]
-
-
-@pytest.mark.slow
-def test_batch_halves_layer_keeps_three_of_four_all_reduces_under_compute(tmp_path):
-    """What the overlap rests on, read from the code inductor generates for the halves layer's
-    forward ('A' all-reduce issued, 'M' GEMM, 'W' waited; on a GPU the all-reduce runs on NCCL's
-    stream meanwhile): under keep_halves_apart each of the first three all-reduces has the
-    other half's GEMMs between its issue and its wait.  Inductor's defaults serialise them."""
-    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # the two runs compile differently
-    kept = _halves_schedule(**cache)
-    assert kept == "MMAMMAWMMAWMMAWW", kept  # attention A, B; MLP A, B (2 GEMMs each)
-    stock = _halves_schedule(CHECK_KEEP_APART="0", **cache)
-    assert stock.count("A") == 4 and "AW" in stock and stock != kept, stock
-
-
-def test_batch_halves_needs_tp_without_sp_and_an_even_micro_batch():
-    from workbench.config import preset
-
-    tp2 = {"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2, "train.tp_overlap_batch_halves": True,
-           "train.micro_batch_size": 4, "train.global_batch_size": 8}
-    assert preset("gpt2-small", **tp2).validate() == []
-    for bad in ({"parallel.sequence_parallel": True}, {"train.micro_batch_size": 1, "train.global_batch_size": 2},
-                {"parallel.tensor_parallel": 1, "parallel.nproc_per_node": 1}, {"train.compile_kernels": False}):
-        problems = preset("gpt2-small", **{**tp2, **bad}).validate()
-        assert [p.field for p in problems] == ["train.tp_overlap_batch_halves"], (bad, problems)
 
 
 @pytest.mark.slow

@@ -167,11 +167,6 @@ class TrainConfig:
     #: (torch.compile "reduce-overhead"), so the host no longer launches ~70 kernels per layer
     #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
     cuda_graphs: bool = True
-    #: tensor_parallel > 1 (no sequence parallelism) with compile_kernels: each layer runs its
-    #: micro-batch as two batch halves, interleaved so that one half's TP all-reduce is in
-    #: flight while the other half computes (Domino-style overlap; same maths per sample).
-    #: Opt-in until measured on GPUs (bench row tp2-halves).
-    tp_overlap_batch_halves: bool = False
     #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
     forward_step: str | None = None
     loss_func: str | None = None
@@ -380,6 +375,7 @@ def _closest(name: str, options: list[str]) -> str:
 #: skipped with a warning, so old runs still load
 RETIRED_KEYS = {
     "train.tp_collectives_in_graph": "TP layers are now always one compiled graph with their collectives inside",
+    "train.tp_overlap_batch_halves": "TP layers in two interleaved batch halves measured slower (1.20x vs 1.28x on 2 H200s) and were removed",
 }
 
 
@@ -686,15 +682,6 @@ def validate(cfg: RunConfig) -> list[Problem]:
             add("parallel.virtual_pipeline_parallel", "interleaving needs pipeline_parallel >= 2", "raise pipeline_parallel or set virtual_pipeline_parallel: null")
         elif m.num_layers % (pp * vpp):
             add("parallel.virtual_pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pp*vpp = {pp * vpp}", f"choose vpp so that pp*vpp divides {m.num_layers}")
-    if t.tp_overlap_batch_halves:
-        if tp < 2 or p.sequence_parallel:
-            add("train.tp_overlap_batch_halves", "overlaps the all-reduces of tensor parallelism without sequence parallelism",
-                "set tensor_parallel >= 2 and sequence_parallel: false, or tp_overlap_batch_halves: false")
-        if not t.compile_kernels:
-            add("train.tp_overlap_batch_halves", "is a mode of the compiled layer", "set compile_kernels: true, or tp_overlap_batch_halves: false")
-        if t.micro_batch_size % 2:
-            add("train.tp_overlap_batch_halves", f"splits each micro-batch in two halves; micro_batch_size {t.micro_batch_size} is odd",
-                "use an even micro_batch_size, or tp_overlap_batch_halves: false")
     if p.sequence_parallel and tp < 2:
         add("parallel.sequence_parallel", "sequence parallelism needs tensor_parallel > 1", "set tensor_parallel >= 2 or sequence_parallel: false")
     if p.sequence_parallel and m.seq_length % tp:

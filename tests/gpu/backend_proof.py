@@ -188,7 +188,6 @@ def main() -> int:
         "pp2_vpp2": {"parallel.pipeline_parallel": 2, "parallel.virtual_pipeline_parallel": 2},
         "dp2_distopt": {"parallel.distributed_optimizer": True},
         "tp2_sp": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True},
-        "tp2_halves": {"parallel.tensor_parallel": 2, "train.tp_overlap_batch_halves": True},  # with --compile
     }
     if args.only:
         layouts = {k: v for k, v in layouts.items() if k in args.only.split(",")}

@@ -5,7 +5,7 @@
 #   1 (~30 s):   bench/allreduce_probe.py: link speed; can TP=2 pay on this machine at all?
 #   2 (~4 min):  bench/train_throughput.py: reference vs workbench on GPT-2 small / medium (with the
 #                event-stream cost)
-#   3 (~2 min):  the TP=2 rows on GPT-2 large against one GPU (plain and in batch halves)
+#   3 (~2 min):  the TP=2 row on GPT-2 large against one GPU
 #   4 (~3.5 min): tests/gpu/backend_proof.py --compile: losses of tp2, pp2 (even and balanced split) vs one GPU
 #   7 (~3 min):  the PP rows (pp2-m8 against pp1-m8, 20 timed steps)
 #   5 (~3.5 min): tests/gpu/bridge_quickstart.py: the quickstart notebook, stop and failure on the GPUs present
@@ -28,7 +28,7 @@ if [[ $phases == *1* ]]; then
   echo "probe rc=$? after $(( $(date +%s) - t0 ))s"; tail -10 "$out/probe.log"
 fi
 [[ $phases == *2* ]] && bench single 300 "reference/,workbench/gpt2-small,workbench/gpt2-medium"
-[[ $phases == *3* ]] && bench tp 150 "workbench/gpt2-large,tp2/,tp2-halves/" --no-stream-cost
+[[ $phases == *3* ]] && bench tp 150 "workbench/gpt2-large,tp2/" --no-stream-cost
 [[ $phases == *7* ]] && bench pp 200 "pp" --no-stream-cost --steps 20  # 6 timed steps scattered 1.44x..1.82x
 if [[ $phases == *4* ]]; then
   timeout 260 python3 tests/gpu/backend_proof.py --compile --only tp2,pp2_even,pp2 --out "$out/backend_proof.jsonl" --work /tmp/bp > "$out/backend_proof.log" 2>&1

@@ -306,75 +306,7 @@ def dense_layer_forward(
     return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
 
 
-class _IssueAllReduce(torch.autograd.Function):
-    """Row-parallel partial output: start its sum over the TP group, do not wait (forward);
-    identity backward.  :class:`_WaitCollective` is where the result is first needed."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, group: str) -> torch.Tensor:
-        return torch.ops._c10d_functional.all_reduce(y.contiguous(), "sum", group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class _WaitCollective(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
-        return torch.ops._c10d_functional.wait_tensor(y)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad
-
-
-def tp_layer_in_batch_halves(
-    x: torch.Tensor,
-    ln1_w: torch.Tensor, ln1_b: Optional[torch.Tensor],
-    qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
-    proj_w: torch.Tensor, proj_b: Optional[torch.Tensor],
-    ln2_w: torch.Tensor, ln2_b: Optional[torch.Tensor],
-    fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor],
-    fc2_w: torch.Tensor, fc2_b: Optional[torch.Tensor],
-    *,
-    norm: str, eps1: float, eps2: float, heads: int, groups: int, head_dim: int, scale: float,
-    activation: str, tp_group: str, sequence_parallel: bool = False,
-) -> torch.Tensor:
-    """:func:`dense_layer_forward` at TP > 1 (no SP) on two batch halves, interleaved.
-
-    The four row-parallel all-reduces of a layer are issued without waiting and waited on
-    only where their sum is needed, with the other half's work in between: half A's attention
-    all-reduce runs under half B's attention, B's under A's MLP, A's MLP all-reduce under B's
-    MLP (inductor keeps this order under :func:`keep_halves_apart`; tests/test_fusions.py checks
-    the generated code).  Per sample the maths is the layer's.
-    """
-
-    assert not sequence_parallel, "batch halves overlap the all-reduces of TP without SP"
-
-    def attention(xh: torch.Tensor) -> torch.Tensor:
-        ctx = _attention_context(xh, ln1_w, ln1_b, qkv_w, qkv_b, norm=norm, eps=eps1, heads=heads, groups=groups,
-                                 head_dim=head_dim, scale=scale, tp_group=tp_group, sp=False)
-        return _IssueAllReduce.apply(F.linear(ctx, proj_w), tp_group)
-
-    def mlp(xh: torch.Tensor) -> torch.Tensor:
-        h = _mlp_hidden(xh, ln2_w, ln2_b, fc1_w, fc1_b, norm=norm, eps=eps2, activation=activation, tp_group=tp_group, sp=False)
-        return _IssueAllReduce.apply(F.linear(h, fc2_w), tp_group)
-
-    def residual(xh: torch.Tensor, pending: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        y = _WaitCollective.apply(pending)
-        return xh + (y if bias is None else y + bias)
-
-    xa, xb = x.chunk(2, dim=1)  # [s, b/2, h] each
-    ya, yb = attention(xa), attention(xb)
-    xa = residual(xa, ya, proj_b)
-    za = mlp(xa)
-    xb = residual(xb, yb, proj_b)
-    zb = mlp(xb)
-    return torch.cat([residual(xa, za, fc2_b), residual(xb, zb, fc2_b)], dim=1)
-
-
-_PIECES = {"layer": dense_layer_forward, "layer_tp_halves": tp_layer_in_batch_halves}
+_PIECES = {"layer": dense_layer_forward}
 
 
 @functools.lru_cache(maxsize=None)
@@ -533,8 +465,6 @@ class CompiledTransformerLayer(TransformerLayer):
             )
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
-            #: train.tp_overlap_batch_halves (set only at TP > 1 without SP)
-            self.tp_halves = bool(getattr(c, "workbench_tp_halves", False))
         self.fast_calls = 0  # observable: how many forwards took the compiled path
 
     _PLAIN_NONE = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
@@ -554,8 +484,7 @@ class CompiledTransformerLayer(TransformerLayer):
         x = kwargs["hidden_states"]
         attn, mlp = self.self_attention, self.mlp
         ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
-        halves = self.tp_halves and x.shape[1] % 2 == 0
-        out = _piece("layer_tp_halves" if halves else "layer")(
+        out = _piece("layer")(
             x,
             ln1.weight, getattr(ln1, "bias", None),
             attn.linear_qkv.weight, attn.linear_qkv.bias,
@@ -595,23 +524,6 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def keep_halves_apart(hidden_size: int) -> None:
-    """Inductor settings under which :func:`tp_layer_in_batch_halves` keeps its interleaving.
-
-    Two of inductor's heuristics undo it (found on its generated code, tests/test_fusions.py):
-    its peak-memory reordering moves each wait up to its all-reduce, and it fuses the two
-    halves' layer norms into one kernel because they read the same norm weights, which makes
-    the second half's wait come before the first half's MLP.  So: no peak-memory reordering,
-    and no horizontal fusion of kernels that share only a norm's parameters (fp32 weight and
-    bias: 8 bytes per hidden unit; kernels sharing activations share megabytes and still fuse).
-    Process-wide (inductor's config is global); set before the layers are first compiled.
-    """
-    import torch._inductor.config as inductor
-
-    inductor.reorder_for_peak_memory = False
-    inductor.score_fusion_memory_threshold = max(int(inductor.score_fusion_memory_threshold), 8 * int(hidden_size) + 1)
-
-
 def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str, str]:
     """Per-model fast paths (called by the training loop after the model is built/wrapped).
 
@@ -638,9 +550,6 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if compiled[0].config.tensor_model_parallel_size > 1:
                 sp = " + sequence parallel" if compiled[0].config.sequence_parallel else ""
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
-            if any(getattr(l, "tp_halves", False) for l in compiled):
-                keep_halves_apart(compiled[0].config.hidden_size)
-                notes["layer"] += ", in two batch halves (one half's all-reduces under the other's compute)"
             _GRAPHS = graphs_wanted(cfg)
             if _GRAPHS:
                 from torch._dynamo import mark_static_address

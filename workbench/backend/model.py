@@ -100,8 +100,6 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_alibi: bool = False
     #: selective recompute of the dense MLP (:class:`RecomputedMLP`).
     workbench_recompute_mlp: bool = False
-    #: TP layers in two interleaved batch halves (``train.tp_overlap_batch_halves``).
-    workbench_tp_halves: bool = False
 
 
 class RecomputedMLP(MLP):
@@ -211,7 +209,6 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         overlap_p2p_comm=(not cpu) and p.vpp > 1,
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
-        workbench_tp_halves=bool(t.tp_overlap_batch_halves) and p.tensor_parallel > 1 and not p.sequence_parallel,
     )
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
