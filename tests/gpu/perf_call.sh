@@ -8,6 +8,7 @@
 #   3 (~2 min):  the TP=2 row on GPT-2 large against one GPU
 #   4 (~3.5 min): tests/gpu/backend_proof.py --compile: losses of tp2, pp2 (even and balanced split) vs one GPU
 #   7 (~3 min):  the PP rows (pp2-m8 against pp1-m8, 20 timed steps)
+#   8 (~4.5 min): one-GPU rows with device and host profiles of GPT-2 small, and dp2 on GPT-2 medium
 #   5 (~3.5 min): tests/gpu/bridge_quickstart.py: the quickstart notebook, stop and failure on the GPUs present
 # Usage (device, repo root, .whl carried), three calls inside the 10-minute limit per command,
 # back to back so the machine stays warm:
@@ -29,6 +30,7 @@ if [[ $phases == *1* ]]; then
 fi
 [[ $phases == *2* ]] && bench single 300 "reference/,workbench/gpt2-small,workbench/gpt2-medium"
 [[ $phases == *3* ]] && bench tp 150 "workbench/gpt2-large,tp2/" --no-stream-cost
+[[ $phases == *8* ]] && bench profiled 330 "reference/,workbench/gpt2-small,workbench/gpt2-medium,dp2/gpt2-medium" --no-stream-cost --profile --host-profile
 [[ $phases == *7* ]] && bench pp 200 "pp" --no-stream-cost --steps 20  # 6 timed steps scattered 1.44x..1.82x
 if [[ $phases == *4* ]]; then
   timeout 260 python3 tests/gpu/backend_proof.py --compile --only tp2,pp2_even,pp2 --out "$out/backend_proof.jsonl" --work /tmp/bp > "$out/backend_proof.log" 2>&1
