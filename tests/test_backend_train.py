@@ -2,8 +2,8 @@
 
 Covers: PP=2 training through megatron's 1F1B schedule with events (run_start, step,
 microbatch, eval, checkpoint, run_end), checkpoint + resume continuing the loss curve and LR
-schedule exactly, SIGTERM shutdown (checkpoint, run_end "stopped", non-zero exit), an
-exception in a rank (error event, non-zero exit), bad config (exit 2 before any process
+schedule exactly, SIGTERM shutdown (checkpoint, run_end "stopped", non-zero exit), SIGUSR1
+stack dumps, a hung process-group teardown that still ends the process, an exception in a rank (error event, non-zero exit), bad config (exit 2 before any process
 group), and the custom loss hook reproducing the reference guide's key-token-weighted loss.
 """
 
@@ -137,12 +137,18 @@ def test_sigterm_stops_cleanly_with_checkpoint(tmp_path):
         workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "workbench.backend" in " ".join(c.cmdline())]
         rank1 = [w for w in workers if w.environ().get("RANK") == "1"]
         assert len(workers) == 2 and len(rank1) == 1, [w.cmdline() for w in workers]
+        # SIGUSR1 prints a rank's Python stacks (where a hung rank waits) and the run goes on
+        rank0 = [w for w in workers if w.environ().get("RANK") == "0"]
+        rank0[0].send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        assert rank0[0].is_running()
         rank1[0].send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
+    assert "(most recent call first)" in out and "workbench/backend/train.py" in out, out[-3000:]
     ev = read_events(run_dir)
     for rank in (0, 1):
         end = _by(ev, "run_end", rank)
@@ -152,6 +158,26 @@ def test_sigterm_stops_cleanly_with_checkpoint(tmp_path):
     assert _by(ev, "run_end", 1)[0]["iteration"] == stopped_at  # one agreed boundary
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped_at)
     assert not _by(ev, "error")
+
+
+def test_a_hung_teardown_still_ends_the_process_with_the_runs_code():
+    """A finished rank whose process-group teardown never returns (seen with NCCL under CUDA
+    graphs) leaves after the guard's timeout with the run's exit code; a teardown that returns
+    hands the code back."""
+    script = textwrap.dedent("""
+        import sys, time
+        from workbench.backend import distributed, train
+        distributed.destroy = lambda: None
+        assert train.teardown(5, timeout_s=30) == 5
+        distributed.destroy = lambda: time.sleep(300)
+        train.teardown(7, timeout_s=1)
+        sys.exit(0)  # not reached
+    """)
+    t0 = time.time()
+    proc = subprocess.run([PY, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 7, proc.stderr[-3000:]
+    assert "teardown hung for 1 s; exiting with 7" in proc.stderr
+    assert time.time() - t0 < 120
 
 
 def test_exception_in_a_rank_is_an_error_event_and_nonzero_exit(tmp_path):

@@ -551,10 +551,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    return teardown(code)
+
+
+def teardown(code: int, timeout_s: float = 60.0) -> int:
+    """Destroy the process groups and return ``code``; if that hangs (a driver or NCCL fault:
+    a finished run must still end), leave the process with ``code`` after ``timeout_s``."""
     from workbench.backend import distributed
 
-    # a finished run must not hang in teardown (a driver or NCCL fault): leave with its code after a minute
-    guard = threading.Timer(60.0, lambda: (print("[workbench] process-group teardown hung for 60 s; exiting", file=sys.stderr, flush=True), os._exit(code)))
+    def leave() -> None:
+        print(f"[workbench] process-group teardown hung for {timeout_s:g} s; exiting with {code}", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    guard = threading.Timer(timeout_s, leave)
     guard.daemon = True
     guard.start()
     distributed.destroy()
