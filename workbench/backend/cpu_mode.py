@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["enable", "disable", "enabled", "PATCHES"]
+__all__ = ["enable", "disable", "enabled", "tensor_cuda_is_identity", "PATCHES"]
 
 PATCHES = (
     "torch.cuda.current_device",
@@ -54,6 +54,26 @@ _saved: list[tuple[Any, str, Any]] = []
 
 def enabled() -> bool:
     return bool(_saved)
+
+
+@contextlib.contextmanager
+def tensor_cuda_is_identity(active: bool = True):
+    """``Tensor.cuda()`` returns the tensor while a model is built on a machine without CUDA.
+
+    megatron's LanguageModule moves the last pipeline stage's tied output-embedding copy with
+    ``weight.data.cuda()`` before all-reducing it with the first stage.  For a CPU-only model
+    build outside training (inference, conversion checks) that is the one CUDA call left, so
+    they need this patch, not all of :func:`enable`.  A no-op where CUDA is available.
+    """
+    if not active or torch.cuda.is_available():
+        yield
+        return
+    saved = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = saved  # type: ignore[method-assign]
 
 
 def _patch(owner: Any, name: str, value: Any) -> None:

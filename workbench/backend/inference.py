@@ -35,7 +35,6 @@ The notebook-side API that validates and launches this is :mod:`workbench.genera
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -695,27 +694,13 @@ def _load_tokenizer(path: Path):
     return resolve_tokenizer(checkpoint_info(path))
 
 
-@contextlib.contextmanager
-def _tensor_cuda_noop(active: bool):
-    """CPU emulation: mcore's tied-embedding sync across pipeline stages calls ``Tensor.cuda()``
-    (``LanguageModule.setup_embeddings_and_output_layer``); keep the tensor on CPU while building."""
-    if not active:
-        yield
-        return
-    saved = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = saved  # type: ignore[method-assign]
-
-
 def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: bool | str = "auto") -> InferenceEngine:
     """Build this rank's stage of the checkpoint's model, load its weights, return an engine.
 
     Needs model parallel initialised (``workbench.backend.distributed``) with the TP/PP
     wanted; dist checkpoints load at any layout.
     """
+    from workbench.backend import cpu_mode
     from workbench.backend.checkpointing import find_checkpoint, load_checkpoint, read_metadata
     from workbench.backend.model import build_model
     from workbench.config import RunConfig
@@ -729,7 +714,7 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
                              "parallel.sequence_parallel": False, "parallel.virtual_pipeline_parallel": None,
                              "parallel.recompute": "none", **({"parallel.device": device} if device else {})})
     pp_rank, pp = _pp_info()
-    with _tensor_cuda_noop(cfg.parallel.device == "cpu" and not torch.cuda.is_available()):
+    with cpu_mode.tensor_cuda_is_identity(cfg.parallel.device == "cpu"):
         model = build_model(cfg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
     load_checkpoint(path, [model], load_optimizer=False)
     from workbench.generation import special_ids

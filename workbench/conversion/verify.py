@@ -12,7 +12,6 @@ gathers the vocab-parallel logits over TP and writes them (pad rows included).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import subprocess
 import sys
@@ -73,27 +72,6 @@ def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int
 # --------------------------------------------------------------------------- worker (runs under torchrun)
 
 
-@contextlib.contextmanager
-def _tensor_cuda_is_identity():
-    """Without CUDA, let ``Tensor.cuda()`` return the tensor while models are built.
-
-    megatron's LanguageModule moves the tied output-embedding copy of the last pipeline
-    stage to CUDA before all-reducing it with the first stage (``weight.data.cuda()``);
-    on a CPU-only machine that is the one remaining CUDA call of a PP>1 tied model build.
-    """
-    import torch
-
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = saved
-
-
 def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -101,6 +79,7 @@ def _worker(args: argparse.Namespace) -> None:
     from megatron.core import tensor_parallel
 
     from workbench.backend.checkpointing import load_checkpoint, read_metadata
+    from workbench.backend.cpu_mode import tensor_cuda_is_identity
     from workbench.backend.distributed import destroy, initialize
     from workbench.backend.model import build_model, transformer_config
     from workbench.config import RunConfig
@@ -124,7 +103,7 @@ def _worker(args: argparse.Namespace) -> None:
         nchunks = vpp or 1
         config = transformer_config(cfg, **model_overrides(cfg))
         chunks = []
-        with _tensor_cuda_is_identity():
+        with tensor_cuda_is_identity():
             for v in range(nchunks):
                 pre = pp_rank == 0 and v == 0
                 post = pp_rank == pp_size - 1 and v == nchunks - 1
