@@ -264,3 +264,21 @@ def test_demo_corpus_trains_through_the_data_pipeline(tmp_path):
     assert _by(ev, "run_start", 0)[0]["data"].startswith("demo")
     losses = [e["loss"] for e in _by(ev, "step", 0)]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.05, losses
+
+
+def test_distributed_optimizer_state_saves_and_resumes_at_dp2(tmp_path):
+    """The distributed optimizer's state goes to disk as 'fully_reshardable' (mcore's default
+    sharding is refused by the torch_dist strategy) and a resumed DP=2 run continues the loss."""
+    dist_opt = {"parallel.distributed_optimizer": True, "train.eval_interval": 0}
+    proc = _torchrun(_cfg(**dist_opt), tmp_path / "first", 2, 29706)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    ev = read_events(tmp_path / "first")
+    cfg = _cfg(**dist_opt, **{"checkpoint.load_dir": str(tmp_path / "first" / "checkpoints" / "iter_0000003"),
+                              "checkpoint.save_interval": 0, "checkpoint.save_on_exit": False})
+    proc = _torchrun(cfg, tmp_path / "resumed", 2, 29707)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    before = {e["iteration"]: e["loss"] for e in _by(ev, "step", 0)}
+    after = {e["iteration"]: e["loss"] for e in _by(read_events(tmp_path / "resumed"), "step", 0)}
+    assert sorted(after) == [4, 5, 6]
+    for i, loss in after.items():
+        assert abs(loss - before[i]) <= 1e-5 * before[i], (i, loss, before[i])

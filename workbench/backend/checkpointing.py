@@ -259,6 +259,69 @@ def _jsonable(x: Any) -> Any:
 # --------------------------------------------------------------------------- save
 
 
+def _optimizer_sharded_sd(optimizer: Any, model_sd: dict, is_loading: bool = False) -> dict:
+    """The optimizer's sharded state, the distributed optimizer's as 'fully_reshardable'.
+
+    mcore 0.19's default sharding of the distributed optimizer ('fully_sharded_model_space')
+    uses flattened ranges that the torch_dist strategy refuses ("ShardedTensor.flattened_range
+    is not supported"); 'fully_reshardable' stores canonical per-parameter state, loadable at
+    any TP/PP/DP.  Other optimizers ignore the metadata.
+    """
+    if is_loading:
+        for opt in _distributed_optimizers(optimizer):
+            _zero_adam_state(opt.optimizer)
+    return optimizer.sharded_state_dict(model_sd, is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+
+
+def _distributed_optimizers(optimizer: Any) -> list:
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if type(o).__name__ == "DistributedOptimizer"]
+
+
+@contextlib.contextmanager
+def _loadable_into_torch_adam(optimizer: Any):
+    """Two mends to mcore 0.19 loading a 'fully_reshardable' distributed-optimizer state into
+    torch Adam (no TE/apex), which keeps a per-parameter ``step`` tensor:
+
+    - megatron restores ``step`` from the param groups, then copies every tensor of each
+      parameter's state from the checkpoint, where no ``step`` is stored (KeyError: 'step'):
+      the copy is told ``step`` is absent, so it skips it as it skips non-tensor entries;
+    - it gives every parameter the *same* step tensor, which unfused Adam then increments once
+      per parameter each step (wrong bias correction after a resume): each gets its own copy.
+    """
+    import torch
+
+    patched = _distributed_optimizers(optimizer)
+    for opt in patched:
+        opt._set_main_param_and_optimizer_states = (
+            lambda orig: lambda param, tensors: orig(param, {"step": None, **tensors}))(opt._set_main_param_and_optimizer_states)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+            for st in opt.optimizer.state.values():
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone()
+
+
+def _zero_adam_state(inner: Any) -> None:
+    """Zero Adam moments and a step of 0 for each parameter of a torch optimizer that has none.
+
+    Loading describes the distributed optimizer's state first (``state_dict()``), which without
+    TE/apex reads every parameter's ``step``; a freshly built optimizer has no state yet.  The
+    load then overwrites all of it.
+    """
+    import torch
+
+    for group in inner.param_groups:
+        for p in group["params"]:
+            st = inner.state[p]
+            if "step" not in st:
+                st.setdefault("exp_avg", torch.zeros_like(p))
+                st.setdefault("exp_avg_sq", torch.zeros_like(p))
+                st["step"] = torch.tensor(0.0)
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -297,7 +360,7 @@ def save_checkpoint(
 
     sharded = _model_sharded_sd(chunks)
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded)
+        sharded["optimizer"] = _optimizer_sharded_sd(optimizer, sharded)
     if scheduler is not None:
         sharded["scheduler"] = scheduler.state_dict()
     sharded["workbench_extra"] = dict(extra or {})
@@ -484,7 +547,7 @@ def load_checkpoint(
                 f"checkpoint {ckpt} was saved with a different vocab padding (tensor parallel size changed); "
                 "optimizer state cannot be re-padded -> load with load_optimizer=False (finetune), "
                 "or resume at the original tensor_parallel")
-        sharded["optimizer"] = optimizer.sharded_state_dict(_model_sharded_sd(chunks), is_loading=True)
+        sharded["optimizer"] = _optimizer_sharded_sd(optimizer, _model_sharded_sd(chunks), is_loading=True)
 
     loaded = dist_checkpointing.load(sharded, str(ckpt), sharded_strategy=TorchDistLoadShardedStrategy(),
                                      validate_access_integrity=not pairs)
@@ -498,7 +561,8 @@ def load_checkpoint(
                     state[k] = own[k]
         _unwrap(chunk).load_state_dict(state, strict=True)
     if want_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with _loadable_into_torch_adam(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded and load_optimizer:
         scheduler.load_state_dict(loaded["scheduler"])
     meta["extra"] = loaded.get("workbench_extra", meta.get("extra") or {})

@@ -61,30 +61,10 @@ def _versions() -> dict[str, str]:
             out[name] = getattr(mod, "__version__", "present")
         except Exception:
             pass
-    try:
-        import subprocess
+    from workbench.provenance import git_commit
 
-        out["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                           cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
-    except Exception:
-        pass
+    out["git_commit"] = git_commit()
     return out
-
-
-def _reshardable_optimizer_state(optimizer: Any) -> None:
-    """Make the distributed optimizer's checkpoint state 'fully_reshardable'.
-
-    mcore 0.19's default sharding ('fully_sharded_model_space') uses flattened ranges that the
-    torch_dist save strategy refuses ("ShardedTensor.flattened_range is not supported");
-    'fully_reshardable' saves canonical per-parameter state, loadable at any TP/PP/DP.
-    """
-    original = optimizer.sharded_state_dict
-
-    def sharded_state_dict(model_sharded_state_dict, is_loading=False, **kwargs):
-        kwargs.setdefault("metadata", {"distrib_optim_sharding_type": "fully_reshardable"})
-        return original(model_sharded_state_dict, is_loading, **kwargs)
-
-    optimizer.sharded_state_dict = sharded_state_dict
 
 
 class Trainer:
@@ -158,8 +138,6 @@ class Trainer:
             use_distributed_optimizer=p.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
-        if p.distributed_optimizer:
-            _reshardable_optimizer_state(self.optimizer)
         # [perf hook] compiled cross-entropy, foreach multi-tensor ops, fused AdamW (no-ops unless
         # train.compile_kernels on CUDA); see workbench.backend.fusions
         from workbench.backend import fusions
