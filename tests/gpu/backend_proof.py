@@ -10,7 +10,8 @@ synthetic data and the same initial weights (one checkpoint made first and loade
 
 - 50 steps of TP=2, PP=2 (8 micro-batches), PP=2 x VPP=2, DP=2 + distributed optimizer,
   TP=2 + SP, each against TP=1/PP=1 on one GPU: max relative per-step loss difference;
-- resume: 20 steps straight vs 10 + resume 10 (max abs loss difference of steps 11-20);
+- resume: 20 steps straight vs 10 + resume 10 (max abs loss difference of steps 11-20), on one
+  GPU and at DP=2 with the distributed optimizer;
 - recompute none / selective / full on one GPU: loss difference, peak memory, step time.
 
 Writes JSON lines (each with device, date, git_commit) to ``--out`` and a tarball of the
@@ -202,18 +203,19 @@ def main() -> int:
 
     if args.only:
         return 0 if all(r.get("pass") for r in records) else 3
-    # 2) resume: 20 straight vs 10 + 10
+    # 2) resume: 20 straight vs 10 + 10, on one GPU and at DP=2 with the distributed optimizer
     n = 4 if tiny else 10
     rs = {"train.lr_decay_iters": 2 * n, "train.lr_warmup_iters": 2 if tiny else 5}
-    straight = losses(run(cfg_for(**rs, **{"train.train_iters": 2 * n}), work / "resume_straight", 1, log))
-    first = work / "resume_first"
-    run(cfg_for(**rs, **{"train.train_iters": n, "checkpoint.save_on_exit": True}), first, 1, log)
-    second = losses(run(base.replace(**rs, **{"train.train_iters": 2 * n, "checkpoint.load_dir": str(first / "checkpoints")}),
-                        work / "resume_second", 1, log))
-    diffs = [abs(second[i] - straight[i]) for i in range(n + 1, 2 * n + 1) if i in second]
-    emit({"test": "resume", "straight_iters": 2 * n, "resumed_at": n, "compared_steps": len(diffs),
-          "max_abs_loss_diff": max(diffs) if diffs else None, "target": 1e-3,
-          "pass": bool(diffs) and len(diffs) == n and max(diffs) <= 1e-3})
+    for name, nproc, over in (("resume", 1, {}), ("resume_dp2_distopt", ngpu, {"parallel.distributed_optimizer": True})):
+        straight = losses(run(cfg_for(**rs, **over, **{"train.train_iters": 2 * n}), work / f"{name}_straight", nproc, log))
+        first = work / f"{name}_first"
+        run(cfg_for(**rs, **over, **{"train.train_iters": n, "checkpoint.save_on_exit": True}), first, nproc, log)
+        second = losses(run(base.replace(**rs, **over, **{"train.train_iters": 2 * n, "checkpoint.load_dir": str(first / "checkpoints")}),
+                            work / f"{name}_second", nproc, log))
+        diffs = [abs(second[i] - straight[i]) for i in range(n + 1, 2 * n + 1) if i in second]
+        emit({"test": name, "straight_iters": 2 * n, "resumed_at": n, "compared_steps": len(diffs),
+              "max_abs_loss_diff": max(diffs) if diffs else None, "target": 1e-3,
+              "pass": bool(diffs) and len(diffs) == n and max(diffs) <= 1e-3})
 
     # 3) recompute: none (the reference run) vs selective vs full
     def perf(ev: list[dict]) -> dict:
