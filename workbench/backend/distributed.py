@@ -136,8 +136,11 @@ def _free_captured_graphs() -> None:
     """
     if "torch._inductor.cudagraph_trees" not in sys.modules or not torch.cuda.is_initialized():
         return
-    torch.cuda.synchronize()
-    sys.modules["torch._inductor.cudagraph_trees"].reset_cudagraph_trees()
+    try:  # like the rest of destroy(): never raise (a failed run's device may be in an error state)
+        torch.cuda.synchronize()
+        sys.modules["torch._inductor.cudagraph_trees"].reset_cudagraph_trees()
+    except Exception:
+        pass
 
 
 def destroy() -> None:
