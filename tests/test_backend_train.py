@@ -2,9 +2,11 @@
 
 Covers: PP=2 training through megatron's 1F1B schedule with events (run_start, step,
 microbatch, eval, checkpoint, run_end), checkpoint + resume continuing the loss curve and LR
-schedule exactly, SIGTERM shutdown (checkpoint, run_end "stopped", non-zero exit), SIGUSR1
-stack dumps, a hung process-group teardown that still ends the process, an exception in a rank (error event, non-zero exit), bad config (exit 2 before any process
-group), and the custom loss hook reproducing the reference guide's key-token-weighted loss.
+schedule exactly, distributed-optimizer save and resume at DP=2, SIGTERM shutdown (checkpoint,
+run_end "stopped", non-zero exit), SIGUSR1 stack dumps, a hung process-group teardown that
+still ends the process, an exception in a rank (error event, non-zero exit), bad config (exit 2
+before any process group), and the custom loss hook reproducing the reference guide's
+key-token-weighted loss.
 """
 
 from __future__ import annotations
