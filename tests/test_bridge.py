@@ -312,3 +312,47 @@ def test_bad_data_and_checkpoint_paths_refused_before_anything_starts(rank_scrip
     assert any(f.startswith("data.datasets") for f in fields), fields
     assert "nowhere" in str(ei.value)
     assert not root.exists()
+
+
+def _fake_checkpoint(root: Path, cfg, *, has_optimizer: bool) -> Path:
+    """A checkpoint's metadata as save_checkpoint writes it (the pre-launch check reads nothing else)."""
+    from workbench.backend.checkpointing import FORMAT, METADATA_FILE, TRACKER_FILE, iter_dir_name
+
+    d = root / iter_dir_name(3)
+    d.mkdir(parents=True)
+    (d / METADATA_FILE).write_text(json.dumps({"format": FORMAT, "iteration": 3, "config": cfg.to_dict(),
+                                               "has_optimizer": has_optimizer, "complete": True}))
+    (root / TRACKER_FILE).write_text("3")
+    return root
+
+
+def test_checkpoint_that_cannot_load_is_refused_before_anything_starts(rank_script, tmp_path):
+    """Another architecture, a resume without optimizer state, and a resume across the
+    distributed-optimizer switch each name the field and the fix, and nothing is launched."""
+    from workbench.bridge import launch_problems
+
+    saved = preset("tiny", **{"parallel.distributed_optimizer": True, "parallel.device": "cpu"})
+    ckpt = _fake_checkpoint(tmp_path / "ckpt", saved, has_optimizer=True)
+    resume = saved.replace(**{"checkpoint.load_dir": str(ckpt)})
+    assert launch_problems(resume) == []
+    assert launch_problems(resume.replace(**{"checkpoint.load_dir": str(ckpt / "iter_0000003")})) == []
+
+    def fields(cfg):
+        return {p.field: str(p) for p in launch_problems(cfg)}
+
+    wider = fields(resume.replace(**{"model.hidden_size": 2 * saved.model.hidden_size, "model.num_layers": 3}))
+    assert set(wider) == {"model.hidden_size", "model.num_layers"}, wider  # not the sizes derived from them
+    narrower = fields(resume.replace(**{"model.ffn_hidden_size": 3 * saved.model.hidden_size}))
+    assert set(narrower) == {"model.ffn_hidden_size"}, narrower
+    assert f"set model.num_layers: {saved.model.num_layers}" in wider["model.num_layers"]
+    switched = fields(resume.replace(**{"parallel.distributed_optimizer": False}))
+    assert set(switched) == {"parallel.distributed_optimizer"} and "checkpoint.finetune: true" in switched["parallel.distributed_optimizer"]
+    assert fields(resume.replace(**{"parallel.distributed_optimizer": False, "checkpoint.finetune": True})) == {}
+
+    weights_only = _fake_checkpoint(tmp_path / "converted", saved, has_optimizer=False)
+    no_optim = fields(resume.replace(**{"checkpoint.load_dir": str(weights_only)}))
+    assert set(no_optim) == {"checkpoint.finetune"}, no_optim
+    root = tmp_path / "runs"
+    with pytest.raises(ConfigError) as ei:
+        Run.launch(resume.replace(**{"checkpoint.load_dir": str(weights_only)}), run_root=root, entry=[str(rank_script)], env={"FAKE_MODE": "ok"})
+    assert "checkpoint.finetune" in str(ei.value) and not root.exists()

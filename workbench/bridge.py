@@ -203,10 +203,9 @@ def launch_problems(cfg: RunConfig, *, local: bool = True) -> list[Problem]:
         from workbench.data import check_data
 
         problems += check_data(cfg)
-        load_dir = cfg.checkpoint.load_dir
-        if load_dir and not Path(load_dir).is_dir():
-            problems.append(Problem("checkpoint.load_dir", f"{load_dir} is not a directory",
-                                    "point load_dir at a checkpoint root (with latest_checkpointed_iteration.txt) or an iter_XXXXXXX dir"))
+        from workbench.backend.checkpointing import load_problems  # stdlib-only at import
+
+        problems += load_problems(cfg)
     if local and cfg.parallel.device == "cuda":
         gpus = detect_gpus()
         if gpus == 0:

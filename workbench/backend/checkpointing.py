@@ -46,6 +46,7 @@ __all__ = [
     "load_checkpoint",
     "find_checkpoint",
     "read_metadata",
+    "load_problems",
     "list_checkpoints",
     "checkpoint_tensor_shapes",
     "vocab_keys",
@@ -142,6 +143,64 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     data = json.loads((d / METADATA_FILE).read_text())
     data["path"] = str(d)
     return data
+
+
+#: Model fields that fix the shapes of stored weights, and the config field a user sets for each;
+#: the sizes derived from others (head dim, FFN width, KV groups) are compared only once those agree.
+_WEIGHT_SHAPE_FIELDS = {
+    "num_layers": "model.num_layers", "hidden_size": "model.hidden_size",
+    "num_attention_heads": "model.num_attention_heads", "vocab_size": "model.vocab_size",
+    "position_embedding": "model.position_embedding", "normalization": "model.normalization",
+    "activation": "model.activation", "add_bias_linear": "model.add_bias_linear", "tie_embeddings": "model.tie_embeddings",
+}
+_DERIVED_SHAPE_FIELDS = {"query_groups": "model.num_query_groups", "head_dim": "model.kv_channels", "ffn_size": "model.ffn_hidden_size"}
+
+
+def load_problems(cfg: Any) -> list:
+    """Why ``cfg.checkpoint.load_dir`` would not load into ``cfg``, from the checkpoint's
+    ``workbench.json`` alone (no process, no megatron-core), so a launch is refused with the
+    field and the fix before any rank starts: a missing or incomplete checkpoint, another
+    architecture, and for a resume (not ``finetune``) missing or differently sharded optimizer state.
+    """
+    from workbench.config import ConfigError, Problem, RunConfig
+
+    c = cfg.checkpoint
+    if not c.load_dir:
+        return []
+    try:
+        meta = read_metadata(c.load_dir)
+        saved = RunConfig.from_dict(meta.get("config") or {}, source=meta["path"])
+    except CheckpointError as e:
+        rule, _, fix = str(e).partition(" -> ")
+        return [Problem("checkpoint.load_dir", rule, fix or "point load_dir at a checkpoint root or an iter_XXXXXXX directory")]
+    except (OSError, ValueError) as e:  # unreadable metadata or a config this version cannot read
+        if isinstance(e, ConfigError):
+            return []  # an older run's config: the load itself will tell
+        return [Problem("checkpoint.load_dir", f"cannot read the checkpoint's metadata: {e}", "point load_dir at a workbench checkpoint")]
+    where = meta["path"]
+    out = []
+    shape_fields = dict(_WEIGHT_SHAPE_FIELDS)
+    if cfg.model.position_embedding == saved.model.position_embedding == "learned":
+        shape_fields["max_position_embeddings"] = "model.max_position_embeddings"
+    for fields in (shape_fields, _DERIVED_SHAPE_FIELDS):
+        for attr, field in fields.items():
+            have, want = getattr(cfg.model, attr), getattr(saved.model, attr)
+            if have != want:
+                out.append(Problem(field, f"is {have!r} here but {want!r} in checkpoint {where}",
+                                   f"set {field}: {want!r} to load it, or drop checkpoint.load_dir to train from scratch"))
+        if out:
+            break
+    if not c.finetune:
+        if not meta.get("has_optimizer"):
+            out.append(Problem("checkpoint.finetune", f"checkpoint {where} holds no optimizer state, so it cannot be resumed",
+                               "set checkpoint.finetune: true to start from its weights with a fresh optimizer"))
+        elif saved.parallel.distributed_optimizer != cfg.parallel.distributed_optimizer:
+            want = saved.parallel.distributed_optimizer
+            out.append(Problem("parallel.distributed_optimizer",
+                               f"checkpoint {where} was saved with distributed_optimizer: {str(want).lower()}",
+                               f"set parallel.distributed_optimizer: {str(want).lower()} to resume it, "
+                               "or checkpoint.finetune: true to load its weights with a fresh optimizer"))
+    return out
 
 
 def checkpoint_tensor_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
