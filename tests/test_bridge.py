@@ -331,7 +331,7 @@ def test_checkpoint_that_cannot_load_is_refused_before_anything_starts(rank_scri
     distributed-optimizer switch each name the field and the fix, and nothing is launched."""
     from workbench.bridge import launch_problems
 
-    saved = preset("tiny", **{"parallel.distributed_optimizer": True, "parallel.device": "cpu"})
+    saved = preset("tiny", **{"parallel.distributed_optimizer": True, "parallel.device": "cpu", "data.source": "synthetic"})
     ckpt = _fake_checkpoint(tmp_path / "ckpt", saved, has_optimizer=True)
     resume = saved.replace(**{"checkpoint.load_dir": str(ckpt)})
     assert launch_problems(resume) == []
@@ -348,6 +348,12 @@ def test_checkpoint_that_cannot_load_is_refused_before_anything_starts(rank_scri
     switched = fields(resume.replace(**{"parallel.distributed_optimizer": False}))
     assert set(switched) == {"parallel.distributed_optimizer"} and "checkpoint.finetune: true" in switched["parallel.distributed_optimizer"]
     assert fields(resume.replace(**{"parallel.distributed_optimizer": False, "checkpoint.finetune": True})) == {}
+
+    # another tensor-parallel size pads the vocabulary differently: weights re-pad, Adam's state cannot
+    odd_vocab = _fake_checkpoint(tmp_path / "odd", saved.replace(**{"model.vocab_size": 300}), has_optimizer=True)
+    tp2 = {"checkpoint.load_dir": str(odd_vocab), "model.vocab_size": 300, "parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2}
+    assert set(fields(resume.replace(**tp2))) == {"parallel.tensor_parallel"}
+    assert fields(resume.replace(**tp2, **{"checkpoint.finetune": True})) == {}
 
     weights_only = _fake_checkpoint(tmp_path / "converted", saved, has_optimizer=False)
     no_optim = fields(resume.replace(**{"checkpoint.load_dir": str(weights_only)}))

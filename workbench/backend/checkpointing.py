@@ -162,7 +162,7 @@ def load_problems(cfg: Any) -> list:
     field and the fix before any rank starts: a missing or incomplete checkpoint, another
     architecture, and for a resume (not ``finetune``) missing or differently sharded optimizer state.
     """
-    from workbench.config import ConfigError, Problem, RunConfig
+    from workbench.config import ConfigError, Problem, RunConfig, pad_vocab_size
 
     c = cfg.checkpoint
     if not c.load_dir:
@@ -190,7 +190,8 @@ def load_problems(cfg: Any) -> list:
                                    f"set {field}: {want!r} to load it, or drop checkpoint.load_dir to train from scratch"))
         if out:
             break
-    if not c.finetune:
+    if not c.finetune and not out:
+        padded = [pad_vocab_size(x.model.vocab_size, x.model.make_vocab_size_divisible_by, x.parallel.tensor_parallel) for x in (cfg, saved)]
         if not meta.get("has_optimizer"):
             out.append(Problem("checkpoint.finetune", f"checkpoint {where} holds no optimizer state, so it cannot be resumed",
                                "set checkpoint.finetune: true to start from its weights with a fresh optimizer"))
@@ -200,6 +201,12 @@ def load_problems(cfg: Any) -> list:
                                f"checkpoint {where} was saved with distributed_optimizer: {str(want).lower()}",
                                f"set parallel.distributed_optimizer: {str(want).lower()} to resume it, "
                                "or checkpoint.finetune: true to load its weights with a fresh optimizer"))
+        elif padded[0] != padded[1]:  # the embedding rows are re-padded on load; Adam's state for them cannot be
+            out.append(Problem("parallel.tensor_parallel",
+                               f"pads the vocabulary to {padded[0]} rows, but checkpoint {where} (tensor_parallel "
+                               f"{saved.parallel.tensor_parallel}) stored {padded[1]}; its optimizer state cannot be re-padded",
+                               f"resume at tensor_parallel {saved.parallel.tensor_parallel}, set model.make_vocab_size_divisible_by so "
+                               "both pad alike, or checkpoint.finetune: true for a fresh optimizer"))
     return out
 
 
