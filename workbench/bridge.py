@@ -729,6 +729,31 @@ class Run:
             return ""
         return _tail(path, lines)
 
+    def stacks(self, wait: float = 2.0) -> dict[int, str]:
+        """Every live rank's Python stacks, for a run that seems stuck: each rank prints them to its
+        stderr log on SIGUSR1 (the backend registers it) and goes on running.  {global rank: text}."""
+        import psutil
+
+        ranks = {}
+        for p in self.processes():
+            try:
+                cmd, env = " ".join(p.cmdline()), p.environ()
+                if "workbench.backend" in cmd and "RANK" in env and "torch.distributed.run" not in cmd and "torchrun" not in cmd:
+                    ranks[int(env["RANK"])] = p
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        logs = {r: self.rank_log(r, "stderr") for r in ranks}
+        sizes = {r: (path.stat().st_size if path and path.exists() else 0) for r, path in logs.items()}
+        _signal_all(ranks.values(), signal.SIGUSR1)
+        time.sleep(wait)
+        out = {}
+        for r, path in sorted(logs.items()):
+            if path is not None and path.exists():
+                with open(path, "rb") as fh:
+                    fh.seek(sizes[r])
+                    out[r] = fh.read().decode("utf-8", "replace")
+        return out
+
     @property
     def failure(self) -> Failure | None:
         """The first failing rank and its traceback: from its ``error`` event, else its stderr log."""
