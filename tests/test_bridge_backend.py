@@ -36,8 +36,11 @@ def test_real_backend_follow_and_stop(tmp_path):
         it, total, eta = run.progress()
         assert it >= 3 and total == 100000 and eta is not None and eta > 0
         assert run.rank_log(1, "stderr") is not None
-        stacks = run.stacks()  # a seemingly stuck run: every rank's Python stacks, and it goes on
-        assert sorted(stacks) == [0, 1]
+        from workbench.widgets.dashboard import Dashboard
+
+        dash = Dashboard(run, autostart=False)
+        stacks = dash.show_stacks()  # a seemingly stuck run: every rank's Python stacks, and it goes on
+        assert sorted(stacks) == [0, 1] and "rank 1" in dash.stacks.value and "most recent call first" in dash.stacks.value
         assert all("(most recent call first)" in t and "workbench/backend/train.py" in t for t in stacks.values()), stacks
         n = run.train_loss["iteration"].nunique()
         wait_until(lambda: run.train_loss["iteration"].nunique() > n, 60, "a step after the stack dump", poll=0.5)

@@ -85,11 +85,14 @@ class Dashboard:
         self.log = W.HTML()
         self.stop_button = W.Button(description="stop", button_style="danger", icon="stop")
         self.stop_button.on_click(lambda _b: self.stop())
+        self.stacks_button = W.Button(description="stacks", icon="search", tooltip="every rank's Python stacks (for a run that seems stuck)")
+        self.stacks_button.on_click(lambda _b: self.show_stacks())
+        self.stacks = W.HTML()
         self.widget = W.VBox([
-            W.HBox([self.status, self.stop_button]),
+            W.HBox([self.status, self.stop_button, self.stacks_button]),
             W.HBox([self.progress, self.eta]),
             self.failure, self.figure, self.schedule,
-            W.Accordion(children=[self.log], titles=("log tail",)),
+            W.Accordion(children=[self.log, self.stacks], titles=("log tail", "rank stacks")),
         ])
         self._n_events = -1
         self._last_status: str | None = None
@@ -182,6 +185,13 @@ class Dashboard:
         self.stop_button.description = "stopped"
         self.update(force=True)
         return st
+
+    def show_stacks(self) -> dict[int, str]:
+        """The stacks button: every live rank's Python stacks (:meth:`Run.stacks`), shown under "rank stacks"."""
+        stacks = self.run.stacks()
+        self.stacks.value = "".join(f"<b>rank {r}</b><pre style='font-size:11px;max-height:300px;overflow:auto'>{html.escape(t)}</pre>"
+                                    for r, t in stacks.items()) or "<i>no live ranks</i>"
+        return stacks
 
     # ---- display
     def _ipython_display_(self) -> None:
