@@ -173,9 +173,9 @@ def load_problems(cfg: Any) -> list:
     except CheckpointError as e:
         rule, _, fix = str(e).partition(" -> ")
         return [Problem("checkpoint.load_dir", rule, fix or "point load_dir at a checkpoint root or an iter_XXXXXXX directory")]
-    except (OSError, ValueError) as e:  # unreadable metadata or a config this version cannot read
-        if isinstance(e, ConfigError):
-            return []  # an older run's config: the load itself will tell
+    except ConfigError:
+        return []  # a config this version cannot read (an older run's): the load itself will tell
+    except (OSError, ValueError) as e:  # unreadable metadata
         return [Problem("checkpoint.load_dir", f"cannot read the checkpoint's metadata: {e}", "point load_dir at a workbench checkpoint")]
     where = meta["path"]
     out = []
