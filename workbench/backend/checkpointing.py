@@ -334,13 +334,19 @@ def _optimizer_sharded_sd(optimizer: Any, model_sd: dict, is_loading: bool = Fal
     any TP/PP/DP.  Other optimizers ignore the metadata.
     """
     if is_loading:
-        for opt in _distributed_optimizers(optimizer):
+        for opt in _distributed_optimizers_on_torch_adam(optimizer):
             _zero_adam_state(opt.optimizer)
     return optimizer.sharded_state_dict(model_sd, is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
 
 
-def _distributed_optimizers(optimizer: Any) -> list:
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if type(o).__name__ == "DistributedOptimizer"]
+def _distributed_optimizers_on_torch_adam(optimizer: Any) -> list:
+    """The DistributedOptimizers under ``optimizer`` whose inner optimizer is torch's Adam, i.e.
+    when megatron found neither TE nor apex (their fused Adam keeps no per-parameter step)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return []
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(o, distrib_optimizer.DistributedOptimizer)]
 
 
 @contextlib.contextmanager
@@ -356,7 +362,7 @@ def _loadable_into_torch_adam(optimizer: Any):
     """
     import torch
 
-    patched = _distributed_optimizers(optimizer)
+    patched = _distributed_optimizers_on_torch_adam(optimizer)
     for opt in patched:
         opt._set_main_param_and_optimizer_states = (
             lambda orig: lambda param, tensors: orig(param, {"step": None, **tensors}))(opt._set_main_param_and_optimizer_states)
