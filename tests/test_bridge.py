@@ -51,6 +51,10 @@ RANK_SCRIPT = textwrap.dedent(
         wait_for("go-start")                              # lets the test observe 'starting'
     w = EventWriter(run_dir, rank)
     w.emit("run_start", config=cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    if mode == "stall":                                   # two quick steps, then no progress at all
+        for it in (1, 2):
+            w.emit("step", iteration=it, loss=1.0, step_time=0.01)
+        wait_for("go-finish")
     if mode in ("hang", "slow"):
         it = 0
         while not (run_dir / "go-finish").exists():
@@ -362,3 +366,21 @@ def test_checkpoint_that_cannot_load_is_refused_before_anything_starts(rank_scri
     with pytest.raises(ConfigError) as ei:
         Run.launch(resume.replace(**{"checkpoint.load_dir": str(weights_only)}), run_root=root, entry=[str(rank_script)], env={"FAKE_MODE": "ok"})
     assert "checkpoint.finetune" in str(ei.value) and not root.exists()
+
+
+def test_a_run_without_progress_is_flagged_as_stalled(rank_script, tmp_path):
+    """Steps stop coming: after max(floor, 20 step times) the run (and its dashboard) say so."""
+    from workbench.widgets.dashboard import Dashboard
+
+    run = launch(rank_script, tmp_path, "stall", 2)
+    try:
+        wait_until(lambda: len(run.events("step")) == 4, 30, "the two steps of each rank")
+        assert run.stalled_for(floor=60.0) is None  # quiet for less than the floor
+        wait_until(lambda: run.stalled_for(floor=1.0) is not None, 10, "the stall to be noticed")
+        assert run.stalled_for(floor=1.0) > 1.0 and run.status == "running"
+        dash = Dashboard(run, autostart=False, stall_after=1.0)
+        assert "no progress for 0:00:0" in dash.status.value and "stacks button" in dash.status.value
+        assert "no progress" not in Dashboard(run, autostart=False).status.value  # default floor: 2 minutes
+    finally:
+        run.stop(grace=2)
+    assert run.stalled_for(floor=1.0) is None  # ended runs are not stalled

@@ -480,6 +480,7 @@ class Run:
         self._owned = popen is not None
         self._follower = EventFollower(self.run_dir)
         self._records: dict[str, list[dict]] = {k: [] for k in KINDS}
+        self._last_event_time = 0.0  # the newest event's timestamp (any kind, any rank)
         self._lock = threading.RLock()
         self._stop_requested = False
         cfg_path = self.run_dir / "config.json"
@@ -615,6 +616,7 @@ class Run:
             new = self._follower.poll()
             for rec in new:
                 self._records.setdefault(rec.get("event", "?"), []).append(rec)
+                self._last_event_time = max(self._last_event_time, float(rec.get("time") or 0.0))
             return len(new)
 
     def events(self, kind: str | None = None) -> list[dict]:
@@ -853,6 +855,20 @@ class Run:
         per_it = df.groupby("iteration")["step_time"].max().dropna().tail(10)
         eta = float(per_it.mean() * max(total - last, 0)) if len(per_it) else None
         return last, total, eta
+
+    def stalled_for(self, factor: float = 20.0, floor: float = 120.0) -> float | None:
+        """Seconds since the last event of a running run that has trained a step, when that is
+        over ``factor`` times its recent step time and over ``floor`` seconds; else None.  A hint
+        that it may be stuck (a checkpoint save or a long eval can be slow too): see :meth:`stacks`."""
+        if self.status != "running":  # (refreshes the events)
+            return None
+        with self._lock:
+            recent = sorted(e["step_time"] for e in self._records.get("step", [])[-20:] if e.get("step_time"))
+            last = self._last_event_time
+        if not recent:
+            return None  # compiling, loading: no step time to compare with yet
+        idle = time.time() - last
+        return idle if idle > max(floor, factor * recent[len(recent) // 2]) else None
 
     def final_metrics(self) -> dict:
         """Small summary for sweeps / metrics.json: last train loss, last eval loss, throughput."""

@@ -58,22 +58,25 @@ def planner_memory(cfg) -> Mapping[int, float] | float | None:
     return out or None
 
 
-def _fmt_eta(seconds: float | None) -> str:
-    if seconds is None:
-        return "ETA --"
+def _fmt_duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"ETA {seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _fmt_eta(seconds: float | None) -> str:
+    return "ETA --" if seconds is None else f"ETA {_fmt_duration(seconds)}"
 
 
 class Dashboard:
     """Live view of a :class:`workbench.bridge.Run` (launched here or re-attached)."""
 
     def __init__(self, run, interval: float = 1.0, predicted_memory: Mapping[int, float] | float | None = None,
-                 log_lines: int = 15, autostart: bool = True):
+                 log_lines: int = 15, autostart: bool = True, stall_after: float = 120.0):
         import ipywidgets as W
 
         self.run = run
         self.interval = interval
+        self.stall_after = stall_after  # seconds without events (and 20 step times) before the "stuck?" hint
         self.log_lines = log_lines
         self.predicted_memory = predicted_memory if predicted_memory is not None else planner_memory(run.config)
         self.status = W.HTML()
@@ -121,6 +124,10 @@ class Dashboard:
         colour = _STATUS_COLOURS.get(status, "#000")
         self.status.value = (f"<b style='color:{colour}'>{status}</b> &nbsp; <code>{html.escape(str(run.run_dir))}</code>"
                              f" &nbsp; iteration {it}/{total}")
+        stalled = run.stalled_for(floor=self.stall_after)
+        if stalled is not None:
+            self.status.value += (f"<br><b style='color:#d62728'>no progress for {_fmt_duration(stalled)}</b>: "
+                                  "if it is stuck, the stacks button shows where each rank waits")
         self.progress.max = max(total, 1)
         self.progress.value = min(it, self.progress.max)
         self.progress.bar_style = {"finished": "success", "failed": "danger", "stopped": "warning"}.get(status, "info")
