@@ -856,11 +856,12 @@ class Run:
         eta = float(per_it.mean() * max(total - last, 0)) if len(per_it) else None
         return last, total, eta
 
-    def stalled_for(self, factor: float = 20.0, floor: float = 120.0) -> float | None:
+    def stalled_for(self, factor: float = 20.0, floor: float = 120.0, *, status: str | None = None) -> float | None:
         """Seconds since the last event of a running run that has trained a step, when that is
         over ``factor`` times its recent step time and over ``floor`` seconds; else None.  A hint
-        that it may be stuck (a checkpoint save or a long eval can be slow too): see :meth:`stacks`."""
-        if self.status != "running":  # (refreshes the events)
+        that it may be stuck (a checkpoint save or a long eval can be slow too): see :meth:`stacks`.
+        ``status``: the run's status if the caller has just read it (reading it refreshes the events)."""
+        if (status or self.status) != "running":
             return None
         with self._lock:
             recent = sorted(e["step_time"] for e in self._records.get("step", [])[-20:] if e.get("step_time"))

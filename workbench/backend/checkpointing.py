@@ -331,7 +331,8 @@ def _optimizer_sharded_sd(optimizer: Any, model_sd: dict, is_loading: bool = Fal
     mcore 0.19's default sharding of the distributed optimizer ('fully_sharded_model_space')
     uses flattened ranges that the torch_dist strategy refuses ("ShardedTensor.flattened_range
     is not supported"); 'fully_reshardable' stores canonical per-parameter state, loadable at
-    any TP/PP/DP.  Other optimizers ignore the metadata.
+    any TP/PP/DP.  Other optimizers ignore the metadata.  For a load, a fresh torch Adam gets
+    zero state first (:func:`_zero_adam_state`); :func:`_loadable_into_torch_adam` does the rest.
     """
     if is_loading:
         for opt in _distributed_optimizers_on_torch_adam(optimizer):

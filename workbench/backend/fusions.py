@@ -243,24 +243,6 @@ def _causal_self_attention(
     return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
 
 
-def _attention_context(
-    x: torch.Tensor, ln_w: torch.Tensor, ln_b: Optional[torch.Tensor], qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
-    *, norm: str, eps: float, heads: int, groups: int, head_dim: int, scale: float, tp_group: Optional[str], sp: bool,
-) -> torch.Tensor:
-    """Norm, the column-parallel input, QKV and SDPA: the context before the output projection."""
-    h = _column_parallel_input(_norm(x, norm, ln_w, ln_b, eps), tp_group, sp)
-    return _causal_self_attention(h, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
-
-
-def _mlp_hidden(
-    x: torch.Tensor, ln_w: torch.Tensor, ln_b: Optional[torch.Tensor], fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor],
-    *, norm: str, eps: float, activation: str, tp_group: Optional[str], sp: bool,
-) -> torch.Tensor:
-    """Norm, the column-parallel input, fc1 and the activation: the input of fc2."""
-    h = _column_parallel_input(_norm(x, norm, ln_w, ln_b, eps), tp_group, sp)
-    return _activate(F.linear(h, fc1_w, fc1_b), activation)
-
-
 def dense_layer_forward(
     x: torch.Tensor,
     ln1_w: torch.Tensor,
@@ -299,10 +281,11 @@ def dense_layer_forward(
     the local sequence shard ``[s/tp, b, h]`` under ``sequence_parallel``).
     """
     sp = sequence_parallel
-    ctx = _attention_context(x, ln1_w, ln1_b, qkv_w, qkv_b, norm=norm, eps=eps1, heads=heads, groups=groups,
-                             head_dim=head_dim, scale=scale, tp_group=tp_group, sp=sp)
+    h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
+    ctx = _causal_self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
     x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp)
-    h_mlp = _mlp_hidden(x, ln2_w, ln2_b, fc1_w, fc1_b, norm=norm, eps=eps2, activation=activation, tp_group=tp_group, sp=sp)
+    h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
+    h_mlp = _activate(F.linear(h_mlp, fc1_w, fc1_b), activation)
     return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
 
 

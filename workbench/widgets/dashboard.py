@@ -124,7 +124,7 @@ class Dashboard:
         colour = _STATUS_COLOURS.get(status, "#000")
         self.status.value = (f"<b style='color:{colour}'>{status}</b> &nbsp; <code>{html.escape(str(run.run_dir))}</code>"
                              f" &nbsp; iteration {it}/{total}")
-        stalled = run.stalled_for(floor=self.stall_after)
+        stalled = run.stalled_for(floor=self.stall_after, status=status)
         if stalled is not None:
             self.status.value += (f"<br><b style='color:#d62728'>no progress for {_fmt_duration(stalled)}</b>: "
                                   "if it is stuck, the stacks button shows where each rank waits")
