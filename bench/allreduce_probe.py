@@ -54,14 +54,41 @@ def _time(fn, iters: int, cuda: bool) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _symm_mem_rows(x: torch.Tensor, iters: int) -> list[dict]:
+    """torch's symmetric-memory all-reduces on a copy of ``x`` (what ``parallel.tp_allreduce:
+    symmetric_memory`` lowers the TP layer's all-reduces to): one-shot reads every peer's whole
+    buffer over NVLink, two-shot reduce-scatters then all-gathers through peer memory."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD.group_name
+    symm_mem.enable_symm_mem_for_group(group)
+    buf = symm_mem.empty(x.numel(), dtype=x.dtype, device=x.device)
+    symm_mem.rendezvous(buf, group)
+    buf.copy_(x)
+    world = dist.get_world_size()
+    rows = []
+    for op, fn in (("symm_one_shot", lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group)),
+                   ("symm_two_shot", lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group))):
+        try:
+            ms = _time(fn, iters, True)
+        except Exception as e:  # noqa: BLE001 - a torch without the kernel: say so in the table
+            rows.append({"op": op, "mib": x.numel() * x.element_size() >> 20, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
+        nbytes = x.numel() * x.element_size()
+        rows.append({"op": op, "mib": nbytes >> 20, "ms": ms, "busbw_gbs": 2 * (world - 1) / world * nbytes / ms / 1e6})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "allreduce_probe.jsonl"))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--symm-mem", action="store_true", help="also time torch's symmetric-memory all-reduces (GPUs only)")
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU, 1 MiB only (a smoke test of the script)")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = not a.cpu
+    a.symm_mem = a.symm_mem and cuda
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -82,6 +109,8 @@ def main() -> int:
 
             ms = _time(exchange, a.iters, cuda)
             rows.append({"op": "sendrecv", "mib": mib, "ms": ms, "busbw_gbs": nbytes / ms / 1e6})
+        if a.symm_mem:
+            rows += _symm_mem_rows(x, a.iters)
     if rank == 0:
         try:
             topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout if cuda else ""
@@ -89,13 +118,17 @@ def main() -> int:
             topo = ""
         base = {**stamp(), "world_size": world, "backend": dist.get_backend(),
                 "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-                "env": {k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_SHM_DISABLE")}}
+                "env": {k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_SHM_DISABLE", "NCCL_MIN_NCHANNELS",
+                                                     "NCCL_PROTO", "NCCL_ALGO", "NCCL_BUFFSIZE")}}
         print(topo)
         print(f"{'op':12s} {'MiB':>5s} {'ms':>8s} {'busbw GB/s':>11s}")
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         with open(a.out, "a") as fh:
             for r in rows:
-                print(f"{r['op']:12s} {r['mib']:5d} {r['ms']:8.3f} {r['busbw_gbs']:11.1f}")
+                if "error" in r:
+                    print(f"{r['op']:12s} {r['mib']:5d}  failed: {r['error']}")
+                else:
+                    print(f"{r['op']:12s} {r['mib']:5d} {r['ms']:8.3f} {r['busbw_gbs']:11.1f}")
                 fh.write(json.dumps({**base, **r, "topology": topo.strip()}) + "\n")
     dist.barrier()
     dist.destroy_process_group()
