@@ -21,7 +21,6 @@ dp2-distopt               2     dp2 + distributed optimizer (param-gather overla
 tp2/gpt2-large            2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
 tp2-nograph               2     tp2 without CUDA graphs
 tp2-sp                    2     tp2 plus sequence parallelism
-tp2-symm                  2     tp2 with symmetric-memory all-reduces (``parallel.tp_allreduce``)
 tp2-nccl-ch32             2     tp2 with NCCL_MIN_NCHANNELS=32
 pp2-m8                    2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
 ========================  ====  ==============================================================
@@ -109,7 +108,6 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             "tp2": ({}, {}),
             "tp2-nograph": ({"train.cuda_graphs": False}, {}),
             "tp2-sp": ({"parallel.sequence_parallel": True}, {}),
-            "tp2-symm": ({"parallel.tp_allreduce": "symmetric_memory"}, {}),
             "tp2-nccl-ch32": ({}, {"NCCL_MIN_NCHANNELS": "32"}),
         }
         for name, (over, env) in tp_rows.items():

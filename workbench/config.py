@@ -126,11 +126,6 @@ class ParallelConfig:
     device: Literal["cuda", "cpu"] = "cuda"
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
-    #: how the compiled TP layer all-reduces its activations (TP > 1 without sequence
-    #: parallelism). "nccl": NCCL's ring/tree kernels. "symmetric_memory": torch's one-shot
-    #: all-reduce over NVLink peer memory (every rank reads the others' buffers directly),
-    #: which inductor lowers in place of NCCL inside the layer's graph.
-    tp_allreduce: Literal["nccl", "symmetric_memory"] = "nccl"
 
     @property
     def world_size(self) -> int:
@@ -691,12 +686,6 @@ def validate(cfg: RunConfig) -> list[Problem]:
         add("parallel.sequence_parallel", "sequence parallelism needs tensor_parallel > 1", "set tensor_parallel >= 2 or sequence_parallel: false")
     if p.sequence_parallel and m.seq_length % tp:
         add("model.seq_length", f"with sequence parallelism seq_length {m.seq_length} must be divisible by tensor_parallel {tp}", "round seq_length to a multiple of tensor_parallel")
-    if p.tp_allreduce == "symmetric_memory":
-        if tp < 2 or p.sequence_parallel:
-            add("parallel.tp_allreduce", "symmetric_memory replaces the all-reduces of tensor parallelism without sequence parallelism",
-                "use tensor_parallel >= 2 with sequence_parallel: false, or tp_allreduce: nccl")
-        elif p.device == "cpu" or not t.compile_kernels:
-            add("parallel.tp_allreduce", "symmetric_memory is lowered by torch.compile on GPUs", "set device: cuda and train.compile_kernels: true, or tp_allreduce: nccl")
     if p.recompute_num_layers < 1:
         add("parallel.recompute_num_layers", "must be >= 1", "use 1")
     if p.device == "cpu":

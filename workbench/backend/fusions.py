@@ -545,39 +545,11 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                 notes["cuda_graphs"] = "compiled layers' forward+backward replayed as CUDA graphs (training steps)"
             elif getattr(cfg.train, "cuda_graphs", False) and cfg.parallel.pipeline_parallel > 1:
                 notes["cuda_graphs_off"] = "pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
-            tp_layer = compiled[0].self_attention.linear_qkv
-            notes.update(_select_tp_allreduce(getattr(cfg.parallel, "tp_allreduce", "nccl"),
-                                              tp_layer.tp_group if compiled[0].config.tensor_model_parallel_size > 1 else None))
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
             notes["layer"] = f"stock megatron layer ({why})"
     _STATE.update(notes)
     return notes
-
-
-def _select_tp_allreduce(mode: str, tp_group: Any) -> dict[str, str]:
-    """Point inductor's lowering of the compiled layer's TP all-reduces at NCCL or at torch's
-    one-shot symmetric-memory kernel (each rank sums its peers' buffers read over NVLink).
-
-    Inductor's switch is process-global, so it is set (or cleared) for every model prepared.
-    """
-    import torch._inductor.config as inductor_config
-
-    collective = getattr(inductor_config, "_collective", None)
-    use = mode == "symmetric_memory" and tp_group is not None
-    if collective is None:
-        if use:
-            raise RuntimeError("parallel.tp_allreduce: symmetric_memory needs a torch whose inductor lowers "
-                               "all-reduces to symm_mem (torch >= 2.7); use tp_allreduce: nccl")
-        return {}
-    collective.auto_select = use
-    if not use:
-        return {}
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    enable_symm_mem_for_group(tp_group.group_name)
-    collective.one_shot_all_reduce_threshold_bytes = 1 << 40  # every activation, not only small ones
-    return {"tp_allreduce": "symmetric memory one-shot all-reduce (inductor lowering)"}
 
 
 def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool, *args: Any):
