@@ -16,6 +16,8 @@ workbench                 1     the backend's train step, default kernels (SDPA 
 workbench-eager           1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
 workbench-local           1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
 workbench-te              1     Transformer Engine spec (only when transformer_engine is importable)
+recompute-selective       1     workbench with ``parallel.recompute: selective`` ("scaling": speed vs workbench)
+recompute-full            1     workbench with ``parallel.recompute: full`` (1 layer per block)
 dp2                       2     workbench, data parallel 2 (grad-reduce overlap on)
 dp2-distopt               2     dp2 + distributed optimizer (param-gather overlap on)
 tp2/gpt2-large            2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
@@ -93,6 +95,9 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         if have_te:
             rows.append(Variant(f"workbench-te/{m}", "workbench", m, microbatches=microbatches,
                                 overrides={"model.attention_backend": "te"}))
+        for mode in ("selective", "full"):  # what recompute costs in speed ("scaling") and saves in memory
+            rows.append(Variant(f"recompute-{mode}/{m}", "workbench", m, microbatches=microbatches,
+                                baseline=f"workbench/{m}", overrides={"parallel.recompute": mode}))
     if gpus >= 2:
         for m in models:
             base = f"workbench/{m}"

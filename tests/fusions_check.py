@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -23,10 +24,17 @@ import torch  # noqa: E402
 
 from workbench.config import preset  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))
+from live_bytes import LiveBytes  # noqa: E402
+
 VARIANTS = {
     "gpt": {},
     "llama-like": {"model.normalization": "rmsnorm", "model.activation": "swiglu", "model.attention_type": "grouped",
                    "model.num_query_groups": 2, "model.add_bias_linear": False},
+    # activation recompute on the dense path: the MLP inside the layer's graph, or megatron's
+    # full (per-block) checkpoint around the compiled layers
+    "recompute-selective": {"parallel.recompute": "selective"},
+    "recompute-full": {"parallel.recompute": "full"},
     # not on the dense path: rotary embeddings arrive per call (stock forward), dropout is refused at build
     "rope": {"model.position_embedding": "rope"},
     "dropout": {"model.hidden_dropout": 0.1},
@@ -68,15 +76,19 @@ def _stock_vs_fast(cfg):
     pos = torch.arange(s)[None].expand(b, s)
     if cfg.model.hidden_dropout:
         stock.eval(), fast.eval()  # same maths without random masks
-    losses = []
+    losses, kept = [], []
     for m in (stock, fast):
-        loss = m(tok, pos, None, labels=lab).mean()
+        # eager: the activation bytes the forward left for backward (plus the loss)
+        live = LiveBytes(known=[*m.parameters(), tok, lab, pos]) if not fusions._COMPILE else contextlib.nullcontext()
+        with live:
+            loss = m(tok, pos, None, labels=lab).mean()
+        kept.append(live.cur if isinstance(live, LiveBytes) else None)
         loss.backward()
         losses.append(loss.item())
     grad_rel = 0.0
     for (_, p), (_, q) in zip(stock.named_parameters(), fast.named_parameters()):
         grad_rel = max(grad_rel, ((p.grad - q.grad).norm() / (p.grad.norm() + 1e-12)).item())
-    return stock, fast, losses, grad_rel
+    return stock, fast, losses, grad_rel, kept
 
 
 def check_layer(compile_: bool) -> dict:
@@ -88,9 +100,10 @@ def check_layer(compile_: bool) -> dict:
         cfg = preset("tiny", **over)
         if i == 0:
             distributed.initialize_for_tests(cfg, port=int(os.environ.get("CHECK_PORT", "29611")))
-        stock, fast, losses, grad_rel = _stock_vs_fast(cfg)
+        stock, fast, losses, grad_rel, kept = _stock_vs_fast(cfg)
         out[name] = {
             "loss_stock": losses[0], "loss_fast": losses[1], "grad_rel_max": grad_rel,
+            "kept_bytes_stock": kept[0], "kept_bytes_fast": kept[1],
             "fast_calls": sum(getattr(l, "fast_calls", 0) for l in fast.decoder.layers),
             "blockers": [l.fast_path_blocker for l in fast.decoder.layers],
             "stock_keys_equal": sorted(stock.state_dict()) == sorted(fast.state_dict()),
@@ -111,7 +124,9 @@ def check_tp2() -> dict:
     # (all-gather / reduce-scatter inside that graph)
     cases = {"gpt": VARIANTS["gpt"], "llama-like": VARIANTS["llama-like"],
              "gpt+sp": {**VARIANTS["gpt"], "parallel.sequence_parallel": True},
-             "llama-like+sp": {**VARIANTS["llama-like"], "parallel.sequence_parallel": True}}
+             "llama-like+sp": {**VARIANTS["llama-like"], "parallel.sequence_parallel": True},
+             # selective recompute: the checkpointed MLP's partial product is reduced outside the checkpoint
+             "gpt+sp+selective": {**VARIANTS["gpt"], "parallel.sequence_parallel": True, "parallel.recompute": "selective"}}
     only = os.environ.get("CHECK_CASES")
     for name, over in cases.items():
         if only and name not in only.split(","):
@@ -120,7 +135,7 @@ def check_tp2() -> dict:
         if first:
             distributed.initialize(cfg)
             first = False
-        stock, fast, losses, rel = _stock_vs_fast(cfg)
+        stock, fast, losses, rel, _ = _stock_vs_fast(cfg)
         worst = torch.tensor([rel, abs(losses[0] - losses[1])])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         calls = torch.tensor([float(sum(l.fast_calls for l in fast.decoder.layers))])

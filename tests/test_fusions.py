@@ -41,13 +41,29 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
 
 def test_dense_layer_matches_stock_megatron_layer(checks):
     layers = 4  # preset("tiny")
-    for name in ("gpt", "llama-like"):
+    for name in ("gpt", "llama-like", "recompute-selective", "recompute-full"):
         r = checks["layer"][name]
-        assert r["fast_calls"] == layers, (name, r)  # every layer took the fast path
+        # every layer took the fast path (under full recompute: its forward, then again in backward)
+        assert r["fast_calls"] == layers * (2 if name == "recompute-full" else 1), (name, r)
         assert r["blockers"] == [None] * layers
         assert _close(r["loss_fast"], r["loss_stock"]), (name, r)
         assert r["grad_rel_max"] < 1e-5, (name, r)
         assert r["stock_keys_equal"]  # same parameters / checkpoint keys as the stock layer
+
+
+def test_recompute_on_the_dense_path_frees_what_it_recomputes(checks):
+    """Selective recompute drops exactly the MLP's fc1 output and activation per layer (what
+    the stock RecomputedMLP drops); full recompute keeps less still."""
+    from workbench.config import preset
+
+    m = preset("tiny").model
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    none, sel, full = (checks["layer"][k] for k in ("gpt", "recompute-selective", "recompute-full"))
+    mlp_intermediates = m.num_layers * 2 * (2 * m.seq_length * ffn) * 4  # layers x 2 tensors x [s, b=2, ffn] fp32
+    assert none["kept_bytes_fast"] - sel["kept_bytes_fast"] == mlp_intermediates, (none, sel)
+    assert sel["kept_bytes_fast"] == sel["kept_bytes_stock"]
+    assert full["kept_bytes_fast"] < sel["kept_bytes_fast"]
+    assert full["kept_bytes_fast"] == full["kept_bytes_stock"]
 
 
 def test_unsupported_cases_fall_back_to_stock_forward(checks):
@@ -83,8 +99,8 @@ def test_trainer_steps_identical_with_fast_paths(checks):
 @pytest.mark.slow
 def test_compiled_layer_matches_stock_under_torch_compile():
     r = _run_check("layer", "--compile", port=29642)
-    for name in ("gpt", "llama-like"):
-        assert r[name]["fast_calls"] == 4
+    for name in ("gpt", "llama-like", "recompute-selective", "recompute-full"):
+        assert r[name]["fast_calls"] == (8 if name == "recompute-full" else 4)
         assert _close(r[name]["loss_fast"], r[name]["loss_stock"], 1e-4), r[name]
         assert r[name]["grad_rel_max"] < 1e-4, r[name]
 
@@ -179,15 +195,16 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
         _assert_tp2_matches_stock(v, rel=1e-5)
         head_dim = 16  # tiny: hidden 64 / 4 heads; each rank holds only its shard of the fused QKV
         assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim
-    for name in ("gpt+sp", "llama-like+sp"):
+    for name in ("gpt+sp", "llama-like+sp", "gpt+sp+selective"):
         _assert_tp2_matches_stock(r[name], rel=1e-5)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_one_graph_layer_under_torch_compile():
-    """The same under torch.compile: the collectives stay inside one graph (no graph breaks)."""
-    r = _tp2_check(CHECK_COMPILE="1", CHECK_CASES="gpt+sp,llama-like+sp")
-    assert set(r) == {"gpt+sp", "llama-like+sp"}
+    """The same under torch.compile: the collectives stay inside one graph (no graph breaks),
+    with the recomputed MLP too."""
+    r = _tp2_check(CHECK_COMPILE="1", CHECK_CASES="gpt+sp,llama-like+sp,gpt+sp+selective")
+    assert set(r) == {"gpt+sp", "llama-like+sp", "gpt+sp+selective"}
     for v in r.values():
         _assert_tp2_matches_stock(v, rel=1e-5)
         assert v["graph_breaks"] == 0, v

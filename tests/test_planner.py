@@ -340,7 +340,9 @@ def test_kernel_path_mirrors_the_backend_rules():
     assert (tp2.layer, tp2.cross_entropy, tp2.optimizer) == ("eager", "vocab_parallel", "fused")
     eager = planner.kernel_path(gpu.replace(**{"train.compile_kernels": False}), no_te)
     assert (eager.layer, eager.cross_entropy, eager.optimizer) == ("eager", "vocab_parallel", "foreach")
-    assert planner.kernel_path(gpu.replace(**{"parallel.recompute": "full"}), no_te).layer == "eager"
+    for recompute in ("selective", "full"):  # the compiled layer recomputes too
+        assert planner.kernel_path(gpu.replace(**{"parallel.recompute": recompute}), no_te).layer == "compiled"
+    assert planner.kernel_path(gpu.replace(**{"model.hidden_dropout": 0.1}), no_te).layer == "eager"
     assert planner.kernel_path(gpu.replace(**{"model.attention_backend": "local"}), no_te).attention == "local"
     assert planner.kernel_path(preset("tiny"), no_te).optimizer == "for-loop"  # torch AdamW off CUDA
     te = planner.kernel_path(gpu, PlannerAssumptions(transformer_engine=True))

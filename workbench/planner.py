@@ -22,8 +22,9 @@ What is modelled (bytes on one rank; ``t`` = tensor parallel, ``s`` = sequence l
   (only the fp32 log-sum-exp), with ``attention_backend: local`` the fp32 softmax and its
   bf16 copy are kept (``6 a s^2 b / t``); sequence parallelism divides the norm / dropout /
   linear-input terms by ``t``; selective recompute drops what the workbench recomputes
-  (the MLP's fc1 output and activation, ``workbench.backend.model.RecomputedMLP``; core
-  attention with Transformer Engine);
+  (the MLP's fc1 output and activation: checkpointed inside the compiled dense layer, or
+  ``workbench.backend.model.RecomputedMLP`` on the stock layer; core attention with
+  Transformer Engine);
   full recompute keeps one ``sbh`` input per checkpointed block plus one block's
   activations while it is recomputed.
 * **Micro-batches in flight** per stage from :mod:`workbench.schedules` (1F1B:
@@ -244,7 +245,7 @@ def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -
     if a.compiled_layer is None:
         compiled = (
             wanted and impl == "sdpa" and p.tensor_parallel == 1 and not p.sequence_parallel
-            and p.recompute == "none" and m.hidden_dropout == 0 and m.attention_dropout == 0
+            and m.hidden_dropout == 0 and m.attention_dropout == 0
             and m.position_embedding == "learned"
         )
     else:

@@ -123,7 +123,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--commit", default=None, help="git commit to record (when the tree has no .git)")
     ap.add_argument("--compile", action="store_true", help="train.compile_kernels on (the performance helper's fast paths)")
-    ap.add_argument("--only", default=None, help="comma-separated layouts to run (skips resume and recompute)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated parts to run: layouts (tp2, pp2, ...), resume, resume_dp2_distopt, recompute")
     args = ap.parse_args()
 
     import torch
@@ -190,8 +191,9 @@ def main() -> int:
         "dp2_distopt": {"parallel.distributed_optimizer": True},
         "tp2_sp": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True},
     }
-    if args.only:
-        layouts = {k: v for k, v in layouts.items() if k in args.only.split(",")}
+    only = set(args.only.split(",")) if args.only else None
+    if only:
+        layouts = {k: v for k, v in layouts.items() if k in only}
     for name, over in layouts.items():
         ev = run(cfg_for(**over), work / name, ngpu, log)
         l = losses(ev)
@@ -201,12 +203,12 @@ def main() -> int:
               "target": 0.02, "pass": rel <= 0.02 and len(l) == len(ref), "first_loss": l.get(1), "last_loss": l.get(max(l)),
               "ref_last_loss": ref.get(max(ref)), "microbatch_events": len(mb), "precision": base.train.precision})
 
-    if args.only:
-        return 0 if all(r.get("pass") for r in records) else 3
     # 2) resume: 20 straight vs 10 + 10, on one GPU and at DP=2 with the distributed optimizer
     n = 4 if tiny else 10
     rs = {"train.lr_decay_iters": 2 * n, "train.lr_warmup_iters": 2 if tiny else 5}
     for name, nproc, over in (("resume", 1, {}), ("resume_dp2_distopt", ngpu, {"parallel.distributed_optimizer": True})):
+        if only and name not in only:
+            continue
         straight = losses(run(cfg_for(**rs, **over, **{"train.train_iters": 2 * n}), work / f"{name}_straight", nproc, log))
         first = work / f"{name}_first"
         run(cfg_for(**rs, **over, **{"train.train_iters": n, "checkpoint.save_on_exit": True}), first, nproc, log)
@@ -225,7 +227,7 @@ def main() -> int:
         return {"median_step_time_s": statistics.median(times), "mem_peak_bytes": max(peaks) if peaks else None}
 
     none_perf = perf(ref_events)
-    for mode in ("selective", "full"):
+    for mode in ("selective", "full") if not only or "recompute" in only else ():
         ev = run(cfg_for(**{"parallel.recompute": mode}), work / f"recompute_{mode}", 1, log)
         l = losses(ev)
         rel, at = max_rel(l, ref)
@@ -237,6 +239,8 @@ def main() -> int:
               "speed_vs_none": none_perf["median_step_time_s"] / p["median_step_time_s"],
               "kernel_path": next((e["kernel_path"] for e in ev if e["event"] == "run_start"), None)})
 
+    if only:
+        return 0 if all(r.get("pass") for r in records) else 3
     # 4) the PP runs' events for the schedule overlay
     tar_path = Path(args.runs_tar) if args.runs_tar else out.with_name("backend_runs.tar.gz")
     with tarfile.open(tar_path, "w:gz") as tar:

@@ -54,6 +54,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.distributed import _functional_collectives as funcol
 from megatron.core.transformer.identity_op import IdentityOp
@@ -212,8 +213,18 @@ def _row_parallel_linear(h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.
     (unsplit) bias added after, as megatron's RowParallelLinear does."""
     if tp_group is None:
         return F.linear(h, w, bias)
-    y = _LeaveTensorParallel.apply(F.linear(h, w), tp_group, sp)
+    return _row_parallel_sum(F.linear(h, w), bias, tp_group, sp)
+
+
+def _row_parallel_sum(partial: torch.Tensor, bias: Optional[torch.Tensor], tp_group: Optional[str], sp: bool) -> torch.Tensor:
+    """A row-parallel GEMM's partial product, reduced across the TP ranks, plus the bias."""
+    y = partial if tp_group is None else _LeaveTensorParallel.apply(partial, tp_group, sp)
     return y if bias is None else y + bias
+
+
+def _mlp_partial(h: torch.Tensor, fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor], fc2_w: torch.Tensor, activation: str) -> torch.Tensor:
+    """fc1, activation, fc2 without its bias: this rank's partial MLP output."""
+    return F.linear(_activate(F.linear(h, fc1_w, fc1_b), activation), fc2_w)
 
 
 def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -268,6 +279,7 @@ def dense_layer_forward(
     activation: str,
     tp_group: Optional[str] = None,
     sequence_parallel: bool = False,
+    recompute_mlp: bool = False,
 ) -> torch.Tensor:
     """One pre-norm GPT layer on ``[s, b, h]``, with megatron's exact QKV layout and maths.
 
@@ -279,12 +291,20 @@ def dense_layer_forward(
     ``tp_group`` (a process-group name): this rank's shard of a tensor-parallel layer, with
     the TP collectives in the graph exactly where Column/RowParallelLinear put them (``x`` is
     the local sequence shard ``[s/tp, b, h]`` under ``sequence_parallel``).
+
+    ``recompute_mlp`` (``parallel.recompute: selective``): only the MLP's input is kept for
+    backward; fc1 and the activation (the layer's largest activations) are rebuilt there.
+    Under ``torch.compile`` the checkpoint becomes a recompute tag on the graph's partition.
     """
     sp = sequence_parallel
     h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
     ctx = _causal_self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
     x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp)
     h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
+    if recompute_mlp and torch.is_grad_enabled():
+        partial = torch.utils.checkpoint.checkpoint(_mlp_partial, h_mlp, fc1_w, fc1_b, fc2_w, activation,
+                                                    use_reentrant=False, preserve_rng_state=False)
+        return x + _row_parallel_sum(partial, fc2_b, tp_group, sp)
     h_mlp = _activate(F.linear(h_mlp, fc1_w, fc1_b), activation)
     return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
 
@@ -330,9 +350,12 @@ def graphs_wanted(cfg: Any) -> bool:
     Not under pipeline parallelism: measured on 2 H200s (bench/results, PP=2, m=8, GPT-2
     medium) the cudagraph trees of a 1F1B step ran at 0.04x the ungraphed speed (the
     interleaved forward/backward path of the schedule is not replayed as one stable path).
+    Not under full recompute: megatron's checkpoint runs every layer forward twice per step,
+    once without grad, so no step follows one recorded path either.
     """
     return bool(getattr(cfg.train, "cuda_graphs", False)) and _wanted(cfg) and _COMPILE \
-        and cfg.parallel.device == "cuda" and int(cfg.parallel.pipeline_parallel) == 1 and torch.cuda.is_available()
+        and cfg.parallel.device == "cuda" and int(cfg.parallel.pipeline_parallel) == 1 \
+        and cfg.parallel.recompute != "full" and torch.cuda.is_available()
 
 
 def step_begin() -> None:
@@ -366,7 +389,7 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
     checks = [
         ((c.num_query_groups or c.num_attention_heads) < c.tensor_model_parallel_size, "fewer KV groups than TP ranks"),
         (c.context_parallel_size != 1, "context parallel"),
-        (c.recompute_granularity is not None, "activation recompute"),
+        (c.recompute_granularity == "selective", "selective recompute of core attention"),
         (bool(c.fp32_residual_connection), "fp32 residual connection"),
         (c.hidden_dropout > 0 or c.attention_dropout > 0, "dropout"),
         (getattr(c, "workbench_alibi", False), "ALiBi"),
@@ -379,7 +402,6 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
         (getattr(c, "activation_func_clamp_value", None) is not None, "activation clamp"),
         (not isinstance(layer.cross_attention, IdentityOp), "cross attention"),
         (not _plain_mlp(layer.mlp), "MoE / non-dense MLP"),
-        (bool(getattr(c, "workbench_recompute_mlp", False)), "activation recompute (MLP)"),
     ]
     for bad, why in checks:
         if bad:
@@ -445,6 +467,7 @@ class CompiledTransformerLayer(TransformerLayer):
                 head_dim=attn.hidden_size_per_attention_head,
                 scale=float(getattr(attn.core_attention, "softmax_scale", None) or attn.hidden_size_per_attention_head**-0.5),
                 activation=_activation(c),
+                recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)),
             )
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
@@ -533,6 +556,10 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if compiled[0].config.tensor_model_parallel_size > 1:
                 sp = " + sequence parallel" if compiled[0].config.sequence_parallel else ""
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
+            if compiled[0]._static["recompute_mlp"]:
+                notes["layer"] += ", MLP recomputed in backward inside the graph"
+            if compiled[0].config.recompute_granularity == "full":
+                notes["layer"] += ", under megatron's full recompute"
             _GRAPHS = graphs_wanted(cfg)
             if _GRAPHS:
                 from torch._dynamo import mark_static_address
@@ -545,6 +572,8 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                 notes["cuda_graphs"] = "compiled layers' forward+backward replayed as CUDA graphs (training steps)"
             elif getattr(cfg.train, "cuda_graphs", False) and cfg.parallel.pipeline_parallel > 1:
                 notes["cuda_graphs_off"] = "pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
+            elif getattr(cfg.train, "cuda_graphs", False) and cfg.parallel.recompute == "full":
+                notes["cuda_graphs_off"] = "full recompute (each layer runs forward twice per step)"
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
             notes["layer"] = f"stock megatron layer ({why})"

@@ -70,7 +70,8 @@ __all__ = [
 
 #: What ``parallel.recompute: selective`` recomputes on this workbench.  Stock Megatron's
 #: default (``core_attn``) saves nothing with SDPA/flash attention, which keeps no s x s
-#: scores.  Instead we recompute the dense MLP in backward (:class:`RecomputedMLP`): its
+#: scores.  Instead we recompute the dense MLP in backward (inside the compiled dense layer's
+#: graph, see ``fusions.dense_layer_forward``; on the stock layer :class:`RecomputedMLP`): its
 #: fc1 output and activation output (2 x ffn values per token, e.g. 8h for GELU -- the
 #: largest activations of a layer) are dropped and rebuilt from the saved MLP input; the
 #: attention block's activations are kept.  mcore's own ``recompute_modules=["mlp"]`` is
@@ -79,7 +80,7 @@ __all__ = [
 #: (measured: unbounded memory growth); and its "layernorm" recompute takes the fp8 path
 #: without TE (``CheckpointWithoutOutput``: ``self.fp8 = fp8 is not None``).  With the TE
 #: spec selective recompute keeps Megatron's default (core attention).
-SELECTIVE_RECOMPUTE = "mlp (workbench RecomputedMLP: fc1 + activation rebuilt in backward)"
+SELECTIVE_RECOMPUTE = "mlp (fc1 + activation rebuilt in backward)"
 
 
 class _DropGPTDeprecation(logging.Filter):
