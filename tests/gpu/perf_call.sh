@@ -11,6 +11,8 @@
 #   8 (~4.5 min): one-GPU rows with device and host profiles of GPT-2 small, and dp2 on GPT-2 medium
 #   6 (~3 min):  the TP all-reduce: link probe under NCCL settings and torch's symmetric-memory
 #                all-reduces, then the TP=2 rows with default and 32-channel NCCL
+#   9 (~3.5 min): recompute: selective / full against none on GPT-2 medium (speed, memory), and
+#                backend_proof's recompute losses against one GPU without recompute
 #   5 (~3.5 min): tests/gpu/bridge_quickstart.py: the quickstart notebook, stop and failure on the GPUs present
 # Usage (device, repo root, .whl carried), three calls inside the 10-minute limit per command,
 # back to back so the machine stays warm:
@@ -42,6 +44,11 @@ fi
 [[ $phases == *3* ]] && bench tp 150 "workbench/gpt2-large,tp2/" --no-stream-cost
 [[ $phases == *8* ]] && bench profiled 330 "reference/,workbench/gpt2-small,workbench/gpt2-medium,dp2/gpt2-medium" --no-stream-cost --profile --host-profile
 [[ $phases == *7* ]] && bench pp 200 "pp" --no-stream-cost --steps 20  # 6 timed steps scattered 1.44x..1.82x
+if [[ $phases == *9* ]]; then
+  bench recompute 200 "workbench/gpt2-medium,recompute-selective/gpt2-medium,recompute-full/gpt2-medium" --no-stream-cost
+  timeout 200 python3 tests/gpu/backend_proof.py --compile --only recompute --out "$out/backend_proof.jsonl" --work /tmp/bpr > "$out/backend_proof_recompute.log" 2>&1
+  echo "backend_proof recompute rc=$? after $(( $(date +%s) - t0 ))s"; grep '"test": "recompute"' "$out/backend_proof.jsonl" | cut -c1-400
+fi
 if [[ $phases == *4* ]]; then
   timeout 260 python3 tests/gpu/backend_proof.py --compile --only tp2,pp2_even,pp2 --out "$out/backend_proof.jsonl" --work /tmp/bp > "$out/backend_proof.log" 2>&1
   echo "backend_proof rc=$? after $(( $(date +%s) - t0 ))s"; tail -6 "$out/backend_proof.log"
