@@ -59,9 +59,10 @@ def _build(cfg, layer_cls):
         wm.layer_spec = orig
 
 
-def _stock_vs_fast(cfg):
+def _stock_vs_fast(cfg, measure_kept: bool = False):
     """Stock and compiled-layer GPTs with the same weights, one forward/backward each on the same
-    batch: (stock, fast, [loss_stock, loss_fast], max relative grad difference over parameters)."""
+    batch: (stock, fast, [loss_stock, loss_fast], max relative grad difference over parameters,
+    [bytes each forward left for backward] when ``measure_kept``: eager, one process)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from workbench.backend import fusions
@@ -78,8 +79,8 @@ def _stock_vs_fast(cfg):
         stock.eval(), fast.eval()  # same maths without random masks
     losses, kept = [], []
     for m in (stock, fast):
-        # eager: the activation bytes the forward left for backward (plus the loss)
-        live = LiveBytes(known=[*m.parameters(), tok, lab, pos]) if not fusions._COMPILE else contextlib.nullcontext()
+        # the activation bytes the forward left for backward (plus the loss)
+        live = LiveBytes(known=[*m.parameters(), tok, lab, pos]) if measure_kept else contextlib.nullcontext()
         with live:
             loss = m(tok, pos, None, labels=lab).mean()
         kept.append(live.cur if isinstance(live, LiveBytes) else None)
@@ -100,7 +101,7 @@ def check_layer(compile_: bool) -> dict:
         cfg = preset("tiny", **over)
         if i == 0:
             distributed.initialize_for_tests(cfg, port=int(os.environ.get("CHECK_PORT", "29611")))
-        stock, fast, losses, grad_rel, kept = _stock_vs_fast(cfg)
+        stock, fast, losses, grad_rel, kept = _stock_vs_fast(cfg, measure_kept=not compile_)
         out[name] = {
             "loss_stock": losses[0], "loss_fast": losses[1], "grad_rel_max": grad_rel,
             "kept_bytes_stock": kept[0], "kept_bytes_fast": kept[1],

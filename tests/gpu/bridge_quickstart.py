@@ -4,8 +4,8 @@
    (configure -> plan -> launch -> watch -> evaluate -> generate) and records its metrics.
 2. ``memory``: measured peak/allocated/reserved per rank of that run vs the planner's prediction.
 3. ``stop``: launches a longer run, stops it mid-training (SIGTERM, SIGKILL after the grace) and
-   counts the run's processes left behind (must be 0); ``failure``: a run with an impossible
-   micro-batch (out of memory) must come back failed with the failing rank and its traceback.
+   counts the run's processes left behind (must be 0); ``failure``: a run whose last rank raises
+   in its forward step must come back failed with the failing rank and its traceback.
 
 Writes JSON lines (device, date, git_commit on each) to --out.  Run from the repo root:
 
@@ -110,14 +110,17 @@ def main() -> int:
     emit({"test": "stop", "ok": status == "stopped" and left == 0, "status": status, "stop_seconds": time.time() - t1,
           "processes_left": left, "run_end_statuses": sorted(ends), "note": note, "run_dir": str(run.run_dir)})
 
-    # 3b. a failing run (absurd micro-batch -> CUDA OOM): failing rank + traceback surfaced, job torn down
-    big = cfg.replace(**{"train.micro_batch_size": 4096, "train.global_batch_size": 4096 * max(cfg.derived().data_parallel, 1),
-                         "train.train_iters": 10, "train.lr_warmup_iters": 0})
-    run = Run.launch(big, run_root=work / "fail")
+    # 3b. a failing run: the last rank raises in its forward while the others wait in the gradient
+    # all-reduce; the failing rank and its traceback must surface and the job be torn down.
+    # (An absurd micro-batch no longer fails: demo-small at micro-batch 4096 fits an H200.)
+    last = max(cfg.parallel.world_size - 1, 0)
+    failing = cfg.replace(**{"train.train_iters": 50, "train.forward_step": "tests.gpu.failing_forward:forward_step",
+                             "train.hook_kwargs": {"fail_rank": last, "fail_after": 3}})
+    run = Run.launch(failing, run_root=work / "fail")
     t2 = time.time()
     status = run.wait(timeout=600)
     f = run.failure
-    emit({"test": "failure", "ok": status == "failed" and f is not None and _run_processes(run.run_dir) == 0,
+    emit({"test": "failure", "ok": status == "failed" and f is not None and f.rank == last and _run_processes(run.run_dir) == 0,
           "status": status, "seconds_to_end": time.time() - t2, "failed_rank": f.rank if f else None,
           "message": f.message if f else None, "source": f.source if f else None, "run_dir": str(run.run_dir)})
     return 0 if all(r["ok"] for r in rows) else 1
