@@ -23,7 +23,6 @@ dp2-distopt               2     dp2 + distributed optimizer (param-gather overla
 tp2/gpt2-large            2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
 tp2-nograph               2     tp2 without CUDA graphs
 tp2-sp                    2     tp2 plus sequence parallelism
-tp2-nccl-ch32             2     tp2 with NCCL_MIN_NCHANNELS=32
 pp2-m8                    2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
 ========================  ====  ==============================================================
 
@@ -76,7 +75,6 @@ class Variant:
     microbatches: int = 4  # per data-parallel rank and step
     overrides: dict[str, Any] = field(default_factory=dict)  # dotted RunConfig overrides
     baseline: Optional[str] = None  # row this one is compared against (scaling), same model
-    env: dict[str, str] = field(default_factory=dict)  # extra environment of the launch (NCCL tuning)
 
 
 def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list[Variant]:
@@ -109,15 +107,14 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         if "gpt2-large" not in models:  # TP=2's one-GPU baseline
             rows.append(Variant("workbench/gpt2-large", "workbench", "gpt2-large", microbatches=microbatches))
         # TP=2 layouts: the compiled layer is one graph with its collectives inside
-        tp_rows = {  # name: (overrides, environment)
-            "tp2": ({}, {}),
-            "tp2-nograph": ({"train.cuda_graphs": False}, {}),
-            "tp2-sp": ({"parallel.sequence_parallel": True}, {}),
-            "tp2-nccl-ch32": ({}, {"NCCL_MIN_NCHANNELS": "32"}),
+        tp_rows = {
+            "tp2": {},
+            "tp2-nograph": {"train.cuda_graphs": False},
+            "tp2-sp": {"parallel.sequence_parallel": True},
         }
-        for name, (over, env) in tp_rows.items():
+        for name, over in tp_rows.items():
             rows.append(Variant(f"{name}/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
-                                baseline="workbench/gpt2-large", overrides={"parallel.tensor_parallel": 2, **over}, env=env))
+                                baseline="workbench/gpt2-large", overrides={"parallel.tensor_parallel": 2, **over}))
         if "gpt2-medium" in models:
             rows.append(Variant("pp2-m8/gpt2-medium", "workbench", "gpt2-medium", gpus=2, microbatches=8,
                                 baseline="pp1-m8/gpt2-medium", overrides={"parallel.pipeline_parallel": 2}))
@@ -485,7 +482,6 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}".rstrip(os.pathsep)
         env.setdefault("OMP_NUM_THREADS", "1" if a.cpu_smoke else "8")
         env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
-        env.update(v.env)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=a.variant_timeout, capture_output=True, text=True)
