@@ -66,13 +66,14 @@ class CheckpointInfo:
 
 def checkpoint_info(ckpt: str | Path) -> CheckpointInfo:
     """Resolve ``ckpt`` (root or iter dir) and read its ``workbench.json``; clear error if there is none."""
-    from workbench.backend.checkpointing import CheckpointError, find_checkpoint  # stdlib-only at import
+    from workbench.backend.checkpointing import CheckpointError, read_metadata  # stdlib-only at import
 
     try:
-        path = find_checkpoint(ckpt)
+        meta = read_metadata(ckpt)
     except CheckpointError as e:
-        raise ConfigError([Problem("ckpt", str(e).split(" -> ")[0], str(e).split(" -> ")[-1])]) from None
-    meta = json.loads((path / "workbench.json").read_text())
+        rule, _, fix = str(e).partition(" -> ")
+        raise ConfigError([Problem("ckpt", rule, fix or "point ckpt at a checkpoint root or an iter_XXXXXXX directory")]) from None
+    path = Path(meta["path"])
     return CheckpointInfo(path=path, config=RunConfig.from_dict(meta.get("config") or {}, source=str(path)), meta=meta)
 
 
