@@ -127,7 +127,9 @@ def check_tp2() -> dict:
              "gpt+sp": {**VARIANTS["gpt"], "parallel.sequence_parallel": True},
              "llama-like+sp": {**VARIANTS["llama-like"], "parallel.sequence_parallel": True},
              # selective recompute: the checkpointed MLP's partial product is reduced outside the checkpoint
-             "gpt+sp+selective": {**VARIANTS["gpt"], "parallel.sequence_parallel": True, "parallel.recompute": "selective"}}
+             "gpt+sp+selective": {**VARIANTS["gpt"], "parallel.sequence_parallel": True, "parallel.recompute": "selective"},
+             # full recompute: megatron's checkpoint re-runs the layer, collectives included, in backward
+             "gpt+full": {**VARIANTS["gpt"], "parallel.recompute": "full"}}
     only = os.environ.get("CHECK_CASES")
     for name, over in cases.items():
         if only and name not in only.split(","):

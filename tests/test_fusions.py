@@ -180,8 +180,9 @@ def _tp2_check(**env: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def _assert_tp2_matches_stock(v: dict, rel: float) -> None:
-    assert v["blockers"] == [None] * 4 and v["fast_calls_all_ranks"] == 8, v  # 4 layers x 2 ranks
+def _assert_tp2_matches_stock(v: dict, rel: float, passes: int = 1) -> None:
+    # 4 layers x 2 ranks x forward passes per layer (2 under full recompute)
+    assert v["blockers"] == [None] * 4 and v["fast_calls_all_ranks"] == 8 * passes, v
     assert v["one_graph"] == [True] * 4, v
     assert v["loss_diff_max"] <= rel * abs(v["loss_stock"]) and v["grad_rel_max"] < rel, v
 
@@ -195,18 +196,18 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
         _assert_tp2_matches_stock(v, rel=1e-5)
         head_dim = 16  # tiny: hidden 64 / 4 heads; each rank holds only its shard of the fused QKV
         assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim
-    for name in ("gpt+sp", "llama-like+sp", "gpt+sp+selective"):
-        _assert_tp2_matches_stock(r[name], rel=1e-5)
+    for name in ("gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full"):
+        _assert_tp2_matches_stock(r[name], rel=1e-5, passes=2 if name == "gpt+full" else 1)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_one_graph_layer_under_torch_compile():
     """The same under torch.compile: the collectives stay inside one graph (no graph breaks),
-    with the recomputed MLP too."""
-    r = _tp2_check(CHECK_COMPILE="1", CHECK_CASES="gpt+sp,llama-like+sp,gpt+sp+selective")
-    assert set(r) == {"gpt+sp", "llama-like+sp", "gpt+sp+selective"}
-    for v in r.values():
-        _assert_tp2_matches_stock(v, rel=1e-5)
+    with the recomputed MLP and under megatron's full recompute too."""
+    r = _tp2_check(CHECK_COMPILE="1", CHECK_CASES="gpt+sp,llama-like+sp,gpt+sp+selective,gpt+full")
+    assert set(r) == {"gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full"}
+    for name, v in r.items():
+        _assert_tp2_matches_stock(v, rel=1e-5, passes=2 if name == "gpt+full" else 1)
         assert v["graph_breaks"] == 0, v
 
 
