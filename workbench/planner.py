@@ -811,9 +811,10 @@ def _suggestions(cfg: RunConfig, gpu: GPUSpec, a: PlannerAssumptions, worst: int
     if p.tensor_parallel > 1 and not p.sequence_parallel and m.seq_length % p.tensor_parallel == 0:
         cands.append(("enable sequence parallelism (SP)", {"parallel.sequence_parallel": True}))
     if p.recompute == "none":
-        cands.append(("selective recompute (MLP)", {"parallel.recompute": "selective"}))
+        # speed costs measured on the compiled layer (bench/README.md "Session 6": GPT-2 medium, H200)
+        cands.append(("selective recompute (MLP; ~7% slower)", {"parallel.recompute": "selective"}))
     if p.recompute != "full":
-        cands.append(("full recompute (1 layer per block)", {"parallel.recompute": "full", "parallel.recompute_num_layers": 1}))
+        cands.append(("full recompute (1 layer per block; ~20% slower)", {"parallel.recompute": "full", "parallel.recompute_num_layers": 1}))
     if d.data_parallel > 1 and not p.distributed_optimizer:
         cands.append(("distributed optimizer (shard master weights + Adam over DP)", {"parallel.distributed_optimizer": True}))
     if t.precision == "bf16" and t.grad_reduce_in_fp32:
