@@ -55,9 +55,9 @@ def _time(fn, iters: int, cuda: bool) -> float:
 
 
 def _symm_mem_rows(x: torch.Tensor, iters: int) -> list[dict]:
-    """torch's symmetric-memory all-reduces on a copy of ``x`` (what ``parallel.tp_allreduce:
-    symmetric_memory`` lowers the TP layer's all-reduces to): one-shot reads every peer's whole
-    buffer over NVLink, two-shot reduce-scatters then all-gathers through peer memory."""
+    """torch's symmetric-memory all-reduces on a copy of ``x``: one-shot reads every peer's whole
+    buffer over NVLink, two-shot reduce-scatters then all-gathers through peer memory.  (Inductor
+    can lower a compiled layer's all-reduces to one-shot only; see bench/README.md "Session 6".)"""
     import torch.distributed._symmetric_memory as symm_mem
 
     group = dist.group.WORLD.group_name
