@@ -65,16 +65,15 @@ def _symm_mem_rows(x: torch.Tensor, iters: int) -> list[dict]:
     buf = symm_mem.empty(x.numel(), dtype=x.dtype, device=x.device)
     symm_mem.rendezvous(buf, group)
     buf.copy_(x)
-    world = dist.get_world_size()
+    world, nbytes = dist.get_world_size(), x.numel() * x.element_size()
     rows = []
     for op, fn in (("symm_one_shot", lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group)),
                    ("symm_two_shot", lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group))):
         try:
             ms = _time(fn, iters, True)
         except Exception as e:  # noqa: BLE001 - a torch without the kernel: say so in the table
-            rows.append({"op": op, "mib": x.numel() * x.element_size() >> 20, "error": f"{type(e).__name__}: {e}"[:300]})
+            rows.append({"op": op, "mib": nbytes >> 20, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
-        nbytes = x.numel() * x.element_size()
         rows.append({"op": op, "mib": nbytes >> 20, "ms": ms, "busbw_gbs": 2 * (world - 1) / world * nbytes / ms / 1e6})
     return rows
 

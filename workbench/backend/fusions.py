@@ -309,9 +309,6 @@ def dense_layer_forward(
     return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
 
 
-_PIECES = {"layer": dense_layer_forward}
-
-
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str, graphs: bool = False):
     """The compiled piece ``name``; ``graphs``: replayed as CUDA graphs (cudagraph trees).
@@ -321,7 +318,7 @@ def _compiled(name: str, graphs: bool = False):
     parameters are static inputs (marked in :func:`prepare_model`), a layer's input is the
     previous node's output (no copy), and :func:`step_begin` starts each step's path.
     """
-    fn = _PIECES[name] if name in _PIECES else {"ce": _cross_entropy_sb}[name]
+    fn = {"layer": dense_layer_forward, "ce": _cross_entropy_sb}[name]
     if not _COMPILE:
         return fn
     import torch._dynamo
@@ -344,18 +341,27 @@ def _piece(name: str):
     return _compiled(name, _GRAPHS and torch.is_grad_enabled())
 
 
-def graphs_wanted(cfg: Any) -> bool:
-    """CUDA graphs for the compiled layers: ``train.cuda_graphs`` with compiled kernels on a GPU.
+def _graphs_off_reason(cfg: Any) -> Optional[str]:
+    """Why a layout keeps CUDA graphs off although ``train.cuda_graphs`` asks for them.
 
-    Not under pipeline parallelism: measured on 2 H200s (bench/results, PP=2, m=8, GPT-2
-    medium) the cudagraph trees of a 1F1B step ran at 0.04x the ungraphed speed (the
-    interleaved forward/backward path of the schedule is not replayed as one stable path).
-    Not under full recompute: megatron's checkpoint runs every layer forward twice per step,
-    once without grad, so no step follows one recorded path either.
+    Pipeline parallelism: measured on 2 H200s (bench/results, PP=2, m=8, GPT-2 medium) the
+    cudagraph trees of a 1F1B step ran at 0.04x the ungraphed speed (the interleaved
+    forward/backward path of the schedule is not replayed as one stable path).  Full
+    recompute: megatron's checkpoint runs every layer forward twice per step, once without
+    grad, so no step follows one recorded path either.
     """
+    if int(cfg.parallel.pipeline_parallel) > 1:
+        return "pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
+    if cfg.parallel.recompute == "full":
+        return "full recompute (each layer runs forward twice per step)"
+    return None
+
+
+def graphs_wanted(cfg: Any) -> bool:
+    """CUDA graphs for the compiled layers: ``train.cuda_graphs`` with compiled kernels on a GPU,
+    unless the layout rules them out (:func:`_graphs_off_reason`)."""
     return bool(getattr(cfg.train, "cuda_graphs", False)) and _wanted(cfg) and _COMPILE \
-        and cfg.parallel.device == "cuda" and int(cfg.parallel.pipeline_parallel) == 1 \
-        and cfg.parallel.recompute != "full" and torch.cuda.is_available()
+        and cfg.parallel.device == "cuda" and _graphs_off_reason(cfg) is None and torch.cuda.is_available()
 
 
 def step_begin() -> None:
@@ -570,10 +576,8 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                     for param in layer.parameters():
                         mark_static_address(param, guard=False)
                 notes["cuda_graphs"] = "compiled layers' forward+backward replayed as CUDA graphs (training steps)"
-            elif getattr(cfg.train, "cuda_graphs", False) and cfg.parallel.pipeline_parallel > 1:
-                notes["cuda_graphs_off"] = "pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
-            elif getattr(cfg.train, "cuda_graphs", False) and cfg.parallel.recompute == "full":
-                notes["cuda_graphs_off"] = "full recompute (each layer runs forward twice per step)"
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := _graphs_off_reason(cfg)):
+                notes["cuda_graphs_off"] = why_off
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
             notes["layer"] = f"stock megatron layer ({why})"
