@@ -21,8 +21,11 @@ recompute-full            1     workbench with ``parallel.recompute: full`` (1 l
 dp2                       2     workbench, data parallel 2 (grad-reduce overlap on)
 dp2-distopt               2     dp2 + distributed optimizer (param-gather overlap on)
 tp2/gpt2-large            2     GPT-2 large, tensor parallel 2 (against ``workbench/gpt2-large`` on one GPU)
+tp2-1queue                2     tp2 with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (megatron's setting for comm overlap)
+tp2-no-overlap            2     tp2 with ``parallel.tp_comm_overlap: false`` (backward collectives exposed)
 tp2-nograph               2     tp2 without CUDA graphs
-tp2-sp                    2     tp2 plus sequence parallelism
+tp2-sp                    2     tp2 plus sequence parallelism (also ``-1queue``, ``-no-overlap``)
+tp2-bound                 2     diagnostic, not the maths: tp2 with its TP all-reduces skipped
 pp2-m8                    2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
 ========================  ====  ==============================================================
 
@@ -75,6 +78,10 @@ class Variant:
     microbatches: int = 4  # per data-parallel rank and step
     overrides: dict[str, Any] = field(default_factory=dict)  # dotted RunConfig overrides
     baseline: Optional[str] = None  # row this one is compared against (scaling), same model
+    env: dict[str, str] = field(default_factory=dict)  # launch environment on top of ours
+    #: "no-tp-comm": a diagnostic bound, not the model's maths: the compiled layer's TP
+    #: collectives are skipped, so the row shows what TP=2 would give with free communication
+    bound: Optional[str] = None
 
 
 def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list[Variant]:
@@ -107,14 +114,22 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         if "gpt2-large" not in models:  # TP=2's one-GPU baseline
             rows.append(Variant("workbench/gpt2-large", "workbench", "gpt2-large", microbatches=microbatches))
         # TP=2 layouts: the compiled layer is one graph with its collectives inside
-        tp_rows = {
-            "tp2": {},
-            "tp2-nograph": {"train.cuda_graphs": False},
-            "tp2-sp": {"parallel.sequence_parallel": True},
+        no_overlap = {"parallel.tp_comm_overlap": False}
+        one_queue = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # megatron's setting for TP comm overlap
+        tp_rows = {  # name: (overrides, env, bound)
+            "tp2": ({}, {}, None),
+            "tp2-1queue": ({}, one_queue, None),
+            "tp2-no-overlap": (no_overlap, {}, None),
+            "tp2-nograph": ({"train.cuda_graphs": False}, {}, None),
+            "tp2-sp": ({"parallel.sequence_parallel": True}, {}, None),
+            "tp2-sp-1queue": ({"parallel.sequence_parallel": True}, one_queue, None),
+            "tp2-sp-no-overlap": ({"parallel.sequence_parallel": True, **no_overlap}, {}, None),
+            "tp2-bound": ({}, {}, "no-tp-comm"),
         }
-        for name, over in tp_rows.items():
+        for name, (over, env, bound) in tp_rows.items():
             rows.append(Variant(f"{name}/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
-                                baseline="workbench/gpt2-large", overrides={"parallel.tensor_parallel": 2, **over}))
+                                baseline="workbench/gpt2-large", overrides={"parallel.tensor_parallel": 2, **over},
+                                env=env, bound=bound))
         if "gpt2-medium" in models:
             rows.append(Variant("pp2-m8/gpt2-medium", "workbench", "gpt2-medium", gpus=2, microbatches=8,
                                 baseline="pp1-m8/gpt2-medium", overrides={"parallel.pipeline_parallel": 2}))
@@ -364,6 +379,14 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _skip_tp_collectives() -> None:
+    """Diagnostic bound (wrong maths, bench only): the compiled layer's TP all-reduces become
+    no-ops, so TP=2 runs its half-size GEMMs and replicated element-wise work without talking."""
+    from workbench.backend import fusions
+
+    fusions._all_reduce_sum = lambda x, group: x.contiguous()
+
+
 def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     """Train with the backend's own Trainer (real mcore model, DDP, Megatron optimizer, schedules)."""
     import torch
@@ -372,6 +395,8 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
 
     cfg = bench_config(v, a.cpu_smoke)
     cuda = not a.cpu_smoke
+    if v.bound == "no-tp-comm":
+        _skip_tp_collectives()
     run_dir = Path(tempfile.mkdtemp(prefix="wb-bench-"))
     tr = Trainer(cfg, run_dir)
     tr.setup()
@@ -482,6 +507,7 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}".rstrip(os.pathsep)
         env.setdefault("OMP_NUM_THREADS", "1" if a.cpu_smoke else "8")
         env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+        env.update(v.env)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=a.variant_timeout, capture_output=True, text=True)
@@ -509,7 +535,8 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
                            "dp": d.data_parallel, "micro_batch_size": cfg.train.micro_batch_size,
                            "microbatches": d.num_microbatches, "global_batch_size": cfg.train.global_batch_size,
                            "seq_length": cfg.model.seq_length, "tokens_per_step": d.tokens_per_step,
-                           "overrides": v.overrides, "ok": bool(res.get("ok")), "wall_s": res.get("wall_s")}
+                           "overrides": v.overrides, "env": v.env, "bound": v.bound,
+                           "ok": bool(res.get("ok")), "wall_s": res.get("wall_s")}
     if not res.get("ok"):
         row["error"] = res.get("error")
         row["log_tail"] = res.get("log_tail")

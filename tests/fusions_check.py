@@ -4,6 +4,7 @@
     python tests/fusions_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
     python tests/fusions_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
     torchrun --nproc_per_node 2 tests/fusions_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
+    torchrun --nproc_per_node 2 tests/fusions_check.py tp2-order -> JSON: GEMM / collective order in the compiled backward
     python tests/fusions_check.py all                 -> all of the above in one process (stock trainer first)
 """
 
@@ -152,6 +153,50 @@ def check_tp2() -> dict:
     return out
 
 
+def check_tp2_order() -> dict:
+    """Under torchrun --nproc_per_node 2 (CPU, gloo): the order of GEMMs and collectives in
+    inductor's generated backward of the TP=2 layer, with ``tp_overlap`` on and off, with and
+    without SP.  Per case a list of "mm" / "start" / "wait" in code order."""
+    import re
+
+    import torch.distributed as dist
+    import torch._inductor.config as inductor
+    from torch._inductor.utils import run_and_get_code
+
+    from workbench.backend import fusions
+
+    dist.init_process_group("gloo")
+    inductor.force_disable_caches = True  # the code is generated, not loaded from a cache
+    h, heads, s, b, tp = 64, 4, 16, 2, 2
+    kinds = [("mm", re.compile(r"extern_kernels\.mm\(")),
+             ("start", re.compile(r"_c10d_functional\.(all_reduce_?|reduce_scatter_tensor|all_gather_into_tensor)\.default\(")),
+             ("wait", re.compile(r"_c10d_functional\.wait_tensor\.default\("))]
+    out = {}
+    for overlap in (True, False):
+        for sp in (False, True):
+            fusions._compiled.cache_clear()
+            g = torch.Generator().manual_seed(0)
+
+            def p(*shape):
+                return torch.randn(*shape, generator=g).requires_grad_()
+
+            args = [p(s // tp if sp else s, b, h), p(h), p(h), p(3 * h // tp, h), p(3 * h // tp), p(h, h // tp), p(h),
+                    p(h), p(h), p(4 * h // tp, h), p(4 * h // tp), p(h, 4 * h // tp), p(h)]
+            fn = fusions._compiled("layer", False, overlap)
+            kw = dict(norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads // tp, groups=heads // tp, head_dim=h // heads,
+                      scale=0.25, activation="gelu", tp_group=dist.group.WORLD.group_name, sequence_parallel=sp)
+            _, codes = run_and_get_code(lambda: fn(*args, **kw).sum().backward())
+            backward = next(c for c in codes if "tangents_1" in c.split("def call", 1)[-1].split("\n", 2)[1])
+            body = backward.split("def call", 1)[1]
+            events = []
+            for line in body.splitlines():
+                for kind, pattern in kinds:
+                    if pattern.search(line):
+                        events.append(kind)
+            out[f"overlap={overlap},sp={sp}"] = events
+    return out
+
+
 def _graph_breaks() -> int:
     """torch.compile graph breaks so far in this process (0: every compiled piece stayed one graph)."""
     from torch._dynamo.utils import counters
@@ -227,7 +272,7 @@ def check_trainer(fast: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2"])
+    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2", "tp2-order"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fast", type=int, default=1)
     a = ap.parse_args()
@@ -241,8 +286,8 @@ def main() -> int:
         res["trainer_stock"] = check_trainer(False)  # before the fast run patches megatron's fallbacks
         parallel_state.destroy_model_parallel()
         res["trainer_fast"] = check_trainer(True)
-    elif a.what == "tp2":
-        res = check_tp2()
+    elif a.what in ("tp2", "tp2-order"):
+        res = check_tp2() if a.what == "tp2" else check_tp2_order()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     elif a.what == "layer":

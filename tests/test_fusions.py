@@ -200,6 +200,36 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
         _assert_tp2_matches_stock(r[name], rel=1e-5, passes=2 if name == "gpt+full" else 1)
 
 
+def _gemms_in_flight(events: list[str]) -> list[int]:
+    """Per collective start in code order: how many GEMMs run before its wait."""
+    counts = []
+    for i, kind in enumerate(events):
+        if kind == "start":
+            rest = events[i + 1:]
+            counts.append(rest[:rest.index("wait")].count("mm"))
+    return counts
+
+
+def test_tp_backward_collectives_run_under_the_weight_gradient_gemms():
+    """parallel.tp_comm_overlap, on inductor's generated backward of the TP=2 layer: each
+    input-gradient all-reduce (reduce-scatter under SP) has two weight-gradient GEMMs between
+    its start and its wait; without the overlap every collective is waited on at once."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "tests" / "fusions_check.py"), "tp2-order"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    # backward collectives: TP = [all-reduce dgrad fc1, all-reduce dgrad qkv];
+    # SP = [all-gather grad, reduce-scatter dgrad fc1, all-gather grad, reduce-scatter dgrad qkv]
+    expected_on = {False: [2, 2], True: [0, 2, 0, 2]}
+    for sp, want in expected_on.items():
+        on, off = r[f"overlap=True,sp={sp}"], r[f"overlap=False,sp={sp}"]
+        assert _gemms_in_flight(on) == want, on
+        assert _gemms_in_flight(off) == [0] * len(want), off
+        assert on.count("mm") == off.count("mm") == 8, (on, off)  # moved, not added: 4 dgrad + 4 wgrad
+
+
 @pytest.mark.slow
 def test_tensor_parallel_one_graph_layer_under_torch_compile():
     """The same under torch.compile: the collectives stay inside one graph (no graph breaks),

@@ -126,6 +126,10 @@ class ParallelConfig:
     device: Literal["cuda", "cpu"] = "cuda"
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    #: TP > 1 on the compiled layer: each layer's backward launches the input-gradient
+    #: all-reduce (reduce-scatter under SP) and computes the weight gradients while it is in
+    #: flight, as megatron's async TP all-reduce does (same maths, same order of sums).
+    tp_comm_overlap: bool = True
 
     @property
     def world_size(self) -> int:

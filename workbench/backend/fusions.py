@@ -309,14 +309,100 @@ def dense_layer_forward(
     return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
 
 
+# --------------------------------------------------------------------------- TP comm overlap
+
+_VIEW_OPS = ("view", "_unsafe_view", "reshape", "permute", "t", "transpose")
+_COLLECTIVE_STARTS = ("all_reduce", "all_reduce_", "reduce_scatter_tensor", "all_gather_into_tensor")
+
+
+def _aten_name(node: Any) -> Optional[str]:
+    """'mm' for ``aten.mm.default``, 'all_reduce_' for ``_c10d_functional.all_reduce_.default``..."""
+    target = getattr(node, "target", None)
+    packet = getattr(target, "_overloadpacket", None)
+    ns = getattr(target, "namespace", None)
+    if node.op != "call_function" or packet is None or ns not in ("aten", "_c10d_functional"):
+        return None
+    return f"{ns}.{packet.__name__}"
+
+
+def _weight_gradient_chain(node: Any) -> Optional[list]:
+    """``[mm, its views...]`` when ``node`` is a GEMM whose result only leaves the graph (through
+    views): a weight gradient, which nothing else in the backward waits for.  Else None."""
+    if _aten_name(node) != "aten.mm":
+        return None
+    chain, stack = [node], list(node.users)
+    while stack:
+        user = stack.pop()
+        if user.op == "output":
+            continue
+        name = _aten_name(user)
+        if name is None or name.split(".", 1)[1] not in _VIEW_OPS:
+            return None
+        chain.append(user)
+        stack.extend(user.users)
+    return chain
+
+
+def sink_weight_gradients(graph: Any) -> int:
+    """Move each backward graph's weight-gradient GEMMs to just after the next collective's start.
+
+    Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` does this by hand: the
+    column-parallel input gradient's all-reduce (reduce-scatter under SP) is launched, the
+    weight gradient is computed while it is in flight, then it is waited on.  Autograd puts
+    the wgrad GEMMs before the collective and inductor's peak-memory reordering moves them to
+    the end of the graph, so by default every TP collective in backward is exposed.  After
+    this pass the layer's backward reads ``dgrad fc1, all-reduce, wgrad fc2, wgrad fc1, wait``
+    and ``dgrad qkv, all-reduce, wgrad proj, wgrad qkv, wait`` (tests/test_fusions.py checks
+    inductor's generated code).  Forward graphs (no ``tangents`` inputs) are left alone.
+    Returns the number of GEMMs moved.
+    """
+    nodes = list(graph.nodes)
+    if not any(n.op == "placeholder" and n.name.startswith("tangents") for n in nodes):
+        return 0
+    moved, pending = 0, []
+    for node in nodes:
+        name = _aten_name(node)
+        if name == "aten.mm" and (chain := _weight_gradient_chain(node)) is not None:
+            pending.append(chain)
+        elif name is not None and name.split(".", 1)[1] in _COLLECTIVE_STARTS and pending:
+            anchor = node
+            for chain in pending:
+                for piece in sorted(chain, key=nodes.index):
+                    anchor.append(piece)
+                    anchor = piece
+                moved += 1
+            pending = []
+    if moved:
+        graph.lint()
+    return moved
+
+
+def _tp_overlap_pass() -> Any:
+    """:func:`sink_weight_gradients` as inductor's post-grad custom pass (with a cache key)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _SinkWeightGradients(CustomGraphPass):
+        def __call__(self, graph: Any) -> None:
+            sink_weight_gradients(graph)
+
+        def uuid(self) -> str:
+            return "workbench.sink_weight_gradients.v1"
+
+    return _SinkWeightGradients()
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, graphs: bool = False):
+def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False):
     """The compiled piece ``name``; ``graphs``: replayed as CUDA graphs (cudagraph trees).
 
     With graphs, each call site in a step (layer i, micro-batch j, forward or backward) becomes
     one node of inductor's cudagraph tree, recorded once and replayed every step: the
     parameters are static inputs (marked in :func:`prepare_model`), a layer's input is the
     previous node's output (no copy), and :func:`step_begin` starts each step's path.
+
+    ``tp_overlap`` (``parallel.tp_comm_overlap`` at TP > 1): the backward's collectives run
+    under the weight-gradient GEMMs (:func:`sink_weight_gradients`); inductor's peak-memory
+    reordering is off for this graph so it keeps that order (it would move the GEMMs back).
     """
     fn = {"layer": dense_layer_forward, "ce": _cross_entropy_sb}[name]
     if not _COMPILE:
@@ -327,18 +413,19 @@ def _compiled(name: str, graphs: bool = False):
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 32))
-    if graphs:
-        return torch.compile(fn, dynamic=False, mode="reduce-overhead")
-    return torch.compile(fn, dynamic=False)
+    options: dict[str, Any] = {"triton.cudagraphs": True} if graphs else {}  # = mode="reduce-overhead"
+    if tp_overlap:
+        options.update({"reorder_for_peak_memory": False, "post_grad_custom_post_pass": _tp_overlap_pass()})
+    return torch.compile(fn, dynamic=False, options=options or None)
 
 
 #: CUDA graphs for the compiled layer's training calls (set by :func:`prepare_model`).
 _GRAPHS = False
 
 
-def _piece(name: str):
+def _piece(name: str, tp_overlap: bool = False):
     """The compiled piece for this call: graph-replayed in training (grad on), plain otherwise."""
-    return _compiled(name, _GRAPHS and torch.is_grad_enabled())
+    return _compiled(name, _GRAPHS and torch.is_grad_enabled(), tp_overlap)
 
 
 def _graphs_off_reason(cfg: Any) -> Optional[str]:
@@ -477,6 +564,9 @@ class CompiledTransformerLayer(TransformerLayer):
             )
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
+        #: parallel.tp_comm_overlap: backward collectives under the weight-gradient GEMMs
+        self.tp_overlap = self.fast_path_blocker is None and "tp_group" in self._static \
+            and bool(getattr(self.config, "workbench_tp_comm_overlap", False))
         self.fast_calls = 0  # observable: how many forwards took the compiled path
 
     _PLAIN_NONE = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
@@ -496,7 +586,7 @@ class CompiledTransformerLayer(TransformerLayer):
         x = kwargs["hidden_states"]
         attn, mlp = self.self_attention, self.mlp
         ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
-        out = _piece("layer")(
+        out = _piece("layer", self.tp_overlap)(
             x,
             ln1.weight, getattr(ln1, "bias", None),
             attn.linear_qkv.weight, attn.linear_qkv.bias,
@@ -562,6 +652,8 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if compiled[0].config.tensor_model_parallel_size > 1:
                 sp = " + sequence parallel" if compiled[0].config.sequence_parallel else ""
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
+                if compiled[0].tp_overlap:
+                    notes["layer"] += ", backward collectives under the weight-gradient GEMMs"
             if compiled[0]._static["recompute_mlp"]:
                 notes["layer"] += ", MLP recomputed in backward inside the graph"
             if compiled[0].config.recompute_granularity == "full":

@@ -101,6 +101,8 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_alibi: bool = False
     #: selective recompute of the dense MLP (:class:`RecomputedMLP`).
     workbench_recompute_mlp: bool = False
+    #: parallel.tp_comm_overlap on the compiled layer (:func:`fusions.sink_weight_gradients`).
+    workbench_tp_comm_overlap: bool = False
 
 
 class RecomputedMLP(MLP):
@@ -210,6 +212,7 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         overlap_p2p_comm=(not cpu) and p.vpp > 1,
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
+        workbench_tp_comm_overlap=p.tp_comm_overlap and p.tensor_parallel > 1,
     )
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
