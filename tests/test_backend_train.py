@@ -284,3 +284,19 @@ def test_distributed_optimizer_state_saves_and_resumes_at_dp2(tmp_path):
     assert sorted(after) == [4, 5, 6]
     for i, loss in after.items():
         assert abs(loss - before[i]) <= 1e-5 * before[i], (i, loss, before[i])
+
+
+def test_tp_comm_overlap_asks_for_one_hardware_queue_before_cuda_starts(monkeypatch):
+    """TP with parallel.tp_comm_overlap sets CUDA_DEVICE_MAX_CONNECTIONS=1 (the backward all-reduce
+    must start before the GEMMs it runs under); a user's own value is kept; nothing without TP."""
+    from workbench.backend import distributed
+
+    tp2 = preset("gpt2-small", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert distributed.one_hardware_queue(preset("gpt2-small")) is None
+    assert distributed.one_hardware_queue(tp2.replace(**{"parallel.tp_comm_overlap": False})) is None
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    assert distributed.one_hardware_queue(tp2) == "CUDA_DEVICE_MAX_CONNECTIONS=1"
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert "kept" in distributed.one_hardware_queue(tp2) and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"

@@ -87,9 +87,15 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
     assert not graphs["workbench-nograph/gpt2-medium"] and not graphs["tp2-nograph/gpt2-large"]
     assert not graphs["pp1-m8/gpt2-medium"]
     by_name = {v.name: v for v in variants}
-    # the TP rows differ only in SP (and graphs)
-    for name, sp in (("tp2/gpt2-large", False), ("tp2-nograph/gpt2-large", False), ("tp2-sp/gpt2-large", True)):
-        assert tt.bench_config(by_name[name]).parallel.sequence_parallel is sp, name
+    # the TP rows differ only in SP, graphs, comm overlap, launch queues or the diagnostic bound
+    for name, sp, overlap in (("tp2/gpt2-large", False, True), ("tp2-nograph/gpt2-large", False, True),
+                              ("tp2-sp/gpt2-large", True, True), ("tp2-no-overlap/gpt2-large", False, False),
+                              ("tp2-sp-no-overlap/gpt2-large", True, False), ("tp2-8queues/gpt2-large", False, True),
+                              ("tp2-bound/gpt2-large", False, True)):
+        cfg = tt.bench_config(by_name[name])
+        assert (cfg.parallel.sequence_parallel, cfg.parallel.tp_comm_overlap) == (sp, overlap), name
+    assert by_name["tp2-8queues/gpt2-large"].env == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    assert [v.name for v in variants if v.bound] == ["tp2-bound/gpt2-large"]
     for name, (tp, pp, dp, micro, mbs) in expect.items():
         cfg = tt.bench_config(by_name[name])
         assert cfg.validate() == [], (name, cfg.validate())
