@@ -472,6 +472,10 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
 
 def worker(a: argparse.Namespace) -> int:
     v = Variant(**json.loads(a.worker))
+    if v.kind == "workbench":  # as the backend's entry point does, before anything starts CUDA
+        from workbench.config import apply_rank_environment
+
+        apply_rank_environment(bench_config(v, a.cpu_smoke))
     rank = int(os.environ.get("RANK", "0"))
     try:
         res = run_reference(v, a) if v.kind == "reference" else run_workbench(v, a)

@@ -286,17 +286,26 @@ def test_distributed_optimizer_state_saves_and_resumes_at_dp2(tmp_path):
         assert abs(loss - before[i]) <= 1e-5 * before[i], (i, loss, before[i])
 
 
-def test_tp_comm_overlap_asks_for_one_hardware_queue_before_cuda_starts(monkeypatch):
-    """TP with parallel.tp_comm_overlap sets CUDA_DEVICE_MAX_CONNECTIONS=1 (the backward all-reduce
-    must start before the GEMMs it runs under); a user's own value is kept; nothing without TP."""
-    from workbench.backend import distributed
+def test_tp_comm_overlap_asks_for_one_hardware_queue_before_cuda_starts(monkeypatch, tmp_path):
+    """TP with parallel.tp_comm_overlap runs its ranks with CUDA_DEVICE_MAX_CONNECTIONS=1 (the
+    backward all-reduce must start before the GEMMs it runs under): the backend's entry point
+    sets it before importing torch, a launch's own value is kept, nothing without TP."""
+    from workbench.backend import __main__ as entry, distributed
+    from workbench.config import rank_environment
 
     tp2 = preset("gpt2-small", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
+    assert rank_environment(tp2) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert rank_environment(preset("gpt2-small")) == {}
+    assert rank_environment(tp2.replace(**{"parallel.tp_comm_overlap": False})) == {}
+    assert rank_environment(tp2.replace(**{"parallel.device": "cpu"})) == {}
+    path = tmp_path / "run.json"
+    tp2.save(path)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    assert distributed.one_hardware_queue(preset("gpt2-small")) is None
-    assert distributed.one_hardware_queue(tp2.replace(**{"parallel.tp_comm_overlap": False})) is None
-    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
-    assert distributed.one_hardware_queue(tp2) == "CUDA_DEVICE_MAX_CONNECTIONS=1"
+    entry._rank_environment(["--config", str(path), "--run-dir", str(tmp_path)])
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert distributed.hardware_queue_note(tp2) == "CUDA_DEVICE_MAX_CONNECTIONS=1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    assert "kept" in distributed.one_hardware_queue(tp2) and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    entry._rank_environment(["--config", str(path), "--run-dir", str(tmp_path)])
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    assert distributed.hardware_queue_note(tp2) == "CUDA_DEVICE_MAX_CONNECTIONS=8 (set by the launch; kept)"
+    assert distributed.hardware_queue_note(preset("gpt2-small")) is None

@@ -576,6 +576,27 @@ def _param_counts(cfg: RunConfig, padded_vocab: int) -> ParamCounts:
     return ParamCounts(emb, per_layer, norm, out, total)
 
 
+def rank_environment(cfg: RunConfig) -> dict[str, str]:
+    """Environment variables a rank process needs before it starts CUDA (read at CUDA's start).
+
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP comm overlap (megatron's setting): with one
+    hardware queue the GPU starts kernels in launch order across streams, so a backward
+    all-reduce launched before the weight-gradient GEMMs gets its SMs and runs under them.
+    """
+    p = cfg.parallel
+    if p.device == "cuda" and p.tensor_parallel > 1 and p.tp_comm_overlap:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
+
+
+def apply_rank_environment(cfg: RunConfig) -> dict[str, str]:
+    """Set :func:`rank_environment` in this process where the launch did not set a value
+    (called first thing by a rank, before anything starts CUDA).  Returns the values in force."""
+    import os
+
+    return {k: os.environ.setdefault(k, v) for k, v in rank_environment(cfg).items()}
+
+
 def derive(cfg: RunConfig) -> Derived:
     """Everything computed from a config, in one place. Tolerant of invalid configs (no division by zero)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train

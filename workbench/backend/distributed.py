@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from workbench.backend import cpu_mode
-from workbench.config import RunConfig, derive
+from workbench.config import RunConfig, apply_rank_environment, derive, rank_environment
 
 __all__ = ["Coords", "initialize", "initialize_for_tests", "coords", "destroy", "device"]
 
@@ -97,29 +97,23 @@ def _init_parallel_state(cfg: RunConfig) -> Coords:
     return coords()
 
 
-#: what :func:`one_hardware_queue` did in this process (the run_start event's kernel path)
+#: CUDA_DEVICE_MAX_CONNECTIONS as this process runs with it, when the config asks for it
+#: (:func:`workbench.config.rank_environment`; the run_start event's kernel path)
 HARDWARE_QUEUE_NOTE: Optional[str] = None
 
 
-def one_hardware_queue(cfg: RunConfig) -> Optional[str]:
-    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` for TP with ``parallel.tp_comm_overlap`` (megatron's setting).
-
-    With one hardware queue the GPU starts kernels in launch order across streams, so a
-    backward all-reduce launched before the weight-gradient GEMMs gets its SMs first and runs
-    under them; with the default 8 queues the GEMMs can fill the GPU and the all-reduce waits.
-    Measured on 2 H200s, GPT-2 large TP=2: 1.40x one GPU against 1.35x (bench/results, run 21).
-    Must be set before the process creates its CUDA context; a value the user set is kept.
-    Returns what happened (for the run's kernel-path note), None when not wanted.
-    """
-    p = cfg.parallel
-    if p.tensor_parallel < 2 or not p.tp_comm_overlap:
+def hardware_queue_note(cfg: RunConfig) -> Optional[str]:
+    """Apply :func:`workbench.config.rank_environment` if CUDA has not started yet (the backend's
+    entry point sets it before importing torch; in-process API users get it here) and say
+    what is in force.  None when the config does not ask for it."""
+    wanted = rank_environment(cfg).get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if wanted is None:
         return None
-    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1") != "1":
-        return f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']} kept (set by the user)"
-    if torch.cuda.is_initialized() and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
-        return "CUDA already initialised: CUDA_DEVICE_MAX_CONNECTIONS=1 not applied"
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    return "CUDA_DEVICE_MAX_CONNECTIONS=1"
+    have = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if have is None and torch.cuda.is_initialized():
+        return "CUDA_DEVICE_MAX_CONNECTIONS not set before CUDA started (default queues)"
+    have = apply_rank_environment(cfg)["CUDA_DEVICE_MAX_CONNECTIONS"]
+    return f"CUDA_DEVICE_MAX_CONNECTIONS={have}" + ("" if have == wanted else " (set by the launch; kept)")
 
 
 def initialize(cfg: RunConfig, timeout_s: float = 600.0) -> Coords:
@@ -128,10 +122,10 @@ def initialize(cfg: RunConfig, timeout_s: float = 600.0) -> Coords:
         cpu_mode.enable()
         backend = "gloo"
     else:
+        global HARDWARE_QUEUE_NOTE
+        HARDWARE_QUEUE_NOTE = hardware_queue_note(cfg)  # before is_available(): that may start CUDA
         if not torch.cuda.is_available():
             raise RuntimeError("parallel.device is 'cuda' but no GPU is visible; set parallel.device: cpu for the CPU emulation mode")
-        global HARDWARE_QUEUE_NOTE
-        HARDWARE_QUEUE_NOTE = one_hardware_queue(cfg)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
     if not dist.is_initialized():
