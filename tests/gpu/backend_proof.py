@@ -201,7 +201,8 @@ def main() -> int:
         mb = [e for e in ev if e["event"] == "microbatch"]
         emit({"test": "layout_vs_1gpu", "layout": name, "steps": len(l), "max_rel_loss_diff": rel, "at_step": at,
               "target": 0.02, "pass": rel <= 0.02 and len(l) == len(ref), "first_loss": l.get(1), "last_loss": l.get(max(l)),
-              "ref_last_loss": ref.get(max(ref)), "microbatch_events": len(mb), "precision": base.train.precision})
+              "ref_last_loss": ref.get(max(ref)), "microbatch_events": len(mb), "precision": base.train.precision,
+              "kernel_path": next((e["kernel_path"] for e in ev if e["event"] == "run_start"), None)})
 
     # 2) resume: 20 straight vs 10 + 10, on one GPU and at DP=2 with the distributed optimizer
     n = 4 if tiny else 10
