@@ -21,7 +21,9 @@ same dtypes, no skipped work):
    sequence parallelism), so CUDA graphs capture the whole layer.  (Measured on 2 H200s,
    GPT-2 large: 1.27x one GPU, against 1.11x for compiled pieces around megatron's eager
    collectives; inductor's compute/communication reordering and its async-TP pass gained
-   nothing or failed there: bench/README.md.)
+   nothing or failed there: bench/README.md.)  With ``parallel.tp_comm_overlap`` the
+   backward's collectives run under the weight-gradient GEMMs (:func:`sink_weight_gradients`;
+   1.40x with ``CUDA_DEVICE_MAX_CONNECTIONS=1``).
    Any other case (dropout, recompute, RoPE / masks per call, ...) falls back to the stock
    forward.
 2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy
@@ -79,6 +81,7 @@ __all__ = [
     "lm_cross_entropy",
     "set_compile",
     "allow_on_cpu",
+    "sink_weight_gradients",
     "summary",
 ]
 
