@@ -319,7 +319,8 @@ _COLLECTIVE_STARTS = ("all_reduce", "all_reduce_", "reduce_scatter_tensor", "all
 
 
 def _aten_name(node: Any) -> Optional[str]:
-    """'mm' for ``aten.mm.default``, 'all_reduce_' for ``_c10d_functional.all_reduce_.default``..."""
+    """``"aten.mm"`` for ``aten.mm.default``, ``"_c10d_functional.all_reduce_"`` for its in-place
+    all-reduce, ...; None for anything that is not an aten / functional-collective call."""
     target = getattr(node, "target", None)
     packet = getattr(target, "_overloadpacket", None)
     ns = getattr(target, "namespace", None)
