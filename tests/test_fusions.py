@@ -168,12 +168,12 @@ def test_transformer_config_overrides_only_on_gpu_with_compile_kernels():
     assert fusions.layer_module(preset("tiny")) is not fusions.CompiledTransformerLayer
 
 
-def _tp2_check(**env: str) -> dict:
-    """tests/fusions_check.py tp2 under torchrun on two CPU ranks: its JSON result."""
+def _tp2_check(what: str = "tp2", **env: str) -> dict:
+    """tests/fusions_check.py ``what`` (tp2, tp2-order) under torchrun on two CPU ranks: its JSON result."""
     import os
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "fusions_check.py"), "tp2"], cwd=ROOT, capture_output=True, text=True,
+                           str(ROOT / "tests" / "fusions_check.py"), what], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -214,12 +214,7 @@ def test_tp_backward_collectives_run_under_the_weight_gradient_gemms():
     """parallel.tp_comm_overlap, on inductor's generated backward of the TP=2 layer: each
     input-gradient all-reduce (reduce-scatter under SP) has two weight-gradient GEMMs between
     its start and its wait; without the overlap every collective is waited on at once."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "fusions_check.py"), "tp2-order"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = _tp2_check("tp2-order")
     # backward collectives: TP = [all-reduce dgrad fc1, all-reduce dgrad qkv];
     # SP = [all-gather grad, reduce-scatter dgrad fc1, all-gather grad, reduce-scatter dgrad qkv]
     expected_on = {False: [2, 2], True: [0, 2, 0, 2]}

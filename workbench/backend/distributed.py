@@ -97,15 +97,11 @@ def _init_parallel_state(cfg: RunConfig) -> Coords:
     return coords()
 
 
-#: CUDA_DEVICE_MAX_CONNECTIONS as this process runs with it, when the config asks for it
-#: (:func:`workbench.config.rank_environment`; the run_start event's kernel path)
-HARDWARE_QUEUE_NOTE: Optional[str] = None
-
-
 def hardware_queue_note(cfg: RunConfig) -> Optional[str]:
     """Apply :func:`workbench.config.rank_environment` if CUDA has not started yet (the backend's
     entry point sets it before importing torch; in-process API users get it here) and say
-    what is in force.  None when the config does not ask for it."""
+    what is in force, for the run's kernel path.  None when the config does not ask for it.
+    Idempotent: :func:`initialize` calls it before CUDA starts, the Trainer again for the note."""
     wanted = rank_environment(cfg).get("CUDA_DEVICE_MAX_CONNECTIONS")
     if wanted is None:
         return None
@@ -122,8 +118,7 @@ def initialize(cfg: RunConfig, timeout_s: float = 600.0) -> Coords:
         cpu_mode.enable()
         backend = "gloo"
     else:
-        global HARDWARE_QUEUE_NOTE
-        HARDWARE_QUEUE_NOTE = hardware_queue_note(cfg)  # before is_available(): that may start CUDA
+        hardware_queue_note(cfg)  # applies it before is_available(), which may start CUDA
         if not torch.cuda.is_available():
             raise RuntimeError("parallel.device is 'cuda' but no GPU is visible; set parallel.device: cpu for the CPU emulation mode")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

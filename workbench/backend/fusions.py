@@ -318,29 +318,25 @@ _VIEW_OPS = ("view", "_unsafe_view", "reshape", "permute", "t", "transpose")
 _COLLECTIVE_STARTS = ("all_reduce", "all_reduce_", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
-def _aten_name(node: Any) -> Optional[str]:
-    """``"aten.mm"`` for ``aten.mm.default``, ``"_c10d_functional.all_reduce_"`` for its in-place
-    all-reduce, ...; None for anything that is not an aten / functional-collective call."""
+def _op_name(node: Any) -> Optional[str]:
+    """``"mm"`` for ``aten.mm.default``, ``"all_reduce_"`` for the in-place functional all-reduce,
+    ...; None for anything that is not an aten / functional-collective call."""
     target = getattr(node, "target", None)
     packet = getattr(target, "_overloadpacket", None)
-    ns = getattr(target, "namespace", None)
-    if node.op != "call_function" or packet is None or ns not in ("aten", "_c10d_functional"):
+    if node.op != "call_function" or packet is None or getattr(target, "namespace", None) not in ("aten", "_c10d_functional"):
         return None
-    return f"{ns}.{packet.__name__}"
+    return packet.__name__
 
 
-def _weight_gradient_chain(node: Any) -> Optional[list]:
-    """``[mm, its views...]`` when ``node`` is a GEMM whose result only leaves the graph (through
-    views): a weight gradient, which nothing else in the backward waits for.  Else None."""
-    if _aten_name(node) != "aten.mm":
-        return None
-    chain, stack = [node], list(node.users)
+def _weight_gradient_chain(mm: Any) -> Optional[list]:
+    """``[mm, its views...]`` when the GEMM ``mm``'s result only leaves the graph (through views):
+    a weight gradient, which nothing else in the backward waits for.  Else None."""
+    chain, stack = [mm], list(mm.users)
     while stack:
         user = stack.pop()
         if user.op == "output":
             continue
-        name = _aten_name(user)
-        if name is None or name.split(".", 1)[1] not in _VIEW_OPS:
+        if _op_name(user) not in _VIEW_OPS:
             return None
         chain.append(user)
         stack.extend(user.users)
@@ -363,18 +359,19 @@ def sink_weight_gradients(graph: Any) -> int:
     nodes = list(graph.nodes)
     if not any(n.op == "placeholder" and n.name.startswith("tangents") for n in nodes):
         return 0
+    order = {n: i for i, n in enumerate(nodes)}
     moved, pending = 0, []
     for node in nodes:
-        name = _aten_name(node)
-        if name == "aten.mm" and (chain := _weight_gradient_chain(node)) is not None:
+        name = _op_name(node)
+        if name == "mm" and (chain := _weight_gradient_chain(node)) is not None:
             pending.append(chain)
-        elif name is not None and name.split(".", 1)[1] in _COLLECTIVE_STARTS and pending:
+        elif name in _COLLECTIVE_STARTS and pending:
             anchor = node
             for chain in pending:
-                for piece in sorted(chain, key=nodes.index):
+                for piece in sorted(chain, key=order.__getitem__):
                     anchor.append(piece)
                     anchor = piece
-                moved += 1
+            moved += len(pending)
             pending = []
     if moved:
         graph.lint()

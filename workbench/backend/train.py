@@ -168,8 +168,8 @@ class Trainer:
         self.kernel_path["optimizer"] = self._optimizer_path()
         self.kernel_path.update({f"fast_{k}": v for k, v in fusions.summary().items()})  # [perf hook]
         self.kernel_path["schedule"] = ("interleaved 1F1B" if vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
-        if distributed.HARDWARE_QUEUE_NOTE:
-            self.kernel_path["tp_comm_overlap"] = distributed.HARDWARE_QUEUE_NOTE
+        if queues := distributed.hardware_queue_note(cfg):
+            self.kernel_path["tp_comm_overlap"] = queues
 
         self._maybe_load()
 
