@@ -14,6 +14,7 @@ for a notebook kernel and for a 50 ms planner loop.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -21,6 +22,8 @@ import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from workbench.models import FAMILIES, Supports, all_presets, family_of
 
 __all__ = [
     "ModelConfig",
@@ -480,15 +483,10 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def layer_and_head_flops(cfg: RunConfig) -> tuple[float, float]:
-    """Megatron's two kinds of term, in units of ``12 * tokens * h^2`` FLOPs (forward + backward):
-    one transformer layer ``(1 + g/a + s/h) * (d*a/h) + (f/h) * gate``, and the output layer
-    with its loss ``V / (2 h)``."""
-    m = cfg.model
-    h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
-    gate = 1.5 if m.activation == "swiglu" else 1.0
-    layer = (1 + g / a + m.seq_length / h) * (m.head_dim * a / h) + (m.ffn_size / h) * gate
-    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
-    return layer, vocab / (2 * h)
+    """Megatron's FLOP terms of one layer and of the output layer + loss, in units of
+    ``12 * tokens * h^2`` (the model family's ``shapes.layer_and_head_flops``)."""
+    vocab = pad_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
+    return family_of(cfg).shapes.layer_and_head_flops(cfg, vocab)
 
 
 def megatron_flops_per_step(cfg: RunConfig, batch_size: int | None = None) -> float:
@@ -559,23 +557,6 @@ class Derived:
     flops_per_step: float
 
 
-def _param_counts(cfg: RunConfig, padded_vocab: int) -> ParamCounts:
-    m = cfg.model
-    h, d = m.hidden_size, m.head_dim
-    a, g, f = m.num_attention_heads, m.query_groups, m.ffn_size
-    bias = m.add_bias_linear
-    norm = (2 * h) if m.normalization == "layernorm" else h
-    qkv_out = d * (a + 2 * g)
-    attn = h * qkv_out + (qkv_out if bias else 0) + a * d * h + (h if bias else 0)
-    fc1_out = 2 * f if m.activation == "swiglu" else f
-    mlp = h * fc1_out + (fc1_out if bias else 0) + f * h + (h if bias else 0)
-    per_layer = attn + mlp + 2 * norm
-    emb = padded_vocab * h + (m.max_position_embeddings * h if m.position_embedding == "learned" else 0)
-    out = 0 if m.tie_embeddings else padded_vocab * h
-    total = emb + m.num_layers * per_layer + norm + out
-    return ParamCounts(emb, per_layer, norm, out, total)
-
-
 def rank_environment(cfg: RunConfig) -> dict[str, str]:
     """Environment variables a rank process needs before it starts CUDA (read at CUDA's start).
 
@@ -606,7 +587,7 @@ def derive(cfg: RunConfig) -> Derived:
     vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     micro = max(t.global_batch_size // max(t.micro_batch_size * dp, 1), 1)
     stage_layers = pipeline_stage_layers(cfg)
-    params = _param_counts(cfg, vocab)
+    params = ParamCounts(**family_of(cfg).shapes.param_counts(cfg, vocab))
     stages = []
     for s in range(pp):
         n = stage_layers[s] * params.per_layer
@@ -659,8 +640,18 @@ def validate(cfg: RunConfig) -> list[Problem]:
     heads, groups = m.num_attention_heads, m.query_groups
 
     # model
-    if m.arch != "gpt":
-        add("model.arch", f"'{m.arch}' training is not implemented yet (GPT only)", "set arch: gpt")
+    if m.arch not in FAMILIES:
+        add("model.arch", f"'{m.arch}' has no model family yet (families: {', '.join(FAMILIES)})", f"set arch to one of: {', '.join(FAMILIES)}")
+    known = m.arch in FAMILIES
+    for field_name, rule, fix in family_of(cfg).rules(cfg) if known else ():
+        add(field_name, rule, fix)
+    sup = family_of(cfg).supports if known else Supports()
+    if pp > 1 and not sup.pipeline:
+        add("parallel.pipeline_parallel", f"the {m.arch} family has no pipeline parallelism", "set pipeline_parallel: 1")
+    if vpp > 1 and not sup.interleaved:
+        add("parallel.virtual_pipeline_parallel", f"the {m.arch} family has no interleaved schedule", "leave virtual_pipeline_parallel unset")
+    if p.sequence_parallel and not sup.sequence_parallel:
+        add("parallel.sequence_parallel", f"the {m.arch} family has no sequence parallelism", "set sequence_parallel: false")
     if m.kv_channels is None and m.hidden_size % heads:
         add("model.hidden_size", f"hidden_size {m.hidden_size} is not divisible by num_attention_heads {heads}", f"use a hidden size that is a multiple of {heads}, or set kv_channels")
     if m.attention_type == "grouped":
@@ -695,7 +686,7 @@ def validate(cfg: RunConfig) -> list[Problem]:
         add("parallel.nproc_per_node", f"world size {world} (nnodes*nproc_per_node) is not divisible by tp*pp = {tp * pp}", f"use a world size that is a multiple of {tp * pp}")
     if m.num_layers < pp:
         add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is fewer than pipeline_parallel {pp} stages", f"use pipeline_parallel <= {m.num_layers}")
-    elif sum(pipeline_stage_layers(cfg)) != m.num_layers:
+    elif known and sum(pipeline_stage_layers(cfg)) != m.num_layers:
         how = ("interleaving splits layers evenly" if vpp > 1 else
                "pipeline_split is even" if p.pipeline_split == "even" else "no balanced split exists")
         add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pipeline_parallel {pp} ({how})",
@@ -799,65 +790,15 @@ def validate(cfg: RunConfig) -> list[Problem]:
 # --------------------------------------------------------------------------- presets
 
 
-def _gpt2(layers: int, hidden: int, heads: int, name: str) -> RunConfig:
-    return RunConfig(
-        name=name,
-        model=ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=50257,
-                          max_position_embeddings=1024, seq_length=1024, hidden_dropout=0.0, attention_dropout=0.0),
-        train=TrainConfig(micro_batch_size=8, global_batch_size=64, train_iters=1000, lr=6e-4, min_lr=6e-5, lr_warmup_iters=100),
-        data=DataConfig(source="demo"),
-    )
-
-
-def _tiny() -> RunConfig:
-    return RunConfig(
-        name="tiny",
-        model=ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=4096,
-                          max_position_embeddings=128, seq_length=64, make_vocab_size_divisible_by=64),
-        parallel=ParallelConfig(device="cpu"),
-        train=TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=10, lr=1e-3, min_lr=1e-4,
-                          lr_warmup_iters=2, eval_interval=5, eval_iters=2, precision="fp32", compile_kernels=False),
-        data=DataConfig(source="demo"),
-    )
-
-
-def _demo_small() -> RunConfig:
-    """A small GPT on the embedded corpus: trains in minutes on one GPU."""
-    cfg = _gpt2(6, 384, 6, "demo-small")
-    cfg.model.vocab_size = 4096  # the demo tokenizer's vocabulary
-    cfg.model.seq_length = 256
-    cfg.model.max_position_embeddings = 256
-    cfg.train = TrainConfig(micro_batch_size=16, global_batch_size=32, train_iters=200, lr=1e-3, min_lr=1e-4, lr_warmup_iters=20)
-    return cfg
-
-
-def _llama() -> RunConfig:
-    return RunConfig(
-        name="llama-small",
-        model=ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, attention_type="grouped",
-                          num_query_groups=4, vocab_size=32000, max_position_embeddings=2048, seq_length=1024,
-                          position_embedding="rope", normalization="rmsnorm", activation="swiglu",
-                          add_bias_linear=False, tie_embeddings=False, norm_epsilon=1e-6),
-        train=TrainConfig(micro_batch_size=8, global_batch_size=64, train_iters=1000, lr=3e-4, lr_warmup_iters=100),
-    )
-
-
-PRESETS: dict[str, Any] = {
-    "tiny": _tiny,
-    "demo-small": _demo_small,
-    "gpt2-small": lambda: _gpt2(12, 768, 12, "gpt2-small"),
-    "gpt2-medium": lambda: _gpt2(24, 1024, 16, "gpt2-medium"),
-    "gpt2-large": lambda: _gpt2(36, 1280, 20, "gpt2-large"),
-    "gpt2-xl": lambda: _gpt2(48, 1600, 25, "gpt2-xl"),
-    "llama-small": _llama,
-}
+#: every family's presets, by name (the families define them: ``workbench/models/<family>/``)
+PRESETS: dict[str, Any] = {name: family for name, (family, _) in all_presets().items()}
 
 
 def preset(name: str, **overrides: Any) -> RunConfig:
     """A fresh copy of a named preset, with optional dotted overrides."""
     if name not in PRESETS:
         raise ConfigError([Problem("preset", f"unknown preset '{name}'", _closest(name, list(PRESETS)))])
-    cfg = PRESETS[name]()
+    cfg = RunConfig.from_dict(copy.deepcopy(all_presets()[name][1]), source=f"preset {name}")
     return cfg.replace(**overrides) if overrides else cfg
 
 

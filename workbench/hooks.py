@@ -11,7 +11,8 @@ API (``workbench.backend.train.Trainer(cfg, run_dir, hooks=TrainHooks(...))``).
     batch.attention_mask, labels=batch.labels)``), or the logits when
     ``train.return_logits`` is on; on other stages the hidden states.  Every stage receives the
     whole batch (tokens too), so a loss hook on the last stage can look at the inputs.  The
-    default is :func:`default_forward_step`.
+    default is the model family's ``step.forward_step`` (GPT's is re-exported here as
+    :func:`default_forward_step`).
 
 ``loss_func(batch: Batch, losses: Tensor, **hook_kwargs) -> Tensor | (Tensor, dict)``
     Turns the per-token losses ``[b, s]`` (fp32; ``batch.logits`` holds this rank's
@@ -29,6 +30,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+from workbench.models.gpt.step import forward_step as default_forward_step  # GPT's; other families: models/<family>/step.py
 
 __all__ = ["Batch", "TrainHooks", "resolve", "load_hooks", "default_forward_step", "keytoken_weighted_loss"]
 
@@ -87,12 +90,6 @@ def load_hooks(cfg: Any) -> TrainHooks:
         kwargs=dict(t.hook_kwargs or {}),
         return_logits=bool(t.return_logits),
     )
-
-
-def default_forward_step(batch: Batch, model: Any, return_logits: bool = False, **_: Any) -> Any:
-    """Megatron's GPT forward: per-token losses on the last stage (logits with return_logits)."""
-    labels = None if return_logits else batch.labels
-    return model(batch.tokens, batch.position_ids, batch.attention_mask, labels=labels)
 
 
 def keytoken_weighted_loss(batch: Batch, losses: Any, keytoken_ids: list[int] = (), alpha: float = 0.25, **_: Any) -> Any:

@@ -41,16 +41,16 @@ What is modelled (bytes on one rank; ``t`` = tensor parallel, ``s`` = sequence l
 The allocated peak is the larger of the forward/backward peak and the optimizer-step peak.
 On top of it, :class:`PlannerAssumptions` adds what ``max_memory_allocated`` does not see:
 CUDA context, NCCL communicator buffers and allocator fragmentation.  Every number there is
-documented and configurable; the GPU measurements in ``tests/gpu/evidence`` calibrate them.
+documented and configurable; the GPU measurements in ``evidence/`` calibrate them.
 
 Pure arithmetic (no torch, no megatron import): ``predict`` takes well under 50 ms.
 
-Validation.  ``tests/test_planner_cpu_measure.py`` checks the per-layer terms against the
+Validation.  ``tests/multiprocess/test_planner_cpu_measure.py`` checks the per-layer terms against the
 tensors the real megatron-core model keeps (CPU allocation tracker, 7 variants, < 3%);
-``tests/test_planner_cpu_step.py`` runs whole training steps of the backend on 2 CPU ranks
+``tests/multiprocess/test_planner_cpu_step.py`` runs whole training steps of the backend on 2 CPU ranks
 (PP, VPP, TP, SP, recompute, distributed optimizer, local attention) and compares every
 rank's state and step peak (within 0.5% / 3.2% when written).  ``tests/gpu/planner_measure.py``
-measures GPU peaks per rank; ``tests/test_planner_gpu_evidence.py`` holds the planner to 10% of
+measures GPU peaks per rank; ``tests/unit/test_planner_gpu_evidence.py`` holds the planner to 10% of
 them.  CUDA-only terms (cuBLAS workspace, flash-attention backward buffers, Inductor's choices
 for the compiled layer) are calibrated only by that GPU evidence.
 """
@@ -59,18 +59,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import re
 import sys
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from workbench import schedules
+from workbench import kernels, schedules
 from workbench.config import ConfigError, Derived, Problem, RunConfig, derive, load_config
+from workbench.kernels import KernelChoice
+from workbench.models import family_of
+from workbench.run.reader import RunReader, as_reader
 
 __all__ = [
     "GiB",
@@ -87,7 +88,6 @@ __all__ = [
     "MegatronEstimate",
     "Plan",
     "predict",
-    "layer_activation_terms",
     "megatron_theoretical_memory",
     "largest_micro_batch",
     "compare",
@@ -213,52 +213,24 @@ class PlannerAssumptions:
         return dataclasses.asdict(self)
 
 
-@lru_cache(maxsize=None)
-def _have_te() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-@dataclass(frozen=True)
-class KernelPath:
-    """The kernels whose saved tensors differ (mirrors ``workbench.backend.model`` / ``fusions``)."""
-
-    attention: Literal["flash", "local"]  # flash = TE / SDPA (no s^2 kept); local = mcore unfused
-    layer: Literal["eager", "compiled"]
-    cross_entropy: Literal["vocab_parallel", "compiled"]
-    optimizer: Literal["foreach", "fused", "for-loop"]
-    #: what ``recompute: selective`` recomputes: the workbench's RecomputedMLP, or mcore's core attention (TE spec)
-    selective: Literal["mlp", "core_attn"] = "mlp"
+#: The kernels a plan assumes: the one kernel rule's answer (:func:`workbench.kernels.choose`).
+KernelPath = KernelChoice
 
 
 def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -> KernelPath:
-    """Which kernels a config trains with (the same rules as the backend's builder)."""
+    """Which kernels a config trains with: :func:`workbench.kernels.choose`, the backend's own rule.
+
+    ``assumptions`` may pin Transformer Engine's presence (where training runs), the compiled
+    layer or the optimizer kernel, for what-if plans and calibration runs of another path.
+    """
     a = assumptions or PlannerAssumptions()
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    cuda = p.device == "cuda"
-    te = _have_te() if a.transformer_engine is None else a.transformer_engine
-    backend = m.attention_backend
-    if backend == "auto":
-        impl = "te" if te and m.position_embedding != "alibi" and cuda else "sdpa"
-    else:
-        impl = backend
-    wanted = bool(t.compile_kernels) and cuda
-    if a.compiled_layer is None:
-        compiled = (
-            wanted and impl == "sdpa" and p.tensor_parallel == 1 and not p.sequence_parallel
-            and m.hidden_dropout == 0 and m.attention_dropout == 0
-            and m.position_embedding == "learned"
-        )
-    else:
-        compiled = a.compiled_layer
-    ce = "compiled" if wanted and p.tensor_parallel == 1 else "vocab_parallel"
+    kp = kernels.choose(cfg, te=a.transformer_engine)
+    if a.compiled_layer is not None and (a.compiled_layer != (kp.layer == "compiled")):
+        kp = dataclasses.replace(kp, layer="compiled" if a.compiled_layer else "stock",
+                                 layer_reason="" if a.compiled_layer else "pinned by PlannerAssumptions.compiled_layer")
     if a.optimizer != "auto":
-        opt = a.optimizer
-    elif not cuda:
-        opt = "for-loop"  # torch's AdamW defaults to its single-tensor loop off CUDA
-    else:
-        opt = "fused" if wanted or te else "foreach"
-    return KernelPath("local" if impl == "local" else "flash", "compiled" if compiled else "eager", ce, opt,
-                      "core_attn" if impl == "te" else "mlp")
+        kp = dataclasses.replace(kp, optimizer=a.optimizer)
+    return kp
 
 
 # --------------------------------------------------------------------------- structure
@@ -347,203 +319,14 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
 
-# --------------------------------------------------------------------------- shapes
+# --------------------------------------------------------------------------- per-layer helpers
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """The numbers the formulas need, computed once per config (micro-batch overridable)."""
-
-    s: int
-    b: int
-    h: int
-    heads: int
-    groups: int
-    head_dim: int
-    ffn: int
-    fc1_out: int
-    vocab: int  # padded
-    layers: int
-    tp: int
-    pp: int
-    vpp: int
-    dp: int
-    m: int  # micro-batches per step
-    sp: bool
-    e: int  # bytes per activation element
-    w: int  # bytes per weight element
-    grad_bytes: int
-    mixed: bool  # bf16/fp16 with fp32 master weights
-    swiglu: bool
-    layernorm: bool
-    bias: bool
-    rope: bool
-    learned_pos: bool
-    tied: bool
-    hidden_dropout: bool
-    attention_dropout: bool
-    recompute: str
-    recompute_num_layers: int
-    dist_opt: bool
-    max_pos: int
+def _layer_bytes(sh: Any, kp: KernelPath, S: Any) -> float:
+    return float(sum(S.layer_activation_terms(sh, kp).values()))
 
 
-def _shape(cfg: RunConfig, d: Derived, micro_batch: int | None = None) -> _Shape:
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    e = 4 if t.precision == "fp32" else 2
-    return _Shape(
-        s=m.seq_length, b=micro_batch or t.micro_batch_size, h=m.hidden_size, heads=m.num_attention_heads,
-        groups=m.query_groups, head_dim=m.head_dim, ffn=m.ffn_size,
-        fc1_out=2 * m.ffn_size if m.activation == "swiglu" else m.ffn_size,
-        vocab=d.padded_vocab_size, layers=m.num_layers, tp=p.tensor_parallel, pp=p.pipeline_parallel,
-        vpp=p.vpp, dp=d.data_parallel, m=d.num_microbatches, sp=p.sequence_parallel, e=e, w=e,
-        grad_bytes=4 if (t.grad_reduce_in_fp32 or t.precision == "fp32") else 2, mixed=t.precision != "fp32",
-        swiglu=m.activation == "swiglu", layernorm=m.normalization == "layernorm", bias=m.add_bias_linear,
-        rope=m.position_embedding == "rope", learned_pos=m.position_embedding == "learned", tied=m.tie_embeddings,
-        hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0, recompute=p.recompute,
-        recompute_num_layers=p.recompute_num_layers, dist_opt=p.distributed_optimizer, max_pos=m.max_position_embeddings,
-    )
-
-
-# --------------------------------------------------------------------------- parameters
-
-
-def _stage_params(cfg: RunConfig, sh: _Shape, d: Derived) -> list[dict[str, int]]:
-    """Parameters on one TP rank of each stage, split into where they live.
-
-    Totals per stage come from ``derive().params_per_stage``; only the TP split is done here:
-    norms, row-parallel biases (attention output, fc2) and learned positions are replicated
-    on every TP rank, everything else is divided by ``t`` (vocab is padded so shards are equal).
-    """
-    h, t = sh.h, sh.tp
-    norm = (2 if sh.layernorm else 1) * h
-    replicated_per_layer = 2 * norm + (2 * h if sh.bias else 0)
-    word = sh.vocab * h
-    pos = sh.max_pos * h if sh.learned_pos else 0
-    out = []
-    for r, total in enumerate(d.params_per_stage):
-        layers = d.stage_layers[r]
-        layer_part = layers * d.params.per_layer
-        emb_word = word if r == 0 else 0
-        emb_pos = pos if r == 0 else 0
-        final_norm = d.params.final_norm if r == sh.pp - 1 else 0
-        output = total - layer_part - emb_word - emb_pos - final_norm  # untied head or the tied copy on the last stage
-        sharded = (layer_part - layers * replicated_per_layer) + emb_word + output
-        per_rank = sharded // t + layers * replicated_per_layer + emb_pos + final_norm
-        out.append({
-            "total": per_rank,
-            "layers": (layer_part - layers * replicated_per_layer) // t + layers * replicated_per_layer,
-            "embedding": emb_word // t + emb_pos,
-            "output_layer": output // t,
-            "final_norm": final_norm,
-            "vocab_padding": (sh.vocab - cfg.model.vocab_size) * h // t * ((1 if emb_word else 0) + (1 if output else 0)),
-        })
-    return out
-
-
-# --------------------------------------------------------------------------- activations
-
-
-def layer_activation_terms(sh: _Shape, kp: KernelPath) -> dict[str, float]:
-    """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank.
-
-    Eager megatron layer (local spec linears + SDPA/TE attention or mcore's unfused one):
-
-    ========================  ============================================  =========
-    term                      tensor kept                                    bytes
-    ========================  ============================================  =========
-    norm1_input               layer input (saved by the norm)                e sbh / t_sp
-    qkv_input                 norm output (saved by linear_qkv)              e sbh / t_sp
-    qkv_output                q, k, v (views of the fused QKV output)        e sb(a+2g)d / t
-    rope_qk                   rotated q, k copies (RoPE)                      e sb(a+g)d / t
-    attention_output          context (SDPA output = linear_proj input)      e sb a d / t
-    softmax_lse               flash log-sum-exp (fp32)                        4 b a s / t
-    scores                    local: fp32 softmax + its bf16 copy             (4+e) a s^2 b / t
-    causal_mask               local: bool [s, s] kept by masked_fill           s^2
-    norm2_input / fc1_input   residual / pre-MLP norm output                  e sbh / t_sp each
-    fc1_output                GELU / SwiGLU input                             e sb f1 / t
-    act_output                fc2 input (SwiGLU: + silu(gate), x_lin copy)    e sb f / t (x3)
-    dropout_masks             hidden dropout (1 byte, when p > 0)             sbh / t_sp each
-    norm_stats                mean / rstd (fp32)                              4-8 sb / t_sp each
-    ========================  ============================================  =========
-
-    ``t_sp`` is ``t`` with sequence parallelism, else 1.  Selective recompute drops the MLP
-    intermediates (workbench RecomputedMLP) or, on the TE spec, core attention's kept
-    tensors; ``recompute: full`` is handled by the caller.  The compiled dense layer (TP=1) lets Inductor's min-cut
-    partitioner choose what to keep; measured on CPU it keeps exactly the eager set above.
-    """
-    s, b, h, t, e = sh.s, sh.b, sh.h, sh.tp, sh.e
-    tok = s * b
-    tsp = t if sh.sp else 1
-    a_loc, g_loc = sh.heads / t, sh.groups / t
-    d = sh.head_dim
-    terms: dict[str, float] = {}
-    terms["norm1_input"] = e * tok * h / tsp
-    terms["qkv_input"] = e * tok * h / tsp
-    terms["qkv_output"] = e * tok * (a_loc + 2 * g_loc) * d
-    if sh.rope:
-        terms["rope_qk"] = e * tok * (a_loc + g_loc) * d
-    elif sh.groups != sh.heads:
-        terms["gqa_query_copy"] = e * tok * a_loc * d  # q of a grouped layout is reshaped by copy
-    terms["attention_output"] = e * tok * a_loc * d
-    if kp.attention == "flash":
-        terms["softmax_lse"] = 4 * b * a_loc * s
-    else:
-        if sh.groups != sh.heads:
-            terms["kv_repeat"] = 2 * e * tok * a_loc * d
-        probs = 4 + (e if e < 4 else 0)  # fp32 softmax output + the low-precision copy bmm keeps
-        if sh.attention_dropout:
-            probs += 1 + e
-        terms["scores"] = probs * b * a_loc * s * s
-        terms["causal_mask"] = s * s  # the bool mask masked_fill keeps, one per layer
-    terms["norm2_input"] = e * tok * h / tsp
-    terms["fc1_input"] = e * tok * h / tsp
-    terms["fc1_output"] = e * tok * sh.fc1_out / t
-    # SwiGLU (mcore's glu): silu(gate), the `x_linear + offset` copy and their product
-    terms["act_output"] = e * tok * sh.ffn / t * (3 if sh.swiglu else 1)
-    if sh.hidden_dropout:
-        terms["dropout_masks"] = 2 * tok * h / tsp
-    terms["norm_stats"] = 2 * (8 if sh.layernorm else 4) * tok / tsp
-
-    if sh.recompute == "selective":
-        if kp.selective == "mlp":
-            # the workbench's RecomputedMLP: the checkpoint keeps the MLP input (fc1_input) and
-            # rebuilds fc1's output and the activation in backward
-            for k in ("fc1_output", "act_output"):
-                terms.pop(k, None)
-        else:
-            # mcore's core-attention recompute (TE spec): q, k, v are the checkpoint's inputs
-            for k in ("softmax_lse", "scores", "causal_mask", "kv_repeat"):
-                terms.pop(k, None)
-    return terms
-
-
-def _layer_bytes(sh: _Shape, kp: KernelPath) -> float:
-    return float(sum(layer_activation_terms(sh, kp).values()))
-
-
-def _layer_backward_transient(sh: _Shape, kp: KernelPath, assumptions: PlannerAssumptions) -> float:
-    """Extra bytes alive while one layer runs backward (besides what it keeps).
-
-    The gradients of the largest intermediates (fc1 output and activation output) coexist
-    with the saved tensors until the fc1 backward frees them; plus the fc1 weight gradient
-    before mcore's DDP hook folds it into the main-grad buffer, plus the incoming and outgoing
-    residual-stream gradients.
-    """
-    s, b, h, t, e = sh.s, sh.b, sh.h, sh.tp, sh.e
-    tok = s * b
-    tsp = t if sh.sp else 1
-    grads = e * tok * (sh.fc1_out + sh.ffn) / t * assumptions.backward_overlap
-    weight_grad = e * h * sh.fc1_out / t
-    stream = 2 * e * tok * h / tsp
-    recomputed = 0.0
-    if sh.recompute == "selective" and kp.selective == "mlp":
-        # the MLP intermediates are rebuilt for the layer in backward
-        recomputed = e * tok * (sh.fc1_out + sh.ffn * (3 if sh.swiglu else 1)) / t
-    return grads + weight_grad + stream + recomputed
-
-
-def _inflight(sh: _Shape, rank: int) -> tuple[int, float]:
+def _inflight(sh: Any, rank: int) -> tuple[int, float]:
     """(chunk passes held, stage-equivalent micro-batches) at the peak, from workbench.schedules."""
     try:
         chunks = schedules.inflight_chunks(None, sh.pp, sh.m, sh.vpp, rank)
@@ -553,23 +336,9 @@ def _inflight(sh: _Shape, rank: int) -> tuple[int, float]:
     return chunks, chunks / sh.vpp
 
 
-def _logits_bytes(sh: _Shape, kp: KernelPath) -> tuple[float, float]:
-    """(forward/backward peak of the logits + loss, bytes kept from forward to backward)."""
-    tok = sh.s * sh.b
-    vt = sh.vocab / sh.tp
-    if kp.cross_entropy == "compiled":
-        # F.cross_entropy(logits.float()) compiled: bf16 logits kept, fp32 work fused away
-        kept = sh.e * tok * vt
-        return kept + sh.e * tok * vt, kept
-    if sh.e >= 4:
-        kept = 4 * tok * vt  # .float() is a no-op: the softmax is computed in place
-        return kept, kept
-    kept = 4 * tok * vt  # fp32 softmax saved by the vocab-parallel cross entropy
-    return kept + sh.e * tok * vt, kept  # + the bf16 logits (forward) / bf16 grad (backward)
-
-
-def _stage(sh: _Shape, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
-           params: dict[str, int]) -> StagePlan:
+def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
+           params: dict[str, int], S: Any) -> StagePlan:
+    """One stage's plan; ``sh`` / ``S``: the model family's shape and its ``shapes`` module."""
     s, b, h, t, e = sh.s, sh.b, sh.h, sh.tp, sh.e
     tok = s * b
     tsp = t if sh.sp else 1
@@ -585,7 +354,7 @@ def _stage(sh: _Shape, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int
 
     # ---- activations
     layers = d.stage_layers[r]
-    layer = _layer_bytes(sh, kp)
+    layer = _layer_bytes(sh, kp, S)
     chunks, inflight = _inflight(sh, r)
     per_chunk_layers = max(layers // sh.vpp, 1)
     if sh.recompute == "full":
@@ -603,12 +372,12 @@ def _stage(sh: _Shape, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int
     if last:
         # final-norm input and output (saved by the output layer)
         saved += 2 * e * tok * h / tsp
-    backward = _layer_backward_transient(sh, kp, a)
+    backward = S.layer_backward_transient(sh, kp, a)
 
     logits_peak, logits_kept = (0.0, 0.0)
     out_weight_grad = 0.0
     if last:
-        logits_peak, logits_kept = _logits_bytes(sh, kp)
+        logits_peak, logits_kept = S.logits_bytes(sh, kp)
         out_weight_grad = e * sh.vocab * h / t
         labels = 16 * tok  # labels + loss mask + per-token loss
         logits_peak += labels
@@ -673,7 +442,7 @@ def _stage(sh: _Shape, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int
     }
     detail = {
         "params": params,
-        "layer_activation_terms": {k: int(v) for k, v in layer_activation_terms(sh, kp).items()},
+        "layer_activation_terms": {k: int(v) for k, v in S.layer_activation_terms(sh, kp).items()},
         "layer_activation_bytes": int(layer),
         "layers": layers,
         "chunks_in_flight": chunks,
@@ -695,9 +464,10 @@ def _stage(sh: _Shape, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int
 def _stages(cfg: RunConfig, kp: KernelPath, a: PlannerAssumptions, micro_batch: int | None = None,
             d: Derived | None = None) -> list[StagePlan]:
     d = d or derive(cfg)
-    sh = _shape(cfg, d, micro_batch)
-    params = _stage_params(cfg, sh, d)
-    return [_stage(sh, d, kp, a, r, params[r]) for r in range(sh.pp)]
+    S = family_of(cfg).shapes
+    sh = S.shape(cfg, d, micro_batch)
+    params = S.stage_params(cfg, sh, d)
+    return [_stage(sh, d, kp, a, r, params[r], S) for r in range(sh.pp)]
 
 
 # --------------------------------------------------------------------------- megatron's formula
@@ -894,15 +664,16 @@ def predict(cfg: RunConfig, gpu: str | int | GPUSpec | None = None, assumptions:
 # --------------------------------------------------------------------------- measured vs predicted
 
 
-def measured_peaks(run_dir: str | Path) -> dict[int, int]:
-    """Peak allocated bytes per rank of a run: the max ``mem_peak`` of its ``step`` events."""
-    from workbench.events import read_events
+def measured_peaks(run_dir: str | Path | RunReader) -> dict[int, int]:
+    """Peak allocated bytes per rank of a run: the max ``mem_peak`` of its ``step`` events.
 
+    ``run_dir``: a run directory or its :class:`workbench.run.RunReader` (a ``Run``'s ``reader``).
+    """
     out: dict[int, int] = {}
-    for ev in read_events(run_dir):
-        if ev.get("event") == "step" and ev.get("mem_peak") is not None:
-            r = int(ev["rank"])
-            out[r] = max(out.get(r, 0), int(ev["mem_peak"]))
+    for ev in as_reader(run_dir).records("step"):
+        if ev.mem_peak is not None and ev.rank is not None:
+            r = int(ev.rank)
+            out[r] = max(out.get(r, 0), int(ev.mem_peak))
     return out
 
 

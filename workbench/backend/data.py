@@ -1,11 +1,10 @@
 """Training data for the backend: datasets -> per-micro-batch iterators in Megatron's sample order.
 
-Sources: ``demo``/``indexed`` come from the data helper's
-``workbench.data.megatron.build_datasets(cfg, run_dir) -> (train, valid, test)``
-(megatron-core ``GPTDataset``-like: ``len()`` and items that are dicts with ``tokens``,
-``labels``, ``loss_mask``, ``position_ids``); ``synthetic`` is a deterministic, learnable
-token stream for tests (never zeros).  Until the data helper's module exists, ``demo`` /
-``indexed`` fall back to synthetic with a clear log line.
+Datasets come from the config's model family (``workbench/models/<family>/data.py``): for
+GPT, ``demo``/``indexed`` are megatron-core ``GPTDataset`` s built by
+:func:`workbench.data.megatron.build_datasets` (items are dicts with ``tokens``, ``labels``,
+``loss_mask``, ``position_ids``) and ``synthetic`` is a deterministic, learnable token stream
+for tests (never zeros), only when the config says so.
 
 Sample order follows Megatron's ``MegatronPretrainingSampler``: iteration k covers global
 samples ``[k*G, (k+1)*G)``; micro-batch j of DP rank r takes
@@ -21,72 +20,18 @@ from typing import Any, Iterator, Optional
 import torch
 
 from workbench.config import RunConfig, derive
+from workbench.models import family_of
 
-__all__ = ["SyntheticGPTDataset", "build_datasets", "MicroBatchStream", "microbatch_indices"]
-
-
-def _mix32(*values: int) -> int:
-    """splitmix64 over the values, folded to 32 bits (distinct streams for distinct inputs)."""
-    x = 0x9E3779B97F4A7C15
-    for v in values:
-        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-        x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x & 0xFFFFFFFF
-
-
-class SyntheticGPTDataset:
-    """Deterministic, learnable sequences: arithmetic progressions modulo the vocab (ids >= 1).
-
-    Sample i: start and stride drawn from a generator seeded by (seed, i); token t =
-    1 + (start + stride * t) mod (vocab - 1).  A model can learn to continue them, so the
-    loss falls, and no token is ever 0.
-    """
-
-    def __init__(self, vocab_size: int, seq_length: int, seed: int = 1234, offset: int = 0, size: int = 1 << 30):
-        self.vocab = int(vocab_size)
-        self.seq = int(seq_length)
-        self.seed = int(seed)
-        self.offset = int(offset)
-        self.size = int(size)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        # torch's CPU generator keeps only 32 bits of a seed: mix (seed, offset, idx) first
-        g = torch.Generator().manual_seed(_mix32(self.seed, self.offset, int(idx)))
-        start = int(torch.randint(0, self.vocab - 1, (1,), generator=g))
-        stride = int(torch.randint(1, 8, (1,), generator=g))
-        t = torch.arange(self.seq + 1)
-        seq = 1 + (start + stride * t) % (self.vocab - 1)
-        return {
-            "tokens": seq[:-1].clone(),
-            "labels": seq[1:].clone(),
-            "loss_mask": torch.ones(self.seq, dtype=torch.float32),
-            "position_ids": torch.arange(self.seq),
-        }
+__all__ = ["build_datasets", "MicroBatchStream", "microbatch_indices"]
 
 
 def build_datasets(cfg: RunConfig, run_dir: Any, log: Any = print) -> tuple[Any, Any, str]:
-    """(train, valid, description). Uses the data helper's builder for demo/indexed when present."""
-    m = cfg.model
-    if cfg.data.source != "synthetic":
-        try:
-            from workbench.data.megatron import build_datasets as data_build  # the data helper's module
-        except ImportError as e:
-            log(f"[workbench] data source '{cfg.data.source}' needs workbench.data.megatron ({e}); "
-                "FALLING BACK to the synthetic token stream (tests only)")
-        else:
-            # Megatron's GPTDataset can build a causal mask per sample; the attention module masks
-            # causally by itself (flash path), so a mask is only needed for document-level masking.
-            train, valid, _test = data_build(cfg, run_dir, create_attention_mask=bool(cfg.data.reset_attention_mask))
-            return train, valid, f"{cfg.data.source} (workbench.data.megatron)"
-    train = SyntheticGPTDataset(m.vocab_size, m.seq_length, cfg.train.seed)
-    valid = SyntheticGPTDataset(m.vocab_size, m.seq_length, cfg.train.seed, offset=1)
-    return train, valid, "synthetic"
+    """(train, valid, description) from the config's model family (``models/<family>/data.py``).
+
+    ``data.source: synthetic`` is the family's deterministic token stream; every other source
+    reads real data, and a failure to import or build it is an error, never a silent fallback.
+    """
+    return family_of(cfg).part("data").build_datasets(cfg, run_dir, log=log)
 
 
 def microbatch_indices(iteration: int, microbatch: int, gbs: int, mbs: int, dp: int, dp_rank: int, start_sample: int = 0) -> list[int]:

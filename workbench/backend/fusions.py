@@ -64,6 +64,8 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
+from workbench import kernels
+
 __all__ = [
     "transformer_config_overrides",
     "layer_module",
@@ -91,14 +93,9 @@ _COMPILE = True
 _STATE: dict[str, str] = {}
 
 
-#: Tests only: let the fast paths run on CPU (normally GPU-only) to compare their maths with stock.
-_ALLOW_CPU = False
-
-
 def allow_on_cpu(enabled: bool = True) -> None:
     """Tests: enable the fast paths for ``parallel.device: cpu`` too (they are GPU-only otherwise)."""
-    global _ALLOW_CPU
-    _ALLOW_CPU = bool(enabled)
+    kernels.allow_fast_paths_on_cpu(enabled)
 
 
 def set_compile(enabled: bool) -> None:
@@ -114,7 +111,7 @@ def summary() -> dict[str, str]:
 
 
 def _wanted(cfg: Any) -> bool:
-    return bool(cfg.train.compile_kernels) and (cfg.parallel.device == "cuda" or _ALLOW_CPU)
+    return kernels.fast_paths_wanted(cfg)
 
 
 # --------------------------------------------------------------------------- config
@@ -137,8 +134,8 @@ def transformer_config_overrides(cfg: Any) -> dict[str, Any]:
 
 
 def layer_module(cfg: Any) -> type:
-    """The TransformerLayer class for the layer spec: compiled dense layer when wanted, else stock."""
-    return CompiledTransformerLayer if _wanted(cfg) else TransformerLayer
+    """The TransformerLayer class the kernel rule picks for this config: compiled dense layer or stock."""
+    return CompiledTransformerLayer if kernels.choose(cfg).layer == "compiled" else TransformerLayer
 
 
 # --------------------------------------------------------------------------- the dense layer
@@ -429,27 +426,10 @@ def _piece(name: str, tp_overlap: bool = False):
     return _compiled(name, _GRAPHS and torch.is_grad_enabled(), tp_overlap)
 
 
-def _graphs_off_reason(cfg: Any) -> Optional[str]:
-    """Why a layout keeps CUDA graphs off although ``train.cuda_graphs`` asks for them.
-
-    Pipeline parallelism: measured on 2 H200s (bench/results, PP=2, m=8, GPT-2 medium) the
-    cudagraph trees of a 1F1B step ran at 0.04x the ungraphed speed (the interleaved
-    forward/backward path of the schedule is not replayed as one stable path).  Full
-    recompute: megatron's checkpoint runs every layer forward twice per step, once without
-    grad, so no step follows one recorded path either.
-    """
-    if int(cfg.parallel.pipeline_parallel) > 1:
-        return "pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
-    if cfg.parallel.recompute == "full":
-        return "full recompute (each layer runs forward twice per step)"
-    return None
-
-
 def graphs_wanted(cfg: Any) -> bool:
-    """CUDA graphs for the compiled layers: ``train.cuda_graphs`` with compiled kernels on a GPU,
-    unless the layout rules them out (:func:`_graphs_off_reason`)."""
-    return bool(getattr(cfg.train, "cuda_graphs", False)) and _wanted(cfg) and _COMPILE \
-        and cfg.parallel.device == "cuda" and _graphs_off_reason(cfg) is None and torch.cuda.is_available()
+    """CUDA graphs for the compiled layers: what the kernel rule says, when compiling (not the
+    eager test mode) on a process that sees a GPU."""
+    return kernels.choose(cfg, cuda_available=torch.cuda.is_available()).cuda_graphs and _COMPILE
 
 
 def step_begin() -> None:
@@ -669,7 +649,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                     for param in layer.parameters():
                         mark_static_address(param, guard=False)
                 notes["cuda_graphs"] = "compiled layers' forward+backward replayed as CUDA graphs (training steps)"
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := _graphs_off_reason(cfg)):
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernels.graphs_off_reason(cfg)):
                 notes["cuda_graphs_off"] = why_off
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")

@@ -1,70 +1,45 @@
-"""Model construction: RunConfig -> megatron-core ``TransformerConfig`` + layer spec + ``GPTModel``.
+"""Model construction shared by every family: RunConfig -> megatron-core ``TransformerConfig``,
+the kernel slots of the one kernel rule, and the dispatch to the family's builder.
 
-Why ``GPTModel`` and not ``HybridModel``: megatron-core 0.19 logs that ``GPTModel`` is
-deprecated in favour of ``HybridModel``.  We keep ``GPTModel`` deliberately because
-(1) its parameter names (``embedding.word_embeddings.weight``,
-``decoder.layers.<i>.self_attention.linear_qkv.weight``, ...) are the ones every
-Megatron<->Hugging Face converter, the conversion helper and existing checkpoints use;
-(2) it supports learned absolute positions (GPT-2) and tied embeddings directly, and
-megatron's pipeline / VPP / dist-checkpoint paths are exercised most on it;
-(3) ``HybridModel`` is built around a layer-pattern string for Mamba/attention hybrids
-and renames the decoder layers, which would break (1) for a pure-attention GPT.
-The deprecation line is filtered out by a narrowly scoped ``logging.Filter`` on
-megatron's ``gpt_model`` logger (only that exact message; every other warning stays).
-
-Kernel paths (recorded in the ``run_start`` event via :func:`kernel_path`):
-- attention: Transformer Engine when importable (``auto``/``te``), else the workbench SDPA
-  module (:mod:`workbench.backend.attention`); stock mcore ``DotProductAttention`` only on
-  ``attention_backend: local``.
-- norm: TE norm with the TE spec; otherwise apex ``FusedLayerNorm`` when apex is importable
-  (LayerNorm only), else the workbench SP-capable norms (:mod:`workbench.backend.norms`).
-- linear layers: TE with the TE spec, else megatron's Column/RowParallelLinear.
-- fusions: whatever :mod:`workbench.backend.fusions` (performance helper) selects, if present.
+- :func:`transformer_config`: the mcore TransformerConfig (sizes, parallel layout, dtypes,
+  recompute, p2p settings) for any family.
+- :func:`layer_class` / :func:`norm_module`: the transformer-layer class and the norm module for
+  a :class:`workbench.kernels.KernelChoice` (the compiled dense layer or megatron's
+  TransformerLayer; TE / apex / the workbench's SP-capable norms).
+- :func:`build_model`: one model chunk, built by the config's family
+  (``workbench/models/<family>/model.py``).
+- :func:`kernel_path`: what each kernel slot resolves to, for the ``run_start`` event.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from workbench.backend.attention import SDPAttention
+from workbench import kernels
+from workbench.backend import fusions
 from workbench.backend.norms import WorkbenchNorm
-from workbench.config import RunConfig, derive, pipeline_stage_layers
-
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
-HAVE_APEX = importlib.util.find_spec("apex") is not None
+from workbench.config import RunConfig, pipeline_stage_layers
+from workbench.kernels import SELECTIVE_RECOMPUTE
+from workbench.models import family_of
 
 __all__ = [
     "WorkbenchTransformerConfig",
     "transformer_config",
-    "layer_spec",
-    "block_spec",
+    "layer_class",
+    "norm_module",
     "build_model",
     "kernel_path",
     "attention_impl",
     "SELECTIVE_RECOMPUTE",
     "RecomputedMLP",
-    "HAVE_TE",
-    "HAVE_APEX",
 ]
 
 
@@ -79,18 +54,8 @@ __all__ = [
 #: function, which gives the parameter a grad_fn and recurses without end in backward
 #: (measured: unbounded memory growth); and its "layernorm" recompute takes the fp8 path
 #: without TE (``CheckpointWithoutOutput``: ``self.fp8 = fp8 is not None``).  With the TE
-#: spec selective recompute keeps Megatron's default (core attention).
-SELECTIVE_RECOMPUTE = "mlp (fc1 + activation rebuilt in backward)"
-
-
-class _DropGPTDeprecation(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("GPTModel IS DEPRECATED")
-
-
-_gpt_logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
-if not any(isinstance(f, _DropGPTDeprecation) for f in _gpt_logger.filters):
-    _gpt_logger.addFilter(_DropGPTDeprecation())
+#: spec selective recompute keeps Megatron's default (core attention).  The name lives in
+#: :data:`workbench.kernels.SELECTIVE_RECOMPUTE`.
 
 
 @dataclass
@@ -126,45 +91,27 @@ class RecomputedMLP(MLP):
 
 
 def attention_impl(cfg: RunConfig) -> str:
-    """Which core attention this config gets: 'te', 'sdpa' or 'local'."""
-    backend = cfg.model.attention_backend
-    if backend == "auto":
-        return "te" if HAVE_TE and cfg.model.position_embedding != "alibi" and cfg.parallel.device == "cuda" else "sdpa"
-    if backend == "te" and not HAVE_TE:
-        raise ValueError("model.attention_backend is 'te' but transformer_engine is not importable; use 'auto' or 'sdpa'")
-    return backend
+    """Which core attention this config gets: 'te', 'sdpa' or 'local' (:func:`workbench.kernels.choose`)."""
+    impl = kernels.choose(cfg).attention
+    if impl == "te" and not kernels.te_available():
+        raise ValueError(f"model.attention_backend is 'te' but Transformer Engine is not usable here "
+                         f"({kernels.te_status()[1]}); use 'auto' or 'sdpa'")
+    return impl
 
 
 def _dtype(cfg: RunConfig) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.train.precision]
 
 
-def _fusion_overrides(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(TransformerConfig overrides, kernel-path notes) from the performance helper's module, if any."""
-    try:
-        from workbench.backend import fusions  # owned by the performance helper
-    except ImportError:
-        return {}, {}
-    fn = getattr(fusions, "transformer_config_overrides", None)
-    if fn is None:
-        return {}, {}
-    overrides = dict(fn(cfg) or {})
-    notes = {k: v for k, v in overrides.items() if "fusion" in k}
-    return overrides, notes
-
-
-def _layer_module(cfg: RunConfig) -> type:
-    """[perf hook] The TransformerLayer class: fusions' compiled dense layer when ``train.compile_kernels`` (CUDA)."""
-    try:
-        from workbench.backend import fusions  # owned by the performance helper
-    except ImportError:
-        return TransformerLayer
-    return getattr(fusions, "layer_module", lambda _cfg: TransformerLayer)(cfg)
+def layer_class(choice: kernels.KernelChoice) -> type:
+    """The TransformerLayer class for a kernel choice: the compiled dense layer, or megatron's."""
+    return fusions.CompiledTransformerLayer if choice.layer == "compiled" else TransformerLayer
 
 
 def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformerConfig:
     """The mcore TransformerConfig for a RunConfig (parallel sizes, dtypes, recompute, kernels)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    impl = attention_impl(cfg)  # refuses attention_backend 'te' where TE is not usable
     dtype = _dtype(cfg)
     cpu = p.device == "cpu"
     kwargs: dict[str, Any] = dict(
@@ -220,79 +167,30 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
     if p.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=p.recompute_num_layers)
     elif p.recompute == "selective":
-        if attention_impl(cfg) == "te":
+        if impl == "te":
             kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
         else:
             kwargs.update(workbench_recompute_mlp=True)
-    fusion_kwargs, _ = _fusion_overrides(cfg)
-    kwargs.update(fusion_kwargs)
+    kwargs.update(fusions.transformer_config_overrides(cfg))
     kwargs.update(overrides)
     return WorkbenchTransformerConfig(**kwargs)
 
 
-def _norm_impl(cfg: RunConfig) -> tuple[Any, str]:
-    if HAVE_APEX and cfg.model.normalization == "layernorm" and cfg.parallel.device == "cuda":
-        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
-
-        return FusedLayerNorm, "apex FusedLayerNorm"
-    name = "RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm"
-    return WorkbenchNorm, f"workbench {name} (torch.nn.functional, SP-capable)"
+_NORM_NAMES = {"te": "Transformer Engine norm", "apex": "apex FusedLayerNorm",
+               "torch": "torch norm (megatron local spec)", "workbench": "workbench {} (torch.nn.functional, SP-capable)"}
 
 
-def layer_spec(cfg: RunConfig) -> ModuleSpec:
-    """The transformer-layer spec: TE spec when TE is chosen, else megatron linears + workbench attention/norms.
-
-    The ``sharded_state_dict_keys_map`` is stock megatron's, so checkpoints are interchangeable
-    between the local and the TE spec.
-    """
-    impl = attention_impl(cfg)
-    if impl == "te":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        return get_gpt_layer_with_transformer_engine_spec()
-    norm, _ = _norm_impl(cfg)
-    core = SDPAttention if impl == "sdpa" else DotProductAttention
-    if impl == "local" and not cfg.parallel.sequence_parallel and cfg.parallel.device == "cuda" and not HAVE_APEX:
-        # the stock spec as-is (torch norms) when the user asked for stock behaviour
-        return get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
-    return ModuleSpec(
-        module=_layer_module(cfg),
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=core,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=partial(RecomputedMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
-        ),
-    )
-
-
-def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
-    """Layer specs for this pipeline stage plus the final norm (the workbench's, so SP works)."""
-    spec = layer_spec(cfg)
-    if attention_impl(cfg) == "te":
+def norm_module(cfg: RunConfig, choice: kernels.KernelChoice) -> Any:
+    """The norm module class for a kernel choice."""
+    if choice.norm == "te":
         from megatron.core.extensions.transformer_engine import TENorm
 
-        final_norm: Any = TENorm
-    else:
-        final_norm, _ = _norm_impl(cfg)
-    n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=final_norm)
+        return TENorm
+    if choice.norm == "apex":
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+
+        return FusedLayerNorm
+    return WorkbenchNorm
 
 
 def build_model(
@@ -301,49 +199,29 @@ def build_model(
     post_process: bool = True,
     vp_stage: Optional[int] = None,
     config: Optional[TransformerConfig] = None,
-) -> GPTModel:
-    """One megatron GPTModel chunk for this rank (parallel state must be initialised).
-
-    ``pre_process``/``post_process``: whether this chunk holds the embedding / the output
-    layer (first / last pipeline stage).  Vocab is padded via :func:`workbench.config.derive`.
-    """
-    config = config or transformer_config(cfg)
-    m = cfg.model
-    pos = {"learned": "learned_absolute", "rope": "rope", "alibi": "none"}[m.position_embedding]
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=block_spec(cfg, config, vp_stage),
-        vocab_size=derive(cfg).padded_vocab_size,
-        max_sequence_length=m.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=m.tie_embeddings,
-        position_embedding_type=pos,
-        rotary_percent=m.rotary_percent,
-        rotary_base=int(m.rotary_base),
-        vp_stage=vp_stage,
-    )
-    if cfg.parallel.device == "cuda" and torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
+) -> Any:
+    """One model chunk for this rank, built by the config's family (parallel state must be initialised)."""
+    return family_of(cfg).part("model").build(cfg, pre_process=pre_process, post_process=post_process,
+                                              vp_stage=vp_stage, config=config)
 
 
 def kernel_path(cfg: RunConfig) -> dict[str, str]:
     """What each kernel slot resolves to for this config (goes into the run_start event)."""
-    impl = attention_impl(cfg)
+    choice = kernels.choose(cfg)
+    impl = choice.attention
     attn = {
         "te": "Transformer Engine DotProductAttention",
         "sdpa": "workbench SDPA (torch scaled_dot_product_attention" + (", ALiBi bias" if cfg.model.position_embedding == "alibi" else "") + ")",
         "local": "megatron-core DotProductAttention (unfused)",
     }[impl]
-    norm = "Transformer Engine norm" if impl == "te" else _norm_impl(cfg)[1]
+    norm = _NORM_NAMES[choice.norm].format("RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
     out = {
         "attention": attn,
         "norm": norm,
         "linear": "Transformer Engine" if impl == "te" else "megatron Column/RowParallelLinear",
         "recompute": {"none": "none", "full": f"full (uniform, {cfg.parallel.recompute_num_layers} layer/block)",
-                      "selective": "selective: " + ("core_attn (TE)" if impl == "te" else SELECTIVE_RECOMPUTE)}[cfg.parallel.recompute],
+                      "selective": "selective: " + ("core_attn (TE)" if choice.selective == "core_attn" else SELECTIVE_RECOMPUTE)}[cfg.parallel.recompute],
     }
-    _, fusion_notes = _fusion_overrides(cfg)
-    out["fusions"] = ", ".join(f"{k}={v}" for k, v in fusion_notes.items() if v) or "none"
+    notes = fusions.transformer_config_overrides(cfg)
+    out["fusions"] = ", ".join(f"{k}={v}" for k, v in notes.items() if "fusion" in k and v) or "none"
     return out

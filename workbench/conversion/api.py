@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 from workbench.config import ConfigError, RunConfig, derive
 from workbench.conversion.hf import (
+    SUPPORTED_MODEL_TYPES,
     TOKENIZER_FILES,
     ConversionError,
     hf_config_dict_from_run,
@@ -34,6 +35,7 @@ from workbench.conversion.hf import (
     run_config_from_hf,
     save_hf_state_dict,
 )
+from workbench.models import family_for_hf
 
 __all__ = [
     "ConversionResult",
@@ -363,25 +365,12 @@ def format_structure(info: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- demos
 
 
-def make_random_hf_model(out: str | Path, model_type: str = "gpt2", hidden: int = 96, layers: int = 4, heads: int = 6,
-                         kv_heads: int = 2, vocab: int = 1000, positions: int = 128, seed: int = 0) -> Path:
-    """A small randomly initialised HF model dir (GPT-2, or Llama with GQA and an untied head) for demos and tests."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    if model_type == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, n_positions=positions,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    elif model_type == "llama":
-        model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                                             num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=vocab,
-                                             max_position_embeddings=positions, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
-    else:
-        raise ConversionError(f"model_type {model_type!r} -> gpt2 or llama")
-    out = Path(out)
-    model.save_pretrained(out)
-    return out
+def make_random_hf_model(out: str | Path, model_type: str = "gpt2", **kwargs: Any) -> Path:
+    """A small randomly initialised HF model dir of ``model_type`` for demos and tests (the family's adapter makes it)."""
+    fam = family_for_hf(model_type)
+    if fam is None:
+        raise ConversionError(f"model_type {model_type!r} -> one of {sorted(SUPPORTED_MODEL_TYPES)}")
+    return fam.part("hf").make_random_hf_model(out, model_type, **kwargs)
 
 
 def compare_hf_dirs(a: str | Path, b: str | Path) -> dict[str, Any]:

@@ -1,0 +1,256 @@
+"""The one kernel rule: which kernels a run config trains with.
+
+:func:`choose` decides, for a config and the packages importable where it runs, the core
+attention (Transformer Engine, the workbench SDPA module or stock megatron), whether the
+transformer layers run as the compiled dense layer or as megatron's stock layer (and why
+not), the norm, the cross-entropy, the optimizer kernel, what ``recompute: selective``
+recomputes and whether the compiled layers replay as CUDA graphs.  The backend's builder
+(:mod:`workbench.models` specs, :mod:`workbench.backend.fusions`), the planner and the
+benchmarks call it; nothing else restates these rules.  ``tests/`` builds the real model
+for a grid of configs and checks that what was built is what :func:`choose` said.
+
+Transformer Engine: ``attention_backend: auto`` takes the compiled workbench layer whenever
+it applies (GPT-2 medium on an H200: 1.9x the tokens/s of TE's stock layer, bench/README.md),
+and TE's layer when TE is healthy and the compiled layer does not apply (e.g. RoPE), where
+TE's fused kernels beat the eager layer.  A TE that is installed but broken (its import
+raises, e.g. without the ``transformer-engine`` distribution metadata) is found here before
+megatron-core is imported, reported once, and hidden (:func:`guard_transformer_engine`) so
+the run continues on the non-TE path instead of failing inside megatron's own import.
+
+This module imports neither torch nor megatron-core (the planner calls it in a 10 ms loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+__all__ = [
+    "KernelChoice",
+    "choose",
+    "fast_paths_wanted",
+    "layer_blocker",
+    "graphs_off_reason",
+    "te_status",
+    "te_available",
+    "apex_available",
+    "guard_transformer_engine",
+    "allow_fast_paths_on_cpu",
+    "SELECTIVE_RECOMPUTE",
+]
+
+#: What ``parallel.recompute: selective`` recomputes on the workbench's own layers.  Stock
+#: Megatron's default (``core_attn``) saves nothing with SDPA/flash attention, which keeps no
+#: s x s scores; the workbench recomputes the dense MLP (fc1 output and activation) instead.
+#: On the TE spec it keeps Megatron's meaning (core attention).
+SELECTIVE_RECOMPUTE = "mlp (fc1 + activation rebuilt in backward)"
+
+_FAST_ON_CPU = False
+
+
+def allow_fast_paths_on_cpu(enabled: bool = True) -> None:
+    """Tests: let the compiled fast paths run for ``parallel.device: cpu`` too (GPU-only otherwise)."""
+    global _FAST_ON_CPU
+    _FAST_ON_CPU = bool(enabled)
+
+
+# --------------------------------------------------------------------------- optional packages
+
+
+@lru_cache(maxsize=None)
+def te_status() -> tuple[Literal["absent", "ok", "broken"], str]:
+    """Whether Transformer Engine can be used here, without importing it.
+
+    ``broken`` when the ``transformer_engine`` package is there but cannot import: its
+    distribution metadata is missing (TE then fails its own check with ``AssertionError:
+    Could not find transformer-engine``) or its torch extension is not installed.
+    """
+    try:
+        if importlib.util.find_spec("transformer_engine") is None:
+            return "absent", "transformer_engine is not installed"
+    except (ImportError, ValueError):
+        return "absent", "transformer_engine is hidden in this process"
+    try:
+        version = importlib.metadata.version("transformer-engine")
+    except importlib.metadata.PackageNotFoundError:
+        return "broken", ("the transformer_engine package has no 'transformer-engine' distribution metadata "
+                          "(its import fails its own check); fix: pip install the 'transformer-engine' meta-package "
+                          "of the same version, or uninstall transformer_engine")
+    if importlib.util.find_spec("transformer_engine_torch") is None:
+        return "broken", (f"transformer-engine {version} has no PyTorch extension (transformer_engine_torch); "
+                          "fix: bash launch/install_te.sh, or uninstall transformer_engine")
+    return "ok", f"transformer-engine {version}"
+
+
+def te_available() -> bool:
+    return te_status()[0] == "ok"
+
+
+@lru_cache(maxsize=None)
+def apex_available() -> bool:
+    return importlib.util.find_spec("apex") is not None
+
+
+_TE_REPORTED = False
+
+
+def guard_transformer_engine(stream: Any = None) -> str | None:
+    """Call before megatron-core is imported: hide a broken Transformer Engine from this process.
+
+    megatron-core imports TE where it finds it, and a broken TE raises ``AssertionError`` from
+    inside that import, failing the whole backend.  Here a broken TE is reported once (on
+    ``stream``, default stderr) and replaced by ``None`` in ``sys.modules``, so every
+    ``import transformer_engine`` raises ``ImportError`` and megatron takes its non-TE path.
+    Returns the message when TE was hidden.
+    """
+    global _TE_REPORTED
+    status, why = te_status()
+    if status != "broken":
+        return None
+    for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+        del sys.modules[name]
+    sys.modules["transformer_engine"] = None  # type: ignore[assignment]
+    msg = f"[workbench] Transformer Engine is installed but unusable: {why}. Continuing without it."
+    if not _TE_REPORTED:
+        print(msg, file=stream or sys.stderr, flush=True)
+        _TE_REPORTED = True
+    return msg
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels one config trains with (where they differ in speed or in what they keep)."""
+
+    #: te: Transformer Engine's spec (TE linears, norms, fused attention); sdpa: the workbench's
+    #: torch SDPA module (flash/cuDNN); local: megatron's unfused DotProductAttention
+    attention: Literal["te", "sdpa", "local"]
+    #: compiled: the workbench's compiled dense layer (one graph per layer); stock: megatron's TransformerLayer
+    layer: Literal["compiled", "stock"]
+    #: why the layer is stock ("" when compiled)
+    layer_reason: str
+    norm: Literal["te", "apex", "workbench", "torch"]
+    cross_entropy: Literal["compiled", "vocab_parallel"]
+    optimizer: Literal["fused", "foreach", "for-loop"]
+    #: what recompute: selective recomputes: the MLP (workbench layers) or core attention (TE spec)
+    selective: Literal["mlp", "core_attn"]
+    cuda_graphs: bool
+    #: why CUDA graphs are off although train.cuda_graphs asks for them ("" otherwise)
+    cuda_graphs_reason: str
+    #: whether the rule found Transformer Engine usable
+    transformer_engine: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def flash(self) -> bool:
+        """Attention keeps no s x s scores (TE or SDPA)."""
+        return self.attention != "local"
+
+    def describe(self) -> str:
+        layer = "compiled layer" if self.layer == "compiled" else f"stock layer ({self.layer_reason})"
+        graphs = ", CUDA graphs" if self.cuda_graphs else ""
+        return (f"attention {self.attention}, {layer}{graphs}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
+                f"optimizer {self.optimizer}")
+
+
+def fast_paths_wanted(cfg: Any) -> bool:
+    """``train.compile_kernels`` on a GPU (or on CPU where tests allowed it)."""
+    return bool(cfg.train.compile_kernels) and (cfg.parallel.device == "cuda" or _FAST_ON_CPU)
+
+
+def layer_blocker(cfg: Any) -> str | None:
+    """Why the compiled dense layer cannot serve this config's layers, whatever the attention (None: it can).
+
+    The model-level counterpart of ``fusions.fast_path_blocker``, which checks a built layer.
+    """
+    m, p = cfg.model, cfg.parallel
+    if m.query_groups < p.tensor_parallel:
+        return "fewer KV groups than TP ranks"
+    if m.hidden_dropout > 0 or m.attention_dropout > 0:
+        return "dropout"
+    if m.position_embedding == "alibi":
+        return "ALiBi"
+    if m.position_embedding == "rope":
+        return "rotary embedding (applied per call; not in the compiled layer yet)"
+    return None
+
+
+def graphs_off_reason(cfg: Any) -> str | None:
+    """Why a layout keeps CUDA graphs off although ``train.cuda_graphs`` asks for them.
+
+    Pipeline parallelism: measured on 2 H200s (PP=2, m=8, GPT-2 medium) cudagraph trees of a
+    1F1B step ran at 0.04x the ungraphed speed.  Full recompute: megatron's checkpoint runs
+    every layer forward twice per step, once without grad, so no step follows one path.
+    """
+    if int(cfg.parallel.pipeline_parallel) > 1:
+        return "pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
+    if cfg.parallel.recompute == "full":
+        return "full recompute (each layer runs forward twice per step)"
+    return None
+
+
+def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_available: bool = True) -> KernelChoice:
+    """The kernels ``cfg`` trains with. ``te`` / ``apex``: whether they are usable where the run
+    trains (default: here); ``cuda_available``: whether the training process sees a GPU."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    cuda = p.device == "cuda"
+    te = te_available() if te is None else bool(te)
+    apex = apex_available() if apex is None else bool(apex)
+    fast = fast_paths_wanted(cfg)
+    blocker = layer_blocker(cfg)
+
+    if m.attention_backend == "auto":
+        if fast and blocker is None:
+            attention = "sdpa"  # the compiled layer: 1.9x TE's stock layer on GPT-2 medium (H200)
+        elif te and cuda and m.position_embedding != "alibi":
+            attention = "te"
+        else:
+            attention = "sdpa"
+    else:
+        attention = m.attention_backend
+
+    if not t.compile_kernels:
+        reason = "train.compile_kernels is off"
+    elif not fast:
+        reason = "fast paths are GPU-only (parallel.device: cpu)"
+    elif attention != "sdpa":
+        reason = f"attention_backend {attention}"
+    else:
+        reason = blocker or ""
+    layer = "stock" if reason else "compiled"
+
+    if attention == "te":
+        norm = "te"
+    elif layer == "stock" and apex and cuda and m.normalization == "layernorm":
+        norm = "apex"
+    elif attention == "local" and cuda and not p.sequence_parallel and not apex:
+        norm = "torch"  # megatron's local spec as it is
+    else:
+        norm = "workbench"
+
+    if not cuda:
+        optimizer = "for-loop"  # torch's AdamW runs its single-tensor loop off CUDA
+    elif fast or te or apex:
+        optimizer = "fused"
+    else:
+        optimizer = "foreach"
+
+    graphs_reason = ""
+    if t.cuda_graphs and layer == "compiled":
+        graphs_reason = graphs_off_reason(cfg) or ("" if cuda and cuda_available else "no GPU")
+    graphs = bool(t.cuda_graphs) and layer == "compiled" and not graphs_reason
+    return KernelChoice(
+        attention=attention, layer=layer, layer_reason=reason, norm=norm,
+        cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
+        optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
+        cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, transformer_engine=te,
+    )

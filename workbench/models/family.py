@@ -1,0 +1,67 @@
+"""What a model family is: one folder under ``workbench/models/`` that the rest of the workbench asks.
+
+A family declares (torch-free, so the planner, config validation and widgets can read it in
+a notebook kernel) what it supports, its presets, its config rules and its shape terms; and
+names the modules of its heavier concerns, imported only where they run:
+
+=============  ==========================================================================
+part           what it holds
+=============  ==========================================================================
+``shapes``     parameter counts, Megatron FLOPs and the planner's per-stage memory terms
+               (torch-free; imported with the family)
+``model``      the megatron ``ModuleSpec`` s and ``build(cfg, pre_process, post_process,
+               vp_stage, config)`` -> one model chunk (rank side: torch + megatron-core)
+``step``       the default train step: ``forward_step(batch, model, return_logits)`` and
+               ``loss(batch, losses)`` (rank side)
+``data``       ``build_datasets(cfg, run_dir, log)`` for the non-synthetic sources (rank side)
+``hf``         the Hugging Face state-dict adapter (conversion)
+=============  ==========================================================================
+
+Adding a family: a folder with an ``__init__.py`` that defines ``FAMILY`` and the modules it
+names, and one line in :data:`workbench.models.FAMILIES`. Nothing outside the folder branches on
+``model.arch``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Mapping
+
+__all__ = ["Family", "Supports"]
+
+
+@dataclass(frozen=True)
+class Supports:
+    """What a family can do (config validation and the widgets read this)."""
+
+    pipeline: bool = True
+    interleaved: bool = True
+    sequence_parallel: bool = True
+    generation: bool = False
+    #: (HF ``model_type``, HF class) pairs its ``hf`` part converts
+    hf_classes: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def hf_model_types(self) -> tuple[str, ...]:
+        return tuple(mt for mt, _ in self.hf_classes)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    title: str
+    #: dotted package holding the parts (``workbench.models.gpt``)
+    package: str
+    supports: Supports
+    #: the torch-free ``shapes`` module
+    shapes: ModuleType
+    #: preset name -> nested dict of RunConfig sections (missing fields take the defaults)
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: family-specific config rules: cfg -> [(field, rule, fix)]
+    rules: Callable[[Any], list[tuple[str, str, str]]] = lambda cfg: []
+
+    def part(self, name: str) -> ModuleType:
+        """One of the family's modules (``model``, ``step``, ``data``, ``hf``), imported on first use."""
+        return importlib.import_module(f"{self.package}.{name}")

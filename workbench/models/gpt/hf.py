@@ -1,0 +1,291 @@
+"""HF GPT-2 / Llama <-> megatron-core GPT: config fields and full (unsharded) state dicts.
+
+The generic machinery (reading/writing HF dirs, vocab padding, the per-group QKV layout) is
+:mod:`workbench.conversion.hf`; this module holds what is GPT's: the HF config fields, the
+tensor names of GPT-2 (``Conv1D`` weights ``[in, out]``, ``c_attn`` = ``[q | k | v]``) and of
+Llama (rotate-half RoPE q/k, which is mcore's default), and the random demo models.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from workbench.config import ModelConfig, RunConfig, derive
+from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take
+from workbench.models.gpt import FAMILY
+
+__all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
+           "make_random_hf_model"]
+
+#: the HF model types this adapter converts, and their HF classes
+HF_CLASSES = dict(FAMILY.supports.hf_classes)
+_GELU_TANH = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
+
+
+def _rope_theta(hf: dict) -> float:
+    rp = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    rtype = (rp.get("rope_type") if isinstance(rp, dict) else None) or (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if rtype not in (None, "default"):
+        raise ConversionError(f"config.json: RoPE scaling {rtype!r} is not supported by the workbench model -> only plain RoPE (rope_type 'default')")
+    theta = (rp.get("rope_theta") if isinstance(rp, dict) else None) or hf.get("rope_theta") or 10000.0
+    return float(theta)
+
+
+def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
+    """Fill the RunConfig ``model`` section ``m`` (a dict) from an HF GPT-2 / Llama config."""
+    mt = hf.get("model_type")
+    if mt == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in _GELU_TANH | {"gelu"}:
+            raise ConversionError(f"config.json: activation_function {act!r} is not supported -> gelu or gelu_new")
+        if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
+            raise ConversionError("config.json: GPT-2 attention scaling variants (scale_attn_weights=false / "
+                                  "scale_attn_by_inverse_layer_idx) have no megatron-core equivalent")
+        h = int(hf["n_embd"])
+        m.update(
+            num_layers=int(hf["n_layer"]), hidden_size=h, num_attention_heads=int(hf["n_head"]),
+            attention_type="multihead", num_query_groups=None, ffn_hidden_size=int(hf.get("n_inner") or 4 * h),
+            kv_channels=None, vocab_size=int(hf["vocab_size"]), max_position_embeddings=int(hf["n_positions"]),
+            seq_length=min(int(hf["n_positions"]), m.get("seq_length") or 1024), position_embedding="learned",
+            normalization="layernorm", norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)), activation="gelu",
+            gelu_approximate="tanh" if act in _GELU_TANH else "none", add_bias_linear=True,
+            hidden_dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)), init_method_std=float(hf.get("initializer_range", 0.02)),
+        )
+    elif mt == "llama":
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConversionError(f"config.json: hidden_act {hf.get('hidden_act')!r} is not supported -> Llama's silu (SwiGLU)")
+        if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+            raise ConversionError("config.json: attention_bias and mlp_bias differ; the workbench model has one add_bias_linear switch -> "
+                                  "only models with both or neither are supported")
+        h, a = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        g = int(hf.get("num_key_value_heads") or a)
+        head_dim = int(hf.get("head_dim") or h // a)
+        m.update(
+            num_layers=int(hf["num_hidden_layers"]), hidden_size=h, num_attention_heads=a,
+            attention_type="multihead" if g == a else ("multiquery" if g == 1 else "grouped"),
+            num_query_groups=g if g not in (1, a) else None, ffn_hidden_size=int(hf["intermediate_size"]),
+            kv_channels=head_dim if head_dim * a != h else None, vocab_size=int(hf["vocab_size"]),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            seq_length=min(int(hf["max_position_embeddings"]), m.get("seq_length") or 1024),
+            position_embedding="rope", rotary_base=_rope_theta(hf), rotary_percent=1.0, normalization="rmsnorm",
+            norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu", gelu_approximate="none",
+            add_bias_linear=bool(hf.get("attention_bias", False)), hidden_dropout=0.0,
+            attention_dropout=float(hf.get("attention_dropout", 0.0)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), init_method_std=float(hf.get("initializer_range", 0.02)),
+        )
+    else:
+        raise ConversionError(f"model_type {mt!r} is not a GPT-family type -> one of {sorted(HF_CLASSES)}")
+
+
+def infer_model_type(m: ModelConfig) -> str:
+    """Which HF architecture a workbench model maps onto, or a clear refusal."""
+    if m.position_embedding == "learned" and m.normalization == "layernorm" and m.activation == "gelu":
+        if m.query_groups != m.num_attention_heads or (m.kv_channels and m.kv_channels * m.num_attention_heads != m.hidden_size):
+            raise ConversionError("model: GPT-2 export needs multi-head attention with head_dim = hidden/heads")
+        if not m.add_bias_linear:
+            raise ConversionError("model.add_bias_linear is false: HF GPT-2 always has linear biases -> no HF equivalent")
+        return "gpt2"
+    if m.position_embedding == "rope" and m.normalization == "rmsnorm" and m.activation == "swiglu":
+        if m.rotary_percent != 1.0:
+            raise ConversionError("model.rotary_percent < 1 has no HF Llama equivalent")
+        return "llama"
+    raise ConversionError(
+        f"model (position_embedding={m.position_embedding}, normalization={m.normalization}, activation={m.activation}) "
+        "matches neither HF GPT-2 (learned/layernorm/gelu) nor Llama (rope/rmsnorm/swiglu) -> no HF export for this architecture")
+
+
+def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | None = None, dtype: str = "float32") -> dict[str, Any]:
+    """config.json content for the exported HF model (tokens ids etc. kept from the imported config when known)."""
+    m = cfg.model
+    extra = dict(hf_extra or {})
+    keep = {k: extra[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in extra}
+    if model_type == "gpt2":
+        out = {
+            "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": m.vocab_size,
+            "n_positions": m.max_position_embeddings, "n_embd": m.hidden_size, "n_layer": m.num_layers,
+            "n_head": m.num_attention_heads, "n_inner": m.ffn_size, "layer_norm_epsilon": m.norm_epsilon,
+            "activation_function": "gelu_new" if m.gelu_approximate == "tanh" else "gelu",
+            "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
+            "initializer_range": m.init_method_std, "tie_word_embeddings": m.tie_embeddings,
+            # GPT-2's <|endoftext|> is the last id; kept in range for other vocab sizes
+            "bos_token_id": m.vocab_size - 1, "eos_token_id": m.vocab_size - 1,
+        }
+    else:
+        out = {
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size, "intermediate_size": m.ffn_size, "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.query_groups,
+            "head_dim": m.head_dim, "max_position_embeddings": m.max_position_embeddings,
+            "rms_norm_eps": m.norm_epsilon, "hidden_act": "silu", "attention_bias": m.add_bias_linear,
+            "mlp_bias": m.add_bias_linear, "attention_dropout": m.attention_dropout,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rotary_base)},
+            "rope_theta": float(m.rotary_base), "tie_word_embeddings": m.tie_embeddings,
+            "initializer_range": m.init_method_std,
+        }
+    out.update(keep)
+    out["torch_dtype"] = dtype
+    out["dtype"] = dtype
+    return out
+
+
+def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
+                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
+    """Map an HF state dict to the full TP=1 megatron-core state dict (vocab padded per ``derive(cfg)``)."""
+    import torch
+
+    m = cfg.model
+    a, g, d, h = m.num_attention_heads, m.query_groups, m.head_dim, m.hidden_size
+    padded = derive(cfg).padded_vocab_size
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    it = progress if progress else (lambda x: x)
+    out: dict[str, Any] = {}
+    src = f"HF {model_type}"
+    sd = {re.sub(r"^(module\.)", "", k): v for k, v in hf_sd.items()}
+    if model_type == "gpt2":
+        P = "transformer." if any(k.startswith("transformer.") for k in sd) else ""
+        wte = take(sd, f"{P}wte.weight", src)
+        if wte.shape[0] != m.vocab_size:
+            raise ConversionError(f"{src}: wte has {wte.shape[0]} rows but config vocab_size is {m.vocab_size}")
+        out["embedding.word_embeddings.weight"] = pad_vocab_rows(wte, padded)
+        out["embedding.position_embeddings.weight"] = take(sd, f"{P}wpe.weight", src)
+        for i in it(range(m.num_layers)):
+            s, o = f"{P}h.{i}.", f"decoder.layers.{i}."
+            out[o + "input_layernorm.weight"] = take(sd, s + "ln_1.weight", src)
+            out[o + "input_layernorm.bias"] = take(sd, s + "ln_1.bias", src)
+            w = take(sd, s + "attn.c_attn.weight", src).t()
+            b = take(sd, s + "attn.c_attn.bias", src)
+            out[o + "self_attention.linear_qkv.weight"] = qkv_to_mcore(*w.split(h, dim=0), a, g, d)
+            out[o + "self_attention.linear_qkv.bias"] = qkv_to_mcore(*b.split(h, dim=0), a, g, d)
+            out[o + "self_attention.linear_proj.weight"] = take(sd, s + "attn.c_proj.weight", src).t().contiguous()
+            out[o + "self_attention.linear_proj.bias"] = take(sd, s + "attn.c_proj.bias", src)
+            out[o + "pre_mlp_layernorm.weight"] = take(sd, s + "ln_2.weight", src)
+            out[o + "pre_mlp_layernorm.bias"] = take(sd, s + "ln_2.bias", src)
+            out[o + "mlp.linear_fc1.weight"] = take(sd, s + "mlp.c_fc.weight", src).t().contiguous()
+            out[o + "mlp.linear_fc1.bias"] = take(sd, s + "mlp.c_fc.bias", src)
+            out[o + "mlp.linear_fc2.weight"] = take(sd, s + "mlp.c_proj.weight", src).t().contiguous()
+            out[o + "mlp.linear_fc2.bias"] = take(sd, s + "mlp.c_proj.bias", src)
+        out["decoder.final_layernorm.weight"] = take(sd, f"{P}ln_f.weight", src)
+        out["decoder.final_layernorm.bias"] = take(sd, f"{P}ln_f.bias", src)
+        if not m.tie_embeddings:
+            out["output_layer.weight"] = pad_vocab_rows(take(sd, "lm_head.weight", src), padded)
+    elif model_type == "llama":
+        P = "model." if any(k.startswith("model.") for k in sd) else ""
+        emb = take(sd, f"{P}embed_tokens.weight", src)
+        if emb.shape[0] != m.vocab_size:
+            raise ConversionError(f"{src}: embed_tokens has {emb.shape[0]} rows but config vocab_size is {m.vocab_size}")
+        out["embedding.word_embeddings.weight"] = pad_vocab_rows(emb, padded)
+        bias = m.add_bias_linear
+        for i in it(range(m.num_layers)):
+            s, o = f"{P}layers.{i}.", f"decoder.layers.{i}."
+            out[o + "input_layernorm.weight"] = take(sd, s + "input_layernorm.weight", src)
+            q, k, v = (take(sd, s + f"self_attn.{n}_proj.weight", src) for n in "qkv")
+            out[o + "self_attention.linear_qkv.weight"] = qkv_to_mcore(q, k, v, a, g, d)
+            out[o + "self_attention.linear_proj.weight"] = take(sd, s + "self_attn.o_proj.weight", src)
+            out[o + "pre_mlp_layernorm.weight"] = take(sd, s + "post_attention_layernorm.weight", src)
+            out[o + "mlp.linear_fc1.weight"] = torch.cat([take(sd, s + "mlp.gate_proj.weight", src),
+                                                          take(sd, s + "mlp.up_proj.weight", src)], dim=0)
+            out[o + "mlp.linear_fc2.weight"] = take(sd, s + "mlp.down_proj.weight", src)
+            if bias:
+                qb, kb, vb = (take(sd, s + f"self_attn.{n}_proj.bias", src) for n in "qkv")
+                out[o + "self_attention.linear_qkv.bias"] = qkv_to_mcore(qb, kb, vb, a, g, d)
+                out[o + "self_attention.linear_proj.bias"] = take(sd, s + "self_attn.o_proj.bias", src)
+                out[o + "mlp.linear_fc1.bias"] = torch.cat([take(sd, s + "mlp.gate_proj.bias", src),
+                                                            take(sd, s + "mlp.up_proj.bias", src)], dim=0)
+                out[o + "mlp.linear_fc2.bias"] = take(sd, s + "mlp.down_proj.bias", src)
+        out["decoder.final_layernorm.weight"] = take(sd, f"{P}norm.weight", src)
+        if not m.tie_embeddings:
+            out["output_layer.weight"] = pad_vocab_rows(take(sd, "lm_head.weight", src), padded)
+    else:
+        raise ConversionError(f"model_type {model_type!r} is not supported")
+    return {k: cast(v).contiguous() for k, v in out.items()}
+
+
+def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
+                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
+    """Inverse of :func:`hf_to_mcore`: pad rows are stripped (they never reach HF)."""
+    import torch
+
+    m = cfg.model
+    a, g, d, h, V = m.num_attention_heads, m.query_groups, m.head_dim, m.hidden_size, m.vocab_size
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    it = progress if progress else (lambda x: x)
+    src = "megatron checkpoint"
+    out: dict[str, Any] = {}
+    emb = take(sd, "embedding.word_embeddings.weight", src)[:V]
+    if model_type == "gpt2":
+        out["transformer.wte.weight"] = emb
+        out["transformer.wpe.weight"] = take(sd, "embedding.position_embeddings.weight", src)
+        for i in it(range(m.num_layers)):
+            s, o = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            out[o + "ln_1.weight"] = take(sd, s + "input_layernorm.weight", src)
+            out[o + "ln_1.bias"] = take(sd, s + "input_layernorm.bias", src)
+            q, k, v = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.weight", src), a, g, d)
+            out[o + "attn.c_attn.weight"] = torch.cat([q, k, v], dim=0).t()
+            qb, kb, vb = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.bias", src), a, g, d)
+            out[o + "attn.c_attn.bias"] = torch.cat([qb, kb, vb], dim=0)
+            out[o + "attn.c_proj.weight"] = take(sd, s + "self_attention.linear_proj.weight", src).t()
+            out[o + "attn.c_proj.bias"] = take(sd, s + "self_attention.linear_proj.bias", src)
+            out[o + "ln_2.weight"] = take(sd, s + "pre_mlp_layernorm.weight", src)
+            out[o + "ln_2.bias"] = take(sd, s + "pre_mlp_layernorm.bias", src)
+            out[o + "mlp.c_fc.weight"] = take(sd, s + "mlp.linear_fc1.weight", src).t()
+            out[o + "mlp.c_fc.bias"] = take(sd, s + "mlp.linear_fc1.bias", src)
+            out[o + "mlp.c_proj.weight"] = take(sd, s + "mlp.linear_fc2.weight", src).t()
+            out[o + "mlp.c_proj.bias"] = take(sd, s + "mlp.linear_fc2.bias", src)
+        out["transformer.ln_f.weight"] = take(sd, "decoder.final_layernorm.weight", src)
+        out["transformer.ln_f.bias"] = take(sd, "decoder.final_layernorm.bias", src)
+        if not m.tie_embeddings:
+            out["lm_head.weight"] = take(sd, "output_layer.weight", src)[:V]
+    elif model_type == "llama":
+        out["model.embed_tokens.weight"] = emb
+        f = m.ffn_size
+        for i in it(range(m.num_layers)):
+            s, o = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out[o + "input_layernorm.weight"] = take(sd, s + "input_layernorm.weight", src)
+            q, k, v = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.weight", src), a, g, d)
+            out[o + "self_attn.q_proj.weight"], out[o + "self_attn.k_proj.weight"], out[o + "self_attn.v_proj.weight"] = q, k, v
+            out[o + "self_attn.o_proj.weight"] = take(sd, s + "self_attention.linear_proj.weight", src)
+            out[o + "post_attention_layernorm.weight"] = take(sd, s + "pre_mlp_layernorm.weight", src)
+            fc1 = take(sd, s + "mlp.linear_fc1.weight", src)
+            out[o + "mlp.gate_proj.weight"], out[o + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
+            out[o + "mlp.down_proj.weight"] = take(sd, s + "mlp.linear_fc2.weight", src)
+            if m.add_bias_linear:
+                qb, kb, vb = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.bias", src), a, g, d)
+                out[o + "self_attn.q_proj.bias"], out[o + "self_attn.k_proj.bias"], out[o + "self_attn.v_proj.bias"] = qb, kb, vb
+                out[o + "self_attn.o_proj.bias"] = take(sd, s + "self_attention.linear_proj.bias", src)
+                b1 = take(sd, s + "mlp.linear_fc1.bias", src)
+                out[o + "mlp.gate_proj.bias"], out[o + "mlp.up_proj.bias"] = b1[:f], b1[f:]
+                out[o + "mlp.down_proj.bias"] = take(sd, s + "mlp.linear_fc2.bias", src)
+        out["model.norm.weight"] = take(sd, "decoder.final_layernorm.weight", src)
+        if not m.tie_embeddings:
+            out["lm_head.weight"] = take(sd, "output_layer.weight", src)[:V]
+    else:
+        raise ConversionError(f"model_type {model_type!r} is not supported")
+    return {k: cast(v).contiguous() for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------- demos
+
+
+def make_random_hf_model(out: str | Path, model_type: str = "gpt2", hidden: int = 96, layers: int = 4, heads: int = 6,
+                         kv_heads: int = 2, vocab: int = 1000, positions: int = 128, seed: int = 0) -> Path:
+    """A small randomly initialised HF model dir (GPT-2, or Llama with GQA and an untied head) for demos and tests."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if model_type == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, n_positions=positions,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    elif model_type == "llama":
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                             num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=vocab,
+                                             max_position_embeddings=positions, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+    else:
+        raise ConversionError(f"model_type {model_type!r} -> gpt2 or llama")
+    out = Path(out)
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,138 @@
+"""GPT's megatron specs and builder: RunConfig -> layer spec -> ``GPTModel`` chunk.
+
+Why ``GPTModel`` and not ``HybridModel``: megatron-core 0.19 logs that ``GPTModel`` is
+deprecated in favour of ``HybridModel``.  We keep ``GPTModel`` deliberately because
+(1) its parameter names (``embedding.word_embeddings.weight``,
+``decoder.layers.<i>.self_attention.linear_qkv.weight``, ...) are the ones every
+Megatron<->Hugging Face converter, the conversion helper and existing checkpoints use;
+(2) it supports learned absolute positions (GPT-2) and tied embeddings directly, and
+megatron's pipeline / VPP / dist-checkpoint paths are exercised most on it;
+(3) ``HybridModel`` is built around a layer-pattern string for Mamba/attention hybrids
+and renames the decoder layers, which would break (1) for a pure-attention GPT.
+The deprecation line is filtered out by a narrowly scoped ``logging.Filter`` on
+megatron's ``gpt_model`` logger (only that exact message; every other warning stays).
+
+Every kernel slot (attention, layer class, norm) comes from :func:`workbench.kernels.choose`.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Optional
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+from workbench import kernels
+from workbench.backend.attention import SDPAttention
+from workbench.backend.model import RecomputedMLP, layer_class, norm_module, transformer_config
+from workbench.config import RunConfig, derive
+
+__all__ = ["layer_spec", "block_spec", "build"]
+
+
+class _DropGPTDeprecation(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("GPTModel IS DEPRECATED")
+
+
+_gpt_logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
+if not any(isinstance(f, _DropGPTDeprecation) for f in _gpt_logger.filters):
+    _gpt_logger.addFilter(_DropGPTDeprecation())
+
+
+def layer_spec(cfg: RunConfig) -> ModuleSpec:
+    """The transformer-layer spec: TE spec when the rule picks TE, else megatron linears + workbench attention/norms.
+
+    The ``sharded_state_dict_keys_map`` is stock megatron's, so checkpoints are interchangeable
+    between the local and the TE spec.
+    """
+    choice = kernels.choose(cfg)
+    if choice.attention == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    if choice.norm == "torch":
+        # the stock spec as-is (torch norms) when the user asked for stock behaviour
+        return get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
+    norm = norm_module(cfg, choice)
+    core = SDPAttention if choice.attention == "sdpa" else DotProductAttention
+    return ModuleSpec(
+        module=layer_class(choice),
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=core,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=partial(RecomputedMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Layer specs for this pipeline stage plus the final norm (the workbench's, so SP works)."""
+    spec = layer_spec(cfg)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm_module(cfg, kernels.choose(cfg)))
+
+
+def build(
+    cfg: RunConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config: Optional[TransformerConfig] = None,
+) -> GPTModel:
+    """One megatron GPTModel chunk for this rank (parallel state must be initialised).
+
+    ``pre_process``/``post_process``: whether this chunk holds the embedding / the output
+    layer (first / last pipeline stage).  Vocab is padded via :func:`workbench.config.derive`.
+    """
+    config = config or transformer_config(cfg)
+    m = cfg.model
+    pos = {"learned": "learned_absolute", "rope": "rope", "alibi": "none"}[m.position_embedding]
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(cfg, config, vp_stage),
+        vocab_size=derive(cfg).padded_vocab_size,
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type=pos,
+        rotary_percent=m.rotary_percent,
+        rotary_base=int(m.rotary_base),
+        vp_stage=vp_stage,
+    )
+    if cfg.parallel.device == "cuda" and torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+

@@ -1,0 +1,51 @@
+"""GPT presets: nested RunConfig sections (fields not named take the RunConfig defaults)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PRESETS"]
+
+
+def _gpt2(layers: int, hidden: int, heads: int, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "model": dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=50257,
+                      max_position_embeddings=1024, seq_length=1024, hidden_dropout=0.0, attention_dropout=0.0),
+        "train": dict(micro_batch_size=8, global_batch_size=64, train_iters=1000, lr=6e-4, min_lr=6e-5, lr_warmup_iters=100),
+        "data": dict(source="demo"),
+    }
+
+
+def _demo_small() -> dict[str, Any]:
+    """A small GPT on the embedded corpus: trains in minutes on one GPU."""
+    cfg = _gpt2(6, 384, 6, "demo-small")
+    cfg["model"].update(vocab_size=4096, seq_length=256, max_position_embeddings=256)  # the demo tokenizer's vocabulary
+    cfg["train"] = dict(micro_batch_size=16, global_batch_size=32, train_iters=200, lr=1e-3, min_lr=1e-4, lr_warmup_iters=20)
+    return cfg
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "name": "tiny",
+        "model": dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=4096,
+                      max_position_embeddings=128, seq_length=64, make_vocab_size_divisible_by=64),
+        "parallel": dict(device="cpu"),
+        "train": dict(micro_batch_size=2, global_batch_size=4, train_iters=10, lr=1e-3, min_lr=1e-4,
+                      lr_warmup_iters=2, eval_interval=5, eval_iters=2, precision="fp32", compile_kernels=False),
+        "data": dict(source="demo"),
+    },
+    "demo-small": _demo_small(),
+    "gpt2-small": _gpt2(12, 768, 12, "gpt2-small"),
+    "gpt2-medium": _gpt2(24, 1024, 16, "gpt2-medium"),
+    "gpt2-large": _gpt2(36, 1280, 20, "gpt2-large"),
+    "gpt2-xl": _gpt2(48, 1600, 25, "gpt2-xl"),
+    "llama-small": {
+        "name": "llama-small",
+        "model": dict(num_layers=12, hidden_size=768, num_attention_heads=12, attention_type="grouped",
+                      num_query_groups=4, vocab_size=32000, max_position_embeddings=2048, seq_length=1024,
+                      position_embedding="rope", normalization="rmsnorm", activation="swiglu",
+                      add_bias_linear=False, tie_embeddings=False, norm_epsilon=1e-6),
+        "train": dict(micro_batch_size=8, global_batch_size=64, train_iters=1000, lr=3e-4, lr_warmup_iters=100),
+    },
+}

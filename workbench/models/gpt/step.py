@@ -1,0 +1,32 @@
+"""GPT's default train step: the forward step and Megatron's token-mean LM loss.
+
+``forward_step(batch, model, return_logits)`` returns per-token losses ``[b, s]`` on the last
+pipeline stage (the logits with ``return_logits``), hidden states elsewhere.
+``loss(batch, losses)`` -> ``(loss_sum, num_tokens, report)``: megatron's per-token loss
+convention (the schedule divides by the token count summed over micro-batches).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["forward_step", "loss", "LOSS_NAME"]
+
+#: the key the reported loss goes under
+LOSS_NAME = "lm loss"
+
+
+def forward_step(batch: Any, model: Any, return_logits: bool = False, **_: Any) -> Any:
+    """Megatron's GPT forward: per-token losses on the last stage (logits with return_logits)."""
+    labels = None if return_logits else batch.labels
+    return model(batch.tokens, batch.position_ids, batch.attention_mask, labels=labels)
+
+
+def loss(batch: Any, losses: Any) -> tuple[Any, Any, dict]:
+    """Sum of the masked per-token losses, the token count, and the report megatron averages."""
+    import torch
+
+    mask = batch.loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses.reshape(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {LOSS_NAME: torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])}
