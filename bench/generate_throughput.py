@@ -53,11 +53,9 @@ def _git_commit() -> str:
 
 
 def _free_port() -> int:
-    import socket
+    from workbench.run.files import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def build_pair(name: str, device: str, dtype: str, vocab: int, positions: int, seed: int = 0):

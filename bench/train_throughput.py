@@ -423,7 +423,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         t.log_interval, t.eval_interval = 1, 0
         tr.cfg.checkpoint.save_on_exit, tr.cfg.checkpoint.save_interval = False, 0
 
-        from workbench.events import EventWriter
+        from workbench.run.events import EventWriter
 
         def loop(k: int) -> float:
             t.microbatch_timing_interval, t.train_iters = 1, tr.iteration + k

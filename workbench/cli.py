@@ -1,24 +1,35 @@
 """The ``workbench`` command line.
 
-Each concern module contributes its own sub-commands through an ``add_cli(subparsers)``
-function, so this file stays a thin router.  Every handler returns an exit code; bad
-input exits 2 with the problems listed, never with a stack trace.
+Concern modules contribute their sub-commands through an ``add_cli(subparsers)`` function;
+the commands that drive other layers live here: ``schedule`` (simulation, text and Gantt
+charts), ``launch`` (through :mod:`workbench.launch`, the one launch path, and
+:class:`workbench.run_handle.Run`), ``notebook run`` and ``sweep`` (:mod:`workbench.notebook`).
+Every handler returns an exit code; bad input exits 2 with the problems listed, never with a
+stack trace.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from workbench.config import ConfigError, from_accelerate, load_config
+from workbench.notebook import _notebook_parameters, _parse_value, parse_grid, run_notebook, sweep
+from workbench.run_handle import Run
+from workbench.schedules import SCHEDULES, ScheduleError, measured_durations, simulate, text_chart
 
-# Modules that register sub-commands (in help order).
+# Modules that register sub-commands (in help order); "schedule" and "run" are this module's.
 COMMAND_MODULES = [
     "workbench.planner",         # plan
-    "workbench.schedules",       # schedule
-    "workbench.bridge",          # launch, sweep, notebook
+    "schedule",                  # schedule
+    "run",                       # launch, sweep, notebook
     "workbench.data",            # preprocess, tokenizer, data
     "workbench.conversion",      # convert
     "workbench.generation",      # generate
@@ -86,11 +97,255 @@ def _add_config_cli(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_config_show)
 
 
+# --------------------------------------------------------------------------- schedule
+
+
+def _floats(text: str) -> float | list[float]:
+    parts = [x for x in text.split(",") if x.strip()]
+    try:
+        vals = [float(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or comma-separated numbers, got {text!r}")
+    return vals[0] if len(vals) == 1 else vals
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    try:
+        v = args.vpp or 1
+        times: dict[str, Any] = {"forward": args.forward, "backward": args.backward}
+        if args.from_run:
+            times = measured_durations(args.from_run)
+            if len(times["forward"]) != args.pp * v:
+                raise ScheduleError(f"--from-run {args.from_run}: its timings cover {len(times['forward'])} virtual "
+                                    f"stages but --pp {args.pp} x --vpp {v} = {args.pp * v}: use the run's p and v")
+        tl = simulate(args.schedule, args.pp, args.microbatches, v, latency=args.latency,
+                      microbatch_group_size=args.group_size, **times)
+    except ScheduleError as e:
+        print(f"workbench schedule: {e}", file=sys.stderr)
+        return 2
+    if args.chart:
+        path = Path(args.chart)
+        if path.suffix.lower() not in (".png", ".svg", ".pdf"):
+            print(f"workbench schedule: --chart {path}: use a .png, .svg or .pdf file name", file=sys.stderr)
+            return 2
+        from workbench.plots.schedule import gantt
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig = gantt(tl)
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    if args.json:
+        d = tl.to_dict()
+        if args.chart:
+            d["chart"] = str(args.chart)
+        print(json.dumps(d, indent=2))
+        return 0
+    met = tl.metrics()
+    print(f"{tl.schedule}: p={tl.p} m={tl.m} v={tl.v}  step {met['step_time']:.4g}  "
+          f"bubble {met['bubble_fraction']:.4f} (closed form {met['closed_form_bubble_fraction']:.4f})")
+    for x in met["per_rank"]:
+        print(f"  rank {x['rank']}: warm-up {x['warmup']:>3}  busy {x['busy']:.4g}  idle {x['bubble']:.4g}  "
+              f"bubble {x['bubble_fraction']:.4f}  peak in flight {x['peak_inflight_microbatches']:.3g} micro-batches")
+    print(text_chart(tl))
+    if args.chart:
+        print(f"wrote {args.chart}")
+    return 0
+
+
+def _add_schedule_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("schedule", help="simulate a pipeline schedule (GPipe, 1F1B, interleaved 1F1B)",
+                              description="Per-rank operation order and timing of megatron-core's pipeline schedules, "
+                                          "with bubble and in-flight metrics.")
+    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size p")
+    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step m")
+    p.add_argument("--vpp", type=int, default=None, help="model chunks per rank v (interleaved)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help="default: interleaved when --vpp > 1, else 1f1b")
+    p.add_argument("--forward", type=_floats, default=1.0, help="forward time per stage (one number or p comma-separated)")
+    p.add_argument("--backward", type=_floats, default=2.0, help="backward time per stage (default 2.0)")
+    p.add_argument("--latency", type=float, default=0.0, help="send/recv latency between ranks")
+    p.add_argument("--from-run", default=None, metavar="RUN_DIR",
+                   help="take per-stage F/B times (ms) from a run's micro-batch events instead of --forward/--backward")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="interleaved: microbatch_group_size_per_vp_stage (default p)")
+    p.add_argument("--json", action="store_true", help="print per-rank ops and metrics as JSON")
+    p.add_argument("--chart", default=None, help="write a Gantt chart (.png/.svg/.pdf)")
+    p.set_defaults(func=_cmd_schedule)
+
+
+# --------------------------------------------------------------------------- launch, notebook run, sweep
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from workbench.launch import LaunchPlan, apply_overrides, launch_checks, new_run_dir
+
+    try:
+        cfg = apply_overrides(load_config(args.file), nproc_per_node=args.nproc_per_node, nnodes=args.nnodes)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir).absolute() if args.run_dir else None
+    problems = launch_checks(cfg, run_dir=None if args.dry_run else run_dir, node_rank=args.node_rank,
+                             rdzv_endpoint=args.rdzv_endpoint, local=not (args.dry_run or args.slurm), slurm=args.slurm)
+    if problems:
+        print(ConfigError(problems, args.file), file=sys.stderr)
+        return 2
+    run_dir = run_dir or new_run_dir(cfg.name, args.run_root)
+    plan = LaunchPlan(run_dir, cfg.parallel.nproc_per_node, cfg.parallel.nnodes, args.node_rank, args.rdzv_endpoint,
+                      args.rdzv_id or f"workbench-{cfg.name}")
+    if args.dry_run:
+        print(f"# run directory: {run_dir}")
+        print(f"# config (written to {plan.config_path} at launch): {args.file}")
+        if args.slurm:
+            print(f"# SLURM batch script ({run_dir / 'slurm.sbatch'}):")
+            print(plan.slurm_script(gpus=cfg.parallel.device == "cuda"), end="")
+        else:
+            print(plan.shell())
+        return 0
+    if args.slurm:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        cfg.save(plan.config_path)
+        script = run_dir / "slurm.sbatch"
+        script.write_text(plan.slurm_script(gpus=cfg.parallel.device == "cuda"))
+        print(f"wrote {script}")
+        sbatch = shutil.which("sbatch")
+        if not sbatch:
+            print(f"sbatch not found on this machine; submit with: sbatch {script}")
+            return 0
+        return subprocess.call([sbatch, str(script)])
+    try:  # the checks above run again inside (the run directory may have appeared meanwhile)
+        run = Run.launch(cfg, run_dir, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                         rdzv_id=args.rdzv_id, watch_parent=not args.detach)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(f"run directory: {run.run_dir}")
+    print(f"command: {run.plan.shell()}")
+    if args.detach:
+        print(f"detached; follow it in a notebook with: workbench.notebook.dashboard(Run.attach({str(run.run_dir)!r}))")
+        print(f"stop it with: Run.attach({str(run.run_dir)!r}).stop()")
+        return 0
+    return _follow_cli(run)
+
+
+def _follow_cli(run: Run) -> int:
+    seen = 0
+    try:
+        while True:
+            st = run.status
+            df = run.train_loss
+            if len(df) > seen:
+                for _, row in df.iloc[seen:].iterrows():
+                    print(f"iteration {int(row['iteration'])}: loss {row['loss']:.4f}", flush=True)
+                seen = len(df)
+            if st in ("finished", "failed", "stopped") and not run.is_alive():
+                break
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("interrupted: stopping the run", file=sys.stderr)
+        run.stop()
+    st = run.wait(timeout=30)
+    f = run.failure
+    if f is not None:
+        print(str(f), file=sys.stderr)
+    print(f"run {st}: {run.run_dir}")
+    return 0 if st == "finished" else 1
+
+
+def _cmd_notebook_run(args: argparse.Namespace) -> int:
+    params = {name: _parse_value(value) for name, value in (args.parameters or [])}
+    nb = Path(args.notebook)
+    if not nb.exists():
+        print(f"error: notebook {nb} not found -> pass a path such as notebooks/01_quickstart.ipynb", file=sys.stderr)
+        return 2
+    declared = _notebook_parameters(nb)
+    unknown = [p for p in params if declared and p not in declared]
+    if unknown:
+        print(f"error: {nb} has no parameter(s) {', '.join(unknown)} -> known: {', '.join(sorted(declared))}", file=sys.stderr)
+        return 2
+    res = run_notebook(nb, params, args.out, runs_root=args.run_root, progress=not args.quiet, timeout=args.timeout)
+    print(f"executed notebook: {res.notebook}")
+    if res.html:
+        print(f"HTML export:       {res.html}")
+    print(f"output directory:  {res.out_dir}  ({res.seconds:.0f}s)")
+    if res.error:
+        print(f"error: the notebook failed at {res.error}; see the executed notebook above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    try:
+        grid = parse_grid(args.grid)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    nb = Path(args.notebook)
+    if not nb.exists():
+        print(f"error: notebook {nb} not found", file=sys.stderr)
+        return 2
+    declared = _notebook_parameters(nb)
+    params = {name: _parse_value(value) for name, value in (args.parameters or [])}
+    unknown = [p for p in list(grid) + list(params) if declared and p not in declared]
+    if unknown:
+        print(f"error: {nb} has no parameter(s) {', '.join(unknown)} -> known: {', '.join(sorted(declared))}", file=sys.stderr)
+        return 2
+    df = sweep(nb, grid, args.out, parameters=params, html=args.html)
+    print(df.drop(columns=["notebook"], errors="ignore").to_string(index=False))
+    print(f"wrote {Path(args.out).absolute() / 'sweep.csv'}")
+    return 0 if bool(df["ok"].all()) else 1
+
+
+def _add_run_cli(sub: argparse._SubParsersAction) -> None:
+    """Register ``launch``, ``sweep`` and ``notebook run``."""
+    p = sub.add_parser("launch", help="launch a training run (torchrun) from a config file")
+    p.add_argument("file", help="run config (JSON or YAML)")
+    p.add_argument("--nproc-per-node", type=int, help="processes per node (default: the config's parallel.nproc_per_node)")
+    p.add_argument("--nnodes", type=int, help="number of nodes (default: the config's parallel.nnodes)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node, static rendezvous)")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node)")
+    p.add_argument("--rdzv-id", help="rendezvous id, identical on every node (default: workbench-<config name>)")
+    p.add_argument("--run-dir", help="run directory (default: a fresh runs/<name>-<timestamp>)")
+    p.add_argument("--run-root", help="parent of fresh run directories (default: runs/ or $WORKBENCH_RUNS)")
+    p.add_argument("--dry-run", action="store_true", help="print the exact commands, start nothing")
+    p.add_argument("--slurm", action="store_true", help="write a SLURM batch script (srun torchrun ...) and submit it if sbatch exists")
+    p.add_argument("--detach", action="store_true", help="return at once; the run keeps going")
+    p.set_defaults(func=_cmd_launch)
+
+    s = sub.add_parser("sweep", help="run a notebook over a parameter grid; collect final metrics into a CSV")
+    s.add_argument("notebook")
+    s.add_argument("--grid", action="append", required=True, metavar="NAME=V1,V2", help="repeatable; the grid is the product")
+    s.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", metavar=("NAME", "VALUE"), help="fixed parameter")
+    s.add_argument("--out", required=True, help="output directory (one subdirectory per point + sweep.csv)")
+    s.add_argument("--html", action="store_true", help="also export each executed notebook to HTML")
+    s.set_defaults(func=_cmd_sweep)
+
+    n = sub.add_parser("notebook", help="run notebooks headless (papermill)")
+    nsub = n.add_subparsers(dest="notebook_cmd", required=True)
+    r = nsub.add_parser("run", help="execute a notebook into runs/<name>-<timestamp>/ (executed .ipynb + HTML)")
+    r.add_argument("notebook")
+    r.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                   help="papermill parameter (value parsed as YAML: 2, true, 3e-4, text)")
+    r.add_argument("--out", help="output directory (default: runs/<name>-<timestamp>)")
+    r.add_argument("--run-root", help="parent of the default output directory")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--timeout", type=float, default=None, help="seconds a single cell may run before the notebook fails (default: no limit)")
+    r.set_defaults(func=_cmd_notebook_run)
+
+
+_OWN_COMMANDS = {"schedule": _add_schedule_cli, "run": _add_run_cli}
+
+
+# --------------------------------------------------------------------------- the parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description="Megatron Workbench")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_config_cli(sub)
     for name in COMMAND_MODULES:
+        if name in _OWN_COMMANDS:
+            _OWN_COMMANDS[name](sub)
+            continue
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:

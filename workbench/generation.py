@@ -8,7 +8,8 @@ per rank with torchrun, exactly like training::
     torchrun --standalone --nproc-per-node TP*PP -m workbench.backend.inference \\
         --ckpt DIR --request REQ.json --out OUT.json --tp TP --pp PP
 
-(a single CPU/GPU process is started without torchrun).  The engine itself
+(a single CPU/GPU process is started without torchrun), under the same supervisor as training
+(:func:`workbench.launch.run_supervised`), so a killed caller leaves no rank behind.  The engine itself
 (:mod:`workbench.backend.inference`) keeps megatron-core out of this module.
 """
 
@@ -17,16 +18,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shlex
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from workbench.config import ConfigError, GenerationConfig, Problem, RunConfig
+from workbench.config import ConfigError, GenerationConfig, Problem
+from workbench.launch import run_supervised
+from workbench.run.checkpoint import CheckpointInfo, checkpoint_info, resolve_tokenizer, special_ids  # noqa: F401
+from workbench.run.files import write_json_atomic
 
 __all__ = [
     "GenerationResult",
@@ -53,62 +55,6 @@ class GenerationResult:
     finish_reason: str
     log_probs: list[float] | None = None
     score: float | None = None
-
-
-@dataclass
-class CheckpointInfo:
-    """What generation needs to know about a checkpoint without loading it."""
-
-    path: Path  # the iter_XXXXXXX directory
-    config: RunConfig
-    meta: dict[str, Any]
-
-
-def checkpoint_info(ckpt: str | Path) -> CheckpointInfo:
-    """Resolve ``ckpt`` (root or iter dir) and read its ``workbench.json``; clear error if there is none."""
-    from workbench.backend.checkpointing import CheckpointError, read_metadata  # stdlib-only at import
-
-    try:
-        meta = read_metadata(ckpt)
-    except CheckpointError as e:
-        rule, _, fix = str(e).partition(" -> ")
-        raise ConfigError([Problem("ckpt", rule, fix or "point ckpt at a checkpoint root or an iter_XXXXXXX directory")]) from None
-    path = Path(meta["path"])
-    return CheckpointInfo(path=path, config=RunConfig.from_dict(meta.get("config") or {}, source=str(path)), meta=meta)
-
-
-def _tokenizer_spec(info: CheckpointInfo) -> Any:
-    """Where the checkpoint's tokenizer lives: files next to the weights, the recorded spec, the run's data.tokenizer."""
-    for d in (info.path, info.path.parent):
-        if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
-            return str(d)
-    spec = info.meta.get("tokenizer")
-    if isinstance(spec, dict):
-        spec = spec.get("path") or spec.get("name")
-    if spec:
-        return spec
-    return info.config.data.tokenizer or None
-
-
-def resolve_tokenizer(info: CheckpointInfo):
-    """The checkpoint's tokenizer (``workbench.data.tokenizer.Tokenizer``) or None when it records none."""
-    spec = _tokenizer_spec(info)
-    if spec is None:
-        return None
-    from workbench.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(spec)
-
-
-def special_ids(tok: Any) -> dict[str, int | None]:
-    """EOS / BOS / PAD ids of a workbench or HF tokenizer (None when absent)."""
-    if tok is None:
-        return {"eos": None, "bos": None, "pad": None}
-    if hasattr(tok, "has_eod"):  # workbench.data.tokenizer.Tokenizer
-        eos = tok.eod if tok.has_eod else None
-        return {"eos": eos, "bos": tok.bos, "pad": tok.pad}
-    return {"eos": getattr(tok, "eos_token_id", None), "bos": getattr(tok, "bos_token_id", None),
-            "pad": getattr(tok, "pad_token_id", None)}
 
 
 def prepare_request(info: CheckpointInfo, prompts: Sequence[str] | None, gen: GenerationConfig,
@@ -196,16 +142,16 @@ def _launch(info: CheckpointInfo, request: dict[str, Any], *, tp: int | None, pp
     tmp = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="workbench-generate-"))
     tmp.mkdir(parents=True, exist_ok=True)
     req_path, out_path = tmp / "request.json", tmp / "output.json"
-    req_path.write_text(json.dumps(request))
+    write_json_atomic(req_path, request, indent=None)
     if out_path.exists():
         out_path.unlink()
     cmd = generation_command(info.path, req_path, out_path, tp=tp, pp=pp, device=device)
     if verbose:
         print("$", shlex.join(cmd), flush=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, capture_output=not verbose, text=True, timeout=timeout, env=env)
+    # the same supervised launch as training: if this process dies, the ranks go too
+    proc = run_supervised(cmd, tmp, timeout=timeout, capture=not verbose)
     if proc.returncode != 0 or not out_path.exists():
-        tail = ((proc.stderr or "") + (proc.stdout or ""))[-4000:] if not verbose else ""
+        tail = proc.output[-4000:] if not verbose else ""
         raise RuntimeError(f"generation failed (exit code {proc.returncode}); command: {shlex.join(cmd)}\n{tail}")
     return json.loads(out_path.read_text())
 

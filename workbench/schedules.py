@@ -37,13 +37,13 @@ Pure Python: no torch, no megatron-core, no matplotlib (plots live in
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
+
+from workbench.run.reader import RunReader, as_reader
 
 __all__ = [
     "SCHEDULES",
@@ -65,7 +65,7 @@ __all__ = [
     "measured_durations",
     "align_clocks",
     "evidence_runs",
-    "add_cli",
+    "text_chart",
 ]
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -455,18 +455,18 @@ def _repair_ids(raw: list[list[Op]], schedule: str, p: int, m: int, v: int) -> t
     return out, repaired, dropped
 
 
-def _run_layout(run_dir: Path, events: list[dict]) -> tuple[int, int, int | None]:
+def _run_layout(reader: RunReader) -> tuple[int, int, int | None]:
     """(p, v, m) of a run: from config.json (m through :func:`workbench.config.derive`), else run_start, else events."""
     from workbench.config import ConfigError, RunConfig, derive
 
     sources = []
-    cfg_path = run_dir / "config.json"
+    cfg_path = reader.run_dir / "config.json"
     if cfg_path.is_file():
         try:
             sources.append(json.loads(cfg_path.read_text()))
         except json.JSONDecodeError as e:
             raise ScheduleError(f"{cfg_path}: not valid JSON ({e}); it should be the run's RunConfig") from e
-    sources += [ev["config"] for ev in events if ev.get("event") == "run_start" and isinstance(ev.get("config"), dict)]
+    sources += [ev.config for ev in reader.run_starts(refresh=False) if isinstance(ev.config, dict)]
     for raw in sources:
         try:
             cfg = RunConfig.from_dict(raw)
@@ -475,19 +475,16 @@ def _run_layout(run_dir: Path, events: list[dict]) -> tuple[int, int, int | None
             par = raw.get("parallel") or {}
             if isinstance(par, dict) and par.get("pipeline_parallel"):
                 return int(par["pipeline_parallel"]), int(par.get("virtual_pipeline_parallel") or 1), None
-    mbs = [ev for ev in events if ev.get("event") == "microbatch"]
-    p = len({ev.get("rank") for ev in mbs})
+    mbs = reader.records("microbatch", refresh=False)
+    p = len({ev.rank for ev in mbs})
     v = 1 + max((int(op.get("chunk", 0) or 0) for ev in mbs for op in ev.get("ops") or []), default=0)
     return p, v, None
 
 
-def _pp_rank_map(events: list[dict], p: int) -> dict[int, int]:
+def _pp_rank_map(reader: RunReader, p: int) -> dict[int, int]:
     """global rank -> pipeline rank, one representative (tp=0, dp=0 preferred) per stage."""
-    coords: dict[int, dict] = {}
-    for ev in events:
-        if ev.get("event") == "run_start" and isinstance(ev.get("coords"), dict):
-            coords[int(ev["rank"])] = ev["coords"]
-    ranks = sorted({int(ev["rank"]) for ev in events if ev.get("event") == "microbatch"})
+    coords = reader.coords()
+    ranks = sorted({int(ev.rank) for ev in reader.records("microbatch", refresh=False)})
     chosen: dict[int, tuple[tuple[int, int], int]] = {}
     for g in ranks:
         c = coords.get(g)
@@ -536,28 +533,29 @@ def align_clocks(ops: list[list[Op]], p: int) -> tuple[list[list[Op]], list[floa
     return out, shifts
 
 
-def load_measured(run_dir: str | Path, iteration: int | None = None, align: bool = True) -> MeasuredStep:
+def load_measured(run_dir: str | Path | RunReader, iteration: int | None = None, align: bool = True) -> MeasuredStep:
     """Read one step's ``microbatch`` events (default: the latest step every pipeline rank recorded).
 
+    ``run_dir``: a run directory, or the :class:`workbench.run.RunReader` of one (a ``Run``'s
+    ``reader``), whose records already read are used as they are.
     ``align``: correct per-rank clock offsets with :func:`align_clocks` (times are relative to
     each rank's own step start, so cross-rank order can be off by the step-start skew).
     """
-    from workbench.events import read_events
-
-    run_dir = Path(run_dir)
+    reader = as_reader(run_dir)
+    run_dir = reader.run_dir
     if not (run_dir / "events").is_dir():
         raise ScheduleError(f"{run_dir}: no events/ directory; pass a run directory written by the backend")
-    events = read_events(run_dir)
-    p, v, m = _run_layout(run_dir, events)
-    mb_events = [e for e in events if e.get("event") == "microbatch"]
+    reader.poll()
+    p, v, m = _run_layout(reader)
+    mb_events = reader.records("microbatch", refresh=False)
     if not mb_events:
         raise ScheduleError(f"{run_dir}: no 'microbatch' events; run with train.microbatch_timing_interval > 0")
-    rank_map = _pp_rank_map(events, p)
+    rank_map = _pp_rank_map(reader, p)
     by_iter: dict[int, dict[int, dict]] = {}
     for e in mb_events:
-        g = int(e["rank"])
+        g = int(e.rank)
         if g in rank_map:
-            by_iter.setdefault(int(e["iteration"]), {})[rank_map[g]] = e
+            by_iter.setdefault(int(e.iteration), {})[rank_map[g]] = e
     complete = sorted(it for it, per in by_iter.items() if len(per) == p)
     if iteration is None:
         if not complete:
@@ -569,7 +567,7 @@ def load_measured(run_dir: str | Path, iteration: int | None = None, align: bool
                             f"complete iterations: {complete}")
     raw_ops: list[list[Op]] = []
     for pp in range(p):
-        raw = by_iter[iteration][pp].get("ops") or []
+        raw = by_iter[iteration][pp].ops or []
         try:
             rank_ops = [Op(pp, str(o["kind"]), int(o["microbatch"]), int(o.get("chunk", 0) or 0),
                            float(o["start_ms"]), float(o["end_ms"])) for o in raw]
@@ -583,7 +581,7 @@ def load_measured(run_dir: str | Path, iteration: int | None = None, align: bool
     sched = "interleaved" if v > 1 else "1f1b"
     ops, repaired, dropped = _repair_ids(raw_ops, sched, p, m, v)
     ops, shifts = align_clocks(ops, p) if align else (ops, [0.0] * p)
-    device = next((e.get("device") for e in events if e.get("event") == "run_start" and e.get("device")), None)
+    device = next((e.device for e in reader.run_starts(refresh=False) if e.device), None)
     tl = Timeline(sched, p, m, v, ops, unit="ms")
     inv = {pp: g for g, pp in rank_map.items()}
     return MeasuredStep(str(run_dir), iteration, tl, [inv[pp] for pp in range(p)], device, repaired, dropped, shifts)
@@ -721,19 +719,8 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
     return ideal, report
 
 
-# --------------------------------------------------------------------------- CLI
-
-
-def _floats(text: str) -> float | list[float]:
-    parts = [x for x in text.split(",") if x.strip()]
-    try:
-        vals = [float(x) for x in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or comma-separated numbers, got {text!r}")
-    return vals[0] if len(vals) == 1 else vals
-
-
-def _text_chart(tl: Timeline, width: int = 100) -> str:
+def text_chart(tl: Timeline, width: int = 100) -> str:
+    """The timeline as text: one row per rank, F as ``-``, B as ``=`` (what ``workbench schedule`` prints)."""
     step = tl.step_time or 1.0
     scale = min(width / step, 8.0 / min([x for x in tl.forward + tl.backward if x > 0] or [1.0]))
     lines = []
@@ -748,66 +735,3 @@ def _text_chart(tl: Timeline, width: int = 100) -> str:
             row[a:b] = list(cell)
         lines.append(f"rank {r}: |" + "".join(row).rstrip() + "|")
     return "\n".join(lines)
-
-
-def _cmd_schedule(args: argparse.Namespace) -> int:
-    try:
-        v = args.vpp or 1
-        times: dict[str, Any] = {"forward": args.forward, "backward": args.backward}
-        if args.from_run:
-            times = measured_durations(args.from_run)
-            if len(times["forward"]) != args.pp * v:
-                raise ScheduleError(f"--from-run {args.from_run}: its timings cover {len(times['forward'])} virtual "
-                                    f"stages but --pp {args.pp} x --vpp {v} = {args.pp * v}: use the run's p and v")
-        tl = simulate(args.schedule, args.pp, args.microbatches, v, latency=args.latency,
-                      microbatch_group_size=args.group_size, **times)
-    except ScheduleError as e:
-        print(f"workbench schedule: {e}", file=sys.stderr)
-        return 2
-    if args.chart:
-        path = Path(args.chart)
-        if path.suffix.lower() not in (".png", ".svg", ".pdf"):
-            print(f"workbench schedule: --chart {path}: use a .png, .svg or .pdf file name", file=sys.stderr)
-            return 2
-        from workbench.plots.schedule import gantt
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig = gantt(tl)
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-    if args.json:
-        d = tl.to_dict()
-        if args.chart:
-            d["chart"] = str(args.chart)
-        print(json.dumps(d, indent=2))
-        return 0
-    met = tl.metrics()
-    print(f"{tl.schedule}: p={tl.p} m={tl.m} v={tl.v}  step {met['step_time']:.4g}  "
-          f"bubble {met['bubble_fraction']:.4f} (closed form {met['closed_form_bubble_fraction']:.4f})")
-    for x in met["per_rank"]:
-        print(f"  rank {x['rank']}: warm-up {x['warmup']:>3}  busy {x['busy']:.4g}  idle {x['bubble']:.4g}  "
-              f"bubble {x['bubble_fraction']:.4f}  peak in flight {x['peak_inflight_microbatches']:.3g} micro-batches")
-    print(_text_chart(tl))
-    if args.chart:
-        print(f"wrote {args.chart}")
-    return 0
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("schedule", help="simulate a pipeline schedule (GPipe, 1F1B, interleaved 1F1B)",
-                              description="Per-rank operation order and timing of megatron-core's pipeline schedules, "
-                                          "with bubble and in-flight metrics.")
-    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size p")
-    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step m")
-    p.add_argument("--vpp", type=int, default=None, help="model chunks per rank v (interleaved)")
-    p.add_argument("--schedule", choices=SCHEDULES, default=None,
-                   help="default: interleaved when --vpp > 1, else 1f1b")
-    p.add_argument("--forward", type=_floats, default=1.0, help="forward time per stage (one number or p comma-separated)")
-    p.add_argument("--backward", type=_floats, default=2.0, help="backward time per stage (default 2.0)")
-    p.add_argument("--latency", type=float, default=0.0, help="send/recv latency between ranks")
-    p.add_argument("--from-run", default=None, metavar="RUN_DIR",
-                   help="take per-stage F/B times (ms) from a run's micro-batch events instead of --forward/--backward")
-    p.add_argument("--group-size", type=int, default=None,
-                   help="interleaved: microbatch_group_size_per_vp_stage (default p)")
-    p.add_argument("--json", action="store_true", help="print per-rank ops and metrics as JSON")
-    p.add_argument("--chart", default=None, help="write a Gantt chart (.png/.svg/.pdf)")
-    p.set_defaults(func=_cmd_schedule)

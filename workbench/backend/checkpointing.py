@@ -31,10 +31,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from workbench.run.checkpoint import (  # noqa: F401  (discovery and metadata live in the torch-free run contract)
+    FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, find_checkpoint, iter_dir_name, list_checkpoints, load_problems,
+    read_checkpoint, read_metadata,
+)
+from workbench.run.files import write_text_atomic
 
 __all__ = [
     "CheckpointError",
@@ -52,162 +57,12 @@ __all__ = [
     "vocab_keys",
 ]
 
-FORMAT = "workbench-mcore-v1"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-METADATA_FILE = "workbench.json"
-_ITER_RE = re.compile(r"^iter_(\d{7})$")
-
 #: checkpoint keys whose first dimension is the (padded) vocabulary
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint cannot be found, read or matched to a model; the message names the path and the fix."""
-
-
 def vocab_keys() -> tuple[str, ...]:
     return _VOCAB_KEYS
-
-
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{int(iteration):07d}"
-
-
-# --------------------------------------------------------------------------- discovery
-
-
-def _is_complete(d: Path) -> bool:
-    meta = d / METADATA_FILE
-    if not meta.is_file():
-        return False
-    try:
-        data = json.loads(meta.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return bool(data.get("complete")) and data.get("format") == FORMAT
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete ``iter_XXXXXXX`` directories under ``root``, oldest first (partial saves are skipped)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.iterdir():
-        m = _ITER_RE.match(d.name)
-        if m and d.is_dir() and _is_complete(d):
-            found.append((int(m.group(1)), d))
-    return [d for _, d in sorted(found)]
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """Resolve a checkpoint ROOT or an ``iter_XXXXXXX`` dir to a complete iteration directory.
-
-    From a root: the iteration named by ``latest_checkpointed_iteration.txt`` if complete,
-    else the newest complete ``iter_*`` (an interrupted save never wins).
-    """
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise CheckpointError(f"checkpoint path {p} does not exist -> check the path (a checkpoint root or an iter_XXXXXXX directory)")
-    if not p.is_dir():
-        raise CheckpointError(f"checkpoint path {p} is a file, not a directory -> pass the checkpoint root or an iter_XXXXXXX directory")
-    if (p / METADATA_FILE).exists() or _ITER_RE.match(p.name) or ".tmp-" in p.name:
-        if _is_complete(p):
-            return p
-        raise CheckpointError(
-            f"{p} is not a complete workbench checkpoint ({METADATA_FILE} missing or not marked complete: "
-            "the save was interrupted or this is not a workbench checkpoint) -> use an earlier iteration, "
-            "or import foreign checkpoints with `workbench convert`")
-    tracker = p / TRACKER_FILE
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text.isdigit():
-            d = p / iter_dir_name(int(text))
-            if _is_complete(d):
-                return d
-    complete = list_checkpoints(p)
-    if complete:
-        return complete[-1]
-    partial = sorted(x.name for x in p.iterdir() if x.name.startswith("iter_"))
-    legacy = any(x.name.startswith("mp_rank_") for x in p.iterdir()) or any(
-        x.is_dir() and any(y.name.startswith("mp_rank_") for y in x.iterdir()) for x in p.iterdir() if x.is_dir())
-    hint = ("this looks like a legacy Megatron-LM checkpoint -> import it with `workbench convert legacy`" if legacy
-            else "train with a save_dir, or convert a model with `workbench convert hf-to-megatron`")
-    raise CheckpointError(
-        f"no complete checkpoint under {p}" + (f" (incomplete: {', '.join(partial)})" if partial else "") + f" -> {hint}")
-
-
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The ``workbench.json`` of the checkpoint at ``path`` (root or iter dir), plus ``path``."""
-    d = find_checkpoint(path)
-    data = json.loads((d / METADATA_FILE).read_text())
-    data["path"] = str(d)
-    return data
-
-
-#: Model fields that fix the shapes of stored weights, and the config field a user sets for each;
-#: the sizes derived from others (head dim, FFN width, KV groups) are compared only once those agree.
-_WEIGHT_SHAPE_FIELDS = {
-    "num_layers": "model.num_layers", "hidden_size": "model.hidden_size",
-    "num_attention_heads": "model.num_attention_heads", "vocab_size": "model.vocab_size",
-    "position_embedding": "model.position_embedding", "normalization": "model.normalization",
-    "activation": "model.activation", "add_bias_linear": "model.add_bias_linear", "tie_embeddings": "model.tie_embeddings",
-}
-_DERIVED_SHAPE_FIELDS = {"query_groups": "model.num_query_groups", "head_dim": "model.kv_channels", "ffn_size": "model.ffn_hidden_size"}
-
-
-def load_problems(cfg: Any) -> list:
-    """Why ``cfg.checkpoint.load_dir`` would not load into ``cfg``, from the checkpoint's
-    ``workbench.json`` alone (no process, no megatron-core), so a launch is refused with the
-    field and the fix before any rank starts: a missing or incomplete checkpoint, another
-    architecture, and for a resume (not ``finetune``) missing or differently sharded optimizer state.
-    """
-    from workbench.config import ConfigError, Problem, RunConfig, pad_vocab_size
-
-    c = cfg.checkpoint
-    if not c.load_dir:
-        return []
-    try:
-        meta = read_metadata(c.load_dir)
-        saved = RunConfig.from_dict(meta.get("config") or {}, source=meta["path"])
-    except CheckpointError as e:
-        rule, _, fix = str(e).partition(" -> ")
-        return [Problem("checkpoint.load_dir", rule, fix or "point load_dir at a checkpoint root or an iter_XXXXXXX directory")]
-    except ConfigError:
-        return []  # a config this version cannot read (an older run's): the load itself will tell
-    except (OSError, ValueError) as e:  # unreadable metadata
-        return [Problem("checkpoint.load_dir", f"cannot read the checkpoint's metadata: {e}", "point load_dir at a workbench checkpoint")]
-    where = meta["path"]
-    out = []
-    shape_fields = dict(_WEIGHT_SHAPE_FIELDS)
-    if cfg.model.position_embedding == saved.model.position_embedding == "learned":
-        shape_fields["max_position_embeddings"] = "model.max_position_embeddings"
-    for fields in (shape_fields, _DERIVED_SHAPE_FIELDS):
-        for attr, field in fields.items():
-            have, want = getattr(cfg.model, attr), getattr(saved.model, attr)
-            if have != want:
-                out.append(Problem(field, f"is {have!r} here but {want!r} in checkpoint {where}",
-                                   f"set {field}: {want!r} to load it, or drop checkpoint.load_dir to train from scratch"))
-        if out:
-            break
-    if not c.finetune and not out:
-        padded = [pad_vocab_size(x.model.vocab_size, x.model.make_vocab_size_divisible_by, x.parallel.tensor_parallel) for x in (cfg, saved)]
-        if not meta.get("has_optimizer"):
-            out.append(Problem("checkpoint.finetune", f"checkpoint {where} holds no optimizer state, so it cannot be resumed",
-                               "set checkpoint.finetune: true to start from its weights with a fresh optimizer"))
-        elif saved.parallel.distributed_optimizer != cfg.parallel.distributed_optimizer:
-            want = saved.parallel.distributed_optimizer
-            out.append(Problem("parallel.distributed_optimizer",
-                               f"checkpoint {where} was saved with distributed_optimizer: {str(want).lower()}",
-                               f"set parallel.distributed_optimizer: {str(want).lower()} to resume it, "
-                               "or checkpoint.finetune: true to load its weights with a fresh optimizer"))
-        elif padded[0] != padded[1]:  # the embedding rows are re-padded on load; Adam's state for them cannot be
-            out.append(Problem("parallel.tensor_parallel",
-                               f"pads the vocabulary to {padded[0]} rows, but checkpoint {where} (tensor_parallel "
-                               f"{saved.parallel.tensor_parallel}) stored {padded[1]}; its optimizer state cannot be re-padded",
-                               f"resume at tensor_parallel {saved.parallel.tensor_parallel}, set model.make_vocab_size_divisible_by so "
-                               "both pad alike, or checkpoint.finetune: true for a fresh optimizer"))
-    return out
 
 
 def checkpoint_tensor_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -306,12 +161,6 @@ def _fsync_write(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    _fsync_write(tmp, text)
-    os.replace(tmp, path)
 
 
 def _jsonable(x: Any) -> Any:
@@ -464,7 +313,7 @@ def save_checkpoint(
         os.replace(tmp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        _atomic_write(root / TRACKER_FILE, str(int(iteration)))
+        write_text_atomic(root / TRACKER_FILE, str(int(iteration)))
     _barrier()
     return final
 

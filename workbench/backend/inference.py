@@ -51,6 +51,9 @@ from torch import Tensor
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+from workbench.run.checkpoint import checkpoint_info, read_checkpoint, resolve_tokenizer, special_ids
+from workbench.run.files import free_port, write_json_atomic
+
 __all__ = [
     "GenerationOutput",
     "InferenceEngine",
@@ -689,8 +692,6 @@ class InferenceEngine:
 
 def _load_tokenizer(path: Path):
     """The checkpoint's tokenizer (files next to it, its recorded spec, or the run's data.tokenizer)."""
-    from workbench.generation import checkpoint_info, resolve_tokenizer
-
     return resolve_tokenizer(checkpoint_info(path))
 
 
@@ -701,13 +702,13 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     wanted; dist checkpoints load at any layout.
     """
     from workbench.backend import cpu_mode
-    from workbench.backend.checkpointing import find_checkpoint, load_checkpoint, read_metadata
+    from workbench.backend.checkpointing import load_checkpoint
     from workbench.backend.model import build_model
     from workbench.config import RunConfig
 
-    path = find_checkpoint(ckpt)
-    meta = read_metadata(path)
-    cfg = RunConfig.from_dict(meta["config"])
+    meta = read_checkpoint(ckpt)
+    path = meta.path
+    cfg = RunConfig.from_dict(meta.config)
     if parallel_state.model_parallel_is_initialized():
         cfg = cfg.replace(**{"parallel.tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
                              "parallel.pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
@@ -717,8 +718,6 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     with cpu_mode.tensor_cuda_is_identity(cfg.parallel.device == "cpu"):
         model = build_model(cfg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
     load_checkpoint(path, [model], load_optimizer=False)
-    from workbench.generation import special_ids
-
     tok = _load_tokenizer(Path(path))
     ids = special_ids(tok)
     return InferenceEngine(model, vocab_size=cfg.model.vocab_size, max_positions=cfg.model.max_position_embeddings,
@@ -754,17 +753,7 @@ def _checkpoint_config(ckpt: str | Path):
     """The RunConfig stored with a checkpoint (``workbench.json``), read without megatron."""
     from workbench.config import RunConfig
 
-    meta_path = None
-    p = Path(ckpt)
-    for cand in [p / "workbench.json"] + sorted(p.glob("iter_*/workbench.json"), reverse=True):
-        if cand.is_file():
-            meta_path = cand
-            break
-    if meta_path is None:
-        from workbench.backend.checkpointing import read_metadata
-
-        return RunConfig.from_dict(read_metadata(ckpt)["config"])
-    return RunConfig.from_dict(json.loads(meta_path.read_text())["config"])
+    return RunConfig.from_dict(read_checkpoint(ckpt).config)
 
 
 def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
@@ -789,12 +778,7 @@ def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
     if not _dist_ready() and "TORCHELASTIC_RUN_ID" not in os.environ:
         # one process started without torchrun: a private 1-rank world on a free port
         # (an inherited MASTER_PORT may belong to the parent's own process group)
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     distributed.initialize(cfg)
     return cfg
 
@@ -820,9 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     if pp_rank == pp - 1 and parallel_state.get_tensor_model_parallel_rank() == 0:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, out)
+        write_json_atomic(out, result)
     if _dist_ready():
         torch.distributed.barrier()
     from workbench.backend import distributed

@@ -13,7 +13,7 @@
 - checkpoints through :mod:`workbench.backend.checkpointing` (interval, on clean exit and
   on a graceful stop), resume from ``checkpoint.load_dir`` continuing iteration, LR
   schedule and data position (``consumed_samples``); ``checkpoint.finetune`` loads weights only;
-- events (:mod:`workbench.events`): run_start, step, microbatch, eval, checkpoint, error, run_end;
+- events (:mod:`workbench.run.events`): run_start, step, microbatch, eval, checkpoint, error, run_end;
 - SIGTERM/SIGINT: all ranks agree to stop at the same step boundary (a non-blocking tiny
   all-reduce per step, read one step later; see ``_agree_stop``), a checkpoint is saved if
   ``checkpoint.save_on_exit``, ``run_end`` says "stopped", and the exit code is 143 / 130.
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from workbench.backend import fusions as _fusions
 from workbench.config import RunConfig, derive
-from workbench.events import EventWriter
+from workbench.run.events import Checkpoint, Error, Eval, EventWriter, Microbatch, RunEnd, RunStart, Step
 from workbench.hooks import Batch, TrainHooks, default_forward_step, load_hooks
 
 __all__ = ["Trainer", "main"]
@@ -361,7 +361,7 @@ class Trainer:
         t0 = time.time()
         path = save_checkpoint(root, self.iteration, self.model, self.cfg, optimizer=self.optimizer, scheduler=self.scheduler,
                                extra={"consumed_samples": self.consumed_samples}, tokenizer=self.cfg.data.tokenizer)
-        self.events.emit("checkpoint", iteration=self.iteration, path=str(path), seconds=time.time() - t0)
+        self.events.write(Checkpoint(iteration=self.iteration, path=str(path), seconds=time.time() - t0))
         self._log(f"[workbench] saved checkpoint {path}")
         return path
 
@@ -420,7 +420,7 @@ class Trainer:
             return
         self._ended = True
         try:
-            self.events.emit("run_end", status=status, iteration=self.iteration, seconds=time.time() - self.t0, exit_code=code)
+            self.events.write(RunEnd(status=status, iteration=self.iteration, seconds=time.time() - self.t0, exit_code=code))
             self.events.close()
         except Exception:
             pass
@@ -436,7 +436,7 @@ class Trainer:
             tb = traceback.format_exc()
             print(tb, file=sys.stderr, flush=True)
             try:
-                self.events.emit("error", message=str(e), traceback=tb, exception=type(e).__name__)
+                self.events.write(Error(message=str(e), traceback=tb, exception=type(e).__name__))
             except Exception:
                 pass
             self._end("failed", 1)
@@ -449,11 +449,11 @@ class Trainer:
 
         cfg, t, c = self.cfg, self.cfg.train, self.cfg.checkpoint
         dev_name = torch.cuda.get_device_name() if self.cuda else f"cpu ({platform.processor() or platform.machine()})"
-        self.events.emit(
-            "run_start", config=cfg.to_dict(), versions=_versions(), device=dev_name, hostname=socket.gethostname(),
+        self.events.write(RunStart(
+            config=cfg.to_dict(), versions=_versions(), device=dev_name, hostname=socket.gethostname(),
             world_size=self.coords.world_size, coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp},
             kernel_path=self.kernel_path, data=self.data_desc, start_iteration=self.iteration,
-        )
+        ))
         peak = peak_tflops(dev_name, t.precision, t.peak_tflops) if self.cuda else t.peak_tflops
         flops = self.derived.flops_per_step
         tokens = self.derived.tokens_per_step
@@ -470,23 +470,23 @@ class Trainer:
             self.last_loss = loss
             if it % t.log_interval == 0 or it == t.train_iters:
                 tflops = flops / res["step_time"] / world / 1e12
-                self.events.emit(
-                    "step", iteration=it, loss=loss, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
+                self.events.write(Step(
+                    iteration=it, loss=loss, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
                     grad_norm=None if res["grad_norm"] is None else float(res["grad_norm"]), skipped=res["skipped"],
                     step_time=res["step_time"], tokens_per_s=tokens / res["step_time"], tflops_per_gpu=tflops,
-                    mfu=(tflops / peak) if peak else None, consumed_samples=self.consumed_samples,
-                    **{k: v for k, v in res["losses"].items() if k != "lm loss"}, **memory_stats(self.cuda),
-                )
+                    mfu=(tflops / peak) if peak else None, consumed_samples=self.consumed_samples, **memory_stats(self.cuda),
+                    extra={k: v for k, v in res["losses"].items() if k != "lm loss"},
+                ))
             if res["ops"]:
-                self.events.emit("microbatch", iteration=it, ops=res["ops"], pp_rank=self.coords.pp,
-                                 num_microbatches=self.derived.num_microbatches, num_chunks=len(self.model))
+                self.events.write(Microbatch(iteration=it, ops=res["ops"], pp_rank=self.coords.pp,
+                                             num_microbatches=self.derived.num_microbatches, num_chunks=len(self.model)))
             bar.update(1)
             if loss is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if t.eval_interval and it % t.eval_interval == 0:
                 ev = self.evaluate()
                 if ev is not None:
-                    self.events.emit("eval", iteration=it, **ev)
+                    self.events.write(Eval(iteration=it, loss=ev["loss"], ppl=ev["ppl"]))
                     self._log(f"[workbench] eval @ {it}: loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
             if c.save_interval and it % c.save_interval == 0:
                 self.save()

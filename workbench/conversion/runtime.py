@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
 from workbench.config import RunConfig
+from workbench.run.files import free_port
 
 __all__ = ["single_process_group", "cpu_build_config", "model_overrides", "build_full_model",
            "save_full_state_dict", "load_full_state_dict"]
 
 _ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_build_config(cfg: RunConfig, dtype: str | None = None) -> RunConfig:
@@ -105,7 +99,7 @@ def _group() -> Iterator[None]:
     was_enabled = cpu_mode.enabled()
     os.environ["LOCAL_RANK"] = "0"
     try:
-        initialize_for_tests(cpu_build_config(RunConfig()), rank=0, world_size=1, port=_free_port())
+        initialize_for_tests(cpu_build_config(RunConfig()), rank=0, world_size=1, port=free_port())
         yield
     finally:
         destroy()

@@ -19,15 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from workbench.run.files import atomic_output, free_port
+
 __all__ = ["forward_logits", "verify_against_hf", "main"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp: int | None = None,
@@ -40,7 +34,7 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
         tok_path, out_path = Path(td) / "tokens.pt", Path(td) / "logits.pt"
         torch.save(tokens.cpu(), tok_path)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                "-m", "workbench.conversion.verify", "--ckpt", str(ckpt), "--tokens", str(tok_path), "--out", str(out_path),
                "--tp", str(tp), "--pp", str(pp)] + (["--vpp", str(vpp)] if vpp and vpp > 1 else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -134,9 +128,8 @@ def _worker(args: argparse.Namespace) -> None:
                 else:
                     logits = tensor_parallel.gather_from_tensor_model_parallel_region(out)
         if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
-            tmp = Path(str(args.out) + f".tmp-{os.getpid()}")
-            torch.save(logits.float().contiguous(), tmp)
-            os.replace(tmp, args.out)
+            with atomic_output(args.out) as tmp:
+                torch.save(logits.float().contiguous(), tmp)
         dist.barrier()
     finally:
         destroy()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from workbench.run.reader import RunReader
 from workbench.schedules import MeasuredStep, Timeline, load_measured, measured_report
 
 __all__ = ["gantt", "compare", "overlay", "measured_overlay"]
@@ -153,8 +154,10 @@ def overlay(measured: Timeline, ideal: Timeline, report: dict[str, Any] | None =
     return fig
 
 
-def measured_overlay(run_dir: str | Path | MeasuredStep, iteration: int | None = None):
+def measured_overlay(run_dir: str | Path | RunReader | MeasuredStep, iteration: int | None = None):
     """(Figure, report) for a run directory's micro-batch events: measured vs ideal per rank.
+
+    ``run_dir`` may be a run's :class:`workbench.run.RunReader` (``run.reader``): its records are reused.
 
     The ideal timeline is simulated with the measured mean F/B time of each (rank, chunk);
     the report (see :func:`workbench.schedules.measured_report`) gives measured vs ideal

@@ -32,8 +32,8 @@ class TrainingFrames:
 
 
 def _used_cuda_graphs(run) -> bool:
-    """The backend's kernel_path names ``fast_cuda_graphs`` only when the layers replay as graphs."""
-    return any("fast_cuda_graphs" in (ev.get("kernel_path") or {}) for ev in run.events("run_start"))
+    """Did the layers replay as CUDA graphs (the run's kernel path, read by its reader)."""
+    return run.reader.uses_cuda_graphs()
 
 
 def frames_from_run(run) -> TrainingFrames:

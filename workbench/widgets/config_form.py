@@ -284,12 +284,8 @@ class ConfigForm:
             self.plan_text = "(fix the problems above to see the memory plan)"
             self.plan.value = f"<i>{self.plan_text}</i>"
             return
-        try:
-            from workbench import planner
-        except ImportError:
-            self.plan_text = "memory planner not available in this checkout (workbench.planner)"
-            self.plan.value = f"<i>{self.plan_text}</i>"
-            return
+        from workbench import planner
+
         try:
             pred = planner.predict(self.config)
         except Exception as e:
@@ -318,7 +314,7 @@ class ConfigForm:
 
     def launch(self, **kwargs: Any):
         """Launch the current config (``Run.launch``); shows the dashboard below the form."""
-        from workbench.bridge import Run
+        from workbench.run_handle import Run
 
         self.revalidate()
         if self.problems:
@@ -339,7 +335,9 @@ class ConfigForm:
             if self.show_dashboard:
                 from IPython.display import display
 
-                display(run.dashboard())
+                from workbench.widgets.dashboard import Dashboard
+
+                display(Dashboard(run))
 
     def report(self) -> str:
         """Plain-text validity summary and memory plan (what papermill output shows)."""

@@ -45,10 +45,8 @@ def planner_memory(cfg) -> Mapping[int, float] | float | None:
     """The memory planner's predicted peak allocated bytes per rank (``workbench.planner.predict``), if available."""
     if cfg is None:
         return None
-    try:
-        from workbench import planner  # the planner helper's module; optional
-    except ImportError:
-        return None
+    from workbench import planner
+
     try:
         plan = planner.predict(cfg)
     except Exception:
@@ -119,7 +117,7 @@ class Dashboard:
         run = self.run
         run.refresh()
         status = run.status
-        n = sum(len(v) for v in run._records.values())
+        n = run.event_count
         it, total, eta = run.progress()
         colour = _STATUS_COLOURS.get(status, "#000")
         self.status.value = (f"<b style='color:{colour}'>{status}</b> &nbsp; <code>{html.escape(str(run.run_dir))}</code>"
@@ -149,14 +147,12 @@ class Dashboard:
         self.updates += 1
 
     def _schedule_png(self) -> bytes | None:
-        if not self.run.events("microbatch"):
+        if not self.run.reader.has("microbatch", refresh=False):
             return None
-        try:
-            from workbench.plots.schedule import measured_overlay
-        except ImportError:
-            return None
-        try:
-            fig, _report = measured_overlay(self.run.run_dir)
+        from workbench.plots.schedule import measured_overlay
+
+        try:  # the records the run already holds: nothing is read again
+            fig, _report = measured_overlay(self.run.reader)
             return figure_png(fig)
         except Exception:
             return None
@@ -280,7 +276,7 @@ def static_figures(run, predicted_memory: Mapping[int, float] | float | None = N
         try:
             from workbench.plots.schedule import measured_overlay
 
-            fig, _ = measured_overlay(run.run_dir)
+            fig, _ = measured_overlay(run.reader)
             out.append(Image(data=figure_png(fig, dpi=90)))
         except Exception as e:
             print(f"(pipeline schedule view unavailable: {e})")

@@ -1,0 +1,605 @@
+"""Launching and supervising processes: the one launch path of the workbench.
+
+Why a supervisor: the notebook kernel must never fork itself into a training job nor touch CUDA,
+and a crashed or restarted kernel must not leave GPU processes behind.  So a run is:
+
+    caller ──Popen(start_new_session)──▶ supervisor (``python -m workbench.launch supervise``)
+                                            └─▶ torchrun ──▶ rank processes (own sessions)
+
+- :func:`launch_checks` is every check made before anything starts (the config, its data and
+  checkpoint, this machine's GPUs, the rendezvous, the run directory); ``Run.launch`` and
+  ``workbench launch`` both call it, so the same bad input gives the same problems.
+- :func:`start_run` prepares the run directory (``config.json``, ``command.sh``,
+  ``launch.json``) and starts the supervisor; :func:`run_supervised` runs any other
+  command (generation's ranks) under the same supervisor and waits for it.
+- The **supervisor** leads the job's process group.  It is a Linux child sub-reaper (orphaned
+  ranks re-parent to it), watches the launching process and kills the whole process tree
+  when that disappears, kills the job when a rank reported an ``error`` event but the job
+  did not tear down, and writes ``<run_dir>/exit_status.json`` (:func:`write_exit_status`).
+
+No megatron-core or torch here; psutil is imported lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from workbench.config import ConfigError, Problem, RunConfig
+from workbench.run.files import read_json, write_json_atomic
+from workbench.run.reader import RunReader
+
+__all__ = [
+    "BACKEND_ENTRY",
+    "STATUSES",
+    "LaunchPlan",
+    "new_run_dir",
+    "detect_gpus",
+    "launch_problems",
+    "launch_checks",
+    "apply_overrides",
+    "start_run",
+    "run_supervised",
+    "write_exit_status",
+]
+
+#: torchrun's entry for the real backend; tests may launch a script path instead.
+BACKEND_ENTRY: tuple[str, ...] = ("-m", "workbench.backend")
+STATUSES = ("starting", "running", "finished", "failed", "stopped")
+DEFAULT_RUN_ROOT = "runs"
+DEFAULT_RDZV_PORT = 29500
+#: the supervisor's command line (``python -m workbench.launch supervise ...``)
+SUPERVISOR_MODULE = "workbench.launch"
+
+
+# --------------------------------------------------------------------------- commands
+
+
+@dataclass
+class LaunchPlan:
+    """Everything needed to write the exact torchrun / SLURM commands of one run."""
+
+    run_dir: Path
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    python: str = field(default_factory=lambda: sys.executable)
+    entry: tuple[str, ...] = BACKEND_ENTRY
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir).absolute()
+        self.entry = tuple(str(e) for e in self.entry)
+        if self.rdzv_id is None:
+            # must be the same on every node (each node may have its own run directory)
+            self.rdzv_id = "workbench"
+
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "config.json"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs" / "torchrun"
+
+    def torchrun_args(self) -> list[str]:
+        """Rendezvous + logging options. One node: ``--standalone`` (a free port, no clashes)."""
+        if self.nnodes == 1 and not self.rdzv_endpoint:
+            args = ["--standalone", "--nnodes", "1"]
+        else:
+            endpoint = self.rdzv_endpoint or f"localhost:{DEFAULT_RDZV_PORT}"
+            # static rendezvous: node ranks are the ones given, so global rank = node_rank*nproc + local_rank
+            args = ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
+                    "--rdzv-endpoint", endpoint, "--rdzv-id", str(self.rdzv_id)]
+        return args + ["--nproc-per-node", str(self.nproc_per_node), "--log-dir", str(self.log_dir),
+                       "--redirects", "3", "--tee", "3"]
+
+    def entry_args(self) -> list[str]:
+        return [*self.entry, "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
+
+    def command(self) -> list[str]:
+        """The torchrun command line this node runs."""
+        return [self.python, "-m", "torch.distributed.run", *self.torchrun_args(), *self.entry_args()]
+
+    def shell(self) -> str:
+        return shlex.join(self.command())
+
+    def slurm_script(self, *, partition: str | None = None, account: str | None = None,
+                     time_limit: str | None = None, gpus: bool = True, port: int = DEFAULT_RDZV_PORT) -> str:
+        """A SLURM batch script: one ``srun`` task per node, each running torchrun.
+
+        Uses the c10d rendezvous on the first node of the allocation (PyTorch's recommended
+        multi-node recipe), so every node runs the identical command.
+        """
+        q = shlex.quote
+        lines = [
+            "#!/bin/bash",
+            f"#SBATCH --job-name={self.run_dir.name}",
+            f"#SBATCH --nodes={self.nnodes}",
+            "#SBATCH --ntasks-per-node=1",
+            f"#SBATCH --output={self.run_dir}/logs/slurm-%j.out",
+        ]
+        if gpus:
+            lines.append(f"#SBATCH --gpus-per-node={self.nproc_per_node}")
+        if partition:
+            lines.append(f"#SBATCH --partition={partition}")
+        if account:
+            lines.append(f"#SBATCH --account={account}")
+        if time_limit:
+            lines.append(f"#SBATCH --time={time_limit}")
+        lines += [
+            "# generated by workbench.launch; submit with: sbatch " + q(str(self.run_dir / "slurm.sbatch")),
+            "set -uo pipefail",
+            'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+            "export PYTHONUNBUFFERED=1",
+            f"srun --kill-on-bad-exit=1 {q(self.python)} -m torch.distributed.run \\",
+            '    --nnodes "$SLURM_NNODES" --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" \\',
+            f'    --rdzv-endpoint "$head_node:{port}" --nproc-per-node {self.nproc_per_node} \\',
+            f"    --log-dir {q(str(self.log_dir))} --redirects 3 --tee 3 \\",
+            "    " + shlex.join(self.entry_args()),
+            "rc=$?",
+            f"{q(self.python)} -m workbench.launch exit-status --run-dir {q(str(self.run_dir))} --returncode \"$rc\"",
+            'exit "$rc"',
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def new_run_dir(name: str, run_root: str | Path | None = None) -> Path:
+    """A fresh, unique run directory path ``<root>/<name>-<UTC timestamp>-<4 hex>`` (not created)."""
+    root = Path(run_root or os.environ.get("WORKBENCH_RUNS", DEFAULT_RUN_ROOT))
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return (root / f"{safe}-{stamp}-{uuid.uuid4().hex[:4]}").absolute()
+
+
+def detect_gpus() -> int:
+    """Number of visible NVIDIA GPUs, asked of ``nvidia-smi`` so the kernel never initialises CUDA."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    if visible is not None:
+        n = min(n, len([v for v in visible.split(",") if v.strip()]))
+    return n
+
+
+def launch_problems(cfg: RunConfig, *, local: bool = True) -> list[Problem]:
+    """Config problems plus what this machine cannot run (checked before any process starts)."""
+    problems = list(cfg.validate())
+    if not problems:  # data and checkpoint paths are only worth checking for a well-formed config
+        from workbench.data import check_data
+
+        problems += check_data(cfg)
+        from workbench.run.checkpoint import load_problems
+
+        problems += load_problems(cfg)
+    if local and cfg.parallel.device == "cuda":
+        gpus = detect_gpus()
+        if gpus == 0:
+            problems.append(Problem("parallel.device", "device is 'cuda' but no NVIDIA GPU is visible on this machine",
+                                    "use device: cpu with a tiny model (preset 'tiny'), or run on a GPU machine"))
+        elif cfg.parallel.nproc_per_node > gpus:
+            problems.append(Problem("parallel.nproc_per_node", f"{cfg.parallel.nproc_per_node} processes per node but only {gpus} GPU(s) visible",
+                                    f"use nproc_per_node <= {gpus}"))
+    return problems
+
+
+def apply_overrides(cfg: RunConfig, *, nproc_per_node: int | None = None, nnodes: int | None = None) -> RunConfig:
+    """``cfg`` with the launch's process counts written in (so the backend sees the same world size)."""
+    overrides: dict[str, int] = {}
+    if nproc_per_node is not None:
+        overrides["parallel.nproc_per_node"] = int(nproc_per_node)
+    if nnodes is not None:
+        overrides["parallel.nnodes"] = int(nnodes)
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_rank: int = 0,
+                  rdzv_endpoint: str | None = None, local: bool = True, slurm: bool = False) -> list[Problem]:
+    """Every problem that stops a launch, before any process starts (``Run.launch`` and ``workbench launch``).
+
+    ``local``: check this machine's GPUs too (not for a dry run or a SLURM script).  ``slurm``: the
+    SLURM script brings its own rendezvous.  ``run_dir``: must be new or empty.
+    """
+    problems = launch_problems(cfg, local=local)
+    if cfg.parallel.nnodes > 1 and not rdzv_endpoint and not slurm:
+        problems.append(Problem("rdzv_endpoint", f"{cfg.parallel.nnodes} nodes need a rendezvous endpoint",
+                                "pass rdzv_endpoint='HOST:PORT' of node 0 (--rdzv-endpoint), or use the SLURM script (--slurm)"))
+    if not 0 <= node_rank < max(cfg.parallel.nnodes, 1):
+        problems.append(Problem("node_rank", f"node_rank {node_rank} is outside 0..{cfg.parallel.nnodes - 1}",
+                                "use 0 on the first node, 1 on the second, ..."))
+    if run_dir is not None:
+        d = Path(run_dir)
+        if d.exists() and (not d.is_dir() or any(d.iterdir())):
+            problems.append(Problem("run_dir", f"{d.absolute()} exists and is not empty", "pass a new run_dir (or none for a fresh one)"))
+    return problems
+
+
+# --------------------------------------------------------------------------- process helpers
+
+
+def _proc(pid: int, create_time: float | None = None):
+    """psutil.Process for ``pid`` if it is alive (and is the same process), else None."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if create_time is not None and abs(p.create_time() - create_time) > 0.05:
+            return None  # PID reused
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return p
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+        return None
+
+
+def _tree(root) -> list:
+    import psutil
+
+    try:
+        return root.children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def _signal_all(procs: Iterable, sig: int) -> None:
+    import psutil
+
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            pass
+
+
+def _terminate(procs: list, grace: float) -> None:
+    """SIGTERM, wait ``grace`` seconds, SIGKILL whatever is left, then wait for the kills."""
+    import psutil
+
+    procs = [p for p in procs if p is not None]
+    if not procs:
+        return
+    _signal_all(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=max(grace, 0.0))
+    if alive:
+        _signal_all(alive, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+
+
+def _stop_tree(me, child: subprocess.Popen, grace: float) -> None:
+    """Graceful stop of the job: ONE SIGTERM per rank, SIGKILL for whatever is left after ``grace``.
+
+    torchrun forwards a SIGTERM to every rank exactly once, so it is the only process we signal
+    while it lives (a second SIGTERM makes the backend's ranks leave without finishing the step).
+    Ranks orphaned by a dead torchrun get the SIGTERM directly.
+    """
+    import psutil
+
+    procs = _tree(me)
+    if child.poll() is None:
+        try:
+            child.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    else:
+        _signal_all(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=max(grace, 0.0))
+    alive = [p for p in alive if _alive(p)] + [p for p in _tree(me) if p not in procs]
+    if alive:
+        print(f"[supervisor] {len(alive)} process(es) still alive after {grace:.0f}s: SIGKILL", flush=True)
+        _signal_all(alive, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5)
+
+
+def _set_child_subreaper() -> None:
+    """Linux: orphaned descendants (e.g. ranks whose torchrun died) re-parent to us, not init."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:
+        pass
+
+
+def _alive(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _create_time(pid: int) -> float | None:
+    p = _proc(pid)
+    try:
+        return p.create_time() if p else None
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------- exit status
+
+
+def _root_cause_rank(text: str) -> int | None:
+    """The global rank of torchrun's 'Root Cause (first observed failure)' block, if any."""
+    i = text.rfind("Root Cause")
+    if i < 0:
+        return None
+    m = re.search(r"rank\s*:\s*(\d+)", text[i:])
+    return int(m.group(1)) if m else None
+
+
+def write_exit_status(run_dir: str | Path, returncode: int | None, *, reason: str | None = None,
+                      status: str | None = None, started: float | None = None,
+                      reader: RunReader | None = None) -> dict:
+    """Write ``<run_dir>/exit_status.json``: status, return code, failed rank (from events or torchrun's report)."""
+    run_dir = Path(run_dir)
+    reader = reader if reader is not None else RunReader(run_dir)
+    errors = reader.records("error")
+    ends = reader.records("run_end")
+    if status is None:
+        if reason in ("stopped", "kernel-exited"):
+            status = "stopped"
+        elif returncode == 0:
+            status = "stopped" if any(e.get("status") == "stopped" for e in ends) else "finished"
+        else:
+            status = "failed"
+    failed_rank = errors[0].get("rank") if errors else None
+    if failed_rank is None and status == "failed":
+        launcher_log = run_dir / "logs" / "launcher.log"
+        try:
+            failed_rank = _root_cause_rank(launcher_log.read_text(errors="replace")[-20000:])
+        except OSError:
+            pass
+    data = {
+        "status": status,
+        "returncode": returncode,
+        "reason": reason or status,
+        "failed_rank": failed_rank,
+        "started": started,
+        "ended": time.time(),
+        "seconds": (time.time() - started) if started else None,
+    }
+    (run_dir).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / "exit_status.json", data)
+    return data
+
+
+
+# --------------------------------------------------------------------------- supervisor
+
+
+def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error_grace: float, poll: float = 0.2) -> int:
+    """Body of the supervisor process (see the module docstring). Returns torchrun's exit code."""
+    import psutil
+
+    _set_child_subreaper()
+    started = time.time()
+    stop_reason: list[str] = []
+
+    def on_signal(signum, _frame):
+        if not stop_reason:
+            stop_reason.append("stopped")
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, on_signal)
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)  # inherits our stdout (launcher.log)
+    launch_json = run_dir / "launch.json"
+    meta = read_json(launch_json) or {}
+    meta.update(torchrun_pid=child.pid)
+    write_json_atomic(launch_json, meta)
+
+    reader = RunReader(run_dir)
+    error_seen_at: float | None = None
+    me = psutil.Process()
+    rc: int | None = None
+    while True:
+        rc = child.poll()
+        if rc is not None:
+            break
+        if not stop_reason and watch_pid and (os.getppid() != watch_pid or not psutil.pid_exists(watch_pid)):
+            stop_reason.append("kernel-exited")
+            print(f"[supervisor] launching process {watch_pid} is gone: stopping the run", flush=True)
+        if stop_reason:
+            break
+        if error_seen_at is None and any(e.event == "error" for e in reader.poll()):
+            error_seen_at = time.time()
+        if error_seen_at is not None and time.time() - error_seen_at > error_grace:
+            print(f"[supervisor] a rank reported an error {error_grace:.0f}s ago and the job did not tear down: killing it", flush=True)
+            stop_reason.append("failed")
+            break
+        time.sleep(poll)
+
+    if rc is None:  # stop requested, kernel gone, or hung after an error: take the whole tree down
+        _stop_tree(me, child, grace)
+        try:
+            rc = child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            rc = child.wait()
+    # Whatever survived torchrun (orphans re-parented to us as sub-reaper) goes too.
+    for _ in range(3):
+        left = _tree(me)
+        if not left:
+            break
+        _terminate(left, 1.0)
+    reason = stop_reason[0] if stop_reason else None
+    status = "failed" if reason == "failed" else None
+    info = write_exit_status(run_dir, rc, reason=reason, status=status, started=started, reader=reader)
+    print(f"[supervisor] run ended: {info['status']} (torchrun exit code {rc})", flush=True)
+    return rc if isinstance(rc, int) else 1
+
+
+
+
+# --------------------------------------------------------------------------- starting
+
+
+def supervisor_command(run_dir: str | Path, command: Sequence[str], *, watch_pid: int = 0, grace: float = 10.0,
+                       error_grace: float = 10.0) -> list[str]:
+    """The supervisor's command line for ``command`` (see the module docstring)."""
+    return [sys.executable, "-m", SUPERVISOR_MODULE, "supervise", "--run-dir", str(run_dir), "--watch-pid", str(watch_pid),
+            "--grace", str(grace), "--error-grace", str(error_grace), "--", *command]
+
+
+def _spawn_supervisor(sup_cmd: list[str], env: dict[str, str] | None, stdout) -> subprocess.Popen:
+    run_env = dict(os.environ)
+    run_env.update(env or {})
+    run_env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.Popen(sup_cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+                            env=run_env, start_new_session=True, close_fds=True)
+
+
+def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: int = 0, rdzv_endpoint: str | None = None,
+              rdzv_id: str | None = None, run_root: str | Path | None = None, entry: Sequence[str] = BACKEND_ENTRY,
+              env: dict[str, str] | None = None, grace: float = 10.0, error_grace: float = 10.0,
+              watch_parent: bool = True, check_devices: bool = True) -> tuple[LaunchPlan, subprocess.Popen]:
+    """Check (:func:`launch_checks`), create the run directory, start torchrun under a supervisor.
+
+    Raises :class:`ConfigError` (nothing started, nothing written) when the config or this
+    machine cannot run it.  Returns the plan and the supervisor's Popen.
+    """
+    problems = launch_checks(cfg, run_dir=run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, local=check_devices)
+    if problems:
+        raise ConfigError(problems)
+    run_dir = Path(run_dir).absolute() if run_dir else new_run_dir(cfg.name, run_root)
+    plan = LaunchPlan(run_dir, cfg.parallel.nproc_per_node, cfg.parallel.nnodes, node_rank, rdzv_endpoint,
+                      rdzv_id or f"workbench-{cfg.name}", entry=tuple(entry))
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "events").mkdir(exist_ok=True)
+    cfg.save(plan.config_path)
+    if cfg.parallel.nnodes > 1:
+        (run_dir / "slurm.sbatch").write_text(plan.slurm_script(gpus=cfg.parallel.device == "cuda"))
+    torchrun_cmd = plan.command()
+    watch_pid = os.getpid() if watch_parent else 0
+    sup_cmd = supervisor_command(run_dir, torchrun_cmd, watch_pid=watch_pid, grace=grace, error_grace=error_grace)
+    (run_dir / "command.sh").write_text("#!/bin/bash\n# the torchrun command of this run (this node)\n" + plan.shell() + "\n")
+    started = time.time()
+    write_json_atomic(run_dir / "launch.json", {
+        "command": torchrun_cmd, "shell": plan.shell(), "supervisor_command": sup_cmd,
+        "nproc_per_node": plan.nproc_per_node, "nnodes": plan.nnodes, "node_rank": plan.node_rank,
+        "rdzv_endpoint": plan.rdzv_endpoint, "kernel_pid": watch_pid or None, "started": started,
+        "host": os.uname().nodename,
+    })
+    with open(run_dir / "logs" / "launcher.log", "ab") as log:
+        popen = _spawn_supervisor(sup_cmd, env, log)
+    meta = read_json(run_dir / "launch.json") or {}
+    meta.update(supervisor_pid=popen.pid, pgid=popen.pid, supervisor_create_time=_create_time(popen.pid))
+    write_json_atomic(run_dir / "launch.json", meta)
+    return plan, popen
+
+
+@dataclass
+class SupervisedResult:
+    returncode: int
+    output: str  # what the command printed (stdout and stderr), unless it went to the terminal
+    work_dir: Path
+
+
+def run_supervised(command: Sequence[str], work_dir: str | Path, *, env: dict[str, str] | None = None,
+                   timeout: float | None = None, capture: bool = True, grace: float = 10.0) -> SupervisedResult:
+    """Run ``command`` (e.g. a torchrun of generation's ranks) under the supervisor and wait for it.
+
+    The supervisor watches this process: if the caller dies, the command's whole process tree
+    goes too; on ``timeout`` (or Ctrl-C) the tree is stopped and :class:`subprocess.TimeoutExpired`
+    (or KeyboardInterrupt) is raised.  ``capture``: the output goes to ``<work_dir>/logs/launcher.log``
+    and comes back in the result; otherwise it goes to this process's terminal.
+    """
+    work = Path(work_dir)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    sup_cmd = supervisor_command(work, list(command), watch_pid=os.getpid(), grace=grace, error_grace=grace)
+    write_json_atomic(work / "launch.json", {"command": list(command), "shell": shlex.join(command),
+                                             "supervisor_command": sup_cmd, "kernel_pid": os.getpid(), "started": time.time()})
+    log_path = work / "logs" / "launcher.log"
+    log = open(log_path, "ab") if capture else None
+    start = log_path.stat().st_size if capture else 0
+    try:
+        popen = _spawn_supervisor(sup_cmd, env, log)
+        try:
+            rc = popen.wait(timeout=timeout)
+        except BaseException:  # timeout or interrupt: stop the tree, then re-raise
+            _stop_supervisor(popen, grace)
+            raise
+    finally:
+        if log is not None:
+            log.close()
+    output = ""
+    if capture:
+        with open(log_path, "rb") as fh:
+            fh.seek(start)
+            output = fh.read().decode("utf-8", "replace")
+    return SupervisedResult(int(rc), output, work)
+
+
+def _stop_supervisor(popen: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the supervisor (it stops its tree), SIGKILL its process group if it outlives ``grace``."""
+    if popen.poll() is None:
+        try:
+            popen.send_signal(signal.SIGTERM)
+            popen.wait(timeout=grace + 8.0)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            popen.wait(timeout=5)
+        except ProcessLookupError:
+            pass
+
+
+# --------------------------------------------------------------------------- process entry
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m workbench.launch supervise|exit-status ...`` (internal entry points)."""
+    ap = argparse.ArgumentParser(prog=f"python -m {SUPERVISOR_MODULE}")
+    sp = ap.add_subparsers(dest="cmd", required=True)
+    s = sp.add_parser("supervise")
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--watch-pid", type=int, default=0)
+    s.add_argument("--grace", type=float, default=10.0)
+    s.add_argument("--error-grace", type=float, default=10.0)
+    s.add_argument("command", nargs=argparse.REMAINDER)
+    e = sp.add_parser("exit-status")
+    e.add_argument("--run-dir", required=True)
+    e.add_argument("--returncode", type=int, required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "supervise":
+        cmd = list(a.command)
+        if cmd and cmd[0] == "--":
+            cmd = cmd[1:]
+        return _supervise(Path(a.run_dir), cmd, a.watch_pid, a.grace, a.error_grace)
+    info = write_exit_status(a.run_dir, a.returncode)
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

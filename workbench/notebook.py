@@ -1,0 +1,271 @@
+"""Notebook, papermill and sweep helpers: what the notebooks and ``workbench notebook run`` / ``sweep`` call.
+
+- :func:`quickstart_config`: the quickstart notebook's config from its parameters, fitted to this machine.
+- :func:`generate_from_run`: text from a finished run's latest checkpoint.
+- :func:`dashboard`: the live dashboard of a :class:`workbench.run_handle.Run`.
+- :func:`run_notebook` / :func:`sweep`: notebooks headless through papermill, once or over a grid,
+  with :func:`record_metrics` as the notebook's side of the sweep table.
+
+pandas, papermill and nbconvert are imported lazily.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from workbench import generation
+from workbench.config import ConfigError, Problem, RunConfig
+from workbench.launch import detect_gpus, new_run_dir
+from workbench.run.checkpoint import TRACKER_FILE
+from workbench.run.files import read_json, write_json_atomic
+from workbench.run_handle import Run
+
+__all__ = [
+    "quickstart_config",
+    "generate_from_run",
+    "dashboard",
+    "run_notebook",
+    "NotebookResult",
+    "record_metrics",
+    "parse_grid",
+    "sweep",
+]
+
+
+def quickstart_config(preset_name: str = "demo-small", *, tp: int = 1, pp: int = 1, steps: int | None = None,
+                      nproc: int | None = None, device: str = "auto", ci: bool = False) -> tuple[RunConfig, str]:
+    """The quickstart notebook's config from its parameters, fitted to this machine; returns (config, note).
+
+    device "auto": CUDA when GPUs are visible (asked of nvidia-smi; the kernel never touches
+    CUDA), else the backend's CPU mode (gloo) with the tiny preset.  ``ci``: the tiny preset
+    on CPU with a few steps.  The global batch is rounded to a multiple of micro-batch x dp.
+    """
+    from workbench.config import preset as make_preset
+
+    notes = []
+    gpus = detect_gpus()
+    if device not in ("auto", "cuda", "cpu"):
+        raise ConfigError([Problem("device", f"unknown device {device!r}", "use auto, cuda or cpu")])
+    device_requested = device
+    if ci:
+        preset_name, device = "tiny", "cpu"
+        steps = min(steps or 6, 6)
+        notes.append("CI mode: the tiny preset in the backend's CPU mode (gloo), a few steps")
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+        if not gpus:
+            notes.append("no GPU visible: running in the backend's CPU mode (gloo) with the tiny preset")
+    if device == "cpu" and preset_name != "tiny":
+        if gpus or device_requested == "cpu":
+            notes.append(f"preset {preset_name!r} is too large for CPU emulation: using 'tiny'")
+        preset_name = "tiny"
+    cfg = make_preset(preset_name)
+    model_parallel = max(tp, 1) * max(pp, 1)
+    if nproc is None:
+        nproc = model_parallel * max(gpus // model_parallel, 1) if device == "cuda" else model_parallel
+    over: dict[str, Any] = {"parallel.tensor_parallel": tp, "parallel.pipeline_parallel": pp,
+                            "parallel.nproc_per_node": nproc, "parallel.device": device}
+    if device == "cpu" and cfg.train.precision == "fp16":
+        over["train.precision"] = "fp32"
+    if steps:
+        over["train.train_iters"] = int(steps)
+        over["train.lr_warmup_iters"] = min(cfg.train.lr_warmup_iters, max(int(steps) // 5, 0))
+        if cfg.train.eval_interval > int(steps) or cfg.train.eval_interval == 0:
+            over["train.eval_interval"] = max(int(steps) // 2, 1)
+    cfg = cfg.replace(**over)
+    dp = cfg.derived().data_parallel if nproc % model_parallel == 0 else 1
+    unit = cfg.train.micro_batch_size * dp
+    if cfg.train.global_batch_size % unit:
+        cfg = cfg.replace(**{"train.global_batch_size": unit * max(cfg.train.global_batch_size // unit, 1)})
+        notes.append(f"global batch rounded to {cfg.train.global_batch_size} (micro-batch {cfg.train.micro_batch_size} x dp {dp})")
+    if cfg.data.tokenizer == "demo":
+        try:
+            from workbench.data.tokenizer import load_tokenizer
+
+            vocab = load_tokenizer("demo").vocab_size
+            if vocab > cfg.model.vocab_size:
+                cfg = cfg.replace(**{"model.vocab_size": vocab})
+                notes.append(f"model.vocab_size raised to the demo tokenizer's {vocab}")
+        except Exception:
+            pass
+    note = f"{cfg.name}: device {device}, tp {tp} x pp {pp}, {nproc} process(es), {cfg.train.train_iters} steps"
+    return cfg, "; ".join([note, *notes])
+
+
+def generate_from_run(run: Run, prompts: Sequence[str] | str, **options: Any) -> list:
+    """Generate text from a finished run's latest checkpoint (``workbench.generation``), or say why not.
+
+    Returns the generation results, or an empty list with the reason printed (the run saved no checkpoint).
+    """
+    cfg = run.config
+    root = Path(cfg.checkpoint.save_dir) if cfg and cfg.checkpoint.save_dir else run.run_dir / "checkpoints"
+    if not (root / TRACKER_FILE).exists() and not list(root.glob("iter_*")):
+        print(f"no checkpoint under {root} (status {run.status}): generation skipped")
+        return []
+    device = cfg.parallel.device if cfg else None
+    return generation.generate(root, prompts, device=device, **options)
+
+
+def dashboard(run: Run, **kwargs: Any):
+    """A live ipywidgets dashboard for ``run`` (see :mod:`workbench.widgets.dashboard`)."""
+    from workbench.widgets.dashboard import Dashboard
+
+    return Dashboard(run, **kwargs)
+
+
+# --------------------------------------------------------------------------- papermill
+
+
+@dataclass
+class NotebookResult:
+    out_dir: Path
+    notebook: Path  # the executed .ipynb
+    html: Path | None
+    error: str | None = None  # papermill's error (the failing cell) or None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _notebook_parameters(path: Path) -> dict:
+    import papermill
+
+    try:
+        return papermill.inspect_notebook(str(path))
+    except Exception:
+        return {}
+
+
+def run_notebook(notebook: str | Path, parameters: dict | None = None, out_dir: str | Path | None = None, *,
+                 runs_root: str | Path | None = None, html: bool = True, progress: bool = False,
+                 kernel_name: str | None = None, timeout: float | None = None) -> NotebookResult:
+    """Execute a notebook through papermill into ``out_dir`` (default ``runs/<name>-<timestamp>``).
+
+    Writes ``<out_dir>/<name>.ipynb`` (executed) and ``<out_dir>/<name>.html``.  When the
+    notebook declares an ``out_dir`` parameter it receives the output directory, so it can
+    put its training runs and ``metrics.json`` next to the executed notebook.
+    """
+    import papermill as pm
+
+    nb = Path(notebook)
+    if not nb.exists():
+        raise FileNotFoundError(f"notebook {nb} not found")
+    out = Path(out_dir).absolute() if out_dir else new_run_dir(nb.stem, runs_root)
+    out.mkdir(parents=True, exist_ok=True)
+    params = dict(parameters or {})
+    declared = _notebook_parameters(nb)
+    if "out_dir" in declared and "out_dir" not in params:
+        params["out_dir"] = str(out)
+    executed = out / f"{nb.stem}.ipynb"
+    t0 = time.time()
+    error = None
+    previous = os.environ.get("WORKBENCH_HEADLESS")
+    os.environ["WORKBENCH_HEADLESS"] = "1"  # inherited by the kernel: watch() renders static plots
+    try:
+        pm.execute_notebook(str(nb), str(executed), parameters=params, kernel_name=kernel_name,
+                            progress_bar=progress, log_output=False, execution_timeout=timeout,
+                            cwd=os.getcwd())
+    except pm.PapermillExecutionError as e:
+        error = f"cell {e.exec_count}: {e.ename}: {e.evalue}"
+    finally:
+        if previous is None:
+            os.environ.pop("WORKBENCH_HEADLESS", None)
+        else:
+            os.environ["WORKBENCH_HEADLESS"] = previous
+    html_path = None
+    if html and executed.exists():
+        html_path = _export_html(executed)
+    return NotebookResult(out, executed, html_path, error, time.time() - t0)
+
+
+def _export_html(executed: Path) -> Path | None:
+    try:
+        import nbformat
+        from nbconvert import HTMLExporter
+
+        body, _ = HTMLExporter().from_notebook_node(nbformat.read(str(executed), as_version=4))
+        path = executed.with_suffix(".html")
+        path.write_text(body, encoding="utf-8")
+        return path
+    except Exception as e:  # the executed notebook is the primary artefact; HTML is a convenience
+        print(f"warning: HTML export of {executed} failed: {e}", file=sys.stderr)
+        return None
+
+
+def record_metrics(metrics: dict, out_dir: str | Path | None) -> Path | None:
+    """Write a notebook's final metrics to ``<out_dir>/metrics.json`` (what ``workbench sweep`` collects)."""
+    if not out_dir:
+        return None
+    path = Path(out_dir) / "metrics.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {k: v for k, v in metrics.items()})
+    return path
+
+
+def _parse_value(text: str) -> Any:
+    """A CLI value as Python: int, float (``1e-3`` too, which YAML 1.1 leaves a string), YAML scalar, else text."""
+    import yaml
+
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    try:
+        return yaml.safe_load(text)
+    except Exception:
+        return text
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list]:
+    """``["steps=5,10", "lr=1e-3"]`` -> ``{"steps": [5, 10], "lr": [0.001]}`` (values parsed as YAML scalars)."""
+    grid: dict[str, list] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--grid {item!r}: expected NAME=V1,V2,...")
+        name, values = item.split("=", 1)
+        name = name.strip()
+        if not name.isidentifier():
+            raise ValueError(f"--grid {item!r}: {name!r} is not a parameter name")
+        vals = [_parse_value(v.strip()) for v in values.split(",") if v.strip()]
+        if not vals:
+            raise ValueError(f"--grid {item!r}: no values")
+        grid[name] = vals
+    return grid
+
+
+def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, *, parameters: dict | None = None,
+          html: bool = False, progress: bool = True):
+    """Run ``notebook`` once per grid point into ``out_dir/<i>-k=v...``; collect metrics into ``out_dir/sweep.csv``.
+
+    Each point's metrics come from the ``metrics.json`` the notebook wrote into its ``out_dir``
+    (see :func:`record_metrics`).  Returns the table as a pandas DataFrame.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(grid)
+    points = [dict(zip(names, combo)) for combo in itertools.product(*(grid[n] for n in names))]
+    rows = []
+    for i, point in enumerate(tqdm(points, desc="sweep", disable=not progress)):
+        label = "-".join(f"{k}={v}" for k, v in point.items())
+        sub = out / re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{i:03d}-{label}")
+        res = run_notebook(notebook, {**(parameters or {}), **point}, sub, html=html)
+        metrics = read_json(sub / "metrics.json") or {}
+        rows.append({**(parameters or {}), **point, "ok": res.ok, "error": res.error, **metrics, "notebook": str(res.notebook)})
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "sweep.csv", index=False)
+    return df
+
+

@@ -1,0 +1,265 @@
+"""Checkpoint discovery and metadata (``workbench.json``), torch-free.
+
+A workbench checkpoint is a root with ``latest_checkpointed_iteration.txt`` and
+``iter_XXXXXXX`` directories, each holding megatron-core's dist checkpoint plus
+``workbench.json`` (:class:`CheckpointMeta`).  An iteration counts only once its
+``workbench.json`` says ``"complete": true``, so an interrupted save never shadows an
+earlier one.  :func:`read_checkpoint` is the one reader of that file: the backend's
+checkpointing, generation and the launch checks use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "CheckpointError", "CheckpointMeta", "CheckpointInfo", "iter_dir_name",
+           "list_checkpoints", "find_checkpoint", "read_checkpoint", "read_metadata", "load_problems", "checkpoint_info",
+           "resolve_tokenizer", "special_ids"]
+
+FORMAT = "workbench-mcore-v1"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+METADATA_FILE = "workbench.json"
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be found, read or matched to a model; the message names the path and the fix."""
+
+
+@dataclass(kw_only=True)
+class CheckpointMeta:
+    """``workbench.json`` of one saved iteration; ``path`` is that ``iter_XXXXXXX`` directory."""
+
+    path: Path
+    format: str | None = None
+    iteration: int | None = None
+    complete: bool = False
+    config: dict[str, Any] = field(default_factory=dict)
+    has_optimizer: bool = False
+    tokenizer: Any = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], path: str | Path) -> "CheckpointMeta":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "path"}
+        known = {k: v for k, v in data.items() if k in names}
+        extra = {k: v for k, v in data.items() if k not in names and k != "path"}
+        if known.get("config") is None:
+            known["config"] = {}
+        return cls(path=Path(path), **known, extra=extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's JSON object plus ``path`` (a string), as :func:`read_metadata` returns it."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "path")}
+        out.update(self.extra)
+        out["path"] = str(self.path)
+        return out
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{int(iteration):07d}"
+
+
+def _is_complete(d: Path) -> bool:
+    meta = d / METADATA_FILE
+    if not meta.is_file():
+        return False
+    try:
+        data = json.loads(meta.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and bool(data.get("complete")) and data.get("format") == FORMAT
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete ``iter_XXXXXXX`` directories under ``root``, oldest first (partial saves are skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _ITER_RE.match(d.name)
+        if m and d.is_dir() and _is_complete(d):
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found)]
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """Resolve a checkpoint ROOT or an ``iter_XXXXXXX`` dir to a complete iteration directory.
+
+    From a root: the iteration named by ``latest_checkpointed_iteration.txt`` if complete,
+    else the newest complete ``iter_*`` (an interrupted save never wins).
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint path {p} does not exist -> check the path (a checkpoint root or an iter_XXXXXXX directory)")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint path {p} is a file, not a directory -> pass the checkpoint root or an iter_XXXXXXX directory")
+    if (p / METADATA_FILE).exists() or _ITER_RE.match(p.name) or ".tmp-" in p.name:
+        if _is_complete(p):
+            return p
+        raise CheckpointError(
+            f"{p} is not a complete workbench checkpoint ({METADATA_FILE} missing or not marked complete: "
+            "the save was interrupted or this is not a workbench checkpoint) -> use an earlier iteration, "
+            "or import foreign checkpoints with `workbench convert`")
+    tracker = p / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text.isdigit():
+            d = p / iter_dir_name(int(text))
+            if _is_complete(d):
+                return d
+    complete = list_checkpoints(p)
+    if complete:
+        return complete[-1]
+    partial = sorted(x.name for x in p.iterdir() if x.name.startswith("iter_"))
+    legacy = any(x.name.startswith("mp_rank_") for x in p.iterdir()) or any(
+        x.is_dir() and any(y.name.startswith("mp_rank_") for y in x.iterdir()) for x in p.iterdir() if x.is_dir())
+    hint = ("this looks like a legacy Megatron-LM checkpoint -> import it with `workbench convert legacy`" if legacy
+            else "train with a save_dir, or convert a model with `workbench convert hf-to-megatron`")
+    raise CheckpointError(
+        f"no complete checkpoint under {p}" + (f" (incomplete: {', '.join(partial)})" if partial else "") + f" -> {hint}")
+
+
+def read_checkpoint(path: str | Path) -> CheckpointMeta:
+    """The metadata of the checkpoint at ``path`` (root or iter dir); :class:`CheckpointError` if there is none."""
+    d = find_checkpoint(path)
+    data = json.loads((d / METADATA_FILE).read_text())
+    return CheckpointMeta.from_dict(data, d)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """:func:`read_checkpoint` as the plain dict of ``workbench.json`` plus ``path``."""
+    return read_checkpoint(path).to_dict()
+
+
+# --------------------------------------------------------------------------- launch checks
+
+
+#: Model fields that fix the shapes of stored weights, and the config field a user sets for each;
+#: the sizes derived from others (head dim, FFN width, KV groups) are compared only once those agree.
+_WEIGHT_SHAPE_FIELDS = {
+    "num_layers": "model.num_layers", "hidden_size": "model.hidden_size",
+    "num_attention_heads": "model.num_attention_heads", "vocab_size": "model.vocab_size",
+    "position_embedding": "model.position_embedding", "normalization": "model.normalization",
+    "activation": "model.activation", "add_bias_linear": "model.add_bias_linear", "tie_embeddings": "model.tie_embeddings",
+}
+_DERIVED_SHAPE_FIELDS = {"query_groups": "model.num_query_groups", "head_dim": "model.kv_channels", "ffn_size": "model.ffn_hidden_size"}
+
+
+def load_problems(cfg: Any) -> list:
+    """Why ``cfg.checkpoint.load_dir`` would not load into ``cfg``, from the checkpoint's
+    ``workbench.json`` alone (no process, no megatron-core), so a launch is refused with the
+    field and the fix before any rank starts: a missing or incomplete checkpoint, another
+    architecture, and for a resume (not ``finetune``) missing or differently sharded optimizer state.
+    """
+    from workbench.config import ConfigError, Problem, RunConfig, pad_vocab_size
+
+    c = cfg.checkpoint
+    if not c.load_dir:
+        return []
+    try:
+        meta = read_checkpoint(c.load_dir)
+        saved = RunConfig.from_dict(meta.config or {}, source=str(meta.path))
+    except CheckpointError as e:
+        rule, _, fix = str(e).partition(" -> ")
+        return [Problem("checkpoint.load_dir", rule, fix or "point load_dir at a checkpoint root or an iter_XXXXXXX directory")]
+    except ConfigError:
+        return []  # a config this version cannot read (an older run's): the load itself will tell
+    except (OSError, ValueError) as e:  # unreadable metadata
+        return [Problem("checkpoint.load_dir", f"cannot read the checkpoint's metadata: {e}", "point load_dir at a workbench checkpoint")]
+    where = str(meta.path)
+    out = []
+    shape_fields = dict(_WEIGHT_SHAPE_FIELDS)
+    if cfg.model.position_embedding == saved.model.position_embedding == "learned":
+        shape_fields["max_position_embeddings"] = "model.max_position_embeddings"
+    for fields in (shape_fields, _DERIVED_SHAPE_FIELDS):
+        for attr, field in fields.items():
+            have, want = getattr(cfg.model, attr), getattr(saved.model, attr)
+            if have != want:
+                out.append(Problem(field, f"is {have!r} here but {want!r} in checkpoint {where}",
+                                   f"set {field}: {want!r} to load it, or drop checkpoint.load_dir to train from scratch"))
+        if out:
+            break
+    if not c.finetune and not out:
+        padded = [pad_vocab_size(x.model.vocab_size, x.model.make_vocab_size_divisible_by, x.parallel.tensor_parallel) for x in (cfg, saved)]
+        if not meta.has_optimizer:
+            out.append(Problem("checkpoint.finetune", f"checkpoint {where} holds no optimizer state, so it cannot be resumed",
+                               "set checkpoint.finetune: true to start from its weights with a fresh optimizer"))
+        elif saved.parallel.distributed_optimizer != cfg.parallel.distributed_optimizer:
+            want = saved.parallel.distributed_optimizer
+            out.append(Problem("parallel.distributed_optimizer",
+                               f"checkpoint {where} was saved with distributed_optimizer: {str(want).lower()}",
+                               f"set parallel.distributed_optimizer: {str(want).lower()} to resume it, "
+                               "or checkpoint.finetune: true to load its weights with a fresh optimizer"))
+        elif padded[0] != padded[1]:  # the embedding rows are re-padded on load; Adam's state for them cannot be
+            out.append(Problem("parallel.tensor_parallel",
+                               f"pads the vocabulary to {padded[0]} rows, but checkpoint {where} (tensor_parallel "
+                               f"{saved.parallel.tensor_parallel}) stored {padded[1]}; its optimizer state cannot be re-padded",
+                               f"resume at tensor_parallel {saved.parallel.tensor_parallel}, set model.make_vocab_size_divisible_by so "
+                               "both pad alike, or checkpoint.finetune: true for a fresh optimizer"))
+    return out
+
+
+# --------------------------------------------------------------------------- what generation needs
+
+
+@dataclass
+class CheckpointInfo:
+    """What generation needs to know about a checkpoint without loading it."""
+
+    path: Path  # the iter_XXXXXXX directory
+    config: Any  # workbench.config.RunConfig
+    meta: dict[str, Any]
+
+
+def checkpoint_info(ckpt: str | Path) -> CheckpointInfo:
+    """Resolve ``ckpt`` (root or iter dir) and read its ``workbench.json``; ConfigError naming ``ckpt`` if there is none."""
+    from workbench.config import ConfigError, Problem, RunConfig
+
+    try:
+        meta = read_checkpoint(ckpt)
+    except CheckpointError as e:
+        rule, _, fix = str(e).partition(" -> ")
+        raise ConfigError([Problem("ckpt", rule, fix or "point ckpt at a checkpoint root or an iter_XXXXXXX directory")]) from None
+    return CheckpointInfo(path=meta.path, config=RunConfig.from_dict(meta.config or {}, source=str(meta.path)),
+                          meta=meta.to_dict())
+
+
+def _tokenizer_spec(info: CheckpointInfo) -> Any:
+    """Where the checkpoint's tokenizer lives: files next to the weights, the recorded spec, the run's data.tokenizer."""
+    for d in (info.path, info.path.parent):
+        if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
+            return str(d)
+    spec = info.meta.get("tokenizer")
+    if isinstance(spec, dict):
+        spec = spec.get("path") or spec.get("name")
+    if spec:
+        return spec
+    return info.config.data.tokenizer or None
+
+
+def resolve_tokenizer(info: CheckpointInfo):
+    """The checkpoint's tokenizer (``workbench.data.tokenizer.Tokenizer``) or None when it records none."""
+    spec = _tokenizer_spec(info)
+    if spec is None:
+        return None
+    from workbench.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(spec)
+
+
+def special_ids(tok: Any) -> dict[str, int | None]:
+    """EOS / BOS / PAD ids of a workbench or HF tokenizer (None when absent)."""
+    if tok is None:
+        return {"eos": None, "bos": None, "pad": None}
+    if hasattr(tok, "has_eod"):  # workbench.data.tokenizer.Tokenizer
+        eos = tok.eod if tok.has_eod else None
+        return {"eos": eos, "bos": tok.bos, "pad": tok.pad}
+    return {"eos": getattr(tok, "eos_token_id", None), "bos": getattr(tok, "bos_token_id", None),
+            "pad": getattr(tok, "pad_token_id", None)}

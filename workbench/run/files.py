@@ -1,0 +1,68 @@
+"""Small file and port helpers shared by the whole package (bottom layer: stdlib only).
+
+- :func:`write_text_atomic` / :func:`write_json_atomic`: write a temp file next to the target,
+  fsync it, then ``os.replace`` it over the target, so a reader never sees half a file;
+  :func:`atomic_output` is the same for any writer (``torch.save(x, tmp)``).
+- :func:`read_json`: a JSON file as a dict, or None when it is missing or unreadable.
+- :func:`free_port`: a TCP port that was free a moment ago (for a private rendezvous).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any, Iterator
+
+__all__ = ["atomic_output", "write_text_atomic", "write_json_atomic", "read_json", "free_port"]
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | Path) -> Iterator[Path]:
+    """A temp path next to ``path`` to write to; renamed over ``path`` when the block succeeds, removed if not."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text_atomic(path: str | Path, text: str, *, fsync: bool = True) -> Path:
+    """Replace ``path`` with ``text`` in one step (temp file in the same directory + ``os.replace``)."""
+    path = Path(path)
+    with atomic_output(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            if fsync:
+                try:
+                    os.fsync(fh.fileno())
+                except OSError:
+                    pass
+    return path
+
+
+def write_json_atomic(path: str | Path, data: Any, *, indent: int | None = 2, fsync: bool = True) -> Path:
+    """:func:`write_text_atomic` of ``json.dumps(data)`` (non-JSON values written with ``str``)."""
+    return write_text_atomic(path, json.dumps(data, indent=indent, default=str), fsync=fsync)
+
+
+def read_json(path: str | Path) -> dict | None:
+    """The JSON object in ``path``; None when the file is missing, unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that no one was listening on when asked (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
