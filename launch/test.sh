@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv (if needed) and runs the CPU test suite.
 # GPU tests (tests/gpu) run on GPU machines only: `bash launch/test.sh tests/gpu`.
+# One group alone: `bash launch/test.sh tests/unit` (or tests/multiprocess, tests/notebooks, or one file).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

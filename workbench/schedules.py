@@ -587,18 +587,13 @@ def load_measured(run_dir: str | Path | RunReader, iteration: int | None = None,
     return MeasuredStep(str(run_dir), iteration, tl, [inv[pp] for pp in range(p)], device, repaired, dropped, shifts)
 
 
-def evidence_runs(root: str | Path | None = None) -> list[Path]:
-    """Run directories with micro-batch timings under ``<repo>/tests/gpu/evidence/runs/`` (committed GPU runs).
+def evidence_runs(root: str | Path) -> list[Path]:
+    """Run directories with micro-batch timings anywhere under ``root`` (e.g. a repository's ``evidence/runs``).
 
-    ``root`` defaults to the first ancestor of the working directory (or of this package)
-    that holds ``tests/gpu/evidence``.  Sorted by name; empty when there are none.
+    ``root`` is the folder of committed (GPU) runs, given by the caller: the library does not
+    look for it.  Sorted by name; empty when there are none or ``root`` does not exist.
     """
-    if root is None:
-        here = [Path.cwd(), *Path.cwd().parents, *Path(__file__).resolve().parents]
-        root = next((d for d in here if (d / "tests" / "gpu" / "evidence").is_dir()), None)
-        if root is None:
-            return []
-    base = Path(root) / "tests" / "gpu" / "evidence" / "runs"
+    base = Path(root)
     found = []
     for events in sorted(base.glob("**/events")):
         if any('"microbatch"' in f.read_text(errors="replace") for f in events.glob("rank-*.jsonl")):

@@ -2,7 +2,7 @@
 
 Run on a machine with 2 GPUs (from the repo root)::
 
-    python tests/gpu/backend_proof.py --out tests/gpu/evidence/backend_proof.jsonl
+    python tests/gpu/backend_proof.py --out evidence/backend_proof.jsonl
 
 Every run is a real ``torchrun ... -m workbench.backend`` job on the same small GPT, the same
 synthetic data and the same initial weights (one checkpoint made first and loaded with
@@ -116,7 +116,7 @@ def max_rel(a: dict[int, float], b: dict[int, float]) -> tuple[float, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "tests/gpu/evidence/backend_proof.jsonl"))
+    ap.add_argument("--out", default=str(ROOT / "evidence/backend_proof.jsonl"))
     ap.add_argument("--work", default="/tmp/backend_proof")
     ap.add_argument("--runs-tar", default=None, help="tar.gz of the PP runs' events (default: next to --out)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

@@ -9,7 +9,7 @@
 
 Writes JSON lines (device, date, git_commit on each) to --out.  Run from the repo root:
 
-    .venv/bin/python tests/gpu/bridge_quickstart.py --out tests/gpu/evidence/bridge_quickstart.jsonl
+    .venv/bin/python tests/gpu/bridge_quickstart.py --out evidence/bridge_quickstart.jsonl
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _run_processes(run_dir: Path) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "tests/gpu/evidence/bridge_quickstart.jsonl"))
+    ap.add_argument("--out", default=str(ROOT / "evidence/bridge_quickstart.jsonl"))
     ap.add_argument("--preset", default="demo-small")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--work", default=str(ROOT / "runs" / "gpu-bridge"))

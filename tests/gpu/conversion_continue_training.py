@@ -11,7 +11,7 @@ Steps (all real: transformers, workbench convert, torchrun + ``python -m workben
 
 Usage (one GPU is enough; tp*pp GPUs for a parallel layout)::
 
-    python tests/gpu/conversion_continue_training.py [--tp 1 --pp 1] [--out tests/gpu/evidence/conversion_continue_training.jsonl]
+    python tests/gpu/conversion_continue_training.py [--tp 1 --pp 1] [--out evidence/conversion_continue_training.jsonl]
 
 Appends one JSON line: device, date, git_commit, layout, losses, |diff|, ok.  Exit 0 when ok.
 """
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--atol", type=float, default=0.05, help="|backend step-1 loss - HF fp32 loss| allowed (bf16 training)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of this script (fp32, gloo)")
     ap.add_argument("--work", type=Path, default=None, help="keep files here (default: a temp dir)")
-    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "gpu" / "evidence" / "conversion_continue_training.jsonl")
+    ap.add_argument("--out", type=Path, default=ROOT / "evidence" / "conversion_continue_training.jsonl")
     args = ap.parse_args(argv)
 
     import torch

@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root (2 GPUs add the TP=2 / PP=2 checks)::
 
-    python tests/gpu/generation_parity.py --out tests/gpu/evidence/generation_parity.jsonl
+    python tests/gpu/generation_parity.py --out evidence/generation_parity.jsonl
 
 Checks (one JSON line each, with device, date, git_commit and ``passed``):
 
@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_OUT = ROOT / "tests" / "gpu" / "evidence" / "generation_parity.jsonl"
+DEFAULT_OUT = ROOT / "evidence" / "generation_parity.jsonl"
 PROMPTS = [[464, 3290, 318, 257, 1332, 11, 290], [40, 1101], [9776, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290], [50]]
 
 

@@ -2,7 +2,7 @@
 
 Run on a machine with 2 GPUs (from the repo root)::
 
-    python tests/gpu/planner_measure.py --out tests/gpu/evidence/planner_measurements.jsonl
+    python tests/gpu/planner_measure.py --out evidence/planner_measurements.jsonl
 
 Every config is a real ``torchrun ... -m workbench.backend`` job (4 steps, synthetic data, no
 eval, no checkpoint).  The backend resets CUDA's peak statistics before its first step and
@@ -147,7 +147,7 @@ def records(name: str, cfg: RunConfig, run_dir: Path, rc: int, seconds: float, s
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "tests/gpu/evidence/planner_measurements.jsonl"))
+    ap.add_argument("--out", default=str(ROOT / "evidence/planner_measurements.jsonl"))
     ap.add_argument("--only", default="", help="comma-separated config names (default: all)")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: check the script itself (tiny shapes, gloo)")

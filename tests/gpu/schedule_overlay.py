@@ -2,12 +2,12 @@
 
 Usage (after pipeline-parallel training runs with micro-batch timing enabled)::
 
-    python tests/gpu/schedule_overlay.py RUN_DIR [RUN_DIR ...] [--iteration N] [--out tests/gpu/evidence/schedules]
+    python tests/gpu/schedule_overlay.py RUN_DIR [RUN_DIR ...] [--iteration N] [--out evidence/schedules]
 
 or, on a 2-GPU machine, train the two evidence runs first (demo-small with 8 layers, 8 micro-batches,
 PP=2 and PP=2 x VPP=2, 20 steps, timings every 5 steps; run dirs ``pp2`` and ``pp2_vpp2``)::
 
-    python tests/gpu/schedule_overlay.py --train tests/gpu/evidence/runs --out tests/gpu/evidence/schedules
+    python tests/gpu/schedule_overlay.py --train evidence/runs --out evidence/schedules
 
 For each run it writes ``<out>/<run name>.png`` (the overlay chart) and ``<out>/<run name>.json``
 (the report: measured vs ideal vs closed-form bubble, per-rank time split), and appends one
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="first train the PP=2 and PP=2xVPP=2 evidence runs under RUNS_ROOT (needs 2 GPUs)")
     ap.add_argument("--cpu-smoke", action="store_true", help="with --train: tiny preset on CPU (no GPUs needed)")
     ap.add_argument("--iteration", type=int, default=None, help="step to show (default: latest complete one)")
-    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "gpu" / "evidence" / "schedules")
+    ap.add_argument("--out", type=Path, default=ROOT / "evidence" / "schedules")
     args = ap.parse_args(argv)
     if args.train:
         args.run_dirs = list(args.run_dirs) + train_evidence_runs(args.train, cpu_smoke=args.cpu_smoke)

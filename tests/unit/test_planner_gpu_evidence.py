@@ -17,7 +17,7 @@ import pytest
 from workbench import planner
 from workbench.config import RunConfig
 
-EVIDENCE = Path(__file__).resolve().parent / "gpu" / "evidence" / "planner_measurements.jsonl"
+EVIDENCE = Path(__file__).resolve().parents[2] / "evidence" / "planner_measurements.jsonl"
 
 
 def _records() -> list[dict]:

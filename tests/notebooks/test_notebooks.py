@@ -8,7 +8,6 @@ Convention for notebook authors: a cell tagged ``parameters`` declares ``ci = Fa
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,9 +16,11 @@ import pytest
 
 from workbench.cli import main
 
+from tests.support import run_in_fresh_process
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
@@ -33,26 +34,6 @@ def _parameters_cell(nb) -> str | None:
 def _errors(nb) -> list[str]:
     return [f"{o.get('ename')}: {o.get('evalue')}" for c in nb.cells if c.cell_type == "code"
             for o in c.get("outputs", []) if o.get("output_type") == "error"]
-
-
-def run_in_fresh_process(cmd: list[str], seconds: float) -> subprocess.CompletedProcess:
-    """Run a notebook through a command in its own process (the product's path, e.g. `workbench notebook run`).
-
-    One process per notebook: no interpreter state is shared with earlier tests. We have seen papermill's
-    client wait forever on an idle kernel (about one run in five of notebook 03 inside the full suite, never
-    outside it), with ipykernel 7.4.  ipykernel 7.x has open upstream reports of the same intermittent hang
-    (microsoft/vscode-jupyter#17228; microsoft/qdk pinned 6.x for it), so pyproject now pins ipykernel < 7; not
-    proven to be the cause.  Kept as a safety net: a hung attempt is killed after ``seconds`` and tried again (three
-    attempts), so a flaky hang costs minutes rather than stalling CI, and a real hang still fails.
-    """
-    for attempt in (1, 2, 3):
-        try:
-            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
-        except subprocess.TimeoutExpired:
-            if attempt == 3:
-                raise
-            print(f"note: {' '.join(cmd[3:6])} hung for {seconds:.0f}s; retrying in a fresh process")
-    raise AssertionError("unreachable")
 
 
 def test_there_are_notebooks():

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
 
 from workbench.config import preset
 
+from tests.support import free_port
+
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +20,7 @@ def dist_group():
     from workbench.backend.distributed import destroy, initialize_for_tests
 
     cfg = preset("tiny")
-    initialize_for_tests(cfg, port=_port())
+    initialize_for_tests(cfg, port=free_port())
     yield cfg
     destroy()
     cpu_mode.disable()

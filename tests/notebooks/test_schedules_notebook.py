@@ -9,9 +9,9 @@ import pytest
 
 from workbench.schedules import simulate
 
-from tests.test_schedules_overlay import write_run
+from tests.support import run_in_fresh_process, write_run
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_pipeline_schedules.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "03_pipeline_schedules.ipynb"
 
 
 @pytest.mark.slow
@@ -19,8 +19,6 @@ def test_notebook_runs_headless_with_a_run_overlay(tmp_path):
     import sys
 
     import nbformat
-
-    from tests.test_notebooks import run_in_fresh_process
 
     run = write_run(tmp_path / "run", {6: simulate("1f1b", 2, 4, forward=9.0, backward=18.0, latency=1.0, unit="ms")})
     out = tmp_path / "out.ipynb"

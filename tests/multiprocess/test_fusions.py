@@ -1,6 +1,6 @@
 """The performance fast paths (workbench.backend.fusions) keep the training maths.
 
-Model-level checks run in a subprocess (tests/fusions_check.py): megatron's parallel state
+Model-level checks run in a subprocess (tests/support/fusions_check.py): megatron's parallel state
 is process-global.  They compare, on CPU with the same weights and data:
 - the compiled-layer forward/backward against stock megatron TransformerLayer (GPT and a
   GQA/SwiGLU/RMSNorm variant), and that unsupported cases fall back to the stock forward;
@@ -19,11 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import SUPPORT, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+FUSIONS_CHECK = SUPPORT / "fusions_check.py"
 
 
 def _run_check(*args: str, port: int) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fusions_check.py"), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(FUSIONS_CHECK), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "CHECK_PORT": str(port)})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -32,7 +35,7 @@ def _run_check(*args: str, port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def checks() -> dict:
-    return _run_check("all", port=29641)
+    return _run_check("all", port=free_port())
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -98,7 +101,7 @@ def test_trainer_steps_identical_with_fast_paths(checks):
 
 @pytest.mark.slow
 def test_compiled_layer_matches_stock_under_torch_compile():
-    r = _run_check("layer", "--compile", port=29642)
+    r = _run_check("layer", "--compile", port=free_port())
     for name in ("gpt", "llama-like", "recompute-selective", "recompute-full"):
         assert r[name]["fast_calls"] == (8 if name == "recompute-full" else 4)
         assert _close(r[name]["loss_fast"], r[name]["loss_stock"], 1e-4), r[name]
@@ -169,11 +172,11 @@ def test_transformer_config_overrides_only_on_gpu_with_compile_kernels():
 
 
 def _tp2_check(what: str = "tp2", **env: str) -> dict:
-    """tests/fusions_check.py ``what`` (tp2, tp2-order) under torchrun on two CPU ranks: its JSON result."""
+    """tests/support/fusions_check.py ``what`` (tp2, tp2-order) under torchrun on two CPU ranks: its JSON result."""
     import os
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "fusions_check.py"), what], cwd=ROOT, capture_output=True, text=True,
+                           str(FUSIONS_CHECK), what], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.test_generation_support import VOCAB, hf_gpt2, init_single_process, teardown_single_process
+from tests.support import VOCAB, hf_gpt2, init_single_process, teardown_single_process
 from workbench.config import ConfigError, GenerationConfig
 
 PROMPTS = [[11, 12, 13, 14, 15, 16], [900, 3], [250, 251, 252, 253]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_generation_support import init_single_process, teardown_single_process, workbench_gpt
+from tests.support import init_single_process, teardown_single_process, workbench_gpt
 from workbench.config import GenerationConfig, preset
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [8, 9], [100, 101, 102, 103]]

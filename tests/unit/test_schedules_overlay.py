@@ -7,41 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from workbench.config import preset
 from workbench.events import EventWriter
-from workbench.schedules import ScheduleError, Timeline, load_measured, measured_report, simulate
+from workbench.schedules import ScheduleError, load_measured, measured_report, simulate
 
-
-def write_run(run_dir: Path, timelines_by_iteration: dict[int, Timeline], tp: int = 1, tp_shift_ms: float = 0.0,
-              skip: set[tuple[int, int]] = frozenset()):
-    """A run directory as the backend writes it: config.json + run_start/microbatch events per global rank.
-
-    Global rank g = pp * tp + t (tp fastest).  Ranks with t > 0 get their ops shifted by
-    ``tp_shift_ms`` so a test can tell which TP rank the reader picked.  ``skip`` holds
-    (iteration, pipeline rank) pairs whose events are left out.
-    """
-    tl0 = next(iter(timelines_by_iteration.values()))
-    mbs = preset("tiny").train.micro_batch_size
-    cfg = preset("tiny").replace(**{"train.global_batch_size": tl0.m * mbs,  # dp = 1: m micro-batches per step
-                                    "parallel.pipeline_parallel": tl0.p, "parallel.tensor_parallel": tp,
-                                    "parallel.nproc_per_node": tl0.p * tp,
-                                    "parallel.virtual_pipeline_parallel": tl0.v if tl0.v > 1 else None})
-    run_dir = Path(run_dir)
-    cfg.save(run_dir / "config.json")
-    for pp in range(tl0.p):
-        for t in range(tp):
-            g = pp * tp + t
-            with EventWriter(run_dir, g) as w:
-                w.emit("run_start", config=cfg.to_dict(), coords={"tp": t, "pp": pp, "dp": 0}, device="synthetic",
-                       world_size=tl0.p * tp)
-                for it, tl in timelines_by_iteration.items():
-                    if (it, pp) in skip:
-                        continue
-                    shift = tp_shift_ms if t else 0.0
-                    ops = [{"kind": o.kind, "microbatch": o.microbatch, "chunk": o.chunk,
-                            "start_ms": o.start + shift, "end_ms": o.end + shift} for o in tl.ops[pp]]
-                    w.emit("microbatch", iteration=it, ops=ops)
-    return run_dir
+from tests.support import write_run
 
 
 def _partition_ok(report):
@@ -137,11 +106,11 @@ def test_evidence_runs_finds_only_dirs_with_microbatch_timings(tmp_path):
     from workbench.schedules import evidence_runs
 
     assert evidence_runs(tmp_path) == []
-    runs = tmp_path / "tests" / "gpu" / "evidence" / "runs"
+    runs = tmp_path / "evidence" / "runs"
     write_run(runs / "pp2", {1: simulate("1f1b", 2, 2, unit="ms")})
     with EventWriter(runs / "no_timings", 0) as w:
         w.emit("step", iteration=1, loss=2.0)
-    assert evidence_runs(tmp_path) == [runs / "pp2"]
+    assert evidence_runs(runs) == [runs / "pp2"]
 
 
 def test_unmatched_backward_ids_are_repaired_from_mcore_order(tmp_path):

@@ -7,14 +7,13 @@ per layout: the bytes alive after three steps (weights, grad buffer, master weig
 moments) and the peak of the third step.  The planner predicts both for that rank with the
 CPU kernel path (eager layer, megatron's cross entropy, torch's single-tensor AdamW, no
 cuBLAS workspace).  What this cannot see: CUDA-only effects (workspaces, fused kernels,
-allocator rounding) -- the GPU measurements in ``tests/gpu/evidence`` cover those.
+allocator rounding) -- the GPU measurements in ``evidence/`` cover those.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +49,7 @@ def _probe(layouts: dict[str, dict]) -> None:
     from workbench.backend.train import Trainer
     from workbench.config import preset
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ (also when run as a torchrun script)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # tests/support (also when run as a torchrun script)
     from live_bytes import LiveBytes
 
     from megatron.core import parallel_state
@@ -81,16 +80,12 @@ def _probe(layouts: dict[str, dict]) -> None:
         parallel_state.destroy_model_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def measured():
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    from tests.support import free_port  # here, not at the top: this file also runs as a torchrun script
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(Path(__file__).resolve()), json.dumps(LAYOUTS)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -1,11 +1,11 @@
-"""Subprocess helper for tests/test_fusions.py (own process: megatron parallel state is global).
+"""Subprocess helper for tests/multiprocess/test_fusions.py (own process: megatron parallel state is global).
 
-    python tests/fusions_check.py layer [--compile]   -> JSON: stock vs fast-layer loss / grad diffs
-    python tests/fusions_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
-    python tests/fusions_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
-    torchrun --nproc_per_node 2 tests/fusions_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
-    torchrun --nproc_per_node 2 tests/fusions_check.py tp2-order -> JSON: GEMM / collective order in the compiled backward
-    python tests/fusions_check.py all                 -> all of the above in one process (stock trainer first)
+    python tests/support/fusions_check.py layer [--compile]   -> JSON: stock vs fast-layer loss / grad diffs
+    python tests/support/fusions_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
+    python tests/support/fusions_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
+    torchrun --nproc_per_node 2 tests/support/fusions_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
+    torchrun --nproc_per_node 2 tests/support/fusions_check.py tp2-order -> JSON: GEMM / collective order in the compiled backward
+    python tests/support/fusions_check.py all                 -> all of the above in one process (stock trainer first)
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
 from workbench.config import preset  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/support: live_bytes.py
 from live_bytes import LiveBytes  # noqa: E402
 
 VARIANTS = {

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,11 +17,7 @@ import pytest
 from workbench.config import preset
 from workbench.events import read_events
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support import free_port
 
 
 @pytest.mark.slow
@@ -35,7 +30,7 @@ def test_tiny_preset_trains_on_the_demo_corpus_with_two_ranks(tmp_path):
     cfg.save(run / "config.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "workbench.backend", "--config", str(run / "config.json"), "--run-dir", str(run)]
+           "--master-port", str(free_port()), "-m", "workbench.backend", "--config", str(run / "config.json"), "--run-dir", str(run)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

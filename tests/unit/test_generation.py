@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_generation_support import (
+from tests.support import (
     POSITIONS,
     VOCAB,
     gpt2_run_config,

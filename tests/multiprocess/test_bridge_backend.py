@@ -12,7 +12,7 @@ import pytest
 
 from workbench.bridge import Run, quickstart_config
 
-from tests.test_bridge import run_processes, wait_until
+from tests.support import run_processes, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,6 @@ the math kernel with dropout and keeps s^2 probabilities).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +42,7 @@ def _probe(variants: dict[str, dict], port: int) -> dict[str, dict]:
     from workbench.backend.model import build_model, transformer_config
     from workbench.config import preset
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ (also when run as a torchrun script)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # tests/support (also when run as a script)
     from live_bytes import LiveBytes
 
     results = {}
@@ -86,10 +85,10 @@ def _probe(variants: dict[str, dict], port: int) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def measured():
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as sock:  # a free port: other test runs may share this machine
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from tests.support import free_port  # here, not at the top: this file also runs as a script
+
+    root = Path(__file__).resolve().parents[2]
+    port = free_port()  # other test runs may share this machine
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(VARIANTS), str(port)], cwd=root,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]

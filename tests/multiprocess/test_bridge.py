@@ -1,6 +1,7 @@
 """The launch bridge against real processes: real torchrun, real supervisor, a tiny rank script.
 
-The rank script below stands in for ``workbench.backend`` at the process boundary only: it
+The rank script (``tests.support.RANK_SCRIPT``, written by the ``rank_script`` fixture in
+conftest.py) stands in for ``workbench.backend`` at the process boundary only: it
 writes the event stream through the real :class:`workbench.events.EventWriter` the way a
 rank does, with behaviours the tests need (partial lines, failures, ignoring SIGTERM).
 Tests against the real backend live in ``test_bridge_backend.py``.
@@ -17,115 +18,19 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from workbench.bridge import Run
 from workbench.config import ConfigError, preset
 
+from tests.support import free_port, run_processes, wait_until
+
 pytestmark = pytest.mark.slow
-
-RANK_SCRIPT = textwrap.dedent(
-    '''
-    import argparse, json, os, signal, sys, time
-    from pathlib import Path
-    from workbench.events import EventWriter, event_file
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config")
-    ap.add_argument("--run-dir")
-    a = ap.parse_args()
-    run_dir = Path(a.run_dir)
-    rank = int(os.environ["RANK"])
-    mode = os.environ["FAKE_MODE"]
-    cfg = json.load(open(a.config))
-    iters = cfg["train"]["train_iters"]
-
-    def wait_for(name):
-        while not (run_dir / name).exists():
-            time.sleep(0.05)
-
-    if mode == "hang":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a rank stuck in a collective ignores politeness
-    if mode == "partial":
-        wait_for("go-start")                              # lets the test observe 'starting'
-    w = EventWriter(run_dir, rank)
-    w.emit("run_start", config=cfg, world_size=int(os.environ["WORLD_SIZE"]))
-    if mode == "stall":                                   # two quick steps, then no progress at all
-        for it in (1, 2):
-            w.emit("step", iteration=it, loss=1.0, step_time=0.01)
-        wait_for("go-finish")
-    if mode in ("hang", "slow"):
-        it = 0
-        while not (run_dir / "go-finish").exists():
-            it += 1
-            w.emit("step", iteration=it, loss=1.0, step_time=0.1)
-            time.sleep(0.1)
-    if mode == "crash" and rank == 1:
-        print("rank 1 about to crash", flush=True)
-        raise ValueError("bad shard index 7 on rank 1")  # no error event: only stderr knows
-    for it in range(1, iters + 1):
-        loss = 4.0 / it if rank == 0 else None
-        rec = {"event": "step", "time": time.time(), "rank": rank, "iteration": it, "loss": loss, "lr": 1e-3 * it,
-               "grad_norm": 0.5, "step_time": 0.02, "tokens_per_s": 100.0 * it, "mfu": 0.01,
-               "mem_allocated": 1000 * (rank + 1), "mem_reserved": 2000 * (rank + 1), "mem_peak": 1500 * (rank + 1)}
-        line = json.dumps(rec) + "\\n"
-        if mode == "partial" and it == 2:
-            with open(event_file(run_dir, rank), "a") as fh:   # half a line, flushed, then a pause
-                fh.write(line[:25]); fh.flush()
-                wait_for("go-rest")
-                fh.write(line[25:]); fh.flush()
-        else:
-            w._fh.write(line); w._fh.flush()
-        if mode == "fail" and rank == 1 and it == 2:
-            try:
-                raise RuntimeError("boom on rank 1")
-            except RuntimeError as e:
-                import traceback
-                w.emit("error", message=str(e), type="RuntimeError", traceback=traceback.format_exc())
-                raise
-        time.sleep(0.02)
-    if mode == "fail":
-        while True:            # the healthy rank would block in the next collective
-            time.sleep(0.1)
-    w.emit("eval", iteration=iters, loss=2.0, ppl=7.39)
-    w.emit("run_end", status="finished", iteration=iters, seconds=1.0)
-    '''
-)
-
-
-@pytest.fixture()
-def rank_script(tmp_path: Path) -> Path:
-    p = tmp_path / "fake_rank.py"
-    p.write_text(RANK_SCRIPT)
-    return p
 
 
 def _cfg(nproc: int, iters: int = 4):
     return preset("tiny").replace(**{"parallel.nproc_per_node": nproc, "train.train_iters": iters,
                                      "train.lr_warmup_iters": 1})
-
-
-def run_processes(run_dir: Path) -> list[psutil.Process]:
-    """Every process on the machine whose command line names this run directory (zombies included)."""
-    out = []
-    for p in psutil.process_iter(["cmdline", "pid"]):
-        try:
-            if str(run_dir) in " ".join(p.info["cmdline"] or []):
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return out
-
-
-def wait_until(pred, timeout: float, what: str, poll: float = 0.05):
-    end = time.time() + timeout
-    while time.time() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def launch(rank_script: Path, tmp_path: Path, mode: str, nproc: int, **kw) -> Run:
@@ -282,11 +187,7 @@ def test_kernel_exit_stops_its_runs_via_atexit(rank_script, tmp_path):
 
 def test_two_nodes_on_one_machine_rendezvous(rank_script, tmp_path):
     """The multi-node torchrun arguments really rendezvous: two 'nodes' (static rendezvous) on localhost."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = preset("tiny").replace(**{"parallel.nnodes": 2, "parallel.nproc_per_node": 1, "train.train_iters": 3, "train.lr_warmup_iters": 1})
     with pytest.raises(ConfigError, match="rendezvous endpoint"):
         Run.launch(cfg, run_root=tmp_path / "runs", entry=[str(rank_script)])

@@ -17,7 +17,7 @@ from workbench.plots.training import frames_from_run, training_figure
 from workbench.widgets.config_form import ConfigForm
 from workbench.widgets.dashboard import Dashboard, watch
 
-from tests.test_bridge import RANK_SCRIPT, run_processes, wait_until
+from tests.support import RANK_SCRIPT, run_processes, wait_until
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,7 @@ import sys
 from workbench.cli import main
 from workbench.config import load_config, preset
 
-from tests.test_config import ACCELERATE_EXAMPLE
+from tests.support import ACCELERATE_EXAMPLE
 
 
 def test_validate_ok(tmp_path, capsys):
