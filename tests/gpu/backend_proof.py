@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from workbench.config import RunConfig, preset  # noqa: E402
-from workbench.events import read_events  # noqa: E402
+from workbench.run.reader import read_events  # noqa: E402
 
 
 def base_config(device: str, tiny: bool) -> RunConfig:

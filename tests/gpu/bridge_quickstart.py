@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workbench.bridge import Run, quickstart_config, run_notebook  # noqa: E402
+from workbench.notebook import quickstart_config, run_notebook  # noqa: E402
+from workbench.run_handle import Run  # noqa: E402
 
 
 def _device() -> str:

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from workbench.conversion import hf_to_megatron, make_random_hf_model
-    from workbench.events import read_events
+    from workbench.run.reader import read_events
 
     work = args.work or Path(tempfile.mkdtemp(prefix="wb-convert-gpu-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -42,9 +42,9 @@ PROMPTS = [[464, 3290, 318, 257, 1332, 11, 290], [40, 1101], [9776, 2068, 7586, 
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from workbench.run.files import free_port
+
+    return free_port()
 
 
 def _commit() -> str:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from workbench import planner  # noqa: E402
 from workbench.config import RunConfig, preset  # noqa: E402
-from workbench.events import read_events  # noqa: E402
+from workbench.run.reader import read_events  # noqa: E402
 
 SMALL = {"model.num_layers": 12, "model.hidden_size": 768, "model.num_attention_heads": 12}
 MEDIUM = {"model.num_layers": 24, "model.hidden_size": 1024, "model.num_attention_heads": 16}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from workbench.config import preset
-from workbench.events import read_events
+from workbench.run.reader import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable

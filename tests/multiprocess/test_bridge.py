@@ -2,7 +2,7 @@
 
 The rank script (``tests.support.RANK_SCRIPT``, written by the ``rank_script`` fixture in
 conftest.py) stands in for ``workbench.backend`` at the process boundary only: it
-writes the event stream through the real :class:`workbench.events.EventWriter` the way a
+writes the event stream through the real :class:`workbench.run.events.EventWriter` the way a
 rank does, with behaviours the tests need (partial lines, failures, ignoring SIGTERM).
 Tests against the real backend live in ``test_bridge_backend.py``.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.bridge import Run
+from workbench.run_handle import Run
 from workbench.config import ConfigError, preset
 
 from tests.support import free_port, run_processes, wait_until
@@ -49,7 +49,7 @@ def test_partial_lines_status_transitions_frames_and_reattach(rank_script, tmp_p
     wait_until(lambda: ev.exists() and not ev.read_bytes().endswith(b"\n"), 40, "a partial line")
     seen.append(run.status)
     assert run.steps.query("rank == 0")["iteration"].tolist() == [1]  # the half line is not parsed (nor lost)
-    assert run._follower.bad_lines == 0
+    assert run.reader.bad_lines == 0
     (run.run_dir / "go-rest").touch()
     assert run.wait(timeout=40) == "finished"
     seen.append(run.status)
@@ -124,7 +124,7 @@ def test_dead_kernel_leaves_no_orphans(rank_script, tmp_path):
     kernel = textwrap.dedent(
         f'''
         import sys, time
-        from workbench.bridge import Run
+        from workbench.run_handle import Run
         from workbench.config import preset
         cfg = preset("tiny").replace(**{{"parallel.nproc_per_node": 2}})
         run = Run.launch(cfg, run_root={str(tmp_path / "runs")!r}, entry=[{str(rank_script)!r}], env={{"FAKE_MODE": "slow"}})
@@ -169,7 +169,7 @@ def test_kernel_exit_stops_its_runs_via_atexit(rank_script, tmp_path):
     kernel = textwrap.dedent(
         f'''
         import time
-        from workbench.bridge import Run
+        from workbench.run_handle import Run
         from workbench.config import preset
         run = Run.launch(preset("tiny"), run_root={str(tmp_path / "runs")!r}, entry=[{str(rank_script)!r}], env={{"FAKE_MODE": "slow"}})
         print(run.run_dir, flush=True)
@@ -234,7 +234,7 @@ def _fake_checkpoint(root: Path, cfg, *, has_optimizer: bool) -> Path:
 def test_checkpoint_that_cannot_load_is_refused_before_anything_starts(rank_script, tmp_path):
     """Another architecture, a resume without optimizer state, and a resume across the
     distributed-optimizer switch each name the field and the fix, and nothing is launched."""
-    from workbench.bridge import launch_problems
+    from workbench.launch import launch_problems
 
     saved = preset("tiny", **{"parallel.distributed_optimizer": True, "parallel.device": "cpu", "data.source": "synthetic"})
     ckpt = _fake_checkpoint(tmp_path / "ckpt", saved, has_optimizer=True)

@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from workbench.bridge import Run, quickstart_config
+from workbench.notebook import quickstart_config
+from workbench.run_handle import Run
 
 from tests.support import run_processes, wait_until
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.bridge import LaunchPlan, parse_grid
+from workbench.launch import LaunchPlan
+from workbench.notebook import parse_grid
 from workbench.cli import main
 from workbench.config import preset
 

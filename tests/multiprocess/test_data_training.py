@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from workbench.config import preset
-from workbench.events import read_events
+from workbench.run.reader import read_events
 
 from tests.support import free_port
 

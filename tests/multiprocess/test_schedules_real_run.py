@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from workbench.config import preset
-from workbench.events import read_events
+from workbench.run.reader import read_events
 from workbench.schedules import load_measured, measured_report, operation_order
 
 

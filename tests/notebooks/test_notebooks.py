@@ -75,7 +75,7 @@ def _tiny_notebook(path: Path) -> Path:
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_code_cell("x = 1\ny = 2\nci = False\nout_dir = None", metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell("from workbench.bridge import record_metrics\nrecord_metrics({'product': x * y, 'sum': x + y}, out_dir)"),
+        nbformat.v4.new_code_cell("from workbench.notebook import record_metrics\nrecord_metrics({'product': x * y, 'sum': x + y}, out_dir)"),
     ]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(path))

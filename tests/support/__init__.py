@@ -55,7 +55,7 @@ RANK_SCRIPT = textwrap.dedent(
     '''
     import argparse, json, os, signal, sys, time
     from pathlib import Path
-    from workbench.events import EventWriter, event_file
+    from workbench.run.events import EventWriter, event_file
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config")
@@ -167,7 +167,7 @@ def write_run(run_dir: Path, timelines_by_iteration: dict[int, "Timeline"], tp: 
     (iteration, pipeline rank) pairs whose events are left out.
     """
     from workbench.config import preset
-    from workbench.events import EventWriter
+    from workbench.run.events import EventWriter
 
     tl0 = next(iter(timelines_by_iteration.values()))
     mbs = preset("tiny").train.micro_batch_size

@@ -1,4 +1,4 @@
-"""The event stream contract: writer/follower round trip, partial lines, late files, corrupt lines."""
+"""The event stream contract: writer/reader round trip, partial lines, late files, corrupt lines."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from workbench.events import EventFollower, EventWriter, event_file, read_events
+from workbench.run.events import EventWriter, event_file
+from workbench.run.reader import RunReader, read_events
 
 
 def test_round_trip_across_ranks(tmp_path):
@@ -22,7 +23,7 @@ def test_round_trip_across_ranks(tmp_path):
 
 
 def test_partial_last_line_is_held_back_until_complete(tmp_path):
-    f = EventFollower(tmp_path)
+    f = RunReader(tmp_path)
     w = EventWriter(tmp_path, 0)
     w.emit("step", iteration=1, loss=1.0)
     line = json.dumps({"event": "step", "time": 2.0, "rank": 0, "iteration": 2, "loss": 0.5})
@@ -40,7 +41,7 @@ def test_partial_last_line_is_held_back_until_complete(tmp_path):
 
 
 def test_late_rank_files_and_incremental_polls(tmp_path):
-    f = EventFollower(tmp_path)
+    f = RunReader(tmp_path)
     assert f.poll() == []  # no events dir yet
     EventWriter(tmp_path, 0).emit("step", iteration=1)
     assert len(f.poll()) == 1
@@ -53,7 +54,7 @@ def test_corrupt_complete_line_is_counted_not_raised(tmp_path):
     path = event_file(tmp_path, 0)
     path.parent.mkdir(parents=True)
     path.write_text('{"event": "step", "iteration": 1}\n{broken\n{"event": "step", "iteration": 2}\n')
-    f = EventFollower(tmp_path)
+    f = RunReader(tmp_path)
     assert [e["iteration"] for e in f.poll()] == [1, 2]
     assert f.bad_lines == 1
 

@@ -286,7 +286,7 @@ def test_invalid_config_is_refused_with_problems():
 
 
 def test_compare_and_measured_peaks(tmp_path):
-    from workbench.events import EventWriter
+    from workbench.run.events import EventWriter
 
     cfg = tiny_bf16(**{"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2})
     plan = planner.predict(cfg, assumptions=EAGER)

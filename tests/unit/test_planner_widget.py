@@ -69,7 +69,7 @@ def test_widget_controls_move_the_plan():
 
 
 def test_widget_overlays_measured_run(tmp_path):
-    from workbench.events import EventWriter
+    from workbench.run.events import EventWriter
     from workbench.widgets.planner import MemoryPlanner
 
     with EventWriter(tmp_path, 0) as ev:

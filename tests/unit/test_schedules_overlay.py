@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.events import EventWriter
+from workbench.run.events import EventWriter
 from workbench.schedules import ScheduleError, load_measured, measured_report, simulate
 
 from tests.support import write_run
