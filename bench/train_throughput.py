@@ -467,6 +467,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         "host_profile": host,
         "fast_layer": _fast_layer_stats(tr),
         "kernel_path": tr.kernel_path,
+        "kernels": tr.kernel_choice,  # the one kernel rule's decision (workbench.kernels.choose)
     }
 
 
@@ -559,6 +560,7 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
         "warmup_s": res.get("warmup_s"),
         "first_loss": res.get("first_loss"),
         "kernel_path": res.get("kernel_path"),
+        "kernels": res.get("kernels"),
     })
     if res.get("stream_cost"):
         row["event_stream_overhead"] = res["stream_cost"]["overhead"]
@@ -653,14 +655,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         variants = [Variant("reference/tiny", "reference", "tiny", microbatches=a.microbatches),
                     Variant("workbench/tiny", "workbench", "tiny", microbatches=a.microbatches)]
     else:
-        import importlib.util
-
         import torch
+
+        from workbench import kernels
 
         if not torch.cuda.is_available():
             ap.error("no CUDA GPU visible: run on a GPU machine, or use --cpu-smoke")
         gpus = torch.cuda.device_count() if a.gpus is None else min(a.gpus, torch.cuda.device_count())
-        have_te = importlib.util.find_spec("transformer_engine") is not None
+        have_te = kernels.te_available()  # a broken TE install counts as absent, as in the backend
         variants = plan(models, gpus, have_te, a.microbatches)
     if a.variants:
         wanted = [w.strip() for w in a.variants.split(",") if w.strip()]

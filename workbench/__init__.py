@@ -5,6 +5,12 @@ at module level and never touches CUDA: it builds configs, plans memory, simulat
 schedules, launches ``torchrun`` and follows the event stream.
 """
 
-from workbench.config import RunConfig, preset, load_config, ConfigError  # noqa: F401
+from workbench.kernels import guard_transformer_engine
+
+# A Transformer Engine that is installed but broken would fail megatron-core's own import (and
+# with it the whole backend): found and hidden here, before anything can import megatron-core.
+guard_transformer_engine()
+
+from workbench.config import RunConfig, preset, load_config, ConfigError  # noqa: E402,F401
 
 __version__ = "0.1.0"

@@ -214,7 +214,7 @@ cfg = preset("tiny", **{"data.source": "synthetic", "train.train_iters": 4, "tra
                         "train.eval_interval": 0, "checkpoint.save_on_exit": False, "train.return_logits": True,
                         "train.loss_func": "workbench.hooks:keytoken_weighted_loss"})
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29705", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-first = MicroBatchStream(__import__("workbench.backend.data", fromlist=["x"]).SyntheticGPTDataset(
+first = MicroBatchStream(__import__("workbench.models.gpt.data", fromlist=["x"]).SyntheticGPTDataset(
     cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), cfg, 0)
 batches = [next(first) for _ in range(2)]  # the two micro-batches of step 1
 keytokens = [int(batches[0]["tokens"][0, 3]), int(batches[1]["tokens"][1, 5]), int(batches[1]["tokens"][1, 9])]

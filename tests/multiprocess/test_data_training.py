@@ -56,7 +56,8 @@ def test_prefetch_keeps_the_micro_batch_order():
     """The trainer prefetches the next micro-batch mid-step: same batches, same order, none lost."""
     import torch
 
-    from workbench.backend.data import MicroBatchStream, SyntheticGPTDataset
+    from workbench.backend.data import MicroBatchStream
+    from workbench.models.gpt.data import SyntheticGPTDataset
 
     cfg = preset("tiny", **{"train.micro_batch_size": 2, "train.global_batch_size": 6})
     ds = SyntheticGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)

@@ -48,16 +48,17 @@ def _env(port: int) -> None:
 
 def _build(cfg, layer_cls):
     from workbench.backend import model as wm
+    from workbench.models.gpt import model as gm
 
-    spec = wm.layer_spec(cfg)
+    spec = gm.layer_spec(cfg)
     spec.module = layer_cls
-    orig = wm.layer_spec
-    wm.layer_spec = lambda _cfg: spec
+    orig = gm.layer_spec
+    gm.layer_spec = lambda _cfg: spec
     try:
         torch.manual_seed(0)
         return wm.build_model(cfg)
     finally:
-        wm.layer_spec = orig
+        gm.layer_spec = orig
 
 
 def _stock_vs_fast(cfg, measure_kept: bool = False):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from workbench import planner
+from workbench import kernels, planner
 from workbench.config import ConfigError, derive, preset
 from workbench.planner import GiB, MiB, PlannerAssumptions
 
@@ -331,29 +331,36 @@ def test_cli_plan_table_json_and_errors(tmp_path, capsys):
 # --------------------------------------------------------------------------- kernel paths
 
 
-def test_kernel_path_mirrors_the_backend_rules():
+def test_kernel_path_is_the_backend_rule():
     no_te = PlannerAssumptions(transformer_engine=False)
     gpu = preset("gpt2-small")  # cuda, compile_kernels on
     kp = planner.kernel_path(gpu, no_te)
-    assert (kp.attention, kp.layer, kp.cross_entropy, kp.optimizer, kp.selective) == ("flash", "compiled", "compiled", "fused", "mlp")
+    assert kp == kernels.choose(gpu, te=False)  # the planner restates nothing
+    assert (kp.attention, kp.layer, kp.cross_entropy, kp.optimizer, kp.selective) == ("sdpa", "compiled", "compiled", "fused", "mlp")
     tp2 = planner.kernel_path(gpu.replace(**{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2}), no_te)
-    assert (tp2.layer, tp2.cross_entropy, tp2.optimizer) == ("eager", "vocab_parallel", "fused")
+    assert (tp2.layer, tp2.cross_entropy, tp2.optimizer) == ("compiled", "vocab_parallel", "fused")  # TP collectives in the graph
     eager = planner.kernel_path(gpu.replace(**{"train.compile_kernels": False}), no_te)
-    assert (eager.layer, eager.cross_entropy, eager.optimizer) == ("eager", "vocab_parallel", "foreach")
+    assert (eager.layer, eager.cross_entropy, eager.optimizer) == ("stock", "vocab_parallel", "foreach")
     for recompute in ("selective", "full"):  # the compiled layer recomputes too
         assert planner.kernel_path(gpu.replace(**{"parallel.recompute": recompute}), no_te).layer == "compiled"
-    assert planner.kernel_path(gpu.replace(**{"model.hidden_dropout": 0.1}), no_te).layer == "eager"
+    assert planner.kernel_path(gpu.replace(**{"model.hidden_dropout": 0.1}), no_te).layer == "stock"
     assert planner.kernel_path(gpu.replace(**{"model.attention_backend": "local"}), no_te).attention == "local"
     assert planner.kernel_path(preset("tiny"), no_te).optimizer == "for-loop"  # torch AdamW off CUDA
+    # with Transformer Engine present, auto keeps the compiled layer where it applies (measured faster) ...
     te = planner.kernel_path(gpu, PlannerAssumptions(transformer_engine=True))
-    assert te.selective == "core_attn" and te.layer == "eager"
+    assert (te.attention, te.layer, te.selective) == ("sdpa", "compiled", "mlp")
+    # ... and takes TE's layer where it does not (RoPE), or when compiling is off
+    for cfg in (preset("llama-small"), gpu.replace(**{"train.compile_kernels": False})):
+        te = planner.kernel_path(cfg, PlannerAssumptions(transformer_engine=True))
+        assert (te.attention, te.layer, te.selective) == ("te", "stock", "core_attn")
 
 
 def test_selective_recompute_drops_what_each_path_recomputes():
     cfg = tiny_bf16(**{"parallel.recompute": "selective"})
     mlp = planner.predict(cfg, assumptions=EAGER).stages[0].detail["layer_activation_terms"]
     assert "fc1_output" not in mlp and "act_output" not in mlp and "fc1_input" in mlp and "softmax_lse" in mlp
-    te = planner.predict(cfg, assumptions=PlannerAssumptions(transformer_engine=True, optimizer="foreach")).stages[0]
+    te_cfg = cfg.replace(**{"model.attention_backend": "te"})
+    te = planner.predict(te_cfg, assumptions=PlannerAssumptions(transformer_engine=True, optimizer="foreach")).stages[0]
     terms = te.detail["layer_activation_terms"]
     assert "softmax_lse" not in terms and "fc1_output" in terms
 

@@ -42,9 +42,11 @@ import torch
 import torch.distributed as dist
 
 from workbench.backend import fusions as _fusions
+from workbench import kernels
 from workbench.config import RunConfig, derive
 from workbench.run.events import Checkpoint, Error, Eval, EventWriter, Microbatch, RunEnd, RunStart, Step
-from workbench.hooks import Batch, TrainHooks, default_forward_step, load_hooks
+from workbench.hooks import Batch, TrainHooks, load_hooks
+from workbench.models import family_of
 
 __all__ = ["Trainer", "main"]
 
@@ -165,6 +167,8 @@ class Trainer:
         self.timer = timing.MicrobatchTimer(cuda=self.cuda)
         timing.install()
         self.kernel_path = kernel_path(cfg)
+        #: the one kernel rule's decision (workbench.kernels.choose), what the planner assumed
+        self.kernel_choice = kernels.choose(cfg, cuda_available=torch.cuda.is_available()).to_dict()
         self.kernel_path["optimizer"] = self._optimizer_path()
         self.kernel_path.update({f"fast_{k}": v for k, v in fusions.summary().items()})  # [perf hook]
         self.kernel_path["schedule"] = ("interleaved 1F1B" if vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
@@ -219,7 +223,8 @@ class Trainer:
         from megatron.core import tensor_parallel
 
         hooks = self.hooks
-        fwd = hooks.forward_step or default_forward_step
+        step = family_of(self.cfg).part("step")  # the family's default forward step and loss
+        fwd = hooks.forward_step or step.forward_step
         counters = [0] * len(self.model)
         timer = self.timer if train else None
         return_logits = hooks.return_logits
@@ -242,12 +247,10 @@ class Trainer:
                 if timer is not None:
                     timer.remember(loss, mb, chunk)
                 return loss, report
-            mask = batch.loss_mask.reshape(-1).float()
-            loss_sum = torch.sum(losses.reshape(-1).float() * mask)
-            num_tokens = mask.sum().to(torch.int)
+            loss_sum, num_tokens, report = step.loss(batch, losses)
             if timer is not None:
                 timer.remember(loss_sum, mb, chunk)
-            return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])}
+            return loss_sum, num_tokens, report
 
         def forward_step(data_iterator, model):
             chunk = self._chunk_of.get(id(model), 0)
@@ -255,7 +258,7 @@ class Trainer:
             counters[chunk] += 1
             batch = self._to_batch(next(data_iterator))
             op = timer.forward_start(mb, chunk) if timer is not None else None
-            if fwd is default_forward_step:
+            if fwd is step.forward_step:
                 out = fwd(batch, model, return_logits=return_logits)
             else:
                 out = fwd(batch, model, **{**hooks.kwargs, **({"return_logits": True} if return_logits else {})})
@@ -452,7 +455,7 @@ class Trainer:
         self.events.write(RunStart(
             config=cfg.to_dict(), versions=_versions(), device=dev_name, hostname=socket.gethostname(),
             world_size=self.coords.world_size, coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp},
-            kernel_path=self.kernel_path, data=self.data_desc, start_iteration=self.iteration,
+            kernel_path=self.kernel_path, kernels=self.kernel_choice, data=self.data_desc, start_iteration=self.iteration,
         ))
         peak = peak_tflops(dev_name, t.precision, t.peak_tflops) if self.cuda else t.peak_tflops
         flops = self.derived.flops_per_step

@@ -1,0 +1,106 @@
+"""The kernel rule's decisions (workbench.kernels), Transformer Engine's health probe and its guard.
+
+What the backend really builds for each decision is checked in tests/multiprocess/test_kernel_rule.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from workbench import kernels
+from workbench.config import preset
+from tests.support import ROOT
+
+GPU = preset("gpt2-small")  # cuda, compile_kernels and cuda_graphs on
+
+
+def test_auto_prefers_the_compiled_layer_even_with_transformer_engine():
+    for te in (False, True):
+        k = kernels.choose(GPU, te=te)
+        assert (k.attention, k.layer, k.cuda_graphs, k.optimizer) == ("sdpa", "compiled", True, "fused")
+    # where the compiled layer does not apply, TE's fused layer is taken when TE is usable
+    rope = preset("llama-small")
+    assert kernels.choose(rope, te=True).attention == "te" and kernels.choose(rope, te=False).attention == "sdpa"
+    alibi = GPU.replace(**{"model.position_embedding": "alibi"})
+    assert kernels.choose(alibi, te=True).attention == "sdpa"  # TE has no ALiBi
+    assert kernels.choose(GPU.replace(**{"parallel.device": "cpu"}), te=True).attention == "sdpa"  # TE is GPU-only
+
+
+def test_explicit_backends_are_kept_and_the_layer_says_why_not():
+    te = kernels.choose(GPU.replace(**{"model.attention_backend": "te"}), te=True)
+    assert (te.layer, te.layer_reason, te.norm, te.selective) == ("stock", "attention_backend te", "te", "core_attn")
+    local = kernels.choose(GPU.replace(**{"model.attention_backend": "local"}), te=False, apex=False)
+    assert (local.attention, local.norm) == ("local", "torch")
+    assert kernels.choose(GPU.replace(**{"train.compile_kernels": False}), te=False).layer_reason == "train.compile_kernels is off"
+    assert "GPU-only" in kernels.choose(preset("tiny", **{"train.compile_kernels": True})).layer_reason
+
+
+def test_apex_norm_only_where_the_layer_stays_stock():
+    assert kernels.choose(GPU, te=False, apex=True).norm == "workbench"  # the compiled graph fuses its own norm
+    eager = GPU.replace(**{"train.compile_kernels": False})
+    assert kernels.choose(eager, te=False, apex=True).norm == "apex"
+    assert kernels.choose(eager.replace(**{"model.normalization": "rmsnorm"}), te=False, apex=True).norm == "workbench"
+
+
+def test_cuda_graphs_follow_the_layout():
+    assert kernels.choose(GPU, te=False, cuda_available=False).cuda_graphs_reason == "no GPU"
+    pp = kernels.choose(GPU.replace(**{"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2}), te=False)
+    assert not pp.cuda_graphs and pp.cuda_graphs_reason.startswith("pipeline parallel")
+    full = kernels.choose(GPU.replace(**{"parallel.recompute": "full"}), te=False)
+    assert not full.cuda_graphs and "full recompute" in full.cuda_graphs_reason
+    off = kernels.choose(GPU.replace(**{"train.cuda_graphs": False}), te=False)
+    assert not off.cuda_graphs and off.cuda_graphs_reason == ""
+
+
+def test_the_choice_is_torch_free_and_serialisable():
+    out = subprocess.run([sys.executable, "-c", "import sys, workbench.kernels as k, workbench.config as c; "
+                          "d = k.choose(c.preset('gpt2-small')).to_dict(); "
+                          "assert 'torch' not in sys.modules and 'megatron' not in sys.modules, sorted(sys.modules); print(d['layer'])"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "compiled", out.stderr
+
+
+def test_transformer_engine_absent_here():
+    assert kernels.te_status()[0] == "absent" and not kernels.te_available()
+
+
+@pytest.fixture()
+def broken_te(tmp_path):
+    """A transformer_engine package that fails its own import check, as TE does without its metadata."""
+    pkg = tmp_path / "transformer_engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('raise AssertionError("Could not find transformer-engine")\n')
+    return tmp_path
+
+
+def test_a_broken_transformer_engine_breaks_megatron_without_the_guard(broken_te):
+    out = subprocess.run([sys.executable, "-c", "import megatron.core.models.gpt.gpt_layer_specs"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300, env={**_env(), "PYTHONPATH": str(broken_te)})
+    assert out.returncode != 0 and "Could not find transformer-engine" in out.stderr
+
+
+def test_a_broken_transformer_engine_is_reported_once_and_hidden(broken_te):
+    code = textwrap.dedent("""
+        import workbench, workbench.kernels as k
+        import megatron.core.models.gpt.gpt_layer_specs, megatron.core.optimizer
+        import workbench.backend.model
+        from workbench.config import preset
+        k.guard_transformer_engine()  # a second call reports nothing more
+        print("status", k.te_status()[0], "attention", k.choose(preset("llama-small")).attention)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**_env(), "PYTHONPATH": f"{broken_te}:{ROOT}"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "status broken attention sdpa" in out.stdout
+    assert out.stderr.count("Transformer Engine is installed but unusable") == 1
+    assert "distribution metadata" in out.stderr
+
+
+def _env() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
