@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from workbench.config import ConfigError, GenerationConfig, Problem
+from workbench.models import family_of
 from workbench.launch import run_supervised
 from workbench.run.checkpoint import CheckpointInfo, checkpoint_info, resolve_tokenizer, special_ids  # noqa: F401
 from workbench.run.files import write_json_atomic
@@ -65,6 +66,10 @@ def prepare_request(info: CheckpointInfo, prompts: Sequence[str] | None, gen: Ge
     """
     problems = list(gen.validate())
     m = info.config.model
+    fam = family_of(info.config)
+    if not fam.supports.generation:
+        raise ConfigError([Problem("ckpt", f"{info.path} holds a {fam.title} model, which this generation path does not serve",
+                                   "generate from a model family that supports it (see workbench.models)")])
     if gen.stop_token is not None and not 0 <= gen.stop_token < m.vocab_size:
         problems.append(Problem("generation.stop_token", f"{gen.stop_token} is not a token id of this model (vocab {m.vocab_size})",
                                 f"use an id in [0, {m.vocab_size})"))
