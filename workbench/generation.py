@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ __all__ = [
     "special_ids",
     "prepare_request",
     "generation_command",
+    "layout_problems",
     "generate",
     "compare",
     "add_cli",
@@ -137,28 +139,83 @@ def _default_device(info: CheckpointInfo) -> str:
         return "cpu"
 
 
+def _visible_gpus() -> int:
+    try:
+        import torch  # counts devices without creating a CUDA context in this process
+
+        return int(torch.cuda.device_count())
+    except Exception:  # noqa: BLE001  (no torch / a broken driver: no usable GPU)
+        return 0
+
+
+def layout_problems(info: CheckpointInfo, tp: int, pp: int, device: str) -> list[Problem]:
+    """Why generating from ``info`` at ``tp`` x ``pp`` on ``device`` cannot work, before any process starts:
+    the model's own rules for the layout (heads, query groups, FFN width divisible by tp; layers >= pp)
+    and the device (a GPU per rank for 'cuda')."""
+    out: list[Problem] = []
+    for name, v in (("tp", tp), ("pp", pp)):
+        if int(v) < 1:
+            out.append(Problem(name, f"{name} is {v}", f"pass --{name} >= 1 (default: the checkpoint's)"))
+    if out:
+        return out
+    over = {"parallel.nnodes": 1, "parallel.sequence_parallel": False, "parallel.virtual_pipeline_parallel": None,
+            "parallel.recompute": "none", "parallel.device": device}
+
+    def rules(t: int, p: int) -> list[Problem]:
+        c = info.config.replace(**over, **{"parallel.tensor_parallel": t, "parallel.pipeline_parallel": p,
+                                           "parallel.nproc_per_node": t * p})
+        return [x for x in c.validate() if x.field.startswith(("model.", "parallel."))]
+
+    base = {str(x) for x in rules(info.config.parallel.tensor_parallel, info.config.parallel.pipeline_parallel)}
+    for x in rules(tp, pp):  # only what this layout breaks (the checkpoint's own layout loaded when it was saved)
+        if str(x) not in base:
+            flag = "pp" if x.field == "parallel.pipeline_parallel" else "tp"
+            out.append(Problem(flag, f"{x.rule} ({x.field} at {flag} {tp if flag == 'tp' else pp})",
+                               f"{x.fix} (pass --{flag}; default: the checkpoint's {flag})"))
+    if device == "cuda":
+        gpus = _visible_gpus()
+        if gpus == 0:
+            out.append(Problem("device", "is 'cuda' but no CUDA GPU is visible on this machine",
+                               "pass --device cpu (small models generate on CPU), or run on a GPU machine"))
+        elif tp * pp > gpus:
+            out.append(Problem("tp", f"tp {tp} x pp {pp} needs {tp * pp} GPUs, {gpus} visible",
+                               f"use --tp/--pp with tp x pp <= {gpus}, or --device cpu"))
+    return out
+
+
 def _launch(info: CheckpointInfo, request: dict[str, Any], *, tp: int | None, pp: int | None, device: str | None,
             work_dir: str | Path | None, timeout: float | None, verbose: bool) -> dict[str, Any]:
-    """Write the request, run one process per rank, return the backend's results JSON."""
-    tp = tp or info.config.parallel.tensor_parallel
-    pp = pp or info.config.parallel.pipeline_parallel
+    """Check the layout, write the request, run one process per rank, return the backend's results JSON.
+
+    Without ``work_dir`` the request and output live in a temp directory removed afterwards (also on failure).
+    """
+    tp = info.config.parallel.tensor_parallel if tp is None else tp
+    pp = info.config.parallel.pipeline_parallel if pp is None else pp
     device = device or _default_device(info)
+    problems = layout_problems(info, tp, pp, device)
+    if problems:
+        raise ConfigError(problems)
     request["device"] = device
+    own_tmp = not work_dir
     tmp = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="workbench-generate-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    req_path, out_path = tmp / "request.json", tmp / "output.json"
-    write_json_atomic(req_path, request, indent=None)
-    if out_path.exists():
-        out_path.unlink()
-    cmd = generation_command(info.path, req_path, out_path, tp=tp, pp=pp, device=device)
-    if verbose:
-        print("$", shlex.join(cmd), flush=True)
-    # the same supervised launch as training: if this process dies, the ranks go too
-    proc = run_supervised(cmd, tmp, timeout=timeout, capture=not verbose)
-    if proc.returncode != 0 or not out_path.exists():
-        tail = proc.output[-4000:] if not verbose else ""
-        raise RuntimeError(f"generation failed (exit code {proc.returncode}); command: {shlex.join(cmd)}\n{tail}")
-    return json.loads(out_path.read_text())
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        req_path, out_path = tmp / "request.json", tmp / "output.json"
+        write_json_atomic(req_path, request, indent=None)
+        if out_path.exists():
+            out_path.unlink()
+        cmd = generation_command(info.path, req_path, out_path, tp=tp, pp=pp, device=device)
+        if verbose:
+            print("$", shlex.join(cmd), flush=True)
+        # the same supervised launch as training: if this process dies, the ranks go too
+        proc = run_supervised(cmd, tmp, timeout=timeout, capture=not verbose)
+        if proc.returncode != 0 or not out_path.exists():
+            tail = proc.output[-4000:] if not verbose else ""
+            raise RuntimeError(f"generation failed (exit code {proc.returncode}); command: {shlex.join(cmd)}\n{tail}")
+        return json.loads(out_path.read_text())
+    finally:
+        if own_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _results(texts: list[str] | None, n: int, outputs: list[dict]) -> list[GenerationResult]:

@@ -5,7 +5,7 @@ Layout of a checkpoint ROOT::
     ROOT/
       iter_0000100/                      # an mcore dist_checkpointing (torch_dist) save
         .metadata, __*.distcp, metadata.json
-        workbench.json                   # {"format": "workbench-mcore-v1", "iteration", "config", "complete": true, ...}
+        workbench.json                   # {"format": "workbench-mcore-v1", "iteration", "config", "files", "complete": true, ...}
       latest_checkpointed_iteration.txt  # written LAST, atomically (tmp + os.replace)
 
 Why this shape: dist checkpoints store *global* tensors keyed by stock megatron-core
@@ -14,6 +14,10 @@ tree and the tracker file are what Megatron-LM users already know.  A save goes 
 ``iter_XXXXXXX.tmp-<pid>`` and is renamed only after every rank has written and
 ``workbench.json`` says ``"complete": true``, so an interrupted save never shadows
 the last good checkpoint, and :func:`find_checkpoint` never picks a partial one.
+``"files"`` records each file's size and SHA-256; every load verifies them and reads
+``.metadata`` and the stored objects through :mod:`workbench.run.integrity` (an allow-list
+unpickler: nothing in a checkpoint can run code), so a damaged or hostile checkpoint is
+refused with the file named.
 
 The one layout-dependent quantity is the vocab padding (``make_vocab_size_divisible_by
 * tp``): :func:`load_checkpoint` re-pads the embedding / output rows when the loading
@@ -40,6 +44,7 @@ from workbench.run.checkpoint import (  # noqa: F401  (discovery and metadata li
     read_checkpoint, read_metadata,
 )
 from workbench.run.files import write_text_atomic
+from workbench.run.integrity import file_manifest, safe_dist_reading, verify_checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -66,11 +71,14 @@ def vocab_keys() -> tuple[str, ...]:
 
 
 def checkpoint_tensor_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Global shape and dtype of every tensor stored in a checkpoint (reads metadata only)."""
+    """Global shape and dtype of every tensor stored in a checkpoint (reads metadata only, after
+    :func:`~workbench.run.integrity.verify_checkpoint`; CheckpointError names a damaged file)."""
     from megatron.core import dist_checkpointing
 
     d = find_checkpoint(path)
-    md = dist_checkpointing.load_tensors_metadata(str(d))
+    verify_checkpoint(d)
+    with safe_dist_reading():
+        md = dist_checkpointing.load_tensors_metadata(str(d))
     return {k: (tuple(v.global_shape), str(v.dtype).replace("torch.", "")) for k, v in md.items()}
 
 
@@ -303,6 +311,7 @@ def save_checkpoint(
             "has_scheduler": scheduler is not None,
             "num_model_chunks": len(chunks),
             "extra": _jsonable(dict(extra or {})),
+            "files": file_manifest(tmp),  # size + SHA-256 of every file: verify_checkpoint names a damaged one
             "complete": True,
         }
         _fsync_write(tmp / METADATA_FILE, json.dumps(meta, indent=2))
@@ -471,8 +480,9 @@ def load_checkpoint(
                 "or resume at the original tensor_parallel")
         sharded["optimizer"] = _optimizer_sharded_sd(optimizer, _model_sharded_sd(chunks), is_loading=True)
 
-    loaded = dist_checkpointing.load(sharded, str(ckpt), sharded_strategy=TorchDistLoadShardedStrategy(),
-                                     validate_access_integrity=not pairs)
+    with safe_dist_reading():  # nothing in the checkpoint is unpickled outside the allow-list
+        loaded = dist_checkpointing.load(sharded, str(ckpt), sharded_strategy=TorchDistLoadShardedStrategy(),
+                                         validate_access_integrity=not pairs)
     _copy_vocab_rows(pairs)
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         state = loaded[key]

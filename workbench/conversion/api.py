@@ -193,8 +193,10 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     """Workbench checkpoint (root or iter dir, any layout) -> HF directory that ``from_pretrained`` loads."""
     from workbench.backend.checkpointing import read_metadata
     from workbench.conversion.runtime import load_full_state_dict, single_process_group
+    from workbench.run.integrity import verify_checkpoint
 
     meta = read_metadata(ckpt)
+    verify_checkpoint(meta["path"])  # damaged or hostile files: CheckpointError naming them, before any work
     cfg = RunConfig.from_dict(meta["config"])
     source = ((meta.get("extra") or {}).get("source") or {})
     mt = source.get("model_type") if source.get("format") == "hf" else None
@@ -232,8 +234,10 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     """Re-target a checkpoint's parallel layout (config + vocab padding); weights only (no optimizer state)."""
     from workbench.backend.checkpointing import read_metadata
     from workbench.conversion.runtime import load_full_state_dict, single_process_group
+    from workbench.run.integrity import verify_checkpoint
 
     meta = read_metadata(ckpt)
+    verify_checkpoint(meta["path"])  # damaged or hostile files: CheckpointError naming them, before any work
     src_cfg = RunConfig.from_dict(meta["config"])
     d = src_cfg.to_dict()
     d["parallel"].update(tensor_parallel=int(tp), pipeline_parallel=int(pp),

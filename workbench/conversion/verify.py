@@ -52,6 +52,11 @@ def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int
     import torch
     from transformers import AutoModelForCausalLM
 
+    from workbench.run.checkpoint import find_checkpoint
+    from workbench.run.integrity import verify_checkpoint
+
+    verify_checkpoint(find_checkpoint(ckpt))  # a damaged or hostile checkpoint is refused before torchrun starts
+
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     V = hf.config.vocab_size
     g = torch.Generator().manual_seed(seed)

@@ -5,7 +5,10 @@ A workbench checkpoint is a root with ``latest_checkpointed_iteration.txt`` and
 ``workbench.json`` (:class:`CheckpointMeta`).  An iteration counts only once its
 ``workbench.json`` says ``"complete": true``, so an interrupted save never shadows an
 earlier one.  :func:`read_checkpoint` is the one reader of that file: the backend's
-checkpointing, generation and the launch checks use it.
+checkpointing, generation and the launch checks use it.  :func:`checkpoint_info` and
+:func:`load_problems` (the pre-checks of generation and launch) also verify the files
+(:func:`workbench.run.integrity.verify_checkpoint`), so a damaged or hostile checkpoint is
+refused before any process starts.
 """
 
 from __future__ import annotations
@@ -117,13 +120,37 @@ def find_checkpoint(path: str | Path) -> Path:
     complete = list_checkpoints(p)
     if complete:
         return complete[-1]
+    inner = _run_dir_checkpoints(p)
+    if inner is not None:
+        return find_checkpoint(inner)
     partial = sorted(x.name for x in p.iterdir() if x.name.startswith("iter_"))
     legacy = any(x.name.startswith("mp_rank_") for x in p.iterdir()) or any(
         x.is_dir() and any(y.name.startswith("mp_rank_") for y in x.iterdir()) for x in p.iterdir() if x.is_dir())
+    run_dir = (p / "config.json").is_file() and ((p / "events").is_dir() or (p / "launch.json").is_file())
     hint = ("this looks like a legacy Megatron-LM checkpoint -> import it with `workbench convert legacy`" if legacy
-            else "train with a save_dir, or convert a model with `workbench convert hf-to-megatron`")
+            else f"this run directory has no checkpoints/ (the run saved none: it saves at the end and every "
+                 f"checkpoint.save_interval steps unless checkpoint.save_on_exit is false) -> pass a run that saved one"
+            if run_dir else "train with a save_dir, or convert a model with `workbench convert hf-to-megatron`")
     raise CheckpointError(
         f"no complete checkpoint under {p}" + (f" (incomplete: {', '.join(partial)})" if partial else "") + f" -> {hint}")
+
+
+def _run_dir_checkpoints(p: Path) -> Path | None:
+    """The checkpoint root of run directory ``p``: its config's ``checkpoint.save_dir``, else
+    ``p/checkpoints`` (where the backend saves by default); None when neither holds an iteration."""
+    roots = []
+    try:
+        saved = json.loads((p / "config.json").read_text())
+        save_dir = ((saved.get("checkpoint") or {}).get("save_dir")) if isinstance(saved, dict) else None
+        if save_dir:
+            roots.append(Path(save_dir).expanduser())
+    except (OSError, ValueError, AttributeError):
+        pass
+    roots.append(p / "checkpoints")
+    for root in roots:
+        if root.is_dir() and root != p and ((root / TRACKER_FILE).is_file() or any(_ITER_RE.match(x.name) for x in root.iterdir())):
+            return root
+    return None
 
 
 def read_checkpoint(path: str | Path) -> CheckpointMeta:
@@ -165,6 +192,9 @@ def load_problems(cfg: Any) -> list:
         return []
     try:
         meta = read_checkpoint(c.load_dir)
+        from workbench.run.integrity import verify_checkpoint
+
+        verify_checkpoint(meta.path)  # damaged or hostile files: refused here, before any rank starts
         saved = RunConfig.from_dict(meta.config or {}, source=str(meta.path))
     except CheckpointError as e:
         rule, _, fix = str(e).partition(" -> ")
@@ -224,6 +254,9 @@ def checkpoint_info(ckpt: str | Path) -> CheckpointInfo:
 
     try:
         meta = read_checkpoint(ckpt)
+        from workbench.run.integrity import verify_checkpoint
+
+        verify_checkpoint(meta.path)  # damaged or hostile files: refused here, before any process starts
     except CheckpointError as e:
         rule, _, fix = str(e).partition(" -> ")
         raise ConfigError([Problem("ckpt", rule, fix or "point ckpt at a checkpoint root or an iter_XXXXXXX directory")]) from None

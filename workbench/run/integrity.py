@@ -1,0 +1,342 @@
+"""Checkpoint integrity and safe reading: the one place that decides what a checkpoint may contain.
+
+Two threats, one module:
+
+- **Code in a checkpoint.**  megatron-core's dist checkpoints are read by torch's
+  ``FileSystemReader.read_metadata``, a plain ``pickle.load`` of ``.metadata``, and torch's
+  load planner unpickles the stored objects (``_extra_state``, the common state) with
+  ``torch.load(weights_only=False)``: opening a checkpoint from someone else could run any
+  code.  :class:`MetadataUnpickler` admits only the classes a dist checkpoint's ``.metadata``
+  holds (:data:`ALLOWED_GLOBALS`: ``torch.distributed.checkpoint``'s metadata / planner /
+  storage-info classes, ``torch.Size``, the dtypes, the layout helper, a few containers) and
+  refuses anything else with :class:`CheckpointError` naming the file.  :func:`safe_dist_reading`
+  puts it under every torch reader (and ``weights_only=True`` under the stored objects) for the
+  duration of a workbench load.
+- **Damaged files.**  :func:`file_manifest` records every file's size and SHA-256 in
+  ``workbench.json`` (``"files"``) at save time; :func:`verify_checkpoint` checks them, checks that
+  ``.metadata`` is there and parses under the allow-list, and that every byte range its index
+  names lies inside its file (which catches a truncated ``.distcp`` in checkpoints saved before
+  the manifest existed, too).  Each problem names the file; the error says how to fix it.
+
+Torch-free at import, and :func:`verify_checkpoint` stays torch-free (it parses ``.metadata``
+with inert stand-ins for the admitted classes, so launch checks can run it without torch);
+:func:`read_dist_metadata` with real classes and :func:`safe_dist_reading` import torch when called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+from workbench.run.checkpoint import METADATA_FILE, CheckpointError, list_checkpoints
+
+__all__ = ["ALLOWED_GLOBALS", "DIST_METADATA_FILE", "MetadataUnpickler", "read_dist_metadata", "file_manifest",
+           "checkpoint_damage", "verify_checkpoint", "safe_dist_reading"]
+
+DIST_METADATA_FILE = ".metadata"
+_DCP = "torch.distributed.checkpoint"
+
+#: torch dtypes a stored tensor can have (pickled as globals ``torch.<name>``)
+_DTYPES = frozenset({
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex32", "chalf", "complex64", "cfloat",
+    "complex128", "cdouble", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "short", "int32", "int", "int64",
+    "long", "bool", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4",
+})
+
+#: every global a megatron-core 0.19 torch_dist ``.metadata`` refers to (found by saving real
+#: checkpoints, with and without optimizer state, and listing what their pickles name), plus
+#: containers and paths that torch may put into ``StorageMeta``; nothing that can run code.
+ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
+    f"{_DCP}.metadata": frozenset({"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                                   "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
+    f"{_DCP}.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}),
+    f"{_DCP}.filesystem": frozenset({"_StorageInfo"}),
+    "torch": frozenset({"Size"}) | _DTYPES,
+    "torch.serialization": frozenset({"_get_layout"}),  # "torch.strided" -> torch.strided (a table look-up)
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset"}),
+    "pathlib": frozenset({"Path", "PosixPath", "PurePosixPath"}),
+}
+
+_UNTRUSTED_FIX = ("it was not loaded: unpickling it could run code -> load only checkpoints from a source you trust; "
+                  "a genuine megatron-core checkpoint's metadata names only torch.distributed.checkpoint classes, "
+                  "so re-save the weights with workbench (or `workbench convert`) from a trusted copy")
+
+
+class _StandIn:
+    """An inert object for an admitted class when parsing without torch: it records what it was given."""
+
+    _wb_global: tuple[str, str] = ("", "")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_StandIn":
+        obj = object.__new__(cls)
+        obj.__dict__["_args"] = args
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+            self.__dict__.update(slots or {})
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+
+_STAND_INS: dict[tuple[str, str], type] = {}
+
+
+def _stand_in(module: str, name: str) -> type:
+    key = (module, name)
+    if key not in _STAND_INS:
+        _STAND_INS[key] = type(name, (_StandIn,), {"_wb_global": key, "__module__": "workbench.run.integrity.standin"})
+    return _STAND_INS[key]
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only :data:`ALLOWED_GLOBALS`.
+
+    ``real=False`` gives inert stand-ins instead of the classes (no torch import), enough to
+    prove what the file refers to and to read its storage index.
+    """
+
+    def __init__(self, file: BinaryIO, *, source: str, real: bool = True) -> None:
+        super().__init__(file)
+        self.source = source
+        self.real = real
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name not in ALLOWED_GLOBALS.get(module, ()):
+            raise CheckpointError(f"{self.source} refers to {module}.{name}, which checkpoint metadata never holds; {_UNTRUSTED_FIX}")
+        if not self.real:
+            return _stand_in(module, name)
+        obj = getattr(importlib.import_module(module), name)
+        if module == "torch" and name != "Size":
+            import torch
+
+            if not isinstance(obj, torch.dtype):
+                raise CheckpointError(f"{self.source} refers to torch.{name}, which is not a dtype; {_UNTRUSTED_FIX}")
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointError(f"{self.source} holds a persistent reference, which checkpoint metadata never holds; {_UNTRUSTED_FIX}")
+
+
+def _load_metadata(fh: BinaryIO, source: str, real: bool) -> Any:
+    try:
+        return MetadataUnpickler(fh, source=source, real=real).load()
+    except CheckpointError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            MemoryError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{source} is damaged: it does not parse as checkpoint metadata ({type(e).__name__}: {e}) -> "
+            "copy the checkpoint again from its source, or load an earlier iteration") from None
+
+
+def read_dist_metadata(path: str | Path, *, real: bool = True) -> Any:
+    """The ``.metadata`` of a dist checkpoint (``path``: the file or its directory), read with the allow-list."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / DIST_METADATA_FILE
+    try:
+        with open(p, "rb") as fh:
+            return _load_metadata(fh, str(p), real)
+    except FileNotFoundError:
+        raise CheckpointError(f"{p} is missing: the checkpoint's index of its tensors is gone -> "
+                              "copy the checkpoint again from its source, or load an earlier iteration") from None
+
+
+# --------------------------------------------------------------------------- manifest (save) and verification (load)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _files(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.is_file() and p.name != METADATA_FILE)
+
+
+def file_manifest(d: str | Path) -> dict[str, dict[str, Any]]:
+    """{file name: {"size", "sha256"}} of every file in checkpoint directory ``d`` except ``workbench.json``."""
+    files = _files(Path(d))
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:  # hashlib releases the GIL
+        digests = list(pool.map(_sha256, files))
+    return {p.name: {"size": p.stat().st_size, "sha256": h} for p, h in zip(files, digests)}
+
+
+def _manifest(d: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((d / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    files = data.get("files") if isinstance(data, dict) else None
+    return files if isinstance(files, dict) else None
+
+
+def _storage_ranges(md: Any) -> dict[str, int]:
+    """{relative file: bytes its index needs} from a parsed ``.metadata``."""
+    need: dict[str, int] = {}
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise TypeError("no storage index")
+    for info in storage.values():
+        rel, off, length = getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int):
+            raise TypeError("malformed storage entry")
+        need[rel] = max(need.get(rel, 0), off + length)
+    return need
+
+
+_VERIFIED: dict[str, tuple] = {}  # dir -> the (name, size, mtime) signature it last passed with
+_VERIFIED_LOCK = threading.Lock()
+
+
+def _signature(d: Path) -> tuple:
+    return tuple((p.name, st.st_size, st.st_mtime_ns) for p in sorted(d.iterdir()) if p.is_file() for st in [p.stat()])
+
+
+def checkpoint_damage(d: str | Path, *, hashes: bool = True) -> list[str]:
+    """What is wrong with the files of checkpoint iteration directory ``d`` (empty: nothing found).
+
+    Checks ``.metadata`` (present, parses under the allow-list), every byte range its index names
+    (file present and long enough), and the save-time manifest in ``workbench.json`` (sizes, and
+    SHA-256 when ``hashes``).  Raises :class:`CheckpointError` for metadata that names a class
+    outside the allow-list (that is not damage, it is a hostile or foreign file).
+    """
+    d = Path(d)
+    problems: list[str] = []
+    meta_path = d / DIST_METADATA_FILE
+    manifest = _manifest(d)
+    if not meta_path.is_file():
+        problems.append(f"{meta_path} is missing")
+    else:
+        try:
+            with open(meta_path, "rb") as fh:
+                md = MetadataUnpickler(fh, source=str(meta_path), real=False).load()
+            need = _storage_ranges(md)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001  (any parse failure of a damaged pickle)
+            problems.append(f"{meta_path} is damaged (does not parse: {type(e).__name__})")
+            need = {}
+        for rel, n in sorted(need.items()):
+            f = d / rel
+            if not f.is_file():
+                problems.append(f"{f} is missing")
+            elif f.stat().st_size < n:
+                problems.append(f"{f} is truncated ({f.stat().st_size} bytes; the checkpoint's index needs {n})")
+    if manifest:
+        for name, rec in sorted(manifest.items()):
+            f = d / name
+            if any(str(f) in p for p in problems):
+                continue
+            if not f.is_file():
+                problems.append(f"{f} is missing")
+            elif isinstance(rec, dict) and rec.get("size") is not None and f.stat().st_size != rec["size"]:
+                problems.append(f"{f} has {f.stat().st_size} bytes, {rec['size']} when saved")
+            elif hashes and isinstance(rec, dict) and rec.get("sha256") and _sha256(f) != rec["sha256"]:
+                problems.append(f"{f} does not match its checksum from the save (its contents changed)")
+    return problems
+
+
+def verify_checkpoint(d: str | Path, *, hashes: bool = True) -> None:
+    """Raise :class:`CheckpointError` naming every damaged file of checkpoint directory ``d``, and the fix.
+
+    A directory that passed once is not re-hashed while its files keep their sizes and times.
+    """
+    d = Path(d)
+    try:
+        sig = _signature(d)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {d} cannot be read ({e}) -> check the path and its permissions") from None
+    key = str(d.resolve())
+    with _VERIFIED_LOCK:
+        if _VERIFIED.get(key) == sig:
+            return
+    problems = checkpoint_damage(d, hashes=hashes)
+    if problems:
+        earlier = [c.name for c in list_checkpoints(d.parent) if c.name < d.name] if d.parent.is_dir() else []
+        alt = f", or load an earlier iteration ({d.parent / earlier[-1]})" if earlier else ""
+        raise CheckpointError(f"checkpoint {d} is damaged: " + "; ".join(problems) +
+                              f" -> copy the checkpoint again from its source (an interrupted copy or a full disk cuts files short){alt}")
+    if hashes:
+        with _VERIFIED_LOCK:
+            _VERIFIED[key] = sig
+
+
+# --------------------------------------------------------------------------- under torch's readers
+
+
+_PATCH_LOCK = threading.RLock()
+_patch_depth = 0
+_saved: tuple = ()
+
+
+def _safe_read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's ``FileSystemReader.read_metadata`` with :class:`MetadataUnpickler` instead of ``pickle.load``."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    path = self._get_metadata_path(kwargs.get("rank"))
+    with self.fs.create_stream(path, "rb") as fh:
+        metadata = _load_metadata(fh, str(path), real=True)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = self.load_id
+    return metadata
+
+
+def _safe_load_bytes(self: Any, read_item: Any, value: Any) -> None:
+    """torch's ``DefaultLoadPlanner.load_bytes`` with ``weights_only=True`` (it passes False)."""
+    import torch
+    from torch.distributed.checkpoint._traverse import set_element
+
+    try:
+        obj = torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"checkpoint object {read_item.dest_index.fqn!r} holds more than tensors and plain data "
+                              f"({str(e).splitlines()[0]}); {_UNTRUSTED_FIX}") from None
+    if self.flatten_state_dict:
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = obj
+
+
+@contextlib.contextmanager
+def safe_dist_reading() -> Iterator[None]:
+    """Within the block, torch's dist-checkpoint readers unpickle nothing outside the allow-list.
+
+    ``FileSystemReader.read_metadata`` (and so megatron's cached subclass) reads ``.metadata`` with
+    :class:`MetadataUnpickler`; ``DefaultLoadPlanner.load_bytes`` (megatron's planner inherits it)
+    loads stored objects with ``weights_only=True``.  Re-entrant; restored on exit.
+    """
+    global _patch_depth, _saved
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    with _PATCH_LOCK:
+        if _patch_depth == 0:
+            _saved = (FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes)
+            FileSystemReader.read_metadata = _safe_read_metadata
+            DefaultLoadPlanner.load_bytes = _safe_load_bytes
+        _patch_depth += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes = _saved
+                _saved = ()
+
