@@ -51,7 +51,7 @@ __all__ = [
 
 @dataclass
 class ModelConfig:
-    """Architecture. GPT now; `bert` and `t5` are reserved names (validated, not yet trained)."""
+    """Architecture. `arch` names the model family (``workbench/models/<arch>/``): gpt, bert; `t5` is reserved."""
 
     arch: Literal["gpt", "bert", "t5"] = "gpt"
     num_layers: int = 2
@@ -81,6 +81,12 @@ class ModelConfig:
     init_method_std: float = 0.02
     #: auto: Transformer Engine when importable, else the workbench SDPA module; local: stock mcore (unfused).
     attention_backend: Literal["auto", "sdpa", "te", "local"] = "auto"
+    #: token-type (segment) embeddings, e.g. BERT's sentence A / B (2); 0: none
+    num_tokentypes: int = 0
+    #: encoders (BERT): the binary (sentence-order) head on the pooled first token, a second pretraining loss
+    add_binary_head: bool = False
+    #: encoders (BERT): the pooler (dense + tanh on the first token) also without the binary head (classification fine-tuning)
+    add_pooler: bool = False
 
     # -- derived helpers (kept here because every consumer needs them)
     @property

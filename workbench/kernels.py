@@ -173,6 +173,11 @@ def layer_blocker(cfg: Any) -> str | None:
     The model-level counterpart of ``fusions.fast_path_blocker``, which checks a built layer.
     """
     m, p = cfg.model, cfg.parallel
+    from workbench.models import FAMILIES
+
+    family = FAMILIES.get(m.arch)
+    if family is not None and family.supports.compiled_layer_blocker:
+        return family.supports.compiled_layer_blocker
     if m.query_groups < p.tensor_parallel:
         return "fewer KV groups than TP ranks"
     if m.hidden_dropout > 0 or m.attention_dropout > 0:

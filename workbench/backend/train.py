@@ -355,7 +355,8 @@ class Trainer:
         if "lm loss" not in losses:
             return None
         loss = losses["lm loss"]
-        return {"loss": loss, "ppl": math.exp(min(loss, 80.0))}
+        # the family's other reported metrics (e.g. BERT's sentence-order loss, masked-token accuracy)
+        return {"loss": loss, "ppl": math.exp(min(loss, 80.0)), "metrics": {k: v for k, v in losses.items() if k != "lm loss"}}
 
     def save(self) -> Path:
         from workbench.backend.checkpointing import save_checkpoint
@@ -489,7 +490,7 @@ class Trainer:
             if t.eval_interval and it % t.eval_interval == 0:
                 ev = self.evaluate()
                 if ev is not None:
-                    self.events.write(Eval(iteration=it, loss=ev["loss"], ppl=ev["ppl"]))
+                    self.events.write(Eval(iteration=it, loss=ev["loss"], ppl=ev["ppl"], extra=ev["metrics"]))
                     self._log(f"[workbench] eval @ {it}: loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
             if c.save_interval and it % c.save_interval == 0:
                 self.save()

@@ -39,11 +39,12 @@ def _demo_key(tokenizer_sha: str) -> str:
     return h.hexdigest()[:12]
 
 
-def demo_prefix(cache_dir: str | Path | None = None, tokenizer="demo") -> str:
+def demo_prefix(cache_dir: str | Path | None = None, tokenizer="demo", split_sentences: bool = False) -> str:
     """Where the demo dataset lives (or will live): ``<cache>/demo/kjv-<hash>_text_document``.
 
     The hash covers the corpus and the tokenizer: the corpus can be tokenized with any tokenizer
-    (``data.tokenizer``), each gets its own files.
+    (``data.tokenizer``), each gets its own files.  ``split_sentences``: one sequence per sentence
+    and no end-of-document token (what BERT reads), under ``kjv-sentences-<hash>``.
     """
     from workbench.data.tokenizer import load_tokenizer
 
@@ -51,15 +52,17 @@ def demo_prefix(cache_dir: str | Path | None = None, tokenizer="demo") -> str:
         raise DataError(str(DEMO_CORPUS), "the embedded demo corpus is missing from this install", "reinstall the workbench (pip install -e .)")
     tok = load_tokenizer(tokenizer)
     root = Path(cache_dir) if cache_dir else user_cache_dir()
-    return str(root / "demo" / f"kjv-{_demo_key(tok.unique_identifiers['sha'])}_text_document")
+    kind = "kjv-sentences" if split_sentences else "kjv"
+    return str(root / "demo" / f"{kind}-{_demo_key(tok.unique_identifiers['sha'])}_text_document")
 
 
-def ensure_demo_dataset(cache_dir: str | Path | None = None, progress: bool = False, workers: int = 1, tokenizer="demo") -> str:
+def ensure_demo_dataset(cache_dir: str | Path | None = None, progress: bool = False, workers: int = 1, tokenizer="demo",
+                        split_sentences: bool = False) -> str:
     """Build the demo .bin/.idx if it is not cached yet; return its prefix. Safe to call repeatedly."""
     from workbench.data.indexed import check_indexed
     from workbench.data.preprocess import preprocess
 
-    prefix = demo_prefix(cache_dir, tokenizer)
+    prefix = demo_prefix(cache_dir, tokenizer, split_sentences)
     try:
         check_indexed(prefix)
         return prefix
@@ -78,5 +81,6 @@ def ensure_demo_dataset(cache_dir: str | Path | None = None, progress: bool = Fa
             return prefix
         except DataError:
             pass
-        preprocess([DEMO_CORPUS], prefix, tokenizer=tokenizer, append_eod=True, workers=workers, split_docs="blank-line", progress=progress)
+        preprocess([DEMO_CORPUS], prefix, tokenizer=tokenizer, append_eod=not split_sentences, workers=workers,
+                   split_docs="blank-line", progress=progress, split_sentences=split_sentences)
     return prefix

@@ -64,8 +64,10 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def resolve_blend(cfg, run_dir: str | Path | None = None, tokenizer=None) -> tuple[list[str], list[float] | None]:
-    """``data.source`` -> (prefixes, weights). Builds the demo dataset if needed (distributed-aware)."""
+def resolve_blend(cfg, run_dir: str | Path | None = None, tokenizer=None,
+                  split_sentences: bool = False) -> tuple[list[str], list[float] | None]:
+    """``data.source`` -> (prefixes, weights). Builds the demo dataset if needed (distributed-aware;
+    ``split_sentences``: the sentence-split demo dataset BERT reads)."""
     d = cfg.data
     tokenizer = tokenizer if tokenizer is not None else d.tokenizer
     if d.source == "synthetic":
@@ -76,18 +78,18 @@ def resolve_blend(cfg, run_dir: str | Path | None = None, tokenizer=None) -> tup
         cache = Path(d.cache_dir) if d.cache_dir else None
         dist = _dist()
         if dist is None:
-            return [ensure_demo_dataset(cache, tokenizer=tokenizer)], None
+            return [ensure_demo_dataset(cache, tokenizer=tokenizer, split_sentences=split_sentences)], None
         local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
         error: Exception | None = None
         if local_rank == 0:
             try:
-                ensure_demo_dataset(cache, tokenizer=tokenizer)
+                ensure_demo_dataset(cache, tokenizer=tokenizer, split_sentences=split_sentences)
             except Exception as e:  # still reach the barrier, or the other ranks hang
                 error = e
         dist.barrier()
         if error is not None:
             raise error
-        return [ensure_demo_dataset(cache, tokenizer=tokenizer)], None
+        return [ensure_demo_dataset(cache, tokenizer=tokenizer, split_sentences=split_sentences)], None
     if not d.datasets:
         raise DataError("data.datasets", "source 'indexed' needs at least one dataset prefix", "add {prefix: /path/to/name_text_document, weight: 1}")
     from workbench.data.indexed import strip_prefix
@@ -175,6 +177,19 @@ def check_blend(cfg, prefixes: list[str], tokenizer) -> list[Any]:
 
 
 def check_data(cfg) -> list:
+    """Data problems as config :class:`~workbench.config.Problem` s, for a launcher to report before torchrun:
+    the generic checks below, then the model family's ``data_rules`` (e.g. BERT's sentence splits)."""
+    from workbench.config import Problem
+    from workbench.models import FAMILIES
+
+    problems = _check_data(cfg)
+    family = FAMILIES.get(cfg.model.arch)
+    if family is not None and not problems:
+        problems += [Problem(f, r, x) for f, r, x in family.data_rules(cfg)]
+    return problems
+
+
+def _check_data(cfg) -> list:
     """Data problems as config :class:`~workbench.config.Problem` s, for a launcher to report before torchrun.
 
     Light: loads the tokenizer and reads .idx headers / sidecars (numpy at most), builds nothing and

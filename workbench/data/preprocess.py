@@ -3,7 +3,9 @@
 Documents are read in order, tokenized (in ``workers`` processes when > 1: workers tokenize
 batches, the parent writes them in input order) and appended with megatron-core's
 ``IndexedDatasetBuilder``, one sequence per document, so megatron-core's ``IndexedDataset``
-reads the result unchanged.
+reads the result unchanged.  With ``split_sentences`` (Megatron-LM's ``--split-sentences``, what
+BERT's datasets read) each document is cut into sentences by :func:`workbench.data.sentences.split_sentences`
+and stored as one sequence per sentence inside its document.
 
 Crash safety: everything is written under temporary names; at the end the old ``.idx`` is
 removed first, then the ``.bin``, the sidecar and finally the ``.idx`` are renamed into place.
@@ -46,6 +48,9 @@ class PreprocessSummary:
     invalid_utf8_where: list[str] = field(default_factory=list)
     empty_skipped: int = 0
     tokenizer: dict = field(default_factory=dict)
+    #: sequences written: sentences with split_sentences, else one per document
+    sequences: int = 0
+    split_sentences: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -58,7 +63,8 @@ class PreprocessSummary:
 
     def __str__(self) -> str:
         lines = [f"wrote {self.prefix}.bin / .idx ({self.dtype})",
-                 f"  files {self.files}  documents {self.documents:,}  tokens {self.tokens:,}  bytes {self.bytes:,}",
+                 f"  files {self.files}  documents {self.documents:,}  tokens {self.tokens:,}  bytes {self.bytes:,}"
+                 + (f"  sentences {self.sequences:,}" if self.split_sentences else ""),
                  f"  {self.seconds:.2f} s  ({self.tokens_per_s:,.0f} tokens/s, {self.workers} worker{'s' if self.workers != 1 else ''})"]
         if self.empty_skipped:
             lines.append(f"  skipped {self.empty_skipped} empty JSON record(s)")
@@ -83,22 +89,30 @@ def token_dtype(vocab_size: int):
 _WORKER: dict = {}
 
 
-def _worker_init(tokenizer: Tokenizer, append_eod: bool, dtype_name: str) -> None:
+def _worker_init(tokenizer: Tokenizer, append_eod: bool, dtype_name: str, split_sentences: bool = False) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER.update(tokenizer=tokenizer, append_eod=append_eod, dtype=dtype_name)
+    _WORKER.update(tokenizer=tokenizer, append_eod=append_eod, dtype=dtype_name, split=split_sentences)
 
 
 def _encode_batch(texts: list[str]) -> list:
+    """Per document: (token array, sequence lengths): one sequence, or one per sentence."""
     import numpy as np
 
     tok: Tokenizer = _WORKER["tokenizer"]
     eod = tok.eod if _WORKER["append_eod"] else None
     out = []
     for text in texts:
-        ids = tok.encode(text)
-        if eod is not None:
-            ids.append(eod)
-        out.append(np.asarray(ids, dtype=_WORKER["dtype"]))
+        if _WORKER.get("split"):
+            from workbench.data.sentences import split_sentences
+
+            pieces = [ids for ids in tok.encode_batch(split_sentences(text)) if ids]
+        else:
+            pieces = [tok.encode(text)]
+        if eod is not None and pieces:
+            pieces[-1] = pieces[-1] + [eod]
+        lengths = [len(p) for p in pieces if p]
+        ids = [i for p in pieces for i in p]
+        out.append((np.asarray(ids, dtype=_WORKER["dtype"]), lengths))
     return out
 
 
@@ -145,7 +159,7 @@ def _tmp(path: str) -> str:
 def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Path, tokenizer: "str | Tokenizer" = "demo",
                json_key: str = "text", append_eod: bool = True, workers: int = 1, split_docs: SplitDocs = "blank-line",
                invalid_utf8: InvalidPolicy = "replace", model_vocab_size: int | None = None,
-               progress: bool = True) -> PreprocessSummary:
+               progress: bool = True, split_sentences: bool = False) -> PreprocessSummary:
     """Tokenize ``inputs`` into ``output_prefix``.bin/.idx; returns the summary (also stored as a sidecar)."""
     import numpy as np
     from tqdm.auto import tqdm
@@ -174,7 +188,7 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
     stats = ReadStats()
     total_bytes = sum(uncompressed_size(p) for p in paths)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"preprocess {Path(prefix).name}", disable=not progress)
-    documents = tokens = 0
+    documents = tokens = sequences = 0
     max_id = -1
     t0 = time.perf_counter()
     pool = None
@@ -183,19 +197,20 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
         builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)
         docs = iter_documents(paths, json_key=json_key, split_docs=split_docs, stats=stats, invalid_utf8=invalid_utf8, progress=bar)
         if workers == 1:
-            _worker_init(tok, append_eod, np.dtype(dtype).name)
+            _worker_init(tok, append_eod, np.dtype(dtype).name, split_sentences)
             results = map(_encode_batch, _batches(docs))
         else:
             import multiprocessing as mp
 
-            pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(tok, append_eod, np.dtype(dtype).name))
+            pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(tok, append_eod, np.dtype(dtype).name, split_sentences))
             results = _ordered(pool, _batches(docs), window=4 * workers)
         for arrays in results:
-            for arr in arrays:
+            for arr, lengths in arrays:
                 if arr.size == 0:
                     continue
-                builder.add_document(arr, [int(arr.size)])
+                builder.add_document(arr, lengths)
                 documents += 1
+                sequences += len(lengths)
                 tokens += int(arr.size)
                 max_id = max(max_id, int(arr.max()))
             bar.set_postfix(docs=documents, tokens=tokens, refresh=False)
@@ -211,7 +226,8 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
         summary = PreprocessSummary(prefix=prefix, files=stats.files, documents=documents, tokens=tokens, bytes=stats.bytes,
                                     seconds=seconds, workers=workers, dtype=np.dtype(dtype).name, max_token_id=max_id,
                                     invalid_utf8=stats.invalid_utf8, invalid_utf8_where=list(stats.invalid_utf8_where),
-                                    empty_skipped=stats.empty_skipped, tokenizer=tok.spec())
+                                    empty_skipped=stats.empty_skipped, tokenizer=tok.spec(), sequences=sequences,
+                                    split_sentences=split_sentences)
         meta = {"format": SIDECAR_FORMAT, **summary.to_dict(), "append_eod": append_eod, "json_key": json_key,
                 "split_docs": split_docs, "inputs": [str(p) for p in paths], "created": time.time()}
         Path(side_tmp).write_text(json.dumps(meta, indent=2), encoding="utf-8")

@@ -5,7 +5,12 @@ Specs:
 - ``"demo"``: the byte-level BPE trained on the embedded corpus (``workbench/data/corpus/demo-tokenizer``).
 - a local Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json``, or any
   directory ``transformers.AutoTokenizer`` can load offline as a *fast* tokenizer);
-- a ``tokenizer.json`` file.
+- a ``tokenizer.json`` file;
+- ``"demo-wordpiece"``: the lower-cased WordPiece vocabulary trained on the embedded corpus for BERT
+  (``workbench/data/corpus/demo-wordpiece``; ``[PAD]`` = 0, ``[UNK]``, ``[CLS]``, ``[SEP]``, ``[MASK]``);
+- a WordPiece ``vocab.txt`` (BERT's format; a directory holding only ``vocab.txt`` too), read with
+  BERT's normaliser and pre-tokenizer (lower-cased unless its ``tokenizer_config.json`` says
+  ``do_lower_case: false``).
 
 Nothing is downloaded: a hub name such as ``gpt2`` is refused with the fix (save it to a local
 directory first).  The wrapper exposes what megatron-core's datasets need (``eod``, ``pad``,
@@ -22,9 +27,13 @@ from typing import Any, Iterable, Iterator
 
 from workbench.data.errors import DataError
 
-__all__ = ["Tokenizer", "load_tokenizer", "train_tokenizer", "DEMO_TOKENIZER_DIR", "EOD_CANDIDATES"]
+__all__ = ["Tokenizer", "load_tokenizer", "train_tokenizer", "train_wordpiece", "DEMO_TOKENIZER_DIR", "DEMO_WORDPIECE_DIR",
+           "EOD_CANDIDATES", "WORDPIECE_SPECIALS"]
 
 DEMO_TOKENIZER_DIR = Path(__file__).parent / "corpus" / "demo-tokenizer"
+DEMO_WORDPIECE_DIR = Path(__file__).parent / "corpus" / "demo-wordpiece"
+#: BERT's special tokens, in the order a trained WordPiece vocabulary gets them ([PAD] = 0)
+WORDPIECE_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 #: end-of-document tokens recognised when a tokenizer config names no eos_token (first match wins)
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
 PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
@@ -152,6 +161,31 @@ def _from_tokenizer_json(path: Path, name: str) -> Tokenizer:
                      bos_token=_token_content(cfg.get("bos_token")), pad_token=_token_content(cfg.get("pad_token")))
 
 
+def _wordpiece_backend(vocab: Path, lowercase: bool) -> Any:
+    from tokenizers import Tokenizer as _Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    try:
+        model = models.WordPiece.from_file(str(vocab), unk_token="[UNK]")
+    except Exception as e:
+        raise DataError(str(vocab), f"not a WordPiece vocab.txt ({e})", "give BERT's vocab.txt: one token per line") from None
+    backend = _Backend(model)
+    backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    specials = [t for t in WORDPIECE_SPECIALS if backend.token_to_id(t) is not None]
+    backend.add_special_tokens(specials)
+    return backend
+
+
+def _from_vocab_txt(vocab: Path, name: str) -> Tokenizer:
+    """A BERT WordPiece tokenizer from ``vocab.txt`` (lower-cased unless tokenizer_config.json says otherwise)."""
+    cfg = _read_tokenizer_config(vocab.parent)
+    backend = _wordpiece_backend(vocab, bool(cfg.get("do_lower_case", True)))
+    return Tokenizer(backend, name, eos_token="[SEP]" if backend.token_to_id("[SEP]") is not None else None,
+                     pad_token="[PAD]" if backend.token_to_id("[PAD]") is not None else None)
+
+
 def load_tokenizer(spec: "str | Path | Tokenizer") -> Tokenizer:
     """Resolve a tokenizer spec (see module docstring); a clear :class:`DataError` for anything else."""
     if isinstance(spec, Tokenizer):
@@ -164,12 +198,21 @@ def load_tokenizer(spec: "str | Path | Tokenizer") -> Tokenizer:
         if not f.is_file():
             raise DataError(str(f), "the demo tokenizer is missing from this install", "reinstall the workbench (pip install -e .)")
         return _from_tokenizer_json(f, "demo")
+    if text == "demo-wordpiece":
+        f = DEMO_WORDPIECE_DIR / "tokenizer.json"
+        if not f.is_file():
+            raise DataError(str(f), "the demo WordPiece tokenizer is missing from this install", "reinstall the workbench (pip install -e .)")
+        return _from_tokenizer_json(f, "demo-wordpiece")
     path = Path(text).expanduser()
     if path.is_file():
+        if path.suffix == ".txt":
+            return _from_vocab_txt(path, str(path))
         return _from_tokenizer_json(path, str(path))
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
             return _from_tokenizer_json(path / "tokenizer.json", str(path))
+        if (path / "vocab.txt").is_file() and not (path / "vocab.json").is_file():
+            return _from_vocab_txt(path / "vocab.txt", str(path))
         try:
             from transformers import AutoTokenizer
 
@@ -211,4 +254,39 @@ def train_tokenizer(inputs: "Iterable[str] | Iterator[str]", vocab_size: int, ou
     tok = Tokenizer(backend, name or (str(out_dir) if out_dir else "trained"), eos_token=eos, bos_token=eos, pad_token=pad)
     if out_dir is not None:
         tok.save(out_dir)
+    return tok
+
+
+def train_wordpiece(inputs: "Iterable[str] | Iterator[str]", vocab_size: int, out_dir: str | Path | None = None,
+                    min_frequency: int = 2, lowercase: bool = True, name: str | None = None) -> Tokenizer:
+    """Train a BERT WordPiece vocabulary (``##`` continuation pieces) on an iterator of documents, offline.
+
+    BERT's normaliser (lower-cased by default) and pre-tokenizer; the special tokens come first:
+    ``[PAD]`` = 0, ``[UNK]`` = 1, ``[CLS]`` = 2, ``[SEP]`` = 3, ``[MASK]`` = 4.  ``out_dir`` gets
+    ``tokenizer.json``, ``tokenizer_config.json`` (with BERT's special-token names) and ``vocab.txt``.
+    """
+    from tokenizers import Tokenizer as _Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+    if vocab_size < len(WORDPIECE_SPECIALS) + 64:
+        raise DataError("--vocab-size", f"{vocab_size} is too small for a WordPiece vocabulary", f"use at least {len(WORDPIECE_SPECIALS) + 64}")
+    backend = _Backend(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##"))
+    backend.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(WORDPIECE_SPECIALS),
+                                        continuing_subword_prefix="##", show_progress=False)
+    backend.train_from_iterator(inputs, trainer=trainer)
+    tok = Tokenizer(backend, name or (str(out_dir) if out_dir else "trained-wordpiece"), eos_token="[SEP]", pad_token="[PAD]")
+    if out_dir is not None:
+        out = tok.save(out_dir)
+        cfg_file = out / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        cfg.update(cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]", unk_token="[UNK]", pad_token="[PAD]",
+                   do_lower_case=lowercase)
+        cfg.pop("bos_token", None)
+        cfg.pop("eos_token", None)
+        cfg_file.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        vocab = backend.get_vocab(with_added_tokens=True)
+        (out / "vocab.txt").write_text("".join(t + "\n" for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])), encoding="utf-8")
     return tok

@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from workbench.models.family import Family, Supports
+from workbench.models.bert import FAMILY as BERT
 from workbench.models.gpt import FAMILY as GPT
 
 __all__ = ["Family", "Supports", "FAMILIES", "family_of", "family_for_hf", "all_presets"]
 
 #: ``model.arch`` -> family
-FAMILIES: dict[str, Family] = {f.name: f for f in (GPT,)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPT, BERT)}
 
 
 def family_of(cfg_or_arch: Any) -> Family:

@@ -42,6 +42,12 @@ class Supports:
     generation: bool = False
     #: (HF ``model_type``, HF class) pairs its ``hf`` part converts
     hf_classes: tuple[tuple[str, str], ...] = ()
+    #: (HF ``model_type``, why it is refused and what to use instead): HF types that look like
+    #: this family's but are not converted (e.g. post-LN ``bert`` for the pre-LN BERT family)
+    hf_refused: tuple[tuple[str, str], ...] = ()
+    #: why the compiled dense layer (causal self-attention, no mask) cannot serve this family's
+    #: layers, whatever the config (None: it can); read by :func:`workbench.kernels.layer_blocker`
+    compiled_layer_blocker: str | None = None
 
     @property
     def hf_model_types(self) -> tuple[str, ...]:
@@ -61,6 +67,9 @@ class Family:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: family-specific config rules: cfg -> [(field, rule, fix)]
     rules: Callable[[Any], list[tuple[str, str, str]]] = lambda cfg: []
+    #: family-specific data checks a launcher runs before any process starts (light: tokenizer
+    #: files, ``.idx`` headers and sidecars, never torch): cfg -> [(field, rule, fix)]
+    data_rules: Callable[[Any], list[tuple[str, str, str]]] = lambda cfg: []
 
     def part(self, name: str) -> ModuleType:
         """One of the family's modules (``model``, ``step``, ``data``, ``hf``), imported on first use."""

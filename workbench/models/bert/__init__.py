@@ -1,0 +1,89 @@
+"""BERT: encoder-only pretraining (masked LM + sentence order) on megatron-core's ``BertModel``.
+
+Parts: :mod:`.shapes` (counts, FLOPs, planner terms; torch-free), :mod:`.model` (spec and
+builder), :mod:`.step` (default forward step; MLM + sentence-order loss; masked-token accuracy),
+:mod:`.data` (megatron-core ``BERTMaskedWordPieceDataset`` on sentence-split data, a learnable
+synthetic stream for tests), :mod:`.hf` (HF ``MegatronBertForPreTraining`` adapter),
+:mod:`.finetune` (sequence classification on the pooled output).
+
+The layout is Megatron's pre-LN BERT, which is HF's ``megatron-bert``; HF's original ``bert``
+(post-LN) is refused by the converter with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workbench.models.bert import shapes
+from workbench.models.bert.presets import PRESETS
+from workbench.models.family import Family, Supports
+
+__all__ = ["FAMILY", "rules", "data_rules", "BYTE_LEVEL_HINT"]
+
+BYTE_LEVEL_HINT = ("set data.tokenizer: demo-wordpiece (the WordPiece vocabulary trained on the embedded corpus), "
+                   "a local BERT tokenizer directory or a vocab.txt")
+_POST_LN = ("HF 'bert' (BertForPreTraining) is post-LN: its layer norms follow each residual sum, while megatron-core's "
+            "BERT (and HF 'megatron-bert') normalise before attention and MLP, so no weight mapping gives the same "
+            "function -> convert a MegatronBertForPreTraining checkpoint (model_type 'megatron-bert')")
+
+
+def rules(cfg: Any) -> list[tuple[str, str, str]]:
+    """BERT's config rules: (field, rule, fix)."""
+    m, t, d = cfg.model, cfg.train, cfg.data
+    out: list[tuple[str, str, str]] = []
+    if m.position_embedding == "alibi":
+        out.append(("model.position_embedding", "megatron-core's BertModel has learned or rotary positions, not ALiBi",
+                    "set position_embedding: learned"))
+    if m.num_tokentypes < 0:
+        out.append(("model.num_tokentypes", f"must be >= 0 (got {m.num_tokentypes})", "use 2 (sentences A / B) or 0"))
+    elif m.add_binary_head and m.num_tokentypes < 2:
+        out.append(("model.num_tokentypes", f"the binary (sentence-order) head feeds sentences A and B as token types 0 and 1, "
+                    f"but num_tokentypes is {m.num_tokentypes}", "set num_tokentypes: 2, or add_binary_head: false"))
+    if m.seq_length < 8:
+        out.append(("model.seq_length", f"{m.seq_length} leaves no room for text besides [CLS] and two [SEP]",
+                    "use seq_length >= 8 (BERT: 128 or 512)"))
+    if t.return_logits:
+        out.append(("train.return_logits", "BERT's default train step returns the per-token MLM losses and the binary "
+                    "logits, not the vocabulary logits", "leave return_logits off; a train.loss_func hook receives "
+                    "(MLM losses, binary logits)"))
+    if d.source != "synthetic" and d.tokenizer == "demo":
+        out.append(("data.tokenizer", "'demo' is the byte-level BPE of the GPT presets: it has no [CLS], [SEP] or [MASK] "
+                    "token, which BERT's masking and sentence pairs need", BYTE_LEVEL_HINT))
+    return out
+
+
+def data_rules(cfg: Any) -> list[tuple[str, str, str]]:
+    """Before launch: the tokenizer has BERT's special tokens; indexed data is sentence-split when the
+    binary head is on, with documents of >= 2 sentences (light: tokenizer files and .idx headers)."""
+    if cfg.data.source == "synthetic":
+        return []
+    from workbench.data.errors import DataError
+    from workbench.models.bert.vocab import check_bert_tokenizer, check_sentence_data
+
+    try:
+        check_bert_tokenizer(cfg.data.tokenizer)
+    except DataError as e:
+        return [("data.tokenizer", f"{e.where}: {e.problem}", e.fix or BYTE_LEVEL_HINT)]
+    out = []
+    if cfg.data.source == "indexed":
+        for i, entry in enumerate(cfg.data.datasets):
+            try:
+                check_sentence_data(entry.prefix, cfg.model.add_binary_head)
+            except DataError as e:
+                out.append((f"data.datasets[{i}].prefix", f"{e.where}: {e.problem}", e.fix or ""))
+    return out
+
+
+FAMILY = Family(
+    name="bert",
+    title="BERT (encoder-only: masked LM + sentence order)",
+    package="workbench.models.bert",
+    supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=False,
+                      hf_classes=(("megatron-bert", "MegatronBertForPreTraining"),),
+                      hf_refused=(("bert", _POST_LN),),
+                      compiled_layer_blocker="bidirectional attention with a padding mask (the compiled layer is causal and mask-free)"),
+    shapes=shapes,
+    presets=PRESETS,
+    rules=rules,
+    data_rules=data_rules,
+)

@@ -1,0 +1,195 @@
+"""BERT's megatron spec and builder: RunConfig -> layer spec -> megatron-core ``BertModel`` chunk.
+
+The layer is Megatron's pre-LN BERT layer on the workbench's kernel slots (the one kernel rule,
+:func:`workbench.kernels.choose`): self-attention with ``AttnMaskType.padding`` on the workbench
+SDPA module (bidirectional, the padding mask passed by megatron) or on megatron's unfused
+``DotProductAttention`` (``attention_backend: local``), the workbench's SP-capable norms, column /
+row parallel linears, and Transformer Engine's BERT spec when the rule picks TE.  The compiled
+dense layer is causal and mask-free, so the rule keeps BERT on megatron's TransformerLayer.
+
+:class:`WorkbenchBertModel` is mcore's ``BertModel`` with three changes, none to its maths or
+parameter names:
+
+- the masked-LM head's LayerNorm is the workbench norm (mcore's falls back to torch's
+  ``LayerNorm``, which refuses sequence parallelism without apex), so TP+SP works without apex/TE;
+- with the workbench SDPA module the padding mask is ``[b, 1, 1, s]`` (keys only, as Hugging
+  Face's BERT masks): padded queries still see the real keys, so no softmax row is empty (an
+  all-masked row gives NaN in SDPA, which would reach the real tokens through the next layer);
+- ``model.add_pooler`` adds the pooler without the binary head, and :meth:`WorkbenchBertModel.encode`
+  returns hidden states and the pooled output (sequence-classification fine-tuning).
+
+Megatron-LM's ``pretrain_bert.py`` imports the TE spec at module level and fails without TE even
+with ``--spec local``; nothing here imports TE unless the rule chose it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.bert import bert_model as _bert_model
+from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.models.bert.pooler import Pooler
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+from megatron.core.transformer.utils import get_linear_layer
+
+from workbench import kernels
+from workbench.backend.attention import SDPAttention
+from workbench.backend.model import RecomputedMLP, layer_class, norm_module, transformer_config
+from workbench.config import RunConfig, derive
+
+__all__ = ["layer_spec", "block_spec", "build", "WorkbenchBertModel", "WorkbenchBertLMHead"]
+
+
+def layer_spec(cfg: RunConfig) -> ModuleSpec:
+    """The BERT layer: TE's BERT spec when the rule picks TE, else megatron linears + workbench attention / norms."""
+    choice = kernels.choose(cfg)
+    if choice.attention == "te":
+        from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
+
+        return get_bert_layer_with_transformer_engine_spec()
+    norm = norm_module(cfg, choice)
+    core = SDPAttention if choice.attention == "sdpa" else DotProductAttention
+    return ModuleSpec(
+        module=layer_class(choice),
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.padding},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=core,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=partial(RecomputedMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Layer specs for this pipeline stage plus the final norm (the workbench's, so SP works)."""
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(cfg)] * n, layer_norm=norm_module(cfg, kernels.choose(cfg)))
+
+
+class WorkbenchBertLMHead(MegatronModule):
+    """mcore's ``BertLMHead`` (dense -> GELU -> LayerNorm; same parameter names) with a given norm class."""
+
+    def __init__(self, hidden_size: int, config: TransformerConfig, norm: Any):
+        super().__init__(config=config)
+        self.dense = get_linear_layer(hidden_size, hidden_size, config.init_method, config.perform_initialization)
+        setattr(self.dense.weight, "sequence_parallel", config.sequence_parallel)
+        setattr(self.dense.bias, "sequence_parallel", config.sequence_parallel)
+        self.layer_norm = norm(config=config, hidden_size=hidden_size, eps=config.layernorm_epsilon)
+        self.gelu = torch.nn.functional.gelu
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(self.gelu(self.dense(hidden_states)))
+
+
+@contextlib.contextmanager
+def _lm_head(norm: Any) -> Iterator[None]:
+    """While a BertModel is constructed, its ``BertLMHead`` is :class:`WorkbenchBertLMHead` with ``norm``."""
+    saved = _bert_model.BertLMHead
+    _bert_model.BertLMHead = lambda hidden_size, config: WorkbenchBertLMHead(hidden_size, config, norm)
+    try:
+        yield
+    finally:
+        _bert_model.BertLMHead = saved
+
+
+class WorkbenchBertModel(BertModel):
+    """megatron-core's BertModel with the workbench's LM-head norm, key-padding mask and optional pooler."""
+
+    def __init__(self, *args: Any, norm: Any = None, add_pooler: bool = False, **kwargs: Any):
+        with _lm_head(norm):
+            super().__init__(*args, **kwargs)
+        if self.post_process and add_pooler and not self.add_binary_head:
+            self.pooler = Pooler(self.config.hidden_size, self.config.init_method, self.config, self.config.sequence_parallel)
+
+    def _layer_spec(self) -> Any:
+        spec = self.transformer_layer_spec
+        if isinstance(spec, TransformerBlockSubmodules):
+            return spec.layer_specs[0] if spec.layer_specs else None
+        return spec
+
+    def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
+        layer = self._layer_spec()
+        core = layer.submodules.self_attention.submodules.core_attention if layer is not None else SDPAttention
+        if core is SDPAttention:
+            return "b11s"  # keys only: no empty softmax row (see the module docstring)
+        if core is DotProductAttention:
+            return "b1ss"
+        saved = self.transformer_layer_spec  # Transformer Engine: megatron's own rule, on the layer spec
+        self.transformer_layer_spec = layer
+        try:
+            return super()._sanity_check_attention_and_get_attn_mask_dimension()
+        finally:
+            self.transformer_layer_spec = saved
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               tokentype_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(hidden states ``[s, b, h]``, pooled first token ``[b, h]`` or None) of a whole model (no pipeline)."""
+        mask = self.bert_extended_attention_mask(attention_mask)
+        x = self.embedding(input_ids=input_ids, position_ids=self.bert_position_ids(input_ids), tokentype_ids=tokentype_ids)
+        rotary = None
+        if self.position_embedding_type == "rope":
+            rotary = self.rotary_pos_emb(self.rotary_pos_emb.get_rotary_seq_len(None, self.encoder, x, self.config))
+        hidden = self.encoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary)
+        pooled = self.pooler(hidden, 0) if getattr(self, "pooler", None) is not None else None
+        return hidden, pooled
+
+
+def build(
+    cfg: RunConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config: Optional[TransformerConfig] = None,
+) -> WorkbenchBertModel:
+    """One megatron BertModel chunk for this rank (parallel state must be initialised)."""
+    config = config or transformer_config(cfg)
+    m = cfg.model
+    model = WorkbenchBertModel(
+        config=config,
+        num_tokentypes=m.num_tokentypes,
+        transformer_layer_spec=block_spec(cfg, config, vp_stage),
+        vocab_size=derive(cfg).padded_vocab_size,
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type="rope" if m.position_embedding == "rope" else "learned_absolute",
+        rotary_percent=m.rotary_percent,
+        add_binary_head=m.add_binary_head,
+        vp_stage=vp_stage,
+        norm=norm_module(cfg, kernels.choose(cfg)),
+        add_pooler=m.add_pooler,
+    )
+    if cfg.parallel.device == "cuda" and torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

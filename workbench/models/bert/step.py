@@ -1,0 +1,96 @@
+"""BERT's default train step: the forward step, the masked-LM + sentence-order loss, masked-token accuracy.
+
+Batches (from :mod:`.data`) hold ``tokens``, ``labels`` (the original ids at masked positions, 0
+elsewhere), ``loss_mask`` (1 at masked positions) and in ``extra``: ``padding_mask`` (1 = real
+token), ``tokentype_ids`` (sentence A / B; only when ``model.num_tokentypes`` > 0) and
+``is_random`` (the sentence-order label; only with the binary head).
+
+``forward_step(batch, model, return_logits)`` returns, on the last pipeline stage, the tuple
+``(per-token MLM losses [b, s], binary logits [b, 2] or None, correct [b, s] or None)`` (the
+third only in eval: whether the vocab-parallel argmax is the label), hidden states elsewhere.
+``loss(batch, output)`` -> ``(loss_sum, num_tokens, report)`` in megatron's convention: the
+schedule divides ``loss_sum`` by ``num_tokens``, giving ``MLM token mean + sentence-order mean``
+(Megatron-LM's ``pretrain_bert`` total); the report holds ``lm loss`` (MLM), ``sop loss`` and,
+in eval, ``mlm accuracy`` as ``[sum, count]`` pairs that the trainer averages over micro-batches
+and data-parallel ranks.  A ``train.loss_func`` hook receives the same tuple as ``losses``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["forward_step", "loss", "masked_accuracy", "LOSS_NAME", "SOP_NAME", "ACCURACY_NAME"]
+
+#: the key the reported (masked-LM) loss goes under
+LOSS_NAME = "lm loss"
+SOP_NAME = "sop loss"
+ACCURACY_NAME = "mlm accuracy"
+
+
+def masked_accuracy(logits: Any, labels: Any) -> Any:
+    """Whether the argmax over the whole (tensor-parallel) vocabulary is the label: ``[b, s]`` float.
+
+    ``logits`` is this rank's vocab shard ``[b, s, V/tp]``; the maximum and the label's logit are
+    all-reduced (MAX) over the tensor-parallel group, so no rank gathers the full vocabulary.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    logits = logits.float()
+    vl = logits.shape[-1]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    start = parallel_state.get_tensor_model_parallel_rank() * vl
+    best = logits.max(dim=-1).values
+    local = labels - start
+    inside = (local >= 0) & (local < vl)
+    picked = torch.gather(logits, -1, local.clamp(0, vl - 1).unsqueeze(-1)).squeeze(-1)
+    picked = torch.where(inside, picked, torch.full_like(picked, float("-inf")))
+    if tp > 1:
+        group = parallel_state.get_tensor_model_parallel_group()
+        dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(picked, op=dist.ReduceOp.MAX, group=group)
+    return (picked >= best).float()
+
+
+def forward_step(batch: Any, model: Any, return_logits: bool = False, **_: Any) -> Any:
+    """BERT's forward: (MLM losses, binary logits, eval-only correctness) on the last stage, hidden states elsewhere."""
+    extra = batch.extra
+    types = extra.get("tokentype_ids")
+    if model.training or batch.labels is None:
+        out = model(batch.tokens, extra["padding_mask"], tokentype_ids=types, lm_labels=batch.labels)
+        if isinstance(out, tuple):
+            return out[0], out[1], None
+        return out
+    # eval: the logits are needed for the masked-token accuracy; the loss is the same cross entropy
+    from megatron.core import tensor_parallel
+
+    out = model(batch.tokens, extra["padding_mask"], tokentype_ids=types)
+    if not isinstance(out, tuple):
+        return out
+    logits, binary = out
+    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), batch.labels)
+    return losses, binary, masked_accuracy(logits, batch.labels)
+
+
+def loss(batch: Any, output: Any) -> tuple[Any, Any, dict]:
+    """MLM sum (+ sentence-order mean x tokens), the masked-token count, and the report (see module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    lm_losses, binary, correct = output
+    mask = batch.loss_mask.reshape(-1).float()
+    mlm_sum = torch.sum(lm_losses.reshape(-1).float() * mask)
+    n = mask.sum()
+    num_tokens = n.clamp(min=1).to(torch.int)
+    report = {LOSS_NAME: torch.stack([mlm_sum.detach().clone(), n.detach()])}
+    total = mlm_sum
+    if binary is not None:
+        target = batch.extra["is_random"].reshape(-1).long()
+        sop = F.cross_entropy(binary.float(), target)
+        total = mlm_sum + sop * num_tokens.float()
+        b = float(target.numel())
+        report[SOP_NAME] = torch.stack([sop.detach() * b, torch.tensor(b, device=sop.device)])
+    if correct is not None:
+        report[ACCURACY_NAME] = torch.stack([torch.sum(correct.reshape(-1) * mask).detach(), n.detach()])
+    return total, num_tokens, report
