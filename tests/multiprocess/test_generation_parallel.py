@@ -108,7 +108,7 @@ def test_cli_bad_input_exits_2_before_any_process_starts(ckpt, monkeypatch, caps
 
     root, _, _ = ckpt
     started = []
-    monkeypatch.setattr(generation.subprocess, "run", lambda *a, **k: started.append(a) or pytest.fail("a process was started"))
+    monkeypatch.setattr(generation, "run_supervised", lambda *a, **k: started.append(a) or pytest.fail("a process was started"))
     try:
         code = cli.main(["generate", "--ckpt", str(root), "--device", "cpu", *argv])
     except SystemExit as e:  # argparse usage errors
@@ -132,7 +132,7 @@ def test_cli_prompts_file_is_read_and_checked_before_launch(ckpt, tmp_path, monk
     from workbench import cli, generation
 
     root, _, _ = ckpt
-    monkeypatch.setattr(generation.subprocess, "run", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setattr(generation, "run_supervised", lambda *a, **k: pytest.fail("a process was started"))
     txt = tmp_path / "prompts.txt"
     txt.write_text("a dog\n\n" + "the cat " * 200 + "\n")
     assert cli.main(["generate", "--ckpt", str(root), "--prompts-file", str(txt), "--device", "cpu"]) == 2
