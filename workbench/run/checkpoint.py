@@ -266,7 +266,7 @@ def checkpoint_info(ckpt: str | Path) -> CheckpointInfo:
 
 def _tokenizer_spec(info: CheckpointInfo) -> Any:
     """Where the checkpoint's tokenizer lives: files next to the weights, the recorded spec, the run's data.tokenizer."""
-    for d in (info.path, info.path.parent):
+    for d in (info.path, info.path.parent, info.path.parent / "tokenizer"):  # conversion ships ROOT/tokenizer/
         if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
             return str(d)
     spec = info.meta.get("tokenizer")

@@ -319,7 +319,9 @@ def safe_dist_reading() -> Iterator[None]:
 
     ``FileSystemReader.read_metadata`` (and so megatron's cached subclass) reads ``.metadata`` with
     :class:`MetadataUnpickler`; ``DefaultLoadPlanner.load_bytes`` (megatron's planner inherits it)
-    loads stored objects with ``weights_only=True``.  Re-entrant; restored on exit.
+    loads stored objects with ``weights_only=True``.  A refusal inside torch's load (which wraps
+    it in its ``CheckpointException``) comes out as the :class:`CheckpointError`.  Re-entrant;
+    restored on exit.
     """
     global _patch_depth, _saved
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -331,8 +333,15 @@ def safe_dist_reading() -> Iterator[None]:
             FileSystemReader.read_metadata = _safe_read_metadata
             DefaultLoadPlanner.load_bytes = _safe_load_bytes
         _patch_depth += 1
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
+    except CheckpointException as e:  # torch wraps a reader's errors (a BaseException): surface ours as they are
+        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
     finally:
         with _PATCH_LOCK:
             _patch_depth -= 1
