@@ -1,0 +1,91 @@
+"""``workbench generate`` / ``workbench convert`` as real processes on hostile and damaged checkpoints
+(exit 2 naming the file, nothing run), and generation's temporary directory removed after a real
+run, successful or not (issue #24)."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from tests.support import ROOT, hf_gpt2
+from workbench.run.checkpoint import find_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A real workbench checkpoint with a tokenizer (random HF GPT-2 through ``hf_to_megatron``)."""
+    from workbench.conversion import hf_to_megatron
+    from workbench.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("safety-cli")
+    hf_gpt2(seed=4).save_pretrained(root / "hf")
+    train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, vocab_size=300, out_dir=root / "hf")
+    return hf_to_megatron(root / "hf", root / "ckpt", dtype="fp32", device="cpu", progress=False).output
+
+
+class _Payload:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return builtins.exec, (f"open({self.path!r}, 'w').write('pwned')",)
+
+
+def _workbench(*args, timeout=180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "workbench.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_cli_refuses_a_hostile_checkpoint_without_running_it(source, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(source, root)
+    meta = find_checkpoint(root) / ".metadata"
+    marker = tmp_path / "pwned"
+    with open(meta, "rb") as fh:
+        md = pickle.load(fh)  # our own file, just written
+    md.planner_data = _Payload(marker)
+    with open(meta, "wb") as fh:
+        pickle.dump(md, fh)
+
+    p = _workbench("generate", "--ckpt", root, "--prompt", "the cat", "--device", "cpu")
+    assert p.returncode == 2 and str(meta) in p.stderr and "builtins.exec" in p.stderr, p.stdout + p.stderr
+    p = _workbench("convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf")
+    assert p.returncode == 2 and str(meta) in p.stderr, p.stdout + p.stderr
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_cli_names_a_truncated_data_file(source, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(source, root)
+    f = find_checkpoint(root) / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:1000])
+    for args in (("generate", "--ckpt", root, "--prompt", "the cat", "--device", "cpu"),
+                 ("convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"),
+                 ("convert", "inspect", root)):
+        p = _workbench(*args)
+        assert p.returncode == 2 and f"{f} is truncated" in p.stderr and "copy the checkpoint again" in p.stderr, (args, p.stderr)
+        assert "Traceback" not in p.stderr
+
+
+def test_generate_removes_its_temp_dir_after_success_and_failure(source, tmp_path, monkeypatch):
+    from workbench.generation import generate
+
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))  # where generate makes its work dir
+    out = generate(source, ["the cat"], max_new_tokens=3, greedy=True, device="cpu", timeout=240)
+    assert len(out) == 1 and len(out[0].token_ids) == 3
+    assert not list(private.glob("workbench-generate-*"))
+    with pytest.raises((subprocess.TimeoutExpired, RuntimeError)):
+        generate(source, ["the cat"], max_new_tokens=3, device="cpu", timeout=0.5)  # killed mid-start
+    assert not list(private.glob("workbench-generate-*"))
