@@ -76,6 +76,9 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ConversionError(f"{cfg}: not valid JSON ({e})") from None
     mt = data.get("model_type")
+    refused = {t: why for f in FAMILIES.values() for t, why in f.supports.hf_refused}
+    if mt in refused:
+        raise ConversionError(f"{cfg}: model_type {mt!r} is refused: {refused[mt]}")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConversionError(
             f"{cfg}: model_type {mt!r} is not supported -> supported: {', '.join(f'{k} ({v})' for k, v in SUPPORTED_MODEL_TYPES.items())}")

@@ -1,0 +1,201 @@
+"""HF ``MegatronBertForPreTraining`` (model type ``megatron-bert``) <-> megatron-core BERT: config fields
+and full (unsharded) state dicts.
+
+HF's megatron-bert is Megatron's pre-LN BERT: a LayerNorm before attention (``attention.ln``) and
+before the MLP (``ln``), a final ``encoder.ln``, no embedding LayerNorm, the pooler, the MLM head
+(``transform`` dense -> GELU -> LayerNorm, decoder tied to the word embeddings, a vocab bias) and
+the sentence-order head (``seq_relationship``).  HF's original ``bert`` is post-LN (a LayerNorm
+after each residual sum and after the embeddings): no mapping of weights gives the same function,
+so it is refused (:data:`workbench.models.bert.FAMILY` ``supports.hf_refused``).
+
+The generic machinery (HF dirs, vocab padding, the per-group QKV layout) is
+:mod:`workbench.conversion.hf`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from workbench.config import ModelConfig, RunConfig, derive
+from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take
+from workbench.models.bert import FAMILY
+
+__all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
+           "make_random_hf_model"]
+
+#: the HF model types this adapter converts, and their HF classes
+HF_CLASSES = dict(FAMILY.supports.hf_classes)
+_REFUSED = dict(FAMILY.supports.hf_refused)
+
+
+def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
+    """Fill the RunConfig ``model`` section ``m`` (a dict) from an HF megatron-bert config."""
+    mt = hf.get("model_type")
+    if mt in _REFUSED:
+        raise ConversionError(f"config.json: model_type {mt!r}: {_REFUSED[mt]}")
+    if mt != "megatron-bert":
+        raise ConversionError(f"model_type {mt!r} is not a BERT-family type -> one of {sorted(HF_CLASSES)}")
+    act = hf.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise ConversionError(f"config.json: hidden_act {act!r} is not supported -> megatron's BERT uses exact GELU ('gelu')")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ConversionError(f"config.json: position_embedding_type {hf.get('position_embedding_type')!r} -> only 'absolute'")
+    h, a = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    m.update(
+        arch="bert", num_layers=int(hf["num_hidden_layers"]), hidden_size=h, num_attention_heads=a, attention_type="multihead",
+        num_query_groups=None, ffn_hidden_size=int(hf["intermediate_size"]), kv_channels=None, vocab_size=int(hf["vocab_size"]),
+        max_position_embeddings=int(hf["max_position_embeddings"]),
+        seq_length=min(int(hf["max_position_embeddings"]), m.get("seq_length") or 512), position_embedding="learned",
+        normalization="layernorm", norm_epsilon=float(hf.get("layer_norm_eps", 1e-12)), activation="gelu", gelu_approximate="none",
+        add_bias_linear=True, hidden_dropout=float(hf.get("hidden_dropout_prob", 0.0)),
+        attention_dropout=float(hf.get("attention_probs_dropout_prob", 0.0)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), init_method_std=float(hf.get("initializer_range", 0.02)),
+        num_tokentypes=int(hf.get("type_vocab_size", 2)), add_binary_head=True, add_pooler=False,
+    )
+
+
+def infer_model_type(m: ModelConfig) -> str:
+    """megatron-bert, or a clear refusal naming what has no HF equivalent."""
+    problems = []
+    if m.position_embedding != "learned":
+        problems.append("position_embedding must be learned")
+    if m.normalization != "layernorm" or m.activation != "gelu" or m.gelu_approximate != "none":
+        problems.append("HF megatron-bert has LayerNorm and exact GELU")
+    if m.query_groups != m.num_attention_heads or (m.kv_channels and m.kv_channels * m.num_attention_heads != m.hidden_size):
+        problems.append("HF megatron-bert needs multi-head attention with head_dim = hidden/heads")
+    if not m.add_bias_linear:
+        problems.append("HF megatron-bert always has linear biases")
+    if not m.add_binary_head:
+        problems.append("MegatronBertForPreTraining has the pooler and sentence-order head: train with add_binary_head: true")
+    if problems:
+        raise ConversionError("model has no HF MegatronBertForPreTraining equivalent: " + "; ".join(problems))
+    return "megatron-bert"
+
+
+def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | None = None, dtype: str = "float32") -> dict[str, Any]:
+    """config.json content for the exported HF model (the pad id is kept from an imported config)."""
+    m = cfg.model
+    extra = dict(hf_extra or {})
+    out = {
+        "model_type": "megatron-bert", "architectures": ["MegatronBertForPreTraining"], "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+        "intermediate_size": m.ffn_size, "hidden_act": "gelu", "hidden_dropout_prob": m.hidden_dropout,
+        "attention_probs_dropout_prob": m.attention_dropout, "max_position_embeddings": m.max_position_embeddings,
+        "type_vocab_size": max(m.num_tokentypes, 1), "initializer_range": m.init_method_std, "layer_norm_eps": m.norm_epsilon,
+        "position_embedding_type": "absolute", "tie_word_embeddings": m.tie_embeddings, "pad_token_id": extra.get("pad_token_id", 0),
+    }
+    out["torch_dtype"] = dtype
+    out["dtype"] = dtype
+    return out
+
+
+_LAYER = [  # (mcore suffix, HF suffix) of the per-layer tensors other than QKV
+    ("input_layernorm.weight", "attention.ln.weight"), ("input_layernorm.bias", "attention.ln.bias"),
+    ("self_attention.linear_proj.weight", "attention.output.dense.weight"),
+    ("self_attention.linear_proj.bias", "attention.output.dense.bias"),
+    ("pre_mlp_layernorm.weight", "ln.weight"), ("pre_mlp_layernorm.bias", "ln.bias"),
+    ("mlp.linear_fc1.weight", "intermediate.dense.weight"), ("mlp.linear_fc1.bias", "intermediate.dense.bias"),
+    ("mlp.linear_fc2.weight", "output.dense.weight"), ("mlp.linear_fc2.bias", "output.dense.bias"),
+]
+_TOP = [  # (mcore, HF) outside the layers, vocab-free
+    ("embedding.position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
+    ("encoder.final_layernorm.weight", "bert.encoder.ln.weight"), ("encoder.final_layernorm.bias", "bert.encoder.ln.bias"),
+    ("pooler.dense.weight", "bert.pooler.dense.weight"), ("pooler.dense.bias", "bert.pooler.dense.bias"),
+    ("lm_head.dense.weight", "cls.predictions.transform.dense.weight"), ("lm_head.dense.bias", "cls.predictions.transform.dense.bias"),
+    ("lm_head.layer_norm.weight", "cls.predictions.transform.LayerNorm.weight"),
+    ("lm_head.layer_norm.bias", "cls.predictions.transform.LayerNorm.bias"),
+    ("binary_head.weight", "cls.seq_relationship.weight"), ("binary_head.bias", "cls.seq_relationship.bias"),
+]
+
+
+def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
+                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
+    """Map an HF MegatronBertForPreTraining state dict to the full TP=1 megatron-core BERT state dict."""
+    m = cfg.model
+    if model_type != "megatron-bert":
+        raise ConversionError(f"model_type {model_type!r}: {_REFUSED.get(model_type, 'not supported')}")
+    a, g, d, h = m.num_attention_heads, m.query_groups, m.head_dim, m.hidden_size
+    padded = derive(cfg).padded_vocab_size
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    it = progress if progress else (lambda x: x)
+    src = "HF megatron-bert"
+    sd = {re.sub(r"^(module\.)", "", k): v for k, v in hf_sd.items()}
+    out: dict[str, Any] = {}
+    wte = take(sd, "bert.embeddings.word_embeddings.weight", src)
+    if wte.shape[0] != m.vocab_size:
+        raise ConversionError(f"{src}: word_embeddings has {wte.shape[0]} rows but config vocab_size is {m.vocab_size}")
+    out["embedding.word_embeddings.weight"] = pad_vocab_rows(wte, padded)
+    if m.num_tokentypes > 0:
+        out["embedding.tokentype_embeddings.weight"] = take(sd, "bert.embeddings.token_type_embeddings.weight", src)[: m.num_tokentypes]
+    for i in it(range(m.num_layers)):
+        s, o = f"bert.encoder.layer.{i}.", f"encoder.layers.{i}."
+        q, k, v = (take(sd, s + f"attention.self.{n}.weight", src) for n in ("query", "key", "value"))
+        out[o + "self_attention.linear_qkv.weight"] = qkv_to_mcore(q, k, v, a, g, d)
+        qb, kb, vb = (take(sd, s + f"attention.self.{n}.bias", src) for n in ("query", "key", "value"))
+        out[o + "self_attention.linear_qkv.bias"] = qkv_to_mcore(qb, kb, vb, a, g, d)
+        for mk, hk in _LAYER:
+            out[o + mk] = take(sd, s + hk, src)
+    for mk, hk in _TOP:
+        out[mk] = take(sd, hk, src)
+    out["output_layer.bias"] = pad_vocab_rows(take(sd, "cls.predictions.bias", src), padded)
+    if not m.tie_embeddings:
+        out["output_layer.weight"] = pad_vocab_rows(take(sd, "cls.predictions.decoder.weight", src), padded)
+    return {k: cast(v).contiguous() for k, v in out.items()}
+
+
+def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
+                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
+    """Inverse of :func:`hf_to_mcore`: pad rows are stripped (they never reach HF)."""
+    import torch
+
+    m = cfg.model
+    a, g, d, V = m.num_attention_heads, m.query_groups, m.head_dim, m.vocab_size
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    it = progress if progress else (lambda x: x)
+    src = "megatron checkpoint"
+    out: dict[str, Any] = {}
+    emb = take(sd, "embedding.word_embeddings.weight", src)[:V]
+    out["bert.embeddings.word_embeddings.weight"] = emb
+    if m.num_tokentypes > 0:
+        out["bert.embeddings.token_type_embeddings.weight"] = take(sd, "embedding.tokentype_embeddings.weight", src)
+    else:  # HF always has a token-type table; one zero row adds nothing
+        out["bert.embeddings.token_type_embeddings.weight"] = torch.zeros(1, m.hidden_size, dtype=emb.dtype)
+    for i in it(range(m.num_layers)):
+        s, o = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
+        q, k, v = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.weight", src), a, g, d)
+        qb, kb, vb = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.bias", src), a, g, d)
+        for n, w, b in (("query", q, qb), ("key", k, kb), ("value", v, vb)):
+            out[o + f"attention.self.{n}.weight"], out[o + f"attention.self.{n}.bias"] = w, b
+        for mk, hk in _LAYER:
+            out[o + hk] = take(sd, s + mk, src)
+    for mk, hk in _TOP:
+        out[hk] = take(sd, mk, src)
+    # the decoder's bias is HF's tied copy of cls.predictions.bias, and its weight the word embeddings when tied:
+    # both are left out (from_pretrained ties them), as HF's own save_pretrained does
+    out["cls.predictions.bias"] = take(sd, "output_layer.bias", src)[:V]
+    if not m.tie_embeddings:
+        out["cls.predictions.decoder.weight"] = take(sd, "output_layer.weight", src)[:V]
+    return {k: cast(v).contiguous() for k, v in out.items()}
+
+
+def make_random_hf_model(out: str | Path, model_type: str = "megatron-bert", hidden: int = 96, layers: int = 4, heads: int = 6,
+                         kv_heads: int = 0, vocab: int = 1000, positions: int = 128, seed: int = 0) -> Path:
+    """A small randomly initialised HF MegatronBertForPreTraining dir for demos and tests (``kv_heads`` is unused)."""
+    import torch
+    from transformers import MegatronBertConfig, MegatronBertForPreTraining
+
+    if model_type != "megatron-bert":
+        raise ConversionError(f"model_type {model_type!r} -> megatron-bert")
+    torch.manual_seed(seed)
+    model = MegatronBertForPreTraining(MegatronBertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=2 * hidden,
+        max_position_embeddings=positions, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    with torch.no_grad():  # non-trivial norms and biases, so a wrong mapping cannot hide behind ones and zeros
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "ln.weight", "LayerNorm.weight")):
+                p.add_(torch.randn_like(p) * 0.1)
+    out = Path(out)
+    model.save_pretrained(out)
+    return out
