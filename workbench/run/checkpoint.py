@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,14 +23,9 @@ __all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "CheckpointError", "Checkp
            "list_checkpoints", "find_checkpoint", "read_checkpoint", "read_metadata", "load_problems", "checkpoint_info",
            "resolve_tokenizer", "special_ids"]
 
-FORMAT = "workbench-mcore-v1"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-METADATA_FILE = "workbench.json"
-_ITER_RE = re.compile(r"^iter_(\d{7})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be found, read or matched to a model; the message names the path and the fix."""
+from workbench.run.ckpt_files import (  # noqa: F401  (the tree's names, shared with workbench.run.integrity)
+    _ITER_RE, FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, _is_complete, iter_dir_name, list_checkpoints,
+)
 
 
 @dataclass(kw_only=True)
@@ -62,34 +56,6 @@ class CheckpointMeta:
         out.update(self.extra)
         out["path"] = str(self.path)
         return out
-
-
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{int(iteration):07d}"
-
-
-def _is_complete(d: Path) -> bool:
-    meta = d / METADATA_FILE
-    if not meta.is_file():
-        return False
-    try:
-        data = json.loads(meta.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(data, dict) and bool(data.get("complete")) and data.get("format") == FORMAT
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete ``iter_XXXXXXX`` directories under ``root``, oldest first (partial saves are skipped)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.iterdir():
-        m = _ITER_RE.match(d.name)
-        if m and d.is_dir() and _is_complete(d):
-            found.append((int(m.group(1)), d))
-    return [d for _, d in sorted(found)]
 
 
 def find_checkpoint(path: str | Path) -> Path:

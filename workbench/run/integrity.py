@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from workbench.run.checkpoint import METADATA_FILE, CheckpointError, list_checkpoints
+from workbench.run.ckpt_files import METADATA_FILE, CheckpointError, list_checkpoints
 
 __all__ = ["ALLOWED_GLOBALS", "DIST_METADATA_FILE", "MetadataUnpickler", "read_dist_metadata", "file_manifest",
            "checkpoint_damage", "verify_checkpoint", "safe_dist_reading"]
