@@ -44,7 +44,7 @@ import torch.distributed as dist
 from workbench.backend import fusions as _fusions
 from workbench import kernels
 from workbench.config import RunConfig, derive
-from workbench.run.events import Checkpoint, Error, Eval, EventWriter, Microbatch, RunEnd, RunStart, Step
+from workbench.run.events import Checkpoint, Error, Eval, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
 from workbench.hooks import Batch, TrainHooks, load_hooks
 from workbench.models import family_of
 
@@ -170,7 +170,7 @@ class Trainer:
         #: the one kernel rule's decision (workbench.kernels.choose), what the planner assumed
         self.kernel_choice = kernels.choose(cfg, cuda_available=torch.cuda.is_available()).to_dict()
         self.kernel_path["optimizer"] = self._optimizer_path()
-        self.kernel_path.update({f"fast_{k}": v for k, v in fusions.summary().items()})  # [perf hook]
+        self.kernel_path.update(fusion_entries(fusions.summary()))
         self.kernel_path["schedule"] = ("interleaved 1F1B" if vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
         if queues := distributed.hardware_queue_note(cfg):
             self.kernel_path["tp_comm_overlap"] = queues

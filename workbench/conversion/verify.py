@@ -1,6 +1,7 @@
 """Prove a checkpoint: run it at a TP/PP/VPP layout on CPU (real torchrun, gloo) and compare with HF logits.
 
-``forward_logits`` launches ``torchrun --nproc_per_node tp*pp -m workbench.conversion.verify``;
+``forward_logits`` launches ``torchrun --nproc_per_node tp*pp -m workbench.conversion.verify`` under the
+launch supervisor (:func:`workbench.launch.run_supervised`);
 every rank builds its model chunk(s) with the workbench builder, loads the checkpoint through
 :func:`workbench.backend.checkpointing.load_checkpoint` (so the layout change is megatron's own
 resharding), and runs a forward-only pass.  Pipeline stages pass activations with gloo
@@ -13,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from workbench.launch import run_supervised
 from workbench.run.files import atomic_output, free_port
 
 __all__ = ["forward_logits", "verify_against_hf", "main"]
@@ -39,10 +40,11 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
                "--tp", str(tp), "--pp", str(pp)] + (["--vpp", str(vpp)] if vpp and vpp > 1 else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + [p for p in [env.get("PYTHONPATH")] if p])
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0 or not out_path.exists():
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-            raise RuntimeError(f"verification run (torchrun, {world} CPU ranks) failed with exit code {proc.returncode}:\n{tail}")
+        # the one launch path: under the supervisor, so a killed caller leaves no rank behind
+        res = run_supervised(cmd, Path(td) / "run", env=env, timeout=timeout_s)
+        if res.returncode != 0 or not out_path.exists():
+            tail = "\n".join(res.output.splitlines()[-40:])
+            raise RuntimeError(f"verification run (torchrun, {world} CPU ranks) failed with exit code {res.returncode}:\n{tail}")
         return torch.load(out_path, weights_only=True)
 
 
