@@ -37,7 +37,8 @@ def _preprocess(args: argparse.Namespace) -> int:
     try:
         summary = preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer, json_key=args.json_key,
                              append_eod=args.append_eod, workers=args.workers, split_docs=args.split_docs,
-                             invalid_utf8=args.invalid_utf8, model_vocab_size=_model_vocab(args), progress=not args.quiet)
+                             invalid_utf8=args.invalid_utf8, model_vocab_size=_model_vocab(args), progress=not args.quiet,
+                             split_sentences=args.split_sentences)
     except (DataError, ConfigError) as e:
         return _fail(e)
     except KeyboardInterrupt:
@@ -49,16 +50,20 @@ def _preprocess(args: argparse.Namespace) -> int:
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
     from workbench.data.sources import ReadStats, iter_documents, resolve_inputs
-    from workbench.data.tokenizer import train_tokenizer
+    from workbench.data.tokenizer import train_tokenizer, train_wordpiece
 
     try:
         paths = resolve_inputs(args.input)
         stats = ReadStats()
         docs = iter_documents(paths, json_key=args.json_key, split_docs=args.split_docs, stats=stats, invalid_utf8=args.invalid_utf8)
-        tok = train_tokenizer(docs, args.vocab_size, args.out, min_frequency=args.min_frequency)
+        if args.wordpiece:
+            tok = train_wordpiece(docs, args.vocab_size, args.out, min_frequency=args.min_frequency, lowercase=args.lowercase)
+        else:
+            tok = train_tokenizer(docs, args.vocab_size, args.out, min_frequency=args.min_frequency)
     except DataError as e:
         return _fail(e)
-    print(f"trained {tok.vocab_size}-token byte-level BPE on {stats.documents:,} documents ({stats.bytes:,} bytes) -> {args.out}")
+    kind = "WordPiece (BERT)" if args.wordpiece else "byte-level BPE"
+    print(f"trained {tok.vocab_size}-token {kind} on {stats.documents:,} documents ({stats.bytes:,} bytes) -> {args.out}")
     if stats.invalid_utf8:
         print(f"WARNING: {stats.invalid_utf8} line(s) with invalid UTF-8 (first at {', '.join(stats.invalid_utf8_where)})", file=sys.stderr)
     if tok.vocab_size < args.vocab_size:
@@ -146,6 +151,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1: in-process)")
     p.add_argument("--model-vocab-size", type=int, default=None, help="refuse a tokenizer whose vocabulary is larger than this")
     p.add_argument("--config", default=None, help="a run config: take --model-vocab-size from its model.vocab_size")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence inside each document (Megatron-LM's --split-sentences; what BERT reads; "
+                        "deterministic rule-based splitter, no download); use with --no-append-eod for BERT")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_preprocess)
@@ -157,6 +165,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     tt.add_argument("--vocab-size", type=int, required=True)
     tt.add_argument("--out", required=True, help="directory for tokenizer.json + tokenizer_config.json")
     tt.add_argument("--min-frequency", type=int, default=2)
+    tt.add_argument("--wordpiece", action="store_true", help="a BERT WordPiece vocabulary ([PAD]=0 [UNK] [CLS] [SEP] [MASK]; writes vocab.txt too)")
+    tt.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True, help="WordPiece: lower-case the text (default: on)")
     tt.set_defaults(func=_tokenizer_train)
     ti = tsub.add_parser("info", help="show a tokenizer's vocabulary size and special tokens (and encode TEXT)")
     ti.add_argument("spec")

@@ -31,6 +31,10 @@ class DatasetReport:
     tokenizer: str | None
     samples: list[dict] = field(default_factory=list)  # {index, length, ids (first 32), text}
     sidecar: dict | None = None
+    #: sentence-split data (``preprocess --split-sentences``, what BERT reads): sequences are sentences
+    split_sentences: bool = False
+    sentences_per_document_mean: float | None = None
+    documents_with_two_sentences: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -40,6 +44,10 @@ class DatasetReport:
                  f"  documents {self.documents:,}  sequences {self.sequences:,}  tokens {self.tokens:,}",
                  f"  tokens/document: min {self.length_min}  mean {self.length_mean:.1f}  median {self.length_median:.0f}  "
                  f"p95 {self.length_p95:.0f}  max {self.length_max}"]
+        if self.split_sentences:
+            lines[2] = lines[2].replace("tokens/document", "tokens/sentence")
+            lines.append(f"  sentence-split: {self.sentences_per_document_mean:.1f} sentences/document; "
+                         f"{self.documents_with_two_sentences:,} of {self.documents:,} documents have >= 2 (BERT's binary head needs them)")
         if self.sidecar:
             tk = (self.sidecar.get("tokenizer") or {}).get("name")
             lines.append(f"  made by workbench preprocess with tokenizer {tk!r}, append_eod={self.sidecar.get('append_eod')}")
@@ -49,7 +57,7 @@ class DatasetReport:
             bar = "#" * (int(round(40 * c / peak)) if peak else 0)
             lines.append(f"    {lo:>9.0f} - {hi:<9.0f} {c:>8}  {bar}")
         for s in self.samples:
-            lines.append(f"  --- document {s['index']} ({s['length']} tokens)")
+            lines.append(f"  --- {'sentence' if self.split_sentences else 'document'} {s['index']} ({s['length']} tokens)")
             if s.get("text") is not None:
                 text = s["text"] if len(s["text"]) <= 400 else s["text"][:400] + " ..."
                 lines.append("    " + text.replace("\n", "\n    "))
@@ -100,7 +108,12 @@ def inspect_dataset(prefix: str | Path, tokenizer=None, samples: int = 3, bins: 
     for i in picks:
         ids = ds[i].tolist()
         out.append({"index": int(i), "length": len(ids), "ids": ids[:32], "text": tok.decode(ids) if tok is not None else None})
+    doc_idx = np.asarray(ds.document_indices, dtype=np.int64)
+    per_doc = np.diff(doc_idx) if doc_idx.size > 1 else np.zeros(0, np.int64)
+    split = bool((meta or {}).get("split_sentences")) or info.sequences != info.documents
     return DatasetReport(
+        split_sentences=split, sentences_per_document_mean=float(per_doc.mean()) if split and per_doc.size else None,
+        documents_with_two_sentences=int((per_doc >= 2).sum()) if split else None,
         prefix=info.prefix, dtype=info.dtype, documents=info.documents, sequences=info.sequences, tokens=info.tokens,
         length_min=int(lengths.min()), length_mean=float(lengths.mean()), length_median=float(np.median(lengths)),
         length_p95=float(np.percentile(lengths, 95)), length_max=int(lengths.max()),

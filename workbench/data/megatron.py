@@ -182,11 +182,9 @@ def check_data(cfg) -> list:
     from workbench.config import Problem
     from workbench.models import FAMILIES
 
-    problems = _check_data(cfg)
     family = FAMILIES.get(cfg.model.arch)
-    if family is not None and not problems:
-        problems += [Problem(f, r, x) for f, r, x in family.data_rules(cfg)]
-    return problems
+    problems = [Problem(f, r, x) for f, r, x in family.data_rules(cfg)] if family is not None else []
+    return problems + _check_data(cfg)
 
 
 def _check_data(cfg) -> list:
