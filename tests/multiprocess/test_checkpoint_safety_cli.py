@@ -89,3 +89,12 @@ def test_generate_removes_its_temp_dir_after_success_and_failure(source, tmp_pat
     with pytest.raises((subprocess.TimeoutExpired, RuntimeError)):
         generate(source, ["the cat"], max_new_tokens=3, device="cpu", timeout=0.5)  # killed mid-start
     assert not list(private.glob("workbench-generate-*"))
+
+
+def test_verification_stays_torch_free(source):
+    """Launch and generation pre-checks run it in the notebook / CLI process: no torch import."""
+    code = ("import sys; from workbench.run.integrity import verify_checkpoint; from workbench.run.checkpoint import "
+            f"find_checkpoint; verify_checkpoint(find_checkpoint({str(source)!r})); print('torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stdout + p.stderr
