@@ -220,11 +220,16 @@ def test_bad_data_and_checkpoint_paths_refused_before_anything_starts(rank_scrip
 
 
 def _fake_checkpoint(root: Path, cfg, *, has_optimizer: bool) -> Path:
-    """A checkpoint's metadata as save_checkpoint writes it (the pre-launch check reads nothing else)."""
+    """A checkpoint as save_checkpoint writes it: its metadata, and a small but well-formed torch
+    dist checkpoint (the pre-launch check verifies the files' index without loading tensors)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     from workbench.backend.checkpointing import FORMAT, METADATA_FILE, TRACKER_FILE, iter_dir_name
 
     d = root / iter_dir_name(3)
     d.mkdir(parents=True)
+    dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
     (d / METADATA_FILE).write_text(json.dumps({"format": FORMAT, "iteration": 3, "config": cfg.to_dict(),
                                                "has_optimizer": has_optimizer, "complete": True}))
     (root / TRACKER_FILE).write_text("3")
