@@ -51,7 +51,7 @@ __all__ = [
 
 @dataclass
 class ModelConfig:
-    """Architecture. `arch` names the model family (``workbench/models/<arch>/``): gpt, bert; `t5` is reserved."""
+    """Architecture. `arch` names the model family (``workbench/models/<arch>/``): gpt, bert, t5 (encoder-decoder)."""
 
     arch: Literal["gpt", "bert", "t5"] = "gpt"
     num_layers: int = 2
@@ -66,12 +66,14 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int = 1024
     seq_length: int = 256
-    position_embedding: Literal["learned", "rope", "alibi"] = "learned"
+    #: relative: T5's bucketed relative position bias (one table per stack; encoder-decoder families)
+    position_embedding: Literal["learned", "rope", "alibi", "relative"] = "learned"
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_epsilon: float = 1e-5
-    activation: Literal["gelu", "swiglu"] = "gelu"
+    #: the MLP: gelu / relu (one fc1), swiglu / geglu (gated: fc1 holds gate and up projections); which a family takes: its `Supports.activations`
+    activation: Literal["gelu", "swiglu", "relu", "geglu"] = "gelu"
     #: GELU flavour (torch's F.gelu ``approximate``): HF GPT-2's ``gelu_new`` is "tanh"; Megatron's default is exact ("none").
     gelu_approximate: Literal["none", "tanh"] = "none"
     add_bias_linear: bool = True
@@ -87,6 +89,13 @@ class ModelConfig:
     add_binary_head: bool = False
     #: encoders (BERT): the pooler (dense + tanh on the first token) also without the binary head (classification fine-tuning)
     add_pooler: bool = False
+    #: encoder-decoder (T5): decoder layers (`num_layers` is the encoder's); None -> num_layers
+    decoder_num_layers: int | None = None
+    #: encoder-decoder (T5): decoder (target) sequence length (`seq_length` is the encoder's); None -> seq_length
+    decoder_seq_length: int | None = None
+    #: position_embedding relative: buckets of the relative position bias and the distance beyond which all share one bucket
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
 
     # -- derived helpers (kept here because every consumer needs them)
     @property
@@ -102,10 +111,25 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // max(self.num_attention_heads, 1)
 
     @property
+    def decoder_layers(self) -> int:
+        """Decoder layers of an encoder-decoder model (``decoder_num_layers`` or ``num_layers``)."""
+        return self.decoder_num_layers or self.num_layers
+
+    @property
+    def decoder_seq(self) -> int:
+        """Decoder (target) sequence length of an encoder-decoder model."""
+        return self.decoder_seq_length or self.seq_length
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether fc1 holds a gate and an up projection (swiglu, geglu)."""
+        return self.activation in ("swiglu", "geglu")
+
+    @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        if self.activation == "swiglu":
+        if self.activation in ("swiglu", "geglu"):
             # Llama's rule: 2/3 of 4h, rounded up to a multiple of 64.
             return int(math.ceil(8 * self.hidden_size / 3 / 64) * 64)
         return 4 * self.hidden_size
@@ -210,6 +234,9 @@ class DataConfig:
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     num_workers: int = 0
+    #: span corruption (encoder-decoder pretraining, T5): fraction of tokens masked, and the mean length of a masked span
+    noise_density: float = 0.15
+    mean_noise_span_length: float = 3.0
 
 
 @dataclass
@@ -653,7 +680,7 @@ def validate(cfg: RunConfig) -> list[Problem]:
         add(field_name, rule, fix)
     sup = family_of(cfg).supports if known else Supports()
     if pp > 1 and not sup.pipeline:
-        add("parallel.pipeline_parallel", f"the {m.arch} family has no pipeline parallelism", "set pipeline_parallel: 1")
+        add("parallel.pipeline_parallel", sup.pipeline_reason or f"the {m.arch} family has no pipeline parallelism", "set pipeline_parallel: 1")
     if vpp > 1 and not sup.interleaved:
         add("parallel.virtual_pipeline_parallel", f"the {m.arch} family has no interleaved schedule", "leave virtual_pipeline_parallel unset")
     if p.sequence_parallel and not sup.sequence_parallel:
@@ -679,8 +706,12 @@ def validate(cfg: RunConfig) -> list[Problem]:
         v = getattr(m, name)
         if not 0.0 <= v < 1.0:
             add(f"model.{name}", f"must be in [0, 1) (got {v})", "use e.g. 0.1, or 0 to disable")
-    if m.gelu_approximate != "none" and m.activation != "gelu":
-        add("model.gelu_approximate", f"gelu_approximate applies to activation 'gelu' only (activation is '{m.activation}')", "set gelu_approximate: none")
+    if m.gelu_approximate != "none" and m.activation not in ("gelu", "geglu"):
+        add("model.gelu_approximate", f"gelu_approximate applies to activations 'gelu' / 'geglu' only (activation is '{m.activation}')", "set gelu_approximate: none")
+    if known and m.position_embedding not in sup.positions:
+        add("model.position_embedding", f"the {m.arch} family has no '{m.position_embedding}' positions", f"use one of: {', '.join(sup.positions)}")
+    if known and m.activation not in sup.activations:
+        add("model.activation", f"the {m.arch} family has no '{m.activation}' MLP", f"use one of: {', '.join(sup.activations)}")
     if m.rotary_percent <= 0 or m.rotary_percent > 1:
         add("model.rotary_percent", "must be in (0, 1]", "use 1.0")
     if m.position_embedding == "alibi" and m.attention_backend in ("te", "local"):

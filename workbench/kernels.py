@@ -212,11 +212,15 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     apex = apex_available() if apex is None else bool(apex)
     fast = fast_paths_wanted(cfg)
     blocker = layer_blocker(cfg)
+    from workbench.models import FAMILIES
+
+    family = FAMILIES.get(m.arch)
+    te_spec = family is None or family.supports.transformer_engine
 
     if m.attention_backend == "auto":
         if fast and blocker is None:
             attention = "sdpa"  # the compiled layer: 1.9x TE's stock layer on GPT-2 medium (H200)
-        elif te and cuda and m.position_embedding != "alibi":
+        elif te and cuda and te_spec and m.position_embedding != "alibi":
             attention = "te"
         else:
             attention = "sdpa"

@@ -103,6 +103,15 @@ def _dtype(cfg: RunConfig) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.train.precision]
 
 
+def _activation(m: Any) -> Any:
+    """The MLP's activation function (of the gate for gated MLPs): silu (swiglu), relu, gelu (geglu) exact or tanh."""
+    if m.activation == "swiglu":
+        return F.silu
+    if m.activation == "relu":
+        return F.relu
+    return partial(F.gelu, approximate="tanh") if getattr(m, "gelu_approximate", "none") == "tanh" else F.gelu
+
+
 def layer_class(choice: kernels.KernelChoice) -> type:
     """The TransformerLayer class for a kernel choice: the compiled dense layer, or megatron's."""
     return fusions.CompiledTransformerLayer if choice.layer == "compiled" else TransformerLayer
@@ -123,8 +132,8 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         kv_channels=m.head_dim,
         normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=m.activation == "swiglu",
-        activation_func=F.silu if m.activation == "swiglu" else (partial(F.gelu, approximate="tanh") if getattr(m, "gelu_approximate", "none") == "tanh" else F.gelu),
+        gated_linear_unit=m.gated_mlp,
+        activation_func=_activation(m),
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_bias_linear,
         hidden_dropout=m.hidden_dropout,

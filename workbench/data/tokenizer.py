@@ -186,6 +186,19 @@ def _from_vocab_txt(vocab: Path, name: str) -> Tokenizer:
                      pad_token="[PAD]" if backend.token_to_id("[PAD]") is not None else None)
 
 
+def _demo_t5() -> Tokenizer:
+    """``demo-t5``: the demo byte-level BPE (trained on the embedded corpus) with T5's 100 sentinels
+    ``<extra_id_0>`` ... ``<extra_id_99>`` appended as special tokens (ids 4096-4195; vocab 4196)."""
+    from tokenizers import AddedToken
+
+    f = DEMO_TOKENIZER_DIR / "tokenizer.json"
+    if not f.is_file():
+        raise DataError(str(f), "the demo tokenizer is missing from this install", "reinstall the workbench (pip install -e .)")
+    base = _from_tokenizer_json(f, "demo-t5")
+    base.backend.add_special_tokens([AddedToken(f"<extra_id_{i}>", special=True, normalized=False) for i in range(100)])
+    return Tokenizer(base.backend, "demo-t5", eos_token=base.eos_token, bos_token=base.bos_token, pad_token=base.pad_token)
+
+
 def load_tokenizer(spec: "str | Path | Tokenizer") -> Tokenizer:
     """Resolve a tokenizer spec (see module docstring); a clear :class:`DataError` for anything else."""
     if isinstance(spec, Tokenizer):
@@ -203,6 +216,8 @@ def load_tokenizer(spec: "str | Path | Tokenizer") -> Tokenizer:
         if not f.is_file():
             raise DataError(str(f), "the demo WordPiece tokenizer is missing from this install", "reinstall the workbench (pip install -e .)")
         return _from_tokenizer_json(f, "demo-wordpiece")
+    if text == "demo-t5":
+        return _demo_t5()
     path = Path(text).expanduser()
     if path.is_file():
         if path.suffix == ".txt":

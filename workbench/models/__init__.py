@@ -13,11 +13,12 @@ from typing import Any
 from workbench.models.family import Family, Supports
 from workbench.models.bert import FAMILY as BERT
 from workbench.models.gpt import FAMILY as GPT
+from workbench.models.t5 import FAMILY as T5
 
 __all__ = ["Family", "Supports", "FAMILIES", "family_of", "family_for_hf", "all_presets"]
 
 #: ``model.arch`` -> family
-FAMILIES: dict[str, Family] = {f.name: f for f in (GPT, BERT)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPT, BERT, T5)}
 
 
 def family_of(cfg_or_arch: Any) -> Family:

@@ -48,6 +48,14 @@ class Supports:
     #: why the compiled dense layer (causal self-attention, no mask) cannot serve this family's
     #: layers, whatever the config (None: it can); read by :func:`workbench.kernels.layer_blocker`
     compiled_layer_blocker: str | None = None
+    #: why pipeline parallelism is refused (config validation says it with the field); "" -> a generic sentence
+    pipeline_reason: str = ""
+    #: whether Transformer Engine's spec can serve this family (``attention_backend: auto`` takes TE only then)
+    transformer_engine: bool = True
+    #: ``model.position_embedding`` values the family builds
+    positions: tuple[str, ...] = ("learned", "rope", "alibi")
+    #: ``model.activation`` values (MLP types) the family builds
+    activations: tuple[str, ...] = ("gelu", "swiglu")
 
     @property
     def hf_model_types(self) -> tuple[str, ...]:

@@ -1,0 +1,246 @@
+"""HF ``T5ForConditionalGeneration`` (t5 v1.0 / v1.1) and ``MT5ForConditionalGeneration`` (mt5) <->
+megatron-core T5: config fields and full (unsharded) state dicts.
+
+HF T5: RMS norm without bias (``layer_norm``), no linear biases, unscaled attention scores, one
+relative-bias table per stack (in block 0's self-attention, shared by the other blocks), ReLU
+(``DenseReluDense.wi``/``wo``; v1.0) or gated GELU-tanh (``wi_0`` gate, ``wi_1`` up; v1.1, mT5)
+MLP.  The head: T5 v1.0 ties it to ``shared`` and scales the decoder output by ``d_model ** -0.5``
+(``scale_decoder_outputs``; older configs: ``tie_word_embeddings`` not false); v1.1 and mT5 have
+their own ``lm_head`` and no scaling.  The workbench maps "scaled" to ``model.tie_embeddings: true``
+and "not scaled" to an untied head (``output_layer`` = ``lm_head.weight``; transformers 5 ties
+``lm_head`` to ``shared`` in memory for every T5, so both hold the same values there).
+
+megatron-core names: ``linear_qkv`` = per head [q; k; v] (the workbench's QKV layout),
+cross-attention ``linear_q`` and ``linear_kv`` = per head [k; v], ``mlp.linear_fc1`` = [wi_0; wi_1]
+for the gated MLP (megatron's GLU: ``act(first half) * second half``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from workbench.config import ModelConfig, RunConfig, derive
+from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take
+from workbench.models.t5 import FAMILY
+
+__all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
+           "make_random_hf_model", "kv_to_mcore", "kv_from_mcore"]
+
+HF_CLASSES = dict(FAMILY.supports.hf_classes)
+_ACTS = {"relu": ("relu", "none"), "gated-gelu": ("geglu", "tanh"), "gated-gelu_new": ("geglu", "tanh"),
+         "gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"), "gated-silu": ("swiglu", "none")}
+
+
+def _scaled(hf: dict[str, Any]) -> bool:
+    if hf.get("model_type") == "mt5":
+        return False
+    if "scale_decoder_outputs" in hf:
+        return bool(hf["scale_decoder_outputs"])
+    return hf.get("tie_word_embeddings", True) is not False
+
+
+def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
+    """Fill the RunConfig ``model`` section ``m`` (a dict) from an HF T5 / mT5 config."""
+    mt = hf.get("model_type")
+    if mt not in HF_CLASSES:
+        raise ConversionError(f"model_type {mt!r} is not a T5-family type -> one of {sorted(HF_CLASSES)}")
+    ff = str(hf.get("feed_forward_proj", "gated-gelu" if mt == "mt5" else "relu"))
+    if ff not in _ACTS:
+        raise ConversionError(f"config.json: feed_forward_proj {ff!r} is not supported -> one of {sorted(_ACTS)}")
+    act, approx = _ACTS[ff]
+    h, a, d = int(hf["d_model"]), int(hf["num_heads"]), int(hf.get("d_kv") or int(hf["d_model"]) // int(hf["num_heads"]))
+    layers = int(hf["num_layers"])
+    seq = int(m.get("seq_length") or 512)
+    m.update(
+        arch="t5", num_layers=layers, decoder_num_layers=int(hf.get("num_decoder_layers") or layers), hidden_size=h,
+        num_attention_heads=a, attention_type="multihead", num_query_groups=None, kv_channels=d if d * a != h else None,
+        ffn_hidden_size=int(hf["d_ff"]), vocab_size=int(hf["vocab_size"]), max_position_embeddings=max(seq, 512),
+        seq_length=seq, decoder_seq_length=m.get("decoder_seq_length"), position_embedding="relative",
+        relative_attention_num_buckets=int(hf.get("relative_attention_num_buckets", 32)),
+        relative_attention_max_distance=int(hf.get("relative_attention_max_distance", 128)),
+        normalization="rmsnorm", norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-6)), activation=act,
+        gelu_approximate=approx, add_bias_linear=False, hidden_dropout=float(hf.get("dropout_rate", 0.0)),
+        attention_dropout=0.0, tie_embeddings=_scaled(hf), init_method_std=float(hf.get("initializer_factor", 1.0)) * 0.02,
+        attention_backend="auto",
+    )
+
+
+def infer_model_type(m: ModelConfig) -> str:
+    """t5 (or a clear refusal naming what has no HF equivalent); mT5 is kept when the checkpoint came from one."""
+    problems = []
+    if m.position_embedding != "relative" or m.normalization != "rmsnorm":
+        problems.append("HF T5 has relative positions and RMS norms")
+    if m.add_bias_linear:
+        problems.append("HF T5 has no linear biases")
+    if m.attention_type != "multihead":
+        problems.append("HF T5 has multi-head attention")
+    if m.activation == "geglu" and m.gelu_approximate != "tanh":
+        problems.append("HF T5's gated GELU is the tanh approximation (gelu_approximate: tanh)")
+    if problems:
+        raise ConversionError("model has no HF T5ForConditionalGeneration equivalent: " + "; ".join(problems))
+    return "t5"
+
+
+def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | None = None, dtype: str = "float32") -> dict[str, Any]:
+    """config.json content for the exported HF model (token ids kept from an imported config)."""
+    m = cfg.model
+    extra = dict(hf_extra or {})
+    ff = {("relu", "none"): "relu", ("geglu", "tanh"): "gated-gelu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_new",
+          ("swiglu", "none"): "gated-silu"}[(m.activation, m.gelu_approximate if m.activation in ("gelu", "geglu") else "none")]
+    out = {
+        "model_type": model_type, "architectures": [HF_CLASSES[model_type]], "vocab_size": m.vocab_size,
+        "d_model": m.hidden_size, "d_kv": m.head_dim, "d_ff": m.ffn_size, "num_layers": m.num_layers,
+        "num_decoder_layers": m.decoder_layers, "num_heads": m.num_attention_heads,
+        "relative_attention_num_buckets": m.relative_attention_num_buckets,
+        "relative_attention_max_distance": m.relative_attention_max_distance, "dropout_rate": m.hidden_dropout,
+        "layer_norm_epsilon": m.norm_epsilon, "initializer_factor": 1.0, "feed_forward_proj": ff,
+        "is_encoder_decoder": True, "tie_word_embeddings": m.tie_embeddings, "scale_decoder_outputs": m.tie_embeddings,
+        "pad_token_id": extra.get("pad_token_id", 0), "eos_token_id": extra.get("eos_token_id", 1),
+        "decoder_start_token_id": extra.get("decoder_start_token_id", extra.get("pad_token_id", 0)),
+    }
+    out["torch_dtype"] = dtype
+    out["dtype"] = dtype
+    return out
+
+
+def kv_to_mcore(k: Any, v: Any, heads: int, d: int) -> Any:
+    """Cross-attention K and V ``[heads*d, h]`` -> megatron's ``linear_kv`` (per head [k; v])."""
+    import torch
+
+    h = k.shape[-1]
+    return torch.stack([k.reshape(heads, d, h), v.reshape(heads, d, h)], dim=1).reshape(2 * heads * d, h)
+
+
+def kv_from_mcore(kv: Any, heads: int, d: int) -> tuple[Any, Any]:
+    h = kv.shape[-1]
+    x = kv.reshape(heads, 2, d, h)
+    return x[:, 0].reshape(heads * d, h), x[:, 1].reshape(heads * d, h)
+
+
+def _mlp_to(sd: dict, s: str, gated: bool, src: str) -> Any:
+    import torch
+
+    if gated:
+        return torch.cat([take(sd, s + "wi_0.weight", src), take(sd, s + "wi_1.weight", src)], dim=0)
+    return take(sd, s + "wi.weight", src)
+
+
+def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
+                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
+    """Map an HF T5 / mT5 state dict to the full TP=1 megatron-core T5 state dict (vocab padded per ``derive(cfg)``)."""
+    m = cfg.model
+    if model_type not in HF_CLASSES:
+        raise ConversionError(f"model_type {model_type!r} is not supported by the T5 adapter")
+    a, d = m.num_attention_heads, m.head_dim
+    padded = derive(cfg).padded_vocab_size
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    it = progress if progress else (lambda x: x)
+    src = f"HF {model_type}"
+    sd = {re.sub(r"^(module\.)", "", k): v for k, v in hf_sd.items()}
+    gated = m.gated_mlp
+    out: dict[str, Any] = {}
+    shared = take(sd, "shared.weight", src) if "shared.weight" in sd else take(sd, "encoder.embed_tokens.weight", src)
+    if shared.shape[0] != m.vocab_size:
+        raise ConversionError(f"{src}: shared has {shared.shape[0]} rows but config vocab_size is {m.vocab_size}")
+    out["embedding.word_embeddings.weight"] = pad_vocab_rows(shared, padded)
+    for stack, n in (("encoder", m.num_layers), ("decoder", m.decoder_layers)):
+        out[f"{stack}_relative_pos_emb.relative_attention_bias.weight"] = take(
+            sd, f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", src)
+        out[f"{stack}.final_layernorm.weight"] = take(sd, f"{stack}.final_layer_norm.weight", src)
+        for i in it(range(n)):
+            s, o = f"{stack}.block.{i}.layer.", f"{stack}.layers.{i}."
+            q, k, v = (take(sd, s + f"0.SelfAttention.{x}.weight", src) for x in "qkv")
+            out[o + "input_layernorm.weight"] = take(sd, s + "0.layer_norm.weight", src)
+            out[o + "self_attention.linear_qkv.weight"] = qkv_to_mcore(q, k, v, a, a, d)
+            out[o + "self_attention.linear_proj.weight"] = take(sd, s + "0.SelfAttention.o.weight", src)
+            f = "1."
+            if stack == "decoder":
+                out[o + "pre_cross_attn_layernorm.weight"] = take(sd, s + "1.layer_norm.weight", src)
+                out[o + "cross_attention.linear_q.weight"] = take(sd, s + "1.EncDecAttention.q.weight", src)
+                out[o + "cross_attention.linear_kv.weight"] = kv_to_mcore(
+                    take(sd, s + "1.EncDecAttention.k.weight", src), take(sd, s + "1.EncDecAttention.v.weight", src), a, d)
+                out[o + "cross_attention.linear_proj.weight"] = take(sd, s + "1.EncDecAttention.o.weight", src)
+                f = "2."
+            out[o + "pre_mlp_layernorm.weight"] = take(sd, s + f + "layer_norm.weight", src)
+            out[o + "mlp.linear_fc1.weight"] = _mlp_to(sd, s + f + "DenseReluDense.", gated, src)
+            out[o + "mlp.linear_fc2.weight"] = take(sd, s + f + "DenseReluDense.wo.weight", src)
+    if not m.tie_embeddings:
+        head = take(sd, "lm_head.weight", src) if "lm_head.weight" in sd else shared
+        out["output_layer.weight"] = pad_vocab_rows(head, padded)
+        out["lm_head.output_layer.weight"] = out["output_layer.weight"]
+    return {k: cast(v).contiguous() for k, v in out.items()}
+
+
+def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
+                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
+    """Inverse of :func:`hf_to_mcore`: pad rows are stripped; the tied copies HF's ``save_pretrained``
+    leaves out (``encoder/decoder.embed_tokens``, a tied ``lm_head``) are left out too."""
+    m = cfg.model
+    a, d, V, f = m.num_attention_heads, m.head_dim, m.vocab_size, m.ffn_size
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    it = progress if progress else (lambda x: x)
+    src = "megatron checkpoint"
+    out: dict[str, Any] = {"shared.weight": take(sd, "embedding.word_embeddings.weight", src)[:V]}
+    for stack, n in (("encoder", m.num_layers), ("decoder", m.decoder_layers)):
+        out[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = take(
+            sd, f"{stack}_relative_pos_emb.relative_attention_bias.weight", src)
+        out[f"{stack}.final_layer_norm.weight"] = take(sd, f"{stack}.final_layernorm.weight", src)
+        for i in it(range(n)):
+            s, o = f"{stack}.layers.{i}.", f"{stack}.block.{i}.layer."
+            q, k, v = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.weight", src), a, a, d)
+            out[o + "0.layer_norm.weight"] = take(sd, s + "input_layernorm.weight", src)
+            out[o + "0.SelfAttention.q.weight"], out[o + "0.SelfAttention.k.weight"], out[o + "0.SelfAttention.v.weight"] = q, k, v
+            out[o + "0.SelfAttention.o.weight"] = take(sd, s + "self_attention.linear_proj.weight", src)
+            ff = "1."
+            if stack == "decoder":
+                out[o + "1.layer_norm.weight"] = take(sd, s + "pre_cross_attn_layernorm.weight", src)
+                out[o + "1.EncDecAttention.q.weight"] = take(sd, s + "cross_attention.linear_q.weight", src)
+                ck, cv = kv_from_mcore(take(sd, s + "cross_attention.linear_kv.weight", src), a, d)
+                out[o + "1.EncDecAttention.k.weight"], out[o + "1.EncDecAttention.v.weight"] = ck, cv
+                out[o + "1.EncDecAttention.o.weight"] = take(sd, s + "cross_attention.linear_proj.weight", src)
+                ff = "2."
+            out[o + ff + "layer_norm.weight"] = take(sd, s + "pre_mlp_layernorm.weight", src)
+            fc1 = take(sd, s + "mlp.linear_fc1.weight", src)
+            if m.gated_mlp:
+                out[o + ff + "DenseReluDense.wi_0.weight"], out[o + ff + "DenseReluDense.wi_1.weight"] = fc1[:f], fc1[f:]
+            else:
+                out[o + ff + "DenseReluDense.wi.weight"] = fc1
+            out[o + ff + "DenseReluDense.wo.weight"] = take(sd, s + "mlp.linear_fc2.weight", src)
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = take(sd, "output_layer.weight", src)[:V]
+    return {k: cast(v).contiguous() for k, v in out.items()}
+
+
+def make_random_hf_model(out: str | Path, model_type: str = "t5", hidden: int = 96, layers: int = 3, heads: int = 6,
+                         kv_heads: int = 0, vocab: int = 1000, positions: int = 128, seed: int = 0, *,
+                         feed_forward_proj: str | None = None, tied: bool | None = None, d_kv: int | None = None,
+                         decoder_layers: int | None = None, buckets: int = 16, max_distance: int = 40) -> Path:
+    """A small randomly initialised HF T5 (v1.0: ReLU, tied + scaled; ``feed_forward_proj='gated-gelu'``:
+    v1.1 style, no scaling) or mT5 dir for demos and tests; norms perturbed so a wrong mapping shows."""
+    import torch
+    from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, d_model=hidden, d_kv=d_kv or hidden // heads, d_ff=2 * hidden + 8, num_layers=layers,
+              num_decoder_layers=decoder_layers or layers, num_heads=heads, relative_attention_num_buckets=buckets,
+              relative_attention_max_distance=max_distance, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+              decoder_start_token_id=0)
+    if model_type == "mt5":
+        model = MT5ForConditionalGeneration(MT5Config(feed_forward_proj=feed_forward_proj or "gated-gelu", **kw))
+    elif model_type == "t5":
+        ff = feed_forward_proj or "relu"
+        tie = (ff == "relu") if tied is None else tied
+        model = T5ForConditionalGeneration(T5Config(feed_forward_proj=ff, tie_word_embeddings=tie, **kw))
+    else:
+        raise ConversionError(f"model_type {model_type!r} -> t5 or mt5")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layer_norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif "relative_attention_bias" in name:
+                p.mul_(20.0)  # HF initialises it tiny: make the bias matter
+    out = Path(out)
+    model.save_pretrained(out)
+    return out

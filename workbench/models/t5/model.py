@@ -1,0 +1,188 @@
+"""T5's megatron specs and builder: RunConfig -> encoder / decoder layer specs -> megatron-core ``T5Model``.
+
+The workbench's own specs (megatron-core's ``get_t5_{encoder,decoder}_with_local_block_spec`` set
+the final norms to ``TENorm``, which is ``None`` without Transformer Engine, so both stacks would
+lose their final norms): megatron's ``TransformerLayer`` with
+
+- encoder: norm -> self-attention (``AttnMaskType.padding``: bidirectional, keys masked) -> norm -> MLP;
+- decoder: norm -> causal self-attention -> norm -> ``CrossAttention`` over the encoder output
+  (padding mask on the encoder's keys) -> norm -> MLP;
+- core attention: :class:`T5SDPAttention`, the workbench SDPA module with scale 1 (T5 does not scale
+  the scores by ``1/sqrt(d)``); the relative position bias arrives as megatron's ``attention_bias``
+  (self-attention only, as in T5) and is added to the scores;
+- column / row parallel linears, the workbench's SP-capable norms (RMS for T5), ``RecomputedMLP``;
+- final norms on both stacks.
+
+:class:`WorkbenchT5Model` is mcore's ``T5Model`` with a bias-free LM head that, with tied
+embeddings, scales the decoder output by ``hidden_size ** -0.5`` (T5 v1.0; HF's
+``scale_decoder_outputs``); untied heads (v1.1, mT5) are not scaled.  mcore's ``T5LMHead`` adds a
+vocab-sized bias whenever the head is tied, which T5 does not have.  :meth:`WorkbenchT5Model.encode`
+runs the encoder alone (generation).  Masks are ``[b, 1, 1, s_enc]`` booleans, True = masked out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.T5 import t5_model as _t5_model
+from megatron.core.models.T5.t5_model import T5Model
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+from megatron.core.transformer.attention import (CrossAttention, CrossAttentionSubmodules, SelfAttention,
+                                                 SelfAttentionSubmodules)
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from workbench import kernels
+from workbench.backend.attention import SDPAttention
+from workbench.backend.model import RecomputedMLP, norm_module, transformer_config
+from workbench.config import RunConfig, derive
+
+__all__ = ["T5SDPAttention", "encoder_layer_spec", "decoder_layer_spec", "build", "WorkbenchT5Model", "WorkbenchT5LMHead"]
+
+
+class T5SDPAttention(SDPAttention):
+    """The workbench SDPA core attention with T5's softmax scale of 1 (no ``1/sqrt(d)``)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection: Any = None):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=1.0, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+
+def _self_attention(mask_type: AttnMaskType) -> ModuleSpec:
+    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": mask_type},
+                      submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=T5SDPAttention,
+                                                         linear_proj=RowParallelLinear, q_layernorm=IdentityOp,
+                                                         k_layernorm=IdentityOp))
+
+
+def _mlp() -> Any:
+    return partial(RecomputedMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+
+
+def encoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
+    """Encoder layer: bidirectional self-attention under the padding mask, MLP; pre-norm."""
+    norm = norm_module(cfg, kernels.choose(cfg))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=norm, self_attention=_self_attention(AttnMaskType.padding), self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=norm, mlp=_mlp(), mlp_bda=get_bias_dropout_add))
+
+
+def decoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
+    """Decoder layer: causal self-attention, cross-attention over the encoder output, MLP; pre-norm."""
+    norm = norm_module(cfg, kernels.choose(cfg))
+    cross = ModuleSpec(module=CrossAttention, params={"attn_mask_type": AttnMaskType.padding},
+                       submodules=CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
+                                                           core_attention=T5SDPAttention, linear_proj=RowParallelLinear))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=norm, self_attention=_self_attention(AttnMaskType.causal), self_attn_bda=get_bias_dropout_add,
+        pre_cross_attn_layernorm=norm, cross_attention=cross, cross_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=norm, mlp=_mlp(), mlp_bda=get_bias_dropout_add))
+
+
+class WorkbenchT5LMHead(MegatronModule):
+    """T5's LM head: a bias-free column-parallel output layer; scales its input by ``h ** -0.5`` when tied."""
+
+    def __init__(self, config: TransformerConfig, parallel_output: bool, vocab_size: int, pre_process: bool = True,
+                 share_embeddings_and_output_weights: bool = False, tp_group: Any = None):
+        super().__init__(config=config)
+        self.parallel_output = parallel_output
+        self.scale = config.hidden_size ** -0.5 if share_embeddings_and_output_weights else None
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
+            skip_bias_add=False, gather_output=not parallel_output,
+            skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights, tp_group=tp_group)
+
+    def forward(self, hidden_states: torch.Tensor, word_embeddings_weight: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.scale is not None:
+            hidden_states = hidden_states * self.scale
+        logits, _ = self.output_layer(hidden_states, weight=word_embeddings_weight)
+        return logits
+
+
+@contextlib.contextmanager
+def _lm_head() -> Iterator[None]:
+    saved = _t5_model.T5LMHead
+    _t5_model.T5LMHead = WorkbenchT5LMHead
+    try:
+        yield
+    finally:
+        _t5_model.T5LMHead = saved
+
+
+class WorkbenchT5Model(T5Model):
+    """megatron-core's T5Model with T5's LM head (see the module docstring) and an encoder-only entry."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        with _lm_head():
+            super().__init__(*args, **kwargs)
+
+    def relative_bias(self, which: str, sq: int, sk: int, offset: int = 0) -> Optional[torch.Tensor]:
+        """This TP rank's heads of a stack's relative position bias ``[1, heads/tp, sq, sk]`` (queries at
+        positions ``offset .. offset + sq - 1``), or None without relative positions."""
+        if self.position_embedding_type != "relative":
+            return None
+        emb = self.encoder_relative_pos_emb if which == "encoder" else self.decoder_relative_pos_emb
+        dev = emb.relative_attention_bias.weight.device
+        q = torch.arange(offset, offset + sq, dtype=torch.long, device=dev)[:, None]
+        k = torch.arange(sk, dtype=torch.long, device=dev)[None, :]
+        buckets = emb._relative_position_bucket(k - q, bidirectional=emb.bidirectional,
+                                                num_buckets=emb.relative_attention_num_buckets,
+                                                max_distance=emb.relative_attention_max_distance)
+        bias = emb.relative_attention_bias(buckets)  # [sq, sk, heads]
+        bias = scatter_to_tensor_model_parallel_region(bias[None], self.tp_group)  # this rank's heads
+        return bias.permute(0, 3, 1, 2)
+
+    def encode(self, input_ids: torch.Tensor, enc_mask: torch.Tensor) -> torch.Tensor:
+        """Encoder hidden states ``[s, b, h]`` of a whole model (no pipeline); ``enc_mask`` ``[b, 1, 1, s]`` True = pad."""
+        return self.forward(input_ids, None, enc_mask, None, None, output_encoder_hidden_only=True)
+
+
+def build(
+    cfg: RunConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config: Optional[TransformerConfig] = None,
+) -> WorkbenchT5Model:
+    """One megatron T5Model for this rank (parallel state must be initialised; no pipeline parallelism).
+
+    One TransformerConfig serves both stacks (the layer lists set how many layers each holds), so
+    the trainer's wiring on it (gradient scaling, finalize hooks) reaches both.
+    """
+    config = config or transformer_config(cfg)
+    m = cfg.model
+    choice = kernels.choose(cfg)
+    norm = norm_module(cfg, choice)
+    enc = TransformerBlockSubmodules(layer_specs=[encoder_layer_spec(cfg)] * m.num_layers, layer_norm=norm)
+    dec = TransformerBlockSubmodules(layer_specs=[decoder_layer_spec(cfg)] * m.decoder_layers, layer_norm=norm)
+    model = WorkbenchT5Model(
+        config=config,
+        encoder_config=config,
+        transformer_encoder_layer_spec=enc,
+        transformer_decoder_layer_spec=dec,
+        vocab_size=derive(cfg).padded_vocab_size,
+        max_sequence_length=max(m.max_position_embeddings, m.seq_length, m.decoder_seq),
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type="relative",
+        relative_attention_num_buckets=m.relative_attention_num_buckets,
+        relative_attention_max_distance=m.relative_attention_max_distance,
+    )
+    if cfg.parallel.device == "cuda" and torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
