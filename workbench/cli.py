@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workbench.config import ConfigError, from_accelerate, load_config
+from workbench.accelerate_import import from_accelerate
+from workbench.config import ConfigError, load_config
 from workbench.notebook import _notebook_parameters, _parse_value, parse_grid, run_notebook, sweep
 from workbench.run_handle import Run
 from workbench.schedules import SCHEDULES, ScheduleError, measured_durations, simulate, text_chart

@@ -13,13 +13,13 @@ from workbench.config import (
     GenerationConfig,
     RunConfig,
     derive,
-    from_accelerate,
     load_config,
     pad_vocab_size,
     preset,
 )
 
 from tests.support import ACCELERATE_EXAMPLE
+from workbench.accelerate_import import from_accelerate
 
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "accelerate-megatron-lm-guide.md"
 
