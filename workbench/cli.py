@@ -46,10 +46,21 @@ def _config_validate(args: argparse.Namespace) -> int:
     problems = cfg.validate()
     if problems:
         print(str(ConfigError(problems, args.file)), file=sys.stderr)
+        print("data not checked: fix the config first", file=sys.stderr)
         return 2
+    if args.no_data:
+        data_note = "data not checked (--no-data)"
+    else:  # dataset files (missing, corrupt, another vocabulary) and the tokenizer, as a launch checks them
+        from workbench.data import check_data
+
+        problems = check_data(cfg)
+        if problems:
+            print(str(ConfigError(problems, f"{args.file} (its data)")), file=sys.stderr)
+            return 2
+        data_note = "data: synthetic, nothing to read" if cfg.data.source == "synthetic" else f"data checked ({cfg.data.source}, tokenizer {cfg.data.tokenizer})"
     d = cfg.derived()
     print(f"{args.file}: valid  (world {d.world_size} = tp {cfg.parallel.tensor_parallel} x pp {cfg.parallel.pipeline_parallel} x dp {d.data_parallel}; "
-          f"{d.params.total / 1e6:.1f}M params; {d.num_microbatches} micro-batches/step)")
+          f"{d.params.total / 1e6:.1f}M params; {d.num_microbatches} micro-batches/step; {data_note})")
     return 0
 
 
@@ -87,6 +98,7 @@ def _add_config_cli(sub: argparse._SubParsersAction) -> None:
     csub = p.add_subparsers(dest="config_cmd", required=True)
     v = csub.add_parser("validate", help="exit 0 when valid, 2 with every problem listed")
     v.add_argument("file")
+    v.add_argument("--no-data", action="store_true", help="check the config only, not its dataset files and tokenizer")
     v.set_defaults(func=_config_validate)
     a = csub.add_parser("from-accelerate", help="convert an Accelerate config with a megatron_lm_config section")
     a.add_argument("file")

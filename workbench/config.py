@@ -338,6 +338,13 @@ class RunConfig:
         problems: list[Problem] = []
         cfg = _build(cls, data or {}, "", problems)
         if problems:
+            # the rules too, on what could be read (bad values at a placeholder), so a config with
+            # four problems shows four; a rule about a field already reported is left out
+            bad = {q.field for q in problems}
+            try:
+                problems += [q for q in validate(cfg) if q.field not in bad]
+            except Exception:  # a placeholder a rule cannot take: the first problems stand
+                pass
             raise ConfigError(problems, source)
         return cfg
 
@@ -666,7 +673,14 @@ def validate(cfg: RunConfig) -> list[Problem]:
             add(name, f"must be >= 1 (got {value})", f"set {name.split('.')[-1]} to a positive integer")
             bad_positive.add(name)
     if bad_positive:
-        return P  # the divisibility rules below would only repeat the same mistake
+        # the other rules still run (every problem at once), on a copy with each bad value at its
+        # default; a problem naming a bad field is dropped: it would only repeat the same mistake
+        fixed = copy.deepcopy(cfg)
+        for name in bad_positive:
+            section, attr = name.split(".")
+            setattr(getattr(fixed, section), attr, getattr(type(getattr(fixed, section))(), attr))
+        shorts = [n.split(".")[-1] for n in bad_positive]
+        return P + [q for q in validate(fixed) if q.field not in bad_positive and not any(s in q.rule for s in shorts)]
 
     tp, pp, vpp = p.tensor_parallel, p.pipeline_parallel, p.vpp
     heads, groups = m.num_attention_heads, m.query_groups
@@ -693,11 +707,14 @@ def validate(cfg: RunConfig) -> list[Problem]:
             add("model.num_query_groups", f"num_attention_heads {heads} is not divisible by num_query_groups {m.num_query_groups}", "choose a divisor of the head count")
     elif m.num_query_groups not in (None, groups):
         add("model.num_query_groups", f"num_query_groups={m.num_query_groups} conflicts with attention_type '{m.attention_type}'", "set attention_type: grouped, or remove num_query_groups")
-    if heads % tp:
-        add("parallel.tensor_parallel", f"num_attention_heads {heads} is not divisible by tensor_parallel {tp}", f"use a tensor_parallel that divides {heads}")
-    if groups % tp:
+    if heads % tp:  # one problem: the query groups and ffn rules would repeat it about fields the user may never have set
+        common = math.gcd(math.gcd(heads, groups), m.ffn_size)
+        ok = [str(x) for x in range(1, common + 1) if common % x == 0]
+        add("parallel.tensor_parallel", f"num_attention_heads {heads} is not divisible by tensor_parallel {tp}",
+            f"use a tensor_parallel that divides the heads{' and query groups' if groups != heads else ''}: one of {', '.join(ok)}")
+    elif groups % tp:
         add("model.num_query_groups", f"query groups ({groups}) are not divisible by tensor_parallel {tp}: every TP rank needs whole KV heads", f"use tensor_parallel dividing {groups}, or more query groups")
-    if m.ffn_size % tp:
+    if m.ffn_size % tp and not heads % tp:
         add("model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by tensor_parallel {tp}", "pick an ffn_hidden_size that is a multiple of tensor_parallel")
     if m.seq_length > m.max_position_embeddings and m.position_embedding == "learned":
         add("model.seq_length", f"seq_length {m.seq_length} > max_position_embeddings {m.max_position_embeddings} (learned positions)", f"lower seq_length or raise max_position_embeddings to >= {m.seq_length}")
