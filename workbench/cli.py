@@ -141,13 +141,23 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         if path.suffix.lower() not in (".png", ".svg", ".pdf"):
             print(f"workbench schedule: --chart {path}: use a .png, .svg or .pdf file name", file=sys.stderr)
             return 2
+        if not path.absolute().parent.is_dir():  # a typo in the path is not a reason to create directories
+            print(f"workbench schedule: --chart {path}: directory {path.absolute().parent} does not exist -> "
+                  f"create it first (mkdir -p) or fix the path", file=sys.stderr)
+            return 2
         from workbench.plots.schedule import gantt
 
-        path.parent.mkdir(parents=True, exist_ok=True)
         fig = gantt(tl)
         fig.savefig(path, dpi=120, bbox_inches="tight")
+    notes = []
+    if args.microbatches < args.pp:
+        notes.append(f"m={args.microbatches} < p={args.pp}: the pipeline never fills, so every rank idles more than "
+                     f"it works (bubble = idle/busy > 1) -> use at least m={args.pp} micro-batches (m >= 4p keeps the bubble small)")
+    for note in notes:
+        print(f"workbench schedule: warning: {note}", file=sys.stderr)
     if args.json:
         d = tl.to_dict()
+        d["warnings"] = notes
         if args.chart:
             d["chart"] = str(args.chart)
         print(json.dumps(d, indent=2))

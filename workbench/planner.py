@@ -743,11 +743,15 @@ def _cli_plan(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(plan.to_json() if args.json else format_plan(plan))
+    if plan.fits is False:  # a status a script can test: 1 = does not fit, 2 = bad input
+        print(f"workbench plan: does not fit on {args.gpu} (exit 1)", file=sys.stderr)
+        return 1
     return 0
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="predict per-rank GPU memory of a run config (before launching)")
+    p = subparsers.add_parser("plan", help="predict per-rank GPU memory of a run config (before launching)",
+                              epilog="exit status: 0 fits (or no --gpu), 1 does not fit on --gpu, 2 bad config or GPU name")
     p.add_argument("file", help="run config (JSON or YAML)")
     p.add_argument("--gpu", default=None, help=f"GPU to check against: {', '.join(GPUS)} or a capacity like 24GiB")
     p.add_argument("--json", action="store_true", help="print the whole plan (every rank, breakdown) as JSON")

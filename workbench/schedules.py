@@ -717,16 +717,19 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
 def text_chart(tl: Timeline, width: int = 100) -> str:
     """The timeline as text: one row per rank, F as ``-``, B as ``=`` (what ``workbench schedule`` prints)."""
     step = tl.step_time or 1.0
-    scale = min(width / step, 8.0 / min([x for x in tl.forward + tl.backward if x > 0] or [1.0]))
+    label = lambda o: f"{o.kind}{o.microbatch}" + (f"c{o.chunk}" if tl.v > 1 else "")  # noqa: E731
+    # every op wide enough for its whole label and one fill character, so neighbours never run
+    # together ("F0F1FF3..."): a wider chart rather than a garbled one
+    need = max((len(label(o)) + 1 for ops in tl.ops for o in ops), default=2)
+    shortest = min([o.end - o.start for ops in tl.ops for o in ops if o.end > o.start] or [1.0])
+    scale = max(min(width / step, 8.0 / shortest), need / shortest)
     lines = []
     for r in range(tl.p):
         row = [" "] * (int(round(step * scale)) + 1)
         for o in tl.ops[r]:
             a, b = int(round(o.start * scale)), max(int(round(o.end * scale)), int(round(o.start * scale)) + 1)
             fill = "-" if o.kind == "F" else "="
-            label = next((x for x in (f"{o.kind}{o.microbatch}" + (f"c{o.chunk}" if tl.v > 1 else ""),
-                                      f"{o.kind}{o.microbatch}") if len(x) <= b - a), o.kind)
-            cell = (label + fill * (b - a))[: b - a]
+            cell = (label(o) + fill * (b - a))[: b - a]
             row[a:b] = list(cell)
         lines.append(f"rank {r}: |" + "".join(row).rstrip() + "|")
     return "\n".join(lines)
