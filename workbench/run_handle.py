@@ -435,10 +435,7 @@ class Run:
             out["eval_ppl"] = float(ev["ppl"].iloc[-1]) if "ppl" in ev and ev["ppl"].notna().any() else None
         st = self.steps
         if len(st):
-            tail = st[st["iteration"] > st["iteration"].min()] if st["iteration"].nunique() > 1 else st
-            for c in ("tokens_per_s", "mfu", "step_time"):
-                if c in tail and tail[c].notna().any():
-                    out[c] = float(tail.groupby("iteration")[c].max().mean())
+            out.update(_throughput(st))
         return out
 
     def __repr__(self) -> str:
@@ -450,6 +447,27 @@ class Run:
         it, total, eta = self.progress()
         return (f"<b>Run</b> <code>{html.escape(str(self.run_dir))}</code>: <b>{self.status}</b>, "
                 f"iteration {it}/{total}" + (f", ETA {eta:.0f}s" if eta else ""))
+
+
+def _throughput(st) -> dict:
+    """tokens/s as total tokens over total time (not a mean of per-step rates, which an uneven run
+    inflates): the tokens of iterations 2..N over the wall time between the first and the last step
+    event; mean step time; MFU weighted by step time. The first iteration (warm-up) is left out."""
+    st = st.assign(tokens=st["tokens_per_s"] * st["step_time"])
+    per_it = st.groupby("iteration").agg(step_time=("step_time", "max"), tokens=("tokens", "max"),
+                                         mfu=("mfu", "max"), time=("time", "max")).sort_index()
+    tail = per_it.iloc[1:] if len(per_it) > 1 else per_it
+    out: dict[str, float] = {}
+    if tail["step_time"].notna().any():
+        out["step_time"] = float(tail["step_time"].mean())
+    if tail["tokens"].notna().any():
+        wall = float(per_it["time"].iloc[-1] - per_it["time"].iloc[0]) if len(per_it) > 1 else 0.0
+        busy = float(tail["step_time"].sum())
+        out["tokens_per_s"] = float(tail["tokens"].sum()) / (wall if wall > 0 else busy)
+    if tail["mfu"].notna().any():
+        ok = tail[tail["mfu"].notna()]
+        out["mfu"] = float((ok["mfu"] * ok["step_time"]).sum() / ok["step_time"].sum())
+    return out
 
 
 def _tail(path: Path, lines: int) -> str:
