@@ -367,8 +367,8 @@ def _check_config(ckpt: Path, meta: dict, chunks: Sequence[Any]) -> None:
         have = getattr(tc, ckey, None)
         if have is not None and want[name] is not None and int(have) != int(want[name]):
             diffs.append(f"model.{name}: checkpoint {want[name]}, model {have}")
-    if bool(getattr(tc, "gated_linear_unit", False)) != (cm.activation == "swiglu"):
-        diffs.append(f"model.activation: checkpoint {cm.activation}, model {'swiglu' if getattr(tc, 'gated_linear_unit', False) else 'gelu'}")
+    if bool(getattr(tc, "gated_linear_unit", False)) != cm.gated_mlp:
+        diffs.append(f"model.activation: checkpoint {cm.activation}, model {'gated' if getattr(tc, 'gated_linear_unit', False) else 'not gated'}")
     if diffs:
         raise CheckpointError(
             f"checkpoint {ckpt} does not fit the model being loaded ({'; '.join(diffs)}) -> "

@@ -1,0 +1,128 @@
+"""T5 through the real backend in CPU mode (torchrun, gloo): layouts against one process, resume, eval.
+
+One random initial checkpoint is written first; every run loads it (``checkpoint.finetune``: weights
+only, iteration 0), so all layouts start from the same weights.  Per-step losses (span-corruption LM
+loss of the decoder, fp32) of TP=2, TP=2 + SP and DP=2 with the distributed optimizer must match
+TP=1 within 1e-4 relative; a run resumed from the straight run's step-3 checkpoint must repeat its
+steps 4-6 exactly; pipeline parallelism is refused before any process starts, with megatron-core's
+reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.support import free_port
+from workbench.config import preset
+from workbench.run.reader import read_events
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+INIT = r'''
+import sys, torch
+from workbench.config import load_config
+from workbench.backend import distributed
+from workbench.backend.model import build_model
+from workbench.backend.checkpointing import save_checkpoint
+cfg = load_config(sys.argv[1])
+distributed.initialize_for_tests(cfg, port=int(sys.argv[3]))
+torch.manual_seed(cfg.train.seed)
+model = build_model(cfg)
+save_checkpoint(sys.argv[2], 0, [model], cfg)
+distributed.destroy()
+'''
+
+
+def _cfg(**over):
+    base = {"data.source": "synthetic", "train.train_iters": 6, "train.lr_decay_iters": 6, "train.global_batch_size": 8,
+            "train.micro_batch_size": 2, "train.lr": 3e-3, "train.eval_interval": 3, "train.eval_iters": 1,
+            "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0, "checkpoint.save_on_exit": False}
+    base.update(over)
+    return preset("t5-tiny", **base)
+
+
+def _torchrun(cfg, run_dir: Path, nproc: int, timeout: int = 300, check: bool = True):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.parallel.nproc_per_node = nproc
+    cfg.save(run_dir / "config.json")
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+           "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if not check:
+        return proc
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return read_events(run_dir)
+
+
+def _losses(events, kind="step"):
+    return {e["iteration"]: e for e in events if e["event"] == kind and e.get("loss") is not None}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The initial checkpoint, and TP=1 from it for 6 steps (checkpoint at step 3)."""
+    root = tmp_path_factory.mktemp("t5")
+    init_cfg = root / "init.json"
+    _cfg().save(init_cfg)
+    proc = subprocess.run([PY, "-c", textwrap.dedent(INIT), str(init_cfg), str(root / "init"), str(free_port())],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    init = root / "init" / "iter_0000000"
+    ev = _torchrun(_cfg(**{"checkpoint.load_dir": str(init), "checkpoint.finetune": True, "checkpoint.save_interval": 3}),
+                   root / "tp1", 1)
+    return init, root / "tp1", ev
+
+
+LAYOUTS = {
+    "tp2": {"parallel.tensor_parallel": 2},
+    "tp2_sp": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True},
+    "dp2_distopt": {"parallel.distributed_optimizer": True},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_losses_match_one_process(straight, tmp_path, layout):
+    init, _, ref_events = straight
+    ev = _torchrun(_cfg(**{"checkpoint.load_dir": str(init), "checkpoint.finetune": True, **LAYOUTS[layout]}), tmp_path / layout, 2)
+    ref, got = _losses(ref_events), _losses(ev)
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5, 6]
+    for it, e in got.items():
+        r = ref[it]
+        assert abs(e["loss"] - r["loss"]) <= 1e-4 * r["loss"], (layout, it, e["loss"], r["loss"])
+    ref_eval, got_eval = _losses(ref_events, "eval"), _losses(ev, "eval")
+    assert sorted(got_eval) == [3, 6]
+    for it, e in got_eval.items():
+        assert abs(e["loss"] - ref_eval[it]["loss"]) <= 1e-4 * ref_eval[it]["loss"]
+
+
+def test_straight_run_learns_on_the_stock_layer(straight):
+    _, _, ev = straight
+    start = next(e for e in ev if e["event"] == "run_start")
+    assert "SDPA" in start["kernel_path"]["attention"] and start["kernels"]["layer"] == "stock"
+    losses = _losses(ev)
+    assert losses[6]["loss"] < losses[1]["loss"] - 0.2
+
+
+def test_resume_repeats_the_straight_run_exactly(straight, tmp_path):
+    _, run_dir, ref_events = straight
+    ev = _torchrun(_cfg(**{"checkpoint.load_dir": str(run_dir / "checkpoints" / "iter_0000003")}), tmp_path / "resumed", 1)
+    ref, got = _losses(ref_events), _losses(ev)
+    assert sorted(got) == [4, 5, 6]
+    for it, e in got.items():
+        assert e["loss"] == ref[it]["loss"], (it, e["loss"], ref[it]["loss"])
+        assert e["lr"] == ref[it]["lr"] and e["consumed_samples"] == ref[it]["consumed_samples"]
+
+
+def test_pipeline_parallel_is_refused_with_the_reason(tmp_path):
+    proc = _torchrun(_cfg(**{"parallel.pipeline_parallel": 2}), tmp_path / "pp2", 2, check=False)
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    assert "parallel.pipeline_parallel" in err and "removed in megatron-core 0.14" in err and "tensor_parallel" in err
