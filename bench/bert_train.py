@@ -134,7 +134,8 @@ def worker(kind: str, preset_name: str, a: argparse.Namespace) -> dict[str, Any]
 def _torchrun(nproc: int, args: list[str], timeout: float) -> subprocess.CompletedProcess:
     from workbench.run.files import free_port
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # keep carried wheels' site dir
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
