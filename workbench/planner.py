@@ -249,8 +249,10 @@ class StagePlan:
     peak_phase: Literal["forward_backward", "optimizer_step"]
     phases: dict[str, int]  # allocated peak of each phase
     overheads: dict[str, int]
-    total: int  # peak_allocated + overheads: what the device must hold
+    total: int  # peak_reserved + CUDA context + NCCL: what the device must hold
     detail: dict[str, Any]
+    peak_reserved: int = 0  # torch.cuda.max_memory_reserved: the allocator's segments (graph pool included)
+    reserved_terms: dict[str, int] = field(default_factory=dict)  # peak_reserved - peak_allocated, by cause
 
 
 @dataclass
@@ -262,6 +264,7 @@ class RankPlan:
     peak_allocated: int
     total: int
     fits: bool | None  # None when no GPU was chosen
+    peak_reserved: int = 0
 
 
 @dataclass
@@ -304,6 +307,13 @@ class Plan:
         return all(r.fits for r in self.ranks)
 
     @property
+    def decides(self) -> str:
+        """Which peak decides whether the run fits: the reserved one (the allocator's segments,
+        CUDA-graph pool included, plus context and NCCL must fit the device); allocated is
+        what ``max_memory_allocated`` reports and can be far lower with CUDA graphs."""
+        return "peak_reserved"
+
+    @property
     def worst(self) -> StagePlan:
         return max(self.stages, key=lambda s: s.total)
 
@@ -313,6 +323,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["fits"] = self.fits
+        d["decides"] = self.decides
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -334,6 +345,31 @@ def _inflight(sh: Any, rank: int) -> tuple[int, float]:
         raise ConfigError([Problem("parallel.pipeline_parallel", f"the pipeline schedule is not runnable: {err}",
                                    "fix the layout (see `workbench schedule`)")]) from None
     return chunks, chunks / sh.vpp
+
+
+_SEGMENT = 2 * MiB  # the caching allocator's large segments are multiples of 2 MiB
+
+
+def _round_up(n: float, unit: int) -> int:
+    return int(math.ceil(n / unit) * unit)
+
+
+def _reserved_terms(sh: Any, kp: KernelPath, a: PlannerAssumptions, allocated: int, graph_layers: float,
+                    backward: float, head: float) -> dict[str, float]:
+    """What ``max_memory_reserved`` holds beyond the allocated peak, by cause (bytes).
+
+    * ``cuda_graph_pool``: with CUDA graphs the compiled layers' warm-up, recording and replays
+      run in the cudagraph trees' private pool.  Replays allocate nothing, so the layers'
+      activations and their backward working set stay *reserved* in that pool while the
+      default pool serves the eager rest (embedding, loss, optimizer) with its own cached
+      segments: the two pools' peaks add.
+    * ``fragmentation``: cached but unusable space in the default pool.
+    """
+    terms: dict[str, float] = {}
+    if graph_layers:
+        terms["cuda_graph_pool"] = graph_layers + backward
+    terms["fragmentation"] = a.fragmentation * allocated
+    return terms
 
 
 def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
@@ -435,10 +471,14 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     groups = sum(1 for n in (sh.tp, sh.pp, sh.dp) if n > 1) + (1 if sh.tp * sh.pp * sh.dp > 1 else 0)
     if sh.pp > 1 and (first or last):
         groups += 1  # embedding group (tied word embeddings / position embeddings)
+    graph_layers = chunks * per_chunk_layers * layer if (kp.cuda_graphs and sh.recompute != "full") else 0.0
+    reserved_terms = _reserved_terms(sh, kp, a, peak_i, graph_layers, backward, head)
+    peak_res = _round_up(peak_i + sum(reserved_terms.values()), _SEGMENT)
+    reserved_terms["segment_rounding"] = peak_res - peak_i - int(sum(reserved_terms.values()))
     overheads = {
         "cuda_context": a.cuda_context_bytes,
         "nccl": groups * a.nccl_bytes_per_group,
-        "fragmentation": int(peak_i * a.fragmentation),
+        "fragmentation": peak_res - peak_i,  # reserved over allocated: graph pool, rounding, fragmentation
     }
     detail = {
         "params": params,
@@ -458,6 +498,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
         peak_allocated=peak_i, peak_phase=phase,
         phases={"forward_backward": int(fb_peak), "optimizer_step": int(opt_peak)},
         overheads=overheads, total=peak_i + sum(overheads.values()), detail=detail,
+        peak_reserved=peak_res, reserved_terms={k: int(v) for k, v in reserved_terms.items()},
     )
 
 
@@ -646,7 +687,7 @@ def predict(cfg: RunConfig, gpu: str | int | GPUSpec | None = None, assumptions:
     p = cfg.parallel
     ranks = [
         RankPlan(rank=g, tp_rank=tr, pp_rank=pr, dp_rank=dr, peak_allocated=stages[pr].peak_allocated,
-                 total=stages[pr].total, fits=_fits(stages[pr].total, spec))
+                 total=stages[pr].total, fits=_fits(stages[pr].total, spec), peak_reserved=stages[pr].peak_reserved)
         for g, tr, pr, dr in _rank_coords(p.tensor_parallel, p.pipeline_parallel, d.data_parallel)
     ]
     ranks.sort(key=lambda r: r.rank)

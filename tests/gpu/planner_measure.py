@@ -1,23 +1,32 @@
-"""GPU proof for the memory planner (issue 5): measured peak allocated vs predicted, every rank.
+"""GPU proof for the memory planner (issues 5 and 26): measured peak allocated AND reserved vs predicted, every rank.
 
-Run on a machine with 2 GPUs (from the repo root)::
+Two sets of configs::
 
-    python tests/gpu/planner_measure.py --out evidence/planner_measurements.jsonl
+    # one GPU (issue 26): GPT-2 small/medium/large, a Llama-3.2-1B shape, demo-small; recompute
+    # none/selective/full; distributed optimizer; the default compiled path with CUDA graphs,
+    # compiled without graphs, and compile off.  Jobs share the one GPU (a memory budget).
+    python tests/gpu/planner_measure.py --set 1gpu --out evidence/planner_1gpu.jsonl --deadline 500
 
-Every config is a real ``torchrun ... -m workbench.backend`` job (4 steps, synthetic data, no
-eval, no checkpoint).  The backend resets CUDA's peak statistics before its first step and
-reports ``torch.cuda.max_memory_allocated()`` as ``mem_peak`` in every ``step`` event; the
-measured peak of a rank is the largest one.  Configs span 1 and 2 GPUs: TP=1, TP=2 with and
-without SP, PP=2 (both stages), PP=2 x VPP=2, DP=2 with the distributed optimizer, recompute
-none / selective / full, unfused (``local``) attention, two model sizes (GPT-2 small and
-medium shapes) and two micro-batch sizes; one config keeps the default compiled kernels.
-One-GPU jobs run two at a time (one per GPU).
+    # the earlier 2-GPU matrix (issue 5): TP, TP+SP, PP, PP x VPP, DP + distributed optimizer
+    python tests/gpu/planner_measure.py --set 2gpu --out evidence/planner_measurements.jsonl
 
-One JSON line per rank and config: config name, overrides, the full config, rank
-coordinates, measured peak (and reserved), the planner's prediction and breakdown, megatron's
-theoretical formula, both errors in percent, the backend's kernel path, plus device, date and
-git commit.  A failed job writes one line with ``status: failed`` and the log's tail.
-``--only NAME,...`` runs a subset; ``--list`` prints the configs.
+    # CPU self-check of the script (tiny shapes, gloo, no memory statistics)
+    python tests/gpu/planner_measure.py --device cpu --only g2s-default,g2m-full
+
+Every config is a real ``torchrun`` job whose ranks run the backend's own ``Trainer`` (the same
+setup and training loop as ``python -m workbench.backend``; 4 steps, synthetic data, no eval, no
+checkpoint) through this script's ``--child`` entry, which records on every rank what the
+backend's step events cannot: ``torch.cuda.max_memory_allocated()`` and
+``max_memory_reserved()`` over the whole run (set-up included, the compile / CUDA-graph
+warm-up and recording steps included), per step, and the allocator's segments by pool at the
+end (the CUDA-graph trees' private pool vs the default pool).
+
+One JSON line per rank and config: config name, overrides, the full config, rank coordinates,
+measured peaks, the planner's predictions (``predicted_allocated``, ``predicted_reserved``,
+breakdown), megatron's theoretical formula, errors in percent, the backend's kernel path, plus
+device, date and git commit (``GIT_COMMIT`` overrides the checkout's).  A failed job writes
+one line with ``status: failed`` and the log's tail.  ``--only NAME,...`` runs a subset;
+``--list`` prints the configs.
 """
 
 from __future__ import annotations
@@ -37,15 +46,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from workbench import planner  # noqa: E402
-from workbench.config import RunConfig, preset  # noqa: E402
-from workbench.run.reader import read_events  # noqa: E402
-
+GiB = 2**30
 SMALL = {"model.num_layers": 12, "model.hidden_size": 768, "model.num_attention_heads": 12}
 MEDIUM = {"model.num_layers": 24, "model.hidden_size": 1024, "model.num_attention_heads": 16}
+LARGE = {"model.num_layers": 36, "model.hidden_size": 1280, "model.num_attention_heads": 20}
+# Llama-3.2-1B's shape (RoPE: the compiled layer does not apply; the stock layer runs)
+LLAMA_1B = {"model.num_layers": 16, "model.hidden_size": 2048, "model.num_attention_heads": 32,
+            "model.attention_type": "grouped", "model.num_query_groups": 8, "model.ffn_hidden_size": 8192,
+            "model.vocab_size": 128256, "model.seq_length": 2048, "model.max_position_embeddings": 2048,
+            "model.position_embedding": "rope", "model.rotary_base": 500000.0, "model.normalization": "rmsnorm",
+            "model.activation": "swiglu", "model.add_bias_linear": False, "model.tie_embeddings": True,
+            "model.norm_epsilon": 1e-5}
+OFF = {"train.compile_kernels": False}
+NOGRAPHS = {"train.cuda_graphs": False}
 
-# name -> (GPUs, overrides on top of base())
-CONFIGS: dict[str, tuple[int, dict]] = {
+# The earlier matrix (issue 5; 2x H200): name -> (GPUs, overrides on top of base("gpt2-small")), compile off
+# unless named.  `--set 2gpu`.
+TWO_GPU: dict[str, tuple[int, dict]] = {
     "small-tp1-mbs4-compiled": (1, {**SMALL, "train.micro_batch_size": 4, "train.compile_kernels": True}),
     "small-tp1-mbs8": (1, {**SMALL, "train.micro_batch_size": 8}),
     "small-tp1-mbs4-local-attn": (1, {**SMALL, "train.micro_batch_size": 4, "model.attention_backend": "local"}),
@@ -60,168 +77,352 @@ CONFIGS: dict[str, tuple[int, dict]] = {
     "medium-pp2-vpp2-mbs4": (2, {**MEDIUM, "train.micro_batch_size": 4, "parallel.pipeline_parallel": 2,
                                  "parallel.virtual_pipeline_parallel": 2}),
 }
+_TWO_GPU_BASE = {"train.compile_kernels": False}
+
+# One GPU (issue 26), in priority order (the deadline drops the tail): name -> (preset, overrides).
+# The workbench defaults (compile_kernels and cuda_graphs on) unless OFF / NOGRAPHS say otherwise.
+ONE_GPU: dict[str, tuple[str, dict]] = {
+    "g2s-default": ("gpt2-small", {"train.micro_batch_size": 16}),
+    "g2m-default": ("gpt2-medium", {"train.micro_batch_size": 8}),
+    "demo-small": ("demo-small", {}),
+    "llama1b": ("gpt2-small", {**LLAMA_1B, "train.micro_batch_size": 4}),
+    "g2l-default": ("gpt2-large", {"train.micro_batch_size": 8}),
+    "g2s-eager": ("gpt2-small", {"train.micro_batch_size": 16, **OFF}),
+    "g2m-selective": ("gpt2-medium", {"train.micro_batch_size": 8, "parallel.recompute": "selective"}),
+    "g2m-full": ("gpt2-medium", {"train.micro_batch_size": 8, "parallel.recompute": "full"}),
+    "g2l-distopt": ("gpt2-large", {"train.micro_batch_size": 8, "parallel.distributed_optimizer": True}),
+    "demo-small-eager": ("demo-small", {**OFF}),
+    "g2s-nographs": ("gpt2-small", {"train.micro_batch_size": 16, **NOGRAPHS}),
+    "g2m-eager-selective": ("gpt2-medium", {"train.micro_batch_size": 8, "parallel.recompute": "selective", **OFF}),
+    "llama1b-selective": ("gpt2-small", {**LLAMA_1B, "train.micro_batch_size": 4, "parallel.recompute": "selective"}),
+    "g2l-eager-distopt-full": ("gpt2-large", {"train.micro_batch_size": 8, "parallel.distributed_optimizer": True,
+                                              "parallel.recompute": "full", **OFF}),
+    "g2s-eager-full": ("gpt2-small", {"train.micro_batch_size": 16, "parallel.recompute": "full", **OFF}),
+    "llama1b-eager": ("gpt2-small", {**LLAMA_1B, "train.micro_batch_size": 2, **OFF}),
+}
+STEPS = 4  # CUDA graphs: warm-up, recording, two replays
 
 
-def base(device: str = "cuda") -> RunConfig:
-    """GPT-2 shapes (vocab 50257, s=1024, learned positions, tied), bf16, 4 micro-batches per step."""
-    return preset("gpt2-small", **{
-        "data.source": "synthetic", "parallel.device": device, "train.precision": "bf16", "train.train_iters": 4,
-        "train.eval_interval": 0, "train.log_interval": 1, "train.microbatch_timing_interval": 0,
-        "train.compile_kernels": False, "train.lr_warmup_iters": 1, "checkpoint.save_on_exit": False,
-    })
+def _common(device: str) -> dict:
+    return {"data.source": "synthetic", "parallel.device": device, "train.precision": "bf16", "train.train_iters": STEPS,
+            "train.eval_interval": 0, "train.log_interval": 1, "train.microbatch_timing_interval": 0,
+            "train.lr_warmup_iters": 1, "checkpoint.save_on_exit": False}
 
 
-def make_config(name: str, device: str = "cuda", tiny: bool = False) -> tuple[int, RunConfig]:
-    gpus, overrides = CONFIGS[name]
-    ov = dict(overrides)
+def names_of(which: str) -> list[str]:
+    return list(ONE_GPU if which == "1gpu" else TWO_GPU)
+
+
+def make_config(name: str, device: str = "cuda", tiny: bool = False):
+    """(GPUs, RunConfig) of a named config of either set."""
+    from workbench.config import preset
+
+    if name in ONE_GPU:
+        gpus, (base, ov) = 1, ONE_GPU[name]
+        ov = {**ov}
+        micro = 4 if base != "demo-small" else None  # demo-small keeps its preset's batch (16 x 2)
+    else:
+        gpus, ov = TWO_GPU[name]
+        base, ov, micro = "gpt2-small", {**_TWO_GPU_BASE, **ov}, 4
     if tiny:  # script self-check on CPU: same layouts, tiny shapes
-        for k in ("model.num_layers", "model.hidden_size", "model.num_attention_heads"):
-            ov.pop(k, None)
+        keep_h = ov.get("model.num_query_groups")
+        for k in list(ov):
+            if k.startswith("model.") and k not in ("model.attention_type", "model.position_embedding", "model.normalization",
+                                                    "model.activation", "model.add_bias_linear", "model.tie_embeddings",
+                                                    "model.attention_backend"):
+                ov.pop(k)
         ov.update({"model.num_layers": 4, "model.hidden_size": 64, "model.num_attention_heads": 4, "model.seq_length": 64,
-                   "model.max_position_embeddings": 128, "model.vocab_size": 4096, "train.micro_batch_size": 2,
-                   "train.compile_kernels": False})
-    mbs = ov.get("train.micro_batch_size", 4)
+                   "model.max_position_embeddings": 128, "model.vocab_size": 4096, "train.micro_batch_size": 2})
+        if keep_h:
+            ov["model.num_query_groups"] = 2
+    mbs = ov.get("train.micro_batch_size", preset(base).train.micro_batch_size)
     dp = gpus // (ov.get("parallel.tensor_parallel", 1) * ov.get("parallel.pipeline_parallel", 1))
-    ov.update({"parallel.nproc_per_node": gpus, "train.global_batch_size": mbs * dp * 4})
-    return gpus, base(device).replace(**ov)
+    ov.update({"parallel.nproc_per_node": gpus})
+    if micro is not None:
+        ov["train.global_batch_size"] = mbs * dp * micro
+    cfg = preset(base, **{**_common(device), **ov})
+    if name in ONE_GPU:
+        cfg = cfg.replace(name=name)
+    return gpus, cfg
 
 
 def _stamp() -> dict:
     from workbench.provenance import stamp
 
-    return stamp()
+    out = stamp()
+    if os.environ.get("GIT_COMMIT"):
+        out["commit"] = os.environ["GIT_COMMIT"]
+        out["git_commit"] = os.environ["GIT_COMMIT"]
+    return out
 
 
-def launch(name: str, cfg: RunConfig, gpus: int, work: Path, port: int, visible: str | None) -> subprocess.Popen:
+# --------------------------------------------------------------------------- rank side
+
+
+def _pools(torch) -> dict:
+    """Reserved bytes by allocator pool ((0, 0): the default pool; others: CUDA-graph pools) and segment sizes."""
+    pools: dict[str, dict] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = str(tuple(seg.get("segment_pool_id") or (0, 0)))
+        p = pools.setdefault(key, {"reserved": 0, "allocated": 0, "segments": 0, "large_segments": 0, "small_segments": 0})
+        p["reserved"] += int(seg["total_size"])
+        p["allocated"] += int(seg.get("allocated_size", 0))
+        p["segments"] += 1
+        p["large_segments" if seg.get("segment_type") == "large" else "small_segments"] += 1
+    return pools
+
+
+def child(args: argparse.Namespace) -> int:
+    """One rank: the backend's Trainer, with the allocator's peaks recorded per step."""
+    from workbench.config import apply_rank_environment, load_config
+
+    cfg = load_config(args.config)
+    apply_rank_environment(cfg)
+    import torch
+
+    from workbench.backend.train import Trainer, teardown
+
+    run_dir = Path(args.run_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = cfg.parallel.device == "cuda"
+    tr = Trainer(cfg, run_dir)
+    rec: dict = {"rank": rank, "steps": []}
+
+    def mem() -> dict:
+        if not cuda:
+            return {}
+        st = torch.cuda.memory_stats()
+        return {"peak_allocated": int(torch.cuda.max_memory_allocated()), "peak_reserved": int(torch.cuda.max_memory_reserved()),
+                "allocated": int(torch.cuda.memory_allocated()), "reserved": int(torch.cuda.memory_reserved()),
+                "alloc_retries": int(st.get("num_alloc_retries", 0)), "ooms": int(st.get("num_ooms", 0))}
+
+    tr.setup()
+    rec["setup"] = mem()
+    inner = tr.train_step
+
+    def step() -> dict:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()  # per-step windows; the run's peak is their max
+        t0 = time.time()
+        res = inner()
+        if cuda:
+            torch.cuda.synchronize()
+        rec["steps"].append({**mem(), "seconds": round(time.time() - t0, 2)})
+        if len(rec["steps"]) == 1 and cuda:
+            rec["pools_after_step1"] = _pools(torch)
+        return res
+
+    tr.train_step = step
+    code = tr._loop()
+    if cuda:
+        rec["pools"] = _pools(torch)
+        rec["peak_allocated"] = max([s["peak_allocated"] for s in rec["steps"]] + [rec["setup"]["peak_allocated"]])
+        rec["peak_reserved"] = max([s["peak_reserved"] for s in rec["steps"]] + [rec["setup"]["peak_reserved"]])
+        rec["device"] = torch.cuda.get_device_name()
+        rec["kernel_path"] = tr.kernel_path
+    (run_dir / f"memory-rank{rank}.json").write_text(json.dumps(rec))
+    return teardown(code)
+
+
+# --------------------------------------------------------------------------- launcher side
+
+
+def launch(name: str, cfg, gpus: int, work: Path, port: int, visible: str | None) -> subprocess.Popen:
     run_dir = work / name
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-port", str(port),
-           "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "4"}
+           str(Path(__file__).resolve()), "--child", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     log = open(run_dir / "launcher.log", "w")
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def records(name: str, cfg: RunConfig, run_dir: Path, rc: int, seconds: float, stamp: dict) -> list[dict]:
-    events = read_events(run_dir)
-    peaks = planner.measured_peaks(run_dir)
-    reserved: dict[int, int] = {}
-    kernel = {}
-    for ev in events:
-        if ev.get("event") == "step" and ev.get("mem_reserved") is not None:
-            reserved[int(ev["rank"])] = max(reserved.get(int(ev["rank"]), 0), int(ev["mem_reserved"]))
-        if ev.get("event") == "run_start" and int(ev.get("rank", 0)) == 0:
-            kernel = ev.get("kernel_path") or {}
-    common = {"config": name, "overrides": CONFIGS[name][1], "run_config": cfg.to_dict(), "gpus": CONFIGS[name][0],
-              "seconds": round(seconds, 1), "kernel_path": kernel, **stamp}
-    if rc != 0 or (not peaks and cfg.parallel.device == "cuda"):
+def _pct(pred: int, meas: int | None) -> float | None:
+    return None if not meas else round(100.0 * (pred - meas) / meas, 2)
+
+
+def records(name: str, cfg, gpus: int, overrides: dict, run_dir: Path, rc: int, seconds: float, stamp: dict) -> list[dict]:
+    from workbench import planner
+
+    mems = {}
+    for f in sorted(run_dir.glob("memory-rank*.json")):
+        r = json.loads(f.read_text())
+        mems[int(r["rank"])] = r
+    common = {"config": name, "overrides": overrides, "run_config": cfg.to_dict(), "gpus": gpus,
+              "seconds": round(seconds, 1), "kernel_path": (mems.get(0) or {}).get("kernel_path") or {}, **stamp}
+    if mems.get(0, {}).get("device"):
+        common["device"] = mems[0]["device"]
+    cuda = cfg.parallel.device == "cuda"
+    if rc != 0 or len(mems) != gpus or (cuda and not all("peak_allocated" in m for m in mems.values())):
         tail = ""
-        for p in sorted(run_dir.glob("**/*.log")) + sorted((run_dir / "logs").glob("*") if (run_dir / "logs").exists() else []):
+        for p in sorted(run_dir.glob("**/*.log")):
             try:
                 tail += f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
             except OSError:
                 pass
-        errors = [ev.get("message") for ev in events if ev.get("event") == "error"]
-        return [{**common, "status": "failed", "returncode": rc, "errors": errors, "log_tail": tail[-6000:]}]
-    plan = planner.predict(cfg)  # no pandas here: the device's Python may not have it
+        return [{**common, "status": "failed", "returncode": rc, "log_tail": tail[-6000:]}]
+    te = "Transformer Engine" in json.dumps(common["kernel_path"])
+    plan = planner.predict(cfg, assumptions=planner.PlannerAssumptions(transformer_engine=te))
     out = []
     for rk in plan.ranks:
-        r = rk.rank
+        m = mems[rk.rank]
         st = plan.stages[rk.pp_rank]
-        meas = peaks.get(r)
+        alloc, res = m.get("peak_allocated"), m.get("peak_reserved")
+        retries = sum(s.get("alloc_retries", 0) for s in m["steps"])
         out.append({
-            **common, "rank": r, "tp_rank": rk.tp_rank, "pp_rank": rk.pp_rank, "dp_rank": rk.dp_rank,
-            "status": "ok" if peaks else "no_memory_stats (cpu)",
-            "measured_peak": meas, "measured_reserved": reserved.get(r), "predicted": rk.peak_allocated,
-            "predicted_total": rk.total, "predicted_components": st.components, "predicted_phase": st.peak_phase,
+            **common, "rank": rk.rank, "tp_rank": rk.tp_rank, "pp_rank": rk.pp_rank, "dp_rank": rk.dp_rank,
+            "status": ("ok" if not retries else "alloc_retries") if cuda else "no_memory_stats (cpu)",
+            "measured_allocated": alloc, "measured_reserved": res,
+            "measured_peak": alloc,  # the older records' name for the allocated peak
+            "setup": m.get("setup"), "steps": m["steps"], "pools": m.get("pools"), "pools_after_step1": m.get("pools_after_step1"),
+            "predicted_allocated": rk.peak_allocated, "predicted_reserved": rk.peak_reserved, "predicted_total": rk.total,
+            "predicted": rk.peak_allocated, "predicted_components": st.components, "predicted_phase": st.peak_phase,
+            "predicted_reserved_terms": st.reserved_terms, "decides": plan.decides,
             "planner_kernel_path": dataclasses.asdict(plan.kernel_path),
             "megatron_formula": plan.megatron.total, "megatron_formula_kind": plan.megatron.formula,
-            "error_pct": None if not meas else round(100.0 * (rk.peak_allocated - meas) / meas, 2),
-            "megatron_error_pct": None if not meas else round(100.0 * (plan.megatron.total - meas) / meas, 2),
+            "error_allocated_pct": _pct(rk.peak_allocated, alloc), "error_reserved_pct": _pct(rk.peak_reserved, res),
+            "error_pct": _pct(rk.peak_allocated, alloc), "megatron_error_pct": _pct(plan.megatron.total, res),
         })
     return out
 
 
+def _budget_bytes(cfg) -> float:
+    """What a job may take on the shared GPU (generous: the planner is what is being tested)."""
+    from workbench import planner
+
+    plan = planner.predict(cfg, suggest=False)
+    return 1.3 * max(r.peak_reserved for r in plan.ranks) + 2 * GiB
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "evidence/planner_measurements.jsonl"))
-    ap.add_argument("--only", default="", help="comma-separated config names (default: all)")
+    ap.add_argument("--set", default="1gpu", choices=["1gpu", "2gpu"], help="1gpu: issue 26's one-GPU matrix; 2gpu: the earlier 2-GPU matrix")
+    ap.add_argument("--out", default=None, help="JSON lines to append to (default evidence/planner_1gpu.jsonl or planner_measurements.jsonl)")
+    ap.add_argument("--only", default="", help="comma-separated config names (default: all of the set)")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: check the script itself (tiny shapes, gloo)")
     ap.add_argument("--keep", default=None, help="keep run directories here (default: a temp dir, removed)")
+    ap.add_argument("--deadline", type=float, default=0, help="seconds: start no job after 85%% of it, stop running ones at it (0: none)")
+    ap.add_argument("--concurrent", type=int, default=4, help="one-GPU jobs sharing a GPU at once (memory budget permitting)")
+    ap.add_argument("--gpu-bytes", type=float, default=76 * GiB, help="memory budget of one GPU for concurrent jobs")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return child(args)
+    from workbench.config import ConfigError
+
+    every = {**{n: 1 for n in ONE_GPU}, **{n: g for n, (g, _) in TWO_GPU.items()}}
     if args.list:
-        for n, (g, ov) in CONFIGS.items():
-            print(f"{n:32s} {g} GPU(s)  {ov}")
+        for n in names_of(args.set):
+            print(f"{n:32s} {every[n]} GPU(s)  {(ONE_GPU.get(n) or TWO_GPU.get(n))}")
         return 0
-    names = [n for n in (args.only.split(",") if args.only else CONFIGS) if n]
-    unknown = [n for n in names if n not in CONFIGS]
+    names = [n for n in (args.only.split(",") if args.only else names_of(args.set)) if n]
+    unknown = [n for n in names if n not in every]
     if unknown:
         print(f"unknown config(s) {unknown}; --list shows them", file=sys.stderr)
         return 2
     tiny = args.device == "cpu"
     stamp = _stamp()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="planner-measure-"))
-    out = Path(args.out)
+    out = Path(args.out or (ROOT / "evidence" / ("planner_1gpu.jsonl" if args.set == "1gpu" else "planner_measurements.jsonl")))
     out.parent.mkdir(parents=True, exist_ok=True)
     fh = open(out, "a")
     t_all = time.time()
+    overrides = {n: (ONE_GPU[n][1] if n in ONE_GPU else TWO_GPU[n][1]) for n in names}
 
-    def finish(name: str, cfg: RunConfig, proc: subprocess.Popen, t0: float) -> None:
-        rc = proc.wait()
-        recs = records(name, cfg, work / name, rc, time.time() - t0, stamp)
+    def finish(name: str, cfg, gpus: int, rc: int, t0: float) -> None:
+        recs = records(name, cfg, gpus, overrides[name], work / name, rc, time.time() - t0, stamp)
         for rec in recs:
             fh.write(json.dumps(rec) + "\n")
         fh.flush()
-        ok = [r for r in recs if r["status"] == "ok"]
-        if not ok and recs[0]["status"].startswith("no_memory_stats"):
-            print(f"[{time.time() - t_all:6.1f}s] {name}: ran (rc {rc}); CPU has no CUDA memory stats", flush=True)
-            return
-        if ok:
-            errs = ", ".join(f"r{r['rank']} {r['measured_peak'] / 2**30:.2f} GiB meas / {r['predicted'] / 2**30:.2f} pred "
-                             f"({r['error_pct']:+.1f}%; megatron {r['megatron_error_pct']:+.1f}%)" for r in ok)
+        ok = [r for r in recs if r["status"] in ("ok", "alloc_retries")]
+        if recs[0]["status"].startswith("no_memory_stats"):
+            print(f"[{time.time() - t_all:6.1f}s] {name}: ran (rc {rc}); CPU has no CUDA memory stats; planner "
+                  f"{recs[0]['predicted_allocated'] / GiB:.3f} / {recs[0]['predicted_reserved'] / GiB:.3f} GiB", flush=True)
+        elif ok:
+            errs = ", ".join(f"r{r['rank']} alloc {r['measured_allocated'] / GiB:.2f} meas / {r['predicted_allocated'] / GiB:.2f} pred "
+                             f"({r['error_allocated_pct']:+.1f}%), reserved {r['measured_reserved'] / GiB:.2f} / "
+                             f"{r['predicted_reserved'] / GiB:.2f} ({r['error_reserved_pct']:+.1f}%){' RETRIES' if r['status'] != 'ok' else ''}"
+                             for r in ok)
             print(f"[{time.time() - t_all:6.1f}s] {name}: {errs}", flush=True)
         else:
-            print(f"[{time.time() - t_all:6.1f}s] {name}: FAILED (rc {rc}): {recs[0].get('errors')}", flush=True)
+            print(f"[{time.time() - t_all:6.1f}s] {name}: FAILED (rc {rc}):\n{recs[0].get('log_tail', '')[-2500:]}", flush=True)
 
-    singles = [n for n in names if CONFIGS[n][0] == 1]
-    doubles = [n for n in names if CONFIGS[n][0] == 2]
     port = 29611
     n_gpus = 0
     if not tiny:
         import torch
 
         n_gpus = torch.cuda.device_count()
-        if n_gpus < 2 and doubles:
-            print(f"only {n_gpus} GPU(s): skipping the 2-GPU configs {doubles}", flush=True)
-            doubles = []
-    # one-GPU jobs side by side, one per GPU (CPU self-check: one at a time)
-    lanes = [str(i) for i in range(max(n_gpus, 1))] if not tiny else [None]
-    i = 0
-    while i < len(singles):
-        batch = []
-        for lane in lanes:
-            if i >= len(singles):
-                break
-            name = singles[i]
-            gpus, cfg = make_config(name, args.device, tiny)
-            batch.append((name, cfg, launch(name, cfg, gpus, work, port, lane), time.time()))
-            port += 1
-            i += 1
-        for name, cfg, proc, t0 in batch:
-            finish(name, cfg, proc, t0)
-    for name in doubles:
+    singles = [n for n in names if every[n] == 1]
+    multi = [n for n in names if every[n] > 1]
+    if not tiny and multi and n_gpus < 2:
+        print(f"only {n_gpus} GPU(s): skipping the multi-GPU configs {multi}", flush=True)
+        multi = []
+    # one-GPU jobs share the GPUs under a memory budget (CPU self-check: one at a time)
+    lanes = list(range(max(n_gpus, 1)))
+    cap = 1 if tiny else args.concurrent
+    pending = []
+    for n in singles:
+        try:
+            g, cfg = make_config(n, args.device, tiny)
+        except ConfigError as err:
+            print(f"{n}: bad config: {err}", flush=True)
+            continue
+        pending.append((n, g, cfg, 0.0 if tiny else _budget_bytes(cfg)))
+    running: list[tuple] = []  # (name, gpus, cfg, proc, t0, lane, bytes)
+    used = {lane: 0.0 for lane in lanes}
+    late = False
+    while pending or running:
+        elapsed = time.time() - t_all
+        if args.deadline and elapsed > 0.85 * args.deadline and pending:
+            print(f"[{elapsed:6.1f}s] deadline: not starting {[p[0] for p in pending]}", flush=True)
+            pending, late = [], True
+        started = True
+        while started and pending:
+            started = False
+            for i, (n, g, cfg, need) in enumerate(pending):
+                lane = min(lanes, key=lambda ln: used[ln])
+                on_lane = sum(1 for r in running if r[5] == lane)
+                if on_lane < cap and (used[lane] + need <= args.gpu_bytes or on_lane == 0):
+                    proc = launch(n, cfg, g, work, port, None if tiny else str(lane))
+                    port += 1
+                    running.append((n, g, cfg, proc, time.time(), lane, need))
+                    used[lane] += need
+                    pending.pop(i)
+                    started = True
+                    print(f"[{time.time() - t_all:6.1f}s] started {n} (lane {lane}, budget {need / GiB:.1f} GiB)", flush=True)
+                    break
+        time.sleep(1.0)
+        for r in list(running):
+            n, g, cfg, proc, t0, lane, need = r
+            rc = proc.poll()
+            if rc is None and args.deadline and time.time() - t_all > args.deadline:
+                os.killpg(proc.pid, 9)
+                rc = proc.wait()
+                print(f"[{time.time() - t_all:6.1f}s] {n}: killed at the deadline", flush=True)
+            if rc is not None:
+                running.remove(r)
+                used[lane] -= need
+                finish(n, cfg, g, rc, t0)
+    for name in multi:
+        if args.deadline and time.time() - t_all > 0.85 * args.deadline:
+            print(f"deadline: not starting {name}", flush=True)
+            continue
         gpus, cfg = make_config(name, args.device, tiny)
         t0 = time.time()
-        finish(name, cfg, launch(name, cfg, gpus, work, port, None if tiny else "0,1"), t0)
+        proc = launch(name, cfg, gpus, work, port, None if tiny else ",".join(str(i) for i in range(gpus)))
+        finish(name, cfg, gpus, proc.wait(), t0)
         port += 1
     fh.close()
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"wrote {out} in {time.time() - t_all:.0f}s", flush=True)
+    print(f"wrote {out} in {time.time() - t_all:.0f}s{' (deadline cut the set)' if late else ''}", flush=True)
     return 0
 
 
