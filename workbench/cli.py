@@ -290,6 +290,12 @@ def _cmd_notebook_run(args: argparse.Namespace) -> int:
     if res.html:
         print(f"HTML export:       {res.html}")
     print(f"output directory:  {res.out_dir}  ({res.seconds:.0f}s)")
+    try:  # what the notebook changed about its parameters (e.g. a preset replaced on CPU) belongs in the output too
+        note = json.loads((Path(res.out_dir) / "metrics.json").read_text()).get("config_note")
+    except (OSError, ValueError, AttributeError):
+        note = None
+    if note:
+        print(f"config:            {note}")
     if res.error:
         print(f"error: the notebook failed at {res.error}; see the executed notebook above", file=sys.stderr)
         return 1

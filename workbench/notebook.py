@@ -53,7 +53,7 @@ def quickstart_config(preset_name: str = "demo-small", *, tp: int = 1, pp: int =
     gpus = detect_gpus()
     if device not in ("auto", "cuda", "cpu"):
         raise ConfigError([Problem("device", f"unknown device {device!r}", "use auto, cuda or cpu")])
-    device_requested = device
+    device_requested, asked = device, preset_name
     if ci:
         preset_name, device = "tiny", "cpu"
         steps = min(steps or 6, 6)
@@ -96,6 +96,9 @@ def quickstart_config(preset_name: str = "demo-small", *, tp: int = 1, pp: int =
         except Exception:
             pass
     note = f"{cfg.name}: device {device}, tp {tp} x pp {pp}, {nproc} process(es), {cfg.train.train_iters} steps"
+    if preset_name != asked:  # never silently: the output, the notebook and metrics.json say so
+        why = "CI mode" if ci else "device cpu" if device_requested == "cpu" else "no GPU visible"
+        notes.insert(0, f"NOTE: preset {asked!r} was replaced by {preset_name!r} ({why}: CPU emulation trains tiny models only)")
     return cfg, "; ".join([note, *notes])
 
 

@@ -66,6 +66,11 @@ def test_notebook_runs_in_ci_mode(path: Path, tmp_path: Path):
         assert (run_dir / "exit_status.json").exists()
         text = "\n".join(o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", []))
         assert "CPU mode" in text  # says which mode it ran in
+        # the default preset (demo-small) is replaced by tiny in CI / on CPU: said in the notebook,
+        # in metrics.json and in the command's output (issue #24)
+        assert "preset 'demo-small' was replaced by 'tiny'" in text
+        assert "preset 'demo-small' was replaced by 'tiny'" in metrics["config_note"]
+        assert "config:" in proc.stdout and "replaced by 'tiny'" in proc.stdout
         pngs = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
                 if "image/png" in o.get("data", {})]
         assert pngs, "watch() should leave static plots in the executed notebook"
