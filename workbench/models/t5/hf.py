@@ -169,7 +169,6 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
     if not m.tie_embeddings:
         head = take(sd, "lm_head.weight", src) if "lm_head.weight" in sd else shared
         out["output_layer.weight"] = pad_vocab_rows(head, padded)
-        out["lm_head.output_layer.weight"] = out["output_layer.weight"]
     return {k: cast(v).contiguous() for k, v in out.items()}
 
 
@@ -209,7 +208,11 @@ def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any 
                 out[o + ff + "DenseReluDense.wi.weight"] = fc1
             out[o + ff + "DenseReluDense.wo.weight"] = take(sd, s + "mlp.linear_fc2.weight", src)
     if not m.tie_embeddings:
-        out["lm_head.weight"] = take(sd, "output_layer.weight", src)[:V]
+        import torch
+
+        head = take(sd, "output_layer.weight", src)[:V]
+        if not torch.equal(head, out["shared.weight"]):  # equal: HF's save_pretrained leaves the tied copy out too
+            out["lm_head.weight"] = head
     return {k: cast(v).contiguous() for k, v in out.items()}
 
 
@@ -223,7 +226,7 @@ def make_random_hf_model(out: str | Path, model_type: str = "t5", hidden: int = 
     from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(seed)
-    kw = dict(vocab_size=vocab, d_model=hidden, d_kv=d_kv or hidden // heads, d_ff=2 * hidden + 8, num_layers=layers,
+    kw = dict(vocab_size=vocab, d_model=hidden, d_kv=d_kv or hidden // heads, d_ff=2 * hidden + 12, num_layers=layers,
               num_decoder_layers=decoder_layers or layers, num_heads=heads, relative_attention_num_buckets=buckets,
               relative_attention_max_distance=max_distance, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
               decoder_start_token_id=0)

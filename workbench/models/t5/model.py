@@ -23,6 +23,7 @@ runs the encoder alone (generation).  Masks are ``[b, 1, 1, s_enc]`` booleans, T
 from __future__ import annotations
 
 import contextlib
+import copy
 from functools import partial
 from typing import Any, Iterator, Optional
 
@@ -101,10 +102,15 @@ class WorkbenchT5LMHead(MegatronModule):
         super().__init__(config=config)
         self.parallel_output = parallel_output
         self.scale = config.hidden_size ** -0.5 if share_embeddings_and_output_weights else None
-        self.output_layer = tensor_parallel.ColumnParallelLinear(
+        # not a submodule of the head: T5Model registers it once, as ``output_layer`` (one state-dict key)
+        self.__dict__["_output_layer"] = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method, bias=False,
             skip_bias_add=False, gather_output=not parallel_output,
             skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights, tp_group=tp_group)
+
+    @property
+    def output_layer(self) -> Any:
+        return self.__dict__["_output_layer"]
 
     def forward(self, hidden_states: torch.Tensor, word_embeddings_weight: Optional[torch.Tensor]) -> torch.Tensor:
         if self.scale is not None:
@@ -160,8 +166,9 @@ def build(
 ) -> WorkbenchT5Model:
     """One megatron T5Model for this rank (parallel state must be initialised; no pipeline parallelism).
 
-    One TransformerConfig serves both stacks (the layer lists set how many layers each holds), so
-    the trainer's wiring on it (gradient scaling, finalize hooks) reaches both.
+    ``config`` is the model's (the trainer wires gradient scaling and finalize hooks on it); each
+    stack's block gets a shallow copy holding its own ``num_layers`` (megatron's dist-checkpoint
+    keys stack a block's layers to ``config.num_layers``).
     """
     config = config or transformer_config(cfg)
     m = cfg.model
@@ -171,7 +178,7 @@ def build(
     dec = TransformerBlockSubmodules(layer_specs=[decoder_layer_spec(cfg)] * m.decoder_layers, layer_norm=norm)
     model = WorkbenchT5Model(
         config=config,
-        encoder_config=config,
+        encoder_config=_with_layers(config, m.num_layers),
         transformer_encoder_layer_spec=enc,
         transformer_decoder_layer_spec=dec,
         vocab_size=derive(cfg).padded_vocab_size,
@@ -183,6 +190,14 @@ def build(
         relative_attention_num_buckets=m.relative_attention_num_buckets,
         relative_attention_max_distance=m.relative_attention_max_distance,
     )
+    if model.decoder is not None:
+        model.decoder.config = _with_layers(config, m.decoder_layers)
     if cfg.parallel.device == "cuda" and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _with_layers(config: TransformerConfig, n: int) -> TransformerConfig:
+    out = copy.copy(config)
+    out.num_layers = n
+    return out
