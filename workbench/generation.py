@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from workbench.config import ConfigError, GenerationConfig, Problem
 from workbench.models import family_of
 from workbench.launch import run_supervised
-from workbench.run.checkpoint import CheckpointInfo, checkpoint_info, resolve_tokenizer, special_ids  # noqa: F401
+from workbench.run.checkpoint import CheckpointInfo, checkpoint_info, resolve_tokenizer, special_ids, tokenizer_size  # noqa: F401
 from workbench.run.files import write_json_atomic
 
 __all__ = [
@@ -91,6 +91,13 @@ def prepare_request(info: CheckpointInfo, prompts: Sequence[str] | None, gen: Ge
             problems.append(Problem("ckpt", f"{info.path} records no tokenizer", "pass prompt token ids, or save the tokenizer with the checkpoint"))
             raise ConfigError(problems)
         ids = [list(tokenizer.encode(p)) if p.strip() else [] for p in texts]
+        n_tok = tokenizer_size(tokenizer)
+        if n_tok is not None and n_tok < m.vocab_size:  # said before anything runs, not discovered as empty text
+            import warnings
+
+            warnings.warn(f"the checkpoint's tokenizer ({getattr(tokenizer, 'name', type(tokenizer).__name__)}) has {n_tok} tokens "
+                          f"but the model {m.vocab_size}: generated ids >= {n_tok} have no text and show as <id:N> "
+                          f"-> use the model's own tokenizer", UserWarning, stacklevel=2)
     else:
         ids = [[int(t) for t in p] for p in prompt_ids]
         if not ids:

@@ -544,7 +544,9 @@ class InferenceEngine:
         for p, (toks, reason, lps, score) in zip(prompts, decoded or [([], "length", None, None)] * len(prompts)):
             text = None
             if decode_text and self.tokenizer is not None and decoded is not None:
-                text = self.tokenizer.decode(toks)
+                from workbench.run.checkpoint import decode_visible
+
+                text = decode_visible(self.tokenizer, toks)  # ids past the tokenizer show as <id:N>, not as nothing
             outs.append(GenerationOutput(prompt_ids=p, token_ids=toks, text=text, finish_reason=reason,
                                          log_probs=lps, score=score))
         return outs
@@ -720,6 +722,11 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     load_checkpoint(path, [model], load_optimizer=False)
     tok = _load_tokenizer(Path(path))
     ids = special_ids(tok)
+    from workbench.models import family_of
+
+    family = family_of(cfg)
+    if family.generation_engine:  # e.g. T5: encoder once, decoder with self- and cross-attention caches
+        return family.part(family.generation_engine).make_engine(model, cfg, tok, ids, cuda_graphs=cuda_graphs)
     return InferenceEngine(model, vocab_size=cfg.model.vocab_size, max_positions=cfg.model.max_position_embeddings,
                            tokenizer=tok, eos_id=ids["eos"], bos_id=ids["bos"], pad_id=ids["pad"], cuda_graphs=cuda_graphs)
 

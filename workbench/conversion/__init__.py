@@ -60,7 +60,10 @@ def _report(res: Any) -> None:
         print(f"  config:     {res.config_path}  (tp={c.tensor_parallel} pp={c.pipeline_parallel}"
               f"{f' vpp={c.virtual_pipeline_parallel}' if c.virtual_pipeline_parallel else ''}, finetune from this checkpoint)")
     for n in res.notes:
-        print(f"  note: {n}")
+        if n.startswith("WARNING: "):  # loud: stderr, where a script or a person sees it
+            print(f"warning: {n[len('WARNING: '):]}", file=sys.stderr)
+        else:
+            print(f"  note: {n}")
 
 
 def _print_structure(path: str) -> None:

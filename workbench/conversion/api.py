@@ -141,12 +141,39 @@ def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, full_sd: dict, itera
 
     tok_ok = _copy_tokenizer(tokenizer_src, tmp / "tokenizer")
     tok_spec = str(final / "tokenizer") if tok_ok else None
+    notes = _tokenizer_notes(tmp / "tokenizer" if tok_ok else None, tokenizer_src, cfg)
     cfg = _finish_config(cfg, final, tok_spec)
+    if not tok_ok:  # never the base config's tokenizer (e.g. the 4,096-token demo) on another model's vocabulary
+        cfg = cfg.replace(**{"data.tokenizer": ""})
     with single_process_group():
         ckpt = save_full_state_dict(tmp, iteration, full_sd, cfg, dtype=dtype, tokenizer=tok_spec, extra={"source": source})
     (tmp / CONFIG_FILE).write_text(cfg.to_json())
     return ConversionResult(output=final, checkpoint=final / ckpt.name, config=cfg, config_path=final / CONFIG_FILE,
-                            files=sorted(p.name for p in tmp.iterdir()))
+                            files=sorted(p.name for p in tmp.iterdir()), notes=notes)
+
+
+def _tokenizer_notes(tok_dir: Path | None, src: Path | None, cfg: RunConfig) -> list[str]:
+    """The tokenizer must fit the model: one with more ids than the model's vocabulary is refused, one
+    with fewer (or none at all) is carried with a loud warning (and printed to stderr by the CLI)."""
+    vocab = cfg.model.vocab_size
+    if tok_dir is None:
+        return [f"WARNING: no tokenizer files in {src}: the checkpoint records no tokenizer and data.tokenizer is "
+                f"left empty (the model has {vocab} tokens) -> copy the model's tokenizer.json (or vocab.json + "
+                f"merges.txt) into <out>/tokenizer/ and set data.tokenizer to it; until then generation needs prompt token ids"]
+    from workbench.data.errors import DataError
+    from workbench.data.tokenizer import load_tokenizer
+
+    try:
+        n = load_tokenizer(str(tok_dir)).vocab_size
+    except DataError as e:
+        raise ConversionError(f"{src}: its tokenizer files cannot be loaded ({e.problem}) -> fix or remove them") from None
+    if n > vocab:
+        raise ConversionError(f"{src}: the tokenizer has {n} tokens but the model's vocabulary is {vocab}: ids >= {vocab} "
+                              f"have no embedding -> use the model's own tokenizer")
+    if n < vocab:
+        return [f"WARNING: the tokenizer has {n} tokens, the model {vocab}: generated ids >= {n} have no text "
+                f"(generation shows them as <id:N>) -> check that this is the model's tokenizer"]
+    return []
 
 
 # --------------------------------------------------------------------------- HF -> megatron

@@ -253,6 +253,37 @@ def resolve_tokenizer(info: CheckpointInfo):
     return load_tokenizer(spec)
 
 
+def tokenizer_size(tok: Any) -> int | None:
+    """How many ids a workbench or HF tokenizer can decode (None when unknown)."""
+    if tok is None:
+        return None
+    try:
+        return int(tok.vocab_size) if hasattr(tok, "has_eod") else len(tok)
+    except (TypeError, AttributeError):
+        return getattr(tok, "vocab_size", None)
+
+
+def decode_visible(tok: Any, ids: list[int]) -> str:
+    """Text of ``ids``; an id the tokenizer has no token for shows as ``<id:N>``, never as nothing
+    (a model whose vocabulary is larger than its tokenizer's would otherwise print empty text)."""
+    n = tokenizer_size(tok)
+    if n is None or all(i < n for i in ids):
+        return tok.decode(ids)
+    out: list[str] = []
+    run: list[int] = []
+    for i in ids:
+        if i < n:
+            run.append(i)
+            continue
+        if run:
+            out.append(tok.decode(run))
+            run = []
+        out.append(f"<id:{i}>")
+    if run:
+        out.append(tok.decode(run))
+    return "".join(out)
+
+
 def special_ids(tok: Any) -> dict[str, int | None]:
     """EOS / BOS / PAD ids of a workbench or HF tokenizer (None when absent)."""
     if tok is None:
