@@ -5,7 +5,13 @@ at module level and never touches CUDA: it builds configs, plans memory, simulat
 schedules, launches ``torchrun`` and follows the event stream.
 """
 
-from workbench.kernels import guard_transformer_engine
+from workbench.run.procs import guard_rank
+
+# A rank of a supervised run dies with its torchrun, and no process of a run outlives its
+# supervisor (a no-op outside a run: see workbench/run/procs.py).
+guard_rank()
+
+from workbench.kernels import guard_transformer_engine  # noqa: E402
 
 # A Transformer Engine that is installed but broken would fail megatron-core's own import (and
 # with it the whole backend): found and hidden here, before anything can import megatron-core.

@@ -16,6 +16,9 @@ and a crashed or restarted kernel must not leave GPU processes behind.  So a run
   ranks re-parent to it), watches the launching process and kills the whole process tree
   when that disappears, kills the job when a rank reported an ``error`` event but the job
   did not tear down, and writes ``<run_dir>/exit_status.json`` (:func:`write_exit_status`).
+  It records torchrun and the ranks (PIDs with create times) in ``launch.json``, and the job
+  cannot outlive it: torchrun and the ranks die with it even when it is SIGKILLed
+  (:mod:`workbench.run.procs`).
 
 No megatron-core or torch here; psutil is imported lazily.
 """
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from workbench.config import ConfigError, Problem, RunConfig
+from workbench.run import procs
 from workbench.run.files import read_json, write_json_atomic
 from workbench.run.reader import RunReader
 
@@ -409,21 +413,36 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on_signal)
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)  # inherits our stdout (launcher.log)
+    # torchrun dies with us (even of a SIGKILL), and its ranks die with it (procs.guard_rank)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{procs.SUPERVISOR_ENV: procs.supervisor_token()})
+    child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,  # inherits our stdout (launcher.log)
+                             preexec_fn=procs.die_with_parent(signal.SIGKILL))
     launch_json = run_dir / "launch.json"
-    meta = read_json(launch_json) or {}
-    meta.update(torchrun_pid=child.pid)
-    write_json_atomic(launch_json, meta)
+    recorded: dict[tuple[int, float], dict] = {}
+
+    def record(tree: list, first: bool = False) -> None:
+        """launch.json's process records (for Run.stop without a supervisor): every process ever seen."""
+        new = [r for r in procs.describe(tree, child.pid) if (r["pid"], r["create_time"]) not in recorded]
+        if not new and not first:
+            return
+        recorded.update({(r["pid"], r["create_time"]): r for r in new})
+        meta = read_json(launch_json) or {}
+        meta.update(torchrun_pid=child.pid, torchrun_create_time=_create_time(child.pid), processes=list(recorded.values()))
+        write_json_atomic(launch_json, meta)
 
     reader = RunReader(run_dir)
     error_seen_at: float | None = None
     me = psutil.Process()
+    record([], first=True)
     rc: int | None = None
+    polls = 0
     while True:
         rc = child.poll()
         if rc is not None:
             break
+        if polls % 5 == 0:  # about once a second
+            record(_tree(me))
+        polls += 1
         if not stop_reason and watch_pid and (os.getppid() != watch_pid or not psutil.pid_exists(watch_pid)):
             stop_reason.append("kernel-exited")
             print(f"[supervisor] launching process {watch_pid} is gone: stopping the run", flush=True)

@@ -32,6 +32,7 @@ from workbench.launch import (
     BACKEND_ENTRY, STATUSES, LaunchPlan, _alive, _proc, _signal_all, _tree, apply_overrides, start_run, write_exit_status,
 )
 from workbench.run.events import Event
+from workbench.run.procs import live_recorded
 from workbench.run.reader import RunReader
 
 __all__ = ["Run", "Failure"]
@@ -156,14 +157,22 @@ class Run:
         pid = meta.get("supervisor_pid")
         return _proc(int(pid), meta.get("supervisor_create_time")) if pid else None
 
+    def _recorded(self) -> list:
+        """Live processes that ``launch.json`` records for this run (torchrun, ranks; create times checked)."""
+        if self._popen is not None and self._popen.poll() is None:
+            return []  # our own supervisor is running: its tree is the truth
+        return live_recorded(self.launch_info)
+
     def is_alive(self) -> bool:
-        """True while the run's supervisor (and so torchrun / the ranks) is running."""
-        return self._supervisor() is not None
+        """True while the run's supervisor, or any process ``launch.json`` records for it, is running."""
+        return self._supervisor() is not None or bool(self._recorded())
 
     def processes(self) -> list:
         """psutil.Process objects of the run that are alive now (supervisor, torchrun, ranks)."""
         sup = self._supervisor()
-        return [sup, *_tree(sup)] if sup is not None else []
+        found = [sup, *_tree(sup)] if sup is not None else []
+        pids = {p.pid for p in found}
+        return found + [p for p in self._recorded() if p.pid not in pids]
 
     # ---- events
     def refresh(self) -> int:
@@ -242,7 +251,12 @@ class Run:
         self._stop_requested = True
         sup = self._supervisor()
         if sup is None:
+            orphans = self._recorded()  # the supervisor is gone (killed) but processes of the run live on
+            if orphans:
+                self._stop_orphans(orphans, grace)
             self._reap()
+            if orphans and not self.exit_status:
+                write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"))
             return self.status
         snapshot = [sup, *_tree(sup)]
         # Only the supervisor is signalled: it SIGTERMs torchrun, which SIGTERMs each rank once (see
@@ -259,10 +273,27 @@ class Run:
                 pass
             _signal_all(leftovers, signal.SIGKILL)
             psutil.wait_procs(leftovers, timeout=5)
+        orphans = live_recorded(self.launch_info)  # anything the supervisor recorded and did not take down
+        if orphans:
+            self._stop_orphans(orphans, 0.0)
         self._reap()
         if not self.exit_status:
             write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"))
         return self.status
+
+    @staticmethod
+    def _stop_orphans(procs: list, grace: float) -> None:
+        """Stop processes of a run whose supervisor is gone: SIGTERM torchrun (it forwards one SIGTERM
+        to each rank) or, without it, the ranks; SIGKILL whatever is left after ``grace``."""
+        import psutil
+
+        torchrun = [p for p in procs if (getattr(p, "info", None) or {}).get("role") == "torchrun"]
+        _signal_all(torchrun or procs, signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=max(grace, 0.0))
+        alive = [p for p in alive if _alive(p)]
+        if alive:
+            _signal_all(alive, signal.SIGKILL)
+            psutil.wait_procs(alive, timeout=5)
 
     # ---- failures and logs
     def rank_log(self, rank: int, stream: str = "stderr") -> Path | None:
