@@ -722,6 +722,11 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     load_checkpoint(path, [model], load_optimizer=False)
     tok = _load_tokenizer(Path(path))
     ids = special_ids(tok)
+    from workbench.models import family_of
+
+    family = family_of(cfg)
+    if family.generation_engine:  # e.g. T5: encoder once, decoder with self- and cross-attention caches
+        return family.part(family.generation_engine).make_engine(model, cfg, tok, ids, cuda_graphs=cuda_graphs)
     return InferenceEngine(model, vocab_size=cfg.model.vocab_size, max_positions=cfg.model.max_position_embeddings,
                            tokenizer=tok, eos_id=ids["eos"], bos_id=ids["bos"], pad_id=ids["pad"], cuda_graphs=cuda_graphs)
 

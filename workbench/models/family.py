@@ -78,6 +78,9 @@ class Family:
     #: family-specific data checks a launcher runs before any process starts (light: tokenizer
     #: files, ``.idx`` headers and sidecars, never torch): cfg -> [(field, rule, fix)]
     data_rules: Callable[[Any], list[tuple[str, str, str]]] = lambda cfg: []
+    #: the part whose ``make_engine(model, cfg, tokenizer, special_ids, cuda_graphs)`` generates for this
+    #: family (None: the decoder-only engine of :mod:`workbench.backend.inference`)
+    generation_engine: str | None = None
 
     def part(self, name: str) -> ModuleType:
         """One of the family's modules (``model``, ``step``, ``data``, ``hf``), imported on first use."""

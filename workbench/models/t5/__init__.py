@@ -99,4 +99,5 @@ FAMILY = Family(
     presets=PRESETS,
     rules=rules,
     data_rules=data_rules,
+    generation_engine="generate",
 )
