@@ -6,20 +6,28 @@ and updates widgets in place (status line, progress bar with ETA, training figur
 pipeline-schedule figure as PNG ``Image`` widgets, log tail, failure box).  Widget state
 changes are sent from that thread over the kernel's IOPub channel, which is thread-safe.
 
-:func:`watch` blocks until the run ends: live it shows the dashboard; headless (papermill,
-plain Python) it prints a progress bar and finishes with static PNG plots, so the executed
-notebook and its HTML export carry the figures.  Interrupting the kernel during ``watch``
-stops the run.
+:func:`watch` waits until the run ends, so the notebook's next cells see a finished run:
+live it shows the dashboard; headless (papermill, plain Python) it prints a progress bar and
+finishes with static PNG plots, so the executed notebook and its HTML export carry the
+figures.  Interrupting the kernel during ``watch`` stops the run.
+
+Why the buttons work while ``watch`` waits: a click is a comm message on the kernel's shell
+channel, which the kernel reads only between cells, so a cell that sleeps would queue every
+click until it ends.  Live, ``watch`` therefore waits by serving the kernel's pending shell
+messages (``jupyter-ui-poll``: comm messages such as the stop and stacks buttons run at once,
+cells queued meanwhile run after this one).  ``watch(run, until_done=False)`` returns at once
+instead and leaves the dashboard running on its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import sys
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from workbench.plots.training import figure_png, frames_from_run, training_figure
 
@@ -54,6 +62,39 @@ def planner_memory(cfg) -> Mapping[int, float] | float | None:
     ranks = getattr(plan, "ranks", None) or []
     out = {int(r.rank): float(r.peak_allocated) for r in ranks if getattr(r, "peak_allocated", None) is not None}
     return out or None
+
+
+@contextlib.contextmanager
+def ui_events() -> Iterator[Callable[[int], Any] | None]:
+    """In a live kernel: a function that serves the kernel's pending shell messages (widget clicks)
+    while a cell waits (``jupyter_ui_poll.ui_events``); None elsewhere (no kernel, or no jupyter-ui-poll)."""
+    try:
+        from IPython import get_ipython
+        from jupyter_ui_poll import ui_events as _ui_events
+
+        shell = get_ipython()
+        if shell is None or getattr(shell, "kernel", None) is None:
+            raise LookupError("not in a kernel")
+        ctx = _ui_events()
+    except Exception:
+        yield None
+        return
+    with ctx as poll:
+        yield poll
+
+
+def _wait(seconds: float, poll: Callable[[int], Any] | None) -> None:
+    """Sleep ``seconds``; in a live kernel serve widget messages every 50 ms meanwhile."""
+    if poll is None:
+        time.sleep(seconds)
+        return
+    end = time.time() + seconds
+    while True:
+        poll(20)
+        left = end - time.time()
+        if left <= 0:
+            return
+        time.sleep(min(0.05, left))
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -211,9 +252,11 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
           timeout: float | None = None, show: bool = True) -> str:
     """Follow a run until it ends and show its plots; returns the final status.
 
-    live (default: auto): the ipywidgets dashboard updating in place.  Headless: a text
-    progress bar, the failure (rank + traceback) if any, then static PNG figures.
-    A kernel interrupt (or Ctrl-C) while waiting stops the run.
+    live (default: auto): the ipywidgets dashboard updating in place; its stop and stacks
+    buttons work while this waits (the kernel's widget messages are served meanwhile).
+    ``until_done=False``: show the dashboard and return at once.  Headless: a text progress
+    bar, the failure (rank + traceback) if any, then static PNG figures.  A kernel interrupt
+    (or Ctrl-C) while waiting stops the run.
     """
     from tqdm import tqdm
 
@@ -230,7 +273,9 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
     total = run.config.train.train_iters if run.config else None
     bar = None if live else tqdm(total=total, desc=run.run_dir.name, unit="it", file=sys.stdout, mininterval=5.0,
                                  disable=not show)
+    ui = contextlib.ExitStack()
     try:
+        poll = ui.enter_context(ui_events()) if live else None
         while True:
             st = run.status
             if bar is not None:
@@ -243,11 +288,12 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
                 print(f"watch: timeout after {timeout}s; stopping the run", flush=True)
                 run.stop()
                 break
-            time.sleep(interval)
+            _wait(interval, poll)
     except KeyboardInterrupt:
         print("interrupted: stopping the run", flush=True)
         run.stop()
     finally:
+        ui.close()
         if bar is not None:
             bar.close()
     st = run.wait(timeout=30)
