@@ -19,12 +19,19 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.mlp import MLP
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from workbench import kernels
 from workbench.backend import fusions
+from workbench.backend.attention import SDPAttention
 from workbench.backend.norms import WorkbenchNorm
 from workbench.config import RunConfig, pipeline_stage_layers
 from workbench.kernels import SELECTIVE_RECOMPUTE
@@ -35,6 +42,7 @@ __all__ = [
     "transformer_config",
     "layer_class",
     "norm_module",
+    "self_attention_layer_spec",
     "build_model",
     "kernel_path",
     "attention_impl",
@@ -200,6 +208,44 @@ def norm_module(cfg: RunConfig, choice: kernels.KernelChoice) -> Any:
 
         return FusedLayerNorm
     return WorkbenchNorm
+
+
+def self_attention_layer_spec(cfg: RunConfig, choice: kernels.KernelChoice, mask_type: Any) -> ModuleSpec:
+    """A pre-norm self-attention + dense-MLP layer on the kernels of ``choice``: megatron's
+    Column/RowParallelLinear, the workbench's SDPA (or stock) core attention and norms, and the
+    layer class the rule picks; ``mask_type`` is megatron's ``AttnMaskType`` (causal, padding).
+
+    The ``sharded_state_dict_keys_map`` is stock megatron's, so checkpoints are interchangeable
+    with megatron's local and TE specs.  Families with a TE spec of their own return that
+    themselves when ``choice.attention == "te"``.
+    """
+    norm = norm_module(cfg, choice)
+    core = SDPAttention if choice.attention == "sdpa" else DotProductAttention
+    return ModuleSpec(
+        module=layer_class(choice),
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": mask_type},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=core,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=partial(RecomputedMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
 
 
 def build_model(

@@ -25,30 +25,23 @@ with ``--spec local``; nothing here imports TE unless the rule chose it.
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from typing import Any, Iterator, Optional
 
 import torch
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.bert import bert_model as _bert_model
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.bert.pooler import Pooler
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 from megatron.core.transformer.utils import get_linear_layer
 
 from workbench import kernels
 from workbench.backend.attention import SDPAttention
-from workbench.backend.model import RecomputedMLP, layer_class, norm_module, transformer_config
+from workbench.backend.model import norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
 
 __all__ = ["layer_spec", "block_spec", "build", "WorkbenchBertModel", "WorkbenchBertLMHead"]
@@ -61,33 +54,7 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
         from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
 
         return get_bert_layer_with_transformer_engine_spec()
-    norm = norm_module(cfg, choice)
-    core = SDPAttention if choice.attention == "sdpa" else DotProductAttention
-    return ModuleSpec(
-        module=layer_class(choice),
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.padding},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=core,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=partial(RecomputedMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
-        ),
-    )
+    return self_attention_layer_spec(cfg, choice, AttnMaskType.padding)
 
 
 def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:

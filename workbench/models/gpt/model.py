@@ -18,27 +18,18 @@ Every kernel slot (attention, layer class, norm) comes from :func:`workbench.ker
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import Optional
 
 import torch
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from workbench import kernels
-from workbench.backend.attention import SDPAttention
-from workbench.backend.model import RecomputedMLP, layer_class, norm_module, transformer_config
+from workbench.backend.model import norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
 
 __all__ = ["layer_spec", "block_spec", "build"]
@@ -55,11 +46,9 @@ if not any(isinstance(f, _DropGPTDeprecation) for f in _gpt_logger.filters):
 
 
 def layer_spec(cfg: RunConfig) -> ModuleSpec:
-    """The transformer-layer spec: TE spec when the rule picks TE, else megatron linears + workbench attention/norms.
-
-    The ``sharded_state_dict_keys_map`` is stock megatron's, so checkpoints are interchangeable
-    between the local and the TE spec.
-    """
+    """The transformer-layer spec: TE's GPT spec when the rule picks TE, megatron's local spec for
+    ``attention_backend: local``, else the workbench's causal self-attention layer
+    (:func:`workbench.backend.model.self_attention_layer_spec`)."""
     choice = kernels.choose(cfg)
     if choice.attention == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -68,33 +57,7 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
     if choice.norm == "torch":
         # the stock spec as-is (torch norms) when the user asked for stock behaviour
         return get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
-    norm = norm_module(cfg, choice)
-    core = SDPAttention if choice.attention == "sdpa" else DotProductAttention
-    return ModuleSpec(
-        module=layer_class(choice),
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=core,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=partial(RecomputedMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-            mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
-        ),
-    )
+    return self_attention_layer_spec(cfg, choice, AttnMaskType.causal)
 
 
 def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
