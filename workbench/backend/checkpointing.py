@@ -108,6 +108,79 @@ def _model_sharded_sd(chunks: Sequence[Any]) -> dict[str, Any]:
     return {key: _unwrap(c).sharded_state_dict() for key, c in zip(_model_keys(len(chunks)), chunks)}
 
 
+class CheckpointSaveError(OSError):
+    """A save that could not be completed (disk full, file size limit, a rank lost); the previous checkpoint
+    and ``latest`` are untouched (the iteration directory is only renamed into place once complete)."""
+
+
+def _root_cause(e: BaseException) -> str:
+    """The OSError under a torch checkpoint exception (e.g. ``[Errno 28] No space left on device``), else ``e``."""
+    seen: list[BaseException] = []
+    stack: list[Any] = [e]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, BaseException) or x in seen:
+            continue
+        seen.append(x)
+        if isinstance(x, OSError):
+            return f"{type(x).__name__}: {x}"
+        stack += [x.__cause__, x.__context__, *getattr(x, "args", ())]
+        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint.CheckpointException: rank -> error
+        if isinstance(failures, dict):
+            stack += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+    text = str(e)
+    return f"{type(e).__name__}: {text[:400]}"
+
+
+def _space_note(root: Path) -> str:
+    """Free space and this process's file size limit: megatron's writer workers drop the OSError itself."""
+    parts = []
+    try:
+        parts.append(f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free on {root}")
+    except OSError:
+        pass
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if soft != resource.RLIM_INFINITY:
+            parts.append(f"file size limit {soft} bytes (ulimit -f)")
+    except (ImportError, OSError, ValueError):
+        pass
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _fault_point(where: str, iteration: int) -> None:
+    """Fault injection for the data-safety tests; nothing happens unless ``WORKBENCH_FAULT`` is set.
+
+    ``WORKBENCH_FAULT="<where>:<iteration>:<rank>:sleep=<s>"`` makes that rank sleep at that point of
+    ``save_checkpoint`` (``save``: before writing, ``saved``: after its shards are written, before the
+    rename), so a test can SIGKILL it mid-save; ``...:fsize=<bytes>`` caps the size of every file the rank
+    writes from then on (``RLIMIT_FSIZE``; writes past it fail with EFBIG, as on a full disk).
+    """
+    spec = os.environ.get("WORKBENCH_FAULT")
+    if not spec:
+        return
+    w, it, rank, action = spec.split(":", 3)
+    if w != where or int(it) != int(iteration) or int(rank) != _rank():
+        return
+    import sys
+
+    kind, _, value = action.partition("=")
+    print(f"[workbench] fault injection: rank {rank} (pid {os.getpid()}) {kind}={value} at {where} of iteration {it}",
+          file=sys.stderr, flush=True)
+    if kind == "sleep":
+        import time
+
+        time.sleep(float(value))
+    elif kind == "fsize":
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -296,8 +369,21 @@ def save_checkpoint(
     sharded["workbench_extra"] = dict(extra or {})
     sharded["iteration"] = int(iteration)
 
-    with _cpu_save_compat():
-        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=TorchDistSaveShardedStrategy())
+    try:
+        _fault_point("save", iteration)
+        with _cpu_save_compat():
+            dist_checkpointing.save(sharded, str(tmp), sharded_strategy=TorchDistSaveShardedStrategy())
+        _fault_point("saved", iteration)
+    except BaseException as e:  # a full disk, a file size limit, a lost rank: said plainly, the last good one named
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):  # (torch's CheckpointException is a BaseException)
+            raise
+        tracker = root / TRACKER_FILE
+        last = tracker.read_text().strip() if tracker.is_file() else None
+        cause = _root_cause(e) + _space_note(root)
+        raise CheckpointSaveError(f"{root}: saving the checkpoint of iteration {iteration} failed on rank {_rank()}: {cause} -> "
+                              f"free disk space (or raise the file size limit) and resume; "
+                              + (f"the last complete checkpoint (iteration {last}) is intact and still the latest"
+                                 if last else "no earlier checkpoint exists")) from e
     _barrier()
 
     if _rank() == 0:
