@@ -44,6 +44,11 @@ def _preprocess(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: no new .idx was written (the previous dataset, if any, is untouched)", file=sys.stderr)
         return 130
+    except OSError as e:  # out of disk, a file size limit, a read-only directory
+        print(f"error: writing {args.output_prefix}.bin/.idx failed: {e} -> free disk space (or choose another "
+              f"--output-prefix) and run again; nothing was written there (the previous dataset, if any, is untouched)",
+              file=sys.stderr)
+        return 1
     print(json.dumps(summary.to_dict()) if args.json else summary)
     return 0
 

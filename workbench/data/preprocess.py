@@ -156,6 +156,28 @@ def _tmp(path: str) -> str:
     return f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
 
 
+def _remove_stale_tmp(*finals: str) -> None:
+    """Temporary files of a run on this host that was killed (SIGKILL, power loss: no ``finally``)."""
+    import glob
+    import socket
+
+    host = socket.gethostname()
+    for final in finals:
+        for f in glob.glob(glob.escape(f"{final}.tmp-{host}-") + "*"):
+            pid = f.rsplit("-", 1)[-1]
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                try:
+                    os.remove(f)
+                except OSError:
+                    pass
+            except PermissionError:
+                pass  # alive, someone else's
+
+
 def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Path, tokenizer: "str | Tokenizer" = "demo",
                json_key: str = "text", append_eod: bool = True, workers: int = 1, split_docs: SplitDocs = "blank-line",
                invalid_utf8: InvalidPolicy = "replace", model_vocab_size: int | None = None,
@@ -185,6 +207,7 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
 
     bin_final, idx_final, side_final = prefix + ".bin", prefix + ".idx", str(Path(prefix + ".workbench.json"))
     bin_tmp, idx_tmp, side_tmp = _tmp(bin_final), _tmp(idx_final), _tmp(side_final)
+    _remove_stale_tmp(bin_final, idx_final, side_final)
     stats = ReadStats()
     total_bytes = sum(uncompressed_size(p) for p in paths)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"preprocess {Path(prefix).name}", disable=not progress)
