@@ -246,7 +246,7 @@ class StagePlan:
     inflight_microbatches: float  # stage-equivalent micro-batches of activations held at peak
     components: dict[str, int]  # at the peak moment; sums to peak_allocated
     peak_allocated: int
-    peak_phase: Literal["forward_backward", "optimizer_step"]
+    peak_phase: Literal["forward_backward", "optimizer_step", "cuda_graph_warmup"]
     phases: dict[str, int]  # allocated peak of each phase
     overheads: dict[str, int]
     total: int  # peak_reserved + CUDA context + NCCL: what the device must hold
@@ -354,21 +354,26 @@ def _round_up(n: float, unit: int) -> int:
     return int(math.ceil(n / unit) * unit)
 
 
-def _reserved_terms(sh: Any, kp: KernelPath, a: PlannerAssumptions, allocated: int, graph_layers: float,
-                    backward: float, head: float) -> dict[str, float]:
-    """What ``max_memory_reserved`` holds beyond the allocated peak, by cause (bytes).
+def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moments: float, largest: float,
+                    graph_pool: float) -> dict[str, float]:
+    """``torch.cuda.max_memory_reserved`` by cause (bytes); their sum is the reserved peak.
 
-    * ``cuda_graph_pool``: with CUDA graphs the compiled layers' warm-up, recording and replays
-      run in the cudagraph trees' private pool.  Replays allocate nothing, so the layers'
-      activations and their backward working set stay *reserved* in that pool while the
-      default pool serves the eager rest (embedding, loss, optimizer) with its own cached
-      segments: the two pools' peaks add.
-    * ``fragmentation``: cached but unusable space in the default pool.
+    * ``default_pool``: the default pool's allocated peak (CUDA graphs: without the graphed
+      layers), rounded to the allocator's 2 MiB large segments.
+    * ``stranded_by_adam_state``: Adam's moments are created at the end of the first step, in
+      the blocks that step's transients just freed.  When they are smaller than the largest
+      transient buffer (the logits: bf16 with the compiled cross-entropy, the fp32 up-cast
+      with megatron's), they split that block and the next step needs a new segment of its
+      size: ``largest - moments`` stays reserved and unusable (GPT-2 small on one H100:
+      2.2 GiB with megatron's cross-entropy, 0.6 GiB with the compiled one, measured).
+    * ``cuda_graph_pool``: the cudagraph trees' private pool: the graphed layers' kept tensors
+      of one step plus one layer's backward working set (what the warm-up and recording
+      allocated there); replays reuse it.  It adds to the default pool's peak.
     """
-    terms: dict[str, float] = {}
-    if graph_layers:
-        terms["cuda_graph_pool"] = graph_layers + backward
-    terms["fragmentation"] = a.fragmentation * allocated
+    terms = {"default_pool": float(_round_up(default_alloc, _SEGMENT)),
+             "stranded_by_adam_state": float(_round_up(max(0.0, largest - moments), _SEGMENT))}
+    if graph_pool:
+        terms["cuda_graph_pool"] = float(_round_up(graph_pool, _SEGMENT))
     return terms
 
 
@@ -402,6 +407,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     else:
         saved = chunks * per_chunk_layers * layer
         recompute_block = 0.0
+    saved_layers = saved
     if first:
         # token / position ids and the embedding output's extra copies are small; ids are kept
         saved += inflight * 16 * tok
@@ -455,30 +461,42 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
         step_tmp += 4 * shard  # main_grad.float() copies handed to the fp32 master params
     opt_peak = static + a.cublas_workspace_bytes + gbuf + step_tmp
 
-    if fb_peak >= opt_peak:
-        phase = "forward_backward"
-        comp = {"activations": saved, "logits_loss": head, "pipeline_buffers": pipeline, "workspace": workspace_fb}
-        peak = fb_peak
-    else:
-        phase = "optimizer_step"
+    # ---- CUDA graphs: the compiled layers warm up, record and replay in the cudagraph trees'
+    # private pool.  Replays allocate nothing, so from the second step on the layers' kept
+    # tensors and backward working set are reserved there but not allocated; the first step
+    # (warm-up: the layers run eagerly, allocating) sees them allocated, but not yet Adam's
+    # moments, which the first optimizer step creates.
+    layers_kept = saved_layers if kp.cuda_graphs and sh.recompute != "full" else 0.0
+    graphed = bool(layers_kept)
+    phases = {"forward_backward": fb_peak, "optimizer_step": opt_peak}
+    comp_fb = {"activations": saved, "logits_loss": head, "pipeline_buffers": pipeline, "workspace": workspace_fb}
+    if graphed:
+        phases["cuda_graph_warmup"] = fb_peak - moments
+        phases["forward_backward"] = fb_peak - layers_kept - layer_bwd
+    phase = max(phases, key=lambda k: phases[k])
+    if phase == "optimizer_step":
         comp = {"activations": 0.0, "logits_loss": 0.0, "pipeline_buffers": 0.0,
                 "workspace": a.cublas_workspace_bytes + gbuf + step_tmp}
-        peak = opt_peak
-    components = {"weights": weights, "gradients": grads, "master_weights": master, "optimizer_moments": moments, **comp}
+    elif phase == "forward_backward" and graphed:
+        comp = {**comp_fb, "activations": saved - layers_kept, "workspace": workspace_fb - layer_bwd}
+    else:
+        comp = comp_fb
+    components = {"weights": weights, "gradients": grads, "master_weights": master,
+                  "optimizer_moments": 0.0 if phase == "cuda_graph_warmup" else moments, **comp}
     components = {k: int(round(components[k])) for k in COMPONENTS}
     peak_i = sum(components.values())
 
     groups = sum(1 for n in (sh.tp, sh.pp, sh.dp) if n > 1) + (1 if sh.tp * sh.pp * sh.dp > 1 else 0)
     if sh.pp > 1 and (first or last):
         groups += 1  # embedding group (tied word embeddings / position embeddings)
-    graph_layers = chunks * per_chunk_layers * layer if (kp.cuda_graphs and sh.recompute != "full") else 0.0
-    reserved_terms = _reserved_terms(sh, kp, a, peak_i, graph_layers, backward, head)
-    peak_res = _round_up(peak_i + sum(reserved_terms.values()), _SEGMENT)
-    reserved_terms["segment_rounding"] = peak_res - peak_i - int(sum(reserved_terms.values()))
+    default_pool = max(v for k, v in phases.items() if k != "cuda_graph_warmup")
+    largest = S.logits_bytes(sh, kp)[1] if last else e * tok * sh.fc1_out / t
+    reserved_terms = _reserved_terms(sh, a, default_pool, moments, largest, layers_kept + backward if graphed else 0.0)
+    peak_res = max(peak_i, int(sum(reserved_terms.values())))
     overheads = {
         "cuda_context": a.cuda_context_bytes,
         "nccl": groups * a.nccl_bytes_per_group,
-        "fragmentation": peak_res - peak_i,  # reserved over allocated: graph pool, rounding, fragmentation
+        "fragmentation": peak_res - peak_i,  # reserved over allocated: CUDA-graph pool, stranded blocks, rounding
     }
     detail = {
         "params": params,
@@ -496,7 +514,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     return StagePlan(
         pp_rank=r, layers=layers, params=P, inflight_microbatches=inflight, components=components,
         peak_allocated=peak_i, peak_phase=phase,
-        phases={"forward_backward": int(fb_peak), "optimizer_step": int(opt_peak)},
+        phases={k: int(v) for k, v in phases.items()},
         overheads=overheads, total=peak_i + sum(overheads.values()), detail=detail,
         peak_reserved=peak_res, reserved_terms={k: int(v) for k, v in reserved_terms.items()},
     )

@@ -43,6 +43,8 @@ def _replan(rec: dict) -> planner.Plan:
     run_config = json.loads(json.dumps(rec["run_config"]))
     # records from before parallel.pipeline_split ran with the only split there was: even
     run_config["parallel"].setdefault("pipeline_split", "even")
+    # records from before train.cuda_graphs existed ran the compiled layers without CUDA graphs
+    run_config["train"].setdefault("cuda_graphs", False)
     cfg = RunConfig.from_dict(run_config)
     te = "Transformer Engine" in json.dumps(rec.get("kernel_path") or {})
     return planner.predict(cfg, assumptions=planner.PlannerAssumptions(transformer_engine=te))
