@@ -494,7 +494,7 @@ def _throughput(st) -> dict:
     if tail["tokens"].notna().any():
         wall = float(per_it["time"].iloc[-1] - per_it["time"].iloc[0]) if len(per_it) > 1 else 0.0
         busy = float(tail["step_time"].sum())
-        out["tokens_per_s"] = float(tail["tokens"].sum()) / (wall if wall > 0 else busy)
+        out["tokens_per_s"] = float(tail["tokens"].sum()) / max(wall, busy)  # never faster than the steps themselves
     if tail["mfu"].notna().any():
         ok = tail[tail["mfu"].notna()]
         out["mfu"] = float((ok["mfu"] * ok["step_time"]).sum() / ok["step_time"].sum())

@@ -246,6 +246,37 @@ def parse_record(data: Mapping[str, Any]) -> Event:
     return cls(**known, extra=extra)
 
 
+def _check_types(rec: Event) -> Event:
+    """A damaged line can still be JSON: a record read from disk whose fields have the wrong types
+    (or a time that is not a finite number) is refused like a corrupt line, never reaching a reader."""
+    for k, allowed in _field_types(type(rec)).items():
+        v = getattr(rec, k, None)
+        if v is not None and (not isinstance(v, allowed) or isinstance(v, bool) and bool not in allowed):
+            raise ValueError(f"field {k!r} has a {type(v).__name__}")
+    t = rec.time
+    if t is not None and not (t == t and abs(t) != float("inf")):
+        raise ValueError("time is not a finite number")
+    return rec
+
+
+_TYPES_CACHE: dict[type, dict[str, tuple]] = {}
+
+
+def _field_types(cls: type) -> dict[str, tuple]:
+    """Python types each field of a record class accepts (from its annotations; absent = anything)."""
+    if cls not in _TYPES_CACHE:
+        out: dict[str, tuple] = {}
+        for f in dataclasses.fields(cls):
+            hint = str(f.type).replace(" ", "")
+            base = hint.split("|")[0].split("[")[0]
+            out[f.name] = {"float": (int, float), "int": (int, float), "str": (str,), "bool": (bool,),
+                           "dict": (dict,), "list": (list,)}.get(base)  # Any and the rest: not checked
+            if out[f.name] is None:
+                del out[f.name]
+        _TYPES_CACHE[cls] = out
+    return _TYPES_CACHE[cls]
+
+
 def parse_line(line: bytes | str) -> Event | None:
     """A record from one JSON line; None for a blank, corrupt or non-record line."""
     if isinstance(line, bytes):
@@ -260,7 +291,7 @@ def parse_line(line: bytes | str) -> Event | None:
     if not isinstance(data, dict):
         return None
     try:
-        return parse_record(data)
+        return _check_types(parse_record(data))
     except (TypeError, ValueError):
         return None
 
