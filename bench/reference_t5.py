@@ -1,0 +1,71 @@
+"""The T5 reference for the throughput rows: HF ``T5ForConditionalGeneration`` of the workbench config's shape
+(v1.0 ReLU + tied/scaled head, or v1.1 gated GELU), attention on torch SDPA where transformers offers it
+(``attn_implementation="sdpa"``, else eager), compiled with ``torch.compile``, trained like the workbench's
+step (grad accumulation over micro-batches, clip 1.0, fused AdamW, bf16 autocast over fp32 weights), same
+shapes and span-corruption batches; the loss is the token mean over the decoder's real targets.
+
+Benchmark-only code: it lives in ``bench/``, never in ``workbench/``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ReferenceT5", "hf_t5_config"]
+
+
+def hf_t5_config(cfg: Any):
+    from transformers import T5Config
+
+    m = cfg.model
+    ff = {"relu": "relu", "geglu": "gated-gelu", "gelu": "gelu", "swiglu": "gated-silu"}[m.activation]
+    return T5Config(vocab_size=m.vocab_size, d_model=m.hidden_size, d_kv=m.head_dim, d_ff=m.ffn_size, num_layers=m.num_layers,
+                    num_decoder_layers=m.decoder_layers, num_heads=m.num_attention_heads,
+                    relative_attention_num_buckets=m.relative_attention_num_buckets,
+                    relative_attention_max_distance=m.relative_attention_max_distance, dropout_rate=m.hidden_dropout,
+                    layer_norm_epsilon=m.norm_epsilon, feed_forward_proj=ff, tie_word_embeddings=m.tie_embeddings,
+                    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+
+def build_hf_t5(cfg: Any, device: str) -> Any:
+    from transformers import T5ForConditionalGeneration
+
+    try:
+        return T5ForConditionalGeneration(hf_t5_config(cfg), attn_implementation="sdpa").to(device)
+    except (ValueError, TypeError):
+        return T5ForConditionalGeneration(hf_t5_config(cfg)).to(device)
+
+
+class ReferenceT5:
+    def __init__(self, cfg: Any, device: str = "cuda", compile: bool = True):
+        t = cfg.train
+        self.device = torch.device(device)
+        self.model = build_hf_t5(cfg, device).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                           weight_decay=t.weight_decay, fused=self.device.type == "cuda")
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        self.clip = t.clip_grad
+        self.forward = torch.compile(self.model) if compile else self.model
+
+    def _loss(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.forward(input_ids=b["tokens"], attention_mask=b["enc_mask"], decoder_input_ids=b["dec_tokens"])
+        logits = out.logits.float()
+        losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), b["labels"].view(-1), reduction="none")
+        mask = b["loss_mask"].view(-1).float()
+        return (losses * mask).sum() / mask.sum().clamp(min=1)
+
+    def step(self, microbatches: list[dict[str, torch.Tensor]]) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for b in microbatches:
+            with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+                loss = self._loss(b) / len(microbatches)
+            loss.backward()
+            total += float(loss.detach()) if self.device.type == "cpu" else 0.0
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        return total
