@@ -88,6 +88,9 @@ class ModelConfig:
     add_binary_head: bool = False
     #: encoders (BERT): the pooler (dense + tanh on the first token) also without the binary head (classification fine-tuning)
     add_pooler: bool = False
+    #: encoders (BERT): > 0 adds a sequence-classification head with this many classes on the pooled output and trains
+    #: classification (cross entropy, accuracy) instead of pretraining; fine-tune with checkpoint.load_dir + finetune
+    num_labels: int = 0
     #: encoder-decoder (T5): decoder layers (`num_layers` is the encoder's); None -> num_layers
     decoder_num_layers: int | None = None
     #: encoder-decoder (T5): decoder (target) sequence length (`seq_length` is the encoder's); None -> seq_length
@@ -696,6 +699,8 @@ def validate(cfg: RunConfig) -> list[Problem]:
         add("parallel.pipeline_parallel", sup.pipeline_reason or f"the {m.arch} family has no pipeline parallelism", "set pipeline_parallel: 1")
     if vpp > 1 and not sup.interleaved:
         add("parallel.virtual_pipeline_parallel", f"the {m.arch} family has no interleaved schedule", "leave virtual_pipeline_parallel unset")
+    if m.num_labels and not sup.classification:
+        add("model.num_labels", f"the {m.arch} family has no sequence-classification head", "set num_labels: 0 (classification: a bert model)")
     if p.sequence_parallel and not sup.sequence_parallel:
         add("parallel.sequence_parallel", f"the {m.arch} family has no sequence parallelism", "set sequence_parallel: false")
     if m.kv_channels is None and m.hidden_size % heads:

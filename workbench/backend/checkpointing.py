@@ -509,6 +509,23 @@ def _copy_vocab_rows(pairs: list[tuple[Any, Any]]) -> None:
                 local[:take].copy_(stored[start:start + take])
 
 
+def _drop_fresh_heads(sharded: dict, chunks: Sequence[Any], ckpt_shapes: dict) -> list[tuple[str, str]]:
+    """Take out of the load request the entries a fine-tuning load initialises fresh: those under a chunk's
+    ``fresh_on_finetune`` prefixes (e.g. a new classification head) that the checkpoint does not hold.
+    Returns (model key, state-dict key) of each; the chunk keeps its initialised values there."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    dropped = []
+    for mkey, chunk in zip(_model_keys(len(chunks)), chunks):
+        prefixes = tuple(getattr(_unwrap(chunk), "fresh_on_finetune", ()))
+        for k in [k for k in sharded[mkey] if prefixes and k.startswith(prefixes)]:
+            x = sharded[mkey][k]
+            if isinstance(x, ShardedTensor) and x.key not in ckpt_shapes:
+                del sharded[mkey][k]
+                dropped.append((mkey, k))
+    return dropped
+
+
 def _check_shapes(sharded: dict, ckpt_shapes: dict, ckpt: Path) -> None:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -535,12 +552,16 @@ def load_checkpoint(
     optimizer: Any = None,
     scheduler: Any = None,
     load_optimizer: bool = True,
+    fresh_heads: bool = False,
 ) -> dict[str, Any]:
     """Collectively load a checkpoint (root or iter dir) into ``model_chunks``, at any TP/PP/VPP.
 
     Optimizer state is loaded when ``optimizer`` is given, ``load_optimizer`` is true and the
-    checkpoint has it (fine-tuning passes ``load_optimizer=False``).  Returns the metadata dict
-    (``iteration``, ``config``, ``tokenizer``, ``extra`` - with tensors restored -, ``path``).
+    checkpoint has it (fine-tuning passes ``load_optimizer=False``).  ``fresh_heads`` (fine-tuning):
+    tensors under a model's ``fresh_on_finetune`` prefixes that the checkpoint lacks (a new task
+    head) keep their initialised values (``meta["fresh"]`` names them); any other missing tensor is
+    still an error.  Returns the metadata dict (``iteration``, ``config``, ``tokenizer``, ``extra`` -
+    with tensors restored -, ``path``, ``fresh``).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
@@ -553,6 +574,7 @@ def load_checkpoint(
     ckpt_shapes = checkpoint_tensor_shapes(ckpt)
 
     sharded = _model_sharded_sd(chunks)
+    fresh = _drop_fresh_heads(sharded, chunks, ckpt_shapes) if fresh_heads else []
     _check_shapes(sharded, ckpt_shapes, ckpt)
     pairs = _retarget_vocab_entries(sharded, ckpt_shapes, ckpt)
     want_optim = optimizer is not None and load_optimizer
@@ -577,6 +599,9 @@ def load_checkpoint(
             for k in list(state):
                 if k in own and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape):
                     state[k] = own[k]
+        if fresh:
+            own = _unwrap(chunk).state_dict(keep_vars=False)
+            state.update({k: own[k] for mk, k in fresh if mk == key})
         _unwrap(chunk).load_state_dict(state, strict=True)
     if want_optim:
         with _loadable_into_torch_adam(optimizer):
@@ -586,5 +611,6 @@ def load_checkpoint(
     meta["extra"] = loaded.get("workbench_extra", meta.get("extra") or {})
     meta["iteration"] = int(loaded.get("iteration", meta.get("iteration", 0)))
     meta["path"] = str(ckpt)
+    meta["fresh"] = sorted({k for _, k in fresh})
     _barrier()
     return meta

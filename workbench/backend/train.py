@@ -200,9 +200,11 @@ class Trainer:
         from workbench.backend.checkpointing import load_checkpoint
 
         meta = load_checkpoint(c.load_dir, self.model, optimizer=None if c.finetune else self.optimizer,
-                               scheduler=None if c.finetune else self.scheduler, load_optimizer=not c.finetune)
+                               scheduler=None if c.finetune else self.scheduler, load_optimizer=not c.finetune,
+                               fresh_heads=c.finetune)
         if c.finetune:
-            self._log(f"[workbench] loaded weights from {meta['path']} (finetune: iteration 0, fresh optimizer)")
+            fresh = f"; initialised fresh: {', '.join(meta['fresh'])}" if meta.get("fresh") else ""
+            self._log(f"[workbench] loaded weights from {meta['path']} (finetune: iteration 0, fresh optimizer{fresh})")
             return
         self.iteration = int(meta["iteration"])
         extra = meta.get("extra") or {}

@@ -56,6 +56,8 @@ class Supports:
     positions: tuple[str, ...] = ("learned", "rope", "alibi")
     #: ``model.activation`` values (MLP types) the family builds
     activations: tuple[str, ...] = ("gelu", "swiglu")
+    #: whether ``model.num_labels`` > 0 (a sequence-classification head, trained on a labelled set) is built
+    classification: bool = False
 
     @property
     def hf_model_types(self) -> tuple[str, ...]:

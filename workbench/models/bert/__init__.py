@@ -4,7 +4,7 @@ Parts: :mod:`.shapes` (counts, FLOPs, planner terms; torch-free), :mod:`.model` 
 builder), :mod:`.step` (default forward step; MLM + sentence-order loss; masked-token accuracy),
 :mod:`.data` (megatron-core ``BERTMaskedWordPieceDataset`` on sentence-split data, a learnable
 synthetic stream for tests), :mod:`.hf` (HF ``MegatronBertForPreTraining`` adapter),
-:mod:`.finetune` (sequence classification on the pooled output).
+:mod:`.finetune` (``model.num_labels``: sequence classification on the pooled output, the labelled sets).
 
 The layout is Megatron's pre-LN BERT, which is HF's ``megatron-bert``; HF's original ``bert``
 (post-LN) is refused by the converter with the reason.
@@ -46,6 +46,18 @@ def rules(cfg: Any) -> list[tuple[str, str, str]]:
         out.append(("train.return_logits", "BERT's default train step returns the per-token MLM losses and the binary "
                     "logits, not the vocabulary logits", "leave return_logits off; a train.loss_func hook receives "
                     "(MLM losses, binary logits)"))
+    if m.num_labels < 0:
+        out.append(("model.num_labels", f"must be >= 0 (got {m.num_labels})", "use 0 (pretraining) or the number of classes"))
+    elif m.num_labels:
+        if d.source == "indexed":
+            out.append(("data.source", "classification (model.num_labels > 0) reads a labelled set, and indexed data has no labels",
+                        "use source: demo (the embedded corpus's verses labelled by testament) or synthetic"))
+        elif d.source == "demo" and m.num_labels != 2:
+            out.append(("model.num_labels", f"the demo labelled set has 2 classes (Old / New Testament), not {m.num_labels}",
+                        "set num_labels: 2"))
+        if m.add_binary_head:
+            out.append(("model.add_binary_head", "classification trains the head on the pooled output; the sentence-order "
+                        "head would sit unused", "set add_binary_head: false (the pooler is kept and loaded from the checkpoint)"))
     if d.source != "synthetic" and d.tokenizer == "demo":
         out.append(("data.tokenizer", "'demo' is the byte-level BPE of the GPT presets: it has no [CLS], [SEP] or [MASK] "
                     "token, which BERT's masking and sentence pairs need", BYTE_LEVEL_HINT))
@@ -78,7 +90,7 @@ FAMILY = Family(
     name="bert",
     title="BERT (encoder-only: masked LM + sentence order)",
     package="workbench.models.bert",
-    supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=False,
+    supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=False, classification=True,
                       hf_classes=(("megatron-bert", "MegatronBertForPreTraining"),),
                       hf_refused=(("bert", _POST_LN),),
                       compiled_layer_blocker="bidirectional attention with a padding mask (the compiled layer is causal and mask-free)"),

@@ -162,8 +162,13 @@ def build_megatron(cfg: Any, run_dir: Any, vocab: Any = None) -> tuple[Any, Any,
 
 
 def build_datasets(cfg: Any, run_dir: Any, log: Any = print) -> tuple[Any, Any, str]:
-    """(train, valid, description): ``synthetic`` only when the config says so, else megatron-core's BERT dataset."""
+    """(train, valid, description): ``synthetic`` only when the config says so, else megatron-core's BERT dataset;
+    with ``model.num_labels`` the labelled sets of :mod:`.finetune`."""
     m = cfg.model
+    if m.num_labels:  # sequence classification: a labelled set (.finetune)
+        from workbench.models.bert import finetune
+
+        return finetune.build_datasets(cfg, run_dir, log)
     types, binary = m.num_tokentypes > 0, bool(m.add_binary_head)
     if cfg.data.source == "synthetic":
         train = SyntheticBertDataset(m.vocab_size, m.seq_length, cfg.train.seed, tokentypes=types, binary_head=binary)

@@ -16,7 +16,8 @@ parameter names:
   Face's BERT masks): padded queries still see the real keys, so no softmax row is empty (an
   all-masked row gives NaN in SDPA, which would reach the real tokens through the next layer);
 - ``model.add_pooler`` adds the pooler without the binary head, and :meth:`WorkbenchBertModel.encode`
-  returns hidden states and the pooled output (sequence-classification fine-tuning).
+  returns hidden states and the pooled output; ``model.num_labels`` adds a classification head on the
+  pooled output, whose logits the last stage returns (:mod:`.finetune`).
 
 Megatron-LM's ``pretrain_bert.py`` imports the TE spec at module level and fails without TE even
 with ``--spec local``; nothing here imports TE unless the rule chose it.
@@ -92,11 +93,31 @@ def _lm_head(norm: Any) -> Iterator[None]:
 class WorkbenchBertModel(BertModel):
     """megatron-core's BertModel with the workbench's LM-head norm, key-padding mask and optional pooler."""
 
-    def __init__(self, *args: Any, norm: Any = None, add_pooler: bool = False, **kwargs: Any):
+    #: what a fine-tuning load (checkpoint.finetune) initialises fresh when the checkpoint lacks it: the task head
+    fresh_on_finetune = ("classifier.",)
+
+    def __init__(self, *args: Any, norm: Any = None, add_pooler: bool = False, num_labels: int = 0, **kwargs: Any):
         with _lm_head(norm):
             super().__init__(*args, **kwargs)
-        if self.post_process and add_pooler and not self.add_binary_head:
+        self.num_labels = int(num_labels)
+        if self.post_process and (add_pooler or self.num_labels) and not self.add_binary_head:
             self.pooler = Pooler(self.config.hidden_size, self.config.init_method, self.config, self.config.sequence_parallel)
+        self.classifier = None
+        if self.post_process and self.num_labels:  # sequence classification (.finetune): a fresh head on the pooled output
+            self.classifier = get_linear_layer(self.config.hidden_size, self.num_labels, self.config.init_method,
+                                               self.config.perform_initialization)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokentype_ids: Optional[torch.Tensor] = None,
+                lm_labels: Optional[torch.Tensor] = None, *args: Any, **kwargs: Any) -> Any:
+        """mcore's forward; with a classification head the last stage returns its logits ``[b, num_labels]``."""
+        if self.classifier is None:
+            return super().forward(input_ids, attention_mask, tokentype_ids, lm_labels, *args, **kwargs)
+        self.post_process = False  # mcore's forward then stops after the encoder (and final norm): the hidden states
+        try:
+            hidden = super().forward(input_ids, attention_mask, tokentype_ids, None, *args, **kwargs)
+        finally:
+            self.post_process = True
+        return self.classifier(self.pooler(hidden, 0))
 
     def _layer_spec(self) -> Any:
         spec = self.transformer_layer_spec
@@ -156,6 +177,7 @@ def build(
         vp_stage=vp_stage,
         norm=norm_module(cfg, kernels.choose(cfg)),
         add_pooler=m.add_pooler,
+        num_labels=m.num_labels,
     )
     if cfg.parallel.device == "cuda" and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -32,17 +32,20 @@ layer_backward_transient = _gpt.layer_backward_transient
 
 
 def head_params(cfg: Any, padded_vocab: int) -> dict[str, int]:
-    """The last stage's non-vocab-matrix parameters: final norm, LM-head transform, output bias, pooler, binary head."""
+    """The last stage's non-vocab-matrix parameters: final norm, LM-head transform, output bias, pooler, binary head,
+    classification head."""
     m = cfg.model
     h = m.hidden_size
     norm = (2 * h) if m.normalization == "layernorm" else h
-    pooled = bool(m.add_binary_head or m.add_pooler)
+    labels = max(getattr(m, "num_labels", 0), 0)
+    pooled = bool(m.add_binary_head or m.add_pooler or labels)
     return dict(
         final_norm=norm,
         lm_transform=h * h + h + norm,
         output_bias=padded_vocab,
         pooler=(h * h + h) if pooled else 0,
         binary_head=(2 * h + 2) if m.add_binary_head else 0,
+        classifier=(h * labels + labels) if labels else 0,
     )
 
 

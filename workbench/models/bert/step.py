@@ -13,18 +13,25 @@ schedule divides ``loss_sum`` by ``num_tokens``, giving ``MLM token mean + sente
 (Megatron-LM's ``pretrain_bert`` total); the report holds ``lm loss`` (MLM), ``sop loss`` and,
 in eval, ``mlm accuracy`` as ``[sum, count]`` pairs that the trainer averages over micro-batches
 and data-parallel ranks.  A ``train.loss_func`` hook receives the same tuple as ``losses``.
+
+Labelled batches (``extra["label"]``; ``model.num_labels`` > 0, :mod:`.finetune`): the forward step
+returns the class logits and the loss is their cross entropy per sample (under the same
+``lm loss`` key, the trainer's main loss) with ``accuracy`` in the report.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["forward_step", "loss", "masked_accuracy", "LOSS_NAME", "SOP_NAME", "ACCURACY_NAME"]
+__all__ = ["forward_step", "loss", "classification_loss", "masked_accuracy", "LOSS_NAME", "SOP_NAME", "ACCURACY_NAME",
+           "CLASS_ACCURACY_NAME"]
 
 #: the key the reported (masked-LM) loss goes under
 LOSS_NAME = "lm loss"
 SOP_NAME = "sop loss"
 ACCURACY_NAME = "mlm accuracy"
+#: sequence classification's accuracy (train steps and eval)
+CLASS_ACCURACY_NAME = "accuracy"
 
 
 def masked_accuracy(logits: Any, labels: Any) -> Any:
@@ -54,9 +61,12 @@ def masked_accuracy(logits: Any, labels: Any) -> Any:
 
 
 def forward_step(batch: Any, model: Any, return_logits: bool = False, **_: Any) -> Any:
-    """BERT's forward: (MLM losses, binary logits, eval-only correctness) on the last stage, hidden states elsewhere."""
+    """BERT's forward: (MLM losses, binary logits, eval-only correctness) on the last stage, hidden states elsewhere;
+    for a labelled batch (sequence classification, :mod:`.finetune`) the class logits ``[b, num_labels]``."""
     extra = batch.extra
     types = extra.get("tokentype_ids")
+    if "label" in extra:
+        return model(batch.tokens, extra["padding_mask"], tokentype_ids=types)
     if model.training or batch.labels is None:
         out = model(batch.tokens, extra["padding_mask"], tokentype_ids=types, lm_labels=batch.labels)
         if isinstance(out, tuple):
@@ -78,6 +88,8 @@ def loss(batch: Any, output: Any) -> tuple[Any, Any, dict]:
     import torch
     import torch.nn.functional as F
 
+    if "label" in batch.extra:
+        return classification_loss(batch, output)
     lm_losses, binary, correct = output
     mask = batch.loss_mask.reshape(-1).float()
     mlm_sum = torch.sum(lm_losses.reshape(-1).float() * mask)
@@ -94,3 +106,17 @@ def loss(batch: Any, output: Any) -> tuple[Any, Any, dict]:
     if correct is not None:
         report[ACCURACY_NAME] = torch.stack([torch.sum(correct.reshape(-1) * mask).detach(), n.detach()])
     return total, num_tokens, report
+
+
+def classification_loss(batch: Any, logits: Any) -> tuple[Any, Any, dict]:
+    """Cross-entropy sum over the micro-batch's samples, their count, and the report (loss and accuracy as [sum, count])."""
+    import torch
+    import torch.nn.functional as F
+
+    target = batch.extra["label"].reshape(-1).long()
+    logits = logits.float()
+    ce = F.cross_entropy(logits, target, reduction="sum")
+    n = torch.tensor(float(target.numel()), device=logits.device)
+    correct = (logits.argmax(dim=-1) == target).float().sum()
+    report = {LOSS_NAME: torch.stack([ce.detach().clone(), n]), CLASS_ACCURACY_NAME: torch.stack([correct.detach(), n])}
+    return ce, n.to(torch.int), report
