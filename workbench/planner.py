@@ -38,10 +38,15 @@ What is modelled (bytes on one rank; ``t`` = tensor parallel, ``s`` = sequence l
   AdamW materialises ``sqrt(v)``; fused Adam does not), cuBLAS workspaces, megatron's
   global gather buffer under sequence parallelism.
 
-The allocated peak is the larger of the forward/backward peak and the optimizer-step peak.
-On top of it, :class:`PlannerAssumptions` adds what ``max_memory_allocated`` does not see:
-CUDA context, NCCL communicator buffers and allocator fragmentation.  Every number there is
-documented and configurable; the GPU measurements in ``evidence/`` calibrate them.
+The allocated peak is the largest of the forward/backward peak, the optimizer-step peak and,
+with CUDA graphs, the first step's warm-up (the graphed layers run eagerly once, allocating,
+before Adam's moments exist; later steps replay them in the cudagraph trees' private pool,
+which is reserved but not allocated).  The **reserved** peak (``max_memory_reserved``) is what
+decides whether a run fits, with the CUDA context and NCCL buffers that neither counter sees
+(:class:`PlannerAssumptions`): the default pool's allocated peak in 2 MiB segments, the blocks
+Adam's moments strand when the first optimizer step carves them out of a larger freed buffer,
+and the CUDA-graph pool (:func:`_reserved_terms`).  ``evidence/planner_1gpu.jsonl`` (16
+one-GPU layouts, H100) holds both to 5% in ``tests/unit/test_planner_1gpu_evidence.py``.
 
 Pure arithmetic (no torch, no megatron import): ``predict`` takes well under 50 ms.
 
@@ -92,6 +97,7 @@ __all__ = [
     "largest_micro_batch",
     "compare",
     "measured_peaks",
+    "measured_reserved",
     "format_plan",
     "add_cli",
 ]
@@ -111,7 +117,7 @@ COMPONENTS = (
     "workspace",
 )
 # What max_memory_allocated cannot see, but the device must still hold.
-OVERHEADS = ("cuda_context", "nccl", "fragmentation")
+OVERHEADS = ("cuda_context", "nccl", "reserved_over_allocated")
 
 
 # --------------------------------------------------------------------------- GPUs
@@ -188,8 +194,9 @@ class PlannerAssumptions:
       lazy module loading on CUDA 12).
     * ``nccl_bytes_per_group``: NCCL buffers per communicator this rank belongs to with more
       than one member (channels x NCCL_BUFFSIZE; ~0.1-0.3 GiB on NVLink).
-    * ``fragmentation``: caching-allocator headroom (reserved - allocated) as a fraction of the
-      allocated peak; ``expandable_segments`` makes it small.
+
+    Reserved memory (what the caching allocator holds: ``max_memory_reserved``) is modelled term
+    by term, not as a fraction: see :func:`_reserved_terms`.
 
     Kernel paths (None = what the backend picks on this machine, see :func:`kernel_path`):
     ``transformer_engine`` (TE installed where training runs), ``compiled_layer`` (the
@@ -203,7 +210,6 @@ class PlannerAssumptions:
     backward_overlap: float = 0.5
     cuda_context_bytes: int = 512 * MiB
     nccl_bytes_per_group: int = 192 * MiB
-    fragmentation: float = 0.06
     transformer_engine: bool | None = None
     compiled_layer: bool | None = None
     optimizer: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
@@ -496,7 +502,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     overheads = {
         "cuda_context": a.cuda_context_bytes,
         "nccl": groups * a.nccl_bytes_per_group,
-        "fragmentation": peak_res - peak_i,  # reserved over allocated: CUDA-graph pool, stranded blocks, rounding
+        "reserved_over_allocated": peak_res - peak_i,  # reserved over allocated: CUDA-graph pool, stranded blocks, rounding
     }
     detail = {
         "params": params,
@@ -736,14 +742,29 @@ def measured_peaks(run_dir: str | Path | RunReader) -> dict[int, int]:
     return out
 
 
-def compare(plan: Plan, measured: dict[int, int]):
-    """A DataFrame of predicted vs measured peak allocated bytes per rank (and megatron's formula)."""
+def measured_reserved(run_dir: str | Path | RunReader) -> dict[int, int]:
+    """Reserved bytes per rank of a run: the max ``mem_reserved`` of its ``step`` events (the
+    caching allocator never returns segments during training, so the last is the peak)."""
+    out: dict[int, int] = {}
+    for ev in as_reader(run_dir).records("step"):
+        if ev.mem_reserved is not None and ev.rank is not None:
+            r = int(ev.rank)
+            out[r] = max(out.get(r, 0), int(ev.mem_reserved))
+    return out
+
+
+def compare(plan: Plan, measured: dict[int, int], reserved: dict[int, int] | None = None):
+    """A DataFrame of predicted vs measured peak allocated bytes per rank (and megatron's formula);
+    with ``reserved`` (:func:`measured_reserved`) the reserved peaks too."""
     import pandas as pd
 
     rows = []
     for r in plan.ranks:
         meas = measured.get(r.rank, measured.get(str(r.rank)))  # type: ignore[call-overload]
+        res = (reserved or {}).get(r.rank)
         rows.append({
+            "predicted_reserved": r.peak_reserved, "measured_reserved": res,
+            "reserved_error_pct": None if not res else 100.0 * (r.peak_reserved - res) / res,
             "rank": r.rank, "tp": r.tp_rank, "pp": r.pp_rank, "dp": r.dp_rank,
             "predicted": r.peak_allocated, "measured": meas,
             "error_pct": None if not meas else 100.0 * (r.peak_allocated - meas) / meas,
@@ -772,15 +793,19 @@ def format_plan(plan: Plan) -> str:
              f" CE {plan.kernel_path.cross_entropy}, optimizer {plan.kernel_path.optimizer}"]
     if plan.gpu:
         lines.append(f"GPU {plan.gpu.name}: {plan.gpu.capacity_bytes / GiB:.1f} GiB")
-    head = ["rank", "tp", "pp", "dp"] + [short[c] for c in COMPONENTS] + ["alloc", "+ovh", "total", "fits"]
+    head = ["rank", "tp", "pp", "dp"] + [short[c] for c in COMPONENTS] + ["alloc", "reserv", "+ctx", "total", "fits"]
     lines.append("  ".join(f"{h:>7}" for h in head) + "   (GiB)")
     for r in plan.ranks:
         st = plan.stages[r.pp_rank]
         cells = [f"{r.rank:>7}", f"{r.tp_rank:>7}", f"{r.pp_rank:>7}", f"{r.dp_rank:>7}"]
         cells += [_gib(st.components[c]) for c in COMPONENTS]
-        cells += [_gib(r.peak_allocated), _gib(r.total - r.peak_allocated), _gib(r.total),
+        cells += [_gib(r.peak_allocated), _gib(r.peak_reserved), _gib(r.total - r.peak_reserved), _gib(r.total),
                   f"{'-' if r.fits is None else ('yes' if r.fits else 'OOM'):>7}"]
         lines.append("  ".join(cells))
+    worst = plan.worst
+    terms = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.2f}" for k, v in worst.reserved_terms.items() if v)
+    lines.append(f"reserved (decides fits, with CUDA context + NCCL) on stage {worst.pp_rank}: {terms}; "
+                 f"selective recompute here means: {plan.kernel_path.selective}")
     mg = plan.megatron
     lines.append(f"megatron theoretical formula ({mg.formula}, first stage only): {mg.total / GiB:.2f} GiB "
                  f"(weights+optimizer {mg.weight_and_optimizer / GiB:.2f}, activations {mg.activation / GiB:.2f})")

@@ -75,7 +75,7 @@ def plan_bars(plan: Any, measured: dict[int, int] | None = None, max_bars: int =
             bottom = [b + v for b, v in zip(bottom, vals)]
     over = [sum(st.overheads.values()) / GiB for _, st, _ in bars]
     ax.bar(x, over, bottom=bottom, color=COLORS["overheads"], hatch="//", edgecolor="#999999",
-           label="context + NCCL + fragmentation", width=0.7)
+           label="reserved over allocated + context + NCCL", width=0.7)
     tops = [b + o for b, o in zip(bottom, over)]
     if plan.gpu is not None:
         cap = plan.gpu.capacity_bytes / GiB
