@@ -72,6 +72,7 @@ class T5Engine:
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.sync_interval = 1 if self.device.type == "cpu" else 16
         self.last_timing: dict[str, float] = {}
+        self._sessions: dict[tuple[int, int, int], dict[str, Any]] = {}
 
     # ---- pieces
     def _heads(self, x: Tensor) -> Tensor:
@@ -161,6 +162,25 @@ class T5Engine:
             outs.append(GenerationOutput(prompt_ids=p, token_ids=toks, text=text, finish_reason=reason, log_probs=lps, score=score))
         return outs
 
+    def _session(self, n: int, L: int, S: int, cross: list[tuple[Tensor, Tensor]], enc_mask: Tensor) -> dict[str, Any]:
+        """Static buffers for ``n`` rows, ``L`` decoder slots and ``S`` encoder tokens (kept for the next request of
+        the same shape, so a captured decode graph is replayed, not re-captured); this request's cross-attention
+        keys / values and encoder mask are copied in."""
+        key = (n, L, S)
+        sess = self._sessions.get(key)
+        if sess is None:
+            self._sessions = {}  # one live cache at a time: memory is the constraint
+            sess = {"cache": KVCache(len(self.layers), n, self.heads, L, self.head_dim, self.dtype, self.device),
+                    "cross": [(k.clone(), v.clone()) for k, v in cross], "enc_mask": enc_mask.clone(),
+                    "bias": self.model.relative_bias("decoder", L, L).to(self.dtype), "graph": None}
+            self._sessions[key] = sess
+        else:
+            for (kb, vb), (k, v) in zip(sess["cross"], cross):
+                kb.copy_(k)
+                vb.copy_(v)
+            sess["enc_mask"].copy_(enc_mask)
+        return sess
+
     def _generate(self, prompts: list[list[int]], gen: Any, stop_ids: list[int], early_stopping: Any) -> list:
         nb, B = int(gen.num_beams), len(prompts)
         n, max_new = B * nb, int(gen.max_new_tokens)
@@ -176,9 +196,8 @@ class T5Engine:
             enc = enc.repeat_interleave(nb, dim=1)
             real = real.repeat_interleave(nb, dim=0)
         L = 1 + max_new
-        cache = KVCache(len(self.layers), n, self.heads, L, self.head_dim, self.dtype, self.device)
-        sess = {"cache": cache, "cross": self._cross_kv(enc), "enc_mask": real[:, None, None, :],
-                "bias": self.model.relative_bias("decoder", L, L).to(self.dtype)}
+        sess = self._session(n, L, S, self._cross_kv(enc), real[:, None, None, :])
+        cache: KVCache = sess["cache"]
         if nb > 1:
             decoder = BeamSearchDecoder(gen, B, 1, max_new, stop_ids, self.pad_id, self.device, early_stopping)
         else:
@@ -186,14 +205,14 @@ class T5Engine:
         tok = torch.full((n, 1), self.start_id, dtype=torch.long, device=self.device)
         step = torch.zeros((), dtype=torch.long, device=self.device)
         fn = lambda t, s: self._step(t, s, sess)  # noqa: E731
-        graph = None
-        if self.cuda_graphs:
+        if self.cuda_graphs and sess["graph"] is None:
             try:
-                graph = _GraphedDecode(fn, tok.clone(), step.clone())
-                cache.valid.zero_()  # the capture's warm-up steps wrote slot 0
+                sess["graph"] = _GraphedDecode(fn, tok.clone(), step.clone())
             except Exception as e:  # capture is an optimisation: fall back to eager, loudly
                 print(f"[t5 generate] CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly", file=sys.stderr)
-                graph, self.cuda_graphs = None, False
+                self.cuda_graphs = False
+        graph = sess["graph"] if self.cuda_graphs else None
+        cache.valid.zero_()  # a new request (and the capture's warm-up steps wrote slot 0)
         for t in range(max_new):
             if graph is not None:
                 logits = graph(tok, t)
