@@ -360,6 +360,26 @@ def _round_up(n: float, unit: int) -> int:
     return int(math.ceil(n / unit) * unit)
 
 
+_SMALL_REQUEST = 1 * MiB  # requests up to 1 MiB: the small pool (2 MiB segments, 512 B blocks)
+_MID_REQUEST = 10 * MiB  # 1-10 MiB requests share 20 MiB segments; larger ones get their own, in 2 MiB steps
+_MID_SEGMENT = 20 * MiB
+
+
+def _segment_slack(per_layer: list[float], layers: int) -> int:
+    """Reserved beyond the bytes of ``layers`` layers' kept tensors (``per_layer``: one layer's),
+    per the caching allocator's rules.
+
+    Each layer's kept tensors are allocated one after another in its forward: requests of more
+    than 10 MiB get a segment of their own rounded up to 2 MiB; 1-10 MiB requests are split
+    from 20 MiB segments, one layer's mid-size tensors filling ``ceil(sum / 20 MiB)`` of them
+    (the rest of the last one is left to requests that fit it, which in a layer's forward do not
+    come); small ones (<= 1 MiB) pack into 2 MiB segments and are ignored."""
+    large = sum(_round_up(n, _SEGMENT) - n for n in per_layer if n > _MID_REQUEST)
+    mid = sum(n for n in per_layer if _SMALL_REQUEST < n <= _MID_REQUEST)
+    mid_slack = math.ceil(mid / _MID_SEGMENT) * _MID_SEGMENT - mid if mid else 0.0
+    return int(layers * (large + mid_slack))
+
+
 def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moments: float, largest: float,
                     graph_pool: float) -> dict[str, float]:
     """``torch.cuda.max_memory_reserved`` by cause (bytes); their sum is the reserved peak.
@@ -374,7 +394,11 @@ def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moment
       2.2 GiB with megatron's cross-entropy, 0.6 GiB with the compiled one, measured).
     * ``cuda_graph_pool``: the cudagraph trees' private pool: the graphed layers' kept tensors
       of one step plus one layer's backward working set (what the warm-up and recording
-      allocated there); replays reuse it.  It adds to the default pool's peak.
+      allocated there) and the inputs the trees copy in; replays reuse it.  It adds to the
+      default pool's peak.
+    * ``activation_segments`` (added by the caller, :func:`_segment_slack`): the allocator's
+      segment sizes around the kept activations (2 MiB steps above 10 MiB; 1-10 MiB requests
+      in 20 MiB segments, which matters for small models: demo-small's [4096, 384] tensors).
     """
     terms = {"default_pool": float(_round_up(default_alloc, _SEGMENT)),
              "stranded_by_adam_state": float(_round_up(max(0.0, largest - moments), _SEGMENT))}
@@ -497,7 +521,19 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
         groups += 1  # embedding group (tied word embeddings / position embeddings)
     default_pool = max(v for k, v in phases.items() if k != "cuda_graph_warmup")
     largest = S.logits_bytes(sh, kp)[1] if last else e * tok * sh.fc1_out / t
-    reserved_terms = _reserved_terms(sh, a, default_pool, moments, largest, layers_kept + backward if graphed else 0.0)
+    if sh.recompute == "full":
+        slack = _segment_slack([e * tok * h / tsp], chunks * blocks_per_chunk)
+    else:
+        per_layer = [float(v) for k, v in S.layer_activation_terms(sh, kp).items() if k != "norm_stats"]
+        slack = _segment_slack(per_layer, chunks * per_chunk_layers)
+    # cudagraph trees copy a graph's inputs into the pool unless they are static or another
+    # graph's outputs: the first layer's input (the embedding's output) and the last layer's
+    # incoming gradient (from the eager final norm)
+    copies = [e * tok * h / tsp] * 2 if graphed else []
+    slack += _segment_slack(copies, 1) if copies else 0
+    graph_pool = layers_kept + backward + sum(copies) if graphed else 0.0
+    reserved_terms = _reserved_terms(sh, a, default_pool, moments, largest, graph_pool)
+    reserved_terms["activation_segments"] = float(slack)  # in the graph pool when graphed, else the default pool
     peak_res = max(peak_i, int(sum(reserved_terms.values())))
     overheads = {
         "cuda_context": a.cuda_context_bytes,
