@@ -11,6 +11,12 @@ from workbench.run.procs import guard_rank
 # supervisor (a no-op outside a run: see workbench/run/procs.py).
 guard_rank()
 
+from workbench.noise import quiet_third_party  # noqa: E402
+
+# torch / megatron-core warnings every command printed (CUDA_HOME, TE/Apex missing x5, deprecated
+# async save): each known one once, as one line, or dropped where it says nothing (workbench/noise.py)
+quiet_third_party()
+
 from workbench.kernels import guard_transformer_engine  # noqa: E402
 
 # A Transformer Engine that is installed but broken would fail megatron-core's own import (and

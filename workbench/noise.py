@@ -1,0 +1,82 @@
+"""One policy for third-party noise (issue #24): every command used to print the same torch and
+megatron-core warnings, several times each.
+
+- Warnings from megatron-core about missing Transformer Engine / Apex (five of them, from five
+  modules) become one line per process; the other known megatron-core notices (absl, experimental
+  MIMO config, deprecated CUDA-graph scope) are shown once, as one short line.
+- Two log records that say nothing about what the workbench does are dropped: torch's "No CUDA runtime
+  is found, using CUDA_HOME" (the workbench compiles no extension) and megatron-core's "MCore's async
+  save is deprecated" (the workbench saves synchronously; megatron logs it for every save strategy).
+
+Anything else passes through untouched. Installed by ``workbench/__init__.py`` before anything can import
+megatron-core, so the CLI, the notebook kernel and every rank get it. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import warnings
+
+__all__ = ["quiet_third_party", "TE_APEX_NOTE"]
+
+TE_APEX_NOTE = ("Transformer Engine / Apex not installed: megatron-core uses its torch fallbacks "
+                "(expected on CPU; install them on GPUs for its fused kernels)")
+
+#: (pattern on the warning text, the one line shown instead; None: the warning's own first sentence)
+_WARNINGS: list[tuple[re.Pattern, str | None]] = [
+    (re.compile(r"(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed"), TE_APEX_NOTE),
+    (re.compile(r"absl\.logging is not installed"), None),
+    (re.compile(r"MimoModelConfig is experimental"), None),
+    (re.compile(r"full scope is deprecated"), None),
+]
+#: logger name -> pattern of records dropped
+_LOGS = {
+    "torch.utils.cpp_extension": re.compile(r"No CUDA runtime is found"),
+    "megatron.core.dist_checkpointing.strategies.torch": re.compile(r"MCore's async save is deprecated"),
+}
+_shown: set[int] = set()
+_installed = False
+
+
+class _Drop(logging.Filter):
+    def __init__(self, pattern: re.Pattern):
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return not self.pattern.search(record.getMessage())
+        except Exception:
+            return True
+
+
+def quiet_third_party() -> None:
+    """Install the policy (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for name, pattern in _LOGS.items():
+        logging.getLogger(name).addFilter(_Drop(pattern))
+    original = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        for i, (pattern, summary) in enumerate(_WARNINGS):
+            if pattern.search(text):
+                if i not in _shown:
+                    _shown.add(i)
+                    out = file if file is not None else sys.stderr
+                    try:
+                        out.write(f"[workbench] note: {summary or text.split('. ')[0].strip()}\n")
+                    except (OSError, ValueError):
+                        pass
+                return
+        original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    # the same text from several call sites counts once (Python's default is once per location)
+    for pattern, _ in _WARNINGS:
+        warnings.filterwarnings("once", message=f".*{pattern.pattern}")
