@@ -396,6 +396,9 @@ def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moment
       of one step plus one layer's backward working set (what the warm-up and recording
       allocated there) and the inputs the trees copy in; replays reuse it.  It adds to the
       default pool's peak.
+    * ``optimizer_temporaries`` (added by the caller): blocks freed by the optimizer step's
+      temporaries (foreach AdamW's ``sqrt(v)``, fp32 grad copies) are parameter-sized, too small
+      for the next step's logits, which need segments besides them.
     * ``activation_segments`` (added by the caller, :func:`_segment_slack`): the allocator's
       segment sizes around the kept activations (2 MiB steps above 10 MiB; 1-10 MiB requests
       in 20 MiB segments, which matters for small models: demo-small's [4096, 384] tensors).
@@ -534,6 +537,13 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     graph_pool = layers_kept + backward + sum(copies) if graphed else 0.0
     reserved_terms = _reserved_terms(sh, a, default_pool, moments, largest, graph_pool)
     reserved_terms["activation_segments"] = float(slack)  # in the graph pool when graphed, else the default pool
+    # The optimizer step's temporaries are per-parameter tensors: the blocks they free serve later
+    # requests only up to the largest parameter, so a step's larger buffers need segments besides.
+    big_n = 4 * (S.largest_param_elements(sh) if hasattr(S, "largest_param_elements") else sh.vocab * h / t)
+    big = head if last and logits_kept > big_n else 0.0
+    if not graphed and sh.recompute != "full":
+        big += sum(n for n in per_layer if n > big_n) * chunks * per_chunk_layers
+    reserved_terms["optimizer_temporaries"] = max(0.0, static + step_tmp + big + a.cublas_workspace_bytes - default_pool)
     peak_res = max(peak_i, int(sum(reserved_terms.values())))
     overheads = {
         "cuda_context": a.cuda_context_bytes,

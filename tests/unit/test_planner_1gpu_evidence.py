@@ -25,15 +25,7 @@ EVIDENCE = Path(__file__).resolve().parents[2] / "evidence" / "planner_1gpu.json
 BAR = 0.05
 
 #: (config, "allocated" | "reserved") -> why the planner misses it (error at the commit that listed it)
-KNOWN_MISSES: dict[tuple[str, str], str] = {
-    ("g2l-eager-distopt-full", "reserved"): "-14.4%: 2.6 GiB reserved beyond the allocated peak: with full recompute "
-                                            "no kept activation blocks are free for the first optimizer step's "
-                                            "per-parameter tensors (moments, foreach temporaries), which are then "
-                                            "carved out of the logits' blocks (fp32 up-cast + bf16 = 2.3 GiB), so the "
-                                            "next step needs new ones; the planner's stranding term covers only "
-                                            "moments smaller than the largest logits buffer.  Needs an allocator "
-                                            "simulation, not a constant",
-}
+KNOWN_MISSES: dict[tuple[str, str], str] = {}
 
 
 def _records() -> list[dict]:

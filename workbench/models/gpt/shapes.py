@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["param_counts", "layer_and_head_flops", "Shape", "shape", "stage_params", "layer_activation_terms",
-           "layer_backward_transient", "logits_bytes"]
+           "layer_backward_transient", "logits_bytes", "largest_param_elements"]
 
 
 def param_counts(cfg: Any, padded_vocab: int) -> dict[str, int]:
@@ -250,3 +250,10 @@ def logits_bytes(sh: Shape, kp: Any) -> tuple[float, float]:
         return kept, kept
     kept = 4 * tok * vt  # fp32 softmax saved by the vocab-parallel cross entropy
     return kept + sh.e * tok * vt, kept  # + the bf16 logits (forward) / bf16 grad (backward)
+
+
+def largest_param_elements(sh: Shape) -> float:
+    """Elements of the largest parameter tensor on one TP rank (the word embedding / output layer,
+    else the widest MLP or QKV weight): the largest block the optimizer's per-parameter tensors free."""
+    qkv = sh.h * (sh.heads + 2 * sh.groups) * sh.head_dim
+    return max(sh.vocab * sh.h, qkv, sh.h * sh.fc1_out, sh.ffn * sh.h) / sh.tp
