@@ -339,10 +339,6 @@ class Plan:
 # --------------------------------------------------------------------------- per-layer helpers
 
 
-def _layer_bytes(sh: Any, kp: KernelPath, S: Any) -> float:
-    return float(sum(S.layer_activation_terms(sh, kp).values()))
-
-
 def _inflight(sh: Any, rank: int) -> tuple[int, float]:
     """(chunk passes held, stage-equivalent micro-batches) at the peak, from workbench.schedules."""
     try:
@@ -428,7 +424,8 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
 
     # ---- activations
     layers = d.stage_layers[r]
-    layer = _layer_bytes(sh, kp, S)
+    layer_terms = S.layer_activation_terms(sh, kp)
+    layer = float(sum(layer_terms.values()))
     chunks, inflight = _inflight(sh, r)
     per_chunk_layers = max(layers // sh.vpp, 1)
     if sh.recompute == "full":
@@ -527,7 +524,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     if sh.recompute == "full":
         slack = _segment_slack([e * tok * h / tsp], chunks * blocks_per_chunk)
     else:
-        per_layer = [float(v) for k, v in S.layer_activation_terms(sh, kp).items() if k != "norm_stats"]
+        per_layer = [float(v) for k, v in layer_terms.items() if k != "norm_stats"]
         slack = _segment_slack(per_layer, chunks * per_chunk_layers)
     # cudagraph trees copy a graph's inputs into the pool unless they are static or another
     # graph's outputs: the first layer's input (the embedding's output) and the last layer's
@@ -552,7 +549,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     }
     detail = {
         "params": params,
-        "layer_activation_terms": {k: int(v) for k, v in S.layer_activation_terms(sh, kp).items()},
+        "layer_activation_terms": {k: int(v) for k, v in layer_terms.items()},
         "layer_activation_bytes": int(layer),
         "layers": layers,
         "chunks_in_flight": chunks,

@@ -401,3 +401,41 @@ def test_oom_on_a_balanced_first_stage_suggests_the_even_split():
     tight = int(plan.stages[0].total * 0.99)  # a GPU just too small for stage 0
     sugg = {s.overrides.get("parallel.pipeline_split"): s for s in planner.predict(cfg, gpu=tight, assumptions=EAGER).suggestions}
     assert "even" in sugg and sugg["even"].worst_total < plan.stages[0].total
+
+
+# --------------------------------------------------------------------------- reserved memory (issue #26)
+
+
+def test_cuda_graphs_split_allocated_and_reserved():
+    """With CUDA graphs the layers' activations are allocated only at the warm-up step (before
+    Adam's moments exist) and live in the graph pool afterwards: reserved, not allocated."""
+    ov = {"train.micro_batch_size": 16, "train.global_batch_size": 64}
+    graphs = planner.predict(preset("gpt2-small", **ov), assumptions=PlannerAssumptions(transformer_engine=False))
+    plain = planner.predict(preset("gpt2-small", **ov, **{"train.cuda_graphs": False}),
+                            assumptions=PlannerAssumptions(transformer_engine=False))
+    g, p = graphs.stages[0], plain.stages[0]
+    assert graphs.kernel_path.cuda_graphs and not plain.kernel_path.cuda_graphs
+    assert g.peak_phase == "cuda_graph_warmup" and g.components["optimizer_moments"] == 0
+    assert g.peak_allocated == p.peak_allocated - p.components["optimizer_moments"]
+    assert g.phases["forward_backward"] < g.peak_allocated  # replays: the layers' tensors are not allocated
+    assert g.reserved_terms["cuda_graph_pool"] >= g.detail["layer_activation_bytes"] * 12
+    assert g.peak_reserved > p.peak_reserved > p.peak_allocated
+    assert graphs.decides == "peak_reserved" and g.total == g.peak_reserved + sum(
+        v for k, v in g.overheads.items() if k != "reserved_over_allocated")
+
+
+def test_segment_slack_follows_the_allocator_rules():
+    from workbench.planner import _segment_slack
+
+    assert _segment_slack([24 * MiB, 96 * MiB], 12) == 0  # > 10 MiB, already 2 MiB multiples
+    assert _segment_slack([11 * MiB], 1) == 1 * MiB  # own segment, rounded up to 2 MiB
+    assert _segment_slack([3 * MiB] * 5 + [9 * MiB], 6) == 6 * (40 - 24) * MiB  # 24 MiB of 1-10 MiB requests: two 20 MiB segments a layer
+    assert _segment_slack([512 * 1024], 100) == 0  # the small pool is not modelled
+
+
+def test_adam_state_strands_a_larger_logits_block():
+    """Moments smaller than the logits block they are carved from leave the rest unusable."""
+    st = planner.predict(preset("gpt2-small", **{"train.micro_batch_size": 16, "train.global_batch_size": 64,
+                                                  "train.compile_kernels": False})).stages[0]
+    logits_fp32 = 4 * 16 * 1024 * 50304
+    assert st.reserved_terms["stranded_by_adam_state"] == pytest.approx(logits_fp32 - st.components["optimizer_moments"], abs=2 * MiB)
