@@ -106,4 +106,27 @@ def plan_bars(plan: Any, measured: dict[int, int] | None = None, max_bars: int =
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_ylim(0, max(tops + [plan.gpu.capacity_bytes / GiB if plan.gpu else 0]) * 1.12)
     fig.tight_layout()
+    _spread_ticks(fig, ax)
     return fig
+
+
+def _tick_overlap(fig, ax, gap_px: float) -> float:
+    """Pixels the widest-colliding neighbouring x tick labels lack to keep ``gap_px`` apart (<= 0: none)."""
+    renderer = fig.canvas.get_renderer()
+    boxes = sorted((t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()), key=lambda b: b.x0)
+    return max((a.x1 + gap_px - b.x0 for a, b in zip(boxes, boxes[1:])), default=0.0)
+
+
+def _spread_ticks(fig, ax, gap_px: float = 8.0) -> None:
+    """Widen the figure until no two rank labels touch (8 ranks with a legend beside the axes did)."""
+    if not hasattr(fig.canvas, "get_renderer"):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)
+    n = len(ax.get_xticks())
+    for _ in range(4):
+        lack = _tick_overlap(fig, ax, gap_px)
+        if lack <= 0:
+            return
+        fig.set_figwidth(fig.get_figwidth() + 1.3 * lack * n / fig.dpi)
+        fig.tight_layout()

@@ -146,9 +146,11 @@ class ConfigForm:
     # ---- widgets
     def _make_widget(self, spec: FieldSpec):
         W = self._W
+        from workbench.widgets.layout import labelled
+
         label = spec.name.split(".")[-1]
-        style = {"description_width": "190px"}
-        layout = W.Layout(width="420px")
+        # one description column for every field: fits the longest name (make_vocab_size_divisible_by)
+        style, layout = labelled(W, [s.split(".")[-1] for s in self.specs], 230)
         if spec.kind == "bool":
             return W.Checkbox(description=label, style=style, layout=layout, indent=True)
         if spec.kind == "choice":
@@ -159,7 +161,7 @@ class ConfigForm:
             return W.FloatText(description=label, style=style, layout=layout)
         if spec.kind == "datasets":
             return W.Textarea(description=label, placeholder="one per line: PREFIX [WEIGHT]", style=style,
-                              layout=W.Layout(width="420px", height="70px"))
+                              layout=W.Layout(width=layout.width, flex=layout.flex, height="70px"))
         placeholder = "none" if spec.kind.startswith("optional") else ""
         return W.Text(description=label, placeholder=placeholder, style=style, layout=layout)
 

@@ -42,10 +42,14 @@ class MemoryPlanner:
         self.assumptions = assumptions or PlannerAssumptions()
         d = derive(cfg)
         p, t, m = cfg.parallel, cfg.train, cfg.model
-        style = {"description_width": "110px"}
+        from workbench.widgets.layout import labelled
+
+        labels = ["tensor parallel", "pipeline parallel", "virtual pp (vpp)", "data parallel", "micro-batch size",
+                  "micro-batches/step", "sequence length", "recompute", "precision", "attention", "GPU", "custom GiB"]
+        style, box = labelled(W, labels, 100)
 
         def islider(value: int, lo: int, hi: int, desc: str) -> Any:
-            return W.BoundedIntText(value=value, min=lo, max=hi, description=desc, style=style, layout=W.Layout(width="210px"))
+            return W.BoundedIntText(value=value, min=lo, max=hi, description=desc, style=style, layout=W.Layout(width=box.width, flex=box.flex))
 
         self.tp = islider(p.tensor_parallel, 1, 64, "tensor parallel")
         self.pp = islider(p.pipeline_parallel, 1, 128, "pipeline parallel")
@@ -62,7 +66,7 @@ class MemoryPlanner:
         self.gpu = W.Dropdown(options=list(GPUS) + [_CUSTOM], value=gpu_spec(gpu).name if gpu_spec(gpu).name in GPUS else _CUSTOM,
                               description="GPU", style=style)
         self.custom_gib = W.BoundedFloatText(value=gpu_spec(gpu).capacity_bytes / GiB, min=0.1, max=100000, description="custom GiB",
-                                             style=style, layout=W.Layout(width="210px"))
+                                             style=style, layout=W.Layout(width=box.width, flex=box.flex))
         self.status = W.HTML()
         self.suggestions_box = W.VBox()
         self.out = W.Output()
@@ -161,8 +165,10 @@ class MemoryPlanner:
             self.message = ""
         except (ConfigError, ValueError) as e:
             self.plan, self.message = None, str(e)
-        self.out.clear_output(wait=True)
         if self.plan is None:
+            # at once: a deferred clear (wait=True) waits for an output that never comes, and the
+            # previous chart would stay under the refusal
+            self.out.outputs = ()
             self.status.value = "<b style='color:#b00'>not a valid layout:</b><pre>" + html.escape(self.message) + "</pre>"
             self.suggestions_box.children = ()
             return None
@@ -178,6 +184,7 @@ class MemoryPlanner:
             f"{plan.gpu.capacity_bytes / GiB:.1f} GiB &middot; largest micro-batch that fits: <b>{plan.largest_micro_batch}</b>"
             f" &middot; megatron's formula (first stage): {plan.megatron.total / GiB:.2f} GiB")
         self._render_suggestions()
+        self.out.clear_output(wait=True)  # the new chart replaces the old one without a flicker
         self.figure = plan_bars(plan, measured=self.measured)
         if self._show:
             with self.out:

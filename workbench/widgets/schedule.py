@@ -26,14 +26,18 @@ class ScheduleExplorer:
                  max_p: int = 8, max_m: int = 32, max_v: int = 4, show: bool = True):
         import ipywidgets as W
 
-        self.p = W.IntSlider(value=p, min=1, max=max_p, description="p (stages)", continuous_update=False)
-        self.m = W.IntSlider(value=m, min=1, max=max_m, description="m (micro-b.)", continuous_update=False)
-        self.v = W.IntSlider(value=v, min=1, max=max_v, description="v (chunks)", continuous_update=False)
-        self.schedule = W.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
+        from workbench.widgets.layout import labelled
+
+        st, box = labelled(W, ["p (stages)", "m (micro-b.)", "v (chunks)", "schedule", "B / F time", "latency"], 200)
+        kw = dict(style=st, layout=W.Layout(width=box.width, flex=box.flex))
+        self.p = W.IntSlider(value=p, min=1, max=max_p, description="p (stages)", continuous_update=False, **kw)
+        self.m = W.IntSlider(value=m, min=1, max=max_m, description="m (micro-b.)", continuous_update=False, **kw)
+        self.v = W.IntSlider(value=v, min=1, max=max_v, description="v (chunks)", continuous_update=False, **kw)
+        self.schedule = W.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule", **kw)
         self.ratio = W.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="B / F time",
-                                   continuous_update=False)
+                                   continuous_update=False, **kw)
         self.latency = W.FloatSlider(value=0.0, min=0.0, max=1.0, step=0.05, description="latency",
-                                     continuous_update=False)
+                                     continuous_update=False, **kw)
         self.compare = W.Checkbox(value=compare, description="compare with 1F1B / GPipe")
         self.status = W.HTML()
         self.out = W.Output()
@@ -89,10 +93,11 @@ class ScheduleExplorer:
             self.message = ""
         except ScheduleError as e:
             self.timeline, self.others, self.message = None, [], str(e)
-        self.out.clear_output(wait=True)
         if self.timeline is None:
+            self.out.outputs = ()  # at once: a deferred clear would leave the previous chart under the refusal
             self.status.value = f"<b style='color:#b00'>refused:</b> {self.message}"
             return None
+        self.out.clear_output(wait=True)
         tl = self.timeline
         inflight = max(tl.peak_inflight(r) for r in range(p)) / tl.v
         self.status.value = (
