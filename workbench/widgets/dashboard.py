@@ -156,9 +156,31 @@ class Dashboard:
     def update(self, force: bool = False) -> None:
         """One refresh: re-read events; redraw only when something changed."""
         run = self.run
+        status = self._update_status()
+        n = run.event_count
+        f = run.failure if status == "failed" else None
+        if f is not None:
+            self.failure.value = (f"<div style='color:#d62728'><b>rank {f.rank} failed</b>: {html.escape(f.message)}</div>"
+                                  f"<pre style='font-size:11px;max-height:300px;overflow:auto'>{html.escape(f.traceback)}</pre>")
+            self.failure.layout.display = None
+        if force or n != self._n_events or status != self._last_status:
+            self.figure.value = figure_png(training_figure(frames_from_run(run), self.predicted_memory))
+            sched = self._schedule_png()
+            if sched:
+                self.schedule.value = sched
+                self.schedule.layout.display = None
+            self._n_events, self._last_status = n, status
+            # drawing takes a while and a fast run goes on meanwhile (the status line lagged ~30
+            # iterations behind the log): read again, so status, progress and log are current
+            self._update_status()
+        self.log.value = f"<pre style='font-size:11px'>{html.escape(run.log_tail(None, self.log_lines))}</pre>"
+        self.updates += 1
+
+    def _update_status(self) -> str:
+        """Read new events; status line, progress bar, ETA and stop button from them. Returns the status."""
+        run = self.run
         run.refresh()
         status = run.status
-        n = run.event_count
         it, total, eta = run.progress()
         colour = _STATUS_COLOURS.get(status, "#000")
         self.status.value = (f"<b style='color:{colour}'>{status}</b> &nbsp; <code>{html.escape(str(run.run_dir))}</code>"
@@ -172,20 +194,7 @@ class Dashboard:
         self.progress.bar_style = {"finished": "success", "failed": "danger", "stopped": "warning"}.get(status, "info")
         self.eta.value = _fmt_eta(eta) if status in ("running", "starting") else status
         self.stop_button.disabled = status in ("finished", "failed", "stopped") and not run.is_alive()
-        f = run.failure if status == "failed" else None
-        if f is not None:
-            self.failure.value = (f"<div style='color:#d62728'><b>rank {f.rank} failed</b>: {html.escape(f.message)}</div>"
-                                  f"<pre style='font-size:11px;max-height:300px;overflow:auto'>{html.escape(f.traceback)}</pre>")
-            self.failure.layout.display = None
-        self.log.value = f"<pre style='font-size:11px'>{html.escape(run.log_tail(None, self.log_lines))}</pre>"
-        if force or n != self._n_events or status != self._last_status:
-            self.figure.value = figure_png(training_figure(frames_from_run(run), self.predicted_memory))
-            sched = self._schedule_png()
-            if sched:
-                self.schedule.value = sched
-                self.schedule.layout.display = None
-            self._n_events, self._last_status = n, status
-        self.updates += 1
+        return status
 
     def _schedule_png(self) -> bytes | None:
         if not self.run.reader.has("microbatch", refresh=False):
