@@ -2,8 +2,8 @@
 
 One random initial checkpoint is written first; every run loads it (``checkpoint.finetune``: weights
 only, iteration 0), so all layouts start from the same weights.  Per-step losses (span-corruption LM
-loss of the decoder, fp32) of TP=2, TP=2 + SP and DP=2 with the distributed optimizer must match
-TP=1 within 1e-4 relative; a run resumed from the straight run's step-3 checkpoint must repeat its
+loss of the decoder, fp32) of TP=2 + SP, TP=2 with full recompute (the relative bias's gradient
+across checkpointed chunks) and DP=2 with the distributed optimizer and selective recompute must match TP=1 within 1e-4 relative; a run resumed from the straight run's step-3 checkpoint must repeat its
 steps 4-6 exactly; pipeline parallelism is refused before any process starts, with megatron-core's
 reason.
 """
@@ -82,9 +82,9 @@ def straight(tmp_path_factory):
 
 
 LAYOUTS = {
-    "tp2": {"parallel.tensor_parallel": 2},
     "tp2_sp": {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True},
-    "dp2_distopt": {"parallel.distributed_optimizer": True},
+    "tp2_recompute_full": {"parallel.tensor_parallel": 2, "parallel.recompute": "full"},
+    "dp2_distopt_selective": {"parallel.distributed_optimizer": True, "parallel.recompute": "selective"},
 }
 
 

@@ -129,12 +129,53 @@ def _lm_head() -> Iterator[None]:
         _t5_model.T5LMHead = saved
 
 
+class _BiasBridge(torch.autograd.Function):
+    """Identity on a block's input whose backward hands the relative bias its gradient, collected on a leaf.
+
+    Under ``recompute: full`` megatron's ``checkpointed_forward`` passes ``attention_bias`` into every
+    checkpointed chunk by closure, so each chunk's recompute-backward would run backward through the
+    one shared bias graph (the bucketed embedding lookup and the TP scatter) again: "Trying to backward
+    through the graph a second time".  The block gets a detached leaf instead; its gradient accumulates
+    over all chunks, and this function, placed on the block's input (whose backward runs after every
+    chunk's), passes it to the real bias once.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, bias: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+        ctx.leaf = leaf
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        g, ctx.leaf.grad = ctx.leaf.grad, None
+        return grad, g, None
+
+
+def _bridge_bias(block: Any) -> None:
+    """Route a block's ``attention_bias`` through :class:`_BiasBridge` when it runs under full recompute."""
+    forward = block.forward
+
+    def bridged(*args: Any, hidden_states: Any = None, attention_bias: Any = None, **kwargs: Any) -> Any:
+        if (attention_bias is not None and attention_bias.requires_grad and hidden_states is not None and block.training
+                and torch.is_grad_enabled() and block.config.recompute_granularity == "full"):
+            leaf = attention_bias.detach().requires_grad_(True)
+            hidden_states = _BiasBridge.apply(hidden_states, attention_bias, leaf)
+            attention_bias = leaf
+        return forward(*args, hidden_states=hidden_states, attention_bias=attention_bias, **kwargs)
+
+    block.forward = bridged
+
+
 class WorkbenchT5Model(T5Model):
-    """megatron-core's T5Model with T5's LM head (see the module docstring) and an encoder-only entry."""
+    """megatron-core's T5Model with T5's LM head (see the module docstring), an encoder-only entry, and the
+    relative bias's gradient routed around megatron's full recompute (:class:`_BiasBridge`)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         with _lm_head():
             super().__init__(*args, **kwargs)
+        for block in (self.encoder, self.decoder):
+            if block is not None:
+                _bridge_bias(block)
 
     def relative_bias(self, which: str, sq: int, sk: int, offset: int = 0) -> Optional[torch.Tensor]:
         """This TP rank's heads of a stack's relative position bias ``[1, heads/tp, sq, sk]`` (queries at
