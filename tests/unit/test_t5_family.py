@@ -160,3 +160,22 @@ def test_span_rule_says_what_decoder_length_is_needed():
     (field, rule, fix), = [p for p in span_problems(cfg)]
     assert field == "model.decoder_seq_length" and "decoder_seq_length >= " in fix
     assert FAMILIES["t5"].supports.generation
+
+
+def test_a_local_t5_style_tokenizer_directory_is_found(tmp_path):
+    """A local HF T5-style tokenizer (</s>, <pad>, <unk>, <extra_id_i>) works as data.tokenizer, offline."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    specials = ["<pad>", "</s>", "<unk>"] + [f"<extra_id_{i}>" for i in range(100)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["in the beginning god created the heaven and the earth"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}))
+    v = check_t5_tokenizer(str(tmp_path))
+    assert (v.pad, v.eos) == (0, 1) and v.sentinels[:2] == [3, 4] and len(v.sentinels) == 100
+    problems = preset("t5-tiny", **{"data.tokenizer": str(tmp_path)}).validate()
+    assert problems == []

@@ -158,7 +158,11 @@ class T5Engine:
         self.last_timing = {"seconds": time.perf_counter() - t0}
         outs = []
         for p, (toks, reason, lps, score) in zip(prompts, decoded):
-            text = self.tokenizer.decode(toks) if decode_text and self.tokenizer is not None else None
+            text = None
+            if decode_text and self.tokenizer is not None:
+                from workbench.run.checkpoint import decode_visible
+
+                text = decode_visible(self.tokenizer, toks)  # ids past the tokenizer show as <id:N>, as the GPT engine does
             outs.append(GenerationOutput(prompt_ids=p, token_ids=toks, text=text, finish_reason=reason, log_probs=lps, score=score))
         return outs
 
