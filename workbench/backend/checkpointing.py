@@ -62,8 +62,8 @@ __all__ = [
     "vocab_keys",
 ]
 
-#: checkpoint keys whose first dimension is the (padded) vocabulary
-_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+#: checkpoint keys whose first dimension is the (padded) vocabulary (BERT's LM head also has a vocab-sized output bias)
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
 
 
 def vocab_keys() -> tuple[str, ...]:

@@ -8,11 +8,16 @@ resharding), and runs a forward-only pass.  Pipeline stages pass activations wit
 ``send``/``recv`` in virtual-stage order (stage 0 chunk 0, stage 1 chunk 0, ..., stage 0
 chunk 1, ...), which is exactly the layer order of interleaved pipelining.  The last stage
 gathers the vocab-parallel logits over TP and writes them (pad rows included).
+
+What a forward needs is the checkpoint's model family's: its ``hf`` part makes the inputs
+(``verify_inputs``: token ids for GPT; ids, padding mask and token types for BERT) and the HF
+reference logits (``hf_logits``), its ``step`` part runs one chunk on them (``logits_forward``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -27,13 +32,17 @@ __all__ = ["forward_logits", "verify_against_hf", "main"]
 
 def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    timeout_s: float = 300.0) -> Any:
-    """Logits ``[b, s, padded_vocab]`` (fp32) of the checkpoint run at the given layout on CPU under torchrun."""
+    """Logits ``[b, s, padded_vocab]`` (fp32) of the checkpoint run at the given layout on CPU under torchrun.
+
+    ``tokens``: token ids ``[b, s]``, or the dict of inputs the checkpoint's family reads (its
+    ``hf.verify_inputs``; e.g. BERT's padding mask and token types)."""
     import torch
 
     world = tp * pp
+    inputs = dict(tokens) if isinstance(tokens, dict) else {"tokens": tokens}
     with tempfile.TemporaryDirectory(prefix="wb-verify-") as td:
-        tok_path, out_path = Path(td) / "tokens.pt", Path(td) / "logits.pt"
-        torch.save(tokens.cpu(), tok_path)
+        tok_path, out_path = Path(td) / "inputs.pt", Path(td) / "logits.pt"
+        torch.save({k: v.cpu() for k, v in inputs.items()}, tok_path)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                "-m", "workbench.conversion.verify", "--ckpt", str(ckpt), "--tokens", str(tok_path), "--out", str(out_path),
@@ -48,26 +57,37 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
         return torch.load(out_path, weights_only=True)
 
 
+def _family_hf(ckpt: str | Path) -> Any:
+    """The checkpoint's family's HF adapter, which must make verify's inputs and reference logits."""
+    from workbench.conversion.hf import ConversionError
+    from workbench.models import family_of
+    from workbench.run.checkpoint import read_metadata
+
+    fam = family_of(((read_metadata(ckpt).get("config") or {}).get("model") or {}).get("arch", "gpt"))
+    hf = fam.part("hf")
+    if not (hasattr(hf, "verify_inputs") and hasattr(hf, "hf_logits") and hasattr(fam.part("step"), "logits_forward")):
+        raise ConversionError(f"the {fam.name} family's checkpoints are not verified by this layout check: its hf part has no "
+                              f"verify_inputs / hf_logits (or its step part no logits_forward) -> see {fam.package} for its own check")
+    return hf
+
+
 def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
                       seq_length: int = 16, batch_size: int = 2, atol: float = 1e-4, seed: int = 0) -> dict[str, Any]:
-    """Compare HF logits with the checkpoint's at a layout (fp32, CPU). Returns max_abs_diff and ok."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """Compare HF logits with the checkpoint's at a layout (fp32, CPU), at the positions the family compares
+    (BERT: the unpadded ones). Returns max_abs_diff and ok."""
     from workbench.run.checkpoint import find_checkpoint
     from workbench.run.integrity import verify_checkpoint
 
     verify_checkpoint(find_checkpoint(ckpt))  # a damaged or hostile checkpoint is refused before torchrun starts
-
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    V = hf.config.vocab_size
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, V, (batch_size, seq_length), generator=g)
-    with torch.no_grad():
-        ref = hf(tokens).logits.float()
-    got = forward_logits(ckpt, tokens, tp=tp, pp=pp, vpp=vpp)[..., :V]
-    diff = float((got - ref).abs().max())
-    return {"max_abs_diff": diff, "ok": diff <= atol, "tokens": tokens, "hf_logits": ref, "mcore_logits": got}
+    hf = _family_hf(ckpt)
+    vocab = int(json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"])
+    inputs = hf.verify_inputs(vocab, batch_size, seq_length, seed)
+    ref, where = hf.hf_logits(hf_dir, inputs)
+    got = forward_logits(ckpt, inputs, tp=tp, pp=pp, vpp=vpp)[..., :vocab]
+    delta = (got - ref).abs()
+    diff = float((delta[where] if where is not None else delta).max())
+    return {"max_abs_diff": diff, "ok": diff <= atol, "tokens": inputs["tokens"], "inputs": inputs, "hf_logits": ref,
+            "mcore_logits": got}
 
 
 # --------------------------------------------------------------------------- worker (runs under torchrun)
@@ -85,6 +105,7 @@ def _worker(args: argparse.Namespace) -> None:
     from workbench.backend.model import build_model, transformer_config
     from workbench.config import RunConfig
     from workbench.conversion.runtime import model_overrides
+    from workbench.models import family_of
 
     meta = read_metadata(args.ckpt)
     cfg = RunConfig.from_dict(meta["config"])
@@ -112,9 +133,11 @@ def _worker(args: argparse.Namespace) -> None:
         load_checkpoint(args.ckpt, chunks, load_optimizer=False)
         for c in chunks:
             c.eval()
-        tokens = torch.load(args.tokens, weights_only=True)
-        b, s = tokens.shape
-        pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+        inputs = torch.load(args.tokens, weights_only=True)
+        if not isinstance(inputs, dict):
+            inputs = {"tokens": inputs}
+        b, s = inputs["tokens"].shape
+        step = family_of(cfg).part("step")  # the family's forward for logits
         h = cfg.model.hidden_size
         nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
         last = pp_size * nchunks - 1
@@ -129,7 +152,7 @@ def _worker(args: argparse.Namespace) -> None:
                     hidden = torch.empty(s, b, h, dtype=torch.float32)
                     dist.recv(hidden, src=prv)
                     chunk.set_input_tensor(hidden)
-                out = chunk(tokens, pos, None)
+                out = step.logits_forward(chunk, inputs)
                 if vs < last:
                     dist.send(out.contiguous(), dst=nxt)
                 else:
@@ -145,7 +168,7 @@ def _worker(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="forward a workbench checkpoint at a TP/PP layout (run under torchrun)")
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--tokens", required=True)
+    p.add_argument("--tokens", required=True, help="torch file: token ids [b, s], or the dict of the family's inputs")
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)

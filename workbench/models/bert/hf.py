@@ -23,7 +23,7 @@ from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mc
 from workbench.models.bert import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
-           "make_random_hf_model"]
+           "make_random_hf_model", "verify_inputs", "hf_logits"]
 
 #: the HF model types this adapter converts, and their HF classes
 HF_CLASSES = dict(FAMILY.supports.hf_classes)
@@ -199,3 +199,29 @@ def make_random_hf_model(out: str | Path, model_type: str = "megatron-bert", hid
     out = Path(out)
     model.save_pretrained(out)
     return out
+
+
+def verify_inputs(vocab: int, batch_size: int, seq_length: int, seed: int = 0) -> dict[str, Any]:
+    """Random ``[b, s]`` inputs for a logits comparison: token ids, right padding (row i shorter by ~s/3 per row,
+    at least 2 real tokens) and two token types (sentence B from the middle); what
+    :func:`workbench.models.bert.step.logits_forward` reads."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch_size, seq_length), generator=g)
+    lengths = torch.tensor([max(2, seq_length - i * max(1, seq_length // 3)) for i in range(batch_size)])
+    mask = (torch.arange(seq_length)[None] < lengths[:, None]).long()
+    types = ((torch.arange(seq_length)[None] >= (lengths[:, None] // 2)).long()) * mask
+    return {"tokens": tokens, "padding_mask": mask, "tokentype_ids": types}
+
+
+def hf_logits(hf_dir: str | Path, inputs: dict[str, Any]) -> tuple[Any, Any]:
+    """(HF MegatronBertForPreTraining MLM logits ``[b, s, V]`` fp32, the real (unpadded) positions to compare)."""
+    import torch
+    from transformers import MegatronBertForPreTraining
+
+    hf = MegatronBertForPreTraining.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    mask = inputs["padding_mask"]
+    with torch.no_grad():
+        out = hf(input_ids=inputs["tokens"], attention_mask=mask, token_type_ids=inputs["tokentype_ids"])
+    return out.prediction_logits.float(), mask.bool()

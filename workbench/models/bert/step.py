@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["forward_step", "loss", "classification_loss", "masked_accuracy", "LOSS_NAME", "SOP_NAME", "ACCURACY_NAME",
+__all__ = ["forward_step", "loss", "classification_loss", "logits_forward", "masked_accuracy", "LOSS_NAME", "SOP_NAME", "ACCURACY_NAME",
            "CLASS_ACCURACY_NAME"]
 
 #: the key the reported (masked-LM) loss goes under
@@ -120,3 +120,11 @@ def classification_loss(batch: Any, logits: Any) -> tuple[Any, Any, dict]:
     correct = (logits.argmax(dim=-1) == target).float().sum()
     report = {LOSS_NAME: torch.stack([ce.detach().clone(), n]), CLASS_ACCURACY_NAME: torch.stack([correct.detach(), n])}
     return ce, n.to(torch.int), report
+
+
+def logits_forward(chunk: Any, inputs: dict) -> Any:
+    """One model chunk's forward for logits (conversion's verify): hidden states, or the last stage's vocab-parallel
+    masked-LM logits ``[b, s, V/tp]``; ``inputs``: ``tokens``, ``padding_mask`` and ``tokentype_ids``
+    (:func:`workbench.models.bert.hf.verify_inputs`)."""
+    out = chunk(inputs["tokens"], inputs["padding_mask"], tokentype_ids=inputs.get("tokentype_ids"))
+    return out[0] if isinstance(out, tuple) else out

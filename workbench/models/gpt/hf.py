@@ -17,6 +17,7 @@ from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mc
 from workbench.models.gpt import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
+           "verify_inputs", "hf_logits",
            "make_random_hf_model"]
 
 #: the HF model types this adapter converts, and their HF classes
@@ -289,3 +290,21 @@ def make_random_hf_model(out: str | Path, model_type: str = "gpt2", hidden: int 
     out = Path(out)
     model.save_pretrained(out)
     return out
+
+
+def verify_inputs(vocab: int, batch_size: int, seq_length: int, seed: int = 0) -> dict[str, Any]:
+    """Random token ids for a logits comparison (what :func:`workbench.models.gpt.step.logits_forward` reads)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"tokens": torch.randint(0, vocab, (batch_size, seq_length), generator=g)}
+
+
+def hf_logits(hf_dir: str | Path, inputs: dict[str, Any]) -> tuple[Any, Any]:
+    """(HF causal-LM logits ``[b, s, V]`` fp32, positions to compare: None = all) for :func:`verify_inputs`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(inputs["tokens"]).logits.float(), None

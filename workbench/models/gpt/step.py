@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["forward_step", "loss", "LOSS_NAME"]
+__all__ = ["forward_step", "loss", "logits_forward", "LOSS_NAME"]
 
 #: the key the reported loss goes under
 LOSS_NAME = "lm loss"
@@ -30,3 +30,13 @@ def loss(batch: Any, losses: Any) -> tuple[Any, Any, dict]:
     loss_sum = torch.sum(losses.reshape(-1).float() * mask)
     num_tokens = mask.sum().to(torch.int)
     return loss_sum, num_tokens, {LOSS_NAME: torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])}
+
+
+def logits_forward(chunk: Any, inputs: dict) -> Any:
+    """One model chunk's forward for logits (conversion's verify): hidden states, or the last stage's vocab-parallel
+    logits ``[b, s, V/tp]``; ``inputs`` holds ``tokens`` ``[b, s]`` (see :func:`workbench.models.gpt.hf.verify_inputs`)."""
+    import torch
+
+    tokens = inputs["tokens"]
+    b, s = tokens.shape
+    return chunk(tokens, torch.arange(s).unsqueeze(0).expand(b, -1), None)
