@@ -9,44 +9,11 @@ than chance.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.support import free_port
+from tests.support.trainer_runs import run_trainers
 from workbench.config import ConfigError, preset
 from workbench.run.reader import read_events
-
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-# both runs in one rank process (RANK 0 of 1, gloo): the backend's own Trainer, once per config; one
-# interpreter start instead of two (most of a tiny CPU run's wall time is importing torch and megatron)
-DRIVER = r"""
-import os, sys
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-from workbench.backend import distributed
-from workbench.backend.train import Trainer
-from workbench.config import load_config
-for run_dir in sys.argv[2:]:
-    code = Trainer(load_config(os.path.join(run_dir, "config.json")), run_dir).run()
-    distributed.destroy()
-    assert code == 0, (run_dir, code)
-"""
-
-
-def _run(configs: dict, timeout: int = 240) -> str:
-    for run_dir, cfg in configs.items():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.save(run_dir / "config.json")
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(free_port()), *map(str, configs)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
 
 
 def test_finetuned_classifier_beats_chance_on_held_out_verses(tmp_path):
@@ -57,7 +24,8 @@ def test_finetuned_classifier_beats_chance_on_held_out_verses(tmp_path):
         "checkpoint.save_on_exit": False, "train.train_iters": 120, "train.micro_batch_size": 16, "train.global_batch_size": 16,
         "train.lr": 2e-3, "train.min_lr": 1e-4, "train.lr_warmup_iters": 10, "train.eval_interval": 120, "train.eval_iters": 16,
         "train.microbatch_timing_interval": 0, "model.seq_length": 48})
-    out = _run({tmp_path / "pretrain": pre, tmp_path / "finetune": ft})
+    # both runs in one process (tests.support.trainer_runs: the backend's Trainer once per config)
+    out = run_trainers({tmp_path / "pretrain": pre, tmp_path / "finetune": ft})
     pre_steps = [e for e in read_events(tmp_path / "pretrain") if e["event"] == "step"]
     assert len(pre_steps) == 20 and (ckpt / "latest_checkpointed_iteration.txt").is_file()
     assert "initialised fresh: classifier.bias, classifier.weight" in out, out[-2000:]

@@ -1,4 +1,4 @@
-"""BERT through the real backend in CPU mode (torchrun, gloo): layouts against one process, resume, eval.
+"""BERT through the real backend in CPU mode (gloo): layouts against one process, resume, eval.
 
 One random initial checkpoint is written first; every run loads it (``checkpoint.finetune``: weights
 only, iteration 0), so all layouts start from the same weights.  Per-step losses (masked LM +
@@ -6,38 +6,31 @@ sentence order, fp32) of TP=2 + SP, PP=2 (1F1B), PP=2 x VPP=2 (interleaved 1F1B)
 distributed optimizer must match TP=1/PP=1 within 1e-4 relative; a run resumed from the straight
 run's step-3 checkpoint must repeat its steps 4-6 exactly; eval events carry the masked-token
 accuracy and the sentence-order loss.
+
+Two launches (``tests.support.trainer_runs``): one process writes the initial checkpoint, runs
+TP=1/PP=1 and then the resumed run; one torchrun of two ranks runs the four two-rank layouts one
+after another (each the backend's Trainer with its own config and run directory).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.support import free_port
+from tests.support.trainer_runs import run_trainers
 from workbench.config import preset
 from workbench.run.reader import read_events
 
-ROOT = Path(__file__).resolve().parents[2]
-PY = sys.executable
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
 INIT = r'''
-import sys, torch
-from workbench.config import load_config
-from workbench.backend import distributed
+import torch
 from workbench.backend.model import build_model
 from workbench.backend.checkpointing import save_checkpoint
-cfg = load_config(sys.argv[1])
-distributed.initialize_for_tests(cfg, port=int(sys.argv[3]))
+cfg = load_config(INIT_CONFIG)
+distributed.initialize_for_tests(cfg, port=int(sys.argv[1]))
 torch.manual_seed(cfg.train.seed)
-model = build_model(cfg)
-save_checkpoint(sys.argv[2], 0, [model], cfg)
-distributed.destroy()
+save_checkpoint(INIT_DIR, 0, [build_model(cfg)], cfg)
+parallel_state.destroy_model_parallel()
 '''
 
 
@@ -49,34 +42,8 @@ def _cfg(**over):
     return preset("bert-tiny", **base)
 
 
-def _torchrun(cfg, run_dir: Path, nproc: int, timeout: int = 300):
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.parallel.nproc_per_node = nproc
-    cfg.save(run_dir / "config.json")
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-           "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return read_events(run_dir)
-
-
 def _losses(events, kind="step"):
     return {e["iteration"]: e for e in events if e["event"] == kind and e.get("loss") is not None}
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The initial checkpoint, and TP=1/PP=1 from it for 6 steps (checkpoint at step 3)."""
-    root = tmp_path_factory.mktemp("bert")
-    init_cfg = root / "init.json"
-    _cfg().save(init_cfg)
-    proc = subprocess.run([PY, "-c", textwrap.dedent(INIT), str(init_cfg), str(root / "init"), str(free_port())],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    init = root / "init" / "iter_0000000"
-    ev = _torchrun(_cfg(**{"checkpoint.load_dir": str(init), "checkpoint.finetune": True, "checkpoint.save_interval": 3}),
-                   root / "tp1", 1)
-    return init, root / "tp1", ev
 
 
 LAYOUTS = {
@@ -87,12 +54,30 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Events of every run: the straight TP=1/PP=1 run (checkpoint at step 3), the resumed run and each layout."""
+    root = tmp_path_factory.mktemp("bert")
+    init_cfg = root / "init.json"
+    _cfg().save(init_cfg)
+    init = root / "init" / "iter_0000000"
+    start = {"checkpoint.load_dir": str(init), "checkpoint.finetune": True}
+    prelude = INIT.replace("INIT_CONFIG", repr(str(init_cfg))).replace("INIT_DIR", repr(str(root / "init")))
+    run_trainers({root / "tp1": _cfg(**start, **{"checkpoint.save_interval": 3}),
+                  root / "resumed": _cfg(**{"checkpoint.load_dir": str(root / "tp1" / "checkpoints" / "iter_0000003")})},
+                 nproc=1, prelude=prelude)
+    run_trainers({root / name: _cfg(**start, **over) for name, over in LAYOUTS.items()}, nproc=2, timeout=420)
+    return {p.name: read_events(p) for p in root.iterdir() if (p / "events").is_dir()}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_losses_match_one_process(straight, tmp_path, layout):
-    init, _, ref_events = straight
-    ev = _torchrun(_cfg(**{"checkpoint.load_dir": str(init), "checkpoint.finetune": True, **LAYOUTS[layout]}), tmp_path / layout, 2)
+def test_layout_losses_match_one_process(runs, layout):
+    ref_events, ev = runs["tp1"], runs[layout]
     ref, got = _losses(ref_events), _losses(ev)
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5, 6]
+    start = next(e for e in ev if e["event"] == "run_start")
+    want = {"tp": 2 if "tp2" in layout else 1, "pp": 2 if "pp2" in layout else 1}
+    assert {k: start["config"]["parallel"][f"{n}_parallel"] for k, n in (("tp", "tensor"), ("pp", "pipeline"))} == want
     for it, e in got.items():
         r = ref[it]
         assert abs(e["loss"] - r["loss"]) <= 1e-4 * r["loss"], (layout, it, e["loss"], r["loss"])
@@ -104,8 +89,8 @@ def test_layout_losses_match_one_process(straight, tmp_path, layout):
         assert e["mlm accuracy"] == pytest.approx(ref_eval[it]["mlm accuracy"], abs=1e-6)
 
 
-def test_straight_run_reports_eval_metrics(straight):
-    _, run_dir, ev = straight
+def test_straight_run_reports_eval_metrics(runs):
+    ev = runs["tp1"]
     start = next(e for e in ev if e["event"] == "run_start")
     assert "SDPA" in start["kernel_path"]["attention"] and start["kernels"]["layer"] == "stock"
     evals = _losses(ev, "eval")
@@ -114,10 +99,8 @@ def test_straight_run_reports_eval_metrics(straight):
     assert all(0 < e["loss"] < 20 and 0 < e["sop loss"] < 5 for e in _losses(ev).values())
 
 
-def test_resume_repeats_the_straight_run_exactly(straight, tmp_path):
-    _, run_dir, ref_events = straight
-    ev = _torchrun(_cfg(**{"checkpoint.load_dir": str(run_dir / "checkpoints" / "iter_0000003")}), tmp_path / "resumed", 1)
-    ref, got = _losses(ref_events), _losses(ev)
+def test_resume_repeats_the_straight_run_exactly(runs):
+    ref, got = _losses(runs["tp1"]), _losses(runs["resumed"])
     assert sorted(got) == [4, 5, 6]
     for it, e in got.items():
         assert e["loss"] == ref[it]["loss"] and e["sop loss"] == ref[it]["sop loss"], (it, e["loss"], ref[it]["loss"])
