@@ -83,6 +83,9 @@ class Family:
     #: the part whose ``make_engine(model, cfg, tokenizer, special_ids, cuda_graphs)`` generates for this
     #: family (None: the decoder-only engine of :mod:`workbench.backend.inference`)
     generation_engine: str | None = None
+    #: config fields only this family reads (dotted, e.g. ``model.num_labels``): the config form shows them
+    #: only while ``model.arch`` names this family
+    fields: tuple[str, ...] = ()
 
     def part(self, name: str) -> ModuleType:
         """One of the family's modules (``model``, ``step``, ``data``, ``hf``), imported on first use."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from workbench.config import PRESETS, ConfigError, DatasetEntry, Problem, RunConfig, preset
+from workbench.models import FAMILIES
 
 __all__ = ["ConfigForm", "field_specs", "FieldSpec"]
 
@@ -106,6 +107,7 @@ class ConfigForm:
         self.fields: dict[str, Any] = {}
         self._parse_problems: list[Problem] = []
         self.messages: dict[str, Any] = {}
+        self.rows: dict[str, Any] = {}
         self._suspend = False
         self.config: RunConfig = cfg or (preset(preset_name) if preset_name else RunConfig())
         self.problems: list[Problem] = []
@@ -123,7 +125,8 @@ class ConfigForm:
             self.fields[spec.name], self.messages[spec.name] = w, msg
             w.observe(self._on_change, names="value")
             section = spec.name.split(".")[0] if "." in spec.name else "run"
-            rows[section].append(W.HBox([w, msg]))
+            self.rows[spec.name] = W.HBox([w, msg])
+            rows[section].append(self.rows[spec.name])
         self.summary = W.HTML()
         self.plan = W.HTML()
         self.export_path = W.Text(value="run.yaml", description="export to", layout=W.Layout(width="360px"))
@@ -272,8 +275,24 @@ class ConfigForm:
                                   f" x pp {self.config.parallel.pipeline_parallel} x dp {d.data_parallel}; "
                                   f"{d.params.total / 1e6:.2f}M parameters; {d.num_microbatches} micro-batches per step</div>")
         self.launch_button.disabled = bool(problems)
+        self._show_family_fields()
         self._update_plan()
         return problems
+
+    def _show_family_fields(self) -> None:
+        """A field one family owns (``Family.fields``, e.g. BERT's token types and heads) shows only for that family."""
+        arch = self.fields["model.arch"].value
+        for fam in FAMILIES.values():
+            for name in fam.fields:
+                if name in self.rows:
+                    self.rows[name].layout.display = "" if fam.name == arch else "none"
+        fam = FAMILIES.get(arch)
+        if fam is not None and not self.problems:
+            self.summary.value = self.summary.value.replace("<b>valid</b>:", f"<b>valid</b> ({html.escape(fam.title)}):", 1)
+
+    def shown_fields(self) -> list[str]:
+        """The dotted names of the fields the form shows now."""
+        return [n for n, row in self.rows.items() if row.layout.display != "none"]
 
     def _field_for(self, problem_field: str) -> str | None:
         name = problem_field.split("[")[0]

@@ -98,4 +98,5 @@ FAMILY = Family(
     presets=PRESETS,
     rules=rules,
     data_rules=data_rules,
+    fields=("model.num_tokentypes", "model.add_binary_head", "model.add_pooler", "model.num_labels"),
 )
