@@ -126,3 +126,19 @@ def test_pipeline_parallel_is_refused_with_the_reason(tmp_path):
     assert proc.returncode != 0
     err = proc.stdout + proc.stderr
     assert "parallel.pipeline_parallel" in err and "removed in megatron-core 0.14" in err and "tensor_parallel" in err
+
+
+def test_workbench_generate_cli_on_the_trained_checkpoint(straight):
+    """``workbench generate`` on a T5 checkpoint: text prompts through the checkpoint's demo-t5 tokenizer,
+    greedy and beam search, the family's engine (encoder once, cached decoder)."""
+    import json
+
+    _, run_dir, _ = straight
+    for mode in (["--greedy"], ["--num-beams", "3"]):
+        proc = subprocess.run([PY, "-m", "workbench.cli", "generate", "--ckpt", str(run_dir / "checkpoints"), "--prompt",
+                               "In the beginning <extra_id_0> created", "--prompt", "And God said", *mode,
+                               "--max-new-tokens", "4", "--device", "cpu", "--json"],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = json.loads(proc.stdout[proc.stdout.index("["):])
+        assert len(out) == 2 and all(1 <= len(r["token_ids"]) <= 4 and isinstance(r["text"], str) for r in out)
