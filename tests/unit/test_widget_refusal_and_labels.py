@@ -35,6 +35,10 @@ def test_schedule_explorer_refusal_clears_the_previous_chart():
     ex.set(m=6)  # interleaving needs m divisible by p
     assert ex.timeline is None and "refused" in ex.status.value
     assert ex.out.outputs == ()
+    ex.set(schedule="1f1b", p=4, m=2)  # m < p: a chart, with the warning the CLI gives
+    assert ex.timeline is not None and "m=2 &lt; p=4" in ex.status.value and "at least m=4" in ex.status.value
+    ex.set(m=8)
+    assert "&lt; p" not in ex.status.value
 
 
 def _px(value: str) -> float:

@@ -104,6 +104,9 @@ class ScheduleExplorer:
             f"step <b>{tl.step_time:.3g}</b> (forward = 1 per stage) &middot; bubble <b>{tl.bubble_fraction():.3f}</b> "
             f"(closed form {closed_form_bubble_fraction(sched, p, m, v):.3f}) &middot; peak in flight on rank 0: "
             f"<b>{inflight:.3g}</b> micro-batches of activations")
+        if m < p:  # the same warning as `workbench schedule`
+            self.status.value += (f"<br><b style='color:#b00'>m={m} &lt; p={p}</b>: the pipeline never fills, every rank "
+                                  f"idles more than it works (bubble &gt; 1) &rarr; use at least m={p} micro-batches")
         self.figure = compare([tl] + self.others) if self.others else gantt(tl)
         if self._show:
             with self.out:
