@@ -244,6 +244,10 @@ def make_random_hf_model(out: str | Path, model_type: str = "t5", hidden: int = 
                 p.add_(torch.randn_like(p) * 0.1)
             elif "relative_attention_bias" in name:
                 p.mul_(20.0)  # HF initialises it tiny: make the bias matter
+        if not getattr(model.config, "scale_decoder_outputs", True) or model_type == "mt5":
+            # unscaled heads on HF's std-1 embeddings: the residual stream is the input token's embedding, so
+            # greedy decoding would repeat the start token forever; smaller embeddings let the layers speak
+            model.shared.weight.mul_(0.05)
     out = Path(out)
     model.save_pretrained(out)
     return out
