@@ -85,6 +85,10 @@ def test_rank_labels_of_the_memory_chart_never_touch(world):
                                    "parallel.nproc_per_node": world, "train.global_batch_size": 64})
     plan = predict(cfg, gpu="H100")
     fig = plan_bars(plan, measured={r.rank: 10 * 2**30 for r in plan.ranks})
+    if not hasattr(fig.canvas, "get_renderer"):  # a pyplot-free Figure: measure as it is drawn to PNG
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)
     renderer = fig.canvas.get_renderer()
     boxes = sorted((t.get_window_extent(renderer) for t in fig.axes[0].get_xticklabels() if t.get_text()), key=lambda b: b.x0)
     assert len(boxes) == world
