@@ -222,6 +222,8 @@ def hf_logits(hf_dir: str | Path, inputs: dict[str, Any]) -> tuple[Any, Any]:
 
     hf = MegatronBertForPreTraining.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager").eval()
     mask = inputs["padding_mask"]
-    with torch.no_grad():
-        out = hf(input_ids=inputs["tokens"], attention_mask=mask, token_type_ids=inputs["tokentype_ids"])
+    b, s = mask.shape
+    with torch.no_grad():  # explicit positions: HF's position_ids buffer is left uninitialised when megatron-core has
+        out = hf(input_ids=inputs["tokens"], attention_mask=mask, token_type_ids=inputs["tokentype_ids"],  # run in this process
+                 position_ids=torch.arange(s)[None].expand(b, -1))
     return out.prediction_logits.float(), mask.bool()
