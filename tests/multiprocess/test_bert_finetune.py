@@ -53,3 +53,41 @@ def test_classification_config_rules():
         preset("bert-tiny", **{"model.num_labels": 2, "model.add_binary_head": False, "data.source": "indexed",
                                "data.datasets": [{"prefix": "/x/y_text_document"}]}).check()
     preset("bert-tiny", **{"model.num_labels": 2, "model.add_binary_head": False}).check()
+
+
+def test_classification_model_has_the_head_the_planner_counts():
+    """The built model (TP=1, CPU) has exactly the parameters derive() counts, with and without a 3-class head,
+    and its last stage returns [b, num_labels] logits for a padded batch."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = r"""
+import json, torch
+from workbench.config import preset, derive
+from workbench.conversion.runtime import single_process_group, build_full_model
+out = []
+for over in ({}, {"model.num_labels": 3, "model.add_binary_head": False}):
+    cfg = preset("bert-tiny", **over)
+    with single_process_group():
+        m = build_full_model(cfg, "fp32").eval()
+        tokens = torch.randint(5, 100, (2, 12)); mask = (torch.arange(12)[None] < torch.tensor([[12], [7]])).long()
+        with torch.no_grad():
+            y = m(tokens, mask, tokentype_ids=torch.zeros_like(tokens))
+    shape = list(y.shape) if torch.is_tensor(y) else [list(t.shape) for t in y if t is not None]
+    out.append({"built": sum(p.numel() for p in m.parameters()), "derived": derive(cfg).params.total, "shape": shape,
+                "head": [n for n, _ in m.named_parameters() if n.startswith("classifier.")]})
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pre, cls = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert pre["built"] == pre["derived"] and cls["built"] == cls["derived"]
+    h = 64
+    assert cls["built"] - pre["built"] == (3 * h + 3) - (2 * h + 2)  # binary head (2 classes) -> classifier (3)
+    assert cls["head"] == ["classifier.weight", "classifier.bias"] and cls["shape"] == [2, 3]
+    assert pre["shape"] == [[2, 12, 4096], [2, 2]]
