@@ -76,3 +76,18 @@ def test_round_trip_and_logits_match_hf(tmp_path, case):
     assert out["config_back"]["model_type"] == mt
     assert out["padded_vocab"] > 203  # padded for TP=3 rows, stripped on export
     assert out["max_abs"] <= 1e-4 * max(out["scale"], 1.0), out
+
+
+def test_workbench_convert_verify_runs_t5_at_tp2(tmp_path):
+    """``workbench convert verify`` asks the checkpoint's family for inputs, HF logits and the forward: a converted
+    mT5 checkpoint run at TP=2 on CPU ranks within 1e-4 of HF."""
+    script = ("import sys; from pathlib import Path; from workbench.models.t5.hf import make_random_hf_model; "
+              "from workbench.conversion.api import hf_to_megatron; r = Path(sys.argv[1]); "
+              "h = make_random_hf_model(r / 'hf', 'mt5', hidden=48, layers=2, heads=6, d_kv=10, vocab=203); "
+              "hf_to_megatron(h, r / 'mc', tp=1, dtype='fp32', device='cpu', progress=False)")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "convert", "verify", "--ckpt", str(tmp_path / "mc"),
+                           "--hf", str(tmp_path / "hf"), "--tp", "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "max |logits(mcore tp=2 pp=1) - logits(HF)|" in proc.stdout

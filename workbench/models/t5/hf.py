@@ -26,7 +26,7 @@ from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mc
 from workbench.models.t5 import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
-           "make_random_hf_model", "kv_to_mcore", "kv_from_mcore"]
+           "make_random_hf_model", "kv_to_mcore", "kv_from_mcore", "verify_inputs", "hf_logits"]
 
 HF_CLASSES = dict(FAMILY.supports.hf_classes)
 _ACTS = {"relu": ("relu", "none"), "gated-gelu": ("geglu", "tanh"), "gated-gelu_new": ("geglu", "tanh"),
@@ -251,3 +251,29 @@ def make_random_hf_model(out: str | Path, model_type: str = "t5", hidden: int = 
     out = Path(out)
     model.save_pretrained(out)
     return out
+
+
+def verify_inputs(vocab: int, batch_size: int, seq_length: int, seed: int = 0) -> dict[str, Any]:
+    """Random inputs for a logits comparison (``workbench convert verify``): encoder ids ``[b, s]`` right-padded
+    (row i shorter by ~s/3 per row, at least 2 real tokens) with their mask, and decoder ids ``[b, max(s // 2, 2)]``
+    starting with the start token 0; what :func:`workbench.models.t5.step.logits_forward` reads."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(2, vocab, (batch_size, seq_length), generator=g)
+    lengths = torch.tensor([max(2, seq_length - i * max(1, seq_length // 3)) for i in range(batch_size)])
+    mask = (torch.arange(seq_length)[None] < lengths[:, None]).long()
+    dec = torch.randint(2, vocab, (batch_size, max(seq_length // 2, 2)), generator=g)
+    dec[:, 0] = 0
+    return {"tokens": tokens, "enc_mask": mask, "dec_tokens": dec}
+
+
+def hf_logits(hf_dir: str | Path, inputs: dict[str, Any]) -> tuple[Any, Any]:
+    """(HF T5 / mT5 decoder logits ``[b, s_dec, V]`` fp32, None: every decoder position is compared)."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM
+
+    hf = AutoModelForSeq2SeqLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf(input_ids=inputs["tokens"], attention_mask=inputs["enc_mask"], decoder_input_ids=inputs["dec_tokens"])
+    return out.logits.float(), None

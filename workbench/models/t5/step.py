@@ -13,7 +13,7 @@ from typing import Any
 
 from workbench.models.gpt.step import LOSS_NAME, loss
 
-__all__ = ["forward_step", "loss", "LOSS_NAME", "encoder_mask"]
+__all__ = ["forward_step", "loss", "LOSS_NAME", "encoder_mask", "logits_forward"]
 
 
 def encoder_mask(enc_mask: Any) -> Any:
@@ -26,3 +26,10 @@ def forward_step(batch: Any, model: Any, return_logits: bool = False, **_: Any) 
     mask = encoder_mask(batch.extra["enc_mask"])
     labels = None if return_logits else batch.labels
     return model(batch.tokens, batch.extra["dec_tokens"], mask, None, mask, lm_labels=labels)
+
+
+def logits_forward(chunk: Any, inputs: dict) -> Any:
+    """The whole model's forward for logits (conversion's verify): vocab-parallel decoder logits ``[b, s_dec, V/tp]``;
+    ``inputs``: ``tokens``, ``enc_mask``, ``dec_tokens`` (:func:`workbench.models.t5.hf.verify_inputs`)."""
+    mask = encoder_mask(inputs["enc_mask"])
+    return chunk(inputs["tokens"], inputs["dec_tokens"], mask, None, mask)
