@@ -52,6 +52,8 @@ def test_classification_config_rules():
     with pytest.raises(ConfigError, match="indexed data has no labels"):
         preset("bert-tiny", **{"model.num_labels": 2, "model.add_binary_head": False, "data.source": "indexed",
                                "data.datasets": [{"prefix": "/x/y_text_document"}]}).check()
+    with pytest.raises(ConfigError, match="overlapped gradient reduction waits"):
+        preset("bert-tiny", **{"model.num_labels": 2, "model.add_binary_head": False, "parallel.overlap_grad_reduce": True}).check()
     preset("bert-tiny", **{"model.num_labels": 2, "model.add_binary_head": False}).check()
 
 

@@ -55,6 +55,9 @@ def rules(cfg: Any) -> list[tuple[str, str, str]]:
         elif d.source == "demo" and m.num_labels != 2:
             out.append(("model.num_labels", f"the demo labelled set has 2 classes (Old / New Testament), not {m.num_labels}",
                         "set num_labels: 2"))
+        if cfg.parallel.overlap_grad_reduce:
+            out.append(("parallel.overlap_grad_reduce", "classification leaves the masked-LM head in the model unused, and "
+                        "megatron's overlapped gradient reduction waits for a gradient of every parameter", "set overlap_grad_reduce: false"))
         if m.add_binary_head:
             out.append(("model.add_binary_head", "classification trains the head on the pooled output; the sentence-order "
                         "head would sit unused", "set add_binary_head: false (the pooler is kept and loaded from the checkpoint)"))
