@@ -95,3 +95,14 @@ def test_convert_verify_runs_bert_at_tp2(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("max |logits")][-1]
     assert "tp=2 pp=1" in line and float(line.split("| = ")[1].split()[0]) < 1e-4, line
+
+    # reshape to TP=2 re-pads every vocab-sized tensor (the LM head's bias too), and the export is bit-identical
+    from workbench.backend.checkpointing import checkpoint_tensor_shapes
+    from workbench.conversion.api import compare_hf_dirs, megatron_to_hf, reshape
+    from workbench.run.checkpoint import find_checkpoint
+
+    reshape(tmp_path / "mc", tmp_path / "mc_tp2", tp=2, pp=1)
+    shapes = checkpoint_tensor_shapes(find_checkpoint(tmp_path / "mc_tp2"))
+    assert shapes["output_layer.bias"][0] == (512,) and shapes["embedding.word_embeddings.weight"][0] == (512, 48)
+    megatron_to_hf(tmp_path / "mc_tp2", tmp_path / "hf_back", progress=False)
+    assert compare_hf_dirs(hf, tmp_path / "hf_back")["identical"]

@@ -259,7 +259,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
 
 def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None, force: bool = False) -> ConversionResult:
     """Re-target a checkpoint's parallel layout (config + vocab padding); weights only (no optimizer state)."""
-    from workbench.backend.checkpointing import read_metadata
+    from workbench.backend.checkpointing import read_metadata, vocab_keys
     from workbench.conversion.runtime import load_full_state_dict, single_process_group
     from workbench.run.integrity import verify_checkpoint
 
@@ -278,7 +278,7 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     final = Path(out).expanduser().resolve()
     with single_process_group():
         full, meta = load_full_state_dict(meta["path"], src_cfg)
-    for k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+    for k in vocab_keys():  # every vocab-sized tensor (BERT's LM head also has a vocab-sized output bias)
         if k in full:
             full[k] = pad_vocab_rows(full[k], padded, real=V)
     tok = meta.get("tokenizer")
