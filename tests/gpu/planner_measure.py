@@ -99,6 +99,10 @@ ONE_GPU: dict[str, tuple[str, dict]] = {
                                               "parallel.recompute": "full", **OFF}),
     "g2s-eager-full": ("gpt2-small", {"train.micro_batch_size": 16, "parallel.recompute": "full", **OFF}),
     "llama1b-eager": ("gpt2-small", {**LLAMA_1B, "train.micro_batch_size": 2, **OFF}),
+    # the other families (issues 20, 21): their default path (the kernel rule's stock layer for encoders)
+    "bert-base": ("bert-base", {"train.micro_batch_size": 8}),
+    "bert-large": ("bert-large", {"train.micro_batch_size": 8}),
+    "t5-base": ("t5-base", {"train.micro_batch_size": 16}),
 }
 STEPS = 4  # CUDA graphs: warm-up, recording, two replays
 
