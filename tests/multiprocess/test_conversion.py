@@ -331,11 +331,11 @@ def test_hf_to_megatron_refuses_before_writing(hf_models, tmp_path):
     (tmp_path / "full" / "keep.txt").write_text("mine")
     with pytest.raises(ConversionError, match="already exists"):
         hf_to_megatron(hf_dir, tmp_path / "full")
-    bert = tmp_path / "bert"
-    bert.mkdir()
-    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(ConversionError, match="model_type 'bert' is not supported"):
-        hf_to_megatron(bert, tmp_path / "y")
+    other = tmp_path / "neox"  # an HF architecture no family converts (HF "bert" is refused by the BERT family's own rule)
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    with pytest.raises(ConversionError, match="model_type 'gpt_neox' is not supported"):
+        hf_to_megatron(other, tmp_path / "y")
 
 
 def test_cli(hf_models, tp2pp2, tmp_path, capsys):
