@@ -93,8 +93,10 @@ def test_stop_and_stacks_buttons_act_while_watch_waits(rank_script, tmp_path):
         line = w.until(lambda: next((ln for ln in w.text.splitlines() if ln.startswith("RUN_DIR ")), None), 90, "the launch")
         run_dir = line.split(" ", 1)[1].strip()
         stop = w.until(lambda: w.find("ButtonModel", description="stop"), 60, "the dashboard's stop button")
-        stacks_btn = w.find("ButtonModel", description="stacks")
-        accordion = w.find("AccordionModel")
+        stacks_btn = w.until(lambda: w.find("ButtonModel", description="stacks"), 30, "the dashboard's stacks button")
+        # widget models open one comm at a time: the accordion may arrive after the buttons
+        accordion = w.until(lambda: (a := w.find("AccordionModel")) and len(w.state[a].get("children") or []) > 1 and a,
+                            30, "the dashboard's accordion")
         stacks_html = w.state[accordion]["children"][1].removeprefix("IPY_MODEL_")
         status_html = w.find("HTMLModel")  # the first HTML of the dashboard is its status line
         w.until(lambda: any("iteration" in (st.get("value") or "") and "running" in (st.get("value") or "")
