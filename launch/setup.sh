@@ -1,10 +1,38 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv with Python 3.12 and the workbench installed editable.
 # Idempotent: a second run with an unchanged pyproject.toml installs nothing.
+#
+# CPU-only machines: `bash launch/setup.sh --cpu` (or WORKBENCH_TORCH=cpu) takes torch from PyTorch's
+# own CPU wheel index (WORKBENCH_TORCH_INDEX, default https://download.pytorch.org/whl/cpu) instead of
+# PyPI's CUDA build, which pulls ~3 GB of CUDA libraries a CPU cannot use.  megatron-core 0.19 imports
+# `triton` unconditionally (megatron/core/transformer/moe/ops/paged_stash.py), and the CPU torch wheel
+# does not bring it, so the CPU install adds triton from PyPI.  The default (no option) needs PyPI only.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="${WORKBENCH_VENV:-$root/.venv}"
+torch_variant="${WORKBENCH_TORCH:-default}"
+for a in "$@"; do
+  case "$a" in
+    --cpu) torch_variant=cpu ;;
+    --dry-run) WORKBENCH_SETUP_DRY_RUN=1 ;;
+    -h|--help) sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: unknown option '$a' for launch/setup.sh" >&2
+       echo "fix: use --cpu (torch from PyTorch's CPU wheel index), --dry-run (print the install commands) or no option" >&2
+       exit 2 ;;
+  esac
+done
+case "$torch_variant" in
+  default|cuda|"") torch_variant=default ;;
+  cpu) ;;
+  *) echo "error: WORKBENCH_TORCH='$torch_variant' is not a torch variant this script knows" >&2
+     echo "fix: WORKBENCH_TORCH=cpu for a CPU-only install, or leave it unset for PyPI's default torch" >&2
+     exit 2 ;;
+esac
+torch_index="${WORKBENCH_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+dry="${WORKBENCH_SETUP_DRY_RUN:-}"
+# run (or, with --dry-run, print) one install step
+step() { if [ -n "$dry" ]; then echo "+ $*"; else "$@"; fi; }
 
 find_python312() {
   local c
@@ -35,15 +63,36 @@ if [ ! -x "$venv/bin/python" ]; then
     exit 2
   }
   echo "[setup] creating $venv with $py"
-  "$py" -m venv "$venv"
+  step "$py" -m venv "$venv"
+fi
+
+if [ "$torch_variant" = cpu ] && [ -z "$dry" ]; then
+  # a venv that already holds PyPI's CUDA torch keeps it (pip sees torch satisfied): say so, don't half-switch
+  have="$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)"
+  if [ -n "$have" ] && [[ "$have" != *+cpu ]]; then
+    echo "error: $venv already has torch $have (the CUDA build); --cpu installs into a fresh environment" >&2
+    echo "fix: WORKBENCH_VENV=.venv-cpu bash launch/setup.sh --cpu   (or remove $venv first)" >&2
+    exit 2
+  fi
 fi
 
 stamp="$venv/.workbench-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "[setup] installing the workbench and its dependencies into $venv (first time: a few minutes, ~6 GB with torch)"
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -e ".[dev]"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) torch=$torch_variant"
+if [ -n "$dry" ] || [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  if [ "$torch_variant" = cpu ]; then
+    echo "[setup] installing the workbench into $venv with CPU-only torch from $torch_index (~1.5 GB in all)"
+  else
+    echo "[setup] installing the workbench and its dependencies into $venv (first time: a few minutes, ~6 GB with torch)"
+  fi
+  step "$venv/bin/python" -m pip install -q --upgrade pip
+  if [ "$torch_variant" = cpu ]; then
+    # torch first from the CPU index (its '+cpu' build then satisfies the project's torch>=2.6), then
+    # triton from PyPI: megatron-core imports it even on a CPU
+    step "$venv/bin/python" -m pip install -q torch --index-url "$torch_index"
+    step "$venv/bin/python" -m pip install -q triton
+  fi
+  step "$venv/bin/python" -m pip install -q -e ".[dev]"
+  if [ -n "$dry" ]; then exit 0; fi
   "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
