@@ -103,6 +103,9 @@ ONE_GPU: dict[str, tuple[str, dict]] = {
     "bert-base": ("bert-base", {"train.micro_batch_size": 8}),
     "bert-large": ("bert-large", {"train.micro_batch_size": 8}),
     "t5-base": ("t5-base", {"train.micro_batch_size": 16}),
+    "t5-v1_1-base": ("t5-v1_1-base", {"train.micro_batch_size": 16}),  # gated-GELU MLP, untied head
+    "t5-small": ("t5-small", {"train.micro_batch_size": 32}),
+    "t5-base-full": ("t5-base", {"train.micro_batch_size": 16, "parallel.recompute": "full"}),
 }
 STEPS = 4  # CUDA graphs: warm-up, recording, two replays
 

@@ -84,6 +84,7 @@ class Shape:
     recompute_num_layers: int
     dist_opt: bool
     max_pos: int
+    relu: bool = False  # ReLU keeps only its output (fc2's input), not its input
 
 
 def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
@@ -100,6 +101,7 @@ def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
         rope=m.position_embedding == "rope", learned_pos=m.position_embedding == "learned", tied=m.tie_embeddings,
         hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0, recompute=p.recompute,
         recompute_num_layers=p.recompute_num_layers, dist_opt=p.distributed_optimizer, max_pos=m.max_position_embeddings,
+        relu=m.activation == "relu",
     )
 
 
@@ -159,7 +161,8 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
     scores                    local: fp32 softmax + its bf16 copy             (4+e) a s^2 b / t
     causal_mask               local: bool [s, s] kept by masked_fill           s^2
     norm2_input / fc1_input   residual / pre-MLP norm output                  e sbh / t_sp each
-    fc1_output                GELU / SwiGLU input                             e sb f1 / t
+    fc1_output                GELU / SwiGLU input (ReLU: none, it keeps       e sb f1 / t
+                              only its output, fc2's input)
     act_output                fc2 input (SwiGLU: + silu(gate), x_lin copy)    e sb f / t (x3)
     dropout_masks             hidden dropout (1 byte, when p > 0)             sbh / t_sp each
     norm_stats                mean / rstd (fp32)                              4-8 sb / t_sp each
@@ -196,7 +199,8 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
         terms["causal_mask"] = s * s  # the bool mask masked_fill keeps, one per layer
     terms["norm2_input"] = e * tok * h / tsp
     terms["fc1_input"] = e * tok * h / tsp
-    terms["fc1_output"] = e * tok * sh.fc1_out / t
+    if not sh.relu:  # relu's backward reads its output, which fc2 keeps anyway: fc1's output is freed
+        terms["fc1_output"] = e * tok * sh.fc1_out / t
     # SwiGLU (mcore's glu): silu(gate), the `x_linear + offset` copy and their product
     terms["act_output"] = e * tok * sh.ffn / t * (3 if sh.swiglu else 1)
     if sh.hidden_dropout:

@@ -29,7 +29,7 @@ from typing import Any
 from workbench.models.gpt import shapes as _gpt
 
 __all__ = ["param_counts", "layer_and_head_flops", "Shape", "shape", "stage_params", "layer_activation_terms",
-           "layer_backward_transient", "logits_bytes", "layer_params"]
+           "layer_backward_transient", "logits_bytes", "layer_params", "attention_mask_bytes"]
 
 
 def layer_params(cfg: Any) -> dict[str, int]:
@@ -90,6 +90,7 @@ class Shape(_gpt.Shape):
     sd: int = 0
     dec_layers: int = 0
     enc_layers: int = 0
+    relative: bool = False
 
 
 def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
@@ -97,7 +98,8 @@ def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
     fields = {k: getattr(base, k) for k in base.__dataclass_fields__}
     fields.update(fc1_out=2 * cfg.model.ffn_size if cfg.model.gated_mlp else cfg.model.ffn_size, swiglu=cfg.model.gated_mlp,
                   learned_pos=False, rope=False)
-    return Shape(**fields, sd=cfg.model.decoder_seq, dec_layers=cfg.model.decoder_layers, enc_layers=cfg.model.num_layers)
+    return Shape(**fields, sd=cfg.model.decoder_seq, dec_layers=cfg.model.decoder_layers, enc_layers=cfg.model.num_layers,
+                 relative=cfg.model.position_embedding == "relative")
 
 
 def stage_params(cfg: Any, sh: Shape, d: Any) -> list[dict[str, int]]:
@@ -132,10 +134,17 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
 
     A decoder layer keeps a GPT layer's tensors at the decoder length, and for cross-attention its
     norm input and output, q, the attention output, the softmax statistics and k, v over the encoder
-    length (``e * b * se * 2 a d / t``; the encoder output itself is kept once by the stack)."""
+    length (``e * b * se * 2 a d / t``; the encoder output itself is kept once by the stack).
+
+    With the relative position bias, every self-attention layer keeps its own additive mask
+    (:func:`attention_mask_bytes`)."""
     enc = _gpt.layer_activation_terms(_scaled(sh, sh.s), kp)
     enc.pop("causal_mask", None)
     dec = _gpt.layer_activation_terms(_scaled(sh, sh.sd), kp)
+    enc_mask, dec_mask = attention_mask_bytes(sh, kp)
+    if enc_mask:
+        enc["attention_mask_bias"] = enc_mask
+    dec["attention_mask_bias"] = dec_mask
     t, e, b = sh.tp, sh.e, sh.b
     tsp = t if sh.sp else 1
     ad = sh.heads * sh.head_dim
@@ -147,9 +156,29 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
     return out
 
 
+def attention_mask_bytes(sh: Shape, kp: Any) -> tuple[float, float]:
+    """Bytes of the additive mask one (encoder, decoder) self-attention layer keeps for backward.
+
+    The workbench SDPA module adds the stack's relative bias ``[1, a/t, sq, sk]`` to the layer's mask
+    with ``masked_fill``: a new tensor per layer, which SDPA's masked kernels (memory-efficient /
+    cuDNN; flash takes no mask) keep for backward.  The encoder's carries the batch (its padding
+    mask is ``[b, 1, 1, s]``): ``e b (a/t) s^2``; the decoder's self-attention mask is the causal
+    triangle only: ``e (a/t) sd^2``.  Without relative positions the masks are booleans of
+    ``[b, 1, 1, s]`` (negligible).  mcore's unfused attention (``local``) is not used by T5."""
+    if not sh.relative:
+        return 0.0, 0.0
+    a = sh.heads / sh.tp
+    return float(sh.e * sh.b * a * sh.s * sh.s), float(sh.e * a * sh.sd * sh.sd)
+
+
 def layer_backward_transient(sh: Shape, kp: Any, assumptions: Any) -> float:
-    """GPT's transient of one layer at the longer of the two sequence lengths."""
-    return _gpt.layer_backward_transient(_scaled(sh, max(sh.s, sh.sd)), kp, assumptions)
+    """The larger of GPT's MLP-backward transient at the longer sequence and the encoder attention's:
+    SDPA's gradient of the ``[b, a/t, s, s]`` mask and ``masked_fill``'s gradient of it coexist before
+    they are summed over the batch into the relative bias's gradient (plus the residual-stream grads)."""
+    mlp = _gpt.layer_backward_transient(_scaled(sh, max(sh.s, sh.sd)), kp, assumptions)
+    enc_mask, _ = attention_mask_bytes(sh, kp)
+    stream = 2 * sh.e * sh.s * sh.b * sh.h / (sh.tp if sh.sp else 1)
+    return max(mlp, 2 * enc_mask + stream)
 
 
 def logits_bytes(sh: Shape, kp: Any) -> tuple[float, float]:
