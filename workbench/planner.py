@@ -46,7 +46,9 @@ decides whether a run fits, with the CUDA context and NCCL buffers that neither 
 (:class:`PlannerAssumptions`): the default pool's allocated peak in 2 MiB segments, the blocks
 Adam's moments strand when the first optimizer step carves them out of a larger freed buffer,
 and the CUDA-graph pool (:func:`_reserved_terms`).  ``evidence/planner_1gpu.jsonl`` (16
-one-GPU layouts, H100) holds both to 5% in ``tests/unit/test_planner_1gpu_evidence.py``.
+GPT / Llama layouts) and ``evidence/planner_1gpu_families.jsonl`` (6 BERT / T5 layouts), measured on
+an H100, hold both to 5% in ``tests/unit/test_planner_1gpu_evidence.py`` (table:
+:func:`workbench.planner_evidence.evidence_table`).
 
 Pure arithmetic (no torch, no megatron import): ``predict`` takes well under 50 ms.
 

@@ -1,7 +1,8 @@
 """The one-GPU measurements of issue #26: allocated AND reserved within 5% on every rank.
 
 ``tests/gpu/planner_measure.py --set 1gpu`` (one device call) wrote one line per layout to
-``evidence/planner_1gpu.jsonl``: the peak of ``torch.cuda.max_memory_allocated()`` and of
+``evidence/planner_1gpu.jsonl`` (GPT layouts) and ``evidence/planner_1gpu_families.jsonl`` (BERT and T5
+layouts, a second call): the peak of ``torch.cuda.max_memory_allocated()`` and of
 ``max_memory_reserved()`` over the whole run (set-up, the compile / CUDA-graph warm-up and
 recording steps included), with device, date and commit.  This test re-plans every record with
 today's planner, on the kernel path the run reported, and holds both to 5%.
@@ -18,30 +19,29 @@ from pathlib import Path
 
 import pytest
 
-from workbench import planner
 from workbench.config import RunConfig
+from workbench.planner_evidence import ONE_GPU_FILES, evidence_table, replan
 
-EVIDENCE = Path(__file__).resolve().parents[2] / "evidence" / "planner_1gpu.jsonl"
+EVIDENCE, FAMILIES = ONE_GPU_FILES
 BAR = 0.05
 
 #: (config, "allocated" | "reserved") -> why the planner misses it (error at the commit that listed it)
 KNOWN_MISSES: dict[tuple[str, str], str] = {}
 
 
-def _records() -> list[dict]:
-    if not EVIDENCE.exists():
+def _records(path: Path = EVIDENCE) -> list[dict]:
+    if not path.exists():
         return []
-    return [json.loads(ln) for ln in EVIDENCE.read_text().splitlines() if ln.strip()]
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-RECORDS = [r for r in _records() if r.get("status") == "ok" and r.get("measured_reserved")]
+def _ok(records: list[dict]) -> list[dict]:
+    return [r for r in records if r.get("status") == "ok" and r.get("measured_reserved")]
+
+
+RECORDS = _ok(_records())
+FAMILY_RECORDS = _ok(_records(FAMILIES))
 pytestmark = pytest.mark.skipif(not RECORDS, reason="no one-GPU evidence committed (run tests/gpu/planner_measure.py --set 1gpu)")
-
-
-def replan(rec: dict) -> planner.Plan:
-    cfg = RunConfig.from_dict(json.loads(json.dumps(rec["run_config"])))
-    te = "Transformer Engine" in json.dumps(rec.get("kernel_path") or {})
-    return planner.predict(cfg, assumptions=planner.PlannerAssumptions(transformer_engine=te), suggest=False)
 
 
 def errors(rec: dict) -> dict[str, float]:
@@ -64,8 +64,19 @@ def test_evidence_is_one_device_call_and_covers_the_issue():
     assert {(True, True), (True, False), (False, False)} <= paths  # graphs on, compiled without graphs, compile off
 
 
+def test_family_evidence_is_one_device_call_and_covers_bert_and_t5():
+    assert FAMILY_RECORDS, "no BERT/T5 evidence committed (tests/gpu/planner_measure.py --only bert-base,...,t5-base-full)"
+    assert all(r.get("device") and "cpu" not in r["device"].lower() for r in FAMILY_RECORDS)
+    assert len({(r["date"], r["commit"]) for r in FAMILY_RECORDS}) == 1
+    cfgs = [RunConfig.from_dict(r["run_config"]) for r in FAMILY_RECORDS]
+    assert {c.model.arch for c in cfgs} == {"bert", "t5"}
+    t5 = [c for c in cfgs if c.model.arch == "t5"]
+    assert {c.model.activation for c in t5} >= {"relu", "geglu"}  # v1.0 and v1.1 layouts
+    assert {c.parallel.recompute for c in t5} >= {"none", "full"}
+
+
 def _cases():
-    for r in RECORDS:
+    for r in RECORDS + FAMILY_RECORDS:
         for kind in ("allocated", "reserved"):
             miss = KNOWN_MISSES.get((r["config"], kind))
             marks = [pytest.mark.xfail(strict=True, reason=miss)] if miss else []
@@ -76,3 +87,13 @@ def _cases():
 def test_planner_within_5_percent(rec, kind):
     err = errors(rec)[kind]
     assert abs(err) <= BAR, f"{rec['config']} rank {rec['rank']} {kind}: {100 * err:+.1f}% (bar {100 * BAR:.0f}%)"
+
+
+def test_the_notebook_table_is_these_records_and_errors():
+    table = evidence_table()
+    recs = RECORDS + FAMILY_RECORDS
+    assert len(table) == len(recs)
+    for (_, row), rec in zip(table.iterrows(), recs):
+        e = errors(rec)
+        assert row["config"] == rec["config"]
+        assert abs(row["alloc err %"] - 100 * e["allocated"]) < 0.01 and abs(row["reserved err %"] - 100 * e["reserved"]) < 0.01
