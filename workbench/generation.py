@@ -2,7 +2,7 @@
 
 Everything here checks the request *before* any GPU process starts -- decoding options
 through :meth:`workbench.config.GenerationConfig.validate`, then the prompts against the
-checkpoint's tokenizer and ``max_position_embeddings`` -- and only then starts one process
+checkpoint's tokenizer and the family's length rules (``Family.generation_rules``) -- and only then starts one process
 per rank with torchrun, exactly like training::
 
     torchrun --standalone --nproc-per-node TP*PP -m workbench.backend.inference \\
@@ -110,14 +110,10 @@ def prepare_request(info: CheckpointInfo, prompts: Sequence[str] | None, gen: Ge
                 problems.append(Problem(f"prompts[{i}]", f"token ids {bad[:3]} outside the vocabulary (size {m.vocab_size})", "check the tokenizer"))
     extra = 1 if gen.add_bos else 0
     for i, p in enumerate(ids):
-        n = len(p) + extra
-        if p and n > m.max_position_embeddings:
-            problems.append(Problem(f"prompts[{i}]", f"prompt is {n} tokens, longer than the model's {m.max_position_embeddings} positions",
-                                    "shorten the prompt"))
-        elif p and n + gen.max_new_tokens > m.max_position_embeddings:
-            problems.append(Problem("generation.max_new_tokens", f"prompt {i} ({n} tokens) + max_new_tokens {gen.max_new_tokens} exceeds "
-                                    f"the model's {m.max_position_embeddings} positions",
-                                    f"use max_new_tokens <= {m.max_position_embeddings - n}"))
+        if not p:
+            continue
+        for where, rule, fix in fam.generation_rules(info.config, len(p) + extra, gen.max_new_tokens):
+            problems.append(Problem(f"prompts[{i}]", rule, fix) if where == "prompt" else Problem(where, f"prompt {i} {rule}", fix))
     if problems:
         raise ConfigError(problems)
     return {"prompts": texts, "prompt_ids": ids, "generation": dataclasses.asdict(gen)}

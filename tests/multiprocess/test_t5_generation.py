@@ -54,6 +54,12 @@ for name, kw in runs.items():
         cut = row.index(1) + 1 if 1 in row else len(row)
         res.append(row[:cut])
     out["hf"][name] = res
+# a prompt longer than max_position_embeddings (512 here): T5's relative positions have no table to run past
+long = [(i * 7) % 200 + 2 for i in range(600)] + [1]
+with torch.no_grad():
+    seq = ref.generate(input_ids=torch.tensor([long]), max_new_tokens=6, eos_token_id=1, pad_token_id=0,
+                       decoder_start_token_id=0, do_sample=False)[0, 1:].tolist()
+out["long_hf"] = seq[: seq.index(1) + 1] if 1 in seq else seq
 meta = read_metadata(root / "mc")
 cfg = RunConfig.from_dict(meta["config"])
 with single_process_group():
@@ -65,10 +71,12 @@ with single_process_group():
         out["wb"][name] = [o.token_ids for o in outs]
     sampled = eng.generate(prompts, GenerationConfig(top_k=5, temperature=0.8, max_new_tokens=6, seed=7))
     again = eng.generate(prompts, GenerationConfig(top_k=5, temperature=0.8, max_new_tokens=6, seed=7))
+    out["long_wb"] = eng.generate([long], GenerationConfig(greedy=True, max_new_tokens=6))[0].token_ids
     out["sampled"] = [o.token_ids for o in sampled]
     out["sampled_again"] = [o.token_ids for o in again]
 out["ckpt"] = str(root / "mc")
 out["prompts"] = prompts
+out["long"] = long
 print(json.dumps(out))
 '''
 
@@ -88,6 +96,20 @@ def test_greedy_and_beam_search_match_hf_generate(parity):
     # not a degenerate model (one token forever): several distinct tokens, different per prompt
     assert len({t for r in parity["hf"]["greedy"] for t in r}) >= 3
     assert len({tuple(r) for r in parity["hf"]["greedy"]}) == len(parity["hf"]["greedy"])
+
+
+def test_a_prompt_past_max_position_embeddings_is_served_as_hf_serves_it(parity):
+    # the length check is the family's (relative positions: no limit), not the decoder-only sum of prompt and new tokens
+    from workbench.config import GenerationConfig
+    from workbench.generation import prepare_request
+    from workbench.run.checkpoint import checkpoint_info
+
+    info = checkpoint_info(parity["ckpt"])
+    assert len(parity["long"]) > info.config.model.max_position_embeddings
+    req = prepare_request(info, None, GenerationConfig(greedy=True, max_new_tokens=info.config.model.max_position_embeddings),
+                          prompt_ids=[parity["long"]])
+    assert req["prompt_ids"] == [parity["long"]]
+    assert parity["long_wb"] == parity["long_hf"]
 
 
 def test_sampling_is_seeded(parity):

@@ -10,7 +10,11 @@ Specs:
   (``workbench/data/corpus/demo-wordpiece``; ``[PAD]`` = 0, ``[UNK]``, ``[CLS]``, ``[SEP]``, ``[MASK]``);
 - a WordPiece ``vocab.txt`` (BERT's format; a directory holding only ``vocab.txt`` too), read with
   BERT's normaliser and pre-tokenizer (lower-cased unless its ``tokenizer_config.json`` says
-  ``do_lower_case: false``).
+  ``do_lower_case: false``);
+- a SentencePiece model file (``*.model``; a directory holding only ``spiece.model`` too), read as T5's
+  tokenizer: its pieces plus the 100 sentinels ``<extra_id_0>`` ... ``<extra_id_99>``, ``</s>`` as
+  end of sequence and ``<pad>`` as padding -- what transformers' ``T5Tokenizer`` makes of it (converted
+  to a fast tokenizer with ``sentencepiece`` and ``protobuf``, offline).
 
 Nothing is downloaded: a hub name such as ``gpt2`` is refused with the fix (save it to a local
 directory first).  The wrapper exposes what megatron-core's datasets need (``eod``, ``pad``,
@@ -199,6 +203,32 @@ def _demo_t5() -> Tokenizer:
     return Tokenizer(base.backend, "demo-t5", eos_token=base.eos_token, bos_token=base.bos_token, pad_token=base.pad_token)
 
 
+def _from_sentencepiece(model: Path, name: str) -> Tokenizer:
+    """A SentencePiece ``.model`` as T5's tokenizer (see module docstring)."""
+    import shutil
+    import tempfile
+
+    try:
+        import google.protobuf  # noqa: F401  (transformers' converter parses the model with it)
+        import sentencepiece  # noqa: F401
+        from transformers import T5Tokenizer
+    except ImportError as e:
+        raise DataError(str(model), f"reading a SentencePiece model needs the '{e.name}' package",
+                        "pip install sentencepiece protobuf (both are workbench dependencies: re-run bash launch/setup.sh)") from None
+    with tempfile.TemporaryDirectory(prefix="workbench-spm-") as d:
+        shutil.copyfile(model, Path(d) / "spiece.model")  # T5Tokenizer looks for this name
+        try:
+            hf = T5Tokenizer.from_pretrained(d, local_files_only=True, extra_ids=100)
+        except Exception as e:
+            raise DataError(str(model), f"not a SentencePiece model transformers can read ({type(e).__name__}: {e})",
+                            "give the .model file SentencePiece's trainer wrote (e.g. HF T5's spiece.model)") from None
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or backend.get_vocab_size(with_added_tokens=False) <= 1:
+        raise DataError(str(model), "the SentencePiece model converted to an empty vocabulary",
+                        "give the .model file SentencePiece's trainer wrote (e.g. HF T5's spiece.model)")
+    return Tokenizer(backend, name, eos_token=hf.eos_token, bos_token=hf.bos_token, pad_token=hf.pad_token)
+
+
 def load_tokenizer(spec: "str | Path | Tokenizer") -> Tokenizer:
     """Resolve a tokenizer spec (see module docstring); a clear :class:`DataError` for anything else."""
     if isinstance(spec, Tokenizer):
@@ -222,12 +252,16 @@ def load_tokenizer(spec: "str | Path | Tokenizer") -> Tokenizer:
     if path.is_file():
         if path.suffix == ".txt":
             return _from_vocab_txt(path, str(path))
+        if path.suffix == ".model":
+            return _from_sentencepiece(path, str(path))
         return _from_tokenizer_json(path, str(path))
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
             return _from_tokenizer_json(path / "tokenizer.json", str(path))
         if (path / "vocab.txt").is_file() and not (path / "vocab.json").is_file():
             return _from_vocab_txt(path / "vocab.txt", str(path))
+        if (path / "spiece.model").is_file() and not (path / "tokenizer_config.json").is_file():
+            return _from_sentencepiece(path / "spiece.model", str(path))
         try:
             from transformers import AutoTokenizer
 

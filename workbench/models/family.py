@@ -64,6 +64,17 @@ class Supports:
         return tuple(mt for mt, _ in self.hf_classes)
 
 
+def positions_rule(cfg: Any, n: int, max_new: int) -> list[tuple[str, str, str]]:
+    """A decoder-only model's request: prompt and new tokens share the model's positions."""
+    limit = cfg.model.max_position_embeddings
+    if n > limit:
+        return [("prompt", f"prompt is {n} tokens, longer than the model's {limit} positions", "shorten the prompt")]
+    if n + max_new > limit:
+        return [("generation.max_new_tokens", f"({n} tokens) + max_new_tokens {max_new} exceeds the model's {limit} positions",
+                 f"use max_new_tokens <= {limit - n}")]
+    return []
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -83,6 +94,9 @@ class Family:
     #: the part whose ``make_engine(model, cfg, tokenizer, special_ids, cuda_graphs)`` generates for this
     #: family (None: the decoder-only engine of :mod:`workbench.backend.inference`)
     generation_engine: str | None = None
+    #: length checks of one generation request: (cfg, prompt tokens, max_new_tokens) -> [(field, rule, fix)],
+    #: field "prompt" (the generation front end names which) or "generation.max_new_tokens"
+    generation_rules: Callable[[Any, int, int], list[tuple[str, str, str]]] = positions_rule
     #: config fields only this family reads (dotted, e.g. ``model.num_labels``): the config form shows them
     #: only while ``model.arch`` names this family
     fields: tuple[str, ...] = ()

@@ -33,7 +33,8 @@ PIPELINE_REASON = ("megatron-core 0.19 has no pipeline parallelism for T5: encod
                    "megatron-core 0.14 (Megatron-LM's pretrain_t5.py raises 'Pipeline parallelism is not supported for T5'); "
                    "split the model with tensor_parallel (+ sequence_parallel) and data parallelism (+ distributed_optimizer) instead")
 TOKENIZER_HINT = ("set data.tokenizer: demo-t5 (the embedded corpus's BPE with 100 <extra_id_i> sentinels), or a local "
-                  "HF T5 tokenizer directory / tokenizer.json that has <extra_id_i> tokens")
+                  "HF T5 tokenizer directory / tokenizer.json that has <extra_id_i> tokens, or a SentencePiece .model "
+                  "(read as T5's: its pieces + 100 sentinels)")
 
 
 def rules(cfg: Any) -> list[tuple[str, str, str]]:
@@ -85,6 +86,15 @@ def data_rules(cfg: Any) -> list[tuple[str, str, str]]:
     return []
 
 
+def generation_rules(cfg: Any, n: int, max_new: int) -> list[tuple[str, str, str]]:
+    """No length limit from positions: the prompt is the encoder's input and the new tokens the decoder's,
+    each under T5's bucketed relative bias (no table of absolute positions to run past; HF's
+    ``generate`` takes any length too), so neither is added to the other nor held to
+    ``max_position_embeddings``.  Memory is the only bound: the decoder's KV cache holds ``max_new``
+    slots and the encoder's output ``n`` tokens."""
+    return []
+
+
 FAMILY = Family(
     name="t5",
     title="T5 (encoder-decoder: span-corruption pretraining)",
@@ -100,4 +110,5 @@ FAMILY = Family(
     rules=rules,
     data_rules=data_rules,
     generation_engine="generate",
+    generation_rules=generation_rules,
 )

@@ -131,7 +131,8 @@ def check_t5_tokenizer(spec: Any, cfg: Any = None) -> T5Vocab:
     sentinels = []
     while (i := tok.token_to_id(SENTINEL.format(len(sentinels)))) is not None:
         sentinels.append(int(i))
-    hint = ("use data.tokenizer: demo-t5, or a T5 tokenizer (its tokenizer.json has <extra_id_0> ... <extra_id_99>)")
+    hint = ("use data.tokenizer: demo-t5, a T5 tokenizer (its tokenizer.json has <extra_id_0> ... <extra_id_99>), "
+            "or a SentencePiece .model (read as T5's, with 100 sentinels)")
     if not sentinels:
         raise DataError(str(spec), "the tokenizer has no sentinel tokens (<extra_id_0>, <extra_id_1>, ...): span "
                         "corruption replaces each masked span by one", hint)

@@ -1,0 +1,36 @@
+"""The generation front end's length checks come from the model family (``Family.generation_rules``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.config import ConfigError, GenerationConfig, preset
+from workbench.generation import prepare_request
+from workbench.run.checkpoint import CheckpointInfo
+
+
+def _info(name: str) -> CheckpointInfo:
+    return CheckpointInfo(path="ckpt/iter_0000001", config=preset(name), meta={})
+
+
+def test_decoder_only_prompt_and_new_tokens_share_the_positions():
+    info = _info("tiny")
+    limit = info.config.model.max_position_embeddings
+    with pytest.raises(ConfigError) as e:
+        prepare_request(info, None, GenerationConfig(greedy=True, max_new_tokens=4), prompt_ids=[[1] * 3, [2] * (limit + 1)])
+    assert [p.field for p in e.value.problems] == ["prompts[1]"] and "longer than the model's" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        prepare_request(info, None, GenerationConfig(greedy=True, max_new_tokens=10), prompt_ids=[[1] * (limit - 5)])
+    assert [p.field for p in e.value.problems] == ["generation.max_new_tokens"]
+    assert "max_new_tokens <= 5" in str(e.value)
+    assert prepare_request(info, None, GenerationConfig(greedy=True, max_new_tokens=5), prompt_ids=[[1] * (limit - 5)])
+
+
+def test_t5_prompt_goes_to_the_encoder_and_is_not_held_to_max_positions():
+    info = _info("t5-tiny")
+    limit = info.config.model.max_position_embeddings
+    req = prepare_request(info, None, GenerationConfig(greedy=True, max_new_tokens=limit), prompt_ids=[[5] * (3 * limit)])
+    assert len(req["prompt_ids"][0]) == 3 * limit
+    with pytest.raises(ConfigError) as e:  # the other checks still apply
+        prepare_request(info, None, GenerationConfig(greedy=True, max_new_tokens=4), prompt_ids=[[10 ** 6]])
+    assert "outside the vocabulary" in str(e.value)
