@@ -60,13 +60,16 @@ def _assert_last_good_is_iteration_2(ckpts: Path):
     verify_checkpoint(found)  # every file's size and SHA-256 as recorded at save
 
 
-def _resume_from(ckpts: Path, run_dir: Path):
-    cfg = _cfg(**{"checkpoint.load_dir": str(ckpts), "checkpoint.save_interval": 0})
-    proc = subprocess.run(_cmd(cfg, run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+def _resume_from(ckpts: Path, run_dir: Path, save_into: Path | None = None) -> str:
+    over = {"checkpoint.load_dir": str(ckpts), "checkpoint.save_interval": 0}
+    if save_into is not None:
+        over["checkpoint.save_dir"] = str(save_into)
+    proc = subprocess.run(_cmd(_cfg(**over), run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ev = read_events(run_dir)
     assert [e["iteration"] for e in _by(ev, "step", 0)] == [3, 4, 5, 6]
     assert _by(ev, "run_end", 0)[0]["status"] == "finished"
+    return proc.stdout
 
 
 def test_rank_killed_mid_save_leaves_the_last_checkpoint_and_resume_works(tmp_path):
@@ -98,7 +101,13 @@ def test_rank_killed_mid_save_leaves_the_last_checkpoint_and_resume_works(tmp_pa
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     _assert_last_good_is_iteration_2(ckpts)
-    _resume_from(ckpts, tmp_path / "resumed")
+    partial = [p.name for p in ckpts.iterdir() if ".tmp-" in p.name]
+    assert partial  # what the killed save left
+    # resuming into the same root: the next save tidies the killed one's leftovers and says so
+    out = _resume_from(ckpts, tmp_path / "resumed", save_into=ckpts)
+    assert f"removed {partial[0]}" in out
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000002", "iter_0000006"]
+    assert find_checkpoint(ckpts).name == "iter_0000006"
 
 
 def test_full_disk_during_save_is_an_error_event_and_a_failed_run(tmp_path):

@@ -41,7 +41,7 @@ from typing import Any, Iterable, Sequence
 
 from workbench.run.checkpoint import (  # noqa: F401  (discovery and metadata live in the torch-free run contract)
     FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, find_checkpoint, iter_dir_name, list_checkpoints, load_problems,
-    read_checkpoint, read_metadata,
+    read_checkpoint, read_metadata, remove_stale_partials,
 )
 from workbench.run.files import write_text_atomic
 from workbench.run.integrity import file_manifest, safe_dist_reading, verify_checkpoint
@@ -355,6 +355,8 @@ def save_checkpoint(
     tmp = None
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
+        for line in remove_stale_partials(root):  # what an earlier, killed save left behind
+            print(f"[workbench] checkpoint {root}: {line}", flush=True)
         tmp = root / f"{final.name}.tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "CheckpointError", "CheckpointMeta", "CheckpointInfo", "iter_dir_name",
            "list_checkpoints", "find_checkpoint", "read_checkpoint", "read_metadata", "load_problems", "checkpoint_info",
-           "resolve_tokenizer", "special_ids"]
+           "resolve_tokenizer", "special_ids", "remove_stale_partials"]
 
 from workbench.run.ckpt_files import (  # noqa: F401  (the tree's names, shared with workbench.run.integrity)
     _ITER_RE, FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, _is_complete, iter_dir_name, list_checkpoints,
@@ -293,3 +294,51 @@ def special_ids(tok: Any) -> dict[str, int | None]:
         return {"eos": eos, "bos": tok.bos, "pad": tok.pad}
     return {"eos": getattr(tok, "eos_token_id", None), "bos": getattr(tok, "bos_token_id", None),
             "pad": getattr(tok, "pad_token_id", None)}
+
+
+_PARTIAL_RE = re.compile(r"^(iter_\d{7})\.(tmp|old)-(\d+)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_partials(root: str | Path) -> list[str]:
+    """Tidy what a save killed half-way left in a checkpoint ROOT; returns what was done, a line each.
+
+    ``iter_N.tmp-PID`` (a save that never completed) is removed once process PID is gone.
+    ``iter_N.old-PID`` (the previous copy of an iteration being re-saved) is removed when
+    ``iter_N`` is complete again, and moved back into place when the kill came between the two
+    renames and ``iter_N`` is missing.  Directories of a live PID are another save in progress
+    and left alone.  Called by rank 0 before each save.
+    """
+    import os
+    import shutil
+
+    root = Path(root)
+    done: list[str] = []
+    if not root.is_dir():
+        return done
+    for p in sorted(root.iterdir()):
+        m = _PARTIAL_RE.match(p.name)
+        if not m or not p.is_dir() or _pid_alive(int(m.group(3))):
+            continue
+        final = root / m.group(1)
+        if m.group(2) == "tmp":
+            shutil.rmtree(p, ignore_errors=True)
+            done.append(f"removed {p.name} (an unfinished save of process {m.group(3)}, which is gone)")
+        elif final.exists() and _is_complete(final):
+            shutil.rmtree(p, ignore_errors=True)
+            done.append(f"removed {p.name} ({final.name} is complete)")
+        elif not final.exists():
+            os.replace(p, final)
+            done.append(f"restored {final.name} from {p.name} (its re-save was killed between the renames)")
+    return done
