@@ -1,7 +1,7 @@
 """The BERT reference for the throughput rows: HF ``MegatronBertForPreTraining`` (pre-LN, Megatron's layout)
 with SDPA attention (transformers 5.23 has no SDPA path for megatron-bert and refuses
 ``attn_implementation="sdpa"``, so each layer's self-attention is switched to :class:`SDPASelfAttention`: the same
-weights and maths, ``torch.nn.functional.scaled_dot_product_attention`` instead of matmul + softmax), compiled with ``torch.compile``, trained like the workbench's step (grad accumulation
+weights and maths, ``torch.nn.functional.scaled_dot_product_attention`` instead of matmul + softmax), compiled with ``torch.compile``, trained like the workbench's step (:class:`bench.harness.HFReference`: grad accumulation
 over micro-batches, clip 1.0, fused AdamW, bf16 autocast over fp32 weights), same shapes and batches.
 
 Benchmark-only code: it lives in ``bench/``, never in ``workbench/``.
@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from bench.harness import HFReference
 
 __all__ = ["ReferenceBert", "SDPASelfAttention"]
 
@@ -38,26 +40,21 @@ def SDPASelfAttention():  # noqa: N802 - the class, built on first use (transfor
     return _sdpa_class()
 
 
-class ReferenceBert:
+class ReferenceBert(HFReference):
     def __init__(self, cfg: Any, device: str = "cuda", compile: bool = True):
         from transformers import MegatronBertConfig, MegatronBertForPreTraining
 
-        m, t = cfg.model, cfg.train
+        m = cfg.model
         hf = MegatronBertConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
                                 num_attention_heads=m.num_attention_heads, intermediate_size=m.ffn_size,
                                 max_position_embeddings=m.max_position_embeddings, type_vocab_size=max(m.num_tokentypes, 1),
                                 hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
                                 layer_norm_eps=m.norm_epsilon)
-        self.device = torch.device(device)
-        self.model = MegatronBertForPreTraining(hf).to(self.device).train()
+        model = MegatronBertForPreTraining(hf)
         sdpa = _sdpa_class()
-        for layer in self.model.bert.encoder.layer:
+        for layer in model.bert.encoder.layer:
             layer.attention.self.__class__ = sdpa
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                           weight_decay=t.weight_decay, fused=self.device.type == "cuda")
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
-        self.clip = t.clip_grad
-        self.forward = torch.compile(self.model) if compile else self.model
+        super().__init__(model, cfg, device, compile)
         self.positions = torch.arange(m.seq_length, device=self.device)[None]
 
     def _loss(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -70,16 +67,3 @@ class ReferenceBert:
         if "is_random" in b:
             loss = loss + F.cross_entropy(out.seq_relationship_logits.float(), b["is_random"].view(-1))
         return loss
-
-    def step(self, microbatches: list[dict[str, torch.Tensor]]) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for b in microbatches:
-            with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
-                loss = self._loss(b) / len(microbatches)
-            loss.backward()
-            total += loss.detach()
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        return float(total)

@@ -1,8 +1,9 @@
 """The T5 reference for the throughput rows: HF ``T5ForConditionalGeneration`` of the workbench config's shape
 (v1.0 ReLU + tied/scaled head, or v1.1 gated GELU), attention on torch SDPA where transformers offers it
 (``attn_implementation="sdpa"``, else eager), compiled with ``torch.compile``, trained like the workbench's
-step (grad accumulation over micro-batches, clip 1.0, fused AdamW, bf16 autocast over fp32 weights), same
-shapes and span-corruption batches; the loss is the token mean over the decoder's real targets.
+step (:class:`bench.harness.HFReference`: grad accumulation over micro-batches, clip 1.0, fused AdamW, bf16
+autocast over fp32 weights), same shapes and span-corruption batches; the loss is the token mean over the
+decoder's real targets.
 
 Benchmark-only code: it lives in ``bench/``, never in ``workbench/``.
 """
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from bench.harness import HFReference
 
 __all__ = ["ReferenceT5", "hf_t5_config"]
 
@@ -39,16 +42,9 @@ def build_hf_t5(cfg: Any, device: str) -> Any:
         return T5ForConditionalGeneration(hf_t5_config(cfg)).to(device)
 
 
-class ReferenceT5:
+class ReferenceT5(HFReference):
     def __init__(self, cfg: Any, device: str = "cuda", compile: bool = True):
-        t = cfg.train
-        self.device = torch.device(device)
-        self.model = build_hf_t5(cfg, device).train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                           weight_decay=t.weight_decay, fused=self.device.type == "cuda")
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
-        self.clip = t.clip_grad
-        self.forward = torch.compile(self.model) if compile else self.model
+        super().__init__(build_hf_t5(cfg, device), cfg, device, compile)
 
     def _loss(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         out = self.forward(input_ids=b["tokens"], attention_mask=b["enc_mask"], decoder_input_ids=b["dec_tokens"])
@@ -56,16 +52,3 @@ class ReferenceT5:
         losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), b["labels"].view(-1), reduction="none")
         mask = b["loss_mask"].view(-1).float()
         return (losses * mask).sum() / mask.sum().clamp(min=1)
-
-    def step(self, microbatches: list[dict[str, torch.Tensor]]) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for b in microbatches:
-            with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
-                loss = self._loss(b) / len(microbatches)
-            loss.backward()
-            total += float(loss.detach()) if self.device.type == "cpu" else 0.0
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        return total

@@ -21,113 +21,35 @@ the script; ratios there mean nothing).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import harness  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve())
+
 
 def _cfg(preset_name: str, smoke: bool, **over: Any):
-    from workbench.config import preset
-
-    if smoke:
-        base = {"data.source": "synthetic", "train.micro_batch_size": 2, "train.global_batch_size": 4, "train.eval_interval": 0,
-                "checkpoint.save_on_exit": False, "parallel.device": "cpu", "train.precision": "fp32", "train.compile_kernels": False}
-        return preset("t5-tiny", **{**base, **over})
-    base = {"data.source": "synthetic", "train.micro_batch_size": 16, "train.global_batch_size": 64, "train.precision": "bf16",
-            "train.compile_kernels": True, "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0, "train.eval_interval": 0,
-            "checkpoint.save_on_exit": False, "train.microbatch_timing_interval": 0, "parallel.device": "cuda"}
-    return preset(preset_name, **{**base, **over})
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _time(step, n: int, cuda: bool) -> list[float]:
-    out = []
-    for _ in range(n):
-        _sync(cuda)
-        t0 = time.perf_counter()
-        step()
-        _sync(cuda)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
+    return harness.bench_cfg(preset_name, smoke, smoke_preset="t5-tiny", micro_batch_size=16, **over)
 
 
 def _train_worker(kind: str, preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from workbench.config import derive
-    from workbench.models.t5.data import SyntheticT5Dataset
-
-    cfg = _cfg(preset_name, a.cpu_smoke)
-    cuda = not a.cpu_smoke
-    d = derive(cfg)
-    out: dict[str, Any] = {"preset": preset_name, "kind": kind, "tokens_per_step": d.tokens_per_step, "flops_per_step": d.flops_per_step}
-    if kind == "reference":
+    def reference(cfg: Any, **kw: Any) -> Any:
         from bench.reference_t5 import ReferenceT5
 
-        dev = "cuda" if cuda else "cpu"
-        ref = ReferenceT5(cfg, device=dev, compile=cuda)
-        ds = SyntheticT5Dataset(cfg)
-        mbs, k = cfg.train.micro_batch_size, d.num_microbatches
-        pool = []
-        for j in range(8):
-            items = [ds[j * mbs + i] for i in range(mbs)]
-            pool.append({key: torch.stack([it[key] for it in items]).to(dev) for key in items[0]})
-        state = {"i": 0}
+        return ReferenceT5(cfg, **kw)
 
-        def step() -> float:
-            i = state["i"]
-            state["i"] += 1
-            return ref.step([pool[(i * k + j) % len(pool)] for j in range(k)])
+    def dataset(cfg: Any) -> Any:
+        from workbench.models.t5.data import SyntheticT5Dataset
 
-        for _ in range(a.warmup):
-            step()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        times = _time(step, a.steps, cuda)
-    else:
-        from workbench import planner
-        from workbench.backend.train import Trainer
+        return SyntheticT5Dataset(cfg)
 
-        tr = Trainer(cfg, tempfile.mkdtemp(prefix="wb-t5-bench-"))
-        tr.setup()
-        for _ in range(a.warmup):
-            tr.train_step()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        times = _time(tr.train_step, a.steps, cuda)
-        plan = planner.predict(cfg)
-        out["planner_peak_allocated"] = int(plan.stages[0].peak_allocated)
-        out["kernel_path"] = tr.kernel_path
-    step_s = _median(times)
-    out.update(step_times=times, step_s=step_s, tokens_per_s=d.tokens_per_step / step_s,
-               mem_peak=int(torch.cuda.max_memory_allocated()) if cuda else None,
-               device=torch.cuda.get_device_name() if cuda else "cpu")
-    if cuda:
-        from workbench.backend.metrics import peak_tflops
-
-        peak = peak_tflops(out["device"], cfg.train.precision, None)
-        out["mfu"] = d.flops_per_step / step_s / 1e12 / peak if peak else None
-    return out
+    return harness.train_worker(kind, preset_name, _cfg(preset_name, a.cpu_smoke), a, reference=reference, dataset=dataset,
+                                tmp_prefix="wb-t5-bench-")
 
 
 def _generate_worker(preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -162,23 +84,14 @@ def _generate_worker(preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
         gen = GenerationConfig(greedy=True, max_new_tokens=new)
         for _ in range(2):
             ours = eng.generate(prompts.tolist(), gen, decode_text=False)
-        t_ours = _median([(_sync(cuda), eng.generate(prompts.tolist(), gen, decode_text=False), _sync(cuda),
-                           eng.last_timing["seconds"])[-1] for _ in range(3)])
+        t_ours = harness.median([(harness.sync(cuda), eng.generate(prompts.tolist(), gen, decode_text=False), harness.sync(cuda),
+                                  eng.last_timing["seconds"])[-1] for _ in range(3)])
         dev_prompts = prompts.to(hf.device)
         kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1, pad_token_id=0, decoder_start_token_id=0)
         with torch.inference_mode():
             for _ in range(2):
                 ref = hf.generate(input_ids=dev_prompts, **kw)
-
-            def run_hf():
-                _sync(cuda)
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    hf.generate(input_ids=dev_prompts, **kw)
-                _sync(cuda)
-                return time.perf_counter() - t0
-
-            t_hf = _median([run_hf() for _ in range(3)])
+            t_hf = harness.median(harness.time_steps(lambda: hf.generate(input_ids=dev_prompts, **kw), 3, cuda))
         same = [o.token_ids for o in ours] == ref[:, 1:].tolist()
         out["rows"].append({"batch": batch, "workbench_tokens_per_s": batch * new / t_ours, "hf_tokens_per_s": batch * new / t_hf,
                             "ratio": t_hf / t_ours, "tokens_equal": same, "workbench_s": t_ours, "hf_s": t_hf})
@@ -186,82 +99,24 @@ def _generate_worker(preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _torchrun(nproc: int, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    from workbench.run.files import free_port
-
-    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # keep carried wheels' site dir
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _measure(kind: str, preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
-        res_path = fh.name
-    extra = ["--cpu-smoke"] if a.cpu_smoke else []
-    proc = _torchrun(1, [str(Path(__file__).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
-                         "--steps", str(a.steps), "--warmup", str(a.warmup), *extra], a.timeout)
-    if proc.returncode != 0:
-        return {"kind": kind, "preset": preset_name, "error": (proc.stdout[-1500:] + proc.stderr[-3000:])}
-    return json.loads(Path(res_path).read_text())
-
-
 def rows(a: argparse.Namespace) -> list[dict[str, Any]]:
-    out = []
-    want = [r.strip() for r in a.rows.split(",") if r.strip()]
+    want = harness.wanted(a)
     base = "t5-tiny" if a.cpu_smoke else "t5-base"
-    if "throughput" in want:
-        wb, ref = _measure("workbench", base, a), _measure("reference", base, a)
-        ratio = wb["tokens_per_s"] / ref["tokens_per_s"] if "tokens_per_s" in wb and "tokens_per_s" in ref else None
-        out.append({"row": "throughput", "workbench": wb, "reference": ref, "ratio": ratio, "target": ">= 1.0"})
-    if "planner" in want:
-        for name in ([base] if a.cpu_smoke else ["t5-base", "t5-v1_1-base"]):
-            wb = _measure("workbench", name, a)
-            pred, meas = wb.get("planner_peak_allocated"), wb.get("mem_peak")
-            out.append({"row": "planner", "preset": name, "predicted": pred, "measured": meas,
-                        "rel_error": (pred - meas) / meas if pred and meas else None, "target": "|rel_error| <= 0.10",
-                        "error": wb.get("error")})
+    out = harness.training_rows(SCRIPT, a, base, [base] if a.cpu_smoke else ["t5-base", "t5-v1_1-base"])
     if "generate" in want:
-        res = _measure("generate", base, a)
+        res = harness.measure(SCRIPT, "generate", base, a)
         out.append({"row": "generate", **res, "target": ">= 3x at batch 1"})
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="throughput,planner,generate", help="comma list: throughput, planner, generate")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--timeout", type=float, default=1800.0)
-    ap.add_argument("--cpu-smoke", action="store_true", help="t5-tiny on CPU, 2 steps (smoke)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "t5_bench.jsonl"))
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--preset", default="t5-base", help=argparse.SUPPRESS)
-    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.cpu_smoke:
-        a.steps, a.warmup = min(a.steps, 2), min(a.warmup, 1)
-    if a.worker:
-        res = _generate_worker(a.preset, a) if a.worker == "generate" else _train_worker(a.worker, a.preset, a)
-        if int(os.environ.get("RANK", "0")) == 0:
-            Path(a.result).write_text(json.dumps(res))
-        return 0
-    from workbench.provenance import git_commit
+def _worker(a: argparse.Namespace) -> dict[str, Any]:
+    return _generate_worker(a.preset, a) if a.worker == "generate" else _train_worker(a.worker, a.preset, a)
 
-    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
-             "cpu_smoke": a.cpu_smoke}
-    results = rows(a)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out, "a") as fh:
-        for r in results:
-            fh.write(json.dumps({**stamp, **r}) + "\n")
-    for r in results:
-        brief = {k: v for k, v in r.items() if k not in ("workbench", "reference")}
-        if r["row"] == "throughput":
-            brief.update(workbench_tokens_per_s=r["workbench"].get("tokens_per_s"), reference_tokens_per_s=r["reference"].get("tokens_per_s"),
-                         mfu=r["workbench"].get("mfu"), errors=[x.get("error") for x in (r["workbench"], r["reference"]) if x.get("error")])
-        print(json.dumps(brief, default=str))
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.parser(__doc__, rows="throughput,planner,generate", rows_help="comma list: throughput, planner, generate",
+                        smoke_help="t5-tiny on CPU, 2 steps (smoke)", out="t5_bench.jsonl", preset="t5-base")
+    return harness.run(ap.parse_args(argv), _worker, rows)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import harness  # noqa: E402
+
 DEFAULT_OUT = ROOT / "bench" / "results" / "train_throughput.jsonl"
 PEAK_TFLOPS = 989.0
 
@@ -182,13 +184,6 @@ def _git_commit() -> str:
     return git_commit()
 
 
-def _sync(cuda: bool) -> None:
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def _profile_summary(prof: Any, steps: int, wall_s: Optional[float] = None, top: int = 15) -> dict[str, Any]:
     """Top kernels by device time and device time by category, per step."""
     from torch.autograd import DeviceType
@@ -258,13 +253,13 @@ def _host_profile(step_fn, cuda: bool, want: bool, steps: int = 2, top: int = 30
     import cProfile
     import pstats
 
-    _sync(cuda)
+    harness.sync(cuda)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
     for _ in range(steps):
         step_fn()
-    _sync(cuda)
+    harness.sync(cuda)
     prof.disable()
     wall = time.perf_counter() - t0
     st = pstats.Stats(prof)
@@ -295,17 +290,6 @@ def _fast_layer_stats(tr: Any) -> dict[str, Any]:
     return out
 
 
-def _time_steps(step_fn, n: int, cuda: bool) -> list[float]:
-    times = []
-    for _ in range(n):
-        _sync(cuda)
-        t0 = time.perf_counter()
-        step_fn()
-        _sync(cuda)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def _profiled(v: "Variant", a: argparse.Namespace) -> bool:
     """--profile: the variants named by --profile-variants, else the reference and default
     workbench rows of --profile-model."""
@@ -330,11 +314,6 @@ def _maybe_profile(step_fn, cuda: bool, want: bool, steps: int = 3) -> Optional[
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     return _profile_summary(prof, steps, wall)
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if s else float("nan")
 
 
 def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
@@ -363,7 +342,7 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     warmup_s = time.perf_counter() - t_warm
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = _time_steps(step, a.steps, cuda)
+    times = harness.time_steps(step, a.steps, cuda)
     prof = _maybe_profile(step, cuda, _profiled(v, a))
     host = _host_profile(step, cuda, a.host_profile and v.model == a.profile_model)
     return {
@@ -409,7 +388,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     warmup_s = time.perf_counter() - t_warm
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = _time_steps(tr.train_step, a.steps, cuda)
+    times = harness.time_steps(tr.train_step, a.steps, cuda)
     mem_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
     stream = None
     if not a.no_stream_cost and v.name.startswith("workbench/"):
@@ -428,19 +407,19 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         def loop(k: int) -> float:
             t.microbatch_timing_interval, t.train_iters = 1, tr.iteration + k
             tr.events, tr._ended = EventWriter(tr.run_dir, tr.rank), False  # _loop closes them at run_end
-            _sync(cuda)
+            harness.sync(cuda)
             t0 = time.perf_counter()
             tr._loop()
-            _sync(cuda)
+            harness.sync(cuda)
             return time.perf_counter() - t0
 
         def bare(k: int) -> float:  # the same steps with timing off and nothing around them
             t.microbatch_timing_interval = 0
-            _sync(cuda)
+            harness.sync(cuda)
             t0 = time.perf_counter()
             for _ in range(k):
                 tr.train_step()
-            _sync(cuda)
+            harness.sync(cuda)
             return time.perf_counter() - t0
 
         # Both sides the same estimator (a mean per step from the difference of an n- and a
@@ -546,7 +525,7 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
         row["error"] = res.get("error")
         row["log_tail"] = res.get("log_tail")
         return row
-    step_s = _median(res["step_times"])
+    step_s = harness.median(res["step_times"])
     row.update({
         "step_s": step_s,
         "step_s_min": min(res["step_times"]),

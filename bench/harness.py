@@ -1,0 +1,273 @@
+"""What the benchmark scripts share: step timing, the one-GPU training measurement of a family's
+benchmark (``bench/bert_train.py``, ``bench/t5_bench.py``), their torchrun worker plumbing and
+JSON-lines rows, and the HF references' training step.
+
+The scripts are run as ``python bench/<x>.py``; each puts the repository root on ``sys.path``
+first, so this module is imported as ``bench.harness``.  Nothing here imports torch or the
+workbench at module level (the launcher side of a script stays light).
+
+Benchmark-only code: it lives in ``bench/``, never in ``workbench/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --------------------------------------------------------------------------- timing
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Callable[[], Any], n: int, cuda: bool) -> list[float]:
+    """Seconds of each of ``n`` calls of ``step``, the device synchronised before and after each."""
+    out = []
+    for _ in range(n):
+        sync(cuda)
+        t0 = time.perf_counter()
+        step()
+        sync(cuda)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    """The upper median (an element of ``xs``); NaN for no values."""
+    s = sorted(xs)
+    return s[len(s) // 2] if s else float("nan")
+
+
+# --------------------------------------------------------------------------- a family's one-GPU training rows
+
+
+def bench_cfg(preset_name: str, smoke: bool, *, smoke_preset: str, micro_batch_size: int, **over: Any):
+    """The run config of a throughput / planner row: synthetic data, no eval, no checkpoint; on a GPU bf16,
+    compiled kernels, dropout 0 and ``micro_batch_size`` (global batch 64); ``smoke``: ``smoke_preset`` on CPU,
+    fp32, micro-batch 2, global batch 4.  ``over``: dotted overrides on top."""
+    from workbench.config import preset
+
+    if smoke:
+        base = {"data.source": "synthetic", "train.micro_batch_size": 2, "train.global_batch_size": 4, "train.eval_interval": 0,
+                "checkpoint.save_on_exit": False, "parallel.device": "cpu", "train.precision": "fp32", "train.compile_kernels": False}
+        return preset(smoke_preset, **{**base, **over})
+    base = {"data.source": "synthetic", "train.micro_batch_size": micro_batch_size, "train.global_batch_size": 64,
+            "train.precision": "bf16", "train.compile_kernels": True, "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0,
+            "train.eval_interval": 0, "checkpoint.save_on_exit": False, "train.microbatch_timing_interval": 0,
+            "parallel.device": "cuda"}
+    return preset(preset_name, **{**base, **over})
+
+
+def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *,
+                 reference: Callable[..., Any], dataset: Callable[[Any], Any], tmp_prefix: str) -> dict[str, Any]:
+    """One training measurement in this (torchrun) process: ``kind`` "reference" trains
+    ``reference(cfg, device=, compile=)`` (a :class:`HFReference`) on 8 micro-batches of ``dataset(cfg)``
+    cycled; anything else trains the workbench's ``Trainer`` and adds the planner's rank-0 peak.
+    ``a.warmup`` untimed steps, then ``a.steps`` timed ones: step times, median step, tokens/s,
+    peak memory and (GPU) MFU."""
+    import torch
+
+    from workbench.config import derive
+
+    cuda = not a.cpu_smoke
+    d = derive(cfg)
+    out: dict[str, Any] = {"preset": preset_name, "kind": kind, "tokens_per_step": d.tokens_per_step, "flops_per_step": d.flops_per_step}
+    if kind == "reference":
+        dev = "cuda" if cuda else "cpu"
+        ref = reference(cfg, device=dev, compile=cuda)
+        ds = dataset(cfg)
+        mbs, k = cfg.train.micro_batch_size, d.num_microbatches
+        pool = []
+        for j in range(8):
+            items = [ds[j * mbs + i] for i in range(mbs)]
+            pool.append({key: torch.stack([it[key] for it in items]).to(dev) for key in items[0]})
+        state = {"i": 0}
+
+        def step() -> float:
+            i = state["i"]
+            state["i"] += 1
+            return ref.step([pool[(i * k + j) % len(pool)] for j in range(k)])
+
+        for _ in range(a.warmup):
+            step()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = time_steps(step, a.steps, cuda)
+    else:
+        from workbench import planner
+        from workbench.backend.train import Trainer
+
+        tr = Trainer(cfg, tempfile.mkdtemp(prefix=tmp_prefix))
+        tr.setup()
+        for _ in range(a.warmup):
+            tr.train_step()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = time_steps(tr.train_step, a.steps, cuda)
+        plan = planner.predict(cfg)
+        out["planner_peak_allocated"] = int(plan.stages[0].peak_allocated)
+        out["kernel_path"] = tr.kernel_path
+    step_s = median(times)
+    out.update(step_times=times, step_s=step_s, tokens_per_s=d.tokens_per_step / step_s,
+               mem_peak=int(torch.cuda.max_memory_allocated()) if cuda else None,
+               device=torch.cuda.get_device_name() if cuda else "cpu")
+    if cuda:
+        from workbench.backend.metrics import peak_tflops
+
+        peak = peak_tflops(out["device"], cfg.train.precision, None)
+        out["mfu"] = d.flops_per_step / step_s / 1e12 / peak if peak else None
+    return out
+
+
+# --------------------------------------------------------------------------- launcher side
+
+
+def torchrun(nproc: int, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``torch.distributed.run`` over ``nproc`` local processes, from the repository root, output captured."""
+    from workbench.run.files import free_port
+
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # keep carried wheels' site dir
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
+    """``script --worker kind`` in its own one-process torchrun: its result, or the log's tail as ``error``."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+        res_path = fh.name
+    extra = ["--cpu-smoke"] if a.cpu_smoke else []
+    proc = torchrun(1, [str(Path(script).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
+                        "--steps", str(a.steps), "--warmup", str(a.warmup), *extra], a.timeout)
+    if proc.returncode != 0:
+        return {"kind": kind, "preset": preset_name, "error": (proc.stdout[-1500:] + proc.stderr[-3000:])}
+    return json.loads(Path(res_path).read_text())
+
+
+def throughput_row(script: str, preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
+    """The workbench against the HF reference, same shape: tokens/s ratio (target >= 1.0)."""
+    wb, ref = measure(script, "workbench", preset_name, a), measure(script, "reference", preset_name, a)
+    ratio = wb["tokens_per_s"] / ref["tokens_per_s"] if "tokens_per_s" in wb and "tokens_per_s" in ref else None
+    return {"row": "throughput", "workbench": wb, "reference": ref, "ratio": ratio, "target": ">= 1.0"}
+
+
+def planner_row(script: str, preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
+    """The planner's rank-0 peak against the measured peak allocated (target within 10%)."""
+    wb = measure(script, "workbench", preset_name, a)
+    pred, meas = wb.get("planner_peak_allocated"), wb.get("mem_peak")
+    return {"row": "planner", "preset": preset_name, "predicted": pred, "measured": meas,
+            "rel_error": (pred - meas) / meas if pred and meas else None, "target": "|rel_error| <= 0.10",
+            "error": wb.get("error")}
+
+
+def wanted(a: argparse.Namespace) -> list[str]:
+    """The row names of ``--rows``."""
+    return [r.strip() for r in a.rows.split(",") if r.strip()]
+
+
+def training_rows(script: str, a: argparse.Namespace, base: str, planner_presets: list[str]) -> list[dict[str, Any]]:
+    """The ``throughput`` row (preset ``base``) and a ``planner`` row per preset, those ``--rows`` asks for."""
+    want = wanted(a)
+    out = [throughput_row(script, base, a)] if "throughput" in want else []
+    if "planner" in want:
+        out += [planner_row(script, name, a) for name in planner_presets]
+    return out
+
+
+def parser(doc: str, *, rows: str, rows_help: str, smoke_help: str, out: str, preset: str) -> argparse.ArgumentParser:
+    """A family benchmark's arguments (``--worker``, ``--preset``, ``--result``: the worker's, hidden)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--rows", default=rows, help=rows_help)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--cpu-smoke", action="store_true", help=smoke_help)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out))
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--preset", default=preset, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def run(a: argparse.Namespace, worker: Callable[[argparse.Namespace], dict[str, Any]],
+        rows: Callable[[argparse.Namespace], list[dict[str, Any]]]) -> int:
+    """A family benchmark's main: ``--cpu-smoke`` caps steps at 2 (warm-up 1); a worker writes its result
+    (rank 0); the launcher appends each of ``rows(a)`` to ``--out`` stamped with date, commit and
+    ``cpu_smoke``, and prints a brief of each."""
+    if a.cpu_smoke:
+        a.steps, a.warmup = min(a.steps, 2), min(a.warmup, 1)
+    if a.worker:
+        res = worker(a)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(a.result).write_text(json.dumps(res))
+        return 0
+    from workbench.provenance import git_commit
+
+    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
+             "cpu_smoke": a.cpu_smoke}
+    results = rows(a)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(a.out, "a") as fh:
+        for r in results:
+            fh.write(json.dumps({**stamp, **r}) + "\n")
+    for r in results:
+        brief = {k: v for k, v in r.items() if k not in ("workbench", "reference", "losses")}
+        if r["row"] == "throughput":
+            brief.update(workbench_tokens_per_s=r["workbench"].get("tokens_per_s"), reference_tokens_per_s=r["reference"].get("tokens_per_s"),
+                         mfu=r["workbench"].get("mfu"), errors=[x.get("error") for x in (r["workbench"], r["reference"]) if x.get("error")])
+        print(json.dumps(brief, default=str))
+    return 0
+
+
+# --------------------------------------------------------------------------- the HF references' step
+
+
+class HFReference:
+    """An HF model trained like the workbench's step: grad accumulation over micro-batches (each loss
+    divided by their number), clip, fused AdamW on CUDA, autocast to the config's half precision over
+    fp32 weights, the whole model under ``torch.compile`` (``compile``).  A subclass gives ``_loss(batch)``."""
+
+    def __init__(self, model: Any, cfg: Any, device: str = "cuda", compile: bool = True):
+        import torch
+
+        t = cfg.train
+        self.device = torch.device(device)
+        self.model = model.to(self.device).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                           weight_decay=t.weight_decay, fused=self.device.type == "cuda")
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        self.clip = t.clip_grad
+        self.forward = torch.compile(self.model) if compile else self.model
+
+    def _loss(self, b: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def step(self, microbatches: list[dict[str, Any]]) -> float:
+        """One optimizer step over ``microbatches``; the mean loss."""
+        import torch
+
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for b in microbatches:
+            with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+                loss = self._loss(b) / len(microbatches)
+            loss.backward()
+            total += loss.detach()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        return float(total)
