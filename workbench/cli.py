@@ -14,7 +14,6 @@ import argparse
 import importlib
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from workbench.config import ConfigError, load_config
 from workbench.notebook import _notebook_parameters, _parse_value, parse_grid, run_notebook, sweep
 from workbench.run_handle import Run
 from workbench.schedules import SCHEDULES, ScheduleError, measured_durations, simulate, text_chart
+from workbench.slurm import submit as slurm_submit
 
 # Modules that register sub-commands (in help order); "schedule" and "run" are this module's.
 COMMAND_MODULES = [
@@ -230,11 +230,18 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         script = run_dir / "slurm.sbatch"
         script.write_text(plan.slurm_script(gpus=cfg.parallel.device == "cuda"))
         print(f"wrote {script}")
-        sbatch = shutil.which("sbatch")
-        if not sbatch:
+        if not shutil.which("sbatch"):
             print(f"sbatch not found on this machine; submit with: sbatch {script}")
             return 0
-        return subprocess.call([sbatch, str(script)])
+        try:  # the job is recorded in <run_dir>/slurm.json: Run.attach follows it (squeue) and stops it (scancel)
+            job = slurm_submit(run_dir, script)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"Submitted batch job {job}")
+        print(f"follow it in a notebook with: workbench.notebook.dashboard(Run.attach({str(run_dir)!r}))")
+        print(f"stop it with: scancel {job}  (or Run.attach({str(run_dir)!r}).stop())")
+        return 0
     try:  # the checks above run again inside (the run directory may have appeared meanwhile)
         run = Run.launch(cfg, run_dir, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                          rdzv_id=args.rdzv_id, watch_parent=not args.detach)

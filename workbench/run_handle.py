@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from workbench import slurm
 from workbench.config import ConfigError, RunConfig, load_config
 from workbench.launch import (
     BACKEND_ENTRY, STATUSES, LaunchPlan, _alive, _proc, _signal_all, _tree, apply_overrides, start_run, write_exit_status,
@@ -82,6 +83,7 @@ class Run:
         self.reader = RunReader(self.run_dir)  # the run directory's one reader: events, launch.json, exit status
         self._lock = threading.RLock()
         self._stop_requested = False
+        self._slurm_seen: tuple[float, str | None] | None = None  # (when, squeue's state)
         cfg_path = self.run_dir / "config.json"
         self.config: RunConfig | None = None
         if cfg_path.exists():
@@ -164,8 +166,9 @@ class Run:
         return live_recorded(self.launch_info)
 
     def is_alive(self) -> bool:
-        """True while the run's supervisor, or any process ``launch.json`` records for it, is running."""
-        return self._supervisor() is not None or bool(self._recorded())
+        """True while the run's supervisor, or any process ``launch.json`` records for it, is running;
+        a run submitted to SLURM: while ``squeue`` lists its job."""
+        return self._supervisor() is not None or bool(self._recorded()) or bool(self._slurm_state())
 
     def processes(self) -> list:
         """psutil.Process objects of the run that are alive now (supervisor, torchrun, ranks)."""
@@ -213,8 +216,8 @@ class Run:
                 if s in states:
                     return s
             return "finished"
-        if self._popen is None and not self.launch_info:
-            return "running" if begun else "starting"  # events only (e.g. launched by SLURM): cannot tell
+        if self._popen is None and not self.launch_info and self._slurm_state() is None:
+            return "running" if begun else "starting"  # events only (e.g. SLURM, no squeue here): cannot tell
         return "failed"
 
     @property
@@ -249,6 +252,8 @@ class Run:
         import psutil
 
         self._stop_requested = True
+        if self._supervisor() is None and self._slurm_job() is not None:
+            return self._stop_slurm(grace)
         sup = self._supervisor()
         if sup is None:
             orphans = self._recorded()  # the supervisor is gone (killed) but processes of the run live on
@@ -294,6 +299,35 @@ class Run:
         if alive:
             _signal_all(alive, signal.SIGKILL)
             psutil.wait_procs(alive, timeout=5)
+
+    # ---- SLURM (workbench.slurm)
+    def _slurm_job(self) -> str | None:
+        """The SLURM job id of a run submitted with ``workbench launch --slurm`` (``slurm.json``), else None."""
+        rec = slurm.job_record(self.run_dir)
+        return str(rec["job_id"]) if rec else None
+
+    def _slurm_state(self, max_age: float = 2.0) -> str | None:
+        """The run's SLURM job state (``""``: it has left the queue); None: not a SLURM run, or squeue
+        cannot tell.  squeue is asked at most every ``max_age`` seconds (the dashboard polls the status)."""
+        job = self._slurm_job()
+        if job is None:
+            return None
+        seen = self._slurm_seen
+        if seen is None or time.time() - seen[0] > max_age:
+            seen = self._slurm_seen = (time.time(), slurm.job_state(job))
+        return seen[1]
+
+    def _stop_slurm(self, grace: float) -> str:
+        """``scancel`` the job and wait (``grace`` + 120 s at most) until it has left the queue: SLURM sends
+        SIGTERM to every process of the job (the ranks stop at a step boundary, the batch script records
+        ``stopped``) and SIGKILL to what is left after its KillWait."""
+        slurm.cancel(self._slurm_job())
+        end = time.time() + grace + 120.0
+        while self._slurm_state(max_age=0.0) and time.time() < end:
+            time.sleep(0.5)
+        if not self.exit_status and self._slurm_state(max_age=0.0) == "":  # cancelled before its script could record it
+            write_exit_status(self.run_dir, None, reason="stopped", status="stopped")
+        return self.status
 
     # ---- failures and logs
     def rank_log(self, rank: int, stream: str = "stderr") -> Path | None:
