@@ -57,6 +57,7 @@ from workbench.run.files import free_port, write_json_atomic
 __all__ = [
     "GenerationOutput",
     "InferenceEngine",
+    "decode_outputs",
     "load_engine",
     "run_request",
     "main",
@@ -471,6 +472,35 @@ class _GraphedDecode:
         return self.out
 
 
+def decode_outputs(engine: Any, prompts: list[list[int]], gen: Any, stop_ids: Sequence[int] | None,
+                   early_stopping: bool | str, decode_text: bool) -> list[GenerationOutput]:
+    """What every engine's ``generate`` does once its prompts are checked: the stop ids (default the
+    engine's EOS id plus ``gen.stop_token``), ``engine._generate(prompts, gen, stop_ids, early_stopping)``
+    under ``inference_mode`` timed into ``engine.last_timing``, and one :class:`GenerationOutput` per prompt
+    (text through ``decode_visible`` when ``decode_text`` and the engine has a tokenizer).
+
+    ``_generate`` returns one ``(token_ids, finish_reason, log_probs, score)`` per prompt, or None on a rank
+    that does not decide the tokens (a pipeline stage before the last): its outputs are empty.
+    """
+    if stop_ids is None:
+        stop_ids = [x for x in (engine.eos_id, gen.stop_token) if x is not None]
+    stop_ids = sorted(set(int(x) for x in stop_ids))
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        decoded = engine._generate(prompts, gen, stop_ids, early_stopping)
+    engine.last_timing = {"seconds": time.perf_counter() - t0}
+    outs = []
+    for p, (toks, reason, lps, score) in zip(prompts, decoded or [([], "length", None, None)] * len(prompts)):
+        text = None
+        if decode_text and engine.tokenizer is not None and decoded is not None:
+            from workbench.run.checkpoint import decode_visible
+
+            text = decode_visible(engine.tokenizer, toks)  # ids past the tokenizer show as <id:N>, not as nothing
+        outs.append(GenerationOutput(prompt_ids=p, token_ids=toks, text=text, finish_reason=reason,
+                                     log_probs=lps, score=score))
+    return outs
+
+
 class InferenceEngine:
     """Generates with one pipeline stage of a megatron-core GPT model (all stages run it together).
 
@@ -533,23 +563,7 @@ class InferenceEngine:
             if len(p) + gen.max_new_tokens > self.max_positions:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={gen.max_new_tokens} that exceeds "
                                  f"the model's {self.max_positions} positions: shorten the prompt or lower max_new_tokens")
-        if stop_ids is None:
-            stop_ids = [x for x in (self.eos_id, gen.stop_token) if x is not None]
-        stop_ids = sorted(set(int(x) for x in stop_ids))
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            decoded = self._generate(prompts, gen, stop_ids, early_stopping)
-        self.last_timing = {"seconds": time.perf_counter() - t0}
-        outs = []
-        for p, (toks, reason, lps, score) in zip(prompts, decoded or [([], "length", None, None)] * len(prompts)):
-            text = None
-            if decode_text and self.tokenizer is not None and decoded is not None:
-                from workbench.run.checkpoint import decode_visible
-
-                text = decode_visible(self.tokenizer, toks)  # ids past the tokenizer show as <id:N>, not as nothing
-            outs.append(GenerationOutput(prompt_ids=p, token_ids=toks, text=text, finish_reason=reason,
-                                         log_probs=lps, score=score))
-        return outs
+        return decode_outputs(self, prompts, gen, stop_ids, early_stopping, decode_text)
 
     # ---- internals
     def _session(self, n: int, max_len: int) -> dict[str, Any]:

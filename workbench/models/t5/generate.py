@@ -24,7 +24,6 @@ engine's interface (``generate``, ``last_timing``, ``tokenizer``) so :func:`run_
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any, Sequence
 
 import torch
@@ -34,7 +33,8 @@ from torch import Tensor
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-from workbench.backend.inference import BeamSearchDecoder, GenerationOutput, KVCache, SamplingDecoder, _GraphedDecode
+from workbench.backend.inference import (BeamSearchDecoder, GenerationOutput, KVCache, SamplingDecoder, _GraphedDecode,
+                                        decode_outputs)
 
 __all__ = ["T5Engine", "make_engine"]
 
@@ -149,22 +149,7 @@ class T5Engine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: give at least one token")
-        if stop_ids is None:
-            stop_ids = [x for x in (self.eos_id, gen.stop_token) if x is not None]
-        stop_ids = sorted(set(int(x) for x in stop_ids))
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            decoded = self._generate(prompts, gen, stop_ids, early_stopping)
-        self.last_timing = {"seconds": time.perf_counter() - t0}
-        outs = []
-        for p, (toks, reason, lps, score) in zip(prompts, decoded):
-            text = None
-            if decode_text and self.tokenizer is not None:
-                from workbench.run.checkpoint import decode_visible
-
-                text = decode_visible(self.tokenizer, toks)  # ids past the tokenizer show as <id:N>, as the GPT engine does
-            outs.append(GenerationOutput(prompt_ids=p, token_ids=toks, text=text, finish_reason=reason, log_probs=lps, score=score))
-        return outs
+        return decode_outputs(self, prompts, gen, stop_ids, early_stopping, decode_text)
 
     def _session(self, n: int, L: int, S: int, cross: list[tuple[Tensor, Tensor]], enc_mask: Tensor) -> dict[str, Any]:
         """Static buffers for ``n`` rows, ``L`` decoder slots and ``S`` encoder tokens (kept for the next request of
