@@ -255,9 +255,13 @@ def build_model(
     vp_stage: Optional[int] = None,
     config: Optional[TransformerConfig] = None,
 ) -> Any:
-    """One model chunk for this rank, built by the config's family (parallel state must be initialised)."""
-    return family_of(cfg).part("model").build(cfg, pre_process=pre_process, post_process=post_process,
-                                              vp_stage=vp_stage, config=config)
+    """One model chunk for this rank, built by the config's family (parallel state must be initialised),
+    on this rank's GPU when ``parallel.device`` is cuda."""
+    model = family_of(cfg).part("model").build(cfg, pre_process=pre_process, post_process=post_process,
+                                               vp_stage=vp_stage, config=config)
+    if cfg.parallel.device == "cuda" and torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def kernel_path(cfg: RunConfig) -> dict[str, str]:

@@ -162,7 +162,7 @@ def build(
     """One megatron BertModel chunk for this rank (parallel state must be initialised)."""
     config = config or transformer_config(cfg)
     m = cfg.model
-    model = WorkbenchBertModel(
+    return WorkbenchBertModel(
         config=config,
         num_tokentypes=m.num_tokentypes,
         transformer_layer_spec=block_spec(cfg, config, vp_stage),
@@ -179,6 +179,3 @@ def build(
         add_pooler=m.add_pooler,
         num_labels=m.num_labels,
     )
-    if cfg.parallel.device == "cuda" and torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
@@ -82,7 +81,7 @@ def build(
     config = config or transformer_config(cfg)
     m = cfg.model
     pos = {"learned": "learned_absolute", "rope": "rope", "alibi": "none"}[m.position_embedding]
-    model = GPTModel(
+    return GPTModel(
         config=config,
         transformer_layer_spec=block_spec(cfg, config, vp_stage),
         vocab_size=derive(cfg).padded_vocab_size,
@@ -95,7 +94,4 @@ def build(
         rotary_base=int(m.rotary_base),
         vp_stage=vp_stage,
     )
-    if cfg.parallel.device == "cuda" and torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
 

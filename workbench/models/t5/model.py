@@ -233,8 +233,6 @@ def build(
     )
     if model.decoder is not None:
         model.decoder.config = _with_layers(config, m.decoder_layers)
-    if cfg.parallel.device == "cuda" and torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
     return model
 
 
