@@ -73,7 +73,12 @@ def test_cli_launch_dry_run_prints_exact_command(tmp_path, capsys):
     assert "train.global_batch_size" in capsys.readouterr().err
 
 
-def test_cli_launch_slurm_dry_run_and_script(tmp_path, capsys):
+_which = shutil.which
+
+
+def test_cli_launch_slurm_dry_run_and_script(tmp_path, capsys, monkeypatch):
+    # a machine without SLURM: the script is written, not submitted (tests/slurm submits to a real one)
+    monkeypatch.setattr("shutil.which", lambda name, *a, **k: None if name in ("sbatch", "squeue", "scancel") else _which(name, *a, **k))
     cfg = preset("tiny").replace(**{"parallel.nproc_per_node": 2, "parallel.nnodes": 2, "train.global_batch_size": 8})
     f = cfg.save(tmp_path / "two.yaml")
     assert main(["launch", str(f), "--slurm", "--dry-run", "--run-dir", str(tmp_path / "s")]) == 0
@@ -81,6 +86,7 @@ def test_cli_launch_slurm_dry_run_and_script(tmp_path, capsys):
     assert "srun " in out and "#SBATCH --nodes=2" in out
     assert main(["launch", str(f), "--slurm", "--run-dir", str(tmp_path / "s2")]) == 0
     assert (tmp_path / "s2" / "slurm.sbatch").exists() and (tmp_path / "s2" / "config.json").exists()
+    assert "submit with: sbatch" in capsys.readouterr().out
     # multi-node without a rendezvous endpoint (and not via SLURM) is refused
     assert main(["launch", str(f), "--run-dir", str(tmp_path / "s3")]) == 2
     assert "--rdzv-endpoint" in capsys.readouterr().err
