@@ -164,3 +164,14 @@ def test_data_modules_import_light():
             "assert callable(workbench.data.add_cli) and callable(workbench.data.build_datasets)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_wordpiece_export_carries_berts_roles_for_fill_mask(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = load_tokenizer("demo-wordpiece")
+    tok.save(tmp_path / "export")
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+    assert (hf.mask_token, hf.cls_token, hf.sep_token, hf.pad_token, hf.unk_token) == ("[MASK]", "[CLS]", "[SEP]", "[PAD]", "[UNK]")
+    assert hf.mask_token_id == tok.token_to_id("[MASK]") and len(hf) == tok.vocab_size
+    assert hf("and god said", add_special_tokens=False)["input_ids"] == tok.encode("and god said")

@@ -123,6 +123,18 @@ def _finish_config(cfg: RunConfig, out_final: Path, tokenizer_dir: str | None) -
     return cfg.replace(**over)
 
 
+def _write_tokenizer(spec: str, dst: Path) -> bool:
+    """Save the tokenizer a spec names as files ``AutoTokenizer`` loads; False when the spec does not load."""
+    from workbench.data.errors import DataError
+    from workbench.data.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(spec).save(dst)
+    except DataError:
+        return False
+    return True
+
+
 def _copy_tokenizer(src: Path | None, dst: Path) -> bool:
     if src is None or not src.is_dir():
         return False
@@ -246,6 +258,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
         if tok_dir is not None and tok_dir.is_file():
             tok_dir = tok_dir.parent
         copied = _copy_tokenizer(tok_dir, tmp)
+        if not copied and isinstance(tok, str) and tok:
+            copied = _write_tokenizer(tok, tmp)  # a named one ("demo-wordpiece", "demo-t5") or a SentencePiece .model
         names = sorted(p.name for p in tmp.iterdir())
     res = ConversionResult(output=final, config=cfg, files=names)
     res.notes.append(f"{len(files)} safetensors shard(s), max {limit} bytes; model_type {mt}; dtype {out_dtype}")

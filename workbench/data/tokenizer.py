@@ -116,6 +116,14 @@ class Tokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         kwargs = {k: v for k, v in (("eos_token", self.eos_token), ("bos_token", self.bos_token),
                                     ("pad_token", self.pad_token)) if v}
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        # BERT's roles and <unk>, where the vocabulary has them (fill-mask pipelines need mask_token); T5's
+        # sentinels are special added tokens of tokenizer.json already
+        for role, names in (("unk_token", ("[UNK]", "<unk>")), ("cls_token", ("[CLS]",)), ("sep_token", ("[SEP]",)),
+                            ("mask_token", ("[MASK]",))):
+            name = next((n for n in names if n in vocab), None)
+            if name:
+                kwargs[role] = name
         hf = PreTrainedTokenizerFast(tokenizer_object=self.backend, **kwargs)
         hf.save_pretrained(str(directory))
         # transformers 5 writes its own class name; the 4.x name loads in both (pyproject allows >= 4.45).
