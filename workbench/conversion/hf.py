@@ -191,6 +191,16 @@ def take(sd: dict, key: str, src: str) -> Any:
     return sd[key]
 
 
+def take_vocab(sd: dict, key: str, src: str, vocab_size: int) -> Any:
+    """:func:`take` a vocabulary-indexed tensor (word embeddings, an output head), refusing one whose row count
+    is not the config's ``vocab_size``."""
+    t = take(sd, key, src)
+    if t.shape[0] != vocab_size:
+        name = key.split(".")[-2] if "." in key else key
+        raise ConversionError(f"{src}: {name} has {t.shape[0]} rows but config vocab_size is {vocab_size}")
+    return t
+
+
 # --------------------------------------------------------------------------- HF files
 
 

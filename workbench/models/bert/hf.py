@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take
+from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take, take_vocab
 from workbench.models.bert import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
@@ -123,9 +123,7 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
     src = "HF megatron-bert"
     sd = {re.sub(r"^(module\.)", "", k): v for k, v in hf_sd.items()}
     out: dict[str, Any] = {}
-    wte = take(sd, "bert.embeddings.word_embeddings.weight", src)
-    if wte.shape[0] != m.vocab_size:
-        raise ConversionError(f"{src}: word_embeddings has {wte.shape[0]} rows but config vocab_size is {m.vocab_size}")
+    wte = take_vocab(sd, "bert.embeddings.word_embeddings.weight", src, m.vocab_size)
     out["embedding.word_embeddings.weight"] = pad_vocab_rows(wte, padded)
     if m.num_tokentypes > 0:
         out["embedding.tokentype_embeddings.weight"] = take(sd, "bert.embeddings.token_type_embeddings.weight", src)[: m.num_tokentypes]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take
+from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take, take_vocab
 from workbench.models.gpt import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
@@ -148,10 +148,7 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
     sd = {re.sub(r"^(module\.)", "", k): v for k, v in hf_sd.items()}
     if model_type == "gpt2":
         P = "transformer." if any(k.startswith("transformer.") for k in sd) else ""
-        wte = take(sd, f"{P}wte.weight", src)
-        if wte.shape[0] != m.vocab_size:
-            raise ConversionError(f"{src}: wte has {wte.shape[0]} rows but config vocab_size is {m.vocab_size}")
-        out["embedding.word_embeddings.weight"] = pad_vocab_rows(wte, padded)
+        out["embedding.word_embeddings.weight"] = pad_vocab_rows(take_vocab(sd, f"{P}wte.weight", src, m.vocab_size), padded)
         out["embedding.position_embeddings.weight"] = take(sd, f"{P}wpe.weight", src)
         for i in it(range(m.num_layers)):
             s, o = f"{P}h.{i}.", f"decoder.layers.{i}."
@@ -175,10 +172,7 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
             out["output_layer.weight"] = pad_vocab_rows(take(sd, "lm_head.weight", src), padded)
     elif model_type == "llama":
         P = "model." if any(k.startswith("model.") for k in sd) else ""
-        emb = take(sd, f"{P}embed_tokens.weight", src)
-        if emb.shape[0] != m.vocab_size:
-            raise ConversionError(f"{src}: embed_tokens has {emb.shape[0]} rows but config vocab_size is {m.vocab_size}")
-        out["embedding.word_embeddings.weight"] = pad_vocab_rows(emb, padded)
+        out["embedding.word_embeddings.weight"] = pad_vocab_rows(take_vocab(sd, f"{P}embed_tokens.weight", src, m.vocab_size), padded)
         bias = m.add_bias_linear
         for i in it(range(m.num_layers)):
             s, o = f"{P}layers.{i}.", f"decoder.layers.{i}."

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take
+from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take, take_vocab
 from workbench.models.t5 import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
@@ -141,9 +141,7 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
     sd = {re.sub(r"^(module\.)", "", k): v for k, v in hf_sd.items()}
     gated = m.gated_mlp
     out: dict[str, Any] = {}
-    shared = take(sd, "shared.weight", src) if "shared.weight" in sd else take(sd, "encoder.embed_tokens.weight", src)
-    if shared.shape[0] != m.vocab_size:
-        raise ConversionError(f"{src}: shared has {shared.shape[0]} rows but config vocab_size is {m.vocab_size}")
+    shared = take_vocab(sd, "shared.weight" if "shared.weight" in sd else "encoder.embed_tokens.weight", src, m.vocab_size)
     out["embedding.word_embeddings.weight"] = pad_vocab_rows(shared, padded)
     for stack, n in (("encoder", m.num_layers), ("decoder", m.decoder_layers)):
         out[f"{stack}_relative_pos_emb.relative_attention_bias.weight"] = take(
