@@ -208,7 +208,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 2
     run_dir = Path(args.run_dir).absolute() if args.run_dir else None
     problems = launch_checks(cfg, run_dir=None if args.dry_run else run_dir, node_rank=args.node_rank,
-                             rdzv_endpoint=args.rdzv_endpoint, local=not (args.dry_run or args.slurm), slurm=args.slurm)
+                             rdzv_endpoint=args.rdzv_endpoint, local=not (args.dry_run or args.slurm), slurm=args.slurm,
+                             node_timeout=args.node_timeout)
+    if cfg.parallel.nnodes > 1 and not (run_dir or args.slurm or args.dry_run):
+        from workbench.config import Problem
+
+        problems.append(Problem("--run-dir", f"{cfg.parallel.nnodes} nodes write into one run directory: none was given "
+                                "(a fresh name on each node would split the run)",
+                                "pass the same --run-dir on every node, on a filesystem they all share"))
     if problems:
         print(ConfigError(problems, args.file), file=sys.stderr)
         return 2
@@ -244,12 +251,15 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 0
     try:  # the checks above run again inside (the run directory may have appeared meanwhile)
         run = Run.launch(cfg, run_dir, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                         rdzv_id=args.rdzv_id, watch_parent=not args.detach)
+                         rdzv_id=args.rdzv_id, watch_parent=not args.detach, node_timeout=args.node_timeout)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     print(f"run directory: {run.run_dir}")
     print(f"command: {run.plan.shell()}")
+    if cfg.parallel.nnodes > 1:
+        print(f"node {args.node_rank} of {cfg.parallel.nnodes}: this node's files in {run.plan.node_dir}; "
+              "every node must share the run directory (the same --run-dir on a shared filesystem)")
     if args.detach:
         print(f"detached; follow it in a notebook with: workbench.notebook.dashboard(Run.attach({str(run.run_dir)!r}))")
         print(f"stop it with: Run.attach({str(run.run_dir)!r}).stop()")
@@ -277,6 +287,10 @@ def _follow_cli(run: Run) -> int:
     f = run.failure
     if f is not None:
         print(str(f), file=sys.stderr)
+    if run.nnodes > 1:
+        for n in run.nodes():
+            print(f"node {n['node']} ({n['host'] or 'host unknown'}, ranks {n['ranks']}): {n['status']}"
+                  + (f" - {n['why']}" if n.get("why") else ""))
     print(f"run {st}: {run.run_dir}")
     return 0 if st == "finished" else 1
 
@@ -340,7 +354,10 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node, static rendezvous)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node)")
     p.add_argument("--rdzv-id", help="rendezvous id, identical on every node (default: workbench-<config name>)")
-    p.add_argument("--run-dir", help="run directory (default: a fresh runs/<name>-<timestamp>)")
+    p.add_argument("--node-timeout", type=float, default=None, metavar="SECONDS",
+                   help="multi-node: stop this node's job when another node's heartbeat stops for this long (default 60)")
+    p.add_argument("--run-dir", help="run directory (default: a fresh runs/<name>-<timestamp>); multi-node: the same "
+                                     "directory on every node, on a filesystem they share")
     p.add_argument("--run-root", help="parent of fresh run directories (default: runs/ or $WORKBENCH_RUNS)")
     p.add_argument("--dry-run", action="store_true", help="print the exact commands, start nothing")
     p.add_argument("--slurm", action="store_true", help="write a SLURM batch script (srun torchrun ...) and submit it if sbatch exists")

@@ -19,6 +19,11 @@ and a crashed or restarted kernel must not leave GPU processes behind.  So a run
   It records torchrun and the ranks (PIDs with create times) in ``launch.json``, and the job
   cannot outlive it: torchrun and the ranks die with it even when it is SIGKILLed
   (:mod:`workbench.run.procs`).
+- **Several nodes** (``nnodes > 1``, one ``workbench launch --node-rank K`` per node, static
+  rendezvous) share one run directory on a shared filesystem; each node's supervisor keeps its
+  files in its node directory, beats a heartbeat there and stops its job when another node
+  failed, stopped or went silent (:mod:`workbench.run.nodes`), so one node's failure never
+  leaves the other waiting in a collective for gloo's or NCCL's whole timeout.
 
 No megatron-core or torch here; psutil is imported lazily.
 """
@@ -34,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,9 +47,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from workbench.config import ConfigError, Problem, RunConfig
-from workbench.run import procs
-from workbench.run.files import read_json, write_json_atomic
+from workbench.config import ConfigError, Problem, RunConfig, load_config
+from workbench.run import nodes, procs
+from workbench.run.files import read_json, write_json_atomic, write_text_atomic
 from workbench.run.reader import RunReader
 
 __all__ = [
@@ -97,8 +103,13 @@ class LaunchPlan:
         return self.run_dir / "config.json"
 
     @property
+    def node_dir(self) -> Path:
+        """This node's launch files (the run directory itself on node 0: :mod:`workbench.run.nodes`)."""
+        return nodes.node_dir(self.run_dir, self.node_rank)
+
+    @property
     def log_dir(self) -> Path:
-        return self.run_dir / "logs" / "torchrun"
+        return self.node_dir / "logs" / "torchrun"
 
     def torchrun_args(self) -> list[str]:
         """Rendezvous + logging options. One node: ``--standalone`` (a free port, no clashes)."""
@@ -263,24 +274,80 @@ def apply_overrides(cfg: RunConfig, *, nproc_per_node: int | None = None, nnodes
 
 
 def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_rank: int = 0,
-                  rdzv_endpoint: str | None = None, local: bool = True, slurm: bool = False) -> list[Problem]:
+                  rdzv_endpoint: str | None = None, local: bool = True, slurm: bool = False,
+                  node_timeout: float | None = None) -> list[Problem]:
     """Every problem that stops a launch, before any process starts (``Run.launch`` and ``workbench launch``).
 
     ``local``: check this machine's GPUs too (not for a dry run or a SLURM script).  ``slurm``: the
-    SLURM script brings its own rendezvous.  ``run_dir``: must be new or empty.
+    SLURM script brings its own rendezvous.  ``run_dir``: must be new or empty; for one node of a
+    multi-node run it is the run directory every node shares (:mod:`workbench.run.nodes`), which
+    must hold nothing of this node yet and no other config.
     """
     problems = launch_problems(cfg, local=local)
+    multi = cfg.parallel.nnodes > 1 and not slurm
     if cfg.parallel.nnodes > 1 and not rdzv_endpoint and not slurm:
         problems.append(Problem("rdzv_endpoint", f"{cfg.parallel.nnodes} nodes need a rendezvous endpoint",
                                 "pass rdzv_endpoint='HOST:PORT' of node 0 (--rdzv-endpoint), or use the SLURM script (--slurm)"))
+    if rdzv_endpoint and not slurm:
+        host, _, port = str(rdzv_endpoint).rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            problems.append(Problem("rdzv_endpoint", f"{rdzv_endpoint!r} is not HOST:PORT",
+                                    "pass node 0's address and a free TCP port, e.g. --rdzv-endpoint 10.0.0.1:29500"))
     if not 0 <= node_rank < max(cfg.parallel.nnodes, 1):
         problems.append(Problem("node_rank", f"node_rank {node_rank} is outside 0..{cfg.parallel.nnodes - 1}",
                                 "use 0 on the first node, 1 on the second, ..."))
+    if node_timeout is not None and not (isinstance(node_timeout, (int, float)) and node_timeout > 0):
+        problems.append(Problem("node_timeout", f"{node_timeout!r} is not a positive number of seconds",
+                                f"pass the seconds another node may go without a heartbeat, e.g. --node-timeout {nodes.DEFAULT_NODE_TIMEOUT:.0f}"))
     if run_dir is not None:
         d = Path(run_dir)
-        if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        if multi:
+            problems += _shared_run_dir_problems(cfg, d, node_rank)
+        elif d.exists() and (not d.is_dir() or any(d.iterdir())):
             problems.append(Problem("run_dir", f"{d.absolute()} exists and is not empty", "pass a new run_dir (or none for a fresh one)"))
     return problems
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _shared_run_dir_problems(cfg: RunConfig, d: Path, node_rank: int) -> list[Problem]:
+    """A multi-node run directory: shared by the nodes, so the other nodes' files may be there already."""
+    d = d.absolute()
+    if not d.exists():
+        return []
+    if not d.is_dir():
+        return [Problem("run_dir", f"{d} exists and is not a directory", "pass a new run_dir, the same on every node")]
+    own = nodes.node_dir(d, node_rank)
+    for name in (nodes.LAUNCH_FILE, nodes.EXIT_STATUS_FILE):
+        if (own / name).exists():
+            return [Problem("run_dir", f"node {node_rank} of a run was already launched in {d} ({own / name} exists)",
+                            "pass a new run_dir for a new run, the same one on every node")]
+    cfg_file = d / "config.json"
+    if not cfg_file.exists():
+        if any(p.name != nodes.NODES_DIR for p in d.iterdir()):
+            return [Problem("run_dir", f"{d} exists, is not empty and holds no run config",
+                            "pass a new run_dir (or none for a fresh one), the same on every node")]
+        return []
+    try:
+        theirs = load_config(cfg_file)
+    except ConfigError as e:
+        return [Problem("run_dir", f"{cfg_file} (written by another node) does not load: {e.problems[0]}",
+                        "pass a new run_dir, the same on every node")]
+    mine, other = _flat(cfg.to_dict()), _flat(theirs.to_dict())
+    diff = sorted(k for k in set(mine) | set(other) if mine.get(k) != other.get(k))
+    if diff:
+        shown = ", ".join(f"{k} ({other.get(k)!r} there, {mine.get(k)!r} here)" for k in diff[:4]) + (" ..." if len(diff) > 4 else "")
+        return [Problem("run_dir", f"{cfg_file}, written by another node of this run, differs from this node's config: {shown}",
+                        "launch every node with the same config file and the same --nnodes / --nproc-per-node")]
+    return []
 
 
 # --------------------------------------------------------------------------- process helpers
@@ -392,37 +459,74 @@ def _create_time(pid: int) -> float | None:
 # --------------------------------------------------------------------------- exit status
 
 
-def _root_cause_rank(text: str) -> int | None:
-    """The global rank of torchrun's 'Root Cause (first observed failure)' block, if any."""
+_ROOT_FIELDS = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*?)\s*$", re.M)
+
+
+def _root_cause(text: str) -> dict:
+    """torchrun's 'Root Cause (first observed failure)' block: {rank (global), exitcode, message}."""
     i = text.rfind("Root Cause")
     if i < 0:
-        return None
-    m = re.search(r"rank\s*:\s*(\d+)", text[i:])
-    return int(m.group(1)) if m else None
+        return {}
+    fields: dict[str, str] = {}
+    for m in _ROOT_FIELDS.finditer(text[i:]):
+        fields.setdefault(m.group(1), m.group(2))
+    out: dict = {}
+    for key, name in (("rank", "rank"), ("exitcode", "exitcode")):
+        m = re.match(r"-?\d+", fields.get(key, ""))
+        if m:
+            out[name] = int(m.group(0))
+    msg = fields.get("traceback", "")
+    if msg and not msg.startswith("To enable traceback"):
+        out["message"] = msg
+    return out
+
+
+def _root_cause_rank(text: str) -> int | None:
+    """The global rank of torchrun's 'Root Cause (first observed failure)' block, if any."""
+    return _root_cause(text).get("rank")
 
 
 def write_exit_status(run_dir: str | Path, returncode: int | None, *, reason: str | None = None,
                       status: str | None = None, started: float | None = None,
-                      reader: RunReader | None = None) -> dict:
-    """Write ``<run_dir>/exit_status.json``: status, return code, failed rank (from events or torchrun's report)."""
+                      reader: RunReader | None = None, node_rank: int = 0, peer: dict | None = None) -> dict:
+    """Write ``exit_status.json`` (node ``node_rank``'s: :mod:`workbench.run.nodes`): status, return code,
+    failed rank (from this node's ranks' events, else torchrun's report, else any rank's error event).
+
+    ``peer``: the other node whose failure, stop or loss ended this node's job (``reason`` says which).
+    """
     run_dir = Path(run_dir)
+    ndir = nodes.node_dir(run_dir, node_rank)
     reader = reader if reader is not None else RunReader(run_dir)
+    meta = read_json(ndir / "launch.json") or {}
+    nnodes, nproc = int(meta.get("nnodes") or 1), int(meta.get("nproc_per_node") or 0)
+    mine = set(nodes.node_ranks(node_rank, nproc)) if nnodes > 1 and nproc else None
     errors = reader.records("error")
+    own_errors = [e for e in errors if mine is None or e.rank in mine]
     ends = reader.records("run_end")
+    own_ends = [e for e in ends if mine is None or e.rank in mine]
     if status is None:
-        if reason in ("stopped", "kernel-exited"):
+        if reason in ("stopped", "kernel-exited", "peer-stopped"):
             status = "stopped"
+        elif reason in ("peer-failed", "peer-lost"):
+            status = "failed"
         elif returncode == 0:
             status = "stopped" if any(e.get("status") == "stopped" for e in ends) else "finished"
+        elif (mine is not None and not own_errors and own_ends
+              and {e.rank for e in own_ends} >= mine and all(e.get("status") == "stopped" for e in own_ends)):
+            status = "stopped"  # another node was stopped and every rank here agreed to stop with it (exit code 143)
         else:
             status = "failed"
-    failed_rank = errors[0].get("rank") if errors else None
-    if failed_rank is None and status == "failed":
-        launcher_log = run_dir / "logs" / "launcher.log"
+    failed_rank = own_errors[0].get("rank") if own_errors else None
+    cause: dict = {}
+    if status == "failed":
         try:
-            failed_rank = _root_cause_rank(launcher_log.read_text(errors="replace")[-20000:])
+            cause = _root_cause((ndir / "logs" / "launcher.log").read_text(errors="replace")[-20000:])
         except OSError:
             pass
+        if failed_rank is None:
+            failed_rank = cause.get("rank")
+    if failed_rank is None and errors:
+        failed_rank = errors[0].get("rank")
     data = {
         "status": status,
         "returncode": returncode,
@@ -432,8 +536,16 @@ def write_exit_status(run_dir: str | Path, returncode: int | None, *, reason: st
         "ended": time.time(),
         "seconds": (time.time() - started) if started else None,
     }
-    (run_dir).mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir / "exit_status.json", data)
+    if cause.get("rank") is not None and cause.get("rank") == failed_rank:
+        data["failed_exitcode"] = cause.get("exitcode")
+        if cause.get("message"):
+            data["failed_message"] = cause["message"]
+    if nnodes > 1:
+        data.update(node=node_rank, nnodes=nnodes, host=meta.get("host"), ranks=sorted(mine) if mine else None)
+    if peer:
+        data["peer"] = peer
+    ndir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(ndir / "exit_status.json", data)
     return data
 
 
@@ -441,13 +553,44 @@ def write_exit_status(run_dir: str | Path, returncode: int | None, *, reason: st
 # --------------------------------------------------------------------------- supervisor
 
 
-def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error_grace: float, poll: float = 0.2) -> int:
-    """Body of the supervisor process (see the module docstring). Returns torchrun's exit code."""
+def _heartbeat(directory: Path, node_rank: int, done: threading.Event, every: float = 1.0) -> threading.Thread:
+    """A thread that rewrites this node's ``heartbeat.json`` every ``every`` seconds until ``done``."""
+    def beat() -> None:
+        seq = 0
+        while True:
+            seq += 1
+            try:
+                nodes.write_heartbeat(directory, node_rank, seq)
+            except OSError:
+                pass  # a full or flaky shared filesystem: the next beat tries again
+            if done.wait(every):
+                return
+
+    t = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    t.start()
+    return t
+
+
+def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error_grace: float, poll: float = 0.2, *,
+               node_rank: int = 0, nnodes: int = 1, node_timeout: float = nodes.DEFAULT_NODE_TIMEOUT) -> int:
+    """Body of the supervisor process (see the module docstring). Returns torchrun's exit code.
+
+    One node of a multi-node run (``nnodes > 1``) keeps its files in its node directory, beats a
+    heartbeat there and stops its job when another node failed, stopped or went silent
+    (:class:`workbench.run.nodes.PeerWatch`).
+    """
     import psutil
 
     _set_child_subreaper()
     started = time.time()
     stop_reason: list[str] = []
+    ndir = nodes.node_dir(run_dir, node_rank)
+    beating = threading.Event()
+    peers = None
+    peer: dict | None = None
+    if nnodes > 1:
+        _heartbeat(ndir, node_rank, beating)
+        peers = nodes.PeerWatch(run_dir, node_rank, nnodes, timeout=node_timeout, grace=error_grace)
 
     def on_signal(signum, _frame):
         if not stop_reason:
@@ -460,7 +603,7 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{procs.SUPERVISOR_ENV: procs.supervisor_token()})
     child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,  # inherits our stdout (launcher.log)
                              preexec_fn=procs.die_with_parent(signal.SIGKILL))
-    launch_json = run_dir / "launch.json"
+    launch_json = ndir / "launch.json"
     recorded: dict[tuple[int, float], dict] = {}
 
     def record(tree: list, first: bool = False) -> None:
@@ -485,6 +628,11 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
             break
         if polls % 5 == 0:  # about once a second
             record(_tree(me))
+            hit = peers.check() if peers is not None and not stop_reason else None
+            if hit is not None:
+                stop_reason.append(hit[0])
+                peer = hit[1]
+                print(f"[supervisor] node {node_rank}: {peer['why']}: stopping this node's job", flush=True)
         polls += 1
         if not stop_reason and watch_pid and (os.getppid() != watch_pid or not psutil.pid_exists(watch_pid)):
             stop_reason.append("kernel-exited")
@@ -514,8 +662,11 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
         _terminate(left, 1.0)
     reason = stop_reason[0] if stop_reason else None
     status = "failed" if reason == "failed" else None
-    info = write_exit_status(run_dir, rc, reason=reason, status=status, started=started, reader=reader)
-    print(f"[supervisor] run ended: {info['status']} (torchrun exit code {rc})", flush=True)
+    info = write_exit_status(run_dir, rc, reason=reason, status=status, started=started, reader=reader,
+                             node_rank=node_rank, peer=peer)
+    beating.set()
+    where = f"node {node_rank}: " if nnodes > 1 else ""
+    print(f"[supervisor] {where}run ended: {info['status']} (torchrun exit code {rc})", flush=True)
     return rc if isinstance(rc, int) else 1
 
 
@@ -525,10 +676,12 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
 
 
 def supervisor_command(run_dir: str | Path, command: Sequence[str], *, watch_pid: int = 0, grace: float = 10.0,
-                       error_grace: float = 10.0) -> list[str]:
+                       error_grace: float = 10.0, node_rank: int = 0, nnodes: int = 1,
+                       node_timeout: float = nodes.DEFAULT_NODE_TIMEOUT) -> list[str]:
     """The supervisor's command line for ``command`` (see the module docstring)."""
+    multi = ["--node-rank", str(node_rank), "--nnodes", str(nnodes), "--node-timeout", str(node_timeout)] if nnodes > 1 else []
     return [sys.executable, "-m", SUPERVISOR_MODULE, "supervise", "--run-dir", str(run_dir), "--watch-pid", str(watch_pid),
-            "--grace", str(grace), "--error-grace", str(error_grace), "--", *command]
+            "--grace", str(grace), "--error-grace", str(error_grace), *multi, "--", *command]
 
 
 def _spawn_supervisor(sup_cmd: list[str], env: dict[str, str] | None, stdout) -> subprocess.Popen:
@@ -542,39 +695,53 @@ def _spawn_supervisor(sup_cmd: list[str], env: dict[str, str] | None, stdout) ->
 def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: int = 0, rdzv_endpoint: str | None = None,
               rdzv_id: str | None = None, run_root: str | Path | None = None, entry: Sequence[str] = BACKEND_ENTRY,
               env: dict[str, str] | None = None, grace: float = 10.0, error_grace: float = 10.0,
-              watch_parent: bool = True, check_devices: bool = True) -> tuple[LaunchPlan, subprocess.Popen]:
+              watch_parent: bool = True, check_devices: bool = True,
+              node_timeout: float | None = None) -> tuple[LaunchPlan, subprocess.Popen]:
     """Check (:func:`launch_checks`), create the run directory, start torchrun under a supervisor.
 
     Raises :class:`ConfigError` (nothing started, nothing written) when the config or this
-    machine cannot run it.  Returns the plan and the supervisor's Popen.
+    machine cannot run it.  Returns the plan and the supervisor's Popen.  One node of a
+    multi-node run writes into the run directory every node shares, its own files in its node
+    directory (:mod:`workbench.run.nodes`); nodes given separate run directories (no shared
+    filesystem) each follow their own ranks only.  ``node_timeout``: seconds another node may
+    go without a heartbeat before this node stops its job.
     """
-    problems = launch_checks(cfg, run_dir=run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, local=check_devices)
+    problems = launch_checks(cfg, run_dir=run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, local=check_devices,
+                             node_timeout=node_timeout)
     if problems:
         raise ConfigError(problems)
+    node_timeout = float(node_timeout or nodes.DEFAULT_NODE_TIMEOUT)
     run_dir = Path(run_dir).absolute() if run_dir else new_run_dir(cfg.name, run_root)
     plan = LaunchPlan(run_dir, cfg.parallel.nproc_per_node, cfg.parallel.nnodes, node_rank, rdzv_endpoint,
                       rdzv_id or f"workbench-{cfg.name}", entry=tuple(entry))
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    ndir = plan.node_dir
+    (ndir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "events").mkdir(exist_ok=True)
-    cfg.save(plan.config_path)
-    if cfg.parallel.nnodes > 1:
-        (run_dir / "slurm.sbatch").write_text(plan.slurm_script(gpus=cfg.parallel.device == "cuda"))
+    if cfg.parallel.nnodes > 1:  # the nodes share the file (the same config, checked): never half-written
+        write_text_atomic(plan.config_path, cfg.to_json())
+        write_text_atomic(run_dir / "slurm.sbatch", plan.slurm_script(gpus=cfg.parallel.device == "cuda"))
+    else:
+        cfg.save(plan.config_path)
     torchrun_cmd = plan.command()
     watch_pid = os.getpid() if watch_parent else 0
-    sup_cmd = supervisor_command(run_dir, torchrun_cmd, watch_pid=watch_pid, grace=grace, error_grace=error_grace)
-    (run_dir / "command.sh").write_text("#!/bin/bash\n# the torchrun command of this run (this node)\n" + plan.shell() + "\n")
+    sup_cmd = supervisor_command(run_dir, torchrun_cmd, watch_pid=watch_pid, grace=grace, error_grace=error_grace,
+                                 node_rank=node_rank, nnodes=cfg.parallel.nnodes, node_timeout=node_timeout)
+    (ndir / "command.sh").write_text("#!/bin/bash\n# the torchrun command of this run (this node)\n" + plan.shell() + "\n")
     started = time.time()
-    write_json_atomic(run_dir / "launch.json", {
+    info = {
         "command": torchrun_cmd, "shell": plan.shell(), "supervisor_command": sup_cmd,
         "nproc_per_node": plan.nproc_per_node, "nnodes": plan.nnodes, "node_rank": plan.node_rank,
         "rdzv_endpoint": plan.rdzv_endpoint, "kernel_pid": watch_pid or None, "started": started,
-        "host": os.uname().nodename,
-    })
-    with open(run_dir / "logs" / "launcher.log", "ab") as log:
+        "host": nodes.host_name(),
+    }
+    if cfg.parallel.nnodes > 1:
+        info.update(node_timeout=node_timeout, ranks=nodes.node_ranks(node_rank, plan.nproc_per_node))
+    write_json_atomic(ndir / "launch.json", info)
+    with open(ndir / "logs" / "launcher.log", "ab") as log:
         popen = _spawn_supervisor(sup_cmd, env, log)
-    meta = read_json(run_dir / "launch.json") or {}
+    meta = read_json(ndir / "launch.json") or {}
     meta.update(supervisor_pid=popen.pid, pgid=popen.pid, supervisor_create_time=_create_time(popen.pid))
-    write_json_atomic(run_dir / "launch.json", meta)
+    write_json_atomic(ndir / "launch.json", meta)
     return plan, popen
 
 
@@ -648,6 +815,9 @@ def _main(argv: list[str] | None = None) -> int:
     s.add_argument("--watch-pid", type=int, default=0)
     s.add_argument("--grace", type=float, default=10.0)
     s.add_argument("--error-grace", type=float, default=10.0)
+    s.add_argument("--node-rank", type=int, default=0)
+    s.add_argument("--nnodes", type=int, default=1)
+    s.add_argument("--node-timeout", type=float, default=nodes.DEFAULT_NODE_TIMEOUT)
     s.add_argument("command", nargs=argparse.REMAINDER)
     e = sp.add_parser("exit-status")
     e.add_argument("--run-dir", required=True)
@@ -660,7 +830,8 @@ def _main(argv: list[str] | None = None) -> int:
         cmd = list(a.command)
         if cmd and cmd[0] == "--":
             cmd = cmd[1:]
-        return _supervise(Path(a.run_dir), cmd, a.watch_pid, a.grace, a.error_grace)
+        return _supervise(Path(a.run_dir), cmd, a.watch_pid, a.grace, a.error_grace,
+                          node_rank=a.node_rank, nnodes=a.nnodes, node_timeout=a.node_timeout)
     info = write_exit_status(a.run_dir, a.returncode, status=a.status, reason=a.reason, started=a.started)
     print(json.dumps(info))
     return 0

@@ -9,6 +9,11 @@ SIGTERM to the supervisor, which SIGTERMs torchrun, which SIGTERMs each rank onc
 finishes its step and saves); SIGKILL for anything left after the grace period, and this side
 kills the process group and every process it saw if even that fails.
 
+A multi-node run (one ``workbench launch --node-rank K`` per node, one run directory they all
+share: :mod:`workbench.run.nodes`) is followed as one job from any node: the events of every
+rank, each node's state (:meth:`Run.nodes`), one status, and the failure that started it
+(a rank's error, a rank that died without one, or a node that went silent), with its node.
+
 The live dashboard is :class:`workbench.widgets.dashboard.Dashboard` (``Dashboard(run)``), or
 :func:`workbench.notebook.dashboard`.  No megatron-core here; pandas and psutil load lazily.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +39,9 @@ from workbench.launch import (
     BACKEND_ENTRY, STATUSES, LaunchPlan, _alive, _proc, _signal_all, _tree, apply_overrides, start_run, write_exit_status,
 )
 from workbench.run.events import Event
+from workbench.run.nodes import (
+    DEFAULT_NODE_TIMEOUT, HeartbeatClock, host_name, lost_peer, node_dir, node_of_rank, node_ranks, read_heartbeat,
+)
 from workbench.run.procs import live_recorded
 from workbench.run.reader import RunReader
 
@@ -46,11 +55,15 @@ class Failure:
     rank: int | None
     message: str
     traceback: str
-    source: str  # "event" (the rank's error event) | "stderr" (tail of its log) | "launcher"
+    source: str  # "event" (the rank's error event) | "stderr" (tail of its log) | "launcher" | "node" (a node went silent)
     log_path: str | None = None
+    node: int | None = None  # multi-node runs: the node of the failing rank (or the node that was lost)
 
     def __str__(self) -> str:
-        where = f"rank {self.rank}" if self.rank is not None else "unknown rank"
+        if self.rank is not None:
+            where = f"rank {self.rank}" + (f" (node {self.node})" if self.node is not None else "")
+        else:
+            where = f"node {self.node}" if self.node is not None else "unknown rank"
         return f"{where} failed: {self.message}\n{self.traceback}".rstrip()
 
 
@@ -75,9 +88,14 @@ class Run:
     same DataFrames and status as the one launched here.
     """
 
-    def __init__(self, run_dir: str | Path, *, popen: subprocess.Popen | None = None, plan: LaunchPlan | None = None):
+    def __init__(self, run_dir: str | Path, *, popen: subprocess.Popen | None = None, plan: LaunchPlan | None = None,
+                 node_rank: int | None = None):
         self.run_dir = Path(run_dir).absolute()
         self.plan = plan
+        #: the node this handle launched or attached to (its launch files); every node's events are followed
+        self.node_rank = int(node_rank if node_rank is not None else (plan.node_rank if plan is not None else 0))
+        self.node_dir = node_dir(self.run_dir, self.node_rank)
+        self._beats = HeartbeatClock(trust_clock=True)
         self._popen = popen
         self._owned = popen is not None
         self.reader = RunReader(self.run_dir)  # the run directory's one reader: events, launch.json, exit status
@@ -114,41 +132,123 @@ class Run:
         error_grace: float = 10.0,
         watch_parent: bool = True,
         check_devices: bool = True,
+        node_timeout: float | None = None,
     ) -> "Run":
         """Validate, create a fresh run dir (config.json saved), start torchrun under a supervisor.
 
         ``nproc_per_node`` / ``nnodes`` default to the config's ``parallel`` section; when given
-        they are written into the saved config so the backend sees the same world size.
+        they are written into the saved config so the backend sees the same world size.  One node
+        of a multi-node run: ``node_rank``, ``rdzv_endpoint`` and the ``run_dir`` every node shares;
+        ``node_timeout``: seconds another node may go silent before this node stops its job.
         Raises :class:`ConfigError` (nothing started) when the config or this machine cannot run it.
         """
         cfg = apply_overrides(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
         plan, popen = start_run(cfg, run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                                 run_root=run_root, entry=entry, env=env, grace=grace, error_grace=error_grace,
-                                watch_parent=watch_parent, check_devices=check_devices)
+                                watch_parent=watch_parent, check_devices=check_devices, node_timeout=node_timeout)
         return cls(plan.run_dir, popen=popen, plan=plan)
 
     @classmethod
-    def attach(cls, run_dir: str | Path) -> "Run":
-        """Re-open an existing run directory (finished or still running)."""
+    def attach(cls, run_dir: str | Path, node_rank: int = 0) -> "Run":
+        """Re-open an existing run directory (finished or still running); a multi-node run from
+        any node (``node_rank``: whose launch files this handle holds; every node is followed)."""
         run_dir = Path(run_dir).absolute()
         if not (run_dir / "config.json").exists() and not (run_dir / "events").is_dir():
             raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json or events/); pass the directory Run.launch created")
-        meta = RunReader(run_dir).launch_info()
+        meta = RunReader(run_dir).launch_info(node_rank)
         plan = None
         if meta.get("command"):
             plan = LaunchPlan(run_dir, int(meta.get("nproc_per_node") or 1), int(meta.get("nnodes") or 1),
                               int(meta.get("node_rank") or 0), meta.get("rdzv_endpoint"))
-        run = cls(run_dir, plan=plan)
+        run = cls(run_dir, plan=plan, node_rank=node_rank)
         return run
 
     # ---- process state
     @property
     def launch_info(self) -> dict:
-        return self.reader.launch_info()
+        """This node's ``launch.json``."""
+        return self.reader.launch_info(self.node_rank)
 
     @property
     def exit_status(self) -> dict | None:
-        return self.reader.exit_status()
+        """This node's ``exit_status.json`` (a multi-node run's other nodes: :meth:`nodes`)."""
+        return self.reader.exit_status(self.node_rank)
+
+    @property
+    def nnodes(self) -> int:
+        if self.config is not None:
+            return max(int(self.config.parallel.nnodes), 1)
+        return max(int(self.launch_info.get("nnodes") or 1), 1)
+
+    def _per_node(self) -> bool:
+        """A multi-node run launched node by node (``workbench launch --node-rank``): launch files per node."""
+        return self.nnodes > 1 and any(self.reader.launch_info(k) for k in range(self.nnodes))
+
+    def _nproc(self) -> int:
+        meta = self.launch_info
+        if meta.get("nproc_per_node"):
+            return int(meta["nproc_per_node"])
+        if self.plan is not None:
+            return self.plan.nproc_per_node
+        return int(self.config.parallel.nproc_per_node) if self.config is not None else 1
+
+    def _node_processes(self, meta: dict) -> list:
+        """Live processes of another node of this run on this machine: its supervisor's tree and its records."""
+        sup = _proc(int(meta["supervisor_pid"]), meta.get("supervisor_create_time")) if meta.get("supervisor_pid") else None
+        found = [sup, *_tree(sup)] if sup is not None else []
+        pids = {p.pid for p in found}
+        return found + [p for p in live_recorded(meta) if p.pid not in pids]
+
+    def nodes(self) -> list[dict]:
+        """Every node of the run: ``{node, host, ranks, status, alive, local, why, exit_status, heartbeat_age}``.
+
+        ``status``: its exit status's (finished / failed / stopped), else ``running`` while it is
+        alive (its processes, on this machine; its heartbeat, on another), ``lost`` when it was
+        launched and went away without an exit status, ``not started``.  One-node runs: one entry.
+        """
+        me = host_name()
+        nproc = self._nproc()
+        first_error: dict = {}
+        for e in self.reader.records("error", refresh=False):
+            first_error.setdefault(e.rank, e)
+        out = []
+        for k in (range(self.nnodes) if self._per_node() else [self.node_rank]):
+            meta, ex = self.reader.launch_info(k), self.reader.exit_status(k)
+            beat = read_heartbeat(node_dir(self.run_dir, k))
+            age = self._beats.age(k, beat)
+            host = meta.get("host") or (beat or {}).get("host")
+            local = host == me
+            if k == self.node_rank and (local or self._popen is not None):
+                alive = self._supervisor() is not None or bool(self._recorded())
+            elif local:
+                alive = bool(self._node_processes(meta))
+            else:
+                alive = ex is None and age is not None and age <= float(meta.get("node_timeout") or DEFAULT_NODE_TIMEOUT)
+            why = None
+            if ex:
+                status = ex.get("status")
+                peer = ex.get("peer") or {}
+                if peer.get("why"):
+                    why = peer["why"]
+                elif status == "failed" and ex.get("failed_rank") is not None:
+                    r, e = ex["failed_rank"], first_error.get(ex["failed_rank"])
+                    if e is not None and lost_peer(e.get("message"), e.get("exception") or e.get("type")):
+                        msg = re.sub(r"^\[[^\]]*\]\s*", "", e.get("message") or "").split(". ")[0]
+                        why = f"rank {r} lost its peers: {msg[:120]}"
+                    else:
+                        why = f"rank {r} failed" + (f" (exit code {ex['failed_exitcode']})" if ex.get("failed_exitcode") is not None else "")
+            elif alive:
+                status = "running"
+            elif meta or beat:
+                status = "lost"
+                why = (f"its processes are gone and it wrote no exit status" if local or age is None
+                       else f"no heartbeat for {age:.0f} s and no exit status")
+            else:
+                status = "not started"
+            out.append({"node": k, "host": host, "ranks": node_ranks(k, int(meta.get("nproc_per_node") or nproc)),
+                        "status": status, "alive": alive, "local": local, "why": why, "exit_status": ex,
+                        "heartbeat_age": age})
+        return out
 
     def _supervisor(self):
         if self._popen is not None:
@@ -167,15 +267,29 @@ class Run:
 
     def is_alive(self) -> bool:
         """True while the run's supervisor, or any process ``launch.json`` records for it, is running;
-        a run submitted to SLURM: while ``squeue`` lists its job."""
-        return self._supervisor() is not None or bool(self._recorded()) or bool(self._slurm_state())
+        a run submitted to SLURM: while ``squeue`` lists its job; a multi-node run: while any node
+        runs (see :meth:`nodes`)."""
+        if self._supervisor() is not None or bool(self._recorded()):
+            return True
+        if self._slurm_state():  # a SLURM job in the queue: pending, running, completing
+            return True
+        return self._per_node() and any(n["alive"] for n in self.nodes())
 
     def processes(self) -> list:
-        """psutil.Process objects of the run that are alive now (supervisor, torchrun, ranks)."""
+        """psutil.Process objects of the run that are alive now (supervisor, torchrun, ranks), of
+        every node of a multi-node run that runs on this machine."""
         sup = self._supervisor()
         found = [sup, *_tree(sup)] if sup is not None else []
         pids = {p.pid for p in found}
-        return found + [p for p in self._recorded() if p.pid not in pids]
+        found += [p for p in self._recorded() if p.pid not in pids]
+        if self._per_node():
+            me = host_name()
+            for k in range(self.nnodes):
+                meta = self.reader.launch_info(k)
+                if k != self.node_rank and meta.get("host") == me:
+                    pids = {p.pid for p in found}
+                    found += [p for p in self._node_processes(meta) if p.pid not in pids]
+        return found
 
     # ---- events
     def refresh(self) -> int:
@@ -193,8 +307,11 @@ class Run:
 
     @property
     def status(self) -> str:
-        """starting / running / finished / failed / stopped, from events, exit_status.json and the processes."""
+        """starting / running / finished / failed / stopped, from events, exit_status.json and the processes
+        (a multi-node run: of the whole job, from every node's files)."""
         self.refresh()
+        if self._per_node():
+            return self._job_status()
         ex = self.exit_status
         if ex and ex.get("status") in STATUSES:
             return ex["status"]
@@ -219,6 +336,24 @@ class Run:
         if self._popen is None and not self.launch_info and self._slurm_state() is None:
             return "running" if begun else "starting"  # events only (e.g. SLURM, no squeue here): cannot tell
         return "failed"
+
+    def _job_status(self) -> str:
+        """A multi-node run's status: failed when any node failed or was lost; finished / stopped when all ended.
+
+        Nodes that never wrote into this directory are left out (not started yet: the rendezvous
+        waits for them; or launched with run directories of their own, without a shared filesystem)."""
+        views = [v for v in self.nodes() if v["status"] != "not started"]
+        states = [v["status"] for v in views]
+        if any(st in ("failed", "lost") for st in states):
+            return "failed"
+        if states and all(st in ("finished", "stopped") for st in states):
+            return "stopped" if "stopped" in states else "finished"
+        if self.reader.has("error", refresh=False):
+            return "failed"  # being torn down; the supervisors finish the job
+        if self._stop_requested and not any(v["alive"] for v in views):
+            return "stopped"
+        begun = self.reader.has("run_start", refresh=False) or self.reader.has("step", refresh=False)
+        return "running" if begun else "starting"
 
     @property
     def done(self) -> bool:
@@ -247,13 +382,24 @@ class Run:
     def stop(self, grace: float = 10.0) -> str:
         """SIGTERM the run's process group and tree; SIGKILL what is left after ``grace`` seconds.
 
-        Returns the final status.  Leaves no process of the run behind.
+        Returns the final status.  Leaves no process of the run behind.  A multi-node run: this
+        node and every other node of the run on this machine; nodes on other machines stop with
+        it (their ranks agree on the step to stop at, their supervisors see this node's exit status).
         """
-        import psutil
-
         self._stop_requested = True
         if self._supervisor() is None and self._slurm_job() is not None:
             return self._stop_slurm(grace)
+        self._stop_node(grace)
+        if self._per_node():
+            for v in self.nodes():
+                if v["node"] != self.node_rank and v["local"] and v["alive"]:
+                    Run(self.run_dir, node_rank=v["node"])._stop_node(grace)
+        return self.status
+
+    def _stop_node(self, grace: float) -> None:
+        """:meth:`stop` for this handle's node."""
+        import psutil
+
         sup = self._supervisor()
         if sup is None:
             orphans = self._recorded()  # the supervisor is gone (killed) but processes of the run live on
@@ -261,8 +407,9 @@ class Run:
                 self._stop_orphans(orphans, grace)
             self._reap()
             if orphans and not self.exit_status:
-                write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"))
-            return self.status
+                write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"),
+                                  node_rank=self.node_rank)
+            return
         snapshot = [sup, *_tree(sup)]
         # Only the supervisor is signalled: it SIGTERMs torchrun, which SIGTERMs each rank once (see
         # _stop_tree), and it escalates to SIGKILL after ``grace``.  We wait for that plus a margin,
@@ -283,8 +430,8 @@ class Run:
             self._stop_orphans(orphans, 0.0)
         self._reap()
         if not self.exit_status:
-            write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"))
-        return self.status
+            write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"),
+                              node_rank=self.node_rank)
 
     @staticmethod
     def _stop_orphans(procs: list, grace: float) -> None:
@@ -331,19 +478,26 @@ class Run:
 
     # ---- failures and logs
     def rank_log(self, rank: int, stream: str = "stderr") -> Path | None:
-        """This node's torchrun log file of a global rank (latest attempt), if it exists."""
+        """The torchrun log file of a global rank (latest attempt), if it exists: this node's, or in a
+        multi-node run the log its node keeps in the shared run directory."""
         meta = self.launch_info
-        nproc = int(meta.get("nproc_per_node") or (self.plan.nproc_per_node if self.plan else 1))
-        local = rank - int(meta.get("node_rank") or 0) * nproc
+        nproc = self._nproc()
+        base = self.node_dir
+        if self._per_node():
+            node = node_of_rank(rank, nproc)
+            base = node_dir(self.run_dir, node)
+            local = rank - node * nproc
+        else:
+            local = rank - int(meta.get("node_rank") or 0) * nproc
         if not 0 <= local < nproc:
             return None
-        candidates = sorted((self.run_dir / "logs" / "torchrun").glob(f"*/attempt_*/{local}/{stream}.log"),
+        candidates = sorted((base / "logs" / "torchrun").glob(f"*/attempt_*/{local}/{stream}.log"),
                             key=lambda p: p.stat().st_mtime)
         return candidates[-1] if candidates else None
 
     def log_tail(self, rank: int | None = None, lines: int = 40, stream: str = "stderr") -> str:
         """Last lines of a rank's log, or of the launcher log (torchrun's tee of every rank) when rank is None."""
-        path = self.run_dir / "logs" / "launcher.log" if rank is None else self.rank_log(rank, stream)
+        path = self.node_dir / "logs" / "launcher.log" if rank is None else self.rank_log(rank, stream)
         if path is None or not path.exists():
             return ""
         return _tail(path, lines)
@@ -375,30 +529,85 @@ class Run:
 
     @property
     def failure(self) -> Failure | None:
-        """The first failing rank and its traceback: from its ``error`` event, else its stderr log."""
+        """The first failing rank and its traceback: from its ``error`` event, else its stderr log.
+
+        A multi-node run: the failure that started it, with its node.  An error that only says a
+        peer went away (gloo's "connection closed by peer" on the survivors) is passed over for a
+        rank's own error, a rank that died without one (killed, out of memory), or a lost node.
+        """
         errors = self.events("error")
+        if self._per_node():
+            f = self._job_failure(errors)
+            if f is not None:
+                return f
         if errors:
-            e = min(errors, key=lambda r: r.get("time", 0))
-            log = self.rank_log(e["rank"]) if isinstance(e.get("rank"), int) else None
-            etype = e.get("type") or e.get("exception")
-            msg = e.get("message") or etype or "error"
-            if etype and etype not in msg:
-                msg = f"{etype}: {msg}"
-            return Failure(e.get("rank"), msg, e.get("traceback") or "", "event", str(log) if log else None)
+            return self._event_failure(min(errors, key=lambda r: r.get("time", 0)))
         ex = self.exit_status
         if not ex or ex.get("status") != "failed":
             return None
         rank = ex.get("failed_rank")
         if rank is not None:
-            log = self.rank_log(int(rank))
-            if log is not None:
-                text = log.read_text(errors="replace")
-                tb = _last_traceback(text) or _tail(log, 30)
-                last = [ln for ln in tb.strip().splitlines() if ln.strip()]
-                return Failure(int(rank), last[-1] if last else f"exit code {ex.get('returncode')}", tb, "stderr", str(log))
+            f = self._log_failure(int(rank), ex)
+            if f is not None:
+                return f
         tail = self.log_tail(None, 40)
         return Failure(rank, f"torchrun exited with code {ex.get('returncode')}", tail, "launcher",
-                       str(self.run_dir / "logs" / "launcher.log"))
+                       str(self.node_dir / "logs" / "launcher.log"))
+
+    def _node_of(self, rank) -> int | None:
+        return node_of_rank(rank, self._nproc()) if self._per_node() and isinstance(rank, int) else None
+
+    def _event_failure(self, e: Event) -> Failure:
+        log = self.rank_log(e["rank"]) if isinstance(e.get("rank"), int) else None
+        etype = e.get("type") or e.get("exception")
+        msg = e.get("message") or etype or "error"
+        if etype and etype not in msg:
+            msg = f"{etype}: {msg}"
+        return Failure(e.get("rank"), msg, e.get("traceback") or "", "event", str(log) if log else None, self._node_of(e.get("rank")))
+
+    def _log_failure(self, rank: int, ex: dict) -> Failure | None:
+        """A rank that failed without an error event: the traceback in its stderr log, else how it exited."""
+        log = self.rank_log(rank)
+        if log is None:
+            return None
+        tb = _last_traceback(log.read_text(errors="replace"))
+        code = ex.get("failed_exitcode")
+        if tb:
+            last = [ln for ln in tb.strip().splitlines() if ln.strip()]
+            msg = last[-1] if last else f"exit code {code}"
+        elif code is not None:  # killed (a signal: negative code) or exited without a Python traceback
+            msg = f"exited with code {code}" + (f": {ex['failed_message']}" if ex.get("failed_message") else "")
+            tb = _tail(log, 30)
+        else:
+            tb = _tail(log, 30)
+            last = [ln for ln in tb.strip().splitlines() if ln.strip()]
+            msg = last[-1] if last else f"exit code {ex.get('returncode')}"
+        return Failure(rank, msg, tb, "stderr", str(log), self._node_of(rank))
+
+    def _job_failure(self, errors: list[Event]) -> Failure | None:
+        """A multi-node run's first cause (see :attr:`failure`); None leaves it to the one-node rules."""
+        own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
+        if own:
+            return self._event_failure(min(own, key=lambda r: r.get("time", 0)))
+        views = self.nodes()
+        reported = {e.get("rank") for e in errors}
+        for v in views:  # a rank that died without an error event of its own
+            ex = v["exit_status"] or {}
+            r = ex.get("failed_rank")
+            if v["status"] == "failed" and not ex.get("peer") and r is not None and r not in reported:
+                f = self._log_failure(int(r), ex)
+                if f is not None:
+                    f.node = v["node"]
+                    return f
+                return Failure(int(r), f"rank {r} failed (torchrun exit code {ex.get('returncode')})", "", "launcher", None, v["node"])
+        for v in views:
+            if v["status"] == "lost":
+                return Failure(None, f"node {v['node']} lost: {v['why']}", "", "node", None, v["node"])
+        for v in views:
+            peer = (v["exit_status"] or {}).get("peer") or {}
+            if peer.get("status") == "lost":
+                return Failure(None, peer.get("why") or f"node {peer.get('node')} lost", "", "node", None, peer.get("node"))
+        return None
 
     # ---- DataFrames
     def _frame(self, kind: str, columns: Sequence[str]):

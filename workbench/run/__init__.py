@@ -5,6 +5,8 @@
   (events by kind, kernel path and layout, ``launch.json``, ``exit_status.json``, ``config.json``).
 - :mod:`workbench.run.checkpoint`: checkpoint discovery and ``workbench.json`` (:class:`CheckpointMeta`).
 - :mod:`workbench.run.files`: atomic file writes, ``read_json``, ``free_port``.
+- :mod:`workbench.run.nodes`: a multi-node run's shared run directory (one set of launch files
+  per node, heartbeats, the supervisors' watch over the other nodes).
 
 Nothing here imports torch or megatron-core.
 """

@@ -21,12 +21,11 @@ from typing import Any
 
 from workbench.run.events import KINDS, Event, Layout, RunStart, events_dir, parse_line
 from workbench.run.files import read_json
+from workbench.run.nodes import EXIT_STATUS_FILE, LAUNCH_FILE, node_dir
 
 __all__ = ["RunReader", "read_events", "read_records", "as_reader",
            "LAUNCH_FILE", "EXIT_STATUS_FILE", "CONFIG_FILE"]
 
-LAUNCH_FILE = "launch.json"
-EXIT_STATUS_FILE = "exit_status.json"
 CONFIG_FILE = "config.json"
 _MARK = b'{"event"'
 
@@ -174,13 +173,13 @@ class RunReader:
         s = self.run_start()
         return s.config if s and isinstance(s.config, dict) else None
 
-    def launch_info(self) -> dict:
-        """``launch.json`` (commands, pids, start time), or {} for a run not launched here."""
-        return read_json(self.run_dir / LAUNCH_FILE) or {}
+    def launch_info(self, node_rank: int = 0) -> dict:
+        """``launch.json`` (commands, pids, start time) of node ``node_rank``, or {} for a run not launched here."""
+        return read_json(node_dir(self.run_dir, node_rank) / LAUNCH_FILE) or {}
 
-    def exit_status(self) -> dict | None:
-        """``exit_status.json`` (status, returncode, reason, failed_rank, ...), None while running."""
-        return read_json(self.run_dir / EXIT_STATUS_FILE)
+    def exit_status(self, node_rank: int = 0) -> dict | None:
+        """``exit_status.json`` (status, returncode, reason, failed_rank, ...) of node ``node_rank``, None while it runs."""
+        return read_json(node_dir(self.run_dir, node_rank) / EXIT_STATUS_FILE)
 
 
 def as_reader(source: "str | Path | RunReader") -> RunReader:
