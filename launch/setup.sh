@@ -86,9 +86,12 @@ if [ -n "$dry" ] || [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   step "$venv/bin/python" -m pip install -q --upgrade pip
   if [ "$torch_variant" = cpu ]; then
-    # torch first from the CPU index (its '+cpu' build then satisfies the project's torch>=2.6), then
+    # torch first from the CPU index (its '+cpu' build then satisfies the project's torch bound), then
     # triton from PyPI: megatron-core imports it even on a CPU
-    step "$venv/bin/python" -m pip install -q torch --index-url "$torch_index"
+    # the project's own torch bound (pyproject.toml), so an older +cpu torch is upgraded here, not replaced
+    # by PyPI's CUDA build when the project is installed next
+    torch_req="$(grep -oE '"torch[<>=!~][^"]*"' pyproject.toml | head -1 | tr -d '"')"
+    step "$venv/bin/python" -m pip install -q --upgrade "${torch_req:-torch}" --index-url "$torch_index"
     step "$venv/bin/python" -m pip install -q triton
   fi
   step "$venv/bin/python" -m pip install -q -e ".[dev]"

@@ -38,10 +38,10 @@ def test_cpu_install_takes_torch_from_the_cpu_index_first_then_triton_from_pypi(
     for r in (_setup("--cpu", "--dry-run"), _setup("--dry-run", WORKBENCH_TORCH="cpu")):
         assert r.returncode == 0, r.stderr
         steps = _pip_steps(r.stdout)
-        torch_i = next(i for i, s in enumerate(steps) if " torch --index-url https://download.pytorch.org/whl/cpu" in s)
+        torch_i = next(i for i, s in enumerate(steps) if "--upgrade torch>=" in s and "--index-url https://download.pytorch.org/whl/cpu" in s)
         triton_i = next(i for i, s in enumerate(steps) if s.endswith(" triton"))
         project_i = next(i for i, s in enumerate(steps) if s.endswith("-e .[dev]"))
-        # torch before the project: its +cpu build then satisfies torch>=2.6 and no CUDA build is pulled
+        # torch before the project, within the project's bound: its +cpu build then satisfies pyproject and no CUDA build is pulled
         assert torch_i < project_i and triton_i < project_i
         assert "--index-url" not in steps[triton_i]  # triton comes from PyPI, the CPU index has none for every torch
     mirror = _setup("--cpu", "--dry-run", WORKBENCH_TORCH_INDEX="http://mirror.example/whl/cpu")
@@ -49,13 +49,16 @@ def test_cpu_install_takes_torch_from_the_cpu_index_first_then_triton_from_pypi(
 
 
 def test_cpu_install_refuses_a_venv_that_holds_the_cuda_torch():
-    # this checkout's .venv has PyPI's torch (no '+cpu'): switching in place would keep the CUDA build
+    # the venv running these tests has PyPI's torch (no '+cpu'): switching it in place would keep the CUDA build
     import importlib.metadata as md
 
+    import pytest
+
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the tests do not run in a venv: setup.sh would create one")
     if md.version("torch").endswith("+cpu"):
-        import pytest
         pytest.skip("this venv already has the CPU torch build")
-    r = _setup("--cpu")
+    r = _setup("--cpu", WORKBENCH_VENV=sys.prefix)
     assert r.returncode == 2
     assert "CUDA build" in r.stderr and "WORKBENCH_VENV=.venv-cpu" in r.stderr
 

@@ -11,7 +11,7 @@ Layout of a checkpoint ROOT::
 Why this shape: dist checkpoints store *global* tensors keyed by stock megatron-core
 names, so a checkpoint written at one TP/PP/VPP loads at any other; the iteration
 tree and the tracker file are what Megatron-LM users already know.  A save goes to
-``iter_XXXXXXX.tmp-<pid>`` and is renamed only after every rank has written and
+``iter_XXXXXXX.tmp-<host>-<pid>`` and is renamed only after every rank has written and
 ``workbench.json`` says ``"complete": true``, so an interrupted save never shadows
 the last good checkpoint, and :func:`find_checkpoint` never picks a partial one.
 ``"files"`` records each file's size and SHA-256; every load verifies them and reads
@@ -41,7 +41,7 @@ from typing import Any, Iterable, Sequence
 
 from workbench.run.checkpoint import (  # noqa: F401  (discovery and metadata live in the torch-free run contract)
     FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, find_checkpoint, iter_dir_name, list_checkpoints, load_problems,
-    read_checkpoint, read_metadata, remove_stale_partials,
+    partial_dir_name, read_checkpoint, read_metadata, remove_stale_partials,
 )
 from workbench.run.files import write_text_atomic
 from workbench.run.integrity import file_manifest, safe_dist_reading, verify_checkpoint
@@ -357,7 +357,7 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         for line in remove_stale_partials(root):  # what an earlier, killed save left behind
             print(f"[workbench] checkpoint {root}: {line}", flush=True)
-        tmp = root / f"{final.name}.tmp-{os.getpid()}"
+        tmp = root / partial_dir_name(final.name, "tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
@@ -405,7 +405,7 @@ def save_checkpoint(
         _fsync_write(tmp / METADATA_FILE, json.dumps(meta, indent=2))
         old = None
         if final.exists():  # re-saving the same iteration: keep the old one until the new one is in place
-            old = final.with_name(f"{final.name}.old-{os.getpid()}")
+            old = root / partial_dir_name(final.name, "old")
             os.replace(final, old)
         os.replace(tmp, final)
         if old is not None:

@@ -13,7 +13,7 @@ Specs:
   ``do_lower_case: false``);
 - a SentencePiece model file (``*.model``; a directory holding only ``spiece.model`` too), read as T5's
   tokenizer: its pieces plus the 100 sentinels ``<extra_id_0>`` ... ``<extra_id_99>``, ``</s>`` as
-  end of sequence and ``<pad>`` as padding -- what transformers' ``T5Tokenizer`` makes of it (converted
+  end of sequence and ``<pad>`` as padding -- what transformers' ``T5TokenizerFast`` makes of it (converted
   to a fast tokenizer with ``sentencepiece`` and ``protobuf``, offline).
 
 Nothing is downloaded: a hub name such as ``gpt2`` is refused with the fix (save it to a local
@@ -219,14 +219,14 @@ def _from_sentencepiece(model: Path, name: str) -> Tokenizer:
     try:
         import google.protobuf  # noqa: F401  (transformers' converter parses the model with it)
         import sentencepiece  # noqa: F401
-        from transformers import T5Tokenizer
+        from transformers import T5TokenizerFast  # the fast class in transformers 4.x and 5.x alike
     except ImportError as e:
         raise DataError(str(model), f"reading a SentencePiece model needs the '{e.name}' package",
                         "pip install sentencepiece protobuf (both are workbench dependencies: re-run bash launch/setup.sh)") from None
     with tempfile.TemporaryDirectory(prefix="workbench-spm-") as d:
-        shutil.copyfile(model, Path(d) / "spiece.model")  # T5Tokenizer looks for this name
+        shutil.copyfile(model, Path(d) / "spiece.model")  # the name T5's tokenizer looks for
         try:
-            hf = T5Tokenizer.from_pretrained(d, local_files_only=True, extra_ids=100)
+            hf = T5TokenizerFast.from_pretrained(d, local_files_only=True, extra_ids=100)
         except Exception as e:
             raise DataError(str(model), f"not a SentencePiece model transformers can read ({type(e).__name__}: {e})",
                             "give the .model file SentencePiece's trainer wrote (e.g. HF T5's spiece.model)") from None

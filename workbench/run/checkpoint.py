@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "CheckpointError", "CheckpointMeta", "CheckpointInfo", "iter_dir_name",
            "list_checkpoints", "find_checkpoint", "read_checkpoint", "read_metadata", "load_problems", "checkpoint_info",
-           "resolve_tokenizer", "special_ids", "remove_stale_partials"]
+           "resolve_tokenizer", "special_ids", "remove_stale_partials", "partial_dir_name"]
 
 from workbench.run.ckpt_files import (  # noqa: F401  (the tree's names, shared with workbench.run.integrity)
     _ITER_RE, FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, _is_complete, iter_dir_name, list_checkpoints,
@@ -296,7 +296,22 @@ def special_ids(tok: Any) -> dict[str, int | None]:
             "pad": getattr(tok, "pad_token_id", None)}
 
 
-_PARTIAL_RE = re.compile(r"^(iter_\d{7})\.(tmp|old)-(\d+)$")
+_PARTIAL_RE = re.compile(r"^(iter_\d{7})\.(tmp|old)-(?:(.+)-)?(\d+)$")
+
+
+def _this_host() -> str:
+    from workbench.run.nodes import host_name
+
+    return re.sub(r"[^A-Za-z0-9._-]", "_", host_name())
+
+
+def partial_dir_name(final_name: str, kind: str) -> str:
+    """``iter_N.tmp-<host>-<pid>`` (a save under way) or ``iter_N.old-<host>-<pid>`` (the copy a re-save
+    moves aside): the host, because a checkpoint root on a shared filesystem is written from several
+    machines and a PID means something only on its own."""
+    import os
+
+    return f"{final_name}.{kind}-{_this_host()}-{os.getpid()}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -314,11 +329,12 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_partials(root: str | Path) -> list[str]:
     """Tidy what a save killed half-way left in a checkpoint ROOT; returns what was done, a line each.
 
-    ``iter_N.tmp-PID`` (a save that never completed) is removed once process PID is gone.
-    ``iter_N.old-PID`` (the previous copy of an iteration being re-saved) is removed when
-    ``iter_N`` is complete again, and moved back into place when the kill came between the two
-    renames and ``iter_N`` is missing.  Directories of a live PID are another save in progress
-    and left alone.  Called by rank 0 before each save.
+    Only this host's leftovers (named by :func:`partial_dir_name`) whose process is gone are touched;
+    another host's (a shared filesystem) may be a save in progress and are only reported.
+    ``iter_N.tmp-...`` (a save that never completed) is removed.  ``iter_N.old-...`` (the previous copy
+    of an iteration being re-saved) is removed when ``iter_N`` is complete again, and moved back into
+    place when the kill came between the two renames and ``iter_N`` is missing.  Called by rank 0
+    before each save.
     """
     import os
     import shutil
@@ -327,14 +343,21 @@ def remove_stale_partials(root: str | Path) -> list[str]:
     done: list[str] = []
     if not root.is_dir():
         return done
+    here = _this_host()
     for p in sorted(root.iterdir()):
         m = _PARTIAL_RE.match(p.name)
-        if not m or not p.is_dir() or _pid_alive(int(m.group(3))):
+        if not m or not p.is_dir():
+            continue
+        host, pid = m.group(3), int(m.group(4))
+        if host is not None and host != here:
+            done.append(f"left {p.name}: an unfinished save from host {host} (remove it once that job is gone)")
+            continue
+        if _pid_alive(pid):  # a save in progress here (or an unrelated process that took the PID: a leftover)
             continue
         final = root / m.group(1)
         if m.group(2) == "tmp":
             shutil.rmtree(p, ignore_errors=True)
-            done.append(f"removed {p.name} (an unfinished save of process {m.group(3)}, which is gone)")
+            done.append(f"removed {p.name} (an unfinished save of process {pid}, which is gone)")
         elif final.exists() and _is_complete(final):
             shutil.rmtree(p, ignore_errors=True)
             done.append(f"removed {p.name} ({final.name} is complete)")
