@@ -332,7 +332,10 @@ def _shared_run_dir_problems(cfg: RunConfig, d: Path, node_rank: int) -> list[Pr
                             "pass a new run_dir for a new run, the same one on every node")]
     cfg_file = d / "config.json"
     if not cfg_file.exists():
-        if any(p.name != nodes.NODES_DIR for p in d.iterdir()):
+        # what another node that is starting at this moment may already have made (its config.json, written
+        # atomically, then follows): not a sign of an unrelated directory
+        starting = {nodes.NODES_DIR, "events", "logs", "data_cache", "checkpoints"}
+        if any(p.name not in starting and not p.name.startswith(".config.json.tmp-") for p in d.iterdir()):
             return [Problem("run_dir", f"{d} exists, is not empty and holds no run config",
                             "pass a new run_dir (or none for a fresh one), the same on every node")]
         return []

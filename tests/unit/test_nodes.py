@@ -92,6 +92,12 @@ def test_a_shared_run_directory_takes_each_node_once_and_one_config(tmp_path):
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     assert [p.field for p in launch_checks(cfg, run_dir=foreign, node_rank=1, **ok)] == ["run_dir"]
+    # another node caught between making its folders and writing config.json (all nodes started at once)
+    racing = tmp_path / "racing"
+    for sub in ("events", "logs", "nodes/node-1"):
+        (racing / sub).mkdir(parents=True)
+    (racing / ".config.json.tmp-4242").write_text("{")
+    assert launch_checks(cfg, run_dir=racing, node_rank=0, **ok) == []
 
 
 @pytest.mark.parametrize("args, field", [
