@@ -81,10 +81,48 @@ def te_status() -> tuple[Literal["absent", "ok", "broken"], str]:
         return "broken", ("the transformer_engine package has no 'transformer-engine' distribution metadata "
                           "(its import fails its own check); fix: pip install the 'transformer-engine' meta-package "
                           "of the same version, or uninstall transformer_engine")
-    if importlib.util.find_spec("transformer_engine_torch") is None:
+    if not _te_torch_extension():
         return "broken", (f"transformer-engine {version} has no PyTorch extension (transformer_engine_torch); "
                           "fix: bash launch/install_te.sh, or uninstall transformer_engine")
+    try:  # a PyPI install: TE asserts that the three packages' versions match
+        ext_version = importlib.metadata.version("transformer_engine_torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "ok", f"transformer-engine {version}"
+    core = [importlib.metadata.version(n) for n in ("transformer_engine_cu13", "transformer_engine_cu12")
+            if _has_dist(n)]
+    if ext_version != version or (core and core[0] != version):
+        return "broken", (f"transformer-engine {version}, its PyTorch extension {ext_version} and core "
+                          f"{core[0] if core else 'missing'} differ (TE refuses mismatched versions); fix: "
+                          "bash launch/install_te.sh (WORKBENCH_TE_VERSION one version for all), or uninstall transformer_engine")
     return "ok", f"transformer-engine {version}"
+
+
+def _has_dist(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _te_torch_extension() -> bool:
+    """TE's PyTorch extension where TE itself looks for it (``transformer_engine.common``): a module on the
+    path (source builds), or ``transformer_engine_torch*.so`` beside the package, in it, or in its
+    ``wheel_lib`` folder (PyPI)."""
+    if importlib.util.find_spec("transformer_engine_torch") is not None:
+        return True
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    import pathlib
+
+    for loc in spec.submodule_search_locations:
+        pkg = pathlib.Path(loc)
+        for folder in (pkg.parent, pkg, pkg / "wheel_lib"):
+            if folder.is_dir() and any(f.name.startswith("transformer_engine_torch") and f.suffix == ".so"
+                                       for f in folder.iterdir()):
+                return True
+    return False
 
 
 def te_available() -> bool:

@@ -104,3 +104,33 @@ def _env() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def _pypi_te(root, versions=("2.20.2", "2.20.2", "2.20.2"), extension=True):
+    """TE as PyPI installs it: the package, its PyTorch extension in ``transformer_engine/wheel_lib``, three dists."""
+    pkg = root / "transformer_engine"
+    (pkg / "wheel_lib").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    if extension:
+        (pkg / "wheel_lib" / "transformer_engine_torch.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
+    for name, v in zip(("transformer_engine", "transformer_engine_torch", "transformer_engine_cu13"), versions):
+        d = root / f"{name}-{v}.dist-info"
+        d.mkdir()
+        (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {v}\n")
+    return root
+
+
+def _te_status_with(path) -> str:
+    out = subprocess.run([sys.executable, "-c", "import workbench.kernels as k; print(*k.te_status(), sep='|')"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120, env={**_env(), "PYTHONPATH": f"{path}:{ROOT}"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def test_a_pypi_transformer_engine_is_found_where_te_itself_looks(tmp_path):
+    # launch/install_te.sh's layout: the extension is transformer_engine/wheel_lib/transformer_engine_torch*.so
+    assert _te_status_with(_pypi_te(tmp_path / "ok")).startswith("ok|transformer-engine 2.20.2")
+    missing = _te_status_with(_pypi_te(tmp_path / "noext", extension=False))
+    assert missing.startswith("broken|") and "no PyTorch extension" in missing
+    mixed = _te_status_with(_pypi_te(tmp_path / "mixed", versions=("2.20.2", "2.19.0", "2.20.2")))
+    assert mixed.startswith("broken|") and "2.19.0" in mixed and "fix:" in mixed
