@@ -30,7 +30,7 @@ import pytest
 from workbench.config import preset
 from workbench.run_handle import Run
 
-from tests.support import ROOT, run_processes, wait_until
+from tests.support import ROOT, living, run_processes, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -53,17 +53,6 @@ def _launch_node(cfg_file: Path, run_dir: Path, node: int, port: int, out: Path,
         return subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def _living(procs) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def _attach(run_dir: Path) -> Run:
     return wait_until(lambda: Run.attach(run_dir) if (run_dir / "launch.json").exists() else None, 180, "node 0's launch files")
 
@@ -83,7 +72,7 @@ def _node1_processes(run_dir: Path, roles=("supervisor", "torchrun", "rank", "ch
 
 
 def _cleanup(run_dir: Path, *clis: subprocess.Popen) -> None:
-    for p in _living(run_processes(run_dir)):
+    for p in living(run_processes(run_dir)):
         try:
             p.send_signal(signal.SIGCONT)
             p.kill()
@@ -156,7 +145,7 @@ def test_two_nodes_train_like_one_node_and_one_run_follows_both(tmp_path, free_p
     assert run.rank_log(1).is_relative_to(shared / "nodes" / "node-1" / "logs" / "torchrun")
     assert run.rank_log(0).is_relative_to(shared / "logs" / "torchrun")
     assert sorted(p.name for p in (shared / "events").iterdir()) == ["rank-0.jsonl", "rank-1.jsonl"]
-    assert _living(run_processes(shared)) == []
+    assert living(run_processes(shared)) == []
 
 
 def test_a_rank_killed_on_node_1_stops_node_0_and_is_reported(tmp_path, free_port):
@@ -190,7 +179,7 @@ def test_a_rank_killed_on_node_1_stops_node_0_and_is_reported(tmp_path, free_por
     for out in ("node0.out", "node1.out"):  # both terminals name the cause
         text = (tmp_path / out).read_text()
         assert "rank 1 (node 1) failed: exited with code -9" in text and "run failed" in text, text[-2000:]
-    assert wait_until(lambda: not _living(run_processes(shared)), 15, "no process of either node left")
+    assert wait_until(lambda: not living(run_processes(shared)), 15, "no process of either node left")
 
 
 def test_a_frozen_node_is_declared_lost_and_the_other_stops_in_bounded_time(tmp_path, free_port):
@@ -214,7 +203,7 @@ def test_a_frozen_node_is_declared_lost_and_the_other_stops_in_bounded_time(tmp_
         assert run.status == "failed"
         f = run.failure
         assert f.node == 1 and f.rank is None and "no heartbeat" in f.message, f
-        assert _living(frozen) == frozen  # node 0's side stopped only its own processes
+        assert living(frozen) == frozen  # node 0's side stopped only its own processes
         # the heartbeat timeout, the supervisor's 10 s grace for a rank stuck in a collective, a margin for a busy machine
         assert took < NODE_TIMEOUT + 10 + 25, f"node 0 took {took:.0f}s to stop after node 1 froze"
         print(f"node 0 stopped {took:.1f}s after node 1 froze")
@@ -225,6 +214,6 @@ def test_a_frozen_node_is_declared_lost_and_the_other_stops_in_bounded_time(tmp_
         assert n0.wait(timeout=30) == 1 and n1.wait(timeout=30) == 1
         assert run.failure.node == 1 and "no heartbeat" in run.failure.message
         assert "no heartbeat" in (tmp_path / "node0.out").read_text()
-        assert wait_until(lambda: not _living(run_processes(shared)), 15, "no process of either node left")
+        assert wait_until(lambda: not living(run_processes(shared)), 15, "no process of either node left")
     finally:
         _cleanup(shared, n0, n1)  # SIGCONT + SIGKILL for anything a failed assertion left

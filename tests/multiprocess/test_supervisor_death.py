@@ -21,24 +21,13 @@ import pytest
 from workbench.config import preset
 from workbench.run_handle import Run
 
-from tests.support import run_processes, wait_until
+from tests.support import living, run_processes, wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def _cfg(nproc: int = 2):
     return preset("tiny").replace(**{"parallel.nproc_per_node": nproc, "train.train_iters": 4, "train.lr_warmup_iters": 1})
-
-
-def _living(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def _step_lines(run_dir: Path) -> int:
@@ -49,25 +38,25 @@ def test_sigkill_of_the_supervisor_takes_torchrun_and_the_ranks_down(rank_script
     run = Run.launch(_cfg(), run_root=tmp_path / "runs", entry=[str(rank_script)], env={"FAKE_MODE": "slow"})
     try:
         wait_until(lambda: len(run.events("run_start")) == 2 and _step_lines(run.run_dir) >= 4, 60, "both ranks training")
-        procs = _living(run_processes(run.run_dir))
+        procs = living(run_processes(run.run_dir))
         assert len(procs) >= 4, procs  # supervisor, torchrun, two ranks
         wait_until(lambda: [r["role"] for r in json.loads((run.run_dir / "launch.json").read_text())["processes"]].count("rank") == 2,
                    10, "launch.json to record torchrun's two ranks")
         os.kill(run._popen.pid, signal.SIGKILL)
         t0 = time.time()
-        wait_until(lambda: not _living(procs), 10, "every process of the run to die with its supervisor")
+        wait_until(lambda: not living(procs), 10, "every process of the run to die with its supervisor")
         took = time.time() - t0
         run._popen.wait(timeout=5)
         steps = _step_lines(run.run_dir)
         time.sleep(1.0)
         assert _step_lines(run.run_dir) == steps, "the ranks kept training"
-        assert not _living(run_processes(run.run_dir))
+        assert not living(run_processes(run.run_dir))
         print(f"job gone {took:.2f}s after the supervisor's SIGKILL")
         other = Run.attach(run.run_dir)
         assert not other.is_alive() and other.processes() == []
         assert other.status == "failed"  # nobody wrote an exit status: the supervisor was killed
     finally:
-        for p in _living(run_processes(run.run_dir)):
+        for p in living(run_processes(run.run_dir)):
             p.kill()
 
 
@@ -100,8 +89,8 @@ def test_stop_of_an_attached_run_without_supervisor_ends_the_recorded_processes(
         torchrun = psutil.Process(json.loads((run.run_dir / "launch.json").read_text())["torchrun_pid"])
         os.kill(run._popen.pid, signal.SIGKILL)
         run._popen.wait(timeout=5)
-        wait_until(lambda: not _living([torchrun]), 10, "torchrun to die with its supervisor")
-        assert len(_living(ranks)) == 2  # no guard in them: they live on, orphaned
+        wait_until(lambda: not living([torchrun]), 10, "torchrun to die with its supervisor")
+        assert len(living(ranks)) == 2  # no guard in them: they live on, orphaned
 
         # a recycled PID: the record's create time is not the live process's, so it is never signalled
         meta = json.loads((run.run_dir / "launch.json").read_text())
@@ -115,12 +104,12 @@ def test_stop_of_an_attached_run_without_supervisor_ends_the_recorded_processes(
         t0 = time.time()
         assert other.stop(grace=1.5) == "stopped"
         assert time.time() - t0 < 15
-        assert not _living(ranks)
-        assert not _living(run_processes(run.run_dir))
+        assert not living(ranks)
+        assert not living(run_processes(run.run_dir))
         assert other.exit_status["status"] == "stopped"
         assert bystander.poll() is None, "a process whose PID was recorded with another create time was killed"
     finally:
         bystander.kill()
         bystander.wait()
-        for p in _living(run_processes(run.run_dir)):
+        for p in living(run_processes(run.run_dir)):
             p.kill()

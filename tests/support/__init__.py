@@ -37,6 +37,18 @@ def wait_until(pred, timeout: float, what: str, poll: float = 0.05):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def living(procs) -> list[psutil.Process]:
+    """The processes of ``procs`` still running (zombies and vanished ones left out)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def run_processes(run_dir: Path) -> list[psutil.Process]:
     """Every process on the machine whose command line names this run directory (zombies included)."""
     out = []
