@@ -222,8 +222,6 @@ def layer_blocker(cfg: Any) -> str | None:
         return "dropout"
     if m.position_embedding == "alibi":
         return "ALiBi"
-    if m.position_embedding == "rope":
-        return "rotary embedding (applied per call; not in the compiled layer yet)"
     return None
 
 

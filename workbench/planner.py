@@ -235,7 +235,8 @@ def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -
     kp = kernels.choose(cfg, te=a.transformer_engine)
     if a.compiled_layer is not None and (a.compiled_layer != (kp.layer == "compiled")):
         kp = dataclasses.replace(kp, layer="compiled" if a.compiled_layer else "stock",
-                                 layer_reason="" if a.compiled_layer else "pinned by PlannerAssumptions.compiled_layer")
+                                 layer_reason="" if a.compiled_layer else "pinned by PlannerAssumptions.compiled_layer",
+                                 cuda_graphs=kp.cuda_graphs and bool(a.compiled_layer))
     if a.optimizer != "auto":
         kp = dataclasses.replace(kp, optimizer=a.optimizer)
     return kp

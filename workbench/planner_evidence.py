@@ -23,10 +23,14 @@ ONE_GPU_FILES = (EVIDENCE_DIR / "planner_1gpu.jsonl", EVIDENCE_DIR / "planner_1g
 
 
 def replan(rec: dict) -> planner.Plan:
-    """Today's plan for a measured record, on the kernel path the run reported (TE or not)."""
-    te = "Transformer Engine" in json.dumps(rec.get("kernel_path") or {})
+    """Today's plan for a measured record, on the kernel path the run reported: TE or not, and the
+    compiled layer or megatron's (a record taken before the rule moved a config to the compiled
+    layer is re-planned on the layer it measured)."""
+    kp = rec.get("kernel_path") or {}
+    te = "Transformer Engine" in json.dumps(kp)
+    compiled = "compiled dense layer" in str(kp.get("fast_layer", ""))
     return planner.predict(RunConfig.from_dict(json.loads(json.dumps(rec["run_config"]))), suggest=False,
-                           assumptions=planner.PlannerAssumptions(transformer_engine=te))
+                           assumptions=planner.PlannerAssumptions(transformer_engine=te, compiled_layer=compiled))
 
 
 def evidence_table(paths: Iterable[Path] = ONE_GPU_FILES):

@@ -44,7 +44,7 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
 
 def test_dense_layer_matches_stock_megatron_layer(checks):
     layers = 4  # preset("tiny")
-    for name in ("gpt", "llama-like", "recompute-selective", "recompute-full"):
+    for name in ("gpt", "llama-like", "rope", "recompute-selective", "recompute-full"):
         r = checks["layer"][name]
         # every layer took the fast path (under full recompute: its forward, then again in backward)
         assert r["fast_calls"] == layers * (2 if name == "recompute-full" else 1), (name, r)
@@ -70,8 +70,7 @@ def test_recompute_on_the_dense_path_frees_what_it_recomputes(checks):
 
 
 def test_unsupported_cases_fall_back_to_stock_forward(checks):
-    rope, drop = checks["layer"]["rope"], checks["layer"]["dropout"]
-    assert rope["fast_calls"] == 0 and _close(rope["loss_fast"], rope["loss_stock"])
+    drop = checks["layer"]["dropout"]
     assert drop["blockers"] == ["dropout"] * 4 and drop["fast_calls"] == 0
     assert _close(drop["loss_fast"], drop["loss_stock"])
 
@@ -99,10 +98,42 @@ def test_trainer_steps_identical_with_fast_paths(checks):
     assert not any(k.startswith("fast_") for k in stock["kernel_path"])
 
 
+def _assert_families_match(r: dict, rel: float) -> None:
+    for name, runs in r.items():
+        stock, fast = runs["stock"], runs["fast"]
+        assert stock["fast_calls"] == 0 and stock["layers"] == 0, name  # megatron's own layers
+        # every layer (T5: encoder and decoder) took the compiled path, each micro-batch of each step
+        assert fast["blockers"] == [None] * fast["layers"] and fast["fast_calls"] == fast["layers"] * 2 * 3, (name, fast)
+        for a, b in zip(stock["losses"], fast["losses"]):
+            assert _close(a, b, rel), (name, stock["losses"], fast["losses"])
+        for a, b in zip(stock["grad_norms"], fast["grad_norms"]):
+            assert _close(a, b, 10 * rel), (name, stock["grad_norms"], fast["grad_norms"])
+        assert fast["losses"][0] != fast["losses"][2]  # the optimizer really stepped
+
+
+def test_compiled_layer_serves_bert_t5_and_rope_with_the_stock_maths():
+    """BERT (padding mask, bidirectional), T5 (relative bias, padding-masked encoder, causal decoder with
+    cross-attention; GEGLU and ReLU) and a RoPE/GQA GPT: three Trainer steps on the compiled layer (eager)
+    against megatron's own layers, same losses and gradient norms."""
+    r = _run_check("families", port=free_port())
+    assert set(r) == {"bert", "t5", "t5-relu", "gpt-rope"}
+    assert r["t5"]["fast"]["layers"] == 4  # 2 encoder + 2 decoder layers
+    _assert_families_match(r, 1e-5)
+
+
+@pytest.mark.slow
+def test_families_on_the_compiled_layer_under_torch_compile():
+    proc = subprocess.run([sys.executable, str(FUSIONS_CHECK), "families"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "CHECK_PORT": str(free_port()), "CHECK_COMPILE": "1"})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _assert_families_match(json.loads(lines[-1][len("RESULT "):]), 1e-4)
+
+
 @pytest.mark.slow
 def test_compiled_layer_matches_stock_under_torch_compile():
     r = _run_check("layer", "--compile", port=free_port())
-    for name in ("gpt", "llama-like", "recompute-selective", "recompute-full"):
+    for name in ("gpt", "llama-like", "rope", "recompute-selective", "recompute-full"):
         assert r[name]["fast_calls"] == (8 if name == "recompute-full" else 4)
         assert _close(r[name]["loss_fast"], r[name]["loss_stock"], 1e-4), r[name]
         assert r[name]["grad_rel_max"] < 1e-4, r[name]

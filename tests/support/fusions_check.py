@@ -5,6 +5,7 @@
     python tests/support/fusions_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
     torchrun --nproc_per_node 2 tests/support/fusions_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
     torchrun --nproc_per_node 2 tests/support/fusions_check.py tp2-order -> JSON: GEMM / collective order in the compiled backward
+    python tests/support/fusions_check.py families            -> JSON: BERT / T5 / RoPE GPT Trainer steps, stock vs fast
     python tests/support/fusions_check.py all                 -> all of the above in one process (stock trainer first)
 """
 
@@ -36,8 +37,9 @@ VARIANTS = {
     # full (per-block) checkpoint around the compiled layers
     "recompute-selective": {"parallel.recompute": "selective"},
     "recompute-full": {"parallel.recompute": "full"},
-    # not on the dense path: rotary embeddings arrive per call (stock forward), dropout is refused at build
+    # the rotary embedding's freqs arrive per call and are applied inside the graph
     "rope": {"model.position_embedding": "rope"},
+    # not on the dense path: dropout is refused at build
     "dropout": {"model.hidden_dropout": 0.1},
 }
 
@@ -251,29 +253,60 @@ def check_reference() -> dict:
             "derived_params": derive(cfg).params.total}
 
 
-def check_trainer(fast: bool) -> dict:
+#: the compiled layer beyond GPT's causal layer: (preset, overrides) per case, trained stock and fast
+FAMILY_CASES = {
+    # BERT: bidirectional attention under the [b, 1, 1, s] padding mask, MLM + sentence-order losses
+    "bert": ("bert-tiny", {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0}),
+    # T5: padding-masked encoder with the relative bias, causal decoder with the bias, cross-attention, GEGLU
+    "t5": ("t5-tiny", {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0}),
+    # T5 v1.0's ReLU MLP
+    "t5-relu": ("t5-tiny", {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0, "model.activation": "relu",
+                            "model.gelu_approximate": "none"}),
+    # GPT with the rotary embedding (half the head rotated) and GQA
+    "gpt-rope": ("tiny", {"model.position_embedding": "rope", "model.rotary_percent": 0.5, "model.normalization": "rmsnorm",
+                          "model.activation": "swiglu", "model.attention_type": "grouped", "model.num_query_groups": 2,
+                          "model.add_bias_linear": False}),
+}
+
+
+def check_families() -> dict:
+    """Per FAMILY_CASES entry: three Trainer steps stock vs fast (eager), one process."""
+    from megatron.core import parallel_state
+
+    out = {}
+    for name, (preset_name, over) in FAMILY_CASES.items():
+        runs = {}
+        for fast in (False, True):
+            runs["fast" if fast else "stock"] = check_trainer(fast, preset_name, {**over, "data.source": "synthetic"})
+            parallel_state.destroy_model_parallel()
+        out[name] = runs
+    return out
+
+
+def check_trainer(fast: bool, preset_name: str = "tiny", over: dict | None = None) -> dict:
     from workbench.backend import fusions
     from workbench.backend.train import Trainer
 
     fusions.allow_on_cpu(fast)
-    fusions.set_compile(False)
-    cfg = preset("tiny", **{"train.compile_kernels": fast, "data.source": "synthetic", "train.eval_interval": 0})
+    fusions.set_compile(fast and os.environ.get("CHECK_COMPILE") == "1")
+    over = over or {"data.source": "synthetic"}
+    cfg = preset(preset_name, **{"train.compile_kernels": fast, "train.eval_interval": 0, **over})
     _env(int(os.environ.get("CHECK_PORT", "29613")))
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="fusions-check-"))
     tr.setup()
     losses, norms = [], []
     for _ in range(3):
         res = tr.train_step()
-        losses.append(res["losses"]["lm loss"])
+        losses.append(sum(res["losses"].values()))
         norms.append(float(res["grad_norm"]))
     layers = [m for m in tr.model[0].modules() if hasattr(m, "fast_calls")]
-    return {"losses": losses, "grad_norms": norms, "kernel_path": tr.kernel_path,
-            "fast_calls": sum(m.fast_calls for m in layers)}
+    return {"losses": losses, "grad_norms": norms, "kernel_path": tr.kernel_path, "layers": len(layers),
+            "fast_calls": sum(m.fast_calls for m in layers), "blockers": [m.fast_path_blocker for m in layers]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2", "tp2-order"])
+    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2", "tp2-order", "families"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fast", type=int, default=1)
     a = ap.parse_args()
@@ -293,6 +326,8 @@ def main() -> int:
             return 0
     elif a.what == "layer":
         res = check_layer(a.compile)
+    elif a.what == "families":
+        res = check_families()
     elif a.what == "reference":
         res = check_reference()
     else:

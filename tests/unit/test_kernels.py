@@ -22,9 +22,12 @@ def test_auto_prefers_the_compiled_layer_even_with_transformer_engine():
     for te in (False, True):
         k = kernels.choose(GPU, te=te)
         assert (k.attention, k.layer, k.cuda_graphs, k.optimizer) == ("sdpa", "compiled", True, "fused")
+    # a Llama layout (RoPE, RMSNorm, SwiGLU, GQA) is the compiled layer's too
+    llama = preset("llama-small")
+    assert (kernels.choose(llama, te=True).layer, kernels.choose(llama, te=True).attention) == ("compiled", "sdpa")
     # where the compiled layer does not apply, TE's fused layer is taken when TE is usable
-    rope = preset("llama-small")
-    assert kernels.choose(rope, te=True).attention == "te" and kernels.choose(rope, te=False).attention == "sdpa"
+    drop = llama.replace(**{"model.hidden_dropout": 0.1})
+    assert kernels.choose(drop, te=True).attention == "te" and kernels.choose(drop, te=False).attention == "sdpa"
     alibi = GPU.replace(**{"model.position_embedding": "alibi"})
     assert kernels.choose(alibi, te=True).attention == "sdpa"  # TE has no ALiBi
     assert kernels.choose(GPU.replace(**{"parallel.device": "cpu"}), te=True).attention == "sdpa"  # TE is GPU-only

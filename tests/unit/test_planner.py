@@ -349,8 +349,8 @@ def test_kernel_path_is_the_backend_rule():
     # with Transformer Engine present, auto keeps the compiled layer where it applies (measured faster) ...
     te = planner.kernel_path(gpu, PlannerAssumptions(transformer_engine=True))
     assert (te.attention, te.layer, te.selective) == ("sdpa", "compiled", "mlp")
-    # ... and takes TE's layer where it does not (RoPE), or when compiling is off
-    for cfg in (preset("llama-small"), gpu.replace(**{"train.compile_kernels": False})):
+    # ... and takes TE's layer where it does not (dropout), or when compiling is off
+    for cfg in (preset("llama-small", **{"model.hidden_dropout": 0.1}), gpu.replace(**{"train.compile_kernels": False})):
         te = planner.kernel_path(cfg, PlannerAssumptions(transformer_engine=True))
         assert (te.attention, te.layer, te.selective) == ("te", "stock", "core_attn")
 

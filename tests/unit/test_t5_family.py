@@ -65,15 +65,16 @@ def test_other_families_refuse_t5_only_settings():
     assert "model.position_embedding" in gpt and "model.activation" in gpt
 
 
-def test_kernel_rule_keeps_t5_on_the_stock_layer_with_sdpa():
-    cfg = preset("t5-base")
+def test_kernel_rule_puts_t5_on_the_compiled_layer_with_sdpa_unless_dropout():
     kernels.allow_fast_paths_on_cpu(True)
     try:
-        c = kernels.choose(cfg, te=True, apex=False)
+        pretrain = kernels.choose(preset("t5-base"), te=True, apex=False)  # T5's published dropout 0.1
+        bench = kernels.choose(preset("t5-base", **{"model.hidden_dropout": 0.0}), te=True, apex=False)
     finally:
         kernels.allow_fast_paths_on_cpu(False)
-    assert c.attention == "sdpa" and c.layer == "stock" and "encoder-decoder" in c.layer_reason
-    assert c.norm == "workbench"
+    assert pretrain.attention == "sdpa" and pretrain.layer == "stock" and pretrain.layer_reason == "dropout"
+    assert bench.attention == "sdpa" and bench.layer == "compiled" and bench.layer_reason == ""
+    assert pretrain.norm == bench.norm == "workbench"  # TE's T5 spec is never taken (the family has none)
 
 
 def test_param_counts_match_hf_t5_small_and_base():

@@ -59,12 +59,15 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.distributed import _functional_collectives as funcol
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from workbench import kernels
+from workbench.backend.attention import SDPAttention
+from workbench.backend.tp_overlap import sink_weight_gradients, tp_overlap_pass
 
 __all__ = [
     "transformer_config_overrides",
@@ -228,30 +231,80 @@ def _mlp_partial(h: torch.Tensor, fc1_w: torch.Tensor, fc1_b: Optional[torch.Ten
 
 
 def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
-    """SwiGLU on the [gate, linear] halves, or exact / tanh GELU."""
-    if activation == "swiglu":
-        gate, lin = torch.chunk(z, 2, dim=-1)
-        return F.silu(gate) * lin
+    """SwiGLU / GEGLU on the [gate, up] halves (megatron's GLU order), ReLU, or exact / tanh GELU."""
+    if activation in ("swiglu", "geglu", "geglu_tanh"):
+        gate, up = torch.chunk(z, 2, dim=-1)
+        if activation == "swiglu":
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="tanh" if activation == "geglu_tanh" else "none") * up
+    if activation == "relu":
+        return F.relu(z)
     return F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-def _causal_self_attention(
-    h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
-    *, heads: int, groups: int, head_dim: int, scale: float,
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
+    mask: Optional[torch.Tensor], bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """Fused QKV GEMM in megatron's layout, causal SDPA: the context ``[s, b, heads * head_dim]``."""
+    """Core attention on ``[s, b, n, d]`` q and k / v with as many heads as q (GQA already expanded): the
+    context ``[sq, b, n * d]``.  The maths of :class:`workbench.backend.attention.SDPAttention`:
+
+    ``mask``: megatron's boolean mask (True = masked out; ``[b, 1, 1, sk]`` keys or ``[b, 1, sq, sk]``);
+    ``bias``: an additive score bias (T5's relative positions), masked positions set to -inf;
+    ``causal``: top-left aligned when sq == sk (bottom-right otherwise), combined with either.
+    """
+    sq, b = q.shape[0], q.shape[1]
+    sk = k.shape[0]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    allowed = None if mask is None else ~mask
+    is_causal = causal and mask is None and bias is None and sq == sk
+    if causal and not is_causal:
+        tri = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+        allowed = tri if allowed is None else allowed & tri
+    attn_mask = allowed if bias is None else (bias if allowed is None else bias.masked_fill(~allowed, float("-inf")))
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def _rotate(t: torch.Tensor, freqs: Optional[torch.Tensor]) -> torch.Tensor:
+    """megatron's non-interleaved rotary embedding (``apply_rotary_pos_emb``, bshd) on ``[s, b, n, d]`` with
+    ``freqs`` ``[s, 1, 1, rot]``: the first ``rot`` channels rotated, the rest passed through."""
+    if freqs is None:
+        return t
+    rot = freqs.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    x = x * torch.cos(freqs).to(t.dtype) + torch.cat((-x2, x1), dim=-1) * torch.sin(freqs).to(t.dtype)
+    return torch.cat((x, rest), dim=-1) if rest.shape[-1] else x
+
+
+def _self_attention(
+    h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], *, heads: int, groups: int, head_dim: int,
+    scale: float, causal: bool, mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], rope: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Fused QKV GEMM in megatron's layout (per KV group ``[q_1..q_{n/g}, k, v]``), then :func:`_sdpa`."""
     s, b, _ = h.shape
     per_group = heads // groups
     qkv = F.linear(h, qkv_w, qkv_b).view(s, b, groups, (per_group + 2) * head_dim)
     q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
-    q = q.reshape(s, b, heads, head_dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
-    k = k.permute(1, 2, 0, 3)  # [b, groups, s, d]
-    v = v.permute(1, 2, 0, 3)
+    q = _rotate(q.reshape(s, b, heads, head_dim), rope)
+    k = _rotate(k, rope)
     if per_group > 1:
-        k = k.repeat_interleave(per_group, dim=1)
-        v = v.repeat_interleave(per_group, dim=1)
-    ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return ctx.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
+        k = k.repeat_interleave(per_group, dim=2)
+        v = v.repeat_interleave(per_group, dim=2)
+    return _sdpa(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias)
+
+
+def _cross_attention(
+    h: torch.Tensor, context: torch.Tensor, q_w: torch.Tensor, q_b: Optional[torch.Tensor], kv_w: torch.Tensor,
+    kv_b: Optional[torch.Tensor], *, heads: int, head_dim: int, scale: float, mask: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """megatron's ``CrossAttention``: q from ``h``, k / v from ``context`` (``linear_kv`` output viewed
+    ``[sk, b, heads, 2 * d]`` and split in halves), no bias, not causal."""
+    s, b, _ = h.shape
+    q = F.linear(h, q_w, q_b).view(s, b, heads, head_dim)
+    k, v = F.linear(context, kv_w, kv_b).view(context.shape[0], b, heads, 2 * head_dim).split(head_dim, dim=3)
+    return _sdpa(q, k, v, scale=scale, causal=False, mask=mask, bias=None)
 
 
 def dense_layer_forward(
@@ -268,6 +321,10 @@ def dense_layer_forward(
     fc1_b: Optional[torch.Tensor],
     fc2_w: torch.Tensor,
     fc2_b: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    rope: Optional[torch.Tensor] = None,
+    cross: Optional[tuple] = None,
     *,
     norm: str,
     eps1: float,
@@ -277,16 +334,22 @@ def dense_layer_forward(
     head_dim: int,
     scale: float,
     activation: str,
+    causal: bool = True,
+    eps_cross: float = 0.0,
     tp_group: Optional[str] = None,
     sequence_parallel: bool = False,
     recompute_mlp: bool = False,
 ) -> torch.Tensor:
-    """One pre-norm GPT layer on ``[s, b, h]``, with megatron's exact QKV layout and maths.
+    """One pre-norm transformer layer on ``[s, b, h]``, with megatron's exact layouts and maths.
 
     megatron's fused QKV output is grouped per KV group: ``[q_1..q_{n/g}, k, v]`` for each of
-    the g groups (see ``SelfAttention.get_query_key_value_tensors``).  Attention is causal
-    SDPA; biases of the output projections are added before the residual (megatron adds
-    them in bias-dropout-add, which is the same sum).
+    the g groups (see ``SelfAttention.get_query_key_value_tensors``).  Self-attention is SDPA,
+    ``causal`` (GPT, T5's decoder) or not (BERT, T5's encoder), under megatron's boolean ``mask``
+    (True = masked out) and an additive score ``bias`` (T5's relative positions), with the rotary
+    embedding ``rope`` (freqs ``[s, 1, 1, rot]``) applied to q and k.  ``cross``: T5's decoder
+    cross-attention block between attention and MLP, ``(context, context_mask, norm_w, norm_b, q_w,
+    q_b, kv_w, kv_b, proj_w, proj_b)``.  Biases of the output projections are added before the
+    residual (megatron adds them in bias-dropout-add, which is the same sum).
 
     ``tp_group`` (a process-group name): this rank's shard of a tensor-parallel layer, with
     the TP collectives in the graph exactly where Column/RowParallelLinear put them (``x`` is
@@ -298,8 +361,15 @@ def dense_layer_forward(
     """
     sp = sequence_parallel
     h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
-    ctx = _causal_self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale)
+    ctx = _self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
+                          causal=causal, mask=mask, bias=bias, rope=rope)
     x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp)
+    if cross is not None:
+        context, context_mask, lnx_w, lnx_b, q_w, q_b, kv_w, kv_b, xproj_w, xproj_b = cross
+        h_x = _column_parallel_input(_norm(x, norm, lnx_w, lnx_b, eps_cross), tp_group, sp)
+        ctx = _cross_attention(h_x, _column_parallel_input(context, tp_group, sp), q_w, q_b, kv_w, kv_b,
+                               heads=heads, head_dim=head_dim, scale=scale, mask=context_mask)
+        x = x + _row_parallel_linear(ctx, xproj_w, xproj_b, tp_group, sp)
     h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
     if recompute_mlp and torch.is_grad_enabled():
         partial = torch.utils.checkpoint.checkpoint(_mlp_partial, h_mlp, fc1_w, fc1_b, fc2_w, activation,
@@ -307,86 +377,6 @@ def dense_layer_forward(
         return x + _row_parallel_sum(partial, fc2_b, tp_group, sp)
     h_mlp = _activate(F.linear(h_mlp, fc1_w, fc1_b), activation)
     return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
-
-
-# --------------------------------------------------------------------------- TP comm overlap
-
-_VIEW_OPS = ("view", "_unsafe_view", "reshape", "permute", "t", "transpose")
-_COLLECTIVE_STARTS = ("all_reduce", "all_reduce_", "reduce_scatter_tensor", "all_gather_into_tensor")
-
-
-def _op_name(node: Any) -> Optional[str]:
-    """``"mm"`` for ``aten.mm.default``, ``"all_reduce_"`` for the in-place functional all-reduce,
-    ...; None for anything that is not an aten / functional-collective call."""
-    target = getattr(node, "target", None)
-    packet = getattr(target, "_overloadpacket", None)
-    if node.op != "call_function" or packet is None or getattr(target, "namespace", None) not in ("aten", "_c10d_functional"):
-        return None
-    return packet.__name__
-
-
-def _weight_gradient_chain(mm: Any) -> Optional[list]:
-    """``[mm, its views...]`` when the GEMM ``mm``'s result only leaves the graph (through views):
-    a weight gradient, which nothing else in the backward waits for.  Else None."""
-    chain, stack = [mm], list(mm.users)
-    while stack:
-        user = stack.pop()
-        if user.op == "output":
-            continue
-        if _op_name(user) not in _VIEW_OPS:
-            return None
-        chain.append(user)
-        stack.extend(user.users)
-    return chain
-
-
-def sink_weight_gradients(graph: Any) -> int:
-    """Move each backward graph's weight-gradient GEMMs to just after the next collective's start.
-
-    Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` does this by hand: the
-    column-parallel input gradient's all-reduce (reduce-scatter under SP) is launched, the
-    weight gradient is computed while it is in flight, then it is waited on.  Autograd puts
-    the wgrad GEMMs before the collective and inductor's peak-memory reordering moves them to
-    the end of the graph, so by default every TP collective in backward is exposed.  After
-    this pass the layer's backward reads ``dgrad fc1, all-reduce, wgrad fc2, wgrad fc1, wait``
-    and ``dgrad qkv, all-reduce, wgrad proj, wgrad qkv, wait`` (tests/test_fusions.py checks
-    inductor's generated code).  Forward graphs (no ``tangents`` inputs) are left alone.
-    Returns the number of GEMMs moved.
-    """
-    nodes = list(graph.nodes)
-    if not any(n.op == "placeholder" and n.name.startswith("tangents") for n in nodes):
-        return 0
-    order = {n: i for i, n in enumerate(nodes)}
-    moved, pending = 0, []
-    for node in nodes:
-        name = _op_name(node)
-        if name == "mm" and (chain := _weight_gradient_chain(node)) is not None:
-            pending.append(chain)
-        elif name in _COLLECTIVE_STARTS and pending:
-            anchor = node
-            for chain in pending:
-                for piece in sorted(chain, key=order.__getitem__):
-                    anchor.append(piece)
-                    anchor = piece
-            moved += len(pending)
-            pending = []
-    if moved:
-        graph.lint()
-    return moved
-
-
-def _tp_overlap_pass() -> Any:
-    """:func:`sink_weight_gradients` as inductor's post-grad custom pass (with a cache key)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    class _SinkWeightGradients(CustomGraphPass):
-        def __call__(self, graph: Any) -> None:
-            sink_weight_gradients(graph)
-
-        def uuid(self) -> str:
-            return "workbench.sink_weight_gradients.v1"
-
-    return _SinkWeightGradients()
 
 
 @functools.lru_cache(maxsize=None)
@@ -413,7 +403,7 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 32))
     options: dict[str, Any] = {"triton.cudagraphs": True} if graphs else {}  # = mode="reduce-overhead"
     if tp_overlap:
-        options.update({"reorder_for_peak_memory": False, "post_grad_custom_post_pass": _tp_overlap_pass()})
+        options.update({"reorder_for_peak_memory": False, "post_grad_custom_post_pass": tp_overlap_pass()})
     return torch.compile(fn, dynamic=False, options=options or None)
 
 
@@ -457,9 +447,34 @@ def _plain_mlp(mlp: torch.nn.Module) -> bool:
     return type(mlp) is MLP or (isinstance(mlp, MLP) and type(mlp).__name__ == "RecomputedMLP")
 
 
+_MASK_TYPES = {AttnMaskType.causal: True, AttnMaskType.padding_causal: True, AttnMaskType.padding: False,
+               AttnMaskType.no_mask: False}
+
+
+def _attention_blocker(attn: torch.nn.Module, qkv: str) -> Optional[str]:
+    """Why a self- (``qkv="linear_qkv"``) or cross-attention (``"linear_kv"``) module is not the dense path's."""
+    kind = "cross-attention" if qkv == "linear_kv" else "QKV"
+    if type(getattr(attn, qkv, None)) is not ColumnParallelLinear or (
+            qkv == "linear_kv" and type(getattr(attn, "linear_q", None)) is not ColumnParallelLinear):
+        return f"{kind} projection is not megatron's ColumnParallelLinear"
+    if type(getattr(attn, "linear_proj", None)) is not RowParallelLinear:
+        return "output projection is not megatron's RowParallelLinear"
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name, None) is not None and not isinstance(getattr(attn, name), IdentityOp):
+            return "QK layernorm"
+    if getattr(attn.config, "attention_output_gate", False):
+        return "gated attention"
+    if not isinstance(attn.core_attention, SDPAttention):  # stock DotProductAttention stays stock ('local')
+        return f"core attention {type(attn.core_attention).__name__}"
+    if attn.attn_mask_type not in _MASK_TYPES:
+        return f"attention mask type {attn.attn_mask_type.name}"
+    return None
+
+
 def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
     """Why this layer cannot take the compiled dense path (None when it can)."""
     c = layer.config
+    cross = not isinstance(layer.cross_attention, IdentityOp)
     checks = [
         ((c.num_query_groups or c.num_attention_heads) < c.tensor_model_parallel_size, "fewer KV groups than TP ranks"),
         (c.context_parallel_size != 1, "context parallel"),
@@ -474,46 +489,49 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
         (bool(getattr(c, "fp8", None)) or bool(getattr(c, "fp4", None)), "fp8/fp4"),
         (float(getattr(c, "glu_linear_offset", 0.0) or 0.0) != 0.0, "GLU offset"),
         (getattr(c, "activation_func_clamp_value", None) is not None, "activation clamp"),
-        (not isinstance(layer.cross_attention, IdentityOp), "cross attention"),
+        (bool(c.rotary_interleaved) or bool(c.apply_rope_fusion) or bool(getattr(c, "multi_latent_attention", False)),
+         "interleaved / fused / MLA rotary embedding"),
+        (float(getattr(layer.self_attention, "_yarn_concentration_factor", 1.0) or 1.0) != 1.0, "YaRN rotary scaling"),
         (not _plain_mlp(layer.mlp), "MoE / non-dense MLP"),
     ]
     for bad, why in checks:
         if bad:
             return why
-    attn = layer.self_attention
-    if type(getattr(attn, "linear_qkv", None)) is not ColumnParallelLinear:
-        return "QKV projection is not megatron's ColumnParallelLinear"
-    if type(getattr(attn, "linear_proj", None)) is not RowParallelLinear:
-        return "output projection is not megatron's RowParallelLinear"
+    why = _attention_blocker(layer.self_attention, "linear_qkv")
+    if why is None and cross:
+        why = _attention_blocker(layer.cross_attention, "linear_kv")
+        if why is None and layer.cross_attention.attn_mask_type != AttnMaskType.padding:
+            why = "cross-attention mask type other than padding"
+    if why is not None:
+        return why
     if type(layer.mlp.linear_fc1) is not ColumnParallelLinear or type(layer.mlp.linear_fc2) is not RowParallelLinear:
         return "MLP linears are not megatron's Column/RowParallelLinear"
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attn, name, None) is not None and not isinstance(getattr(attn, name), IdentityOp):
-            return "QK layernorm"
-    if getattr(attn.config, "attention_output_gate", False):
-        return "gated attention"
-    core = type(attn.core_attention).__name__
-    if core != "SDPAttention":  # stock DotProductAttention stays stock (it is the 'local' kernel path)
-        return f"core attention {core}"
-    n1, n2 = _norm_kind(layer.input_layernorm), _norm_kind(layer.pre_mlp_layernorm)
-    if n1 is None or n2 is None or n1 != n2:
+    norms = [_norm_kind(layer.input_layernorm), _norm_kind(layer.pre_mlp_layernorm)]
+    if cross:
+        norms.append(_norm_kind(layer.pre_cross_attn_layernorm))
+    if None in norms or len(set(norms)) != 1:
         return "norm is not the workbench / torch LayerNorm or RMSNorm"
     if _activation(c) is None:
-        return "activation other than GELU / SwiGLU"
+        return "activation other than GELU / GEGLU / SwiGLU / ReLU"
     return None
 
 
 def _activation(c: Any) -> Optional[str]:
-    """'gelu' | 'gelu_tanh' | 'swiglu' for the activations the dense path implements, else None."""
+    """'gelu' | 'gelu_tanh' | 'swiglu' | 'geglu' | 'geglu_tanh' | 'relu' for the activations the dense path
+    implements, else None."""
     act = c.activation_func
-    if c.gated_linear_unit:
-        return "swiglu" if act is F.silu else None
+    gelu = None
     if act is F.gelu:
-        return "gelu_tanh" if c.bias_activation_fusion else "gelu"  # megatron's fused bias-GELU is tanh
-    if isinstance(act, functools.partial) and act.func is F.gelu and not act.args:
-        approx = act.keywords.get("approximate", "none")
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approx)
-    return None
+        gelu = "tanh" if c.bias_activation_fusion else "none"  # megatron's fused bias-GELU is tanh
+    elif isinstance(act, functools.partial) and act.func is F.gelu and not act.args:
+        gelu = act.keywords.get("approximate", "none")
+    if c.gated_linear_unit:
+        if act is F.silu:
+            return "swiglu"
+        return {"none": "geglu", "tanh": "geglu_tanh"}.get(gelu) if gelu else None
+    if act is F.relu:
+        return "relu"
+    return {"none": "gelu", "tanh": "gelu_tanh"}.get(gelu) if gelu else None
 
 
 class CompiledTransformerLayer(TransformerLayer):
@@ -521,14 +539,18 @@ class CompiledTransformerLayer(TransformerLayer):
 
     Same submodules, parameters and checkpoint keys as :class:`TransformerLayer`; only
     ``forward`` differs (one graph, with the TP collectives inside at TP>1), and only when
-    :func:`fast_path_blocker` finds nothing and the call is a plain causal self-attention step
-    (no mask tensor, no rotary embedding, no KV cache, no packed sequences).  Otherwise the
-    stock forward runs.
+    :func:`fast_path_blocker` finds nothing and the call is plain: self-attention causal (GPT),
+    or under a padding mask (BERT, T5's encoder), with T5's relative-position ``attention_bias``,
+    a rotary embedding, T5's cross-attention over ``context``; no KV cache, no packed sequences.
+    Otherwise the stock forward runs.  Calls without grad (eval, generation) take the compiled
+    path at shapes a training call compiled; other shapes (prompts of any length) run the stock
+    forward rather than compile a graph per length.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.fast_path_blocker = fast_path_blocker(self)
+        self._static: dict[str, Any] = {}
         if self.fast_path_blocker is None:
             c = self.config
             attn = self.self_attention
@@ -541,8 +563,11 @@ class CompiledTransformerLayer(TransformerLayer):
                 head_dim=attn.hidden_size_per_attention_head,
                 scale=float(getattr(attn.core_attention, "softmax_scale", None) or attn.hidden_size_per_attention_head**-0.5),
                 activation=_activation(c),
+                causal=_MASK_TYPES[attn.attn_mask_type],
                 recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)),
             )
+            if self._cross:
+                self._static["eps_cross"] = _eps(self.pre_cross_attn_layernorm)
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
         #: parallel.tp_comm_overlap: backward collectives under the weight-gradient GEMMs
@@ -550,16 +575,33 @@ class CompiledTransformerLayer(TransformerLayer):
             and bool(getattr(self.config, "workbench_tp_comm_overlap", False))
         self.fast_calls = 0  # observable: how many forwards took the compiled path
 
-    _PLAIN_NONE = ("context", "context_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
-                   "rotary_pos_cos_sin", "attention_bias", "inference_context", "packed_seq_params",
-                   "sequence_len_offset", "inference_params")
+    @property
+    def _cross(self) -> bool:
+        return not isinstance(self.cross_attention, IdentityOp)
+
+    _PLAIN_NONE = ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "inference_context", "packed_seq_params",
+                   "sequence_len_offset", "inference_params", "padding_mask")
+    #: input shapes of grad-enabled calls: no-grad calls at these shapes reuse their compiled graph
+    _TRAINED_SHAPES: set = set()
 
     def _call_is_plain(self, args: tuple, kwargs: dict) -> bool:
         if self.fast_path_blocker is not None or args or "hidden_states" not in kwargs:
             return False
-        if kwargs.get("attention_mask") is not None:
+        if any(kwargs.get(k) is not None for k in self._PLAIN_NONE):
             return False
-        return all(kwargs.get(k) is None for k in self._PLAIN_NONE)
+        mask_type = self.self_attention.attn_mask_type
+        if kwargs.get("attention_mask") is not None and mask_type in (AttnMaskType.causal, AttnMaskType.no_mask):
+            return False  # a mask given to a causal layer replaces causality (SDPAttention's rule): stock
+        if (kwargs.get("context") is not None) != self._cross:
+            return False
+        rope = kwargs.get("rotary_pos_emb")
+        if isinstance(rope, tuple) and not (len(rope) == 2 and rope[0] is rope[1]):
+            return False
+        shape = tuple(kwargs["hidden_states"].shape)
+        if torch.is_grad_enabled():
+            self._TRAINED_SHAPES.add(shape)
+            return True
+        return shape in self._TRAINED_SHAPES
 
     def forward(self, *args: Any, **kwargs: Any):
         if not self._call_is_plain(args, kwargs):
@@ -567,6 +609,14 @@ class CompiledTransformerLayer(TransformerLayer):
         x = kwargs["hidden_states"]
         attn, mlp = self.self_attention, self.mlp
         ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
+        rope = kwargs.get("rotary_pos_emb")
+        mask = kwargs.get("attention_mask") if attn.attn_mask_type != AttnMaskType.no_mask else None
+        cross = None
+        context = kwargs.get("context")
+        if self._cross:
+            xa, lnx = self.cross_attention, self.pre_cross_attn_layernorm
+            cross = (context, kwargs.get("context_mask"), lnx.weight, getattr(lnx, "bias", None), xa.linear_q.weight,
+                     xa.linear_q.bias, xa.linear_kv.weight, xa.linear_kv.bias, xa.linear_proj.weight, xa.linear_proj.bias)
         out = _piece("layer", self.tp_overlap)(
             x,
             ln1.weight, getattr(ln1, "bias", None),
@@ -575,12 +625,16 @@ class CompiledTransformerLayer(TransformerLayer):
             ln2.weight, getattr(ln2, "bias", None),
             mlp.linear_fc1.weight, mlp.linear_fc1.bias,
             mlp.linear_fc2.weight, mlp.linear_fc2.bias,
+            None if mask is None else mask.bool(),
+            kwargs.get("attention_bias"),
+            rope[0] if isinstance(rope, tuple) else rope,
+            cross,
             **self._static,
         )
         self.fast_calls += 1
         # pipeline parallelism frees stage outputs by swapping .data: they must not be views
         out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
-        return out, None
+        return out, context
 
 
 # --------------------------------------------------------------------------- cross entropy

@@ -101,8 +101,6 @@ FAMILY = Family(
     package="workbench.models.t5",
     supports=Supports(pipeline=False, interleaved=False, sequence_parallel=True, generation=True,
                       hf_classes=(("t5", "T5ForConditionalGeneration"), ("mt5", "MT5ForConditionalGeneration")),
-                      compiled_layer_blocker=("encoder-decoder layers (padding-masked encoder, cross-attention, relative "
-                                              "position bias; the compiled layer is causal, mask- and bias-free)"),
                       pipeline_reason=PIPELINE_REASON, transformer_engine=False, positions=("relative",),
                       activations=("relu", "gelu", "geglu", "swiglu")),
     shapes=shapes,

@@ -47,7 +47,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from workbench import kernels
 from workbench.backend.attention import SDPAttention
-from workbench.backend.model import RecomputedMLP, norm_module, transformer_config
+from workbench.backend.model import RecomputedMLP, layer_class, norm_module, transformer_config
 from workbench.config import RunConfig, derive
 
 __all__ = ["T5SDPAttention", "encoder_layer_spec", "decoder_layer_spec", "build", "WorkbenchT5Model", "WorkbenchT5LMHead"]
@@ -77,7 +77,7 @@ def _mlp() -> Any:
 def encoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
     """Encoder layer: bidirectional self-attention under the padding mask, MLP; pre-norm."""
     norm = norm_module(cfg, kernels.choose(cfg))
-    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+    return ModuleSpec(module=layer_class(kernels.choose(cfg)), submodules=TransformerLayerSubmodules(
         input_layernorm=norm, self_attention=_self_attention(AttnMaskType.padding), self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=norm, mlp=_mlp(), mlp_bda=get_bias_dropout_add))
 
@@ -88,7 +88,7 @@ def decoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
     cross = ModuleSpec(module=CrossAttention, params={"attn_mask_type": AttnMaskType.padding},
                        submodules=CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
                                                            core_attention=T5SDPAttention, linear_proj=RowParallelLinear))
-    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+    return ModuleSpec(module=layer_class(kernels.choose(cfg)), submodules=TransformerLayerSubmodules(
         input_layernorm=norm, self_attention=_self_attention(AttnMaskType.causal), self_attn_bda=get_bias_dropout_add,
         pre_cross_attn_layernorm=norm, cross_attention=cross, cross_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=norm, mlp=_mlp(), mlp_bda=get_bias_dropout_add))
