@@ -79,6 +79,8 @@ TWO_GPU: dict[str, tuple[int, dict]] = {
 }
 _TWO_GPU_BASE = {"train.compile_kernels": False}
 
+NO_DROPOUT = {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0}
+
 # One GPU (issue 26), in priority order (the deadline drops the tail): name -> (preset, overrides).
 # The workbench defaults (compile_kernels and cuda_graphs on) unless OFF / NOGRAPHS say otherwise.
 ONE_GPU: dict[str, tuple[str, dict]] = {
@@ -106,6 +108,11 @@ ONE_GPU: dict[str, tuple[str, dict]] = {
     "t5-v1_1-base": ("t5-v1_1-base", {"train.micro_batch_size": 16}),  # gated-GELU MLP, untied head
     "t5-small": ("t5-small", {"train.micro_batch_size": 32}),
     "t5-base-full": ("t5-base", {"train.micro_batch_size": 16, "parallel.recompute": "full"}),
+    # the encoder families on the compiled layer (dropout 0: the benchmark's setting; issues 20, 21)
+    "bert-base-compiled": ("bert-base", {"train.micro_batch_size": 8, **NO_DROPOUT}),
+    "bert-large-compiled": ("bert-large", {"train.micro_batch_size": 8, **NO_DROPOUT}),
+    "t5-base-compiled": ("t5-base", {"train.micro_batch_size": 16, **NO_DROPOUT}),
+    "t5-v1_1-base-compiled": ("t5-v1_1-base", {"train.micro_batch_size": 16, **NO_DROPOUT}),
 }
 STEPS = 4  # CUDA graphs: warm-up, recording, two replays
 

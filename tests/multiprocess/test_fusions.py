@@ -54,6 +54,15 @@ def test_dense_layer_matches_stock_megatron_layer(checks):
         assert r["stock_keys_equal"]  # same parameters / checkpoint keys as the stock layer
 
 
+def test_eval_calls_use_the_compiled_layer_only_at_trained_shapes(checks):
+    """Evaluation at the training length reuses the compiled graph; a prompt of another length runs the
+    stock forward (no graph compiled per length); both give the stock model's logits."""
+    calls = checks["layer"]["gpt"]["eval_calls"]
+    (trained, at_trained), (other, at_other) = sorted(calls.items(), key=lambda kv: -int(kv[0]))
+    assert at_trained[0] == 4 and at_other[0] == 0, calls  # 4 layers
+    assert at_trained[1] < 1e-4 and at_other[1] < 1e-4, calls
+
+
 def test_recompute_on_the_dense_path_frees_what_it_recomputes(checks):
     """Selective recompute drops exactly the MLP's fc1 output and activation per layer (what
     the stock RecomputedMLP drops); full recompute keeps less still."""

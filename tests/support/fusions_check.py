@@ -113,6 +113,23 @@ def check_layer(compile_: bool) -> dict:
             "blockers": [l.fast_path_blocker for l in fast.decoder.layers],
             "stock_keys_equal": sorted(stock.state_dict()) == sorted(fast.state_dict()),
         }
+        if name == "gpt":
+            out[name]["eval_calls"] = _eval_calls(cfg, stock, fast)
+    return out
+
+
+def _eval_calls(cfg, stock, fast) -> dict:
+    """Eval-mode forwards (no grad): at the trained shape the compiled layer serves them; at another
+    length (a prompt) the stock forward does.  {length: [compiled calls, |logits difference|]}."""
+    out = {}
+    stock.eval(), fast.eval()
+    for s in (cfg.model.seq_length, cfg.model.seq_length // 2 + 3):
+        tok = torch.randint(0, cfg.model.vocab_size, (2, s), generator=torch.Generator().manual_seed(s))
+        pos = torch.arange(s)[None].expand(2, s)
+        before = sum(l.fast_calls for l in fast.decoder.layers)
+        with torch.no_grad():
+            diff = (stock(tok, pos, None) - fast(tok, pos, None)).abs().max().item()
+        out[s] = [sum(l.fast_calls for l in fast.decoder.layers) - before, diff]
     return out
 
 

@@ -8,8 +8,9 @@ same dtypes, no skipped work):
    the layer spec by :mod:`workbench.backend.model` when ``train.compile_kernels`` is on and the
    device is CUDA).  Eagerly, a megatron layer is ~40 kernel launches with Python between each
    (norm, linear, split, SDPA, bias-dropout-add, norm, linear, bias+GELU, linear, add) and
-   every element-wise op makes its own pass over HBM.  On the dense path (no SP, no dropout,
-   no recompute, plain causal mask, learned/no positions) the layer's forward runs as one
+   every element-wise op makes its own pass over HBM.  On the dense path (no dropout; GPT's
+   causal self-attention, BERT's padding-masked bidirectional one, T5's relative-position bias
+   and cross-attention, rotary embeddings, GELU / GEGLU / SwiGLU / ReLU) the layer's forward runs as one
    ``torch.compile``'d free function of its parameters: norms fuse with the residual adds,
    biases fuse into GEMM epilogues, GELU/SwiGLU fuse with their bias, and backward is one
    compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
@@ -24,7 +25,7 @@ same dtypes, no skipped work):
    nothing or failed there: bench/README.md.)  With ``parallel.tp_comm_overlap`` the
    backward's collectives run under the weight-gradient GEMMs (:func:`sink_weight_gradients`;
    1.40x with ``CUDA_DEVICE_MAX_CONNECTIONS=1``).
-   Any other case (dropout, recompute, RoPE / masks per call, ...) falls back to the stock
+   Any other case (dropout, ALiBi, a KV cache, packed sequences, ...) falls back to the stock
    forward.
 2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy
    makes ~10 passes over the fp32 up-cast [tokens, vocab] logits and keeps an fp32 softmax
@@ -542,7 +543,7 @@ class CompiledTransformerLayer(TransformerLayer):
     :func:`fast_path_blocker` finds nothing and the call is plain: self-attention causal (GPT),
     or under a padding mask (BERT, T5's encoder), with T5's relative-position ``attention_bias``,
     a rotary embedding, T5's cross-attention over ``context``; no KV cache, no packed sequences.
-    Otherwise the stock forward runs.  Calls without grad (eval, generation) take the compiled
+    Otherwise the stock forward runs.  Calls in eval mode (evaluation, generation) take the compiled
     path at shapes a training call compiled; other shapes (prompts of any length) run the stock
     forward rather than compile a graph per length.
     """
@@ -581,7 +582,7 @@ class CompiledTransformerLayer(TransformerLayer):
 
     _PLAIN_NONE = ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "inference_context", "packed_seq_params",
                    "sequence_len_offset", "inference_params", "padding_mask")
-    #: input shapes of grad-enabled calls: no-grad calls at these shapes reuse their compiled graph
+    #: input shapes of training calls: eval-mode calls at these shapes reuse their compiled graph
     _TRAINED_SHAPES: set = set()
 
     def _call_is_plain(self, args: tuple, kwargs: dict) -> bool:
@@ -598,7 +599,7 @@ class CompiledTransformerLayer(TransformerLayer):
         if isinstance(rope, tuple) and not (len(rope) == 2 and rope[0] is rope[1]):
             return False
         shape = tuple(kwargs["hidden_states"].shape)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or self.training:  # training (megatron's full recompute runs forward without grad)
             self._TRAINED_SHAPES.add(shape)
             return True
         return shape in self._TRAINED_SHAPES

@@ -4,8 +4,9 @@ The layer is Megatron's pre-LN BERT layer on the workbench's kernel slots (the o
 :func:`workbench.kernels.choose`): self-attention with ``AttnMaskType.padding`` on the workbench
 SDPA module (bidirectional, the padding mask passed by megatron) or on megatron's unfused
 ``DotProductAttention`` (``attention_backend: local``), the workbench's SP-capable norms, column /
-row parallel linears, and Transformer Engine's BERT spec when the rule picks TE.  The compiled
-dense layer is causal and mask-free, so the rule keeps BERT on megatron's TransformerLayer.
+row parallel linears, and Transformer Engine's BERT spec when the rule picks TE.  The layer class is
+the rule's: the compiled layer (bidirectional SDPA under the same ``[b, 1, 1, s]`` mask) unless dropout
+or another blocker keeps megatron's TransformerLayer.
 
 :class:`WorkbenchBertModel` is mcore's ``BertModel`` with three changes, none to its maths or
 parameter names:

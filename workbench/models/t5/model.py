@@ -2,7 +2,8 @@
 
 The workbench's own specs (megatron-core's ``get_t5_{encoder,decoder}_with_local_block_spec`` set
 the final norms to ``TENorm``, which is ``None`` without Transformer Engine, so both stacks would
-lose their final norms): megatron's ``TransformerLayer`` with
+lose their final norms): the kernel rule's layer class (the compiled layer, whose graph takes the
+mask, the relative bias and the cross-attention, or megatron's ``TransformerLayer``) with
 
 - encoder: norm -> self-attention (``AttnMaskType.padding``: bidirectional, keys masked) -> norm -> MLP;
 - decoder: norm -> causal self-attention -> norm -> ``CrossAttention`` over the encoder output
@@ -43,7 +44,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from workbench import kernels
 from workbench.backend.attention import SDPAttention
