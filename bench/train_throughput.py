@@ -11,7 +11,7 @@ Variants (``--variants`` picks a subset by name):
 ========================  ====  ==============================================================
 name                      GPUs  what runs
 ========================  ====  ==============================================================
-reference                 1     bench/reference_gpt.py: SDPA, fused AdamW, torch.compile, bf16 autocast
+reference                 1     bench/reference_gpt.py (Llama models: reference_llama.py): SDPA, fused AdamW, torch.compile, bf16 autocast
 workbench                 1     the backend's train step, default kernels (SDPA + workbench fusions)
 workbench-eager           1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
 workbench-local           1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
@@ -35,7 +35,11 @@ model, and (workbench variants) the cost of the event stream (micro-batch timing
 step vs off).  ``--profile`` adds a torch-profiler summary (top kernels, time by category)
 for the reference and the default workbench variant.
 
-``--quick``: fewer steps.  ``--cpu-smoke``: tiny config, 2 steps, on CPU (CI tests the script).
+Models: ``gpt2-small`` / ``-medium`` / ``-large`` (seq 1024) and ``llama3.2-1b`` / ``-3b`` (seq 2048, GQA,
+RoPE, RMSNorm, SwiGLU; the reference is ``bench/reference_llama.py``).
+
+``--quick``: fewer steps.  ``--cpu-smoke``: tiny config, 2 steps, on CPU (CI tests the script); a Llama
+model in ``--models`` smokes ``tiny-llama`` (the tiny preset in the Llama layout) instead of ``tiny``.
 
 Run on a GPU machine from the repository root::
 
@@ -65,8 +69,27 @@ from bench import harness  # noqa: E402
 DEFAULT_OUT = ROOT / "bench" / "results" / "train_throughput.jsonl"
 PEAK_TFLOPS = 989.0
 
-#: model -> micro-batch size (the issue's anchors: GPT-2 small mbs 16, medium mbs 8)
-MODELS = {"gpt2-small": 16, "gpt2-medium": 8, "gpt2-large": 8}
+#: model -> micro-batch size (the issue's anchors: GPT-2 small mbs 16, medium mbs 8).  Llama rows
+#: (seq 2048, 4 micro-batches) are sized for an 80 GB H100, reference and workbench alike: weights,
+#: grads and AdamW state take 16 bytes/param in the reference and 18 in the workbench (its bf16
+#: copy), i.e. 20 / 22 GB for 1B and 51 / 58 GB for 3B; the rest is activations and the
+#: [mbs, 2048, 128256] logits.  The planner (H100-80GB, this config) predicts 39.5 GiB for 1B at
+#: mbs 4 (largest that fits: 12) and 70.7 GiB for 3B at mbs 2 (largest: 3; mbs 4 = 86.9 GiB, OOM).
+#: 1B at 4 is a conservative start (8 would be 58 GiB by the planner).  Neither is measured yet.
+MODELS = {"gpt2-small": 16, "gpt2-medium": 8, "gpt2-large": 8, "llama3.2-1b": 4, "llama3.2-3b": 2}
+#: sequence length per model (GPT-2's 1024 unless named)
+SEQ_LENGTH = {"llama3.2-1b": 2048, "llama3.2-3b": 2048}
+#: --cpu-smoke: the tiny stand-in of each model's architecture (a Llama model smokes the Llama reference)
+TINY_LLAMA = {"model.position_embedding": "rope", "model.normalization": "rmsnorm", "model.activation": "swiglu",
+              "model.attention_type": "grouped", "model.num_query_groups": 2, "model.add_bias_linear": False}
+
+
+def is_llama(model: str) -> bool:
+    return model.startswith(("llama", "tiny-llama"))
+
+
+def smoke_model(model: str) -> str:
+    return "tiny-llama" if is_llama(model) else "tiny"
 
 
 @dataclass
@@ -150,13 +173,13 @@ def bench_config(v: Variant, cpu_smoke: bool = False):
     from workbench.config import preset
 
     if cpu_smoke:
-        cfg = preset("tiny")
+        cfg = preset("tiny", **(TINY_LLAMA if is_llama(v.model) else {}))
         mbs = cfg.train.micro_batch_size
         over = {"train.compile_kernels": False}
     else:
         cfg = preset(v.model)
         mbs = MODELS[v.model]
-        over = {"model.seq_length": 1024, "train.precision": "bf16", "parallel.device": "cuda"}
+        over = {"model.seq_length": SEQ_LENGTH.get(v.model, 1024), "train.precision": "bf16", "parallel.device": "cuda"}
     tp = int(v.overrides.get("parallel.tensor_parallel", 1))
     pp = int(v.overrides.get("parallel.pipeline_parallel", 1))
     dp = max(v.gpus // (tp * pp), 1)
@@ -319,7 +342,10 @@ def _maybe_profile(step_fn, cuda: bool, want: bool, steps: int = 3) -> Optional[
 def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from bench.reference_gpt import ReferenceTrainer
+    if is_llama(v.model):  # the same architecture as the workbench side: plain-PyTorch Llama or GPT-2
+        from bench.reference_llama import LlamaTrainer as ReferenceTrainer
+    else:
+        from bench.reference_gpt import ReferenceTrainer
 
     cfg = bench_config(v, a.cpu_smoke)
     cuda = not a.cpu_smoke
@@ -353,7 +379,8 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None,
         "mem_reserved_peak": int(torch.cuda.max_memory_reserved()) if cuda else None,
         "profile": prof,
-        "kernel_path": {"attention": "torch SDPA", "optimizer": "torch fused AdamW" if cuda else "torch AdamW",
+        "kernel_path": {"model": type(trainer.model).__name__, "attention": "torch SDPA",
+                        "optimizer": "torch fused AdamW" if cuda else "torch AdamW",
                         "compile": "torch.compile(whole model)" if cuda and not a.no_compile_reference else "eager"},
     }
 
@@ -596,7 +623,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short run: 3 warm-up + 6 timed steps")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny config, 2 steps, on CPU (for CI)")
-    ap.add_argument("--models", default="gpt2-small,gpt2-medium", help="comma list of gpt2-small, gpt2-medium, gpt2-large")
+    ap.add_argument("--models", default="gpt2-small,gpt2-medium", help="comma list of gpt2-small, gpt2-medium, gpt2-large, llama3.2-1b, llama3.2-3b")
     ap.add_argument("--variants", default="", help="comma list of variant-name prefixes to run (default: all that fit)")
     ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step and data-parallel rank")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant")
@@ -631,8 +658,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     if a.cpu_smoke:
         gpus, have_te = 0, False
-        variants = [Variant("reference/tiny", "reference", "tiny", microbatches=a.microbatches),
-                    Variant("workbench/tiny", "workbench", "tiny", microbatches=a.microbatches)]
+        variants = [Variant(f"{kind}/{m}", kind, m, microbatches=a.microbatches)
+                    for m in dict.fromkeys(smoke_model(m) for m in models) for kind in ("reference", "workbench")]
     else:
         import torch
 

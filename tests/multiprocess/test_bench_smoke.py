@@ -123,3 +123,43 @@ def test_allreduce_probe_runs_over_two_ranks(tmp_path):
         assert r["world_size"] == 2 and r["backend"] == "gloo" and r["device"] and r["git_commit"]
         factor = 2 * (2 - 1) / 2 if r["op"] == "all_reduce" else 1.0  # nccl-tests' bus bandwidth, n = 2
         assert r["ms"] > 0 and math.isclose(r["busbw_gbs"], factor * 2**20 / r["ms"] / 1e6)
+
+
+def test_cpu_smoke_of_a_llama_model_runs_the_llama_reference(tmp_path):
+    """--models llama3.2-1b under --cpu-smoke: the tiny preset in the Llama layout, against bench/reference_llama.py."""
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--models", "llama3.2-1b", "--no-stream-cost",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["reference/tiny-llama", "workbench/tiny-llama"]
+    assert rows[0]["kernel_path"]["model"] == "ReferenceLlama"
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_throughput as tt
+
+    from workbench.config import derive
+
+    cfg = tt.bench_config(tt.Variant("workbench/tiny-llama", "workbench", "tiny-llama", microbatches=2), cpu_smoke=True)
+    assert (cfg.model.position_embedding, cfg.model.activation, cfg.model.query_groups) == ("rope", "swiglu", 2)
+    for r in rows:
+        assert r["ok"], r
+        assert r["flops_per_step"] == derive(cfg).flops_per_step
+        assert abs(r["first_loss"] - math.log(derive(cfg).padded_vocab_size)) < 0.5, r["first_loss"]
+
+
+def test_llama_rows_are_valid_configs_at_seq_2048():
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_throughput as tt
+
+    from workbench.config import derive
+
+    variants = {v.name: v for v in tt.plan(["llama3.2-1b", "llama3.2-3b"], gpus=1, have_te=False, microbatches=4)}
+    for model, mbs in (("llama3.2-1b", 4), ("llama3.2-3b", 2)):
+        for kind in ("reference", "workbench"):
+            cfg = tt.bench_config(variants[f"{kind}/{model}"])
+            assert cfg.validate() == [], cfg.validate()
+            assert (cfg.model.seq_length, cfg.train.micro_batch_size, derive(cfg).num_microbatches) == (2048, mbs, 4)
+            assert (cfg.model.num_query_groups, cfg.model.normalization, cfg.train.precision) == (8, "rmsnorm", "bf16")
+    assert tt.bench_config(tt.Variant("workbench/gpt2-small", "workbench", "gpt2-small")).model.seq_length == 1024

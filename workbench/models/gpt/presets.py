@@ -25,6 +25,21 @@ def _demo_small() -> dict[str, Any]:
     return cfg
 
 
+def _llama3(layers: int, hidden: int, heads: int, ffn: int, tied: bool, name: str) -> dict[str, Any]:
+    """Llama 3.x shapes (Meta's published configs): GQA with 8 KV heads, RoPE base 500000, RMSNorm, SwiGLU,
+    no linear biases, the 128256-token vocabulary.  Plain RoPE: the published Llama 3.1 / 3.2 checkpoints
+    also rescale the low RoPE frequencies (HF ``rope_type: llama3``), which the workbench model has not."""
+    return {
+        "name": name,
+        "model": dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, attention_type="grouped",
+                      num_query_groups=8, ffn_hidden_size=ffn, vocab_size=128256, max_position_embeddings=131072,
+                      seq_length=2048, position_embedding="rope", rotary_base=500000.0, normalization="rmsnorm",
+                      norm_epsilon=1e-5, activation="swiglu", add_bias_linear=False, tie_embeddings=tied,
+                      hidden_dropout=0.0, attention_dropout=0.0),
+        "train": dict(micro_batch_size=4, global_batch_size=64, train_iters=1000, lr=3e-4, min_lr=3e-5, lr_warmup_iters=100),
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "name": "tiny",
@@ -48,4 +63,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                       add_bias_linear=False, tie_embeddings=False, norm_epsilon=1e-6),
         "train": dict(micro_batch_size=8, global_batch_size=64, train_iters=1000, lr=3e-4, lr_warmup_iters=100),
     },
+    "llama3.2-1b": _llama3(16, 2048, 32, 8192, True, "llama3.2-1b"),
+    "llama3.2-3b": _llama3(28, 3072, 24, 8192, True, "llama3.2-3b"),
+    "llama3.1-8b": _llama3(32, 4096, 32, 14336, False, "llama3.1-8b"),
 }
