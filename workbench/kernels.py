@@ -40,8 +40,6 @@ __all__ = [
     "te_available",
     "apex_available",
     "guard_transformer_engine",
-    "same_cudnn_as_torch",
-    "torch_cudnn_dir",
     "allow_fast_paths_on_cpu",
     "SELECTIVE_RECOMPUTE",
 ]
@@ -150,8 +148,6 @@ def guard_transformer_engine(stream: Any = None) -> str | None:
     """
     global _TE_REPORTED
     status, why = te_status()
-    if status == "ok":
-        same_cudnn_as_torch()
     if status != "broken":
         return None
     for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
@@ -162,45 +158,6 @@ def guard_transformer_engine(stream: Any = None) -> str | None:
         print(msg, file=stream or sys.stderr, flush=True)
         _TE_REPORTED = True
     return msg
-
-
-def torch_cudnn_dir() -> str | None:
-    """The folder of the cuDNN that PyPI's torch loads (the ``nvidia.cudnn`` wheel, or ``torch/lib``), found
-    without importing torch; None when neither holds a ``libcudnn.so``."""
-    import glob
-    import pathlib
-
-    folders: list[str] = []
-    for name in ("nvidia.cudnn", "torch"):
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        for loc in (spec.submodule_search_locations or []) if spec else []:
-            folders.append(loc if name == "nvidia.cudnn" else str(pathlib.Path(loc) / "lib"))
-    return next((f for f in folders if glob.glob(f"{f}/**/libcudnn.so*", recursive=True)), None)
-
-
-def same_cudnn_as_torch() -> str | None:
-    """Make Transformer Engine load torch's own cuDNN (call before TE is imported).
-
-    TE loads ``libcudnn`` from ``CUDNN_HOME`` / ``CUDNN_PATH`` / ``CUDA_HOME`` / ``/usr/local/cuda`` or the
-    system's library path first, and only then from Python packages.  Where a system cuDNN older than
-    torch's is installed (NVIDIA images, an H100 here: TE loaded ``/lib/x86_64-linux-gnu/libcudnn*``, torch
-    ships 9.19), TE's copy is loaded first with global symbols and torch's SDPA no longer runs the cuDNN
-    attention kernel: GPT-2 medium on the compiled layer ran at 165.7k tokens/s with TE importable against
-    176.5k without, same machine (bench/results/train_throughput_te_present.jsonl).  Pointing ``CUDNN_PATH``
-    at torch's cuDNN gives one cuDNN per process.  A user's ``CUDNN_HOME`` / ``CUDNN_PATH`` is kept.
-    Returns the folder set, or None.
-    """
-    import os
-
-    if os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH"):
-        return None
-    folder = torch_cudnn_dir()
-    if folder:
-        os.environ["CUDNN_PATH"] = folder
-    return folder
 
 
 # --------------------------------------------------------------------------- the rule
