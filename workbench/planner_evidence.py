@@ -19,7 +19,8 @@ __all__ = ["EVIDENCE_DIR", "ONE_GPU_FILES", "evidence_table", "replan"]
 
 EVIDENCE_DIR = Path(__file__).resolve().parents[1] / "evidence"
 #: the one-GPU measurements of issue #26: GPT layouts, then the BERT / T5 layouts
-ONE_GPU_FILES = (EVIDENCE_DIR / "planner_1gpu.jsonl", EVIDENCE_DIR / "planner_1gpu_families.jsonl")
+ONE_GPU_FILES = (EVIDENCE_DIR / "planner_1gpu.jsonl", EVIDENCE_DIR / "planner_1gpu_families.jsonl",
+                 EVIDENCE_DIR / "planner_1gpu_compiled_layer.jsonl")
 
 
 def replan(rec: dict) -> planner.Plan:

@@ -1,8 +1,9 @@
 """The one-GPU measurements of issue #26: allocated AND reserved within 5% on every rank.
 
 ``tests/gpu/planner_measure.py --set 1gpu`` (one device call) wrote one line per layout to
-``evidence/planner_1gpu.jsonl`` (GPT layouts) and ``evidence/planner_1gpu_families.jsonl`` (BERT and T5
-layouts, a second call): the peak of ``torch.cuda.max_memory_allocated()`` and of
+``evidence/planner_1gpu.jsonl`` (GPT layouts), ``evidence/planner_1gpu_families.jsonl`` (BERT and T5
+layouts, a second call) and ``evidence/planner_1gpu_compiled_layer.jsonl`` (BERT, T5 and the Llama-1B shape once
+the kernel rule put them on the compiled layer, a third call): the peak of ``torch.cuda.max_memory_allocated()`` and of
 ``max_memory_reserved()`` over the whole run (set-up, the compile / CUDA-graph warm-up and
 recording steps included), with device, date and commit.  This test re-plans every record with
 today's planner, on the kernel path the run reported, and holds both to 5%.
@@ -22,11 +23,15 @@ import pytest
 from workbench.config import RunConfig
 from workbench.planner_evidence import ONE_GPU_FILES, evidence_table, replan
 
-EVIDENCE, FAMILIES = ONE_GPU_FILES
+EVIDENCE, FAMILIES, COMPILED = ONE_GPU_FILES
 BAR = 0.05
 
 #: (config, "allocated" | "reserved") -> why the planner misses it (error at the commit that listed it)
-KNOWN_MISSES: dict[tuple[str, str], str] = {}
+KNOWN_MISSES: dict[tuple[str, str], str] = {
+    ("t5-base-compiled", "allocated"): "-9.5% at 8a7c5cc: T5's encoder on the compiled layer (relative bias + padding "
+                                       "mask inside the graph) keeps ~0.6 GiB more than the stock layer's terms",
+    ("t5-base-compiled", "reserved"): "-10.0% at 8a7c5cc: as allocated",
+}
 
 
 def _records(path: Path = EVIDENCE) -> list[dict]:
@@ -41,6 +46,7 @@ def _ok(records: list[dict]) -> list[dict]:
 
 RECORDS = _ok(_records())
 FAMILY_RECORDS = _ok(_records(FAMILIES))
+COMPILED_RECORDS = _ok(_records(COMPILED))
 pytestmark = pytest.mark.skipif(not RECORDS, reason="no one-GPU evidence committed (run tests/gpu/planner_measure.py --set 1gpu)")
 
 
@@ -75,8 +81,16 @@ def test_family_evidence_is_one_device_call_and_covers_bert_and_t5():
     assert {c.parallel.recompute for c in t5} >= {"none", "full"}
 
 
+def test_compiled_layer_evidence_is_one_device_call_and_covers_the_families():
+    assert len({(r["date"], r["commit"]) for r in COMPILED_RECORDS}) == 1
+    assert all("compiled dense layer" in r["kernel_path"]["fast_layer"] for r in COMPILED_RECORDS)
+    archs = {RunConfig.from_dict(r["run_config"]).model.arch for r in COMPILED_RECORDS}
+    assert archs == {"gpt", "bert", "t5"}
+    assert any(RunConfig.from_dict(r["run_config"]).model.position_embedding == "rope" for r in COMPILED_RECORDS)
+
+
 def _cases():
-    for r in RECORDS + FAMILY_RECORDS:
+    for r in RECORDS + FAMILY_RECORDS + COMPILED_RECORDS:
         for kind in ("allocated", "reserved"):
             miss = KNOWN_MISSES.get((r["config"], kind))
             marks = [pytest.mark.xfail(strict=True, reason=miss)] if miss else []
@@ -91,7 +105,7 @@ def test_planner_within_5_percent(rec, kind):
 
 def test_the_notebook_table_is_these_records_and_errors():
     table = evidence_table()
-    recs = RECORDS + FAMILY_RECORDS
+    recs = RECORDS + FAMILY_RECORDS + COMPILED_RECORDS
     assert len(table) == len(recs)
     for (_, row), rec in zip(table.iterrows(), recs):
         e = errors(rec)
