@@ -46,7 +46,8 @@ decides whether a run fits, with the CUDA context and NCCL buffers that neither 
 (:class:`PlannerAssumptions`): the default pool's allocated peak in 2 MiB segments, the blocks
 Adam's moments strand when the first optimizer step carves them out of a larger freed buffer,
 and the CUDA-graph pool (:func:`_reserved_terms`).  ``evidence/planner_1gpu.jsonl`` (16
-GPT / Llama layouts) and ``evidence/planner_1gpu_families.jsonl`` (6 BERT / T5 layouts), measured on
+GPT / Llama layouts), ``evidence/planner_1gpu_families.jsonl`` (6 BERT / T5 layouts) and
+``evidence/planner_1gpu_compiled_layer.jsonl`` (BERT, T5 and Llama-1B on the compiled layer), measured on
 an H100, hold both to 5% in ``tests/unit/test_planner_1gpu_evidence.py`` (table:
 :func:`workbench.planner_evidence.evidence_table`).
 
