@@ -11,7 +11,7 @@ for a grid of configs and checks that what was built is what :func:`choose` said
 
 Transformer Engine: ``attention_backend: auto`` takes the compiled workbench layer whenever
 it applies (GPT-2 medium on an H200: 1.9x the tokens/s of TE's stock layer, bench/README.md),
-and TE's layer when TE is healthy and the compiled layer does not apply (e.g. RoPE), where
+and TE's layer when TE is healthy and the compiled layer does not apply (e.g. dropout), where
 TE's fused kernels beat the eager layer.  A TE that is installed but broken (its import
 raises, e.g. without the ``transformer-engine`` distribution metadata) is found here before
 megatron-core is imported, reported once, and hidden (:func:`guard_transformer_engine`) so
@@ -222,6 +222,8 @@ def layer_blocker(cfg: Any) -> str | None:
         return "dropout"
     if m.position_embedding == "alibi":
         return "ALiBi"
+    if getattr(cfg.data, "reset_attention_mask", False):
+        return "per-document attention mask (data.reset_attention_mask)"
     return None
 
 

@@ -125,7 +125,8 @@ def test_compiled_layer_serves_bert_t5_and_rope_with_the_stock_maths():
     cross-attention; GEGLU and ReLU) and a RoPE/GQA GPT: three Trainer steps on the compiled layer (eager)
     against megatron's own layers, same losses and gradient norms."""
     r = _run_check("families", port=free_port())
-    assert set(r) == {"bert", "t5", "t5-relu", "gpt-rope"}
+    assert set(r) == {"bert", "t5", "t5-padded", "t5-relu", "gpt-rope"}
+    assert r["t5-padded"]["fast"]["losses"] != r["t5"]["fast"]["losses"]  # the padding changed what was attended
     assert r["t5"]["fast"]["layers"] == 4  # 2 encoder + 2 decoder layers
     _assert_families_match(r, 1e-5)
 
@@ -239,7 +240,7 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
         _assert_tp2_matches_stock(v, rel=1e-5)
         head_dim = 16  # tiny: hidden 64 / 4 heads; each rank holds only its shard of the fused QKV
         assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim
-    for name in ("gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full"):
+    for name in ("gpt+sp", "llama-like+sp", "rope+sp", "gpt+sp+selective", "gpt+full"):
         _assert_tp2_matches_stock(r[name], rel=1e-5, passes=2 if name == "gpt+full" else 1)
 
 

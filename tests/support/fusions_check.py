@@ -147,6 +147,8 @@ def check_tp2() -> dict:
     cases = {"gpt": VARIANTS["gpt"], "llama-like": VARIANTS["llama-like"],
              "gpt+sp": {**VARIANTS["gpt"], "parallel.sequence_parallel": True},
              "llama-like+sp": {**VARIANTS["llama-like"], "parallel.sequence_parallel": True},
+             # the rotary embedding on the sequence-parallel layer (each rank rotates the gathered sequence)
+             "rope+sp": {**VARIANTS["llama-like"], **VARIANTS["rope"], "parallel.sequence_parallel": True},
              # selective recompute: the checkpointed MLP's partial product is reduced outside the checkpoint
              "gpt+sp+selective": {**VARIANTS["gpt"], "parallel.sequence_parallel": True, "parallel.recompute": "selective"},
              # full recompute: megatron's checkpoint re-runs the layer, collectives included, in backward
@@ -276,6 +278,9 @@ FAMILY_CASES = {
     "bert": ("bert-tiny", {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0}),
     # T5: padding-masked encoder with the relative bias, causal decoder with the bias, cross-attention, GEGLU
     "t5": ("t5-tiny", {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0}),
+    # T5 with padded encoder inputs: the padding mask (encoder self-attention with the bias, and the
+    # decoder's cross-attention context_mask) masks real keys (see _padded_t5)
+    "t5-padded": ("t5-tiny", {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0}),
     # T5 v1.0's ReLU MLP
     "t5-relu": ("t5-tiny", {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0, "model.activation": "relu",
                             "model.gelu_approximate": "none"}),
@@ -286,6 +291,29 @@ FAMILY_CASES = {
 }
 
 
+@contextlib.contextmanager
+def _padded_t5():
+    """Synthetic T5 samples whose encoder input ends in 5..17 padding positions (enc_mask 0, token 0)."""
+    from workbench.models.t5.data import SyntheticT5Dataset
+
+    get = SyntheticT5Dataset.__getitem__
+
+    def padded(self, idx):
+        item = dict(get(self, idx))
+        n = 5 + int(idx) % 13
+        item["enc_mask"] = item["enc_mask"].clone()
+        item["enc_mask"][-n:] = 0
+        item["tokens"] = item["tokens"].clone()
+        item["tokens"][-n:] = 0
+        return item
+
+    SyntheticT5Dataset.__getitem__ = padded
+    try:
+        yield
+    finally:
+        SyntheticT5Dataset.__getitem__ = get
+
+
 def check_families() -> dict:
     """Per FAMILY_CASES entry: three Trainer steps stock vs fast (eager), one process."""
     from megatron.core import parallel_state
@@ -294,7 +322,8 @@ def check_families() -> dict:
     for name, (preset_name, over) in FAMILY_CASES.items():
         runs = {}
         for fast in (False, True):
-            runs["fast" if fast else "stock"] = check_trainer(fast, preset_name, {**over, "data.source": "synthetic"})
+            with _padded_t5() if name == "t5-padded" else contextlib.nullcontext():
+                runs["fast" if fast else "stock"] = check_trainer(fast, preset_name, {**over, "data.source": "synthetic"})
             parallel_state.destroy_model_parallel()
         out[name] = runs
     return out

@@ -28,6 +28,9 @@ def test_auto_prefers_the_compiled_layer_even_with_transformer_engine():
     # where the compiled layer does not apply, TE's fused layer is taken when TE is usable
     drop = llama.replace(**{"model.hidden_dropout": 0.1})
     assert kernels.choose(drop, te=True).attention == "te" and kernels.choose(drop, te=False).attention == "sdpa"
+    # GPT's per-document masks arrive per call and replace causality: megatron's layer, and the rule says so
+    docs = kernels.choose(GPU.replace(**{"data.reset_attention_mask": True}), te=False)
+    assert (docs.layer, docs.layer_reason) == ("stock", "per-document attention mask (data.reset_attention_mask)")
     alibi = GPU.replace(**{"model.position_embedding": "alibi"})
     assert kernels.choose(alibi, te=True).attention == "sdpa"  # TE has no ALiBi
     assert kernels.choose(GPU.replace(**{"parallel.device": "cpu"}), te=True).attention == "sdpa"  # TE is GPU-only

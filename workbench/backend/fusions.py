@@ -452,6 +452,11 @@ _MASK_TYPES = {AttnMaskType.causal: True, AttnMaskType.padding_causal: True, Att
                AttnMaskType.no_mask: False}
 
 
+def _scale(attn: torch.nn.Module) -> float:
+    """An attention module's softmax scale (its core attention's, default ``1/sqrt(d)``)."""
+    return float(getattr(attn.core_attention, "softmax_scale", None) or attn.hidden_size_per_attention_head**-0.5)
+
+
 def _attention_blocker(attn: torch.nn.Module, qkv: str) -> Optional[str]:
     """Why a self- (``qkv="linear_qkv"``) or cross-attention (``"linear_kv"``) module is not the dense path's."""
     kind = "cross-attention" if qkv == "linear_kv" else "QKV"
@@ -493,6 +498,7 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
         (bool(c.rotary_interleaved) or bool(c.apply_rope_fusion) or bool(getattr(c, "multi_latent_attention", False)),
          "interleaved / fused / MLA rotary embedding"),
         (float(getattr(layer.self_attention, "_yarn_concentration_factor", 1.0) or 1.0) != 1.0, "YaRN rotary scaling"),
+        (bool(getattr(c, "no_rope_freq", None)), "rotary embedding skipped on some layers (no_rope_freq)"),
         (not _plain_mlp(layer.mlp), "MoE / non-dense MLP"),
     ]
     for bad, why in checks:
@@ -503,6 +509,8 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
         why = _attention_blocker(layer.cross_attention, "linear_kv")
         if why is None and layer.cross_attention.attn_mask_type != AttnMaskType.padding:
             why = "cross-attention mask type other than padding"
+        if why is None and _scale(layer.cross_attention) != _scale(layer.self_attention):
+            why = "cross-attention softmax scale differs from self-attention's"
     if why is not None:
         return why
     if type(layer.mlp.linear_fc1) is not ColumnParallelLinear or type(layer.mlp.linear_fc2) is not RowParallelLinear:
@@ -544,8 +552,8 @@ class CompiledTransformerLayer(TransformerLayer):
     or under a padding mask (BERT, T5's encoder), with T5's relative-position ``attention_bias``,
     a rotary embedding, T5's cross-attention over ``context``; no KV cache, no packed sequences.
     Otherwise the stock forward runs.  Calls in eval mode (evaluation, generation) take the compiled
-    path at shapes a training call compiled; other shapes (prompts of any length) run the stock
-    forward rather than compile a graph per length.
+    path at the input shapes training used (one inference graph each); other shapes (prompts of any
+    length) run the stock forward rather than compile a graph per length.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -562,7 +570,7 @@ class CompiledTransformerLayer(TransformerLayer):
                 heads=attn.num_attention_heads_per_partition,
                 groups=attn.num_query_groups_per_partition,
                 head_dim=attn.hidden_size_per_attention_head,
-                scale=float(getattr(attn.core_attention, "softmax_scale", None) or attn.hidden_size_per_attention_head**-0.5),
+                scale=_scale(attn),
                 activation=_activation(c),
                 causal=_MASK_TYPES[attn.attn_mask_type],
                 recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)),
@@ -582,7 +590,8 @@ class CompiledTransformerLayer(TransformerLayer):
 
     _PLAIN_NONE = ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "inference_context", "packed_seq_params",
                    "sequence_len_offset", "inference_params", "padding_mask")
-    #: input shapes of training calls: eval-mode calls at these shapes reuse their compiled graph
+    #: input shapes (hidden states, masks, bias, context) of training calls: eval-mode calls at these shapes take the
+    #: compiled path (one more graph per shape: grad mode is guarded), others the stock forward
     _TRAINED_SHAPES: set = set()
 
     def _call_is_plain(self, args: tuple, kwargs: dict) -> bool:
@@ -598,7 +607,8 @@ class CompiledTransformerLayer(TransformerLayer):
         rope = kwargs.get("rotary_pos_emb")
         if isinstance(rope, tuple) and not (len(rope) == 2 and rope[0] is rope[1]):
             return False
-        shape = tuple(kwargs["hidden_states"].shape)
+        shape = tuple(None if kwargs.get(k) is None else tuple(kwargs[k].shape)
+                      for k in ("hidden_states", "attention_mask", "attention_bias", "context", "context_mask"))
         if torch.is_grad_enabled() or self.training:  # training (megatron's full recompute runs forward without grad)
             self._TRAINED_SHAPES.add(shape)
             return True

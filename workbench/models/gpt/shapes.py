@@ -163,7 +163,8 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
     norm2_input / fc1_input   residual / pre-MLP norm output                  e sbh / t_sp each
     fc1_output                GELU / SwiGLU input (ReLU: none, it keeps       e sb f1 / t
                               only its output, fc2's input)
-    act_output                fc2 input (SwiGLU: + silu(gate), x_lin copy)    e sb f / t (x3)
+    act_output                fc2 input (SwiGLU on megatron's layer: +         e sb f / t (x3)
+                              silu(gate), x_lin copy; compiled layer: x1)
     dropout_masks             hidden dropout (1 byte, when p > 0)             sbh / t_sp each
     norm_stats                mean / rstd (fp32)                              4-8 sb / t_sp each
     ========================  ============================================  =========
@@ -171,7 +172,8 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
     ``t_sp`` is ``t`` with sequence parallelism, else 1.  Selective recompute drops the MLP
     intermediates (workbench RecomputedMLP) or, on the TE spec, core attention's kept
     tensors; ``recompute: full`` is handled by the caller.  The compiled dense layer (TP=1) lets Inductor's min-cut
-    partitioner choose what to keep; measured on CPU it keeps exactly the eager set above.
+    partitioner choose what to keep; measured on CPU it keeps the eager set above, except SwiGLU's two
+    extra tensors (:func:`_act_tensors`).
     """
     s, b, h, t, e = sh.s, sh.b, sh.h, sh.tp, sh.e
     tok = s * b
