@@ -159,9 +159,9 @@ class ReferenceTrainer:
 
         self.cfg = cfg
         self.device = torch.device(device)
-        self.spec = spec_from_config(cfg, gelu_approximate)
         torch.manual_seed(cfg.train.seed)
-        self.model = ReferenceGPT(self.spec).to(self.device)
+        self.spec, model = self.build(cfg, gelu_approximate)
+        self.model = model.to(self.device)
         t = cfg.train
         cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
@@ -171,6 +171,11 @@ class ReferenceTrainer:
         self.num_microbatches = derive(cfg).num_microbatches
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.forward = torch.compile(self.model) if compile else self.model
+
+    def build(self, cfg, gelu_approximate: str = "none") -> tuple:
+        """(spec, model) of the architecture trained: the GPT here; other references override this."""
+        spec = spec_from_config(cfg, gelu_approximate)
+        return spec, ReferenceGPT(spec)
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One training step over ``num_microbatches`` (tokens, labels) pairs; returns the mean loss."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bench.reference_gpt import ReferenceTrainer, _param_groups
+from bench.reference_gpt import ReferenceTrainer
 
 __all__ = ["LlamaSpec", "ReferenceLlama", "spec_from_config", "LlamaTrainer"]
 
@@ -130,16 +130,6 @@ class ReferenceLlama(nn.Module):
 class LlamaTrainer(ReferenceTrainer):
     """reference_gpt's trainer (its ``step``: grad accumulation, clipping, AdamW) around the Llama."""
 
-    def __init__(self, cfg, device: str | torch.device = "cuda", compile: bool = True):
-        from workbench.config import derive
-
-        self.cfg, self.device, t = cfg, torch.device(device), cfg.train
-        self.spec = spec_from_config(cfg)
-        torch.manual_seed(t.seed)
-        self.model = ReferenceLlama(self.spec).to(self.device)
-        self.optimizer = torch.optim.AdamW(_param_groups(self.model, t.weight_decay), lr=t.lr,
-                                           betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                           fused=self.device.type == "cuda")
-        self.num_microbatches = derive(cfg).num_microbatches
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
-        self.forward = torch.compile(self.model) if compile else self.model
+    def build(self, cfg, gelu_approximate: str = "none") -> tuple:
+        spec = spec_from_config(cfg)
+        return spec, ReferenceLlama(spec)
