@@ -38,7 +38,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-__all__ = ["SDPAttention", "alibi_slopes", "alibi_bias"]
+__all__ = ["SDPAttention", "alibi_slopes", "alibi_bias", "sdpa_mask"]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -65,6 +65,22 @@ def alibi_bias(slopes: torch.Tensor, sq: int, sk: int, device: torch.device, dty
     k_pos = torch.arange(sk, device=device, dtype=torch.float32)[None, :]
     dist = (q_pos - k_pos).abs()
     return (-slopes.to(device)[:, None, None] * dist[None]).to(dtype)
+
+
+def sdpa_mask(allowed: Optional[torch.Tensor], additive: Optional[torch.Tensor], causal: bool, sq: int, sk: int,
+              device: torch.device) -> tuple[Optional[torch.Tensor], bool]:
+    """``(attn_mask, is_causal)`` for ``F.scaled_dot_product_attention`` from a boolean ``allowed`` mask (True =
+    may attend), an additive score bias and causality.  Causality stays SDPA's flag when nothing else is
+    given and sq == sk; otherwise it becomes a bottom-right aligned triangle (query i at position
+    sk - sq + i: KV-cache prefill / decode) combined with the mask; masked positions of the bias are -inf.
+    One rule for :class:`SDPAttention` and the compiled layer (:mod:`workbench.backend.fusions`)."""
+    if causal and (sq != sk or additive is not None or allowed is not None):
+        tri = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
+        allowed = tri if allowed is None else (allowed & tri)
+        causal = False
+    if additive is not None:
+        return (additive if allowed is None else additive.masked_fill(~allowed, float("-inf"))), causal
+    return allowed, causal
 
 
 class SDPAttention(MegatronModule):
@@ -145,17 +161,7 @@ class SDPAttention(MegatronModule):
         if attention_mask is not None and mask_type != AttnMaskType.no_mask:
             allowed = ~attention_mask.bool()
             causal = causal and mask_type == AttnMaskType.padding_causal
-        if causal and (sq != sk or additive is not None or allowed is not None):
-            # bottom-right aligned causal mask (KV-cache prefill/decode), or combined with a bias
-            tri = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-            allowed = tri if allowed is None else (allowed & tri)
-            causal = False
-
-        attn_mask: Optional[torch.Tensor] = None
-        if additive is not None:
-            attn_mask = additive if allowed is None else additive.masked_fill(~allowed, float("-inf"))
-        elif allowed is not None:
-            attn_mask = allowed
+        attn_mask, causal = sdpa_mask(allowed, additive, causal, sq, sk, q.device)
 
         groups = self.heads_per_partition // self.groups_per_partition
         gqa_kwargs = {}

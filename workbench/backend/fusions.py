@@ -60,6 +60,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.distributed import _functional_collectives as funcol
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
@@ -67,7 +68,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from workbench import kernels
-from workbench.backend.attention import SDPAttention
+from workbench.backend.attention import SDPAttention, sdpa_mask
 from workbench.backend.tp_overlap import sink_weight_gradients, tp_overlap_pass
 
 __all__ = [
@@ -248,35 +249,23 @@ def _sdpa(
     mask: Optional[torch.Tensor], bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Core attention on ``[s, b, n, d]`` q and k / v with as many heads as q (GQA already expanded): the
-    context ``[sq, b, n * d]``.  The maths of :class:`workbench.backend.attention.SDPAttention`:
+    context ``[sq, b, n * d]``, masked as :class:`workbench.backend.attention.SDPAttention` masks (:func:`sdpa_mask`):
 
     ``mask``: megatron's boolean mask (True = masked out; ``[b, 1, 1, sk]`` keys or ``[b, 1, sq, sk]``);
     ``bias``: an additive score bias (T5's relative positions), masked positions set to -inf;
     ``causal``: top-left aligned when sq == sk (bottom-right otherwise), combined with either.
     """
     sq, b = q.shape[0], q.shape[1]
-    sk = k.shape[0]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-    allowed = None if mask is None else ~mask
-    is_causal = causal and mask is None and bias is None and sq == sk
-    if causal and not is_causal:
-        tri = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-        allowed = tri if allowed is None else allowed & tri
-    attn_mask = allowed if bias is None else (bias if allowed is None else bias.masked_fill(~allowed, float("-inf")))
+    attn_mask, is_causal = sdpa_mask(None if mask is None else ~mask, bias, causal, sq, k.shape[2], q.device)
     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 def _rotate(t: torch.Tensor, freqs: Optional[torch.Tensor]) -> torch.Tensor:
-    """megatron's non-interleaved rotary embedding (``apply_rotary_pos_emb``, bshd) on ``[s, b, n, d]`` with
-    ``freqs`` ``[s, 1, 1, rot]``: the first ``rot`` channels rotated, the rest passed through."""
-    if freqs is None:
-        return t
-    rot = freqs.shape[-1]
-    x, rest = t[..., :rot], t[..., rot:]
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    x = x * torch.cos(freqs).to(t.dtype) + torch.cat((-x2, x1), dim=-1) * torch.sin(freqs).to(t.dtype)
-    return torch.cat((x, rest), dim=-1) if rest.shape[-1] else x
+    """megatron's own non-interleaved rotary embedding (bshd) on ``[s, b, n, d]`` with ``freqs`` ``[s, 1, 1, rot]``
+    (partial rotation included), traced into the layer's graph."""
+    return t if freqs is None else _apply_rotary_pos_emb_bshd(t, freqs)
 
 
 def _self_attention(
