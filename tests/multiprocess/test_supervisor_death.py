@@ -34,14 +34,33 @@ def _step_lines(run_dir: Path) -> int:
     return sum(f.read_text().count('"event": "step"') for f in (run_dir / "events").glob("rank-*.jsonl"))
 
 
+def _recorded_ranks(run_dir: Path) -> set[int]:
+    """PIDs launch.json records as torchrun's children (every one ever seen, short-lived helpers included)."""
+    meta = json.loads((run_dir / "launch.json").read_text())
+    return {r["pid"] for r in meta["processes"] if r["role"] == "rank"}
+
+
+def _live_ranks(run_dir: Path) -> set[int]:
+    """PIDs of the living rank processes (the run's processes whose parent is torchrun)."""
+    torchrun = json.loads((run_dir / "launch.json").read_text())["torchrun_pid"]
+    out = set()
+    for p in living(run_processes(run_dir)):
+        try:
+            if p.ppid() == torchrun:
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def test_sigkill_of_the_supervisor_takes_torchrun_and_the_ranks_down(rank_script, tmp_path):
     run = Run.launch(_cfg(), run_root=tmp_path / "runs", entry=[str(rank_script)], env={"FAKE_MODE": "slow"})
     try:
         wait_until(lambda: len(run.events("run_start")) == 2 and _step_lines(run.run_dir) >= 4, 60, "both ranks training")
         procs = living(run_processes(run.run_dir))
         assert len(procs) >= 4, procs  # supervisor, torchrun, two ranks
-        wait_until(lambda: [r["role"] for r in json.loads((run.run_dir / "launch.json").read_text())["processes"]].count("rank") == 2,
-                   10, "launch.json to record torchrun's two ranks")
+        wait_until(lambda: _live_ranks(run.run_dir) <= _recorded_ranks(run.run_dir) and len(_live_ranks(run.run_dir)) == 2,
+                   20, "launch.json to record torchrun's two ranks")
         os.kill(run._popen.pid, signal.SIGKILL)
         t0 = time.time()
         wait_until(lambda: not living(procs), 10, "every process of the run to die with its supervisor")
