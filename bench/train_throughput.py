@@ -16,6 +16,8 @@ workbench                 1     the backend's train step, default kernels (SDPA 
 workbench-eager           1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
 workbench-local           1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
 workbench-te              1     Transformer Engine spec (only when transformer_engine is importable)
+workbench-fp8-tensorwise  1     workbench with ``train.fp8: tensorwise`` (torch-native FP8 GEMMs; "scaling": vs bf16 workbench)
+workbench-fp8-rowwise     1     same, ``train.fp8: rowwise``
 recompute-selective       1     workbench with ``parallel.recompute: selective`` ("scaling": speed vs workbench)
 recompute-full            1     workbench with ``parallel.recompute: full`` (1 layer per block)
 dp2                       2     workbench, data parallel 2 (grad-reduce overlap on)
@@ -118,6 +120,9 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         rows.append(Variant(f"workbench/{m}", "workbench", m, microbatches=microbatches))
         rows.append(Variant(f"workbench-nograph/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.cuda_graphs": False}))
+        for recipe in ("tensorwise", "rowwise"):  # torch-native FP8 GEMMs ("scaling": speed vs bf16 workbench)
+            rows.append(Variant(f"workbench-fp8-{recipe}/{m}", "workbench", m, microbatches=microbatches,
+                                baseline=f"workbench/{m}", overrides={"train.fp8": recipe}))
     for m in models:
         rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.compile_kernels": False}))
@@ -616,6 +621,8 @@ def add_scaling(rows: list[dict[str, Any]], variants: list[Variant]) -> None:
             r["target"], r["meets_target"] = "within 10% of the ideal bubble", r["scaling"] / ideal >= 0.9
         elif v.name.startswith("tp"):
             r["target"], r["meets_target"] = ">= 1.6x one GPU", r["scaling"] >= 1.6
+        elif "-fp8-" in v.name:
+            r["target"], r["meets_target"] = ">= 1.2x the bf16 workbench", r["scaling"] >= 1.2
         elif v.name.startswith("dp"):
             r["target"], r["meets_target"] = ">= 95% of 2x one GPU", r["scaling"] >= 0.95 * r["gpus"]
 

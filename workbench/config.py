@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from workbench import kernels
 from workbench.models import FAMILIES, Supports, all_presets, family_of
 
 __all__ = [
@@ -206,6 +207,9 @@ class TrainConfig:
     #: (torch.compile "reduce-overhead"), so the host no longer launches ~70 kernels per layer
     #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
     cuda_graphs: bool = True
+    #: FP8 GEMMs in the compiled layer without Transformer Engine (workbench.backend.fp8): dynamic
+    #: scaling per tensor (E4M3 / E5M2 gradients) or per row (E4M3); off = the precision above.
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
     #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
     forward_step: str | None = None
     loss_func: str | None = None
@@ -779,6 +783,8 @@ def validate(cfg: RunConfig) -> list[Problem]:
             micro = t.global_batch_size // (t.micro_batch_size * dp)
             if vpp > 1 and pp > 1 and micro % pp:
                 add("train.global_batch_size", f"interleaved 1F1B needs the number of micro-batches ({micro}) divisible by pipeline_parallel {pp}", f"use a global batch giving a multiple of {pp} micro-batches")
+    for field_name, rule, fix in kernels.fp8_problems(cfg) if known else ():
+        add(field_name, rule, fix)
     if t.lr <= 0:
         add("train.lr", "must be > 0", "use e.g. 3e-4")
     if t.min_lr < 0 or t.min_lr > t.lr:

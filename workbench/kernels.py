@@ -41,6 +41,7 @@ __all__ = [
     "apex_available",
     "guard_transformer_engine",
     "allow_fast_paths_on_cpu",
+    "fp8_problems",
     "SELECTIVE_RECOMPUTE",
 ]
 
@@ -184,6 +185,8 @@ class KernelChoice:
     cuda_graphs_reason: str
     #: whether the rule found Transformer Engine usable
     transformer_engine: bool
+    #: train.fp8 on the compiled layer: its GEMMs in FP8 (workbench.backend.fp8), "off" otherwise
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,6 +199,8 @@ class KernelChoice:
     def describe(self) -> str:
         layer = "compiled layer" if self.layer == "compiled" else f"stock layer ({self.layer_reason})"
         graphs = ", CUDA graphs" if self.cuda_graphs else ""
+        if self.fp8 != "off":
+            layer += f" with FP8 GEMMs ({self.fp8})"
         return (f"attention {self.attention}, {layer}{graphs}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
                 f"optimizer {self.optimizer}")
 
@@ -300,4 +305,33 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
         cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, transformer_engine=te,
+        fp8=t.fp8 if layer == "compiled" else "off",
     )
+
+
+def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
+    """``(field, rule, fix)`` for a ``train.fp8`` this config cannot train with (config validation calls it).
+
+    FP8 runs on the compiled layer only (megatron's own FP8 needs Transformer Engine and is a silent
+    no-op without it), in bf16, with every GEMM dimension a multiple of 16 (``torch._scaled_mm``).
+    """
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if t.fp8 == "off":
+        return []
+    out = []
+    if t.precision != "bf16":
+        out.append(("train.fp8", f"FP8 GEMMs train under bf16 (precision is {t.precision})", "set precision: bf16, or fp8: off"))
+    choice = choose(cfg)
+    if choice.layer != "compiled":
+        out.append(("train.fp8", f"FP8 GEMMs run on the compiled layer, which this config does not use ({choice.layer_reason})",
+                    "remove what keeps the layer stock, or set fp8: off"))
+    tp = max(1, p.tensor_parallel)
+    kv = m.kv_channels or (m.hidden_size // max(1, m.num_attention_heads))
+    dims = {"model.hidden_size": m.hidden_size, "model.ffn_hidden_size (per TP rank)": m.ffn_size // tp,
+            "model.kv_channels x heads (per TP rank)": kv * m.num_attention_heads // tp,
+            "model.seq_length x train.micro_batch_size (tokens per GEMM)": m.seq_length * t.micro_batch_size}
+    bad = [f"{name} = {v}" for name, v in dims.items() if v % 16]
+    if bad:
+        out.append(("train.fp8", f"torch._scaled_mm needs GEMM sizes that are multiples of 16: {', '.join(bad)}",
+                    "use sizes that are multiples of 16, or fp8: off"))
+    return out

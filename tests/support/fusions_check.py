@@ -6,6 +6,7 @@
     torchrun --nproc_per_node 2 tests/support/fusions_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
     torchrun --nproc_per_node 2 tests/support/fusions_check.py tp2-order -> JSON: GEMM / collective order in the compiled backward
     python tests/support/fusions_check.py families            -> JSON: BERT / T5 / RoPE GPT Trainer steps, stock vs fast
+    python tests/support/fusions_check.py fp8                 -> JSON: RoPE GPT Trainer steps, fast layer without / with FP8 GEMMs
     python tests/support/fusions_check.py all                 -> all of the above in one process (stock trainer first)
 """
 
@@ -329,6 +330,18 @@ def check_families() -> dict:
     return out
 
 
+def check_fp8() -> dict:
+    """Three Trainer steps of a RoPE/GQA/SwiGLU GPT on the compiled layer without FP8 and under both FP8 recipes."""
+    from megatron.core import parallel_state
+
+    over = {**FAMILY_CASES["gpt-rope"][1], "data.source": "synthetic"}
+    out = {}
+    for recipe in ("off", "tensorwise", "rowwise"):
+        out[recipe] = check_trainer(True, "tiny", {**over, "train.fp8": recipe})
+        parallel_state.destroy_model_parallel()
+    return out
+
+
 def check_trainer(fast: bool, preset_name: str = "tiny", over: dict | None = None) -> dict:
     from workbench.backend import fusions
     from workbench.backend.train import Trainer
@@ -352,7 +365,7 @@ def check_trainer(fast: bool, preset_name: str = "tiny", over: dict | None = Non
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2", "tp2-order", "families"])
+    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2", "tp2-order", "families", "fp8"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fast", type=int, default=1)
     a = ap.parse_args()
@@ -374,6 +387,8 @@ def main() -> int:
         res = check_layer(a.compile)
     elif a.what == "families":
         res = check_families()
+    elif a.what == "fp8":
+        res = check_fp8()
     elif a.what == "reference":
         res = check_reference()
     else:

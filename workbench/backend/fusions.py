@@ -46,7 +46,7 @@ same dtypes, no skipped work):
 CUDA graphs cover the compiled layers only (``train.cuda_graphs``, :func:`graphs_wanted`):
 mcore DDP's per-parameter backward hooks and the Python schedules are not capture-safe
 without TE's graph machinery, so embedding, loss, optimizer and schedule stay eager.
-Not done: FP8 / lower precision (would not be the same maths as the reference).
+FP8 is opt-in (``train.fp8``, :mod:`workbench.backend.fp8`): the compiled layer's GEMMs only.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from workbench import kernels
 from workbench.backend.attention import SDPAttention, sdpa_mask
+from workbench.backend.fp8 import linear as fp8_linear
 from workbench.backend.tp_overlap import sink_weight_gradients, tp_overlap_pass
 
 __all__ = [
@@ -213,12 +214,13 @@ def _column_parallel_input(h: torch.Tensor, tp_group: Optional[str], sp: bool) -
     return h if tp_group is None else _EnterTensorParallel.apply(h, tp_group, sp)
 
 
-def _row_parallel_linear(h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], tp_group: Optional[str], sp: bool) -> torch.Tensor:
+def _row_parallel_linear(h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], tp_group: Optional[str], sp: bool,
+                         fp8: Optional[str] = None) -> torch.Tensor:
     """``h @ w.T + bias``; with TP the partial product is reduced across ranks first and the
     (unsplit) bias added after, as megatron's RowParallelLinear does."""
     if tp_group is None:
-        return F.linear(h, w, bias)
-    return _row_parallel_sum(F.linear(h, w), bias, tp_group, sp)
+        return fp8_linear(h, w, bias, fp8)
+    return _row_parallel_sum(fp8_linear(h, w, None, fp8), bias, tp_group, sp)
 
 
 def _row_parallel_sum(partial: torch.Tensor, bias: Optional[torch.Tensor], tp_group: Optional[str], sp: bool) -> torch.Tensor:
@@ -227,9 +229,10 @@ def _row_parallel_sum(partial: torch.Tensor, bias: Optional[torch.Tensor], tp_gr
     return y if bias is None else y + bias
 
 
-def _mlp_partial(h: torch.Tensor, fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor], fc2_w: torch.Tensor, activation: str) -> torch.Tensor:
+def _mlp_partial(h: torch.Tensor, fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor], fc2_w: torch.Tensor, activation: str,
+                 fp8: Optional[str] = None) -> torch.Tensor:
     """fc1, activation, fc2 without its bias: this rank's partial MLP output."""
-    return F.linear(_activate(F.linear(h, fc1_w, fc1_b), activation), fc2_w)
+    return fp8_linear(_activate(fp8_linear(h, fc1_w, fc1_b, fp8), activation), fc2_w, None, fp8)
 
 
 def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -271,11 +274,12 @@ def _rotate(t: torch.Tensor, freqs: Optional[torch.Tensor]) -> torch.Tensor:
 def _self_attention(
     h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], *, heads: int, groups: int, head_dim: int,
     scale: float, causal: bool, mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], rope: Optional[torch.Tensor],
+    fp8: Optional[str] = None,
 ) -> torch.Tensor:
     """Fused QKV GEMM in megatron's layout (per KV group ``[q_1..q_{n/g}, k, v]``), then :func:`_sdpa`."""
     s, b, _ = h.shape
     per_group = heads // groups
-    qkv = F.linear(h, qkv_w, qkv_b).view(s, b, groups, (per_group + 2) * head_dim)
+    qkv = fp8_linear(h, qkv_w, qkv_b, fp8).view(s, b, groups, (per_group + 2) * head_dim)
     q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
     q = _rotate(q.reshape(s, b, heads, head_dim), rope)
     k = _rotate(k, rope)
@@ -288,12 +292,13 @@ def _self_attention(
 def _cross_attention(
     h: torch.Tensor, context: torch.Tensor, q_w: torch.Tensor, q_b: Optional[torch.Tensor], kv_w: torch.Tensor,
     kv_b: Optional[torch.Tensor], *, heads: int, head_dim: int, scale: float, mask: Optional[torch.Tensor],
+    fp8: Optional[str] = None,
 ) -> torch.Tensor:
     """megatron's ``CrossAttention``: q from ``h``, k / v from ``context`` (``linear_kv`` output viewed
     ``[sk, b, heads, 2 * d]`` and split in halves), no bias, not causal."""
     s, b, _ = h.shape
-    q = F.linear(h, q_w, q_b).view(s, b, heads, head_dim)
-    k, v = F.linear(context, kv_w, kv_b).view(context.shape[0], b, heads, 2 * head_dim).split(head_dim, dim=3)
+    q = fp8_linear(h, q_w, q_b, fp8).view(s, b, heads, head_dim)
+    k, v = fp8_linear(context, kv_w, kv_b, fp8).view(context.shape[0], b, heads, 2 * head_dim).split(head_dim, dim=3)
     return _sdpa(q, k, v, scale=scale, causal=False, mask=mask, bias=None)
 
 
@@ -329,6 +334,7 @@ def dense_layer_forward(
     tp_group: Optional[str] = None,
     sequence_parallel: bool = False,
     recompute_mlp: bool = False,
+    fp8: Optional[str] = None,
 ) -> torch.Tensor:
     """One pre-norm transformer layer on ``[s, b, h]``, with megatron's exact layouts and maths.
 
@@ -348,25 +354,28 @@ def dense_layer_forward(
     ``recompute_mlp`` (``parallel.recompute: selective``): only the MLP's input is kept for
     backward; fc1 and the activation (the layer's largest activations) are rebuilt there.
     Under ``torch.compile`` the checkpoint becomes a recompute tag on the graph's partition.
+
+    ``fp8`` (``train.fp8``: ``tensorwise`` | ``rowwise``): every GEMM above in FP8
+    (:mod:`workbench.backend.fp8`); norms, attention and residuals unchanged.
     """
     sp = sequence_parallel
     h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
     ctx = _self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
-                          causal=causal, mask=mask, bias=bias, rope=rope)
-    x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp)
+                          causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8)
+    x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp, fp8)
     if cross is not None:
         context, context_mask, lnx_w, lnx_b, q_w, q_b, kv_w, kv_b, xproj_w, xproj_b = cross
         h_x = _column_parallel_input(_norm(x, norm, lnx_w, lnx_b, eps_cross), tp_group, sp)
         ctx = _cross_attention(h_x, _column_parallel_input(context, tp_group, sp), q_w, q_b, kv_w, kv_b,
-                               heads=heads, head_dim=head_dim, scale=scale, mask=context_mask)
-        x = x + _row_parallel_linear(ctx, xproj_w, xproj_b, tp_group, sp)
+                               heads=heads, head_dim=head_dim, scale=scale, mask=context_mask, fp8=fp8)
+        x = x + _row_parallel_linear(ctx, xproj_w, xproj_b, tp_group, sp, fp8)
     h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
     if recompute_mlp and torch.is_grad_enabled():
-        partial = torch.utils.checkpoint.checkpoint(_mlp_partial, h_mlp, fc1_w, fc1_b, fc2_w, activation,
+        partial = torch.utils.checkpoint.checkpoint(_mlp_partial, h_mlp, fc1_w, fc1_b, fc2_w, activation, fp8,
                                                     use_reentrant=False, preserve_rng_state=False)
         return x + _row_parallel_sum(partial, fc2_b, tp_group, sp)
-    h_mlp = _activate(F.linear(h_mlp, fc1_w, fc1_b), activation)
-    return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp)
+    h_mlp = _activate(fp8_linear(h_mlp, fc1_w, fc1_b, fp8), activation)
+    return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp, fp8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -563,6 +572,7 @@ class CompiledTransformerLayer(TransformerLayer):
                 activation=_activation(c),
                 causal=_MASK_TYPES[attn.attn_mask_type],
                 recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)),
+                fp8=getattr(c, "workbench_fp8", None),
             )
             if self._cross:
                 self._static["eps_cross"] = _eps(self.pre_cross_attn_layernorm)
@@ -689,6 +699,12 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
                 if compiled[0].tp_overlap:
                     notes["layer"] += ", backward collectives under the weight-gradient GEMMs"
+            if compiled[0]._static["fp8"]:
+                from workbench.backend.fp8 import GEMMS, supported_here
+
+                if (why_not := supported_here()) is not None:
+                    raise RuntimeError(f"train.fp8: {why_not}; fix: train.fp8: off")
+                notes["fp8"] = f"FP8 GEMMs ({compiled[0]._static['fp8']} scaling, torch._scaled_mm): {GEMMS}"
             if compiled[0]._static["recompute_mlp"]:
                 notes["layer"] += ", MLP recomputed in backward inside the graph"
             if compiled[0].config.recompute_granularity == "full":

@@ -76,6 +76,8 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_recompute_mlp: bool = False
     #: parallel.tp_comm_overlap on the compiled layer (:func:`fusions.sink_weight_gradients`).
     workbench_tp_comm_overlap: bool = False
+    #: train.fp8 on the compiled layer: "tensorwise" | "rowwise" (:mod:`workbench.backend.fp8`), None = off.
+    workbench_fp8: Optional[str] = None
 
 
 class RecomputedMLP(MLP):
@@ -177,6 +179,7 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
         workbench_tp_comm_overlap=p.tp_comm_overlap and p.tensor_parallel > 1,
+        workbench_fp8=None if t.fp8 == "off" else t.fp8,
     )
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
