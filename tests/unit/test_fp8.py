@@ -1,0 +1,117 @@
+"""train.fp8 (torch-native FP8 GEMMs, workbench/backend/fp8.py) on CPU: the scaling maths, the scaled matmul
+against a float reference, the autograd GEMMs, and the config / kernel rule around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workbench import kernels
+from workbench.backend import fp8
+from workbench.config import ConfigError, preset, validate
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+@pytest.mark.parametrize("dim", [None, -1, 0])
+def test_quantize_maps_each_slices_absolute_maximum_to_the_formats_largest_value(dim):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(24, 40, generator=g) * torch.logspace(-3, 3, 24).unsqueeze(1)  # rows 6 decades apart
+    q, inv = fp8.quantize(t, torch.float8_e4m3fn, dim)
+    assert q.dtype == torch.float8_e4m3fn and inv.dtype == torch.float32
+    amax_q = q.float().abs().amax() if dim is None else q.float().abs().amax(dim=dim)
+    assert torch.all(amax_q == E4M3_MAX)  # every slice uses the whole range
+    assert inv.shape == (() if dim is None else tuple(1 if i == dim % 2 else n for i, n in enumerate(t.shape)))
+    back = q.float() * inv
+    big = t.abs() > t.abs().amax() * 2**-6  # normal FP8 numbers under the tensor-wide scale: 3 mantissa bits
+    assert torch.all((back - t)[big].abs() <= t[big].abs() * 2**-4 + 1e-30)
+
+
+def test_rowwise_scaling_keeps_small_rows_that_one_tensor_scale_flushes():
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(32, 64, generator=g)
+    t[:16] *= 1e-5  # half the rows five decades below the rest
+    tw, tw_inv = fp8.quantize(t, torch.float8_e4m3fn, None)
+    rw, rw_inv = fp8.quantize(t, torch.float8_e4m3fn, -1)
+    small = slice(0, 16)
+    assert _rel(rw.float()[small] * rw_inv[small], t[small]) < 0.05
+    assert _rel(tw.float()[small] * tw_inv, t[small]) > 0.3  # below E4M3's subnormals at the tensor's scale
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_scaled_mm_is_the_dequantised_product_and_close_to_the_float_product(rowwise):
+    """torch._scaled_mm (CPU reference kernel) against the emulation (dequantise, fp32 matmul) and the float GEMM."""
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(48, 64, generator=g), torch.randn(64, 32, generator=g)
+    a8, a_inv = fp8.quantize(a, torch.float8_e4m3fn, -1 if rowwise else None)
+    b8, b_inv = fp8.quantize(b, torch.float8_e4m3fn, 0 if rowwise else None)  # b's columns: contracted over rows
+    out = fp8.scaled_mm(a8, a_inv, b8, b_inv, torch.float32)
+    emulated = (a8.float() * a_inv) @ (b8.float() * b_inv)
+    assert out.shape == (48, 32)
+    assert torch.allclose(out, emulated, rtol=1e-5, atol=1e-5)
+    assert _rel(out, a @ b) < 0.06  # FP8's rounding, nothing worse
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_linear_forward_and_both_backward_gemms_follow_the_float_linear(recipe):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, 64, generator=g).requires_grad_()
+    w = (torch.randn(48, 64, generator=g) * 0.05).requires_grad_()
+    bias = torch.randn(48, generator=g).requires_grad_()
+    grad = torch.randn(2, 16, 48, generator=g)
+    y = fp8.linear(x, w, bias, recipe)
+    y.backward(grad)
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, bias))
+    F.linear(xr, wr, br).backward(grad)
+    assert y.shape == (2, 16, 48)
+    assert _rel(y, F.linear(xr, wr, br)) < 0.06
+    assert _rel(x.grad, xr.grad) < 0.08 and _rel(w.grad, wr.grad) < 0.08
+    assert torch.allclose(bias.grad, br.grad)  # the bias stays outside the FP8 GEMM
+    assert not torch.equal(y, F.linear(xr, wr, br))  # FP8 really ran
+
+
+def test_linear_without_a_recipe_is_f_linear_and_misaligned_shapes_are_refused():
+    x, w = torch.randn(4, 32), torch.randn(16, 32)
+    assert torch.equal(fp8.linear(x, w, None, None), F.linear(x, w))
+    with pytest.raises(ValueError, match="multiple of 16.*train.fp8: off"):
+        fp8.linear(torch.randn(5, 32), w, None, "tensorwise")
+
+
+def _llama(**over):
+    return preset("tiny", **{"model.normalization": "rmsnorm", "model.activation": "swiglu", "model.position_embedding": "rope",
+                             "model.add_bias_linear": False, "parallel.device": "cuda", "train.precision": "bf16",
+                             "train.compile_kernels": True, **over})
+
+
+def test_kernel_rule_reports_fp8_on_the_compiled_layer():
+    cfg = _llama(**{"train.fp8": "rowwise"})
+    choice = kernels.choose(cfg, te=False)
+    assert choice.layer == "compiled" and choice.fp8 == "rowwise"
+    assert "FP8 GEMMs (rowwise)" in choice.describe()
+    assert kernels.choose(_llama(), te=False).fp8 == "off"
+    assert validate(cfg) == []
+
+
+@pytest.mark.parametrize("over, needle", [
+    ({"train.precision": "fp16"}, "bf16"),
+    ({"model.hidden_dropout": 0.1}, "compiled layer, which this config does not use (dropout)"),
+    ({"train.compile_kernels": False}, "compile_kernels is off"),
+    ({"parallel.device": "cpu"}, "GPU-only"),
+    ({"model.hidden_size": 72, "model.num_attention_heads": 4}, "model.hidden_size = 72"),
+    ({"model.seq_length": 60, "train.micro_batch_size": 1}, "tokens per GEMM) = 60"),
+])
+def test_an_fp8_config_that_cannot_train_is_refused_naming_train_fp8_and_the_fix(over, needle):
+    problems = [p for p in validate(_llama(**{"train.fp8": "tensorwise", **over})) if p.field == "train.fp8"]
+    assert problems and any(needle in p.rule for p in problems), problems
+    assert all("fp8: off" in p.fix for p in problems)
+    assert [p for p in validate(_llama(**over)) if p.field == "train.fp8"] == []  # the same config without FP8 is fine
+
+
+def test_an_unknown_recipe_is_a_config_error():
+    with pytest.raises(ConfigError, match="train.fp8"):
+        preset("tiny", **{"train.fp8": "delayed"})
