@@ -1,0 +1,134 @@
+"""GPU proof for train.fp8 (issue 22): FP8 and bf16 loss curves from the same weights and data, through the backend.
+
+    python3 tests/gpu/fp8_loss.py --out $OUT/fp8_loss.jsonl [--steps 300] [--model llama3.2-1b]
+    python3 tests/gpu/fp8_loss.py --plot bench/results/fp8_loss.jsonl --png bench/results/fp8_loss.png   (here, no GPU)
+
+Per recipe (off = bf16, tensorwise, rowwise): ``python -m workbench.backend`` under torchrun on the embedded corpus
+(real text; same seed, so the same initial weights and batches), one GPU.  From the event streams: every step's
+loss, tokens/s and the kernel path the run reported.  The comparison is the issue's: per step, the relative
+difference of the losses smoothed over ``--window`` steps (a centred moving average), and its maximum after the
+first ``--window`` steps; the bar is 1.5%.  One JSON line per recipe with device, date and commit, the last one
+carrying the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+BAR = 0.015
+
+
+def run(model: str, recipe: str, steps: int, timeout: float, over: dict) -> dict:
+    from bench import harness
+    from workbench.config import preset
+    from workbench.provenance import stamp
+    from workbench.run.reader import read_events
+
+    cfg = preset(model, **{"data.source": "demo", "train.train_iters": steps, "train.eval_interval": 0,
+                           "train.lr": 3e-4, "train.min_lr": 3e-5, "train.lr_warmup_iters": max(steps // 10, 1),
+                           "train.precision": "bf16", "train.fp8": recipe, "parallel.device": "cuda",
+                           "checkpoint.save_on_exit": False, **over})
+    run_dir = Path(tempfile.mkdtemp(prefix=f"wb-fp8-{recipe}-"))
+    cfg.save(run_dir / "config.json")
+    proc = harness.torchrun(1, ["-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], timeout)
+    ev = read_events(run_dir)
+    start = next((e for e in ev if e["event"] == "run_start"), {})
+    steps_ev = [e for e in ev if e["event"] == "step" and e.get("loss") is not None]
+    speed = [e["tokens_per_s"] for e in steps_ev if e.get("tokens_per_s")][len(steps_ev) // 3:]
+    return {**stamp(), "model": model, "recipe": recipe, "returncode": proc.returncode, "steps": len(steps_ev),
+            "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
+            "seq_length": cfg.model.seq_length, "fast_fp8": (start.get("kernel_path") or {}).get("fast_fp8"),
+            "fast_layer": (start.get("kernel_path") or {}).get("fast_layer"),
+            "losses": [round(e["loss"], 5) for e in steps_ev],
+            "tokens_per_s": harness.median(speed) if speed else None,
+            "error": None if proc.returncode == 0 else proc.stderr[-3000:]}
+
+
+def smoothed(xs: list[float], window: int) -> list[float]:
+    """Centred moving average (shorter at the ends)."""
+    half = window // 2
+    return [sum(xs[max(0, i - half):i + half + 1]) / len(xs[max(0, i - half):i + half + 1]) for i in range(len(xs))]
+
+
+def compare(base: list[float], other: list[float], window: int) -> dict:
+    """Per step relative difference of the smoothed curves; its maximum after the first ``window`` steps."""
+    n = min(len(base), len(other))
+    a, b = smoothed(base[:n], window), smoothed(other[:n], window)
+    rel = [abs(y - x) / abs(x) for x, y in zip(a, b)]
+    tail = rel[window:] or rel
+    return {"steps_compared": n, "window": window, "max_rel_smoothed": max(tail) if tail else None,
+            "final_rel_smoothed": rel[-1] if rel else None, "within_bar": bool(tail) and max(tail) <= BAR, "bar": BAR}
+
+
+def plot(path: Path, png: Path, window: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
+    base = next(r for r in rows if r["recipe"] == "off")
+    for r in rows:
+        label = "bf16" if r["recipe"] == "off" else f"FP8 {r['recipe']}"
+        ax.plot(smoothed(r["losses"], window), label=f"{label} ({r['tokens_per_s'] or 0:.0f} tok/s)")
+        if r is not base:
+            n = min(len(base["losses"]), len(r["losses"]))
+            a, b = smoothed(base["losses"][:n], window), smoothed(r["losses"][:n], window)
+            ax2.plot([100 * (y - x) / x for x, y in zip(a, b)], label=label)
+    ax.set_ylabel(f"loss (moving average, {window} steps)")
+    ax.set_title(f"{base['model']}: FP8 vs bf16, {base['device']}, {base['git_commit'][:7]}")
+    ax.legend()
+    ax2.axhline(100 * BAR, ls="--", c="grey")
+    ax2.axhline(-100 * BAR, ls="--", c="grey")
+    ax2.set_ylabel("relative difference %")
+    ax2.set_xlabel("step")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--model", default="llama3.2-1b")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--window", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=280.0)
+    ap.add_argument("--recipes", default="off,tensorwise,rowwise")
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--global-batch-size", type=int, default=8)
+    ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--plot", help="a JSON-lines file this script wrote: draw it (no GPU needed)")
+    ap.add_argument("--png")
+    a = ap.parse_args()
+    if a.plot:
+        plot(Path(a.plot), Path(a.png or Path(a.plot).with_suffix(".png")), a.window)
+        return 0
+    if not a.out:
+        ap.error("--out is required (or --plot)")
+    over = {"train.micro_batch_size": a.micro_batch_size, "train.global_batch_size": a.global_batch_size,
+            "model.seq_length": a.seq_length}
+    rows = []
+    with open(a.out, "a") as fh:
+        for recipe in a.recipes.split(","):
+            row = run(a.model, recipe, a.steps, a.timeout, over)
+            if rows and rows[0]["recipe"] == "off":
+                row["vs_bf16"] = compare(rows[0]["losses"], row["losses"], a.window)
+            rows.append(row)
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            print(json.dumps({k: row.get(k) for k in ("recipe", "returncode", "steps", "fast_fp8", "tokens_per_s", "vs_bf16", "error")}),
+                  flush=True)
+    return 0 if all(r["returncode"] == 0 and r.get("vs_bf16", {}).get("within_bar", True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
