@@ -18,6 +18,7 @@ workbench-local           1     stock megatron-core local spec (unfused DotProdu
 workbench-te              1     Transformer Engine spec (only when transformer_engine is importable)
 workbench-fp8-tensorwise  1     workbench with ``train.fp8: tensorwise`` (torch-native FP8 GEMMs; "scaling": vs bf16 workbench)
 workbench-fp8-rowwise     1     same, ``train.fp8: rowwise``
+workbench-te-fp8-<r>      1     Transformer Engine spec with TE's FP8 recipe ``tensorwise`` or ``delayed`` (TE importable only)
 recompute-selective       1     workbench with ``parallel.recompute: selective`` ("scaling": speed vs workbench)
 recompute-full            1     workbench with ``parallel.recompute: full`` (1 layer per block)
 dp2                       2     workbench, data parallel 2 (grad-reduce overlap on)
@@ -131,6 +132,9 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         if have_te:
             rows.append(Variant(f"workbench-te/{m}", "workbench", m, microbatches=microbatches,
                                 overrides={"model.attention_backend": "te"}))
+            for recipe in ("tensorwise", "delayed"):  # TE's FP8 recipes, beside the torch-native rows
+                rows.append(Variant(f"workbench-te-fp8-{recipe}/{m}", "workbench", m, microbatches=microbatches,
+                                    baseline=f"workbench/{m}", overrides={"model.attention_backend": "te", "train.fp8": recipe}))
         for mode in ("selective", "full"):  # what recompute costs in speed ("scaling") and saves in memory
             rows.append(Variant(f"recompute-{mode}/{m}", "workbench", m, microbatches=microbatches,
                                 baseline=f"workbench/{m}", overrides={"parallel.recompute": mode}))

@@ -207,9 +207,10 @@ class TrainConfig:
     #: (torch.compile "reduce-overhead"), so the host no longer launches ~70 kernels per layer
     #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
     cuda_graphs: bool = True
-    #: FP8 GEMMs in the compiled layer without Transformer Engine (workbench.backend.fp8): dynamic
-    #: scaling per tensor (E4M3 / E5M2 gradients) or per row (E4M3); off = the precision above.
-    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    #: FP8 GEMMs (off = the precision above).  On the compiled layer through torch (workbench.backend.fp8):
+    #: tensorwise | rowwise current scaling.  On Transformer Engine's layer through TE's recipes:
+    #: tensorwise (current scaling) | delayed (amax history).  workbench.kernels.fp8_problems says which fit.
+    fp8: Literal["off", "tensorwise", "rowwise", "delayed"] = "off"
     #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
     forward_step: str | None = None
     loss_func: str | None = None

@@ -42,6 +42,7 @@ __all__ = [
     "guard_transformer_engine",
     "allow_fast_paths_on_cpu",
     "fp8_problems",
+    "FP8_RECIPES",
     "SELECTIVE_RECOMPUTE",
 ]
 
@@ -185,8 +186,10 @@ class KernelChoice:
     cuda_graphs_reason: str
     #: whether the rule found Transformer Engine usable
     transformer_engine: bool
-    #: train.fp8 on the compiled layer: its GEMMs in FP8 (workbench.backend.fp8), "off" otherwise
-    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    #: train.fp8's recipe where the layer runs it ("off" otherwise) ...
+    fp8: Literal["off", "tensorwise", "rowwise", "delayed"] = "off"
+    #: ... and by whom: torch (the compiled layer, workbench.backend.fp8) or te (TE's layer, megatron's fp8 config)
+    fp8_impl: Literal["", "torch", "te"] = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -200,7 +203,7 @@ class KernelChoice:
         layer = "compiled layer" if self.layer == "compiled" else f"stock layer ({self.layer_reason})"
         graphs = ", CUDA graphs" if self.cuda_graphs else ""
         if self.fp8 != "off":
-            layer += f" with FP8 GEMMs ({self.fp8})"
+            layer += f" with FP8 GEMMs ({self.fp8}, {'Transformer Engine' if self.fp8_impl == 'te' else 'torch'})"
         return (f"attention {self.attention}, {layer}{graphs}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
                 f"optimizer {self.optimizer}")
 
@@ -305,15 +308,28 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
         cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, transformer_engine=te,
-        fp8=t.fp8 if layer == "compiled" else "off",
+        **_fp8_slot(t.fp8, layer, attention),
     )
+
+
+#: the recipes each FP8 implementation has: torch's (compiled layer) and Transformer Engine's (on Hopper;
+#: TE's MXFP8 needs Blackwell and its block scaling is not the same recipe as row-wise)
+FP8_RECIPES = {"torch": ("tensorwise", "rowwise"), "te": ("tensorwise", "delayed")}
+
+
+def _fp8_slot(recipe: str, layer: str, attention: str) -> dict[str, str]:
+    impl = "torch" if layer == "compiled" else ("te" if attention == "te" else "")
+    if recipe == "off" or recipe not in FP8_RECIPES.get(impl, ()):
+        return {"fp8": "off", "fp8_impl": ""}
+    return {"fp8": recipe, "fp8_impl": impl}
 
 
 def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
     """``(field, rule, fix)`` for a ``train.fp8`` this config cannot train with (config validation calls it).
 
-    FP8 runs on the compiled layer only (megatron's own FP8 needs Transformer Engine and is a silent
-    no-op without it), in bf16, with every GEMM dimension a multiple of 16 (``torch._scaled_mm``).
+    FP8 runs on the compiled layer through torch (tensorwise, rowwise) or on Transformer Engine's layer
+    through megatron's fp8 config (tensorwise, delayed), never on megatron's stock local layer (its FP8 is a
+    silent no-op without TE); in bf16, with every GEMM dimension a multiple of 16 (FP8 GEMMs need it).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if t.fp8 == "off":
@@ -322,9 +338,15 @@ def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
     if t.precision != "bf16":
         out.append(("train.fp8", f"FP8 GEMMs train under bf16 (precision is {t.precision})", "set precision: bf16, or fp8: off"))
     choice = choose(cfg)
-    if choice.layer != "compiled":
-        out.append(("train.fp8", f"FP8 GEMMs run on the compiled layer, which this config does not use ({choice.layer_reason})",
-                    "remove what keeps the layer stock, or set fp8: off"))
+    impl = "torch" if choice.layer == "compiled" else ("te" if choice.attention == "te" else "")
+    if not impl:
+        out.append(("train.fp8", f"FP8 GEMMs run on the compiled layer or on Transformer Engine's; this config uses neither "
+                                 f"({choice.layer_reason})", "remove what keeps the layer stock, or set fp8: off"))
+    elif t.fp8 not in FP8_RECIPES[impl]:
+        where = "the compiled layer (torch)" if impl == "torch" else "Transformer Engine's layer"
+        other = "attention_backend: te with TE installed" if impl == "torch" else "the compiled layer"
+        out.append(("train.fp8", f"the '{t.fp8}' recipe does not run on {where}, which this config uses",
+                    f"use one of {', '.join(FP8_RECIPES[impl])}, or {other} for '{t.fp8}', or fp8: off"))
     tp = max(1, p.tensor_parallel)
     kv = m.kv_channels or (m.hidden_size // max(1, m.num_attention_heads))
     dims = {"model.hidden_size": m.hidden_size, "model.ffn_hidden_size (per TP rank)": m.ffn_size // tp,

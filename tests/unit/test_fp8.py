@@ -92,14 +92,15 @@ def test_kernel_rule_reports_fp8_on_the_compiled_layer():
     cfg = _llama(**{"train.fp8": "rowwise"})
     choice = kernels.choose(cfg, te=False)
     assert choice.layer == "compiled" and choice.fp8 == "rowwise"
-    assert "FP8 GEMMs (rowwise)" in choice.describe()
+    assert choice.fp8_impl == "torch" and "FP8 GEMMs (rowwise, torch)" in choice.describe()
     assert kernels.choose(_llama(), te=False).fp8 == "off"
     assert validate(cfg) == []
 
 
 @pytest.mark.parametrize("over, needle", [
     ({"train.precision": "fp16"}, "bf16"),
-    ({"model.hidden_dropout": 0.1}, "compiled layer, which this config does not use (dropout)"),
+    ({"model.hidden_dropout": 0.1}, "this config uses neither (dropout)"),
+    ({"train.fp8": "delayed"}, "'delayed' recipe does not run on the compiled layer"),
     ({"train.compile_kernels": False}, "compile_kernels is off"),
     ({"parallel.device": "cpu"}, "GPU-only"),
     ({"model.hidden_size": 72, "model.num_attention_heads": 4}, "model.hidden_size = 72"),
@@ -109,9 +110,31 @@ def test_an_fp8_config_that_cannot_train_is_refused_naming_train_fp8_and_the_fix
     problems = [p for p in validate(_llama(**{"train.fp8": "tensorwise", **over})) if p.field == "train.fp8"]
     assert problems and any(needle in p.rule for p in problems), problems
     assert all("fp8: off" in p.fix for p in problems)
-    assert [p for p in validate(_llama(**over)) if p.field == "train.fp8"] == []  # the same config without FP8 is fine
+    assert [p for p in validate(_llama(**{**over, "train.fp8": "off"})) if p.field == "train.fp8"] == []  # the same config without FP8 is fine
 
 
 def test_an_unknown_recipe_is_a_config_error():
     with pytest.raises(ConfigError, match="train.fp8"):
-        preset("tiny", **{"train.fp8": "delayed"})
+        preset("tiny", **{"train.fp8": "mxfp8"})
+
+
+def test_transformer_engines_recipes_go_to_megatrons_fp8_config_on_the_te_layer(monkeypatch):
+    """attention_backend te: tensorwise and delayed are TE's recipes (megatron's fp8 fields, the kernel path says TE),
+    rowwise is refused, and the compiled layer's torch FP8 is not switched on."""
+    from workbench.backend import model as wm
+
+    monkeypatch.setattr(kernels, "te_available", lambda: True)  # the boundary: TE is not installed on CPU machines
+    for recipe, history in (("tensorwise", 1), ("delayed", 1024)):
+        cfg = _llama(**{"model.attention_backend": "te", "train.fp8": recipe})
+        assert validate(cfg) == []
+        choice = kernels.choose(cfg)
+        assert (choice.attention, choice.layer, choice.fp8, choice.fp8_impl) == ("te", "stock", recipe, "te")
+        tc = wm.transformer_config(cfg)
+        assert (tc.fp8, tc.fp8_recipe, tc.fp8_amax_history_len, tc.workbench_fp8) == ("hybrid", recipe, history, None)
+        assert f"{recipe} scaling" in wm.kernel_path(cfg)["fp8"]
+    problems = validate(_llama(**{"model.attention_backend": "te", "train.fp8": "rowwise"}))
+    assert [p.field for p in problems] == ["train.fp8"] and "tensorwise, delayed" in problems[0].fix
+    plain = wm.transformer_config(_llama(**{"model.attention_backend": "te"}))
+    assert plain.fp8 is None and "fp8" not in wm.kernel_path(_llama(**{"model.attention_backend": "te"}))
+    torch_path = wm.transformer_config(_llama(**{"train.fp8": "tensorwise"}))
+    assert torch_path.fp8 is None and torch_path.workbench_fp8 == "tensorwise"  # megatron's TE-only fp8 stays off

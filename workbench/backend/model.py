@@ -127,6 +127,21 @@ def layer_class(choice: kernels.KernelChoice) -> type:
     return fusions.CompiledTransformerLayer if choice.layer == "compiled" else TransformerLayer
 
 
+def _fp8_fields(cfg: RunConfig) -> dict[str, Any]:
+    """train.fp8 where the kernel rule runs it: the compiled layer's torch GEMMs (``workbench_fp8``), or
+    megatron's fp8 config for Transformer Engine's layer (E4M3 forward / E5M2 gradients; its TransformerBlock
+    enters TE's fp8 context per layer).  Delayed scaling keeps TE's default amax history (1024 steps, max)."""
+    choice = kernels.choose(cfg)
+    if choice.fp8_impl == "torch":
+        return {"workbench_fp8": choice.fp8}
+    if choice.fp8_impl == "te":
+        fields: dict[str, Any] = {"fp8": "hybrid", "fp8_recipe": choice.fp8}
+        if choice.fp8 == "delayed":
+            fields.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+        return fields
+    return {}
+
+
 def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformerConfig:
     """The mcore TransformerConfig for a RunConfig (parallel sizes, dtypes, recompute, kernels)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -179,8 +194,8 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
         workbench_tp_comm_overlap=p.tp_comm_overlap and p.tensor_parallel > 1,
-        workbench_fp8=None if t.fp8 == "off" else t.fp8,
     )
+    kwargs.update(_fp8_fields(cfg))
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
         kwargs.update(num_layers_in_first_pipeline_stage=stage_layers[0], num_layers_in_last_pipeline_stage=stage_layers[-1])
@@ -284,6 +299,9 @@ def kernel_path(cfg: RunConfig) -> dict[str, str]:
         "recompute": {"none": "none", "full": f"full (uniform, {cfg.parallel.recompute_num_layers} layer/block)",
                       "selective": "selective: " + ("core_attn (TE)" if choice.selective == "core_attn" else SELECTIVE_RECOMPUTE)}[cfg.parallel.recompute],
     }
+    if choice.fp8_impl == "te":  # the torch path reports itself (fast_fp8, from the built layers)
+        out["fp8"] = (f"Transformer Engine FP8 ({choice.fp8} scaling, E4M3 forward / E5M2 gradients): every TE linear "
+                      "of the transformer layers (embedding and output layer in the training precision)")
     notes = fusions.transformer_config_overrides(cfg)
     out["fusions"] = ", ".join(f"{k}={v}" for k, v in notes.items() if "fusion" in k and v) or "none"
     return out
