@@ -324,6 +324,15 @@ def _fp8_slot(recipe: str, layer: str, attention: str) -> dict[str, str]:
     return {"fp8": recipe, "fp8_impl": impl}
 
 
+def _te_version() -> tuple[int, ...]:
+    """(major, minor) of the installed transformer-engine; (99,) when its metadata is missing (nothing to check)."""
+    try:
+        v = importlib.metadata.version("transformer-engine")
+    except importlib.metadata.PackageNotFoundError:
+        return (99,)
+    return tuple(int(x) for x in v.split("+")[0].split(".")[:2] if x.isdigit())
+
+
 def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
     """``(field, rule, fix)`` for a ``train.fp8`` this config cannot train with (config validation calls it).
 
@@ -347,13 +356,20 @@ def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
         other = "attention_backend: te with TE installed" if impl == "torch" else "the compiled layer"
         out.append(("train.fp8", f"the '{t.fp8}' recipe does not run on {where}, which this config uses",
                     f"use one of {', '.join(FP8_RECIPES[impl])}, or {other} for '{t.fp8}', or fp8: off"))
+    if impl == "te" and t.fp8 == "tensorwise" and _te_version() < (2, 2):
+        out.append(("train.fp8", "Transformer Engine's current (tensorwise) scaling needs transformer-engine >= 2.2",
+                    "bash launch/install_te.sh (2.20.2), or fp8: delayed"))
     tp = max(1, p.tensor_parallel)
-    kv = m.kv_channels or (m.hidden_size // max(1, m.num_attention_heads))
-    dims = {"model.hidden_size": m.hidden_size, "model.ffn_hidden_size (per TP rank)": m.ffn_size // tp,
+    kv, groups = m.head_dim, m.query_groups
+    dims = {"model.hidden_size": m.hidden_size,
+            "model.ffn_hidden_size (fc1 output per TP rank)": m.ffn_size * (2 if m.gated_mlp else 1) // tp,
+            "model.ffn_hidden_size (per TP rank)": m.ffn_size // tp,
             "model.kv_channels x heads (per TP rank)": kv * m.num_attention_heads // tp,
-            "model.seq_length x train.micro_batch_size (tokens per GEMM)": m.seq_length * t.micro_batch_size}
+            "QKV width kv_channels x (heads + 2 x query groups) (per TP rank)": kv * (m.num_attention_heads + 2 * groups) // tp,
+            "model.seq_length x train.micro_batch_size (tokens per GEMM)": m.seq_length * t.micro_batch_size,
+            "decoder sequence length x train.micro_batch_size (tokens per decoder GEMM)": m.decoder_seq * t.micro_batch_size}
     bad = [f"{name} = {v}" for name, v in dims.items() if v % 16]
     if bad:
-        out.append(("train.fp8", f"torch._scaled_mm needs GEMM sizes that are multiples of 16: {', '.join(bad)}",
+        out.append(("train.fp8", f"FP8 GEMMs need sizes that are multiples of 16: {', '.join(bad)}",
                     "use sizes that are multiples of 16, or fp8: off"))
     return out

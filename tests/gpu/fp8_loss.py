@@ -4,7 +4,8 @@
     python3 tests/gpu/fp8_loss.py --plot bench/results/fp8_loss.jsonl --png bench/results/fp8_loss.png   (here, no GPU)
 
 Per recipe (off = bf16, tensorwise, rowwise): ``python -m workbench.backend`` under torchrun on the embedded corpus
-(real text; same seed, so the same initial weights and batches), one GPU.  From the event streams: every step's
+(real text; same seed, so the same initial weights and batches), one GPU; first a check of the FP8 linear itself in
+bf16 on the GPU against an fp32 linear.  From the event streams: every step's
 loss, tokens/s and the kernel path the run reported.  The comparison is the issue's: per step, the relative
 difference of the losses smoothed over ``--window`` steps (a centred moving average), and its maximum after the
 first ``--window`` steps; the bar is 1.5%.  One JSON line per recipe with device, date and commit, the last one
@@ -51,6 +52,32 @@ def run(model: str, recipe: str, steps: int, timeout: float, over: dict) -> dict
             "error": None if proc.returncode == 0 else proc.stderr[-3000:]}
 
 
+def linear_check() -> dict:
+    """fp8.linear on the GPU in bf16 (cuBLASLt's FP8 GEMM: its layout and dtype rules are stricter than the CPU
+    kernel's) against F.linear in fp32, forward and both gradients, per recipe: relative errors."""
+    import torch
+    import torch.nn.functional as F
+
+    from workbench.backend import fp8
+    from workbench.provenance import stamp
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 2048, 2048, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(3072, 2048, device="cuda", generator=g) * 0.02).bfloat16()
+    dy = torch.randn(2, 2048, 3072, device="cuda", generator=g).bfloat16()
+    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+    F.linear(xr, wr).backward(dy.float())
+    ref_y = F.linear(x.float(), w.float())
+    out = {**stamp(), "check": "fp8.linear vs fp32 F.linear (bf16 operands, CUDA)"}
+    rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+    for recipe in fp8.RECIPES:
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8.linear(xa, wa, None, recipe)
+        y.backward(dy)
+        out[recipe] = {"y": rel(y, ref_y), "dx": rel(xa.grad, xr.grad), "dw": rel(wa.grad, wr.grad), "dtype": str(y.dtype)}
+    return out
+
+
 def smoothed(xs: list[float], window: int) -> list[float]:
     """Centred moving average (shorter at the ends)."""
     half = window // 2
@@ -73,7 +100,7 @@ def plot(path: Path, png: Path, window: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    rows = [r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip()) if "recipe" in r]
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
     base = next(r for r in rows if r["recipe"] == "off")
     for r in rows:
@@ -114,10 +141,17 @@ def main() -> int:
         return 0
     if not a.out:
         ap.error("--out is required (or --plot)")
+    if a.recipes.split(",")[0] != "off":
+        ap.error("--recipes must start with off (the bf16 curve the FP8 ones are compared with)")
     over = {"train.micro_batch_size": a.micro_batch_size, "train.global_batch_size": a.global_batch_size,
             "model.seq_length": a.seq_length}
     rows = []
     with open(a.out, "a") as fh:
+        check = linear_check()
+        fh.write(json.dumps(check) + "\n")
+        print(json.dumps(check), flush=True)
+        if any(check[r][k] > 0.1 for r in ("tensorwise", "rowwise") for k in ("y", "dx", "dw")):
+            return 1
         for recipe in a.recipes.split(","):
             row = run(a.model, recipe, a.steps, a.timeout, over)
             if rows and rows[0]["recipe"] == "off":
@@ -127,7 +161,8 @@ def main() -> int:
             fh.flush()
             print(json.dumps({k: row.get(k) for k in ("recipe", "returncode", "steps", "fast_fp8", "tokens_per_s", "vs_bf16", "error")}),
                   flush=True)
-    return 0 if all(r["returncode"] == 0 and r.get("vs_bf16", {}).get("within_bar", True) for r in rows) else 1
+    fp8_ran = all(r["fast_fp8"] for r in rows if r["recipe"] != "off")  # else the curves match trivially
+    return 0 if fp8_ran and all(r["returncode"] == 0 and r.get("vs_bf16", {}).get("within_bar", True) for r in rows) else 1
 
 
 if __name__ == "__main__":

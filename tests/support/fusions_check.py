@@ -191,32 +191,33 @@ def check_tp2_order() -> dict:
     dist.init_process_group("gloo")
     inductor.force_disable_caches = True  # the code is generated, not loaded from a cache
     h, heads, s, b, tp = 64, 4, 16, 2, 2
-    kinds = [("mm", re.compile(r"extern_kernels\.mm\(")),
+    kinds = [("mm", re.compile(r"extern_kernels\.mm\(|_scaled_mm(\.default)?\(")),
              ("start", re.compile(r"_c10d_functional\.(all_reduce_?|reduce_scatter_tensor|all_gather_into_tensor)\.default\(")),
              ("wait", re.compile(r"_c10d_functional\.wait_tensor\.default\("))]
     out = {}
-    for overlap in (True, False):
-        for sp in (False, True):
-            fusions._compiled.cache_clear()
-            g = torch.Generator().manual_seed(0)
+    cases = [(overlap, sp, None) for overlap in (True, False) for sp in (False, True)]
+    cases += [(overlap, False, "tensorwise") for overlap in (True, False)]  # FP8 wgrad GEMMs are _scaled_mm
+    for overlap, sp, fp8 in cases:
+        fusions._compiled.cache_clear()
+        g = torch.Generator().manual_seed(0)
 
-            def p(*shape):
-                return torch.randn(*shape, generator=g).requires_grad_()
+        def p(*shape):
+            return torch.randn(*shape, generator=g).requires_grad_()
 
-            args = [p(s // tp if sp else s, b, h), p(h), p(h), p(3 * h // tp, h), p(3 * h // tp), p(h, h // tp), p(h),
-                    p(h), p(h), p(4 * h // tp, h), p(4 * h // tp), p(h, 4 * h // tp), p(h)]
-            fn = fusions._compiled("layer", False, overlap)
-            kw = dict(norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads // tp, groups=heads // tp, head_dim=h // heads,
-                      scale=0.25, activation="gelu", tp_group=dist.group.WORLD.group_name, sequence_parallel=sp)
-            _, codes = run_and_get_code(lambda: fn(*args, **kw).sum().backward())
-            backward = next(c for c in codes if "tangents_1" in c.split("def call", 1)[-1].split("\n", 2)[1])
-            body = backward.split("def call", 1)[1]
-            events = []
-            for line in body.splitlines():
-                for kind, pattern in kinds:
-                    if pattern.search(line):
-                        events.append(kind)
-            out[f"overlap={overlap},sp={sp}"] = events
+        args = [p(s // tp if sp else s, b, h), p(h), p(h), p(3 * h // tp, h), p(3 * h // tp), p(h, h // tp), p(h),
+                p(h), p(h), p(4 * h // tp, h), p(4 * h // tp), p(h, 4 * h // tp), p(h)]
+        fn = fusions._compiled("layer", False, overlap)
+        kw = dict(norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads // tp, groups=heads // tp, head_dim=h // heads,
+                  scale=0.25, activation="gelu", tp_group=dist.group.WORLD.group_name, sequence_parallel=sp, fp8=fp8)
+        _, codes = run_and_get_code(lambda: fn(*args, **kw).sum().backward())
+        backward = next(c for c in codes if "tangents_1" in c.split("def call", 1)[-1].split("\n", 2)[1])
+        body = backward.split("def call", 1)[1]
+        events = []
+        for line in body.splitlines():
+            for kind, pattern in kinds:
+                if pattern.search(line):
+                    events.append(kind)
+        out[f"overlap={overlap},sp={sp}" + (f",fp8={fp8}" if fp8 else "")] = events
     return out
 
 

@@ -105,6 +105,9 @@ def test_kernel_rule_reports_fp8_on_the_compiled_layer():
     ({"parallel.device": "cpu"}, "GPU-only"),
     ({"model.hidden_size": 72, "model.num_attention_heads": 4}, "model.hidden_size = 72"),
     ({"model.seq_length": 60, "train.micro_batch_size": 1}, "tokens per GEMM) = 60"),
+    # multi-query attention: q is 80 wide but the fused QKV GEMM writes 80 + 2 x 20 columns
+    ({"model.hidden_size": 80, "model.num_attention_heads": 4, "model.kv_channels": 20, "model.attention_type": "multiquery",
+      "model.ffn_hidden_size": 128}, "(per TP rank) = 120"),
 ])
 def test_an_fp8_config_that_cannot_train_is_refused_naming_train_fp8_and_the_fix(over, needle):
     problems = [p for p in validate(_llama(**{"train.fp8": "tensorwise", **over})) if p.field == "train.fp8"]
@@ -138,3 +141,15 @@ def test_transformer_engines_recipes_go_to_megatrons_fp8_config_on_the_te_layer(
     assert plain.fp8 is None and "fp8" not in wm.kernel_path(_llama(**{"model.attention_backend": "te"}))
     torch_path = wm.transformer_config(_llama(**{"train.fp8": "tensorwise"}))
     assert torch_path.fp8 is None and torch_path.workbench_fp8 == "tensorwise"  # megatron's TE-only fp8 stays off
+
+
+def test_a_t5_decoder_whose_token_count_is_not_a_multiple_of_16_is_refused():
+    """T5's decoder GEMMs run on decoder_seq_length x micro_batch_size tokens (not the encoder's count)."""
+    def t5(mbs):
+        return preset("t5-tiny", **{"parallel.device": "cuda", "train.precision": "bf16", "train.compile_kernels": True,
+                                    "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0, "train.fp8": "rowwise",
+                                    "train.micro_batch_size": mbs, "train.global_batch_size": 16})
+    assert t5(1).model.decoder_seq % 16 and t5(1).model.seq_length % 16 == 0
+    problems = [p for p in validate(t5(1)) if p.field == "train.fp8"]
+    assert problems and "tokens per decoder GEMM" in problems[0].rule
+    assert validate(t5(2)) == []

@@ -699,12 +699,15 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
                 if compiled[0].tp_overlap:
                     notes["layer"] += ", backward collectives under the weight-gradient GEMMs"
+                    if compiled[0]._static["fp8"]:
+                        notes["layer"] += " (with FP8 in part: inductor fuses an FP8 operand into the norm backward)"
             if compiled[0]._static["fp8"]:
                 from workbench.backend.fp8 import GEMMS, supported_here
 
                 if (why_not := supported_here()) is not None:
                     raise RuntimeError(f"train.fp8: {why_not}; fix: train.fp8: off")
-                notes["fp8"] = f"FP8 GEMMs ({compiled[0]._static['fp8']} scaling, torch._scaled_mm): {GEMMS}"
+                notes["fp8"] = (f"FP8 GEMMs ({compiled[0]._static['fp8']} scaling, torch._scaled_mm) in the "
+                                f"{len(compiled)}/{len(layers)} compiled layers: {GEMMS}")
             if compiled[0]._static["recompute_mlp"]:
                 notes["layer"] += ", MLP recomputed in backward inside the graph"
             if compiled[0].config.recompute_granularity == "full":

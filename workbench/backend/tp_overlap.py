@@ -9,6 +9,8 @@ from typing import Any, Optional
 __all__ = ["sink_weight_gradients", "tp_overlap_pass"]
 
 _VIEW_OPS = ("view", "_unsafe_view", "reshape", "permute", "t", "transpose")
+#: the GEMMs a weight gradient can be: bf16 (``mm``) or FP8 (``_scaled_mm``, train.fp8)
+_GEMMS = ("mm", "_scaled_mm")
 _COLLECTIVE_STARTS = ("all_reduce", "all_reduce_", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
@@ -57,7 +59,7 @@ def sink_weight_gradients(graph: Any) -> int:
     moved, pending = 0, []
     for node in nodes:
         name = _op_name(node)
-        if name == "mm" and (chain := _weight_gradient_chain(node)) is not None:
+        if name in _GEMMS and (chain := _weight_gradient_chain(node)) is not None:
             pending.append(chain)
         elif name in _COLLECTIVE_STARTS and pending:
             anchor = node
