@@ -121,10 +121,10 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         rows.append(Variant(f"workbench/{m}", "workbench", m, microbatches=microbatches))
         rows.append(Variant(f"workbench-nograph/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.cuda_graphs": False}))
+    for m in models:
         for recipe in ("tensorwise", "rowwise"):  # torch-native FP8 GEMMs ("scaling": speed vs bf16 workbench)
             rows.append(Variant(f"workbench-fp8-{recipe}/{m}", "workbench", m, microbatches=microbatches,
                                 baseline=f"workbench/{m}", overrides={"train.fp8": recipe}))
-    for m in models:
         rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.compile_kernels": False}))
         rows.append(Variant(f"workbench-local/{m}", "workbench", m, microbatches=microbatches,

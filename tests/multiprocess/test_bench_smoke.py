@@ -110,6 +110,29 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
     assert by_name["dp2-distopt/gpt2-small"].overrides["parallel.overlap_param_gather"] is True
 
 
+def test_fp8_rows_are_valid_configs_scaled_against_their_bf16_row(monkeypatch):
+    """The torch-native FP8 rows (and TE's, where TE is importable) train the default row's config with train.fp8 set."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_throughput as tt
+
+    from workbench import kernels
+
+    monkeypatch.setattr(kernels, "te_available", lambda: True)  # the TE rows' configs as a TE machine validates them
+    by_name = {v.name: v for v in tt.plan(["gpt2-medium", "llama3.2-1b"], gpus=1, have_te=True, microbatches=4)}
+    for m in ("gpt2-medium", "llama3.2-1b"):
+        base = tt.bench_config(by_name[f"workbench/{m}"])
+        for name, recipe, impl, baseline in ((f"workbench-fp8-tensorwise/{m}", "tensorwise", "torch", f"workbench/{m}"),
+                                             (f"workbench-fp8-rowwise/{m}", "rowwise", "torch", f"workbench/{m}"),
+                                             (f"workbench-te-fp8-tensorwise/{m}", "tensorwise", "te", f"workbench-te/{m}"),
+                                             (f"workbench-te-fp8-delayed/{m}", "delayed", "te", f"workbench-te/{m}")):
+            v = by_name[name]
+            cfg = tt.bench_config(v)
+            assert cfg.validate() == [], (name, cfg.validate())
+            assert v.baseline == baseline and kernels.choose(cfg).fp8_impl == impl and cfg.train.fp8 == recipe
+            assert cfg.replace(**{"train.fp8": "off", "model.attention_backend": base.model.attention_backend}).to_dict() == base.to_dict()
+
+
 def test_allreduce_probe_runs_over_two_ranks(tmp_path):
     """bench/allreduce_probe.py over gloo (--cpu): one all-reduce and one send/recv row, stamped."""
     out = tmp_path / "probe.jsonl"
