@@ -317,8 +317,13 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
 FP8_RECIPES = {"torch": ("tensorwise", "rowwise"), "te": ("tensorwise", "delayed")}
 
 
+def _fp8_impl(layer: str, attention: str) -> str:
+    """Who runs FP8 GEMMs on this layer: torch (the compiled layer), te (TE's layer), or nobody ("")."""
+    return "torch" if layer == "compiled" else ("te" if attention == "te" else "")
+
+
 def _fp8_slot(recipe: str, layer: str, attention: str) -> dict[str, str]:
-    impl = "torch" if layer == "compiled" else ("te" if attention == "te" else "")
+    impl = _fp8_impl(layer, attention)
     if recipe == "off" or recipe not in FP8_RECIPES.get(impl, ()):
         return {"fp8": "off", "fp8_impl": ""}
     return {"fp8": recipe, "fp8_impl": impl}
@@ -347,7 +352,7 @@ def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
     if t.precision != "bf16":
         out.append(("train.fp8", f"FP8 GEMMs train under bf16 (precision is {t.precision})", "set precision: bf16, or fp8: off"))
     choice = choose(cfg)
-    impl = "torch" if choice.layer == "compiled" else ("te" if choice.attention == "te" else "")
+    impl = _fp8_impl(choice.layer, choice.attention)
     if not impl:
         out.append(("train.fp8", f"FP8 GEMMs run on the compiled layer or on Transformer Engine's; this config uses neither "
                                  f"({choice.layer_reason})", "remove what keeps the layer stock, or set fp8: off"))

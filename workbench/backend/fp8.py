@@ -30,9 +30,11 @@ from typing import Optional
 
 import torch
 
+from workbench.kernels import FP8_RECIPES
+
 __all__ = ["RECIPES", "GEMMS", "quantize", "scaled_mm", "linear", "supported_here"]
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = FP8_RECIPES["torch"]  # the kernel rule's list for this implementation
 #: The GEMMs that run in FP8 (the kernel path names them).
 GEMMS = "QKV, attention output, fc1, fc2 (and T5's cross-attention q/kv/output)"
 
