@@ -34,10 +34,12 @@ What is modelled (bytes on one rank; ``t`` = tensor parallel, ``s`` = sequence l
   logits), and the output layer's weight-gradient transient.
 * **Pipeline buffers**: received activation/gradient tensors, and un-freed stage outputs when
   ``deallocate_pipeline_outputs`` is off.
-* **FP8** (``train.fp8`` on the compiled layer): the same terms as the training precision.  The
-  compiled graph keeps the bf16 inputs its norms and attention need in backward either way, and the FP8
-  copies are transient: measured on the Llama-1B shape (H100, bench/results/train_throughput_fp8.jsonl)
-  the steady-state allocated peak is the same to 0.01 GiB (24.73) with and without FP8; reserved is
+* **FP8** (``train.fp8`` on the compiled layer): the training precision's terms, plus the FP8 weight
+  copies the step keeps (forward and transposed, cast once per step: 2 bytes per layer parameter,
+  ``detail["fp8_weight_copies"]``, counted in ``weights``).  The compiled graph keeps the bf16 inputs its
+  norms and attention need in backward either way, and the activations' FP8 copies are transient:
+  measured on the Llama-1B shape (H100, bench/results/train_throughput_fp8.jsonl, before the weight
+  copies) the allocated peak was the same to 0.01 GiB (24.73) with and without FP8; reserved was
   3 GiB lower with FP8, which the plan does not model (it errs high).  TE's FP8 is not measured yet.
 * **Transients**: one layer's backward working set, the optimizer step (torch's foreach
   AdamW materialises ``sqrt(v)``; fused Adam does not), cuBLAS workspaces, megatron's
@@ -425,7 +427,10 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     P = params["total"]
 
     # ---- static state
-    weights = P * sh.w
+    # train.fp8 on the compiled layer: each GEMM weight's forward and transposed copies in FP8, cast once
+    # per step and kept (workbench.backend.fp8.cached): 2 bytes per layer parameter (norms counted too)
+    fp8_weight_copies = 2 * params["layers"] if kp.fp8_impl == "torch" else 0
+    weights = P * sh.w + fp8_weight_copies
     grads = P * sh.grad_bytes
     shard = math.ceil(P / sh.dp) if sh.dist_opt else P
     master = 4 * shard if sh.mixed else 0
@@ -567,6 +572,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
         "recompute_block": int(recompute_block),
         "optimizer_step_transient": int(step_tmp),
         "global_buffer": int(gbuf),
+        "fp8_weight_copies": int(fp8_weight_copies),
         "communicators": groups,
     }
     return StagePlan(

@@ -143,8 +143,8 @@ def test_families_on_the_compiled_layer_under_torch_compile():
 @pytest.mark.slow
 def test_fp8_gemms_train_on_the_compiled_layer_under_torch_compile():
     """train.fp8 through the real Trainer (RoPE/GQA/SwiGLU GPT, torch.compile'd layer, CPU): every layer takes the
-    compiled path, the kernel path names the recipe, and three steps stay within FP8's rounding of the same run
-    without FP8 while differing from it (the GEMMs really ran in FP8)."""
+    compiled path, the kernel path names the recipe, three steps stay within FP8's rounding of the same run
+    without FP8 while differing from it (the GEMMs really ran in FP8), and each weight is cast once per step."""
     proc = subprocess.run([sys.executable, str(FUSIONS_CHECK), "fp8"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**__import__("os").environ, "CHECK_PORT": str(free_port()), "CHECK_COMPILE": "1"})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -162,6 +162,9 @@ def test_fp8_gemms_train_on_the_compiled_layer_under_torch_compile():
         for a, b in zip(run["grad_norms"], off["grad_norms"]):
             assert _close(a, b, 5e-2), (recipe, run["grad_norms"], off["grad_norms"])
         assert run["losses"][0] != run["losses"][2]
+        # each GEMM weight (4 per layer) cast to FP8 once per step, not per micro-batch and GEMM
+        assert run["weight_casts"] == 3 * 4 * run["layers"], run["weight_casts"]
+    assert off["weight_casts"] == 0
 
 
 @pytest.mark.slow

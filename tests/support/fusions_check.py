@@ -337,8 +337,12 @@ def check_fp8() -> dict:
 
     over = {**FAMILY_CASES["gpt-rope"][1], "data.source": "synthetic"}
     out = {}
+    from workbench.backend import fp8
+
     for recipe in ("off", "tensorwise", "rowwise"):
+        casts = fp8.weight_casts()
         out[recipe] = check_trainer(True, "tiny", {**over, "train.fp8": recipe})
+        out[recipe]["weight_casts"] = fp8.weight_casts() - casts
         parallel_state.destroy_model_parallel()
     return out
 

@@ -82,6 +82,53 @@ def test_linear_without_a_recipe_is_f_linear_and_misaligned_shapes_are_refused()
         fp8.linear(torch.randn(5, 32), w, None, "tensorwise")
 
 
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_a_steps_cached_fp8_weight_gives_the_same_gemms_as_casting_per_call(recipe):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 64, generator=g).requires_grad_()
+    w = (torch.randn(48, 64, generator=g) * 0.05).requires_grad_()
+    grad = torch.randn(32, 48, generator=g)
+    y = fp8.linear(x, w, None, recipe)
+    y.backward(grad)
+    per_call = (y.detach(), x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    fp8.open_step()
+    try:
+        cw = fp8.cached(w, recipe)
+        assert isinstance(cw, fp8.FP8Weight) and cw.w is w
+        assert cw.fwd.dtype == torch.float8_e4m3fn and cw.bwd.shape == (64, 48)  # w transposed: column-major for dgrad
+        y = fp8.linear(x, cw, None, recipe)
+        y.backward(grad)
+    finally:
+        fp8.close_step()
+    assert torch.equal(y.detach(), per_call[0])
+    assert torch.equal(x.grad, per_call[1]) and torch.equal(w.grad, per_call[2])  # the gradient still reaches w
+
+
+def test_weights_are_cast_once_per_step_in_place_and_never_outside_a_step():
+    w = torch.randn(32, 16)
+    assert fp8.cached(w, "tensorwise") is w  # no step open: linear casts per call
+    fp8.open_step()
+    try:
+        first = fp8.cached(w, "tensorwise")
+        old_inv = first.fwd_inv.clone()
+        w.mul_(4.0)  # (weights do not change inside a step; this shows the copy is not re-cast per call)
+        again = fp8.cached(w, "tensorwise")
+        assert again.fwd is first.fwd and torch.equal(again.fwd_inv, old_inv)
+        assert fp8.cached(w, None) is w
+    finally:
+        fp8.close_step()
+    assert fp8.cached(w, "tensorwise") is w
+    fp8.open_step()
+    try:
+        nxt = fp8.cached(w, "tensorwise")
+    finally:
+        fp8.close_step()
+    assert nxt.fwd.data_ptr() == first.fwd.data_ptr()  # refreshed in place: CUDA graphs read the same address
+    assert torch.allclose(nxt.fwd_inv, old_inv * 4.0)  # the next step sees the new weight (amax x4)
+    assert torch.equal(nxt.bwd, nxt.fwd.t().contiguous())
+
+
 def _llama(**over):
     return preset("tiny", **{"model.normalization": "rmsnorm", "model.activation": "swiglu", "model.position_embedding": "rope",
                              "model.add_bias_linear": False, "parallel.device": "cuda", "train.precision": "bf16",
@@ -95,6 +142,22 @@ def test_kernel_rule_reports_fp8_on_the_compiled_layer():
     assert choice.fp8_impl == "torch" and "FP8 GEMMs (rowwise, torch)" in choice.describe()
     assert kernels.choose(_llama(), te=False).fp8 == "off"
     assert validate(cfg) == []
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_plan_counts_the_steps_fp8_weight_copies(tp):
+    """Forward + transposed FP8 copies of every layer weight on the rank: 2 bytes per layer parameter, nothing else."""
+    from workbench import planner
+
+    over = {"parallel.tensor_parallel": tp, "parallel.nproc_per_node": tp, "train.micro_batch_size": 2, "model.seq_length": 64}
+    bf16 = planner.predict(_llama(**over), assumptions=planner.PlannerAssumptions(transformer_engine=False)).stages[0]
+    f8 = planner.predict(_llama(**over, **{"train.fp8": "tensorwise"}),
+                         assumptions=planner.PlannerAssumptions(transformer_engine=False)).stages[0]
+    layer_params = bf16.detail["params"]["layers"]
+    assert f8.detail["fp8_weight_copies"] == 2 * layer_params > 0 and bf16.detail["fp8_weight_copies"] == 0
+    assert f8.components["weights"] - bf16.components["weights"] == 2 * layer_params
+    assert {k: v for k, v in f8.components.items() if k != "weights"} == \
+        {k: v for k, v in bf16.components.items() if k != "weights"}
 
 
 @pytest.mark.parametrize("over, needle", [

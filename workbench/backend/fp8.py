@@ -21,18 +21,29 @@ column of ``b``):
   its own contracted dimension (the token dimension for the weight gradient).
 
 Scales are computed from the current tensor (no amax history: "current scaling"), in fp32.
+The forward GEMM accumulates with cuBLAS's fast FP8 accumulation (as torchao's Float8 training
+does for the output); both backward GEMMs accumulate in full fp32.
+
+Weights are cast once per training step, not once per micro-batch and GEMM: between
+:func:`open_step` and :func:`close_step` (the training loop's forward-backward, where no
+weight changes) :func:`cached` hands the compiled layer an :class:`FP8Weight`, the weight
+with its forward and transposed backward FP8 copies, refreshed in place on the first call of
+the step (static addresses: the CUDA graphs read them where they are).  That is 2 bytes per
+GEMM weight element of persistent memory (the planner's ``fp8_weight_cache``).  Outside the
+window (evaluation, generation, tests) every call quantises its weight itself.
 This module is torch-only and runs on CPU (the tests compare it with a float reference).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from workbench.kernels import FP8_RECIPES
 
-__all__ = ["RECIPES", "GEMMS", "quantize", "scaled_mm", "linear", "supported_here"]
+__all__ = ["RECIPES", "GEMMS", "FP8Weight", "quantize", "scaled_mm", "linear", "supported_here", "open_step",
+           "close_step", "cached", "weight_casts"]
 
 RECIPES = FP8_RECIPES["torch"]  # the kernel rule's list for this implementation
 #: The GEMMs that run in FP8 (the kernel path names them).
@@ -68,55 +79,147 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: Optional[int]) -> tuple[t
     return q, scale.reciprocal()
 
 
-def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype,
+              fast_accum: bool = False) -> torch.Tensor:
     """``(a * a_inv) @ (b * b_inv)`` for FP8 ``a`` [m, k] (row-major) and ``b`` [k, n] (made column-major here),
-    fp32 accumulation, ``out_dtype`` result."""
+    fp32 accumulation (``fast_accum``: cuBLAS's faster FP8 accumulation, for the forward), ``out_dtype`` result."""
     if b.stride(0) != 1:
         b = b.t().contiguous().t()
-    return torch._scaled_mm(a.contiguous(), b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+    return torch._scaled_mm(a.contiguous(), b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+class FP8Weight(NamedTuple):
+    """A GEMM weight ``w`` [n, k] with its FP8 copies for one training step (:func:`cached`).
+
+    ``fwd`` [n, k] (the forward's right operand is ``fwd.t()``) with ``fwd_inv`` (a scalar, or
+    per output row [n, 1] for rowwise); ``bwd`` [k, n] (the input gradient's right operand is
+    ``bwd.t()``: ``w`` column-major) with ``bwd_inv`` (a scalar, or per input column [1, k]).
+    """
+
+    w: torch.Tensor
+    fwd: torch.Tensor
+    fwd_inv: torch.Tensor
+    bwd: torch.Tensor
+    bwd_inv: torch.Tensor
+
+
+def _cast_weight(w: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four FP8 tensors of :class:`FP8Weight` for ``w`` under ``recipe``."""
+    if recipe == "rowwise":
+        fwd, fwd_inv = quantize(w, E4M3, -1)
+        bwd, bwd_inv = quantize(w, E4M3, 0)
+        return fwd, fwd_inv, bwd.t().contiguous(), bwd_inv
+    fwd, inv = quantize(w, E4M3, None)
+    return fwd, inv, fwd.t().contiguous(), inv
+
+
+def _refresh(w: torch.Tensor, fwd: torch.Tensor, fwd_inv: torch.Tensor, bwd: torch.Tensor, bwd_inv: torch.Tensor,
+             recipe: str) -> None:
+    """Cast ``w`` into the step's FP8 buffers in place (their addresses stay: CUDA graphs read them)."""
+    for dst, src in zip((fwd, fwd_inv, bwd, bwd_inv), _cast_weight(w, recipe)):
+        dst.copy_(src)
+
+
+_compiled_refresh = None
+_STEP = {"open": False, "generation": 0, "casts": 0}
+
+
+def weight_casts() -> int:
+    """How many times a weight's step copies were cast in this process (once per weight and step)."""
+    return _STEP["casts"]
+
+
+def open_step() -> None:
+    """Weights stay fixed until :func:`close_step`: each is cast to FP8 once (on its first use)."""
+    _STEP["generation"] += 1
+    _STEP["open"] = True
+
+
+def close_step() -> None:
+    """Weights may change (the optimizer step follows): no cached FP8 copy is handed out until the next
+    :func:`open_step`."""
+    _STEP["open"] = False
+
+
+def cached(w: torch.Tensor, recipe: Optional[str]) -> Union[torch.Tensor, FP8Weight]:
+    """``w`` with its FP8 copies for this step (:class:`FP8Weight`), cast on its first use in the step;
+    ``w`` itself outside an open step or without a recipe (:func:`linear` then quantises per call)."""
+    global _compiled_refresh
+    if recipe is None or not _STEP["open"]:
+        return w
+    entry = getattr(w, "_workbench_fp8", None)
+    if entry is None or entry[0] != recipe:
+        bufs = tuple(torch.empty_like(t) for t in _cast_weight(w.detach(), recipe))
+        if w.is_cuda:  # the CUDA graphs read them in place: static inputs, no copy per replay
+            from torch._dynamo import mark_static_address
+
+            for t in bufs:
+                mark_static_address(t, guard=False)
+        entry = [recipe, -1, bufs]
+        w._workbench_fp8 = entry
+    if entry[1] != _STEP["generation"]:
+        if w.is_cuda and _compiled_refresh is None:
+            _compiled_refresh = torch.compile(_refresh, dynamic=False)
+        with torch.no_grad():
+            (_compiled_refresh if w.is_cuda else _refresh)(w.detach(), *entry[2], recipe)
+        entry[1] = _STEP["generation"]
+        _STEP["casts"] += 1
+    return FP8Weight(w, *entry[2])
 
 
 class _FP8Linear(torch.autograd.Function):
     """``x @ w.T`` with both GEMMs of backward in FP8 too (recipe: see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: str, *cast: torch.Tensor) -> torch.Tensor:
+        """``cast``: the step's (fwd, fwd_inv, bwd, bwd_inv) of :class:`FP8Weight`, or nothing (cast here)."""
         x2 = x.reshape(-1, x.shape[-1])
         rows = recipe == "rowwise"
         x8, xs = quantize(x2, E4M3, -1 if rows else None)
-        w8, ws = quantize(w, E4M3, -1 if rows else None)  # w [n, k]: a scale per output row = per column of w.T
-        y = scaled_mm(x8, xs, w8.t(), ws.t() if rows else ws, x.dtype)
+        # w [n, k]: a scale per output row = per column of w.T
+        w8, ws = cast[:2] if cast else quantize(w, E4M3, -1 if rows else None)
+        y = scaled_mm(x8, xs, w8.t(), ws.t() if rows else ws, x.dtype, fast_accum=True)
         ctx.recipe = recipe
         ctx.x_shape = x.shape
-        if rows:
-            ctx.save_for_backward(x2, w)
-        else:  # the FP8 input is the weight gradient's operand as it is
-            ctx.save_for_backward(x8, xs, w)
+        ctx.cast = bool(cast)
+        # tensorwise: the FP8 input is the weight gradient's operand as it is
+        saved = (x2, w) if rows else (x8, xs, w)
+        ctx.save_for_backward(*saved, *cast[2:])
         return y.view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g = grad.reshape(-1, grad.shape[-1])  # [t, n]
+        cast = ctx.saved_tensors[-2:] if ctx.cast else ()
         if ctx.recipe == "rowwise":
-            x2, w = ctx.saved_tensors
+            x2, w = ctx.saved_tensors[:2]
             g8, gs = quantize(g, E4M3, -1)                 # dgrad: contracted over n
-            wc8, wcs = quantize(w, E4M3, 0)                # a scale per column of w [1, k]
+            if cast:                                       # w [n, k] column-major, a scale per column [1, k]
+                wc8, wcs = cast[0].t(), cast[1]
+            else:
+                wc8, wcs = quantize(w, E4M3, 0)
             dx = scaled_mm(g8, gs, wc8, wcs, grad.dtype)
             gt8, gts = quantize(g.t(), E4M3, -1)           # wgrad: contracted over t
             xc8, xcs = quantize(x2, E4M3, 0)
             dw = scaled_mm(gt8, gts, xc8, xcs, w.dtype)
         else:
-            x8, xs, w = ctx.saved_tensors
+            x8, xs, w = ctx.saved_tensors[:3]
             g8, gs = quantize(g, E5M2, None)
-            w8, ws = quantize(w, E4M3, None)
+            w8, ws = (cast[0].t(), cast[1]) if cast else quantize(w, E4M3, None)
             dx = scaled_mm(g8, gs, w8, ws, grad.dtype)
             dw = scaled_mm(g8.t(), gs, x8, xs, w.dtype)
-        return dx.view(ctx.x_shape), dw, None
+        return (dx.view(ctx.x_shape), dw, None) + (None,) * (4 if ctx.cast else 0)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], recipe: Optional[str]) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Union[torch.Tensor, FP8Weight], bias: Optional[torch.Tensor],
+           recipe: Optional[str]) -> torch.Tensor:
     """``F.linear(x, w, bias)`` with the GEMM in FP8 under ``recipe`` (plain ``F.linear`` when None).
+    ``w`` may be the step's :class:`FP8Weight` (:func:`cached`): its FP8 copies are used as they are.
     The bias is added in the output's precision after the GEMM (as a bf16 GEMM epilogue would)."""
+    cast: tuple = ()
+    if isinstance(w, FP8Weight):
+        w, cast = w.w, tuple(w[1:])
     if recipe is None:
         return torch.nn.functional.linear(x, w, bias)
     tokens = x.numel() // x.shape[-1]
@@ -124,5 +227,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], recip
         raise ValueError(f"train.fp8: a GEMM of shape tokens={tokens}, in={x.shape[-1]}, out={w.shape[0]} is not a "
                          f"multiple of {ALIGN} in every dimension (torch._scaled_mm needs that); fix: sizes that are "
                          f"multiples of {ALIGN}, or train.fp8: off")
-    y = _FP8Linear.apply(x, w, recipe)
+    y = _FP8Linear.apply(x, w, recipe, *cast)
     return y if bias is None else y + bias

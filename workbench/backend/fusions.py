@@ -51,6 +51,7 @@ FP8 is opt-in (``train.fp8``, :mod:`workbench.backend.fp8`): the compiled layer'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any, Iterable, Optional
@@ -69,7 +70,8 @@ from megatron.core.utils import make_viewless_tensor
 
 from workbench import kernels
 from workbench.backend.attention import SDPAttention, sdpa_mask
-from workbench.backend.fp8 import linear as fp8_linear
+from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_step, linear as fp8_linear, \
+    open_step as fp8_open_step
 from workbench.backend.tp_overlap import sink_weight_gradients, tp_overlap_pass
 
 __all__ = [
@@ -81,6 +83,7 @@ __all__ = [
     "prepare_model",
     "prepare_optimizer",
     "step_begin",
+    "training_step",
     "graphs_wanted",
     "install_multi_tensor_fallbacks",
     "foreach_l2_norm",
@@ -427,6 +430,18 @@ def step_begin() -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
+@contextlib.contextmanager
+def training_step():
+    """A training step's forward-backward: a new path through the CUDA-graph trees, and the weights
+    fixed until it ends (``train.fp8``: each GEMM weight cast to FP8 once, not per micro-batch)."""
+    step_begin()
+    fp8_open_step()
+    try:
+        yield
+    finally:
+        fp8_close_step()
+
+
 def _norm_kind(module: torch.nn.Module) -> Optional[str]:
     from workbench.backend.norms import WorkbenchLayerNorm, WorkbenchRMSNorm
 
@@ -623,18 +638,24 @@ class CompiledTransformerLayer(TransformerLayer):
         mask = kwargs.get("attention_mask") if attn.attn_mask_type != AttnMaskType.no_mask else None
         cross = None
         context = kwargs.get("context")
+        recipe = self._static["fp8"]
+
+        def gemm_w(linear: torch.nn.Module):  # under FP8: the weight with this step's FP8 copies
+            return fp8_cached(linear.weight, recipe)
+
         if self._cross:
             xa, lnx = self.cross_attention, self.pre_cross_attn_layernorm
-            cross = (context, kwargs.get("context_mask"), lnx.weight, getattr(lnx, "bias", None), xa.linear_q.weight,
-                     xa.linear_q.bias, xa.linear_kv.weight, xa.linear_kv.bias, xa.linear_proj.weight, xa.linear_proj.bias)
+            cross = (context, kwargs.get("context_mask"), lnx.weight, getattr(lnx, "bias", None), gemm_w(xa.linear_q),
+                     xa.linear_q.bias, gemm_w(xa.linear_kv), xa.linear_kv.bias, gemm_w(xa.linear_proj),
+                     xa.linear_proj.bias)
         out = _piece("layer", self.tp_overlap)(
             x,
             ln1.weight, getattr(ln1, "bias", None),
-            attn.linear_qkv.weight, attn.linear_qkv.bias,
-            attn.linear_proj.weight, attn.linear_proj.bias,
+            gemm_w(attn.linear_qkv), attn.linear_qkv.bias,
+            gemm_w(attn.linear_proj), attn.linear_proj.bias,
             ln2.weight, getattr(ln2, "bias", None),
-            mlp.linear_fc1.weight, mlp.linear_fc1.bias,
-            mlp.linear_fc2.weight, mlp.linear_fc2.bias,
+            gemm_w(mlp.linear_fc1), mlp.linear_fc1.bias,
+            gemm_w(mlp.linear_fc2), mlp.linear_fc2.bias,
             None if mask is None else mask.bool(),
             kwargs.get("attention_bias"),
             rope[0] if isinstance(rope, tuple) else rope,

@@ -302,17 +302,18 @@ class Trainer:
         if self.cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        _fusions.step_begin()  # [perf hook] a new path through the CUDA-graph trees
         self.timer.begin_step(sample)
-        reports = self.forward_backward(
-            forward_step_func=self._make_forward_step(train=True),
-            data_iterator=self._data_iter(self.train_iters),
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=self.derived.num_microbatches,
-            seq_length=cfg.model.seq_length,
-            micro_batch_size=t.micro_batch_size,
-            forward_only=False,
-        )
+        # [perf hook] a new path through the CUDA-graph trees; weights fixed (FP8 copies cast once) until it ends
+        with _fusions.training_step():
+            reports = self.forward_backward(
+                forward_step_func=self._make_forward_step(train=True),
+                data_iterator=self._data_iter(self.train_iters),
+                model=self.model if len(self.model) > 1 else self.model[0],
+                num_microbatches=self.derived.num_microbatches,
+                seq_length=cfg.model.seq_length,
+                micro_batch_size=t.micro_batch_size,
+                forward_only=False,
+            )
         for stream in self.train_iters:  # next step's first micro-batch, built while the GPU works
             stream.prefetch()
         ok, grad_norm, _zeros = self.optimizer.step()
