@@ -105,6 +105,23 @@ def test_a_steps_cached_fp8_weight_gives_the_same_gemms_as_casting_per_call(reci
     assert torch.equal(x.grad, per_call[1]) and torch.equal(w.grad, per_call[2])  # the gradient still reaches w
 
 
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_the_fp8_linear_compiles_into_one_graph_with_and_without_the_steps_weight_copies(recipe):
+    """fullgraph: a graph break would run the casts eagerly, between the compiled layer's pieces."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 64, generator=g).requires_grad_()
+    w = (torch.randn(48, 64, generator=g) * 0.05).requires_grad_()
+    f = torch.compile(lambda x, w: fp8.linear(x, w, None, recipe).float().square().sum(), fullgraph=True, backend="aot_eager")
+    fp8.open_step()
+    try:
+        for weight in (w, fp8.cached(w, recipe)):
+            f(x, weight).backward()
+    finally:
+        fp8.close_step()
+    assert x.grad is not None and w.grad is not None
+
+
 def test_weights_are_cast_once_per_step_in_place_and_never_outside_a_step():
     w = torch.randn(32, 16)
     assert fp8.cached(w, "tensorwise") is w  # no step open: linear casts per call

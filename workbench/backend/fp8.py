@@ -172,31 +172,42 @@ class _FP8Linear(torch.autograd.Function):
     """``x @ w.T`` with both GEMMs of backward in FP8 too (recipe: see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: str, *cast: torch.Tensor) -> torch.Tensor:
-        """``cast``: the step's (fwd, fwd_inv, bwd, bwd_inv) of :class:`FP8Weight`, or nothing (cast here)."""
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: str, fwd: Optional[torch.Tensor],
+                fwd_inv: Optional[torch.Tensor], bwd: Optional[torch.Tensor], bwd_inv: Optional[torch.Tensor]) -> torch.Tensor:
+        """``fwd .. bwd_inv``: the step's FP8 copies of ``w`` (:class:`FP8Weight`), or None (cast here).
+        (Fixed arguments, no ``*args`` / ``bool(tuple)``: dynamo traces this Function into the layer's graph.)"""
         x2 = x.reshape(-1, x.shape[-1])
         rows = recipe == "rowwise"
+        cached_w = fwd is not None
         x8, xs = quantize(x2, E4M3, -1 if rows else None)
-        # w [n, k]: a scale per output row = per column of w.T
-        w8, ws = cast[:2] if cast else quantize(w, E4M3, -1 if rows else None)
+        if cached_w:
+            w8, ws = fwd, fwd_inv
+        else:  # w [n, k]: a scale per output row = per column of w.T
+            w8, ws = quantize(w, E4M3, -1 if rows else None)
         y = scaled_mm(x8, xs, w8.t(), ws.t() if rows else ws, x.dtype, fast_accum=True)
         ctx.recipe = recipe
         ctx.x_shape = x.shape
-        ctx.cast = bool(cast)
+        ctx.cached_w = cached_w
         # tensorwise: the FP8 input is the weight gradient's operand as it is
-        saved = (x2, w) if rows else (x8, xs, w)
-        ctx.save_for_backward(*saved, *cast[2:])
+        if rows and cached_w:
+            ctx.save_for_backward(x2, w, bwd, bwd_inv)
+        elif rows:
+            ctx.save_for_backward(x2, w)
+        elif cached_w:
+            ctx.save_for_backward(x8, xs, w, bwd, bwd_inv)
+        else:
+            ctx.save_for_backward(x8, xs, w)
         return y.view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         g = grad.reshape(-1, grad.shape[-1])  # [t, n]
-        cast = ctx.saved_tensors[-2:] if ctx.cast else ()
+        saved = ctx.saved_tensors
         if ctx.recipe == "rowwise":
-            x2, w = ctx.saved_tensors[:2]
+            x2, w = saved[0], saved[1]
             g8, gs = quantize(g, E4M3, -1)                 # dgrad: contracted over n
-            if cast:                                       # w [n, k] column-major, a scale per column [1, k]
-                wc8, wcs = cast[0].t(), cast[1]
+            if ctx.cached_w:                               # w [n, k] column-major, a scale per column [1, k]
+                wc8, wcs = saved[2].t(), saved[3]
             else:
                 wc8, wcs = quantize(w, E4M3, 0)
             dx = scaled_mm(g8, gs, wc8, wcs, grad.dtype)
@@ -204,12 +215,15 @@ class _FP8Linear(torch.autograd.Function):
             xc8, xcs = quantize(x2, E4M3, 0)
             dw = scaled_mm(gt8, gts, xc8, xcs, w.dtype)
         else:
-            x8, xs, w = ctx.saved_tensors[:3]
+            x8, xs, w = saved[0], saved[1], saved[2]
             g8, gs = quantize(g, E5M2, None)
-            w8, ws = (cast[0].t(), cast[1]) if cast else quantize(w, E4M3, None)
+            if ctx.cached_w:
+                w8, ws = saved[3].t(), saved[4]
+            else:
+                w8, ws = quantize(w, E4M3, None)
             dx = scaled_mm(g8, gs, w8, ws, grad.dtype)
             dw = scaled_mm(g8.t(), gs, x8, xs, w.dtype)
-        return (dx.view(ctx.x_shape), dw, None) + (None,) * (4 if ctx.cast else 0)
+        return dx.view(ctx.x_shape), dw, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, w: Union[torch.Tensor, FP8Weight], bias: Optional[torch.Tensor],
@@ -217,9 +231,9 @@ def linear(x: torch.Tensor, w: Union[torch.Tensor, FP8Weight], bias: Optional[to
     """``F.linear(x, w, bias)`` with the GEMM in FP8 under ``recipe`` (plain ``F.linear`` when None).
     ``w`` may be the step's :class:`FP8Weight` (:func:`cached`): its FP8 copies are used as they are.
     The bias is added in the output's precision after the GEMM (as a bf16 GEMM epilogue would)."""
-    cast: tuple = ()
+    fwd = fwd_inv = bwd = bwd_inv = None
     if isinstance(w, FP8Weight):
-        w, cast = w.w, tuple(w[1:])
+        w, fwd, fwd_inv, bwd, bwd_inv = w.w, w.fwd, w.fwd_inv, w.bwd, w.bwd_inv
     if recipe is None:
         return torch.nn.functional.linear(x, w, bias)
     tokens = x.numel() // x.shape[-1]
@@ -227,5 +241,5 @@ def linear(x: torch.Tensor, w: Union[torch.Tensor, FP8Weight], bias: Optional[to
         raise ValueError(f"train.fp8: a GEMM of shape tokens={tokens}, in={x.shape[-1]}, out={w.shape[0]} is not a "
                          f"multiple of {ALIGN} in every dimension (torch._scaled_mm needs that); fix: sizes that are "
                          f"multiples of {ALIGN}, or train.fp8: off")
-    y = _FP8Linear.apply(x, w, recipe, *cast)
+    y = _FP8Linear.apply(x, w, recipe, fwd, fwd_inv, bwd, bwd_inv)
     return y if bias is None else y + bias
