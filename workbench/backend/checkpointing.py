@@ -528,6 +528,24 @@ def _drop_fresh_heads(sharded: dict, chunks: Sequence[Any], ckpt_shapes: dict) -
     return dropped
 
 
+def _drop_absent_extra_state(sharded: dict, ckpt: Path) -> list[tuple[str, str]]:
+    """Take out of the load request the Transformer Engine ``_extra_state`` objects (FP8 scaling metadata)
+    the checkpoint does not hold: a checkpoint of the non-TE path loads into TE's layers, which start
+    their FP8 history fresh.  Returns (model key, state-dict key) of each; the model keeps its own."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with safe_dist_reading():
+        stored = set(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    dropped = []
+    for mkey in [k for k in sharded if k.startswith("model")]:
+        for k in [k for k, x in sharded[mkey].items() if k.endswith("_extra_state") and isinstance(x, ShardedObject)]:
+            if sharded[mkey][k].unique_key not in stored:
+                del sharded[mkey][k]
+                dropped.append((mkey, k))
+    return dropped
+
+
 def _check_shapes(sharded: dict, ckpt_shapes: dict, ckpt: Path) -> None:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -577,6 +595,7 @@ def load_checkpoint(
 
     sharded = _model_sharded_sd(chunks)
     fresh = _drop_fresh_heads(sharded, chunks, ckpt_shapes) if fresh_heads else []
+    own_extra = _drop_absent_extra_state(sharded, ckpt)
     _check_shapes(sharded, ckpt_shapes, ckpt)
     pairs = _retarget_vocab_entries(sharded, ckpt_shapes, ckpt)
     want_optim = optimizer is not None and load_optimizer
@@ -601,9 +620,9 @@ def load_checkpoint(
             for k in list(state):
                 if k in own and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape):
                     state[k] = own[k]
-        if fresh:
+        if fresh or own_extra:
             own = _unwrap(chunk).state_dict(keep_vars=False)
-            state.update({k: own[k] for mk, k in fresh if mk == key})
+            state.update({k: own[k] for mk, k in fresh + own_extra if mk == key and k in own})
         _unwrap(chunk).load_state_dict(state, strict=True)
     if want_optim:
         with _loadable_into_torch_adam(optimizer):

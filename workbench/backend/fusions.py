@@ -82,6 +82,7 @@ __all__ = [
     "fast_path_blocker",
     "prepare_model",
     "prepare_optimizer",
+    "torch_adam",
     "step_begin",
     "training_step",
     "graphs_wanted",
@@ -849,6 +850,23 @@ def use_fused_adam(optimizer: Any) -> int:
     if switched:
         _STATE["optimizer"] = "torch fused AdamW (torch._fused_adamw_)"
     return switched
+
+
+@contextlib.contextmanager
+def torch_adam(cfg: Any):
+    """While megatron builds its optimizer: on the fast path, torch's AdamW (then switched to its fused
+    kernel by :func:`prepare_optimizer`), also where Transformer Engine or apex is importable, where
+    megatron would take their FusedAdam (the same update; measured slower with TE present)."""
+    import megatron.core.optimizer as mopt
+
+    if not _wanted(cfg) or mopt.USING_PYTORCH_OPTIMIZER:
+        yield
+        return
+    mopt.USING_PYTORCH_OPTIMIZER = True
+    try:
+        yield
+    finally:
+        mopt.USING_PYTORCH_OPTIMIZER = False
 
 
 def prepare_optimizer(optimizer: Any, cfg: Any) -> dict[str, str]:
