@@ -41,7 +41,7 @@ def _cfg(model: str, path: str, steps: int, mbs: int | None = None):
     mbs = mbs or MODELS[model]
     return preset(model, **{
         "model.seq_length": SEQ_LENGTH.get(model, 1024), "train.precision": "bf16", "parallel.device": "cuda",
-        "train.micro_batch_size": mbs, "train.global_batch_size": 2 * mbs, "train.train_iters": max(steps, 1),
+        "train.micro_batch_size": mbs, "train.global_batch_size": 2 * mbs, "train.train_iters": max(steps, 10),
         "train.eval_interval": 0, "train.lr": 3e-4, "train.min_lr": 3e-5, "train.lr_warmup_iters": 5,
         "data.source": "demo", "checkpoint.save_on_exit": False,
         "model.attention_backend": "te" if path == "te" else "auto"})
@@ -60,6 +60,16 @@ def _logits(tr, seed: int = 1234):
         out = model(tokens, torch.arange(s, device="cuda").unsqueeze(0).expand(b, -1), None)
     model.train()
     return out.float().cpu()
+
+
+def _cudnn() -> str:
+    """torch's view of cuDNN (with TE imported first, torch can find the system's older cuDNN and refuse it)."""
+    import torch
+
+    try:
+        return str(torch.backends.cudnn.version())
+    except RuntimeError as e:
+        return f"refused: {str(e)[:160]}"
 
 
 def worker(job: dict) -> dict:
@@ -82,7 +92,7 @@ def worker(job: dict) -> dict:
         checkpointing.load_checkpoint(job["load"], tr.model, optimizer=None, load_optimizer=False)
     out = {"job": {k: v for k, v in job.items() if k != "port"}, "kernel_path": {k: tr.kernel_path.get(k) for k in (
         "attention", "fast_layer", "optimizer", "layer", "fast_fp8", "fp8") if k in tr.kernel_path},
-        "cudnn": torch.backends.cudnn.version()}
+        "cudnn": _cudnn()}
     losses, times = [], []
     for _ in range(job["steps"]):
         torch.cuda.synchronize()
