@@ -18,15 +18,27 @@ import logging
 import re
 import sys
 import warnings
+from typing import Any
 
-__all__ = ["quiet_third_party", "TE_APEX_NOTE"]
+__all__ = ["quiet_third_party", "TE_APEX_NOTE", "TE_PRESENT_NOTE"]
 
 TE_APEX_NOTE = ("Transformer Engine / Apex not installed: megatron-core uses its torch fallbacks "
                 "(expected on CPU; install them on GPUs for its fused kernels)")
+#: the same warnings where Transformer Engine *is* usable (megatron also warns about apex-only pieces, or about
+#: TE entry points a given TE version lacks): "not installed" would be wrong there
+TE_PRESENT_NOTE = ("megatron-core fell back to torch for a piece Transformer Engine / Apex would provide "
+                   "(Transformer Engine is installed and used; apex is not)")
 
-#: (pattern on the warning text, the one line shown instead; None: the warning's own first sentence)
-_WARNINGS: list[tuple[re.Pattern, str | None]] = [
-    (re.compile(r"(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed"), TE_APEX_NOTE),
+
+def _te_apex_note() -> str:
+    from workbench.kernels import te_status  # torch-free; imported late: kernels imports this package
+
+    return TE_PRESENT_NOTE if te_status()[0] == "ok" else TE_APEX_NOTE
+
+#: (pattern on the warning text, the one line shown instead (or a function giving it); None: the warning's own
+#: first sentence)
+_WARNINGS: list[tuple[re.Pattern, Any]] = [
+    (re.compile(r"(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed"), _te_apex_note),
     (re.compile(r"absl\.logging is not installed"), None),
     (re.compile(r"MimoModelConfig is experimental"), None),
     (re.compile(r"full scope is deprecated"), None),
@@ -70,7 +82,8 @@ def quiet_third_party() -> None:
                     _shown.add(i)
                     out = file if file is not None else sys.stderr
                     try:
-                        out.write(f"[workbench] note: {summary or text.split('. ')[0].strip()}\n")
+                        note = summary() if callable(summary) else summary
+                        out.write(f"[workbench] note: {note or text.split('. ')[0].strip()}\n")
                     except (OSError, ValueError):
                         pass
                 return
