@@ -40,7 +40,8 @@ What is modelled (bytes on one rank; ``t`` = tensor parallel, ``s`` = sequence l
   norms and attention need in backward either way, and the activations' FP8 copies are transient:
   measured on the Llama-1B shape (H100, bench/results/train_throughput_fp8.jsonl, before the weight
   copies) the allocated peak was the same to 0.01 GiB (24.73) with and without FP8; reserved was
-  3 GiB lower with FP8, which the plan does not model (it errs high).  TE's FP8 is not measured yet.
+  3 GiB lower with FP8, which the plan does not model (it errs high).  TE's FP8 uses the bf16 terms
+  (its memory is not measured).
 * **Transients**: one layer's backward working set, the optimizer step (torch's foreach
   AdamW materialises ``sqrt(v)``; fused Adam does not), cuBLAS workspaces, megatron's
   global gather buffer under sequence parallelism.

@@ -29,7 +29,7 @@ Weights are cast once per training step, not once per micro-batch and GEMM: betw
 weight changes) :func:`cached` hands the compiled layer an :class:`FP8Weight`, the weight
 with its forward and transposed backward FP8 copies, refreshed in place on the first call of
 the step (static addresses: the CUDA graphs read them where they are).  That is 2 bytes per
-GEMM weight element of persistent memory (the planner's ``fp8_weight_cache``).  Outside the
+GEMM weight element of persistent memory (the planner's ``fp8_weight_copies``).  Outside the
 window (evaluation, generation, tests) every call quantises its weight itself.
 This module is torch-only and runs on CPU (the tests compare it with a float reference).
 """

@@ -82,7 +82,6 @@ __all__ = [
     "fast_path_blocker",
     "prepare_model",
     "prepare_optimizer",
-    "torch_adam",
     "step_begin",
     "training_step",
     "graphs_wanted",
@@ -629,10 +628,24 @@ class CompiledTransformerLayer(TransformerLayer):
             return True
         return shape in self._TRAINED_SHAPES
 
+    def _bypassed_pre_hooks(self) -> None:
+        """Run the forward pre-hooks of the submodules whose ``forward`` the compiled graph replaces, as their
+        own call would: megatron's DDP finishes a parameter's all-gather there (``overlap_param_gather`` with the
+        distributed optimizer), so the graph and the step's FP8 weight copies never read a stale shard."""
+        for m in self.modules():
+            if m is self or not m._forward_pre_hooks:
+                continue
+            for hid, hook in list(m._forward_pre_hooks.items()):
+                if m._forward_pre_hooks_with_kwargs.get(hid):
+                    hook(m, (), {})
+                else:
+                    hook(m, ())
+
     def forward(self, *args: Any, **kwargs: Any):
         if not self._call_is_plain(args, kwargs):
             return super().forward(*args, **kwargs)
         x = kwargs["hidden_states"]
+        self._bypassed_pre_hooks()
         attn, mlp = self.self_attention, self.mlp
         ln1, ln2 = self.input_layernorm, self.pre_mlp_layernorm
         rope = kwargs.get("rotary_pos_emb")
@@ -850,23 +863,6 @@ def use_fused_adam(optimizer: Any) -> int:
     if switched:
         _STATE["optimizer"] = "torch fused AdamW (torch._fused_adamw_)"
     return switched
-
-
-@contextlib.contextmanager
-def torch_adam(cfg: Any):
-    """While megatron builds its optimizer: on the fast path, torch's AdamW (then switched to its fused
-    kernel by :func:`prepare_optimizer`), also where Transformer Engine or apex is importable, where
-    megatron would take their FusedAdam (the same update; measured slower with TE present)."""
-    import megatron.core.optimizer as mopt
-
-    if not _wanted(cfg) or mopt.USING_PYTORCH_OPTIMIZER:
-        yield
-        return
-    mopt.USING_PYTORCH_OPTIMIZER = True
-    try:
-        yield
-    finally:
-        mopt.USING_PYTORCH_OPTIMIZER = False
 
 
 def prepare_optimizer(optimizer: Any, cfg: Any) -> dict[str, str]:

@@ -139,12 +139,11 @@ class Trainer:
             loss_scale=t.loss_scale, initial_loss_scale=2.0 ** 16,
             use_distributed_optimizer=p.distributed_optimizer,
         )
-        # [perf hook] compiled cross-entropy, foreach multi-tensor ops, torch's fused AdamW (no-ops unless
+        self.optimizer = get_megatron_optimizer(ocfg, self.model)
+        # [perf hook] compiled cross-entropy, foreach multi-tensor ops, fused AdamW (no-ops unless
         # train.compile_kernels on CUDA); see workbench.backend.fusions
         from workbench.backend import fusions
 
-        with fusions.torch_adam(cfg):
-            self.optimizer = get_megatron_optimizer(ocfg, self.model)
         fusions.prepare_model(self.model, cfg)
         fusions.prepare_optimizer(self.optimizer, cfg)
         decay = t.lr_decay_iters or t.train_iters
