@@ -149,14 +149,15 @@ def cached(w: torch.Tensor, recipe: Optional[str]) -> Union[torch.Tensor, FP8Wei
     if recipe is None or not _STEP["open"]:
         return w
     entry = getattr(w, "_workbench_fp8", None)
-    if entry is None or entry[0] != recipe:
+    key = (recipe, w.device, w.dtype, tuple(w.shape))
+    if entry is None or entry[0] != key:
         bufs = tuple(torch.empty_like(t) for t in _cast_weight(w.detach(), recipe))
         if w.is_cuda:  # the CUDA graphs read them in place: static inputs, no copy per replay
             from torch._dynamo import mark_static_address
 
             for t in bufs:
                 mark_static_address(t, guard=False)
-        entry = [recipe, -1, bufs]
+        entry = [key, -1, bufs]
         w._workbench_fp8 = entry
     if entry[1] != _STEP["generation"]:
         if w.is_cuda and _compiled_refresh is None:
