@@ -233,3 +233,38 @@ def test_a_t5_decoder_whose_token_count_is_not_a_multiple_of_16_is_refused():
     problems = [p for p in validate(t5(1)) if p.field == "train.fp8"]
     assert problems and "tokens per decoder GEMM" in problems[0].rule
     assert validate(t5(2)) == []
+
+
+@pytest.mark.parametrize("recompute_mlp", [False, True])
+def test_a_layer_with_the_steps_weight_copies_matches_casting_per_call_also_under_mlp_recompute(recompute_mlp):
+    """The compiled layer's maths (eager here) with FP8Weight arguments, the MLP's rebuild in backward
+    (``recompute_mlp``: the copies pass through torch.utils.checkpoint) included: same output and gradients."""
+    from workbench.backend.fusions import dense_layer_forward
+
+    g = torch.Generator().manual_seed(6)
+    h, heads, ffn, s, b = 64, 4, 128, 16, 2
+    w = {"qkv": torch.randn(3 * h, h, generator=g) * 0.05, "proj": torch.randn(h, h, generator=g) * 0.05,
+         "fc1": torch.randn(2 * ffn, h, generator=g) * 0.05, "fc2": torch.randn(h, ffn, generator=g) * 0.05}
+    x0 = torch.randn(s, b, h, generator=g)
+
+    def run(cached: bool):
+        ws = {k: v.clone().requires_grad_() for k, v in w.items()}
+        x = x0.clone().requires_grad_()
+        ln = torch.ones(h)
+        if cached:
+            fp8.open_step()
+        try:
+            arg = {k: fp8.cached(v, "tensorwise") for k, v in ws.items()}
+            y = dense_layer_forward(x, ln, None, arg["qkv"], None, arg["proj"], None, ln, None, arg["fc1"], None,
+                                    arg["fc2"], None, norm="rmsnorm", eps1=1e-5, eps2=1e-5, heads=heads, groups=heads,
+                                    head_dim=h // heads, scale=(h // heads) ** -0.5, activation="swiglu",
+                                    recompute_mlp=recompute_mlp, fp8="tensorwise")
+            y.square().sum().backward()
+        finally:
+            fp8.close_step()
+        return y.detach(), x.grad, {k: v.grad for k, v in ws.items()}
+
+    y1, dx1, dw1 = run(False)
+    y2, dx2, dw2 = run(True)
+    assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
+    assert all(torch.equal(dw1[k], dw2[k]) for k in w)
