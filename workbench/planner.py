@@ -34,14 +34,10 @@ What is modelled (bytes on one rank; ``t`` = tensor parallel, ``s`` = sequence l
   logits), and the output layer's weight-gradient transient.
 * **Pipeline buffers**: received activation/gradient tensors, and un-freed stage outputs when
   ``deallocate_pipeline_outputs`` is off.
-* **FP8** (``train.fp8`` on the compiled layer): the training precision's terms, plus the FP8 weight
-  copies the step keeps (forward and transposed, cast once per step: 2 bytes per layer parameter,
-  ``detail["fp8_weight_copies"]``, counted in ``weights``).  The compiled graph keeps the bf16 inputs its
-  norms and attention need in backward either way, and the activations' FP8 copies are transient:
-  measured on the Llama-1B shape (H100, bench/results/train_throughput_fp8.jsonl, before the weight
-  copies) the allocated peak was the same to 0.01 GiB (24.73) with and without FP8; reserved was
-  3 GiB lower with FP8, which the plan does not model (it errs high).  TE's FP8 uses the bf16 terms
-  (its memory is not measured).
+* **FP8** (``train.fp8`` on the compiled layer): the training precision's terms plus the step's FP8
+  weight copies (2 bytes per layer parameter, ``detail["fp8_weight_copies"]``, in ``weights``); the
+  activations' FP8 copies are transient (Llama-1B, H100: the same allocated peak to 0.01 GiB without
+  the weight copies; reserved 3 GiB lower, not modelled: the plan errs high).  TE's FP8: the bf16 terms.
 * **Transients**: one layer's backward working set, the optimizer step (torch's foreach
   AdamW materialises ``sqrt(v)``; fused Adam does not), cuBLAS workspaces, megatron's
   global gather buffer under sequence parallelism.
