@@ -333,7 +333,7 @@ def _profiled(v: "Variant", a: argparse.Namespace) -> bool:
     return v.model == a.profile_model and v.name.startswith(("reference/", "workbench/"))
 
 
-def _maybe_profile(step_fn, cuda: bool, want: bool, steps: int = 3) -> Optional[dict]:
+def _maybe_profile(step_fn, cuda: bool, want: bool, steps: int = 3, top: int = 15) -> Optional[dict]:
     if not (want and cuda):
         return None
     import torch
@@ -346,7 +346,7 @@ def _maybe_profile(step_fn, cuda: bool, want: bool, steps: int = 3) -> Optional[
             step_fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    return _profile_summary(prof, steps, wall)
+    return _profile_summary(prof, steps, wall, top=top)
 
 
 def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
@@ -379,7 +379,7 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = harness.time_steps(step, a.steps, cuda)
-    prof = _maybe_profile(step, cuda, _profiled(v, a))
+    prof = _maybe_profile(step, cuda, _profiled(v, a), top=a.profile_top)
     host = _host_profile(step, cuda, a.host_profile and v.model == a.profile_model)
     return {
         "host_profile": host,
@@ -468,7 +468,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         on, off = (t_2n - t_n) / n, (b_2n - b_n) / n
         stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0,
                   "loop_s_n": t_n, "loop_s_2n": t_2n, "bare_s_n": b_n, "bare_s_2n": b_2n, "n": n}
-    prof = _maybe_profile(tr.train_step, cuda, _profiled(v, a))
+    prof = _maybe_profile(tr.train_step, cuda, _profiled(v, a), top=a.profile_top)
     host = _host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model)
     losses = first.get("losses") or {}
     return {
@@ -644,6 +644,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--profile", action="store_true", help="torch-profiler summary for the reference and default workbench")
     ap.add_argument("--profile-model", default="gpt2-small")
     ap.add_argument("--profile-variants", default="", help="with --profile: profile these variants (comma list of full names) instead")
+    ap.add_argument("--profile-top", type=int, default=15, help="with --profile: how many kernels the summary lists")
     ap.add_argument("--host-profile", action="store_true", help="cProfile summary of the host's Python time for --profile-model")
     ap.add_argument("--no-stream-cost", action="store_true", help="skip the event-stream cost measurement")
     ap.add_argument("--no-compile-reference", action="store_true", help="run the reference eagerly")
@@ -689,7 +690,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--variants {a.variants!r} matches nothing")
 
     passthrough = [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--profile-model={a.profile_model}",
-                   f"--profile-variants={a.profile_variants}"]
+                   f"--profile-variants={a.profile_variants}", f"--profile-top={a.profile_top}"]
     for flag in ("cpu_smoke", "profile", "host_profile", "no_stream_cost", "no_compile_reference"):
         if getattr(a, flag):
             passthrough.append("--" + flag.replace("_", "-"))
