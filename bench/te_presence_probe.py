@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _state() -> dict:
+def _state(cudnn: bool = True) -> dict:
+    """``cudnn``: ask torch for its cuDNN version (loads torch's cuDNN: before TE's import, TE's then fails)."""
     import torch
 
     state = {
@@ -35,10 +36,11 @@ def _state() -> dict:
         "cudnn.enabled": torch.backends.cudnn.enabled,
         "blas_library": str(getattr(torch.backends.cuda, "preferred_blas_library", lambda: "?")()),
     }
-    try:
-        state["cudnn.version"] = torch.backends.cudnn.version()
-    except RuntimeError as e:
-        state["cudnn.version"] = f"refused: {str(e)[:200]}"
+    if cudnn:
+        try:
+            state["cudnn.version"] = torch.backends.cudnn.version()
+        except RuntimeError as e:
+            state["cudnn.version"] = f"refused: {str(e)[:200]}"
     import torch._dynamo.config as dc
     import torch._inductor.config as ic
 
@@ -93,6 +95,16 @@ def _timings() -> dict:
         o.backward(g)
 
     out["sdpa_fwd_bwd_ms"] = _time(attn)
+    out["sdpa_default_choice"] = int(torch._fused_sdp_choice(q, k_, v, is_causal=True))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                out[f"sdpa_{name}_fwd_bwd_ms"] = _time(attn)
+        except RuntimeError as e:
+            out[f"sdpa_{name}_fwd_bwd_ms"] = f"unavailable: {str(e)[:120]}"
     x = torch.randn(t, h, device=dev, dtype=dt)
     w = torch.ones(h, device=dev, dtype=dt)
     out["layer_norm_ms"] = _time(lambda: torch.nn.functional.layer_norm(x, (h,), w, w))
@@ -110,7 +122,7 @@ def side(mode: str) -> dict:
     import torch
 
     torch.cuda.init()
-    before = _state() if mode == "te" else None
+    before = _state(cudnn=False) if mode == "te" else None
     import megatron.core  # noqa: F401  (imports TE where it finds it)
     import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401  (the checkpoint path imports TE's Float8Tensor)
     import megatron.core.optimizer  # noqa: F401
@@ -157,7 +169,8 @@ def main() -> int:
             return 1
         res[mode] = json.loads(lines[-1][7:])
     diff = _diff(res["plain"]["state"], res["te"]["state"])
-    ratios = {k: round(res["te"]["timings"][k] / res["plain"]["timings"][k], 4) for k in res["plain"]["timings"]}
+    ratios = {k: round(res["te"]["timings"][k] / res["plain"]["timings"][k], 4) for k in res["plain"]["timings"]
+              if isinstance(res["plain"]["timings"][k], float) and isinstance(res["te"]["timings"].get(k), float)}
     summary = {"probe": "te presence", "te_in_modules": res["te"]["te_in_modules"],
                "timings_plain": res["plain"]["timings"], "timings_te": res["te"]["timings"],
                "te_over_plain": ratios, "state_diff": diff, "changed_by_import": res["te"].get("changed_by_import")}

@@ -484,7 +484,19 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         "fast_layer": _fast_layer_stats(tr),
         "kernel_path": tr.kernel_path,
         "kernels": tr.kernel_choice,  # the one kernel rule's decision (workbench.kernels.choose)
+        "libraries": _libraries(),
     }
+
+
+def _libraries() -> dict[str, Any]:
+    """Whether TE was imported in this process and the cuDNN torch sees (TE's core library can load the system's)."""
+    import torch
+
+    try:
+        cudnn: Any = torch.backends.cudnn.version()
+    except RuntimeError as e:
+        cudnn = f"refused: {str(e)[:120]}"
+    return {"transformer_engine_imported": sys.modules.get("transformer_engine.pytorch") is not None, "cudnn": cudnn}
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -581,7 +593,7 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
     if res.get("stream_cost"):
         row["event_stream_overhead"] = res["stream_cost"]["overhead"]
         row["stream_cost"] = res["stream_cost"]
-    for key in ("profile", "host_profile", "fast_layer"):
+    for key in ("profile", "host_profile", "fast_layer", "libraries"):
         if res.get(key):
             row[key] = res[key]
     return row
