@@ -496,7 +496,12 @@ def _libraries() -> dict[str, Any]:
         cudnn: Any = torch.backends.cudnn.version()
     except RuntimeError as e:
         cudnn = f"refused: {str(e)[:120]}"
-    return {"transformer_engine_imported": sys.modules.get("transformer_engine.pytorch") is not None, "cudnn": cudnn}
+    sdpa = None
+    if torch.cuda.is_available():  # the backend torch's SDPA takes for a causal bf16 call of this process
+        q = torch.zeros(1, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
+        sdpa = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}.get(int(torch._fused_sdp_choice(q, q, q, is_causal=True)))
+    return {"transformer_engine_imported": sys.modules.get("transformer_engine.pytorch") is not None, "cudnn": cudnn,
+            "sdpa_causal_bf16": sdpa}
 
 
 def worker(a: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ __all__ = [
     "allow_fast_paths_on_cpu",
     "fp8_problems",
     "FP8_RECIPES",
+    "SDPA_CUDNN_FIRST",
     "SELECTIVE_RECOMPUTE",
 ]
 
@@ -190,6 +191,12 @@ class KernelChoice:
     fp8: Literal["off", "tensorwise", "rowwise", "delayed"] = "off"
     #: ... and by whom: torch (the compiled layer, workbench.backend.fp8) or te (TE's layer, megatron's fp8 config)
     fp8_impl: Literal["", "torch", "te"] = ""
+    #: torch SDPA's backend order for the process on Hopper and later ((): torch's own).  With TE importable,
+    #: TE's core library loads the system's cuDNN; older than torch's own, torch stops preferring cuDNN's
+    #: SDPA and takes flash (H100, system cuDNN 9.14 under torch's 9.19: SDPA forward+backward 0.57 vs 0.38 ms,
+    #: GPT-2 medium 163k vs 176k tok/s, bench/results/te_presence.jsonl).  cuDNN first is torch's own order
+    #: there without TE.
+    sdpa_order: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -308,8 +315,13 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
         cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, transformer_engine=te,
+        sdpa_order=SDPA_CUDNN_FIRST if attention == "sdpa" and cuda and te else (),
         **_fp8_slot(t.fp8, layer, attention),
     )
+
+
+#: torch SDPA's order where TE's cuDNN would demote cuDNN (:attr:`KernelChoice.sdpa_order`)
+SDPA_CUDNN_FIRST = ("cudnn", "flash", "efficient", "math")
 
 
 #: the recipes each FP8 implementation has: torch's (compiled layer) and Transformer Engine's (on Hopper;

@@ -36,6 +36,31 @@ def test_auto_prefers_the_compiled_layer_even_with_transformer_engine():
     assert kernels.choose(GPU.replace(**{"parallel.device": "cpu"}), te=True).attention == "sdpa"  # TE is GPU-only
 
 
+def test_sdpa_puts_cudnn_first_only_where_transformer_engine_is_usable():
+    """TE's core library loads the system's cuDNN; torch then stops preferring cuDNN's SDPA (bench/README)."""
+    assert kernels.choose(GPU, te=True).sdpa_order == kernels.SDPA_CUDNN_FIRST
+    assert kernels.choose(GPU, te=False).sdpa_order == ()
+    assert kernels.choose(GPU.replace(**{"parallel.device": "cpu"}), te=True).sdpa_order == ()
+    assert kernels.choose(GPU.replace(**{"model.attention_backend": "te"}), te=True).sdpa_order == ()  # TE's attention
+
+
+def test_the_sdpa_order_is_applied_on_hopper_only():
+    import torch
+
+    from workbench.backend.attention import apply_sdpa_order
+
+    saved = torch._C._get_sdp_priority_order()
+    try:
+        assert apply_sdpa_order(kernels.SDPA_CUDNN_FIRST, capability=(8, 0)) is None  # torch's own order on an A100
+        assert torch._C._get_sdp_priority_order() == saved
+        assert apply_sdpa_order((), capability=(9, 0)) is None
+        assert apply_sdpa_order(kernels.SDPA_CUDNN_FIRST, capability=(9, 0)) == list(kernels.SDPA_CUDNN_FIRST)
+        order = list(torch._C._get_sdp_priority_order())
+        assert order[:4] == [3, 1, 2, 0] and sorted(order) == sorted(saved)  # cuDNN, flash, efficient, math; the rest kept
+    finally:
+        torch._C._set_sdp_priority_order(saved)
+
+
 def test_explicit_backends_are_kept_and_the_layer_says_why_not():
     te = kernels.choose(GPU.replace(**{"model.attention_backend": "te"}), te=True)
     assert (te.layer, te.layer_reason, te.norm, te.selective) == ("stock", "attention_backend te", "te", "core_attn")

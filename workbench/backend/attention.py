@@ -38,7 +38,28 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-__all__ = ["SDPAttention", "alibi_slopes", "alibi_bias", "sdpa_mask"]
+__all__ = ["SDPAttention", "alibi_slopes", "alibi_bias", "sdpa_mask", "apply_sdpa_order"]
+
+_SDP_BACKENDS = {"math": 0, "flash": 1, "efficient": 2, "cudnn": 3}
+
+
+def apply_sdpa_order(order: tuple[str, ...], capability: Optional[tuple[int, int]] = None) -> Optional[list[str]]:
+    """Put torch SDPA's backends in ``order`` for this process (the kernel rule's ``sdpa_order``) on a GPU of
+    compute capability 9.0 or later (``capability``; default: the current CUDA device's), where torch's own order
+    without Transformer Engine is the same; backends not named keep their place after these.  Returns the order
+    set, or None when nothing was changed (empty order, an older GPU, or a torch without the setting)."""
+    if not order or not hasattr(torch._C, "_set_sdp_priority_order"):
+        return None
+    if capability is None:
+        if not torch.cuda.is_available():
+            return None
+        capability = torch.cuda.get_device_capability()
+    if capability[0] < 9:
+        return None
+    wanted = [_SDP_BACKENDS[name] for name in order]
+    rest = [b for b in torch._C._get_sdp_priority_order() if b not in wanted]
+    torch._C._set_sdp_priority_order(wanted + rest)
+    return list(order)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from workbench import kernels
 from workbench.backend import fusions
-from workbench.backend.attention import SDPAttention
+from workbench.backend.attention import SDPAttention, apply_sdpa_order
 from workbench.backend.norms import WorkbenchNorm
 from workbench.config import RunConfig, pipeline_stage_layers
 from workbench.kernels import SELECTIVE_RECOMPUTE
@@ -279,6 +279,7 @@ def build_model(
                                                vp_stage=vp_stage, config=config)
     if cfg.parallel.device == "cuda" and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+        apply_sdpa_order(kernels.choose(cfg).sdpa_order)
     return model
 
 
@@ -291,6 +292,8 @@ def kernel_path(cfg: RunConfig) -> dict[str, str]:
         "sdpa": "workbench SDPA (torch scaled_dot_product_attention" + (", ALiBi bias" if cfg.model.position_embedding == "alibi" else "") + ")",
         "local": "megatron-core DotProductAttention (unfused)",
     }[impl]
+    if choice.sdpa_order:
+        attn += f"; SDPA backends {' > '.join(choice.sdpa_order)} on Hopper+ (Transformer Engine's cuDNN would demote cuDNN)"
     norm = _NORM_NAMES[choice.norm].format("RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
     out = {
         "attention": attn,
