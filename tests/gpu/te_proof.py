@@ -9,7 +9,8 @@ cuDNN's SDPA kernels off (flash); tokens/s per variant, one process each.  (The 
 sides the other way round: that commit forced torch's AdamW on the fast path; it was taken back, see bench/README.)
 
 ``parity``: from one set of initial weights (a checkpoint of the default path at step 0), 50 steps of the default
-path and 50 of TE's layer (``attention_backend: te``), the same data; the per-step relative loss difference
+path (the non-TE path, ``attention_backend: sdpa``: for GPT the compiled layer ``auto`` takes; ``auto`` would take
+TE's layer for BERT, whose dropout the compiled layer does not run) and 50 of TE's layer (``attention_backend: te``), the same data; the per-step relative loss difference
 (bar: 2%).  Checkpoint interchange, both ways on trained weights: the default path's step-50 checkpoint loaded
 into TE's layer gives the default path's logits, and TE's step-50 checkpoint loaded into the default path gives
 TE's logits (relative difference of the logits on a fixed batch; bf16 kernels differ, so the bar is 2%).  The
@@ -48,7 +49,8 @@ def _cfg(model: str, path: str, steps: int, mbs: int | None = None):
         "train.micro_batch_size": mbs, "train.global_batch_size": 2 * mbs, "train.train_iters": max(steps, 10),
         "train.eval_interval": 0, "train.lr": 3e-4, "train.min_lr": 3e-5, "train.lr_warmup_iters": 5,
         "data.source": "demo", "checkpoint.save_on_exit": False,
-        "model.attention_backend": "te" if path == "te" else "auto"})
+        # the non-TE side names sdpa: auto would take TE's layer where the compiled layer does not apply (BERT's dropout)
+        "model.attention_backend": "te" if path == "te" else "sdpa"})
 
 
 def _logits(tr, seed: int = 1234):
