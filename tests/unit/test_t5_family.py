@@ -68,13 +68,16 @@ def test_other_families_refuse_t5_only_settings():
 def test_kernel_rule_puts_t5_on_the_compiled_layer_with_sdpa_unless_dropout():
     kernels.allow_fast_paths_on_cpu(True)
     try:
-        pretrain = kernels.choose(preset("t5-base"), te=True, apex=False)  # T5's published dropout 0.1
+        pretrain = kernels.choose(preset("t5-base"), te=False, apex=False)  # T5's published dropout 0.1
+        pretrain_te = kernels.choose(preset("t5-base"), te=True, apex=False)
         bench = kernels.choose(preset("t5-base", **{"model.hidden_dropout": 0.0}), te=True, apex=False)
     finally:
         kernels.allow_fast_paths_on_cpu(False)
     assert pretrain.attention == "sdpa" and pretrain.layer == "stock" and pretrain.layer_reason == "dropout"
+    # with Transformer Engine usable, the layers the compiled one cannot serve are TE's (its T5 spec, scale 1)
+    assert (pretrain_te.attention, pretrain_te.layer, pretrain_te.norm) == ("te", "stock", "te")
     assert bench.attention == "sdpa" and bench.layer == "compiled" and bench.layer_reason == ""
-    assert pretrain.norm == bench.norm == "workbench"  # TE's T5 spec is never taken (the family has none)
+    assert pretrain.norm == bench.norm == "workbench"
 
 
 def test_param_counts_match_hf_t5_small_and_base():

@@ -101,7 +101,7 @@ FAMILY = Family(
     package="workbench.models.t5",
     supports=Supports(pipeline=False, interleaved=False, sequence_parallel=True, generation=True,
                       hf_classes=(("t5", "T5ForConditionalGeneration"), ("mt5", "MT5ForConditionalGeneration")),
-                      pipeline_reason=PIPELINE_REASON, transformer_engine=False, positions=("relative",),
+                      pipeline_reason=PIPELINE_REASON, transformer_engine=True, positions=("relative",),
                       activations=("relu", "gelu", "geglu", "swiglu")),
     shapes=shapes,
     presets=PRESETS,

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from functools import partial
+from functools import lru_cache, partial
+from types import SimpleNamespace
 from typing import Any, Iterator, Optional
 
 import torch
@@ -39,12 +40,12 @@ from megatron.core.transformer.attention import (CrossAttention, CrossAttentionS
                                                  SelfAttentionSubmodules)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from workbench import kernels
 from workbench.backend.attention import SDPAttention
@@ -75,8 +76,54 @@ def _mlp() -> Any:
     return partial(RecomputedMLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
 
 
+#: TE's fused norm-linear names -> this family's (non-TE) checkpoint names, so checkpoints load across both paths
+TE_KEYS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.", "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+
+
+@lru_cache(maxsize=None)
+def _te() -> SimpleNamespace:
+    """Transformer Engine's megatron modules and T5's TE core attention (scale 1), imported when the rule picks TE."""
+    from megatron.core.extensions import transformer_engine as te
+
+    class T5TEAttention(te.TEDotProductAttention):
+        """TE's fused attention with T5's softmax scale of 1; the relative bias arrives as ``attention_bias``
+        (TE's ``post_scale_bias``)."""
+
+        def __init__(self, *args: Any, softmax_scale: Optional[float] = None, **kwargs: Any):
+            super().__init__(*args, softmax_scale=1.0, **kwargs)
+
+    return SimpleNamespace(norm_linear=te.TELayerNormColumnParallelLinear, column=te.TEColumnParallelLinear,
+                           row=te.TERowParallelLinear, norm=te.TENorm, attention=T5TEAttention)
+
+
+def _te_self_attention(mask_type: AttnMaskType) -> ModuleSpec:
+    te = _te()
+    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": mask_type},
+                      submodules=SelfAttentionSubmodules(linear_qkv=te.norm_linear, core_attention=te.attention,
+                                                         linear_proj=te.row, q_layernorm=IdentityOp, k_layernorm=IdentityOp))
+
+
+def _te_layer_spec(decoder: bool) -> ModuleSpec:
+    """megatron-core's T5 TE layer (its ``t5_spec``: norms fused into ``linear_qkv`` / ``linear_fc1``) with T5's
+    scale-1 attention, saved under this family's non-TE names (:data:`TE_KEYS`)."""
+    te = _te()
+    extra: dict[str, Any] = {}
+    if decoder:
+        extra = dict(pre_cross_attn_layernorm=te.norm, cross_attn_bda=get_bias_dropout_add, cross_attention=ModuleSpec(
+            module=CrossAttention, params={"attn_mask_type": AttnMaskType.padding},
+            submodules=CrossAttentionSubmodules(linear_q=te.column, linear_kv=te.column, core_attention=te.attention,
+                                                linear_proj=te.row)))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        self_attention=_te_self_attention(AttnMaskType.causal if decoder else AttnMaskType.padding),
+        self_attn_bda=get_bias_dropout_add,
+        mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=te.norm_linear, linear_fc2=te.row)),
+        mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map=dict(TE_KEYS), **extra))
+
+
 def encoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
     """Encoder layer: bidirectional self-attention under the padding mask, MLP; pre-norm."""
+    if kernels.choose(cfg).attention == "te":
+        return _te_layer_spec(decoder=False)
     norm = norm_module(cfg, kernels.choose(cfg))
     return ModuleSpec(module=layer_class(kernels.choose(cfg)), submodules=TransformerLayerSubmodules(
         input_layernorm=norm, self_attention=_self_attention(AttnMaskType.padding), self_attn_bda=get_bias_dropout_add,
@@ -85,6 +132,8 @@ def encoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
 
 def decoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
     """Decoder layer: causal self-attention, cross-attention over the encoder output, MLP; pre-norm."""
+    if kernels.choose(cfg).attention == "te":
+        return _te_layer_spec(decoder=True)
     norm = norm_module(cfg, kernels.choose(cfg))
     cross = ModuleSpec(module=CrossAttention, params={"attn_mask_type": AttnMaskType.padding},
                        submodules=CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
@@ -178,6 +227,21 @@ class WorkbenchT5Model(T5Model):
             if block is not None:
                 _bridge_bias(block)
 
+    #: the layers are Transformer Engine's, whose cross-attention takes its padding mask as (queries, keys)
+    te_masks = False
+
+    def forward(self, encoder_input_ids: Any, decoder_input_ids: Any, encoder_attn_mask: Any, decoder_attn_mask: Any,
+                encoder_decoder_attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        """mcore's forward; on TE's layers the cross-attention mask ``[b, 1, 1, s_enc]`` becomes TE's pair
+        (no decoder position masked, the encoder's padding), as megatron's own T5 data path builds it for TE."""
+        if (self.te_masks and decoder_input_ids is not None and encoder_decoder_attn_mask is not None
+                and not isinstance(encoder_decoder_attn_mask, tuple)):
+            b, s = decoder_input_ids.shape
+            queries = torch.zeros(b, 1, 1, s, dtype=torch.bool, device=encoder_decoder_attn_mask.device)
+            encoder_decoder_attn_mask = (queries, encoder_decoder_attn_mask)
+        return super().forward(encoder_input_ids, decoder_input_ids, encoder_attn_mask, decoder_attn_mask,
+                               encoder_decoder_attn_mask, *args, **kwargs)
+
     def relative_bias(self, which: str, sq: int, sk: int, offset: int = 0) -> Optional[torch.Tensor]:
         """This TP rank's heads of a stack's relative position bias ``[1, heads/tp, sq, sk]`` (queries at
         positions ``offset .. offset + sq - 1``), or None without relative positions."""
@@ -234,6 +298,7 @@ def build(
     )
     if model.decoder is not None:
         model.decoder.config = _with_layers(config, m.decoder_layers)
+    model.te_masks = choice.attention == "te"
     return model
 
 
