@@ -49,6 +49,9 @@ def _cfg(model: str, path: str, steps: int, mbs: int | None = None):
         "train.micro_batch_size": mbs, "train.global_batch_size": 2 * mbs, "train.train_iters": max(steps, 10),
         "train.eval_interval": 0, "train.lr": 3e-4, "train.min_lr": 3e-5, "train.lr_warmup_iters": 5,
         "data.source": "demo", "checkpoint.save_on_exit": False,
+        # no dropout: TE's attention dropout draws from its own RNG, so with dropout the two paths' losses are
+        # different samples (bert-base at its published 0.1: 4.5% apart at step 5, te_proof.jsonl), not the maths
+        "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0,
         # the non-TE side names sdpa: auto would take TE's layer where the compiled layer does not apply (BERT's dropout)
         "model.attention_backend": "te" if path == "te" else "sdpa"})
 
