@@ -195,7 +195,9 @@ class KernelChoice:
     #: TE's core library loads the system's cuDNN; older than torch's own, torch stops preferring cuDNN's
     #: SDPA and takes flash (H100, system cuDNN 9.14 under torch's 9.19: SDPA forward+backward 0.57 vs 0.38 ms,
     #: GPT-2 medium 163k vs 176k tok/s, bench/results/te_presence.jsonl).  cuDNN first is torch's own order
-    #: there without TE.
+    #: there without TE.  Torch prefers cuDNN's SDPA only from cuDNN 9.15.1, whose fix concerns sequence lengths
+    #: that are not multiples of 128, so the order is set only where every training length is one, and only in
+    #: the training ranks (not for generation, whose lengths vary).
     sdpa_order: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -315,7 +317,8 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
         cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, transformer_engine=te,
-        sdpa_order=SDPA_CUDNN_FIRST if attention == "sdpa" and cuda and te else (),
+        sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
+                                        and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         **_fp8_slot(t.fp8, layer, attention),
     )
 

@@ -39,7 +39,7 @@ def test_pipeline_parallel_refused_with_the_reason_and_fix():
 
 
 @pytest.mark.parametrize("over,field", [
-    ({"model.attention_backend": "te"}, "model.attention_backend"),
+    ({"model.attention_backend": "te", "parallel.recompute": "selective"}, "parallel.recompute"),
     ({"model.attention_backend": "local"}, "model.attention_backend"),
     ({"model.attention_type": "grouped", "model.num_query_groups": 2}, "model.attention_type"),
     ({"model.position_embedding": "rope"}, "model.position_embedding"),
@@ -68,16 +68,24 @@ def test_other_families_refuse_t5_only_settings():
 def test_kernel_rule_puts_t5_on_the_compiled_layer_with_sdpa_unless_dropout():
     kernels.allow_fast_paths_on_cpu(True)
     try:
-        pretrain = kernels.choose(preset("t5-base"), te=False, apex=False)  # T5's published dropout 0.1
-        pretrain_te = kernels.choose(preset("t5-base"), te=True, apex=False)
+        pretrain = kernels.choose(preset("t5-base"), te=True, apex=False)  # T5's published dropout 0.1
         bench = kernels.choose(preset("t5-base", **{"model.hidden_dropout": 0.0}), te=True, apex=False)
+        explicit = kernels.choose(preset("t5-base", **{"model.attention_backend": "te"}), te=True, apex=False)
     finally:
         kernels.allow_fast_paths_on_cpu(False)
     assert pretrain.attention == "sdpa" and pretrain.layer == "stock" and pretrain.layer_reason == "dropout"
-    # with Transformer Engine usable, the layers the compiled one cannot serve are TE's (its T5 spec, scale 1)
-    assert (pretrain_te.attention, pretrain_te.layer, pretrain_te.norm) == ("te", "stock", "te")
     assert bench.attention == "sdpa" and bench.layer == "compiled" and bench.layer_reason == ""
-    assert pretrain.norm == bench.norm == "workbench"
+    assert pretrain.norm == bench.norm == "workbench"  # auto never takes TE's T5 layer (its speed is unmeasured)
+    assert (explicit.attention, explicit.layer, explicit.norm) == ("te", "stock", "te")  # an explicit te builds it
+
+
+def test_t5_on_transformer_engine_is_a_config_the_t5_rules_accept_without_recompute():
+    from workbench.models.t5 import rules
+
+    te = preset("t5-tiny", **{"model.attention_backend": "te"})
+    assert [f for f, *_ in rules(te)] == []
+    assert [f for f, *_ in rules(te.replace(**{"parallel.recompute": "full"}))] == ["parallel.recompute"]
+    assert [f for f, *_ in rules(preset("t5-tiny", **{"parallel.recompute": "full"}))] == []
 
 
 def test_param_counts_match_hf_t5_small_and_base():

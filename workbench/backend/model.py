@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from workbench import kernels
 from workbench.backend import fusions
-from workbench.backend.attention import SDPAttention, apply_sdpa_order
+from workbench.backend.attention import SDPAttention
 from workbench.backend.norms import WorkbenchNorm
 from workbench.config import RunConfig, pipeline_stage_layers
 from workbench.kernels import SELECTIVE_RECOMPUTE
@@ -279,7 +279,6 @@ def build_model(
                                                vp_stage=vp_stage, config=config)
     if cfg.parallel.device == "cuda" and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-        apply_sdpa_order(kernels.choose(cfg).sdpa_order)
     return model
 
 

@@ -118,6 +118,10 @@ class Trainer:
             pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
             chunks.append(build_model(cfg, pre_process=pre, post_process=post, vp_stage=vp, config=tc))
+        if self.cuda:  # the kernel rule's SDPA backend order, for this training process (kernels.KernelChoice.sdpa_order)
+            from workbench.backend.attention import apply_sdpa_order
+
+            apply_sdpa_order(kernels.choose(cfg).sdpa_order)
         if tc.fp16 or tc.bf16:
             chunks = [Float16Module(tc, c) for c in chunks]
         ddp_config = DistributedDataParallelConfig(

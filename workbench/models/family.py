@@ -50,7 +50,8 @@ class Supports:
     compiled_layer_blocker: str | None = None
     #: why pipeline parallelism is refused (config validation says it with the field); "" -> a generic sentence
     pipeline_reason: str = ""
-    #: whether Transformer Engine's spec can serve this family (``attention_backend: auto`` takes TE only then)
+    #: whether ``attention_backend: auto`` may take Transformer Engine's layer for this family where the compiled
+    #: layer does not apply (T5 has a TE layer for an explicit ``te``, but ``auto`` keeps it on SDPA: unmeasured)
     transformer_engine: bool = True
     #: ``model.position_embedding`` values the family builds
     positions: tuple[str, ...] = ("learned", "rope", "alibi")

@@ -41,9 +41,14 @@ def rules(cfg: Any) -> list[tuple[str, str, str]]:
     """T5's config rules: (field, rule, fix)."""
     m, p, d = cfg.model, cfg.parallel, cfg.data
     out: list[tuple[str, str, str]] = []
-    if m.attention_backend in ("te", "local"):
-        out.append(("model.attention_backend", f"T5's relative position bias and unscaled scores are implemented in the "
-                    f"workbench SDPA attention only, not '{m.attention_backend}'", "set attention_backend: auto (or sdpa)"))
+    if m.attention_backend == "local":
+        out.append(("model.attention_backend", "T5's relative position bias and unscaled scores are implemented in the "
+                    "workbench SDPA attention and Transformer Engine's, not megatron's local attention",
+                    "set attention_backend: auto (or sdpa, or te with Transformer Engine installed)"))
+    if m.attention_backend == "te" and p.recompute != "none":
+        out.append(("parallel.recompute", f"T5 on Transformer Engine's layer passes TE's (queries, keys) cross-attention "
+                    f"mask pair, which megatron's recompute checkpoint cannot save ('{p.recompute}')",
+                    "set parallel.recompute: none, or attention_backend: auto / sdpa"))
     if m.attention_type != "multihead":
         out.append(("model.attention_type", "megatron-core's CrossAttention has no grouped / multi-query attention",
                     "set attention_type: multihead"))
@@ -101,7 +106,7 @@ FAMILY = Family(
     package="workbench.models.t5",
     supports=Supports(pipeline=False, interleaved=False, sequence_parallel=True, generation=True,
                       hf_classes=(("t5", "T5ForConditionalGeneration"), ("mt5", "MT5ForConditionalGeneration")),
-                      pipeline_reason=PIPELINE_REASON, transformer_engine=True, positions=("relative",),
+                      pipeline_reason=PIPELINE_REASON, transformer_engine=False, positions=("relative",),
                       activations=("relu", "gelu", "geglu", "swiglu")),
     shapes=shapes,
     presets=PRESETS,

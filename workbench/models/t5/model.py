@@ -77,6 +77,7 @@ def _mlp() -> Any:
 
 
 #: TE's fused norm-linear names -> this family's (non-TE) checkpoint names, so checkpoints load across both paths
+#: (megatron's own T5 TE checkpoints keep TE's names, so they are not this family's layout)
 TE_KEYS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.", "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
 
 
@@ -232,8 +233,10 @@ class WorkbenchT5Model(T5Model):
 
     def forward(self, encoder_input_ids: Any, decoder_input_ids: Any, encoder_attn_mask: Any, decoder_attn_mask: Any,
                 encoder_decoder_attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        """mcore's forward; on TE's layers the cross-attention mask ``[b, 1, 1, s_enc]`` becomes TE's pair
-        (no decoder position masked, the encoder's padding), as megatron's own T5 data path builds it for TE."""
+        """mcore's forward; on TE's layers the cross-attention mask ``[b, 1, 1, s_enc]`` becomes TE's (queries,
+        keys) pair: no decoder position masked (megatron's T5 data path masks the decoder's padding there; the loss
+        mask drops those positions either way), the encoder's padding.  A tuple cannot pass megatron's recompute
+        checkpoint, so the T5 rules refuse recompute on TE's layer."""
         if (self.te_masks and decoder_input_ids is not None and encoder_decoder_attn_mask is not None
                 and not isinstance(encoder_decoder_attn_mask, tuple)):
             b, s = decoder_input_ids.shape
