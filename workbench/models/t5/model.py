@@ -123,23 +123,25 @@ def _te_layer_spec(decoder: bool) -> ModuleSpec:
 
 def encoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
     """Encoder layer: bidirectional self-attention under the padding mask, MLP; pre-norm."""
-    if kernels.choose(cfg).attention == "te":
+    choice = kernels.choose(cfg)
+    if choice.attention == "te":
         return _te_layer_spec(decoder=False)
-    norm = norm_module(cfg, kernels.choose(cfg))
-    return ModuleSpec(module=layer_class(kernels.choose(cfg)), submodules=TransformerLayerSubmodules(
+    norm = norm_module(cfg, choice)
+    return ModuleSpec(module=layer_class(choice), submodules=TransformerLayerSubmodules(
         input_layernorm=norm, self_attention=_self_attention(AttnMaskType.padding), self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=norm, mlp=_mlp(), mlp_bda=get_bias_dropout_add))
 
 
 def decoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
     """Decoder layer: causal self-attention, cross-attention over the encoder output, MLP; pre-norm."""
-    if kernels.choose(cfg).attention == "te":
+    choice = kernels.choose(cfg)
+    if choice.attention == "te":
         return _te_layer_spec(decoder=True)
-    norm = norm_module(cfg, kernels.choose(cfg))
+    norm = norm_module(cfg, choice)
     cross = ModuleSpec(module=CrossAttention, params={"attn_mask_type": AttnMaskType.padding},
                        submodules=CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
                                                            core_attention=T5SDPAttention, linear_proj=RowParallelLinear))
-    return ModuleSpec(module=layer_class(kernels.choose(cfg)), submodules=TransformerLayerSubmodules(
+    return ModuleSpec(module=layer_class(choice), submodules=TransformerLayerSubmodules(
         input_layernorm=norm, self_attention=_self_attention(AttnMaskType.causal), self_attn_bda=get_bias_dropout_add,
         pre_cross_attn_layernorm=norm, cross_attention=cross, cross_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=norm, mlp=_mlp(), mlp_bda=get_bias_dropout_add))
