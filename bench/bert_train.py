@@ -9,6 +9,8 @@ Rows (``--rows``, comma list):
   (padding included), same GPU, same run: tokens/s, ratio (target >= 1.0x), MFU (Megatron's FLOPs).
 - ``planner``: BERT-base and BERT-large (micro-batch 8, seq 512, bf16): the planner's rank-0 peak allocated
   against ``torch.cuda.max_memory_allocated`` of the workbench's steps (target within 10%).
+- ``dropout``: BERT-base shape with dropout 0.1 (the compiled layer does not apply): the workbench on megatron's
+  stock SDPA layer, on TE's layer and as ``attention_backend: auto`` builds it; TE's tokens/s over SDPA's.
 - ``loss200``: ``python -m workbench.backend`` (torchrun, one GPU) on the embedded corpus, BERT-base shape with
   the demo WordPiece vocabulary, 200 steps: first and last MLM loss (must fall), eval masked-token accuracy.
 - ``tp2``, ``pp2``: BERT-base through the backend on 2 GPUs (TP=2 + SP; PP=2 1F1B), synthetic data, 30 steps:
@@ -51,7 +53,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
 
         return SyntheticBertDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
 
-    return harness.train_worker(a.worker, a.preset, _cfg(a.preset, a.cpu_smoke), a, reference=reference, dataset=dataset,
+    return harness.train_worker(a.worker, a.preset, _cfg(a.preset, a.cpu_smoke, **harness.overrides(a)), a, reference=reference, dataset=dataset,
                                 tmp_prefix="wb-bert-bench-")
 
 
@@ -94,7 +96,7 @@ def rows(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.parser(__doc__, rows="throughput,planner,loss200", rows_help="comma list: throughput, planner, loss200, tp2, pp2",
+    ap = harness.parser(__doc__, rows="throughput,planner,loss200", rows_help="comma list: throughput, planner, dropout, loss200, tp2, pp2",
                         smoke_help="bert-tiny on CPU, 2 steps (CI smoke)", out="bert_train.jsonl", preset="bert-base")
     return harness.run(ap.parse_args(argv), worker, rows)
 

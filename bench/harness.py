@@ -146,11 +146,12 @@ def torchrun(nproc: int, args: list[str], timeout: float) -> subprocess.Complete
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
-    """``script --worker kind`` in its own one-process torchrun: its result, or the log's tail as ``error``."""
+def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, over: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``script --worker kind`` in its own one-process torchrun: its result, or the log's tail as ``error``.
+    ``over``: dotted config overrides the worker applies on top of the row's config (:func:`overrides`)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         res_path = fh.name
-    extra = ["--cpu-smoke"] if a.cpu_smoke else []
+    extra = (["--cpu-smoke"] if a.cpu_smoke else []) + (["--set", json.dumps(over)] if over else [])
     proc = torchrun(1, [str(Path(script).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
                         "--steps", str(a.steps), "--warmup", str(a.warmup), *extra], a.timeout)
     if proc.returncode != 0:
@@ -174,17 +175,40 @@ def planner_row(script: str, preset_name: str, a: argparse.Namespace) -> dict[st
             "error": wb.get("error")}
 
 
+def overrides(a: argparse.Namespace) -> dict[str, Any]:
+    """The dotted config overrides a worker was given (``--set``, a JSON object)."""
+    return json.loads(a.set) if getattr(a, "set", None) else {}
+
+
+#: dropout blocks the compiled layer: there ``auto`` picks TE's layer when TE is usable, else megatron's stock
+#: layer on SDPA; the ``dropout`` row measures both (BERT's and T5's presets train with dropout 0.1)
+DROPOUT = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
+
+
+def dropout_row(script: str, preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
+    """Under dropout 0.1: the workbench on megatron's stock SDPA layer, on TE's layer, and as ``auto`` builds it;
+    ``te_vs_sdpa``: TE's tokens/s over SDPA's (TE's side is an ``error`` where TE is not importable)."""
+    res = {b: measure(script, "workbench", preset_name, a, {**DROPOUT, "model.attention_backend": b}) for b in ("sdpa", "te", "auto")}
+    tps = {b: r.get("tokens_per_s") for b, r in res.items()}
+    return {"row": "dropout", "preset": preset_name, **{b: {k: r.get(k) for k in ("tokens_per_s", "mfu", "mem_peak", "kernel_path", "error")}
+                                                       for b, r in res.items()},
+            "te_vs_sdpa": tps["te"] / tps["sdpa"] if tps["te"] and tps["sdpa"] else None}
+
+
 def wanted(a: argparse.Namespace) -> list[str]:
     """The row names of ``--rows``."""
     return [r.strip() for r in a.rows.split(",") if r.strip()]
 
 
 def training_rows(script: str, a: argparse.Namespace, base: str, planner_presets: list[str]) -> list[dict[str, Any]]:
-    """The ``throughput`` row (preset ``base``) and a ``planner`` row per preset, those ``--rows`` asks for."""
+    """The ``throughput`` row (preset ``base``), a ``planner`` row per preset and the ``dropout`` row (preset
+    ``base``), those ``--rows`` asks for."""
     want = wanted(a)
     out = [throughput_row(script, base, a)] if "throughput" in want else []
     if "planner" in want:
         out += [planner_row(script, name, a) for name in planner_presets]
+    if "dropout" in want:
+        out.append(dropout_row(script, base, a))
     return out
 
 
@@ -200,6 +224,7 @@ def parser(doc: str, *, rows: str, rows_help: str, smoke_help: str, out: str, pr
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--preset", default=preset, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--set", default=None, help=argparse.SUPPRESS)  # the worker's config overrides, JSON
     return ap
 
 

@@ -9,9 +9,12 @@ Rows (``--rows``, comma list):
   span-corruption batches, same GPU, same run: tokens/s (encoder tokens), ratio (target >= 1.0x), MFU.
 - ``planner``: t5-base and t5-v1_1-base: the planner's peak allocated against ``torch.cuda.max_memory_allocated``
   of the workbench's steps (target within 10%).
+- ``dropout``: t5-base shape with dropout 0.1: the workbench on megatron's stock SDPA layer, on TE's layer and as
+  ``attention_backend: auto`` builds it; TE's tokens/s over SDPA's.
 - ``generate``: t5-base shape (random weights, bf16): the workbench engine (encoder once, KV-cached decoder,
   CUDA-graph decode step) against HF ``generate`` on the same weights, 128 encoder tokens, 128 new tokens
   (greedy, no early stop), batch 1 and 32: new tokens/s and ratio (target >= 3x at batch 1), tokens equal.
+- ``generate-te``: the same with ``model.attention_backend: te`` (the engine on T5's TE layer).
 
 Each row runs in its own torchrun process; results are appended as JSON lines (device, date, commit) to
 ``--out`` (default ``bench/results/t5_bench.jsonl``).  ``--cpu-smoke`` runs t5-tiny shapes on CPU (a smoke of
@@ -48,7 +51,7 @@ def _train_worker(kind: str, preset_name: str, a: argparse.Namespace) -> dict[st
 
         return SyntheticT5Dataset(cfg)
 
-    return harness.train_worker(kind, preset_name, _cfg(preset_name, a.cpu_smoke), a, reference=reference, dataset=dataset,
+    return harness.train_worker(kind, preset_name, _cfg(preset_name, a.cpu_smoke, **harness.overrides(a)), a, reference=reference, dataset=dataset,
                                 tmp_prefix="wb-t5-bench-")
 
 
@@ -62,13 +65,19 @@ def _generate_worker(preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
     from workbench.config import GenerationConfig
     from workbench.models.t5.generate import T5Engine
     from workbench.models.t5.hf import mcore_to_hf
+    from workbench.models.t5.model import TE_KEYS
 
     cuda = not a.cpu_smoke
-    cfg = _cfg(preset_name, a.cpu_smoke, **{"model.make_vocab_size_divisible_by": 128 if cuda else 64})
+    cfg = _cfg(preset_name, a.cpu_smoke, **{"model.make_vocab_size_divisible_by": 128 if cuda else 64, **harness.overrides(a)})
     distributed.initialize(cfg)
     torch.manual_seed(0)
     model = build_model(cfg)
-    full = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state") and hasattr(v, "shape")}
+    def family_name(key: str) -> str:  # TE's fused-norm names -> the family's (what its checkpoints hold)
+        for te_name, name in TE_KEYS.items():
+            key = key.replace(te_name, name)
+        return key
+
+    full = {family_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state") and hasattr(v, "shape")}
     hf = build_hf_t5(cfg, "cuda" if cuda else "cpu").eval()
     missing, unexpected = hf.load_state_dict(mcore_to_hf(full, cfg, "t5"), strict=False)
     assert not unexpected and all("embed_tokens" in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
@@ -76,7 +85,7 @@ def _generate_worker(preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
     hf = hf.to(dtype)
     eng = T5Engine(model, vocab_size=cfg.model.vocab_size, eos_id=None, pad_id=0)
     P, new = (128, 128) if cuda else (16, 8)
-    out: dict[str, Any] = {"preset": preset_name, "prompt_tokens": P, "new_tokens": new,
+    out: dict[str, Any] = {"preset": preset_name, "prompt_tokens": P, "new_tokens": new, "attention_backend": cfg.model.attention_backend,
                            "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": []}
     for batch in (1, 32) if cuda else (1, 4):
         g = torch.Generator().manual_seed(batch)
@@ -106,6 +115,9 @@ def rows(a: argparse.Namespace) -> list[dict[str, Any]]:
     if "generate" in want:
         res = harness.measure(SCRIPT, "generate", base, a)
         out.append({"row": "generate", **res, "target": ">= 3x at batch 1"})
+    if "generate-te" in want:  # the engine on T5's TE layer (attention_backend: te)
+        res = harness.measure(SCRIPT, "generate", base, a, {"model.attention_backend": "te"})
+        out.append({"row": "generate-te", **res})
     return out
 
 
@@ -114,7 +126,7 @@ def _worker(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.parser(__doc__, rows="throughput,planner,generate", rows_help="comma list: throughput, planner, generate",
+    ap = harness.parser(__doc__, rows="throughput,planner,generate", rows_help="comma list: throughput, planner, dropout, generate, generate-te",
                         smoke_help="t5-tiny on CPU, 2 steps (smoke)", out="t5_bench.jsonl", preset="t5-base")
     return harness.run(ap.parse_args(argv), _worker, rows)
 
