@@ -25,9 +25,17 @@ def test_auto_prefers_the_compiled_layer_even_with_transformer_engine():
     # a Llama layout (RoPE, RMSNorm, SwiGLU, GQA) is the compiled layer's too
     llama = preset("llama-small")
     assert (kernels.choose(llama, te=True).layer, kernels.choose(llama, te=True).attention) == ("compiled", "sdpa")
-    # where the compiled layer does not apply, TE's fused layer is taken when TE is usable
+    # where the compiled layer does not apply, megatron's stock layer on SDPA, TE usable or not (measured faster
+    # than TE's layer, kernels.AUTO_EVIDENCE) ...
     drop = llama.replace(**{"model.hidden_dropout": 0.1})
-    assert kernels.choose(drop, te=True).attention == "te" and kernels.choose(drop, te=False).attention == "sdpa"
+    for te in (True, False):
+        assert (kernels.choose(drop, te=te).attention, kernels.choose(drop, te=te).layer) == ("sdpa", "stock")
+    eager = GPU.replace(**{"train.compile_kernels": False})
+    assert kernels.choose(eager, te=True).attention == "sdpa"
+    assert all(ratio < 1.0 for ratio in kernels.AUTO_EVIDENCE.values())  # the rule and its evidence agree
+    # ... unless FP8 is asked for there: only TE's layer runs it
+    assert kernels.choose(drop.replace(**{"train.fp8": "delayed"}), te=True).attention == "te"
+    assert kernels.choose(drop.replace(**{"train.fp8": "delayed"}), te=False).attention == "sdpa"  # fp8_problems refuses it
     # GPT's per-document masks arrive per call and replace causality: megatron's layer, and the rule says so
     docs = kernels.choose(GPU.replace(**{"data.reset_attention_mask": True}), te=False)
     assert (docs.layer, docs.layer_reason) == ("stock", "per-document attention mask (data.reset_attention_mask)")

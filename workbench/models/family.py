@@ -51,7 +51,7 @@ class Supports:
     #: why pipeline parallelism is refused (config validation says it with the field); "" -> a generic sentence
     pipeline_reason: str = ""
     #: whether ``attention_backend: auto`` may take Transformer Engine's layer for this family where the compiled
-    #: layer does not apply (T5 has a TE layer for an explicit ``te``, but ``auto`` keeps it on SDPA: unmeasured)
+    #: layer does not apply and FP8 is asked for (T5 has a TE layer for an explicit ``te``; its FP8 is unmeasured)
     transformer_engine: bool = True
     #: ``model.position_embedding`` values the family builds
     positions: tuple[str, ...] = ("learned", "rope", "alibi")
