@@ -201,6 +201,9 @@ class KernelChoice:
     #: that are not multiples of 128, so the order is set only where every training length is one, and only in
     #: the training ranks (not for generation, whose lengths vary).
     sdpa_order: tuple[str, ...] = ()
+    #: who replays the layers as CUDA graphs: "torch" (the compiled layer's cudagraph trees), "megatron"
+    #: (TE's layer: megatron's CudaGraphManager, ``cuda_graph_impl: local`` with TE's RNG tracker), "" (none)
+    cuda_graphs_impl: Literal["", "torch", "megatron"] = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -212,7 +215,7 @@ class KernelChoice:
 
     def describe(self) -> str:
         layer = "compiled layer" if self.layer == "compiled" else f"stock layer ({self.layer_reason})"
-        graphs = ", CUDA graphs" if self.cuda_graphs else ""
+        graphs = {"torch": ", CUDA graphs", "megatron": ", megatron's CUDA graphs"}.get(self.cuda_graphs_impl, "")
         if self.fp8 != "off":
             layer += f" with FP8 GEMMs ({self.fp8}, {'Transformer Engine' if self.fp8_impl == 'te' else 'torch'})"
         return (f"attention {self.attention}, {layer}{graphs}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
@@ -311,14 +314,21 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         optimizer = "foreach"
 
     graphs_reason = ""
-    if t.cuda_graphs and layer == "compiled":
+    graphed_layer = layer == "compiled" or attention == "te"
+    if t.cuda_graphs and graphed_layer:
         graphs_reason = graphs_off_reason(cfg) or ("" if cuda and cuda_available else "no GPU")
-    graphs = bool(t.cuda_graphs) and layer == "compiled" and not graphs_reason
+        if attention == "te" and not graphs_reason:
+            if not te_spec:
+                graphs_reason = "this family's TE layer is not graphed (its cross-attention mask pair)"
+            elif p.recompute != "none":
+                graphs_reason = "recompute on TE's layer (megatron's CUDA graphs capture the layer whole)"
+    graphs = bool(t.cuda_graphs) and graphed_layer and not graphs_reason
+    graphs_impl = ("torch" if layer == "compiled" else "megatron") if graphs else ""
     return KernelChoice(
         attention=attention, layer=layer, layer_reason=reason, norm=norm,
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
-        cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, transformer_engine=te,
+        cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, cuda_graphs_impl=graphs_impl, transformer_engine=te,
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         **_fp8_slot(t.fp8, layer, attention),

@@ -80,6 +80,21 @@ def test_explicit_backends_are_kept_and_the_layer_says_why_not():
     assert "GPU-only" in kernels.choose(preset("tiny", **{"train.compile_kernels": True})).layer_reason
 
 
+def test_cuda_graphs_on_transformer_engines_layer_are_megatrons():
+    """TE's layer is host-bound (bench/README session 14): its layers replay as megatron's CUDA graphs."""
+    assert kernels.choose(GPU, te=True).cuda_graphs_impl == "torch"  # the compiled layer: cudagraph trees
+    te = kernels.choose(GPU.replace(**{"model.attention_backend": "te"}), te=True)
+    assert (te.cuda_graphs, te.cuda_graphs_impl) == (True, "megatron") and "megatron's CUDA graphs" in te.describe()
+    sel = kernels.choose(GPU.replace(**{"model.attention_backend": "te", "parallel.recompute": "selective"}), te=True)
+    assert (sel.cuda_graphs, sel.cuda_graphs_impl) == (False, "") and "recompute" in sel.cuda_graphs_reason
+    t5 = kernels.choose(preset("t5-base", **{"model.attention_backend": "te"}), te=True)
+    assert not t5.cuda_graphs and "not graphed" in t5.cuda_graphs_reason
+    eager = kernels.choose(GPU.replace(**{"model.hidden_dropout": 0.1}), te=True)  # megatron's stock SDPA layer
+    assert (eager.cuda_graphs, eager.cuda_graphs_reason) == (False, "")
+    off = kernels.choose(GPU.replace(**{"model.attention_backend": "te", "train.cuda_graphs": False}), te=True)
+    assert off.cuda_graphs_impl == ""
+
+
 def test_apex_norm_only_where_the_layer_stays_stock():
     assert kernels.choose(GPU, te=False, apex=True).norm == "workbench"  # the compiled graph fuses its own norm
     eager = GPU.replace(**{"train.compile_kernels": False})

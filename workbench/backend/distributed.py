@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from workbench import kernels
 from workbench.backend import cpu_mode
 from workbench.config import RunConfig, apply_rank_environment, derive, rank_environment
 
@@ -77,7 +78,9 @@ def _seed(cfg: RunConfig) -> None:
     except ImportError:
         pass
     if cfg.parallel.device == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        # megatron's CUDA graphs of TE's layer need TE's graph-safe RNG tracker (transformer_config's use_te_rng_tracker)
+        te_graphs = kernels.choose(cfg).cuda_graphs_impl == "megatron"
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_graphs)
 
 
 def _init_parallel_state(cfg: RunConfig) -> Coords:

@@ -421,7 +421,7 @@ def _piece(name: str, tp_overlap: bool = False):
 def graphs_wanted(cfg: Any) -> bool:
     """CUDA graphs for the compiled layers: what the kernel rule says, when compiling (not the
     eager test mode) on a process that sees a GPU."""
-    return kernels.choose(cfg, cuda_available=torch.cuda.is_available()).cuda_graphs and _COMPILE
+    return kernels.choose(cfg, cuda_available=torch.cuda.is_available()).cuda_graphs_impl == "torch" and _COMPILE
 
 
 def step_begin() -> None:
@@ -762,6 +762,11 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
             notes["layer"] = f"stock megatron layer ({why})"
+            if any(getattr(m, "config", None) is not None and m.config.cuda_graph_impl == "local" for m in layers):
+                notes["cuda_graphs"] = ("layers' forward+backward replayed as megatron CUDA graphs (cuda_graph_impl local, "
+                                        "TE's RNG tracker), recorded after the first steps")
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernels.choose(cfg).cuda_graphs_reason):
+                notes["cuda_graphs_off"] = why_off
     _STATE.update(notes)
     return notes
 

@@ -122,9 +122,22 @@ def _activation(m: Any) -> Any:
     return partial(F.gelu, approximate="tanh") if getattr(m, "gelu_approximate", "none") == "tanh" else F.gelu
 
 
+class GraphedTransformerLayer(TransformerLayer):
+    """Megatron's layer replayed as megatron's CUDA graphs (``cuda_graph_impl: local``; the kernel rule's
+    ``cuda_graphs_impl == "megatron"``, TE's layer) in training calls only.  Evaluation and every other
+    no-grad forward run eagerly: a training graph has train-mode dropout and the training shapes baked in,
+    and megatron's manager asserts on a shape it has not recorded once its graphs exist."""
+
+    def _should_call_local_cudagraph(self, *args: Any, **kwargs: Any) -> bool:
+        return self.training and torch.is_grad_enabled() and super()._should_call_local_cudagraph(*args, **kwargs)
+
+
 def layer_class(choice: kernels.KernelChoice) -> type:
-    """The TransformerLayer class for a kernel choice: the compiled dense layer, or megatron's."""
-    return fusions.CompiledTransformerLayer if choice.layer == "compiled" else TransformerLayer
+    """The TransformerLayer class for a kernel choice: the compiled dense layer, megatron's graphed for
+    training (:class:`GraphedTransformerLayer`), or megatron's."""
+    if choice.layer == "compiled":
+        return fusions.CompiledTransformerLayer
+    return GraphedTransformerLayer if choice.cuda_graphs_impl == "megatron" else TransformerLayer
 
 
 def _fp8_fields(cfg: RunConfig) -> dict[str, Any]:
@@ -196,6 +209,8 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         workbench_tp_comm_overlap=p.tp_comm_overlap and p.tensor_parallel > 1,
     )
     kwargs.update(_fp8_fields(cfg))
+    if kernels.choose(cfg).cuda_graphs_impl == "megatron":  # TE's layer: megatron's per-layer graphs (TE's RNG tracker)
+        kwargs.update(cuda_graph_impl="local", use_te_rng_tracker=True)
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
         kwargs.update(num_layers_in_first_pipeline_stage=stage_layers[0], num_layers_in_last_pipeline_stage=stage_layers[-1])

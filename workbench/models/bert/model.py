@@ -27,6 +27,7 @@ with ``--spec local``; nothing here imports TE unless the rule chose it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator, Optional
 
 import torch
@@ -43,7 +44,7 @@ from megatron.core.transformer.utils import get_linear_layer
 
 from workbench import kernels
 from workbench.backend.attention import SDPAttention
-from workbench.backend.model import norm_module, self_attention_layer_spec, transformer_config
+from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
 
 __all__ = ["layer_spec", "block_spec", "build", "WorkbenchBertModel", "WorkbenchBertLMHead"]
@@ -55,7 +56,7 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
     if choice.attention == "te":
         from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
 
-        return get_bert_layer_with_transformer_engine_spec()
+        return dataclasses.replace(get_bert_layer_with_transformer_engine_spec(), module=layer_class(choice))  # graphed for training where the rule says
     return self_attention_layer_spec(cfg, choice, AttnMaskType.padding)
 
 

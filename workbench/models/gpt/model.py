@@ -17,6 +17,7 @@ Every kernel slot (attention, layer class, norm) comes from :func:`workbench.ker
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -28,7 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from workbench import kernels
-from workbench.backend.model import norm_module, self_attention_layer_spec, transformer_config
+from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
 
 __all__ = ["layer_spec", "block_spec", "build"]
@@ -52,7 +53,7 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
     if choice.attention == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return dataclasses.replace(get_gpt_layer_with_transformer_engine_spec(), module=layer_class(choice))  # graphed for training where the rule says
     if choice.norm == "torch":
         # the stock spec as-is (torch norms) when the user asked for stock behaviour
         return get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
