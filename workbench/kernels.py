@@ -11,9 +11,10 @@ for a grid of configs and checks that what was built is what :func:`choose` said
 
 Transformer Engine: ``attention_backend: auto`` takes the compiled workbench layer whenever
 it applies (GPT-2 medium on an H200: 1.9x the tokens/s of TE's stock layer, bench/README.md).
-Where it does not (dropout, compiling off, ALiBi, per-document masks) ``auto`` takes megatron's
-stock layer on SDPA, also with TE usable: it beat TE's layer in every measured row
-(:data:`AUTO_EVIDENCE`); TE's layer only where FP8 is asked for there (no other layer runs it).
+Where it does not (dropout, compiling off, ALiBi, per-document masks) ``auto`` takes TE's layer when TE
+is usable and that layer replays as megatron's CUDA graphs (``train.cuda_graphs``, no recompute, no
+pipeline), or where FP8 is asked for (no other layer runs it there); else megatron's stock layer on SDPA,
+which beat TE's ungraphed layer in every measured row (:data:`AUTO_EVIDENCE`).
 An explicit ``attention_backend: te`` builds TE's layer.  A TE that is installed but broken (its import
 raises, e.g. without the ``transformer-engine`` distribution metadata) is found here before
 megatron-core is imported, reported once, and hidden (:func:`guard_transformer_engine`) so
@@ -263,6 +264,15 @@ def graphs_off_reason(cfg: Any) -> str | None:
     return None
 
 
+def _te_graphs_off(cfg: Any, te_spec: bool) -> str:
+    """Why TE's layer would not replay as megatron's CUDA graphs for this layout ("": it would)."""
+    if not te_spec:
+        return "this family's TE layer is not graphed (its cross-attention mask pair)"
+    if cfg.parallel.recompute != "none":
+        return "recompute on TE's layer (megatron's CUDA graphs capture the layer whole)"
+    return graphs_off_reason(cfg) or ""
+
+
 def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_available: bool = True) -> KernelChoice:
     """The kernels ``cfg`` trains with. ``te`` / ``apex``: whether they are usable where the run
     trains (default: here); ``cuda_available``: whether the training process sees a GPU."""
@@ -277,13 +287,15 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     family = FAMILIES.get(m.arch)
     te_spec = family is None or family.supports.transformer_engine
 
+    te_graphs_off = _te_graphs_off(cfg, te_spec)
     if m.attention_backend == "auto":
         if fast and blocker is None:
             attention = "sdpa"  # the compiled layer: 1.9x TE's stock layer on GPT-2 medium (H200)
-        elif te and cuda and te_spec and m.position_embedding != "alibi" and t.fp8 != "off":
-            attention = "te"  # FP8 where the compiled layer does not apply: only TE's layer runs it
+        elif te and cuda and te_spec and m.position_embedding != "alibi" and (
+                t.fp8 != "off" or (t.cuda_graphs and not te_graphs_off)):
+            attention = "te"  # FP8 (only TE's layer runs it here), or TE's layer replayed as CUDA graphs (AUTO_EVIDENCE)
         else:
-            attention = "sdpa"  # megatron's stock layer on SDPA: faster than TE's in every row measured (AUTO_EVIDENCE)
+            attention = "sdpa"  # megatron's stock layer on SDPA: faster than TE's ungraphed layer (AUTO_EVIDENCE)
     else:
         attention = m.attention_backend
 
@@ -316,12 +328,8 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     graphs_reason = ""
     graphed_layer = layer == "compiled" or attention == "te"
     if t.cuda_graphs and graphed_layer:
-        graphs_reason = graphs_off_reason(cfg) or ("" if cuda and cuda_available else "no GPU")
-        if attention == "te" and not graphs_reason:
-            if not te_spec:
-                graphs_reason = "this family's TE layer is not graphed (its cross-attention mask pair)"
-            elif p.recompute != "none":
-                graphs_reason = "recompute on TE's layer (megatron's CUDA graphs capture the layer whole)"
+        graphs_reason = (te_graphs_off if attention == "te" else graphs_off_reason(cfg)) or (
+            "" if cuda and cuda_available else "no GPU")
     graphs = bool(t.cuda_graphs) and graphed_layer and not graphs_reason
     graphs_impl = ("torch" if layer == "compiled" else "megatron") if graphs else ""
     return KernelChoice(
@@ -337,10 +345,13 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
 
 #: ``auto``'s choice where the compiled layer does not apply, by measurement: tokens/s of TE's layer over
 #: megatron's stock layer on SDPA, one H100, TE 2.20.2 (bench/results/train_throughput_te_present.jsonl,
-#: bert_train.jsonl, t5_bench.jsonl, commit f3ba5f7).  Host-bound: TE's layer on GPT-2 medium spends 193 ms
-#: of device time in a 480 ms step.
-AUTO_EVIDENCE = {"gpt2-medium, dropout 0.1": 0.66, "llama3.2-1b, dropout 0.1": 0.96, "bert-base, dropout 0.1": 0.77,
-                 "t5-base, dropout 0.1": 0.83, "gpt2-medium, compile_kernels off": 0.83}
+#: bert_train.jsonl, t5_bench.jsonl).  Ungraphed (f3ba5f7) TE's layer is host-bound (GPT-2 medium: 193 ms of
+#: device time in a 480 ms step) and loses; replayed as megatron's CUDA graphs (746c451) it wins.
+AUTO_EVIDENCE = {
+    "ungraphed": {"gpt2-medium, dropout 0.1": 0.66, "llama3.2-1b, dropout 0.1": 0.96, "bert-base, dropout 0.1": 0.77,
+                  "t5-base, dropout 0.1": 0.83, "gpt2-medium, compile_kernels off": 0.83},
+    "graphed": {"gpt2-medium, dropout 0.1": 1.78},
+}
 
 #: torch SDPA's order where TE's cuDNN would demote cuDNN (:attr:`KernelChoice.sdpa_order`)
 SDPA_CUDNN_FIRST = ("cudnn", "flash", "efficient", "math")

@@ -25,17 +25,24 @@ def test_auto_prefers_the_compiled_layer_even_with_transformer_engine():
     # a Llama layout (RoPE, RMSNorm, SwiGLU, GQA) is the compiled layer's too
     llama = preset("llama-small")
     assert (kernels.choose(llama, te=True).layer, kernels.choose(llama, te=True).attention) == ("compiled", "sdpa")
-    # where the compiled layer does not apply, megatron's stock layer on SDPA, TE usable or not (measured faster
-    # than TE's layer, kernels.AUTO_EVIDENCE) ...
+    # where the compiled layer does not apply: TE's layer replayed as megatron's CUDA graphs when TE is usable
+    # (measured faster than megatron's stock SDPA layer), else the stock SDPA layer (faster than TE's ungraphed)
     drop = llama.replace(**{"model.hidden_dropout": 0.1})
-    for te in (True, False):
-        assert (kernels.choose(drop, te=te).attention, kernels.choose(drop, te=te).layer) == ("sdpa", "stock")
+    graphed = kernels.choose(drop, te=True)
+    assert (graphed.attention, graphed.layer, graphed.cuda_graphs_impl) == ("te", "stock", "megatron")
+    assert (kernels.choose(drop, te=False).attention, kernels.choose(drop, te=False).layer) == ("sdpa", "stock")
     eager = GPU.replace(**{"train.compile_kernels": False})
-    assert kernels.choose(eager, te=True).attention == "sdpa"
-    assert all(ratio < 1.0 for ratio in kernels.AUTO_EVIDENCE.values())  # the rule and its evidence agree
-    # ... unless FP8 is asked for there: only TE's layer runs it
-    assert kernels.choose(drop.replace(**{"train.fp8": "delayed"}), te=True).attention == "te"
-    assert kernels.choose(drop.replace(**{"train.fp8": "delayed"}), te=False).attention == "sdpa"  # fp8_problems refuses it
+    assert kernels.choose(eager, te=True).cuda_graphs_impl == "megatron"
+    for ungraphed in (drop.replace(**{"train.cuda_graphs": False}), drop.replace(**{"parallel.recompute": "selective"}),
+                      drop.replace(**{"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2})):
+        assert kernels.choose(ungraphed, te=True).attention == "sdpa"
+    # the rule and its evidence agree
+    assert all(r < 1.0 for r in kernels.AUTO_EVIDENCE["ungraphed"].values())
+    assert all(r > 1.0 for r in kernels.AUTO_EVIDENCE["graphed"].values())
+    # FP8 there: only TE's layer runs it, graphed or not
+    fp8 = drop.replace(**{"train.fp8": "delayed", "train.cuda_graphs": False})
+    assert kernels.choose(fp8, te=True).attention == "te"
+    assert kernels.choose(fp8, te=False).attention == "sdpa"  # fp8_problems refuses it
     # GPT's per-document masks arrive per call and replace causality: megatron's layer, and the rule says so
     docs = kernels.choose(GPU.replace(**{"data.reset_attention_mask": True}), te=False)
     assert (docs.layer, docs.layer_reason) == ("stock", "per-document attention mask (data.reset_attention_mask)")
@@ -89,7 +96,7 @@ def test_cuda_graphs_on_transformer_engines_layer_are_megatrons():
     assert (sel.cuda_graphs, sel.cuda_graphs_impl) == (False, "") and "recompute" in sel.cuda_graphs_reason
     t5 = kernels.choose(preset("t5-base", **{"model.attention_backend": "te"}), te=True)
     assert not t5.cuda_graphs and "not graphed" in t5.cuda_graphs_reason
-    eager = kernels.choose(GPU.replace(**{"model.hidden_dropout": 0.1}), te=True)  # megatron's stock SDPA layer
+    eager = kernels.choose(GPU.replace(**{"model.hidden_dropout": 0.1}), te=False)  # megatron's stock SDPA layer
     assert (eager.cuda_graphs, eager.cuda_graphs_reason) == (False, "")
     off = kernels.choose(GPU.replace(**{"model.attention_backend": "te", "train.cuda_graphs": False}), te=True)
     assert off.cuda_graphs_impl == ""

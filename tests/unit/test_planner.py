@@ -349,9 +349,12 @@ def test_kernel_path_is_the_backend_rule():
     # with Transformer Engine present, auto keeps the compiled layer where it applies (measured faster) ...
     te = planner.kernel_path(gpu, PlannerAssumptions(transformer_engine=True))
     assert (te.attention, te.layer, te.selective) == ("sdpa", "compiled", "mlp")
-    # ... and megatron's stock SDPA layer where it does not (dropout, compiling off: measured faster than TE's) ...
+    # ... and where it does not (dropout, compiling off), TE's layer as megatron's CUDA graphs (measured faster
+    # than megatron's stock SDPA layer), or that stock layer where the graphs are off
     for cfg in (preset("llama-small", **{"model.hidden_dropout": 0.1}), gpu.replace(**{"train.compile_kernels": False})):
         te = planner.kernel_path(cfg, PlannerAssumptions(transformer_engine=True))
+        assert (te.attention, te.layer, te.selective, te.cuda_graphs_impl) == ("te", "stock", "core_attn", "megatron")
+        te = planner.kernel_path(cfg.replace(**{"train.cuda_graphs": False}), PlannerAssumptions(transformer_engine=True))
         assert (te.attention, te.layer, te.selective) == ("sdpa", "stock", "mlp")
     # ... and TE's layer where FP8 is asked for there, or explicitly
     for cfg in (preset("llama-small", **{"model.hidden_dropout": 0.1, "train.fp8": "delayed"}),
