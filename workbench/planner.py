@@ -542,7 +542,8 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     # incoming gradient (from the eager final norm)
     copies = [e * tok * h / tsp] * 2 if graphed else []
     slack += _segment_slack(copies, 1) if copies else 0
-    graph_pool = layers_kept + backward + sum(copies) if graphed else 0.0
+    # megatron's per-layer graphs (TE's layer) keep every layer's backward working set (H100: GPT-2 medium, Llama-1B)
+    graph_pool = layers_kept + backward * (layers if kp.cuda_graphs_impl == "megatron" else 1) + sum(copies) if graphed else 0.0
     reserved_terms = _reserved_terms(sh, a, default_pool, moments, largest, graph_pool)
     reserved_terms["activation_segments"] = float(slack)  # in the graph pool when graphed, else the default pool
     # The optimizer step's temporaries are per-parameter tensors: the blocks they free serve later
