@@ -350,7 +350,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
 AUTO_EVIDENCE = {
     "ungraphed": {"gpt2-medium, dropout 0.1": 0.66, "llama3.2-1b, dropout 0.1": 0.96, "bert-base, dropout 0.1": 0.77,
                   "t5-base, dropout 0.1": 0.83, "gpt2-medium, compile_kernels off": 0.83},
-    "graphed": {"gpt2-medium, dropout 0.1": 1.78},
+    "graphed": {"gpt2-medium, dropout 0.1": 1.78, "llama3.2-1b, dropout 0.1": 1.02, "bert-base, dropout 0.1": 2.77},
 }
 
 #: torch SDPA's order where TE's cuDNN would demote cuDNN (:attr:`KernelChoice.sdpa_order`)
