@@ -65,3 +65,14 @@ def test_other_layers_keep_megatrons_class():
     plain = kernels.choose(preset("gpt2-small", **{"model.attention_backend": "te", "train.cuda_graphs": False}), te=True)
     assert layer_class(plain) is TransformerLayer
     assert layer_class(dataclasses.replace(plain, cuda_graphs_impl="megatron")).__name__ == "GraphedTransformerLayer"
+
+
+def test_only_the_training_step_asks_megatron_for_graphs(monkeypatch):
+    import workbench.kernels as kernels
+    from workbench.backend import model
+
+    monkeypatch.setattr(kernels, "te_available", lambda: True)  # the boundary: a machine with TE installed
+    te = preset("gpt2-small", **{"model.attention_backend": "te"})
+    assert model.training_graph_fields(te) == {"cuda_graph_impl": "local", "use_te_rng_tracker": True}
+    assert model.training_graph_fields(te.replace(**{"parallel.recompute": "selective"})) == {}
+    assert model.training_graph_fields(preset("gpt2-small")) == {}  # the compiled layer: torch's graphs

@@ -155,6 +155,13 @@ def _fp8_fields(cfg: RunConfig) -> dict[str, Any]:
     return {}
 
 
+def training_graph_fields(cfg: RunConfig) -> dict[str, Any]:
+    """TransformerConfig fields of the training step's layer graphs: megatron's per-layer CUDA graphs for TE's
+    layer where the kernel rule says so (``cuda_graphs_impl == "megatron"``; TE's RNG tracker, which
+    ``distributed`` seeds).  Training only: generation, conversion and verification build without them."""
+    return dict(cuda_graph_impl="local", use_te_rng_tracker=True) if kernels.choose(cfg).cuda_graphs_impl == "megatron" else {}
+
+
 def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformerConfig:
     """The mcore TransformerConfig for a RunConfig (parallel sizes, dtypes, recompute, kernels)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -209,8 +216,6 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         workbench_tp_comm_overlap=p.tp_comm_overlap and p.tensor_parallel > 1,
     )
     kwargs.update(_fp8_fields(cfg))
-    if kernels.choose(cfg).cuda_graphs_impl == "megatron":  # TE's layer: megatron's per-layer graphs (TE's RNG tracker)
-        kwargs.update(cuda_graph_impl="local", use_te_rng_tracker=True)
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
         kwargs.update(num_layers_in_first_pipeline_stage=stage_layers[0], num_layers_in_last_pipeline_stage=stage_layers[-1])

@@ -99,7 +99,7 @@ class Trainer:
 
         from workbench.backend import distributed, timing
         from workbench.backend.data import MicroBatchStream, build_datasets
-        from workbench.backend.model import build_model, kernel_path, transformer_config
+        from workbench.backend.model import build_model, kernel_path, training_graph_fields, transformer_config
 
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
         self.coords = distributed.initialize(cfg)
@@ -109,7 +109,7 @@ class Trainer:
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.is_logging_rank = self.is_last_stage and self.coords.tp == 0 and self.coords.dp == 0
 
-        tc = transformer_config(cfg)
+        tc = transformer_config(cfg, **training_graph_fields(cfg))
         self.tconfig = tc
         vpp = p.vpp
         chunks = []
