@@ -177,6 +177,17 @@ def test_the_plan_counts_the_steps_fp8_weight_copies(tp):
         {k: v for k, v in bf16.components.items() if k != "weights"}
 
 
+def test_the_plan_counts_transformer_engines_fp8_weight_copies_too():
+    """TE caches its FP8 weights across micro-batches (H100: Llama-1B +1.81 GiB over bf16, 2.0 bytes per layer parameter)."""
+    from workbench import planner
+
+    te = planner.PlannerAssumptions(transformer_engine=True)
+    over = {"model.attention_backend": "te", "train.micro_batch_size": 2, "model.seq_length": 64}
+    bf16 = planner.predict(_llama(**over), assumptions=te).stages[0]
+    f8 = planner.predict(_llama(**over, **{"train.fp8": "delayed"}), assumptions=te).stages[0]
+    assert f8.components["weights"] - bf16.components["weights"] == 2 * bf16.detail["params"]["layers"] > 0
+
+
 @pytest.mark.parametrize("over, needle", [
     ({"train.precision": "fp16"}, "bf16"),
     ({"model.hidden_dropout": 0.1}, "this config uses neither (dropout)"),
