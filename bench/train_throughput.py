@@ -127,8 +127,8 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         for recipe in ("tensorwise", "rowwise"):  # torch-native FP8 GEMMs ("scaling": speed vs bf16 workbench)
             rows.append(Variant(f"workbench-fp8-{recipe}/{m}", "workbench", m, microbatches=microbatches,
                                 baseline=f"workbench/{m}", overrides={"train.fp8": recipe}))
-        rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,
-                            overrides={"train.compile_kernels": False}))
+        rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,  # SDPA, TE or not
+                            overrides={"train.compile_kernels": False, "model.attention_backend": "sdpa"}))
         rows.append(Variant(f"workbench-local/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.compile_kernels": False, "model.attention_backend": "local"}))
         if have_te:
@@ -138,7 +138,7 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
                 rows.append(Variant(f"workbench-te-fp8-{recipe}/{m}", "workbench", m, microbatches=microbatches,
                                     baseline=f"workbench-te/{m}", overrides={"model.attention_backend": "te", "train.fp8": recipe}))
         # dropout blocks the compiled layer: auto's choice there is the stock SDPA layer or TE's ("scaling": TE vs SDPA)
-        drop = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
+        drop = harness.DROPOUT
         rows.append(Variant(f"dropout-sdpa/{m}", "workbench", m, microbatches=microbatches,
                             overrides={**drop, "model.attention_backend": "sdpa"}))
         if have_te:

@@ -356,6 +356,10 @@ def test_kernel_path_is_the_backend_rule():
         assert (te.attention, te.layer, te.selective, te.cuda_graphs_impl) == ("te", "stock", "core_attn", "megatron")
         te = planner.kernel_path(cfg.replace(**{"train.cuda_graphs": False}), PlannerAssumptions(transformer_engine=True))
         assert (te.attention, te.layer, te.selective) == ("sdpa", "stock", "mlp")
+    # a pinned layer carries its graphs' owner with it
+    pinned = planner.kernel_path(gpu.replace(**{"model.attention_backend": "te"}),
+                                 PlannerAssumptions(transformer_engine=True, compiled_layer=True))
+    assert (pinned.layer, pinned.cuda_graphs, pinned.cuda_graphs_impl) == ("compiled", True, "torch")
     # ... and TE's layer where FP8 is asked for there, or explicitly
     for cfg in (preset("llama-small", **{"model.hidden_dropout": 0.1, "train.fp8": "delayed"}),
                 gpu.replace(**{"model.attention_backend": "te"})):

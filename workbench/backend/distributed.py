@@ -80,7 +80,7 @@ def _seed(cfg: RunConfig) -> None:
     if cfg.parallel.device == "cuda":
         # megatron's CUDA graphs of TE's layer need TE's graph-safe RNG tracker (transformer_config's use_te_rng_tracker)
         te_graphs = kernels.choose(cfg).cuda_graphs_impl == "megatron"
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_graphs)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_graphs, force_reset_rng=True)
 
 
 def _init_parallel_state(cfg: RunConfig) -> Coords:
@@ -149,16 +149,21 @@ def initialize_for_tests(cfg: RunConfig, rank: int = 0, world_size: int = 1, por
 
 
 def _free_captured_graphs() -> None:
-    """Free inductor's CUDA graphs before the NCCL communicators their collectives were captured on.
+    """Free inductor's (compiled layer) and megatron's (TE's layer) CUDA graphs before the NCCL communicators
+    their collectives were captured on, and megatron's process-wide graph record with them.
 
     Measured on 2 H200s: with the TP collectives inside graph-replayed layers,
     ``destroy_process_group`` otherwise waits forever (a futex) and the finished rank never exits.
     """
-    if "torch._inductor.cudagraph_trees" not in sys.modules or not torch.cuda.is_initialized():
+    if not torch.cuda.is_initialized():
         return
     try:  # like the rest of destroy(): never raise (a failed run's device may be in an error state)
         torch.cuda.synchronize()
-        sys.modules["torch._inductor.cudagraph_trees"].reset_cudagraph_trees()
+        if "torch._inductor.cudagraph_trees" in sys.modules:
+            sys.modules["torch._inductor.cudagraph_trees"].reset_cudagraph_trees()
+        mgraphs = sys.modules.get("megatron.core.transformer.cuda_graphs")  # TE's layer: megatron's own graphs
+        if mgraphs is not None and mgraphs._CudagraphGlobalRecord.cudagraph_created:
+            mgraphs.delete_cuda_graphs()
     except Exception:
         pass
 

@@ -51,7 +51,8 @@ class Supports:
     #: why pipeline parallelism is refused (config validation says it with the field); "" -> a generic sentence
     pipeline_reason: str = ""
     #: whether ``attention_backend: auto`` may take Transformer Engine's layer for this family where the compiled
-    #: layer does not apply and FP8 is asked for (T5 has a TE layer for an explicit ``te``; its FP8 is unmeasured)
+    #: layer does not apply, and whether that layer replays as megatron's CUDA graphs (T5 has a TE layer for an
+    #: explicit ``te``, ungraphed: its cross-attention mask pair)
     transformer_engine: bool = True
     #: ``model.position_embedding`` values the family builds
     positions: tuple[str, ...] = ("learned", "rope", "alibi")
