@@ -123,6 +123,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--commit", default=None, help="git commit to record (when the tree has no .git)")
     ap.add_argument("--compile", action="store_true", help="train.compile_kernels on (the performance helper's fast paths)")
+    ap.add_argument("--set", default=None, help='dotted config overrides on every run, JSON (e.g. \'{"model.attention_backend": '
+                    '"te", "train.eval_interval": 5}\': TE\'s layer, graphed, with evaluation during training)')
     ap.add_argument("--only", default=None,
                     help="comma-separated parts to run: layouts (tp2, pp2, ...), resume, resume_dp2_distopt, recompute")
     args = ap.parse_args()
@@ -151,6 +153,8 @@ def main() -> int:
     tiny = args.tiny
     base = base_config(args.device, tiny)
     base.train.compile_kernels = bool(args.compile)
+    if args.set:
+        base = base.replace(**json.loads(args.set))
     ngpu = 2
 
     # 0) one set of initial weights for every layout
