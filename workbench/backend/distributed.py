@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from workbench import kernels
 from workbench.backend import cpu_mode
 from workbench.config import RunConfig, apply_rank_environment, derive, rank_environment
 
@@ -78,9 +77,11 @@ def _seed(cfg: RunConfig) -> None:
     except ImportError:
         pass
     if cfg.parallel.device == "cuda":
-        # megatron's CUDA graphs of TE's layer need TE's graph-safe RNG tracker (transformer_config's use_te_rng_tracker)
-        te_graphs = kernels.choose(cfg).cuda_graphs_impl == "megatron"
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_graphs, force_reset_rng=True)
+        from workbench.backend.model import training_graph_fields
+
+        # the training step's layer graphs (megatron's, TE's layer) need the RNG tracker their fields name
+        te_rng = bool(training_graph_fields(cfg).get("use_te_rng_tracker"))
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng, force_reset_rng=True)
 
 
 def _init_parallel_state(cfg: RunConfig) -> Coords:
