@@ -31,6 +31,9 @@ tp2-no-overlap            2     tp2 with ``parallel.tp_comm_overlap: false`` (ba
 tp2-nograph               2     tp2 without CUDA graphs
 tp2-sp                    2     tp2 plus sequence parallelism (also ``-no-overlap``)
 tp2-bound                 2     diagnostic, not the maths: tp2 with its TP all-reduces skipped
+tp2-te                    2     TE's layer at TP=2 with sequence parallelism (only when TE is importable)
+tp2-te-ub                 2     tp2-te with ``parallel.te_userbuffers`` (TE userbuffers, ``UB_SKIPMC=1``); also
+                                ``-nograph``; ``tp2-te-fp8`` / ``tp2-te-ub-fp8``: both with TE's delayed FP8
 pp2-m8                    2     GPT-2 medium, pipeline parallel 2 with 8 micro-batches
 ========================  ====  ==============================================================
 
@@ -170,6 +173,18 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             "tp2-sp-no-overlap": ({"parallel.sequence_parallel": True, **no_overlap}, {}, None),
             "tp2-bound": ({}, {}, "no-tp-comm"),
         }
+        if have_te:  # TE's layer at TP=2 under SP, without and with TE's userbuffers (parallel.te_userbuffers)
+            te_sp = {"model.attention_backend": "te", "parallel.sequence_parallel": True}
+            ub = {**te_sp, "parallel.te_userbuffers": True}
+            no_multicast = {"UB_SKIPMC": "1"}  # CUDA IPC: shared hosts keep NVLink multicast off (the backend
+            # sets it too where NCCL_NVLS_ENABLE=0; named here so the row never creates multicast objects)
+            tp_rows.update({
+                "tp2-te": (te_sp, {}, None),
+                "tp2-te-ub": (ub, no_multicast, None),
+                "tp2-te-ub-nograph": ({**ub, "train.cuda_graphs": False}, no_multicast, None),
+                "tp2-te-fp8": ({**te_sp, "train.fp8": "delayed"}, {}, None),
+                "tp2-te-ub-fp8": ({**ub, "train.fp8": "delayed"}, no_multicast, None),
+            })
         for name, (over, env, bound) in tp_rows.items():
             rows.append(Variant(f"{name}/gpt2-large", "workbench", "gpt2-large", gpus=2, microbatches=microbatches,
                                 baseline="workbench/gpt2-large", overrides={"parallel.tensor_parallel": 2, **over},

@@ -166,6 +166,10 @@ class ParallelConfig:
     #: all-reduce (reduce-scatter under SP) and computes the weight gradients while it is in
     #: flight, as megatron's async TP all-reduce does (same maths, same order of sums).
     tp_comm_overlap: bool = True
+    #: TP > 1 on Transformer Engine's layer with sequence parallelism: megatron's ``tp_comm_overlap`` through TE's
+    #: userbuffers (``initialize_ub``), each all-gather / reduce-scatter split and pipelined with its GEMM.  Off by
+    #: default: not measured yet (two GPUs; ``bench/train_throughput.py`` rows ``tp2-te`` / ``tp2-te-ub``).
+    te_userbuffers: bool = False
 
     @property
     def world_size(self) -> int:
@@ -610,11 +614,19 @@ def rank_environment(cfg: RunConfig) -> dict[str, str]:
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP comm overlap (megatron's setting): with one
     hardware queue the GPU starts kernels in launch order across streams, so a backward
     all-reduce launched before the weight-gradient GEMMs gets its SMs and runs under them.
+    TE's userbuffers (``parallel.te_userbuffers``) need it too, and ``UB_SKIPMC=1`` (CUDA IPC instead of NVLink
+    multicast) where the launch keeps multicast off for NCCL (``NCCL_NVLS_ENABLE=0``): hosts that share their GPUs
+    disable multicast, and TE's userbuffers would otherwise create multicast objects on their own.
     """
+    import os
+
     p = cfg.parallel
-    if p.device == "cuda" and p.tensor_parallel > 1 and p.tp_comm_overlap:
-        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    return {}
+    env: dict[str, str] = {}
+    if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or p.te_userbuffers):
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    if p.device == "cuda" and p.te_userbuffers and os.environ.get("NCCL_NVLS_ENABLE") == "0":
+        env["UB_SKIPMC"] = "1"
+    return env
 
 
 def apply_rank_environment(cfg: RunConfig) -> dict[str, str]:
@@ -784,7 +796,7 @@ def validate(cfg: RunConfig) -> list[Problem]:
             micro = t.global_batch_size // (t.micro_batch_size * dp)
             if vpp > 1 and pp > 1 and micro % pp:
                 add("train.global_batch_size", f"interleaved 1F1B needs the number of micro-batches ({micro}) divisible by pipeline_parallel {pp}", f"use a global batch giving a multiple of {pp} micro-batches")
-    for field_name, rule, fix in kernels.fp8_problems(cfg) if known else ():
+    for field_name, rule, fix in (kernels.fp8_problems(cfg) + kernels.userbuffer_problems(cfg)) if known else ():
         add(field_name, rule, fix)
     if t.lr <= 0:
         add("train.lr", "must be > 0", "use e.g. 3e-4")

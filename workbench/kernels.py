@@ -45,6 +45,7 @@ __all__ = [
     "guard_transformer_engine",
     "allow_fast_paths_on_cpu",
     "fp8_problems",
+    "userbuffer_problems",
     "FP8_RECIPES",
     "SDPA_CUDNN_FIRST",
     "SELECTIVE_RECOMPUTE",
@@ -205,6 +206,11 @@ class KernelChoice:
     #: who replays the layers as CUDA graphs: "torch" (the compiled layer's cudagraph trees), "megatron"
     #: (TE's layer: megatron's CudaGraphManager, ``cuda_graph_impl: local`` with TE's RNG tracker), "" (none)
     cuda_graphs_impl: Literal["", "torch", "megatron"] = ""
+    #: how TP > 1 hides its collectives: "compiled" (``parallel.tp_comm_overlap``: the compiled layer's backward
+    #: computes weight gradients under the input-gradient collective), "userbuffers" (``parallel.te_userbuffers``:
+    #: TE's layer through megatron's ``tp_comm_overlap``, GEMMs split and pipelined with the all-gather /
+    #: reduce-scatter in TE's userbuffers), "" (none: TP = 1, or the layer's collectives are exposed)
+    tp_overlap: Literal["", "compiled", "userbuffers"] = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -217,6 +223,8 @@ class KernelChoice:
     def describe(self) -> str:
         layer = "compiled layer" if self.layer == "compiled" else f"stock layer ({self.layer_reason})"
         graphs = {"torch": ", CUDA graphs", "megatron": ", megatron's CUDA graphs"}.get(self.cuda_graphs_impl, "")
+        if self.tp_overlap == "userbuffers":
+            graphs += ", TP comm overlap in TE's userbuffers"
         if self.fp8 != "off":
             layer += f" with FP8 GEMMs ({self.fp8}, {'Transformer Engine' if self.fp8_impl == 'te' else 'torch'})"
         return (f"attention {self.attention}, {layer}{graphs}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
@@ -332,11 +340,17 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
             "" if cuda and cuda_available else "no GPU")
     graphs = bool(t.cuda_graphs) and graphed_layer and not graphs_reason
     graphs_impl = ("torch" if layer == "compiled" else "megatron") if graphs else ""
+    tp_overlap = ""
+    if p.tensor_parallel > 1 and layer == "compiled" and p.tp_comm_overlap:
+        tp_overlap = "compiled"
+    elif p.tensor_parallel > 1 and attention == "te" and p.te_userbuffers and p.sequence_parallel and cuda:
+        tp_overlap = "userbuffers"
     return KernelChoice(
         attention=attention, layer=layer, layer_reason=reason, norm=norm,
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
         cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, cuda_graphs_impl=graphs_impl, transformer_engine=te,
+        tp_overlap=tp_overlap,
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         **_fp8_slot(t.fp8, layer, attention),
@@ -422,4 +436,37 @@ def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
     if bad:
         out.append(("train.fp8", f"FP8 GEMMs need sizes that are multiples of 16: {', '.join(bad)}",
                     "use sizes that are multiples of 16, or fp8: off"))
+    return out
+
+
+def userbuffer_problems(cfg: Any) -> list[tuple[str, str, str]]:
+    """``(field, rule, fix)`` where ``parallel.te_userbuffers`` cannot run (config validation calls it).
+
+    TE's userbuffers overlap the TP all-gather / reduce-scatter of sequence parallelism with TE's GEMMs
+    (megatron's ``tp_comm_overlap``; TE's ``initialize_ub``): they need TE's layer, TP > 1, sequence
+    parallelism and CUDA, and their buffers have one fixed shape (sequence x micro-batch, hidden), so one
+    sequence length for every layer.  Whether TE is usable is the machine's question (``launch.launch_problems``).
+    """
+    m, p = cfg.model, cfg.parallel
+    if not p.te_userbuffers:
+        return []
+    out = []
+    if p.tensor_parallel < 2:
+        out.append(("parallel.te_userbuffers", "TE's userbuffers overlap tensor-parallel communication; tensor_parallel is 1",
+                    "set tensor_parallel >= 2, or te_userbuffers: false"))
+    if not p.sequence_parallel:
+        out.append(("parallel.te_userbuffers", "TE's userbuffers overlap sequence parallelism's all-gather / reduce-scatter "
+                                              "(megatron refuses tp_comm_overlap without it)",
+                    "set sequence_parallel: true, or te_userbuffers: false"))
+    if p.device != "cuda":
+        out.append(("parallel.te_userbuffers", "TE's userbuffers need GPUs", "set te_userbuffers: false on device: cpu"))
+    if cfg.train.precision == "fp32":
+        out.append(("parallel.te_userbuffers", "TE's userbuffers carry bf16 / fp16 activations (precision is fp32)",
+                    "set precision: bf16, or te_userbuffers: false"))
+    if m.decoder_seq != m.seq_length:
+        out.append(("parallel.te_userbuffers", f"TE's userbuffers have one sequence length; this model's decoder runs "
+                                              f"{m.decoder_seq} tokens, its encoder {m.seq_length}", "set te_userbuffers: false"))
+    if m.attention_backend != "te":
+        out.append(("parallel.te_userbuffers", f"TE's userbuffers run on Transformer Engine's layer; attention_backend is "
+                                              f"'{m.attention_backend}'", "set attention_backend: te, or te_userbuffers: false"))
     return out

@@ -100,6 +100,10 @@ def losses(events: list[dict]) -> dict[int, float]:
     return {e["iteration"]: e["loss"] for e in events if e["event"] == "step" and e.get("loss") is not None}
 
 
+def eval_losses(events: list[dict]) -> dict[int, float]:
+    return {e["iteration"]: e["loss"] for e in events if e["event"] == "eval" and e.get("loss") is not None}
+
+
 def steps(events: list[dict], rank: int = 0) -> list[dict]:
     return [e for e in events if e["event"] == "step" and e["rank"] == rank]
 
@@ -214,15 +218,24 @@ def main() -> int:
     for name, nproc, over in (("resume", 1, {}), ("resume_dp2_distopt", ngpu, {"parallel.distributed_optimizer": True})):
         if only and name not in only:
             continue
-        straight = losses(run(cfg_for(**rs, **over, **{"train.train_iters": 2 * n}), work / f"{name}_straight", nproc, log))
+        straight_ev = run(cfg_for(**rs, **over, **{"train.train_iters": 2 * n}), work / f"{name}_straight", nproc, log)
         first = work / f"{name}_first"
         run(cfg_for(**rs, **over, **{"train.train_iters": n, "checkpoint.save_on_exit": True}), first, nproc, log)
-        second = losses(run(base.replace(**rs, **over, **{"train.train_iters": 2 * n, "checkpoint.load_dir": str(first / "checkpoints")}),
-                            work / f"{name}_second", nproc, log))
+        second_ev = run(base.replace(**rs, **over, **{"train.train_iters": 2 * n, "checkpoint.load_dir": str(first / "checkpoints")}),
+                        work / f"{name}_second", nproc, log)
+        straight, second = losses(straight_ev), losses(second_ev)
         diffs = [abs(second[i] - straight[i]) for i in range(n + 1, 2 * n + 1) if i in second]
+        # evaluation during training (train.eval_interval > 0): the resumed run's evaluations after the resume
+        ev_straight, ev_second = eval_losses(straight_ev), eval_losses(second_ev)
+        eval_diffs = [abs(ev_second[i] - ev_straight[i]) for i in sorted(ev_second) if i > n and i in ev_straight]
+        evals_ok = not base.train.eval_interval or (bool(eval_diffs) and max(eval_diffs) <= 1e-3)
         emit({"test": name, "straight_iters": 2 * n, "resumed_at": n, "compared_steps": len(diffs),
               "max_abs_loss_diff": max(diffs) if diffs else None, "target": 1e-3,
-              "pass": bool(diffs) and len(diffs) == n and max(diffs) <= 1e-3})
+              "eval_interval": base.train.eval_interval, "compared_evals": len(eval_diffs),
+              "max_abs_eval_loss_diff": max(eval_diffs) if eval_diffs else None,
+              "overrides": json.loads(args.set) if args.set else {},
+              "kernel_path": next((e["kernel_path"] for e in second_ev if e["event"] == "run_start"), None),
+              "pass": bool(diffs) and len(diffs) == n and max(diffs) <= 1e-3 and evals_ok})
 
     # 3) recompute: none (the reference run) vs selective vs full
     def perf(ev: list[dict]) -> dict:

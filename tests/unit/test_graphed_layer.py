@@ -73,9 +73,9 @@ def test_only_the_training_step_asks_megatron_for_graphs(monkeypatch):
 
     monkeypatch.setattr(kernels, "te_available", lambda: True)  # the boundary: a machine with TE installed
     te = preset("gpt2-small", **{"model.attention_backend": "te"})
-    assert model.training_graph_fields(te) == {"cuda_graph_impl": "local", "use_te_rng_tracker": True}
-    assert model.training_graph_fields(te.replace(**{"parallel.recompute": "selective"})) == {}
-    assert model.training_graph_fields(preset("gpt2-small")) == {}  # the compiled layer: torch's graphs
+    assert model.training_step_fields(te) == {"cuda_graph_impl": "local", "use_te_rng_tracker": True}
+    assert model.training_step_fields(te.replace(**{"parallel.recompute": "selective"})) == {}
+    assert model.training_step_fields(preset("gpt2-small")) == {}  # the compiled layer: torch's graphs
     # generation, conversion and verification build from the plain config: no graph managers there
     assert model.transformer_config(te).cuda_graph_impl == "none"
-    assert model.transformer_config(te, **model.training_graph_fields(te)).cuda_graph_impl == "local"
+    assert model.transformer_config(te, **model.training_step_fields(te)).cuda_graph_impl == "local"

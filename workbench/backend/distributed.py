@@ -77,10 +77,10 @@ def _seed(cfg: RunConfig) -> None:
     except ImportError:
         pass
     if cfg.parallel.device == "cuda":
-        from workbench.backend.model import training_graph_fields
+        from workbench.backend.model import training_step_fields
 
         # the training step's layer graphs (megatron's, TE's layer) need the RNG tracker their fields name
-        te_rng = bool(training_graph_fields(cfg).get("use_te_rng_tracker"))
+        te_rng = bool(training_step_fields(cfg).get("use_te_rng_tracker"))
         tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng, force_reset_rng=True)
 
 
@@ -172,6 +172,9 @@ def _free_captured_graphs() -> None:
 def destroy() -> None:
     """Tear down megatron's groups and the default process group (idempotent)."""
     _free_captured_graphs()
+    from workbench.backend.tp_overlap import destroy_userbuffers
+
+    destroy_userbuffers()  # TE's communicators hold NCCL bootstrap groups: before the process group goes
     try:
         parallel_state.destroy_model_parallel()
     except Exception:

@@ -47,7 +47,7 @@ CUDA graphs here cover the compiled layers (``train.cuda_graphs``, :func:`graphs
 mcore DDP's per-parameter backward hooks and the Python schedules are not capture-safe
 without TE's graph machinery, so embedding, loss, optimizer and schedule stay eager.  TE's
 layer replays as megatron's own per-layer graphs instead (``cuda_graph_impl: local``, the training
-step's ``model.training_graph_fields``; :class:`workbench.backend.model.GraphedTransformerLayer`).
+step's ``model.training_step_fields``; :class:`workbench.backend.model.GraphedTransformerLayer`).
 FP8 is opt-in (``train.fp8``, :mod:`workbench.backend.fp8`): the compiled layer's GEMMs only.
 """
 

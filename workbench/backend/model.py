@@ -155,11 +155,18 @@ def _fp8_fields(cfg: RunConfig) -> dict[str, Any]:
     return {}
 
 
-def training_graph_fields(cfg: RunConfig) -> dict[str, Any]:
-    """TransformerConfig fields of the training step's layer graphs: megatron's per-layer CUDA graphs for TE's
-    layer where the kernel rule says so (``cuda_graphs_impl == "megatron"``; TE's RNG tracker, which
-    ``distributed`` seeds).  Training only: generation, conversion and verification build without them."""
-    return dict(cuda_graph_impl="local", use_te_rng_tracker=True) if kernels.choose(cfg).cuda_graphs_impl == "megatron" else {}
+def training_step_fields(cfg: RunConfig) -> dict[str, Any]:
+    """TransformerConfig fields of the training step alone, where the kernel rule says so: megatron's per-layer
+    CUDA graphs for TE's layer (``cuda_graphs_impl == "megatron"``; TE's RNG tracker, which ``distributed``
+    seeds) and TE's userbuffers (``tp_overlap == "userbuffers"``; :func:`workbench.backend.tp_overlap.initialize_userbuffers`
+    sizes them for the training micro-batch).  Generation, conversion and verification build without them."""
+    choice = kernels.choose(cfg)
+    fields: dict[str, Any] = {}
+    if choice.cuda_graphs_impl == "megatron":
+        fields.update(cuda_graph_impl="local", use_te_rng_tracker=True)
+    if choice.tp_overlap == "userbuffers":
+        fields.update(tp_comm_overlap=True)
+    return fields
 
 
 def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformerConfig:
@@ -213,7 +220,7 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         overlap_p2p_comm=(not cpu) and p.vpp > 1,
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
-        workbench_tp_comm_overlap=p.tp_comm_overlap and p.tensor_parallel > 1,
+        workbench_tp_comm_overlap=kernels.choose(cfg).tp_overlap == "compiled",
     )
     kwargs.update(_fp8_fields(cfg))
     stage_layers = pipeline_stage_layers(cfg)
@@ -324,6 +331,9 @@ def kernel_path(cfg: RunConfig) -> dict[str, str]:
     if choice.fp8_impl == "te":  # the torch path reports itself (fast_fp8, from the built layers)
         out["fp8"] = (f"Transformer Engine FP8 ({choice.fp8} scaling, E4M3 forward / E5M2 gradients): every TE linear "
                       "of the transformer layers (embedding and output layer in the training precision)")
+    if choice.tp_overlap == "userbuffers":
+        out["tp_comm_overlap"] = ("Transformer Engine userbuffers (megatron tp_comm_overlap): the SP all-gather / "
+                                  "reduce-scatter of qkv, proj, fc1, fc2 pipelined with their GEMMs")
     notes = fusions.transformer_config_overrides(cfg)
     out["fusions"] = ", ".join(f"{k}={v}" for k, v in notes.items() if "fusion" in k and v) or "none"
     return out

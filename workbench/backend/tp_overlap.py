@@ -1,12 +1,17 @@
-"""TP comm overlap for the compiled layer: an inductor post-grad pass that moves each backward graph's
-weight-gradient GEMMs under the next collective (``parallel.tp_comm_overlap``; used by
-:func:`workbench.backend.fusions._compiled`)."""
+"""TP comm overlap, one per layer kind (:attr:`workbench.kernels.KernelChoice.tp_overlap`).
+
+- The compiled layer (``parallel.tp_comm_overlap``): an inductor post-grad pass that moves each backward
+  graph's weight-gradient GEMMs under the next collective (used by :func:`workbench.backend.fusions._compiled`).
+- Transformer Engine's layer (``parallel.te_userbuffers``): TE's userbuffers, set up once per training process
+  (:func:`initialize_userbuffers`, Megatron-LM's ``_initialize_tp_communicators``) for megatron's
+  ``tp_comm_overlap`` (``model.training_step_fields``), and freed at teardown.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["sink_weight_gradients", "tp_overlap_pass"]
+__all__ = ["sink_weight_gradients", "tp_overlap_pass", "initialize_userbuffers", "destroy_userbuffers"]
 
 _VIEW_OPS = ("view", "_unsafe_view", "reshape", "permute", "t", "transpose")
 #: the GEMMs a weight gradient can be: bf16 (``mm``) or FP8 (``_scaled_mm``, train.fp8)
@@ -86,3 +91,54 @@ def tp_overlap_pass() -> Any:
             return "workbench.sink_weight_gradients.v1"
 
     return _SinkWeightGradients()
+
+
+_UB_LIVE = False
+
+
+def initialize_userbuffers(cfg: Any) -> Optional[str]:
+    """TE's userbuffers for the training step, where the kernel rule runs them; a line for the kernel path
+    (None where it does not).  Every rank calls it, after megatron's groups exist and before the model is
+    built: TE bootstraps its communicators over NCCL (``bootstrap_backend``; no MPI needed) across the world.
+
+    One buffer shape for every TE linear of the TP layers, ``(seq_length x micro_batch_size, hidden)`` (the
+    full sequence: TE gathers into it), in the training precision, plus FP8 buffers where TE runs FP8.
+    Evaluation uses the training micro-batch, so the same buffers serve it; generation builds without
+    ``tp_comm_overlap`` and never touches them.  With ``UB_SKIPMC=1`` (:func:`workbench.config.rank_environment`)
+    TE exchanges through CUDA IPC instead of NVLink multicast.
+    """
+    global _UB_LIVE
+    from workbench import kernels
+
+    choice = kernels.choose(cfg)
+    if choice.tp_overlap != "userbuffers":
+        return None
+    import os
+
+    import torch
+    from transformer_engine.pytorch.module import base as te_base
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    shape = [m.seq_length * t.micro_batch_size, m.hidden_size]
+    dtype = torch.float16 if t.precision == "fp16" else torch.bfloat16
+    modes = [te_base.UserBufferQuantizationMode.FP8 if choice.fp8_impl == "te" else te_base.UserBufferQuantizationMode.NONE]
+    te_base.initialize_ub(shape=shape, tp_size=p.tensor_parallel, quantization_modes=modes, dtype=dtype,
+                          bootstrap_backend="nccl")
+    _UB_LIVE = True
+    ipc = " over CUDA IPC (UB_SKIPMC=1)" if os.environ.get("UB_SKIPMC") == "1" else ""
+    return (f"Transformer Engine userbuffers{ipc}: buffers of {shape[0]} x {shape[1]} "
+            f"({'FP8' if choice.fp8_impl == 'te' else str(dtype).removeprefix('torch.')}), TP {p.tensor_parallel}")
+
+
+def destroy_userbuffers() -> None:
+    """Free TE's userbuffer communicators (idempotent; never raises: teardown of a failed run)."""
+    global _UB_LIVE
+    if not _UB_LIVE:
+        return
+    _UB_LIVE = False
+    try:
+        from transformer_engine.pytorch.module import base as te_base
+
+        te_base.destroy_ub()
+    except Exception:
+        pass

@@ -99,7 +99,7 @@ class Trainer:
 
         from workbench.backend import distributed, timing
         from workbench.backend.data import MicroBatchStream, build_datasets
-        from workbench.backend.model import build_model, kernel_path, training_graph_fields, transformer_config
+        from workbench.backend.model import build_model, kernel_path, training_step_fields, transformer_config
 
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
         self.coords = distributed.initialize(cfg)
@@ -109,7 +109,10 @@ class Trainer:
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.is_logging_rank = self.is_last_stage and self.coords.tp == 0 and self.coords.dp == 0
 
-        tc = transformer_config(cfg, **training_graph_fields(cfg))
+        from workbench.backend.tp_overlap import initialize_userbuffers
+
+        userbuffers = initialize_userbuffers(cfg)  # TE's layer at TP > 1: before the model's TE linears are built
+        tc = transformer_config(cfg, **training_step_fields(cfg))
         self.tconfig = tc
         vpp = p.vpp
         chunks = []
@@ -176,8 +179,9 @@ class Trainer:
         self.kernel_path["optimizer"] = self._optimizer_path()
         self.kernel_path.update(fusion_entries(fusions.summary()))
         self.kernel_path["schedule"] = ("interleaved 1F1B" if vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
-        if queues := distributed.hardware_queue_note(cfg):
-            self.kernel_path["tp_comm_overlap"] = queues
+        overlap = [x for x in (self.kernel_path.get("tp_comm_overlap"), userbuffers, distributed.hardware_queue_note(cfg)) if x]
+        if overlap:
+            self.kernel_path["tp_comm_overlap"] = "; ".join(overlap)
 
         self._maybe_load()
 

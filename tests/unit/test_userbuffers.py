@@ -1,0 +1,123 @@
+"""parallel.te_userbuffers: TE's TP comm overlap (megatron's tp_comm_overlap through TE's userbuffers).
+
+The rule (which TP overlap a config gets), its refusals (exit 2 with the field and the fix, before any
+process starts), the training-only megatron field, the rank environment and the benchmark rows.  The
+userbuffers themselves need two GPUs and TE (``bench/train_throughput.py`` rows ``tp2-te-ub``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench import kernels
+from workbench.cli import main
+from workbench.config import preset, rank_environment
+
+#: GPT-2 small at TP=2 on TE's layer with SP: what userbuffers need
+TE_TP2 = preset("gpt2-small", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2,
+                                 "parallel.sequence_parallel": True, "model.attention_backend": "te"})
+UB = TE_TP2.replace(**{"parallel.te_userbuffers": True})
+
+
+@pytest.fixture
+def te_here(monkeypatch):
+    monkeypatch.setattr(kernels, "te_available", lambda: True)  # the boundary: a machine with TE installed
+
+
+def test_each_layer_gets_its_own_tp_overlap():
+    compiled = preset("gpt2-small", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
+    assert kernels.choose(compiled, te=False).tp_overlap == "compiled"
+    assert kernels.choose(compiled.replace(**{"parallel.tp_comm_overlap": False}), te=False).tp_overlap == ""
+    assert kernels.choose(preset("gpt2-small"), te=False).tp_overlap == ""  # TP = 1: nothing to overlap
+    # TE's layer: its collectives are exposed unless userbuffers are asked for
+    assert kernels.choose(TE_TP2, te=True).tp_overlap == ""
+    ub = kernels.choose(UB, te=True)
+    assert ub.tp_overlap == "userbuffers" and "userbuffers" in ub.describe()
+    assert kernels.choose(UB.replace(**{"parallel.sequence_parallel": False}), te=True).tp_overlap == ""
+    # the compiled layer never takes userbuffers, and TE's layer never the compiled layer's pass
+    assert kernels.choose(UB.replace(**{"model.attention_backend": "auto"}), te=True).tp_overlap == "compiled"
+
+
+def test_userbuffers_validate_where_they_can_run(te_here):
+    assert UB.validate() == []
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"parallel.sequence_parallel": False}, "sequence_parallel: true"),
+    ({"parallel.tensor_parallel": 1, "parallel.sequence_parallel": False, "parallel.nproc_per_node": 1}, "tensor_parallel >= 2"),
+    ({"model.attention_backend": "sdpa"}, "attention_backend: te"),
+    ({"parallel.device": "cpu"}, "device: cpu"),
+    ({"train.precision": "fp32"}, "precision: bf16"),
+])
+def test_userbuffers_refusals_name_the_field_and_the_fix(te_here, over, words):
+    problems = [p for p in UB.replace(**over).validate() if p.field == "parallel.te_userbuffers"]
+    assert problems and any(words in p.fix for p in problems), problems
+
+
+def test_userbuffers_on_another_layer_exit_2_before_anything_starts(tmp_path, capsys):
+    path = UB.replace(**{"model.attention_backend": "auto"}).save(tmp_path / "ub.yaml")
+    assert main(["config", "validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.te_userbuffers" in err and "attention_backend: te" in err
+
+
+def test_transformer_engines_layer_without_te_is_refused_before_the_launch(monkeypatch):
+    """TE's layer asked for on a GPU machine without a usable TE: a launch problem with the fix, not a rank's
+    traceback.  (Whether TE is usable is the machine's question: the config itself stays valid elsewhere.)"""
+    from workbench import launch
+
+    monkeypatch.setattr(launch, "detect_gpus", lambda: 2)  # the machine boundary: nvidia-smi
+    monkeypatch.setattr(kernels, "te_available", lambda: False)
+    problems = [p for p in launch.launch_problems(UB) if p.field == "model.attention_backend"]
+    assert problems and "install_te.sh" in problems[0].fix and "te_userbuffers: false" in problems[0].fix
+    monkeypatch.setattr(kernels, "te_available", lambda: True)
+    assert not [p for p in launch.launch_problems(UB) if p.field == "model.attention_backend"]
+
+
+def test_userbuffers_have_one_sequence_length(te_here):
+    t5 = preset("t5-base", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2, "parallel.te_userbuffers": True,
+                              "model.attention_backend": "te"})
+    assert t5.model.decoder_seq != t5.model.seq_length
+    rules = [p.rule for p in t5.validate() if p.field == "parallel.te_userbuffers"]
+    assert any("one sequence length" in r for r in rules), rules
+
+
+def test_only_the_training_step_asks_megatron_for_tp_comm_overlap(te_here):
+    from workbench.backend import model
+
+    fields = model.training_step_fields(UB)
+    assert fields.get("tp_comm_overlap") is True
+    assert "tp_comm_overlap" not in model.training_step_fields(TE_TP2)
+    # generation, conversion and verification build from the plain config: no userbuffers there
+    assert model.transformer_config(UB).tp_comm_overlap is False
+    assert model.transformer_config(UB, **fields).tp_comm_overlap is True
+    assert "userbuffers" in model.kernel_path(UB)["tp_comm_overlap"]
+    # the compiled layer's own overlap is a workbench field, never megatron's userbuffers
+    compiled = preset("gpt2-small", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
+    tc = model.transformer_config(compiled, **model.training_step_fields(compiled))
+    assert (tc.tp_comm_overlap, tc.workbench_tp_comm_overlap) == (False, True)
+
+
+def test_userbuffers_keep_multicast_off_where_the_launch_does(monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    assert rank_environment(UB) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    assert rank_environment(UB) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "UB_SKIPMC": "1"}
+    assert "UB_SKIPMC" not in rank_environment(TE_TP2)
+
+
+def test_the_benchmark_has_the_te_tp2_rows_with_and_without_userbuffers(te_here):
+    from bench import train_throughput as tt
+
+    rows = {v.name: v for v in tt.plan(["gpt2-medium"], gpus=2, have_te=True, microbatches=4)}
+    names = ("tp2-te", "tp2-te-ub", "tp2-te-ub-nograph", "tp2-te-fp8", "tp2-te-ub-fp8")
+    for name in names:
+        v = rows[f"{name}/gpt2-large"]
+        cfg = tt.bench_config(v)
+        assert cfg.validate() == [], (name, cfg.validate())
+        choice = kernels.choose(cfg)
+        assert (choice.attention, cfg.parallel.tensor_parallel, cfg.parallel.sequence_parallel) == ("te", 2, True)
+        assert (choice.tp_overlap == "userbuffers") == ("-ub" in name), name
+        assert (v.env.get("UB_SKIPMC") == "1") == ("-ub" in name), name  # never NVLink multicast on shared hosts
+        assert v.baseline == "workbench/gpt2-large"
+    assert not {f"{n}/gpt2-large" for n in names} & {v.name for v in tt.plan(["gpt2-medium"], 2, False, 4)}
