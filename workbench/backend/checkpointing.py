@@ -325,6 +325,86 @@ def _zero_adam_state(inner: Any) -> None:
                 st["step"] = torch.tensor(0.0)
 
 
+#: the per-rank random states in a training checkpoint (megatron's ``rng_state``: one object per (PP, TP) rank;
+#: data-parallel ranks hold the same states, seeded alike, so DP rank 0 writes them)
+RNG_KEY = "rng_state"
+
+
+def rng_state(cuda: bool) -> dict[str, Any]:
+    """This rank's random states, as tensors and plain values (what a weights-only load accepts): Python's,
+    NumPy's, torch's CPU and (``cuda``) CUDA generators, and megatron's tracked states (TP-sharded dropout;
+    TE's graph-safe generators under megatron's CUDA graphs are stored by their state)."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out: dict[str, Any] = {"python": [version, list(internal), gauss],
+                           "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+                           "torch": torch.get_rng_state()}
+    if cuda:
+        out["cuda"] = torch.cuda.get_rng_state()
+    tracked = tensor_parallel.get_cuda_rng_tracker().get_states()
+    out["tracker"] = {k: (v.get_state() if isinstance(v, torch.Generator) else v).clone() for k, v in tracked.items()}
+    return out
+
+
+def set_rng_state(state: dict[str, Any], cuda: bool) -> None:
+    """Restore :func:`rng_state`'s states.  Graph-safe generators are set in place (CUDA graphs captured later
+    keep reading the same generator objects)."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if cuda and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current = tracker.get_states()
+    restored = {}
+    for k, saved in state["tracker"].items():
+        if isinstance(current.get(k), torch.Generator):
+            current[k].set_state(saved)
+            restored[k] = current[k]
+        else:
+            restored[k] = saved
+    tracker.set_states(restored)
+
+
+def _cuda_started() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _rng_sharded(data: Any) -> Any:
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(RNG_KEY, data, (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank())
+
+
+def _rng_layout_change(meta: dict) -> str:
+    """Why the checkpoint's random states do not fit this job ("" when they do): they are per (PP, TP) rank."""
+    from megatron.core import parallel_state as ps
+
+    saved = (meta.get("config") or {}).get("parallel") or {}
+    now = {"tensor_parallel": ps.get_tensor_model_parallel_world_size(), "pipeline_parallel": ps.get_pipeline_model_parallel_world_size()}
+    changed = [f"{k} {saved.get(k, 1)} -> {v}" for k, v in now.items() if int(saved.get(k, 1)) != v]
+    return ", ".join(changed)
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -334,6 +414,7 @@ def save_checkpoint(
     scheduler: Any = None,
     extra: dict[str, Any] | None = None,
     tokenizer: Any = None,
+    rng: bool = False,
 ) -> Path:
     """Collectively save ``model_chunks`` (one GPTModel or the list of VPP chunks) to ``root/iter_XXXXXXX``.
 
@@ -341,8 +422,9 @@ def save_checkpoint(
     ``sharded_state_dict`` is stored next to the model's); ``scheduler`` anything with
     ``state_dict()``; ``extra`` rank-common state (data position, RNG seeds...) that must
     survive ``torch.load(weights_only=True)`` (tensors, numbers, strings, containers);
-    ``tokenizer`` a JSON-able spec (e.g. a tokenizer dir or name) for exporters and generation.
-    Returns the final iteration directory.
+    ``tokenizer`` a JSON-able spec (e.g. a tokenizer dir or name) for exporters and generation;
+    ``rng``: store every rank's random states (:func:`rng_state`; a training run's, so a resume under dropout
+    repeats the straight run).  Returns the final iteration directory.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -370,6 +452,8 @@ def save_checkpoint(
         sharded["scheduler"] = scheduler.state_dict()
     sharded["workbench_extra"] = dict(extra or {})
     sharded["iteration"] = int(iteration)
+    if rng:
+        sharded[RNG_KEY] = _rng_sharded(rng_state(_cuda_started()))
 
     try:
         _fault_point("save", iteration)
@@ -397,6 +481,7 @@ def save_checkpoint(
             "tokenizer": tokenizer,
             "has_optimizer": optimizer is not None,
             "has_scheduler": scheduler is not None,
+            "has_rng": bool(rng),
             "num_model_chunks": len(chunks),
             "extra": _jsonable(dict(extra or {})),
             "files": file_manifest(tmp),  # size + SHA-256 of every file: verify_checkpoint names a damaged one
@@ -573,6 +658,7 @@ def load_checkpoint(
     scheduler: Any = None,
     load_optimizer: bool = True,
     fresh_heads: bool = False,
+    load_rng: bool = False,
 ) -> dict[str, Any]:
     """Collectively load a checkpoint (root or iter dir) into ``model_chunks``, at any TP/PP/VPP.
 
@@ -580,8 +666,9 @@ def load_checkpoint(
     checkpoint has it (fine-tuning passes ``load_optimizer=False``).  ``fresh_heads`` (fine-tuning):
     tensors under a model's ``fresh_on_finetune`` prefixes that the checkpoint lacks (a new task
     head) keep their initialised values (``meta["fresh"]`` names them); any other missing tensor is
-    still an error.  Returns the metadata dict (``iteration``, ``config``, ``tokenizer``, ``extra`` -
-    with tensors restored -, ``path``, ``fresh``).
+    still an error.  ``load_rng`` (a resume): restore the random states where the checkpoint has them for this
+    job's (PP, TP) layout.  Returns the metadata dict (``iteration``, ``config``, ``tokenizer``, ``extra`` -
+    with tensors restored -, ``path``, ``fresh``, ``rng``: "restored" or why not).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
@@ -608,6 +695,15 @@ def load_checkpoint(
                 "optimizer state cannot be re-padded -> load with load_optimizer=False (finetune), "
                 "or resume at the original tensor_parallel")
         sharded["optimizer"] = _optimizer_sharded_sd(optimizer, _model_sharded_sd(chunks), is_loading=True)
+    rng_note = "not asked for"
+    if load_rng:
+        layout = _rng_layout_change(meta)
+        if not meta.get("has_rng"):
+            rng_note = "the checkpoint holds no random states (fresh seeds)"
+        elif layout:
+            rng_note = f"the checkpoint's random states are per (PP, TP) rank and the layout changed ({layout}): fresh seeds"
+        else:
+            sharded[RNG_KEY] = _rng_sharded(None)
 
     with safe_dist_reading():  # nothing in the checkpoint is unpickled outside the allow-list
         loaded = dist_checkpointing.load(sharded, str(ckpt), sharded_strategy=TorchDistLoadShardedStrategy(),
@@ -633,5 +729,9 @@ def load_checkpoint(
     meta["iteration"] = int(loaded.get("iteration", meta.get("iteration", 0)))
     meta["path"] = str(ckpt)
     meta["fresh"] = sorted({k for _, k in fresh})
+    if RNG_KEY in sharded:
+        set_rng_state(loaded[RNG_KEY], _cuda_started())
+        rng_note = "restored"
+    meta["rng"] = rng_note
     _barrier()
     return meta

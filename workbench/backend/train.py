@@ -209,7 +209,7 @@ class Trainer:
 
         meta = load_checkpoint(c.load_dir, self.model, optimizer=None if c.finetune else self.optimizer,
                                scheduler=None if c.finetune else self.scheduler, load_optimizer=not c.finetune,
-                               fresh_heads=c.finetune)
+                               fresh_heads=c.finetune, load_rng=not c.finetune)
         if c.finetune:
             fresh = f"; initialised fresh: {', '.join(meta['fresh'])}" if meta.get("fresh") else ""
             self._log(f"[workbench] loaded weights from {meta['path']} (finetune: iteration 0, fresh optimizer{fresh})")
@@ -217,7 +217,8 @@ class Trainer:
         self.iteration = int(meta["iteration"])
         extra = meta.get("extra") or {}
         self.consumed_samples = int(extra.get("consumed_samples", self.iteration * self.cfg.train.global_batch_size))
-        self._log(f"[workbench] resumed from {meta['path']} at iteration {self.iteration}, consumed_samples {self.consumed_samples}")
+        self._log(f"[workbench] resumed from {meta['path']} at iteration {self.iteration}, consumed_samples {self.consumed_samples}; "
+                  f"random states: {meta.get('rng')}")
 
     # ------------------------------------------------------------------ steps
     def _log(self, msg: str) -> None:
