@@ -376,7 +376,7 @@ class Trainer:
         root = Path(self.cfg.checkpoint.save_dir or (self.run_dir / "checkpoints"))
         t0 = time.time()
         path = save_checkpoint(root, self.iteration, self.model, self.cfg, optimizer=self.optimizer, scheduler=self.scheduler,
-                               extra={"consumed_samples": self.consumed_samples}, tokenizer=self.cfg.data.tokenizer)
+                               extra={"consumed_samples": self.consumed_samples}, tokenizer=self.cfg.data.tokenizer, rng=True)
         self.events.write(Checkpoint(iteration=self.iteration, path=str(path), seconds=time.time() - t0))
         self._log(f"[workbench] saved checkpoint {path}")
         return path
