@@ -231,6 +231,7 @@ def main() -> int:
         evals_ok = not base.train.eval_interval or (bool(eval_diffs) and max(eval_diffs) <= 1e-3)
         emit({"test": name, "straight_iters": 2 * n, "resumed_at": n, "compared_steps": len(diffs),
               "max_abs_loss_diff": max(diffs) if diffs else None, "target": 1e-3,
+              "loss_diff_per_step": {i: second[i] - straight[i] for i in range(n + 1, 2 * n + 1) if i in second and i in straight},
               "eval_interval": base.train.eval_interval, "compared_evals": len(eval_diffs),
               "max_abs_eval_loss_diff": max(eval_diffs) if eval_diffs else None,
               "overrides": json.loads(args.set) if args.set else {},
