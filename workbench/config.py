@@ -622,9 +622,10 @@ def rank_environment(cfg: RunConfig) -> dict[str, str]:
 
     p = cfg.parallel
     env: dict[str, str] = {}
-    if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or p.te_userbuffers):
+    userbuffers = p.te_userbuffers and kernels.choose(cfg).tp_overlap == "userbuffers"
+    if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or userbuffers):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    if p.device == "cuda" and p.te_userbuffers and os.environ.get("NCCL_NVLS_ENABLE") == "0":
+    if userbuffers and os.environ.get("NCCL_NVLS_ENABLE") == "0":
         env["UB_SKIPMC"] = "1"
     return env
 

@@ -343,7 +343,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     tp_overlap = ""
     if p.tensor_parallel > 1 and layer == "compiled" and p.tp_comm_overlap:
         tp_overlap = "compiled"
-    elif p.tensor_parallel > 1 and attention == "te" and p.te_userbuffers and p.sequence_parallel and cuda:
+    elif p.te_userbuffers and not _userbuffer_rules(cfg, attention):
         tp_overlap = "userbuffers"
     return KernelChoice(
         attention=attention, layer=layer, layer_reason=reason, norm=norm,
@@ -439,34 +439,44 @@ def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
     return out
 
 
+def _userbuffer_rules(cfg: Any, attention: str) -> list[tuple[str, str]]:
+    """``(rule, fix)`` for each reason ``parallel.te_userbuffers`` cannot run with this config on ``attention``
+    (the one predicate :func:`choose` and :func:`userbuffer_problems` share)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    out = []
+    if p.tensor_parallel < 2:
+        out.append(("TE's userbuffers overlap tensor-parallel communication; tensor_parallel is 1",
+                    "set tensor_parallel >= 2, or te_userbuffers: false"))
+    if not p.sequence_parallel:
+        out.append(("TE's userbuffers overlap sequence parallelism's all-gather / reduce-scatter (megatron refuses "
+                    "tp_comm_overlap without it)", "set sequence_parallel: true, or te_userbuffers: false"))
+    if p.device != "cuda":
+        out.append(("TE's userbuffers need GPUs", "set te_userbuffers: false on device: cpu"))
+    if t.precision == "fp32":
+        out.append(("TE's userbuffers carry bf16 / fp16 activations (precision is fp32)",
+                    "set precision: bf16, or te_userbuffers: false"))
+    if attention != "te":
+        out.append((f"TE's userbuffers run on Transformer Engine's layer; attention_backend resolves to {attention}",
+                    "set attention_backend: te, or te_userbuffers: false"))
+    from workbench.models import FAMILIES
+
+    family = FAMILIES.get(m.arch)
+    if family is not None and family.supports.te_userbuffers_blocker:
+        out.append((family.supports.te_userbuffers_blocker, "set te_userbuffers: false"))
+    if _te_version() < (2, 7):
+        out.append(("TE's userbuffers need transformer-engine >= 2.7 (its UserBufferQuantizationMode)",
+                    "bash launch/install_te.sh (2.20.2), or te_userbuffers: false"))
+    return out
+
+
 def userbuffer_problems(cfg: Any) -> list[tuple[str, str, str]]:
     """``(field, rule, fix)`` where ``parallel.te_userbuffers`` cannot run (config validation calls it).
 
     TE's userbuffers overlap the TP all-gather / reduce-scatter of sequence parallelism with TE's GEMMs
     (megatron's ``tp_comm_overlap``; TE's ``initialize_ub``): they need TE's layer, TP > 1, sequence
-    parallelism and CUDA, and their buffers have one fixed shape (sequence x micro-batch, hidden), so one
-    sequence length for every layer.  Whether TE is usable is the machine's question (``launch.launch_problems``).
+    parallelism, CUDA and bf16 / fp16.  The layer is judged as on a machine with TE (the config's own question);
+    whether TE is usable where it runs is the machine's (``launch.launch_problems``).
     """
-    m, p = cfg.model, cfg.parallel
-    if not p.te_userbuffers:
+    if not cfg.parallel.te_userbuffers:
         return []
-    out = []
-    if p.tensor_parallel < 2:
-        out.append(("parallel.te_userbuffers", "TE's userbuffers overlap tensor-parallel communication; tensor_parallel is 1",
-                    "set tensor_parallel >= 2, or te_userbuffers: false"))
-    if not p.sequence_parallel:
-        out.append(("parallel.te_userbuffers", "TE's userbuffers overlap sequence parallelism's all-gather / reduce-scatter "
-                                              "(megatron refuses tp_comm_overlap without it)",
-                    "set sequence_parallel: true, or te_userbuffers: false"))
-    if p.device != "cuda":
-        out.append(("parallel.te_userbuffers", "TE's userbuffers need GPUs", "set te_userbuffers: false on device: cpu"))
-    if cfg.train.precision == "fp32":
-        out.append(("parallel.te_userbuffers", "TE's userbuffers carry bf16 / fp16 activations (precision is fp32)",
-                    "set precision: bf16, or te_userbuffers: false"))
-    if m.decoder_seq != m.seq_length:
-        out.append(("parallel.te_userbuffers", f"TE's userbuffers have one sequence length; this model's decoder runs "
-                                              f"{m.decoder_seq} tokens, its encoder {m.seq_length}", "set te_userbuffers: false"))
-    if m.attention_backend != "te":
-        out.append(("parallel.te_userbuffers", f"TE's userbuffers run on Transformer Engine's layer; attention_backend is "
-                                              f"'{m.attention_backend}'", "set attention_backend: te, or te_userbuffers: false"))
-    return out
+    return [("parallel.te_userbuffers", rule, fix) for rule, fix in _userbuffer_rules(cfg, choose(cfg, te=True).attention)]

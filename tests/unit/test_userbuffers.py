@@ -74,12 +74,52 @@ def test_transformer_engines_layer_without_te_is_refused_before_the_launch(monke
     assert not [p for p in launch.launch_problems(UB) if p.field == "model.attention_backend"]
 
 
-def test_userbuffers_have_one_sequence_length(te_here):
-    t5 = preset("t5-base", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2, "parallel.te_userbuffers": True,
-                              "model.attention_backend": "te"})
-    assert t5.model.decoder_seq != t5.model.seq_length
+def test_t5_is_refused_by_its_family(te_here):
+    """T5's cross-attention builds TE linears without a userbuffer name (megatron asserts one under tp_comm_overlap)."""
+    t5 = preset("t5-base", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2, "parallel.sequence_parallel": True,
+                              "parallel.te_userbuffers": True, "model.attention_backend": "te",
+                              "model.decoder_seq_length": 512})
     rules = [p.rule for p in t5.validate() if p.field == "parallel.te_userbuffers"]
-    assert any("one sequence length" in r for r in rules), rules
+    assert any("cross-attention" in r for r in rules), rules
+    assert kernels.choose(t5, te=True).tp_overlap == ""  # the rule and the validation agree
+
+
+def test_the_rule_and_the_validation_agree_on_auto(te_here):
+    """auto with FP8 resolves to TE's layer (where TE is usable): userbuffers run, and validation lets them."""
+    auto_fp8 = UB.replace(**{"model.attention_backend": "auto", "train.fp8": "delayed", "model.hidden_dropout": 0.1})
+    assert kernels.choose(auto_fp8, te=True).tp_overlap == "userbuffers"
+    assert [p for p in auto_fp8.validate() if p.field == "parallel.te_userbuffers"] == []
+
+
+def test_initialize_userbuffers_asks_te_for_the_training_shape(te_here, monkeypatch):
+    """What the backend hands TE's initialize_ub (TE is not installed here: its module is the boundary)."""
+    import sys
+    import types
+
+    import torch
+
+    from workbench.backend import tp_overlap
+
+    calls = []
+    base = types.SimpleNamespace(
+        UserBufferQuantizationMode=types.SimpleNamespace(NONE="none", FP8="fp8"),
+        initialize_ub=lambda **kw: calls.append(("init", kw)), destroy_ub=lambda: calls.append(("destroy", {})))
+    module = types.ModuleType("transformer_engine.pytorch.module")
+    module.base = base
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.module", module)
+    monkeypatch.setenv("UB_SKIPMC", "1")
+    assert tp_overlap.initialize_userbuffers(TE_TP2) is None  # no userbuffers asked for: TE untouched
+    line = tp_overlap.initialize_userbuffers(UB.replace(**{"train.fp8": "delayed"}))
+    (kind, kw), = calls
+    m, t = UB.model, UB.train
+    assert kw == {"shape": [m.seq_length * t.micro_batch_size, m.hidden_size], "tp_size": 2, "quantization_modes": ["fp8"],
+                  "dtype": torch.bfloat16, "bootstrap_backend": "nccl"}
+    assert "FP8" in line and "UB_SKIPMC" in line
+    tp_overlap.destroy_userbuffers()
+    tp_overlap.destroy_userbuffers()  # idempotent
+    assert [c[0] for c in calls] == ["init", "destroy"]
 
 
 def test_only_the_training_step_asks_megatron_for_tp_comm_overlap(te_here):

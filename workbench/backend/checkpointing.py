@@ -366,16 +366,16 @@ def set_rng_state(state: dict[str, Any], cuda: bool) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if cuda and "cuda" in state:
+    if cuda and "cuda" in state and state["cuda"].numel() == torch.cuda.get_rng_state().numel():
         torch.cuda.set_rng_state(state["cuda"])
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    current = tracker.get_states()
-    restored = {}
+    restored = dict(tracker.get_states())  # a stream the checkpoint lacks keeps this run's seeding
     for k, saved in state["tracker"].items():
-        if isinstance(current.get(k), torch.Generator):
-            current[k].set_state(saved)
-            restored[k] = current[k]
-        else:
+        if k not in restored:
+            continue  # a stream this run does not track
+        if isinstance(restored[k], torch.Generator):
+            restored[k].set_state(saved)
+        elif restored[k].numel() == saved.numel():
             restored[k] = saved
     tracker.set_states(restored)
 
@@ -402,6 +402,9 @@ def _rng_layout_change(meta: dict) -> str:
     saved = (meta.get("config") or {}).get("parallel") or {}
     now = {"tensor_parallel": ps.get_tensor_model_parallel_world_size(), "pipeline_parallel": ps.get_pipeline_model_parallel_world_size()}
     changed = [f"{k} {saved.get(k, 1)} -> {v}" for k, v in now.items() if int(saved.get(k, 1)) != v]
+    device = "cuda" if _cuda_started() else "cpu"  # CPU mode's states are not a GPU's
+    if saved.get("device", "cuda") != device:
+        changed.append(f"device {saved.get('device', 'cuda')} -> {device}")
     return ", ".join(changed)
 
 
@@ -699,9 +702,10 @@ def load_checkpoint(
     if load_rng:
         layout = _rng_layout_change(meta)
         if not meta.get("has_rng"):
-            rng_note = "the checkpoint holds no random states (fresh seeds)"
+            rng_note = "the checkpoint holds no random states (this run's own seeding: the dropout streams restart)"
         elif layout:
-            rng_note = f"the checkpoint's random states are per (PP, TP) rank and the layout changed ({layout}): fresh seeds"
+            rng_note = (f"the checkpoint's random states are per (PP, TP) rank and the layout changed ({layout}): "
+                        "this run's own seeding (the dropout streams restart)")
         else:
             sharded[RNG_KEY] = _rng_sharded(None)
 

@@ -122,12 +122,12 @@ def initialize_userbuffers(cfg: Any) -> Optional[str]:
     shape = [m.seq_length * t.micro_batch_size, m.hidden_size]
     dtype = torch.float16 if t.precision == "fp16" else torch.bfloat16
     modes = [te_base.UserBufferQuantizationMode.FP8 if choice.fp8_impl == "te" else te_base.UserBufferQuantizationMode.NONE]
+    _UB_LIVE = True  # before the call: TE registers its communicators as it goes, and teardown must free a partial set
     te_base.initialize_ub(shape=shape, tp_size=p.tensor_parallel, quantization_modes=modes, dtype=dtype,
                           bootstrap_backend="nccl")
-    _UB_LIVE = True
-    ipc = " over CUDA IPC (UB_SKIPMC=1)" if os.environ.get("UB_SKIPMC") == "1" else ""
-    return (f"Transformer Engine userbuffers{ipc}: buffers of {shape[0]} x {shape[1]} "
-            f"({'FP8' if choice.fp8_impl == 'te' else str(dtype).removeprefix('torch.')}), TP {p.tensor_parallel}")
+    ipc = ", CUDA IPC (UB_SKIPMC=1)" if os.environ.get("UB_SKIPMC") == "1" else ""
+    return (f"buffers {shape[0]} x {shape[1]} ({'FP8' if choice.fp8_impl == 'te' else str(dtype).removeprefix('torch.')}), "
+            f"TP {p.tensor_parallel}{ipc}")
 
 
 def destroy_userbuffers() -> None:

@@ -54,6 +54,9 @@ class Supports:
     #: layer does not apply, and whether that layer replays as megatron's CUDA graphs (T5 has a TE layer for an
     #: explicit ``te``, ungraphed: its cross-attention mask pair)
     transformer_engine: bool = True
+    #: why TE's userbuffers (``parallel.te_userbuffers``) cannot serve this family's TE layer ("" -> they can);
+    #: read by :func:`workbench.kernels.userbuffer_problems`
+    te_userbuffers_blocker: str = ""
     #: ``model.position_embedding`` values the family builds
     positions: tuple[str, ...] = ("learned", "rope", "alibi")
     #: ``model.activation`` values (MLP types) the family builds
