@@ -130,7 +130,10 @@ def test_checkpoint_metadata_record(tmp_path):
     meta = ck.read_checkpoint(tmp_path / "ck")
     assert isinstance(meta, ck.CheckpointMeta) and meta.path == d and meta.iteration == 3 and meta.has_optimizer
     assert meta.extra == {"source": "hf"}
-    assert ck.read_metadata(tmp_path / "ck") == {**json.loads((d / ck.METADATA_FILE).read_text()), "tokenizer": None, "path": str(d)}
+    # declared fields the file lacks read as their defaults (an older checkpoint: no scheduler, no random states)
+    assert not meta.has_rng and not meta.has_scheduler
+    assert ck.read_metadata(tmp_path / "ck") == {**json.loads((d / ck.METADATA_FILE).read_text()), "tokenizer": None,
+                                                 "has_scheduler": False, "has_rng": False, "path": str(d)}
     with pytest.raises(ck.CheckpointError, match="does not exist"):
         ck.read_checkpoint(tmp_path / "nope")
 

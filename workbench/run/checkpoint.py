@@ -39,6 +39,9 @@ class CheckpointMeta:
     complete: bool = False
     config: dict[str, Any] = field(default_factory=dict)
     has_optimizer: bool = False
+    has_scheduler: bool = False
+    #: every rank's random states are stored (a training run's save; a resume under dropout repeats the straight run)
+    has_rng: bool = False
     tokenizer: Any = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
