@@ -622,7 +622,7 @@ def rank_environment(cfg: RunConfig) -> dict[str, str]:
 
     p = cfg.parallel
     env: dict[str, str] = {}
-    userbuffers = p.te_userbuffers and kernels.choose(cfg).tp_overlap == "userbuffers"
+    userbuffers = kernels.choose(cfg).tp_overlap == "userbuffers"
     if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or userbuffers):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if userbuffers and os.environ.get("NCCL_NVLS_ENABLE") == "0":

@@ -96,12 +96,9 @@ def run(cfg: RunConfig, run_dir: Path, nproc: int, log) -> list[dict]:
     return events
 
 
-def losses(events: list[dict]) -> dict[int, float]:
-    return {e["iteration"]: e["loss"] for e in events if e["event"] == "step" and e.get("loss") is not None}
-
-
-def eval_losses(events: list[dict]) -> dict[int, float]:
-    return {e["iteration"]: e["loss"] for e in events if e["event"] == "eval" and e.get("loss") is not None}
+def losses(events: list[dict], kind: str = "step") -> dict[int, float]:
+    """Loss by iteration of a run's ``step`` (or ``eval``) events."""
+    return {e["iteration"]: e["loss"] for e in events if e["event"] == kind and e.get("loss") is not None}
 
 
 def steps(events: list[dict], rank: int = 0) -> list[dict]:
@@ -224,14 +221,15 @@ def main() -> int:
         second_ev = run(base.replace(**rs, **over, **{"train.train_iters": 2 * n, "checkpoint.load_dir": str(first / "checkpoints")}),
                         work / f"{name}_second", nproc, log)
         straight, second = losses(straight_ev), losses(second_ev)
-        diffs = [abs(second[i] - straight[i]) for i in range(n + 1, 2 * n + 1) if i in second]
+        per_step = {i: second[i] - straight[i] for i in range(n + 1, 2 * n + 1) if i in second and i in straight}
+        diffs = [abs(d) for d in per_step.values()]
         # evaluation during training (train.eval_interval > 0): the resumed run's evaluations after the resume
-        ev_straight, ev_second = eval_losses(straight_ev), eval_losses(second_ev)
+        ev_straight, ev_second = losses(straight_ev, "eval"), losses(second_ev, "eval")
         eval_diffs = [abs(ev_second[i] - ev_straight[i]) for i in sorted(ev_second) if i > n and i in ev_straight]
         evals_ok = not base.train.eval_interval or (bool(eval_diffs) and max(eval_diffs) <= 1e-3)
         emit({"test": name, "straight_iters": 2 * n, "resumed_at": n, "compared_steps": len(diffs),
               "max_abs_loss_diff": max(diffs) if diffs else None, "target": 1e-3,
-              "loss_diff_per_step": {i: second[i] - straight[i] for i in range(n + 1, 2 * n + 1) if i in second and i in straight},
+              "loss_diff_per_step": per_step,
               "eval_interval": base.train.eval_interval, "compared_evals": len(eval_diffs),
               "max_abs_eval_loss_diff": max(eval_diffs) if eval_diffs else None,
               "overrides": json.loads(args.set) if args.set else {},

@@ -108,7 +108,7 @@ FAMILY = Family(
                       hf_classes=(("t5", "T5ForConditionalGeneration"), ("mt5", "MT5ForConditionalGeneration")),
                       pipeline_reason=PIPELINE_REASON, transformer_engine=False, positions=("relative",),
                       te_userbuffers_blocker="T5's cross-attention has TE linears with no userbuffer of their own "
-                                             "(megatron asserts a tp_comm_buffer_name), and its encoder and decoder differ in length",
+                                             "(megatron asserts a tp_comm_buffer_name), and its encoder and decoder lengths may differ",
                       activations=("relu", "gelu", "geglu", "swiglu")),
     shapes=shapes,
     presets=PRESETS,
