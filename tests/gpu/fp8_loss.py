@@ -9,7 +9,8 @@ bf16 on the GPU against an fp32 linear.  From the event streams: every step's
 loss, tokens/s and the kernel path the run reported.  The comparison is the issue's: per step, the relative
 difference of the losses smoothed over ``--window`` steps (a centred moving average), and its maximum after the
 first ``--window`` steps; the bar is 1.5%.  One JSON line per recipe with device, date and commit, the last one
-carrying the comparison.
+carrying the comparison.  ``--recipes off,off,...`` runs bf16 twice: the second run's difference from the first is
+the run-to-run spread of bf16 itself (reported beside the bar, not judged by it).
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ sys.path.insert(0, str(ROOT))
 BAR = 0.015
 
 
-def run(model: str, recipe: str, steps: int, timeout: float, over: dict) -> dict:
+def run(model: str, recipe: str, steps: int, timeout: float, over: dict, lr: float) -> dict:
     from bench import harness
     from workbench.config import preset
     from workbench.provenance import stamp
     from workbench.run.reader import read_events
 
     cfg = preset(model, **{"data.source": "demo", "train.train_iters": steps, "train.eval_interval": 0,
-                           "train.lr": 3e-4, "train.min_lr": 3e-5, "train.lr_warmup_iters": max(steps // 10, 1),
+                           "train.lr": lr, "train.min_lr": lr / 10, "train.lr_warmup_iters": max(steps // 10, 1),
                            "train.precision": "bf16", "train.fp8": recipe, "parallel.device": "cuda",
                            "checkpoint.save_on_exit": False, **over})
     run_dir = Path(tempfile.mkdtemp(prefix=f"wb-fp8-{recipe}-"))
@@ -45,7 +46,7 @@ def run(model: str, recipe: str, steps: int, timeout: float, over: dict) -> dict
     speed = [e["tokens_per_s"] for e in steps_ev if e.get("tokens_per_s")][len(steps_ev) // 3:]
     return {**stamp(), "model": model, "recipe": recipe, "returncode": proc.returncode, "steps": len(steps_ev),
             "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
-            "seq_length": cfg.model.seq_length, "fast_fp8": (start.get("kernel_path") or {}).get("fast_fp8"),
+            "seq_length": cfg.model.seq_length, "lr": lr, "fast_fp8": (start.get("kernel_path") or {}).get("fast_fp8"),
             "fast_layer": (start.get("kernel_path") or {}).get("fast_layer"),
             "losses": [round(e["loss"], 5) for e in steps_ev],
             "tokens_per_s": harness.median(speed) if speed else None,
@@ -104,14 +105,14 @@ def plot(path: Path, png: Path, window: int) -> None:
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
     base = next(r for r in rows if r["recipe"] == "off")
     for r in rows:
-        label = "bf16" if r["recipe"] == "off" else f"FP8 {r['recipe']}"
+        label = ("bf16" if r is base else "bf16 (again)") if r["recipe"] == "off" else f"FP8 {r['recipe']}"
         ax.plot(smoothed(r["losses"], window), label=f"{label} ({r['tokens_per_s'] or 0:.0f} tok/s)")
         if r is not base:
             n = min(len(base["losses"]), len(r["losses"]))
             a, b = smoothed(base["losses"][:n], window), smoothed(r["losses"][:n], window)
             ax2.plot([100 * (y - x) / x for x, y in zip(a, b)], label=label)
     ax.set_ylabel(f"loss (moving average, {window} steps)")
-    ax.set_title(f"{base['model']}: FP8 vs bf16, {base['device']}, {base['git_commit'][:7]}")
+    ax.set_title(f"{base['model']}: FP8 vs bf16, lr {base.get('lr', 3e-4):g}, {base['device']}, {base['git_commit'][:7]}")
     ax.legend()
     ax2.axhline(100 * BAR, ls="--", c="grey")
     ax2.axhline(-100 * BAR, ls="--", c="grey")
@@ -129,7 +130,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--window", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=280.0)
-    ap.add_argument("--recipes", default="off,tensorwise,rowwise")
+    ap.add_argument("--recipes", default="off,tensorwise,rowwise",
+                    help="off first; a second off is bf16 again (the run-to-run spread the FP8 curves are read against)")
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (min: a tenth; warm-up: a tenth of the steps)")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--global-batch-size", type=int, default=8)
     ap.add_argument("--seq-length", type=int, default=2048)
@@ -153,7 +156,7 @@ def main() -> int:
         if any(check[r][k] > 0.1 for r in ("tensorwise", "rowwise") for k in ("y", "dx", "dw")):
             return 1
         for recipe in a.recipes.split(","):
-            row = run(a.model, recipe, a.steps, a.timeout, over)
+            row = run(a.model, recipe, a.steps, a.timeout, over, a.lr)
             if rows and rows[0]["recipe"] == "off":
                 row["vs_bf16"] = compare(rows[0]["losses"], row["losses"], a.window)
             rows.append(row)
@@ -162,7 +165,9 @@ def main() -> int:
             print(json.dumps({k: row.get(k) for k in ("recipe", "returncode", "steps", "fast_fp8", "tokens_per_s", "vs_bf16", "error")}),
                   flush=True)
     fp8_ran = all(r["fast_fp8"] for r in rows if r["recipe"] != "off")  # else the curves match trivially
-    return 0 if fp8_ran and all(r["returncode"] == 0 and r.get("vs_bf16", {}).get("within_bar", True) for r in rows) else 1
+    # the bar is FP8's; a second bf16 run is reported (its spread), not judged
+    return 0 if fp8_ran and all(r["returncode"] == 0 and (r["recipe"] == "off" or r.get("vs_bf16", {}).get("within_bar", True))
+                                for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -73,7 +73,10 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: Optional[int]) -> tuple[t
     (kept as a size-1 dimension, the shape ``torch._scaled_mm`` takes for row-wise scales).
     The scale maps the absolute maximum to the format's largest finite value.
     """
-    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    if dim is None:  # row maxima first: inductor then fuses the reduction into the kernel producing ``t``
+        amax = t.abs().amax(dim=-1).amax() if t.dim() > 1 else t.abs().amax()
+    else:
+        amax = t.abs().amax(dim=dim, keepdim=True)
     scale = torch.finfo(dtype).max / amax.float().clamp(min=1e-12)
     q = (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
     return q, scale.reciprocal()
