@@ -104,13 +104,14 @@ def plot(path: Path, png: Path, window: int) -> None:
     rows = [r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip()) if "recipe" in r]
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
     base = next(r for r in rows if r["recipe"] == "off")
-    for r in rows:
+    for i, r in enumerate(rows):
+        colour = f"C{i}"  # one colour per run in both panels
         label = ("bf16" if r is base else "bf16 (again)") if r["recipe"] == "off" else f"FP8 {r['recipe']}"
-        ax.plot(smoothed(r["losses"], window), label=f"{label} ({r['tokens_per_s'] or 0:.0f} tok/s)")
+        ax.plot(smoothed(r["losses"], window), c=colour, label=f"{label} ({r['tokens_per_s'] or 0:.0f} tok/s)")
         if r is not base:
             n = min(len(base["losses"]), len(r["losses"]))
             a, b = smoothed(base["losses"][:n], window), smoothed(r["losses"][:n], window)
-            ax2.plot([100 * (y - x) / x for x, y in zip(a, b)], label=label)
+            ax2.plot([100 * (y - x) / x for x, y in zip(a, b)], c=colour, label=label)
     ax.set_ylabel(f"loss (moving average, {window} steps)")
     ax.set_title(f"{base['model']}: FP8 vs bf16, lr {base.get('lr', 3e-4):g}, {base['device']}, {base['git_commit'][:7]}")
     ax.legend()

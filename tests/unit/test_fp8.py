@@ -32,6 +32,17 @@ def test_quantize_maps_each_slices_absolute_maximum_to_the_formats_largest_value
     assert torch.all((back - t)[big].abs() <= t[big].abs() * 2**-4 + 1e-30)
 
 
+@pytest.mark.parametrize("shape", [(640,), (24, 40), (3, 8, 40)])
+def test_one_tensor_scale_is_the_whole_tensors_absolute_maximum_whatever_its_rank(shape):
+    """(the maximum is taken per row first, for the compiler's fusion: the same value as one global maximum)"""
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(*shape, generator=g)
+    t.view(-1)[t.numel() // 3] = -57.0  # the extreme, negative, away from the first and last row
+    _, inv = fp8.quantize(t, torch.float8_e4m3fn, None)
+    assert inv.shape == ()
+    assert float(inv) == pytest.approx(57.0 / E4M3_MAX, rel=1e-6)
+
+
 def test_rowwise_scaling_keeps_small_rows_that_one_tensor_scale_flushes():
     g = torch.Generator().manual_seed(1)
     t = torch.randn(32, 64, generator=g)
