@@ -186,7 +186,6 @@ class KernelChoice:
     optimizer: Literal["fused", "foreach", "for-loop"]
     #: what recompute: selective recomputes: the MLP (workbench layers) or core attention (TE spec)
     selective: Literal["mlp", "core_attn"]
-    cuda_graphs: bool
     #: why CUDA graphs are off although train.cuda_graphs asks for them ("" otherwise)
     cuda_graphs_reason: str
     #: whether the rule found Transformer Engine usable
@@ -213,7 +212,12 @@ class KernelChoice:
     tp_overlap: Literal["", "compiled", "userbuffers"] = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "cuda_graphs": self.cuda_graphs}
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """The layers replay as CUDA graphs (whoever records them: :attr:`cuda_graphs_impl`)."""
+        return self.cuda_graphs_impl != ""
 
     @property
     def flash(self) -> bool:
@@ -349,7 +353,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         attention=attention, layer=layer, layer_reason=reason, norm=norm,
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
-        cuda_graphs=graphs, cuda_graphs_reason=graphs_reason, cuda_graphs_impl=graphs_impl, transformer_engine=te,
+        cuda_graphs_reason=graphs_reason, cuda_graphs_impl=graphs_impl, transformer_engine=te,
         tp_overlap=tp_overlap,
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),

@@ -242,7 +242,6 @@ def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -
     if a.compiled_layer is not None and (a.compiled_layer != (kp.layer == "compiled")):
         kp = dataclasses.replace(kp, layer="compiled" if a.compiled_layer else "stock",
                                  layer_reason="" if a.compiled_layer else "pinned by PlannerAssumptions.compiled_layer",
-                                 cuda_graphs=kp.cuda_graphs and bool(a.compiled_layer),
                                  cuda_graphs_impl="torch" if kp.cuda_graphs and a.compiled_layer else "")
     if a.optimizer != "auto":
         kp = dataclasses.replace(kp, optimizer=a.optimizer)
