@@ -172,6 +172,16 @@ def test_kernel_rule_reports_fp8_on_the_compiled_layer():
     assert validate(cfg) == []
 
 
+def test_torch_fp8_below_the_measured_hidden_size_says_to_expect_a_slowdown():
+    small = kernels.choose(_llama(**{"train.fp8": "tensorwise", "model.hidden_size": 1024, "model.num_attention_heads": 16}), te=False)
+    large = kernels.choose(_llama(**{"train.fp8": "tensorwise", "model.hidden_size": kernels.FP8_TORCH_PAYS_FROM_HIDDEN,
+                                     "model.num_attention_heads": 16}), te=False)
+    assert small.fp8 == large.fp8 == "tensorwise"
+    assert "slower than bf16 at hidden 1024" in small.fp8_note and small.fp8_note in small.describe()
+    assert large.fp8_note == "" and "[" not in large.describe()
+    assert kernels.choose(_llama(**{"model.hidden_size": 1024, "model.num_attention_heads": 16}), te=False).fp8_note == ""
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_plan_counts_the_steps_fp8_weight_copies(tp):
     """Forward + transposed FP8 copies of every layer weight on the rank: 2 bytes per layer parameter, nothing else."""

@@ -745,6 +745,8 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                     raise RuntimeError(f"train.fp8: {why_not}; fix: train.fp8: off")
                 notes["fp8"] = (f"FP8 GEMMs ({compiled[0]._static['fp8']} scaling, torch._scaled_mm) in the "
                                 f"{len(compiled)}/{len(layers)} compiled layers: {GEMMS}")
+                if fp8_note := kernels.choose(cfg).fp8_note:
+                    notes["fp8"] += f"; {fp8_note}"
             if compiled[0]._static["recompute_mlp"]:
                 notes["layer"] += ", MLP recomputed in backward inside the graph"
             if compiled[0].config.recompute_granularity == "full":
