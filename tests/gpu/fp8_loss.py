@@ -158,12 +158,17 @@ def main() -> int:
             return 1
         for recipe in a.recipes.split(","):
             row = run(a.model, recipe, a.steps, a.timeout, over, a.lr)
-            if rows and rows[0]["recipe"] == "off":
-                row["vs_bf16"] = compare(rows[0]["losses"], row["losses"], a.window)
+            if rows:  # against this invocation's first bf16 run (named, since files may gather several calls)
+                cmp = {**compare(rows[0]["losses"], row["losses"], a.window),
+                       "base": {k: rows[0][k] for k in ("date", "git_commit")}}
+                if recipe == "off":  # bf16 again: its spread, reported and not judged
+                    cmp.pop("within_bar")
+                row["spread_vs_bf16" if recipe == "off" else "vs_bf16"] = cmp
             rows.append(row)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
-            print(json.dumps({k: row.get(k) for k in ("recipe", "returncode", "steps", "fast_fp8", "tokens_per_s", "vs_bf16", "error")}),
+            print(json.dumps({k: row.get(k) for k in ("recipe", "returncode", "steps", "fast_fp8", "tokens_per_s", "vs_bf16",
+                                                 "spread_vs_bf16", "error")}),
                   flush=True)
     fp8_ran = all(r["fast_fp8"] for r in rows if r["recipe"] != "off")  # else the curves match trivially
     # the bar is FP8's; a second bf16 run is reported (its spread), not judged

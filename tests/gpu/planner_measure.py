@@ -32,7 +32,6 @@ one line with ``status: failed`` and the log's tail.  ``--only NAME,...`` runs a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -295,7 +294,7 @@ def records(name: str, cfg, gpus: int, overrides: dict, run_dir: Path, rc: int, 
             "predicted_allocated": rk.peak_allocated, "predicted_reserved": rk.peak_reserved, "predicted_total": rk.total,
             "predicted": rk.peak_allocated, "predicted_components": st.components, "predicted_phase": st.peak_phase,
             "predicted_reserved_terms": st.reserved_terms, "decides": plan.decides,
-            "planner_kernel_path": dataclasses.asdict(plan.kernel_path),
+            "planner_kernel_path": plan.kernel_path.to_dict(),
             "megatron_formula": plan.megatron.total, "megatron_formula_kind": plan.megatron.formula,
             "error_allocated_pct": _pct(rk.peak_allocated, alloc), "error_reserved_pct": _pct(rk.peak_reserved, res),
             "error_pct": _pct(rk.peak_allocated, alloc), "megatron_error_pct": _pct(plan.megatron.total, res),
