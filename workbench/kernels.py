@@ -212,6 +212,10 @@ class KernelChoice:
     #: TE's layer through megatron's ``tp_comm_overlap``, GEMMs split and pipelined with the all-gather /
     #: reduce-scatter in TE's userbuffers), "" (none: TP = 1, or the layer's collectives are exposed)
     tp_overlap: Literal["", "compiled", "userbuffers"] = ""
+    #: who adds each micro-batch's weight gradients into megatron DDP's fp32 main_grad: "workbench" (a copy for
+    #: the step's first, a vectorised add after: workbench.backend.grad_accumulation) or "megatron" (its DDP hook's
+    #: add_; where megatron's own CUDA graphs accumulate inside the graph)
+    grad_accumulation: Literal["workbench", "megatron"] = "megatron"
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "cuda_graphs": self.cuda_graphs}
@@ -357,7 +361,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
         cuda_graphs_reason=graphs_reason, cuda_graphs_impl=graphs_impl, transformer_engine=te,
-        tp_overlap=tp_overlap,
+        tp_overlap=tp_overlap, grad_accumulation="megatron" if graphs_impl == "megatron" else "workbench",
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         **_fp8_slot(t.fp8, layer, attention, m.hidden_size),

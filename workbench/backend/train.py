@@ -135,6 +135,11 @@ class Trainer:
         )
         self.model = [DistributedDataParallel(config=tc, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
                       for i, c in enumerate(chunks)]
+        choice = kernels.choose(cfg, cuda_available=torch.cuda.is_available())
+        if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernels.KernelChoice.grad_accumulation)
+            from workbench.backend import grad_accumulation
+
+            grad_accumulation.install(self.model)
         for m in self.model:
             m.broadcast_params()
         self._chunk_of = {id(m): i for i, m in enumerate(self.model)}
@@ -175,9 +180,12 @@ class Trainer:
         timing.install()
         self.kernel_path = kernel_path(cfg)
         #: the one kernel rule's decision (workbench.kernels.choose), what the planner assumed
-        self.kernel_choice = kernels.choose(cfg, cuda_available=torch.cuda.is_available()).to_dict()
+        self.kernel_choice = choice.to_dict()
         self.kernel_path["optimizer"] = self._optimizer_path()
         self.kernel_path.update(fusion_entries(fusions.summary()))
+        self.kernel_path["grad_accumulation"] = (
+            "workbench: weight gradients into DDP's fp32 main_grad, copied at a step's first micro-batch, then added "
+            "(vectorised)" if choice.grad_accumulation == "workbench" else "megatron DDP's hook (main_grad.add_)")
         self.kernel_path["schedule"] = ("interleaved 1F1B" if vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
         overlap = [x for x in (self.kernel_path.get("tp_comm_overlap"), userbuffers, distributed.hardware_queue_note(cfg)) if x]
         if overlap:

@@ -1,0 +1,82 @@
+"""The workbench's main_grad accumulation (workbench.backend.grad_accumulation) against megatron DDP's own add."""
+
+import pytest
+import torch
+
+from tests.support import free_port
+from workbench import kernels
+from workbench.config import preset
+
+
+@pytest.fixture
+def dist_group():
+    from workbench.backend import cpu_mode
+    from workbench.backend.distributed import destroy, initialize_for_tests
+
+    cfg = preset("tiny")
+    initialize_for_tests(cfg, port=free_port())
+    yield cfg
+    destroy()
+    cpu_mode.disable()
+
+
+def _ddp(cfg, workbench_hooks: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from workbench.backend import grad_accumulation
+    from workbench.backend.model import build_model, transformer_config
+
+    torch.manual_seed(0)
+    tc = transformer_config(cfg)
+    ddp = DistributedDataParallel(config=tc, ddp_config=DistributedDataParallelConfig(), module=build_model(cfg, config=tc))
+    installed = grad_accumulation.install([ddp]) if workbench_hooks else 0
+    return ddp, installed
+
+
+def _micro_batches(ddp, seeds):
+    for s in seeds:
+        g = torch.Generator().manual_seed(s)
+        toks = torch.randint(0, 4000, (2, 16), generator=g)
+        ddp(toks, torch.arange(16)[None].expand(2, -1), None, labels=toks).mean().backward()
+
+
+def _main_grads(ddp):
+    return {n: p.main_grad.clone() for n, p in ddp.module.named_parameters() if getattr(p, "main_grad", None) is not None}
+
+
+def test_main_grads_equal_megatrons_own_accumulation_over_steps(dist_group):
+    stock, _ = _ddp(dist_group, workbench_hooks=False)
+    ours, installed = _ddp(dist_group, workbench_hooks=True)
+    theirs_only = {n for n, p in ours.module.named_parameters() if getattr(p, "zero_out_wgrad", False)}
+    assert theirs_only == {"embedding.word_embeddings.weight"}  # megatron adds these whatever the flag says
+    assert installed == len(_main_grads(ours)) - len(theirs_only) > 0
+    for step_seeds in ([1, 2, 3], [4, 5]):  # two steps: the second starts from zero_grad_buffer again
+        for m in (stock, ours):
+            m.zero_grad_buffer()
+            _micro_batches(m, step_seeds)
+        a, b = _main_grads(stock), _main_grads(ours)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+            assert a[name].abs().sum() > 0, name  # the micro-batches reached every parameter
+    for n, p in ours.module.named_parameters():  # megatron's hook ran after ours and skipped its add
+        assert p.grad is None and p.grad_added_to_main_grad == (n not in theirs_only), n
+
+
+def test_the_first_micro_batch_of_a_step_copies_and_later_ones_add():
+    from workbench.backend.grad_accumulation import accumulate
+
+    acc = torch.full((8,), 5.0)
+    g = torch.arange(8, dtype=torch.bfloat16)
+    accumulate(acc, g, first=True)
+    assert torch.equal(acc, g.float())
+    accumulate(acc, g, first=False)
+    assert torch.equal(acc, 2 * g.float())
+
+
+def test_the_kernel_rule_leaves_megatrons_graphed_te_layer_to_megatrons_hook():
+    cfg = preset("tiny", **{"parallel.device": "cuda", "train.precision": "bf16", "train.compile_kernels": True})
+    assert kernels.choose(cfg, te=False).grad_accumulation == "workbench"
+    te = kernels.choose(preset("tiny", **{"parallel.device": "cuda", "train.precision": "bf16",
+                                          "model.attention_backend": "te", "train.cuda_graphs": True}), te=True)
+    assert te.cuda_graphs_impl == "megatron" and te.grad_accumulation == "megatron"
