@@ -10,11 +10,11 @@ bucket's grad-ready count):
 
 - the first accumulation of a step *copies* (megatron's ``zero_grad_buffer`` zeroed ``main_grad`` and reset the
   flag at the step's start, so ``0 + g`` is ``g``): 6 bytes per element instead of 10;
-- later ones add in a vectorised Triton kernel on CUDA (the same fp32 sum of the bf16 value), torch's ``add_``
-  elsewhere.
+- later ones add (the same fp32 sum of the bf16 value);
+- both in one vectorised Triton kernel on CUDA (H200, 262M elements: the add at 4.2 TB/s against torch's 2.9,
+  bit-equal: ``bench/grad_accumulation_probe.py``), torch's ``copy_`` / ``add_`` elsewhere.
 
-Not installed on parameters megatron marks ``zero_out_wgrad`` (the word embeddings: its hook adds their ``.grad``
-whatever the flag says), where megatron's own CUDA graphs run TE's layer (they accumulate into ``main_grad`` inside the
+Not installed where megatron's own CUDA graphs run TE's layer (they accumulate into ``main_grad`` inside the
 graph and read the flag), nor while a CUDA graph is being captured (megatron's hook skips those too).
 """
 
@@ -36,12 +36,13 @@ def _triton_kernel():
         import triton.language as tl
 
         @triton.jit
-        def _add_into_fp32(acc_ptr, g_ptr, n, BLOCK: tl.constexpr):
+        def _add_into_fp32(acc_ptr, g_ptr, n, FIRST: tl.constexpr, BLOCK: tl.constexpr):
             offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            acc = tl.load(acc_ptr + offs, mask=mask)
             g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-            tl.store(acc_ptr + offs, acc + g, mask=mask)
+            if not FIRST:  # FIRST: acc is zero, so the sum is g (no read of acc)
+                g += tl.load(acc_ptr + offs, mask=mask)
+            tl.store(acc_ptr + offs, g, mask=mask)
 
         _KERNEL = _add_into_fp32
     return _KERNEL
@@ -49,19 +50,14 @@ def _triton_kernel():
 
 def accumulate(main_grad: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
     """``main_grad += grad`` (``first``: ``main_grad`` is zero, so copy)."""
-    if first:
-        main_grad.copy_(grad.view_as(main_grad))
-        return
     if (main_grad.is_cuda and main_grad.dtype == torch.float32 and grad.dtype in (torch.bfloat16, torch.float16)
             and main_grad.is_contiguous() and grad.is_contiguous() and main_grad.numel() == grad.numel()):
         n, block = main_grad.numel(), 4096
-        _triton_kernel()[(triton_cdiv(n, block),)](main_grad, grad, n, BLOCK=block)
-        return
-    main_grad.add_(grad.view_as(main_grad))
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+        _triton_kernel()[(-(-n // block),)](main_grad, grad, n, FIRST=first, BLOCK=block)
+    elif first:
+        main_grad.copy_(grad.view_as(main_grad))
+    else:
+        main_grad.add_(grad.view_as(main_grad))
 
 
 def _hook(param: torch.Tensor) -> None:
@@ -73,12 +69,25 @@ def _hook(param: torch.Tensor) -> None:
 
 
 def install(ddp_chunks: Iterable[Any]) -> int:
-    """Register the hook on every parameter that megatron's DDP gave a ``main_grad``; how many got it."""
+    """Register the hook on every parameter that megatron's DDP gave a ``main_grad``; how many got it.
+
+    ``zero_out_wgrad`` (megatron sets it on embeddings tied to the output layer in one stage) makes DDP's hook add
+    ``.grad`` whatever ``grad_added_to_main_grad`` says; it exists for megatron's fused weight-gradient accumulation,
+    whose dummy ``.grad`` must then be zeros.  Without that fusion (the workbench's TransformerConfig never sets
+    ``gradient_accumulation_fusion``) ``.grad`` is the real gradient and the flag alone decides, so it is cleared
+    here; with the fusion such parameters stay megatron's.
+    """
     n = 0
     for chunk in ddp_chunks:
+        fused = bool(getattr(getattr(chunk, "config", None), "gradient_accumulation_fusion", False))
         for param in chunk.module.parameters():
-            if param.requires_grad and getattr(param, "main_grad", None) is not None \
-                    and hasattr(param, "grad_added_to_main_grad") and not getattr(param, "zero_out_wgrad", False):
-                param.register_post_accumulate_grad_hook(_hook)
-                n += 1
+            if not (param.requires_grad and getattr(param, "main_grad", None) is not None
+                    and hasattr(param, "grad_added_to_main_grad")):
+                continue
+            if getattr(param, "zero_out_wgrad", False):
+                if fused:
+                    continue
+                param.zero_out_wgrad = False
+            param.register_post_accumulate_grad_hook(_hook)
+            n += 1
     return n
