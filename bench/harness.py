@@ -136,6 +136,56 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
 # --------------------------------------------------------------------------- launcher side
 
 
+def run_group(cmd: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)``, but on the timeout every
+    process it started is ended before :class:`subprocess.TimeoutExpired` is raised.  ``subprocess.run`` SIGKILLs
+    only its child: torchrun then cannot stop its workers (each in a session of its own), they outlived it holding
+    the GPU, and the next variant ran out of memory (session 16, H100: a timed-out 3B reference kept 77.8 GiB).
+    Here torchrun gets SIGTERM first (it stops its workers), then whatever descends from it is SIGKILLed."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        family = _descendants(proc.pid)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 45.0  # torchrun's own shutdown waits up to 30 s for its workers
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:  # drains the pipes meanwhile (a descendant may hold them open: EOF is no sign here)
+                proc.communicate(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in [proc.pid, *family, *_descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux /proc), whatever its session."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def torchrun(nproc: int, args: list[str], timeout: float) -> subprocess.CompletedProcess:
     """``torch.distributed.run`` over ``nproc`` local processes, from the repository root, output captured."""
     from workbench.run.files import free_port
@@ -143,7 +193,7 @@ def torchrun(nproc: int, args: list[str], timeout: float) -> subprocess.Complete
     path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # keep carried wheels' site dir
     env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_group(cmd, timeout, cwd=ROOT, env=env)
 
 
 def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, over: dict[str, Any] | None = None) -> dict[str, Any]:

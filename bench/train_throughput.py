@@ -572,7 +572,7 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
         env.update(v.env)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=a.variant_timeout, capture_output=True, text=True)
+            proc = harness.run_group(cmd, a.variant_timeout, env=env, cwd=ROOT)  # a timeout ends its workers too
             rc = proc.returncode
             tail = (proc.stdout + proc.stderr)[-3000:]
         except subprocess.TimeoutExpired as e:

@@ -1,0 +1,49 @@
+"""bench/harness.run_group: a timed-out launch ends every process it started, also those in sessions of their own
+(torchrun's workers are), so the next benchmark variant finds the GPU free."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import harness
+
+# a launcher (like torchrun) whose worker runs in a session of its own and outlives a SIGKILL of the launcher
+_LAUNCHER = ("import subprocess, sys, time; "
+             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)  # wb-orphan-probe'], "
+             "start_new_session=True); print(w.pid, flush=True); time.sleep(120)")
+
+
+def _probe_pids() -> list[int]:
+    out = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"wb-orphan-probe" in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
+                out.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_timeout_ends_the_launcher_and_its_worker_in_another_session():
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        harness.run_group([sys.executable, "-c", _LAUNCHER], 3.0)
+    assert time.monotonic() - start < 30  # not waiting on the worker's hold of the pipes
+    assert not [p for p in _probe_pids() if _alive(p)]
+
+
+def test_a_run_inside_its_time_returns_its_output_and_code():
+    done = harness.run_group([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], 30.0)
+    assert (done.returncode, done.stdout.strip(), done.stderr.strip()) == (3, "out", "err")
