@@ -9,21 +9,8 @@ import torch
 
 from workbench.config import preset
 
-from tests.support import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(scope="module")
-def dist_group():
-    from workbench.backend import cpu_mode
-    from workbench.backend.distributed import destroy, initialize_for_tests
-
-    cfg = preset("tiny")
-    initialize_for_tests(cfg, port=free_port())
-    yield cfg
-    destroy()
-    cpu_mode.disable()
 
 
 def _model(cfg, seed: int):

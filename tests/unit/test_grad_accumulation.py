@@ -3,21 +3,8 @@
 import pytest
 import torch
 
-from tests.support import free_port
 from workbench import kernels
 from workbench.config import preset
-
-
-@pytest.fixture
-def dist_group():
-    from workbench.backend import cpu_mode
-    from workbench.backend.distributed import destroy, initialize_for_tests
-
-    cfg = preset("tiny")
-    initialize_for_tests(cfg, port=free_port())
-    yield cfg
-    destroy()
-    cpu_mode.disable()
 
 
 def _ddp(cfg, workbench_hooks: bool):
