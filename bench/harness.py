@@ -137,36 +137,95 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
 
 
 def run_group(cmd: list[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)``, but on the timeout every
-    process it started is ended before :class:`subprocess.TimeoutExpired` is raised.  ``subprocess.run`` SIGKILLs
-    only its child: torchrun then cannot stop its workers (each in a session of its own), they outlived it holding
-    the GPU, and the next variant ran out of memory (session 16, H100: a timed-out 3B reference kept 77.8 GiB).
-    Here torchrun gets SIGTERM first (it stops its workers), then whatever descends from it is SIGKILLed."""
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)``, but when it does not end in
+    time (or the caller is interrupted) every process it started is ended before the exception goes on.
+    ``subprocess.run`` SIGKILLs only its child: torchrun then cannot stop its workers (each in a session of its
+    own), they outlived it holding the GPU, and the next variant ran out of memory (session 16, H100: a timed-out
+    3B reference kept 77.8 GiB).  Here torchrun gets SIGTERM first (it stops its workers), then every process
+    that descends from this one and was not there before is SIGKILLed, orphans included (this process is their
+    subreaper, so they stay below it)."""
+    _subreaper(True)
+    try:
+        return _run_group(cmd, timeout, kw)
+    finally:
+        _subreaper(False)
+
+
+def _run_group(cmd: list[str], timeout: float, kw: dict[str, Any]) -> subprocess.CompletedProcess:
     import signal
 
+    before = set(_descendants(os.getpid()))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        family = _descendants(proc.pid)
+    except BaseException as exc:  # the timeout, or KeyboardInterrupt / SystemExit in the caller
         try:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + 45.0  # torchrun's own shutdown waits up to 30 s for its workers
+        out = err = ""
         while proc.poll() is None and time.monotonic() < deadline:
-            try:  # drains the pipes meanwhile (a descendant may hold them open: EOF is no sign here)
-                proc.communicate(timeout=0.5)
+            try:  # drain the pipes meanwhile (a descendant may hold them open: EOF is no sign here)
+                o, e = proc.communicate(timeout=0.5)
+                out, err = out + (o or ""), err + (e or "")
             except subprocess.TimeoutExpired:
                 pass
-        for pid in [proc.pid, *family, *_descendants(proc.pid)]:
+        if proc.returncode is None:
+            proc.kill()
+        _kill_new_descendants(before | {proc.pid})  # (proc itself: killed above, reaped by Popen)
+        try:
+            o, e = proc.communicate(timeout=10.0)
+            out, err = out + (o or ""), err + (e or "")
+        except subprocess.TimeoutExpired:  # something outside our reach still holds the pipes: stop reading
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
+            proc.wait()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            exc.output, exc.stderr = out, err
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _subreaper(on: bool) -> None:
+    """While on, orphans of the processes this one starts are re-parented to it, not to init (Linux prctl;
+    no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_new_descendants(before: set[int], rounds: int = 50) -> None:
+    """SIGKILL the descendants of this process not in ``before``, scanning afresh until none is left (a process
+    may fork while the others die), reaping the ones that became its children."""
+    import signal
+
+    for _ in range(rounds):
+        pids = [p for p in _descendants(os.getpid()) if p not in before]
+        live = [p for p in pids if _state(p) not in ("Z", None)]
+        for pid in live:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        for pid in pids:  # zombies that are our own children (orphans this process reaped as subreaper)
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if not live:
+            return
+        time.sleep(0.2)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def _descendants(pid: int) -> list[int]:

@@ -44,6 +44,23 @@ def test_a_timeout_ends_the_launcher_and_its_worker_in_another_session():
     assert not [p for p in _probe_pids() if _alive(p)]
 
 
+def test_an_interrupted_caller_ends_them_too():
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            harness.run_group([sys.executable, "-c", _LAUNCHER], 60.0)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert not [p for p in _probe_pids() if _alive(p)]
+
+
 def test_a_run_inside_its_time_returns_its_output_and_code():
     done = harness.run_group([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], 30.0)
     assert (done.returncode, done.stdout.strip(), done.stderr.strip()) == (3, "out", "err")

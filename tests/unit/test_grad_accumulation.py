@@ -50,6 +50,31 @@ def test_main_grads_equal_megatrons_own_accumulation_over_steps(dist_group):
         assert p.grad is None and p.grad_added_to_main_grad, n
 
 
+def test_a_second_install_adds_no_second_hook(dist_group):
+    from workbench.backend import grad_accumulation
+
+    stock, _ = _ddp(dist_group, workbench_hooks=False)
+    ours, installed = _ddp(dist_group, workbench_hooks=True)
+    assert installed > 0 and grad_accumulation.install([ours]) == 0
+    for m in (stock, ours):
+        m.zero_grad_buffer()
+        _micro_batches(m, [7, 8])
+    a, b = _main_grads(stock), _main_grads(ours)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("field, value", [("gradient_accumulation_fusion", True), ("cuda_graph_impl", "local"),
+                                          ("delay_wgrad_compute", True)])
+def test_a_model_where_megatron_writes_main_grad_itself_is_refused(dist_group, field, value):
+    from types import SimpleNamespace
+
+    from workbench.backend import grad_accumulation
+
+    ours, _ = _ddp(dist_group, workbench_hooks=False)
+    with pytest.raises(ValueError, match=field):
+        grad_accumulation.install([SimpleNamespace(config=SimpleNamespace(**{field: value}), module=ours.module)])
+
+
 def test_the_first_micro_batch_of_a_step_copies_and_later_ones_add():
     from workbench.backend.grad_accumulation import accumulate
 

@@ -75,19 +75,32 @@ def install(ddp_chunks: Iterable[Any]) -> int:
     ``.grad`` whatever ``grad_added_to_main_grad`` says; it exists for megatron's fused weight-gradient accumulation,
     whose dummy ``.grad`` must then be zeros.  Without that fusion (the workbench's TransformerConfig never sets
     ``gradient_accumulation_fusion``) ``.grad`` is the real gradient and the flag alone decides, so it is cleared
-    here; with the fusion such parameters stay megatron's.
+    here.  A model built so that megatron writes ``main_grad`` itself (fused accumulation, delayed weight
+    gradients, megatron's CUDA graphs) is refused: the kernel rule never installs the hook there.
     """
     n = 0
     for chunk in ddp_chunks:
-        fused = bool(getattr(getattr(chunk, "config", None), "gradient_accumulation_fusion", False))
+        if (why := _megatrons_own(getattr(chunk, "config", None))) is not None:
+            raise ValueError(f"grad_accumulation: the model was built with {why}, which adds into main_grad itself; "
+                             "the kernel rule gives it grad_accumulation 'megatron'")
         for param in chunk.module.parameters():
             if not (param.requires_grad and getattr(param, "main_grad", None) is not None
-                    and hasattr(param, "grad_added_to_main_grad")):
-                continue
-            if getattr(param, "zero_out_wgrad", False):
-                if fused:
-                    continue
-                param.zero_out_wgrad = False
-            param.register_post_accumulate_grad_hook(_hook)
+                    and hasattr(param, "grad_added_to_main_grad")) or hasattr(param, "_workbench_grad_hook"):
+                continue  # (a second install would add twice)
+            param.zero_out_wgrad = False
+            param._workbench_grad_hook = param.register_post_accumulate_grad_hook(_hook)
             n += 1
     return n
+
+
+def _megatrons_own(config: Any) -> str | None:
+    """What in a built model's TransformerConfig makes megatron write main_grad itself (None: nothing)."""
+    if config is None:
+        return None
+    if getattr(config, "gradient_accumulation_fusion", False):
+        return "gradient_accumulation_fusion"
+    if getattr(config, "delay_wgrad_compute", False):
+        return "delay_wgrad_compute"
+    if getattr(config, "cuda_graph_impl", "none") not in ("none", None):
+        return f"cuda_graph_impl {config.cuda_graph_impl!r} (megatron's graphs accumulate inside the graph)"
+    return None
