@@ -164,20 +164,18 @@ def _run_group(cmd: list[str], timeout: float, kw: dict[str, Any]) -> subprocess
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + 45.0  # torchrun's own shutdown waits up to 30 s for its workers
-        out = err = ""
         while proc.poll() is None and time.monotonic() < deadline:
             try:  # drain the pipes meanwhile (a descendant may hold them open: EOF is no sign here)
-                o, e = proc.communicate(timeout=0.5)
-                out, err = out + (o or ""), err + (e or "")
+                proc.communicate(timeout=0.5)
             except subprocess.TimeoutExpired:
                 pass
         if proc.returncode is None:
             proc.kill()
         _kill_new_descendants(before | {proc.pid})  # (proc itself: killed above, reaped by Popen)
-        try:
-            o, e = proc.communicate(timeout=10.0)
-            out, err = out + (o or ""), err + (e or "")
+        try:  # everything read so far, whichever call drained it (communicate keeps it)
+            out, err = proc.communicate(timeout=10.0)
         except subprocess.TimeoutExpired:  # something outside our reach still holds the pipes: stop reading
+            out = err = ""
             for pipe in (proc.stdout, proc.stderr):
                 pipe.close()
             proc.wait()

@@ -64,3 +64,9 @@ def test_an_interrupted_caller_ends_them_too():
 def test_a_run_inside_its_time_returns_its_output_and_code():
     done = harness.run_group([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], 30.0)
     assert (done.returncode, done.stdout.strip(), done.stderr.strip()) == (3, "out", "err")
+
+
+def test_a_timed_out_runs_output_is_kept_once():
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        harness.run_group([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], 2.0)
+    assert info.value.output == "started\n"

@@ -121,10 +121,12 @@ class Trainer:
             pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
             chunks.append(build_model(cfg, pre_process=pre, post_process=post, vp_stage=vp, config=tc))
+        # the one kernel rule's decision for this process (workbench.kernels.choose), what the planner assumed
+        choice = kernels.choose(cfg, cuda_available=torch.cuda.is_available())
         if self.cuda:  # the kernel rule's SDPA backend order, for this training process (kernels.KernelChoice.sdpa_order)
             from workbench.backend.attention import apply_sdpa_order
 
-            apply_sdpa_order(kernels.choose(cfg).sdpa_order)
+            apply_sdpa_order(choice.sdpa_order)
         if tc.fp16 or tc.bf16:
             chunks = [Float16Module(tc, c) for c in chunks]
         ddp_config = DistributedDataParallelConfig(
@@ -135,7 +137,6 @@ class Trainer:
         )
         self.model = [DistributedDataParallel(config=tc, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
                       for i, c in enumerate(chunks)]
-        choice = kernels.choose(cfg, cuda_available=torch.cuda.is_available())
         if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernels.KernelChoice.grad_accumulation)
             from workbench.backend import grad_accumulation
 
@@ -179,7 +180,6 @@ class Trainer:
         self.timer = timing.MicrobatchTimer(cuda=self.cuda)
         timing.install()
         self.kernel_path = kernel_path(cfg)
-        #: the one kernel rule's decision (workbench.kernels.choose), what the planner assumed
         self.kernel_choice = choice.to_dict()
         self.kernel_path["optimizer"] = self._optimizer_path()
         self.kernel_path.update(fusion_entries(fusions.summary()))
