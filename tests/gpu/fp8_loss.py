@@ -1,16 +1,20 @@
 """GPU proof for train.fp8 (issue 22): FP8 and bf16 loss curves from the same weights and data, through the backend.
 
-    python3 tests/gpu/fp8_loss.py --out $OUT/fp8_loss.jsonl [--steps 300] [--model llama3.2-1b]
+    python3 tests/gpu/fp8_loss.py --out $OUT/fp8_loss.jsonl [--steps 300] [--model llama3.2-1b] [--data .corpus/loss_text]
+    python3 tests/gpu/fp8_loss.py --out $OUT/b.jsonl --recipes rowwise,off --base bench/results/a.jsonl  (a later call)
     python3 tests/gpu/fp8_loss.py --plot bench/results/fp8_loss.jsonl --png bench/results/fp8_loss.png   (here, no GPU)
 
-Per recipe (off = bf16, tensorwise, rowwise): ``python -m workbench.backend`` under torchrun on the embedded corpus
-(real text; same seed, so the same initial weights and batches), one GPU; first a check of the FP8 linear itself in
+Per recipe (off = bf16, tensorwise, rowwise): ``python -m workbench.backend`` under torchrun on the embedded corpus,
+or with ``--data`` on an indexed dataset (``bench/loss_corpus.py`` builds a 11.5M-token one: the rows then carry its
+manifest), real text either way; same seed, so the same initial weights and batches; one GPU; first a check of the FP8 linear itself in
 bf16 on the GPU against an fp32 linear.  From the event streams: every step's
 loss, tokens/s and the kernel path the run reported.  The comparison is the issue's: per step, the relative
 difference of the losses smoothed over ``--window`` steps (a centred moving average), and its maximum after the
 first ``--window`` steps; the bar is 1.5%.  One JSON line per recipe with device, date and commit, the last one
 carrying the comparison.  ``--recipes off,off,...`` runs bf16 twice: the second run's difference from the first is
-the run-to-run spread of bf16 itself (reported beside the bar, not judged by it).
+the run-to-run spread of bf16 itself (reported beside the bar, not judged by it).  ``--base FILE`` compares with
+the bf16 run of an earlier call (same model, batch, learning rate, steps and data), so that one curve per call fits
+the device's 10-minute limit at larger batches.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,18 +32,31 @@ sys.path.insert(0, str(ROOT))
 BAR = 0.015
 
 
+def data_overrides(prefix: str | None) -> tuple[dict, dict | None]:
+    """Config overrides for ``--data`` (an indexed dataset prefix; None: the embedded corpus) and its manifest."""
+    if prefix is None:
+        return {"data.source": "demo"}, None
+    path = Path(prefix).resolve()
+    if not Path(f"{path}.bin").is_file() or not Path(f"{path}.idx").is_file():
+        raise SystemExit(f"--data {prefix}: no {path}.bin / .idx; fix: python3 bench/loss_corpus.py --out {path.parent}")
+    manifest = path.parent / "manifest.json"
+    return ({"data.source": "indexed", "data.datasets": [{"prefix": str(path), "weight": 1.0}], "data.split": "100,0,0"},
+            json.loads(manifest.read_text()) if manifest.is_file() else {"prefix": str(path)})
+
+
 def run(model: str, recipe: str, steps: int, timeout: float, over: dict, lr: float) -> dict:
     from bench import harness
     from workbench.config import preset
     from workbench.provenance import stamp
     from workbench.run.reader import read_events
 
-    cfg = preset(model, **{"data.source": "demo", "train.train_iters": steps, "train.eval_interval": 0,
+    cfg = preset(model, **{"train.train_iters": steps, "train.eval_interval": 0,
                            "train.lr": lr, "train.min_lr": lr / 10, "train.lr_warmup_iters": max(steps // 10, 1),
                            "train.precision": "bf16", "train.fp8": recipe, "parallel.device": "cuda",
                            "checkpoint.save_on_exit": False, **over})
     run_dir = Path(tempfile.mkdtemp(prefix=f"wb-fp8-{recipe}-"))
     cfg.save(run_dir / "config.json")
+    t0 = time.monotonic()
     proc = harness.torchrun(1, ["-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], timeout)
     ev = read_events(run_dir)
     start = next((e for e in ev if e["event"] == "run_start"), {})
@@ -48,7 +66,7 @@ def run(model: str, recipe: str, steps: int, timeout: float, over: dict, lr: flo
             "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
             "seq_length": cfg.model.seq_length, "lr": lr, "fast_fp8": (start.get("kernel_path") or {}).get("fast_fp8"),
             "fast_layer": (start.get("kernel_path") or {}).get("fast_layer"),
-            "losses": [round(e["loss"], 5) for e in steps_ev],
+            "losses": [round(e["loss"], 5) for e in steps_ev], "wall_s": round(time.monotonic() - t0, 1),
             "tokens_per_s": harness.median(speed) if speed else None,
             "error": None if proc.returncode == 0 else proc.stderr[-3000:]}
 
@@ -124,6 +142,24 @@ def plot(path: Path, png: Path, window: int) -> None:
     fig.savefig(png, dpi=120)
 
 
+SETTINGS = ("model", "micro_batch_size", "global_batch_size", "seq_length", "lr", "steps")
+
+
+def find_base(path: Path, a: argparse.Namespace, corpus: dict | None) -> dict:
+    """The last bf16 row in ``path`` run with these settings on this data (exit 2 naming what differs otherwise)."""
+    want = {"model": a.model, "micro_batch_size": a.micro_batch_size, "global_batch_size": a.global_batch_size,
+            "seq_length": a.seq_length, "lr": a.lr, "steps": a.steps}
+    sha = (corpus or {}).get("sha256")
+    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    offs = [r for r in rows if r.get("recipe") == "off" and r.get("returncode") == 0]
+    for r in reversed(offs):
+        if all(r.get(k) == v for k, v in want.items()) and (r.get("corpus") or {}).get("sha256") == sha:
+            return r
+    print(f"--base {path}: no successful bf16 row with {want} on this data ({len(offs)} bf16 rows there); fix: run "
+          f"--recipes off,... with these settings first", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
@@ -137,6 +173,9 @@ def main() -> int:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--global-batch-size", type=int, default=8)
     ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--data", help="an indexed dataset prefix (bench/loss_corpus.py); default: the embedded corpus")
+    ap.add_argument("--base", help="a JSON-lines file of an earlier call: compare with its bf16 run of the same settings "
+                                   "(then --recipes need not start with off)")
     ap.add_argument("--plot", help="a JSON-lines file this script wrote: draw it (no GPU needed)")
     ap.add_argument("--png")
     a = ap.parse_args()
@@ -145,11 +184,13 @@ def main() -> int:
         return 0
     if not a.out:
         ap.error("--out is required (or --plot)")
-    if a.recipes.split(",")[0] != "off":
-        ap.error("--recipes must start with off (the bf16 curve the FP8 ones are compared with)")
+    if a.recipes.split(",")[0] != "off" and not a.base:
+        ap.error("--recipes must start with off (the bf16 curve the FP8 ones are compared with), or name --base")
+    data_over, corpus = data_overrides(a.data)
     over = {"train.micro_batch_size": a.micro_batch_size, "train.global_batch_size": a.global_batch_size,
-            "model.seq_length": a.seq_length}
-    rows = []
+            "model.seq_length": a.seq_length, **data_over}
+    base = find_base(Path(a.base), a, corpus) if a.base else None
+    rows = [base] if base else []
     with open(a.out, "a") as fh:
         check = linear_check()
         fh.write(json.dumps(check) + "\n")
@@ -157,7 +198,7 @@ def main() -> int:
         if any(check[r][k] > 0.1 for r in ("tensorwise", "rowwise") for k in ("y", "dx", "dw")):
             return 1
         for recipe in a.recipes.split(","):
-            row = run(a.model, recipe, a.steps, a.timeout, over, a.lr)
+            row = {**run(a.model, recipe, a.steps, a.timeout, over, a.lr), "corpus": corpus}
             if rows:  # against this invocation's first bf16 run (named, since files may gather several calls)
                 cmp = {**compare(rows[0]["losses"], row["losses"], a.window),
                        "base": {k: rows[0][k] for k in ("date", "git_commit")}}
@@ -170,6 +211,7 @@ def main() -> int:
             print(json.dumps({k: row.get(k) for k in ("recipe", "returncode", "steps", "fast_fp8", "tokens_per_s", "vs_bf16",
                                                  "spread_vs_bf16", "error")}),
                   flush=True)
+    rows = rows[1:] if base else rows  # the earlier call's run was judged there
     fp8_ran = all(r["fast_fp8"] for r in rows if r["recipe"] != "off")  # else the curves match trivially
     # the bar is FP8's; a second bf16 run is reported (its spread), not judged
     return 0 if fp8_ran and all(r["returncode"] == 0 and (r["recipe"] == "off" or r.get("vs_bf16", {}).get("within_bar", True))
