@@ -18,6 +18,7 @@ workbench-local           1     stock megatron-core local spec (unfused DotProdu
 workbench-te              1     Transformer Engine spec (only when transformer_engine is importable)
 workbench-fp8-tensorwise  1     workbench with ``train.fp8: tensorwise`` (torch-native FP8 GEMMs; "scaling": vs bf16 workbench)
 workbench-fp8-rowwise     1     same, ``train.fp8: rowwise``
+workbench-fp8-delayed     1     same, ``train.fp8: delayed`` (tensorwise from the previous step's maxima: casts fused)
 workbench-te-fp8-<r>      1     Transformer Engine spec with TE's FP8 recipe ``tensorwise`` or ``delayed`` ("scaling": vs workbench-te)
 dropout-sdpa              1     workbench with dropout 0.1 (the compiled layer does not apply): megatron's stock layer, SDPA
 dropout-te                1     same on Transformer Engine's layer ("scaling": vs dropout-sdpa; what ``auto`` picks there)
@@ -127,7 +128,7 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         rows.append(Variant(f"workbench-nograph/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.cuda_graphs": False}))
     for m in models:
-        for recipe in ("tensorwise", "rowwise"):  # torch-native FP8 GEMMs ("scaling": speed vs bf16 workbench)
+        for recipe in ("tensorwise", "rowwise", "delayed"):  # torch-native FP8 GEMMs ("scaling": speed vs bf16 workbench)
             rows.append(Variant(f"workbench-fp8-{recipe}/{m}", "workbench", m, microbatches=microbatches,
                                 baseline=f"workbench/{m}", overrides={"train.fp8": recipe}))
         rows.append(Variant(f"workbench-eager/{m}", "workbench", m, microbatches=microbatches,  # SDPA, TE or not

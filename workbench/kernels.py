@@ -384,7 +384,7 @@ SDPA_CUDNN_FIRST = ("cudnn", "flash", "efficient", "math")
 
 #: the recipes each FP8 implementation has: torch's (compiled layer) and Transformer Engine's (on Hopper;
 #: TE's MXFP8 needs Blackwell and its block scaling is not the same recipe as row-wise)
-FP8_RECIPES = {"torch": ("tensorwise", "rowwise"), "te": ("tensorwise", "delayed")}
+FP8_RECIPES = {"torch": ("tensorwise", "rowwise", "delayed"), "te": ("tensorwise", "delayed")}
 
 
 def _fp8_impl(layer: str, attention: str) -> str:

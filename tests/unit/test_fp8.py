@@ -212,7 +212,7 @@ def test_the_plan_counts_transformer_engines_fp8_weight_copies_too():
 @pytest.mark.parametrize("over, needle", [
     ({"train.precision": "fp16"}, "bf16"),
     ({"model.hidden_dropout": 0.1}, "this config uses neither (dropout)"),
-    ({"train.fp8": "delayed"}, "'delayed' recipe does not run on the compiled layer"),
+    ({"train.fp8": "rowwise", "model.attention_backend": "te"}, "'rowwise' recipe does not run on Transformer Engine's layer"),
     ({"train.compile_kernels": False}, "compile_kernels is off"),
     ({"parallel.device": "cpu"}, "GPU-only"),
     ({"model.hidden_size": 72, "model.num_attention_heads": 4}, "model.hidden_size = 72"),
@@ -300,3 +300,85 @@ def test_a_layer_with_the_steps_weight_copies_matches_casting_per_call_also_unde
     y2, dx2, dw2 = run(True)
     assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
     assert all(torch.equal(dw1[k], dw2[k]) for k in w)
+
+
+def _delayed_step(w, x, grad, f=None):
+    """One training step of ``delayed``: its FP8 weight, forward, backward; (y, x.grad, the FP8Weight)."""
+    fp8.open_step()
+    try:
+        cw = fp8.cached(w, "delayed")
+        y = (f or (lambda x, cw: fp8.linear(x, cw, None, "delayed")))(x, cw)
+        y.backward(grad)
+    finally:
+        fp8.close_step()
+    return y.detach(), x.grad, cw
+
+
+def test_delayed_scaling_takes_the_previous_steps_maxima_and_saturates_beyond_them():
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(48, 64, generator=g) * 0.05).requires_grad_()
+    x1 = torch.randn(32, 64, generator=g).requires_grad_()
+    g1 = torch.randn(32, 48, generator=g) * 1e-3
+    fp8.open_step()  # a step before: no state yet
+    fp8.close_step()
+    y1, dx1, cw1 = _delayed_step(w, x1, g1)
+    assert cw1.x_scale is None and cw1.g_scale is None  # the first step scales by the tensors themselves
+    ref = fp8.linear(x1.detach().requires_grad_(), w.detach(), None, "tensorwise")
+    assert torch.equal(y1, ref.detach())
+    state = w._workbench_fp8[3]
+    assert float(state.x_amax) == float(x1.abs().max()) and float(state.g_amax) == float(g1.abs().max())
+    assert state.probe.grad is None  # folded into g_amax and dropped
+
+    x2 = (x1.detach() * 3).requires_grad_()  # larger than step 1 saw: saturates at E4M3's largest value
+    g2 = g1 * 0.5
+    y2, dx2, cw2 = _delayed_step(w, x2, g2)
+    assert float(cw2.x_scale) == pytest.approx(E4M3_MAX / float(x1.abs().max()))
+    assert float(cw2.g_scale) == pytest.approx(torch.finfo(torch.float8_e5m2).max / float(g1.abs().max()))
+    x8, xs = fp8.quantize(x2.detach(), torch.float8_e4m3fn, None, cw2.x_scale)
+    assert float(x8.float().abs().max()) == E4M3_MAX  # saturated, not inf / nan
+    expect = fp8.scaled_mm(x8, xs, cw2.fwd.t(), cw2.fwd_inv, torch.float32, fast_accum=True)
+    assert torch.equal(y2, expect)
+    g8, gs = fp8.quantize(g2, torch.float8_e5m2, None, cw2.g_scale)
+    assert torch.equal(dx2, fp8.scaled_mm(g8, gs, cw2.bwd.t(), cw2.bwd_inv, torch.float32))
+    assert _rel(dx2, g2 @ w.detach()) < 0.1  # the gradient, as E5M2 carries it
+    assert float(state.x_amax) == float(x2.abs().max()) and float(state.g_amax) == float(g2.abs().max())
+
+
+def test_delayed_maxima_are_the_maximum_over_a_steps_micro_batches():
+    g = torch.Generator().manual_seed(12)
+    w = (torch.randn(16, 32, generator=g) * 0.05).requires_grad_()
+    xs = [torch.randn(16, 32, generator=g).mul(s).requires_grad_() for s in (1.0, 4.0, 2.0)]
+    gs = [torch.randn(16, 16, generator=g).mul(s) for s in (3.0, 1.0, 2.0)]
+    fp8.open_step()
+    try:
+        cw = fp8.cached(w, "delayed")
+        for x, gr in zip(xs, gs):
+            fp8.linear(x, cw, None, "delayed").backward(gr)
+    finally:
+        fp8.close_step()
+    state = w._workbench_fp8[3]
+    assert float(state.x_amax) == max(float(x.abs().max()) for x in xs)
+    assert float(state.g_amax) == max(float(gr.abs().max()) for gr in gs)
+    fp8.open_step()  # the next step's scales from those maxima; the maxima restart
+    fp8.close_step()
+    assert float(state.x_scale) == pytest.approx(E4M3_MAX / max(float(x.abs().max()) for x in xs))
+    assert float(state.x_amax) == 0.0 and float(state.g_amax) == 0.0 and state.ready
+
+
+def test_delayed_compiles_into_one_graph_that_updates_its_maxima():
+    """fullgraph, with the delayed scales in: the input maximum is updated inside the graph, the gradient's
+    comes out of backward through the probe."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(13)
+    w = (torch.randn(48, 64, generator=g) * 0.05).requires_grad_()
+    x = torch.randn(32, 64, generator=g)
+    grad = torch.randn(32, 48, generator=g)
+    f = torch.compile(lambda x, cw: fp8.linear(x, cw, None, "delayed"), fullgraph=True, backend="aot_eager")
+    eager = [_delayed_step(w, x.clone().requires_grad_(), grad) for _ in range(2)]
+    w._workbench_fp8 = None  # the same two steps, compiled, from a fresh state
+    compiled = [_delayed_step(w, x.clone().requires_grad_(), grad, f) for _ in range(2)]
+    assert compiled[1][2].x_scale is not None
+    for (ye, dxe, _), (yc, dxc, _) in zip(eager, compiled):
+        assert torch.equal(ye, yc) and torch.equal(dxe, dxc)
+    state = w._workbench_fp8[3]
+    assert float(state.x_amax) == float(x.abs().max()) and float(state.g_amax) == float(grad.abs().max())

@@ -19,8 +19,16 @@ column of ``b``):
 - ``rowwise``: one scale per row of the left operand and per column of the right one, in E4M3
   for everything (cuBLAS's row-wise FP8 GEMM takes E4M3 operands); backward re-quantises along
   its own contracted dimension (the token dimension for the weight gradient).
+- ``delayed``: ``tensorwise``'s formats and GEMMs, but the GEMM inputs and output gradients are
+  scaled by the previous training step's absolute maximum (TE's ``DelayedScaling`` with megatron's
+  defaults: a history of one step, no margin) instead of their own.  A cast then needs nothing
+  from the tensor it casts, so inductor fuses it into the kernel that produces the tensor (the
+  SwiGLU, its backward, the norm) rather than reading the tensor again after its maximum; each
+  tensor's maximum is still taken in that kernel, for the next step.  A value above the previous
+  maximum saturates at the format's largest.  Weights keep current scaling (cast once per step).
+  The first step of a run (no maximum seen yet) scales like ``tensorwise``.
 
-Scales are computed from the current tensor (no amax history: "current scaling"), in fp32.
+Scales are computed from the current tensor ("current scaling"; ``delayed``: see above), in fp32.
 The forward GEMM accumulates with cuBLAS's fast FP8 accumulation (as torchao's Float8 training
 does for the output); both backward GEMMs accumulate in full fp32.
 
@@ -42,8 +50,8 @@ import torch
 
 from workbench.kernels import FP8_RECIPES
 
-__all__ = ["RECIPES", "GEMMS", "FP8Weight", "quantize", "scaled_mm", "linear", "supported_here", "open_step",
-           "close_step", "cached", "weight_casts"]
+__all__ = ["RECIPES", "GEMMS", "FP8Weight", "Delayed", "quantize", "scaled_mm", "linear", "supported_here",
+           "open_step", "close_step", "cached", "weight_casts"]
 
 RECIPES = FP8_RECIPES["torch"]  # the kernel rule's list for this implementation
 #: The GEMMs that run in FP8 (the kernel path names them).
@@ -66,18 +74,24 @@ def supported_here() -> Optional[str]:
     return None
 
 
-def quantize(t: torch.Tensor, dtype: torch.dtype, dim: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def amax_of(t: torch.Tensor) -> torch.Tensor:
+    """The absolute maximum of ``t`` (0-dim).  Row maxima first: inductor then fuses the reduction into the
+    kernel producing ``t`` (a whole-tensor one it splits into blocks it cannot fuse)."""
+    return t.abs().amax(dim=-1).amax() if t.dim() > 1 else t.abs().amax()
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, dim: Optional[int],
+             scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` cast to the FP8 ``dtype`` and the fp32 inverse scale that undoes it.
 
     ``dim=None``: one scale for the tensor; ``dim=d``: one scale per slice reduced along ``d``
     (kept as a size-1 dimension, the shape ``torch._scaled_mm`` takes for row-wise scales).
-    The scale maps the absolute maximum to the format's largest finite value.
+    The scale maps the absolute maximum to the format's largest finite value; a given ``scale``
+    (``delayed``: from an earlier maximum) is used as it is, values beyond the range saturating.
     """
-    if dim is None:  # row maxima first: inductor then fuses the reduction into the kernel producing ``t``
-        amax = t.abs().amax(dim=-1).amax() if t.dim() > 1 else t.abs().amax()
-    else:
-        amax = t.abs().amax(dim=dim, keepdim=True)
-    scale = torch.finfo(dtype).max / amax.float().clamp(min=1e-12)
+    if scale is None:
+        amax = amax_of(t) if dim is None else t.abs().amax(dim=dim, keepdim=True)
+        scale = torch.finfo(dtype).max / amax.float().clamp(min=1e-12)
     q = (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
     return q, scale.reciprocal()
 
@@ -98,6 +112,9 @@ class FP8Weight(NamedTuple):
     ``fwd`` [n, k] (the forward's right operand is ``fwd.t()``) with ``fwd_inv`` (a scalar, or
     per output row [n, 1] for rowwise); ``bwd`` [k, n] (the input gradient's right operand is
     ``bwd.t()``: ``w`` column-major) with ``bwd_inv`` (a scalar, or per input column [1, k]).
+    ``delayed``: the GEMM's :class:`Delayed` state as tensors: ``x_scale`` / ``g_scale`` (None in a
+    run's first step: current scaling), ``x_amax`` (this step's input maximum so far, updated in
+    place) and ``probe`` (backward hands the output gradient's maximum to it as its gradient).
     """
 
     w: torch.Tensor
@@ -105,10 +122,61 @@ class FP8Weight(NamedTuple):
     fwd_inv: torch.Tensor
     bwd: torch.Tensor
     bwd_inv: torch.Tensor
+    x_scale: Optional[torch.Tensor] = None
+    g_scale: Optional[torch.Tensor] = None
+    x_amax: Optional[torch.Tensor] = None
+    probe: Optional[torch.Tensor] = None
+
+
+class Delayed:
+    """One GEMM's ``delayed`` scaling state: the scales this step uses (from the last step's maxima) and the
+    maxima this step has seen so far (fp32 scalars at fixed addresses: the CUDA graphs read and update them).
+
+    The input's maximum is folded into ``x_amax`` inside the compiled layer; the output gradient's comes out
+    of backward as the gradient of ``probe`` (a leaf of its own, so no graph mutates anything in backward), and
+    a hook folds it into ``g_amax`` and drops it.  :func:`open_step` turns the maxima into the next scales.
+    """
+
+    def __init__(self, device: torch.device):
+        new = lambda v: torch.full((), v, dtype=torch.float32, device=device)  # noqa: E731
+        self.x_scale, self.g_scale, self.x_amax, self.g_amax = new(1.0), new(1.0), new(0.0), new(0.0)
+        self.probe = new(0.0).requires_grad_()
+        self.ready = False  # a step's maxima seen: the scales are the delayed ones
+        if device.type == "cuda":
+            from torch._dynamo import mark_static_address
+
+            for t in (self.x_scale, self.g_scale, self.x_amax, self.probe):
+                mark_static_address(t, guard=False)
+
+        def fold(p: torch.Tensor) -> None:
+            torch.maximum(self.g_amax, p.grad.detach().reshape(()).float(), out=self.g_amax)
+            p.grad = None  # (under CUDA graphs it is the graph's output memory: hold none of it)
+
+        self.probe.register_post_accumulate_grad_hook(fold)
+
+    def fields(self) -> dict:
+        ready = self.ready
+        return {"x_scale": self.x_scale if ready else None, "g_scale": self.g_scale if ready else None,
+                "x_amax": self.x_amax, "probe": self.probe}
+
+
+def _next_scales(states: list[Delayed]) -> None:
+    """The step ends: each state's maxima become its scales (format maximum / amax; a zero or non-finite
+    maximum keeps the old scale, as TE does), and the maxima restart."""
+    if not states:
+        return
+    amax = torch.stack([t for s in states for t in (s.x_amax, s.g_amax)]).view(-1, 2)
+    old = torch.stack([t for s in states for t in (s.x_scale, s.g_scale)]).view(-1, 2)
+    fmax = torch.tensor([torch.finfo(E4M3).max, torch.finfo(E5M2).max], device=amax.device)
+    new = torch.where((amax > 0) & torch.isfinite(amax), fmax / amax.clamp(min=1e-30), old)
+    torch._foreach_copy_([t for s in states for t in (s.x_scale, s.g_scale)], list(new.view(-1).unbind(0)))
+    torch._foreach_zero_([t for s in states for t in (s.x_amax, s.g_amax)])
+    for s in states:
+        s.ready = True
 
 
 def _cast_weight(w: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The four FP8 tensors of :class:`FP8Weight` for ``w`` under ``recipe``."""
+    """The four FP8 tensors of :class:`FP8Weight` for ``w`` under ``recipe`` (``delayed``: as ``tensorwise``)."""
     if recipe == "rowwise":
         fwd, fwd_inv = quantize(w, E4M3, -1)
         bwd, bwd_inv = quantize(w, E4M3, 0)
@@ -126,6 +194,8 @@ def _refresh(w: torch.Tensor, fwd: torch.Tensor, fwd_inv: torch.Tensor, bwd: tor
 
 _compiled_refresh = None
 _STEP = {"open": False, "generation": 0, "casts": 0}
+#: ``delayed`` states used since the last :func:`open_step` (their maxima become the next step's scales)
+_USED: list[Delayed] = []
 
 
 def weight_casts() -> int:
@@ -134,7 +204,11 @@ def weight_casts() -> int:
 
 
 def open_step() -> None:
-    """Weights stay fixed until :func:`close_step`: each is cast to FP8 once (on its first use)."""
+    """Weights stay fixed until :func:`close_step`: each is cast to FP8 once (on its first use).
+    ``delayed``: the maxima the last step saw become this step's scales."""
+    with torch.no_grad():
+        _next_scales(_USED)
+    _USED.clear()
     _STEP["generation"] += 1
     _STEP["open"] = True
 
@@ -160,7 +234,7 @@ def cached(w: torch.Tensor, recipe: Optional[str]) -> Union[torch.Tensor, FP8Wei
 
             for t in bufs:
                 mark_static_address(t, guard=False)
-        entry = [key, -1, bufs]
+        entry = [key, -1, bufs, Delayed(w.device) if recipe == "delayed" else None]
         w._workbench_fp8 = entry
     if entry[1] != _STEP["generation"]:
         if w.is_cuda and _compiled_refresh is None:
@@ -169,7 +243,9 @@ def cached(w: torch.Tensor, recipe: Optional[str]) -> Union[torch.Tensor, FP8Wei
             (_compiled_refresh if w.is_cuda else _refresh)(w.detach(), *entry[2], recipe)
         entry[1] = _STEP["generation"]
         _STEP["casts"] += 1
-    return FP8Weight(w, *entry[2])
+        if entry[3] is not None:
+            _USED.append(entry[3])
+    return FP8Weight(w, *entry[2], **(entry[3].fields() if entry[3] is not None else {}))
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -177,13 +253,17 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: str, fwd: Optional[torch.Tensor],
-                fwd_inv: Optional[torch.Tensor], bwd: Optional[torch.Tensor], bwd_inv: Optional[torch.Tensor]) -> torch.Tensor:
-        """``fwd .. bwd_inv``: the step's FP8 copies of ``w`` (:class:`FP8Weight`), or None (cast here).
+                fwd_inv: Optional[torch.Tensor], bwd: Optional[torch.Tensor], bwd_inv: Optional[torch.Tensor],
+                x_scale: Optional[torch.Tensor], g_scale: Optional[torch.Tensor],
+                probe: Optional[torch.Tensor]) -> torch.Tensor:
+        """``fwd .. bwd_inv``: the step's FP8 copies of ``w`` (:class:`FP8Weight`), or None (cast here);
+        ``x_scale`` / ``g_scale``: ``delayed``'s scales (None: from the tensor); ``probe``: ``delayed``'s leaf
+        whose gradient is the output gradient's maximum (None: not wanted).
         (Fixed arguments, no ``*args`` / ``bool(tuple)``: dynamo traces this Function into the layer's graph.)"""
         x2 = x.reshape(-1, x.shape[-1])
         rows = recipe == "rowwise"
         cached_w = fwd is not None
-        x8, xs = quantize(x2, E4M3, -1 if rows else None)
+        x8, xs = quantize(x2, E4M3, -1 if rows else None, x_scale)
         if cached_w:
             w8, ws = fwd, fwd_inv
         else:  # w [n, k]: a scale per output row = per column of w.T
@@ -192,15 +272,17 @@ class _FP8Linear(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.x_shape = x.shape
         ctx.cached_w = cached_w
+        ctx.probe = probe is not None
+        ctx.g_scaled = g_scale is not None  # delayed: saved last
         # tensorwise: the FP8 input is the weight gradient's operand as it is
         if rows and cached_w:
             ctx.save_for_backward(x2, w, bwd, bwd_inv)
         elif rows:
             ctx.save_for_backward(x2, w)
         elif cached_w:
-            ctx.save_for_backward(x8, xs, w, bwd, bwd_inv)
+            ctx.save_for_backward(x8, xs, w, bwd, bwd_inv, *(() if g_scale is None else (g_scale,)))
         else:
-            ctx.save_for_backward(x8, xs, w)
+            ctx.save_for_backward(x8, xs, w, *(() if g_scale is None else (g_scale,)))
         return y.view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
@@ -220,14 +302,15 @@ class _FP8Linear(torch.autograd.Function):
             dw = scaled_mm(gt8, gts, xc8, xcs, w.dtype)
         else:
             x8, xs, w = saved[0], saved[1], saved[2]
-            g8, gs = quantize(g, E5M2, None)
+            g8, gs = quantize(g, E5M2, None, saved[-1] if ctx.g_scaled else None)
             if ctx.cached_w:
                 w8, ws = saved[3].t(), saved[4]
             else:
                 w8, ws = quantize(w, E4M3, None)
             dx = scaled_mm(g8, gs, w8, ws, grad.dtype)
             dw = scaled_mm(g8.t(), gs, x8, xs, w.dtype)
-        return dx.view(ctx.x_shape), dw, None, None, None, None, None
+        g_amax = amax_of(g).float() if ctx.probe else None  # delayed: the next step's scale from it
+        return dx.view(ctx.x_shape), dw, None, None, None, None, None, None, None, g_amax
 
 
 def linear(x: torch.Tensor, w: Union[torch.Tensor, FP8Weight], bias: Optional[torch.Tensor],
@@ -235,9 +318,9 @@ def linear(x: torch.Tensor, w: Union[torch.Tensor, FP8Weight], bias: Optional[to
     """``F.linear(x, w, bias)`` with the GEMM in FP8 under ``recipe`` (plain ``F.linear`` when None).
     ``w`` may be the step's :class:`FP8Weight` (:func:`cached`): its FP8 copies are used as they are.
     The bias is added in the output's precision after the GEMM (as a bf16 GEMM epilogue would)."""
-    fwd = fwd_inv = bwd = bwd_inv = None
+    fwd = fwd_inv = bwd = bwd_inv = x_scale = g_scale = x_amax = probe = None
     if isinstance(w, FP8Weight):
-        w, fwd, fwd_inv, bwd, bwd_inv = w.w, w.fwd, w.fwd_inv, w.bwd, w.bwd_inv
+        w, fwd, fwd_inv, bwd, bwd_inv, x_scale, g_scale, x_amax, probe = w
     if recipe is None:
         return torch.nn.functional.linear(x, w, bias)
     tokens = x.numel() // x.shape[-1]
@@ -245,5 +328,8 @@ def linear(x: torch.Tensor, w: Union[torch.Tensor, FP8Weight], bias: Optional[to
         raise ValueError(f"train.fp8: a GEMM of shape tokens={tokens}, in={x.shape[-1]}, out={w.shape[0]} is not a "
                          f"multiple of {ALIGN} in every dimension (torch._scaled_mm needs that); fix: sizes that are "
                          f"multiples of {ALIGN}, or train.fp8: off")
-    y = _FP8Linear.apply(x, w, recipe, fwd, fwd_inv, bwd, bwd_inv)
+    if x_amax is not None:  # delayed: this step's input maximum so far (fused into the kernel producing x)
+        with torch.no_grad():
+            x_amax.copy_(torch.maximum(x_amax, amax_of(x.detach()).float()))
+    y = _FP8Linear.apply(x, w, recipe, fwd, fwd_inv, bwd, bwd_inv, x_scale, g_scale, probe)
     return y if bias is None else y + bias
