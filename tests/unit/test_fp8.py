@@ -382,3 +382,25 @@ def test_delayed_compiles_into_one_graph_that_updates_its_maxima():
         assert torch.equal(ye, yc) and torch.equal(dxe, dxc)
     state = w._workbench_fp8[3]
     assert float(state.x_amax) == float(x.abs().max()) and float(state.g_amax) == float(grad.abs().max())
+
+
+def test_the_fp8_transpose_kernel_transposes_every_byte_at_uneven_shapes():
+    """The Triton kernel itself, under Triton's interpreter (CPU): tiles at the edges are masked."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from workbench.backend import fp8
+kernel = fp8._transpose_kernel()
+for m, n in [(64, 64), (100, 37), (130, 260), (1, 70)]:
+    t = (torch.randn(m, n) * 100).to(torch.float8_e5m2)
+    out = torch.full((n, m), 0.5).to(torch.float8_e5m2)
+    kernel[(-(-m // 64), -(-n // 64))](t.view(torch.uint8), out.view(torch.uint8), m, n, BM=64, BN=64)
+    assert torch.equal(out.view(torch.uint8), t.t().contiguous().view(torch.uint8)), (m, n)
+    assert torch.equal(fp8.transpose(t).view(torch.uint8), out.view(torch.uint8))  # the op's CPU path agrees
+print("ok")
+"""
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
