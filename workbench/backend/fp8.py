@@ -321,15 +321,16 @@ class _FP8Linear(torch.autograd.Function):
         ctx.cached_w = cached_w
         ctx.probe = probe is not None
         ctx.g_scaled = g_scale is not None  # delayed: saved last
-        # tensorwise: the FP8 input is the weight gradient's operand as it is
+        # tensorwise: the FP8 input is the weight gradient's operand as it is, token-major (the transposed copy made
+        # here, by the opaque op: saved, where inductor would recompute it in backward from the tensor x8 came from)
         if rows and cached_w:
             ctx.save_for_backward(x2, w, bwd, bwd_inv)
         elif rows:
             ctx.save_for_backward(x2, w)
         elif cached_w:
-            ctx.save_for_backward(x8, xs, w, bwd, bwd_inv, *(() if g_scale is None else (g_scale,)))
+            ctx.save_for_backward(transpose(x8), xs, w, bwd, bwd_inv, *(() if g_scale is None else (g_scale,)))
         else:
-            ctx.save_for_backward(x8, xs, w, *(() if g_scale is None else (g_scale,)))
+            ctx.save_for_backward(transpose(x8), xs, w, *(() if g_scale is None else (g_scale,)))
         return y.view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
@@ -348,14 +349,14 @@ class _FP8Linear(torch.autograd.Function):
             xc8, xcs = quantize(x2, E4M3, 0)
             dw = scaled_mm(gt8, gts, xc8, xcs, w.dtype)
         else:
-            x8, xs, w = saved[0], saved[1], saved[2]
+            x8t, xs, w = saved[0], saved[1], saved[2]
             g8, gs = quantize(g, E5M2, None, saved[-1] if ctx.g_scaled else None)
             if ctx.cached_w:
                 w8, ws = saved[3].t(), saved[4]
             else:
                 w8, ws = quantize(w, E4M3, None)
             dx = scaled_mm(g8, gs, w8, ws, grad.dtype)
-            dw = scaled_mm(transpose(g8), gs, x8, xs, w.dtype)  # (see transpose: not fused into g's producer)
+            dw = scaled_mm(transpose(g8), gs, x8t.t(), xs, w.dtype)  # (see transpose: not fused into g's producer)
         g_amax = amax_of(g).float() if ctx.probe else None  # delayed: the next step's scale from it
         return dx.view(ctx.x_shape), dw, None, None, None, None, None, None, None, g_amax
 
