@@ -12,9 +12,11 @@ loss, tokens/s and the kernel path the run reported.  The comparison is the issu
 difference of the losses smoothed over ``--window`` steps (a centred moving average), and its maximum after the
 first ``--window`` steps; the bar is 1.5%.  One JSON line per recipe with device, date and commit, the last one
 carrying the comparison.  ``--recipes off,off,...`` runs bf16 twice: the second run's difference from the first is
-the run-to-run spread of bf16 itself (reported beside the bar, not judged by it).  ``--base FILE`` compares with
-the bf16 run of an earlier call (same model, batch, learning rate, steps and data), so that one curve per call fits
-the device's 10-minute limit at larger batches.
+the run-to-run spread of bf16 itself (reported beside the bar, not judged by it).  With several bf16 runs, "bf16" is
+their mean curve (the curve bf16 training is expected to follow; each run's own spread around it is reported): an FP8
+curve is judged against that mean and its difference from each run is reported.  ``--base FILE`` adds the bf16 runs
+of earlier calls (same model, batch, learning rate, steps and data), so that one or two curves per call fit the
+device's 10-minute limit at larger batches; ``--judge FILE`` re-reads a whole file that way.
 """
 
 from __future__ import annotations
@@ -145,19 +147,56 @@ def plot(path: Path, png: Path, window: int) -> None:
 SETTINGS = ("model", "micro_batch_size", "global_batch_size", "seq_length", "lr", "steps")
 
 
-def find_base(path: Path, a: argparse.Namespace, corpus: dict | None) -> dict:
-    """The last bf16 row in ``path`` run with these settings on this data (exit 2 naming what differs otherwise)."""
+def settings_of(r: dict) -> tuple:
+    return tuple(r.get(k) for k in SETTINGS) + ((r.get("corpus") or {}).get("sha256") and
+                                                json.dumps((r.get("corpus") or {}).get("sha256"), sort_keys=True),)
+
+
+def find_bases(path: Path, a: argparse.Namespace, corpus: dict | None) -> list[dict]:
+    """Every successful bf16 row in ``path`` run with these settings on this data (exit 2 naming what differs
+    when there is none)."""
     want = {"model": a.model, "micro_batch_size": a.micro_batch_size, "global_batch_size": a.global_batch_size,
             "seq_length": a.seq_length, "lr": a.lr, "steps": a.steps}
     sha = (corpus or {}).get("sha256")
     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
     offs = [r for r in rows if r.get("recipe") == "off" and r.get("returncode") == 0]
-    for r in reversed(offs):
-        if all(r.get(k) == v for k, v in want.items()) and (r.get("corpus") or {}).get("sha256") == sha:
-            return r
-    print(f"--base {path}: no successful bf16 row with {want} on this data ({len(offs)} bf16 rows there); fix: run "
-          f"--recipes off,... with these settings first", file=sys.stderr)
-    raise SystemExit(2)
+    found = [r for r in offs if all(r.get(k) == v for k, v in want.items()) and (r.get("corpus") or {}).get("sha256") == sha]
+    if not found:
+        print(f"--base {path}: no successful bf16 row with {want} on this data ({len(offs)} bf16 rows there); fix: run "
+              f"--recipes off,... with these settings first", file=sys.stderr)
+        raise SystemExit(2)
+    return found
+
+
+def mean_curve(runs: list[dict]) -> list[float]:
+    n = min(len(r["losses"]) for r in runs)
+    return [sum(r["losses"][i] for r in runs) / len(runs) for i in range(n)]
+
+
+def against(bases: list[dict], row: dict, window: int) -> dict:
+    """``row`` against bf16: the mean curve of the bf16 runs ``bases`` (judged), and against each of them (reported)."""
+    return {**compare(mean_curve(bases), row["losses"], window),
+            "base": [{k: b[k] for k in ("date", "git_commit")} for b in bases],
+            "each": [compare(b["losses"], row["losses"], window)["max_rel_smoothed"] for b in bases]}
+
+
+def judge(path: Path, window: int) -> int:
+    """Every FP8 row of ``path`` against the mean of all bf16 rows of its settings and data in the file; each bf16
+    row against the mean of the others (its spread)."""
+    rows = [r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip())
+            if "recipe" in r and r.get("returncode") == 0]
+    ok = True
+    for r in rows:
+        offs = [b for b in rows if b["recipe"] == "off" and b is not r and settings_of(b) == settings_of(r)]
+        if not offs:
+            continue
+        cmp = against(offs, r, window)
+        if r["recipe"] != "off":
+            ok &= cmp["within_bar"]
+        print(f"{r['recipe']:<11} {r['git_commit'][:7]} {r['date'][:16]}  vs the mean of {len(offs)} bf16 runs: "
+              f"{100 * cmp['max_rel_smoothed']:.2f}%  (each: {', '.join(f'{100 * e:.2f}%' for e in cmp['each'])})"
+              f"{'' if r['recipe'] == 'off' else ('  within' if cmp['within_bar'] else '  OVER')} the {100 * BAR:g}% bar")
+    return 0 if ok else 1
 
 
 def main() -> int:
@@ -174,11 +213,15 @@ def main() -> int:
     ap.add_argument("--global-batch-size", type=int, default=8)
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--data", help="an indexed dataset prefix (bench/loss_corpus.py); default: the embedded corpus")
-    ap.add_argument("--base", help="a JSON-lines file of an earlier call: compare with its bf16 run of the same settings "
-                                   "(then --recipes need not start with off)")
+    ap.add_argument("--base", help="a JSON-lines file of earlier calls: compare with the mean of its bf16 runs of the same "
+                                   "settings and data (then --recipes need not start with off)")
+    ap.add_argument("--judge", help="a JSON-lines file this script wrote: every FP8 run against the mean of all its bf16 "
+                                    "runs of the same settings (no GPU)")
     ap.add_argument("--plot", help="a JSON-lines file this script wrote: draw it (no GPU needed)")
     ap.add_argument("--png")
     a = ap.parse_args()
+    if a.judge:
+        return judge(Path(a.judge), a.window)
     if a.plot:
         plot(Path(a.plot), Path(a.png or Path(a.plot).with_suffix(".png")), a.window)
         return 0
@@ -189,29 +232,29 @@ def main() -> int:
     data_over, corpus = data_overrides(a.data)
     over = {"train.micro_batch_size": a.micro_batch_size, "train.global_batch_size": a.global_batch_size,
             "model.seq_length": a.seq_length, **data_over}
-    base = find_base(Path(a.base), a, corpus) if a.base else None
-    rows = [base] if base else []
+    bases = find_bases(Path(a.base), a, corpus) if a.base else []  # bf16 runs: the curve is their mean
+    rows = []
     with open(a.out, "a") as fh:
         check = linear_check()
         fh.write(json.dumps(check) + "\n")
         print(json.dumps(check), flush=True)
-        if any(check[r][k] > 0.1 for r in ("tensorwise", "rowwise") for k in ("y", "dx", "dw")):
+        if any(v[k] > 0.1 for v in check.values() if isinstance(v, dict) for k in ("y", "dx", "dw")):
             return 1
         for recipe in a.recipes.split(","):
             row = {**run(a.model, recipe, a.steps, a.timeout, over, a.lr), "corpus": corpus}
-            if rows:  # against this invocation's first bf16 run (named, since files may gather several calls)
-                cmp = {**compare(rows[0]["losses"], row["losses"], a.window),
-                       "base": {k: rows[0][k] for k in ("date", "git_commit")}}
+            if bases:
+                cmp = against(bases, row, a.window)
                 if recipe == "off":  # bf16 again: its spread, reported and not judged
                     cmp.pop("within_bar")
                 row["spread_vs_bf16" if recipe == "off" else "vs_bf16"] = cmp
+            if recipe == "off" and row["returncode"] == 0:
+                bases.append(row)
             rows.append(row)
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             print(json.dumps({k: row.get(k) for k in ("recipe", "returncode", "steps", "fast_fp8", "tokens_per_s", "vs_bf16",
                                                  "spread_vs_bf16", "error")}),
                   flush=True)
-    rows = rows[1:] if base else rows  # the earlier call's run was judged there
     fp8_ran = all(r["fast_fp8"] for r in rows if r["recipe"] != "off")  # else the curves match trivially
     # the bar is FP8's; a second bf16 run is reported (its spread), not judged
     return 0 if fp8_ran and all(r["returncode"] == 0 and (r["recipe"] == "off" or r.get("vs_bf16", {}).get("within_bar", True))
