@@ -420,7 +420,7 @@ def _te_version() -> tuple[int, ...]:
 def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
     """``(field, rule, fix)`` for a ``train.fp8`` this config cannot train with (config validation calls it).
 
-    FP8 runs on the compiled layer through torch (tensorwise, rowwise) or on Transformer Engine's layer
+    FP8 runs on the compiled layer through torch (tensorwise, rowwise, delayed) or on Transformer Engine's layer
     through megatron's fp8 config (tensorwise, delayed), never on megatron's stock local layer (its FP8 is a
     silent no-op without TE); in bf16, with every GEMM dimension a multiple of 16 (FP8 GEMMs need it).
     """

@@ -116,30 +116,33 @@ def compare(base: list[float], other: list[float], window: int) -> dict:
 
 
 def plot(path: Path, png: Path, window: int) -> None:
+    """Every run's smoothed loss (top) and its relative difference from the mean of the bf16 runs (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip()) if "recipe" in r]
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
-    base = next(r for r in rows if r["recipe"] == "off")
+    offs = [r for r in rows if r["recipe"] == "off"]
+    mean = smoothed(mean_curve(offs), window)
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[2, 1])
     for i, r in enumerate(rows):
         colour = f"C{i}"  # one colour per run in both panels
-        label = ("bf16" if r is base else "bf16 (again)") if r["recipe"] == "off" else f"FP8 {r['recipe']}"
-        ax.plot(smoothed(r["losses"], window), c=colour, label=f"{label} ({r['tokens_per_s'] or 0:.0f} tok/s)")
-        if r is not base:
-            n = min(len(base["losses"]), len(r["losses"]))
-            a, b = smoothed(base["losses"][:n], window), smoothed(r["losses"][:n], window)
-            ax2.plot([100 * (y - x) / x for x, y in zip(a, b)], c=colour, label=label)
+        bf16 = r["recipe"] == "off"
+        label = f"{'bf16' if bf16 else 'FP8 ' + r['recipe']} {r['git_commit'][:7]} {r['date'][11:16]}"
+        style = dict(c=colour, ls="--" if bf16 else "-", lw=1.0 if bf16 else 1.4)
+        curve = smoothed(r["losses"], window)
+        ax.plot(curve, label=f"{label} ({r['tokens_per_s'] or 0:.0f} tok/s)", **style)
+        ax2.plot([100 * (y - x) / x for x, y in zip(mean, curve)], label=label, **style)
     ax.set_ylabel(f"loss (moving average, {window} steps)")
-    ax.set_title(f"{base['model']}: FP8 vs bf16, lr {base.get('lr', 3e-4):g}, {base['device']}, {base['git_commit'][:7]}")
-    ax.legend()
-    ax2.axhline(100 * BAR, ls="--", c="grey")
-    ax2.axhline(-100 * BAR, ls="--", c="grey")
-    ax2.set_ylabel("relative difference %")
+    base = rows[0]
+    ax.set_title(f"{base['model']}: FP8 vs bf16, lr {base.get('lr', 3e-4):g}, "
+                 f"{base['global_batch_size'] * base['seq_length']} tokens/step, {base['device']}")
+    ax.legend(fontsize=7)
+    ax2.axhline(100 * BAR, ls=":", c="grey")
+    ax2.axhline(-100 * BAR, ls=":", c="grey")
+    ax2.set_ylabel(f"% vs mean of {len(offs)} bf16")
     ax2.set_xlabel("step")
-    ax2.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 

@@ -360,7 +360,7 @@ def dense_layer_forward(
     backward; fc1 and the activation (the layer's largest activations) are rebuilt there.
     Under ``torch.compile`` the checkpoint becomes a recompute tag on the graph's partition.
 
-    ``fp8`` (``train.fp8``: ``tensorwise`` | ``rowwise``): every GEMM above in FP8
+    ``fp8`` (``train.fp8``: ``tensorwise`` | ``rowwise`` | ``delayed``): every GEMM above in FP8
     (:mod:`workbench.backend.fp8`); norms, attention and residuals unchanged.
     """
     sp = sequence_parallel

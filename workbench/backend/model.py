@@ -76,7 +76,7 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_recompute_mlp: bool = False
     #: parallel.tp_comm_overlap on the compiled layer (:func:`fusions.sink_weight_gradients`).
     workbench_tp_comm_overlap: bool = False
-    #: train.fp8 on the compiled layer: "tensorwise" | "rowwise" (:mod:`workbench.backend.fp8`), None = off.
+    #: train.fp8 on the compiled layer: "tensorwise" | "rowwise" | "delayed" (:mod:`workbench.backend.fp8`), None = off.
     workbench_fp8: Optional[str] = None
 
 
