@@ -124,6 +124,7 @@ def test_fp8_rows_are_valid_configs_scaled_against_their_bf16_row(monkeypatch):
         base = tt.bench_config(by_name[f"workbench/{m}"])
         for name, recipe, impl, baseline in ((f"workbench-fp8-tensorwise/{m}", "tensorwise", "torch", f"workbench/{m}"),
                                              (f"workbench-fp8-rowwise/{m}", "rowwise", "torch", f"workbench/{m}"),
+                                             (f"workbench-fp8-delayed/{m}", "delayed", "torch", f"workbench/{m}"),
                                              (f"workbench-te-fp8-tensorwise/{m}", "tensorwise", "te", f"workbench-te/{m}"),
                                              (f"workbench-te-fp8-delayed/{m}", "delayed", "te", f"workbench-te/{m}")):
             v = by_name[name]
