@@ -1,7 +1,7 @@
 """A larger real-text corpus for the FP8-vs-bf16 loss curves (issue 22), built here and carried to the GPU.
 
     python3 bench/loss_corpus.py --out .corpus          # needs a Debian mirror (apt-get download) and the workbench
-    -> .corpus/loss_text_text_document.{bin,idx}, .corpus/manifest.json
+    -> .corpus/loss_text.{bin,idx} (+ .workbench.json, the preprocess summary), .corpus/manifest.json
 
 Why: the embedded corpus (KJV, about 1.07M tokens) is repeated 5 to 10 times by a 300-step curve at 16k-32k tokens
 per step, and bf16's own run-to-run spread on it (1.46-2.30%, session 16) is as large as the 1.5% bar.  This one
@@ -13,7 +13,7 @@ holds about 12M tokens of three kinds of English prose, so a 300 x 32k-token cur
 
 One document per file (per chapter for the KJV), tokenized with the demo tokenizer (``workbench preprocess``, an
 end-of-document token after each).  The manifest records the package versions and the sha256 of every output, which
-the loss script copies into its rows.  Nothing of it is committed (about 25 MB): rebuild it with this script.
+the loss script copies into its rows (runs compare only on equal .bin / .idx hashes).  Nothing of it is committed (about 25 MB): rebuild it with this script.
 """
 
 from __future__ import annotations

@@ -212,8 +212,8 @@ class TrainConfig:
     #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
     cuda_graphs: bool = True
     #: FP8 GEMMs (off = the precision above).  On the compiled layer through torch (workbench.backend.fp8):
-    #: tensorwise | rowwise current scaling, delayed (the last step's maxima).  On Transformer Engine's layer:
-    #: tensorwise (current scaling) | delayed (amax history).  workbench.kernels.fp8_problems says which fit.
+    #: tensorwise | rowwise current scaling, delayed (the last step's maxima: a history of 1).  On Transformer Engine's layer:
+    #: tensorwise (current scaling) | delayed (TE's amax history, 1024 steps).  workbench.kernels.fp8_problems says which fit.
     fp8: Literal["off", "tensorwise", "rowwise", "delayed"] = "off"
     #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
     forward_step: str | None = None

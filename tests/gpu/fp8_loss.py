@@ -91,7 +91,7 @@ def linear_check() -> dict:
     ref_y = F.linear(x.float(), w.float())
     out = {**stamp(), "check": "fp8.linear vs fp32 F.linear (bf16 operands, CUDA)"}
     rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
-    for recipe in fp8.RECIPES:
+    for recipe in ("tensorwise", "rowwise"):  # per call, delayed is tensorwise (its scales: CPU tests, the curves)
         xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8.linear(xa, wa, None, recipe)
         y.backward(dy)
@@ -122,7 +122,12 @@ def plot(path: Path, png: Path, window: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip()) if "recipe" in r]
+    rows = successful_runs(path)
+    offs = [r for r in rows if r["recipe"] == "off"]
+    if not offs:
+        raise SystemExit(f"--plot {path}: no successful bf16 run in it to draw the others against; fix: gather the "
+                         f"calls' rows into one file (bf16 runs included)")
+    rows = [r for r in rows if settings_of(r) == settings_of(offs[0])]  # one protocol per plot: the first bf16's
     offs = [r for r in rows if r["recipe"] == "off"]
     mean = smoothed(mean_curve(offs), window)
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[2, 1])
@@ -151,22 +156,26 @@ SETTINGS = ("model", "micro_batch_size", "global_batch_size", "seq_length", "lr"
 
 
 def settings_of(r: dict) -> tuple:
-    return tuple(r.get(k) for k in SETTINGS) + ((r.get("corpus") or {}).get("sha256") and
-                                                json.dumps((r.get("corpus") or {}).get("sha256"), sort_keys=True),)
+    """What makes two runs' curves comparable: model, batch, sequence, learning rate, steps and the data."""
+    sha = {k: v for k, v in ((r.get("corpus") or {}).get("sha256") or {}).items() if not k.endswith(".json")}
+    return tuple(r.get(k) for k in SETTINGS) + (json.dumps(sha, sort_keys=True),)
+
+
+def successful_runs(path: Path) -> list[dict]:
+    return [r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip())
+            if "recipe" in r and r.get("returncode") == 0]
 
 
 def find_bases(path: Path, a: argparse.Namespace, corpus: dict | None) -> list[dict]:
     """Every successful bf16 row in ``path`` run with these settings on this data (exit 2 naming what differs
     when there is none)."""
-    want = {"model": a.model, "micro_batch_size": a.micro_batch_size, "global_batch_size": a.global_batch_size,
-            "seq_length": a.seq_length, "lr": a.lr, "steps": a.steps}
-    sha = (corpus or {}).get("sha256")
-    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-    offs = [r for r in rows if r.get("recipe") == "off" and r.get("returncode") == 0]
-    found = [r for r in offs if all(r.get(k) == v for k, v in want.items()) and (r.get("corpus") or {}).get("sha256") == sha]
+    want = settings_of({"model": a.model, "micro_batch_size": a.micro_batch_size, "global_batch_size": a.global_batch_size,
+                        "seq_length": a.seq_length, "lr": a.lr, "steps": a.steps, "corpus": corpus})
+    offs = [r for r in successful_runs(path) if r["recipe"] == "off"]
+    found = [r for r in offs if settings_of(r) == want]
     if not found:
-        print(f"--base {path}: no successful bf16 row with {want} on this data ({len(offs)} bf16 rows there); fix: run "
-              f"--recipes off,... with these settings first", file=sys.stderr)
+        print(f"--base {path}: no successful bf16 row with {dict(zip(SETTINGS, want))} on this data ({len(offs)} bf16 "
+              f"rows there); fix: run --recipes off,... with these settings first", file=sys.stderr)
         raise SystemExit(2)
     return found
 
@@ -186,12 +195,15 @@ def against(bases: list[dict], row: dict, window: int) -> dict:
 def judge(path: Path, window: int) -> int:
     """Every FP8 row of ``path`` against the mean of all bf16 rows of its settings and data in the file; each bf16
     row against the mean of the others (its spread)."""
-    rows = [r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip())
-            if "recipe" in r and r.get("returncode") == 0]
+    rows = successful_runs(path)
     ok = True
     for r in rows:
         offs = [b for b in rows if b["recipe"] == "off" and b is not r and settings_of(b) == settings_of(r)]
         if not offs:
+            if r["recipe"] != "off":
+                print(f"{r['recipe']:<11} {r['git_commit'][:7]} {r['date'][:16]}  no bf16 run of its settings here: "
+                      f"not judged", file=sys.stderr)
+                return 2
             continue
         cmp = against(offs, r, window)
         if r["recipe"] != "off":

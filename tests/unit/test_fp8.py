@@ -404,3 +404,21 @@ print("ok")
     env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_delayed_stays_on_current_scaling_until_a_step_saw_both_maxima():
+    """A first step whose output gradient is all zeros (a zero-initialised layer above, a skipped loss) must not
+    hand the next step the initial scale of 1, which would flush small E5M2 gradients to zero."""
+    g = torch.Generator().manual_seed(14)
+    w = (torch.randn(16, 32, generator=g) * 0.05).requires_grad_()
+    x = torch.randn(16, 32, generator=g)
+    _delayed_step(w, x.clone().requires_grad_(), torch.zeros(16, 16))
+    _, _, cw = _delayed_step(w, x.clone().requires_grad_(), torch.randn(16, 16, generator=g) * 1e-6)
+    assert cw.x_scale is None and cw.g_scale is None  # still current scaling: no valid gradient maximum yet
+    _, _, cw = _delayed_step(w, x.clone().requires_grad_(), torch.randn(16, 16, generator=g))
+    assert cw.g_scale is not None and float(cw.g_scale) > 1e5  # from the 1e-6 step's maximum
+
+
+def test_the_transpose_op_reads_a_strided_tensor_by_its_values():
+    t = (torch.randn(24, 40) * 50).to(torch.float8_e4m3fn)[:, ::2]  # non-contiguous columns
+    assert torch.equal(fp8.transpose(t).view(torch.uint8), t.t().contiguous().view(torch.uint8))

@@ -65,3 +65,9 @@ def test_base_runs_must_match_the_settings_and_data_or_the_call_stops_with_exit_
     with pytest.raises(SystemExit) as e:
         fp8_loss.find_bases(path, argparse.Namespace(**{**vars(a), "lr": 3e-4}), {"sha256": {"x.bin": "abc"}})
     assert e.value.code == 2
+
+
+def test_judge_refuses_a_file_whose_fp8_run_has_no_bf16_run_to_be_judged_against(tmp_path):
+    path = tmp_path / "only_fp8.jsonl"
+    path.write_text(json.dumps(_row("delayed", [2.0] * 40)) + "\n" + json.dumps(_row("off", [2.0] * 40, lr=3e-4)) + "\n")
+    assert fp8_loss.judge(path, window=10) == 2  # nothing judged is not a pass

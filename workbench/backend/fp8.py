@@ -1,4 +1,4 @@
-"""FP8 GEMMs without Transformer Engine: ``train.fp8: tensorwise | rowwise`` on the compiled layer.
+"""FP8 GEMMs without Transformer Engine: ``train.fp8: tensorwise | rowwise | delayed`` on the compiled layer.
 
 megatron-core's own FP8 (``config.fp8``) is a silent no-op without Transformer Engine, so the
 workbench does it in torch: every GEMM of the compiled dense layer (QKV, output projection,
@@ -14,8 +14,8 @@ of the sum (``(a / sa) @ (b / sb) = (a @ b) / (sa sb)`` for a scale per row of `
 column of ``b``):
 
 - ``tensorwise``: one scale per tensor; inputs and weights in E4M3, output gradients in E5M2
-  (more range, the usual split).  The forward's FP8 input serves backward's weight gradient as
-  it is (tensorwise quantisation does not depend on the layout).
+  (more range, the usual split).  The forward's FP8 input serves backward's weight gradient
+  (tensorwise quantisation does not depend on the layout): forward saves its token-major copy.
 - ``rowwise``: one scale per row of the left operand and per column of the right one, in E4M3
   for everything (cuBLAS's row-wise FP8 GEMM takes E4M3 operands); backward re-quantises along
   its own contracted dimension (the token dimension for the weight gradient).
@@ -26,7 +26,9 @@ column of ``b``):
   SwiGLU, its backward, the norm) rather than reading the tensor again after its maximum; each
   tensor's maximum is still taken in that kernel, for the next step.  A value above the previous
   maximum saturates at the format's largest.  Weights keep current scaling (cast once per step).
-  The first step of a run (no maximum seen yet) scales like ``tensorwise``.
+  A GEMM scales like ``tensorwise`` until it has seen a step with both maxima finite and nonzero
+  (a run's first step, and the first step after a resume: the state is not checkpointed).  On
+  Transformer Engine's layer ``delayed`` is TE's own recipe, with a 1024-step history.
 
 Scales are computed from the current tensor ("current scaling"; ``delayed``: see above), in fp32.
 The forward GEMM accumulates with cuBLAS's fast FP8 accumulation (as torchao's Float8 training
@@ -38,7 +40,8 @@ weight changes) :func:`cached` hands the compiled layer an :class:`FP8Weight`, t
 with its forward and transposed backward FP8 copies, refreshed in place on the first call of
 the step (static addresses: the CUDA graphs read them where they are).  That is 2 bytes per
 GEMM weight element of persistent memory (the planner's ``fp8_weight_copies``).  Outside the
-window (evaluation, generation, tests) every call quantises its weight itself.
+window (evaluation, generation, tests) every call quantises its weight, inputs and gradients
+itself (``delayed`` included: current scaling, no state touched).
 This module is torch-only and runs on CPU (the tests compare it with a float reference).
 """
 
@@ -131,6 +134,7 @@ def transpose(t: torch.Tensor) -> torch.Tensor:
     """
     m, n = t.shape
     out = torch.empty((n, m), dtype=t.dtype, device=t.device)
+    t = t.contiguous()  # the kernel reads row-major bytes (a no-op for the casts' outputs)
     if not t.is_cuda:  # (never the input itself: a custom op's output may not alias it)
         return out.copy_(t.t())
     bm = bn = 64
@@ -182,6 +186,9 @@ class Delayed:
     The input's maximum is folded into ``x_amax`` inside the compiled layer; the output gradient's comes out
     of backward as the gradient of ``probe`` (a leaf of its own, so no graph mutates anything in backward), and
     a hook folds it into ``g_amax`` and drops it.  :func:`open_step` turns the maxima into the next scales.
+    One use of a weight per forward graph (as every layer GEMM is): autograd would sum two uses' probe gradients
+    before the hook (a larger maximum: a smaller, safe scale).  ``torch.autograd.grad`` calls fire no hook: the
+    gradient's maximum is then not seen and the GEMM stays on current scaling.
     """
 
     def __init__(self, device: torch.device):
@@ -209,17 +216,23 @@ class Delayed:
 
 def _next_scales(states: list[Delayed]) -> None:
     """The step ends: each state's maxima become its scales (format maximum / amax; a zero or non-finite
-    maximum keeps the old scale, as TE does), and the maxima restart."""
-    if not states:
-        return
-    amax = torch.stack([t for s in states for t in (s.x_amax, s.g_amax)]).view(-1, 2)
-    old = torch.stack([t for s in states for t in (s.x_scale, s.g_scale)]).view(-1, 2)
-    fmax = torch.tensor([torch.finfo(E4M3).max, torch.finfo(E5M2).max], device=amax.device)
-    new = torch.where((amax > 0) & torch.isfinite(amax), fmax / amax.clamp(min=1e-30), old)
-    torch._foreach_copy_([t for s in states for t in (s.x_scale, s.g_scale)], list(new.view(-1).unbind(0)))
-    torch._foreach_zero_([t for s in states for t in (s.x_amax, s.g_amax)])
-    for s in states:
-        s.ready = True
+    maximum keeps the old scale, as TE does), and the maxima restart.  A state turns ready (its scales used)
+    once both its maxima were valid; until then (one host read, only while some state is not ready) its GEMM
+    keeps current scaling."""
+    by_device: dict[torch.device, list[Delayed]] = {}
+    for st in states:
+        by_device.setdefault(st.x_amax.device, []).append(st)
+    for group in by_device.values():
+        amax = torch.stack([t for s in group for t in (s.x_amax, s.g_amax)]).view(-1, 2)
+        old = torch.stack([t for s in group for t in (s.x_scale, s.g_scale)]).view(-1, 2)
+        fmax = torch.tensor([torch.finfo(E4M3).max, torch.finfo(E5M2).max], device=amax.device)
+        valid = (amax > 0) & torch.isfinite(amax)
+        new = torch.where(valid, fmax / amax.clamp(min=1e-30), old)
+        torch._foreach_copy_([t for s in group for t in (s.x_scale, s.g_scale)], list(new.view(-1).unbind(0)))
+        torch._foreach_zero_([t for s in group for t in (s.x_amax, s.g_amax)])
+        if not all(s.ready for s in group):
+            for s, ok in zip(group, valid.all(dim=1).tolist()):
+                s.ready = s.ready or ok
 
 
 def _cast_weight(w: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
