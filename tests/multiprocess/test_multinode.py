@@ -68,7 +68,15 @@ def _node1_processes(run_dir: Path, roles=("supervisor", "torchrun", "rank", "ch
     records = [{"pid": meta["supervisor_pid"], "role": "supervisor"}, *meta.get("processes", [])]
     if not any(r["role"] == "rank" for r in records):
         return None
-    return [psutil.Process(r["pid"]) for r in records if r["role"] in roles]
+    procs = []
+    for r in records:
+        if r["role"] in roles:
+            try:
+                procs.append(psutil.Process(r["pid"]))
+            except psutil.NoSuchProcess:  # a recorded child that has already ended (the record stays): nothing to freeze
+                if r["role"] != "child":
+                    raise
+    return procs
 
 
 def _cleanup(run_dir: Path, *clis: subprocess.Popen) -> None:
