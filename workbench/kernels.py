@@ -204,8 +204,10 @@ class KernelChoice:
     #: that are not multiples of 128, so the order is set only where every training length is one, and only in
     #: the training ranks (not for generation, whose lengths vary).
     sdpa_order: tuple[str, ...] = ()
-    #: who replays the layers as CUDA graphs: "torch" (the compiled layer's cudagraph trees), "megatron"
-    #: (TE's layer: megatron's CudaGraphManager, ``cuda_graph_impl: local`` with TE's RNG tracker), "" (none)
+    #: who replays the layers as CUDA graphs: "torch" (the compiled layer's cudagraph trees, PP = 1), "megatron"
+    #: (megatron's CudaGraphManager, ``cuda_graph_impl: local``: TE's layer, and the compiled layer under pipeline
+    #: parallelism, where it records one graph per layer and micro-batch in the schedule's order and shares one
+    #: memory pool; a graph-safe RNG tracker, TE's where TE is usable), "" (none)
     cuda_graphs_impl: Literal["", "torch", "megatron"] = ""
     #: how TP > 1 hides its collectives: "compiled" (``parallel.tp_comm_overlap``: the compiled layer's backward
     #: computes weight gradients under the input-gradient collective), "userbuffers" (``parallel.te_userbuffers``:
@@ -272,15 +274,21 @@ def layer_blocker(cfg: Any) -> str | None:
 def graphs_off_reason(cfg: Any) -> str | None:
     """Why a layout keeps CUDA graphs off although ``train.cuda_graphs`` asks for them.
 
-    Pipeline parallelism: measured on 2 H200s (PP=2, m=8, GPT-2 medium) cudagraph trees of a
-    1F1B step ran at 0.04x the ungraphed speed.  Full recompute: megatron's checkpoint runs
-    every layer forward twice per step, once without grad, so no step follows one path.
+    Full recompute: megatron's checkpoint runs every layer forward twice per step, once without grad, so no
+    step follows one path.  (Pipeline parallelism is graphed by megatron's manager, not torch's cudagraph trees,
+    which measured 0.04x under 1F1B on 2 H200s: :func:`graphs_impl`.)
     """
-    if int(cfg.parallel.pipeline_parallel) > 1:
-        return "pipeline parallel (cudagraph trees measured 0.04x under 1F1B)"
     if cfg.parallel.recompute == "full":
         return "full recompute (each layer runs forward twice per step)"
     return None
+
+
+def graphs_impl(cfg: Any, layer: str) -> Literal["torch", "megatron"]:
+    """Who records a graphed layer: torch's cudagraph trees for the compiled layer without pipelining (one
+    stable path per step, parameters as static inputs); megatron's CudaGraphManager for TE's layer and for the
+    compiled layer under pipeline parallelism, where 1F1B / interleaving keep several micro-batches in flight:
+    it records one graph per layer and micro-batch in the order the schedule ran them, in one pool."""
+    return "torch" if layer == "compiled" and int(cfg.parallel.pipeline_parallel) == 1 else "megatron"
 
 
 def _te_graphs_off(cfg: Any, te_spec: bool) -> str:
@@ -289,6 +297,8 @@ def _te_graphs_off(cfg: Any, te_spec: bool) -> str:
         return "this family's TE layer is not graphed (its cross-attention mask pair)"
     if cfg.parallel.recompute != "none":
         return "recompute on TE's layer (megatron's CUDA graphs capture the layer whole)"
+    if int(cfg.parallel.pipeline_parallel) > 1:
+        return "pipeline parallel on TE's layer (not measured graphed; the compiled layer is graphed there)"
     return graphs_off_reason(cfg) or ""
 
 
@@ -350,7 +360,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         graphs_reason = (te_graphs_off if attention == "te" else graphs_off_reason(cfg)) or (
             "" if cuda and cuda_available else "no GPU")
     graphs = bool(t.cuda_graphs) and graphed_layer and not graphs_reason
-    graphs_impl = ("torch" if layer == "compiled" else "megatron") if graphs else ""
+    impl = graphs_impl(cfg, layer) if graphs else ""
     tp_overlap = ""
     if p.tensor_parallel > 1 and layer == "compiled" and p.tp_comm_overlap:
         tp_overlap = "compiled"
@@ -360,8 +370,8 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         attention=attention, layer=layer, layer_reason=reason, norm=norm,
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
-        cuda_graphs_reason=graphs_reason, cuda_graphs_impl=graphs_impl, transformer_engine=te,
-        tp_overlap=tp_overlap, grad_accumulation="megatron" if graphs_impl == "megatron" else "workbench",
+        cuda_graphs_reason=graphs_reason, cuda_graphs_impl=impl, transformer_engine=te,
+        tp_overlap=tp_overlap, grad_accumulation="megatron" if impl == "megatron" else "workbench",
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         **_fp8_slot(t.fp8, layer, attention, m.hidden_size),

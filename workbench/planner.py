@@ -242,7 +242,7 @@ def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -
     if a.compiled_layer is not None and (a.compiled_layer != (kp.layer == "compiled")):
         kp = dataclasses.replace(kp, layer="compiled" if a.compiled_layer else "stock",
                                  layer_reason="" if a.compiled_layer else "pinned by PlannerAssumptions.compiled_layer",
-                                 cuda_graphs_impl="torch" if kp.cuda_graphs and a.compiled_layer else "")
+                                 cuda_graphs_impl=kernels.graphs_impl(cfg, "compiled") if kp.cuda_graphs and a.compiled_layer else "")
     if a.optimizer != "auto":
         kp = dataclasses.replace(kp, optimizer=a.optimizer)
     return kp

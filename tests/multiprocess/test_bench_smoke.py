@@ -80,13 +80,16 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
         "tp2-nograph/gpt2-large": (2, 1, 1, 4, 8),
         "tp2-sp/gpt2-large": (2, 1, 1, 4, 8),
     }
-    # CUDA graphs: on by default; off in the -nograph rows and in the PP one-GPU baseline
-    # (graphs are off under pipeline parallelism, so its baseline runs the same kernels)
+    # CUDA graphs: on by default, in the PP rows and their one-GPU baseline too (scaling is over the one-GPU
+    # default path); off in the -nograph rows
     graphs = {n: tt.bench_config(v).train.cuda_graphs for n, v in {v.name: v for v in variants}.items()}
     assert graphs["workbench/gpt2-medium"] and graphs["tp2/gpt2-large"]
+    assert graphs["pp1-m8/gpt2-medium"] and graphs["pp2-m8/gpt2-medium"] and graphs["pp2-vpp2-m8/gpt2-medium"]
     assert not graphs["workbench-nograph/gpt2-medium"] and not graphs["tp2-nograph/gpt2-large"]
-    assert not graphs["pp1-m8/gpt2-medium"]
+    assert not graphs["pp2-m8-nograph/gpt2-medium"]
     by_name = {v.name: v for v in variants}
+    assert {by_name[n].baseline for n in ("pp2-m8/gpt2-medium", "pp2-vpp2-m8/gpt2-medium")} == {"pp1-m8/gpt2-medium"}
+    assert tt.bench_config(by_name["pp2-vpp2-m8/gpt2-medium"]).parallel.virtual_pipeline_parallel == 2
     # the TP rows differ only in SP, graphs, comm overlap, launch queues or the diagnostic bound
     for name, sp, overlap in (("tp2/gpt2-large", False, True), ("tp2-nograph/gpt2-large", False, True),
                               ("tp2-sp/gpt2-large", True, True), ("tp2-no-overlap/gpt2-large", False, False),

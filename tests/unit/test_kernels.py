@@ -111,8 +111,17 @@ def test_apex_norm_only_where_the_layer_stays_stock():
 
 def test_cuda_graphs_follow_the_layout():
     assert kernels.choose(GPU, te=False, cuda_available=False).cuda_graphs_reason == "no GPU"
-    pp = kernels.choose(GPU.replace(**{"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2}), te=False)
-    assert not pp.cuda_graphs and pp.cuda_graphs_reason.startswith("pipeline parallel")
+    # pipeline parallel: the compiled layer replays as megatron's per-micro-batch graphs (torch's trees: PP = 1 only)
+    for vpp in (1, 2):
+        pp_cfg = GPU.replace(**{"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2,
+                                "parallel.virtual_pipeline_parallel": vpp})
+        pp = kernels.choose(pp_cfg, te=False)
+        assert (pp.layer, pp.cuda_graphs, pp.cuda_graphs_impl, pp.grad_accumulation) == ("compiled", True, "megatron", "megatron")
+        assert "megatron's CUDA graphs" in pp.describe()
+    assert kernels.choose(GPU, te=False).cuda_graphs_impl == "torch"
+    te_pp = kernels.choose(GPU.replace(**{"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2,
+                                          "model.attention_backend": "te"}), te=True)
+    assert not te_pp.cuda_graphs and te_pp.cuda_graphs_reason.startswith("pipeline parallel on TE's layer")
     full = kernels.choose(GPU.replace(**{"parallel.recompute": "full"}), te=False)
     assert not full.cuda_graphs and "full recompute" in full.cuda_graphs_reason
     off = kernels.choose(GPU.replace(**{"train.cuda_graphs": False}), te=False)

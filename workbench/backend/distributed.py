@@ -79,9 +79,12 @@ def _seed(cfg: RunConfig) -> None:
     if cfg.parallel.device == "cuda":
         from workbench.backend.model import training_step_fields
 
-        # the training step's layer graphs (megatron's, TE's layer) need the RNG tracker their fields name
-        te_rng = bool(training_step_fields(cfg).get("use_te_rng_tracker"))
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng, force_reset_rng=True)
+        # megatron's layer graphs need a graph-safe RNG tracker: TE's where the fields name it, else megatron's own
+        fields = training_step_fields(cfg)
+        te_rng = bool(fields.get("use_te_rng_tracker"))
+        graphable = fields.get("cuda_graph_impl") == "local" and not te_rng
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng, use_cudagraphable_rng=graphable,
+                                                        force_reset_rng=True)
 
 
 def _init_parallel_state(cfg: RunConfig) -> Coords:

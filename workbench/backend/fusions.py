@@ -630,6 +630,11 @@ class CompiledTransformerLayer(TransformerLayer):
             return True
         return shape in self._TRAINED_SHAPES
 
+    def _should_call_local_cudagraph(self, *args: Any, **kwargs: Any) -> bool:
+        """megatron's CUDA graphs (``cuda_graph_impl: local``, pipeline parallelism) replay training calls only:
+        evaluation and generation run the compiled function without them."""
+        return self.training and torch.is_grad_enabled() and super()._should_call_local_cudagraph(*args, **kwargs)
+
     def _bypassed_pre_hooks(self) -> None:
         """Run the forward pre-hooks of the submodules whose ``forward`` the compiled graph replaces, as their
         own call would: megatron's DDP finishes a parameter's all-gather there (``overlap_param_gather`` with the
@@ -761,7 +766,10 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                     for param in layer.parameters():
                         mark_static_address(param, guard=False)
                 notes["cuda_graphs"] = "compiled layers' forward+backward replayed as CUDA graphs (training steps)"
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernels.graphs_off_reason(cfg)):
+            elif compiled[0].config.cuda_graph_impl == "local":
+                notes["cuda_graphs"] = ("compiled layers' forward+backward replayed as megatron's CUDA graphs, one per "
+                                        "layer and micro-batch in the pipeline schedule's order (recorded in the first step)")
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernels.choose(cfg).cuda_graphs_reason):
                 notes["cuda_graphs_off"] = why_off
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")

@@ -157,13 +157,13 @@ def _fp8_fields(cfg: RunConfig) -> dict[str, Any]:
 
 def training_step_fields(cfg: RunConfig) -> dict[str, Any]:
     """TransformerConfig fields of the training step alone, where the kernel rule says so: megatron's per-layer
-    CUDA graphs for TE's layer (``cuda_graphs_impl == "megatron"``; TE's RNG tracker, which ``distributed``
-    seeds) and TE's userbuffers (``tp_overlap == "userbuffers"``; :func:`workbench.backend.tp_overlap.initialize_userbuffers`
+    CUDA graphs (``cuda_graphs_impl == "megatron"``: TE's layer, the compiled layer under pipeline parallelism; a
+    graph-safe RNG tracker, TE's where TE is usable, which ``distributed`` seeds) and TE's userbuffers (``tp_overlap == "userbuffers"``; :func:`workbench.backend.tp_overlap.initialize_userbuffers`
     sizes them for the training micro-batch).  Generation, conversion and verification build without them."""
     choice = kernels.choose(cfg)
     fields: dict[str, Any] = {}
     if choice.cuda_graphs_impl == "megatron":
-        fields.update(cuda_graph_impl="local", use_te_rng_tracker=True)
+        fields.update(cuda_graph_impl="local", use_te_rng_tracker=choice.transformer_engine)
     if choice.tp_overlap == "userbuffers":
         fields.update(tp_comm_overlap=True)
     return fields
