@@ -630,6 +630,16 @@ class CompiledTransformerLayer(TransformerLayer):
             return True
         return shape in self._TRAINED_SHAPES
 
+    def __call__(self, *args: Any, **kwargs: Any):
+        out = super().__call__(*args, **kwargs)
+        if self.config.cuda_graph_impl == "local" and isinstance(out, tuple) and isinstance(out[0], torch.Tensor) \
+                and out[0]._base is not None:
+            # megatron's graph manager hands its outputs back as views (its record step returns the eager output
+            # through an autograd Function): pipeline parallelism frees stage outputs by swapping .data, which
+            # views refuse.  The viewless alias shares the storage (no copy).
+            out = (make_viewless_tensor(inp=out[0], requires_grad=out[0].requires_grad, keep_graph=True), *out[1:])
+        return out
+
     def _should_call_local_cudagraph(self, *args: Any, **kwargs: Any) -> bool:
         """megatron's CUDA graphs (``cuda_graph_impl: local``, pipeline parallelism) replay training calls only:
         evaluation and generation run the compiled function without them."""
