@@ -274,10 +274,14 @@ def layer_blocker(cfg: Any) -> str | None:
 def graphs_off_reason(cfg: Any) -> str | None:
     """Why a layout keeps CUDA graphs off although ``train.cuda_graphs`` asks for them.
 
-    Full recompute: megatron's checkpoint runs every layer forward twice per step, once without grad, so no
-    step follows one path.  (Pipeline parallelism is graphed by megatron's manager, not torch's cudagraph trees,
-    which measured 0.04x under 1F1B on 2 H200s: :func:`graphs_impl`.)
+    Pipeline parallelism: torch's cudagraph trees of a 1F1B step measured 0.04x the ungraphed speed (PP=2, m=8,
+    GPT-2 medium, 2 H200s), and megatron's CudaGraphManager around the compiled layer (:func:`graphs_impl`) did not
+    finish its first step within 270 s (2 H100s, dc9a31f): both are off until one is shown to work.  Full
+    recompute: megatron's checkpoint runs every layer forward twice per step, once without grad, so no step
+    follows one path.
     """
+    if int(cfg.parallel.pipeline_parallel) > 1:
+        return "pipeline parallel (cudagraph trees measured 0.04x under 1F1B; megatron's manager hung at capture)"
     if cfg.parallel.recompute == "full":
         return "full recompute (each layer runs forward twice per step)"
     return None

@@ -80,8 +80,8 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
         "tp2-nograph/gpt2-large": (2, 1, 1, 4, 8),
         "tp2-sp/gpt2-large": (2, 1, 1, 4, 8),
     }
-    # CUDA graphs: on by default, in the PP rows and their one-GPU baseline too (scaling is over the one-GPU
-    # default path); off in the -nograph rows
+    # CUDA graphs asked for by default, in the PP rows and their one-GPU baseline too (scaling is over the one-GPU
+    # default path; the kernel rule keeps them off under pipelining and says why); off in the -nograph rows
     graphs = {n: tt.bench_config(v).train.cuda_graphs for n, v in {v.name: v for v in variants}.items()}
     assert graphs["workbench/gpt2-medium"] and graphs["tp2/gpt2-large"]
     assert graphs["pp1-m8/gpt2-medium"] and graphs["pp2-m8/gpt2-medium"] and graphs["pp2-vpp2-m8/gpt2-medium"]
