@@ -42,7 +42,7 @@ from workbench.run.events import Event
 from workbench.run.nodes import (
     DEFAULT_NODE_TIMEOUT, HeartbeatClock, host_name, lost_peer, node_dir, node_of_rank, node_ranks, read_heartbeat,
 )
-from workbench.run.procs import live_recorded
+from workbench.run.procs import Refusal, live_recorded, verified_supervisor
 from workbench.run.reader import RunReader
 
 __all__ = ["Run", "Failure"]
@@ -102,6 +102,8 @@ class Run:
         self._lock = threading.RLock()
         self._stop_requested = False
         self._slurm_seen: tuple[float, str | None] | None = None  # (when, squeue's state)
+        #: processes launch.json names that are not this run's (never signalled), each with why
+        self.refusals: list[Refusal] = []
         cfg_path = self.run_dir / "config.json"
         self.config: RunConfig | None = None
         if cfg_path.exists():
@@ -193,11 +195,26 @@ class Run:
         return int(self.config.parallel.nproc_per_node) if self.config is not None else 1
 
     def _node_processes(self, meta: dict) -> list:
-        """Live processes of another node of this run on this machine: its supervisor's tree and its records."""
-        sup = _proc(int(meta["supervisor_pid"]), meta.get("supervisor_create_time")) if meta.get("supervisor_pid") else None
+        """Live processes of another node of this run on this machine: its supervisor's tree and its records
+        (only those that provably belong to this run directory: :func:`workbench.run.procs.live_recorded`)."""
+        sup, why = verified_supervisor(meta, self.run_dir)
+        self._refuse(why)
         found = [sup, *_tree(sup)] if sup is not None else []
         pids = {p.pid for p in found}
-        return found + [p for p in live_recorded(meta) if p.pid not in pids]
+        return found + [p for p in self._live_recorded(meta) if p.pid not in pids]
+
+    def _live_recorded(self, meta: dict) -> list:
+        refused: list[Refusal] = []
+        found = live_recorded(meta, self.run_dir, refused)
+        for why in refused:
+            self._refuse(why)
+        return found
+
+    def _refuse(self, why: Refusal | None) -> None:
+        """Say once (stderr) that a process ``launch.json`` names is not this run's and is left alone."""
+        if why and why not in self.refusals:
+            self.refusals.append(why)
+            print(f"warning: {why}", file=sys.stderr, flush=True)
 
     def nodes(self) -> list[dict]:
         """Every node of the run: ``{node, host, ranks, status, alive, local, why, exit_status, heartbeat_age}``.
@@ -255,15 +272,16 @@ class Run:
             if self._popen.poll() is not None:
                 return None
             return _proc(self._popen.pid)
-        meta = self.launch_info
-        pid = meta.get("supervisor_pid")
-        return _proc(int(pid), meta.get("supervisor_create_time")) if pid else None
+        sup, why = verified_supervisor(self.launch_info, self.run_dir)
+        self._refuse(why)
+        return sup
 
     def _recorded(self) -> list:
-        """Live processes that ``launch.json`` records for this run (torchrun, ranks; create times checked)."""
+        """Live processes that ``launch.json`` records for this run (torchrun, ranks), their create times
+        and command lines checked against this run directory."""
         if self._popen is not None and self._popen.poll() is None:
             return []  # our own supervisor is running: its tree is the truth
-        return live_recorded(self.launch_info)
+        return self._live_recorded(self.launch_info)
 
     def is_alive(self) -> bool:
         """True while the run's supervisor, or any process ``launch.json`` records for it, is running;
@@ -411,21 +429,25 @@ class Run:
                                   node_rank=self.node_rank)
             return
         snapshot = [sup, *_tree(sup)]
+        try:  # the supervisor leads the process group it created (a new session); any other group is not the run's
+            own_group = os.getpgid(sup.pid) == sup.pid
+        except OSError:
+            own_group = False
         # Only the supervisor is signalled: it SIGTERMs torchrun, which SIGTERMs each rank once (see
         # _stop_tree), and it escalates to SIGKILL after ``grace``.  We wait for that plus a margin,
-        # then kill the process group and every process seen in the tree, whatever happened.
+        # then kill the supervisor's process group and every process seen in the tree, whatever happened.
         _signal_all([sup], signal.SIGTERM)
         psutil.wait_procs([sup], timeout=grace + 8.0)
         leftovers = [p for p in snapshot + (_tree(sup) if _alive(sup) else []) if _alive(p)]
         if leftovers:
-            pgid = self.launch_info.get("pgid") or sup.pid
-            try:
-                os.killpg(int(pgid), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            if own_group:
+                try:
+                    os.killpg(sup.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             _signal_all(leftovers, signal.SIGKILL)
             psutil.wait_procs(leftovers, timeout=5)
-        orphans = live_recorded(self.launch_info)  # anything the supervisor recorded and did not take down
+        orphans = self._live_recorded(self.launch_info)  # anything the supervisor recorded and did not take down
         if orphans:
             self._stop_orphans(orphans, 0.0)
         self._reap()
