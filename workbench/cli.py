@@ -207,10 +207,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir).absolute() if args.run_dir else None
-    problems = launch_checks(cfg, run_dir=None if args.dry_run else run_dir, node_rank=args.node_rank,
+    # a dry run makes the launch's own checks (run directory included), all but this machine's GPUs
+    problems = launch_checks(cfg, run_dir=run_dir, node_rank=args.node_rank,
                              rdzv_endpoint=args.rdzv_endpoint, local=not (args.dry_run or args.slurm), slurm=args.slurm,
                              node_timeout=args.node_timeout)
-    if cfg.parallel.nnodes > 1 and not (run_dir or args.slurm or args.dry_run):
+    if cfg.parallel.nnodes > 1 and not (run_dir or args.slurm):
         from workbench.config import Problem
 
         problems.append(Problem("--run-dir", f"{cfg.parallel.nnodes} nodes write into one run directory: none was given "
@@ -359,7 +360,8 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", help="run directory (default: a fresh runs/<name>-<timestamp>); multi-node: the same "
                                      "directory on every node, on a filesystem they share")
     p.add_argument("--run-root", help="parent of fresh run directories (default: runs/ or $WORKBENCH_RUNS)")
-    p.add_argument("--dry-run", action="store_true", help="print the exact commands, start nothing")
+    p.add_argument("--dry-run", action="store_true", help="make the launch's checks (all but this machine's GPUs: the "
+                                                         "command may be for another machine), print the exact commands, start nothing")
     p.add_argument("--slurm", action="store_true", help="write a SLURM batch script (srun torchrun ...) and submit it if sbatch exists")
     p.add_argument("--detach", action="store_true", help="return at once; the run keeps going")
     p.set_defaults(func=_cmd_launch)

@@ -72,7 +72,7 @@ STATUSES = ("starting", "running", "finished", "failed", "stopped")
 DEFAULT_RUN_ROOT = "runs"
 DEFAULT_RDZV_PORT = 29500
 #: the supervisor's command line (``python -m workbench.launch supervise ...``)
-SUPERVISOR_MODULE = "workbench.launch"
+SUPERVISOR_MODULE = procs.SUPERVISOR_MODULE
 
 
 # --------------------------------------------------------------------------- commands
@@ -313,7 +313,9 @@ def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_ran
         d = Path(run_dir)
         if multi:
             problems += _shared_run_dir_problems(cfg, d, node_rank)
-        elif d.exists() and (not d.is_dir() or any(d.iterdir())):
+        elif d.exists() and not d.is_dir():
+            problems.append(Problem("run_dir", f"{d.absolute()} exists and is not a directory", "pass a new run_dir (or none for a fresh one)"))
+        elif d.exists() and any(d.iterdir()):
             problems.append(Problem("run_dir", f"{d.absolute()} exists and is not empty", "pass a new run_dir (or none for a fresh one)"))
     return problems
 
