@@ -49,6 +49,7 @@ from typing import Iterable, Sequence
 
 from workbench.config import ConfigError, Problem, RunConfig, load_config
 from workbench.run import nodes, procs
+from workbench.run.exit_status import STATUSES, write_exit_status
 from workbench.run.files import read_json, write_json_atomic, write_text_atomic
 from workbench.run.reader import RunReader
 
@@ -68,7 +69,6 @@ __all__ = [
 
 #: torchrun's entry for the real backend; tests may launch a script path instead.
 BACKEND_ENTRY: tuple[str, ...] = ("-m", "workbench.backend")
-STATUSES = ("starting", "running", "finished", "failed", "stopped")
 DEFAULT_RUN_ROOT = "runs"
 DEFAULT_RDZV_PORT = 29500
 #: the supervisor's command line (``python -m workbench.launch supervise ...``)
@@ -470,100 +470,6 @@ def _create_time(pid: int) -> float | None:
         return p.create_time() if p else None
     except Exception:
         return None
-
-
-# --------------------------------------------------------------------------- exit status
-
-
-_ROOT_FIELDS = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*?)\s*$", re.M)
-
-
-def _root_cause(text: str) -> dict:
-    """torchrun's 'Root Cause (first observed failure)' block: {rank (global), exitcode, message}."""
-    i = text.rfind("Root Cause")
-    if i < 0:
-        return {}
-    fields: dict[str, str] = {}
-    for m in _ROOT_FIELDS.finditer(text[i:]):
-        fields.setdefault(m.group(1), m.group(2))
-    out: dict = {}
-    for key, name in (("rank", "rank"), ("exitcode", "exitcode")):
-        m = re.match(r"-?\d+", fields.get(key, ""))
-        if m:
-            out[name] = int(m.group(0))
-    msg = fields.get("traceback", "")
-    if msg and not msg.startswith("To enable traceback"):
-        out["message"] = msg
-    return out
-
-
-def _root_cause_rank(text: str) -> int | None:
-    """The global rank of torchrun's 'Root Cause (first observed failure)' block, if any."""
-    return _root_cause(text).get("rank")
-
-
-def write_exit_status(run_dir: str | Path, returncode: int | None, *, reason: str | None = None,
-                      status: str | None = None, started: float | None = None,
-                      reader: RunReader | None = None, node_rank: int = 0, peer: dict | None = None) -> dict:
-    """Write ``exit_status.json`` (node ``node_rank``'s: :mod:`workbench.run.nodes`): status, return code,
-    failed rank (from this node's ranks' events, else torchrun's report, else any rank's error event).
-
-    ``peer``: the other node whose failure, stop or loss ended this node's job (``reason`` says which).
-    """
-    run_dir = Path(run_dir)
-    ndir = nodes.node_dir(run_dir, node_rank)
-    reader = reader if reader is not None else RunReader(run_dir)
-    meta = read_json(ndir / "launch.json") or {}
-    nnodes, nproc = int(meta.get("nnodes") or 1), int(meta.get("nproc_per_node") or 0)
-    mine = set(nodes.node_ranks(node_rank, nproc)) if nnodes > 1 and nproc else None
-    errors = reader.records("error")
-    own_errors = [e for e in errors if mine is None or e.rank in mine]
-    ends = reader.records("run_end")
-    own_ends = [e for e in ends if mine is None or e.rank in mine]
-    if status is None:
-        if reason in ("stopped", "kernel-exited", "peer-stopped"):
-            status = "stopped"
-        elif reason in ("peer-failed", "peer-lost"):
-            status = "failed"
-        elif returncode == 0:
-            status = "stopped" if any(e.get("status") == "stopped" for e in ends) else "finished"
-        elif (mine is not None and not own_errors and own_ends
-              and {e.rank for e in own_ends} >= mine and all(e.get("status") == "stopped" for e in own_ends)):
-            status = "stopped"  # another node was stopped and every rank here agreed to stop with it (exit code 143)
-        else:
-            status = "failed"
-    failed_rank = own_errors[0].get("rank") if own_errors else None
-    cause: dict = {}
-    if status == "failed":
-        try:
-            cause = _root_cause((ndir / "logs" / "launcher.log").read_text(errors="replace")[-20000:])
-        except OSError:
-            pass
-        if failed_rank is None:
-            failed_rank = cause.get("rank")
-    if failed_rank is None and errors:
-        failed_rank = errors[0].get("rank")
-    data = {
-        "status": status,
-        "returncode": returncode,
-        "reason": reason or status,
-        "failed_rank": failed_rank,
-        "started": started,
-        "ended": time.time(),
-        "seconds": (time.time() - started) if started else None,
-    }
-    if cause.get("rank") is not None and cause.get("rank") == failed_rank:
-        data["failed_exitcode"] = cause.get("exitcode")
-        if cause.get("message"):
-            data["failed_message"] = cause["message"]
-    if nnodes > 1:
-        data.update(node=node_rank, nnodes=nnodes, host=meta.get("host"), ranks=sorted(mine) if mine else None)
-    if peer:
-        data["peer"] = peer
-    ndir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(ndir / "exit_status.json", data)
-    return data
-
 
 
 # --------------------------------------------------------------------------- supervisor

@@ -42,7 +42,7 @@ from workbench.run.events import Event
 from workbench.run.nodes import (
     DEFAULT_NODE_TIMEOUT, HeartbeatClock, host_name, lost_peer, node_dir, node_of_rank, node_ranks, read_heartbeat,
 )
-from workbench.run.procs import Refusal, live_recorded, verified_supervisor
+from workbench.run.procs import Refusal, collect_stacks, live_recorded, rank_log, rank_processes, verified_supervisor
 from workbench.run.reader import RunReader
 
 __all__ = ["Run", "Failure"]
@@ -513,9 +513,7 @@ class Run:
             local = rank - int(meta.get("node_rank") or 0) * nproc
         if not 0 <= local < nproc:
             return None
-        candidates = sorted((base / "logs" / "torchrun").glob(f"*/attempt_*/{local}/{stream}.log"),
-                            key=lambda p: p.stat().st_mtime)
-        return candidates[-1] if candidates else None
+        return rank_log(base, local, stream)
 
     def log_tail(self, rank: int | None = None, lines: int = 40, stream: str = "stderr") -> str:
         """Last lines of a rank's log, or of the launcher log (torchrun's tee of every rank) when rank is None."""
@@ -526,54 +524,45 @@ class Run:
 
     def stacks(self, wait: float = 2.0) -> dict[int, str]:
         """Every live rank's Python stacks, for a run that seems stuck: each rank prints them to its
-        stderr log on SIGUSR1 (the backend registers it) and goes on running.  {global rank: text}."""
-        import psutil
-
-        ranks = {}
-        for p in self.processes():
-            try:
-                cmd, env = " ".join(p.cmdline()), p.environ()
-                if "workbench.backend" in cmd and "RANK" in env and "torch.distributed.run" not in cmd and "torchrun" not in cmd:
-                    ranks[int(env["RANK"])] = p
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        logs = {r: self.rank_log(r, "stderr") for r in ranks}
-        sizes = {r: (path.stat().st_size if path and path.exists() else 0) for r, path in logs.items()}
-        _signal_all(ranks.values(), signal.SIGUSR1)
-        time.sleep(wait)
-        out = {}
-        for r, path in sorted(logs.items()):
-            if path is not None and path.exists():
-                with open(path, "rb") as fh:
-                    fh.seek(sizes[r])
-                    out[r] = fh.read().decode("utf-8", "replace")
-        return out
+        stderr log on SIGUSR1 (the backend registers it) and goes on running; a stopped rank (SIGSTOP)
+        cannot, and its entry says so.  {global rank: text}."""
+        ranks = rank_processes(self.processes())
+        return collect_stacks(ranks, {r: self.rank_log(r, "stderr") for r in ranks}, wait)
 
     @property
     def failure(self) -> Failure | None:
-        """The first failing rank and its traceback: from its ``error`` event, else its stderr log.
+        """The rank that caused the failure and its traceback: from its ``error`` event, else its stderr log.
 
-        A multi-node run: the failure that started it, with its node.  An error that only says a
-        peer went away (gloo's "connection closed by peer" on the survivors) is passed over for a
-        rank's own error, a rank that died without one (killed, out of memory), or a lost node.
+        Once the job has ended, the rank its exit status names (:mod:`workbench.run.exit_status`: a rank
+        that died by a signal or an exit code of its own comes before the first that raised); while it is
+        being torn down, the first rank that raised.  An error that only says a peer went away (gloo's
+        "connection reset by peer" on the survivors) is passed over for a rank's own error.  A multi-node
+        run: the failure that started it, with its node (a rank's death, its own error, or a lost node).
         """
         errors = self.events("error")
         if self._per_node():
             f = self._job_failure(errors)
             if f is not None:
                 return f
-        if errors:
-            return self._event_failure(min(errors, key=lambda r: r.get("time", 0)))
         ex = self.exit_status
-        if not ex or ex.get("status") != "failed":
-            return None
-        rank = ex.get("failed_rank")
-        if rank is not None:
-            f = self._log_failure(int(rank), ex)
+        if ex and ex.get("status") == "failed" and ex.get("failed_rank") is not None:
+            rank = int(ex["failed_rank"])
+            own = [e for e in errors if e.get("rank") == rank]
+            if own and not ex.get("failed_signal"):
+                return self._event_failure(min(own, key=lambda r: r.get("time", 0)))
+            f = self._log_failure(rank, ex)
             if f is not None:
                 return f
+            if ex.get("failed_signal") or ex.get("failed_message"):
+                return Failure(rank, ex.get("failed_message") or f"killed by {ex['failed_signal']}", "", "launcher",
+                               str(self.node_dir / "logs" / "launcher.log"), self._node_of(rank))
+        if errors:
+            own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
+            return self._event_failure(min(own or errors, key=lambda r: r.get("time", 0)))
+        if not ex or ex.get("status") != "failed":
+            return None
         tail = self.log_tail(None, 40)
-        return Failure(rank, f"torchrun exited with code {ex.get('returncode')}", tail, "launcher",
+        return Failure(ex.get("failed_rank"), f"torchrun exited with code {ex.get('returncode')}", tail, "launcher",
                        str(self.node_dir / "logs" / "launcher.log"))
 
     def _node_of(self, rank) -> int | None:
@@ -594,7 +583,10 @@ class Run:
             return None
         tb = _last_traceback(log.read_text(errors="replace"))
         code = ex.get("failed_exitcode")
-        if tb:
+        if ex.get("failed_signal"):  # killed: whatever its log last printed is not why
+            msg = f"killed by {ex['failed_signal']} (exit code {code})" + (f": {ex['failed_message']}" if ex.get("failed_message") else "")
+            tb = _tail(log, 30)
+        elif tb:
             last = [ln for ln in tb.strip().splitlines() if ln.strip()]
             msg = last[-1] if last else f"exit code {code}"
         elif code is not None:  # killed (a signal: negative code) or exited without a Python traceback
@@ -608,20 +600,21 @@ class Run:
 
     def _job_failure(self, errors: list[Event]) -> Failure | None:
         """A multi-node run's first cause (see :attr:`failure`); None leaves it to the one-node rules."""
-        own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
-        if own:
-            return self._event_failure(min(own, key=lambda r: r.get("time", 0)))
         views = self.nodes()
         reported = {e.get("rank") for e in errors}
-        for v in views:  # a rank that died without an error event of its own
+        for v in views:  # a rank that died (a signal, or without an error event of its own)
             ex = v["exit_status"] or {}
             r = ex.get("failed_rank")
-            if v["status"] == "failed" and not ex.get("peer") and r is not None and r not in reported:
+            if (v["status"] == "failed" and not ex.get("peer") and r is not None
+                    and (r not in reported or ex.get("failed_signal"))):
                 f = self._log_failure(int(r), ex)
                 if f is not None:
                     f.node = v["node"]
                     return f
                 return Failure(int(r), f"rank {r} failed (torchrun exit code {ex.get('returncode')})", "", "launcher", None, v["node"])
+        own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
+        if own:
+            return self._event_failure(min(own, key=lambda r: r.get("time", 0)))
         for v in views:
             if v["status"] == "lost":
                 return Failure(None, f"node {v['node']} lost: {v['why']}", "", "node", None, v["node"])
