@@ -210,7 +210,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     # a dry run makes the launch's own checks (run directory included), all but this machine's GPUs
     problems = launch_checks(cfg, run_dir=run_dir, node_rank=args.node_rank,
                              rdzv_endpoint=args.rdzv_endpoint, local=not (args.dry_run or args.slurm), slurm=args.slurm,
-                             node_timeout=args.node_timeout)
+                             node_timeout=args.node_timeout, stall_floor=args.stall_floor, startup_timeout=args.startup_timeout)
     if cfg.parallel.nnodes > 1 and not (run_dir or args.slurm):
         from workbench.config import Problem
 
@@ -252,7 +252,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 0
     try:  # the checks above run again inside (the run directory may have appeared meanwhile)
         run = Run.launch(cfg, run_dir, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                         rdzv_id=args.rdzv_id, watch_parent=not args.detach, node_timeout=args.node_timeout)
+                         rdzv_id=args.rdzv_id, watch_parent=not args.detach, node_timeout=args.node_timeout,
+                         stall_floor=args.stall_floor, startup_timeout=args.startup_timeout)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -357,6 +358,13 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-id", help="rendezvous id, identical on every node (default: workbench-<config name>)")
     p.add_argument("--node-timeout", type=float, default=None, metavar="SECONDS",
                    help="multi-node: stop this node's job when another node's heartbeat stops for this long (default 60)")
+    p.add_argument("--stall-floor", type=float, default=None, metavar="SECONDS",
+                   help="a rank without progress (no event, no checkpoint file written) for max(this, 20 x the median time "
+                        "between its step events, 2 x its longest pause seen) fails the run as stalled, naming the rank, its "
+                        "stacks in stall_stacks.txt (default 300: above a first save or eval, which the rhythm has not "
+                        "measured yet; 0: off)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the same before the first step: start, data, compilation, CUDA graph capture (default 1800)")
     p.add_argument("--run-dir", help="run directory (default: a fresh runs/<name>-<timestamp>); multi-node: the same "
                                      "directory on every node, on a filesystem they share")
     p.add_argument("--run-root", help="parent of fresh run directories (default: runs/ or $WORKBENCH_RUNS)")

@@ -135,6 +135,8 @@ class Run:
         watch_parent: bool = True,
         check_devices: bool = True,
         node_timeout: float | None = None,
+        stall_floor: float | None = None,
+        startup_timeout: float | None = None,
     ) -> "Run":
         """Validate, create a fresh run dir (config.json saved), start torchrun under a supervisor.
 
@@ -142,12 +144,16 @@ class Run:
         they are written into the saved config so the backend sees the same world size.  One node
         of a multi-node run: ``node_rank``, ``rdzv_endpoint`` and the ``run_dir`` every node shares;
         ``node_timeout``: seconds another node may go silent before this node stops its job.
+        ``stall_floor`` (default 300 s; 0: off) / ``startup_timeout`` (default 1800 s): a rank that
+        makes no progress for longer than the bound they set ends the run as ``failed`` (reason
+        ``stalled``, naming the rank; its stacks in ``stall_stacks.txt``): :mod:`workbench.run.stall`.
         Raises :class:`ConfigError` (nothing started) when the config or this machine cannot run it.
         """
         cfg = apply_overrides(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
         plan, popen = start_run(cfg, run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                                 run_root=run_root, entry=entry, env=env, grace=grace, error_grace=error_grace,
-                                watch_parent=watch_parent, check_devices=check_devices, node_timeout=node_timeout)
+                                watch_parent=watch_parent, check_devices=check_devices, node_timeout=node_timeout,
+                                stall_floor=stall_floor, startup_timeout=startup_timeout)
         return cls(plan.run_dir, popen=popen, plan=plan)
 
     @classmethod
@@ -583,7 +589,10 @@ class Run:
             return None
         tb = _last_traceback(log.read_text(errors="replace"))
         code = ex.get("failed_exitcode")
-        if ex.get("failed_signal"):  # killed: whatever its log last printed is not why
+        if ex.get("stall"):  # the supervisor found it stalled: its verdict, and the stacks it wrote
+            msg = ex.get("failed_message") or f"rank {rank} stalled"
+            tb = f"every rank's stacks: {ex['stall'].get('stacks')}\n" + _tail(Path(ex["stall"].get("stacks") or log), 60)
+        elif ex.get("failed_signal"):  # killed: whatever its log last printed is not why
             msg = f"killed by {ex['failed_signal']} (exit code {code})" + (f": {ex['failed_message']}" if ex.get("failed_message") else "")
             tb = _tail(log, 30)
         elif tb:
