@@ -52,6 +52,8 @@ from workbench.run import nodes, procs, stall
 from workbench.run.exit_status import STATUSES, write_exit_status
 from workbench.run.files import read_json, write_json_atomic, write_text_atomic
 from workbench.run.reader import RunReader
+from workbench.torchrun import MODULE as TORCHRUN_MODULE
+from workbench.torchrun import bind_problem, one_node_args
 
 __all__ = [
     "BACKEND_ENTRY",
@@ -64,6 +66,7 @@ __all__ = [
     "apply_overrides",
     "start_run",
     "run_supervised",
+    "local_torchrun",
     "write_exit_status",
 ]
 
@@ -112,9 +115,11 @@ class LaunchPlan:
         return self.node_dir / "logs" / "torchrun"
 
     def torchrun_args(self) -> list[str]:
-        """Rendezvous + logging options. One node: ``--standalone`` (a free port, no clashes)."""
+        """Rendezvous + logging options.  One node: a c10d rendezvous on the loopback at a port the OS picks
+        (no clashes, nothing listening beyond 127.0.0.1: :mod:`workbench.torchrun`); several nodes: the
+        static rendezvous at ``rdzv_endpoint``, whose store node 0 opens on that address only."""
         if self.nnodes == 1 and not self.rdzv_endpoint:
-            args = ["--standalone", "--nnodes", "1"]
+            args = one_node_args()
         else:
             endpoint = self.rdzv_endpoint or f"localhost:{DEFAULT_RDZV_PORT}"
             # static rendezvous: node ranks are the ones given, so global rank = node_rank*nproc + local_rank
@@ -127,8 +132,8 @@ class LaunchPlan:
         return [*self.entry, "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
 
     def command(self) -> list[str]:
-        """The torchrun command line this node runs."""
-        return [self.python, "-m", "torch.distributed.run", *self.torchrun_args(), *self.entry_args()]
+        """The torchrun command line this node runs (torch's torchrun through :mod:`workbench.torchrun`)."""
+        return [self.python, "-m", TORCHRUN_MODULE, *self.torchrun_args(), *self.entry_args()]
 
     def shell(self) -> str:
         return shlex.join(self.command())
@@ -220,6 +225,12 @@ class LaunchPlan:
         return "\n".join(lines) + "\n"
 
 
+def local_torchrun(nproc_per_node: int, *, python: str | None = None) -> list[str]:
+    """The head of a one-node torchrun command (up to the entry point) whose rendezvous and stores listen
+    on the loopback only: generation's and verification's ranks (training's: :class:`LaunchPlan`)."""
+    return [python or sys.executable, "-m", TORCHRUN_MODULE, *one_node_args(), "--nproc-per-node", str(int(nproc_per_node))]
+
+
 def new_run_dir(name: str, run_root: str | Path | None = None) -> Path:
     """A fresh, unique run directory path ``<root>/<name>-<UTC timestamp>-<4 hex>`` (not created)."""
     root = Path(run_root or os.environ.get("WORKBENCH_RUNS", DEFAULT_RUN_ROOT))
@@ -304,6 +315,9 @@ def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_ran
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             problems.append(Problem("rdzv_endpoint", f"{rdzv_endpoint!r} is not HOST:PORT",
                                     "pass node 0's address and a free TCP port, e.g. --rdzv-endpoint 10.0.0.1:29500"))
+        elif node_rank == 0 and (why := bind_problem(host.strip("[]"))):  # node 0's store listens on that address only
+            problems.append(Problem("rdzv_endpoint", f"node 0 hosts the rendezvous store on {host}, but {why}",
+                                    "pass node 0's own address (the one the other nodes reach it at) as --rdzv-endpoint HOST:PORT"))
     if not 0 <= node_rank < max(cfg.parallel.nnodes, 1):
         problems.append(Problem("node_rank", f"node_rank {node_rank} is outside 0..{cfg.parallel.nnodes - 1}",
                                 "use 0 on the first node, 1 on the second, ..."))

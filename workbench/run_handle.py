@@ -593,7 +593,7 @@ class Run:
             msg = ex.get("failed_message") or f"rank {rank} stalled"
             tb = f"every rank's stacks: {ex['stall'].get('stacks')}\n" + _tail(Path(ex["stall"].get("stacks") or log), 60)
         elif ex.get("failed_signal"):  # killed: whatever its log last printed is not why
-            msg = f"killed by {ex['failed_signal']} (exit code {code})" + (f": {ex['failed_message']}" if ex.get("failed_message") else "")
+            msg = f"exited with code {code} (killed by {ex['failed_signal']})" + (f": {ex['failed_message']}" if ex.get("failed_message") else "")
             tb = _tail(log, 30)
         elif tb:
             last = [ln for ln in tb.strip().splitlines() if ln.strip()]

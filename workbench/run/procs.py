@@ -220,6 +220,8 @@ def verified_supervisor(meta: dict, run_dir: str | Path) -> tuple[Any | None, Re
         argv = p.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None, None
+    if not _exists(p):
+        return None, None
     if SUPERVISOR_MODULE in argv and "supervise" in argv and names_run_dir(p, run_dir):
         return p, None
     return None, Refusal(f"launch.json names pid {p.pid} as the supervisor of {run_dir}, but that process runs "
@@ -264,10 +266,20 @@ def live_recorded(meta: dict, run_dir: str | Path, refused: list[Refusal] | None
         if tokens and _environ(p).get(SUPERVISOR_ENV) in tokens:
             p.info = {"role": rec.get("role")}
             seen[p.pid] = p
-        elif refused is not None:
+        elif refused is not None and _exists(p):
             refused.append(Refusal(f"launch.json records pid {p.pid} ({rec.get('role')}) for {run_dir}, but that process "
                                    f"runs {_shown(p)!r}, which is not this run's: it is not signalled"))
     return list(seen.values())
+
+
+def _exists(p: Any) -> bool:
+    """Whether ``p`` still runs a program: a process that is exiting has no command line left (and is no one's)."""
+    import psutil
+
+    try:
+        return bool(p.cmdline()) and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
 def _environ(p: Any) -> dict:
