@@ -354,7 +354,9 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-node", type=int, help="processes per node (default: the config's parallel.nproc_per_node)")
     p.add_argument("--nnodes", type=int, help="number of nodes (default: the config's parallel.nnodes)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node, static rendezvous)")
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node)")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node): node 0's rendezvous store listens on HOST's "
+                                           "address only (one node: everything on 127.0.0.1); the collectives' interfaces: "
+                                           "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME")
     p.add_argument("--rdzv-id", help="rendezvous id, identical on every node (default: workbench-<config name>)")
     p.add_argument("--node-timeout", type=float, default=None, metavar="SECONDS",
                    help="multi-node: stop this node's job when another node's heartbeat stops for this long (default 60)")

@@ -15,10 +15,16 @@ and a crashed or restarted kernel must not leave GPU processes behind.  So a run
 - The **supervisor** leads the job's process group.  It is a Linux child sub-reaper (orphaned
   ranks re-parent to it), watches the launching process and kills the whole process tree
   when that disappears, kills the job when a rank reported an ``error`` event but the job
-  did not tear down, and writes ``<run_dir>/exit_status.json`` (:func:`write_exit_status`).
+  did not tear down, ends it as ``failed`` when a rank makes no progress past a bound set by the
+  run's own rhythm (:mod:`workbench.run.stall`; the ranks' stacks in ``stall_stacks.txt``), and
+  writes ``<run_dir>/exit_status.json`` (:func:`write_exit_status`, :mod:`workbench.run.exit_status`:
+  which rank caused a failure).
   It records torchrun and the ranks (PIDs with create times) in ``launch.json``, and the job
   cannot outlive it: torchrun and the ranks die with it even when it is SIGKILLed
   (:mod:`workbench.run.procs`).
+- **Network.**  torchrun runs through :mod:`workbench.torchrun`: one node listens on 127.0.0.1
+  only (rendezvous, the ranks' store, gloo/NCCL sockets); several nodes: node 0's store on the
+  ``rdzv_endpoint`` address only.
 - **Several nodes** (``nnodes > 1``, one ``workbench launch --node-rank K`` per node, static
   rendezvous) share one run directory on a shared filesystem; each node's supervisor keeps its
   files in its node directory, beats a heartbeat there and stops its job when another node
@@ -530,7 +536,7 @@ def _stall_watch(run_dir: Path, node_rank: int, floor: float, startup: float) ->
     return stall.StallWatch(nodes.node_ranks(node_rank, nproc) if nproc else [], floor=floor, startup=startup, activity=activity)
 
 
-def _end_stalled(me, verdict: stall.Stall, ndir: Path, node_rank: int, nproc: int) -> Path:
+def _end_stalled(me, child: subprocess.Popen, verdict: stall.Stall, ndir: Path, node_rank: int, nproc: int) -> Path:
     """A stalled job: every rank's stacks into ``<node dir>/stall_stacks.txt`` (a stopped rank cannot print:
     the file says so), then SIGKILL for the whole tree (a stopped process dies of it too).  The file's path."""
     import psutil
@@ -544,10 +550,14 @@ def _end_stalled(me, verdict: stall.Stall, ndir: Path, node_rank: int, nproc: in
     for r in sorted(ranks):
         lines += [f"=== rank {r} (pid {ranks[r].pid})", stacks.get(r) or "(nothing printed: no stderr log)", ""]
     write_text_atomic(out, "\n".join(lines))
-    tree = _tree(me)  # the ranks first: torchrun must not restart or outlive them
+    tree = _tree(me)  # the ranks first, then torchrun and whatever else is left
     _signal_all([p for p in tree if p.pid in {q.pid for q in ranks.values()}], signal.SIGKILL)
     _signal_all(tree, signal.SIGKILL)
-    psutil.wait_procs(tree, timeout=10)
+    psutil.wait_procs([p for p in tree if p.pid != child.pid], timeout=10)  # torchrun: reaped by its Popen (its exit code)
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
     return out
 
 
@@ -642,7 +652,8 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
 
     stall_info: dict = {}
     if verdict is not None:  # stalled: nothing would answer a graceful stop
-        stacks = _end_stalled(me, verdict, ndir, node_rank, int((read_json(launch_json) or {}).get("nproc_per_node") or 0))
+        stacks = _end_stalled(me, child, verdict, ndir, node_rank, int((read_json(launch_json) or {}).get("nproc_per_node") or 0))
+        rc = child.poll()
         stall_info = {"stall": {**verdict.to_dict(), "stacks": str(stacks)}, "failed_message": verdict.message}
     if rc is None:  # stop requested, kernel gone, stalled, or hung after an error: take the whole tree down
         _stop_tree(me, child, grace)

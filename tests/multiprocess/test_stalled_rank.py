@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from workbench.config import preset
+from workbench.config import ConfigError, preset
 from workbench.run.events import parse_record
 from workbench.run.procs import rank_processes
 from workbench.run.stall import StallWatch
@@ -55,6 +55,20 @@ def test_a_checkpoint_being_written_is_progress(tmp_path):
     assert w.check() is None
 
 
+def test_bad_stall_options_are_refused_before_launch(tmp_path, capsys):
+    from workbench.cli import main as cli_main
+
+    cfg = preset("tiny").replace(**{"parallel.device": "cpu", "parallel.nproc_per_node": 1})
+    f = str(cfg.save(tmp_path / "cfg.yaml"))
+    assert cli_main(["launch", f, "--dry-run", "--stall-floor", "-1", "--startup-timeout", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "stall_floor: -1.0 is not a number of seconds >= 0" in err and "--stall-floor 300" in err
+    assert "startup_timeout: 0.0 is not a positive number of seconds" in err
+    with pytest.raises(ConfigError):
+        Run.launch(cfg, run_root=tmp_path / "runs", stall_floor=float("nan"))
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_a_sigstopped_rank_fails_the_run_with_stacks_and_no_orphans(tmp_path):
     cfg = preset("tiny").replace(**{"parallel.device": "cpu", "parallel.nproc_per_node": 2, "train.train_iters": 100000,
@@ -71,6 +85,7 @@ def test_a_sigstopped_rank_fails_the_run_with_stacks_and_no_orphans(tmp_path):
         took = time.time() - t0
         ex = run.exit_status
         assert ex["reason"] == "stalled" and ex["failed_rank"] == 1, ex
+        assert ex["returncode"] == -signal.SIGKILL, ex  # torchrun, killed with the ranks
         assert ex["stall"]["stopped"] == [1] and ex["stall"]["bound_s"] >= 4, ex
         assert "rank 1 made no progress" in ex["failed_message"] and "stopped" in ex["failed_message"]
         f = run.failure
