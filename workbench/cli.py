@@ -207,10 +207,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir).absolute() if args.run_dir else None
-    problems = launch_checks(cfg, run_dir=None if args.dry_run else run_dir, node_rank=args.node_rank,
+    # a dry run makes the launch's own checks (run directory included), all but this machine's GPUs
+    problems = launch_checks(cfg, run_dir=run_dir, node_rank=args.node_rank,
                              rdzv_endpoint=args.rdzv_endpoint, local=not (args.dry_run or args.slurm), slurm=args.slurm,
-                             node_timeout=args.node_timeout)
-    if cfg.parallel.nnodes > 1 and not (run_dir or args.slurm or args.dry_run):
+                             node_timeout=args.node_timeout, stall_floor=args.stall_floor, startup_timeout=args.startup_timeout)
+    if cfg.parallel.nnodes > 1 and not (run_dir or args.slurm):
         from workbench.config import Problem
 
         problems.append(Problem("--run-dir", f"{cfg.parallel.nnodes} nodes write into one run directory: none was given "
@@ -251,7 +252,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 0
     try:  # the checks above run again inside (the run directory may have appeared meanwhile)
         run = Run.launch(cfg, run_dir, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                         rdzv_id=args.rdzv_id, watch_parent=not args.detach, node_timeout=args.node_timeout)
+                         rdzv_id=args.rdzv_id, watch_parent=not args.detach, node_timeout=args.node_timeout,
+                         stall_floor=args.stall_floor, startup_timeout=args.startup_timeout)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -352,14 +354,24 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-node", type=int, help="processes per node (default: the config's parallel.nproc_per_node)")
     p.add_argument("--nnodes", type=int, help="number of nodes (default: the config's parallel.nnodes)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (multi-node, static rendezvous)")
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node)")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (multi-node): node 0's rendezvous store listens on HOST's "
+                                           "address only (one node: everything on 127.0.0.1); the collectives' interfaces: "
+                                           "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME")
     p.add_argument("--rdzv-id", help="rendezvous id, identical on every node (default: workbench-<config name>)")
     p.add_argument("--node-timeout", type=float, default=None, metavar="SECONDS",
                    help="multi-node: stop this node's job when another node's heartbeat stops for this long (default 60)")
+    p.add_argument("--stall-floor", type=float, default=None, metavar="SECONDS",
+                   help="a rank without progress (no event, no checkpoint file written) for max(this, 20 x the median time "
+                        "between its step events, 2 x its longest pause seen) fails the run as stalled, naming the rank, its "
+                        "stacks in stall_stacks.txt (default 300: above a first save or eval, which the rhythm has not "
+                        "measured yet; 0: off)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the same before the first step: start, data, compilation, CUDA graph capture (default 1800)")
     p.add_argument("--run-dir", help="run directory (default: a fresh runs/<name>-<timestamp>); multi-node: the same "
                                      "directory on every node, on a filesystem they share")
     p.add_argument("--run-root", help="parent of fresh run directories (default: runs/ or $WORKBENCH_RUNS)")
-    p.add_argument("--dry-run", action="store_true", help="print the exact commands, start nothing")
+    p.add_argument("--dry-run", action="store_true", help="make the launch's checks (all but this machine's GPUs: the "
+                                                         "command may be for another machine), print the exact commands, start nothing")
     p.add_argument("--slurm", action="store_true", help="write a SLURM batch script (srun torchrun ...) and submit it if sbatch exists")
     p.add_argument("--detach", action="store_true", help="return at once; the run keeps going")
     p.set_defaults(func=_cmd_launch)

@@ -5,7 +5,7 @@ through :meth:`workbench.config.GenerationConfig.validate`, then the prompts aga
 checkpoint's tokenizer and the family's length rules (``Family.generation_rules``) -- and only then starts one process
 per rank with torchrun, exactly like training::
 
-    torchrun --standalone --nproc-per-node TP*PP -m workbench.backend.inference \\
+    python -m workbench.torchrun <one node, loopback> --nproc-per-node TP*PP -m workbench.backend.inference \\
         --ckpt DIR --request REQ.json --out OUT.json --tp TP --pp PP
 
 (a single CPU/GPU process is started without torchrun), under the same supervisor as training
@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from workbench.config import ConfigError, GenerationConfig, Problem
 from workbench.models import family_of
-from workbench.launch import run_supervised
+from workbench.launch import local_torchrun, run_supervised
 from workbench.run.checkpoint import CheckpointInfo, checkpoint_info, resolve_tokenizer, special_ids, tokenizer_size  # noqa: F401
 from workbench.run.files import write_json_atomic
 
@@ -128,7 +128,7 @@ def generation_command(ckpt: str | Path, request_path: str | Path, out_path: str
     world = tp * pp
     if world == 1:
         return [python, *entry]
-    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", str(world), *entry]
+    return [*local_torchrun(world, python=python), *entry]  # its stores on the loopback only
 
 
 def _default_device(info: CheckpointInfo) -> str:

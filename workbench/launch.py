@@ -15,10 +15,16 @@ and a crashed or restarted kernel must not leave GPU processes behind.  So a run
 - The **supervisor** leads the job's process group.  It is a Linux child sub-reaper (orphaned
   ranks re-parent to it), watches the launching process and kills the whole process tree
   when that disappears, kills the job when a rank reported an ``error`` event but the job
-  did not tear down, and writes ``<run_dir>/exit_status.json`` (:func:`write_exit_status`).
+  did not tear down, ends it as ``failed`` when a rank makes no progress past a bound set by the
+  run's own rhythm (:mod:`workbench.run.stall`; the ranks' stacks in ``stall_stacks.txt``), and
+  writes ``<run_dir>/exit_status.json`` (:func:`write_exit_status`, :mod:`workbench.run.exit_status`:
+  which rank caused a failure).
   It records torchrun and the ranks (PIDs with create times) in ``launch.json``, and the job
   cannot outlive it: torchrun and the ranks die with it even when it is SIGKILLed
   (:mod:`workbench.run.procs`).
+- **Network.**  torchrun runs through :mod:`workbench.torchrun`: one node listens on 127.0.0.1
+  only (rendezvous, the ranks' store, gloo/NCCL sockets); several nodes: node 0's store on the
+  ``rdzv_endpoint`` address only.
 - **Several nodes** (``nnodes > 1``, one ``workbench launch --node-rank K`` per node, static
   rendezvous) share one run directory on a shared filesystem; each node's supervisor keeps its
   files in its node directory, beats a heartbeat there and stops its job when another node
@@ -48,9 +54,12 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from workbench.config import ConfigError, Problem, RunConfig, load_config
-from workbench.run import nodes, procs
+from workbench.run import nodes, procs, stall
+from workbench.run.exit_status import STATUSES, write_exit_status
 from workbench.run.files import read_json, write_json_atomic, write_text_atomic
 from workbench.run.reader import RunReader
+from workbench.torchrun import MODULE as TORCHRUN_MODULE
+from workbench.torchrun import bind_problem, one_node_args
 
 __all__ = [
     "BACKEND_ENTRY",
@@ -63,16 +72,16 @@ __all__ = [
     "apply_overrides",
     "start_run",
     "run_supervised",
+    "local_torchrun",
     "write_exit_status",
 ]
 
 #: torchrun's entry for the real backend; tests may launch a script path instead.
 BACKEND_ENTRY: tuple[str, ...] = ("-m", "workbench.backend")
-STATUSES = ("starting", "running", "finished", "failed", "stopped")
 DEFAULT_RUN_ROOT = "runs"
 DEFAULT_RDZV_PORT = 29500
 #: the supervisor's command line (``python -m workbench.launch supervise ...``)
-SUPERVISOR_MODULE = "workbench.launch"
+SUPERVISOR_MODULE = procs.SUPERVISOR_MODULE
 
 
 # --------------------------------------------------------------------------- commands
@@ -112,9 +121,11 @@ class LaunchPlan:
         return self.node_dir / "logs" / "torchrun"
 
     def torchrun_args(self) -> list[str]:
-        """Rendezvous + logging options. One node: ``--standalone`` (a free port, no clashes)."""
+        """Rendezvous + logging options.  One node: a c10d rendezvous on the loopback at a port the OS picks
+        (no clashes, nothing listening beyond 127.0.0.1: :mod:`workbench.torchrun`); several nodes: the
+        static rendezvous at ``rdzv_endpoint``, whose store node 0 opens on that address only."""
         if self.nnodes == 1 and not self.rdzv_endpoint:
-            args = ["--standalone", "--nnodes", "1"]
+            args = one_node_args()
         else:
             endpoint = self.rdzv_endpoint or f"localhost:{DEFAULT_RDZV_PORT}"
             # static rendezvous: node ranks are the ones given, so global rank = node_rank*nproc + local_rank
@@ -127,8 +138,8 @@ class LaunchPlan:
         return [*self.entry, "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
 
     def command(self) -> list[str]:
-        """The torchrun command line this node runs."""
-        return [self.python, "-m", "torch.distributed.run", *self.torchrun_args(), *self.entry_args()]
+        """The torchrun command line this node runs (torch's torchrun through :mod:`workbench.torchrun`)."""
+        return [self.python, "-m", TORCHRUN_MODULE, *self.torchrun_args(), *self.entry_args()]
 
     def shell(self) -> str:
         return shlex.join(self.command())
@@ -220,6 +231,12 @@ class LaunchPlan:
         return "\n".join(lines) + "\n"
 
 
+def local_torchrun(nproc_per_node: int, *, python: str | None = None) -> list[str]:
+    """The head of a one-node torchrun command (up to the entry point) whose rendezvous and stores listen
+    on the loopback only: generation's and verification's ranks (training's: :class:`LaunchPlan`)."""
+    return [python or sys.executable, "-m", TORCHRUN_MODULE, *one_node_args(), "--nproc-per-node", str(int(nproc_per_node))]
+
+
 def new_run_dir(name: str, run_root: str | Path | None = None) -> Path:
     """A fresh, unique run directory path ``<root>/<name>-<UTC timestamp>-<4 hex>`` (not created)."""
     root = Path(run_root or os.environ.get("WORKBENCH_RUNS", DEFAULT_RUN_ROOT))
@@ -285,7 +302,8 @@ def apply_overrides(cfg: RunConfig, *, nproc_per_node: int | None = None, nnodes
 
 def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_rank: int = 0,
                   rdzv_endpoint: str | None = None, local: bool = True, slurm: bool = False,
-                  node_timeout: float | None = None) -> list[Problem]:
+                  node_timeout: float | None = None, stall_floor: float | None = None,
+                  startup_timeout: float | None = None) -> list[Problem]:
     """Every problem that stops a launch, before any process starts (``Run.launch`` and ``workbench launch``).
 
     ``local``: check this machine's GPUs too (not for a dry run or a SLURM script).  ``slurm``: the
@@ -303,17 +321,29 @@ def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_ran
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             problems.append(Problem("rdzv_endpoint", f"{rdzv_endpoint!r} is not HOST:PORT",
                                     "pass node 0's address and a free TCP port, e.g. --rdzv-endpoint 10.0.0.1:29500"))
+        elif node_rank == 0 and (why := bind_problem(host.strip("[]"))):  # node 0's store listens on that address only
+            problems.append(Problem("rdzv_endpoint", f"node 0 hosts the rendezvous store on {host}, but {why}",
+                                    "pass node 0's own address (the one the other nodes reach it at) as --rdzv-endpoint HOST:PORT"))
     if not 0 <= node_rank < max(cfg.parallel.nnodes, 1):
         problems.append(Problem("node_rank", f"node_rank {node_rank} is outside 0..{cfg.parallel.nnodes - 1}",
                                 "use 0 on the first node, 1 on the second, ..."))
     if node_timeout is not None and not (isinstance(node_timeout, (int, float)) and node_timeout > 0):
         problems.append(Problem("node_timeout", f"{node_timeout!r} is not a positive number of seconds",
                                 f"pass the seconds another node may go without a heartbeat, e.g. --node-timeout {nodes.DEFAULT_NODE_TIMEOUT:.0f}"))
+    for name, value, default, low in (("stall_floor", stall_floor, stall.DEFAULT_STALL_FLOOR, 0.0),
+                                      ("startup_timeout", startup_timeout, stall.DEFAULT_STARTUP_TIMEOUT, 1e-9)):
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and value >= low and value < float("inf")):
+            problems.append(Problem(name, f"{value!r} is not {'a number of seconds >= 0' if low == 0 else 'a positive number of seconds'}",
+                                    f"pass seconds, e.g. --{name.replace('_', '-')} {default:.0f} (the default)"
+                                    + (" or 0 to turn the stall watch off" if low == 0 else "")))
     if run_dir is not None:
         d = Path(run_dir)
         if multi:
             problems += _shared_run_dir_problems(cfg, d, node_rank)
-        elif d.exists() and (not d.is_dir() or any(d.iterdir())):
+        elif d.exists() and not d.is_dir():
+            problems.append(Problem("run_dir", f"{d.absolute()} exists and is not a directory", "pass a new run_dir (or none for a fresh one)"))
+        elif d.exists() and any(d.iterdir()):
             problems.append(Problem("run_dir", f"{d.absolute()} exists and is not empty", "pass a new run_dir (or none for a fresh one)"))
     return problems
 
@@ -470,100 +500,6 @@ def _create_time(pid: int) -> float | None:
         return None
 
 
-# --------------------------------------------------------------------------- exit status
-
-
-_ROOT_FIELDS = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*?)\s*$", re.M)
-
-
-def _root_cause(text: str) -> dict:
-    """torchrun's 'Root Cause (first observed failure)' block: {rank (global), exitcode, message}."""
-    i = text.rfind("Root Cause")
-    if i < 0:
-        return {}
-    fields: dict[str, str] = {}
-    for m in _ROOT_FIELDS.finditer(text[i:]):
-        fields.setdefault(m.group(1), m.group(2))
-    out: dict = {}
-    for key, name in (("rank", "rank"), ("exitcode", "exitcode")):
-        m = re.match(r"-?\d+", fields.get(key, ""))
-        if m:
-            out[name] = int(m.group(0))
-    msg = fields.get("traceback", "")
-    if msg and not msg.startswith("To enable traceback"):
-        out["message"] = msg
-    return out
-
-
-def _root_cause_rank(text: str) -> int | None:
-    """The global rank of torchrun's 'Root Cause (first observed failure)' block, if any."""
-    return _root_cause(text).get("rank")
-
-
-def write_exit_status(run_dir: str | Path, returncode: int | None, *, reason: str | None = None,
-                      status: str | None = None, started: float | None = None,
-                      reader: RunReader | None = None, node_rank: int = 0, peer: dict | None = None) -> dict:
-    """Write ``exit_status.json`` (node ``node_rank``'s: :mod:`workbench.run.nodes`): status, return code,
-    failed rank (from this node's ranks' events, else torchrun's report, else any rank's error event).
-
-    ``peer``: the other node whose failure, stop or loss ended this node's job (``reason`` says which).
-    """
-    run_dir = Path(run_dir)
-    ndir = nodes.node_dir(run_dir, node_rank)
-    reader = reader if reader is not None else RunReader(run_dir)
-    meta = read_json(ndir / "launch.json") or {}
-    nnodes, nproc = int(meta.get("nnodes") or 1), int(meta.get("nproc_per_node") or 0)
-    mine = set(nodes.node_ranks(node_rank, nproc)) if nnodes > 1 and nproc else None
-    errors = reader.records("error")
-    own_errors = [e for e in errors if mine is None or e.rank in mine]
-    ends = reader.records("run_end")
-    own_ends = [e for e in ends if mine is None or e.rank in mine]
-    if status is None:
-        if reason in ("stopped", "kernel-exited", "peer-stopped"):
-            status = "stopped"
-        elif reason in ("peer-failed", "peer-lost"):
-            status = "failed"
-        elif returncode == 0:
-            status = "stopped" if any(e.get("status") == "stopped" for e in ends) else "finished"
-        elif (mine is not None and not own_errors and own_ends
-              and {e.rank for e in own_ends} >= mine and all(e.get("status") == "stopped" for e in own_ends)):
-            status = "stopped"  # another node was stopped and every rank here agreed to stop with it (exit code 143)
-        else:
-            status = "failed"
-    failed_rank = own_errors[0].get("rank") if own_errors else None
-    cause: dict = {}
-    if status == "failed":
-        try:
-            cause = _root_cause((ndir / "logs" / "launcher.log").read_text(errors="replace")[-20000:])
-        except OSError:
-            pass
-        if failed_rank is None:
-            failed_rank = cause.get("rank")
-    if failed_rank is None and errors:
-        failed_rank = errors[0].get("rank")
-    data = {
-        "status": status,
-        "returncode": returncode,
-        "reason": reason or status,
-        "failed_rank": failed_rank,
-        "started": started,
-        "ended": time.time(),
-        "seconds": (time.time() - started) if started else None,
-    }
-    if cause.get("rank") is not None and cause.get("rank") == failed_rank:
-        data["failed_exitcode"] = cause.get("exitcode")
-        if cause.get("message"):
-            data["failed_message"] = cause["message"]
-    if nnodes > 1:
-        data.update(node=node_rank, nnodes=nnodes, host=meta.get("host"), ranks=sorted(mine) if mine else None)
-    if peer:
-        data["peer"] = peer
-    ndir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(ndir / "exit_status.json", data)
-    return data
-
-
-
 # --------------------------------------------------------------------------- supervisor
 
 
@@ -585,13 +521,56 @@ def _heartbeat(directory: Path, node_rank: int, done: threading.Event, every: fl
     return t
 
 
+def _stall_watch(run_dir: Path, node_rank: int, floor: float, startup: float) -> stall.StallWatch:
+    """The watch over this node's ranks (``launch.json``'s ``nproc_per_node``); a save in flight in the
+    config's checkpoint directory counts as progress."""
+    meta = read_json(nodes.node_dir(run_dir, node_rank) / nodes.LAUNCH_FILE) or {}
+    nproc = int(meta.get("nproc_per_node") or 0)
+    activity = [run_dir / "checkpoints"]
+    try:
+        save_dir = load_config(run_dir / "config.json").checkpoint.save_dir
+        if save_dir:
+            activity.append(Path(save_dir))
+    except (ConfigError, OSError):
+        pass
+    return stall.StallWatch(nodes.node_ranks(node_rank, nproc) if nproc else [], floor=floor, startup=startup, activity=activity)
+
+
+def _end_stalled(me, child: subprocess.Popen, verdict: stall.Stall, ndir: Path, node_rank: int, nproc: int) -> Path:
+    """A stalled job: every rank's stacks into ``<node dir>/stall_stacks.txt`` (a stopped rank cannot print:
+    the file says so), then SIGKILL for the whole tree (a stopped process dies of it too).  The file's path."""
+    import psutil
+
+    tree = _tree(me)
+    ranks = procs.rank_processes(tree)
+    logs = {r: procs.rank_log(ndir, r - node_rank * nproc) for r in ranks}
+    stacks = procs.collect_stacks(ranks, logs, wait=2.0)
+    out = ndir / "stall_stacks.txt"
+    lines = [f"# {verdict.message}", f"# written by the supervisor at {datetime.now(timezone.utc).isoformat()}", ""]
+    for r in sorted(ranks):
+        lines += [f"=== rank {r} (pid {ranks[r].pid})", stacks.get(r) or "(nothing printed: no stderr log)", ""]
+    write_text_atomic(out, "\n".join(lines))
+    tree = _tree(me)  # the ranks first, then torchrun and whatever else is left
+    _signal_all([p for p in tree if p.pid in {q.pid for q in ranks.values()}], signal.SIGKILL)
+    _signal_all(tree, signal.SIGKILL)
+    psutil.wait_procs([p for p in tree if p.pid != child.pid], timeout=10)  # torchrun: reaped by its Popen (its exit code)
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    return out
+
+
 def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error_grace: float, poll: float = 0.2, *,
-               node_rank: int = 0, nnodes: int = 1, node_timeout: float = nodes.DEFAULT_NODE_TIMEOUT) -> int:
+               node_rank: int = 0, nnodes: int = 1, node_timeout: float = nodes.DEFAULT_NODE_TIMEOUT,
+               stall_floor: float = 0.0, startup_timeout: float = stall.DEFAULT_STARTUP_TIMEOUT) -> int:
     """Body of the supervisor process (see the module docstring). Returns torchrun's exit code.
 
     One node of a multi-node run (``nnodes > 1``) keeps its files in its node directory, beats a
     heartbeat there and stops its job when another node failed, stopped or went silent
-    (:class:`workbench.run.nodes.PeerWatch`).
+    (:class:`workbench.run.nodes.PeerWatch`).  ``stall_floor`` > 0: a rank without progress for
+    longer than :class:`workbench.run.stall.StallWatch`'s bound ends the job as ``failed`` (reason
+    ``stalled``), its ranks' stacks in ``stall_stacks.txt``.
     """
     import psutil
 
@@ -634,6 +613,8 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
     error_seen_at: float | None = None
     me = psutil.Process()
     record([], first=True)
+    watch = _stall_watch(run_dir, node_rank, stall_floor, startup_timeout)
+    verdict: stall.Stall | None = None
     rc: int | None = None
     polls = 0
     while True:
@@ -647,13 +628,21 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
                 stop_reason.append(hit[0])
                 peer = hit[1]
                 print(f"[supervisor] node {node_rank}: {peer['why']}: stopping this node's job", flush=True)
+            verdict = watch.check(stopped=lambda: [r for r, p in procs.rank_processes(_tree(me)).items() if procs.is_stopped(p)])
+            if verdict is not None and not stop_reason and error_seen_at is None:
+                print(f"[supervisor] {verdict.message}: the run is stalled; writing the ranks' stacks and ending it", flush=True)
+                stop_reason.append("stalled")
+                break
+            verdict = None
         polls += 1
         if not stop_reason and watch_pid and (os.getppid() != watch_pid or not psutil.pid_exists(watch_pid)):
             stop_reason.append("kernel-exited")
             print(f"[supervisor] launching process {watch_pid} is gone: stopping the run", flush=True)
         if stop_reason:
             break
-        if error_seen_at is None and any(e.event == "error" for e in reader.poll()):
+        new_events = reader.poll()
+        watch.feed(new_events)
+        if error_seen_at is None and any(e.event == "error" for e in new_events):
             error_seen_at = time.time()
         if error_seen_at is not None and time.time() - error_seen_at > error_grace:
             print(f"[supervisor] a rank reported an error {error_grace:.0f}s ago and the job did not tear down: killing it", flush=True)
@@ -661,7 +650,12 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
             break
         time.sleep(poll)
 
-    if rc is None:  # stop requested, kernel gone, or hung after an error: take the whole tree down
+    stall_info: dict = {}
+    if verdict is not None:  # stalled: nothing would answer a graceful stop
+        stacks = _end_stalled(me, child, verdict, ndir, node_rank, int((read_json(launch_json) or {}).get("nproc_per_node") or 0))
+        rc = child.poll()
+        stall_info = {"stall": {**verdict.to_dict(), "stacks": str(stacks)}, "failed_message": verdict.message}
+    if rc is None:  # stop requested, kernel gone, stalled, or hung after an error: take the whole tree down
         _stop_tree(me, child, grace)
         try:
             rc = child.wait(timeout=5)
@@ -675,9 +669,9 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
             break
         _terminate(left, 1.0)
     reason = stop_reason[0] if stop_reason else None
-    status = "failed" if reason == "failed" else None
+    status = "failed" if reason in ("failed", "stalled") else None
     info = write_exit_status(run_dir, rc, reason=reason, status=status, started=started, reader=reader,
-                             node_rank=node_rank, peer=peer)
+                             node_rank=node_rank, peer=peer, failed_rank=verdict.rank if verdict else None, extra=stall_info)
     beating.set()
     where = f"node {node_rank}: " if nnodes > 1 else ""
     print(f"[supervisor] {where}run ended: {info['status']} (torchrun exit code {rc})", flush=True)
@@ -691,9 +685,13 @@ def _supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, erro
 
 def supervisor_command(run_dir: str | Path, command: Sequence[str], *, watch_pid: int = 0, grace: float = 10.0,
                        error_grace: float = 10.0, node_rank: int = 0, nnodes: int = 1,
-                       node_timeout: float = nodes.DEFAULT_NODE_TIMEOUT) -> list[str]:
-    """The supervisor's command line for ``command`` (see the module docstring)."""
+                       node_timeout: float = nodes.DEFAULT_NODE_TIMEOUT, stall_floor: float | None = None,
+                       startup_timeout: float | None = None) -> list[str]:
+    """The supervisor's command line for ``command`` (see the module docstring).  ``stall_floor``:
+    watch the ranks' progress (:mod:`workbench.run.stall`; None: no watch, for commands that write no events)."""
     multi = ["--node-rank", str(node_rank), "--nnodes", str(nnodes), "--node-timeout", str(node_timeout)] if nnodes > 1 else []
+    if stall_floor:
+        multi += ["--stall-floor", str(stall_floor), "--startup-timeout", str(startup_timeout or stall.DEFAULT_STARTUP_TIMEOUT)]
     return [sys.executable, "-m", SUPERVISOR_MODULE, "supervise", "--run-dir", str(run_dir), "--watch-pid", str(watch_pid),
             "--grace", str(grace), "--error-grace", str(error_grace), *multi, "--", *command]
 
@@ -709,8 +707,8 @@ def _spawn_supervisor(sup_cmd: list[str], env: dict[str, str] | None, stdout) ->
 def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: int = 0, rdzv_endpoint: str | None = None,
               rdzv_id: str | None = None, run_root: str | Path | None = None, entry: Sequence[str] = BACKEND_ENTRY,
               env: dict[str, str] | None = None, grace: float = 10.0, error_grace: float = 10.0,
-              watch_parent: bool = True, check_devices: bool = True,
-              node_timeout: float | None = None) -> tuple[LaunchPlan, subprocess.Popen]:
+              watch_parent: bool = True, check_devices: bool = True, node_timeout: float | None = None,
+              stall_floor: float | None = None, startup_timeout: float | None = None) -> tuple[LaunchPlan, subprocess.Popen]:
     """Check (:func:`launch_checks`), create the run directory, start torchrun under a supervisor.
 
     Raises :class:`ConfigError` (nothing started, nothing written) when the config or this
@@ -718,13 +716,17 @@ def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: i
     multi-node run writes into the run directory every node shares, its own files in its node
     directory (:mod:`workbench.run.nodes`); nodes given separate run directories (no shared
     filesystem) each follow their own ranks only.  ``node_timeout``: seconds another node may
-    go without a heartbeat before this node stops its job.
+    go without a heartbeat before this node stops its job.  ``stall_floor`` / ``startup_timeout``:
+    when a rank that makes no progress counts as stalled and ends the run (:mod:`workbench.run.stall`;
+    defaults 300 s / 1800 s; ``stall_floor=0`` turns the watch off).
     """
     problems = launch_checks(cfg, run_dir=run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, local=check_devices,
-                             node_timeout=node_timeout)
+                             node_timeout=node_timeout, stall_floor=stall_floor, startup_timeout=startup_timeout)
     if problems:
         raise ConfigError(problems)
     node_timeout = float(node_timeout or nodes.DEFAULT_NODE_TIMEOUT)
+    stall_floor = stall.DEFAULT_STALL_FLOOR if stall_floor is None else float(stall_floor)
+    startup_timeout = stall.DEFAULT_STARTUP_TIMEOUT if startup_timeout is None else float(startup_timeout)
     run_dir = Path(run_dir).absolute() if run_dir else new_run_dir(cfg.name, run_root)
     plan = LaunchPlan(run_dir, cfg.parallel.nproc_per_node, cfg.parallel.nnodes, node_rank, rdzv_endpoint,
                       rdzv_id or f"workbench-{cfg.name}", entry=tuple(entry))
@@ -741,7 +743,8 @@ def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: i
     torchrun_cmd = plan.command()
     watch_pid = os.getpid() if watch_parent else 0
     sup_cmd = supervisor_command(run_dir, torchrun_cmd, watch_pid=watch_pid, grace=grace, error_grace=error_grace,
-                                 node_rank=node_rank, nnodes=cfg.parallel.nnodes, node_timeout=node_timeout)
+                                 node_rank=node_rank, nnodes=cfg.parallel.nnodes, node_timeout=node_timeout,
+                                 stall_floor=stall_floor, startup_timeout=startup_timeout)
     (ndir / "command.sh").write_text("#!/bin/bash\n# the torchrun command of this run (this node)\n" + plan.shell() + "\n")
     started = time.time()
     info = {
@@ -834,6 +837,8 @@ def _main(argv: list[str] | None = None) -> int:
     s.add_argument("--node-rank", type=int, default=0)
     s.add_argument("--nnodes", type=int, default=1)
     s.add_argument("--node-timeout", type=float, default=nodes.DEFAULT_NODE_TIMEOUT)
+    s.add_argument("--stall-floor", type=float, default=0.0, help="0: no stall watch")
+    s.add_argument("--startup-timeout", type=float, default=stall.DEFAULT_STARTUP_TIMEOUT)
     s.add_argument("command", nargs=argparse.REMAINDER)
     e = sp.add_parser("exit-status")
     e.add_argument("--run-dir", required=True)
@@ -846,8 +851,8 @@ def _main(argv: list[str] | None = None) -> int:
         cmd = list(a.command)
         if cmd and cmd[0] == "--":
             cmd = cmd[1:]
-        return _supervise(Path(a.run_dir), cmd, a.watch_pid, a.grace, a.error_grace,
-                          node_rank=a.node_rank, nnodes=a.nnodes, node_timeout=a.node_timeout)
+        return _supervise(Path(a.run_dir), cmd, a.watch_pid, a.grace, a.error_grace, node_rank=a.node_rank, nnodes=a.nnodes,
+                          node_timeout=a.node_timeout, stall_floor=a.stall_floor, startup_timeout=a.startup_timeout)
     info = write_exit_status(a.run_dir, a.returncode, status=a.status, reason=a.reason, started=a.started)
     print(json.dumps(info))
     return 0

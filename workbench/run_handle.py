@@ -42,7 +42,7 @@ from workbench.run.events import Event
 from workbench.run.nodes import (
     DEFAULT_NODE_TIMEOUT, HeartbeatClock, host_name, lost_peer, node_dir, node_of_rank, node_ranks, read_heartbeat,
 )
-from workbench.run.procs import live_recorded
+from workbench.run.procs import Refusal, collect_stacks, live_recorded, rank_log, rank_processes, verified_supervisor
 from workbench.run.reader import RunReader
 
 __all__ = ["Run", "Failure"]
@@ -102,6 +102,8 @@ class Run:
         self._lock = threading.RLock()
         self._stop_requested = False
         self._slurm_seen: tuple[float, str | None] | None = None  # (when, squeue's state)
+        #: processes launch.json names that are not this run's (never signalled), each with why
+        self.refusals: list[Refusal] = []
         cfg_path = self.run_dir / "config.json"
         self.config: RunConfig | None = None
         if cfg_path.exists():
@@ -133,6 +135,8 @@ class Run:
         watch_parent: bool = True,
         check_devices: bool = True,
         node_timeout: float | None = None,
+        stall_floor: float | None = None,
+        startup_timeout: float | None = None,
     ) -> "Run":
         """Validate, create a fresh run dir (config.json saved), start torchrun under a supervisor.
 
@@ -140,12 +144,16 @@ class Run:
         they are written into the saved config so the backend sees the same world size.  One node
         of a multi-node run: ``node_rank``, ``rdzv_endpoint`` and the ``run_dir`` every node shares;
         ``node_timeout``: seconds another node may go silent before this node stops its job.
+        ``stall_floor`` (default 300 s; 0: off) / ``startup_timeout`` (default 1800 s): a rank that
+        makes no progress for longer than the bound they set ends the run as ``failed`` (reason
+        ``stalled``, naming the rank; its stacks in ``stall_stacks.txt``): :mod:`workbench.run.stall`.
         Raises :class:`ConfigError` (nothing started) when the config or this machine cannot run it.
         """
         cfg = apply_overrides(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
         plan, popen = start_run(cfg, run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                                 run_root=run_root, entry=entry, env=env, grace=grace, error_grace=error_grace,
-                                watch_parent=watch_parent, check_devices=check_devices, node_timeout=node_timeout)
+                                watch_parent=watch_parent, check_devices=check_devices, node_timeout=node_timeout,
+                                stall_floor=stall_floor, startup_timeout=startup_timeout)
         return cls(plan.run_dir, popen=popen, plan=plan)
 
     @classmethod
@@ -193,11 +201,26 @@ class Run:
         return int(self.config.parallel.nproc_per_node) if self.config is not None else 1
 
     def _node_processes(self, meta: dict) -> list:
-        """Live processes of another node of this run on this machine: its supervisor's tree and its records."""
-        sup = _proc(int(meta["supervisor_pid"]), meta.get("supervisor_create_time")) if meta.get("supervisor_pid") else None
+        """Live processes of another node of this run on this machine: its supervisor's tree and its records
+        (only those that provably belong to this run directory: :func:`workbench.run.procs.live_recorded`)."""
+        sup, why = verified_supervisor(meta, self.run_dir)
+        self._refuse(why)
         found = [sup, *_tree(sup)] if sup is not None else []
         pids = {p.pid for p in found}
-        return found + [p for p in live_recorded(meta) if p.pid not in pids]
+        return found + [p for p in self._live_recorded(meta) if p.pid not in pids]
+
+    def _live_recorded(self, meta: dict) -> list:
+        refused: list[Refusal] = []
+        found = live_recorded(meta, self.run_dir, refused)
+        for why in refused:
+            self._refuse(why)
+        return found
+
+    def _refuse(self, why: Refusal | None) -> None:
+        """Say once (stderr) that a process ``launch.json`` names is not this run's and is left alone."""
+        if why and why not in self.refusals:
+            self.refusals.append(why)
+            print(f"warning: {why}", file=sys.stderr, flush=True)
 
     def nodes(self) -> list[dict]:
         """Every node of the run: ``{node, host, ranks, status, alive, local, why, exit_status, heartbeat_age}``.
@@ -255,15 +278,16 @@ class Run:
             if self._popen.poll() is not None:
                 return None
             return _proc(self._popen.pid)
-        meta = self.launch_info
-        pid = meta.get("supervisor_pid")
-        return _proc(int(pid), meta.get("supervisor_create_time")) if pid else None
+        sup, why = verified_supervisor(self.launch_info, self.run_dir)
+        self._refuse(why)
+        return sup
 
     def _recorded(self) -> list:
-        """Live processes that ``launch.json`` records for this run (torchrun, ranks; create times checked)."""
+        """Live processes that ``launch.json`` records for this run (torchrun, ranks), their create times
+        and command lines checked against this run directory."""
         if self._popen is not None and self._popen.poll() is None:
             return []  # our own supervisor is running: its tree is the truth
-        return live_recorded(self.launch_info)
+        return self._live_recorded(self.launch_info)
 
     def is_alive(self) -> bool:
         """True while the run's supervisor, or any process ``launch.json`` records for it, is running;
@@ -411,21 +435,25 @@ class Run:
                                   node_rank=self.node_rank)
             return
         snapshot = [sup, *_tree(sup)]
+        try:  # the supervisor leads the process group it created (a new session); any other group is not the run's
+            own_group = os.getpgid(sup.pid) == sup.pid
+        except OSError:
+            own_group = False
         # Only the supervisor is signalled: it SIGTERMs torchrun, which SIGTERMs each rank once (see
         # _stop_tree), and it escalates to SIGKILL after ``grace``.  We wait for that plus a margin,
-        # then kill the process group and every process seen in the tree, whatever happened.
+        # then kill the supervisor's process group and every process seen in the tree, whatever happened.
         _signal_all([sup], signal.SIGTERM)
         psutil.wait_procs([sup], timeout=grace + 8.0)
         leftovers = [p for p in snapshot + (_tree(sup) if _alive(sup) else []) if _alive(p)]
         if leftovers:
-            pgid = self.launch_info.get("pgid") or sup.pid
-            try:
-                os.killpg(int(pgid), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            if own_group:
+                try:
+                    os.killpg(sup.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             _signal_all(leftovers, signal.SIGKILL)
             psutil.wait_procs(leftovers, timeout=5)
-        orphans = live_recorded(self.launch_info)  # anything the supervisor recorded and did not take down
+        orphans = self._live_recorded(self.launch_info)  # anything the supervisor recorded and did not take down
         if orphans:
             self._stop_orphans(orphans, 0.0)
         self._reap()
@@ -491,9 +519,7 @@ class Run:
             local = rank - int(meta.get("node_rank") or 0) * nproc
         if not 0 <= local < nproc:
             return None
-        candidates = sorted((base / "logs" / "torchrun").glob(f"*/attempt_*/{local}/{stream}.log"),
-                            key=lambda p: p.stat().st_mtime)
-        return candidates[-1] if candidates else None
+        return rank_log(base, local, stream)
 
     def log_tail(self, rank: int | None = None, lines: int = 40, stream: str = "stderr") -> str:
         """Last lines of a rank's log, or of the launcher log (torchrun's tee of every rank) when rank is None."""
@@ -504,54 +530,45 @@ class Run:
 
     def stacks(self, wait: float = 2.0) -> dict[int, str]:
         """Every live rank's Python stacks, for a run that seems stuck: each rank prints them to its
-        stderr log on SIGUSR1 (the backend registers it) and goes on running.  {global rank: text}."""
-        import psutil
-
-        ranks = {}
-        for p in self.processes():
-            try:
-                cmd, env = " ".join(p.cmdline()), p.environ()
-                if "workbench.backend" in cmd and "RANK" in env and "torch.distributed.run" not in cmd and "torchrun" not in cmd:
-                    ranks[int(env["RANK"])] = p
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        logs = {r: self.rank_log(r, "stderr") for r in ranks}
-        sizes = {r: (path.stat().st_size if path and path.exists() else 0) for r, path in logs.items()}
-        _signal_all(ranks.values(), signal.SIGUSR1)
-        time.sleep(wait)
-        out = {}
-        for r, path in sorted(logs.items()):
-            if path is not None and path.exists():
-                with open(path, "rb") as fh:
-                    fh.seek(sizes[r])
-                    out[r] = fh.read().decode("utf-8", "replace")
-        return out
+        stderr log on SIGUSR1 (the backend registers it) and goes on running; a stopped rank (SIGSTOP)
+        cannot, and its entry says so.  {global rank: text}."""
+        ranks = rank_processes(self.processes())
+        return collect_stacks(ranks, {r: self.rank_log(r, "stderr") for r in ranks}, wait)
 
     @property
     def failure(self) -> Failure | None:
-        """The first failing rank and its traceback: from its ``error`` event, else its stderr log.
+        """The rank that caused the failure and its traceback: from its ``error`` event, else its stderr log.
 
-        A multi-node run: the failure that started it, with its node.  An error that only says a
-        peer went away (gloo's "connection closed by peer" on the survivors) is passed over for a
-        rank's own error, a rank that died without one (killed, out of memory), or a lost node.
+        Once the job has ended, the rank its exit status names (:mod:`workbench.run.exit_status`: a rank
+        that died by a signal or an exit code of its own comes before the first that raised); while it is
+        being torn down, the first rank that raised.  An error that only says a peer went away (gloo's
+        "connection reset by peer" on the survivors) is passed over for a rank's own error.  A multi-node
+        run: the failure that started it, with its node (a rank's death, its own error, or a lost node).
         """
         errors = self.events("error")
         if self._per_node():
             f = self._job_failure(errors)
             if f is not None:
                 return f
-        if errors:
-            return self._event_failure(min(errors, key=lambda r: r.get("time", 0)))
         ex = self.exit_status
-        if not ex or ex.get("status") != "failed":
-            return None
-        rank = ex.get("failed_rank")
-        if rank is not None:
-            f = self._log_failure(int(rank), ex)
+        if ex and ex.get("status") == "failed" and ex.get("failed_rank") is not None:
+            rank = int(ex["failed_rank"])
+            own = [e for e in errors if e.get("rank") == rank]
+            if own and not ex.get("failed_signal"):
+                return self._event_failure(min(own, key=lambda r: r.get("time", 0)))
+            f = self._log_failure(rank, ex)
             if f is not None:
                 return f
+            if ex.get("failed_signal") or ex.get("failed_message"):
+                return Failure(rank, ex.get("failed_message") or f"killed by {ex['failed_signal']}", "", "launcher",
+                               str(self.node_dir / "logs" / "launcher.log"), self._node_of(rank))
+        if errors:
+            own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
+            return self._event_failure(min(own or errors, key=lambda r: r.get("time", 0)))
+        if not ex or ex.get("status") != "failed":
+            return None
         tail = self.log_tail(None, 40)
-        return Failure(rank, f"torchrun exited with code {ex.get('returncode')}", tail, "launcher",
+        return Failure(ex.get("failed_rank"), f"torchrun exited with code {ex.get('returncode')}", tail, "launcher",
                        str(self.node_dir / "logs" / "launcher.log"))
 
     def _node_of(self, rank) -> int | None:
@@ -572,7 +589,13 @@ class Run:
             return None
         tb = _last_traceback(log.read_text(errors="replace"))
         code = ex.get("failed_exitcode")
-        if tb:
+        if ex.get("stall"):  # the supervisor found it stalled: its verdict, and the stacks it wrote
+            msg = ex.get("failed_message") or f"rank {rank} stalled"
+            tb = f"every rank's stacks: {ex['stall'].get('stacks')}\n" + _tail(Path(ex["stall"].get("stacks") or log), 60)
+        elif ex.get("failed_signal"):  # killed: whatever its log last printed is not why
+            msg = f"exited with code {code} (killed by {ex['failed_signal']})" + (f": {ex['failed_message']}" if ex.get("failed_message") else "")
+            tb = _tail(log, 30)
+        elif tb:
             last = [ln for ln in tb.strip().splitlines() if ln.strip()]
             msg = last[-1] if last else f"exit code {code}"
         elif code is not None:  # killed (a signal: negative code) or exited without a Python traceback
@@ -586,20 +609,21 @@ class Run:
 
     def _job_failure(self, errors: list[Event]) -> Failure | None:
         """A multi-node run's first cause (see :attr:`failure`); None leaves it to the one-node rules."""
-        own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
-        if own:
-            return self._event_failure(min(own, key=lambda r: r.get("time", 0)))
         views = self.nodes()
         reported = {e.get("rank") for e in errors}
-        for v in views:  # a rank that died without an error event of its own
+        for v in views:  # a rank that died (a signal, or without an error event of its own)
             ex = v["exit_status"] or {}
             r = ex.get("failed_rank")
-            if v["status"] == "failed" and not ex.get("peer") and r is not None and r not in reported:
+            if (v["status"] == "failed" and not ex.get("peer") and r is not None
+                    and (r not in reported or ex.get("failed_signal"))):
                 f = self._log_failure(int(r), ex)
                 if f is not None:
                     f.node = v["node"]
                     return f
                 return Failure(int(r), f"rank {r} failed (torchrun exit code {ex.get('returncode')})", "", "launcher", None, v["node"])
+        own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
+        if own:
+            return self._event_failure(min(own, key=lambda r: r.get("time", 0)))
         for v in views:
             if v["status"] == "lost":
                 return Failure(None, f"node {v['node']} lost: {v['why']}", "", "node", None, v["node"])

@@ -23,8 +23,10 @@ def _opt(cmd: list[str], name: str) -> str:
 def test_single_node_command(tmp_path):
     plan = LaunchPlan(tmp_path / "r1", nproc_per_node=2)
     cmd = plan.command()
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert "--standalone" in cmd and _opt(cmd, "--nproc-per-node") == "2"
+    assert cmd[:3] == [sys.executable, "-m", "workbench.torchrun"]  # torch's torchrun, its stores on the named host only
+    # one node: the c10d rendezvous on the loopback at a port the OS picks
+    assert (_opt(cmd, "--rdzv-endpoint"), _opt(cmd, "--local-addr"), _opt(cmd, "--nnodes")) == ("127.0.0.1:0", "127.0.0.1", "1")
+    assert _opt(cmd, "--nproc-per-node") == "2"
     # the backend entry and its arguments come after every torchrun option
     i = cmd.index("workbench.backend")
     assert cmd[i - 1] == "-m" and cmd[i + 1:] == ["--config", str(tmp_path / "r1" / "config.json"), "--run-dir", str(tmp_path / "r1")]
@@ -62,7 +64,7 @@ def test_cli_launch_dry_run_prints_exact_command(tmp_path, capsys):
     rd = tmp_path / "myrun"
     assert main(["launch", str(f), "--dry-run", "--run-dir", str(rd)]) == 0
     out = capsys.readouterr().out
-    cmd_line = [ln for ln in out.splitlines() if "torch.distributed.run" in ln][0]
+    cmd_line = [ln for ln in out.splitlines() if "workbench.torchrun" in ln][0]
     cmd = shlex.split(cmd_line)
     assert cmd == LaunchPlan(rd, 2).command()
     assert not rd.exists()  # a dry run starts and writes nothing

@@ -52,4 +52,4 @@ def test_bad_node_rank_and_dry_run(tmp_path, capsys):
     cfg.save(path)
     assert cli_main(["launch", str(path), "--dry-run", "--run-dir", str(tmp_path / "dry")]) == 0
     out = capsys.readouterr().out
-    assert "torch.distributed.run" in out and not (tmp_path / "dry").exists()
+    assert "workbench.torchrun" in out and not (tmp_path / "dry").exists()

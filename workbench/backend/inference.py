@@ -52,7 +52,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from workbench.run.checkpoint import checkpoint_info, read_checkpoint, resolve_tokenizer, special_ids
-from workbench.run.files import free_port, write_json_atomic
+from workbench.run.files import write_json_atomic
 
 __all__ = [
     "GenerationOutput",
@@ -797,9 +797,10 @@ def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
         overrides["train.precision"] = "fp32"
     cfg = cfg.replace(**overrides)
     if not _dist_ready() and "TORCHELASTIC_RUN_ID" not in os.environ:
-        # one process started without torchrun: a private 1-rank world on a free port
-        # (an inherited MASTER_PORT may belong to the parent's own process group)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        # one process started without torchrun: a private 1-rank world that listens for no peers
+        from workbench.torchrun import private_world
+
+        private_world(device)
     distributed.initialize(cfg)
     return cfg
 

@@ -20,7 +20,7 @@ from workbench.run.files import free_port
 __all__ = ["single_process_group", "cpu_build_config", "model_overrides", "build_full_model",
            "save_full_state_dict", "load_full_state_dict"]
 
-_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def cpu_build_config(cfg: RunConfig, dtype: str | None = None) -> RunConfig:
@@ -95,10 +95,13 @@ def _group() -> Iterator[None]:
     from workbench.backend import cpu_mode
     from workbench.backend.distributed import destroy, initialize_for_tests
 
+    from workbench.torchrun import private_world
+
     saved_env = {k: os.environ.get(k) for k in _ENV_KEYS}
     was_enabled = cpu_mode.enabled()
     os.environ["LOCAL_RANK"] = "0"
     try:
+        private_world("cpu")  # an in-memory store: the group listens for no peers (it has none)
         initialize_for_tests(cpu_build_config(RunConfig()), rank=0, world_size=1, port=free_port())
         yield
     finally:

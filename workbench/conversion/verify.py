@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from workbench.launch import run_supervised
-from workbench.run.files import atomic_output, free_port
+from workbench.launch import local_torchrun, run_supervised
+from workbench.run.files import atomic_output
 
 __all__ = ["forward_logits", "verify_against_hf", "main"]
 
@@ -43,8 +43,7 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
     with tempfile.TemporaryDirectory(prefix="wb-verify-") as td:
         tok_path, out_path = Path(td) / "inputs.pt", Path(td) / "logits.pt"
         torch.save({k: v.cpu() for k, v in inputs.items()}, tok_path)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        cmd = [*local_torchrun(world),  # one node: its stores on the loopback only
                "-m", "workbench.conversion.verify", "--ckpt", str(ckpt), "--tokens", str(tok_path), "--out", str(out_path),
                "--tp", str(tp), "--pp", str(pp)] + (["--vpp", str(vpp)] if vpp and vpp > 1 else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

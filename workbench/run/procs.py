@@ -4,6 +4,13 @@
   below it (the ranks), each as ``{pid, create_time, role}``, refreshed while the tree changes.
   :func:`live_recorded` turns the records back into live processes and refuses any PID whose
   create time differs from the recorded one, so a recycled PID is never signalled.
+- **Ownership.**  ``launch.json`` is a file anyone who can write the run directory can forge, so
+  a record alone never gets a process signalled: :func:`verified_supervisor` and
+  :func:`live_recorded` accept a process only when its create time is the recorded one AND its
+  command line runs this run directory (the supervisor: ``workbench.launch supervise --run-dir
+  <dir>``; torchrun and the ranks: ``--run-dir <dir>`` in their arguments), or, for a helper a
+  rank started, when it carries the supervisor token of such a process in its environment.  What
+  is refused is said (:class:`Refusal`), never signalled.
 - **Parent death.**  torchrun starts with ``PR_SET_PDEATHSIG = SIGKILL`` (:func:`die_with_parent`,
   the supervisor's ``preexec_fn``), and each rank arms the same when it imports ``workbench``
   (:func:`guard_rank`, switched on by ``WORKBENCH_SUPERVISOR`` in the environment the supervisor
@@ -17,14 +24,22 @@ Linux only (elsewhere these are no-ops).  Torch-free; psutil is imported lazily.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
-__all__ = ["SUPERVISOR_ENV", "supervisor_token", "die_with_parent", "guard_rank", "describe", "live_recorded"]
+__all__ = ["SUPERVISOR_ENV", "SUPERVISOR_MODULE", "supervisor_token", "die_with_parent", "guard_rank", "describe",
+           "names_run_dir", "verified_supervisor", "live_recorded", "Refusal", "rank_processes", "rank_log", "is_stopped",
+           "collect_stacks"]
 
 #: the environment variable the supervisor sets for torchrun and so for every rank: "<pid>:<start ticks>"
 SUPERVISOR_ENV = "WORKBENCH_SUPERVISOR"
+#: the supervisor's module (``python -m workbench.launch supervise --run-dir DIR ...``)
+SUPERVISOR_MODULE = "workbench.launch"
+#: the largest difference (seconds) between a recorded and a live create time of one process
+_SAME_START = 0.05
 _PR_SET_PDEATHSIG = 1
 
 
@@ -137,29 +152,208 @@ def describe(procs: Iterable[Any], torchrun_pid: int | None = None) -> list[dict
     return out
 
 
-def live_recorded(meta: dict) -> list:
-    """The live processes ``launch.json`` (``meta``) records (torchrun, ranks), create times checked.
+class Refusal(str):
+    """Why a process that ``launch.json`` names was not taken as this run's (it is never signalled)."""
 
-    A record without a create time is not trusted (its PID may belong to anyone by now)."""
+
+def _run_dir_args(argv: list[str]) -> list[str]:
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--run-dir" and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif a.startswith("--run-dir="):
+            out.append(a.split("=", 1)[1])
+    return out
+
+
+def names_run_dir(p: Any, run_dir: str | Path) -> bool:
+    """Whether process ``p``'s command line passes ``--run-dir`` = ``run_dir`` (relative paths read
+    from the process's working directory)."""
+    import psutil
+
+    want = Path(run_dir).resolve()
+    try:
+        argv, cwd = p.cmdline(), None
+        for arg in _run_dir_args(argv):
+            if not os.path.isabs(arg):
+                cwd = cwd or p.cwd()
+                arg = os.path.join(cwd, arg)
+            if Path(arg).resolve() == want:
+                return True
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+        return False
+    return False
+
+
+def _same_start(p: Any, created: Any) -> bool:
+    import psutil
+
+    try:
+        return created is not None and abs(p.create_time() - float(created)) <= _SAME_START and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError, ValueError):
+        return False
+
+
+def _shown(p: Any) -> str:
+    try:
+        return shlex.join(p.cmdline())[:160] or p.name()
+    except Exception:  # noqa: BLE001  (gone, or not ours to read)
+        return "?"
+
+
+def verified_supervisor(meta: dict, run_dir: str | Path) -> tuple[Any | None, Refusal | None]:
+    """(the live supervisor ``meta`` names, None) when its create time is the recorded one and its
+    command line is ``workbench.launch supervise --run-dir <run_dir>``; else (None, why it was
+    refused) — (None, None) when ``meta`` names none or it has ended."""
+    import psutil
+
+    pid = meta.get("supervisor_pid")
+    if not pid:
+        return None, None
+    try:
+        p = psutil.Process(int(pid))
+    except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError, ValueError):
+        return None, None
+    if not _same_start(p, meta.get("supervisor_create_time")):
+        return None, None  # ended (its PID reused, or a zombie), or a record without a create time
+    try:
+        argv = p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None, None
+    if not _exists(p):
+        return None, None
+    if SUPERVISOR_MODULE in argv and "supervise" in argv and names_run_dir(p, run_dir):
+        return p, None
+    return None, Refusal(f"launch.json names pid {p.pid} as the supervisor of {run_dir}, but that process runs "
+                         f"{_shown(p)!r}, not this run directory: it is not signalled")
+
+
+def live_recorded(meta: dict, run_dir: str | Path, refused: list[Refusal] | None = None) -> list:
+    """The live processes ``launch.json`` (``meta``) records (torchrun, ranks, their helpers) that
+    provably belong to ``run_dir`` (see the module docstring); why any other was refused is
+    appended to ``refused``.  A record without a create time is not trusted (its PID may belong
+    to anyone by now)."""
     import psutil
 
     seen: dict[int, Any] = {}
     records = list(meta.get("processes") or [])
     if meta.get("torchrun_pid") and meta.get("torchrun_create_time"):
         records.append({"pid": meta["torchrun_pid"], "create_time": meta["torchrun_create_time"], "role": "torchrun"})
+    candidates: list[tuple[Any, dict]] = []
     for rec in records:
         try:
-            pid, created = int(rec["pid"]), float(rec["create_time"])
+            pid = int(rec["pid"])
         except (KeyError, TypeError, ValueError):
             continue
-        if pid in seen or pid == os.getpid():
+        if pid in seen or pid == os.getpid() or any(c.pid == pid for c, _ in candidates):
             continue
         try:
             p = psutil.Process(pid)
-            if abs(p.create_time() - created) > 0.05 or p.status() == psutil.STATUS_ZOMBIE:
-                continue
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        p.info = {"role": rec.get("role")}
-        seen[pid] = p
+        if _same_start(p, rec.get("create_time")):
+            candidates.append((p, rec))
+    tokens = set()
+    for p, rec in candidates:  # torchrun and the ranks: their own command line names the run directory
+        if names_run_dir(p, run_dir):
+            p.info = {"role": rec.get("role")}
+            seen[p.pid] = p
+            tokens.add(_environ(p).get(SUPERVISOR_ENV))
+    tokens.discard(None)
+    for p, rec in candidates:  # a helper a rank started: it carries the job's supervisor token
+        if p.pid in seen:
+            continue
+        if tokens and _environ(p).get(SUPERVISOR_ENV) in tokens:
+            p.info = {"role": rec.get("role")}
+            seen[p.pid] = p
+        elif refused is not None and _exists(p):
+            refused.append(Refusal(f"launch.json records pid {p.pid} ({rec.get('role')}) for {run_dir}, but that process "
+                                   f"runs {_shown(p)!r}, which is not this run's: it is not signalled"))
     return list(seen.values())
+
+
+def _exists(p: Any) -> bool:
+    """Whether ``p`` still runs a program: a process that is exiting has no command line left (and is no one's)."""
+    import psutil
+
+    try:
+        return bool(p.cmdline()) and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _environ(p: Any) -> dict:
+    import psutil
+
+    try:
+        return p.environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+        return {}
+
+
+# --------------------------------------------------------------------------- ranks and their stacks
+
+
+def rank_processes(processes: Iterable[Any]) -> dict[int, Any]:
+    """{global rank: process} of the training ranks among ``processes`` (their command line runs
+    ``workbench.backend`` under torchrun, which gave them ``RANK``)."""
+    import psutil
+
+    ranks: dict[int, Any] = {}
+    for p in processes:
+        try:
+            cmd, env = " ".join(p.cmdline()), p.environ()
+            if "workbench.backend" in cmd and "RANK" in env and "torch.distributed.run" not in cmd and "torchrun" not in cmd:
+                ranks[int(env["RANK"])] = p
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            continue
+    return ranks
+
+
+def rank_log(node_dir: str | Path, local_rank: int, stream: str = "stderr") -> Path | None:
+    """A local rank's torchrun log file (``<node_dir>/logs/torchrun/<id>/attempt_<k>/<local>/<stream>.log``,
+    the latest attempt), if it exists."""
+    found = sorted((Path(node_dir) / "logs" / "torchrun").glob(f"*/attempt_*/{int(local_rank)}/{stream}.log"),
+                   key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def is_stopped(p: Any) -> bool:
+    """Whether ``p`` is stopped (SIGSTOP, SIGTSTP, a debugger: psutil status 'stopped')."""
+    import psutil
+
+    try:
+        return p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def collect_stacks(ranks: dict[int, Any], logs: dict[int, Path | None], wait: float = 2.0) -> dict[int, str]:
+    """Every rank's Python stacks: SIGUSR1 to each (the backend's faulthandler prints all its threads
+    to its stderr log and the rank goes on), then what each log gained within ``wait`` seconds.
+
+    A stopped process cannot print anything: it is not signalled and its entry says it is stopped."""
+    sizes = {r: (path.stat().st_size if path and path.exists() else 0) for r, path in logs.items()}
+    stopped = {r for r, p in ranks.items() if is_stopped(p)}
+    live = [p for r, p in ranks.items() if r not in stopped]
+    for p in live:
+        try:
+            p.send_signal(signal.SIGUSR1)
+        except Exception:  # noqa: BLE001  (ended meanwhile)
+            pass
+    if live:
+        import time
+
+        time.sleep(wait)
+    out: dict[int, str] = {}
+    for r in sorted(ranks):
+        if r in stopped:
+            out[r] = (f"rank {r} (pid {ranks[r].pid}) is stopped (process status 'stopped': SIGSTOP, SIGTSTP or a "
+                      "debugger); a stopped process cannot print its stack\n")
+            continue
+        path = logs.get(r)
+        if path is not None and path.exists():
+            with open(path, "rb") as fh:
+                fh.seek(sizes[r])
+                out[r] = fh.read().decode("utf-8", "replace")
+    return out
