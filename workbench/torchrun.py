@@ -17,8 +17,8 @@ bound to the address of the host it is named by (TCPStore's own ``master_listen_
 - **One process** (conversion, generation on one rank): :func:`private_world` makes a 1-rank group
   on an in-memory store, no listening store at all, gloo on the loopback.
 
-The SLURM script (:meth:`workbench.launch.LaunchPlan.slurm_script`) runs torch's torchrun as it is:
-its c10d rendezvous listens on the first node's interfaces, inside the allocation.
+The SLURM script (:meth:`workbench.launch.LaunchPlan.slurm_script`) runs this entry too, with the first
+node's address as SLURM reaches it as the rendezvous host: its store listens on that address only.
 """
 
 from __future__ import annotations
