@@ -212,10 +212,11 @@ class ProcHandle:
             return f"exit {self.proc.returncode}"
 
 
-def run_jobs(jobs: list[Job], ngpus: int, per_gpu: int, log: Callable[[str], None], deadline: float = 0.0) -> None:
+def run_jobs(jobs: list[Job], ngpus: int, per_gpu: int, log: Callable[[str], None], deadline: float = 0.0,
+             hard_stop: float = 0.0) -> None:
     """Run ``jobs`` respecting ``needs``; a job of g GPUs takes the g least-loaded GPUs; at most ``per_gpu``
     jobs share a GPU.  A job past its timeout is stopped (failed); jobs whose needs failed are skipped;
-    none starts after ``deadline`` (seconds since the call; 0: none)."""
+    none starts after ``deadline`` and running ones are stopped at ``hard_stop`` (seconds since the call; 0: none)."""
     t_start = time.time()
     by = {j.name: j for j in jobs}
     load = [0] * max(ngpus, 1)
@@ -252,9 +253,10 @@ def run_jobs(jobs: list[Job], ngpus: int, per_gpu: int, log: Callable[[str], Non
         time.sleep(1.0)
         for j in running:
             rc = j.handle.poll()
-            if rc is None and time.time() - j.t0 > j.timeout:
+            if rc is None and (time.time() - j.t0 > j.timeout or (hard_stop and time.time() - t_start > hard_stop)):
                 j.handle.kill()
-                rc, j.why = -1, f"timeout ({j.timeout:.0f} s)"
+                rc, j.why = -1, (f"timeout ({j.timeout:.0f} s)" if time.time() - j.t0 > j.timeout else
+                                 f"stopped at the phase's hard stop ({hard_stop:.0f} s)")
             if rc is None:
                 continue
             j.seconds = time.time() - j.t0
@@ -278,15 +280,19 @@ def run_job(name: str, cfg: Any, gpus: int, work: Path, needs: list[str], timeou
     return Job(name, gpus, start, needs, timeout)
 
 
-def script_job(name: str, gpus: int, argv: list[str], work: Path, needs: list[str], timeout: float) -> Job:
+def script_job(name: str, gpus: int, argv: list[str] | Callable[[], list[str]], work: Path, needs: list[str],
+               timeout: float) -> Job:
+    """A script run as ``python ARGV`` in its own session (``argv`` may be a callable, asked at the start)."""
+
     def start(devices: str) -> ProcHandle:
+        args = argv() if callable(argv) else argv
         (work / name).mkdir(parents=True, exist_ok=True)
         logf = work / name / "log.txt"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices
         with open(logf, "w") as fh:
-            proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
+            proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         return ProcHandle(proc, logf)
 
@@ -456,11 +462,19 @@ def phase_b(args: argparse.Namespace, work: Path, log: Callable, ngpus: int) -> 
     offset = planner_out.stat().st_size if planner_out.exists() else 0  # this call's planner records come after
     planner = select(["planner"], args.only)
     if planner:
-        argv = [str(ROOT / "tests" / "gpu" / "planner_measure.py"), "--set", "2gpu-all", "--out", str(args.planner_out),
-                "--concurrent", "3", "--concurrent-multi", str(args.planner_concurrent), "--keep", str(work / "planner"),
-                "--deadline", str(args.planner_deadline)] + (["--device", "cpu", "--only", "g2s-tp2-eager"] if tiny else [])
+        t_phase = time.time()
+
+        def planner_argv() -> list[str]:
+            # its own deadline stops its jobs (their process groups are its to end) before the phase's hard stop
+            left = args.hard_stop - (time.time() - t_phase) - 40 if args.hard_stop else args.planner_deadline
+            deadline = max(30.0, min(args.planner_deadline, left))
+            log(f"planner: deadline {deadline:.0f} s")
+            return [str(ROOT / "tests" / "gpu" / "planner_measure.py"), "--set", "2gpu-all", "--out", str(args.planner_out),
+                    "--concurrent", "3", "--concurrent-multi", str(args.planner_concurrent), "--keep", str(work / "planner"),
+                    "--deadline", f"{deadline:.0f}"] + (["--device", "cpu", "--only", "g2s-tp2-eager"] if tiny else [])
+
         # after the conversions (their wave ends first): the planner's jobs have the GPUs to themselves
-        waves.append([script_job("planner", 0 if tiny else ngpus, argv, work, [], args.planner_deadline + 120)])
+        waves.append([script_job("planner", 0 if tiny else ngpus, planner_argv, work, [], args.planner_deadline + 60)])
 
     def evaluate() -> list[dict]:
         recs = []
@@ -501,12 +515,12 @@ def summary_table(recs: list[dict]) -> str:
     lines = [f"{'test':<11} {'case':<28} {'result':<6} {'measure':<40}"]
     for r in recs:
         if r["test"] in ("parity", "noise_floor"):
-            m = f"max rel {r['max_rel_loss_diff']:.4f} @ {r['at_step']}" if r.get("max_rel_loss_diff") is not None else "no losses"
+            m = f"max rel {r['max_rel_loss_diff']:.2e} @ step {r['at_step']}" if r.get("max_rel_loss_diff") is not None else "no losses"
             for k, v in (r.get("eval") or {}).items():
                 if v.get("max_rel_diff") is not None:
-                    m += f"; eval {k} {v['max_rel_diff']:.4f}"
+                    m += f"; eval {k} {v['max_rel_diff']:.2e}"
         elif r["test"] == "resume":
-            m = (f"max abs {r['max_abs_loss_diff']:.2e}, rel {r['max_rel_loss_diff']:.4f} ({r['compared_steps']} steps)"
+            m = (f"max abs {r['max_abs_loss_diff']:.2e}, rel {r['max_rel_loss_diff']:.2e} ({r['compared_steps']} steps)"
                  if r.get("max_abs_loss_diff") is not None else "no losses")
         elif r["test"] == "conversion":
             m = (f"verify {r.get('verify_max_abs_diff')}, round trip {r.get('round_trip_identical')}, "
@@ -529,7 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the self-check on tiny models (gloo)")
     ap.add_argument("--per-gpu", type=int, default=3, help="jobs sharing a GPU at once")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per training run (default 240 on GPUs, 900 on CPU)")
-    ap.add_argument("--deadline", type=float, default=480, help="seconds: start no job later than this into the phase")
+    ap.add_argument("--deadline", type=float, default=400, help="seconds: start no job later than this into the phase")
+    ap.add_argument("--hard-stop", type=float, default=520,
+                    help="seconds: stop the jobs still running this far into the phase (its records say so); 0: never")
     ap.add_argument("--planner-deadline", type=float, default=240, help="planner_measure's own deadline (seconds)")
     ap.add_argument("--planner-concurrent", type=int, default=3,
                     help="planner jobs at once under its memory budget (1: each alone, so the device-wide memory outside "
@@ -582,13 +598,15 @@ def main(argv: list[str] | None = None) -> int:
     phases = ["a", "b"] if args.phase == "all" else [args.phase]
     recs: list[dict] = []
     for ph in phases:
+        t_phase = time.time()
         waves, evaluate = phase_a(args, work, log) if ph == "a" else phase_b(args, work, log, ngpus)
         jobs = [j for w in waves for j in w]
         log(f"phase {ph}: {len(jobs)} jobs: {', '.join(j.name for j in jobs)}")
         for i, wave in enumerate(waves):
             # the conversion wave's jobs are mostly CPU work (export, verify on CPU ranks): more of them share a GPU
             per = 1 if tiny else args.per_gpu + (2 if ph == "b" and i == 0 else 0)
-            run_jobs(wave, ngpus, per, log, args.deadline if i == 0 else 0)
+            hard = max(1.0, args.hard_stop - (time.time() - t_phase)) if args.hard_stop else 0.0
+            run_jobs(wave, ngpus, per, log, args.deadline if i == 0 else 0, hard)
         phase_recs = evaluate()
         for j in jobs:
             if j.status != "ok":
