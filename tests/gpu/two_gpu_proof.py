@@ -484,6 +484,8 @@ def phase_b(args: argparse.Namespace, work: Path, log: Callable, ngpus: int) -> 
             recs.append({"test": "conversion", "case": n, "family": fam, "train_layout": over, "train_steps": steps, **rec})
         if planner:
             recs.append(planner_summary(planner_out, offset))
+            if tiny:
+                recs[-1].update(informational=True, note="CPU self-check: no CUDA memory statistics")
         return recs
 
     return waves, evaluate
@@ -525,8 +527,10 @@ def summary_table(recs: list[dict]) -> str:
         elif r["test"] == "conversion":
             m = (f"verify {r.get('verify_max_abs_diff')}, round trip {r.get('round_trip_identical')}, "
                  f"generate equal {r.get('generate_equal')}")
-        else:
+        elif r["test"] == "planner":
             m = f"{r.get('ranks_within_bar')}/{r.get('ranks_measured')} ranks within {100 * r.get('bar', 0):.0f}%"
+        else:
+            m = f"{r.get('status')}: {(r.get('why') or '')[-120:]}".replace("\n", " ")
         res = "info" if r.get("informational") else ("PASS" if r.get("pass") else "FAIL")
         lines.append(f"{r['test']:<11} {r['case']:<28} {res:<6} {m}")
     return "\n".join(lines)

@@ -54,11 +54,12 @@ def hf_greedy(hf_dir: Path, prompts: list[list[int]], new: int, device: str, seq
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = cls.from_pretrained(str(hf_dir), dtype=tdt).to(device).eval()
     cfg = model.config
+    model.generation_config.eos_token_id = None  # all ``new`` tokens, the distribution untouched (no EOS suppression)
     out = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device=device)
-            kw: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1,
+            kw: dict[str, Any] = dict(max_new_tokens=new, do_sample=False, num_beams=1,
                                       attention_mask=torch.ones_like(ids), pad_token_id=cfg.pad_token_id or 0)
             if seq2seq:
                 kw["decoder_start_token_id"] = cfg.decoder_start_token_id if cfg.decoder_start_token_id is not None else 0
