@@ -71,6 +71,7 @@ for the compiled layer) are calibrated only by that GPU evidence.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import math
@@ -86,29 +87,10 @@ from workbench.kernels import KernelChoice
 from workbench.models import family_of
 from workbench.run.reader import RunReader, as_reader
 
-__all__ = [
-    "GiB",
-    "MiB",
-    "GPUSpec",
-    "GPUS",
-    "gpu_spec",
-    "PlannerAssumptions",
-    "KernelPath",
-    "kernel_path",
-    "StagePlan",
-    "RankPlan",
-    "Suggestion",
-    "MegatronEstimate",
-    "Plan",
-    "predict",
-    "megatron_theoretical_memory",
-    "largest_micro_batch",
-    "compare",
-    "measured_peaks",
-    "measured_reserved",
-    "format_plan",
-    "add_cli",
-]
+__all__ = ["GiB", "MiB", "GPUSpec", "GPUS", "gpu_spec", "PlannerAssumptions", "KernelPath", "kernel_path",
+           "StagePlan", "RankPlan", "Suggestion", "MegatronEstimate", "Plan", "predict",
+           "megatron_theoretical_memory", "largest_micro_batch", "compare", "measured_peaks", "measured_reserved",
+           "format_plan", "add_cli"]
 
 MiB = 1024**2
 GiB = 1024**3
@@ -371,18 +353,25 @@ _MID_SEGMENT = 20 * MiB
 
 
 def _segment_slack(per_layer: list[float], layers: int) -> int:
-    """Reserved beyond the bytes of ``layers`` layers' kept tensors (``per_layer``: one layer's),
+    """Reserved beyond the bytes of ``layers`` layers' kept tensors (``per_layer``: one layer's, in forward order),
     per the caching allocator's rules.
 
-    Each layer's kept tensors are allocated one after another in its forward: requests of more
-    than 10 MiB get a segment of their own rounded up to 2 MiB; 1-10 MiB requests are split
-    from 20 MiB segments, one layer's mid-size tensors filling ``ceil(sum / 20 MiB)`` of them
-    (the rest of the last one is left to requests that fit it, which in a layer's forward do not
-    come); small ones (<= 1 MiB) pack into 2 MiB segments and are ignored."""
+    Requests of more than 10 MiB get a segment of their own rounded up to 2 MiB; 1-10 MiB requests are carved
+    best-fit from 20 MiB segments, a layer's forward filling its own (the rest of its last one is left to requests
+    that fit it, which in a layer's forward do not come), so sizes that do not tile 20 MiB leave remainders: two
+    8 MiB tensors per segment (GPT-2 medium at micro-batch 4), 6+6+9+3+6+6 MiB in three (GPT-2 small TP=2);
+    small ones (<= 1 MiB) pack into 2 MiB segments and are ignored."""
     large = sum(_round_up(n, _SEGMENT) - n for n in per_layer if n > _MID_REQUEST)
-    mid = sum(n for n in per_layer if _SMALL_REQUEST < n <= _MID_REQUEST)
-    mid_slack = math.ceil(mid / _MID_SEGMENT) * _MID_SEGMENT - mid if mid else 0.0
-    return int(layers * (large + mid_slack))
+    free: list[float] = []  # this layer's remainders, smallest first
+    mid_reserved = mid = 0.0
+    for n in (x for x in per_layer if _SMALL_REQUEST < x <= _MID_REQUEST):
+        i = bisect.bisect_left(free, n)
+        if i == len(free):  # no remainder holds it: a new 20 MiB segment
+            mid_reserved += _MID_SEGMENT
+            free.append(float(_MID_SEGMENT))
+        bisect.insort(free, free.pop(i) - n)
+        mid += n
+    return int(layers * (large + mid_reserved - mid))
 
 
 def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moments: float, largest: float,

@@ -15,7 +15,10 @@ from typing import Iterable
 from workbench import planner
 from workbench.config import RunConfig
 
-__all__ = ["EVIDENCE_DIR", "ONE_GPU_FILES", "evidence_table", "replan"]
+__all__ = ["BAR", "EVIDENCE_DIR", "ONE_GPU_FILES", "evidence_table", "replan", "run_within_bar"]
+
+#: the planner's bar against a measured run: |predicted - measured| / measured, allocated and reserved, every rank
+BAR = 0.05
 
 EVIDENCE_DIR = Path(__file__).resolve().parents[1] / "evidence"
 #: the one-GPU measurements of issue #26: GPT layouts, then the BERT / T5 layouts
@@ -57,3 +60,32 @@ def evidence_table(paths: Iterable[Path] = ONE_GPU_FILES):
                          "reserved err %": 100 * (r.peak_reserved - mr) / mr,
                          "device": rec["device"], "date": rec["date"][:10], "commit": rec["commit"], "file": path.name})
     return pd.DataFrame(rows).round(2)
+
+
+def run_within_bar(run_dir, plan: planner.Plan | None = None, bar: float = BAR) -> dict:
+    """A finished run's measured peaks against its plan, every rank, allocated and reserved.
+
+    Measured: the largest ``mem_peak`` (``max_memory_allocated``) and ``mem_reserved`` of each rank's ``step``
+    events (:func:`workbench.planner.measured_peaks`, :func:`~workbench.planner.measured_reserved`); predicted:
+    ``plan`` or the plan of the run's own config.  Returns ``{"ok", "bar", "ranks": [...], "why"}``: ``ok`` only
+    when every rank of the plan was measured and both errors are within ``bar``."""
+    from workbench.run.reader import as_reader
+
+    reader = as_reader(run_dir)
+    if plan is None:
+        cfg = reader.config_dict()
+        if cfg is None:
+            return {"ok": False, "bar": bar, "ranks": [], "why": [f"{reader.run_dir}: no config.json or run_start to plan"]}
+        plan = planner.predict(RunConfig.from_dict(cfg), suggest=False)
+    table = planner.compare(plan, planner.measured_peaks(reader), planner.measured_reserved(reader))
+    rows = table[["rank", "predicted", "measured", "error_pct", "predicted_reserved", "measured_reserved",
+                  "reserved_error_pct"]].to_dict("records")
+    why = []
+    for r in rows:
+        for what, key in (("allocated", "error_pct"), ("reserved", "reserved_error_pct")):
+            err = r[key]
+            if err is None or err != err:
+                why.append(f"rank {r['rank']}: no measured {what} peak")
+            elif abs(err) > 100 * bar:
+                why.append(f"rank {r['rank']}: {what} predicted {err:+.1f}% off the measured peak (bar {100 * bar:.0f}%)")
+    return {"ok": not why and bool(rows), "bar": bar, "ranks": rows, "why": why}

@@ -10,6 +10,11 @@ Two sets of configs::
     # the earlier 2-GPU matrix (issue 5): TP, TP+SP, PP, PP x VPP, DP + distributed optimizer
     python tests/gpu/planner_measure.py --set 2gpu --out evidence/planner_measurements.jsonl
 
+    # every family's two-GPU layouts (GPT-2, a GQA Llama, BERT, T5) on the default compiled path, the
+    # issue-40 rows that missed on reserved (GPT-2 small TP=2 eager, GPT-2 medium PP=2 x VPP=2 eager)
+    # and Llama-3.2-1B TP=2 / PP=2 at its preset batch; jobs share both GPUs under --gpu-bytes
+    python tests/gpu/planner_measure.py --set 2gpu-all --out evidence/planner_2gpu.jsonl --concurrent 3 --deadline 330
+
     # CPU self-check of the script (tiny shapes, gloo, no memory statistics)
     python tests/gpu/planner_measure.py --device cpu --only g2s-default,g2m-full
 
@@ -19,7 +24,15 @@ checkpoint) through this script's ``--child`` entry, which records on every rank
 backend's step events cannot: ``torch.cuda.max_memory_allocated()`` and
 ``max_memory_reserved()`` over the whole run (set-up included, the compile / CUDA-graph
 warm-up and recording steps included), per step, and the allocator's segments by pool at the
-end (the CUDA-graph trees' private pool vs the default pool).
+end (the CUDA-graph trees' private pool vs the default pool).  To find reserved terms the planner
+misses, each rank also records the allocator's own counters (``torch.cuda.memory_stats``: reserved /
+allocated / active / requested peaks, segment counts, device mallocs, retries), the reserved bytes by
+stream and the largest segments, and the device memory outside torch's allocator (CUDA context,
+NCCL communicators and buffers, cuBLAS handles) at five points: CUDA context only, after the
+process groups are made, after set-up (the first collectives: NCCL communicators are created
+lazily), after step 1 and at the end -- as ``torch.cuda.mem_get_info`` (device-wide: valid when the
+job has its GPUs alone) and as this process's own use (``nvidia-smi --query-compute-apps``, valid
+under concurrent jobs), each minus ``torch.cuda.memory_reserved()``.
 
 One JSON line per rank and config: config name, overrides, the full config, rank coordinates,
 measured peaks, the planner's predictions (``predicted_allocated``, ``predicted_reserved``,
@@ -80,6 +93,36 @@ _TWO_GPU_BASE = {"train.compile_kernels": False}
 
 NO_DROPOUT = {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0}
 
+# Every family's two-GPU layouts (issue 40): name -> (GPUs, preset, overrides); the preset's default
+# kernel path (compiled layer + CUDA graphs on GPUs) unless OFF says otherwise; dropout 0 so the encoder
+# families run the compiled layer too.  `--set 2gpu-all`.
+GQA_SMALL = {"model.num_layers": 12, "model.hidden_size": 768, "model.num_attention_heads": 12,
+             "model.num_query_groups": 4, "model.seq_length": 1024, "model.max_position_embeddings": 1024}
+TP2, SP = {"parallel.tensor_parallel": 2}, {"parallel.sequence_parallel": True}
+PP2, VPP2 = {"parallel.pipeline_parallel": 2}, {"parallel.virtual_pipeline_parallel": 2}
+DISTOPT = {"parallel.distributed_optimizer": True}
+TWO_GPU_ALL: dict[str, tuple[int, str, dict]] = {
+    # the rows issue 40 found low on reserved, first (eager, as measured there)
+    "g2s-tp2-eager": (2, "gpt2-small", {"train.micro_batch_size": 4, **TP2, **OFF}),
+    "g2m-pp2-vpp2-eager": (2, "gpt2-medium", {"train.micro_batch_size": 4, **PP2, **VPP2, **OFF}),
+    "g2s-tp2": (2, "gpt2-small", {"train.micro_batch_size": 8, **TP2}),
+    "g2s-tp2-sp": (2, "gpt2-small", {"train.micro_batch_size": 8, **TP2, **SP}),
+    "g2s-pp2": (2, "gpt2-small", {"train.micro_batch_size": 8, **PP2}),
+    "g2m-pp2-vpp2": (2, "gpt2-medium", {"train.micro_batch_size": 4, **PP2, **VPP2}),
+    "g2s-dp2-distopt": (2, "gpt2-small", {"train.micro_batch_size": 8, **DISTOPT}),
+    "llama-gqa-tp2-sp": (2, "llama-small", {**GQA_SMALL, "train.micro_batch_size": 4, **TP2, **SP}),
+    "llama-gqa-pp2": (2, "llama-small", {**GQA_SMALL, "train.micro_batch_size": 4, **PP2}),
+    "bert-base-tp2-sp": (2, "bert-base", {"train.micro_batch_size": 8, **NO_DROPOUT, **TP2, **SP}),
+    "bert-base-pp2": (2, "bert-base", {"train.micro_batch_size": 8, **NO_DROPOUT, **PP2}),
+    "bert-base-pp2-vpp2": (2, "bert-base", {"train.micro_batch_size": 8, **NO_DROPOUT, **PP2, **VPP2}),
+    "bert-base-dp2": (2, "bert-base", {"train.micro_batch_size": 8, **NO_DROPOUT}),
+    "t5-base-tp2": (2, "t5-base", {"train.micro_batch_size": 16, **NO_DROPOUT, **TP2}),
+    "t5-base-dp2-distopt": (2, "t5-base", {"train.micro_batch_size": 16, **NO_DROPOUT, **DISTOPT}),
+    # Llama-3.2-1B at its preset batch (micro-batch 4, sequence 2048)
+    "llama1b-tp2": (2, "llama3.2-1b", {**TP2}),
+    "llama1b-pp2": (2, "llama3.2-1b", {**PP2}),
+}
+
 # One GPU (issue 26), in priority order (the deadline drops the tail): name -> (preset, overrides).
 # The workbench defaults (compile_kernels and cuda_graphs on) unless OFF / NOGRAPHS say otherwise.
 ONE_GPU: dict[str, tuple[str, dict]] = {
@@ -123,7 +166,7 @@ def _common(device: str) -> dict:
 
 
 def names_of(which: str) -> list[str]:
-    return list(ONE_GPU if which == "1gpu" else TWO_GPU)
+    return list({"1gpu": ONE_GPU, "2gpu": TWO_GPU, "2gpu-all": TWO_GPU_ALL}[which])
 
 
 def make_config(name: str, device: str = "cuda", tiny: bool = False):
@@ -134,6 +177,10 @@ def make_config(name: str, device: str = "cuda", tiny: bool = False):
         gpus, (base, ov) = 1, ONE_GPU[name]
         ov = {**ov}
         micro = 4 if base != "demo-small" else None  # demo-small keeps its preset's batch (16 x 2)
+    elif name in TWO_GPU_ALL:
+        gpus, base, ov = TWO_GPU_ALL[name]
+        ov = {**ov}
+        micro = 4 if not base.startswith("llama3") else None  # Llama-3.2-1B keeps its preset's batch (4 x 16)
     else:
         gpus, ov = TWO_GPU[name]
         base, ov, micro = "gpt2-small", {**_TWO_GPU_BASE, **ov}, 4
@@ -145,16 +192,23 @@ def make_config(name: str, device: str = "cuda", tiny: bool = False):
                                                     "model.attention_backend"):
                 ov.pop(k)
         ov.update({"model.num_layers": 4, "model.hidden_size": 64, "model.num_attention_heads": 4, "model.seq_length": 64,
-                   "model.max_position_embeddings": 128, "model.vocab_size": 4096, "train.micro_batch_size": 2})
-        if keep_h:
+                   "model.max_position_embeddings": 128, "model.vocab_size": 4096, "train.micro_batch_size": 2,
+                   "train.compile_kernels": False})
+        if keep_h or base.startswith("llama"):
             ov["model.num_query_groups"] = 2
+        if base.startswith("t5"):
+            ov.update({"model.decoder_num_layers": 4, "model.decoder_seq_length": 16, "model.kv_channels": 16,
+                       "model.ffn_hidden_size": 128})
+        if base.startswith("llama3"):
+            ov.update({"model.ffn_hidden_size": 128, "model.rotary_base": 10000.0})
+        micro = micro or 2
     mbs = ov.get("train.micro_batch_size", preset(base).train.micro_batch_size)
     dp = gpus // (ov.get("parallel.tensor_parallel", 1) * ov.get("parallel.pipeline_parallel", 1))
     ov.update({"parallel.nproc_per_node": gpus})
     if micro is not None:
         ov["train.global_batch_size"] = mbs * dp * micro
     cfg = preset(base, **{**_common(device), **ov})
-    if name in ONE_GPU:
+    if name in ONE_GPU or name in TWO_GPU_ALL:
         cfg = cfg.replace(name=name)
     return gpus, cfg
 
@@ -185,6 +239,67 @@ def _pools(torch) -> dict:
     return pools
 
 
+#: the allocator counters kept per rank (``torch.cuda.memory_stats`` keys)
+STAT_KEYS = ("reserved_bytes.all.peak", "reserved_bytes.all.current", "reserved_bytes.large_pool.peak",
+             "reserved_bytes.small_pool.peak", "allocated_bytes.all.peak", "allocated_bytes.all.current",
+             "active_bytes.all.peak", "active_bytes.all.current", "requested_bytes.all.peak",
+             "inactive_split_bytes.all.peak", "inactive_split_bytes.all.current", "segment.all.peak",
+             "segment.all.current", "segment.large_pool.current", "segment.small_pool.current", "num_device_alloc",
+             "num_device_free", "num_alloc_retries", "num_ooms", "num_sync_all_streams", "max_split_size")
+
+
+def _alloc_stats(torch) -> dict:
+    st = torch.cuda.memory_stats()
+    return {k: int(st[k]) for k in STAT_KEYS if k in st}
+
+
+def _pid_used_bytes() -> int | None:
+    """This process's device memory as the driver counts it (``nvidia-smi``): everything it holds on its
+    GPU -- CUDA context, torch's segments, NCCL's buffers -- whatever other jobs share the GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
+            return int(parts[1]) * 2**20
+    return None
+
+
+def _device_point(torch, where: str) -> dict:
+    """Device memory at one moment: what torch's allocator holds, and what lies outside it (device-wide
+    and this process's own)."""
+    free, total = torch.cuda.mem_get_info()
+    reserved = int(torch.cuda.memory_reserved())
+    pid = _pid_used_bytes()
+    return {"where": where, "device_used": int(total - free), "device_total": int(total), "torch_reserved": reserved,
+            "torch_allocated": int(torch.cuda.memory_allocated()), "outside_torch_device": int(total - free) - reserved,
+            "process_used": pid, "outside_torch_process": None if pid is None else pid - reserved}
+
+
+def _segments(torch, top: int = 12) -> dict:
+    """Reserved bytes by (stream, pool) and the largest segments (size, allocated, blocks, stream)."""
+    by: dict[str, dict] = {}
+    segs = []
+    for seg in torch.cuda.memory_snapshot():
+        key = f"stream {seg.get('stream', 0)} pool {tuple(seg.get('segment_pool_id') or (0, 0))}"
+        b = by.setdefault(key, {"reserved": 0, "allocated": 0, "segments": 0})
+        b["reserved"] += int(seg["total_size"])
+        b["allocated"] += int(seg.get("allocated_size", 0))
+        b["segments"] += 1
+        segs.append({"size": int(seg["total_size"]), "allocated": int(seg.get("allocated_size", 0)),
+                     "active": int(seg.get("active_size", 0)), "blocks": len(seg.get("blocks", [])),
+                     "stream": int(seg.get("stream", 0)), "type": seg.get("segment_type")})
+    segs.sort(key=lambda x: -x["size"])
+    sizes = [x["size"] for x in segs]
+    hist = {"<=2MiB": sum(1 for n in sizes if n <= 2 * 2**20), "<=20MiB": sum(1 for n in sizes if 2 * 2**20 < n <= 20 * 2**20),
+            "<=256MiB": sum(1 for n in sizes if 20 * 2**20 < n <= 256 * 2**20), ">256MiB": sum(1 for n in sizes if n > 256 * 2**20)}
+    free_in_segments = sum(x["size"] - x["allocated"] for x in segs)
+    return {"by_stream_pool": by, "largest": segs[:top], "count_by_size": hist, "unallocated_in_segments": free_in_segments}
+
+
 def child(args: argparse.Namespace) -> int:
     """One rank: the backend's Trainer, with the allocator's peaks recorded per step."""
     from workbench.config import apply_rank_environment, load_config
@@ -193,13 +308,26 @@ def child(args: argparse.Namespace) -> int:
     apply_rank_environment(cfg)
     import torch
 
+    from workbench.backend import distributed
     from workbench.backend.train import Trainer, teardown
 
     run_dir = Path(args.run_dir)
     rank = int(os.environ.get("RANK", "0"))
     cuda = cfg.parallel.device == "cuda"
+    rec: dict = {"rank": rank, "steps": [], "points": []}
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.init()
+        rec["points"].append(_device_point(torch, "cuda_context"))
+        made = distributed.initialize
+
+        def initialize(*a, **kw):  # the process groups (NCCL communicators come at their first collective)
+            out = made(*a, **kw)
+            rec["points"].append(_device_point(torch, "process_groups"))
+            return out
+
+        distributed.initialize = initialize
     tr = Trainer(cfg, run_dir)
-    rec: dict = {"rank": rank, "steps": []}
 
     def mem() -> dict:
         if not cuda:
@@ -211,6 +339,9 @@ def child(args: argparse.Namespace) -> int:
 
     tr.setup()
     rec["setup"] = mem()
+    if cuda:
+        rec["points"].append(_device_point(torch, "after_setup"))
+        rec["stats_setup"] = _alloc_stats(torch)
     inner = tr.train_step
 
     def step() -> dict:
@@ -221,14 +352,21 @@ def child(args: argparse.Namespace) -> int:
         if cuda:
             torch.cuda.synchronize()
         rec["steps"].append({**mem(), "seconds": round(time.time() - t0, 2)})
+        if cuda:
+            rec["steps"][-1]["stats"] = _alloc_stats(torch)  # peaks of this step's window
         if len(rec["steps"]) == 1 and cuda:
             rec["pools_after_step1"] = _pools(torch)
+            rec["points"].append(_device_point(torch, "after_step1"))
+            rec["segments_after_step1"] = _segments(torch)
         return res
 
     tr.train_step = step
     code = tr._loop()
     if cuda:
         rec["pools"] = _pools(torch)
+        rec["points"].append(_device_point(torch, "end"))
+        rec["segments"] = _segments(torch)
+        rec["stats_end"] = _alloc_stats(torch)
         rec["peak_allocated"] = max([s["peak_allocated"] for s in rec["steps"]] + [rec["setup"]["peak_allocated"]])
         rec["peak_reserved"] = max([s["peak_reserved"] for s in rec["steps"]] + [rec["setup"]["peak_reserved"]])
         rec["device"] = torch.cuda.get_device_name()
@@ -291,6 +429,9 @@ def records(name: str, cfg, gpus: int, overrides: dict, run_dir: Path, rc: int, 
             "measured_allocated": alloc, "measured_reserved": res,
             "measured_peak": alloc,  # the older records' name for the allocated peak
             "setup": m.get("setup"), "steps": m["steps"], "pools": m.get("pools"), "pools_after_step1": m.get("pools_after_step1"),
+            "device_points": m.get("points"), "segments": m.get("segments"), "segments_after_step1": m.get("segments_after_step1"),
+            "stats_setup": m.get("stats_setup"), "stats_end": m.get("stats_end"),
+            "predicted_overheads": st.overheads, "predicted_detail": {k: v for k, v in st.detail.items() if k != "params"},
             "predicted_allocated": rk.peak_allocated, "predicted_reserved": rk.peak_reserved, "predicted_total": rk.total,
             "predicted": rk.peak_allocated, "predicted_components": st.components, "predicted_phase": st.peak_phase,
             "predicted_reserved_terms": st.reserved_terms, "decides": plan.decides,
@@ -312,7 +453,8 @@ def _budget_bytes(cfg) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--set", default="1gpu", choices=["1gpu", "2gpu"], help="1gpu: issue 26's one-GPU matrix; 2gpu: the earlier 2-GPU matrix")
+    ap.add_argument("--set", default="1gpu", choices=["1gpu", "2gpu", "2gpu-all"],
+                    help="1gpu: issue 26's one-GPU matrix; 2gpu: the earlier 2-GPU matrix; 2gpu-all: every family's two-GPU layouts")
     ap.add_argument("--out", default=None, help="JSON lines to append to (default evidence/planner_1gpu.jsonl or planner_measurements.jsonl)")
     ap.add_argument("--only", default="", help="comma-separated config names (default: all of the set)")
     ap.add_argument("--list", action="store_true")
@@ -320,6 +462,8 @@ def main() -> int:
     ap.add_argument("--keep", default=None, help="keep run directories here (default: a temp dir, removed)")
     ap.add_argument("--deadline", type=float, default=0, help="seconds: start no job after 85%% of it, stop running ones at it (0: none)")
     ap.add_argument("--concurrent", type=int, default=4, help="one-GPU jobs sharing a GPU at once (memory budget permitting)")
+    ap.add_argument("--concurrent-multi", type=int, default=1,
+                    help="multi-GPU jobs at once (1: alone, so the device-wide memory outside torch is this job's)")
     ap.add_argument("--gpu-bytes", type=float, default=76 * GiB, help="memory budget of one GPU for concurrent jobs")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -329,10 +473,10 @@ def main() -> int:
         return child(args)
     from workbench.config import ConfigError
 
-    every = {**{n: 1 for n in ONE_GPU}, **{n: g for n, (g, _) in TWO_GPU.items()}}
+    every = {**{n: 1 for n in ONE_GPU}, **{n: g for n, (g, _) in TWO_GPU.items()}, **{n: g for n, (g, _, _) in TWO_GPU_ALL.items()}}
     if args.list:
         for n in names_of(args.set):
-            print(f"{n:32s} {every[n]} GPU(s)  {(ONE_GPU.get(n) or TWO_GPU.get(n))}")
+            print(f"{n:32s} {every[n]} GPU(s)  {(ONE_GPU.get(n) or TWO_GPU.get(n) or TWO_GPU_ALL.get(n))}")
         return 0
     names = [n for n in (args.only.split(",") if args.only else names_of(args.set)) if n]
     unknown = [n for n in names if n not in every]
@@ -342,11 +486,12 @@ def main() -> int:
     tiny = args.device == "cpu"
     stamp = _stamp()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="planner-measure-"))
-    out = Path(args.out or (ROOT / "evidence" / ("planner_1gpu.jsonl" if args.set == "1gpu" else "planner_measurements.jsonl")))
+    out = Path(args.out or (ROOT / "evidence" / {"1gpu": "planner_1gpu.jsonl", "2gpu": "planner_measurements.jsonl",
+                                                  "2gpu-all": "planner_2gpu.jsonl"}[args.set]))
     out.parent.mkdir(parents=True, exist_ok=True)
     fh = open(out, "a")
     t_all = time.time()
-    overrides = {n: (ONE_GPU[n][1] if n in ONE_GPU else TWO_GPU[n][1]) for n in names}
+    overrides = {n: (ONE_GPU[n][1] if n in ONE_GPU else TWO_GPU_ALL[n][2] if n in TWO_GPU_ALL else TWO_GPU[n][1]) for n in names}
 
     def finish(name: str, cfg, gpus: int, rc: int, t0: float) -> None:
         recs = records(name, cfg, gpus, overrides[name], work / name, rc, time.time() - t0, stamp)
@@ -372,25 +517,41 @@ def main() -> int:
         import torch
 
         n_gpus = torch.cuda.device_count()
-    singles = [n for n in names if every[n] == 1]
-    multi = [n for n in names if every[n] > 1]
-    if not tiny and multi and n_gpus < 2:
-        print(f"only {n_gpus} GPU(s): skipping the multi-GPU configs {multi}", flush=True)
-        multi = []
-    # one-GPU jobs share the GPUs under a memory budget (CPU self-check: one at a time)
+    too_big = [n for n in names if every[n] > max(n_gpus, 1) and not tiny]
+    if too_big:
+        print(f"only {n_gpus} GPU(s): skipping {too_big}", flush=True)
+    # Jobs share the GPUs under a memory budget: a one-GPU job takes the least-used GPU, a job of g GPUs
+    # takes GPUs 0..g-1 (at most --concurrent per GPU; multi-GPU jobs at most --concurrent-multi at once).
+    # The CPU self-check runs one job at a time.
     lanes = list(range(max(n_gpus, 1)))
     cap = 1 if tiny else args.concurrent
+    cap_multi = 1 if tiny else args.concurrent_multi
     pending = []
-    for n in singles:
+    for n in names:
+        if n in too_big:
+            continue
         try:
             g, cfg = make_config(n, args.device, tiny)
         except ConfigError as err:
             print(f"{n}: bad config: {err}", flush=True)
             continue
         pending.append((n, g, cfg, 0.0 if tiny else _budget_bytes(cfg)))
-    running: list[tuple] = []  # (name, gpus, cfg, proc, t0, lane, bytes)
+    pending.sort(key=lambda p: p[1])  # one-GPU jobs first (as before), then the multi-GPU ones in their order
+    running: list[tuple] = []  # (name, gpus, cfg, proc, t0, lanes, bytes)
     used = {lane: 0.0 for lane in lanes}
     late = False
+
+    def room(g: int, need: float) -> list[int] | None:
+        use = [min(lanes, key=lambda ln: used[ln])] if g == 1 else lanes[:g]
+        busy = [r for r in running if set(r[5]) & set(use)]
+        if not busy:
+            return use
+        if g > 1 and sum(1 for r in running if r[1] > 1) >= cap_multi:
+            return None
+        if all(sum(1 for r in running if ln in r[5]) < cap and used[ln] + need <= args.gpu_bytes for ln in use):
+            return use
+        return None
+
     while pending or running:
         elapsed = time.time() - t_all
         if args.deadline and elapsed > 0.85 * args.deadline and pending:
@@ -400,20 +561,21 @@ def main() -> int:
         while started and pending:
             started = False
             for i, (n, g, cfg, need) in enumerate(pending):
-                lane = min(lanes, key=lambda ln: used[ln])
-                on_lane = sum(1 for r in running if r[5] == lane)
-                if on_lane < cap and (used[lane] + need <= args.gpu_bytes or on_lane == 0):
-                    proc = launch(n, cfg, g, work, port, None if tiny else str(lane))
-                    port += 1
-                    running.append((n, g, cfg, proc, time.time(), lane, need))
-                    used[lane] += need
-                    pending.pop(i)
-                    started = True
-                    print(f"[{time.time() - t_all:6.1f}s] started {n} (lane {lane}, budget {need / GiB:.1f} GiB)", flush=True)
-                    break
+                use = room(g, need)
+                if use is None:
+                    continue
+                proc = launch(n, cfg, g, work, port, None if tiny else ",".join(map(str, use)))
+                port += 1
+                running.append((n, g, cfg, proc, time.time(), use, need))
+                for ln in use:
+                    used[ln] += need
+                pending.pop(i)
+                started = True
+                print(f"[{time.time() - t_all:6.1f}s] started {n} (GPUs {use}, budget {need / GiB:.1f} GiB each)", flush=True)
+                break
         time.sleep(1.0)
         for r in list(running):
-            n, g, cfg, proc, t0, lane, need = r
+            n, g, cfg, proc, t0, use, need = r
             rc = proc.poll()
             if rc is None and args.deadline and time.time() - t_all > args.deadline:
                 os.killpg(proc.pid, 9)
@@ -421,17 +583,9 @@ def main() -> int:
                 print(f"[{time.time() - t_all:6.1f}s] {n}: killed at the deadline", flush=True)
             if rc is not None:
                 running.remove(r)
-                used[lane] -= need
+                for ln in use:
+                    used[ln] -= need
                 finish(n, cfg, g, rc, t0)
-    for name in multi:
-        if args.deadline and time.time() - t_all > 0.85 * args.deadline:
-            print(f"deadline: not starting {name}", flush=True)
-            continue
-        gpus, cfg = make_config(name, args.device, tiny)
-        t0 = time.time()
-        proc = launch(name, cfg, gpus, work, port, None if tiny else ",".join(str(i) for i in range(gpus)))
-        finish(name, cfg, gpus, proc.wait(), t0)
-        port += 1
     fh.close()
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

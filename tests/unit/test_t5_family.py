@@ -191,3 +191,19 @@ def test_a_local_t5_style_tokenizer_directory_is_found(tmp_path):
     assert (v.pad, v.eos) == (0, 1) and v.sentinels[:2] == [3, 4] and len(v.sentinels) == 100
     problems = preset("t5-tiny", **{"data.tokenizer": str(tmp_path)}).validate()
     assert problems == []
+
+
+def test_hf_export_of_a_corpus_trained_checkpoint_carries_its_tokenizers_special_ids():
+    """A T5 trained on the corpus with ``demo-t5`` (pad 1, EOS 0) exports a config HF ``generate`` starts the
+    decoder with pad 1 and stops at EOS 0, as training and the workbench's generation did; synthetic data's ids
+    are HF T5's defaults; an imported HF config's ids win."""
+    from workbench.models.t5.hf import hf_config_dict_from_run
+
+    demo = preset("t5-tiny", **{"data.source": "demo"})
+    v = check_t5_tokenizer("demo-t5")
+    out = hf_config_dict_from_run(demo, "t5")
+    assert (out["pad_token_id"], out["eos_token_id"], out["decoder_start_token_id"]) == (v.pad, v.eos, v.pad) == (1, 0, 1)
+    synthetic = hf_config_dict_from_run(preset("t5-tiny", **{"data.source": "synthetic"}), "t5")
+    assert (synthetic["pad_token_id"], synthetic["eos_token_id"], synthetic["decoder_start_token_id"]) == (0, 1, 0)
+    imported = hf_config_dict_from_run(demo, "t5", {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0})
+    assert (imported["pad_token_id"], imported["eos_token_id"]) == (0, 1)

@@ -83,10 +83,25 @@ def infer_model_type(m: ModelConfig) -> str:
     return "t5"
 
 
+def _tokenizer_ids(cfg: RunConfig) -> dict[str, int]:
+    """Pad, EOS and decoder start of the tokenizer a checkpoint trained with (what its span corruption and
+    generation used: ``demo-t5``'s pad is 1 and EOS 0); synthetic data's are HF T5's defaults (pad 0, EOS 1)."""
+    if cfg.data.source == "synthetic" or not cfg.data.tokenizer:
+        return {}
+    from workbench.models.t5.spans import check_t5_tokenizer
+
+    try:
+        v = check_t5_tokenizer(cfg.data.tokenizer)
+    except Exception:  # a tokenizer that is not here or not T5's: HF T5's defaults
+        return {}
+    return {"pad_token_id": v.pad, "eos_token_id": v.eos, "decoder_start_token_id": v.decoder_start}
+
+
 def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | None = None, dtype: str = "float32") -> dict[str, Any]:
-    """config.json content for the exported HF model (token ids kept from an imported config)."""
+    """config.json content for the exported HF model: token ids from an imported HF config, else from the
+    checkpoint's own tokenizer (:func:`_tokenizer_ids`)."""
     m = cfg.model
-    extra = dict(hf_extra or {})
+    extra = {**_tokenizer_ids(cfg), **dict(hf_extra or {})}
     ff = {("relu", "none"): "relu", ("geglu", "tanh"): "gated-gelu", ("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_new",
           ("swiglu", "none"): "gated-silu"}[(m.activation, m.gelu_approximate if m.activation in ("gelu", "geglu") else "none")]
     out = {
