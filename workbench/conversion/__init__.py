@@ -193,7 +193,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         x.add_argument("--force", action="store_true", help="replace an existing --out")
         x.add_argument("--print-checkpoint-structure", action="store_true", help="list every tensor (name, shape, dtype)")
 
-    h = csub.add_parser("hf-to-megatron", help=f"HF model dir ({_hf_types()}) -> workbench checkpoint + config")
+    h = csub.add_parser("hf-to-megatron", help=f"HF model dir ({_hf_types()}) -> workbench checkpoint + config",
+                        description=f"A local Hugging Face model directory ({_hf_types()}) -> workbench checkpoint + config.")
     h.add_argument("--hf", required=True, help="local HF model directory (config.json + safetensors or .bin)")
     common(h)
     layout(h)
