@@ -131,7 +131,6 @@ def find_checkpoint(path: str | Path) -> Path:
             "the save was interrupted or this is not a workbench checkpoint) -> use an earlier iteration, "
             "or import foreign checkpoints with `workbench convert`")
     tracker = p / TRACKER_FILE
-    complete = list_checkpoints(p)
     if tracker.is_file():
         text = tracker.read_text().strip()
         if text.isdigit():
@@ -139,6 +138,7 @@ def find_checkpoint(path: str | Path) -> Path:
             if _is_complete(d):
                 _refuse_newer_damaged(p, d)
                 return d
+    complete = list_checkpoints(p)
     if complete:
         _refuse_newer_damaged(p, complete[-1])
         return complete[-1]
@@ -182,7 +182,7 @@ def _refuse_newer_damaged(root: Path, chosen: Path) -> None:
         why = _unreadable_metadata(d)
         if why:
             raise CheckpointError(
-                f"the newest checkpoint {d} cannot be read: {d / METADATA_FILE} is damaged ({why}) -> copy the checkpoint "
+                f"a newer checkpoint {d} cannot be read: {d / METADATA_FILE} is damaged ({why}) -> copy the checkpoint "
                 f"again from its source, or load the older iteration explicitly: point at {chosen}")
 
 
@@ -238,7 +238,8 @@ def load_problems(cfg: Any) -> list:
     """Why ``cfg.checkpoint.load_dir`` would not load into ``cfg``, from the checkpoint's
     ``workbench.json`` alone (no process, no megatron-core), so a launch is refused with the
     field and the fix before any rank starts: a missing or incomplete checkpoint, another
-    architecture, and for a resume (not ``finetune``) missing or differently sharded optimizer state.
+    architecture, and for a resume (not ``finetune``) a ``train.train_iters`` the checkpoint has already reached
+    (0 steps to train) and missing or differently sharded optimizer state.
     """
     from workbench.config import ConfigError, Problem, pad_vocab_size
 

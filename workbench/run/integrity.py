@@ -183,7 +183,8 @@ def safe_torch_load(f: Any, *, source: str, allow: tuple = (), error: type[Excep
     except (RuntimeError, EOFError, ValueError, OSError, AttributeError, IndexError, KeyError, UnicodeDecodeError) as e:
         if isinstance(e, FileNotFoundError):
             raise error(f"{source} is missing -> check the path") from None
-        raise error(f"{source} is damaged: it does not load as a torch file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}) "
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise error(f"{source} is damaged: it does not load as a torch file ({type(e).__name__}: {first}) "
                     "-> copy it again from its source") from None
 
 
@@ -426,9 +427,9 @@ def safe_dist_reading() -> Iterator[None]:
 
     ``FileSystemReader.read_metadata`` (and so megatron's cached subclass) reads ``.metadata`` with
     :class:`MetadataUnpickler`; ``DefaultLoadPlanner.load_bytes`` (megatron's planner inherits it)
-    and megatron-core's ``load_common`` (a legacy ``common.pt``) load through :func:`safe_torch_load`.  A refusal inside torch's load (which wraps
-    it in its ``CheckpointException``) comes out as the :class:`CheckpointError`.  Re-entrant;
-    restored on exit.
+    and megatron-core's ``load_common`` (a legacy ``common.pt``) load through :func:`safe_torch_load`.
+    A refusal inside torch's load (which wraps it in its ``CheckpointException``) comes out as the
+    :class:`CheckpointError`.  Re-entrant; restored on exit.
     """
     global _patch_depth, _saved
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
