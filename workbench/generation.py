@@ -151,29 +151,31 @@ def _visible_gpus() -> int:
         return 0
 
 
-def layout_problems(info: CheckpointInfo, tp: int, pp: int, device: str) -> list[Problem]:
-    """Why generating from ``info`` at ``tp`` x ``pp`` on ``device`` cannot work, before any process starts:
-    the model's own rules for the layout (heads, query groups, FFN width divisible by tp; layers >= pp)
-    and the device (a GPU per rank for 'cuda')."""
+def layout_problems(info: CheckpointInfo, tp: int, pp: int, device: str, vpp: int | None = None) -> list[Problem]:
+    """Why running the model of ``info`` at ``tp`` x ``pp`` (``vpp`` chunks per stage) on ``device`` cannot work,
+    before any process starts: the model's own rules for the layout (heads, query groups, FFN width divisible by
+    tp; layers >= pp) and the device (a GPU per rank for 'cuda').  Generation and ``workbench convert verify``
+    call it."""
     out: list[Problem] = []
-    for name, v in (("tp", tp), ("pp", pp)):
+    for name, v in (("tp", tp), ("pp", pp), ("vpp", vpp or 1)):
         if int(v) < 1:
             out.append(Problem(name, f"{name} is {v}", f"pass --{name} >= 1 (default: the checkpoint's)"))
     if out:
         return out
-    over = {"parallel.nnodes": 1, "parallel.sequence_parallel": False, "parallel.virtual_pipeline_parallel": None,
-            "parallel.recompute": "none", "parallel.device": device}
+    over = {"parallel.nnodes": 1, "parallel.sequence_parallel": False, "parallel.recompute": "none", "parallel.device": device}
+    flags = {"parallel.pipeline_parallel": "pp", "parallel.virtual_pipeline_parallel": "vpp"}
 
-    def rules(t: int, p: int) -> list[Problem]:
+    def rules(t: int, p: int, v: int | None) -> list[Problem]:
         c = info.config.replace(**over, **{"parallel.tensor_parallel": t, "parallel.pipeline_parallel": p,
-                                           "parallel.nproc_per_node": t * p})
+                                           "parallel.virtual_pipeline_parallel": v, "parallel.nproc_per_node": t * p})
         return [x for x in c.validate() if x.field.startswith(("model.", "parallel."))]
 
-    base = {str(x) for x in rules(info.config.parallel.tensor_parallel, info.config.parallel.pipeline_parallel)}
-    for x in rules(tp, pp):  # only what this layout breaks (the checkpoint's own layout loaded when it was saved)
+    c = info.config.parallel
+    base = {str(x) for x in rules(c.tensor_parallel, c.pipeline_parallel, None)}
+    for x in rules(tp, pp, vpp if vpp and vpp > 1 else None):  # only what this layout breaks (the checkpoint's own loaded)
         if str(x) not in base:
-            flag = "pp" if x.field == "parallel.pipeline_parallel" else "tp"
-            out.append(Problem(flag, f"{x.rule} ({x.field} at {flag} {tp if flag == 'tp' else pp})",
+            flag = flags.get(x.field, "tp")
+            out.append(Problem(flag, f"{x.rule} ({x.field} at {flag} {dict(tp=tp, pp=pp, vpp=vpp)[flag]})",
                                f"{x.fix} (pass --{flag}; default: the checkpoint's {flag})"))
     if device == "cuda":
         gpus = _visible_gpus()

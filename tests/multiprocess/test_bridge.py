@@ -226,12 +226,13 @@ def _fake_checkpoint(root: Path, cfg, *, has_optimizer: bool) -> Path:
     import torch.distributed.checkpoint as dcp
 
     from workbench.backend.checkpointing import FORMAT, METADATA_FILE, TRACKER_FILE, iter_dir_name
+    from workbench.run.integrity import file_manifest
 
     d = root / iter_dir_name(3)
     d.mkdir(parents=True)
     dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
     (d / METADATA_FILE).write_text(json.dumps({"format": FORMAT, "iteration": 3, "config": cfg.to_dict(),
-                                               "has_optimizer": has_optimizer, "complete": True}))
+                                               "has_optimizer": has_optimizer, "files": file_manifest(d), "complete": True}))
     (root / TRACKER_FILE).write_text("3")
     return root
 

@@ -191,18 +191,50 @@ def test_damaged_checkpoint_is_named_with_the_fix(ckpt, tmp_path, capsys, damage
     assert rc != 0 and str(target) in out and says in out, out
 
 
-def test_truncation_is_caught_without_the_manifest(ckpt):
-    """Checkpoints saved before the manifest existed: .metadata's own index gives every file's extent."""
+def test_a_checkpoint_without_its_checksum_list_is_refused_until_trusted(ckpt, tmp_path, capsys):
+    """With the list removed, a corrupted data file would load unnoticed: refused everywhere (exit 2, the fix named);
+    a truncated file is still named from .metadata's own index; `workbench convert trust` records the list."""
     from workbench.run.integrity import verify_checkpoint
 
-    _, d = ckpt
+    root, d = ckpt
     meta = json.loads((d / "workbench.json").read_text())
     del meta["files"]
     (d / "workbench.json").write_text(json.dumps(meta))
-    verify_checkpoint(d)
+    _flip(d / "__0_0.distcp")  # what the list would have caught
+    with pytest.raises(CheckpointError, match="records no checksums") as e:
+        verify_checkpoint(d)
+    assert f"workbench convert trust --ckpt {d}" in str(e.value)
+    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
+    assert rc == 2 and "records no checksums" in out and "Traceback" not in out, out
+    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
+    assert rc == 2 and "records no checksums" in out, out
     _truncate(d / "__0_0.distcp")
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp is truncated"):
         verify_checkpoint(d)
+    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    assert rc == 2 and "truncated" in out, out  # a damaged copy is not trusted
+
+
+def test_trust_records_the_list_of_a_sound_copy_and_refuses_foreign_files(ckpt, capsys):
+    from workbench.run.integrity import verify_checkpoint
+
+    root, d = ckpt
+    meta = json.loads((d / "workbench.json").read_text())
+    saved = meta.pop("files")
+    (d / "workbench.json").write_text(json.dumps(meta))
+    (d / "common.pt").write_bytes(b"not from a save")
+    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    assert rc == 2 and str(d / "common.pt") in out and "never writes" in out, out
+    os.remove(d / "common.pt")
+    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    assert rc == 0 and "recorded the checksums of 3 files" in out, out
+    assert json.loads((d / "workbench.json").read_text())["files"] == saved
+    verify_checkpoint(d)
+    _flip(d / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        verify_checkpoint(d)
+    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    assert rc == 2 and "already records its checksums" in out, out
 
 
 def test_damage_names_an_earlier_iteration_to_load(ckpt):

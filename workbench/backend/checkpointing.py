@@ -155,8 +155,10 @@ def _fault_point(where: str, iteration: int) -> None:
 
     ``WORKBENCH_FAULT="<where>:<iteration>:<rank>:sleep=<s>"`` makes that rank sleep at that point of
     ``save_checkpoint`` (``save``: before writing, ``saved``: after its shards are written, before the
-    rename), so a test can SIGKILL it mid-save; ``...:fsize=<bytes>`` caps the size of every file the rank
-    writes from then on (``RLIMIT_FSIZE``; writes past it fail with EFBIG, as on a full disk).
+    rename, ``meta``: rank 0 only, before it writes ``workbench.json``), so a test can SIGKILL it mid-save;
+    ``...:fsize=<bytes>`` caps the size of every file the rank writes from then on (``RLIMIT_FSIZE``; writes past
+    it fail with EFBIG, as on a full disk); ``...:oserror=<errno>`` raises that ``OSError`` there (e.g. 28,
+    ENOSPC: the disk filled up just then).
     """
     spec = os.environ.get("WORKBENCH_FAULT")
     if not spec:
@@ -173,6 +175,8 @@ def _fault_point(where: str, iteration: int) -> None:
         import time
 
         time.sleep(float(value))
+    elif kind == "oserror":
+        raise OSError(int(value), os.strerror(int(value)))
     elif kind == "fsize":
         import resource
         import signal
@@ -475,32 +479,63 @@ def save_checkpoint(
                                  if last else "no earlier checkpoint exists")) from e
     _barrier()
 
+    failure = None
     if _rank() == 0:
-        cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-        meta = {
-            "format": FORMAT,
-            "iteration": int(iteration),
-            "config": cfg_dict,
-            "tokenizer": tokenizer,
-            "has_optimizer": optimizer is not None,
-            "has_scheduler": scheduler is not None,
-            "has_rng": bool(rng),
-            "num_model_chunks": len(chunks),
-            "extra": _jsonable(dict(extra or {})),
-            "files": file_manifest(tmp),  # size + SHA-256 of every file: verify_checkpoint names a damaged one
-            "complete": True,
-        }
-        _fsync_write(tmp / METADATA_FILE, json.dumps(meta, indent=2))
-        old = None
-        if final.exists():  # re-saving the same iteration: keep the old one until the new one is in place
-            old = root / partial_dir_name(final.name, "old")
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        write_text_atomic(root / TRACKER_FILE, str(int(iteration)))
-    _barrier()
+        try:
+            _finish_save(root, tmp, final, iteration, chunks, cfg, optimizer, scheduler, extra, tokenizer, rng)
+        except OSError as e:  # a full disk or a file size limit while workbench.json / the tracker is written
+            shutil.rmtree(tmp, ignore_errors=True)
+            tracker = root / TRACKER_FILE
+            last = tracker.read_text().strip() if tracker.is_file() else None
+            failure = (f"{root}: saving the checkpoint of iteration {iteration} failed on rank 0 while writing its "
+                       f"{METADATA_FILE}: {type(e).__name__}: {e}{_space_note(root)} -> free disk space (or raise the file "
+                       "size limit) and resume; " + (f"the last complete checkpoint (iteration {last}) is intact and still the latest"
+                                                     if last else "no earlier checkpoint exists"))
+    failure = _broadcast_obj(failure)  # every rank fails alike (no rank left waiting at a barrier)
+    if failure:
+        raise CheckpointSaveError(failure)
     return final
+
+
+def _tokenizer_record(tokenizer: Any) -> Any:
+    """The tokenizer spec as a checkpoint records it: a path that exists here becomes absolute (so an exporter
+    run from another directory finds it), anything else (a name such as ``demo``) is kept as given."""
+    named = ("demo", "demo-wordpiece", "demo-t5")  # what workbench.data.tokenizer.load_tokenizer reads as names
+    if isinstance(tokenizer, (str, Path)) and str(tokenizer) and str(tokenizer) not in named:
+        p = Path(tokenizer).expanduser()
+        if p.exists():
+            return str(p.resolve())
+    return tokenizer
+
+
+def _finish_save(root: Path, tmp: Path, final: Path, iteration: int, chunks: list, cfg: Any, optimizer: Any,
+                 scheduler: Any, extra: dict | None, tokenizer: Any, rng: bool) -> None:
+    """Rank 0, once every rank's shards are written: ``workbench.json`` (the manifest, ``complete``), the rename
+    into place and the tracker, in that order (an interruption anywhere leaves the previous checkpoint the latest)."""
+    _fault_point("meta", iteration)
+    cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    meta = {
+        "format": FORMAT,
+        "iteration": int(iteration),
+        "config": cfg_dict,
+        "tokenizer": _tokenizer_record(tokenizer),
+        "has_optimizer": optimizer is not None,
+        "has_scheduler": scheduler is not None,
+        "has_rng": bool(rng),
+        "num_model_chunks": len(chunks),
+        "extra": _jsonable(dict(extra or {})),
+        "files": file_manifest(tmp),  # size + SHA-256 of every file: verify_checkpoint names a damaged one
+        "complete": True,
+    }
+    _fsync_write(tmp / METADATA_FILE, json.dumps(meta, indent=2))
+    old = None
+    if final.exists():  # re-saving the same iteration: keep the old one until the new one is in place
+        old = root / partial_dir_name(final.name, "old")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    write_text_atomic(root / TRACKER_FILE, str(int(iteration)))
 
 
 # --------------------------------------------------------------------------- load
@@ -522,9 +557,9 @@ def _check_config(ckpt: Path, meta: dict, chunks: Sequence[Any]) -> None:
     if not ccfg:
         return
     try:
-        from workbench.config import RunConfig
+        from workbench.run.checkpoint import checkpoint_config
 
-        cm = RunConfig.from_dict(meta["config"]).model
+        cm = checkpoint_config(meta).model
     except Exception:  # an old/foreign config: the tensor-shape check below still applies
         return
     tc = getattr(_unwrap(chunks[0]), "config", None)

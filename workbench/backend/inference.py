@@ -51,7 +51,7 @@ from torch import Tensor
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-from workbench.run.checkpoint import checkpoint_info, read_checkpoint, resolve_tokenizer, special_ids
+from workbench.run.checkpoint import checkpoint_config, checkpoint_info, read_checkpoint, resolve_tokenizer, special_ids
 from workbench.run.files import write_json_atomic
 
 __all__ = [
@@ -720,11 +720,10 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     from workbench.backend import cpu_mode
     from workbench.backend.checkpointing import load_checkpoint
     from workbench.backend.model import build_model
-    from workbench.config import RunConfig
 
     meta = read_checkpoint(ckpt)
     path = meta.path
-    cfg = RunConfig.from_dict(meta.config)
+    cfg = checkpoint_config(meta)  # the recorded config as data: hooks it names are never imported
     if parallel_state.model_parallel_is_initialized():
         cfg = cfg.replace(**{"parallel.tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
                              "parallel.pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
@@ -772,9 +771,7 @@ def run_request(engine: InferenceEngine, request: dict[str, Any]) -> dict[str, A
 
 def _checkpoint_config(ckpt: str | Path):
     """The RunConfig stored with a checkpoint (``workbench.json``), read without megatron."""
-    from workbench.config import RunConfig
-
-    return RunConfig.from_dict(read_checkpoint(ckpt).config)
+    return checkpoint_config(read_checkpoint(ckpt))
 
 
 def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):

@@ -218,6 +218,11 @@ class Trainer:
         meta = load_checkpoint(c.load_dir, self.model, optimizer=None if c.finetune else self.optimizer,
                                scheduler=None if c.finetune else self.scheduler, load_optimizer=not c.finetune,
                                fresh_heads=c.finetune, load_rng=not c.finetune)
+        from workbench.run.checkpoint import hook_note
+
+        note = hook_note(self.cfg, meta)  # this run imported its own config's hooks, never the checkpoint's
+        if note:
+            self._log(f"[workbench] {note}")
         if c.finetune:
             fresh = f"; initialised fresh: {', '.join(meta['fresh'])}" if meta.get("fresh") else ""
             self._log(f"[workbench] loaded weights from {meta['path']} (finetune: iteration 0, fresh optimizer{fresh})")

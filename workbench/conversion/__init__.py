@@ -1,9 +1,10 @@
-"""Checkpoint conversion: HF GPT-2 / Llama <-> megatron-core, layout reshape, legacy Megatron-LM import.
+"""Checkpoint conversion: Hugging Face <-> megatron-core for every model family's HF types (each family's
+``Supports.hf_classes``), layout reshape, legacy Megatron-LM import.
 
-``workbench convert hf-to-megatron | megatron-to-hf | reshape | legacy | verify`` and the
+``workbench convert hf-to-megatron | megatron-to-hf | reshape | legacy | inspect | verify | trust`` and the
 same as Python functions (:func:`hf_to_megatron`, :func:`megatron_to_hf`, :func:`reshape`,
-:func:`import_legacy`, :func:`checkpoint_structure`).  Light at import: torch, transformers
-and megatron-core load inside the functions that use them.
+:func:`import_legacy`, :func:`checkpoint_structure`, :func:`workbench.run.integrity.record_checksums`).
+Light at import: torch, transformers and megatron-core load inside the functions that use them.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
     if args.print_checkpoint_structure:
         _print_structure(args.ckpt)
     res = megatron_to_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                         force=args.force, progress=not args.quiet)
+                         force=args.force, progress=not args.quiet, tokenizer=args.tokenizer)
     _report(res)
     if args.print_checkpoint_structure:
         _print_structure(str(res.output))
@@ -114,7 +115,7 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
 def _reshape(args: argparse.Namespace) -> int:
     from workbench.conversion.api import reshape
 
-    res = reshape(args.ckpt, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, force=args.force)
+    res = reshape(args.ckpt, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, force=args.force, tokenizer=args.tokenizer)
     _report(res)
     if args.print_checkpoint_structure:
         _print_structure(str(res.output))
@@ -148,6 +149,24 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if r["ok"] else 1
 
 
+def _trust(args: argparse.Namespace) -> int:
+    from workbench.run.checkpoint import find_checkpoint
+    from workbench.run.integrity import record_checksums
+
+    d = find_checkpoint(args.ckpt)
+    files = record_checksums(d)
+    print(f"recorded the checksums of {len(files)} files of {d} ({', '.join(sorted(files))}): from now on a file that "
+          "changes, or one that is added, is refused")
+    return 0
+
+
+def _hf_types() -> str:
+    """The HF classes ``hf-to-megatron`` reads, from every family's declaration."""
+    from workbench.models import FAMILIES
+
+    return ", ".join(cls for f in FAMILIES.values() for _, cls in f.supports.hf_classes)
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -160,7 +179,8 @@ def _positive(text: str) -> int:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     """``workbench convert ...``"""
-    p = sub.add_parser("convert", help="convert checkpoints: HF <-> megatron-core, reshape TP/PP, legacy Megatron-LM import")
+    p = sub.add_parser("convert", help="convert checkpoints: HF <-> megatron-core, reshape TP/PP, legacy Megatron-LM import",
+                       description=f"Hugging Face types converted: {_hf_types()}.")
     csub = p.add_subparsers(dest="convert_cmd", required=True)
 
     def layout(x: argparse.ArgumentParser, required: bool = False) -> None:
@@ -173,7 +193,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         x.add_argument("--force", action="store_true", help="replace an existing --out")
         x.add_argument("--print-checkpoint-structure", action="store_true", help="list every tensor (name, shape, dtype)")
 
-    h = csub.add_parser("hf-to-megatron", help="HF GPT2LMHeadModel / LlamaForCausalLM dir -> workbench checkpoint + config")
+    h = csub.add_parser("hf-to-megatron", help=f"HF model dir ({_hf_types()}) -> workbench checkpoint + config",
+                        description=f"A local Hugging Face model directory ({_hf_types()}) -> workbench checkpoint + config.")
     h.add_argument("--hf", required=True, help="local HF model directory (config.json + safetensors or .bin)")
     common(h)
     layout(h)
@@ -188,6 +209,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     common(m)
     m.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB")
     m.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="output dtype (default: the checkpoint's)")
+    m.add_argument("--tokenizer", default=None, help="tokenizer to ship (directory, tokenizer.json or name; default: the checkpoint's)")
     m.add_argument("--quiet", action="store_true")
     m.set_defaults(func=lambda a: _run(_megatron_to_hf, a))
 
@@ -195,6 +217,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--ckpt", required=True)
     common(r)
     layout(r, required=True)
+    r.add_argument("--tokenizer", default=None, help="tokenizer to ship (directory, tokenizer.json or name; default: the checkpoint's)")
     r.set_defaults(func=lambda a: _run(_reshape, a))
 
     lg = csub.add_parser("legacy", help="legacy Megatron-LM GPT checkpoint (mp_rank_XX[_YYY]/model_optim_rng.pt) -> workbench checkpoint")
@@ -220,3 +243,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--batch-size", type=_positive, default=2)
     v.add_argument("--atol", type=float, default=1e-4)
     v.set_defaults(func=lambda a: _run(_verify, a))
+
+    t = csub.add_parser("trust", help="record the checksums of a checkpoint saved without them (only for a copy you trust)",
+                        description="A checkpoint without a checksum list is refused everywhere (its files cannot be checked). "
+                                    "This records the files as they are now, after checking its tensor index and that it holds "
+                                    "only files a megatron-core save writes.")
+    t.add_argument("--ckpt", required=True, help="checkpoint root or iter_XXXXXXX directory")
+    t.set_defaults(func=lambda a: _run(_trust, a))

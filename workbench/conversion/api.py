@@ -123,37 +123,46 @@ def _finish_config(cfg: RunConfig, out_final: Path, tokenizer_dir: str | None) -
     return cfg.replace(**over)
 
 
-def _write_tokenizer(spec: str, dst: Path) -> bool:
-    """Save the tokenizer a spec names as files ``AutoTokenizer`` loads; False when the spec does not load."""
+def _has_tokenizer_files(d: Path | None) -> bool:
+    return d is not None and d.is_dir() and any((d / n).is_file() for n in TOKENIZER_FILES)
+
+
+def _ship_tokenizer(spec: str | Path, dst: Path, source: str) -> None:
+    """Put the tokenizer ``spec`` names into ``dst``: a directory's tokenizer files are copied, anything else (a
+    named tokenizer such as ``demo``, a tokenizer.json, a SentencePiece ``.model``, a directory of other files) is
+    saved by the workbench's loader as files ``AutoTokenizer`` loads.  A spec that does not load is a
+    :class:`ConversionError` naming it and ``source`` (where it came from)."""
     from workbench.data.errors import DataError
     from workbench.data.tokenizer import load_tokenizer
 
-    try:
-        load_tokenizer(spec).save(dst)
-    except DataError:
-        return False
-    return True
-
-
-def _copy_tokenizer(src: Path | None, dst: Path) -> bool:
-    if src is None or not src.is_dir():
-        return False
-    files = [src / n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if not files:
-        return False
+    src = Path(str(spec)).expanduser()
     dst.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        shutil.copy2(f, dst / f.name)
-    return True
+    if _has_tokenizer_files(src):
+        for n in TOKENIZER_FILES:
+            if (src / n).is_file():
+                shutil.copy2(src / n, dst / n)
+        return
+    try:
+        load_tokenizer(str(spec)).save(dst)
+    except DataError as e:
+        relative = not src.is_absolute() and not str(spec).startswith("demo")
+        where = f" (a relative path: relative to where the run was launched, and this is {Path.cwd()})" if relative else ""
+        raise ConversionError(
+            f"{source} names the tokenizer {str(spec)!r}, which cannot be loaded{where}: {e.problem} -> pass the model's "
+            "tokenizer with --tokenizer DIR" + (", or run from the directory the run was launched from" if relative else "")) from None
 
 
 def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, full_sd: dict, iteration: int, dtype: str | None,
-                    source: dict, tokenizer_src: Path | None) -> ConversionResult:
+                    source: dict, tokenizer: str | Path | None, tokenizer_from: str) -> ConversionResult:
+    """Write the checkpoint, its config and ``tokenizer/`` (the tokenizer ``tokenizer`` names, which
+    ``tokenizer_from`` describes: where it came from, or where none was found)."""
     from workbench.conversion.runtime import save_full_state_dict, single_process_group
 
-    tok_ok = _copy_tokenizer(tokenizer_src, tmp / "tokenizer")
+    tok_ok = tokenizer is not None
+    if tok_ok:
+        _ship_tokenizer(tokenizer, tmp / "tokenizer", tokenizer_from)
     tok_spec = str(final / "tokenizer") if tok_ok else None
-    notes = _tokenizer_notes(tmp / "tokenizer" if tok_ok else None, tokenizer_src, cfg)
+    notes = _tokenizer_notes(tmp / "tokenizer" if tok_ok else None, tokenizer_from, cfg)
     cfg = _finish_config(cfg, final, tok_spec)
     if not tok_ok:  # never the base config's tokenizer (e.g. the 4,096-token demo) on another model's vocabulary
         cfg = cfg.replace(**{"data.tokenizer": ""})
@@ -164,12 +173,12 @@ def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, full_sd: dict, itera
                             files=sorted(p.name for p in tmp.iterdir()), notes=notes)
 
 
-def _tokenizer_notes(tok_dir: Path | None, src: Path | None, cfg: RunConfig) -> list[str]:
+def _tokenizer_notes(tok_dir: Path | None, src: str, cfg: RunConfig) -> list[str]:
     """The tokenizer must fit the model: one with more ids than the model's vocabulary is refused, one
     with fewer (or none at all) is carried with a loud warning (and printed to stderr by the CLI)."""
     vocab = cfg.model.vocab_size
     if tok_dir is None:
-        return [f"WARNING: no tokenizer files in {src}: the checkpoint records no tokenizer and data.tokenizer is "
+        return [f"WARNING: {src}: the checkpoint records no tokenizer and data.tokenizer is "
                 f"left empty (the model has {vocab} tokens) -> copy the model's tokenizer.json (or vocab.json + "
                 f"merges.txt) into <out>/tokenizer/ and set data.tokenizer to it; until then generation needs prompt token ids"]
     from workbench.data.errors import DataError
@@ -195,7 +204,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                    dtype: str | None = None, make_vocab_size_divisible_by: int | None = None,
                    base_config: RunConfig | None = None, device: str | None = None, force: bool = False,
                    progress: bool = True) -> ConversionResult:
-    """HF GPT-2 / Llama directory -> workbench checkpoint + config for the given layout.
+    """HF model directory (any family's HF type, :data:`SUPPORTED_MODEL_TYPES`) -> workbench checkpoint + config
+    for the given layout.
 
     ``dtype`` (fp32/bf16/fp16) sets both the stored tensors and ``train.precision``; default:
     the HF config's torch_dtype when it is one of those, else fp32.  ``device`` sets
@@ -219,7 +229,9 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     final = Path(out).expanduser().resolve()
     with _staged_output(final, force) as tmp:
         res = _write_megatron(tmp, final, cfg, full, 0, dtype,
-                              {"format": "hf", "model_type": mt, "path": str(hf_dir), "hf_config": hf}, hf_dir)
+                              {"format": "hf", "model_type": mt, "path": str(hf_dir), "hf_config": hf},
+                              hf_dir if _has_tokenizer_files(hf_dir) else None,
+                              str(hf_dir) if _has_tokenizer_files(hf_dir) else f"no tokenizer files in {hf_dir}")
     res.notes.append(f"padded vocab {cfg.model.vocab_size} -> {derive(cfg).padded_vocab_size} (mean rows; stripped on export)")
     return res
 
@@ -227,24 +239,62 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 # --------------------------------------------------------------------------- megatron -> HF
 
 
-def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "2GB", dtype: str | None = None,
-                   force: bool = False, progress: bool = True) -> ConversionResult:
-    """Workbench checkpoint (root or iter dir, any layout) -> HF directory that ``from_pretrained`` loads."""
-    from workbench.backend.checkpointing import read_metadata
-    from workbench.conversion.runtime import load_full_state_dict, single_process_group
-    from workbench.run.integrity import verify_checkpoint
+def _open_checkpoint(ckpt: str | Path) -> Any:
+    """The checkpoint's :class:`~workbench.run.checkpoint.CheckpointInfo`: files verified (a damaged or hostile one is a
+    CheckpointError naming them, before any work), its config read as data (hooks it names are never imported)."""
+    from workbench.config import ConfigError as _ConfigError
+    from workbench.run.checkpoint import CheckpointError, checkpoint_info
 
-    meta = read_metadata(ckpt)
-    verify_checkpoint(meta["path"])  # damaged or hostile files: CheckpointError naming them, before any work
-    cfg = RunConfig.from_dict(meta["config"])
-    source = ((meta.get("extra") or {}).get("source") or {})
+    try:
+        return checkpoint_info(ckpt)
+    except _ConfigError as e:
+        if len(e.problems) == 1 and e.problems[0].field == "ckpt":
+            raise CheckpointError(f"{e.problems[0].rule} -> {e.problems[0].fix}") from None
+        raise
+
+
+def _hook_notes(info: Any) -> list[str]:
+    """What the written config leaves out: the hooks the source checkpoint's config named (never imported here)."""
+    from workbench.run.checkpoint import recorded_hooks
+
+    hooks = recorded_hooks(info.meta.get("config"))
+    if not hooks:
+        return []
+    return [f"WARNING: {info.path}'s config names {', '.join(f'{k} {v!r}' for k, v in sorted(hooks.items()))}: code, which a "
+            "conversion never imports and the written config does not carry -> set them in your run's config if you "
+            "trust that code"]
+
+
+def _checkpoint_tokenizer(info: Any, tokenizer: str | Path | None) -> tuple[Any, str]:
+    """(the tokenizer spec a conversion of ``info`` ships: ``tokenizer`` if given, else the checkpoint's own; its description)."""
+    from workbench.run.checkpoint import tokenizer_spec
+
+    if tokenizer is not None:
+        return tokenizer, f"--tokenizer {tokenizer}"
+    spec = tokenizer_spec(info)
+    return spec, (f"checkpoint {info.path}" if spec is not None else f"checkpoint {info.path} names no tokenizer")
+
+
+def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "2GB", dtype: str | None = None,
+                   force: bool = False, progress: bool = True, tokenizer: str | Path | None = None) -> ConversionResult:
+    """Workbench checkpoint (root or iter dir, any layout) -> HF directory that ``from_pretrained`` loads.
+
+    The tokenizer files come from ``tokenizer`` when given, else from the checkpoint (files beside it, its recorded
+    spec, its config's ``data.tokenizer``); a recorded one that does not load is refused (ConversionError), none at
+    all is a warning."""
+    from workbench.conversion.runtime import load_full_state_dict, single_process_group
+
+    info = _open_checkpoint(ckpt)
+    cfg = info.config
+    source = ((info.meta.get("extra") or {}).get("source") or {})
     mt = source.get("model_type") if source.get("format") == "hf" else None
     mt = mt or infer_model_type(cfg.model)
     limit = parse_size(max_shard_size)
     if dtype is not None and dtype not in _DTYPES:
         raise ConversionError(f"--dtype {dtype!r} -> one of {', '.join(_DTYPES)}")
+    tok, tok_from = _checkpoint_tokenizer(info, tokenizer)
     with single_process_group():
-        full, meta = load_full_state_dict(meta["path"], cfg)
+        full, meta = load_full_state_dict(info.path, cfg)
     hf_sd = mcore_to_hf(full, cfg, mt, dtype=_torch_dtype(dtype), progress=_progress(cfg.model.num_layers, f"mcore -> {mt}", progress))
     del full
     out_dtype = _DTYPES[dtype or cfg.train.precision]
@@ -253,33 +303,29 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     with _staged_output(final, force) as tmp:
         files = save_hf_state_dict(hf_sd, tmp, limit)
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-        tok = meta.get("tokenizer")
-        tok_dir = Path(tok) if isinstance(tok, str) and tok else None
-        if tok_dir is not None and tok_dir.is_file():
-            tok_dir = tok_dir.parent
-        copied = _copy_tokenizer(tok_dir, tmp)
-        if not copied and isinstance(tok, str) and tok:
-            copied = _write_tokenizer(tok, tmp)  # a named one ("demo-wordpiece", "demo-t5") or a SentencePiece .model
+        if tok is not None:
+            _ship_tokenizer(tok, tmp, tok_from)
         names = sorted(p.name for p in tmp.iterdir())
     res = ConversionResult(output=final, config=cfg, files=names)
     res.notes.append(f"{len(files)} safetensors shard(s), max {limit} bytes; model_type {mt}; dtype {out_dtype}")
-    if not copied:
-        res.notes.append("no tokenizer files known for this checkpoint: copy them into the output yourself")
+    if tok is None:
+        res.notes.append(f"WARNING: {tok_from}: the export has no tokenizer files -> copy the model's tokenizer into "
+                         f"{final} (or pass --tokenizer DIR)")
     return res
 
 
 # --------------------------------------------------------------------------- reshape
 
 
-def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None, force: bool = False) -> ConversionResult:
-    """Re-target a checkpoint's parallel layout (config + vocab padding); weights only (no optimizer state)."""
-    from workbench.backend.checkpointing import read_metadata, vocab_keys
+def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None, force: bool = False,
+            tokenizer: str | Path | None = None) -> ConversionResult:
+    """Re-target a checkpoint's parallel layout (config + vocab padding); weights only (no optimizer state).
+    The tokenizer travels as in :func:`megatron_to_hf` (into ``<out>/tokenizer``)."""
+    from workbench.backend.checkpointing import vocab_keys
     from workbench.conversion.runtime import load_full_state_dict, single_process_group
-    from workbench.run.integrity import verify_checkpoint
 
-    meta = read_metadata(ckpt)
-    verify_checkpoint(meta["path"])  # damaged or hostile files: CheckpointError naming them, before any work
-    src_cfg = RunConfig.from_dict(meta["config"])
+    info = _open_checkpoint(ckpt)
+    src_cfg = info.config
     d = src_cfg.to_dict()
     d["parallel"].update(tensor_parallel=int(tp), pipeline_parallel=int(pp),
                          virtual_pipeline_parallel=int(vpp) if vpp and vpp > 1 else None)
@@ -290,20 +336,20 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     V = cfg.model.vocab_size
     padded = derive(cfg).padded_vocab_size
     final = Path(out).expanduser().resolve()
+    tok, tok_from = _checkpoint_tokenizer(info, tokenizer)
     with single_process_group():
-        full, meta = load_full_state_dict(meta["path"], src_cfg)
+        full, meta = load_full_state_dict(info.path, src_cfg)
     for k in vocab_keys():  # every vocab-sized tensor (BERT's LM head also has a vocab-sized output bias)
         if k in full:
             full[k] = pad_vocab_rows(full[k], padded, real=V)
-    tok = meta.get("tokenizer")
-    tok_src = Path(tok) if isinstance(tok, str) and Path(tok).is_dir() else None
     source = dict((meta.get("extra") or {}).get("source") or {})
     source["reshaped_from"] = {"path": meta["path"], "tensor_parallel": src_cfg.parallel.tensor_parallel,
                                "pipeline_parallel": src_cfg.parallel.pipeline_parallel}
     with _staged_output(final, force) as tmp:
-        res = _write_megatron(tmp, final, cfg, full, int(meta.get("iteration", 0)), cfg.train.precision, source, tok_src)
+        res = _write_megatron(tmp, final, cfg, full, int(meta.get("iteration", 0)), cfg.train.precision, source, tok, tok_from)
     if meta.get("has_optimizer"):
         res.notes.append("optimizer state was not carried over (reshape writes weights; resume with finetune or a fresh optimizer)")
+    res.notes += _hook_notes(info)
     return res
 
 
@@ -331,7 +377,8 @@ def import_legacy(path: str | Path, out: str | Path, tp: int = 1, pp: int = 1, v
     source = {"format": "megatron-lm-legacy", "path": str(Path(path).resolve()), "checkpoint_version": ck.checkpoint_version,
               "tensor_parallel": ck.tp, "pipeline_parallel": ck.pp, "iteration": ck.iteration}
     with _staged_output(final, force) as tmp:
-        res = _write_megatron(tmp, final, cfg, full, 0, dtype, source, Path(tokenizer_dir) if tokenizer_dir else None)
+        res = _write_megatron(tmp, final, cfg, full, 0, dtype, source, tokenizer_dir or None,
+                              f"--tokenizer {tokenizer_dir}" if tokenizer_dir else f"legacy checkpoint {path} (no --tokenizer given)")
     res.notes.append(f"merged {ck.tp} TP shard(s) x {ck.pp} PP stage(s), checkpoint_version {ck.checkpoint_version}")
     if vocab_size is None:
         res.notes.append(f"vocab_size taken as the checkpoint's {cfg.model.vocab_size} rows (pass --vocab-size to strip padding)")
@@ -362,13 +409,16 @@ def checkpoint_structure(path: str | Path) -> dict[str, Any]:
 
     try:
         meta = read_metadata(p)
-    except CheckpointError:
+    except CheckpointError as e:
         from workbench.conversion.legacy import find_legacy_files
 
         try:
             find_legacy_files(p)
         except ConversionError:
-            raise CheckpointError(f"{p}: neither a workbench checkpoint, an HF model directory nor a legacy Megatron-LM checkpoint") from None
+            if "no complete checkpoint" not in str(e) and "does not exist" not in str(e):
+                raise e from None  # a workbench checkpoint that cannot be read: its own message names the file
+            raise CheckpointError(f"{p}: neither a workbench checkpoint, an HF model directory nor a legacy Megatron-LM "
+                                  "checkpoint -> pass one of those") from None
         from workbench.conversion.legacy import _lm_tensors, safe_torch_load
 
         files = find_legacy_files(p)

@@ -205,8 +205,9 @@ def take_vocab(sd: dict, key: str, src: str, vocab_size: int) -> Any:
 
 
 def load_hf_state_dict(hf_dir: str | Path) -> dict[str, Any]:
-    """All tensors of a local HF checkpoint: (sharded) safetensors, else (sharded) pytorch_model.bin with weights_only."""
-    import torch
+    """All tensors of a local HF checkpoint: (sharded) safetensors, else (sharded) pytorch_model.bin through
+    :func:`workbench.run.integrity.safe_torch_load` (tensors only, whatever the environment says)."""
+    from workbench.run.integrity import safe_torch_load
 
     p = Path(hf_dir)
     files: list[Path] = []
@@ -229,10 +230,12 @@ def load_hf_state_dict(hf_dir: str | Path) -> dict[str, Any]:
 
             out.update(load_file(str(f)))
         else:
-            try:
-                out.update(torch.load(str(f), map_location="cpu", weights_only=True))
-            except Exception as e:  # pickle.UnpicklingError and friends
-                raise ConversionError(f"{f}: cannot be loaded safely with weights_only=True ({e}) -> re-save it as safetensors") from None
+            sd = safe_torch_load(str(f), source=str(f), error=ConversionError,
+                                 fix="it was not loaded: unpickling it could run code -> use the model's safetensors "
+                                     "weights, or re-save it as safetensors from a copy you trust")
+            if not isinstance(sd, dict):
+                raise ConversionError(f"{f}: holds a {type(sd).__name__}, not a state dict -> save the model with save_pretrained")
+            out.update(sd)
     return out
 
 

@@ -31,8 +31,9 @@ _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
 def safe_torch_load(path: Path) -> Any:
-    """``torch.load(weights_only=True)`` with only argparse.Namespace (and numpy arrays) allowlisted."""
-    import torch
+    """:func:`workbench.run.integrity.safe_torch_load` with only argparse.Namespace (and numpy arrays) admitted
+    beyond tensors and plain data."""
+    from workbench.run.integrity import safe_torch_load as load
 
     safe: list[Any] = [argparse.Namespace]
     try:
@@ -42,14 +43,9 @@ def safe_torch_load(path: Path) -> Any:
         safe += [type(np.dtype(t)) for t in (np.float32, np.float64, np.int64, np.int32, np.uint8)]
     except Exception:
         pass
-    try:
-        with torch.serialization.safe_globals(safe):
-            return torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ConversionError(
-            f"{path}: cannot be loaded with torch.load(weights_only=True) ({str(e).splitlines()[0]}) -> "
-            "the file pickles objects other than tensors/argparse.Namespace; re-save its state dict "
-            "(torch.save(ckpt['model'], ...)) in a trusted environment") from None
+    return load(str(path), source=str(path), allow=tuple(safe), error=ConversionError,
+                fix="it was not loaded: unpickling it could run code (it pickles objects other than tensors and "
+                    "argparse.Namespace) -> re-save its state dict (torch.save(ckpt['model'], ...)) in a trusted environment")
 
 
 def find_legacy_files(path: str | Path) -> dict[tuple[int, int], Path]:

@@ -156,9 +156,9 @@ def save_full_state_dict(root: str | Path, iteration: int, full_sd: dict[str, An
 def load_full_state_dict(path: str | Path, cfg: RunConfig | None = None, dtype: str | None = None) -> tuple[dict[str, Any], dict]:
     """(full TP=1 state dict, metadata) of a workbench checkpoint. Needs a process group."""
     from workbench.backend.checkpointing import load_checkpoint, read_metadata
+    from workbench.run.checkpoint import checkpoint_config
 
-    meta = read_metadata(path)
-    cfg = cfg or RunConfig.from_dict(meta["config"])
+    cfg = cfg or checkpoint_config(read_metadata(path))
     model = build_full_model(cfg, dtype)
     meta = load_checkpoint(path, [model], load_optimizer=False)
     return {k: v.detach().clone() for k, v in _model_state(model).items()}, meta

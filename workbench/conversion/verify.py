@@ -17,7 +17,6 @@ reference logits (``hf_logits``), its ``step`` part runs one chunk on them (``lo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -53,7 +52,9 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
         if res.returncode != 0 or not out_path.exists():
             tail = "\n".join(res.output.splitlines()[-40:])
             raise RuntimeError(f"verification run (torchrun, {world} CPU ranks) failed with exit code {res.returncode}:\n{tail}")
-        return torch.load(out_path, weights_only=True)
+        from workbench.run.integrity import safe_torch_load
+
+        return safe_torch_load(str(out_path), source=str(out_path))
 
 
 def _family_hf(ckpt: str | Path) -> Any:
@@ -74,12 +75,18 @@ def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int
                       seq_length: int = 16, batch_size: int = 2, atol: float = 1e-4, seed: int = 0) -> dict[str, Any]:
     """Compare HF logits with the checkpoint's at a layout (fp32, CPU), at the positions the family compares
     (BERT: the unpadded ones). Returns max_abs_diff and ok."""
-    from workbench.run.checkpoint import find_checkpoint
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.config import ConfigError
+    from workbench.conversion.hf import load_hf_state_dict, read_hf_config
+    from workbench.generation import layout_problems
+    from workbench.run.checkpoint import checkpoint_info
 
-    verify_checkpoint(find_checkpoint(ckpt))  # a damaged or hostile checkpoint is refused before torchrun starts
+    info = checkpoint_info(ckpt)  # a damaged or hostile checkpoint is refused before torchrun starts
+    problems = layout_problems(info, tp, pp, "cpu", vpp=vpp)
+    if problems:  # a layout the model cannot take: said here, not as a traceback of every rank
+        raise ConfigError(problems)
     hf = _family_hf(ckpt)
-    vocab = int(json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"])
+    vocab = int(read_hf_config(hf_dir)["vocab_size"])
+    load_hf_state_dict(hf_dir)  # every weight file loads as tensors only (else a ConversionError naming it)
     inputs = hf.verify_inputs(vocab, batch_size, seq_length, seed)
     ref, where = hf.hf_logits(hf_dir, inputs)
     got = forward_logits(ckpt, inputs, tp=tp, pp=pp, vpp=vpp)[..., :vocab]
@@ -102,12 +109,12 @@ def _worker(args: argparse.Namespace) -> None:
     from workbench.backend.cpu_mode import tensor_cuda_is_identity
     from workbench.backend.distributed import destroy, initialize
     from workbench.backend.model import build_model, transformer_config
-    from workbench.config import RunConfig
     from workbench.conversion.runtime import model_overrides
+    from workbench.run.checkpoint import checkpoint_config
+    from workbench.run.integrity import safe_torch_load
     from workbench.models import family_of
 
-    meta = read_metadata(args.ckpt)
-    cfg = RunConfig.from_dict(meta["config"])
+    cfg = checkpoint_config(read_metadata(args.ckpt))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     vpp = args.vpp if args.vpp and args.vpp > 1 else None
     cfg = cfg.replace(**{
@@ -132,7 +139,7 @@ def _worker(args: argparse.Namespace) -> None:
         load_checkpoint(args.ckpt, chunks, load_optimizer=False)
         for c in chunks:
             c.eval()
-        inputs = torch.load(args.tokens, weights_only=True)
+        inputs = safe_torch_load(args.tokens, source=args.tokens)
         if not isinstance(inputs, dict):
             inputs = {"tokens": inputs}
         b, s = inputs["tokens"].shape

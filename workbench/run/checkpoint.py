@@ -9,6 +9,12 @@ checkpointing, generation and the launch checks use it.  :func:`checkpoint_info`
 :func:`load_problems` (the pre-checks of generation and launch) also verify the files
 (:func:`workbench.run.integrity.verify_checkpoint`), so a damaged or hostile checkpoint is
 refused before any process starts.
+
+A checkpoint's config is data.  It records the run's ``train.forward_step`` / ``train.loss_func``
+(dotted paths to code), but :func:`checkpoint_config`, the one way to turn the recorded config into a
+``RunConfig``, clears them: generating, converting, inspecting or verifying a checkpoint never imports
+a module that a checkpoint names.  A training run imports only the hooks of its own config;
+:func:`hook_note` says when those differ from the checkpoint's.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Any
 
 __all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "CheckpointError", "CheckpointMeta", "CheckpointInfo", "iter_dir_name",
            "list_checkpoints", "find_checkpoint", "read_checkpoint", "read_metadata", "load_problems", "checkpoint_info",
-           "resolve_tokenizer", "special_ids", "remove_stale_partials", "partial_dir_name"]
+           "resolve_tokenizer", "special_ids", "remove_stale_partials", "partial_dir_name", "HOOK_FIELDS", "checkpoint_config",
+           "recorded_hooks", "hook_note", "tokenizer_spec"]
 
 from workbench.run.ckpt_files import (  # noqa: F401  (the tree's names, shared with workbench.run.integrity)
     _ITER_RE, FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, _is_complete, iter_dir_name, list_checkpoints,
@@ -62,6 +69,49 @@ class CheckpointMeta:
         return out
 
 
+#: the config fields that name code (``train.<field>``: 'package.module:function'); a checkpoint records them as text
+HOOK_FIELDS = ("forward_step", "loss_func")
+
+
+def recorded_hooks(config: dict[str, Any] | None) -> dict[str, str]:
+    """{``train.forward_step`` / ``train.loss_func``: the dotted path} that a recorded config names (empty: none)."""
+    train = (config or {}).get("train") if isinstance(config, dict) else None
+    if not isinstance(train, dict):
+        return {}
+    return {f"train.{k}": str(train[k]) for k in HOOK_FIELDS if train.get(k)}
+
+
+def checkpoint_config(meta: "CheckpointMeta | dict[str, Any]") -> Any:
+    """The ``RunConfig`` a checkpoint records, as data: its hooks (``train.forward_step``, ``train.loss_func``
+    and their ``hook_kwargs``) are cleared, so validating, building or converting from it never imports a
+    module that the checkpoint's ``workbench.json`` names.  ``meta``: a :class:`CheckpointMeta` or the dict
+    of :func:`read_metadata`."""
+    from workbench.config import RunConfig
+
+    if isinstance(meta, CheckpointMeta):
+        config, where = meta.config, str(meta.path)
+    else:
+        config, where = meta.get("config"), meta.get("path")
+    data = dict(config or {})
+    if isinstance(data.get("train"), dict):
+        data["train"] = {**data["train"], **{k: None for k in HOOK_FIELDS}, "hook_kwargs": {}}
+    return RunConfig.from_dict(data, source=where)
+
+
+def hook_note(cfg: Any, meta: "CheckpointMeta | dict[str, Any]") -> str | None:
+    """A line saying which hooks a run that loads ``meta`` imports (those of its own config ``cfg``) when they
+    differ from the ones the checkpoint recorded, which are never imported; None when they agree."""
+    saved = recorded_hooks(meta.config if isinstance(meta, CheckpointMeta) else meta.get("config"))
+    own = {f"train.{k}": str(getattr(cfg.train, k)) for k in HOOK_FIELDS if getattr(cfg.train, k)}
+    if saved == own:
+        return None
+    where = meta.path if isinstance(meta, CheckpointMeta) else meta.get("path")
+    parts = [f"{k}: this run's {own[k]!r}" if k in own else f"{k}: none in this run's config" for k in sorted(set(saved) | set(own))]
+    was = ", ".join(f"{k} {v!r}" for k, v in sorted(saved.items())) or "no hooks"
+    return (f"hooks differ from checkpoint {where} ({was}, not imported): " + "; ".join(parts) +
+            " -> the run imports only its own config's hooks; set train.forward_step / train.loss_func there to use others")
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """Resolve a checkpoint ROOT or an ``iter_XXXXXXX`` dir to a complete iteration directory.
 
@@ -86,9 +136,11 @@ def find_checkpoint(path: str | Path) -> Path:
         if text.isdigit():
             d = p / iter_dir_name(int(text))
             if _is_complete(d):
+                _refuse_newer_damaged(p, d)
                 return d
     complete = list_checkpoints(p)
     if complete:
+        _refuse_newer_damaged(p, complete[-1])
         return complete[-1]
     inner = _run_dir_checkpoints(p)
     if inner is not None:
@@ -103,6 +155,35 @@ def find_checkpoint(path: str | Path) -> Path:
             if run_dir else "train with a save_dir, or convert a model with `workbench convert hf-to-megatron`")
     raise CheckpointError(
         f"no complete checkpoint under {p}" + (f" (incomplete: {', '.join(partial)})" if partial else "") + f" -> {hint}")
+
+
+def _unreadable_metadata(d: Path) -> str | None:
+    """Why ``d``'s ``workbench.json`` cannot be read (None: it reads as a JSON object, or it is absent)."""
+    f = d / METADATA_FILE
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"{type(e).__name__}: {e}"
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    return None
+
+
+def _refuse_newer_damaged(root: Path, chosen: Path) -> None:
+    """An ``iter_N`` newer than ``chosen`` whose ``workbench.json`` is there but unreadable is a damaged save
+    (a save renames its directory into place only after writing that file), never an interrupted one: loading
+    the older iteration instead would lose training silently, so it is refused, naming both."""
+    m = _ITER_RE.match(chosen.name)
+    newer = sorted((int(x.group(1)), d) for d in root.iterdir()
+                   if (x := _ITER_RE.match(d.name)) and d.is_dir() and m and int(x.group(1)) > int(m.group(1)))
+    for _, d in reversed(newer):
+        why = _unreadable_metadata(d)
+        if why:
+            raise CheckpointError(
+                f"a newer checkpoint {d} cannot be read: {d / METADATA_FILE} is damaged ({why}) -> copy the checkpoint "
+                f"again from its source, or load the older iteration explicitly: point at {chosen}")
 
 
 def _run_dir_checkpoints(p: Path) -> Path | None:
@@ -126,7 +207,11 @@ def _run_dir_checkpoints(p: Path) -> Path | None:
 def read_checkpoint(path: str | Path) -> CheckpointMeta:
     """The metadata of the checkpoint at ``path`` (root or iter dir); :class:`CheckpointError` if there is none."""
     d = find_checkpoint(path)
-    data = json.loads((d / METADATA_FILE).read_text())
+    try:
+        data = json.loads((d / METADATA_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{d / METADATA_FILE} cannot be read ({type(e).__name__}: {e}) -> "
+                              "copy the checkpoint again from its source, or load an earlier iteration") from None
     return CheckpointMeta.from_dict(data, d)
 
 
@@ -153,9 +238,10 @@ def load_problems(cfg: Any) -> list:
     """Why ``cfg.checkpoint.load_dir`` would not load into ``cfg``, from the checkpoint's
     ``workbench.json`` alone (no process, no megatron-core), so a launch is refused with the
     field and the fix before any rank starts: a missing or incomplete checkpoint, another
-    architecture, and for a resume (not ``finetune``) missing or differently sharded optimizer state.
+    architecture, and for a resume (not ``finetune``) a ``train.train_iters`` the checkpoint has already reached
+    (0 steps to train) and missing or differently sharded optimizer state.
     """
-    from workbench.config import ConfigError, Problem, RunConfig, pad_vocab_size
+    from workbench.config import ConfigError, Problem, pad_vocab_size
 
     c = cfg.checkpoint
     if not c.load_dir:
@@ -165,7 +251,7 @@ def load_problems(cfg: Any) -> list:
         from workbench.run.integrity import verify_checkpoint
 
         verify_checkpoint(meta.path)  # damaged or hostile files: refused here, before any rank starts
-        saved = RunConfig.from_dict(meta.config or {}, source=str(meta.path))
+        saved = checkpoint_config(meta)
     except CheckpointError as e:
         rule, _, fix = str(e).partition(" -> ")
         return [Problem("checkpoint.load_dir", rule, fix or "point load_dir at a checkpoint root or an iter_XXXXXXX directory")]
@@ -186,6 +272,12 @@ def load_problems(cfg: Any) -> list:
                                    f"set {field}: {want!r} to load it, or drop checkpoint.load_dir to train from scratch"))
         if out:
             break
+    if not c.finetune and not out and meta.iteration is not None and cfg.train.train_iters <= int(meta.iteration):
+        out.append(Problem("train.train_iters",
+                           f"is {cfg.train.train_iters}, but checkpoint {where} is already at iteration {meta.iteration}: "
+                           "the resumed run would train 0 steps and report 'finished'",
+                           f"set train.train_iters above {meta.iteration} to train further, or checkpoint.finetune: true "
+                           "to start a new run (iteration 0) from these weights"))
     if not c.finetune and not out:
         padded = [pad_vocab_size(x.model.vocab_size, x.model.make_vocab_size_divisible_by, x.parallel.tensor_parallel) for x in (cfg, saved)]
         if not meta.has_optimizer:
@@ -220,7 +312,7 @@ class CheckpointInfo:
 
 def checkpoint_info(ckpt: str | Path) -> CheckpointInfo:
     """Resolve ``ckpt`` (root or iter dir) and read its ``workbench.json``; ConfigError naming ``ckpt`` if there is none."""
-    from workbench.config import ConfigError, Problem, RunConfig
+    from workbench.config import ConfigError, Problem
 
     try:
         meta = read_checkpoint(ckpt)
@@ -230,12 +322,12 @@ def checkpoint_info(ckpt: str | Path) -> CheckpointInfo:
     except CheckpointError as e:
         rule, _, fix = str(e).partition(" -> ")
         raise ConfigError([Problem("ckpt", rule, fix or "point ckpt at a checkpoint root or an iter_XXXXXXX directory")]) from None
-    return CheckpointInfo(path=meta.path, config=RunConfig.from_dict(meta.config or {}, source=str(meta.path)),
-                          meta=meta.to_dict())
+    return CheckpointInfo(path=meta.path, config=checkpoint_config(meta), meta=meta.to_dict())
 
 
-def _tokenizer_spec(info: CheckpointInfo) -> Any:
-    """Where the checkpoint's tokenizer lives: files next to the weights, the recorded spec, the run's data.tokenizer."""
+def tokenizer_spec(info: CheckpointInfo) -> Any:
+    """Where the checkpoint's tokenizer lives: files next to the weights, the recorded spec, the run's data.tokenizer
+    (None: it records none).  A recorded relative path is as the run wrote it (relative to where it was launched)."""
     for d in (info.path, info.path.parent, info.path.parent / "tokenizer"):  # conversion ships ROOT/tokenizer/
         if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
             return str(d)
@@ -249,7 +341,7 @@ def _tokenizer_spec(info: CheckpointInfo) -> Any:
 
 def resolve_tokenizer(info: CheckpointInfo):
     """The checkpoint's tokenizer (``workbench.data.tokenizer.Tokenizer``) or None when it records none."""
-    spec = _tokenizer_spec(info)
+    spec = tokenizer_spec(info)
     if spec is None:
         return None
     from workbench.data.tokenizer import load_tokenizer

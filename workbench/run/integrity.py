@@ -10,13 +10,20 @@ Two threats, one module:
   holds (:data:`ALLOWED_GLOBALS`: ``torch.distributed.checkpoint``'s metadata / planner /
   storage-info classes, ``torch.Size``, the dtypes, the layout helper, a few containers) and
   refuses anything else with :class:`CheckpointError` naming the file.  :func:`safe_dist_reading`
-  puts it under every torch reader (and ``weights_only=True`` under the stored objects) for the
-  duration of a workbench load.
-- **Damaged files.**  :func:`file_manifest` records every file's size and SHA-256 in
+  puts it under every torch reader for the duration of a workbench load, and :func:`safe_torch_load`
+  (``torch.load`` with an explicit ``weights_only=True``, which ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+  cannot turn off) under the stored objects and a legacy ``common.pt``, which megatron-core would
+  otherwise unpickle with whatever the environment says.  Every other pickled file the workbench
+  opens (HF ``pytorch_model.bin``, legacy Megatron-LM files, its own tensors files) goes through
+  :func:`safe_torch_load` too.
+- **Damaged or altered files.**  :func:`file_manifest` records every file's size and SHA-256 in
   ``workbench.json`` (``"files"``) at save time; :func:`verify_checkpoint` checks them, checks that
   ``.metadata`` is there and parses under the allow-list, and that every byte range its index
-  names lies inside its file (which catches a truncated ``.distcp`` in checkpoints saved before
-  the manifest existed, too).  Each problem names the file; the error says how to fix it.
+  names lies inside its file.  The manifest is the checkpoint's closed list of files: a file it does
+  not name (say a ``common.pt`` dropped in, which megatron-core would read) is refused, and so is a
+  checkpoint without the list (its files cannot be checked: a damaged one would load unnoticed),
+  until someone who trusts that copy records it with :func:`record_checksums`
+  (``workbench convert trust``).  Each problem names the file; the error says how to fix it.
 
 Torch-free at import, and :func:`verify_checkpoint` stays torch-free (it parses ``.metadata``
 with inert stand-ins for the admitted classes, so launch checks can run it without torch);
@@ -35,10 +42,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+import re
+
 from workbench.run.ckpt_files import METADATA_FILE, CheckpointError, list_checkpoints
 
 __all__ = ["ALLOWED_GLOBALS", "DIST_METADATA_FILE", "MetadataUnpickler", "read_dist_metadata", "file_manifest",
-           "checkpoint_damage", "verify_checkpoint", "safe_dist_reading"]
+           "checkpoint_damage", "unlisted_files", "verify_checkpoint", "record_checksums", "safe_dist_reading",
+           "safe_torch_load"]
 
 DIST_METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint"
@@ -156,6 +166,28 @@ def read_dist_metadata(path: str | Path, *, real: bool = True) -> Any:
                               "copy the checkpoint again from its source, or load an earlier iteration") from None
 
 
+def safe_torch_load(f: Any, *, source: str, allow: tuple = (), error: type[Exception] = CheckpointError,
+                    fix: str = _UNTRUSTED_FIX) -> Any:
+    """``torch.load`` of a file or buffer with an explicit ``weights_only=True`` (tensors, numbers, strings and
+    containers; the environment's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` cannot turn it off), plus the classes
+    in ``allow``.  ``error`` (default :class:`CheckpointError`) names ``source``: a file holding anything else
+    is refused as untrusted (``fix`` says what to do), one that does not parse as damaged."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise error(f"{source} holds more than tensors and plain data, which torch.load(weights_only=True) refuses "
+                    f"({str(e).splitlines()[0]}); {fix}") from None
+    except (RuntimeError, EOFError, ValueError, OSError, AttributeError, IndexError, KeyError, UnicodeDecodeError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise error(f"{source} is missing -> check the path") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise error(f"{source} is damaged: it does not load as a torch file ({type(e).__name__}: {first}) "
+                    "-> copy it again from its source") from None
+
+
 # --------------------------------------------------------------------------- manifest (save) and verification (load)
 
 
@@ -251,8 +283,29 @@ def checkpoint_damage(d: str | Path, *, hashes: bool = True) -> list[str]:
     return problems
 
 
+#: the files a megatron-core torch_dist save writes into an iteration directory (what :func:`record_checksums` admits)
+_SAVED_FILE_RE = re.compile(r"^(\.metadata|metadata\.json|__\d+_\d+\.distcp)$")
+
+
+def unlisted_files(d: str | Path) -> list[str]:
+    """Files of checkpoint directory ``d`` that its checksum list (``files`` in ``workbench.json``) does not name
+    (``workbench.json`` itself aside); empty when there is no list."""
+    d = Path(d)
+    manifest = _manifest(d)
+    if manifest is None:
+        return []
+    return [p.name for p in _files(d) if p.name not in manifest]
+
+
+def _unverifiable(d: Path) -> str:
+    return (f"checkpoint {d} records no checksums ({METADATA_FILE} has no \"files\" list), so its files cannot be checked: "
+            f"a damaged or altered file would load unnoticed -> copy the checkpoint again from its source; for a copy you "
+            f"trust, record its checksums once with `workbench convert trust --ckpt {d}`")
+
+
 def verify_checkpoint(d: str | Path, *, hashes: bool = True) -> None:
-    """Raise :class:`CheckpointError` naming every damaged file of checkpoint directory ``d``, and the fix.
+    """Raise :class:`CheckpointError` naming every damaged file of checkpoint directory ``d``, and the fix; also
+    for a file its checksum list does not name, and for a checkpoint without that list.
 
     A directory that passed once is not re-hashed while its files keep their sizes and times.
     """
@@ -271,9 +324,48 @@ def verify_checkpoint(d: str | Path, *, hashes: bool = True) -> None:
         alt = f", or load an earlier iteration ({d.parent / earlier[-1]})" if earlier else ""
         raise CheckpointError(f"checkpoint {d} is damaged: " + "; ".join(problems) +
                               f" -> copy the checkpoint again from its source (an interrupted copy or a full disk cuts files short){alt}")
+    if _manifest(d) is None:
+        raise CheckpointError(_unverifiable(d))
+    extra = unlisted_files(d)
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {d} holds {', '.join(str(d / n) for n in extra)}, which its checksum list ({METADATA_FILE} "
+            "\"files\") does not name: the save did not write it, and a loader could read it (megatron-core reads a "
+            "common.pt and unpickles it) -> remove it, or copy the checkpoint again from its source")
     if hashes:
         with _VERIFIED_LOCK:
             _VERIFIED[key] = sig
+
+
+def record_checksums(d: str | Path) -> dict[str, dict[str, Any]]:
+    """Record the checksum list of checkpoint directory ``d`` that has none (one saved without it): the files as
+    they are now, for a copy the caller trusts.  Refused (:class:`CheckpointError`) when ``d`` already has a list,
+    when its ``.metadata`` names a class outside the allow-list or any byte range it indexes is missing, and when
+    it holds a file that a megatron-core save does not write.  Returns the list written into ``workbench.json``."""
+    from workbench.run.files import write_json_atomic
+
+    d = Path(d)
+    meta_file = d / METADATA_FILE
+    try:
+        data = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_file} cannot be read ({type(e).__name__}: {e}) -> point at an iter_XXXXXXX directory "
+                              "of a workbench checkpoint") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{meta_file} is not a JSON object -> point at an iter_XXXXXXX directory of a workbench checkpoint")
+    if _manifest(d) is not None:
+        raise CheckpointError(f"checkpoint {d} already records its checksums -> nothing to record; "
+                              "a file that no longer matches them is damaged: copy the checkpoint again from its source")
+    problems = checkpoint_damage(d, hashes=False)
+    if problems:
+        raise CheckpointError(f"checkpoint {d} is damaged: " + "; ".join(problems) + " -> copy the checkpoint again from its source")
+    foreign = [p.name for p in _files(d) if not _SAVED_FILE_RE.match(p.name)]
+    if foreign:
+        raise CheckpointError(f"checkpoint {d} holds {', '.join(str(d / n) for n in foreign)}, which a megatron-core save "
+                              "never writes -> remove it, then record the checksums")
+    data["files"] = file_manifest(d)
+    write_json_atomic(meta_file, data)
+    return data["files"]
 
 
 # --------------------------------------------------------------------------- under torch's readers
@@ -298,19 +390,35 @@ def _safe_read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _safe_load_bytes(self: Any, read_item: Any, value: Any) -> None:
-    """torch's ``DefaultLoadPlanner.load_bytes`` with ``weights_only=True`` (it passes False)."""
-    import torch
+    """torch's ``DefaultLoadPlanner.load_bytes`` with :func:`safe_torch_load` (torch passes ``weights_only=False``)."""
     from torch.distributed.checkpoint._traverse import set_element
 
-    try:
-        obj = torch.load(value, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"checkpoint object {read_item.dest_index.fqn!r} holds more than tensors and plain data "
-                              f"({str(e).splitlines()[0]}); {_UNTRUSTED_FIX}") from None
+    obj = safe_torch_load(value, source=f"checkpoint object {read_item.dest_index.fqn!r}")
     if self.flatten_state_dict:
         set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
     else:
         self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _safe_load_common(checkpoint_dir: Any) -> Any:
+    """megatron-core's ``load_common`` (a legacy ``common.pt``, which it loads with the environment's ``weights_only``)
+    through :func:`safe_torch_load`."""
+    from megatron.core.dist_checkpointing.mapping import CheckpointingException
+
+    path = Path(str(checkpoint_dir)) / "common.pt"
+    if not path.is_file():
+        raise CheckpointingException(f"Common file {path} does not exist")
+    return safe_torch_load(str(path), source=str(path))
+
+
+def _megatron_common_loaders() -> list[tuple[Any, str]]:
+    """(module, attribute) of each name megatron-core reads ``common.pt`` through (none without megatron-core)."""
+    try:
+        from megatron.core.dist_checkpointing import serialization
+        from megatron.core.dist_checkpointing.strategies import common
+    except ImportError:
+        return []
+    return [(m, "load_common") for m in (serialization, common) if hasattr(m, "load_common")]
 
 
 @contextlib.contextmanager
@@ -319,9 +427,9 @@ def safe_dist_reading() -> Iterator[None]:
 
     ``FileSystemReader.read_metadata`` (and so megatron's cached subclass) reads ``.metadata`` with
     :class:`MetadataUnpickler`; ``DefaultLoadPlanner.load_bytes`` (megatron's planner inherits it)
-    loads stored objects with ``weights_only=True``.  A refusal inside torch's load (which wraps
-    it in its ``CheckpointException``) comes out as the :class:`CheckpointError`.  Re-entrant;
-    restored on exit.
+    and megatron-core's ``load_common`` (a legacy ``common.pt``) load through :func:`safe_torch_load`.
+    A refusal inside torch's load (which wraps it in its ``CheckpointException``) comes out as the
+    :class:`CheckpointError`.  Re-entrant; restored on exit.
     """
     global _patch_depth, _saved
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -329,9 +437,12 @@ def safe_dist_reading() -> Iterator[None]:
 
     with _PATCH_LOCK:
         if _patch_depth == 0:
-            _saved = (FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes)
+            common = _megatron_common_loaders()
+            _saved = (FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes, [(m, a, getattr(m, a)) for m, a in common])
             FileSystemReader.read_metadata = _safe_read_metadata
             DefaultLoadPlanner.load_bytes = _safe_load_bytes
+            for m, a in common:
+                setattr(m, a, _safe_load_common)
         _patch_depth += 1
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -346,6 +457,8 @@ def safe_dist_reading() -> Iterator[None]:
         with _PATCH_LOCK:
             _patch_depth -= 1
             if _patch_depth == 0:
-                FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes = _saved
+                FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes, common = _saved
+                for m, a, orig in common:
+                    setattr(m, a, orig)
                 _saved = ()
 

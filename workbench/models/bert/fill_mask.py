@@ -56,13 +56,13 @@ def fill_mask(ckpt: str | Path, texts: Sequence[str] | str, top_k: int = 5, toke
     import torch
 
     from workbench.backend.checkpointing import load_checkpoint, read_metadata
-    from workbench.config import RunConfig
     from workbench.conversion.runtime import build_full_model, single_process_group
+    from workbench.run.checkpoint import checkpoint_config
     from workbench.models.bert.vocab import check_bert_tokenizer
 
     texts = [texts] if isinstance(texts, str) else list(texts)
     meta = read_metadata(ckpt)
-    cfg = RunConfig.from_dict(meta["config"])
+    cfg = checkpoint_config(meta)  # the recorded config as data: hooks it names are never imported
     vocab = check_bert_tokenizer(tokenizer or cfg.data.tokenizer)
     inputs = encode_masked(vocab, texts, cfg.model.seq_length)
     V = cfg.model.vocab_size

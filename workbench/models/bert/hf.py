@@ -91,6 +91,9 @@ def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | No
     return out
 
 
+#: the MLM logits' bias of an untied HF head (tied, it is ``cls.predictions.bias``)
+_DECODER_BIAS = "cls.predictions.decoder.bias"
+
 _LAYER = [  # (mcore suffix, HF suffix) of the per-layer tensors other than QKV
     ("input_layernorm.weight", "attention.ln.weight"), ("input_layernorm.bias", "attention.ln.bias"),
     ("self_attention.linear_proj.weight", "attention.output.dense.weight"),
@@ -137,7 +140,8 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
             out[o + mk] = take(sd, s + hk, src)
     for mk, hk in _TOP:
         out[mk] = take(sd, hk, src)
-    out["output_layer.bias"] = pad_vocab_rows(take(sd, "cls.predictions.bias", src), padded)
+    # the logits' bias: tied, HF ties decoder.bias to cls.predictions.bias; untied, the decoder (weight and bias) is its own
+    out["output_layer.bias"] = pad_vocab_rows(take(sd, _DECODER_BIAS if not m.tie_embeddings else "cls.predictions.bias", src), padded)
     if not m.tie_embeddings:
         out["output_layer.weight"] = pad_vocab_rows(take(sd, "cls.predictions.decoder.weight", src), padded)
     return {k: cast(v).contiguous() for k, v in out.items()}
@@ -170,17 +174,20 @@ def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any 
             out[o + hk] = take(sd, s + mk, src)
     for mk, hk in _TOP:
         out[hk] = take(sd, mk, src)
-    # the decoder's bias is HF's tied copy of cls.predictions.bias, and its weight the word embeddings when tied:
-    # both are left out (from_pretrained ties them), as HF's own save_pretrained does
+    # tied: the decoder's bias is HF's tied copy of cls.predictions.bias and its weight the word embeddings, both left
+    # out (from_pretrained ties them), as HF's own save_pretrained does; untied, HF computes the logits with the
+    # decoder's own weight and bias (cls.predictions.bias is then unused), so both are written
     out["cls.predictions.bias"] = take(sd, "output_layer.bias", src)[:V]
     if not m.tie_embeddings:
         out["cls.predictions.decoder.weight"] = take(sd, "output_layer.weight", src)[:V]
+        out[_DECODER_BIAS] = out["cls.predictions.bias"].clone()
     return {k: cast(v).contiguous() for k, v in out.items()}
 
 
 def make_random_hf_model(out: str | Path, model_type: str = "megatron-bert", hidden: int = 96, layers: int = 4, heads: int = 6,
-                         kv_heads: int = 0, vocab: int = 1000, positions: int = 128, seed: int = 0) -> Path:
-    """A small randomly initialised HF MegatronBertForPreTraining dir for demos and tests (``kv_heads`` is unused)."""
+                         kv_heads: int = 0, vocab: int = 1000, positions: int = 128, seed: int = 0, *, tied: bool = True) -> Path:
+    """A small randomly initialised HF MegatronBertForPreTraining dir for demos and tests (``kv_heads`` is unused;
+    ``tied``: the MLM decoder shares the word embeddings, else it has its own weight and bias)."""
     import torch
     from transformers import MegatronBertConfig, MegatronBertForPreTraining
 
@@ -189,7 +196,7 @@ def make_random_hf_model(out: str | Path, model_type: str = "megatron-bert", hid
     torch.manual_seed(seed)
     model = MegatronBertForPreTraining(MegatronBertConfig(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=2 * hidden,
-        max_position_embeddings=positions, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        max_position_embeddings=positions, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, tie_word_embeddings=tied))
     with torch.no_grad():  # non-trivial norms and biases, so a wrong mapping cannot hide behind ones and zeros
         for name, p in model.named_parameters():
             if name.endswith(("bias", "ln.weight", "LayerNorm.weight")):

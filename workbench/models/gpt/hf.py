@@ -266,19 +266,22 @@ def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any 
 
 
 def make_random_hf_model(out: str | Path, model_type: str = "gpt2", hidden: int = 96, layers: int = 4, heads: int = 6,
-                         kv_heads: int = 2, vocab: int = 1000, positions: int = 128, seed: int = 0) -> Path:
-    """A small randomly initialised HF model dir (GPT-2, or Llama with GQA and an untied head) for demos and tests."""
+                         kv_heads: int = 2, vocab: int = 1000, positions: int = 128, seed: int = 0, *, tied: bool | None = None) -> Path:
+    """A small randomly initialised HF model dir (GPT-2, or Llama with GQA) for demos and tests; ``tied``: the LM head
+    shares the word embeddings (default: GPT-2 tied, Llama untied)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     if model_type == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, n_positions=positions,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                           tie_word_embeddings=True if tied is None else tied))
     elif model_type == "llama":
         model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                                              num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=vocab,
-                                             max_position_embeddings=positions, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+                                             max_position_embeddings=positions, tie_word_embeddings=bool(tied),
+                                             bos_token_id=1, eos_token_id=2))
     else:
         raise ConversionError(f"model_type {model_type!r} -> gpt2 or llama")
     out = Path(out)

@@ -1,0 +1,95 @@
+"""A training run's checkpoint metadata under faults and tampering, with real torchrun ranks in CPU mode:
+
+- the disk fills up while rank 0 writes ``workbench.json`` (``WORKBENCH_FAULT=meta:...:oserror=28``): every rank
+  stops with the same error naming the file, the cause and the fix (no bare ``OSError``, no rank left waiting),
+  the run ends ``failed``, the last complete checkpoint stays the latest and nothing half-written is left;
+- a resume from a checkpoint whose ``workbench.json`` names hooks (a package on the ranks' path that writes a
+  marker when imported) imports only the hooks of its own config and says that they differ.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import free_port
+from workbench.config import preset
+from workbench.run.checkpoint import TRACKER_FILE, find_checkpoint
+from workbench.run.integrity import verify_checkpoint
+from workbench.run.reader import read_events
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _cfg(**over):
+    base = {"data.source": "synthetic", "train.train_iters": 6, "train.lr_decay_iters": 6, "train.global_batch_size": 4,
+            "train.eval_interval": 0, "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 2,
+            "parallel.nproc_per_node": 2}
+    base.update(over)
+    return preset("tiny", **base)
+
+
+def _run(cfg, run_dir: Path, env: dict, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(run_dir / "config.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _by(events, kind, rank=None):
+    return [e for e in events if e["event"] == kind and (rank is None or e["rank"] == rank)]
+
+
+def test_a_full_disk_while_workbench_json_is_written_fails_every_rank_with_the_fix(tmp_path):
+    run_dir = tmp_path / "full"
+    proc = _run(_cfg(), run_dir, {**ENV, "WORKBENCH_FAULT": "meta:4:0:oserror=28"})
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stdout
+    ev = read_events(run_dir)
+    for rank in (0, 1):  # the same error on both ranks: rank 1 is told, not left waiting at a barrier
+        errors = _by(ev, "error", rank)
+        assert errors, (rank, proc.stdout[-2000:] + proc.stderr[-4000:])
+        msg = errors[0]["message"]
+        assert "iteration 4 failed on rank 0 while writing its workbench.json" in msg, msg
+        assert "No space left on device" in msg and "MiB free on" in msg, msg
+        assert "free disk space" in msg and "the last complete checkpoint (iteration 2) is intact" in msg, msg
+        assert _by(ev, "run_end", rank)[0]["status"] == "failed"
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / TRACKER_FILE).read_text().strip() == "2"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000002"]  # nothing half-written left
+    found = find_checkpoint(ckpts)
+    assert found.name == "iter_0000002"
+    verify_checkpoint(found)
+
+
+def test_a_resume_imports_only_its_own_hooks_and_says_they_differ(tmp_path):
+    import json
+
+    first = tmp_path / "first"
+    proc = _run(_cfg(**{"train.train_iters": 2, "train.lr_decay_iters": 6}), first, ENV)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ckpts = first / "checkpoints"
+    meta_file = find_checkpoint(ckpts) / "workbench.json"
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["train"]["forward_step"] = "evil_hooks_pkg.steps:f"  # what a tampered checkpoint records
+    meta_file.write_text(json.dumps(meta))
+
+    code = tmp_path / "code"
+    (code / "evil_hooks_pkg").mkdir(parents=True)
+    marker = tmp_path / "MARKER"
+    payload = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\ndef f(*a, **k):\n    return None\n"
+    (code / "evil_hooks_pkg" / "__init__.py").write_text(payload)
+    (code / "evil_hooks_pkg" / "steps.py").write_text(payload)
+    env = {**ENV, "PYTHONPATH": f"{code}:{ROOT}"}  # the package is importable by the ranks
+    resumed = tmp_path / "resumed"
+    proc = _run(_cfg(**{"checkpoint.load_dir": str(ckpts), "checkpoint.save_interval": 0}), resumed, env, cwd=code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert not marker.exists(), marker.read_text()
+    out = proc.stdout + proc.stderr
+    assert "hooks differ from checkpoint" in out and "'evil_hooks_pkg.steps:f', not imported" in out, out[-3000:]
+    assert "train.forward_step: none in this run's config" in out
+    assert [e["iteration"] for e in _by(read_events(resumed), "step", 0)] == [3, 4, 5, 6]
