@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from workbench import kernels
-from workbench.config_fields import BOUNDS, LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, field_problems
+from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, reads_bad
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
 from workbench.models import FAMILIES, Supports, all_presets, family_of
 
@@ -282,7 +282,9 @@ class GenerationConfig:
     return_log_probs: bool = False
 
     def validate(self, prefix: str = "generation") -> list["Problem"]:
-        p: list[Problem] = []
+        p: list[Problem] = field_problems(self, prefix)
+        if p:  # a wrong type or a non-finite number: the rules below compare numbers
+            return p
         if self.max_new_tokens < 1:
             p.append(Problem(f"{prefix}.max_new_tokens", "must be >= 1", "set max_new_tokens to a positive number"))
         if self.top_k < 0:
@@ -684,42 +686,20 @@ def validate(cfg: RunConfig, bad: set[str] | frozenset[str] = frozenset()) -> li
     """
     P = field_problems(cfg)
     bad = set(bad) | {q.field for q in P}
-    found: list[tuple[Problem, tuple[str, ...] | None]] = []
-    _rules(_at_defaults(cfg, bad) if bad else cfg, lambda f, r, x, *reads: found.append((Problem(f, r, x), None if reads == (None,) else reads)))
-    return P + [q for q, reads in found if not _reads_bad(q, reads, bad)]
 
+    def run(c: RunConfig) -> list[tuple[Problem, tuple[str, ...] | None]]:
+        found: list[tuple[Problem, tuple[str, ...] | None]] = []
+        _rules(c, lambda f, r, x, *reads: found.append((Problem(f, r, x), None if reads == (None,) else reads)))
+        return found
 
-def _touches(name: str, bad: set[str]) -> bool:
-    """Whether field (or section) ``name`` is, holds or lies inside a field of ``bad``."""
-    return any(b == name or b.startswith((name + ".", name + "[")) or name.startswith((b + ".", b + "[")) for b in bad)
-
-
-def _reads_bad(q: Problem, reads: tuple[str, ...] | None, bad: set[str]) -> bool:
-    """Whether a rule's problem depends on an invalid field: its field or what it reads (``reads``;
-    None for a family's or the kernel rule's, where the rule's text naming an invalid field counts)."""
-    if not bad or _touches(q.field, bad) or any(_touches(r, bad) for r in reads or ()):
-        return bool(bad)
-    if reads is None:
-        names = {re.split(r"[.\[]", b.rsplit(".", 1)[-1])[0] for b in bad}
-        return any(re.search(rf"\b{re.escape(n)}\b", q.rule) for n in names if n)
-    return False
-
-
-def _at_defaults(cfg: RunConfig, bad: set[str]) -> RunConfig:
-    """A copy of ``cfg`` with each field named in ``bad`` (dotted, ``[i]`` for list entries) at its default."""
-    fixed = copy.deepcopy(cfg)
-    for path in bad:
-        parts = re.findall(r"\[\d+\]|[^.\[\]]+", path)
-        try:
-            obj = fixed
-            for part in parts[:-1]:
-                obj = obj[int(part[1:-1])] if part.startswith("[") else getattr(obj, part)
-            f = {x.name: x for x in fields(obj)}[parts[-1]]
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
-            continue  # not a field (an unknown key, the file itself)
-        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
-            setattr(obj, f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
-    return fixed
+    found = run(at_defaults(cfg, bad) if bad else cfg)
+    if bad and any(reads is None for _, reads in found):  # rules whose reads are not listed: kept when the same
+        try:                                                 # with other stand-ins for the invalid fields
+            again = {q for q, reads in run(at_defaults(cfg, bad, probe=True)) if reads is None}
+            found = [(q, reads) for q, reads in found if reads is not None or q in again]
+        except Exception:  # a stand-in a rule cannot take: the text check of reads_bad stays
+            pass
+    return P + [q for q, reads in found if not reads_bad(q, reads, bad)]
 
 
 def _rules(cfg: RunConfig, add: Any) -> None:

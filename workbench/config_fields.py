@@ -13,15 +13,18 @@ that reads a field found invalid here is skipped there: only the root problem is
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from workbench.config_text import MAX_VALUES
 
-__all__ = ["Problem", "ConfigError", "Bound", "BOUNDS", "field_problems", "plain_data_problem", "LARGEST_ACCELERATOR_BYTES"]
+__all__ = ["Problem", "ConfigError", "Bound", "BOUNDS", "field_problems", "plain_data_problem", "LARGEST_ACCELERATOR_BYTES",
+           "at_defaults", "reads_bad", "touches"]
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ def _checker(tp: Any) -> Callable[[Any, str], Problem | None]:
         def number(v: Any, path: str) -> Problem | None:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 return Problem(path, f"expected a number, got {v!r}", "use a number such as 3e-4")
-            return None if math.isfinite(v) else Problem(path, f"must be a finite number (got {v})", "use a finite number such as 3e-4")
+            return None if math.isfinite(v) else Problem(path, f"must be a finite number (got {v})", "use a finite number")
         return number
     if tp is str:
         return lambda v, path: None if isinstance(v, str) else Problem(path, f"expected a string, got {v!r}", "quote the value")
@@ -240,3 +243,46 @@ def field_problems(obj: Any, prefix: str = "", bounds_path: str | None = None) -
             if problem is not None:
                 out.append(problem)
     return out
+
+
+# --------------------------------------------------------------------------- rules that read an invalid field
+
+
+def touches(name: str, bad: set[str]) -> bool:
+    """Whether field (or section) ``name`` is, holds or lies inside a field of ``bad``."""
+    return any(b == name or b.startswith((name + ".", name + "[")) or name.startswith((b + ".", b + "[")) for b in bad)
+
+
+def reads_bad(q: Problem, reads: tuple[str, ...] | None, bad: set[str]) -> bool:
+    """Whether a rule's problem depends on an invalid field: its field or what it reads (``reads``;
+    None for a family's or the kernel rule's, where the rule's text naming an invalid field counts)."""
+    if not bad:
+        return False
+    if touches(q.field, bad) or any(touches(r, bad) for r in reads or ()):
+        return True
+    if reads is None:
+        names = {re.split(r"[.\[]", b.rsplit(".", 1)[-1])[0] for b in bad}
+        return any(re.search(rf"\b{re.escape(n)}\b", q.rule) for n in names if n)
+    return False
+
+
+def at_defaults(cfg: Any, bad: set[str], probe: bool = False) -> Any:
+    """A copy of ``cfg`` with each field named in ``bad`` (dotted, ``[i]`` for list entries) at its default;
+    ``probe``: at another valid stand-in where one is obvious (integers doubled, floats halved, booleans flipped), so that a
+    rule whose problem changes with the stand-in is known to depend on the field."""
+    fixed = copy.deepcopy(cfg)
+    for path in bad:
+        parts = re.findall(r"\[\d+\]|[^.\[\]]+", path)
+        try:
+            obj = fixed
+            for part in parts[:-1]:
+                obj = obj[int(part[1:-1])] if part.startswith("[") else getattr(obj, part)
+            f = {x.name: x for x in dataclasses.fields(obj)}[parts[-1]]
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            continue  # not a field (an unknown key, the file itself)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            v = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if probe:
+                v = (not v) if isinstance(v, bool) else (2 * v or 1) if isinstance(v, int) else (v / 2 or 0.5) if isinstance(v, float) else v
+            setattr(obj, f.name, v)
+    return fixed
