@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -571,23 +572,27 @@ def pipeline_stage_layers(cfg: RunConfig) -> tuple[int, ...]:
     even = tuple([max(L // pp, 1)] * pp)
     if pp == 1 or cfg.parallel.pipeline_split != "balanced" or cfg.parallel.vpp > 1 or L < pp:
         return even
-    layer, head = layer_and_head_flops(cfg)
+    return _balanced_split(L, pp, *layer_and_head_flops(cfg)) or even
 
-    def slowest(split: tuple[int, ...]) -> float:
-        return max(n * layer + (head if r == pp - 1 else 0.0) for r, n in enumerate(split))
 
-    best = even if L % pp == 0 else None
+@functools.lru_cache(maxsize=256)
+def _balanced_split(L: int, pp: int, layer: float, head: float) -> tuple[int, ...] | None:
+    """:func:`pipeline_stage_layers`' search: (first, middle stages, last) in the order first, then last,
+    ascending; the first split strictly faster than the best so far wins (None: no valid split)."""
+    k = pp - 2  # middle stages, each holding `per` layers
+
+    def slowest(first: int, per: int, last: int) -> float:
+        return max(first * layer + 0.0, per * layer + 0.0, last * layer + head) if k else max(first * layer + 0.0, last * layer + head)
+
+    best = (L // pp, L // pp, L // pp) if L % pp == 0 else None
+    best_time = slowest(*best) if best else math.inf
     for first in range(1, L):
-        for last in range(1, L - first + 1):
-            middle = L - first - last
-            if pp == 2 and middle:
-                continue
-            if pp > 2 and (middle < pp - 2 or middle % (pp - 2)):
-                continue
-            split = (first, *([middle // (pp - 2)] * (pp - 2) if pp > 2 else ()), last)
-            if best is None or slowest(split) < slowest(best) - 1e-9:
-                best = split
-    return best or even
+        # pp == 2: the last stage takes the rest; else last = L - first - k * per, ascending as per descends
+        for per in ((0,) if k == 0 else range((L - first - 1) // k, 0, -1)):
+            t = slowest(first, per, L - first - k * per)
+            if best is None or t < best_time - 1e-9:
+                best, best_time = (first, per, L - first - k * per), t
+    return None if best is None else (best[0], *([best[1]] * k), best[2])
 
 
 @dataclass(frozen=True)

@@ -366,3 +366,42 @@ def test_every_bounded_field_out_of_range_is_the_only_problem(family):
             assert [p.field for p in problems] == [where], (path, side, [str(p) for p in problems])
             checked += 1
     assert checked > 100
+
+
+# --------------------------------------------------------------------------- the deepest valid pipelines
+
+
+def _brute_force_split(L, pp, layer, head):
+    """Every (first, middle..., last) split tried, first then last ascending: the first strictly faster wins."""
+    def slowest(split):
+        return max(n * layer + (head if r == pp - 1 else 0.0) for r, n in enumerate(split))
+    best = tuple([L // pp] * pp) if L % pp == 0 else None
+    for first in range(1, L):
+        for last in range(1, L - first + 1):
+            middle = L - first - last
+            if (pp == 2 and middle) or (pp > 2 and (middle < pp - 2 or middle % (pp - 2))):
+                continue
+            split = (first, *([middle // (pp - 2)] * (pp - 2) if pp > 2 else ()), last)
+            if best is None or slowest(split) < slowest(best) - 1e-9:
+                best = split
+    return best
+
+
+def test_the_balanced_split_is_the_brute_force_one():
+    from workbench.config import layer_and_head_flops, pipeline_stage_layers
+
+    for L in range(2, 41):
+        for pp in range(2, min(L, 7) + 1):
+            cfg = preset("gpt2-small").replace(**{"model.num_layers": L, "parallel.pipeline_parallel": pp,
+                                                   "parallel.nproc_per_node": pp, "train.micro_batch_size": 4, "train.global_batch_size": 4 * pp})
+            expected = _brute_force_split(L, pp, *layer_and_head_flops(cfg)) or tuple([max(L // pp, 1)] * pp)
+            assert pipeline_stage_layers(cfg) == expected, (L, pp)
+
+
+def test_the_deepest_valid_pipelines_validate_promptly():
+    t0 = time.perf_counter()
+    for layers in (1024, 1000, 998):  # the most layers a config may have, on 3 stages: the longest split search
+        cfg = preset("gpt2-small").replace(**{"model.num_layers": layers, "parallel.pipeline_parallel": 3,
+                                               "parallel.nproc_per_node": 3, "train.micro_batch_size": 4, "train.global_batch_size": 12})
+        assert cfg.validate() == []
+    assert time.perf_counter() - t0 < 6
