@@ -852,7 +852,7 @@ def _rules(cfg: RunConfig, add: Any) -> None:
                 add(f"data.datasets[{i}].prefix", "empty prefix", "give PREFIX of PREFIX.bin/PREFIX.idx", "data.source")
     try:
         parts = [float(x) for x in d.split.replace("/", ",").split(",")]
-        if len(parts) != 3 or any(not 0 <= x < math.inf for x in parts) or sum(parts) <= 0:
+        if len(parts) != 3 or any(not 0 <= x < math.inf for x in parts) or not 0 < sum(parts) < math.inf:
             raise ValueError
     except ValueError:
         add("data.split", f"'{d.split}' is not three non-negative numbers", "use e.g. '949,50,1'")

@@ -143,6 +143,10 @@ def parse_yaml(text: str) -> Any:
         return loader.construct_document(node)
     except RecursionError:
         raise ConfigTextError("nested too deeply to be a config", "a run config has two levels of sections") from None
+    except ConfigTextError:
+        raise
+    except ValueError as e:  # a scalar the safe loader cannot convert (an integer of more digits than Python reads)
+        raise ConfigTextError(f"not valid YAML: {e}", "fix the value") from None
     finally:
         loader.dispose()
 
@@ -169,7 +173,7 @@ def read_config_file(path: str | Path) -> Any:
     except OSError as e:
         raise ConfigTextError(f"cannot be read: {e.strerror or e}", "check the file's permissions") from None
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not part of the text
     except UnicodeDecodeError as e:
         raise ConfigTextError(f"is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})",
                               "save the config as UTF-8 text (a .yaml or .json file)") from None

@@ -269,6 +269,7 @@ HOSTILE = [  # (file text, the one field reported); each was accepted, or report
     ("model: {num_tokentypes: -1}", "model.num_tokentypes"),
     ("data: {num_workers: -1}", "data.num_workers"),
     ("data: {split: 'nan,1,1'}", "data.split"),
+    ("data: {split: '1e308,1e308,1e308'}", "data.split"),
     ("data: {source: indexed, datasets: [{prefix: /x, weight: .nan}]}", "data.datasets[0].weight"),
     ("name: \"two\\nlines\"", "name"),
 ]
@@ -294,6 +295,7 @@ def test_a_dataset_entry_without_a_prefix_is_a_problem_not_a_type_error():
 
 @pytest.mark.parametrize("make, words", [
     (lambda p: p.mkdir(), "not a file"),
+    (lambda p: p.write_text("train: {seed: " + "9" * 5000 + "}\n"), "digits"),
     (lambda p: p.write_bytes(b"name: \xff\xfe\n"), "not UTF-8"),
     (lambda p: p.write_text("# " + "x" * (1 << 20) + "\n"), "bytes"),
 ])
