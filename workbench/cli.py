@@ -333,9 +333,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if (problem := notebook_problem(nb)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        print(f"error: --out {args.out}: is a file -> pass a new or existing directory", file=sys.stderr)
-        return 2
     declared = _notebook_parameters(nb)
     params = {name: _parse_value(value) for name, value in (args.parameters or [])}
     unknown = [p for p in list(grid) + list(params) if declared and p not in declared]

@@ -1,10 +1,12 @@
 """The run config: one typed source of truth for widgets, CLI, planner and backend.
 
 A :class:`RunConfig` groups five dataclasses (model / parallel / train / data /
-checkpoint).  It round-trips through JSON and YAML, refuses unknown keys (a typo
-must never be silently ignored), and :meth:`RunConfig.validate` reports *every*
-problem at once, each naming the field, the rule and a fix, before any GPU
-process starts.  Quantities derived from a config (padded vocab, data-parallel
+checkpoint).  It round-trips through JSON and YAML, read strictly (:mod:`workbench.config_text`:
+duplicate keys, YAML alias bombs, empty or non-UTF-8 files are refused), refuses unknown keys (a
+typo must never be silently ignored), and :meth:`RunConfig.validate` reports *every* problem at
+once, each naming the field, the rule and a fix, before any GPU process starts: first each field
+alone (type, finite, range: :mod:`workbench.config_fields`), then the rules between fields, of
+which one that reads an invalid field is skipped (only the root problem is reported).  Quantities derived from a config (padded vocab, data-parallel
 size, micro-batches, parameter counts, Megatron FLOPs) live in :func:`derive`
 so no two parts of the workbench ever compute them differently.
 
@@ -19,7 +21,6 @@ import dataclasses
 import functools
 import json
 import math
-import re
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path

@@ -291,7 +291,7 @@ def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, *, p
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         problems.append(Problem(str(out_dir), "the sweep's output directory is a file", "pass a new or existing directory"))
     if problems:
-        raise ConfigError(problems, "sweep")
+        raise ConfigError(problems, "(sweep arguments)")
     out = Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     names = list(grid)
