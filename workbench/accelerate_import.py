@@ -10,6 +10,7 @@ from pathlib import Path
 
 from workbench.config import ConfigError, Problem, RunConfig
 from workbench.config import _closest as closest  # the "did you mean" of unknown keys
+from workbench.config_text import ConfigTextError, read_config_file
 
 __all__ = ["from_accelerate"]
 
@@ -24,14 +25,12 @@ def from_accelerate(path_or_dict: str | Path | dict, base: RunConfig | None = No
     if isinstance(path_or_dict, dict):
         acc, source = path_or_dict, "<dict>"
     else:
-        import yaml
-
         source = str(path_or_dict)
-        try:
-            acc = yaml.safe_load(Path(path_or_dict).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError([Problem(source, "file not found", "check the path")]) from None
-    mlm = acc.get("megatron_lm_config")
+        try:  # strict: duplicate keys, alias bombs, empty or non-UTF-8 files are refused
+            acc = read_config_file(path_or_dict)
+        except ConfigTextError as e:
+            raise ConfigError([Problem(source, e.rule, e.fix)]) from None
+    mlm = acc.get("megatron_lm_config") if isinstance(acc, dict) else None
     if not isinstance(mlm, dict):
         raise ConfigError([Problem("megatron_lm_config", "missing from the Accelerate config", "run `accelerate config` and answer yes to Megatron-LM")], source)
     known = {

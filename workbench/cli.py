@@ -21,7 +21,7 @@ from typing import Any
 
 from workbench.accelerate_import import from_accelerate
 from workbench.config import ConfigError, load_config
-from workbench.notebook import _notebook_parameters, _parse_value, parse_grid, run_notebook, sweep
+from workbench.notebook import _notebook_parameters, _parse_value, notebook_problem, parse_grid, run_notebook, sweep
 from workbench.run_handle import Run
 from workbench.schedules import SCHEDULES, ScheduleError, measured_durations, simulate, text_chart
 from workbench.slurm import submit as slurm_submit
@@ -300,8 +300,8 @@ def _follow_cli(run: Run) -> int:
 def _cmd_notebook_run(args: argparse.Namespace) -> int:
     params = {name: _parse_value(value) for name, value in (args.parameters or [])}
     nb = Path(args.notebook)
-    if not nb.exists():
-        print(f"error: notebook {nb} not found -> pass a path such as notebooks/01_quickstart.ipynb", file=sys.stderr)
+    if (problem := notebook_problem(nb)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     declared = _notebook_parameters(nb)
     unknown = [p for p in params if declared and p not in declared]
@@ -332,8 +332,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     nb = Path(args.notebook)
-    if not nb.exists():
-        print(f"error: notebook {nb} not found", file=sys.stderr)
+    if (problem := notebook_problem(nb)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     declared = _notebook_parameters(nb)
     params = {name: _parse_value(value) for name, value in (args.parameters or [])}

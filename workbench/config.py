@@ -1,10 +1,12 @@
 """The run config: one typed source of truth for widgets, CLI, planner and backend.
 
 A :class:`RunConfig` groups five dataclasses (model / parallel / train / data /
-checkpoint).  It round-trips through JSON and YAML, refuses unknown keys (a typo
-must never be silently ignored), and :meth:`RunConfig.validate` reports *every*
-problem at once, each naming the field, the rule and a fix, before any GPU
-process starts.  Quantities derived from a config (padded vocab, data-parallel
+checkpoint).  It round-trips through JSON and YAML, read strictly (:mod:`workbench.config_text`:
+duplicate keys, YAML alias bombs, empty or non-UTF-8 files are refused), refuses unknown keys (a
+typo must never be silently ignored), and :meth:`RunConfig.validate` reports *every* problem at
+once, each naming the field, the rule and a fix, before any GPU process starts: first each field
+alone (type, finite, range: :mod:`workbench.config_fields`), then the rules between fields, of
+which one that reads an invalid field is skipped (only the root problem is reported).  Quantities derived from a config (padded vocab, data-parallel
 size, micro-batches, parameter counts, Megatron FLOPs) live in :func:`derive`
 so no two parts of the workbench ever compute them differently.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from workbench import kernels
+from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, reads_bad
+from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
 from workbench.models import FAMILIES, Supports, all_presets, family_of
 
 __all__ = [
@@ -279,7 +284,9 @@ class GenerationConfig:
     return_log_probs: bool = False
 
     def validate(self, prefix: str = "generation") -> list["Problem"]:
-        p: list[Problem] = []
+        p: list[Problem] = field_problems(self, prefix)
+        if p:  # a wrong type or a non-finite number: the rules below compare numbers
+            return p
         if self.max_new_tokens < 1:
             p.append(Problem(f"{prefix}.max_new_tokens", "must be >= 1", "set max_new_tokens to a positive number"))
         if self.top_k < 0:
@@ -303,31 +310,6 @@ class GenerationConfig:
         return p
 
 
-# --------------------------------------------------------------------------- problems
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One validation failure: which field, which rule, and how to fix it."""
-
-    field: str
-    rule: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.rule} -> {self.fix}"
-
-
-class ConfigError(ValueError):
-    """Raised with every problem of a config (or file) at once."""
-
-    def __init__(self, problems: list[Problem], source: str | None = None):
-        self.problems = list(problems)
-        self.source = source
-        head = f"invalid config{f' {source}' if source else ''} ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"
-        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
-
-
 # --------------------------------------------------------------------------- run config
 
 
@@ -348,14 +330,13 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any], source: str | None = None) -> "RunConfig":
         """Build from nested dicts; unknown keys and wrong types are problems, not silence."""
         problems: list[Problem] = []
-        cfg = _build(cls, data or {}, "", problems)
+        cfg = _build(cls, data, "", problems)
         if problems:
-            # the rules too, on what could be read (bad values at a placeholder), so a config with
-            # four problems shows four; a rule about a field already reported is left out
-            bad = {q.field for q in problems}
+            # the rules too, on what could be read (each bad value at its default), so a config with
+            # four problems shows four; a rule that reads a field already reported is left out
             try:
-                problems += [q for q in validate(cfg) if q.field not in bad]
-            except Exception:  # a placeholder a rule cannot take: the first problems stand
+                problems += validate(cfg, bad={q.field for q in problems})
+            except Exception:  # a combination a rule cannot take: the first problems stand
                 pass
             raise ConfigError(problems, source)
         return cfg
@@ -370,13 +351,25 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, text: str, source: str | None = None) -> "RunConfig":
-        return cls.from_dict(json.loads(text), source)
+        """From JSON text (duplicate keys refused: :func:`workbench.config_text.parse_json`)."""
+        return cls._from_text(parse_json, text, source)
 
     @classmethod
     def from_yaml(cls, text: str, source: str | None = None) -> "RunConfig":
+        """From YAML text (duplicate keys and alias bombs refused: :func:`workbench.config_text.parse_yaml`)."""
+        return cls._from_text(parse_yaml, text, source)
+
+    @classmethod
+    def _from_text(cls, parse: Any, text: str, source: str | None) -> "RunConfig":
         import yaml
 
-        return cls.from_dict(yaml.safe_load(text) or {}, source)
+        try:
+            data = parse(text) if text.strip() else None
+        except (ConfigTextError, yaml.YAMLError) as e:
+            raise ConfigError([Problem(source or "<text>", getattr(e, "rule", f"not valid YAML: {e}"), getattr(e, "fix", "fix the syntax"))]) from None
+        if data is None:
+            raise ConfigError([Problem(source or "<text>", "holds no config (empty, or only comments)", "write the config, e.g. `workbench config preset tiny --yaml`")])
+        return cls.from_dict(data, source)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -437,26 +430,38 @@ RETIRED_KEYS = {
 }
 
 
+#: what _coerce returns for a value of the wrong type (reported): the field keeps its default
+_BAD = object()
+
+
 def _build(cls: type, data: Any, path: str, problems: list[Problem]) -> Any:
     if not isinstance(data, dict):
         problems.append(Problem(path or "<root>", f"expected a mapping, got {type(data).__name__}", "check the file's nesting"))
-        return cls()
+        return _build(cls, {}, path, [])
     hints = get_type_hints(cls)
     names = [f.name for f in fields(cls)]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        fpath = f"{path}.{key}" if path else key
+        fpath = f"{path}.{key}" if path else str(key)
         if key not in names and fpath in RETIRED_KEYS:
             warnings.warn(f"config key {fpath} is ignored: {RETIRED_KEYS[fpath]}", stacklevel=2)
             continue
         if key not in names:
-            problems.append(Problem(fpath, "unknown key", _closest(key, names)))
+            problems.append(Problem(fpath, "unknown key", _closest(str(key), names)))
             continue
-        kwargs[key] = _coerce(hints[key], value, fpath, problems)
+        value = _coerce(hints[key], value, fpath, problems)
+        if value is not _BAD:
+            kwargs[key] = value
+    for f in fields(cls):  # a required field (a dataset's prefix) that is missing or bad
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if not any(q.field == f"{path}.{f.name}" for q in problems):
+                problems.append(Problem(f"{path}.{f.name}", "missing", f"add {f.name}"))
+            kwargs[f.name] = hints[f.name]() if hints[f.name] in (str, int, float, bool) else None
     return cls(**kwargs)
 
 
 def _coerce(tp: Any, value: Any, path: str, problems: list[Problem]) -> Any:
+    """``value`` read as type ``tp``; a wrong type is a problem and :data:`_BAD` (ranges: :mod:`workbench.config_fields`)."""
     origin = get_origin(tp)
     args = get_args(tp)
     if dataclasses.is_dataclass(tp):
@@ -464,13 +469,18 @@ def _coerce(tp: Any, value: Any, path: str, problems: list[Problem]) -> Any:
     if origin is Literal:
         if value not in args:
             problems.append(Problem(path, f"must be one of {', '.join(map(repr, args))}, got {value!r}", f"pick one of {list(args)}"))
-            return args[0]
+            return _BAD
         return value
     if origin is list:
         if not isinstance(value, list):
             problems.append(Problem(path, "expected a list", "write it as a list"))
-            return []
+            return _BAD
         return [_coerce(args[0], v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(Problem(path, f"expected a mapping, got {value!r}", "write it as a mapping of names to values"))
+            return _BAD
+        return value
     if origin in (getattr(__import__("types"), "UnionType"), getattr(__import__("typing"), "Union")):
         if value is None and type(None) in args:
             return None
@@ -479,49 +489,45 @@ def _coerce(tp: Any, value: Any, path: str, problems: list[Problem]) -> Any:
     if tp is bool:
         if not isinstance(value, bool):
             problems.append(Problem(path, f"expected true/false, got {value!r}", "use true or false"))
-            return False
+            return _BAD
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
             problems.append(Problem(path, f"expected an integer, got {value!r}", "use a whole number"))
-            return 0
+            return _BAD
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            if isinstance(value, str):
-                try:
-                    return float(value)  # YAML reads "3e-4" as a string
-                except ValueError:
-                    pass
-            problems.append(Problem(path, f"expected a number, got {value!r}", "use a number such as 3e-4"))
-            return 0.0
-        return float(value)
+        if isinstance(value, str):
+            try:
+                value = float(value)  # YAML 1.1 reads "3e-4" as a string
+            except ValueError:
+                pass
+        try:
+            if not isinstance(value, bool) and isinstance(value, (int, float)):
+                return float(value)
+        except OverflowError:
+            problems.append(Problem(path, f"{str(value)[:20]}... ({len(str(value))} digits) is too large for a number", "use a number such as 3e-4"))
+            return _BAD
+        problems.append(Problem(path, f"expected a number, got {value!r}", "use a number such as 3e-4"))
+        return _BAD
     if tp is str:
         if not isinstance(value, str):
             problems.append(Problem(path, f"expected a string, got {value!r}", "quote the value"))
-            return str(value)
+            return _BAD
         return value
     return value
 
 
 def load_config(path: str | Path) -> RunConfig:
-    """Read a JSON or YAML run config; every problem in it is reported at once."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError([Problem(str(path), "file not found", "check the path")])
-    text = path.read_text()
+    """Read a JSON or YAML run config; every problem in it is reported at once.  The file itself
+    (size, encoding, duplicate keys, YAML aliases) is checked by :func:`workbench.config_text.read_config_file`."""
     try:
-        if path.suffix in (".yaml", ".yml"):
-            return RunConfig.from_yaml(text, str(path))
-        return RunConfig.from_json(text, str(path))
-    except (json.JSONDecodeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError([Problem(str(path), f"not valid {path.suffix.lstrip('.') or 'JSON'}: {e}", "fix the syntax")]) from None
-    except Exception as e:  # yaml.YAMLError
-        raise ConfigError([Problem(str(path), f"could not parse: {e}", "fix the syntax")]) from None
+        data = read_config_file(path)
+    except ConfigTextError as e:
+        raise ConfigError([Problem(str(path), e.rule, e.fix)]) from None
+    return RunConfig.from_dict(data, str(path))
 
 
 # --------------------------------------------------------------------------- derived
@@ -567,23 +573,27 @@ def pipeline_stage_layers(cfg: RunConfig) -> tuple[int, ...]:
     even = tuple([max(L // pp, 1)] * pp)
     if pp == 1 or cfg.parallel.pipeline_split != "balanced" or cfg.parallel.vpp > 1 or L < pp:
         return even
-    layer, head = layer_and_head_flops(cfg)
+    return _balanced_split(L, pp, *layer_and_head_flops(cfg)) or even
 
-    def slowest(split: tuple[int, ...]) -> float:
-        return max(n * layer + (head if r == pp - 1 else 0.0) for r, n in enumerate(split))
 
-    best = even if L % pp == 0 else None
+@functools.lru_cache(maxsize=256)
+def _balanced_split(L: int, pp: int, layer: float, head: float) -> tuple[int, ...] | None:
+    """:func:`pipeline_stage_layers`' search: (first, middle stages, last) in the order first, then last,
+    ascending; the first split strictly faster than the best so far wins (None: no valid split)."""
+    k = pp - 2  # middle stages, each holding `per` layers
+
+    def slowest(first: int, per: int, last: int) -> float:
+        return max(first * layer + 0.0, per * layer + 0.0, last * layer + head) if k else max(first * layer + 0.0, last * layer + head)
+
+    best = (L // pp, L // pp, L // pp) if L % pp == 0 else None
+    best_time = slowest(*best) if best else math.inf
     for first in range(1, L):
-        for last in range(1, L - first + 1):
-            middle = L - first - last
-            if pp == 2 and middle:
-                continue
-            if pp > 2 and (middle < pp - 2 or middle % (pp - 2)):
-                continue
-            split = (first, *([middle // (pp - 2)] * (pp - 2) if pp > 2 else ()), last)
-            if best is None or slowest(split) < slowest(best) - 1e-9:
-                best = split
-    return best or even
+        # pp == 2: the last stage takes the rest; else last = L - first - k * per, ascending as per descends
+        for per in ((0,) if k == 0 else range((L - first - 1) // k, 0, -1)):
+            t = slowest(first, per, L - first - k * per)
+            if best is None or t < best_time - 1e-9:
+                best, best_time = (first, per, L - first - k * per), t
+    return None if best is None else (best[0], *([best[1]] * k), best[2])
 
 
 @dataclass(frozen=True)
@@ -672,155 +682,150 @@ def derive(cfg: RunConfig) -> Derived:
 # --------------------------------------------------------------------------- validation
 
 
-def validate(cfg: RunConfig) -> list[Problem]:
-    """Every rule, every problem at once. Each names the field, the rule and a fix."""
-    P: list[Problem] = []
-    add = lambda f, r, x: P.append(Problem(f, r, x))  # noqa: E731
+def validate(cfg: RunConfig, bad: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+    """Every rule, every problem at once. Each names the field, the rule and a fix.
+
+    First each field alone (:func:`workbench.config_fields.field_problems`: type, finite, range), then
+    the rules between fields, on a copy with every invalid field at its default.  A rule that reads an
+    invalid field (or one in ``bad``: what the caller reported already, e.g. a wrong type in a file) is
+    skipped: its premise is wrong already, so only the root problem is reported.
+    """
+    P = field_problems(cfg)
+    bad = set(bad) | {q.field for q in P}
+
+    def run(c: RunConfig) -> list[tuple[Problem, tuple[str, ...] | None]]:
+        found: list[tuple[Problem, tuple[str, ...] | None]] = []
+        _rules(c, lambda f, r, x, *reads: found.append((Problem(f, r, x), None if reads == (None,) else reads)))
+        return found
+
+    found = run(at_defaults(cfg, bad) if bad else cfg)
+    if bad and any(reads is None for _, reads in found):  # rules whose reads are not listed: kept when the same
+        try:                                                 # with other stand-ins for the invalid fields
+            again = {q for q, reads in run(at_defaults(cfg, bad, probe=True)) if reads is None}
+            found = [(q, reads) for q, reads in found if reads is not None or q in again]
+        except Exception:  # a stand-in a rule cannot take: the text check of reads_bad stays
+            pass
+    return P + [q for q, reads in found if not reads_bad(q, reads, bad)]
+
+
+def _rules(cfg: RunConfig, add: Any) -> None:
+    """The rules between fields: ``add(field, rule, fix, *reads)`` with the other fields (or sections)
+    each reads; a family's rule or the kernel rule's, whose reads are not listed, passes ``None``."""
     m, p, t, d, c = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
-
-    positive = [
-        ("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
-        ("model.num_attention_heads", m.num_attention_heads), ("model.vocab_size", m.vocab_size),
-        ("model.max_position_embeddings", m.max_position_embeddings), ("model.seq_length", m.seq_length),
-        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
-        ("parallel.tensor_parallel", p.tensor_parallel), ("parallel.pipeline_parallel", p.pipeline_parallel),
-        ("parallel.nnodes", p.nnodes), ("parallel.nproc_per_node", p.nproc_per_node),
-        ("train.micro_batch_size", t.micro_batch_size), ("train.global_batch_size", t.global_batch_size),
-        ("train.train_iters", t.train_iters), ("train.log_interval", t.log_interval),
-    ]
-    bad_positive = set()
-    for name, value in positive:
-        if value is None or value < 1:
-            add(name, f"must be >= 1 (got {value})", f"set {name.split('.')[-1]} to a positive integer")
-            bad_positive.add(name)
-    if bad_positive:
-        # the other rules still run (every problem at once), on a copy with each bad value at its
-        # default; a problem naming a bad field is dropped: it would only repeat the same mistake
-        fixed = copy.deepcopy(cfg)
-        for name in bad_positive:
-            section, attr = name.split(".")
-            setattr(getattr(fixed, section), attr, getattr(type(getattr(fixed, section))(), attr))
-        shorts = [n.split(".")[-1] for n in bad_positive]
-        return P + [q for q in validate(fixed) if q.field not in bad_positive and not any(s in q.rule for s in shorts)]
-
     tp, pp, vpp = p.tensor_parallel, p.pipeline_parallel, p.vpp
     heads, groups = m.num_attention_heads, m.query_groups
+    arch = "model.arch"
 
     # model
     if m.arch not in FAMILIES:
         add("model.arch", f"'{m.arch}' has no model family yet (families: {', '.join(FAMILIES)})", f"set arch to one of: {', '.join(FAMILIES)}")
     known = m.arch in FAMILIES
     for field_name, rule, fix in family_of(cfg).rules(cfg) if known else ():
-        add(field_name, rule, fix)
+        add(field_name, rule, fix, None)
     sup = family_of(cfg).supports if known else Supports()
     if pp > 1 and not sup.pipeline:
-        add("parallel.pipeline_parallel", sup.pipeline_reason or f"the {m.arch} family has no pipeline parallelism", "set pipeline_parallel: 1")
+        add("parallel.pipeline_parallel", sup.pipeline_reason or f"the {m.arch} family has no pipeline parallelism", "set pipeline_parallel: 1", arch)
     if vpp > 1 and not sup.interleaved:
-        add("parallel.virtual_pipeline_parallel", f"the {m.arch} family has no interleaved schedule", "leave virtual_pipeline_parallel unset")
+        add("parallel.virtual_pipeline_parallel", f"the {m.arch} family has no interleaved schedule", "leave virtual_pipeline_parallel unset", arch)
     if m.num_labels and not sup.classification:
-        add("model.num_labels", f"the {m.arch} family has no sequence-classification head", "set num_labels: 0 (classification: a bert model)")
+        add("model.num_labels", f"the {m.arch} family has no sequence-classification head", "set num_labels: 0 (classification: a bert model)", arch)
     if p.sequence_parallel and not sup.sequence_parallel:
-        add("parallel.sequence_parallel", f"the {m.arch} family has no sequence parallelism", "set sequence_parallel: false")
+        add("parallel.sequence_parallel", f"the {m.arch} family has no sequence parallelism", "set sequence_parallel: false", arch)
     if m.kv_channels is None and m.hidden_size % heads:
-        add("model.hidden_size", f"hidden_size {m.hidden_size} is not divisible by num_attention_heads {heads}", f"use a hidden size that is a multiple of {heads}, or set kv_channels")
+        add("model.hidden_size", f"hidden_size {m.hidden_size} is not divisible by num_attention_heads {heads}", f"use a hidden size that is a multiple of {heads}, or set kv_channels",
+            "model.num_attention_heads", "model.kv_channels")
+    head_fields = ("model.num_attention_heads", "model.attention_type", "model.num_query_groups")
     if m.attention_type == "grouped":
         if not m.num_query_groups:
-            add("model.num_query_groups", "grouped attention needs num_query_groups", f"set num_query_groups to a divisor of {heads}")
+            add("model.num_query_groups", "grouped attention needs num_query_groups", f"set num_query_groups to a divisor of {heads}", *head_fields)
         elif heads % m.num_query_groups:
-            add("model.num_query_groups", f"num_attention_heads {heads} is not divisible by num_query_groups {m.num_query_groups}", "choose a divisor of the head count")
+            add("model.num_query_groups", f"num_attention_heads {heads} is not divisible by num_query_groups {m.num_query_groups}", "choose a divisor of the head count", *head_fields)
     elif m.num_query_groups not in (None, groups):
-        add("model.num_query_groups", f"num_query_groups={m.num_query_groups} conflicts with attention_type '{m.attention_type}'", "set attention_type: grouped, or remove num_query_groups")
+        add("model.num_query_groups", f"num_query_groups={m.num_query_groups} conflicts with attention_type '{m.attention_type}'", "set attention_type: grouped, or remove num_query_groups", *head_fields)
     if heads % tp:  # one problem: the query groups and ffn rules would repeat it about fields the user may never have set
         common = math.gcd(math.gcd(heads, groups), m.ffn_size)
         ok = [str(x) for x in range(1, common + 1) if common % x == 0]
         add("parallel.tensor_parallel", f"num_attention_heads {heads} is not divisible by tensor_parallel {tp}",
-            f"use a tensor_parallel that divides the heads{' and query groups' if groups != heads else ''}: one of {', '.join(ok)}")
+            f"use a tensor_parallel that divides the heads{' and query groups' if groups != heads else ''}: one of {', '.join(ok)}", *head_fields)
     elif groups % tp:
-        add("model.num_query_groups", f"query groups ({groups}) are not divisible by tensor_parallel {tp}: every TP rank needs whole KV heads", f"use tensor_parallel dividing {groups}, or more query groups")
+        add("model.num_query_groups", f"query groups ({groups}) are not divisible by tensor_parallel {tp}: every TP rank needs whole KV heads",
+            f"use tensor_parallel dividing {groups}, or more query groups", "parallel.tensor_parallel", *head_fields)
     if m.ffn_size % tp and not heads % tp:
-        add("model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by tensor_parallel {tp}", "pick an ffn_hidden_size that is a multiple of tensor_parallel")
+        add("model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by tensor_parallel {tp}", "pick an ffn_hidden_size that is a multiple of tensor_parallel",
+            "parallel.tensor_parallel", "model.num_attention_heads", "model.hidden_size", "model.activation")
     if m.seq_length > m.max_position_embeddings and m.position_embedding == "learned":
-        add("model.seq_length", f"seq_length {m.seq_length} > max_position_embeddings {m.max_position_embeddings} (learned positions)", f"lower seq_length or raise max_position_embeddings to >= {m.seq_length}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        v = getattr(m, name)
-        if not 0.0 <= v < 1.0:
-            add(f"model.{name}", f"must be in [0, 1) (got {v})", "use e.g. 0.1, or 0 to disable")
+        add("model.seq_length", f"seq_length {m.seq_length} > max_position_embeddings {m.max_position_embeddings} (learned positions)",
+            f"lower seq_length or raise max_position_embeddings to >= {m.seq_length}", "model.max_position_embeddings", "model.position_embedding")
     if m.gelu_approximate != "none" and m.activation not in ("gelu", "geglu"):
-        add("model.gelu_approximate", f"gelu_approximate applies to activations 'gelu' / 'geglu' only (activation is '{m.activation}')", "set gelu_approximate: none")
+        add("model.gelu_approximate", f"gelu_approximate applies to activations 'gelu' / 'geglu' only (activation is '{m.activation}')", "set gelu_approximate: none", "model.activation")
     if known and m.position_embedding not in sup.positions:
-        add("model.position_embedding", f"the {m.arch} family has no '{m.position_embedding}' positions", f"use one of: {', '.join(sup.positions)}")
+        add("model.position_embedding", f"the {m.arch} family has no '{m.position_embedding}' positions", f"use one of: {', '.join(sup.positions)}", arch)
     if known and m.activation not in sup.activations:
-        add("model.activation", f"the {m.arch} family has no '{m.activation}' MLP", f"use one of: {', '.join(sup.activations)}")
-    if m.rotary_percent <= 0 or m.rotary_percent > 1:
-        add("model.rotary_percent", "must be in (0, 1]", "use 1.0")
+        add("model.activation", f"the {m.arch} family has no '{m.activation}' MLP", f"use one of: {', '.join(sup.activations)}", arch)
     if m.position_embedding == "alibi" and m.attention_backend in ("te", "local"):
-        add("model.attention_backend", f"ALiBi is implemented only in the workbench SDPA attention, not '{m.attention_backend}'", "set attention_backend: sdpa (or auto)")
+        add("model.attention_backend", f"ALiBi is implemented only in the workbench SDPA attention, not '{m.attention_backend}'", "set attention_backend: sdpa (or auto)", "model.position_embedding")
 
     # parallel
     world = p.world_size
+    world_fields = ("parallel.nnodes", "parallel.nproc_per_node", "parallel.tensor_parallel", "parallel.pipeline_parallel")
     if world % (tp * pp):
-        add("parallel.nproc_per_node", f"world size {world} (nnodes*nproc_per_node) is not divisible by tp*pp = {tp * pp}", f"use a world size that is a multiple of {tp * pp}")
+        add("parallel.nproc_per_node", f"world size {world} (nnodes*nproc_per_node) is not divisible by tp*pp = {tp * pp}", f"use a world size that is a multiple of {tp * pp}", *world_fields)
+    split_fields = ("model.num_layers", "parallel.virtual_pipeline_parallel", "parallel.pipeline_split")
     if m.num_layers < pp:
-        add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is fewer than pipeline_parallel {pp} stages", f"use pipeline_parallel <= {m.num_layers}")
+        add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is fewer than pipeline_parallel {pp} stages", f"use pipeline_parallel <= {m.num_layers}", "model.num_layers")
     elif known and sum(pipeline_stage_layers(cfg)) != m.num_layers:
         how = ("interleaving splits layers evenly" if vpp > 1 else
                "pipeline_split is even" if p.pipeline_split == "even" else "no balanced split exists")
         add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pipeline_parallel {pp} ({how})",
-            f"use a pipeline_parallel that divides {m.num_layers}" + ("" if vpp > 1 or p.pipeline_split == "balanced" else ", or pipeline_split: balanced"))
+            f"use a pipeline_parallel that divides {m.num_layers}" + ("" if vpp > 1 or p.pipeline_split == "balanced" else ", or pipeline_split: balanced"), *split_fields)
     if p.virtual_pipeline_parallel not in (None, 1):
-        if p.virtual_pipeline_parallel < 1:
-            add("parallel.virtual_pipeline_parallel", "must be >= 1", "use null to disable interleaving")
-        elif pp < 2:
-            add("parallel.virtual_pipeline_parallel", "interleaving needs pipeline_parallel >= 2", "raise pipeline_parallel or set virtual_pipeline_parallel: null")
+        if pp < 2:
+            add("parallel.virtual_pipeline_parallel", "interleaving needs pipeline_parallel >= 2", "raise pipeline_parallel or set virtual_pipeline_parallel: null", "parallel.pipeline_parallel")
         elif m.num_layers % (pp * vpp):
-            add("parallel.virtual_pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pp*vpp = {pp * vpp}", f"choose vpp so that pp*vpp divides {m.num_layers}")
+            add("parallel.virtual_pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pp*vpp = {pp * vpp}", f"choose vpp so that pp*vpp divides {m.num_layers}",
+                "parallel.pipeline_parallel", "model.num_layers")
     if p.sequence_parallel and tp < 2:
-        add("parallel.sequence_parallel", "sequence parallelism needs tensor_parallel > 1", "set tensor_parallel >= 2 or sequence_parallel: false")
+        add("parallel.sequence_parallel", "sequence parallelism needs tensor_parallel > 1", "set tensor_parallel >= 2 or sequence_parallel: false", "parallel.tensor_parallel")
     if p.sequence_parallel and m.seq_length % tp:
-        add("model.seq_length", f"with sequence parallelism seq_length {m.seq_length} must be divisible by tensor_parallel {tp}", "round seq_length to a multiple of tensor_parallel")
-    if p.recompute_num_layers < 1:
-        add("parallel.recompute_num_layers", "must be >= 1", "use 1")
+        add("model.seq_length", f"with sequence parallelism seq_length {m.seq_length} must be divisible by tensor_parallel {tp}", "round seq_length to a multiple of tensor_parallel",
+            "parallel.sequence_parallel", "parallel.tensor_parallel")
     if p.device == "cpu":
         if world > 8:
-            add("parallel.device", f"CPU emulation is for tiny models on 1-8 processes, not {world}", "use device: cuda on GPUs")
+            add("parallel.device", f"CPU emulation is for tiny models on 1-8 processes, not {world}", "use device: cuda on GPUs", "parallel.nnodes", "parallel.nproc_per_node")
         if p.overlap_grad_reduce or p.overlap_param_gather:
-            add("parallel.overlap_grad_reduce", "communication overlap needs CUDA streams", "turn overlap off on device: cpu")
+            add("parallel.overlap_grad_reduce", "communication overlap needs CUDA streams", "turn overlap off on device: cpu", "parallel.device", "parallel.overlap_param_gather")
     if p.overlap_param_gather and not p.distributed_optimizer:
-        add("parallel.overlap_param_gather", "param-gather overlap needs the distributed optimizer", "set distributed_optimizer: true or overlap_param_gather: false")
+        add("parallel.overlap_param_gather", "param-gather overlap needs the distributed optimizer", "set distributed_optimizer: true or overlap_param_gather: false", "parallel.distributed_optimizer")
+    if known:  # the weights alone of one model-parallel rank: beyond any accelerator, the model is not trainable anywhere
+        dv = derive(cfg)
+        per_rank = max(dv.params_per_stage) / tp
+        if 2 * per_rank > LARGEST_ACCELERATOR_BYTES:
+            add("model", f"{dv.params.total / 1e9:.4g}B parameters: each of the tp x pp = {tp} x {pp} model-parallel ranks would hold "
+                f"{per_rank / 1e9:.4g}B of them, {2 * per_rank / 1e9:.4g} GB of weights alone at 2 bytes each, more than any accelerator "
+                f"holds ({LARGEST_ACCELERATOR_BYTES / 1e9:.0f} GB)", "use fewer or smaller layers, or more tensor_parallel / pipeline_parallel "
+                "(`workbench plan` gives each rank's memory)", "parallel")
 
     # train
     dp = world // (tp * pp) if world % (tp * pp) == 0 else None
+    batch_fields = ("train.micro_batch_size", *world_fields)
     if dp:
         if t.global_batch_size % (t.micro_batch_size * dp):
-            add("train.global_batch_size", f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size*dp = {t.micro_batch_size}*{dp}", f"use a multiple of {t.micro_batch_size * dp}")
+            add("train.global_batch_size", f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size*dp = {t.micro_batch_size}*{dp}", f"use a multiple of {t.micro_batch_size * dp}", *batch_fields)
         else:
             micro = t.global_batch_size // (t.micro_batch_size * dp)
             if vpp > 1 and pp > 1 and micro % pp:
-                add("train.global_batch_size", f"interleaved 1F1B needs the number of micro-batches ({micro}) divisible by pipeline_parallel {pp}", f"use a global batch giving a multiple of {pp} micro-batches")
+                add("train.global_batch_size", f"interleaved 1F1B needs the number of micro-batches ({micro}) divisible by pipeline_parallel {pp}",
+                    f"use a global batch giving a multiple of {pp} micro-batches", "parallel.virtual_pipeline_parallel", *batch_fields)
     for field_name, rule, fix in (kernels.fp8_problems(cfg) + kernels.userbuffer_problems(cfg)) if known else ():
-        add(field_name, rule, fix)
-    if t.lr <= 0:
-        add("train.lr", "must be > 0", "use e.g. 3e-4")
-    if t.min_lr < 0 or t.min_lr > t.lr:
-        add("train.min_lr", f"must be in [0, lr] (lr={t.lr}, min_lr={t.min_lr})", "lower min_lr")
+        add(field_name, rule, fix, None)
+    if t.min_lr > t.lr:
+        add("train.min_lr", f"must be in [0, lr] (lr={t.lr}, min_lr={t.min_lr})", "lower min_lr", "train.lr")
     decay_iters = t.lr_decay_iters or t.train_iters
-    if t.lr_warmup_iters < 0 or (t.lr_warmup_iters >= decay_iters and t.lr_warmup_iters > 0):
+    if t.lr_warmup_iters >= decay_iters and t.lr_warmup_iters > 0:
         add("train.lr_warmup_iters", f"must be in [0, decay iters) = [0, {decay_iters}) (megatron's LR scheduler asserts warmup < decay)",
-            f"use at most {max(decay_iters - 1, 0)} warmup iterations, or 0")
-    if not 0 <= t.adam_beta1 < 1 or not 0 <= t.adam_beta2 < 1:
-        add("train.adam_beta1", "Adam betas must be in [0, 1)", "use 0.9 / 0.95")
-    if t.adam_eps <= 0:
-        add("train.adam_eps", "must be > 0", "use 1e-8")
-    if t.clip_grad < 0:
-        add("train.clip_grad", "must be >= 0", "use 1.0, or 0 to disable")
-    if t.weight_decay < 0:
-        add("train.weight_decay", "must be >= 0", "use 0.1 or 0")
+            f"use at most {max(decay_iters - 1, 0)} warmup iterations, or 0", "train.lr_decay_iters", "train.train_iters")
     if t.loss_scale is not None and t.precision != "fp16":
-        add("train.loss_scale", f"loss scaling applies to fp16 only (precision is {t.precision})", "remove loss_scale or set precision: fp16")
-    if t.eval_interval < 0 or t.eval_iters < 0:
-        add("train.eval_interval", "must be >= 0", "use 0 to disable evaluation")
-    if t.microbatch_timing_interval < 0:
-        add("train.microbatch_timing_interval", "must be >= 0", "use 0 to disable")
+        add("train.loss_scale", f"loss scaling applies to fp16 only (precision is {t.precision})", "remove loss_scale or set precision: fp16", "train.precision")
     for hook in ("forward_step", "loss_func"):
         path = getattr(t, hook)
         if path is not None:
@@ -836,33 +841,26 @@ def validate(cfg: RunConfig) -> list[Problem]:
                     found = False
                 if not found:
                     add(f"train.{hook}", f"module '{mod}' is not importable", "put the module on PYTHONPATH (e.g. next to the notebook) or fix the path")
-    if t.peak_tflops is not None and t.peak_tflops <= 0:
-        add("train.peak_tflops", "must be > 0", "use null to look the GPU up")
     if p.device == "cpu" and t.precision == "fp16":
-        add("train.precision", "fp16 is not supported on CPU", "use bf16 or fp32 on device: cpu")
+        add("train.precision", "fp16 is not supported on CPU", "use bf16 or fp32 on device: cpu", "parallel.device")
 
     # data
     if d.source == "indexed":
         if not d.datasets:
-            add("data.datasets", "source 'indexed' needs at least one dataset prefix", "add {prefix: /path/to/name_text_document, weight: 1}")
+            add("data.datasets", "source 'indexed' needs at least one dataset prefix", "add {prefix: /path/to/name_text_document, weight: 1}", "data.source")
         for i, e in enumerate(d.datasets):
-            if e.weight <= 0:
-                add(f"data.datasets[{i}].weight", "must be > 0", "use a positive weight")
             if not e.prefix:
-                add(f"data.datasets[{i}].prefix", "empty prefix", "give PREFIX of PREFIX.bin/PREFIX.idx")
+                add(f"data.datasets[{i}].prefix", "empty prefix", "give PREFIX of PREFIX.bin/PREFIX.idx", "data.source")
     try:
         parts = [float(x) for x in d.split.replace("/", ",").split(",")]
-        if len(parts) != 3 or any(x < 0 for x in parts) or sum(parts) <= 0:
+        if len(parts) != 3 or any(not 0 <= x < math.inf for x in parts) or not 0 < sum(parts) < math.inf:
             raise ValueError
     except ValueError:
         add("data.split", f"'{d.split}' is not three non-negative numbers", "use e.g. '949,50,1'")
 
     # checkpoint
-    if c.save_interval < 0:
-        add("checkpoint.save_interval", "must be >= 0", "use 0 to save only at the end")
     if c.finetune and not c.load_dir:
-        add("checkpoint.finetune", "finetune needs load_dir", "set checkpoint.load_dir")
-    return P
+        add("checkpoint.finetune", "finetune needs load_dir", "set checkpoint.load_dir", "checkpoint.load_dir")
 
 
 # --------------------------------------------------------------------------- presets

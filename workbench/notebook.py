@@ -36,6 +36,7 @@ __all__ = [
     "record_metrics",
     "parse_grid",
     "sweep",
+    "notebook_problem",
 ]
 
 
@@ -246,16 +247,51 @@ def parse_grid(items: Sequence[str]) -> dict[str, list]:
     return grid
 
 
+def notebook_problem(notebook: str | Path) -> Problem | None:
+    """Why ``notebook`` is not a notebook papermill can run (missing, not a file, not UTF-8, not a
+    Jupyter notebook's JSON), naming the file and the fix; None when it is one."""
+    nb = Path(notebook)
+    fix = "pass a .ipynb notebook saved by Jupyter, such as notebooks/01_quickstart.ipynb"
+    if not nb.exists():
+        return Problem(str(nb), "notebook not found", fix)
+    if not nb.is_file():
+        return Problem(str(nb), "is not a file", fix)
+    try:
+        raw = nb.read_bytes()
+    except OSError as e:
+        return Problem(str(nb), f"cannot be read: {e.strerror or e}", "check the file's permissions")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Problem(str(nb), f"is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}), so not a notebook", fix)
+    import nbformat
+
+    try:
+        nbformat.validate(nbformat.reads(text, as_version=4))
+    except Exception as e:  # nbformat's errors for JSON that is no notebook are of many types
+        return Problem(str(nb), f"is not a Jupyter notebook ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})", fix)
+    return None
+
+
 def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, *, parameters: dict | None = None,
           html: bool = False, progress: bool = True):
     """Run ``notebook`` once per grid point into ``out_dir/<i>-k=v...``; collect metrics into ``out_dir/sweep.csv``.
 
     Each point's metrics come from the ``metrics.json`` the notebook wrote into its ``out_dir``
-    (see :func:`record_metrics`).  Returns the table as a pandas DataFrame.
+    (see :func:`record_metrics`).  Returns the table as a pandas DataFrame.  A notebook that is not one,
+    a grid entry that is not a non-empty list, or an ``out_dir`` that is a file: :class:`ConfigError`
+    before anything runs.
     """
     import pandas as pd
     from tqdm.auto import tqdm
 
+    problems = [p for p in [notebook_problem(notebook)] if p is not None]
+    problems += [Problem(f"grid.{k}", f"{v!r} is not a non-empty list of values", f"write it as {k}=[v1, v2, ...]")
+                 for k, v in grid.items() if not isinstance(v, (list, tuple)) or not v]
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        problems.append(Problem(str(out_dir), "the sweep's output directory is a file", "pass a new or existing directory"))
+    if problems:
+        raise ConfigError(problems, "(sweep arguments)")
     out = Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     names = list(grid)
