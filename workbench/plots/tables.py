@@ -75,7 +75,7 @@ def html_table(df: Any, *, precision: int = 2, index: bool = False, common: Sequ
     note = " \u00b7 ".join(f"{c}: {df[c].iloc[0]}" for c in same)
     shown = df.drop(columns=same)
     text = (f"{note}\n" if note else "") + shown.to_string(index=index)
-    head = f"<div style='font-size: 12px; color: #555'>{html.escape(note)}</div>" if note else ""
+    head = f"<div style='font-size: 12px; line-height: 1.4; color: #555'>{html.escape(note)}</div>" if note else ""
     return Table(text, head + _styled_html(shown, precision, index, cell_styles))
 
 
@@ -118,8 +118,8 @@ def plan_table(plan: Any) -> Table:
     table = _styled_html(plan_frame(plan), 2, False, {"fits": _fits_style})
 
     def prose(ls: list[str]) -> str:
-        return "".join(f"<div style='font-size: 12px; margin: 1px 0'>{html.escape(ln.strip())}</div>" for ln in ls)
+        return "".join(f"<div style='font-size: 12px; line-height: 1.4; margin: 1px 0'>{html.escape(ln.strip())}</div>" for ln in ls)
 
-    caption = "<div style='font-size: 11px; color: #666'>GiB per rank: allocated components at the peak, then allocated, " \
+    caption = "<div style='font-size: 11px; line-height: 1.4; color: #666'>GiB per rank: allocated components at the peak, then allocated, " \
               "reserved, + CUDA context and NCCL, total</div>"
     return Table(text, f"<div class='workbench-plan'>{prose(before)}{caption}{table}{prose(after)}</div>")
