@@ -49,6 +49,7 @@ __all__ = [
     "FP8_RECIPES",
     "SDPA_CUDNN_FIRST",
     "SELECTIVE_RECOMPUTE",
+    "GPU_ONLY_FIELDS",
 ]
 
 #: What ``parallel.recompute: selective`` recomputes on the workbench's own layers.  Stock
@@ -58,6 +59,12 @@ __all__ = [
 SELECTIVE_RECOMPUTE = "mlp (fc1 + activation rebuilt in backward)"
 
 _FAST_ON_CPU = False
+
+#: Config fields that act only on GPUs (``parallel.device: cuda``): on CPU the rule above ignores the
+#: compiled layer, its CUDA graphs and its TP overlap (:func:`fast_paths_wanted`), and validation refuses
+#: FP8, TE's userbuffers and communication overlap.  The config form shows them only on ``device: cuda``.
+GPU_ONLY_FIELDS = ("train.compile_kernels", "train.cuda_graphs", "train.fp8", "parallel.tp_comm_overlap",
+                   "parallel.te_userbuffers", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather")
 
 
 def allow_fast_paths_on_cpu(enabled: bool = True) -> None:

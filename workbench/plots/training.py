@@ -29,6 +29,8 @@ class TrainingFrames:
     title: str | None = None
     #: the run replays its layers as CUDA graphs: their pool is reserved memory, never "allocated"
     cuda_graphs: bool = False
+    #: ``parallel.device`` of the run ("cpu": there is no GPU memory to measure or predict)
+    device: str | None = None
 
 
 def _used_cuda_graphs(run) -> bool:
@@ -37,9 +39,9 @@ def _used_cuda_graphs(run) -> bool:
 
 
 def frames_from_run(run) -> TrainingFrames:
-    total = run.config.train.train_iters if getattr(run, "config", None) else None
-    return TrainingFrames(run.steps, run.train_loss, run.evals, run.memory, total, run.run_dir.name,
-                          cuda_graphs=_used_cuda_graphs(run))
+    cfg = getattr(run, "config", None)
+    return TrainingFrames(run.steps, run.train_loss, run.evals, run.memory, cfg.train.train_iters if cfg else None,
+                          run.run_dir.name, cuda_graphs=_used_cuda_graphs(run), device=cfg.parallel.device if cfg else None)
 
 
 def _per_iteration(steps, column: str, how: str = "max"):
@@ -77,9 +79,7 @@ def training_figure(frames: TrainingFrames, predicted_memory: Mapping[int, float
     if len(tl) or len(ev):
         ax_loss.set_xlabel("iteration")
         ax_loss.set_ylabel("loss")
-        ax_loss.legend(fontsize=8)
-        if frames.train_iters:
-            ax_loss.set_xlim(0, max(frames.train_iters, 1))
+        ax_loss.legend(fontsize=8)  # the x axis follows the iterations so far, like the other panels
         ax_loss.grid(alpha=0.3)
     else:
         _empty(ax_loss, "no loss yet")
@@ -102,47 +102,7 @@ def training_figure(frames: TrainingFrames, predicted_memory: Mapping[int, float
         _empty(ax_tput, "no throughput yet")
     ax_tput.set_title("throughput", fontsize=10)
 
-    # memory per rank: measured allocated / reserved (latest step) next to the planner's prediction
-    mem = frames.memory
-    measured = {}
-    if len(mem):
-        for _, row in mem.iterrows():
-            measured[int(row["rank"])] = (row.get("mem_allocated"), row.get("mem_reserved"))
-    has_measured = any(v is not None and v == v for pair in measured.values() for v in pair)
-    pred: dict[int, float] = {}
-    if isinstance(predicted_memory, Mapping):
-        pred = {int(k): float(v) for k, v in predicted_memory.items()}
-    elif predicted_memory is not None:
-        pred = {r: float(predicted_memory) for r in (measured or {0: None})}
-    ranks = sorted(set(measured) | set(pred))
-    if ranks and (has_measured or pred):
-        nan = float("nan")
-        x = list(range(len(ranks)))
-        n = 3 if pred else 2
-        w = 0.8 / n
-
-        def col(i: int) -> list[float]:
-            out = []
-            for r in ranks:
-                v = measured.get(r, (None, None))[i]
-                out.append(nan if v is None or v != v else float(v) / GIB)
-            return out
-
-        allocated = "allocated (CUDA-graph pool: see reserved)" if frames.cuda_graphs else "allocated"
-        ax_mem.bar([i - 0.4 + w / 2 for i in x], col(0), w, label=allocated, color="C0")
-        ax_mem.bar([i - 0.4 + 1.5 * w for i in x], col(1), w, label="reserved", color="C1")
-        if pred:
-            ax_mem.bar([i - 0.4 + 2.5 * w for i in x], [pred.get(r, nan) / GIB for r in ranks], w, label="planner", color="0.6", hatch="//")
-        ax_mem.set_xticks(x)
-        ax_mem.set_xticklabels([str(r) for r in ranks])
-        ax_mem.set_xlabel("rank")
-        ax_mem.set_ylabel("GiB")
-        ax_mem.legend(fontsize=8)
-        ax_mem.grid(alpha=0.3, axis="y")
-    else:
-        _empty(ax_mem, "no memory numbers yet")
-    ax_mem.set_title("memory per rank (latest step)" if has_measured or not pred else
-                     "memory per rank: planner only (none measured: CPU mode or no step yet)", fontsize=10 if has_measured else 8)
+    _memory_panel(ax_mem, frames, predicted_memory)
 
     # grad norm and LR
     gn = _per_iteration(steps, "grad_norm", "max")
@@ -165,6 +125,61 @@ def training_figure(frames: TrainingFrames, predicted_memory: Mapping[int, float
         fig.suptitle(frames.title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def _memory_panel(ax, frames: TrainingFrames, predicted_memory: Mapping[int, float] | float | None) -> None:
+    """Memory per rank: measured allocated / reserved (latest step) next to the planner's prediction.
+
+    Each rank's bars are centred on its tick (the planner's bar alone while nothing is measured);
+    the legend sits above the bars, in headroom of its own.  On CPU there is no GPU memory to
+    measure or predict: the panel says so.
+    """
+    mem = frames.memory
+    measured = {}
+    if len(mem):
+        for _, row in mem.iterrows():
+            measured[int(row["rank"])] = (row.get("mem_allocated"), row.get("mem_reserved"))
+    has_measured = any(v is not None and v == v for pair in measured.values() for v in pair)
+    ax.set_title("memory per rank (latest step)" if has_measured else "memory per rank", fontsize=10)
+    if not has_measured and frames.device == "cpu":
+        _empty(ax, "no GPU memory on CPU")
+        return
+    pred: dict[int, float] = {}
+    if isinstance(predicted_memory, Mapping):
+        pred = {int(k): float(v) for k, v in predicted_memory.items()}
+    elif predicted_memory is not None:
+        pred = {r: float(predicted_memory) for r in (measured or {0: None})}
+    ranks = sorted(set(measured) | set(pred))
+    if not ranks or not (has_measured or pred):
+        _empty(ax, "no memory numbers yet")
+        return
+    nan = float("nan")
+
+    def col(i: int) -> list[float]:
+        out = []
+        for r in ranks:
+            v = measured.get(r, (None, None))[i]
+            out.append(nan if v is None or v != v else float(v) / GIB)
+        return out
+
+    allocated = "allocated (CUDA-graph pool: see reserved)" if frames.cuda_graphs else "allocated"
+    series = ([(col(0), allocated, {"color": "C0"}), (col(1), "reserved", {"color": "C1"})] if has_measured else [])
+    if pred:
+        series.append(([pred.get(r, nan) / GIB for r in ranks],
+                       "planner" if has_measured else "planner (nothing measured yet)", {"color": "0.6", "hatch": "//"}))
+    x = list(range(len(ranks)))
+    w = 0.8 / len(series)
+    for k, (values, label, style) in enumerate(series):
+        ax.bar([i - 0.4 + (k + 0.5) * w for i in x], values, w, label=label, **style)
+    ax.set_xticks(x)
+    ax.set_xticklabels([str(r) for r in ranks])
+    ax.set_xlim(-0.6, len(ranks) - 0.4)
+    top = max((v for values, _, _ in series for v in values if v == v), default=0.0)
+    ax.set_ylim(0, (top or 1.0) * 1.35)  # headroom: the legend never covers a bar
+    ax.set_xlabel("rank")
+    ax.set_ylabel("GiB")
+    ax.legend(fontsize=8, loc="upper left", ncols=len(series), frameon=False)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def figure_png(fig, dpi: int = 80) -> bytes:

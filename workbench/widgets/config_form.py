@@ -5,6 +5,10 @@ type, its ``Literal`` options, its default) comes from ``dataclasses.fields`` an
 hints; a new config field appears in the form without touching this file.  Every change
 rebuilds the :class:`RunConfig`, re-runs ``validate()`` and shows each problem next to the
 field it names, refreshes the memory-planner readout, and keeps export / launch in step.
+
+The form shows the fields that apply: a field one model family owns (``Family.fields``) only for
+that family, a GPU-only field (:data:`workbench.kernels.GPU_ONLY_FIELDS`) only on ``device: cuda``;
+a hidden field that has a problem shows again, next to its message.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from workbench.config import PRESETS, ConfigError, DatasetEntry, Problem, RunConfig, preset
+from workbench.kernels import GPU_ONLY_FIELDS
 from workbench.models import FAMILIES
+from workbench.widgets.layout import plural
 
 __all__ = ["ConfigForm", "field_specs", "FieldSpec"]
 
@@ -270,23 +276,31 @@ class ConfigForm:
             items = "".join(f"<li><code>{html.escape(p.field)}</code>: {html.escape(p.rule)} &rarr; {html.escape(p.fix)}</li>" for p in problems)
             self.summary.value = f"<div style='color:#d62728'><b>{len(problems)} problem(s)</b><ul>{items}</ul></div>"
         else:
-            d = self.config.derived()
-            self.summary.value = (f"<div style='color:#2ca02c'><b>valid</b>: world {d.world_size} = tp {self.config.parallel.tensor_parallel}"
-                                  f" x pp {self.config.parallel.pipeline_parallel} x dp {d.data_parallel}; "
-                                  f"{d.params.total / 1e6:.2f}M parameters; {d.num_microbatches} micro-batches per step</div>")
+            self.summary.value = f"<div style='color:#2ca02c'><b>valid</b>: {html.escape(self._valid_line())}</div>"
         self.launch_button.disabled = bool(problems)
-        self._show_family_fields()
+        self._show_applicable_fields(by_field)
         self._update_plan()
         return problems
 
-    def _show_family_fields(self) -> None:
-        """A field one family owns (``Family.fields``, e.g. BERT's token types and heads) shows only for that family."""
+    def _valid_line(self) -> str:
+        d = self.config.derived()
+        return (f"world {d.world_size} = tp {self.config.parallel.tensor_parallel} x pp {self.config.parallel.pipeline_parallel}"
+                f" x dp {d.data_parallel}; {d.params.total / 1e6:.2f}M parameters; "
+                f"{plural(d.num_microbatches, 'micro-batch', 'micro-batches')} per step")
+
+    def applies(self, name: str) -> bool:
+        """Whether field ``name`` applies to the form's family and device (see the module docstring)."""
         arch = self.fields["model.arch"].value
-        for fam in FAMILIES.values():
-            for name in fam.fields:
-                if name in self.rows:
-                    self.rows[name].layout.display = "" if fam.name == arch else "none"
-        fam = FAMILIES.get(arch)
+        owners = [fam.name for fam in FAMILIES.values() if name in fam.fields]
+        if owners and arch not in owners:
+            return False
+        return not (name in GPU_ONLY_FIELDS and self.fields["parallel.device"].value != "cuda")
+
+    def _show_applicable_fields(self, by_field: dict[str, list[Problem]]) -> None:
+        """Show the fields that apply (and any field with a problem); the summary names the family."""
+        for name, row in self.rows.items():
+            row.layout.display = "" if self.applies(name) or by_field.get(name) else "none"
+        fam = FAMILIES.get(self.fields["model.arch"].value)
         if fam is not None and not self.problems:
             self.summary.value = self.summary.value.replace("<b>valid</b>:", f"<b>valid</b> ({html.escape(fam.title)}):", 1)
 
@@ -313,10 +327,11 @@ class ConfigForm:
             self.plan_text = f"planner error: {e}"
             self.plan.value = f"<span style='color:#d62728'>{html.escape(self.plan_text)}</span>"
             return
+        from workbench.plots.tables import plan_table
+
         self.prediction = pred
-        fmt = getattr(planner, "format_plan", None)
-        self.plan_text = fmt(pred) if fmt else str(pred)
-        self.plan.value = f"<pre style='font-size:11px'>{html.escape(self.plan_text)}</pre>"
+        table = plan_table(pred)
+        self.plan_text, self.plan.value = table.text, table.html
 
     # ---- actions
     def export(self, path: str | Path) -> Path:
@@ -361,14 +376,16 @@ class ConfigForm:
                 display(Dashboard(run))
 
     def report(self) -> str:
-        """Plain-text validity summary and memory plan (what papermill output shows)."""
+        """The validity summary and memory plan: text (print, papermill's text) that a notebook shows as HTML
+        (the summary line, then the plan as a table: :func:`workbench.plots.tables.plan_table`)."""
+        from workbench.plots.tables import Table
+
         if self.problems:
             head = f"{len(self.problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in self.problems)
         else:
-            d = self.config.derived()
-            head = (f"valid: world {d.world_size} = tp {self.config.parallel.tensor_parallel} x pp {self.config.parallel.pipeline_parallel}"
-                    f" x dp {d.data_parallel}; {d.params.total / 1e6:.2f}M parameters; {d.num_microbatches} micro-batches per step")
-        return f"{head}\n\nmemory plan:\n{self.plan_text}"
+            head = f"valid: {self._valid_line()}"
+        return Table(f"{head}\n\nmemory plan:\n{self.plan_text}",
+                     f"{self.summary.value}<div><b>memory plan</b></div>{self.plan.value}")
 
     def to_json(self) -> str:
         return self.config.to_json()

@@ -106,6 +106,29 @@ def _fmt_eta(seconds: float | None) -> str:
     return "ETA --" if seconds is None else f"ETA {_fmt_duration(seconds)}"
 
 
+def short_path(path: Any, keep: int = 3) -> str:
+    """A run directory as the status line shows it: relative to the working directory when under it,
+    else its last ``keep`` parts after an ellipsis (the full path goes in the tooltip)."""
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        p = p.absolute().relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return str(p) if len(p.parts) <= keep else "\u2026/" + "/".join(p.parts[-keep:])
+
+
+def status_line(status: str, iteration: int, total: int, run_dir: Any) -> str:
+    """The dashboard's one-line status: state, iteration, then the run directory (cut with an ellipsis,
+    never wrapped, where the line is too narrow; the full path is its tooltip)."""
+    colour = _STATUS_COLOURS.get(status, "#000")
+    full = html.escape(str(run_dir), quote=True)
+    return (f"<div style='white-space: nowrap; overflow: hidden; text-overflow: ellipsis' title='{full}'>"
+            f"<b style='color:{colour}'>{html.escape(status)}</b> &nbsp; iteration {iteration}/{total}"
+            f" &nbsp; <code>{html.escape(short_path(run_dir))}</code></div>")
+
+
 class Dashboard:
     """Live view of a :class:`workbench.bridge.Run` (launched here or re-attached)."""
 
@@ -118,7 +141,7 @@ class Dashboard:
         self.stall_after = stall_after  # seconds without events (and 20 step times) before the "stuck?" hint
         self.log_lines = log_lines
         self.predicted_memory = predicted_memory if predicted_memory is not None else planner_memory(run.config)
-        self.status = W.HTML()
+        self.status = W.HTML(layout=W.Layout(flex="1 1 auto", min_width="0", width="auto"))
         self.progress = W.IntProgress(min=0, max=max(self._total(), 1), description="progress")
         self.eta = W.Label("ETA --")
         self.figure = W.Image(format="png")
@@ -182,13 +205,11 @@ class Dashboard:
         run.refresh()
         status = run.status
         it, total, eta = run.progress()
-        colour = _STATUS_COLOURS.get(status, "#000")
-        self.status.value = (f"<b style='color:{colour}'>{status}</b> &nbsp; <code>{html.escape(str(run.run_dir))}</code>"
-                             f" &nbsp; iteration {it}/{total}")
+        self.status.value = status_line(status, it, total, run.run_dir)
         stalled = run.stalled_for(floor=self.stall_after, status=status)
         if stalled is not None:
-            self.status.value += (f"<br><b style='color:#d62728'>no progress for {_fmt_duration(stalled)}</b>: "
-                                  "if it is stuck, the stacks button shows where each rank waits")
+            self.status.value += (f"<div><b style='color:#d62728'>no progress for {_fmt_duration(stalled)}</b>: "
+                                  "if it is stuck, the stacks button shows where each rank waits</div>")
         self.progress.max = max(total, 1)
         self.progress.value = min(it, self.progress.max)
         self.progress.bar_style = {"finished": "success", "failed": "danger", "stopped": "warning"}.get(status, "info")

@@ -1,10 +1,13 @@
 """Label and box sizes for the widgets: a description is never cut ("ipeline parallel",
-"make_vocab_size_divisible...") and an input box never overlaps the column next to it."""
+"make_vocab_size_divisible...") and an input box never overlaps the column next to it; columns
+of controls keep their width and wrap onto the next line where the output is too narrow, so
+nothing is clipped (a column narrower than its boxes scrolls them sideways when one is edited).
+Also the small text helpers the widgets share (:func:`plural`)."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 #: width of one character of a widget label (JupyterLab: 13px sans-serif), on the generous side
 CHAR_PX = 7.5
@@ -20,3 +23,19 @@ def labelled(W, labels: Iterable[str], input_px: int) -> tuple[dict, "object"]:
     longest label and the box keeps its width (no flex shrinking into the next column)."""
     desc = label_px(labels)
     return {"description_width": f"{desc}px"}, W.Layout(width=f"{desc + input_px}px", flex="0 0 auto")
+
+
+def column(W, widgets: Sequence[Any]) -> Any:
+    """A VBox of controls that never shrinks below its widest control (so never clips or scrolls one)."""
+    return W.VBox(list(widgets), layout=W.Layout(flex="0 0 auto", overflow="visible", margin="0 12px 0 0"))
+
+
+def columns(W, cols: Sequence[Any]) -> Any:
+    """An HBox of :func:`column` s that wraps a column onto the next line where the output is narrower."""
+    return W.HBox(list(cols), layout=W.Layout(flex_flow="row wrap", overflow="visible"))
+
+
+def plural(n: float, one: str, many: str) -> str:
+    """``"1 micro-batch"``, ``"4 micro-batches"`` (``n`` printed as given, ``.3g`` for a float)."""
+    text = f"{n:.3g}" if isinstance(n, float) else str(n)
+    return f"{text} {one if n == 1 else many}"

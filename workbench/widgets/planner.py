@@ -3,8 +3,8 @@
 Headless-friendly like the other workbench widgets: constructing :class:`MemoryPlanner`
 needs no browser, :meth:`MemoryPlanner.set` drives it from code (tests, papermill) and
 :attr:`plan` / :attr:`figure` / :attr:`message` hold the latest result.  Every change
-re-plans (a few ms) and redraws; an invalid layout shows the config's problems instead of a
-chart; when a rank does not fit, the suggestions say what to change and :meth:`apply`
+re-plans (a few ms) and redraws (the newest change's chart, whatever the order the browser
+sends them in); an invalid layout shows the config's problems instead of a chart; when a rank does not fit, the suggestions say what to change and :meth:`apply`
 takes one.
 """
 
@@ -42,31 +42,41 @@ class MemoryPlanner:
         self.assumptions = assumptions or PlannerAssumptions()
         d = derive(cfg)
         p, t, m = cfg.parallel, cfg.train, cfg.model
-        from workbench.widgets.layout import labelled
+        from workbench.widgets.layout import column, columns, labelled
 
-        labels = ["tensor parallel", "pipeline parallel", "virtual pp (vpp)", "data parallel", "micro-batch size",
-                  "micro-batches/step", "sequence length", "recompute", "precision", "attention", "GPU", "custom GiB"]
-        style, box = labelled(W, labels, 100)
+        # one description width per column (the longest label of that column), so four columns fit
+        # a 1050 px output; every box keeps its width (nothing clipped, nothing scrolled)
+        layout_st, layout_box = labelled(W, ["tensor parallel", "pipeline parallel", "virtual pp (vpp)", "data parallel"], 80)
+        batch_st, batch_box = labelled(W, ["micro-batch size", "micro-batches/step", "sequence length"], 96)
+        kernel_st, kernel_box = labelled(W, ["recompute", "precision", "attention"], 112)
+        gpu_st, gpu_box = labelled(W, ["GPU", "custom GiB"], 124)
 
-        def islider(value: int, lo: int, hi: int, desc: str) -> Any:
-            return W.BoundedIntText(value=value, min=lo, max=hi, description=desc, style=style, layout=W.Layout(width=box.width, flex=box.flex))
+        def box(layout: Any) -> Any:
+            return W.Layout(width=layout.width, flex=layout.flex)
 
-        self.tp = islider(p.tensor_parallel, 1, 64, "tensor parallel")
-        self.pp = islider(p.pipeline_parallel, 1, 128, "pipeline parallel")
-        self.vpp = islider(p.vpp, 1, 16, "virtual pp (vpp)")
-        self.dp = islider(d.data_parallel, 1, 4096, "data parallel")
-        self.micro_batch = islider(t.micro_batch_size, 1, 4096, "micro-batch size")
-        self.microbatches = islider(d.num_microbatches, 1, 4096, "micro-batches/step")
-        self.seq_length = islider(m.seq_length, 1, 1 << 20, "sequence length")
-        self.sp = W.Checkbox(value=p.sequence_parallel, description="sequence parallel")
-        self.dist_opt = W.Checkbox(value=p.distributed_optimizer, description="distributed optimizer")
-        self.recompute = W.Dropdown(options=["none", "selective", "full"], value=p.recompute, description="recompute", style=style)
-        self.precision = W.Dropdown(options=["bf16", "fp16", "fp32"], value=t.precision, description="precision", style=style)
-        self.attention = W.Dropdown(options=["auto", "sdpa", "te", "local"], value=m.attention_backend, description="attention", style=style)
+        def islider(value: int, lo: int, hi: int, desc: str, style: dict, layout: Any) -> Any:
+            return W.BoundedIntText(value=value, min=lo, max=hi, description=desc, style=style, layout=box(layout))
+
+        self.tp = islider(p.tensor_parallel, 1, 64, "tensor parallel", layout_st, layout_box)
+        self.pp = islider(p.pipeline_parallel, 1, 128, "pipeline parallel", layout_st, layout_box)
+        self.vpp = islider(p.vpp, 1, 16, "virtual pp (vpp)", layout_st, layout_box)
+        self.dp = islider(d.data_parallel, 1, 4096, "data parallel", layout_st, layout_box)
+        self.micro_batch = islider(t.micro_batch_size, 1, 4096, "micro-batch size", batch_st, batch_box)
+        self.microbatches = islider(d.num_microbatches, 1, 4096, "micro-batches/step", batch_st, batch_box)
+        self.seq_length = islider(m.seq_length, 1, 1 << 20, "sequence length", batch_st, batch_box)
+        self.sp = W.Checkbox(value=p.sequence_parallel, description="sequence parallel", indent=False, layout=box(kernel_box))
+        self.dist_opt = W.Checkbox(value=p.distributed_optimizer, description="distributed optimizer", indent=False,
+                                   layout=box(kernel_box))
+        self.recompute = W.Dropdown(options=["none", "selective", "full"], value=p.recompute, description="recompute",
+                                    style=kernel_st, layout=box(kernel_box))
+        self.precision = W.Dropdown(options=["bf16", "fp16", "fp32"], value=t.precision, description="precision",
+                                    style=kernel_st, layout=box(kernel_box))
+        self.attention = W.Dropdown(options=["auto", "sdpa", "te", "local"], value=m.attention_backend, description="attention",
+                                    style=kernel_st, layout=box(kernel_box))
         self.gpu = W.Dropdown(options=list(GPUS) + [_CUSTOM], value=gpu_spec(gpu).name if gpu_spec(gpu).name in GPUS else _CUSTOM,
-                              description="GPU", style=style)
+                              description="GPU", style=gpu_st, layout=box(gpu_box))
         self.custom_gib = W.BoundedFloatText(value=gpu_spec(gpu).capacity_bytes / GiB, min=0.1, max=100000, description="custom GiB",
-                                             style=style, layout=W.Layout(width=box.width, flex=box.flex))
+                                             style=gpu_st, layout=box(gpu_box))
         self.status = W.HTML()
         self.suggestions_box = W.VBox()
         self.out = W.Output()
@@ -82,9 +92,10 @@ class MemoryPlanner:
         for w in self.controls:
             w.observe(self._on_change, names="value")
         self.ui = W.VBox([
-            W.HBox([W.VBox([self.tp, self.pp, self.vpp, self.dp]), W.VBox([self.micro_batch, self.microbatches, self.seq_length]),
-                    W.VBox([self.recompute, self.precision, self.attention, self.sp, self.dist_opt]),
-                    W.VBox([self.gpu, self.custom_gib])]),
+            columns(W, [column(W, [self.tp, self.pp, self.vpp, self.dp]),
+                        column(W, [self.micro_batch, self.microbatches, self.seq_length]),
+                        column(W, [self.recompute, self.precision, self.attention, self.sp, self.dist_opt]),
+                        column(W, [self.gpu, self.custom_gib])]),
             self.status,
             self.suggestions_box,
             self.out,
@@ -157,6 +168,7 @@ class MemoryPlanner:
     def update(self) -> Plan | None:
         """Re-plan and redraw; returns the plan, or None (with ``message`` set) for an invalid layout."""
         from workbench.plots.memory import plan_bars
+        from workbench.widgets.charts import clear_figure, show_figure
 
         self.figure = None
         try:
@@ -166,9 +178,7 @@ class MemoryPlanner:
         except (ConfigError, ValueError) as e:
             self.plan, self.message = None, str(e)
         if self.plan is None:
-            # at once: a deferred clear (wait=True) waits for an output that never comes, and the
-            # previous chart would stay under the refusal
-            self.out.outputs = ()
+            clear_figure(self.out)  # at once, so the previous chart never stays under the refusal
             self.status.value = "<b style='color:#b00'>not a valid layout:</b><pre>" + html.escape(self.message) + "</pre>"
             self.suggestions_box.children = ()
             return None
@@ -184,13 +194,9 @@ class MemoryPlanner:
             f"{plan.gpu.capacity_bytes / GiB:.1f} GiB &middot; largest micro-batch that fits: <b>{plan.largest_micro_batch}</b>"
             f" &middot; megatron's formula (first stage): {plan.megatron.total / GiB:.2f} GiB")
         self._render_suggestions()
-        self.out.clear_output(wait=True)  # the new chart replaces the old one without a flicker
         self.figure = plan_bars(plan, measured=self.measured)
-        if self._show:
-            with self.out:
-                from IPython.display import display
-
-                display(self.figure)
+        if self._show:  # one state update replaces the old chart (widgets/charts.py says why not `with out`)
+            show_figure(self.out, self.figure)
         return plan
 
     def _render_suggestions(self) -> None:

@@ -2,12 +2,14 @@
 
 Headless-friendly: constructing :class:`ScheduleExplorer` needs no browser, and
 :meth:`ScheduleExplorer.set` drives it from code (tests, papermill).  Every change
-re-simulates and redraws into an ``Output`` widget; a layout mcore would refuse shows the
-reason instead of a chart.
+re-simulates and redraws into an ``Output`` widget (the newest change's chart, whatever the
+order the browser sends changes in); a layout mcore would refuse shows the reason instead of a
+chart.
 """
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 from workbench.schedules import SCHEDULES, ScheduleError, Timeline, closed_form_bubble_fraction, simulate
@@ -26,7 +28,7 @@ class ScheduleExplorer:
                  max_p: int = 8, max_m: int = 32, max_v: int = 4, show: bool = True):
         import ipywidgets as W
 
-        from workbench.widgets.layout import labelled
+        from workbench.widgets.layout import columns, labelled
 
         st, box = labelled(W, ["p (stages)", "m (micro-b.)", "v (chunks)", "schedule", "B / F time", "latency"], 200)
         kw = dict(style=st, layout=W.Layout(width=box.width, flex=box.flex))
@@ -48,10 +50,10 @@ class ScheduleExplorer:
         self._show = show
         for w in (self.p, self.m, self.v, self.schedule, self.ratio, self.latency, self.compare):
             w.observe(self._on_change, names="value")
-        self.ui = W.VBox([
-            W.HBox([self.schedule, self.compare]),
-            W.HBox([self.p, self.m, self.v]),
-            W.HBox([self.ratio, self.latency]),
+        self.ui = W.VBox([  # rows that wrap where the output is narrower (nothing clipped)
+            columns(W, [self.schedule, self.compare]),
+            columns(W, [self.p, self.m, self.v]),
+            columns(W, [self.ratio, self.latency]),
             self.status,
             self.out,
         ])
@@ -76,6 +78,8 @@ class ScheduleExplorer:
     def update(self) -> Timeline | None:
         """Re-simulate and redraw; returns the new timeline or None (with ``message`` set) if refused."""
         from workbench.plots.schedule import compare, gantt
+        from workbench.widgets.layout import plural
+        from workbench.widgets.charts import clear_figure, show_figure
 
         sched = self.schedule.value
         p, m = self.p.value, self.m.value
@@ -94,25 +98,21 @@ class ScheduleExplorer:
         except ScheduleError as e:
             self.timeline, self.others, self.message = None, [], str(e)
         if self.timeline is None:
-            self.out.outputs = ()  # at once: a deferred clear would leave the previous chart under the refusal
-            self.status.value = f"<b style='color:#b00'>refused:</b> {self.message}"
+            clear_figure(self.out)  # at once, so the previous chart never stays under the refusal
+            self.status.value = f"<b style='color:#b00'>refused:</b> {html.escape(self.message)}"
             return None
-        self.out.clear_output(wait=True)
         tl = self.timeline
         inflight = max(tl.peak_inflight(r) for r in range(p)) / tl.v
         self.status.value = (
             f"step <b>{tl.step_time:.3g}</b> (forward = 1 per stage) &middot; bubble <b>{tl.bubble_fraction():.3f}</b> "
             f"(closed form {closed_form_bubble_fraction(sched, p, m, v):.3f}) &middot; peak in flight on rank 0: "
-            f"<b>{inflight:.3g}</b> micro-batches of activations")
+            f"<b>{plural(inflight, 'micro-batch', 'micro-batches')}</b> of activations")
         if m < p:  # the same warning as `workbench schedule`
             self.status.value += (f"<br><b style='color:#b00'>m={m} &lt; p={p}</b>: the pipeline never fills, every rank "
                                   f"idles more than it works (bubble &gt; 1) &rarr; use at least m={p} micro-batches")
         self.figure = compare([tl] + self.others) if self.others else gantt(tl)
-        if self._show:
-            with self.out:
-                from IPython.display import display
-
-                display(self.figure)
+        if self._show:  # one state update replaces the old chart (widgets/charts.py says why not `with out`)
+            show_figure(self.out, self.figure)
         return tl
 
     def _ipython_display_(self) -> None:

@@ -116,4 +116,6 @@ FAMILY = Family(
     data_rules=data_rules,
     generation_engine="generate",
     generation_rules=generation_rules,
+    fields=("model.decoder_num_layers", "model.decoder_seq_length", "model.relative_attention_num_buckets",
+            "model.relative_attention_max_distance"),
 )
