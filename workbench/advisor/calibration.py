@@ -30,13 +30,17 @@ __all__ = ["fit", "calibrate", "solve_host", "is_host_row", "error_table", "form
 
 # --------------------------------------------------------------------------- fitting
 
-#: constants fitted, and how each is kept in range (x: the optimiser's free variable)
+#: constants fitted, and how each is kept in range (x: the optimiser's free variable).  Not fitted, for want of a
+#: current row exercising them: ``ew_factor_stock`` (megatron's stock layer), ``dp_overlap`` (one DP row, overlapped
+#: either way) and ``head_factor`` (their defaults)
 FIT_NAMES: dict[str, tuple[Callable[[float], float], Callable[[float], float]]] = {
     "ew_factor": (math.exp, math.log),
-    "ew_factor_stock": (math.exp, math.log),
     "tp_overlap": (lambda x: 1 / (1 + math.exp(-x)), lambda v: math.log(v / (1 - v))),
     "tp_comm_factor": (math.exp, math.log),
     "step_ms": (math.exp, math.log),
+    "fp8_cast_tensorwise": (math.exp, math.log),
+    "fp8_cast_rowwise": (math.exp, math.log),
+    "fp8_cast_delayed": (math.exp, math.log),
 }
 
 

@@ -69,8 +69,10 @@ class Constants:
     tp_comm_factor: float = 1.0
     #: fraction of the last micro-batch's backward (first forward) under which DP's reduce (gather) hides
     dp_overlap: float = 0.8
-    #: FP8 casts: element-wise bytes per byte of the layer's GEMM inputs (activations and weights)
-    fp8_cast_factor: float = 1.0
+    #: FP8 casts, by recipe: element-wise bytes per byte of the layer's GEMM inputs (activations and weights)
+    fp8_cast_tensorwise: float = 1.0
+    fp8_cast_rowwise: float = 1.0
+    fp8_cast_delayed: float = 1.0
     #: fixed host time per step (schedule, loss and grad-norm reductions, optimizer launch), milliseconds
     step_ms: float = 2.0
 
@@ -169,7 +171,9 @@ class Model:
         return hit[0] * scale, hit[1] * scale
 
     # ---- the model
-    def predict(self, cfg: RunConfig, gpus_per_node: int | None = None) -> Prediction:
+    def predict(self, cfg: RunConfig, gpus_per_node: int | None = None, simulate: bool = True) -> Prediction:
+        """The layout's step time.  ``simulate``: the pipeline's bubble from the schedule simulator (exact for the
+        stage times); otherwise from the closed form ``(p - 1) / (v m)`` on the slowest stage (a quick first pass)."""
         prof, c = self.profile, self.c
         m, p, t = cfg.model, cfg.parallel, cfg.train
         tp, pp, vpp = p.tensor_parallel, p.pipeline_parallel, p.vpp
@@ -197,7 +201,7 @@ class Model:
         t_ew = ew_factor * _sum(terms) / bw
         if kp.fp8 != "off":
             gemm_inputs = e * tokens * h * 4 / max(tp if p.sequence_parallel else 1, 1) + 2 * fl["layer_dense"] / 12 / tp
-            t_ew += c.fp8_cast_factor * gemm_inputs / bw
+            t_ew += getattr(c, f"fp8_cast_{kp.fp8}") * gemm_inputs / bw
             t_gemm /= prof.fp8_gemm_speedup.value
         layer_dev = t_gemm + t_attn + t_ew
 
@@ -261,8 +265,12 @@ class Model:
             stage_node = max(per_node // max(tp * dp, 1), 1)  # stages per node (ranks: tp fastest, then dp, then pp)
             act = e * tokens * h / (tp if p.sequence_parallel else 1)
             lat = prof.collective_seconds("p2p", act, 2, inter_node=stage_node < pp and tp * dp >= per_node)
-            step_pipe, busy = self._simulate(pp, micro, vpp, fwd, bwd, lat)
             r_busy = max(range(pp), key=lambda r: fwd[r] + bwd[r])
+            if simulate:
+                step_pipe, busy = self._simulate(pp, micro, vpp, fwd, bwd, lat)
+            else:
+                busy = micro * (fwd[r_busy] + bwd[r_busy])
+                step_pipe = busy * (1 + schedules.closed_form_bubble_fraction(None, pp, micro, vpp)) + 2 * (pp - 1) * lat
         scale = micro
         br = {k: v * scale for k, v in parts[r_busy].items()}
         br["bubble"] = max(step_pipe - busy, 0.0)
@@ -290,4 +298,5 @@ class Model:
         mfu = d.flops_per_step / step / d.world_size / (prof.peak_tflops * 1e12)
         return Prediction(step_s=step, tokens_per_s=d.tokens_per_step / step, mfu=mfu, breakdown=breakdown,
                           detail={"kernel_path": kp.describe(), "cuda_graphs": kp.cuda_graphs, "microbatches": micro,
+                                  "bubble_from": "simulator" if pp > 1 and simulate else "closed form" if pp > 1 else "none",
                                   "stage_layers": list(d.stage_layers)})

@@ -22,7 +22,7 @@ from workbench.config import RunConfig, preset
 __all__ = ["MeasuredRow", "VARIANTS", "measured_rows", "row_config", "device_gpu", "REPO", "read_row"]
 
 REPO = Path(__file__).resolve().parents[2]
-ROW_FILES = ("bench/results/train_throughput.jsonl", "bench/results/layouts/*.jsonl", "evidence/advisor/*.jsonl")
+ROW_FILES = ("bench/results/train_throughput.jsonl", "bench/results/train_throughput_fp8.jsonl", "bench/results/layouts/*.jsonl", "evidence/advisor/*.jsonl")
 
 #: variant names (before "/model") whose rows measure a layout of today's training path
 VARIANTS = ("workbench", "workbench-nograph", "workbench-eager", "recompute-selective", "recompute-full",
