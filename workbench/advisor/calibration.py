@@ -41,6 +41,7 @@ FIT_NAMES: dict[str, tuple[Callable[[float], float], Callable[[float], float]]] 
     "fp8_cast_tensorwise": (math.exp, math.log),
     "fp8_cast_rowwise": (math.exp, math.log),
     "fp8_cast_delayed": (math.exp, math.log),
+    "fp8_layer_us": (math.exp, math.log),
 }
 
 

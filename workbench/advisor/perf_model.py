@@ -73,6 +73,8 @@ class Constants:
     fp8_cast_tensorwise: float = 1.0
     fp8_cast_rowwise: float = 1.0
     fp8_cast_delayed: float = 1.0
+    #: FP8: fixed time per layer forward + backward (scale reductions and casts launched per GEMM input), microseconds
+    fp8_layer_us: float = 20.0
     #: fixed host time per step (schedule, loss and grad-norm reductions, optimizer launch), milliseconds
     step_ms: float = 2.0
 
@@ -201,7 +203,7 @@ class Model:
         t_ew = ew_factor * _sum(terms) / bw
         if kp.fp8 != "off":
             gemm_inputs = e * tokens * h * 4 / max(tp if p.sequence_parallel else 1, 1) + 2 * fl["layer_dense"] / 12 / tp
-            t_ew += getattr(c, f"fp8_cast_{kp.fp8}") * gemm_inputs / bw
+            t_ew += getattr(c, f"fp8_cast_{kp.fp8}") * gemm_inputs / bw + c.fp8_layer_us * 1e-6
             t_gemm /= prof.fp8_gemm_speedup.value
         layer_dev = t_gemm + t_attn + t_ew
 

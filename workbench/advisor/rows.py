@@ -22,7 +22,10 @@ from workbench.config import RunConfig, preset
 __all__ = ["MeasuredRow", "VARIANTS", "measured_rows", "row_config", "device_gpu", "REPO", "read_row"]
 
 REPO = Path(__file__).resolve().parents[2]
-ROW_FILES = ("bench/results/train_throughput.jsonl", "bench/results/train_throughput_fp8.jsonl", "bench/results/layouts/*.jsonl", "evidence/advisor/*.jsonl")
+ROW_FILES = ("bench/results/train_throughput.jsonl", "bench/results/train_throughput_fp8.jsonl",
+             "bench/results/train_throughput_te_present.jsonl", "bench/results/layouts/*.jsonl", "evidence/advisor/*.jsonl")
+#: files of which only some variants are today's path: file name -> variant-name prefixes kept
+ONLY = {"train_throughput_te_present.jsonl": ("workbench-fp8-",)}  # with TE importable; its FP8 rows are torch's (GPT-2 medium)
 
 #: variant names (before "/model") whose rows measure a layout of today's training path
 VARIANTS = ("workbench", "workbench-nograph", "workbench-eager", "recompute-selective", "recompute-full",
@@ -97,6 +100,8 @@ def _why_not(row: dict[str, Any], fname: str, line: int) -> str | None:
     if row.get("env"):
         return f"launch environment changed ({', '.join(row['env'])})"
     name = str(row.get("variant", "")).split("/")[0]
+    if fname in ONLY and not name.startswith(ONLY[fname]):
+        return f"only the {', '.join(ONLY[fname])} rows of {fname} are used"
     if name not in VARIANTS:
         return f"variant {name!r} is not a layout of today's path"
     over = row.get("overrides") or {}
