@@ -81,6 +81,7 @@ class AdvisorWidget:
         self.buttons: list[Any] = []
         self.rows_box = W.VBox()
         self.plot = W.Output()
+        self.figure = None
         self.refresh_button = W.Button(description="advise", icon="refresh")
         self.refresh_button.on_click(lambda _b: self.refresh())
         self.widget = W.VBox([W.HBox([self.refresh_button, self.status]), self.rows_box, self.plot])
@@ -121,13 +122,17 @@ class AdvisorWidget:
             b.on_click(lambda _b, i=i: self.load(i))
             self.buttons.append(b)
         self.rows_box.children = (self.table, W.VBox([W.HBox([b, W.HTML(html.escape(r.label))]) for b, r in zip(self.buttons, rows)]))
-        self.plot.clear_output()
-        with self.plot:
-            import matplotlib.pyplot as plt
-            from workbench.planner import gpu_spec
+        from workbench.planner import gpu_spec
 
-            fig = self.scatter(gpu_spec(a.gpu).capacity_bytes / 1024 ** 3)
-            plt.show(fig)
+        self.plot.clear_output(wait=True)
+        self.figure = self.scatter(gpu_spec(a.gpu).capacity_bytes / 1024 ** 3)
+        with self.plot:
+            from IPython.display import display
+
+            display(self.figure)
+        import matplotlib.pyplot as plt
+
+        plt.close(self.figure)  # shown once, in the output widget
 
     def scatter(self, capacity_gib: float | None = None):
         return scatter_figure(self.advice, capacity_gib)
