@@ -82,10 +82,11 @@ def _problem(field_name: str, rule: str, fix: str) -> ConfigError:
 
 
 def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, top: int | None = 20,
-           profile: Profile | None = None, simulate: int = 64) -> Advice:
+           profile: Profile | None = None, simulate: int = 64, fp8: bool = True) -> Advice:
     """Every valid layout of ``cfg``'s model, global batch and sequence on ``gpus`` GPUs (``nodes`` nodes), sorted by
     predicted tokens/s.  ``top``: ask the planner about layouts in that order until this many fit (None: all);
-    ``simulate``: how many leading layouts get the schedule simulator's bubble (the rest the closed form).
+    ``simulate``: how many leading layouts get the schedule simulator's bubble (the rest the closed form); ``fp8=False``:
+    no FP8 recipes.
     Bad input raises :class:`ConfigError` naming the field and the fix."""
     t0, c0 = time.perf_counter(), time.process_time()
     problems = cfg.validate()
@@ -112,7 +113,7 @@ def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, to
     if profile.gpu != spec.name:
         notes.append(f"profile measured on {profile.device} ({profile.gpu}); memory checked against {spec.name}")
     per_node = gpus // nodes
-    layouts = enumerate_layouts(cfg, gpus, nodes)
+    layouts = enumerate_layouts(cfg, gpus, nodes, fp8)
     model = Model(cfg, profile)
     rows = [AdvisedLayout(lay, lay.overrides(per_node, nodes), model.predict(c, per_node, simulate=False)) for lay, c in layouts]
     configs = {id(r): c for r, (_, c) in zip(rows, layouts)}

@@ -1,6 +1,6 @@
 """``workbench advise`` and ``workbench calibrate``.
 
-``workbench advise CONFIG --gpus N [--gpu H100-80GB] [--nodes K] [--json] [--top 20] [--profile FILE]``
+``workbench advise CONFIG --gpus N [--gpu H100-80GB] [--nodes K] [--json] [--top 20] [--profile FILE] [--no-fp8]``
 prints every valid layout's predicted speed, sorted, with the planner's fits / OOM; exit 2 with the
 field and the fix on bad input (the config is validated first), 1 when no layout fits, else 0.
 
@@ -33,7 +33,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.file)
         profile = load_profile(args.profile) if args.profile else None
-        adv = advise(cfg, args.gpus, gpu=args.gpu, nodes=args.nodes, top=args.top, profile=profile)
+        adv = advise(cfg, args.gpus, gpu=args.gpu, nodes=args.nodes, top=args.top, profile=profile, fp8=not args.no_fp8)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -153,6 +153,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (TP stays inside a node)")
     a.add_argument("--top", type=int, default=20, help="layouts that fit to show (memory is checked in order of speed)")
     a.add_argument("--profile", default=None, help="calibration profile JSON (default: the shipped one of --gpu)")
+    a.add_argument("--no-fp8", action="store_true", help="leave FP8 recipes out (layouts in the config's precision only)")
     a.add_argument("--json", action="store_true", help="print every evaluated layout as JSON")
     a.set_defaults(func=_cmd_advise)
     c = subparsers.add_parser("calibrate", help="measure GEMM / attention / copy / optimizer rates and NCCL links on the visible GPUs",

@@ -127,7 +127,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def grid(cfg: RunConfig, gpus: int, nodes: int = 1) -> Iterator[Layout]:
+def grid(cfg: RunConfig, gpus: int, nodes: int = 1, fp8: bool = True) -> Iterator[Layout]:
     """Candidate layouts (a superset of the valid ones, in canonical form): TP divides the GPUs of a node,
     PP the rest, VPP up to the layers per stage, every micro-batch size dividing the global batch per DP rank."""
     per_node = gpus // nodes
@@ -147,18 +147,18 @@ def grid(cfg: RunConfig, gpus: int, nodes: int = 1) -> Iterator[Layout]:
                     for dopt in ((False, True) if dp > 1 else (False,)):
                         for rc in RECOMPUTE_MODES:
                             for mbs in _divisors(gbs // dp):
-                                for fp8 in fp8_recipes():
-                                    yield Layout(tp, pp, vpp, dp, sp, dopt, rc, mbs, fp8)
+                                for recipe in (fp8_recipes() if fp8 else ("off",)):
+                                    yield Layout(tp, pp, vpp, dp, sp, dopt, rc, mbs, recipe)
 
 
-def enumerate_layouts(cfg: RunConfig, gpus: int, nodes: int = 1) -> list[tuple[Layout, RunConfig]]:
+def enumerate_layouts(cfg: RunConfig, gpus: int, nodes: int = 1, fp8: bool = True) -> list[tuple[Layout, RunConfig]]:
     """Every valid layout of ``cfg``'s model, global batch and sequence on ``gpus`` GPUs over ``nodes`` nodes,
-    with its config: those of :func:`grid` the config validator accepts."""
+    with its config: those of :func:`grid` the config validator accepts (``fp8=False``: bf16 / the config's precision only)."""
     if gpus < 1 or nodes < 1 or gpus % nodes:
         raise ValueError(f"--gpus {gpus} over --nodes {nodes}: the GPUs must split evenly over the nodes")
     per_node = gpus // nodes
     out = []
-    for layout in grid(cfg, gpus, nodes):
+    for layout in grid(cfg, gpus, nodes, fp8):
         c = apply_layout(cfg, layout, per_node, nodes)
         if not validate(c):
             out.append((layout, c))
