@@ -29,6 +29,7 @@ from workbench.slurm import submit as slurm_submit
 # Modules that register sub-commands (in help order); "schedule" and "run" are this module's.
 COMMAND_MODULES = [
     "workbench.planner",         # plan
+    "workbench.advisor",         # advise, calibrate
     "schedule",                  # schedule
     "run",                       # launch, sweep, notebook
     "workbench.data",            # preprocess, tokenizer, data

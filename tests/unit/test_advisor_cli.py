@@ -1,0 +1,114 @@
+"""`workbench advise` / `advise()`: sorted rows, the planner's fits, refusals with the field (exit 2);
+`workbench calibrate --cpu`: the measuring ranks under torchrun write a profile that loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.advisor import advise, format_advice
+from workbench.advisor.profile import load_profile
+from workbench.cli import main
+from workbench.config import ConfigError, preset
+from workbench.planner import predict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cfg(tmp_path, name="gpt2-medium", **over):
+    cfg = preset(name, **over)
+    return str(cfg.save(tmp_path / f"{name}.json"))
+
+
+def test_advise_sorts_by_speed_and_asks_the_planner(tmp_path, capsys):
+    path = _cfg(tmp_path)
+    assert main(["advise", path, "--gpus", "2", "--gpu", "H200", "--json", "--top", "5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["rows"]
+    assert out["valid_layouts"] > 500 and out["gpu"] == "H200-141GB"
+    speeds = [r["tokens_per_s"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
+    assert [r["rank"] for r in rows if r["fits"]] == list(range(1, 6))
+    cfg = preset("gpt2-medium")
+    for r in rows:
+        plan = predict(cfg.replace(**r["overrides"]), "H200-141GB", suggest=False)
+        assert r["fits"] == plan.fits and r["memory_gib"] == pytest.approx(plan.worst.total / 2**30)
+        assert sum(r["breakdown_s"].values()) == pytest.approx(r["step_s"])
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
+
+
+def test_advise_marks_oom_layouts_faster_than_the_pick():
+    cfg = preset("llama3.2-3b", **{"train.global_batch_size": 16})
+    adv = advise(cfg, 2, gpu="H100-80GB", top=3)
+    assert adv.best is not None and adv.best.fits
+    before = adv.rows[:adv.rows.index(adv.best)]  # evaluated in order of speed: what comes first is faster and OOM
+    assert before and all(r.fits is False and r.prediction.tokens_per_s >= adv.best.prediction.tokens_per_s for r in before)
+    assert all(r.memory_gib > 80 for r in adv.rows if r.fits is False)
+    text = format_advice(adv, 3)
+    assert "do not fit (OOM" in text and text.splitlines()[-1].startswith("pick: ")
+
+
+def test_advise_all_layouts_evaluated_with_top_none():
+    cfg = preset("gpt2-small", **{"train.global_batch_size": 16})
+    adv = advise(cfg, 1, top=None)
+    assert len(adv.rows) == adv.valid_layouts == adv.memory_evaluated
+    assert all(r.fits is not None for r in adv.rows)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--gpus", "0"], "--gpus"),
+    (["--gpus", "8", "--nodes", "3"], "--nodes"),
+    (["--gpus", "2", "--gpu", "B300"], "--gpu"),
+    (["--gpus", "2", "--gpu", "A100-80GB"], "--gpu"),  # no shipped profile: the fix names calibrate
+    (["--gpus", "2", "--top", "0"], "--top"),
+])
+def test_bad_arguments_exit_2_with_the_field(tmp_path, capsys, args, field):
+    path = _cfg(tmp_path)
+    assert main(["advise", path, *args]) == 2
+    err = capsys.readouterr().err
+    assert field in err and "->" in err
+
+
+def test_bad_config_exits_2_before_anything(tmp_path, capsys):
+    path = _cfg(tmp_path, **{"model.num_attention_heads": 7})
+    assert main(["advise", path, "--gpus", "2"]) == 2
+    assert "model.hidden_size" in capsys.readouterr().err
+    with pytest.raises(ConfigError):
+        advise(preset("gpt2-medium", **{"train.lr": -1.0}), 2)
+
+
+def test_bad_profile_exits_2_with_the_field(tmp_path, capsys):
+    path = _cfg(tmp_path)
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"schema": "workbench.advisor.profile/1", "device": "x"}))
+    assert main(["advise", path, "--gpus", "2", "--profile", str(prof)]) == 2
+    assert "invalid profile" in capsys.readouterr().err
+
+
+def test_no_layout_fits_exits_1(tmp_path, capsys):
+    path = _cfg(tmp_path, "llama3.1-8b", **{"train.global_batch_size": 4})
+    assert main(["advise", path, "--gpus", "1", "--gpu", "24GiB"]) == 2  # no shipped profile for a custom capacity
+    assert main(["advise", path, "--gpus", "1", "--gpu", "H100-80GB", "--top", "1"]) == 1
+    assert "no layout fits" in capsys.readouterr().err
+
+
+def test_calibrate_cpu_writes_a_profile_that_loads(tmp_path):
+    path = _cfg(tmp_path, "tiny")
+    out = tmp_path / "cal.json"
+    env_py = {"PYTHONPATH": str(ROOT)}
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "calibrate", path, "--cpu", "--nproc", "2", "--iters", "2",
+                           "--out", str(out), "--gpu", "H100-80GB", "--timeout", "300"],
+                          capture_output=True, text=True, timeout=400, env={**os.environ, **env_py}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prof = load_profile(out)
+    assert prof.device == "cpu" and "workbench calibrate" in prof.gemm_tflops[0].source
+    assert len(prof.gemm_tflops) == 3  # TP 1, 2, 4 divide tiny's 4 heads
+    assert all("over 2 ranks" in p.source for p in prof.collectives["all_reduce"])
+    assert prof.host_us_per_layer["compiled"].source.startswith("from the shipped")
+    assert main(["advise", path, "--gpus", "2", "--profile", str(out)]) == 0

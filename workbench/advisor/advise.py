@@ -1,0 +1,192 @@
+"""Rank every valid layout of a model on a set of GPUs by predicted speed, each with the planner's fits / OOM.
+
+:func:`advise` validates the config (a :class:`~workbench.config.ConfigError` names the field and the
+fix), enumerates every valid layout (:mod:`workbench.advisor.enumerate`), predicts each one's step
+time (:mod:`workbench.advisor.perf_model`; a closed-form bubble first, then the schedule simulator for
+the leading layouts), and asks the memory planner (:func:`workbench.planner.predict`: reserved + CUDA
+context + NCCL on every rank) whether each fits, in order of predicted speed until ``top`` layouts
+that fit are found (``top=None``: every layout).  Rows are sorted by predicted tokens/s; the rank is
+among layouts that fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench import planner
+from workbench.config import ConfigError, Problem, RunConfig
+
+from workbench.advisor.enumerate import Layout, enumerate_layouts, layout_of
+from workbench.advisor.perf_model import REASONS, Model, Prediction
+from workbench.advisor.profile import Profile, ProfileError, default_profile
+
+__all__ = ["AdvisedLayout", "Advice", "advise", "format_advice"]
+
+GiB = 1024 ** 3
+
+
+@dataclass
+class AdvisedLayout:
+    layout: Layout
+    overrides: dict[str, Any]
+    prediction: Prediction
+    fits: bool | None = None  # None: memory not evaluated (it ranked below the layouts shown)
+    memory_gib: float | None = None  # the worst rank's reserved + context + NCCL (the planner's total)
+    rank: int | None = None  # 1 = the fastest layout that fits
+
+    @property
+    def label(self) -> str:
+        return self.layout.label()
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.prediction
+        return {"rank": self.rank, "layout": self.layout.to_dict(), "label": self.label, "overrides": self.overrides,
+                "fits": self.fits, "memory_gib": self.memory_gib, "tokens_per_s": p.tokens_per_s,
+                "tokens_per_s_per_gpu": p.tokens_per_s / self.layout.gpus, "mfu": p.mfu, "step_s": p.step_s,
+                "breakdown_s": p.breakdown, "main_reason": p.main_reason, "detail": p.detail}
+
+
+@dataclass
+class Advice:
+    config_name: str
+    gpus: int
+    nodes: int
+    gpu: str
+    profile: dict[str, str]
+    rows: list[AdvisedLayout]
+    valid_layouts: int
+    memory_evaluated: int
+    seconds: float  # wall time
+    notes: list[str] = field(default_factory=list)
+    cpu_seconds: float = 0.0  # this process's CPU time (what the work costs on a machine shared with others)
+
+    @property
+    def best(self) -> AdvisedLayout | None:
+        """The fastest layout that fits (None when none fits)."""
+        return next((r for r in self.rows if r.fits), None)
+
+    def fitting(self) -> list[AdvisedLayout]:
+        return [r for r in self.rows if r.fits]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config_name, "gpus": self.gpus, "nodes": self.nodes, "gpu": self.gpu, "profile": self.profile,
+                "valid_layouts": self.valid_layouts, "memory_evaluated": self.memory_evaluated, "seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
+                "notes": self.notes, "rows": [r.to_dict() for r in self.rows]}
+
+
+def _problem(field_name: str, rule: str, fix: str) -> ConfigError:
+    return ConfigError([Problem(field_name, rule, fix)])
+
+
+def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, top: int | None = 20,
+           profile: Profile | None = None, simulate: int = 64, fp8: bool = True) -> Advice:
+    """Every valid layout of ``cfg``'s model, global batch and sequence on ``gpus`` GPUs (``nodes`` nodes), sorted by
+    predicted tokens/s.  ``top``: ask the planner about layouts in that order until this many fit (None: all);
+    ``simulate``: how many leading layouts get the schedule simulator's bubble (the rest the closed form); ``fp8=False``:
+    no FP8 recipes.
+    Bad input raises :class:`ConfigError` naming the field and the fix."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    problems = cfg.validate()
+    if problems:
+        raise ConfigError(problems)
+    if not isinstance(gpus, int) or gpus < 1:
+        raise _problem("--gpus", f"must be a positive number of GPUs (got {gpus!r})", "e.g. --gpus 8")
+    if not isinstance(nodes, int) or nodes < 1 or gpus % nodes:
+        raise _problem("--nodes", f"{gpus} GPUs do not split evenly over {nodes!r} nodes", "use a --nodes that divides --gpus")
+    if top is not None and top < 1:
+        raise _problem("--top", f"must be >= 1 (got {top})", "e.g. --top 20")
+    try:
+        spec = planner.gpu_spec(gpu)
+    except ValueError as e:
+        raise _problem("--gpu", str(e), f"use one of {', '.join(planner.GPUS)}") from None
+    if profile is None:
+        try:
+            profile = default_profile(spec.name)
+        except ProfileError as e:
+            raise _problem("--gpu", e.rule, e.fix) from None
+    notes = []
+    if cfg.parallel.device != "cuda":
+        notes.append(f"the config trains on parallel.device: {cfg.parallel.device}; its layouts are advised for {spec.name} GPUs (device: cuda)")
+    if profile.gpu != spec.name:
+        notes.append(f"profile measured on {profile.device} ({profile.gpu}); memory checked against {spec.name}")
+    per_node = gpus // nodes
+    layouts = enumerate_layouts(cfg, gpus, nodes, fp8)
+    model = Model(cfg, profile)
+    rows = [AdvisedLayout(lay, lay.overrides(per_node, nodes), model.predict(c, per_node, simulate=False)) for lay, c in layouts]
+    configs = {id(r): c for r, (_, c) in zip(rows, layouts)}
+
+    def key(r: AdvisedLayout) -> tuple:
+        lay = r.layout
+        return (-round(r.prediction.tokens_per_s, 6), lay.fp8 != "off", lay.recompute != "none", lay.sp, lay.distributed_optimizer, lay)
+
+    rows.sort(key=key)
+    head = rows[:simulate]
+    for r in head:
+        if r.layout.pp > 1:
+            r.prediction = model.predict(configs[id(r)], per_node, simulate=True)
+    rows[:simulate] = sorted(head, key=key)
+    evaluated = fitting = 0
+    for r in rows:
+        if top is not None and fitting >= top:
+            break
+        plan = planner.predict(configs[id(r)], spec, suggest=False)
+        r.fits = bool(plan.fits)
+        r.memory_gib = plan.worst.total / GiB
+        evaluated += 1
+        if r.fits:
+            fitting += 1
+            r.rank = fitting
+    shown = [r for r in rows if r.fits is not None] if top is not None else rows
+    if not layouts:
+        notes.append("no valid layout: the global batch, layer count or heads admit none on this many GPUs")
+    elif fitting == 0:
+        notes.append(f"no layout fits {spec.name}: every one evaluated runs out of memory")
+    info = {"device": profile.device, "gpu": profile.gpu, "date": profile.date, "git_commit": profile.git_commit,
+            "estimates": ", ".join(profile.estimates()[:6]) + (" ..." if len(profile.estimates()) > 6 else "")}
+    return Advice(cfg.name, gpus, nodes, spec.name, info, shown, len(layouts), evaluated, time.perf_counter() - t0, notes,
+                  cpu_seconds=time.process_time() - c0)
+
+
+def current_layout_row(cfg: RunConfig, advice: Advice) -> AdvisedLayout | None:
+    """The row of the config's own layout, if it was evaluated."""
+    own = layout_of(cfg)
+    return next((r for r in advice.rows if r.layout == own), None)
+
+
+def format_advice(advice: Advice, top: int | None = 20) -> str:
+    """The sorted table of layouts that fit (ranked), with a count of the faster ones that do not fit; rows that differ
+    only in an FP8 recipe and predict the same are one line."""
+    lines = [f"{advice.config_name}: {advice.valid_layouts} valid layouts on {advice.gpus} x {advice.gpu}"
+             f" ({advice.nodes} node{'s' if advice.nodes > 1 else ''}); memory checked for {advice.memory_evaluated}"
+             f" in order of predicted speed; {advice.cpu_seconds:.2f} s CPU ({advice.seconds:.2f} s wall)",
+             f"profile: {advice.profile['device']} ({advice.profile['date'][:10]}; {advice.profile['git_commit']})"]
+    lines += [f"note: {n}" for n in advice.notes]
+    oom = [r for r in advice.rows if r.fits is False and (advice.best is None or r.prediction.tokens_per_s > advice.best.prediction.tokens_per_s)]
+    if oom:
+        lines.append(f"{len(oom)} layouts predicted faster than the pick do not fit (OOM; the fastest: {oom[0].label}, "
+                     f"{oom[0].prediction.tokens_per_s:.0f} tok/s, {oom[0].memory_gib:.1f} GiB); --json lists them")
+    hdr = (f"{'#':>3s} {'layout':44s} {'tok/s':>10s} {'tok/s/GPU':>9s} {'MFU':>6s} {'mem GiB':>8s}  "
+           + " ".join(f"{k[:7]:>7s}" for k in REASONS) + "  main cost")
+    lines += [hdr, "-" * len(hdr)]
+    groups: list[list[AdvisedLayout]] = []
+    for r in advice.fitting():
+        g = groups[-1] if groups else None
+        if g and dataclasses.replace(g[0].layout, fp8="off") == dataclasses.replace(r.layout, fp8="off") and \
+                abs(g[0].prediction.tokens_per_s - r.prediction.tokens_per_s) < 1e-6 * r.prediction.tokens_per_s and g[0].layout.fp8 != "off":
+            g.append(r)
+        else:
+            groups.append([r])
+    for g in groups[:top] if top is not None else groups:
+        r, p = g[0], g[0].prediction
+        label = r.label if len(g) == 1 else r.label.replace(f"fp8:{r.layout.fp8}", "fp8:" + "|".join(x.layout.fp8 for x in g))
+        pct = " ".join(f"{100 * p.breakdown[k] / p.step_s:>6.1f}%" for k in REASONS)
+        lines.append(f"{r.rank:>3d} {label:44s} {p.tokens_per_s:>10.0f} {p.tokens_per_s / r.layout.gpus:>9.0f} "
+                     f"{100 * p.mfu:>5.1f}% {r.memory_gib:>8.1f}  {pct}  {p.main_reason}")
+    best = advice.best
+    if best:
+        lines.append(f"pick: {best.label}: {best.prediction.tokens_per_s:.0f} tok/s ({best.prediction.tokens_per_s / best.layout.gpus:.0f} "
+                     f"per GPU, MFU {100 * best.prediction.mfu:.1f}%), {best.memory_gib:.1f} GiB on the fullest rank")
+    return "\n".join(lines)

@@ -1,0 +1,304 @@
+"""Predicted step time of one layout, from parts the workbench owns and a calibration profile.
+
+Per micro-batch and transformer layer, on one TP rank (``workbench.config`` / the family's ``shapes``
+give every size; the profile gives every rate):
+
+* **GEMMs**: the family's Megatron FLOPs (``shapes.layer_and_head_flops``) split into dense and
+  attention parts (the attention part is what grows with the sequence: evaluated at ``s`` and ``2s``),
+  divided by TP, at the profile's GEMM rate for this GEMM size and its attention rate for this
+  sequence; FP8 (where the kernel rule runs it) divides GEMM time by the profile's FP8 speed-up and adds
+  its casts as element-wise traffic.
+* **element-wise** (norms, activations, residuals, RoPE, the fused kernels): the bytes the layer keeps
+  for backward (``shapes.layer_activation_terms`` for the kernels the rule chooses) times a fitted
+  traffic factor, at the profile's memory bandwidth; the output layer and loss likewise from
+  ``shapes.logits_bytes``; each micro-batch adds its weight gradients into fp32 main grads.
+* **TP collectives**: per layer two forward and two backward all-reduces of the ``[s, b, h]``
+  activation (sequence parallelism: an all-gather and a reduce-scatter for each), timed by the
+  profile's bus bandwidth at that size; with the kernel rule's ``tp_overlap`` the backward ones hide
+  under the weight-gradient GEMMs (a fitted fraction of them).
+* **recompute**: selective (the rule's ``selective``: the MLP's forward GEMMs and the bytes it drops,
+  or core attention's forward) or full (one more forward of every layer, its collectives included).
+* **host**: where the rule replays no CUDA graphs, a layer's launch time (profile, by kernel path) shows
+  where it exceeds the layer's device time.
+
+Per step: 1F1B / interleaved pipelines run through :func:`workbench.schedules.simulate` with each
+stage's times (``derive().stage_layers``: the balanced split) and the p2p time of one activation as
+latency: what the slowest rank waits beyond its own work is the **bubble**.  DP's gradient
+reduce-scatter / all-reduce (and the distributed optimizer's parameter all-gather) overlaps the last
+micro-batch's backward (first forward) where ``overlap_grad_reduce`` (``overlap_param_gather``) is on,
+by a fitted fraction; the optimizer step costs the profile's time per local parameter.  MFU is
+Megatron's FLOPs (``derive().flops_per_step``) over the step and the profile's peak.
+
+Every prediction carries its breakdown in seconds per step (compute, tp_comm, dp_comm, bubble,
+recompute, host, optimizer), summing to the step time.  Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench import kernels, schedules
+from workbench.config import RunConfig, derive, pad_vocab_size
+from workbench.models import family_of
+
+from workbench.advisor.profile import Profile
+
+__all__ = ["Constants", "Prediction", "Model", "flop_split", "REASONS"]
+
+#: breakdown keys, in the order a table shows them
+REASONS = ("compute", "tp_comm", "dp_comm", "bubble", "recompute", "host", "optimizer")
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The model's free constants (fitted to measured rows by :func:`workbench.advisor.calibration.fit`)."""
+
+    #: element-wise bytes moved per byte a layer keeps for backward: the compiled layer (fused) ...
+    ew_factor: float = 3.0
+    #: ... and megatron's stock layer (unfused: every op reads and writes memory)
+    ew_factor_stock: float = 8.0
+    #: logits + loss bytes moved per byte of their peak
+    head_factor: float = 2.0
+    #: bytes per parameter each micro-batch's weight-gradient accumulation moves (read bf16 + fp32, write fp32)
+    grad_accum_bytes: float = 10.0
+    #: fraction of the weight-gradient GEMMs' time under which backward TP collectives hide (kernel rule's tp_overlap)
+    tp_overlap: float = 0.7
+    #: multiplier on TP collective time inside a layer (contention with compute, skew between ranks)
+    tp_comm_factor: float = 1.0
+    #: fraction of the last micro-batch's backward (first forward) under which DP's reduce (gather) hides
+    dp_overlap: float = 0.8
+    #: FP8 casts, by recipe: element-wise bytes per byte of the layer's GEMM inputs (activations and weights)
+    fp8_cast_tensorwise: float = 1.0
+    fp8_cast_rowwise: float = 1.0
+    fp8_cast_delayed: float = 1.0
+    #: FP8: fixed time per layer forward + backward (scale reductions and casts launched per GEMM input), microseconds
+    fp8_layer_us: float = 20.0
+    #: fixed host time per step (schedule, loss and grad-norm reductions, optimizer launch), milliseconds
+    step_ms: float = 2.0
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> "Constants":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: float(v) for k, v in d.items() if k in known})
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    breakdown: dict[str, float]  # seconds per step, by REASONS; sums to step_s
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def main_reason(self) -> str:
+        """The largest cost besides compute (what most separates this layout from its pure compute)."""
+        other = {k: v for k, v in self.breakdown.items() if k != "compute"}
+        return max(other, key=other.get) if other and max(other.values()) > 0 else "compute"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _with_seq(cfg: RunConfig, factor: int) -> RunConfig:
+    m = cfg.model
+    ds = m.decoder_seq_length * factor if m.decoder_seq_length else None
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, seq_length=m.seq_length * factor, decoder_seq_length=ds))
+
+
+def flop_split(cfg: RunConfig, tp: int) -> dict[str, float]:
+    """Forward + backward FLOPs per token of one layer and of the head (output layer, loss, and what else the family
+    counts there), each split into dense GEMMs and attention: the family's Megatron FLOPs at ``s`` and ``2s``
+    (the attention part is the one that doubles)."""
+    m = cfg.model
+    unit = 12.0 * m.hidden_size ** 2  # per token
+    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    shapes = family_of(cfg).shapes
+    l1, h1 = shapes.layer_and_head_flops(cfg, vocab)
+    l2, h2 = shapes.layer_and_head_flops(_with_seq(cfg, 2), vocab)
+    return {"layer_dense": unit * (2 * l1 - l2), "layer_attn": unit * (l2 - l1),
+            "head_dense": unit * (2 * h1 - h2), "head_attn": unit * (h2 - h1)}
+
+
+def _sum(d: dict[str, float]) -> float:
+    return float(sum(d.values()))
+
+
+class Model:
+    """The performance model of one base config (model, global batch, sequence) on one profile.
+
+    :meth:`predict` takes a layout's config (``workbench.advisor.enumerate.apply_layout``); what does not
+    depend on the whole layout is cached, so thousands of layouts cost little.
+    """
+
+    def __init__(self, base: RunConfig, profile: Profile, constants: Constants | None = None):
+        self.base = base
+        self.profile = profile
+        self.c = constants or Constants.from_dict(profile.constants)
+        self._derived: dict[tuple, Any] = {}
+        self._sim: dict[tuple, tuple[float, float]] = {}
+        self._flop_cache: dict[int, dict[str, float]] = {}
+
+    # ---- cached pieces
+    def _derive(self, cfg: RunConfig):
+        p, t = cfg.parallel, cfg.train
+        key = (p.tensor_parallel, p.pipeline_parallel, p.vpp, p.world_size, t.micro_batch_size, p.pipeline_split)
+        d = self._derived.get(key)
+        if d is None:
+            d = self._derived[key] = derive(cfg)
+        return d
+
+    def _flops(self, tp: int) -> dict[str, float]:
+        fl = self._flop_cache.get(tp)
+        if fl is None:
+            fl = self._flop_cache[tp] = flop_split(self.base, tp)
+        return fl
+
+    def _simulate(self, pp: int, m: int, vpp: int, fwd: list[float], bwd: list[float], latency: float) -> tuple[float, float]:
+        """(step time, busiest rank's busy time) of the pipeline, from :func:`workbench.schedules.simulate`
+        on times normalised to the first stage's forward (cached: layouts share their shapes)."""
+        scale = fwd[0] or 1.0
+        key = (pp, m, vpp, tuple(round(x / scale, 3) for x in fwd), tuple(round(x / scale, 3) for x in bwd),
+               round(latency / scale, 4))
+        hit = self._sim.get(key)
+        if hit is None:
+            tl = schedules.simulate(None, pp, m, vpp, forward=list(key[3]), backward=list(key[4]), latency=key[5])
+            busiest = max(range(pp), key=tl.busy)
+            hit = self._sim[key] = (tl.step_time, tl.busy(busiest))
+        return hit[0] * scale, hit[1] * scale
+
+    # ---- the model
+    def predict(self, cfg: RunConfig, gpus_per_node: int | None = None, simulate: bool = True) -> Prediction:
+        """The layout's step time.  ``simulate``: the pipeline's bubble from the schedule simulator (exact for the
+        stage times); otherwise from the closed form ``(p - 1) / (v m)`` on the slowest stage (a quick first pass)."""
+        prof, c = self.profile, self.c
+        m, p, t = cfg.model, cfg.parallel, cfg.train
+        tp, pp, vpp = p.tensor_parallel, p.pipeline_parallel, p.vpp
+        per_node = gpus_per_node or p.nproc_per_node
+        d = self._derive(cfg)
+        dp, micro = d.data_parallel, d.num_microbatches
+        kp = kernels.choose(cfg)
+        fam = family_of(cfg)
+        sh = fam.shapes.shape(cfg, d)
+        b, s, h, e = sh.b, sh.s, sh.h, sh.e
+        tokens = b * s  # per micro-batch
+
+        fl = self._flops(tp)
+        layer_dense = fl["layer_dense"] * tokens / tp
+        layer_attn = fl["layer_attn"] * tokens / tp
+        head_dense = fl["head_dense"] * tokens / tp
+        head_attn = fl["head_attn"] * tokens / tp
+
+        gemm_rate = prof.gemm_rate(layer_dense / 3 / 4 / 1e9) * 1e12
+        t_gemm = layer_dense / gemm_rate
+        t_attn = layer_attn / (prof.attention_rate(s) * 1e12) if layer_attn > 0 else 0.0
+        terms = fam.shapes.layer_activation_terms(sh, kp)
+        bw = prof.memory_gbs.value * 1e9
+        ew_factor = c.ew_factor if kp.layer == "compiled" else c.ew_factor_stock
+        t_ew = ew_factor * _sum(terms) / bw
+        if kp.fp8 != "off":
+            gemm_inputs = e * tokens * h * 4 / max(tp if p.sequence_parallel else 1, 1) + 2 * fl["layer_dense"] / 12 / tp
+            t_ew += getattr(c, f"fp8_cast_{kp.fp8}") * gemm_inputs / bw + c.fp8_layer_us * 1e-6
+            t_gemm /= prof.fp8_gemm_speedup.value
+        layer_dev = t_gemm + t_attn + t_ew
+
+        # TP collectives per layer per micro-batch (forward 2, backward 2 of the [s, b, h] activation)
+        t_tp_f = t_tp_b = 0.0
+        if tp > 1:
+            act = e * tokens * h
+            if p.sequence_parallel:
+                one = (prof.collective_seconds("all_gather", act, tp) + prof.collective_seconds("reduce_scatter", act, tp))
+            else:
+                one = prof.collective_seconds("all_reduce", act, tp)
+            t_tp_f = t_tp_b = 2 * one * c.tp_comm_factor
+            if kp.tp_overlap:
+                t_tp_b = max(0.0, t_tp_b - c.tp_overlap * t_gemm / 3)
+
+        # recompute, per layer per micro-batch (in backward)
+        t_rc = 0.0
+        if p.recompute == "full":
+            t_rc = layer_dev / 3 + t_tp_f
+        elif p.recompute == "selective":
+            if kp.selective == "mlp":
+                mlp_flops = 2.0 * tokens * (h * sh.fc1_out + sh.ffn * h) / tp
+                kept_none = _sum(fam.shapes.layer_activation_terms(dataclasses.replace(sh, recompute="none"), kp))
+                t_rc = mlp_flops / gemm_rate + ew_factor * max(kept_none - _sum(terms), 0.0) / bw
+            else:
+                t_rc = t_attn / 3
+
+        # host: a layer's launches show where they outlast its device time
+        host_key = "graphs" if kp.cuda_graphs else ("compiled" if kp.layer == "compiled" else "stock")
+        host_layer = prof.host_us_per_layer[host_key].value * 1e-6
+        dev_f = layer_dev / 3 + t_tp_f
+        dev_b = 2 * layer_dev / 3 + t_tp_b + t_rc
+        host_f = max(0.0, host_layer / 3 - dev_f)
+        host_b = max(0.0, 2 * host_layer / 3 - dev_b)
+
+        # output layer and loss (last stage)
+        head_bytes = c.head_factor * fam.shapes.logits_bytes(sh, kp)[0]
+        head_gemm_rate = prof.gemm_rate(head_dense / 3 / 1e9) * 1e12
+        t_head = head_dense / head_gemm_rate + head_bytes / bw
+        if head_attn > 0:
+            t_head += head_attn / (prof.attention_rate(s) * 1e12)
+        if tp > 1:  # the vocab-parallel loss's small all-reduces and the head's input collective
+            t_head += 2 * prof.collective_seconds("all_reduce", e * tokens * h, tp) * c.tp_comm_factor
+
+        # per-stage micro-batch times; grad accumulation of the stage's local parameters
+        params_local = [n / tp for n in d.params_per_stage]
+        fwd, bwd, parts = [], [], []
+        for r in range(pp):
+            n = d.stage_layers[r]
+            last = r == pp - 1
+            ga = c.grad_accum_bytes * params_local[r] / bw
+            f = n * (dev_f + host_f) + (t_head / 3 if last else 0.0)
+            bk = n * (dev_b + host_b) + (2 * t_head / 3 if last else 0.0) + ga
+            fwd.append(f)
+            bwd.append(bk)
+            parts.append({"compute": n * layer_dev + (t_head if last else 0.0) + ga, "tp_comm": n * (t_tp_f + t_tp_b),
+                          "recompute": n * t_rc, "host": n * (host_f + host_b)})
+        if pp == 1:
+            step_pipe, busy, r_busy = micro * (fwd[0] + bwd[0]), micro * (fwd[0] + bwd[0]), 0
+        else:
+            stage_node = max(per_node // max(tp * dp, 1), 1)  # stages per node (ranks: tp fastest, then dp, then pp)
+            act = e * tokens * h / (tp if p.sequence_parallel else 1)
+            lat = prof.collective_seconds("p2p", act, 2, inter_node=stage_node < pp and tp * dp >= per_node)
+            r_busy = max(range(pp), key=lambda r: fwd[r] + bwd[r])
+            if simulate:
+                step_pipe, busy = self._simulate(pp, micro, vpp, fwd, bwd, lat)
+            else:
+                busy = micro * (fwd[r_busy] + bwd[r_busy])
+                step_pipe = busy * (1 + schedules.closed_form_bubble_fraction(None, pp, micro, vpp)) + 2 * (pp - 1) * lat
+        scale = micro
+        br = {k: v * scale for k, v in parts[r_busy].items()}
+        br["bubble"] = max(step_pipe - busy, 0.0)
+
+        # data parallel: gradient reduce (+ parameter gather), exposed beyond the overlap
+        t_dp = 0.0
+        if dp > 1:
+            across = tp * dp > per_node
+            grad = sh.grad_bytes * max(params_local)
+            if p.distributed_optimizer:
+                t_red = prof.collective_seconds("reduce_scatter", grad, dp, across)
+                t_gat = prof.collective_seconds("all_gather", e * max(params_local), dp, across)
+            else:
+                t_red, t_gat = prof.collective_seconds("all_reduce", grad, dp, across), 0.0
+            if p.overlap_grad_reduce:
+                t_red = max(0.0, t_red - c.dp_overlap * bwd[r_busy])
+            if p.overlap_param_gather:
+                t_gat = max(0.0, t_gat - c.dp_overlap * fwd[r_busy])
+            t_dp = t_red + t_gat
+        br["dp_comm"] = t_dp
+        opt_params = max(params_local) / (dp if p.distributed_optimizer else 1)
+        br["optimizer"] = opt_params * prof.optimizer_ns_per_param.value * 1e-9 + c.step_ms * 1e-3
+        step = sum(br.values())
+        breakdown = {k: br.get(k, 0.0) for k in REASONS}
+        mfu = d.flops_per_step / step / d.world_size / (prof.peak_tflops * 1e12)
+        return Prediction(step_s=step, tokens_per_s=d.tokens_per_step / step, mfu=mfu, breakdown=breakdown,
+                          detail={"kernel_path": kp.describe(), "cuda_graphs": kp.cuda_graphs, "microbatches": micro,
+                                  "bubble_from": "simulator" if pp > 1 and simulate else "closed form" if pp > 1 else "none",
+                                  "stage_layers": list(d.stage_layers)})
