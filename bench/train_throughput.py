@@ -543,6 +543,10 @@ def _libraries() -> dict[str, Any]:
 
 def worker(a: argparse.Namespace) -> int:
     v = Variant(**json.loads(a.worker))
+    if os.environ.get("WORKBENCH_BENCH_STACKS_AFTER"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["WORKBENCH_BENCH_STACKS_AFTER"]), exit=False)
     if v.kind == "workbench":  # as the backend's entry point does, before anything starts CUDA
         from workbench.config import apply_rank_environment
 
@@ -583,13 +587,16 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
         env.setdefault("OMP_NUM_THREADS", "1" if a.cpu_smoke else "8")
         env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
         env.update(v.env)
+        # a rank still running near the variant's limit writes its Python stacks (a hang says where it is)
+        env["WORKBENCH_BENCH_STACKS_AFTER"] = str(max(a.variant_timeout - 20.0, 1.0))
         t0 = time.perf_counter()
         try:
             proc = harness.run_group(cmd, a.variant_timeout, env=env, cwd=ROOT)  # a timeout ends its workers too
             rc = proc.returncode
             tail = (proc.stdout + proc.stderr)[-3000:]
-        except subprocess.TimeoutExpired as e:
-            rc, tail = 124, f"timed out after {a.variant_timeout}s"
+        except subprocess.TimeoutExpired as e:  # the output so far, with the ranks' stacks dumped before the limit
+            rc = 124
+            tail = f"timed out after {a.variant_timeout}s\n" + ((e.output or "") + (e.stderr or ""))[-6000:]
         wall = time.perf_counter() - t0
         if result.exists():
             res = json.loads(result.read_text())
