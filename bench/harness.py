@@ -97,6 +97,10 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
     if kind == "reference":
         dev = "cuda" if cuda else "cpu"
         ref = reference(cfg, device=dev, compile=cuda)
+        import transformers
+
+        out.update(reference_model=type(ref.model).__name__, reference_attention=getattr(ref, "attention", None),
+                   transformers=transformers.__version__)
         ds = dataset(cfg)
         mbs, k = cfg.train.micro_batch_size, d.num_microbatches
         pool = []

@@ -42,8 +42,8 @@ class ReferenceBert(HFReference):
         from transformers import BertForPreTraining
 
         model = BertForPreTraining(hf_bert_config(cfg))
-        if model.config._attn_implementation != "sdpa":
-            raise RuntimeError(f"transformers built BertForPreTraining on {model.config._attn_implementation!r} attention, not SDPA")
+        #: the attention HF's BERT runs on here
+        self.attention = model.config._attn_implementation
         super().__init__(model, cfg, device, compile)
 
     def _loss(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
