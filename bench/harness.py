@@ -134,6 +134,11 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
         out["planner_peak_allocated"] = int(plan.stages[0].peak_allocated)
         out["kernel_path"] = tr.kernel_path
     step_s = median(times)
+    from torch._dynamo.utils import counters
+
+    # where compiling fell short: graph breaks, and compiled graphs that cudagraph trees did not record
+    out.update(graph_breaks=int(sum(counters["graph_break"].values())),
+               cudagraph_skips=int(counters["inductor"].get("cudagraph_skips", 0)))
     out.update(step_times=times, step_s=step_s, tokens_per_s=d.tokens_per_step / step_s,
                mem_peak=int(torch.cuda.max_memory_allocated()) if cuda else None,
                device=torch.cuda.get_device_name() if cuda else "cpu")

@@ -11,9 +11,9 @@ same dtypes, no skipped work):
    every element-wise op makes its own pass over HBM.  On the dense path (GPT's causal
    self-attention, BERT's padding-masked bidirectional one, T5's relative-position bias and
    cross-attention, rotary embeddings, GELU / GEGLU / SwiGLU / ReLU, hidden and attention dropout
-   on megatron's RNG streams) the layer's forward runs as one ``torch.compile``'d free function of its parameters: norms fuse with the residual adds,
-   biases fuse into GEMM epilogues, GELU/SwiGLU fuse with their bias, and backward is one
-   compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
+   on megatron's RNG streams) the layer's forward runs as one ``torch.compile``'d free function
+   of its parameters: norms fuse with the residual adds, biases fuse into GEMM epilogues,
+   GELU/SwiGLU fuse with their bias, and backward is one compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
    gradients flow to them through autograd as usual, so mcore DDP's grad hooks, buffers and
    overlap are untouched.  All layers share one compiled graph (a free function guarded on
    shapes, not one graph per module).  With tensor parallelism the layer is still one compiled
@@ -687,10 +687,11 @@ class CompiledTransformerLayer(TransformerLayer):
         def gemm_w(linear: torch.nn.Module):  # under FP8: the weight with this step's FP8 copies
             return fp8_cached(linear.weight, recipe)
 
-        # dropout in training mode (megatron's rule: eval has none); megatron draws attention dropout on the
-        # TP-rank stream (its tracker's fork) and hidden dropout on the default stream, identical on the TP ranks
-        # that hold the same activations.  Under SP the block has forked already (one stream, as megatron's).
-        # Without SP at TP > 1 the hidden masks are drawn here on the default stream and the graph runs forked.
+        # dropout in training mode (megatron's rule: eval has none).  megatron draws attention dropout on each TP
+        # rank's stream (its tracker's fork) and hidden dropout on the default stream, the same on the TP ranks that
+        # hold the same activations.  Under SP its block has forked already: one stream for both, as here.  Without
+        # SP at TP > 1 the hidden masks are drawn here on the default stream and the graph runs forked.  At TP = 1
+        # both draw from the current stream (one rank: no stream to keep apart from another's).
         p_hidden = float(self.hidden_dropout) if self.training else 0.0
         p_attn = self._attention_dropout if self.training else 0.0
         fork = p_attn > 0 and "tp_group" in self._static and not self._static["sequence_parallel"]
