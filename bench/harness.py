@@ -334,6 +334,13 @@ def training_rows(script: str, a: argparse.Namespace, presets: list[str], cfg: C
     headline rows), ``throughput-dropout0`` (the first preset with dropout 0 on both sides), ``planner`` (each
     preset) and ``dropout`` (the first preset on each attention backend).  ``cfg(name, **over)``: the row's config."""
     want = wanted(a)
+    if getattr(a, "presets", None):
+        unknown = [p for p in a.presets.split(",") if p not in presets]
+        if unknown:  # (the smoke's tiny preset stands for them on CPU)
+            print(f"--presets: {', '.join(unknown)} not among this benchmark's {', '.join(presets)}; fix: name some of "
+                  f"those", file=sys.stderr)
+            raise SystemExit(2)
+        presets = a.presets.split(",")
     out = [throughput_row(script, name, a, cfg(name)) for name in presets] if "throughput" in want else []
     if "throughput-dropout0" in want:
         out.append(throughput_row(script, presets[0], a, cfg(presets[0], **DROPOUT0), row="throughput-dropout0",
@@ -349,6 +356,7 @@ def parser(doc: str, *, rows: str, rows_help: str, smoke_help: str, out: str, pr
     """A family benchmark's arguments (``--worker``, ``--preset``, ``--result``: the worker's, hidden)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--rows", default=rows, help=rows_help)
+    ap.add_argument("--presets", default=None, help="comma list: only these of the benchmark's presets (default: all)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=1800.0)

@@ -1,38 +1,40 @@
 #!/usr/bin/env bash
 # GPU evidence for issue 41 on one H100: the presets as shipped (dropout 0.1) against HF's own models, the Llama
 # rows against the strengthened plain-PyTorch reference, and the 300-step dropout loss curves, compiled vs stock.
-# Each phase has its own timeout; JSON lines (device, date, commit on every row) land in OUTDIR, plus logs.tgz.
-#   b (~4.5 min): bench/bert_train.py  throughput rows: bert-base, bert-large as shipped vs HF BertForPreTraining
-#   t (~4.5 min): bench/t5_bench.py    throughput rows: t5-base, t5-v1_1-base as shipped vs HF T5ForConditionalGeneration
-#   l (~5 min):   bench/train_throughput.py --quick: llama3.2-1b and -3b, workbench vs bench/reference_llama.py
-#   d (~3 min):   tests/gpu/dropout_loss.py: bert-base and t5-base, 300 steps, stock then compiled layer (+ PNG)
-#   z (~1 min):   the dropout-0 rows (bert-base, t5-base), named throughput-dropout0
-# Usage (device, repo root, .whl carried), within the 10-minute limit per command:
-#   PHASES=bt GIT_COMMIT=<sha> bash tests/gpu/dropout_call.sh $OUT;  PHASES=ld ... $OUT  (a second call)
+# Each phase has its own timeout and appends its JSON lines (device, date, commit on every row) to OUTDIR at once;
+# logs-<phases>.tgz keeps the logs.  Estimates (compile time dominates; each row is two fresh processes):
+#   1 (~2 min):   bert-base as shipped: workbench vs HF BertForPreTraining (bench/bert_train.py --rows throughput)
+#   2 (~2.5 min): bert-large, the same
+#   3 (~2.5 min): t5-base as shipped vs HF T5ForConditionalGeneration (bench/t5_bench.py --rows throughput)
+#   4 (~2.5 min): t5-v1_1-base, the same
+#   l (~5-6 min): llama3.2-1b and -3b: workbench vs bench/reference_llama.py (train_throughput.py --quick)
+#   d (~3.5 min): tests/gpu/dropout_loss.py: bert-base and t5-base, 300 steps, stock then compiled layer (+ PNG)
+#   z (~4 min):   bert-base and t5-base with dropout 0 on both sides (rows named throughput-dropout0)
+# Usage (device, repo root, .whl carried), each call within the 10-minute limit per command:
+#   PHASES=123 GIT_COMMIT=<sha> bash tests/gpu/dropout_call.sh $OUT;  PHASES=4d ...;  PHASES=l ...
 set -u
 out="${1:?usage: dropout_call.sh OUTDIR}"
-phases="${PHASES:?set PHASES, e.g. bt or ld (see the header)}"
+phases="${PHASES:?set PHASES, e.g. 123, 4d or l (see the header)}"
 steps="${STEPS:-8}"; warmup="${WARMUP:-3}"
 mkdir -p "$out"
 source tests/gpu/device_env.sh || exit 1
 t0=$(date +%s)
 say() { echo "$1 rc=$2 after $(( $(date +%s) - t0 ))s"; }
-if [[ $phases == *b* ]]; then
-  timeout 280 python3 bench/bert_train.py --rows throughput --steps "$steps" --warmup "$warmup" --timeout 200 \
-    --out "$out/bert_train.jsonl" > "$out/bert.log" 2>&1; say bert $?; tail -4 "$out/bert.log"
-fi
-if [[ $phases == *t* ]]; then
-  timeout 280 python3 bench/t5_bench.py --rows throughput --steps "$steps" --warmup "$warmup" --timeout 200 \
-    --out "$out/t5_bench.jsonl" > "$out/t5.log" 2>&1; say t5 $?; tail -4 "$out/t5.log"
-fi
+row() {  # row SCRIPT PRESET ROWS LOG
+  timeout 260 python3 "bench/$1" --rows "$3" --presets "$2" --steps "$steps" --warmup "$warmup" --timeout 200 \
+    --out "$out/${1%.py}.jsonl" > "$out/$4.log" 2>&1
+  say "$2 $3" $?; tail -3 "$out/$4.log"
+}
+[[ $phases == *1* ]] && row bert_train.py bert-base throughput bert-base
+[[ $phases == *2* ]] && row bert_train.py bert-large throughput bert-large
+[[ $phases == *3* ]] && row t5_bench.py t5-base throughput t5-base
+[[ $phases == *4* ]] && row t5_bench.py t5-v1_1-base throughput t5-v1_1-base
 if [[ $phases == *z* ]]; then
-  timeout 200 python3 bench/bert_train.py --rows throughput-dropout0 --steps "$steps" --warmup "$warmup" --timeout 150 \
-    --out "$out/bert_train.jsonl" > "$out/bert0.log" 2>&1; say bert-dropout0 $?; tail -2 "$out/bert0.log"
-  timeout 200 python3 bench/t5_bench.py --rows throughput-dropout0 --steps "$steps" --warmup "$warmup" --timeout 150 \
-    --out "$out/t5_bench.jsonl" > "$out/t50.log" 2>&1; say t5-dropout0 $?; tail -2 "$out/t50.log"
+  row bert_train.py bert-base throughput-dropout0 bert-base-dropout0
+  row t5_bench.py t5-base throughput-dropout0 t5-base-dropout0
 fi
 if [[ $phases == *l* ]]; then
-  timeout 320 python3 bench/train_throughput.py --quick --no-stream-cost --models llama3.2-1b,llama3.2-3b \
+  timeout 420 python3 bench/train_throughput.py --quick --no-stream-cost --models llama3.2-1b,llama3.2-3b \
     --variants reference/,workbench/ --out "$out/train_throughput.jsonl" > "$out/llama.log" 2>&1
   say llama $?; grep -A8 "^device:" "$out/llama.log" | head -10
 fi

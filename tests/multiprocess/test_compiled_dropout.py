@@ -71,6 +71,16 @@ def test_dropout_masks_under_torch_compile():
     _assert_statistics(_run("stats", CHECK_COMPILE="1"))
 
 
+@pytest.mark.slow
+def test_full_recompute_redraws_the_same_masks_under_torch_compile():
+    """megatron's full recompute runs each compiled layer forward without grad (inductor's inference graph), then
+    again in backward (the training graph) after restoring the RNG states: the same masks both times, so the loss and
+    gradients equal the run's without recompute."""
+    r = _run("recompute")
+    assert r["fast_calls"] == [4, 8], r  # compiled: once per layer, twice under full recompute
+    assert r["loss_full"] == r["loss_none"] and r["grad_rel_max"] < 1e-6, r
+
+
 def test_bert_and_t5_masks_under_dropout_match_the_stock_layers():
     """BERT (key padding mask) and T5 (relative position bias, padded encoder inputs, causal decoder, cross-attention;
     GEGLU, and ReLU with hidden dropout only): three Trainer steps on the compiled layer against megatron's layers

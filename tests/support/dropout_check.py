@@ -4,6 +4,7 @@ megatron's stock layer with the same dropout masks (own process: megatron's para
     python tests/support/dropout_check.py layer     -> JSON: GPT layers stock vs compiled, train mode, same seed
     python tests/support/dropout_check.py stats     -> JSON: where and how the compiled layer drops (fractions, scales)
     python tests/support/dropout_check.py families  -> JSON: BERT / T5 (padded) Trainer steps under dropout, stock vs fast
+    python tests/support/dropout_check.py recompute -> JSON: compiled layer under dropout, full recompute vs none (compiled)
     torchrun --nproc_per_node 2 tests/support/dropout_check.py tp2 -> JSON: TP=2 (+SP) under dropout, stock vs compiled
 
 The same masks: both layers run eagerly (``fusions.set_compile(False)``; ``CHECK_COMPILE=1`` compiles where
@@ -135,6 +136,33 @@ def check_stats() -> dict:
     return out
 
 
+def check_recompute() -> dict:
+    """Under torch.compile (inductor's own random numbers): megatron's full recompute runs each compiled layer
+    forward without grad (an inference graph), then again in backward with the RNG states restored (the training
+    graph); both graphs must draw the same masks, so loss and gradients equal those of the run without recompute."""
+    from workbench.backend import distributed, fusions
+
+    fusions.set_compile(True)
+    out = {}
+    for i, (name, over) in enumerate({"none": DROPOUT, "full": {**DROPOUT, "parallel.recompute": "full"}}.items()):
+        cfg = preset("tiny", **over)
+        if i == 0:
+            distributed.initialize_for_tests(cfg, port=int(os.environ.get("CHECK_PORT", "29632")))
+        model = fc._build(cfg, fusions.CompiledTransformerLayer)
+        g = torch.Generator().manual_seed(1)
+        tok = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=g)
+        pos = torch.arange(cfg.model.seq_length)[None].expand(2, -1)
+        torch.manual_seed(5)
+        loss = model(tok, pos, None, labels=tok).mean()
+        loss.backward()
+        out[name] = {"loss": loss.item(), "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+                     "fast_calls": sum(l.fast_calls for l in model.decoder.layers)}
+    none, full = out["none"], out["full"]
+    rel = max(((none["grads"][k] - full["grads"][k]).norm() / (none["grads"][k].norm() + 1e-12)).item() for k in none["grads"])
+    return {"loss_none": none["loss"], "loss_full": full["loss"], "grad_rel_max": rel,
+            "fast_calls": [none["fast_calls"], full["fast_calls"]]}
+
+
 def check_families() -> dict:
     """BERT and T5 (padded encoder inputs: the padding and relative-bias masks) with dropout: three Trainer steps,
     stock vs compiled, same seeds."""
@@ -221,9 +249,10 @@ def check_tp2() -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["layer", "stats", "families", "tp2"])
+    ap.add_argument("what", choices=["layer", "stats", "families", "tp2", "recompute"])
     a = ap.parse_args()
-    res = {"layer": check_layer, "stats": check_stats, "families": check_families, "tp2": check_tp2}[a.what]()
+    res = {"layer": check_layer, "stats": check_stats, "families": check_families, "tp2": check_tp2,
+           "recompute": check_recompute}[a.what]()
     if a.what == "tp2" and int(os.environ.get("RANK", "0")) != 0:
         return 0
     print("RESULT " + json.dumps(res, default=str))

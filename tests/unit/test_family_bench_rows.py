@@ -63,3 +63,13 @@ def test_bert_two_gpu_rows_are_valid_configs(smoke):
         cfg.parallel.nproc_per_node = 2
         assert cfg.validate() == [], (name, [str(p) for p in cfg.validate()])
     assert preset("bert-base").train.lr_warmup_iters >= bert_train.layout_rows(False)["tp2"]["train.train_iters"]  # why
+
+
+def test_presets_picks_rows_and_refuses_an_unknown_one(monkeypatch, capsys):
+    monkeypatch.setattr(harness, "measure", lambda script, kind, name, a, over=None: {"tokens_per_s": 1.0})
+    ap = harness.parser(t5_bench.__doc__, rows="throughput", rows_help="", smoke_help="", out="x", preset="t5-base")
+    rows = t5_bench.rows(ap.parse_args(["--presets", "t5-v1_1-base"]))
+    assert [r["preset"] for r in rows] == ["t5-v1_1-base"]
+    with pytest.raises(SystemExit) as e:
+        t5_bench.rows(ap.parse_args(["--presets", "t5-large"]))
+    assert e.value.code == 2 and "t5-large" in capsys.readouterr().err
