@@ -11,7 +11,7 @@ for a grid of configs and checks that what was built is what :func:`choose` said
 
 Transformer Engine: ``attention_backend: auto`` takes the compiled workbench layer whenever
 it applies (GPT-2 medium on an H200: 1.9x the tokens/s of TE's stock layer, bench/README.md).
-Where it does not (dropout, compiling off, per-document masks; ALiBi, which TE lacks, stays on SDPA)
+Where it does not (compiling off, per-document masks; ALiBi, which TE lacks, stays on SDPA)
 ``auto`` takes TE's layer when TE is usable and that layer replays as megatron's CUDA graphs (``train.cuda_graphs``, no recompute, no
 pipeline), or where FP8 is asked for (no other layer runs it there); else megatron's stock layer on SDPA,
 which beat TE's ungraphed layer in every measured row (:data:`AUTO_EVIDENCE`).
@@ -269,8 +269,6 @@ def layer_blocker(cfg: Any) -> str | None:
         return family.supports.compiled_layer_blocker
     if m.query_groups < p.tensor_parallel:
         return "fewer KV groups than TP ranks"
-    if m.hidden_dropout > 0 or m.attention_dropout > 0:
-        return "dropout"
     if m.position_embedding == "alibi":
         return "ALiBi"
     if getattr(cfg.data, "reset_attention_mask", False):

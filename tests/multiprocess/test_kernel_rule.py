@@ -58,5 +58,5 @@ def test_the_grid_covers_both_answers_and_names_why(reports):
     assert {p["layer"] for p in by.values()} == {"compiled", "stock"}
     assert by["tp2-sp"]["layer"] == "compiled" and by["tp2"]["cross_entropy"] == "vocab_parallel"
     assert by["rope"]["layer"] == "compiled" and by["alibi"]["layer_reason"] == "ALiBi"
-    assert "KV groups" in by["tp2-mqa"]["layer_reason"] and by["dropout"]["layer_reason"] == "dropout"
+    assert "KV groups" in by["tp2-mqa"]["layer_reason"] and by["dropout"]["layer"] == "compiled"
     assert by["local-attention"]["attention"] == "local" and by["pp2"]["cuda_graphs_reason"].startswith("pipeline")

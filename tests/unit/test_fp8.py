@@ -211,7 +211,7 @@ def test_the_plan_counts_transformer_engines_fp8_weight_copies_too():
 
 @pytest.mark.parametrize("over, needle", [
     ({"train.precision": "fp16"}, "bf16"),
-    ({"model.hidden_dropout": 0.1}, "this config uses neither (dropout)"),
+    ({"data.reset_attention_mask": True}, "this config uses neither (per-document attention mask"),
     ({"train.fp8": "rowwise", "model.attention_backend": "te"}, "'rowwise' recipe does not run on Transformer Engine's layer"),
     ({"train.compile_kernels": False}, "compile_kernels is off"),
     ({"parallel.device": "cpu"}, "GPU-only"),

@@ -27,7 +27,7 @@ def test_auto_prefers_the_compiled_layer_even_with_transformer_engine():
     assert (kernels.choose(llama, te=True).layer, kernels.choose(llama, te=True).attention) == ("compiled", "sdpa")
     # where the compiled layer does not apply: TE's layer replayed as megatron's CUDA graphs when TE is usable
     # (measured faster than megatron's stock SDPA layer), else the stock SDPA layer (faster than TE's ungraphed)
-    drop = llama.replace(**{"model.hidden_dropout": 0.1})
+    drop = llama.replace(**{"data.reset_attention_mask": True})  # per-document masks
     graphed = kernels.choose(drop, te=True)
     assert (graphed.attention, graphed.layer, graphed.cuda_graphs_impl) == ("te", "stock", "megatron")
     assert (kernels.choose(drop, te=False).attention, kernels.choose(drop, te=False).layer) == ("sdpa", "stock")
@@ -96,7 +96,7 @@ def test_cuda_graphs_on_transformer_engines_layer_are_megatrons():
     assert (sel.cuda_graphs, sel.cuda_graphs_impl) == (False, "") and "recompute" in sel.cuda_graphs_reason
     t5 = kernels.choose(preset("t5-base", **{"model.attention_backend": "te"}), te=True)
     assert not t5.cuda_graphs and "not graphed" in t5.cuda_graphs_reason
-    eager = kernels.choose(GPU.replace(**{"model.hidden_dropout": 0.1}), te=False)  # megatron's stock SDPA layer
+    eager = kernels.choose(GPU.replace(**{"data.reset_attention_mask": True}), te=False)  # megatron's stock SDPA layer
     assert (eager.cuda_graphs, eager.cuda_graphs_reason) == (False, "")
     off = kernels.choose(GPU.replace(**{"model.attention_backend": "te", "train.cuda_graphs": False}), te=True)
     assert off.cuda_graphs_impl == ""

@@ -343,15 +343,15 @@ def test_kernel_path_is_the_backend_rule():
     assert (eager.layer, eager.cross_entropy, eager.optimizer) == ("stock", "vocab_parallel", "foreach")
     for recompute in ("selective", "full"):  # the compiled layer recomputes too
         assert planner.kernel_path(gpu.replace(**{"parallel.recompute": recompute}), no_te).layer == "compiled"
-    assert planner.kernel_path(gpu.replace(**{"model.hidden_dropout": 0.1}), no_te).layer == "stock"
+    assert planner.kernel_path(gpu.replace(**{"data.reset_attention_mask": True}), no_te).layer == "stock"
     assert planner.kernel_path(gpu.replace(**{"model.attention_backend": "local"}), no_te).attention == "local"
     assert planner.kernel_path(preset("tiny"), no_te).optimizer == "for-loop"  # torch AdamW off CUDA
     # with Transformer Engine present, auto keeps the compiled layer where it applies (measured faster) ...
     te = planner.kernel_path(gpu, PlannerAssumptions(transformer_engine=True))
     assert (te.attention, te.layer, te.selective) == ("sdpa", "compiled", "mlp")
-    # ... and where it does not (dropout, compiling off), TE's layer as megatron's CUDA graphs (measured faster
+    # ... and where it does not (per-document masks, compiling off), TE's layer as megatron's CUDA graphs (measured faster
     # than megatron's stock SDPA layer), or that stock layer where the graphs are off
-    for cfg in (preset("llama-small", **{"model.hidden_dropout": 0.1}), gpu.replace(**{"train.compile_kernels": False})):
+    for cfg in (preset("llama-small", **{"data.reset_attention_mask": True}), gpu.replace(**{"train.compile_kernels": False})):
         te = planner.kernel_path(cfg, PlannerAssumptions(transformer_engine=True))
         assert (te.attention, te.layer, te.selective, te.cuda_graphs_impl) == ("te", "stock", "core_attn", "megatron")
         te = planner.kernel_path(cfg.replace(**{"train.cuda_graphs": False}), PlannerAssumptions(transformer_engine=True))
@@ -361,7 +361,7 @@ def test_kernel_path_is_the_backend_rule():
                                  PlannerAssumptions(transformer_engine=True, compiled_layer=True))
     assert (pinned.layer, pinned.cuda_graphs, pinned.cuda_graphs_impl) == ("compiled", True, "torch")
     # ... and TE's layer where FP8 is asked for there, or explicitly
-    for cfg in (preset("llama-small", **{"model.hidden_dropout": 0.1, "train.fp8": "delayed"}),
+    for cfg in (preset("llama-small", **{"data.reset_attention_mask": True, "train.fp8": "delayed"}),
                 gpu.replace(**{"model.attention_backend": "te"})):
         te = planner.kernel_path(cfg, PlannerAssumptions(transformer_engine=True))
         assert (te.attention, te.layer, te.selective) == ("te", "stock", "core_attn")

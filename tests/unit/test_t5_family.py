@@ -65,7 +65,7 @@ def test_other_families_refuse_t5_only_settings():
     assert "model.position_embedding" in gpt and "model.activation" in gpt
 
 
-def test_kernel_rule_puts_t5_on_the_compiled_layer_with_sdpa_unless_dropout():
+def test_kernel_rule_puts_t5_on_the_compiled_layer_with_sdpa_with_and_without_dropout():
     kernels.allow_fast_paths_on_cpu(True)
     try:
         pretrain = kernels.choose(preset("t5-base"), te=True, apex=False)  # T5's published dropout 0.1
@@ -73,7 +73,7 @@ def test_kernel_rule_puts_t5_on_the_compiled_layer_with_sdpa_unless_dropout():
         explicit = kernels.choose(preset("t5-base", **{"model.attention_backend": "te"}), te=True, apex=False)
     finally:
         kernels.allow_fast_paths_on_cpu(False)
-    assert pretrain.attention == "sdpa" and pretrain.layer == "stock" and pretrain.layer_reason == "dropout"
+    assert pretrain.attention == "sdpa" and pretrain.layer == "compiled" and pretrain.layer_reason == ""
     assert bench.attention == "sdpa" and bench.layer == "compiled" and bench.layer_reason == ""
     assert pretrain.norm == bench.norm == "workbench"  # auto never takes TE's T5 layer (its speed is unmeasured)
     assert (explicit.attention, explicit.layer, explicit.norm) == ("te", "stock", "te")  # an explicit te builds it

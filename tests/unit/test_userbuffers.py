@@ -86,7 +86,8 @@ def test_t5_is_refused_by_its_family(te_here):
 
 def test_the_rule_and_the_validation_agree_on_auto(te_here):
     """auto with FP8 resolves to TE's layer (where TE is usable): userbuffers run, and validation lets them."""
-    auto_fp8 = UB.replace(**{"model.attention_backend": "auto", "train.fp8": "delayed", "model.hidden_dropout": 0.1})
+    auto_fp8 = UB.replace(**{"model.attention_backend": "auto", "train.fp8": "delayed",
+                              "data.reset_attention_mask": True})
     assert kernels.choose(auto_fp8, te=True).tp_overlap == "userbuffers"
     assert [p for p in auto_fp8.validate() if p.field == "parallel.te_userbuffers"] == []
 

@@ -8,12 +8,12 @@ same dtypes, no skipped work):
    the layer spec by :mod:`workbench.backend.model` when ``train.compile_kernels`` is on and the
    device is CUDA).  Eagerly, a megatron layer is ~40 kernel launches with Python between each
    (norm, linear, split, SDPA, bias-dropout-add, norm, linear, bias+GELU, linear, add) and
-   every element-wise op makes its own pass over HBM.  On the dense path (no dropout; GPT's
-   causal self-attention, BERT's padding-masked bidirectional one, T5's relative-position bias
-   and cross-attention, rotary embeddings, GELU / GEGLU / SwiGLU / ReLU) the layer's forward runs as one
-   ``torch.compile``'d free function of its parameters: norms fuse with the residual adds,
-   biases fuse into GEMM epilogues, GELU/SwiGLU fuse with their bias, and backward is one
-   compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
+   every element-wise op makes its own pass over HBM.  On the dense path (GPT's causal
+   self-attention, BERT's padding-masked bidirectional one, T5's relative-position bias and
+   cross-attention, rotary embeddings, GELU / GEGLU / SwiGLU / ReLU, hidden and attention dropout
+   on megatron's RNG streams) the layer's forward runs as one ``torch.compile``'d free function
+   of its parameters: norms fuse with the residual adds, biases fuse into GEMM epilogues,
+   GELU/SwiGLU fuse with their bias, and backward is one compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
    gradients flow to them through autograd as usual, so mcore DDP's grad hooks, buffers and
    overlap are untouched.  All layers share one compiled graph (a free function guarded on
    shapes, not one graph per module).  With tensor parallelism the layer is still one compiled
@@ -25,19 +25,18 @@ same dtypes, no skipped work):
    nothing or failed there: bench/README.md.)  With ``parallel.tp_comm_overlap`` the
    backward's collectives run under the weight-gradient GEMMs (:func:`sink_weight_gradients`;
    1.40x with ``CUDA_DEVICE_MAX_CONNECTIONS=1``).
-   Any other case (dropout, ALiBi, a KV cache, packed sequences, ...) falls back to the stock
-   forward.
+   Any other case (ALiBi, a KV cache, packed sequences, ...) falls back to the stock forward.
+   Dropout's random numbers come from torch's generator inside the graph (inductor's philox; under CUDA
+   graphs each replay reads the generator's seed and offset and advances it), so the checkpointed RNG
+   state (``checkpointing.rng_state``) carries the stream.
 2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy
    makes ~10 passes over the fp32 up-cast [tokens, vocab] logits and keeps an fp32 softmax
    for backward.  With TP=1 the loss is ``F.cross_entropy(logits.float())`` compiled: the same
    fp32 log-softmax maths (the reference's autocast runs cross-entropy in fp32 too) in one
    fused pass, recomputed from the bf16 logits in backward.
-3. **Optimizer fast paths** (:func:`prepare_optimizer`): without apex, megatron falls back to
-   ``local_multi_tensor_l2_norm`` (a Python loop of ``torch.norm`` plus a host round trip per
-   tensor: hundreds of device syncs a step) and ``local_multi_tensor_scale`` (a Python loop of
-   copies).  These are replaced by ``torch._foreach_norm`` / ``_foreach_mul_`` /
-   ``_foreach_copy_`` (a handful of multi-tensor kernels, no syncs), and torch's AdamW under
-   megatron's optimizer is switched to its fused CUDA kernel (the same AdamW update).
+3. **Optimizer fast paths** (:func:`prepare_optimizer`, :mod:`workbench.backend.optimizer_paths`): megatron's
+   Python-loop multi-tensor fallbacks replaced by ``torch._foreach_*`` kernels (no host syncs), and torch's AdamW
+   under megatron's optimizer switched to its fused CUDA kernel (the same AdamW update).
 4. **TransformerConfig switches** (:func:`transformer_config_overrides`): megatron's own
    compiled bias-dropout-add and fused vocab-parallel cross entropy for the paths that keep
    the stock forward (TP>1).  ``bias_activation_fusion`` stays off: megatron's fused
@@ -61,6 +60,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.distributed import _functional_collectives as funcol
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
@@ -74,6 +74,8 @@ from workbench import kernels
 from workbench.backend.attention import SDPAttention, sdpa_mask
 from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_step, linear as fp8_linear, \
     open_step as fp8_open_step
+from workbench.backend.optimizer_paths import STATE as _STATE, foreach_l2_norm, foreach_scale, \
+    install_multi_tensor_fallbacks, use_fused_adam
 from workbench.backend.tp_overlap import sink_weight_gradients, tp_overlap_pass
 
 __all__ = [
@@ -100,8 +102,6 @@ __all__ = [
 
 #: When False the fast paths still run, but eagerly (CPU tests compare the maths; debugging).
 _COMPILE = True
-#: What was switched on in this process (for the run_start event's kernel_path and the benchmark).
-_STATE: dict[str, str] = {}
 
 
 def allow_on_cpu(enabled: bool = True) -> None:
@@ -254,19 +254,20 @@ def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
 
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-    mask: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], dropout: float = 0.0,
 ) -> torch.Tensor:
     """Core attention on ``[s, b, n, d]`` q and k / v with as many heads as q (GQA already expanded): the
     context ``[sq, b, n * d]``, masked as :class:`workbench.backend.attention.SDPAttention` masks (:func:`sdpa_mask`):
 
     ``mask``: megatron's boolean mask (True = masked out; ``[b, 1, 1, sk]`` keys or ``[b, 1, sq, sk]``);
     ``bias``: an additive score bias (T5's relative positions), masked positions set to -inf;
-    ``causal``: top-left aligned when sq == sk (bottom-right otherwise), combined with either.
+    ``causal``: top-left aligned when sq == sk (bottom-right otherwise), combined with either;
+    ``dropout``: attention dropout on the probabilities (SDPA's ``dropout_p``, the current RNG stream).
     """
     sq, b = q.shape[0], q.shape[1]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
     attn_mask, is_causal = sdpa_mask(None if mask is None else ~mask, bias, causal, sq, k.shape[2], q.device)
-    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal, scale=scale)
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
@@ -279,7 +280,7 @@ def _rotate(t: torch.Tensor, freqs: Optional[torch.Tensor]) -> torch.Tensor:
 def _self_attention(
     h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], *, heads: int, groups: int, head_dim: int,
     scale: float, causal: bool, mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], rope: Optional[torch.Tensor],
-    fp8: Optional[str] = None,
+    fp8: Optional[str] = None, dropout: float = 0.0,
 ) -> torch.Tensor:
     """Fused QKV GEMM in megatron's layout (per KV group ``[q_1..q_{n/g}, k, v]``), then :func:`_sdpa`."""
     s, b, _ = h.shape
@@ -291,20 +292,34 @@ def _self_attention(
     if per_group > 1:
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
-    return _sdpa(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias)
+    return _sdpa(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias, dropout=dropout)
 
 
 def _cross_attention(
     h: torch.Tensor, context: torch.Tensor, q_w: torch.Tensor, q_b: Optional[torch.Tensor], kv_w: torch.Tensor,
     kv_b: Optional[torch.Tensor], *, heads: int, head_dim: int, scale: float, mask: Optional[torch.Tensor],
-    fp8: Optional[str] = None,
+    fp8: Optional[str] = None, dropout: float = 0.0,
 ) -> torch.Tensor:
     """megatron's ``CrossAttention``: q from ``h``, k / v from ``context`` (``linear_kv`` output viewed
     ``[sk, b, heads, 2 * d]`` and split in halves), no bias, not causal."""
     s, b, _ = h.shape
     q = fp8_linear(h, q_w, q_b, fp8).view(s, b, heads, head_dim)
     k, v = fp8_linear(context, kv_w, kv_b, fp8).view(context.shape[0], b, heads, 2 * head_dim).split(head_dim, dim=3)
-    return _sdpa(q, k, v, scale=scale, causal=False, mask=mask, bias=None)
+    return _sdpa(q, k, v, scale=scale, causal=False, mask=mask, bias=None, dropout=dropout)
+
+
+def _hidden_dropout(y: torch.Tensor, p: float, masks: Optional[tuple], i: int) -> torch.Tensor:
+    """megatron's bias-dropout (before the residual add) of the ``i``-th sublayer's output ``y`` (bias included):
+    ``F.dropout`` on the current RNG stream, or ``y * masks[i]`` with pre-drawn masks (:func:`draw_hidden_masks`)."""
+    if masks is not None:
+        return y * masks[i]
+    return F.dropout(y, p, training=True) if p > 0 else y
+
+
+def draw_hidden_masks(x: torch.Tensor, p: float, n: int) -> tuple:
+    """``n`` hidden-dropout masks for a ``[s, b, h]`` layer, drawn as ``F.dropout`` draws its noise off CUDA
+    (``bernoulli_(1 - p)`` in the activations' dtype, scaled by ``1 / (1 - p)``) on the current RNG stream."""
+    return tuple(torch.empty_like(x).bernoulli_(1 - p).div_(1 - p) for _ in range(n))
 
 
 def dense_layer_forward(
@@ -325,6 +340,7 @@ def dense_layer_forward(
     bias: Optional[torch.Tensor] = None,
     rope: Optional[torch.Tensor] = None,
     cross: Optional[tuple] = None,
+    hidden_masks: Optional[tuple] = None,
     *,
     norm: str,
     eps1: float,
@@ -340,6 +356,8 @@ def dense_layer_forward(
     sequence_parallel: bool = False,
     recompute_mlp: bool = False,
     fp8: Optional[str] = None,
+    hidden_dropout: float = 0.0,
+    attention_dropout: float = 0.0,
 ) -> torch.Tensor:
     """One pre-norm transformer layer on ``[s, b, h]``, with megatron's exact layouts and maths.
 
@@ -362,25 +380,33 @@ def dense_layer_forward(
 
     ``fp8`` (``train.fp8``: ``tensorwise`` | ``rowwise`` | ``delayed``): every GEMM above in FP8
     (:mod:`workbench.backend.fp8`); norms, attention and residuals unchanged.
+
+    Dropout, where megatron's layer has it: ``attention_dropout`` on the attention probabilities (self- and
+    cross-attention, SDPA's ``dropout_p``) and ``hidden_dropout`` on each sublayer's output (bias included) before
+    its residual add (megatron's bias-dropout-add), in megatron's order, from the current RNG stream; or the
+    ``hidden_masks`` given (one per sublayer, :func:`draw_hidden_masks`) where the caller draws them on another
+    stream than attention's.  Zero (the default, and eval) is the dropout-free layer.
     """
     sp = sequence_parallel
     h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
     ctx = _self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
-                          causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8)
-    x = x + _row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp, fp8)
+                          causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8, dropout=attention_dropout)
+    p, masks = hidden_dropout, hidden_masks
+    x = x + _hidden_dropout(_row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp, fp8), p, masks, 0)
     if cross is not None:
         context, context_mask, lnx_w, lnx_b, q_w, q_b, kv_w, kv_b, xproj_w, xproj_b = cross
         h_x = _column_parallel_input(_norm(x, norm, lnx_w, lnx_b, eps_cross), tp_group, sp)
         ctx = _cross_attention(h_x, _column_parallel_input(context, tp_group, sp), q_w, q_b, kv_w, kv_b,
-                               heads=heads, head_dim=head_dim, scale=scale, mask=context_mask, fp8=fp8)
-        x = x + _row_parallel_linear(ctx, xproj_w, xproj_b, tp_group, sp, fp8)
+                               heads=heads, head_dim=head_dim, scale=scale, mask=context_mask, fp8=fp8,
+                               dropout=attention_dropout)
+        x = x + _hidden_dropout(_row_parallel_linear(ctx, xproj_w, xproj_b, tp_group, sp, fp8), p, masks, 1)
     h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
     if recompute_mlp and torch.is_grad_enabled():
         partial = torch.utils.checkpoint.checkpoint(_mlp_partial, h_mlp, fc1_w, fc1_b, fc2_w, activation, fp8,
                                                     use_reentrant=False, preserve_rng_state=False)
-        return x + _row_parallel_sum(partial, fc2_b, tp_group, sp)
+        return x + _hidden_dropout(_row_parallel_sum(partial, fc2_b, tp_group, sp), p, masks, -1)
     h_mlp = _activate(fp8_linear(h_mlp, fc1_w, fc1_b, fp8), activation)
-    return x + _row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp, fp8)
+    return x + _hidden_dropout(_row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp, fp8), p, masks, -1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -501,7 +527,6 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
         (c.context_parallel_size != 1, "context parallel"),
         (c.recompute_granularity == "selective", "selective recompute of core attention"),
         (bool(c.fp32_residual_connection), "fp32 residual connection"),
-        (c.hidden_dropout > 0 or c.attention_dropout > 0, "dropout"),
         (getattr(c, "workbench_alibi", False), "ALiBi"),
         (c.softmax_type != "vanilla", "non-vanilla softmax"),
         (bool(getattr(c, "layernorm_zero_centered_gamma", False)), "zero-centred gamma"),
@@ -526,6 +551,8 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
             why = "cross-attention mask type other than padding"
         if why is None and _scale(layer.cross_attention) != _scale(layer.self_attention):
             why = "cross-attention softmax scale differs from self-attention's"
+        if why is None and layer.cross_attention.core_attention.dropout_p != layer.self_attention.core_attention.dropout_p:
+            why = "cross-attention dropout differs from self-attention's"
     if why is not None:
         return why
     if type(layer.mlp.linear_fc1) is not ColumnParallelLinear or type(layer.mlp.linear_fc2) is not RowParallelLinear:
@@ -595,6 +622,7 @@ class CompiledTransformerLayer(TransformerLayer):
                 self._static["eps_cross"] = _eps(self.pre_cross_attn_layernorm)
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
+            self._attention_dropout = float(attn.core_attention.dropout_p)
         #: parallel.tp_comm_overlap: backward collectives under the weight-gradient GEMMs
         self.tp_overlap = self.fast_path_blocker is None and "tp_group" in self._static \
             and bool(getattr(self.config, "workbench_tp_comm_overlap", False))
@@ -674,25 +702,38 @@ class CompiledTransformerLayer(TransformerLayer):
         def gemm_w(linear: torch.nn.Module):  # under FP8: the weight with this step's FP8 copies
             return fp8_cached(linear.weight, recipe)
 
+        # dropout in training mode (megatron's rule: eval has none).  megatron draws attention dropout on each TP
+        # rank's stream (its tracker's fork) and hidden dropout on the default stream, the same on the TP ranks that
+        # hold the same activations.  Under SP its block has forked already: one stream for both, as here.  Without
+        # SP at TP > 1 the hidden masks are drawn here on the default stream and the graph runs forked.  At TP = 1
+        # both draw from the current stream (one rank: no stream to keep apart from another's).
+        p_hidden = float(self.hidden_dropout) if self.training else 0.0
+        p_attn = self._attention_dropout if self.training else 0.0
+        fork = p_attn > 0 and "tp_group" in self._static and not self._static["sequence_parallel"]
+        masks = draw_hidden_masks(x, p_hidden, 3 if self._cross else 2) if fork and p_hidden > 0 else None
         if self._cross:
             xa, lnx = self.cross_attention, self.pre_cross_attn_layernorm
             cross = (context, kwargs.get("context_mask"), lnx.weight, getattr(lnx, "bias", None), gemm_w(xa.linear_q),
                      xa.linear_q.bias, gemm_w(xa.linear_kv), xa.linear_kv.bias, gemm_w(xa.linear_proj),
                      xa.linear_proj.bias)
-        out = _piece("layer", self.tp_overlap)(
-            x,
-            ln1.weight, getattr(ln1, "bias", None),
-            gemm_w(attn.linear_qkv), attn.linear_qkv.bias,
-            gemm_w(attn.linear_proj), attn.linear_proj.bias,
-            ln2.weight, getattr(ln2, "bias", None),
-            gemm_w(mlp.linear_fc1), mlp.linear_fc1.bias,
-            gemm_w(mlp.linear_fc2), mlp.linear_fc2.bias,
-            None if mask is None else mask.bool(),
-            kwargs.get("attention_bias"),
-            rope[0] if isinstance(rope, tuple) else rope,
-            cross,
-            **self._static,
-        )
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            out = _piece("layer", self.tp_overlap)(
+                x,
+                ln1.weight, getattr(ln1, "bias", None),
+                gemm_w(attn.linear_qkv), attn.linear_qkv.bias,
+                gemm_w(attn.linear_proj), attn.linear_proj.bias,
+                ln2.weight, getattr(ln2, "bias", None),
+                gemm_w(mlp.linear_fc1), mlp.linear_fc1.bias,
+                gemm_w(mlp.linear_fc2), mlp.linear_fc2.bias,
+                None if mask is None else mask.bool(),
+                kwargs.get("attention_bias"),
+                rope[0] if isinstance(rope, tuple) else rope,
+                cross,
+                masks,
+                **self._static,
+                hidden_dropout=p_hidden,
+                attention_dropout=p_attn,
+            )
         self.fast_calls += 1
         # pipeline parallelism frees stage outputs by swapping .data: they must not be views
         out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
@@ -762,6 +803,9 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                                 f"{len(compiled)}/{len(layers)} compiled layers: {GEMMS}")
                 if fp8_note := kernels.choose(cfg).fp8_note:
                     notes["fp8"] += f"; {fp8_note}"
+            if compiled[0].hidden_dropout or compiled[0]._attention_dropout:
+                notes["layer"] += (f", dropout in the graph (hidden {compiled[0].hidden_dropout:g}, "
+                                   f"attention {compiled[0]._attention_dropout:g})")
             if compiled[0]._static["recompute_mlp"]:
                 notes["layer"] += ", MLP recomputed in backward inside the graph"
             if compiled[0].config.recompute_granularity == "full":
@@ -791,105 +835,6 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                 notes["cuda_graphs_off"] = why_off
     _STATE.update(notes)
     return notes
-
-
-def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool, *args: Any):
-    """Drop-in for ``amp_C.multi_tensor_l2norm`` via ``torch._foreach_norm`` (no host syncs)."""
-    tensors = tensor_lists[0]
-    if not tensors:
-        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
-    norms = torch._foreach_norm(tensors, 2.0)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0).reshape(1)
-    return total, (torch.stack(norms) if per_tensor else None)
-
-
-def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, scale: float | torch.Tensor) -> None:
-    """Drop-in for ``amp_C.multi_tensor_scale`` and TE's ``multi_tensor_scale_tensor``: ``dst = src * scale``.
-
-    ``scale`` may be a float or a one-element device tensor.  Filling megatron's tensor-scale
-    slot keeps the gradient norm on the device (``get_grad_norm_fp32`` returns a tensor and
-    clipping multiplies by ``min(1, max_norm / (norm + 1e-6))`` there) instead of an
-    ``.item()`` in the middle of every optimizer step, so the host launches the Adam update
-    while the norm is still being computed.  x1.0 leaves the gradients bit-identical.
-    """
-    src, dst = tensor_lists[0], tensor_lists[1]
-    if not src:
-        return
-    if torch.is_tensor(scale):
-        scale = scale.reshape(()).to(src[0].dtype)  # stays on the device: never compared on the host
-    elif scale == 1.0:
-        torch._foreach_copy_(dst, src)
-        return
-    if all(a is b for a, b in zip(src, dst)):
-        torch._foreach_mul_(dst, scale)
-    else:
-        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
-
-
-def install_multi_tensor_fallbacks() -> bool:
-    """Replace megatron's Python-loop multi-tensor fallbacks with foreach kernels (idempotent).
-
-    Only the local fallbacks are replaced (when apex / TE provide real kernels nothing changes).
-    Without TE megatron also has no tensor-scale kernel, so it syncs on the grad norm every
-    step; :func:`foreach_scale` fills that slot too.
-    """
-    from megatron.core import utils as mutils
-    from megatron.core.optimizer import clip_grads, optimizer as mopt
-
-    changed = False
-    if getattr(clip_grads, "l2_norm_impl", None) is mutils.local_multi_tensor_l2_norm:
-        clip_grads.l2_norm_impl = foreach_l2_norm
-        changed = True
-    for mod in (clip_grads, mopt):
-        if getattr(mod, "multi_tensor_scale_impl", None) is mutils.local_multi_tensor_scale:
-            mod.multi_tensor_scale_impl = foreach_scale
-            changed = True
-    if clip_grads.l2_norm_impl is foreach_l2_norm and getattr(clip_grads, "multi_tensor_scale_tensor_impl", 0) is None:
-        clip_grads.multi_tensor_scale_tensor_impl = foreach_scale
-        _STATE["grad_norm"] = "on the device (no host sync in the optimizer step)"
-        changed = True
-    if changed or clip_grads.l2_norm_impl is foreach_l2_norm:
-        _STATE["multi_tensor"] = "torch._foreach_* (replacing megatron's Python-loop fallbacks)"
-        return True
-    return False
-
-
-def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:
-    found = []
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(opt, "optimizer", opt)
-        if isinstance(inner, (torch.optim.AdamW, torch.optim.Adam)):
-            found.append(inner)
-    return found
-
-
-def use_fused_adam(optimizer: Any) -> int:
-    """Switch torch AdamW/Adam param groups under a megatron optimizer to the fused CUDA kernel.
-
-    Same update rule (``torch._fused_adamw_``); returns the number of param groups switched.
-    Existing per-parameter ``step`` counters are moved to the device as fused Adam expects.
-    """
-    switched = 0
-    for opt in _torch_adams(optimizer):
-        for group in opt.param_groups:
-            params = [p for p in group["params"]]
-            if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
-                continue
-            if group.get("differentiable"):
-                continue
-            group["fused"] = True
-            group["foreach"] = False
-            for p in params:
-                st = opt.state.get(p)
-                if st and "step" in st and torch.is_tensor(st["step"]) and st["step"].device != p.device:
-                    st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
-            switched += 1
-        if switched:
-            opt._step_supports_amp_scaling = True
-            opt.defaults["fused"], opt.defaults["foreach"] = True, False
-    if switched:
-        _STATE["optimizer"] = "torch fused AdamW (torch._fused_adamw_)"
-    return switched
 
 
 def prepare_optimizer(optimizer: Any, cfg: Any) -> dict[str, str]:

@@ -18,7 +18,12 @@ parameter names:
   all-masked row gives NaN in SDPA, which would reach the real tokens through the next layer);
 - ``model.add_pooler`` adds the pooler without the binary head, and :meth:`WorkbenchBertModel.encode`
   returns hidden states and the pooled output; ``model.num_labels`` adds a classification head on the
-  pooled output, whose logits the last stage returns (:mod:`.finetune`).
+  pooled output, whose logits the last stage returns (:mod:`.finetune`);
+- given the batch's ``loss_mask`` in training, the masked-LM head (dense, GELU, norm, output layer and
+  cross-entropy) runs only on the masked positions (:meth:`WorkbenchBertModel.masked_lm_losses`, as NVIDIA's
+  MLPerf BERT does): the per-token losses there are the full head's, the other positions carry no loss in
+  either, so loss and gradients are the same for ~15% of the head's work (the vocabulary GEMM is ~20% of
+  BERT-base's FLOPs).
 
 Megatron-LM's ``pretrain_bert.py`` imports the TE spec at module level and fails without TE even
 with ``--spec local``; nothing here imports TE unless the rule chose it.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Iterator, Optional
 
 import torch
@@ -98,10 +104,13 @@ class WorkbenchBertModel(BertModel):
     #: what a fine-tuning load (checkpoint.finetune) initialises fresh when the checkpoint lacks it: the task head
     fresh_on_finetune = ("classifier.",)
 
-    def __init__(self, *args: Any, norm: Any = None, add_pooler: bool = False, num_labels: int = 0, **kwargs: Any):
+    def __init__(self, *args: Any, norm: Any = None, add_pooler: bool = False, num_labels: int = 0,
+                 masked_per_sequence: int = 0, **kwargs: Any):
         with _lm_head(norm):
             super().__init__(*args, **kwargs)
         self.num_labels = int(num_labels)
+        #: most masked positions a sequence of the family's data holds (0: the head runs on every position)
+        self.masked_per_sequence = int(masked_per_sequence)
         if self.post_process and (add_pooler or self.num_labels) and not self.add_binary_head:
             self.pooler = Pooler(self.config.hidden_size, self.config.init_method, self.config, self.config.sequence_parallel)
         self.classifier = None
@@ -110,16 +119,46 @@ class WorkbenchBertModel(BertModel):
                                                self.config.perform_initialization)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokentype_ids: Optional[torch.Tensor] = None,
-                lm_labels: Optional[torch.Tensor] = None, *args: Any, **kwargs: Any) -> Any:
-        """mcore's forward; with a classification head the last stage returns its logits ``[b, num_labels]``."""
-        if self.classifier is None:
+                lm_labels: Optional[torch.Tensor] = None, *args: Any, loss_mask: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> Any:
+        """mcore's forward; with a classification head the last stage returns its logits ``[b, num_labels]``; with
+        labels and the ``loss_mask`` the masked-LM losses come from :meth:`masked_lm_losses` (same values)."""
+        masked = (loss_mask is not None and lm_labels is not None and self.masked_per_sequence > 0
+                  and not self.config.sequence_parallel)
+        if self.classifier is None and not masked:
             return super().forward(input_ids, attention_mask, tokentype_ids, lm_labels, *args, **kwargs)
+        if not self.post_process:
+            return super().forward(input_ids, attention_mask, tokentype_ids, None, *args, **kwargs)
         self.post_process = False  # mcore's forward then stops after the encoder (and final norm): the hidden states
         try:
             hidden = super().forward(input_ids, attention_mask, tokentype_ids, None, *args, **kwargs)
         finally:
             self.post_process = True
-        return self.classifier(self.pooler(hidden, 0))
+        if self.classifier is not None:
+            return self.classifier(self.pooler(hidden, 0))
+        binary = self.binary_head(self.pooler(hidden, 0)) if self.binary_head is not None else None
+        return self.masked_lm_losses(hidden, lm_labels, loss_mask), binary
+
+    def masked_lm_losses(self, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Per-token masked-LM losses ``[b, s]`` from the final hidden states ``[s, b, h]``, the head run only on
+        the masked positions (``loss_mask`` 1), 0 elsewhere (where the loss mask drops them in any case).
+
+        A fixed number of rows, ``b x masked_per_sequence``, keeps the compiled cross-entropy one graph: the
+        masked positions first (a stable sort), then unmasked ones, whose losses are discarded.  More masked
+        positions than that stops the run (a device-side assert; never a silently partial loss)."""
+        s, b, h = hidden.shape
+        flat = loss_mask.t().reshape(-1)  # [s * b], hidden's row order
+        k = min(s, self.masked_per_sequence) * b
+        rows = torch.argsort(flat, descending=True, stable=True)[:k]
+        keep = flat[rows]
+        torch._assert_async(keep.sum() == flat.sum(), "BERT batch: more masked positions than the masked-LM head's "
+                                                      "b x masked_per_sequence rows")
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        head = self.lm_head(hidden_states=hidden.reshape(s * b, h)[rows].unsqueeze(1))  # [k, 1, h]
+        logits, _ = self.output_layer(head, weight=weight)
+        losses = self.compute_language_model_loss(labels.t().reshape(-1)[rows].unsqueeze(0), logits)  # [1, k]
+        out = torch.zeros(s * b, dtype=losses.dtype, device=losses.device)
+        return out.scatter(0, rows, losses.reshape(-1) * (keep > 0)).view(s, b).t()
 
     def _layer_spec(self) -> Any:
         spec = self.transformer_layer_spec
@@ -180,4 +219,13 @@ def build(
         norm=norm_module(cfg, kernels.choose(cfg)),
         add_pooler=m.add_pooler,
         num_labels=m.num_labels,
+        masked_per_sequence=masked_per_sequence(cfg),
     )
+
+
+def masked_per_sequence(cfg: RunConfig) -> int:
+    """The most masked positions one sequence of this family's data holds: ``masking_probability`` of the sequence
+    (megatron's ``BERTMaskedWordPieceDataset`` masks at most that many; the synthetic set, 15% of its words)."""
+    from workbench.models.bert.data import MASKING
+
+    return math.ceil(MASKING["masking_probability"] * cfg.model.seq_length)

@@ -7,7 +7,9 @@ token), ``tokentype_ids`` (sentence A / B; only when ``model.num_tokentypes`` > 
 
 ``forward_step(batch, model, return_logits)`` returns, on the last pipeline stage, the tuple
 ``(per-token MLM losses [b, s], binary logits [b, 2] or None, correct [b, s] or None)`` (the
-third only in eval: whether the vocab-parallel argmax is the label), hidden states elsewhere.
+third only in eval: whether the vocab-parallel argmax is the label), hidden states elsewhere.  In training
+the model is given the ``loss_mask`` and runs its masked-LM head on the masked positions only (the same
+losses there, 0 at the others, which the loss mask drops in any case; ``WorkbenchBertModel.masked_lm_losses``).
 ``loss(batch, output)`` -> ``(loss_sum, num_tokens, report)`` in megatron's convention: the
 schedule divides ``loss_sum`` by ``num_tokens``, giving ``MLM token mean + sentence-order mean``
 (Megatron-LM's ``pretrain_bert`` total); the report holds ``lm loss`` (MLM), ``sop loss`` and,
@@ -68,7 +70,8 @@ def forward_step(batch: Any, model: Any, return_logits: bool = False, **_: Any) 
     if "label" in extra:
         return model(batch.tokens, extra["padding_mask"], tokentype_ids=types)
     if model.training or batch.labels is None:
-        out = model(batch.tokens, extra["padding_mask"], tokentype_ids=types, lm_labels=batch.labels)
+        out = model(batch.tokens, extra["padding_mask"], tokentype_ids=types, lm_labels=batch.labels,
+                    loss_mask=batch.loss_mask if model.training else None)
         if isinstance(out, tuple):
             return out[0], out[1], None
         return out

@@ -1,0 +1,119 @@
+"""Optimizer fast paths for megatron-core without apex / Transformer Engine (used by :mod:`workbench.backend.fusions`).
+
+Without apex, megatron falls back to ``local_multi_tensor_l2_norm`` (a Python loop of ``torch.norm`` plus a host
+round trip per tensor: hundreds of device syncs a step) and ``local_multi_tensor_scale`` (a Python loop of copies).
+:func:`install_multi_tensor_fallbacks` replaces them with ``torch._foreach_norm`` / ``_foreach_mul_`` /
+``_foreach_copy_`` (a handful of multi-tensor kernels, no syncs); :func:`use_fused_adam` switches torch's AdamW under
+megatron's optimizer to its fused CUDA kernel (the same AdamW update).  What was switched on is recorded in
+:data:`STATE` (the fast paths' summary, ``fusions.summary()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["STATE", "foreach_l2_norm", "foreach_scale", "install_multi_tensor_fallbacks", "use_fused_adam"]
+
+#: What was switched on in this process (shared with ``fusions.summary()``).
+STATE: dict[str, str] = {}
+
+
+def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool, *args: Any):
+    """Drop-in for ``amp_C.multi_tensor_l2norm`` via ``torch._foreach_norm`` (no host syncs)."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    norms = torch._foreach_norm(tensors, 2.0)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0).reshape(1)
+    return total, (torch.stack(norms) if per_tensor else None)
+
+
+def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, scale: float | torch.Tensor) -> None:
+    """Drop-in for ``amp_C.multi_tensor_scale`` and TE's ``multi_tensor_scale_tensor``: ``dst = src * scale``.
+
+    ``scale`` may be a float or a one-element device tensor.  Filling megatron's tensor-scale
+    slot keeps the gradient norm on the device (``get_grad_norm_fp32`` returns a tensor and
+    clipping multiplies by ``min(1, max_norm / (norm + 1e-6))`` there) instead of an
+    ``.item()`` in the middle of every optimizer step, so the host launches the Adam update
+    while the norm is still being computed.  x1.0 leaves the gradients bit-identical.
+    """
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if torch.is_tensor(scale):
+        scale = scale.reshape(()).to(src[0].dtype)  # stays on the device: never compared on the host
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+        return
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def install_multi_tensor_fallbacks() -> bool:
+    """Replace megatron's Python-loop multi-tensor fallbacks with foreach kernels (idempotent).
+
+    Only the local fallbacks are replaced (when apex / TE provide real kernels nothing changes).
+    Without TE megatron also has no tensor-scale kernel, so it syncs on the grad norm every
+    step; :func:`foreach_scale` fills that slot too.
+    """
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads, optimizer as mopt
+
+    changed = False
+    if getattr(clip_grads, "l2_norm_impl", None) is mutils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+        changed = True
+    for mod in (clip_grads, mopt):
+        if getattr(mod, "multi_tensor_scale_impl", None) is mutils.local_multi_tensor_scale:
+            mod.multi_tensor_scale_impl = foreach_scale
+            changed = True
+    if clip_grads.l2_norm_impl is foreach_l2_norm and getattr(clip_grads, "multi_tensor_scale_tensor_impl", 0) is None:
+        clip_grads.multi_tensor_scale_tensor_impl = foreach_scale
+        STATE["grad_norm"] = "on the device (no host sync in the optimizer step)"
+        changed = True
+    if changed or clip_grads.l2_norm_impl is foreach_l2_norm:
+        STATE["multi_tensor"] = "torch._foreach_* (replacing megatron's Python-loop fallbacks)"
+        return True
+    return False
+
+
+def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:
+    found = []
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", opt)
+        if isinstance(inner, (torch.optim.AdamW, torch.optim.Adam)):
+            found.append(inner)
+    return found
+
+
+def use_fused_adam(optimizer: Any) -> int:
+    """Switch torch AdamW/Adam param groups under a megatron optimizer to the fused CUDA kernel.
+
+    Same update rule (``torch._fused_adamw_``); returns the number of param groups switched.
+    Existing per-parameter ``step`` counters are moved to the device as fused Adam expects.
+    """
+    switched = 0
+    for opt in _torch_adams(optimizer):
+        for group in opt.param_groups:
+            params = [p for p in group["params"]]
+            if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
+                continue
+            if group.get("differentiable"):
+                continue
+            group["fused"] = True
+            group["foreach"] = False
+            for p in params:
+                st = opt.state.get(p)
+                if st and "step" in st and torch.is_tensor(st["step"]) and st["step"].device != p.device:
+                    st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+            switched += 1
+        if switched:
+            opt._step_supports_amp_scaling = True
+            opt.defaults["fused"], opt.defaults["foreach"] = True, False
+    if switched:
+        STATE["optimizer"] = "torch fused AdamW (torch._fused_adamw_)"
+    return switched
