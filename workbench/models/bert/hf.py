@@ -1,5 +1,5 @@
 """HF ``MegatronBertForPreTraining`` (model type ``megatron-bert``) <-> megatron-core BERT: config fields
-and full (unsharded) state dicts.
+and per-tensor conversion rules.
 
 HF's megatron-bert is Megatron's pre-LN BERT: a LayerNorm before attention (``attention.ln``) and
 before the MLP (``ln``), a final ``encoder.ln``, no embedding LayerNorm, the pooler, the MLM head
