@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from workbench.conversion.errors import ConversionError
+
 __all__ = ["TensorInfo", "Rule", "copy_rule", "infos_of", "need", "need_vocab", "check_sources", "plan_targets",
            "run_rules", "stream_rules", "strip_module_prefix"]
 
@@ -70,8 +72,6 @@ def infos_of(sd: Mapping[str, Any]) -> dict[str, TensorInfo]:
 
 
 def _missing(key: str, src: str) -> Exception:
-    from workbench.conversion.hf import ConversionError
-
     return ConversionError(f"{src}: tensor {key!r} is missing -> is this a complete {src} checkpoint of the configured architecture?")
 
 
@@ -85,8 +85,6 @@ def need(infos: Mapping[str, TensorInfo], key: str, src: str) -> TensorInfo:
 def need_vocab(infos: Mapping[str, TensorInfo], key: str, src: str, vocab_size: int) -> TensorInfo:
     """:func:`need` a vocabulary-indexed tensor (word embeddings, an output head), refusing one whose row count
     is not the config's ``vocab_size``."""
-    from workbench.conversion.hf import ConversionError
-
     info = need(infos, key, src)
     if info.shape[0] != vocab_size:
         name = key.split(".")[-2] if "." in key else key
