@@ -15,6 +15,7 @@ come, so no shard is ever held in memory.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -176,9 +177,15 @@ class SafetensorsWriter:
         self._shard = -1
         self._fh: Any = None
 
-    def _open(self, s: int) -> None:
+    def _close_file(self) -> None:
         if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())  # on disk before the output is renamed into place
             self._fh.close()
+            self._fh = None
+
+    def _open(self, s: int) -> None:
+        self._close_file()
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name in self.shards[s]:
@@ -214,13 +221,10 @@ class SafetensorsWriter:
         if self._next != len(self._order):
             raise ValueError(f"{len(self._order) - self._next} planned tensors were never written "
                              f"(next: {self._order[self._next][1]!r})")
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        self._close_file()
         if len(self.shards) == 1 and not self.shards[0]:  # an empty plan: an empty (valid) file
             self._open(0)
-            self._fh.close()
-            self._fh = None
+            self._close_file()
         if len(self.shards) > 1:
             weight_map = {name: self.names[s] for s, name in self._order}
             total = sum(self.plan[n].nbytes for n in weight_map)
