@@ -224,6 +224,8 @@ def run(shape: str, workdir: Path, out: Path | None, keep: bool = False, env: di
         if step == "disk-copy":
             copy_pace = row["mb_per_s"]
             shutil.rmtree(d["copy"], ignore_errors=True)
+        if not keep and step in ("reshape", "megatron-to-hf"):  # its input is no longer needed: disk for the next
+            shutil.rmtree(src, ignore_errors=True)
         elif copy_pace and step != "make-hf":
             row["disk_copy_mb_per_s"] = copy_pace
             row["pace_vs_copy"] = round(row["mb_per_s"] / copy_pace, 3)
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3.2-1b")
-    p.add_argument("--workdir", required=True, help="where the checkpoints go (needs about 4x the model's size free)")
+    p.add_argument("--workdir", required=True, help="where the checkpoints go (needs about 3x the model's size free)")
     p.add_argument("--out", default=None, help="append the JSON lines here (e.g. bench/results/convert_stream.jsonl)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     a = p.parse_args(argv)
