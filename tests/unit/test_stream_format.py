@@ -66,3 +66,30 @@ def test_streamed_checkpoint_is_megatrons_own(model_type, kw, tmp_path):
     for k, t in full.items():
         got = back.read(k)
         assert got.dtype == t.dtype and torch.equal(got, t), k
+
+
+def test_safetensors_shards_written_tensor_by_tensor_are_what_safetensors_reads(tmp_path):
+    """Headers written before the data (shards of at most ``max_shard_size``, an index), every dtype a model has,
+    a 0-d and an empty tensor; safetensors' own loader validates and reads them; out-of-plan writes are refused."""
+    from safetensors.torch import load_file
+
+    from workbench.conversion.hf_files import HFReader, SafetensorsWriter
+    from workbench.conversion.rules import infos_of
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"a.weight": torch.randn(7, 5, generator=g).to(torch.bfloat16), "b": torch.randn(300, generator=g),
+          "c": torch.randn(3, 3, generator=g).half(), "d": torch.tensor(3.5, dtype=torch.float64),
+          "e": torch.arange(6, dtype=torch.int64).reshape(2, 3), "f": torch.zeros(0, 4), "g": torch.tensor([True, False])}
+    w = SafetensorsWriter(tmp_path, infos_of(sd), max_shard_size=1000)
+    with pytest.raises(ValueError, match="out of plan order"):
+        w.write("b", sd["b"])
+    for k, t in sd.items():
+        w.write(k, t)
+    files = w.close()
+    assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    got = {}
+    for f in files:
+        got.update(load_file(str(tmp_path / f)))
+    assert got.keys() == sd.keys() and all(got[k].dtype == sd[k].dtype and torch.equal(got[k], sd[k]) for k in sd)
+    r = HFReader(tmp_path)
+    assert r.infos == infos_of(sd) and all(torch.equal(r.read(k), sd[k]) for k in sd)
