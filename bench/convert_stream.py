@@ -224,11 +224,11 @@ def run(shape: str, workdir: Path, out: Path | None, keep: bool = False, env: di
         if step == "disk-copy":
             copy_pace = row["mb_per_s"]
             shutil.rmtree(d["copy"], ignore_errors=True)
-        if not keep and step in ("reshape", "megatron-to-hf"):  # its input is no longer needed: disk for the next
-            shutil.rmtree(src, ignore_errors=True)
         elif copy_pace and step != "make-hf":
             row["disk_copy_mb_per_s"] = copy_pace
             row["pace_vs_copy"] = round(row["mb_per_s"] / copy_pace, 3)
+        if not keep and step in ("reshape", "megatron-to-hf"):  # its input is no longer needed: disk for the next
+            shutil.rmtree(src, ignore_errors=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if out is not None:
