@@ -1,8 +1,15 @@
 """Conversion entry points (Python API behind ``workbench convert`` and the conversion notebook).
 
-Every writer validates the target first (a layout that cannot hold the model is refused
-before anything is written), writes into ``OUT.tmp-<pid>`` and renames it to ``OUT`` only
-when complete, so an interrupted conversion never leaves an output that looks finished.
+Every writer validates the target first (a layout that cannot hold the model, a missing tensor, a wrong
+vocabulary are refused before anything is written), writes into ``OUT.tmp-<pid>`` and renames it to ``OUT``
+only when complete, so an interrupted conversion never leaves an output that looks finished.
+
+The conversions stream: a family adapter's per-tensor rules (:mod:`workbench.conversion.rules`) run one at a
+time, reading each source tensor when a rule needs it (HF: :class:`~workbench.conversion.hf_files.HFReader`;
+megatron: :class:`~workbench.conversion.dcp.CheckpointReader`) and writing each target as it is made
+(:class:`~workbench.conversion.hf_files.SafetensorsWriter` shards; a megatron-core checkpoint through
+:class:`~workbench.conversion.dcp.CheckpointWriter`), so peak memory is a few copies of the largest tensor,
+not the model.
 Output of the Megatron-side writers is a checkpoint ROOT (``iter_XXXXXXX/`` + tracker, see
 :mod:`workbench.backend.checkpointing`) plus ``workbench_config.json`` - the RunConfig it
 implies, with ``checkpoint.load_dir`` pointing at it and ``finetune: true`` - and, when the
@@ -25,16 +32,16 @@ from workbench.conversion.hf import (
     TOKENIZER_FILES,
     ConversionError,
     hf_config_dict_from_run,
-    hf_to_mcore,
+    hf_to_mcore_rules,
     infer_model_type,
     load_hf_state_dict,
-    mcore_to_hf,
+    mcore_to_hf_rules,
     pad_vocab_rows,
     parse_size,
     read_hf_config,
     run_config_from_hf,
-    save_hf_state_dict,
 )
+from workbench.conversion.rules import Rule, TensorInfo, infos_of, plan_targets, stream_rules
 from workbench.models import family_for_hf
 
 __all__ = [
@@ -152,11 +159,14 @@ def _ship_tokenizer(spec: str | Path, dst: Path, source: str) -> None:
             "tokenizer with --tokenizer DIR" + (", or run from the directory the run was launched from" if relative else "")) from None
 
 
-def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, full_sd: dict, iteration: int, dtype: str | None,
-                    source: dict, tokenizer: str | Path | None, tokenizer_from: str) -> ConversionResult:
+def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, targets: dict[str, TensorInfo], fill: Any, iteration: int,
+                    dtype: str | None, source: dict, tokenizer: str | Path | None, tokenizer_from: str) -> ConversionResult:
     """Write the checkpoint, its config and ``tokenizer/`` (the tokenizer ``tokenizer`` names, which
-    ``tokenizer_from`` describes: where it came from, or where none was found)."""
-    from workbench.conversion.runtime import save_full_state_dict, single_process_group
+    ``tokenizer_from`` describes: where it came from, or where none was found).  ``targets``: the TP=1 state-dict
+    tensors ``fill(write)`` will hand to ``write(name, tensor)`` one at a time; they must be exactly the model's
+    (checked before anything is written)."""
+    from workbench.conversion.dcp import CheckpointWriter, model_layout
+    from workbench.conversion.runtime import single_process_group
 
     tok_ok = tokenizer is not None
     if tok_ok:
@@ -167,7 +177,17 @@ def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, full_sd: dict, itera
     if not tok_ok:  # never the base config's tokenizer (e.g. the 4,096-token demo) on another model's vocabulary
         cfg = cfg.replace(**{"data.tokenizer": ""})
     with single_process_group():
-        ckpt = save_full_state_dict(tmp, iteration, full_sd, cfg, dtype=dtype, tokenizer=tok_spec, extra={"source": source})
+        layout = model_layout(cfg, dtype)
+    missing = sorted(set(layout.infos) - set(targets))
+    unexpected = sorted(set(targets) - set(layout.infos))
+    if missing or unexpected:
+        raise ValueError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for k, info in layout.infos.items():
+        if tuple(targets[k].shape) != tuple(info.shape):
+            raise ValueError(f"{k}: shape {tuple(targets[k].shape)} but the model wants {tuple(info.shape)}")
+    writer = CheckpointWriter(tmp, iteration, layout)
+    fill(writer.write)
+    ckpt = writer.finish(cfg, extra={"source": source}, tokenizer=tok_spec)
     (tmp / CONFIG_FILE).write_text(cfg.to_json())
     return ConversionResult(output=final, checkpoint=final / ckpt.name, config=cfg, config_path=final / CONFIG_FILE,
                             files=sorted(p.name for p in tmp.iterdir()), notes=notes)
@@ -223,12 +243,19 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         cfg = cfg.replace(**{"parallel.device": device})
     _check(cfg, f"(target layout for {hf_dir.name})")
     mt = hf["model_type"]
-    sd = load_hf_state_dict(hf_dir)
-    full = hf_to_mcore(sd, cfg, mt, dtype=_torch_dtype(dtype), progress=_progress(cfg.model.num_layers, f"{mt} -> mcore", progress))
-    del sd
+    from workbench.conversion.hf_files import HFReader
+
+    reader = HFReader(hf_dir)
+    rules = hf_to_mcore_rules(reader.infos, cfg, mt)  # a missing tensor or a wrong vocabulary: refused here
+    tdt = _torch_dtype(dtype)
+    targets = plan_targets(rules, reader.infos, tdt)
+
+    def fill(write: Any) -> None:
+        stream_rules(rules, reader.read, write, tdt, _progress(len(rules), f"{mt} -> mcore", progress))
+
     final = Path(out).expanduser().resolve()
     with _staged_output(final, force) as tmp:
-        res = _write_megatron(tmp, final, cfg, full, 0, dtype,
+        res = _write_megatron(tmp, final, cfg, targets, fill, 0, dtype,
                               {"format": "hf", "model_type": mt, "path": str(hf_dir), "hf_config": hf},
                               hf_dir if _has_tokenizer_files(hf_dir) else None,
                               str(hf_dir) if _has_tokenizer_files(hf_dir) else f"no tokenizer files in {hf_dir}")
@@ -282,7 +309,9 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     The tokenizer files come from ``tokenizer`` when given, else from the checkpoint (files beside it, its recorded
     spec, its config's ``data.tokenizer``); a recorded one that does not load is refused (ConversionError), none at
     all is a warning."""
-    from workbench.conversion.runtime import load_full_state_dict, single_process_group
+    from workbench.conversion.dcp import CheckpointReader, model_layout
+    from workbench.conversion.hf_files import SafetensorsWriter
+    from workbench.conversion.runtime import single_process_group
 
     info = _open_checkpoint(ckpt)
     cfg = info.config
@@ -294,14 +323,18 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
         raise ConversionError(f"--dtype {dtype!r} -> one of {', '.join(_DTYPES)}")
     tok, tok_from = _checkpoint_tokenizer(info, tokenizer)
     with single_process_group():
-        full, meta = load_full_state_dict(info.path, cfg)
-    hf_sd = mcore_to_hf(full, cfg, mt, dtype=_torch_dtype(dtype), progress=_progress(cfg.model.num_layers, f"mcore -> {mt}", progress))
-    del full
+        layout = model_layout(cfg)
+    reader = CheckpointReader(info.path, layout)  # its stored objects are read (weights-only) here
+    rules = mcore_to_hf_rules(layout.infos, cfg, mt, read=reader.read)
+    tdt = _torch_dtype(dtype)
+    targets = plan_targets(rules, layout.infos, tdt)
     out_dtype = _DTYPES[dtype or cfg.train.precision]
     hf_cfg = hf_config_dict_from_run(cfg, mt, source.get("hf_config"), dtype=out_dtype)
     final = Path(out).expanduser().resolve()
     with _staged_output(final, force) as tmp:
-        files = save_hf_state_dict(hf_sd, tmp, limit)
+        writer = SafetensorsWriter(tmp, targets, limit)
+        stream_rules(rules, reader.read, writer.write, tdt, _progress(len(rules), f"mcore -> {mt}", progress))
+        files = writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         if tok is not None:
             _ship_tokenizer(tok, tmp, tok_from)
@@ -322,7 +355,8 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     """Re-target a checkpoint's parallel layout (config + vocab padding); weights only (no optimizer state).
     The tokenizer travels as in :func:`megatron_to_hf` (into ``<out>/tokenizer``)."""
     from workbench.backend.checkpointing import vocab_keys
-    from workbench.conversion.runtime import load_full_state_dict, single_process_group
+    from workbench.conversion.dcp import CheckpointReader, model_layout
+    from workbench.conversion.runtime import single_process_group
 
     info = _open_checkpoint(ckpt)
     src_cfg = info.config
@@ -338,16 +372,23 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     final = Path(out).expanduser().resolve()
     tok, tok_from = _checkpoint_tokenizer(info, tokenizer)
     with single_process_group():
-        full, meta = load_full_state_dict(info.path, src_cfg)
-    for k in vocab_keys():  # every vocab-sized tensor (BERT's LM head also has a vocab-sized output bias)
-        if k in full:
-            full[k] = pad_vocab_rows(full[k], padded, real=V)
-    source = dict((meta.get("extra") or {}).get("source") or {})
-    source["reshaped_from"] = {"path": meta["path"], "tensor_parallel": src_cfg.parallel.tensor_parallel,
+        layout = model_layout(src_cfg)
+    reader = CheckpointReader(info.path, layout)  # its stored objects are read (weights-only) here
+    vocab = set(vocab_keys())  # every vocab-sized tensor (BERT's LM head also has a vocab-sized output bias)
+    rules = [Rule((k,), (k,), (lambda t: pad_vocab_rows(t, padded, real=V)) if k in vocab else (lambda t: t))
+             for k in layout.infos]
+    targets = plan_targets(rules, layout.infos)
+
+    def fill(write: Any) -> None:
+        stream_rules(rules, reader.read, write)
+
+    source = dict(reader.extra.get("source") or {})
+    source["reshaped_from"] = {"path": str(info.path), "tensor_parallel": src_cfg.parallel.tensor_parallel,
                                "pipeline_parallel": src_cfg.parallel.pipeline_parallel}
+    iteration = int(reader.dcp.common.get("iteration", info.meta.get("iteration", 0)))
     with _staged_output(final, force) as tmp:
-        res = _write_megatron(tmp, final, cfg, full, int(meta.get("iteration", 0)), cfg.train.precision, source, tok, tok_from)
-    if meta.get("has_optimizer"):
+        res = _write_megatron(tmp, final, cfg, targets, fill, iteration, cfg.train.precision, source, tok, tok_from)
+    if info.meta.get("has_optimizer"):
         res.notes.append("optimizer state was not carried over (reshape writes weights; resume with finetune or a fresh optimizer)")
     res.notes += _hook_notes(info)
     return res
@@ -376,8 +417,12 @@ def import_legacy(path: str | Path, out: str | Path, tp: int = 1, pp: int = 1, v
     final = Path(out).expanduser().resolve()
     source = {"format": "megatron-lm-legacy", "path": str(Path(path).resolve()), "checkpoint_version": ck.checkpoint_version,
               "tensor_parallel": ck.tp, "pipeline_parallel": ck.pp, "iteration": ck.iteration}
+    def fill(write: Any) -> None:
+        for k in list(full):
+            write(k, full.pop(k))
+
     with _staged_output(final, force) as tmp:
-        res = _write_megatron(tmp, final, cfg, full, 0, dtype, source, tokenizer_dir or None,
+        res = _write_megatron(tmp, final, cfg, infos_of(full), fill, 0, dtype, source, tokenizer_dir or None,
                               f"--tokenizer {tokenizer_dir}" if tokenizer_dir else f"legacy checkpoint {path} (no --tokenizer given)")
     res.notes.append(f"merged {ck.tp} TP shard(s) x {ck.pp} PP stage(s), checkpoint_version {ck.checkpoint_version}")
     if vocab_size is None:
@@ -469,10 +514,19 @@ def make_random_hf_model(out: str | Path, model_type: str = "gpt2", **kwargs: An
 
 
 def compare_hf_dirs(a: str | Path, b: str | Path) -> dict[str, Any]:
-    """Tensor-by-tensor comparison of two HF model dirs: {'identical': bool, 'differing': [...], 'missing': [...]}."""
+    """Tensor-by-tensor comparison of two HF model dirs, one tensor of each at a time:
+    {'identical': bool, 'differing': [...], 'missing': [...], 'tensors': n}."""
     import torch
 
-    sa, sb = load_hf_state_dict(a), load_hf_state_dict(b)
-    differing = [k for k in sa if k in sb and (sa[k].dtype != sb[k].dtype or not torch.equal(sa[k], sb[k]))]
-    missing = sorted(set(sa) ^ set(sb))
-    return {"identical": not differing and not missing, "differing": differing, "missing": missing, "tensors": len(sa)}
+    from workbench.conversion.hf_files import HFReader
+
+    ra, rb = HFReader(a), HFReader(b)
+    differing = []
+    for k, ta in ra.tensors():
+        if k in rb:
+            tb = rb.read(k)
+            if ta.dtype != tb.dtype or not torch.equal(ta, tb):
+                differing.append(k)
+            del tb
+    missing = sorted(set(ra.infos) ^ set(rb.infos))
+    return {"identical": not differing and not missing, "differing": differing, "missing": missing, "tensors": len(ra.infos)}

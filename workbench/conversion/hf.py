@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core: configs and full (unsharded) state dicts, for every model family.
+"""Hugging Face <-> megatron-core: configs and per-tensor conversion rules, for every model family.
 
 The model-specific parts (HF config fields, tensor names) are each family's ``hf`` adapter
 (``workbench/models/<family>/hf.py``); this module reads and writes HF directories, pads
@@ -26,12 +26,12 @@ Conventions checked numerically by the tests (HF logits == mcore logits at TP=2/
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from workbench.config import ModelConfig, RunConfig
+from workbench.conversion.errors import ConversionError
 from workbench.models import FAMILIES, family_for_hf, family_of
 
 __all__ = [
@@ -43,6 +43,8 @@ __all__ = [
     "infer_model_type",
     "hf_to_mcore",
     "mcore_to_hf",
+    "hf_to_mcore_rules",
+    "mcore_to_hf_rules",
     "load_hf_state_dict",
     "save_hf_state_dict",
     "parse_size",
@@ -54,10 +56,6 @@ __all__ = [
 SUPPORTED_MODEL_TYPES = {mt: cls for f in FAMILIES.values() for mt, cls in f.supports.hf_classes}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")
-
-
-class ConversionError(ValueError):
-    """Bad conversion input: the message names the file / field and the fix."""
 
 
 # --------------------------------------------------------------------------- configs
@@ -136,6 +134,21 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
     return _adapter(model_type).hf_to_mcore(hf_sd, cfg, model_type, dtype, progress)
 
 
+def hf_to_mcore_rules(infos: Mapping[str, Any], cfg: RunConfig, model_type: str) -> list[Any]:
+    """The per-tensor rules (:class:`workbench.conversion.rules.Rule`) mapping an HF checkpoint's tensors (``infos``:
+    name -> :class:`~workbench.conversion.rules.TensorInfo`) to the full TP=1 megatron-core state dict; a missing
+    tensor or a wrong vocabulary is a ConversionError before any data is read."""
+    return _adapter(model_type).hf_to_mcore_rules(infos, cfg, model_type)
+
+
+def mcore_to_hf_rules(infos: Mapping[str, Any], cfg: RunConfig, model_type: str,
+                      read: Callable[[str], Any] | None = None) -> list[Any]:
+    """The per-tensor rules mapping the full TP=1 megatron-core state dict (``infos``) to HF names (vocab padding
+    stripped); ``read`` (a tensor by name) for the decisions that look at values (T5: an untied head equal to the
+    embeddings is left out, as ``save_pretrained`` does)."""
+    return _adapter(model_type).mcore_to_hf_rules(infos, cfg, model_type, read=read)
+
+
 def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
     """Map a full TP=1 megatron-core state dict to HF names (vocab padding stripped)."""
@@ -185,57 +198,23 @@ def qkv_from_mcore(qkv: Any, heads: int, groups: int, d: int) -> tuple[Any, Any,
     return q, k, v
 
 
-def take(sd: dict, key: str, src: str) -> Any:
-    if key not in sd:
-        raise ConversionError(f"{src}: tensor {key!r} is missing -> is this a complete {src} checkpoint of the configured architecture?")
-    return sd[key]
-
-
-def take_vocab(sd: dict, key: str, src: str, vocab_size: int) -> Any:
-    """:func:`take` a vocabulary-indexed tensor (word embeddings, an output head), refusing one whose row count
-    is not the config's ``vocab_size``."""
-    t = take(sd, key, src)
-    if t.shape[0] != vocab_size:
-        name = key.split(".")[-2] if "." in key else key
-        raise ConversionError(f"{src}: {name} has {t.shape[0]} rows but config vocab_size is {vocab_size}")
-    return t
-
-
 # --------------------------------------------------------------------------- HF files
 
 
 def load_hf_state_dict(hf_dir: str | Path) -> dict[str, Any]:
-    """All tensors of a local HF checkpoint: (sharded) safetensors, else (sharded) pytorch_model.bin through
-    :func:`workbench.run.integrity.safe_torch_load` (tensors only, whatever the environment says)."""
-    from workbench.run.integrity import safe_torch_load
+    """All tensors of a local HF checkpoint in memory: (sharded) safetensors, else (sharded) pytorch_model.bin through
+    :func:`workbench.run.integrity.safe_torch_load` (tensors only, whatever the environment says).  The conversions
+    read one tensor at a time instead (:class:`workbench.conversion.hf_files.HFReader`)."""
+    from workbench.conversion.hf_files import load_bin, weight_files
 
-    p = Path(hf_dir)
-    files: list[Path] = []
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        idx = p / index_name
-        if idx.is_file():
-            wm = json.loads(idx.read_text()).get("weight_map", {})
-            files = [p / f for f in sorted(set(wm.values()))]
-            break
-    if not files:
-        files = sorted(p.glob("*.safetensors")) or sorted(p.glob("pytorch_model*.bin"))
-    if not files:
-        raise ConversionError(f"{p}: no model weights (*.safetensors or pytorch_model*.bin) -> save with model.save_pretrained(DIR)")
     out: dict[str, Any] = {}
-    for f in files:
-        if not f.is_file():
-            raise ConversionError(f"{f}: listed in the index but missing -> the download/copy is incomplete")
+    for f in weight_files(hf_dir):
         if f.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             out.update(load_file(str(f)))
         else:
-            sd = safe_torch_load(str(f), source=str(f), error=ConversionError,
-                                 fix="it was not loaded: unpickling it could run code -> use the model's safetensors "
-                                     "weights, or re-save it as safetensors from a copy you trust")
-            if not isinstance(sd, dict):
-                raise ConversionError(f"{f}: holds a {type(sd).__name__}, not a state dict -> save the model with save_pretrained")
-            out.update(sd)
+            out.update(load_bin(f))
     return out
 
 
@@ -255,31 +234,12 @@ def parse_size(text: str | int) -> int:
 
 
 def save_hf_state_dict(sd: dict[str, Any], out_dir: Path, max_shard_size: int) -> list[str]:
-    """Write safetensors shards (+ index when more than one) like ``save_pretrained`` does."""
-    from safetensors.torch import save_file
+    """Write safetensors shards (+ index when more than one) like ``save_pretrained`` does
+    (:class:`workbench.conversion.hf_files.SafetensorsWriter`, tensor by tensor)."""
+    from workbench.conversion.hf_files import SafetensorsWriter
+    from workbench.conversion.rules import TensorInfo
 
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
+    writer = SafetensorsWriter(out_dir, {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in sd.items()}, max_shard_size)
     for k, t in sd.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t.contiguous()
-        size += nbytes
-    names = []
-    if len(shards) == 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    total = 0
-    for name, shard in zip(names, shards):
-        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-        for k, t in shard.items():
-            weight_map[k] = name
-            total += t.numel() * t.element_size()
-    if len(shards) > 1:
-        (out_dir / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return names
+        writer.write(k, t)
+    return writer.close()

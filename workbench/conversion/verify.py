@@ -76,7 +76,8 @@ def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int
     """Compare HF logits with the checkpoint's at a layout (fp32, CPU), at the positions the family compares
     (BERT: the unpadded ones). Returns max_abs_diff and ok."""
     from workbench.config import ConfigError
-    from workbench.conversion.hf import load_hf_state_dict, read_hf_config
+    from workbench.conversion.hf import read_hf_config
+    from workbench.conversion.hf_files import HFReader
     from workbench.generation import layout_problems
     from workbench.run.checkpoint import checkpoint_info
 
@@ -86,7 +87,7 @@ def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int
         raise ConfigError(problems)
     hf = _family_hf(ckpt)
     vocab = int(read_hf_config(hf_dir)["vocab_size"])
-    load_hf_state_dict(hf_dir)  # every weight file loads as tensors only (else a ConversionError naming it)
+    HFReader(hf_dir).check()  # every weight file loads as tensors only (else a ConversionError naming it), one at a time
     inputs = hf.verify_inputs(vocab, batch_size, seq_length, seed)
     ref, where = hf.hf_logits(hf_dir, inputs)
     got = forward_logits(ckpt, inputs, tp=tp, pp=pp, vpp=vpp)[..., :vocab]

@@ -1,5 +1,5 @@
 """HF ``MegatronBertForPreTraining`` (model type ``megatron-bert``) <-> megatron-core BERT: config fields
-and full (unsharded) state dicts.
+and per-tensor conversion rules.
 
 HF's megatron-bert is Megatron's pre-LN BERT: a LayerNorm before attention (``attention.ln``) and
 before the MLP (``ln``), a final ``encoder.ln``, no embedding LayerNorm, the pooler, the MLM head
@@ -14,15 +14,17 @@ The generic machinery (HF dirs, vocab padding, the per-group QKV layout) is
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take, take_vocab
+from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore
+from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, infos_of, need_vocab, run_rules,
+                                        strip_module_prefix)
 from workbench.models.bert import FAMILY
 
-__all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
+__all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
+           "mcore_to_hf_rules", "hf_to_mcore", "mcore_to_hf",
            "make_random_hf_model", "verify_inputs", "hf_logits"]
 
 #: the HF model types this adapter converts, and their HF classes
@@ -113,75 +115,89 @@ _TOP = [  # (mcore, HF) outside the layers, vocab-free
 ]
 
 
-def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
-                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Map an HF MegatronBertForPreTraining state dict to the full TP=1 megatron-core BERT state dict."""
+def hf_to_mcore_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_type: str) -> list[Rule]:
+    """The rules mapping an HF MegatronBertForPreTraining checkpoint (``infos``: its tensors' names and shapes) to
+    the full TP=1 megatron-core BERT state dict; a missing tensor or a wrong vocabulary is refused."""
     m = cfg.model
     if model_type != "megatron-bert":
         raise ConversionError(f"model_type {model_type!r}: {_REFUSED.get(model_type, 'not supported')}")
-    a, g, d, h = m.num_attention_heads, m.query_groups, m.head_dim, m.hidden_size
+    a, g, d = m.num_attention_heads, m.query_groups, m.head_dim
     padded = derive(cfg).padded_vocab_size
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    it = progress if progress else (lambda x: x)
     src = "HF megatron-bert"
-    sd = {re.sub(r"^(module\.)", "", k): v for k, v in hf_sd.items()}
-    out: dict[str, Any] = {}
-    wte = take_vocab(sd, "bert.embeddings.word_embeddings.weight", src, m.vocab_size)
-    out["embedding.word_embeddings.weight"] = pad_vocab_rows(wte, padded)
+    pad = lambda t: pad_vocab_rows(t, padded)  # noqa: E731
+    qkv = lambda q, k, v: qkv_to_mcore(q, k, v, a, g, d)  # noqa: E731
+    need_vocab(infos, "bert.embeddings.word_embeddings.weight", src, m.vocab_size)
+    rules = [Rule(("embedding.word_embeddings.weight",), ("bert.embeddings.word_embeddings.weight",), pad)]
     if m.num_tokentypes > 0:
-        out["embedding.tokentype_embeddings.weight"] = take(sd, "bert.embeddings.token_type_embeddings.weight", src)[: m.num_tokentypes]
-    for i in it(range(m.num_layers)):
+        n = m.num_tokentypes
+        rules.append(Rule(("embedding.tokentype_embeddings.weight",), ("bert.embeddings.token_type_embeddings.weight",),
+                          lambda t: t[:n]))
+    for i in range(m.num_layers):
         s, o = f"bert.encoder.layer.{i}.", f"encoder.layers.{i}."
-        q, k, v = (take(sd, s + f"attention.self.{n}.weight", src) for n in ("query", "key", "value"))
-        out[o + "self_attention.linear_qkv.weight"] = qkv_to_mcore(q, k, v, a, g, d)
-        qb, kb, vb = (take(sd, s + f"attention.self.{n}.bias", src) for n in ("query", "key", "value"))
-        out[o + "self_attention.linear_qkv.bias"] = qkv_to_mcore(qb, kb, vb, a, g, d)
-        for mk, hk in _LAYER:
-            out[o + mk] = take(sd, s + hk, src)
-    for mk, hk in _TOP:
-        out[mk] = take(sd, hk, src)
+        rules += [Rule((o + "self_attention.linear_qkv.weight",),
+                       tuple(s + f"attention.self.{n}.weight" for n in ("query", "key", "value")), qkv),
+                  Rule((o + "self_attention.linear_qkv.bias",),
+                       tuple(s + f"attention.self.{n}.bias" for n in ("query", "key", "value")), qkv)]
+        rules += [copy_rule(o + mk, s + hk) for mk, hk in _LAYER]
+    rules += [copy_rule(mk, hk) for mk, hk in _TOP]
     # the logits' bias: tied, HF ties decoder.bias to cls.predictions.bias; untied, the decoder (weight and bias) is its own
-    out["output_layer.bias"] = pad_vocab_rows(take(sd, _DECODER_BIAS if not m.tie_embeddings else "cls.predictions.bias", src), padded)
+    rules.append(Rule(("output_layer.bias",), (_DECODER_BIAS if not m.tie_embeddings else "cls.predictions.bias",), pad))
     if not m.tie_embeddings:
-        out["output_layer.weight"] = pad_vocab_rows(take(sd, "cls.predictions.decoder.weight", src), padded)
-    return {k: cast(v).contiguous() for k, v in out.items()}
+        rules.append(Rule(("output_layer.weight",), ("cls.predictions.decoder.weight",), pad))
+    check_sources(rules, infos, src)
+    return rules
+
+
+def mcore_to_hf_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_type: str,
+                      read: Callable[[str], Any] | None = None) -> list[Rule]:
+    """The rules of :func:`hf_to_mcore_rules`'s inverse, from the full TP=1 megatron-core BERT state dict
+    (``infos``): pad rows are stripped (they never reach HF)."""
+    import torch
+
+    m = cfg.model
+    a, g, d, V = m.num_attention_heads, m.query_groups, m.head_dim, m.vocab_size
+    src = "megatron checkpoint"
+    emb = "embedding.word_embeddings.weight"
+    rows = lambda t: t[:V]  # noqa: E731
+    rules = [Rule(("bert.embeddings.word_embeddings.weight",), (emb,), rows)]
+    if m.num_tokentypes > 0:
+        rules.append(copy_rule("bert.embeddings.token_type_embeddings.weight", "embedding.tokentype_embeddings.weight"))
+    else:  # HF always has a token-type table; one zero row adds nothing
+        dt, h = infos[emb].dtype if emb in infos else torch.float32, m.hidden_size
+        rules.append(Rule(("bert.embeddings.token_type_embeddings.weight",), (), lambda: torch.zeros(1, h, dtype=dt)))
+    split = lambda t: qkv_from_mcore(t, a, g, d)  # noqa: E731
+    for i in range(m.num_layers):
+        s, o = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
+        rules += [Rule(tuple(o + f"attention.self.{n}.weight" for n in ("query", "key", "value")),
+                       (s + "self_attention.linear_qkv.weight",), split),
+                  Rule(tuple(o + f"attention.self.{n}.bias" for n in ("query", "key", "value")),
+                       (s + "self_attention.linear_qkv.bias",), split)]
+        rules += [copy_rule(o + hk, s + mk) for mk, hk in _LAYER]
+    rules += [copy_rule(hk, mk) for mk, hk in _TOP]
+    # tied: the decoder's bias is HF's tied copy of cls.predictions.bias and its weight the word embeddings, both left
+    # out (from_pretrained ties them), as HF's own save_pretrained does; untied, HF computes the logits with the
+    # decoder's own weight and bias (cls.predictions.bias is then unused), so both are written
+    if m.tie_embeddings:
+        rules.append(Rule(("cls.predictions.bias",), ("output_layer.bias",), rows))
+    else:
+        rules.append(Rule(("cls.predictions.bias", _DECODER_BIAS), ("output_layer.bias",), lambda t: (t[:V], t[:V].clone())))
+        rules.append(Rule(("cls.predictions.decoder.weight",), ("output_layer.weight",), rows))
+    check_sources(rules, infos, src)
+    return rules
+
+
+def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
+                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
+    """Map an HF MegatronBertForPreTraining state dict to the full TP=1 megatron-core BERT state dict:
+    :func:`hf_to_mcore_rules` run on the dict."""
+    sd = {strip_module_prefix(k): v for k, v in hf_sd.items()}
+    return run_rules(hf_to_mcore_rules(infos_of(sd), cfg, model_type), sd, dtype, progress)
 
 
 def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
     """Inverse of :func:`hf_to_mcore`: pad rows are stripped (they never reach HF)."""
-    import torch
-
-    m = cfg.model
-    a, g, d, V = m.num_attention_heads, m.query_groups, m.head_dim, m.vocab_size
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    it = progress if progress else (lambda x: x)
-    src = "megatron checkpoint"
-    out: dict[str, Any] = {}
-    emb = take(sd, "embedding.word_embeddings.weight", src)[:V]
-    out["bert.embeddings.word_embeddings.weight"] = emb
-    if m.num_tokentypes > 0:
-        out["bert.embeddings.token_type_embeddings.weight"] = take(sd, "embedding.tokentype_embeddings.weight", src)
-    else:  # HF always has a token-type table; one zero row adds nothing
-        out["bert.embeddings.token_type_embeddings.weight"] = torch.zeros(1, m.hidden_size, dtype=emb.dtype)
-    for i in it(range(m.num_layers)):
-        s, o = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
-        q, k, v = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.weight", src), a, g, d)
-        qb, kb, vb = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.bias", src), a, g, d)
-        for n, w, b in (("query", q, qb), ("key", k, kb), ("value", v, vb)):
-            out[o + f"attention.self.{n}.weight"], out[o + f"attention.self.{n}.bias"] = w, b
-        for mk, hk in _LAYER:
-            out[o + hk] = take(sd, s + mk, src)
-    for mk, hk in _TOP:
-        out[hk] = take(sd, mk, src)
-    # tied: the decoder's bias is HF's tied copy of cls.predictions.bias and its weight the word embeddings, both left
-    # out (from_pretrained ties them), as HF's own save_pretrained does; untied, HF computes the logits with the
-    # decoder's own weight and bias (cls.predictions.bias is then unused), so both are written
-    out["cls.predictions.bias"] = take(sd, "output_layer.bias", src)[:V]
-    if not m.tie_embeddings:
-        out["cls.predictions.decoder.weight"] = take(sd, "output_layer.weight", src)[:V]
-        out[_DECODER_BIAS] = out["cls.predictions.bias"].clone()
-    return {k: cast(v).contiguous() for k, v in out.items()}
+    return run_rules(mcore_to_hf_rules(infos_of(sd), cfg, model_type, read=sd.__getitem__), sd, dtype, progress)
 
 
 def make_random_hf_model(out: str | Path, model_type: str = "megatron-bert", hidden: int = 96, layers: int = 4, heads: int = 6,

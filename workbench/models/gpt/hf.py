@@ -1,4 +1,4 @@
-"""HF GPT-2 / Llama <-> megatron-core GPT: config fields and full (unsharded) state dicts.
+"""HF GPT-2 / Llama <-> megatron-core GPT: config fields and per-tensor conversion rules.
 
 The generic machinery (reading/writing HF dirs, vocab padding, the per-group QKV layout) is
 :mod:`workbench.conversion.hf`; this module holds what is GPT's: the HF config fields, the
@@ -8,15 +8,17 @@ Llama (rotate-half RoPE q/k, which is mcore's default), and the random demo mode
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take, take_vocab
+from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore
+from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, infos_of, need_vocab, run_rules,
+                                        strip_module_prefix)
 from workbench.models.gpt import FAMILY
 
-__all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
+__all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
+           "mcore_to_hf_rules", "hf_to_mcore", "mcore_to_hf",
            "verify_inputs", "hf_logits",
            "make_random_hf_model"]
 
@@ -133,133 +135,155 @@ def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | No
     return out
 
 
-def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
-                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Map an HF state dict to the full TP=1 megatron-core state dict (vocab padded per ``derive(cfg)``)."""
+def _vocab_pad(padded: int) -> Callable[[Any], Any]:
+    return lambda t: pad_vocab_rows(t, padded)
+
+
+def _rows(n: int) -> Callable[[Any], Any]:
+    return lambda t: t[:n]
+
+
+def _transpose(t: Any) -> Any:
+    return t.t()
+
+
+def hf_to_mcore_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_type: str) -> list[Rule]:
+    """The rules mapping an HF GPT-2 / Llama checkpoint (``infos``: its tensors' names and shapes) to the full TP=1
+    megatron-core state dict (vocab padded per ``derive(cfg)``); a missing tensor or a wrong vocabulary is refused."""
     import torch
 
     m = cfg.model
     a, g, d, h = m.num_attention_heads, m.query_groups, m.head_dim, m.hidden_size
     padded = derive(cfg).padded_vocab_size
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    it = progress if progress else (lambda x: x)
-    out: dict[str, Any] = {}
     src = f"HF {model_type}"
-    sd = {re.sub(r"^(module\.)", "", k): v for k, v in hf_sd.items()}
+    rules: list[Rule] = []
     if model_type == "gpt2":
-        P = "transformer." if any(k.startswith("transformer.") for k in sd) else ""
-        out["embedding.word_embeddings.weight"] = pad_vocab_rows(take_vocab(sd, f"{P}wte.weight", src, m.vocab_size), padded)
-        out["embedding.position_embeddings.weight"] = take(sd, f"{P}wpe.weight", src)
-        for i in it(range(m.num_layers)):
+        P = "transformer." if any(k.startswith("transformer.") for k in infos) else ""
+        need_vocab(infos, f"{P}wte.weight", src, m.vocab_size)
+        rules.append(Rule(("embedding.word_embeddings.weight",), (f"{P}wte.weight",), _vocab_pad(padded)))
+        rules.append(copy_rule("embedding.position_embeddings.weight", f"{P}wpe.weight"))
+        for i in range(m.num_layers):
             s, o = f"{P}h.{i}.", f"decoder.layers.{i}."
-            out[o + "input_layernorm.weight"] = take(sd, s + "ln_1.weight", src)
-            out[o + "input_layernorm.bias"] = take(sd, s + "ln_1.bias", src)
-            w = take(sd, s + "attn.c_attn.weight", src).t()
-            b = take(sd, s + "attn.c_attn.bias", src)
-            out[o + "self_attention.linear_qkv.weight"] = qkv_to_mcore(*w.split(h, dim=0), a, g, d)
-            out[o + "self_attention.linear_qkv.bias"] = qkv_to_mcore(*b.split(h, dim=0), a, g, d)
-            out[o + "self_attention.linear_proj.weight"] = take(sd, s + "attn.c_proj.weight", src).t().contiguous()
-            out[o + "self_attention.linear_proj.bias"] = take(sd, s + "attn.c_proj.bias", src)
-            out[o + "pre_mlp_layernorm.weight"] = take(sd, s + "ln_2.weight", src)
-            out[o + "pre_mlp_layernorm.bias"] = take(sd, s + "ln_2.bias", src)
-            out[o + "mlp.linear_fc1.weight"] = take(sd, s + "mlp.c_fc.weight", src).t().contiguous()
-            out[o + "mlp.linear_fc1.bias"] = take(sd, s + "mlp.c_fc.bias", src)
-            out[o + "mlp.linear_fc2.weight"] = take(sd, s + "mlp.c_proj.weight", src).t().contiguous()
-            out[o + "mlp.linear_fc2.bias"] = take(sd, s + "mlp.c_proj.bias", src)
-        out["decoder.final_layernorm.weight"] = take(sd, f"{P}ln_f.weight", src)
-        out["decoder.final_layernorm.bias"] = take(sd, f"{P}ln_f.bias", src)
+            rules += [copy_rule(o + "input_layernorm.weight", s + "ln_1.weight"),
+                      copy_rule(o + "input_layernorm.bias", s + "ln_1.bias"),
+                      Rule((o + "self_attention.linear_qkv.weight",), (s + "attn.c_attn.weight",),
+                           lambda w: qkv_to_mcore(*w.t().split(h, dim=0), a, g, d)),
+                      Rule((o + "self_attention.linear_qkv.bias",), (s + "attn.c_attn.bias",),
+                           lambda b: qkv_to_mcore(*b.split(h, dim=0), a, g, d)),
+                      Rule((o + "self_attention.linear_proj.weight",), (s + "attn.c_proj.weight",), _transpose),
+                      copy_rule(o + "self_attention.linear_proj.bias", s + "attn.c_proj.bias"),
+                      copy_rule(o + "pre_mlp_layernorm.weight", s + "ln_2.weight"),
+                      copy_rule(o + "pre_mlp_layernorm.bias", s + "ln_2.bias"),
+                      Rule((o + "mlp.linear_fc1.weight",), (s + "mlp.c_fc.weight",), _transpose),
+                      copy_rule(o + "mlp.linear_fc1.bias", s + "mlp.c_fc.bias"),
+                      Rule((o + "mlp.linear_fc2.weight",), (s + "mlp.c_proj.weight",), _transpose),
+                      copy_rule(o + "mlp.linear_fc2.bias", s + "mlp.c_proj.bias")]
+        rules += [copy_rule("decoder.final_layernorm.weight", f"{P}ln_f.weight"),
+                  copy_rule("decoder.final_layernorm.bias", f"{P}ln_f.bias")]
         if not m.tie_embeddings:
-            out["output_layer.weight"] = pad_vocab_rows(take(sd, "lm_head.weight", src), padded)
+            rules.append(Rule(("output_layer.weight",), ("lm_head.weight",), _vocab_pad(padded)))
     elif model_type == "llama":
-        P = "model." if any(k.startswith("model.") for k in sd) else ""
-        out["embedding.word_embeddings.weight"] = pad_vocab_rows(take_vocab(sd, f"{P}embed_tokens.weight", src, m.vocab_size), padded)
-        bias = m.add_bias_linear
-        for i in it(range(m.num_layers)):
+        P = "model." if any(k.startswith("model.") for k in infos) else ""
+        need_vocab(infos, f"{P}embed_tokens.weight", src, m.vocab_size)
+        rules.append(Rule(("embedding.word_embeddings.weight",), (f"{P}embed_tokens.weight",), _vocab_pad(padded)))
+        qkv = lambda q, k, v: qkv_to_mcore(q, k, v, a, g, d)  # noqa: E731
+        cat = lambda x, y: torch.cat([x, y], dim=0)  # noqa: E731
+        for i in range(m.num_layers):
             s, o = f"{P}layers.{i}.", f"decoder.layers.{i}."
-            out[o + "input_layernorm.weight"] = take(sd, s + "input_layernorm.weight", src)
-            q, k, v = (take(sd, s + f"self_attn.{n}_proj.weight", src) for n in "qkv")
-            out[o + "self_attention.linear_qkv.weight"] = qkv_to_mcore(q, k, v, a, g, d)
-            out[o + "self_attention.linear_proj.weight"] = take(sd, s + "self_attn.o_proj.weight", src)
-            out[o + "pre_mlp_layernorm.weight"] = take(sd, s + "post_attention_layernorm.weight", src)
-            out[o + "mlp.linear_fc1.weight"] = torch.cat([take(sd, s + "mlp.gate_proj.weight", src),
-                                                          take(sd, s + "mlp.up_proj.weight", src)], dim=0)
-            out[o + "mlp.linear_fc2.weight"] = take(sd, s + "mlp.down_proj.weight", src)
-            if bias:
-                qb, kb, vb = (take(sd, s + f"self_attn.{n}_proj.bias", src) for n in "qkv")
-                out[o + "self_attention.linear_qkv.bias"] = qkv_to_mcore(qb, kb, vb, a, g, d)
-                out[o + "self_attention.linear_proj.bias"] = take(sd, s + "self_attn.o_proj.bias", src)
-                out[o + "mlp.linear_fc1.bias"] = torch.cat([take(sd, s + "mlp.gate_proj.bias", src),
-                                                            take(sd, s + "mlp.up_proj.bias", src)], dim=0)
-                out[o + "mlp.linear_fc2.bias"] = take(sd, s + "mlp.down_proj.bias", src)
-        out["decoder.final_layernorm.weight"] = take(sd, f"{P}norm.weight", src)
+            rules += [copy_rule(o + "input_layernorm.weight", s + "input_layernorm.weight"),
+                      Rule((o + "self_attention.linear_qkv.weight",), tuple(s + f"self_attn.{n}_proj.weight" for n in "qkv"), qkv),
+                      copy_rule(o + "self_attention.linear_proj.weight", s + "self_attn.o_proj.weight"),
+                      copy_rule(o + "pre_mlp_layernorm.weight", s + "post_attention_layernorm.weight"),
+                      Rule((o + "mlp.linear_fc1.weight",), (s + "mlp.gate_proj.weight", s + "mlp.up_proj.weight"), cat),
+                      copy_rule(o + "mlp.linear_fc2.weight", s + "mlp.down_proj.weight")]
+            if m.add_bias_linear:
+                rules += [Rule((o + "self_attention.linear_qkv.bias",), tuple(s + f"self_attn.{n}_proj.bias" for n in "qkv"), qkv),
+                          copy_rule(o + "self_attention.linear_proj.bias", s + "self_attn.o_proj.bias"),
+                          Rule((o + "mlp.linear_fc1.bias",), (s + "mlp.gate_proj.bias", s + "mlp.up_proj.bias"), cat),
+                          copy_rule(o + "mlp.linear_fc2.bias", s + "mlp.down_proj.bias")]
+        rules.append(copy_rule("decoder.final_layernorm.weight", f"{P}norm.weight"))
         if not m.tie_embeddings:
-            out["output_layer.weight"] = pad_vocab_rows(take(sd, "lm_head.weight", src), padded)
+            rules.append(Rule(("output_layer.weight",), ("lm_head.weight",), _vocab_pad(padded)))
     else:
         raise ConversionError(f"model_type {model_type!r} is not supported")
-    return {k: cast(v).contiguous() for k, v in out.items()}
+    check_sources(rules, infos, src)
+    return rules
+
+
+def mcore_to_hf_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_type: str,
+                      read: Callable[[str], Any] | None = None) -> list[Rule]:
+    """The rules of :func:`hf_to_mcore_rules`'s inverse, from the full TP=1 megatron-core state dict (``infos``):
+    pad rows are stripped (they never reach HF)."""
+    import torch
+
+    m = cfg.model
+    a, g, d, V = m.num_attention_heads, m.query_groups, m.head_dim, m.vocab_size
+    src = "megatron checkpoint"
+    rules: list[Rule] = []
+    emb = "embedding.word_embeddings.weight"
+    if model_type == "gpt2":
+        def c_attn(qkv: Any) -> Any:
+            return torch.cat(qkv_from_mcore(qkv, a, g, d), dim=0)
+
+        rules += [Rule(("transformer.wte.weight",), (emb,), _rows(V)),
+                  copy_rule("transformer.wpe.weight", "embedding.position_embeddings.weight")]
+        for i in range(m.num_layers):
+            s, o = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            rules += [copy_rule(o + "ln_1.weight", s + "input_layernorm.weight"),
+                      copy_rule(o + "ln_1.bias", s + "input_layernorm.bias"),
+                      Rule((o + "attn.c_attn.weight",), (s + "self_attention.linear_qkv.weight",), lambda w: c_attn(w).t()),
+                      Rule((o + "attn.c_attn.bias",), (s + "self_attention.linear_qkv.bias",), c_attn),
+                      Rule((o + "attn.c_proj.weight",), (s + "self_attention.linear_proj.weight",), _transpose),
+                      copy_rule(o + "attn.c_proj.bias", s + "self_attention.linear_proj.bias"),
+                      copy_rule(o + "ln_2.weight", s + "pre_mlp_layernorm.weight"),
+                      copy_rule(o + "ln_2.bias", s + "pre_mlp_layernorm.bias"),
+                      Rule((o + "mlp.c_fc.weight",), (s + "mlp.linear_fc1.weight",), _transpose),
+                      copy_rule(o + "mlp.c_fc.bias", s + "mlp.linear_fc1.bias"),
+                      Rule((o + "mlp.c_proj.weight",), (s + "mlp.linear_fc2.weight",), _transpose),
+                      copy_rule(o + "mlp.c_proj.bias", s + "mlp.linear_fc2.bias")]
+        rules += [copy_rule("transformer.ln_f.weight", "decoder.final_layernorm.weight"),
+                  copy_rule("transformer.ln_f.bias", "decoder.final_layernorm.bias")]
+        if not m.tie_embeddings:
+            rules.append(Rule(("lm_head.weight",), ("output_layer.weight",), _rows(V)))
+    elif model_type == "llama":
+        f = m.ffn_size
+        split_qkv = lambda t: qkv_from_mcore(t, a, g, d)  # noqa: E731
+        halves = lambda t: (t[:f], t[f:])  # noqa: E731
+        rules.append(Rule(("model.embed_tokens.weight",), (emb,), _rows(V)))
+        for i in range(m.num_layers):
+            s, o = f"decoder.layers.{i}.", f"model.layers.{i}."
+            rules += [copy_rule(o + "input_layernorm.weight", s + "input_layernorm.weight"),
+                      Rule(tuple(o + f"self_attn.{n}_proj.weight" for n in "qkv"), (s + "self_attention.linear_qkv.weight",), split_qkv),
+                      copy_rule(o + "self_attn.o_proj.weight", s + "self_attention.linear_proj.weight"),
+                      copy_rule(o + "post_attention_layernorm.weight", s + "pre_mlp_layernorm.weight"),
+                      Rule((o + "mlp.gate_proj.weight", o + "mlp.up_proj.weight"), (s + "mlp.linear_fc1.weight",), halves),
+                      copy_rule(o + "mlp.down_proj.weight", s + "mlp.linear_fc2.weight")]
+            if m.add_bias_linear:
+                rules += [Rule(tuple(o + f"self_attn.{n}_proj.bias" for n in "qkv"), (s + "self_attention.linear_qkv.bias",), split_qkv),
+                          copy_rule(o + "self_attn.o_proj.bias", s + "self_attention.linear_proj.bias"),
+                          Rule((o + "mlp.gate_proj.bias", o + "mlp.up_proj.bias"), (s + "mlp.linear_fc1.bias",), halves),
+                          copy_rule(o + "mlp.down_proj.bias", s + "mlp.linear_fc2.bias")]
+        rules.append(copy_rule("model.norm.weight", "decoder.final_layernorm.weight"))
+        if not m.tie_embeddings:
+            rules.append(Rule(("lm_head.weight",), ("output_layer.weight",), _rows(V)))
+    else:
+        raise ConversionError(f"model_type {model_type!r} is not supported")
+    check_sources(rules, infos, src)
+    return rules
+
+
+def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
+                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
+    """Map an HF state dict to the full TP=1 megatron-core state dict (vocab padded per ``derive(cfg)``):
+    :func:`hf_to_mcore_rules` run on the dict."""
+    sd = {strip_module_prefix(k): v for k, v in hf_sd.items()}
+    return run_rules(hf_to_mcore_rules(infos_of(sd), cfg, model_type), sd, dtype, progress)
 
 
 def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
     """Inverse of :func:`hf_to_mcore`: pad rows are stripped (they never reach HF)."""
-    import torch
-
-    m = cfg.model
-    a, g, d, h, V = m.num_attention_heads, m.query_groups, m.head_dim, m.hidden_size, m.vocab_size
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    it = progress if progress else (lambda x: x)
-    src = "megatron checkpoint"
-    out: dict[str, Any] = {}
-    emb = take(sd, "embedding.word_embeddings.weight", src)[:V]
-    if model_type == "gpt2":
-        out["transformer.wte.weight"] = emb
-        out["transformer.wpe.weight"] = take(sd, "embedding.position_embeddings.weight", src)
-        for i in it(range(m.num_layers)):
-            s, o = f"decoder.layers.{i}.", f"transformer.h.{i}."
-            out[o + "ln_1.weight"] = take(sd, s + "input_layernorm.weight", src)
-            out[o + "ln_1.bias"] = take(sd, s + "input_layernorm.bias", src)
-            q, k, v = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.weight", src), a, g, d)
-            out[o + "attn.c_attn.weight"] = torch.cat([q, k, v], dim=0).t()
-            qb, kb, vb = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.bias", src), a, g, d)
-            out[o + "attn.c_attn.bias"] = torch.cat([qb, kb, vb], dim=0)
-            out[o + "attn.c_proj.weight"] = take(sd, s + "self_attention.linear_proj.weight", src).t()
-            out[o + "attn.c_proj.bias"] = take(sd, s + "self_attention.linear_proj.bias", src)
-            out[o + "ln_2.weight"] = take(sd, s + "pre_mlp_layernorm.weight", src)
-            out[o + "ln_2.bias"] = take(sd, s + "pre_mlp_layernorm.bias", src)
-            out[o + "mlp.c_fc.weight"] = take(sd, s + "mlp.linear_fc1.weight", src).t()
-            out[o + "mlp.c_fc.bias"] = take(sd, s + "mlp.linear_fc1.bias", src)
-            out[o + "mlp.c_proj.weight"] = take(sd, s + "mlp.linear_fc2.weight", src).t()
-            out[o + "mlp.c_proj.bias"] = take(sd, s + "mlp.linear_fc2.bias", src)
-        out["transformer.ln_f.weight"] = take(sd, "decoder.final_layernorm.weight", src)
-        out["transformer.ln_f.bias"] = take(sd, "decoder.final_layernorm.bias", src)
-        if not m.tie_embeddings:
-            out["lm_head.weight"] = take(sd, "output_layer.weight", src)[:V]
-    elif model_type == "llama":
-        out["model.embed_tokens.weight"] = emb
-        f = m.ffn_size
-        for i in it(range(m.num_layers)):
-            s, o = f"decoder.layers.{i}.", f"model.layers.{i}."
-            out[o + "input_layernorm.weight"] = take(sd, s + "input_layernorm.weight", src)
-            q, k, v = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.weight", src), a, g, d)
-            out[o + "self_attn.q_proj.weight"], out[o + "self_attn.k_proj.weight"], out[o + "self_attn.v_proj.weight"] = q, k, v
-            out[o + "self_attn.o_proj.weight"] = take(sd, s + "self_attention.linear_proj.weight", src)
-            out[o + "post_attention_layernorm.weight"] = take(sd, s + "pre_mlp_layernorm.weight", src)
-            fc1 = take(sd, s + "mlp.linear_fc1.weight", src)
-            out[o + "mlp.gate_proj.weight"], out[o + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
-            out[o + "mlp.down_proj.weight"] = take(sd, s + "mlp.linear_fc2.weight", src)
-            if m.add_bias_linear:
-                qb, kb, vb = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.bias", src), a, g, d)
-                out[o + "self_attn.q_proj.bias"], out[o + "self_attn.k_proj.bias"], out[o + "self_attn.v_proj.bias"] = qb, kb, vb
-                out[o + "self_attn.o_proj.bias"] = take(sd, s + "self_attention.linear_proj.bias", src)
-                b1 = take(sd, s + "mlp.linear_fc1.bias", src)
-                out[o + "mlp.gate_proj.bias"], out[o + "mlp.up_proj.bias"] = b1[:f], b1[f:]
-                out[o + "mlp.down_proj.bias"] = take(sd, s + "mlp.linear_fc2.bias", src)
-        out["model.norm.weight"] = take(sd, "decoder.final_layernorm.weight", src)
-        if not m.tie_embeddings:
-            out["lm_head.weight"] = take(sd, "output_layer.weight", src)[:V]
-    else:
-        raise ConversionError(f"model_type {model_type!r} is not supported")
-    return {k: cast(v).contiguous() for k, v in out.items()}
+    return run_rules(mcore_to_hf_rules(infos_of(sd), cfg, model_type, read=sd.__getitem__), sd, dtype, progress)
 
 
 # --------------------------------------------------------------------------- demos

@@ -1,5 +1,5 @@
 """HF ``T5ForConditionalGeneration`` (t5 v1.0 / v1.1) and ``MT5ForConditionalGeneration`` (mt5) <->
-megatron-core T5: config fields and full (unsharded) state dicts.
+megatron-core T5: config fields and per-tensor conversion rules.
 
 HF T5: RMS norm without bias (``layer_norm``), no linear biases, unscaled attention scores, one
 relative-bias table per stack (in block 0's self-attention, shared by the other blocks), ReLU
@@ -17,15 +17,17 @@ for the gated MLP (megatron's GLU: ``act(first half) * second half``).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take, take_vocab
+from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore
+from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, infos_of, need_vocab, run_rules,
+                                        strip_module_prefix)
 from workbench.models.t5 import FAMILY
 
-__all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
+__all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
+           "mcore_to_hf_rules", "hf_to_mcore", "mcore_to_hf",
            "make_random_hf_model", "kv_to_mcore", "kv_from_mcore", "verify_inputs", "hf_logits"]
 
 HF_CLASSES = dict(FAMILY.supports.hf_classes)
@@ -134,99 +136,119 @@ def kv_from_mcore(kv: Any, heads: int, d: int) -> tuple[Any, Any]:
     return x[:, 0].reshape(heads * d, h), x[:, 1].reshape(heads * d, h)
 
 
-def _mlp_to(sd: dict, s: str, gated: bool, src: str) -> Any:
+def _mlp_sources(s: str, gated: bool) -> tuple[str, ...]:
+    return (s + "wi_0.weight", s + "wi_1.weight") if gated else (s + "wi.weight",)
+
+
+def _cat(*ts: Any) -> Any:
     import torch
 
-    if gated:
-        return torch.cat([take(sd, s + "wi_0.weight", src), take(sd, s + "wi_1.weight", src)], dim=0)
-    return take(sd, s + "wi.weight", src)
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
 
 
-def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
-                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Map an HF T5 / mT5 state dict to the full TP=1 megatron-core T5 state dict (vocab padded per ``derive(cfg)``)."""
+def hf_to_mcore_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_type: str) -> list[Rule]:
+    """The rules mapping an HF T5 / mT5 checkpoint (``infos``: its tensors' names and shapes) to the full TP=1
+    megatron-core T5 state dict (vocab padded per ``derive(cfg)``); a missing tensor or a wrong vocabulary is refused."""
     m = cfg.model
     if model_type not in HF_CLASSES:
         raise ConversionError(f"model_type {model_type!r} is not supported by the T5 adapter")
     a, d = m.num_attention_heads, m.head_dim
     padded = derive(cfg).padded_vocab_size
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    it = progress if progress else (lambda x: x)
     src = f"HF {model_type}"
-    sd = {re.sub(r"^(module\.)", "", k): v for k, v in hf_sd.items()}
-    gated = m.gated_mlp
-    out: dict[str, Any] = {}
-    shared = take_vocab(sd, "shared.weight" if "shared.weight" in sd else "encoder.embed_tokens.weight", src, m.vocab_size)
-    out["embedding.word_embeddings.weight"] = pad_vocab_rows(shared, padded)
+    pad = lambda t: pad_vocab_rows(t, padded)  # noqa: E731
+    qkv = lambda q, k, v: qkv_to_mcore(q, k, v, a, a, d)  # noqa: E731
+    kv = lambda k, v: kv_to_mcore(k, v, a, d)  # noqa: E731
+    shared = "shared.weight" if "shared.weight" in infos else "encoder.embed_tokens.weight"
+    need_vocab(infos, shared, src, m.vocab_size)
+    rules = [Rule(("embedding.word_embeddings.weight",), (shared,), pad)]
     for stack, n in (("encoder", m.num_layers), ("decoder", m.decoder_layers)):
-        out[f"{stack}_relative_pos_emb.relative_attention_bias.weight"] = take(
-            sd, f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", src)
-        out[f"{stack}.final_layernorm.weight"] = take(sd, f"{stack}.final_layer_norm.weight", src)
-        for i in it(range(n)):
+        rules += [copy_rule(f"{stack}_relative_pos_emb.relative_attention_bias.weight",
+                            f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+                  copy_rule(f"{stack}.final_layernorm.weight", f"{stack}.final_layer_norm.weight")]
+        for i in range(n):
             s, o = f"{stack}.block.{i}.layer.", f"{stack}.layers.{i}."
-            q, k, v = (take(sd, s + f"0.SelfAttention.{x}.weight", src) for x in "qkv")
-            out[o + "input_layernorm.weight"] = take(sd, s + "0.layer_norm.weight", src)
-            out[o + "self_attention.linear_qkv.weight"] = qkv_to_mcore(q, k, v, a, a, d)
-            out[o + "self_attention.linear_proj.weight"] = take(sd, s + "0.SelfAttention.o.weight", src)
+            rules += [copy_rule(o + "input_layernorm.weight", s + "0.layer_norm.weight"),
+                      Rule((o + "self_attention.linear_qkv.weight",), tuple(s + f"0.SelfAttention.{x}.weight" for x in "qkv"), qkv),
+                      copy_rule(o + "self_attention.linear_proj.weight", s + "0.SelfAttention.o.weight")]
             f = "1."
             if stack == "decoder":
-                out[o + "pre_cross_attn_layernorm.weight"] = take(sd, s + "1.layer_norm.weight", src)
-                out[o + "cross_attention.linear_q.weight"] = take(sd, s + "1.EncDecAttention.q.weight", src)
-                out[o + "cross_attention.linear_kv.weight"] = kv_to_mcore(
-                    take(sd, s + "1.EncDecAttention.k.weight", src), take(sd, s + "1.EncDecAttention.v.weight", src), a, d)
-                out[o + "cross_attention.linear_proj.weight"] = take(sd, s + "1.EncDecAttention.o.weight", src)
+                rules += [copy_rule(o + "pre_cross_attn_layernorm.weight", s + "1.layer_norm.weight"),
+                          copy_rule(o + "cross_attention.linear_q.weight", s + "1.EncDecAttention.q.weight"),
+                          Rule((o + "cross_attention.linear_kv.weight",),
+                               (s + "1.EncDecAttention.k.weight", s + "1.EncDecAttention.v.weight"), kv),
+                          copy_rule(o + "cross_attention.linear_proj.weight", s + "1.EncDecAttention.o.weight")]
                 f = "2."
-            out[o + "pre_mlp_layernorm.weight"] = take(sd, s + f + "layer_norm.weight", src)
-            out[o + "mlp.linear_fc1.weight"] = _mlp_to(sd, s + f + "DenseReluDense.", gated, src)
-            out[o + "mlp.linear_fc2.weight"] = take(sd, s + f + "DenseReluDense.wo.weight", src)
+            rules += [copy_rule(o + "pre_mlp_layernorm.weight", s + f + "layer_norm.weight"),
+                      Rule((o + "mlp.linear_fc1.weight",), _mlp_sources(s + f + "DenseReluDense.", m.gated_mlp), _cat),
+                      copy_rule(o + "mlp.linear_fc2.weight", s + f + "DenseReluDense.wo.weight")]
     if not m.tie_embeddings:
-        head = take(sd, "lm_head.weight", src) if "lm_head.weight" in sd else shared
-        out["output_layer.weight"] = pad_vocab_rows(head, padded)
-    return {k: cast(v).contiguous() for k, v in out.items()}
+        rules.append(Rule(("output_layer.weight",), ("lm_head.weight" if "lm_head.weight" in infos else shared,), pad))
+    check_sources(rules, infos, src)
+    return rules
+
+
+def mcore_to_hf_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_type: str,
+                      read: Callable[[str], Any] | None = None) -> list[Rule]:
+    """The rules of :func:`hf_to_mcore_rules`'s inverse, from the full TP=1 megatron-core T5 state dict (``infos``):
+    pad rows are stripped; the tied copies HF's ``save_pretrained`` leaves out (``encoder/decoder.embed_tokens``,
+    a tied ``lm_head``) are left out too.  An untied head equal to the shared embeddings is one of those: ``read``
+    (a tensor by name) looks at both to decide."""
+    import torch
+
+    m = cfg.model
+    a, d, V, f = m.num_attention_heads, m.head_dim, m.vocab_size, m.ffn_size
+    src = "megatron checkpoint"
+    rows = lambda t: t[:V]  # noqa: E731
+    split = lambda t: qkv_from_mcore(t, a, a, d)  # noqa: E731
+    rules = [Rule(("shared.weight",), ("embedding.word_embeddings.weight",), rows)]
+    for stack, n in (("encoder", m.num_layers), ("decoder", m.decoder_layers)):
+        rules += [copy_rule(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                            f"{stack}_relative_pos_emb.relative_attention_bias.weight"),
+                  copy_rule(f"{stack}.final_layer_norm.weight", f"{stack}.final_layernorm.weight")]
+        for i in range(n):
+            s, o = f"{stack}.layers.{i}.", f"{stack}.block.{i}.layer."
+            rules += [Rule(tuple(o + f"0.SelfAttention.{x}.weight" for x in "qkv"), (s + "self_attention.linear_qkv.weight",), split),
+                      copy_rule(o + "0.layer_norm.weight", s + "input_layernorm.weight"),
+                      copy_rule(o + "0.SelfAttention.o.weight", s + "self_attention.linear_proj.weight")]
+            ff = "1."
+            if stack == "decoder":
+                rules += [copy_rule(o + "1.layer_norm.weight", s + "pre_cross_attn_layernorm.weight"),
+                          copy_rule(o + "1.EncDecAttention.q.weight", s + "cross_attention.linear_q.weight"),
+                          Rule((o + "1.EncDecAttention.k.weight", o + "1.EncDecAttention.v.weight"),
+                               (s + "cross_attention.linear_kv.weight",), lambda t: kv_from_mcore(t, a, d)),
+                          copy_rule(o + "1.EncDecAttention.o.weight", s + "cross_attention.linear_proj.weight")]
+                ff = "2."
+            rules.append(copy_rule(o + ff + "layer_norm.weight", s + "pre_mlp_layernorm.weight"))
+            if m.gated_mlp:
+                rules.append(Rule((o + ff + "DenseReluDense.wi_0.weight", o + ff + "DenseReluDense.wi_1.weight"),
+                                  (s + "mlp.linear_fc1.weight",), lambda t: (t[:f], t[f:])))
+            else:
+                rules.append(copy_rule(o + ff + "DenseReluDense.wi.weight", s + "mlp.linear_fc1.weight"))
+            rules.append(copy_rule(o + ff + "DenseReluDense.wo.weight", s + "mlp.linear_fc2.weight"))
+    check_sources(rules, infos, src)
+    if not m.tie_embeddings:
+        check_sources([copy_rule("lm_head.weight", "output_layer.weight")], infos, src)
+        if read is None:
+            raise ValueError("an untied T5 head needs read= to compare it with the shared embeddings")
+        # equal: HF's save_pretrained leaves the tied copy out too
+        if not torch.equal(read("output_layer.weight")[:V], read("embedding.word_embeddings.weight")[:V]):
+            rules.append(Rule(("lm_head.weight",), ("output_layer.weight",), rows))
+    return rules
+
+
+def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
+                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
+    """Map an HF T5 / mT5 state dict to the full TP=1 megatron-core T5 state dict (vocab padded per ``derive(cfg)``):
+    :func:`hf_to_mcore_rules` run on the dict."""
+    sd = {strip_module_prefix(k): v for k, v in hf_sd.items()}
+    return run_rules(hf_to_mcore_rules(infos_of(sd), cfg, model_type), sd, dtype, progress)
 
 
 def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
     """Inverse of :func:`hf_to_mcore`: pad rows are stripped; the tied copies HF's ``save_pretrained``
     leaves out (``encoder/decoder.embed_tokens``, a tied ``lm_head``) are left out too."""
-    m = cfg.model
-    a, d, V, f = m.num_attention_heads, m.head_dim, m.vocab_size, m.ffn_size
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    it = progress if progress else (lambda x: x)
-    src = "megatron checkpoint"
-    out: dict[str, Any] = {"shared.weight": take(sd, "embedding.word_embeddings.weight", src)[:V]}
-    for stack, n in (("encoder", m.num_layers), ("decoder", m.decoder_layers)):
-        out[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = take(
-            sd, f"{stack}_relative_pos_emb.relative_attention_bias.weight", src)
-        out[f"{stack}.final_layer_norm.weight"] = take(sd, f"{stack}.final_layernorm.weight", src)
-        for i in it(range(n)):
-            s, o = f"{stack}.layers.{i}.", f"{stack}.block.{i}.layer."
-            q, k, v = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.weight", src), a, a, d)
-            out[o + "0.layer_norm.weight"] = take(sd, s + "input_layernorm.weight", src)
-            out[o + "0.SelfAttention.q.weight"], out[o + "0.SelfAttention.k.weight"], out[o + "0.SelfAttention.v.weight"] = q, k, v
-            out[o + "0.SelfAttention.o.weight"] = take(sd, s + "self_attention.linear_proj.weight", src)
-            ff = "1."
-            if stack == "decoder":
-                out[o + "1.layer_norm.weight"] = take(sd, s + "pre_cross_attn_layernorm.weight", src)
-                out[o + "1.EncDecAttention.q.weight"] = take(sd, s + "cross_attention.linear_q.weight", src)
-                ck, cv = kv_from_mcore(take(sd, s + "cross_attention.linear_kv.weight", src), a, d)
-                out[o + "1.EncDecAttention.k.weight"], out[o + "1.EncDecAttention.v.weight"] = ck, cv
-                out[o + "1.EncDecAttention.o.weight"] = take(sd, s + "cross_attention.linear_proj.weight", src)
-                ff = "2."
-            out[o + ff + "layer_norm.weight"] = take(sd, s + "pre_mlp_layernorm.weight", src)
-            fc1 = take(sd, s + "mlp.linear_fc1.weight", src)
-            if m.gated_mlp:
-                out[o + ff + "DenseReluDense.wi_0.weight"], out[o + ff + "DenseReluDense.wi_1.weight"] = fc1[:f], fc1[f:]
-            else:
-                out[o + ff + "DenseReluDense.wi.weight"] = fc1
-            out[o + ff + "DenseReluDense.wo.weight"] = take(sd, s + "mlp.linear_fc2.weight", src)
-    if not m.tie_embeddings:
-        import torch
-
-        head = take(sd, "output_layer.weight", src)[:V]
-        if not torch.equal(head, out["shared.weight"]):  # equal: HF's save_pretrained leaves the tied copy out too
-            out["lm_head.weight"] = head
-    return {k: cast(v).contiguous() for k, v in out.items()}
+    return run_rules(mcore_to_hf_rules(infos_of(sd), cfg, model_type, read=sd.__getitem__), sd, dtype, progress)
 
 
 def make_random_hf_model(out: str | Path, model_type: str = "t5", hidden: int = 96, layers: int = 3, heads: int = 6,

@@ -1,0 +1,95 @@
+"""The checkpoint a streaming conversion writes is the checkpoint megatron-core writes, read back identically.
+
+For a tiny model of every family: ``hf_to_megatron`` writes its checkpoint chunk by chunk
+(:class:`workbench.conversion.dcp.CheckpointWriter`); megatron-core loads it (``load_full_state_dict``) and saves
+the same weights with its own ``dist_checkpointing.save`` (``save_full_state_dict``).  Both ``.metadata`` index
+the same stored tensors (keys, global shapes, dtypes, chunks) and objects; every chunk and object holds the same
+values; and the streaming reader (:class:`workbench.conversion.dcp.CheckpointReader`) reads megatron's save as
+megatron reads the streamed one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+CASES = [("gpt2", {}), ("llama", {"tied": False}), ("megatron-bert", {"tied": False}),
+         ("t5", {"feed_forward_proj": "gated-gelu", "tied": False})]
+
+
+def _index(d):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from workbench.run.integrity import read_dist_metadata
+
+    md = read_dist_metadata(d)
+    out = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, TensorStorageMetadata):
+            out[fqn] = (tuple(smd.size), smd.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks))
+        else:
+            out[fqn] = "bytes"
+    return out
+
+
+@pytest.mark.parametrize("model_type, kw", CASES, ids=[c[0] for c in CASES])
+def test_streamed_checkpoint_is_megatrons_own(model_type, kw, tmp_path):
+    from workbench.conversion.api import hf_to_megatron, make_random_hf_model
+    from workbench.conversion.dcp import CheckpointReader, DcpReader, model_layout
+    from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict, single_process_group
+    from workbench.run.checkpoint import checkpoint_config, find_checkpoint, read_metadata
+
+    hf = make_random_hf_model(tmp_path / "hf", model_type, hidden=48, layers=2, heads=6, vocab=300, **kw)
+    streamed = find_checkpoint(hf_to_megatron(hf, tmp_path / "streamed", tp=2, pp=1, dtype="fp32", device="cpu",
+                                              progress=False).output)
+    meta = read_metadata(streamed)
+    cfg = checkpoint_config(meta)
+    with single_process_group():
+        full, loaded = load_full_state_dict(streamed)  # megatron-core's own load
+        saved = save_full_state_dict(tmp_path / "saved", 0, full, cfg, extra=meta["extra"])  # and its own save
+        layout = model_layout(cfg)
+    assert loaded["extra"] == meta["extra"] and loaded["iteration"] == 0
+
+    a, b = _index(streamed), _index(saved)
+    assert a == b  # the same stored tensors (global shapes, dtypes, chunks) and objects
+    ra, rb = DcpReader(streamed), DcpReader(saved)
+    assert ra.common == rb.common == {"workbench_extra": meta["extra"], "iteration": 0}
+    for fqn, entry in a.items():
+        if entry == "bytes":
+            continue
+        for offsets, sizes in entry[2]:
+            assert torch.equal(ra.region(fqn, offsets, sizes), rb.region(fqn, offsets, sizes)), (fqn, offsets)
+    back = CheckpointReader(saved, layout)  # the streaming reader on megatron's save
+    assert set(layout.infos) == set(full)
+    for k, t in full.items():
+        got = back.read(k)
+        assert got.dtype == t.dtype and torch.equal(got, t), k
+
+
+def test_safetensors_shards_written_tensor_by_tensor_are_what_safetensors_reads(tmp_path):
+    """Headers written before the data (shards of at most ``max_shard_size``, an index), every dtype a model has,
+    a 0-d and an empty tensor; safetensors' own loader validates and reads them; out-of-plan writes are refused."""
+    from safetensors.torch import load_file
+
+    from workbench.conversion.hf_files import HFReader, SafetensorsWriter
+    from workbench.conversion.rules import infos_of
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"a.weight": torch.randn(7, 5, generator=g).to(torch.bfloat16), "b": torch.randn(300, generator=g),
+          "c": torch.randn(3, 3, generator=g).half(), "d": torch.tensor(3.5, dtype=torch.float64),
+          "e": torch.arange(6, dtype=torch.int64).reshape(2, 3), "f": torch.zeros(0, 4), "g": torch.tensor([True, False])}
+    w = SafetensorsWriter(tmp_path, infos_of(sd), max_shard_size=1000)
+    with pytest.raises(ValueError, match="out of plan order"):
+        w.write("b", sd["b"])
+    for k, t in sd.items():
+        w.write(k, t)
+    files = w.close()
+    assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    got = {}
+    for f in files:
+        got.update(load_file(str(tmp_path / f)))
+    assert got.keys() == sd.keys() and all(got[k].dtype == sd[k].dtype and torch.equal(got[k], sd[k]) for k in sd)
+    r = HFReader(tmp_path)
+    assert r.infos == infos_of(sd) and all(torch.equal(r.read(k), sd[k]) for k in sd)

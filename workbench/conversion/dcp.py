@@ -1,0 +1,432 @@
+"""The megatron side of streaming conversion: a workbench checkpoint's tensors read and written one at a time.
+
+A workbench checkpoint is a megatron-core ``torch_dist`` save: ``.metadata`` (torch's ``Metadata``: every
+stored tensor's global shape and the chunks it was written in, each chunk's byte range), ``__0_0.distcp``
+(each chunk a ``torch.save`` of its own, each object a pickled list), megatron's ``metadata.json`` and the
+workbench's ``workbench.json``.  Global tensors are keyed by megatron's sharded keys (layers stacked on a
+leading axis, TE-style norm names, SwiGLU's ``fc1`` as two halves), so a checkpoint written at one TP/PP loads
+at any other: TP split/merge and PP layer placement happen when megatron-core loads it, never on disk.
+
+Which stored chunk holds which state-dict tensor is megatron's own answer: :func:`model_layout` builds the
+TP=1/PP=1 model of a config on the meta device (no memory) and reads its ``sharded_state_dict()`` (factories
+applied), so the conversion never re-implements megatron's key naming.  Then
+
+- :class:`CheckpointWriter` writes each state-dict tensor's chunks as it comes, then the objects and the
+  common state as megatron writes them, ``.metadata`` and ``metadata.json``; ``workbench.json`` (checksums,
+  ``complete``) and the rename into place are :func:`workbench.backend.checkpointing.save_checkpoint`'s own
+  last step.  megatron-core's ``dist_checkpointing.load`` (training, generation, verification) reads the result
+  as it reads its own saves.
+- :class:`CheckpointReader` reads one state-dict tensor at a time from the stored chunks that overlap it,
+  each chunk through :func:`workbench.run.integrity.safe_torch_load` and ``.metadata`` through the allow-list
+  unpickler; every stored object and the common state are read the same way when it opens, so whatever a
+  megatron-core load would refuse is refused here too.  The caller verifies the files first
+  (:func:`workbench.run.checkpoint.checkpoint_info`).
+
+Peak memory of a read or a write: about two copies of the largest chunk it touches, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workbench.config import RunConfig
+from workbench.conversion.rules import TensorInfo
+from workbench.run.checkpoint import CheckpointError
+
+__all__ = ["Piece", "Layout", "meta_model", "model_layout", "DcpWriter", "DcpReader", "CheckpointWriter",
+           "CheckpointReader", "DATA_FILE"]
+
+DATA_FILE = "__0_0.distcp"
+_COMMON_KEY = "common_state"
+
+
+# --------------------------------------------------------------------------- the layout of a model's tensors
+
+
+def _meta_mode() -> Any:
+    """A torch function mode that puts every tensor a factory makes on the meta device (device arguments too:
+    the CPU mode's patched factories hand torch a wrapped function, which ``torch.device('meta')`` misses)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._device import _device_constructors
+
+    names = {f.__name__ for f in _device_constructors()}
+
+    class MetaMode(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = dict(kwargs or {})
+            if getattr(func, "__name__", None) in names:
+                kwargs["device"] = "meta"
+            return func(*args, **kwargs)
+
+    return MetaMode()
+
+
+def meta_model(cfg: RunConfig, dtype: str | None = None) -> Any:
+    """The TP=1/PP=1 CPU-mode model of ``cfg`` with every parameter on the meta device (shapes, no memory); call
+    inside :func:`workbench.conversion.runtime.single_process_group`."""
+    from workbench.backend.model import build_model, transformer_config
+    from workbench.conversion.runtime import cpu_build_config, model_overrides
+
+    c = cpu_build_config(cfg, dtype)
+    config = transformer_config(c, perform_initialization=False, **model_overrides(c))
+    with _meta_mode():
+        return build_model(c, config=config)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored chunk of a state-dict tensor: stored tensor ``fqn`` of ``global_shape``, the chunk at ``offsets``
+    of ``sizes`` (megatron's prepended layer axis included); ``view`` = (shape, stride, storage offset) of the
+    chunk inside the state-dict tensor, None when it is the whole tensor."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    view: tuple | None
+
+
+@dataclass
+class Layout:
+    """Where each state-dict tensor of a model lives in its checkpoint: ``infos`` (shape, dtype of each TP=1
+    state-dict tensor, in the model's order), ``pieces`` (its chunks), ``objects`` (the model's stored objects:
+    unique key -> value)."""
+
+    infos: dict[str, TensorInfo]
+    pieces: dict[str, list[Piece]]
+    objects: dict[str, Any]
+
+
+def _piece(sh: Any, base: Any) -> Piece:
+    prepend = (1,) * sh.prepend_axis_num
+    view = None
+    if sh.data is not base:
+        if not base.is_contiguous():
+            raise ValueError(f"{sh.key}: a factory over a non-contiguous tensor")
+        view = (tuple(sh.data.shape), tuple(sh.data.stride()), sh.data.storage_offset() - base.storage_offset())
+    elif tuple(sh.local_shape) != tuple(base.shape):
+        raise ValueError(f"{sh.key}: local shape {sh.local_shape} of a tensor of shape {tuple(base.shape)}")
+    return Piece(sh.key, tuple(sh.global_shape), tuple(sh.global_offset), prepend + tuple(sh.local_shape), view)
+
+
+def model_layout(cfg: RunConfig, dtype: str | None = None) -> Layout:
+    """The :class:`Layout` of ``cfg``'s model as megatron-core's ``sharded_state_dict`` describes it at TP=1/PP=1
+    (factories applied; every chunk checked to cover its stored tensor exactly once).  Needs a process group."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
+    from megatron.core.dist_checkpointing.validation import determine_global_metadata, validate_sharding_integrity
+
+    model = meta_model(cfg, dtype)
+    infos: dict[str, TensorInfo] = {}
+    pieces: dict[str, list[Piece]] = {}
+    objects: dict[str, Any] = {}
+    leaves: list[Any] = []
+    for key, x in model.sharded_state_dict().items():
+        if isinstance(x, ShardedObject):
+            if is_main_replica(x.replica_id):
+                objects[x.unique_key] = x.data
+                leaves.append(x)
+            continue
+        if isinstance(x, ShardedTensorFactory):
+            base, built = x.data, x.build()
+            shs = list(built.values()) if isinstance(built, dict) else list(built) if isinstance(built, (list, tuple)) else [built]
+        elif isinstance(x, ShardedTensor):
+            base, shs = x.data, [x]
+        else:
+            raise ValueError(f"{key}: {type(x).__name__} in the model's sharded state dict")
+        if any(not isinstance(s, ShardedTensor) or s.flattened_range is not None for s in shs):
+            raise ValueError(f"{key}: not a plain sharded tensor")
+        infos[key] = TensorInfo(tuple(base.shape), base.dtype)
+        pieces[key] = [_piece(s, base) for s in shs if is_main_replica(s.replica_id)]
+        leaves += shs
+    validate_sharding_integrity(determine_global_metadata({"model": leaves})[1])
+    return Layout(infos, pieces, objects)
+
+
+def _common_unique_key() -> str:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(_COMMON_KEY, None, (1,), (0,)).unique_key
+
+
+def _pickled_list(value: Any) -> bytes:
+    """A stored object as megatron-core writes it: ``torch.save`` of the list of its values."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([value], buf)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- torch_dist files
+
+
+class DcpWriter:
+    """A torch_dist directory written item by item: tensor chunks and objects appended to one data file, the
+    index (``.metadata``) written by :meth:`close`."""
+
+    def __init__(self, d: Path) -> None:
+        self.dir = Path(d)
+        self._fh = open(self.dir / DATA_FILE, "wb")
+        self._md: dict[str, Any] = {}
+        self._storage: dict[Any, Any] = {}
+        self.bytes_written = 0
+
+    def _record(self, index: Any, start: int) -> None:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        end = self._fh.tell()
+        self._storage[index] = _StorageInfo(DATA_FILE, start, end - start)
+        self.bytes_written += end - start
+
+    def tensor(self, fqn: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], chunk: Any) -> None:
+        """Append ``chunk`` as the chunk of stored tensor ``fqn`` at ``offsets``."""
+        import torch
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                           TensorStorageMetadata)
+
+        md = self._md.get(fqn)
+        if md is None:
+            md = self._md[fqn] = TensorStorageMetadata(TensorProperties(dtype=chunk.dtype), torch.Size(global_shape), [])
+        elif tuple(md.size) != tuple(global_shape) or md.properties.dtype != chunk.dtype:
+            raise ValueError(f"{fqn}: chunks of different global shapes or dtypes")
+        if chunk.storage_offset() or not chunk.is_contiguous() or chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
+            chunk = chunk.contiguous().clone()  # torch.save writes a tensor's whole storage: only the chunk's own
+        md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(chunk.shape)))
+        start = self._fh.tell()
+        torch.save(chunk, self._fh)
+        self._record(MetadataIndex(fqn, torch.Size(offsets)), start)
+
+    def object(self, fqn: str, data: bytes) -> None:
+        """Append a stored object's bytes (see :func:`_pickled_list`)."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        if fqn in self._md:
+            raise ValueError(f"object {fqn!r} written twice")
+        self._md[fqn] = BytesStorageMetadata()
+        start = self._fh.tell()
+        self._fh.write(data)
+        self._record(MetadataIndex(fqn), start)
+
+    def close(self) -> None:
+        """Flush the data file to disk and write ``.metadata`` (what torch's writer pickles)."""
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        md = Metadata(state_dict_metadata=self._md, planner_data=None, storage_data=self._storage,
+                      storage_meta=StorageMeta(checkpoint_id=str(self.dir), save_id=str(uuid.uuid4()), load_id=None),
+                      version=CURRENT_DCP_VERSION)
+        with open(self.dir / ".metadata", "wb") as fh:
+            pickle.dump(md, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def _overlap(a_off: tuple, a_size: tuple, b_off: tuple, b_size: tuple) -> list[tuple[int, int]] | None:
+    """Per dimension [start, end) of the intersection of two boxes, None when they do not meet."""
+    out = []
+    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return out
+
+
+class DcpReader:
+    """The stored tensors of a torch_dist directory, read region by region: ``.metadata`` through the allow-list
+    unpickler, each chunk through ``safe_torch_load``; every stored object (the common state included, or a
+    legacy ``common.pt``) is read the same way when it opens."""
+
+    def __init__(self, d: Path) -> None:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        from workbench.run.integrity import read_dist_metadata
+
+        self.dir = Path(d)
+        md = read_dist_metadata(self.dir)
+        self.tensors: dict[str, Any] = {}
+        self._chunks: dict[str, list[tuple[tuple, tuple, Any]]] = {}
+        self._objects: dict[str, Any] = {}
+        for fqn, smd in md.state_dict_metadata.items():
+            if isinstance(smd, TensorStorageMetadata):
+                self.tensors[fqn] = smd
+                self._chunks[fqn] = []
+            elif isinstance(smd, BytesStorageMetadata):
+                self._objects[fqn] = None
+        for index, info in md.storage_data.items():
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(f"{self.dir / info.relative_path}: stored with transforms "
+                                      f"{info.transform_descriptors}, which the workbench does not read -> re-save it with megatron-core")
+            if index.fqn in self._chunks:
+                chunk = next(c for c in self.tensors[index.fqn].chunks if tuple(c.offsets) == tuple(index.offset))
+                self._chunks[index.fqn].append((tuple(chunk.offsets), tuple(chunk.sizes), info))
+            elif index.fqn in self._objects:
+                self._objects[index.fqn] = info
+        self.common = self._read_common()
+
+    def _bytes(self, info: Any) -> bytes:
+        path = self.dir / info.relative_path
+        with open(path, "rb") as fh:
+            fh.seek(info.offset)
+            data = fh.read(info.length)
+        if len(data) != info.length:
+            raise CheckpointError(f"{path} is truncated: the checkpoint's index needs {info.offset + info.length} bytes "
+                                  "-> copy the checkpoint again from its source")
+        return data
+
+    def _read_common(self) -> dict[str, Any]:
+        from workbench.run.integrity import safe_torch_load
+
+        objects = {}
+        for fqn, info in self._objects.items():
+            if info is None:
+                raise CheckpointError(f"{self.dir / '.metadata'} names object {fqn!r} but no bytes for it -> "
+                                      "copy the checkpoint again from its source")
+            objects[fqn] = safe_torch_load(io.BytesIO(self._bytes(info)), source=f"checkpoint object {fqn!r}")
+        legacy = self.dir / "common.pt"
+        if legacy.is_file():
+            return safe_torch_load(str(legacy), source=str(legacy))
+        common = objects.get(_common_unique_key())
+        return common[0] if isinstance(common, list) and common and isinstance(common[0], dict) else {}
+
+    def _chunk(self, fqn: str, info: Any) -> Any:
+        import torch
+
+        from workbench.run.integrity import safe_torch_load
+
+        t = safe_torch_load(io.BytesIO(self._bytes(info)), source=f"{self.dir / info.relative_path} (tensor {fqn!r})")
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{self.dir / info.relative_path}: the chunk of {fqn!r} holds a {type(t).__name__}, not a tensor "
+                                  "-> copy the checkpoint again from its source")
+        return t
+
+    def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        """The box at ``offsets`` of ``sizes`` of stored tensor ``fqn``, in its stored dtype."""
+        import torch
+
+        if fqn not in self.tensors:
+            raise CheckpointError(f"checkpoint {self.dir} holds no tensor {fqn!r} -> is it a checkpoint of this model?")
+        hits = [(o, s, info) for o, s, info in self._chunks[fqn] if _overlap(o, s, offsets, sizes)]
+        if len(hits) == 1 and hits[0][0] == tuple(offsets) and hits[0][1] == tuple(sizes):
+            return self._chunk(fqn, hits[0][2])
+        out = torch.empty(sizes, dtype=self.tensors[fqn].properties.dtype)
+        covered = 0
+        for o, s, info in hits:
+            box = _overlap(o, s, offsets, sizes)
+            src = self._chunk(fqn, info)[tuple(slice(lo - co, hi - co) for (lo, hi), co in zip(box, o))]
+            out[tuple(slice(lo - ro, hi - ro) for (lo, hi), ro in zip(box, offsets))] = src
+            covered += src.numel()
+            del src
+        if covered != out.numel():
+            raise CheckpointError(f"checkpoint {self.dir}: the stored chunks of {fqn!r} do not cover {tuple(offsets)} + "
+                                  f"{tuple(sizes)} -> copy the checkpoint again from its source")
+        return out
+
+
+# --------------------------------------------------------------------------- state-dict tensors of a checkpoint
+
+
+class CheckpointWriter:
+    """A workbench checkpoint iteration written tensor by tensor: :meth:`write` each TP=1 state-dict tensor of
+    ``layout`` (any order), then :meth:`finish`.  Until then it lives in ``root/iter_XXXXXXX.tmp-...``."""
+
+    def __init__(self, root: str | Path, iteration: int, layout: Layout) -> None:
+        from workbench.run.checkpoint import iter_dir_name, partial_dir_name, remove_stale_partials
+
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        for line in remove_stale_partials(self.root):  # what an earlier, killed save left behind
+            print(f"[workbench] checkpoint {self.root}: {line}", flush=True)
+        self.iteration = int(iteration)
+        self.final = self.root / iter_dir_name(self.iteration)
+        self.tmp = self.root / partial_dir_name(self.final.name, "tmp")
+        self.tmp.mkdir()
+        self.layout = layout
+        self._dcp = DcpWriter(self.tmp)
+        self._written: set[str] = set()
+
+    @property
+    def bytes_written(self) -> int:
+        return self._dcp.bytes_written
+
+    def write(self, key: str, t: Any) -> None:
+        info = self.layout.infos.get(key)
+        if info is None:
+            raise ValueError(f"state dict does not match the model: unexpected {key!r}")
+        if tuple(t.shape) != tuple(info.shape):
+            raise ValueError(f"{key}: shape {tuple(t.shape)} but the model wants {tuple(info.shape)}")
+        if key in self._written:
+            raise ValueError(f"{key} written twice")
+        t = t.to(info.dtype).contiguous()
+        for p in self.layout.pieces[key]:
+            chunk = t if p.view is None else t.as_strided(*p.view)
+            self._dcp.tensor(p.fqn, p.global_shape, p.offsets, chunk.reshape(p.sizes))
+        self._written.add(key)
+
+    def finish(self, cfg: RunConfig, extra: dict | None = None, tokenizer: Any = None) -> Path:
+        """The objects, the common state, ``.metadata``, ``metadata.json``, then ``workbench.json`` and the rename
+        into place (the save's own last step); the final iteration directory."""
+        from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        from workbench.backend.checkpointing import _finish_save
+
+        missing = [k for k in self.layout.infos if k not in self._written]
+        if missing:
+            raise ValueError(f"state dict does not match the model: missing {missing[:5]}")
+        for key, value in self.layout.objects.items():
+            self._dcp.object(key, _pickled_list(value))
+        common = {"workbench_extra": dict(extra or {}), "iteration": self.iteration}  # what save_checkpoint stores
+        self._dcp.object(_common_unique_key(), _pickled_list(common))
+        self._dcp.close()
+        strategy = TorchDistSaveShardedStrategy()
+        save_config(CheckpointingConfig(strategy.backend, strategy.version), str(self.tmp))
+        _finish_save(self.root, self.tmp, self.final, self.iteration, [None], cfg, None, None, extra, tokenizer, False)
+        return self.final
+
+
+class CheckpointReader:
+    """The TP=1 state-dict tensors of a workbench checkpoint (an iteration directory, verified by the caller), one at
+    a time, each in ``layout``'s dtype (as a model of that layout holds them).  A vocabulary-sized tensor stored with
+    other padding is read whole, its rows cut or zero-filled to the model's (as a load does)."""
+
+    def __init__(self, path: str | Path, layout: Layout) -> None:
+        from workbench.backend.checkpointing import vocab_keys
+
+        self.layout = layout
+        self.dcp = DcpReader(Path(path))
+        self._vocab = set(vocab_keys())
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The checkpoint's ``workbench_extra`` (its common state, read with the weights-only loader)."""
+        return dict(self.dcp.common.get("workbench_extra") or {})
+
+    def read(self, key: str) -> Any:
+        import torch
+
+        info, pieces = self.layout.infos[key], self.layout.pieces[key]
+        if len(pieces) == 1 and pieces[0].view is None:
+            p = pieces[0]
+            stored = self.dcp.tensors.get(p.fqn)
+            if p.fqn in self._vocab and stored is not None and tuple(stored.size) != p.global_shape:
+                t = self.dcp.region(p.fqn, (0,) * len(stored.size), tuple(stored.size))
+                out = torch.zeros(info.shape, dtype=info.dtype)
+                n = min(out.shape[0], t.shape[0])
+                out[:n] = t[:n]
+                return out
+            return self.dcp.region(p.fqn, p.offsets, p.sizes).reshape(info.shape).to(info.dtype)
+        out = torch.empty(info.shape, dtype=info.dtype)
+        for p in pieces:
+            view = out.as_strided(*p.view) if p.view is not None else out
+            view.copy_(self.dcp.region(p.fqn, p.offsets, p.sizes).reshape(view.shape))
+        return out
