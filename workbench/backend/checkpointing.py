@@ -482,7 +482,7 @@ def save_checkpoint(
     failure = None
     if _rank() == 0:
         try:
-            _finish_save(root, tmp, final, iteration, chunks, cfg, optimizer, scheduler, extra, tokenizer, rng)
+            finish_save(root, tmp, final, iteration, chunks, cfg, optimizer, scheduler, extra, tokenizer, rng)
         except OSError as e:  # a full disk or a file size limit while workbench.json / the tracker is written
             shutil.rmtree(tmp, ignore_errors=True)
             tracker = root / TRACKER_FILE
@@ -508,10 +508,12 @@ def _tokenizer_record(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def _finish_save(root: Path, tmp: Path, final: Path, iteration: int, chunks: list, cfg: Any, optimizer: Any,
-                 scheduler: Any, extra: dict | None, tokenizer: Any, rng: bool) -> None:
+def finish_save(root: Path, tmp: Path, final: Path, iteration: int, chunks: list, cfg: Any, optimizer: Any,
+                scheduler: Any, extra: dict | None, tokenizer: Any, rng: bool,
+                hashed: dict[str, tuple[int, str]] | None = None) -> None:
     """Rank 0, once every rank's shards are written: ``workbench.json`` (the manifest, ``complete``), the rename
-    into place and the tracker, in that order (an interruption anywhere leaves the previous checkpoint the latest)."""
+    into place and the tracker, in that order (an interruption anywhere leaves the previous checkpoint the latest).
+    ``hashed``: files whose size and SHA-256 their writer computed as it wrote them (:func:`file_manifest`)."""
     _fault_point("meta", iteration)
     cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
     meta = {
@@ -524,7 +526,7 @@ def _finish_save(root: Path, tmp: Path, final: Path, iteration: int, chunks: lis
         "has_rng": bool(rng),
         "num_model_chunks": len(chunks),
         "extra": _jsonable(dict(extra or {})),
-        "files": file_manifest(tmp),  # size + SHA-256 of every file: verify_checkpoint names a damaged one
+        "files": file_manifest(tmp, hashed),  # size + SHA-256 of every file: verify_checkpoint names a damaged one
         "complete": True,
     }
     _fsync_write(tmp / METADATA_FILE, json.dumps(meta, indent=2))

@@ -27,6 +27,7 @@ Peak memory of a read or a write: about two copies of the largest chunk it touch
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
@@ -166,13 +167,41 @@ def _pickled_list(value: Any) -> bytes:
 # --------------------------------------------------------------------------- torch_dist files
 
 
+class _HashingFile:
+    """A binary file written front to back whose SHA-256 is taken as the bytes go out (no second read)."""
+
+    def __init__(self, fh: Any) -> None:
+        self._fh, self._sha, self._size = fh, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self._sha.update(data)
+        n = self._fh.write(data)
+        self._size += n
+        return n
+
+    def tell(self) -> int:
+        return self._fh.tell()
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> tuple[int, str]:
+        """Flush to disk, close; (size, sha256)."""
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        return self._size, self._sha.hexdigest()
+
+
 class DcpWriter:
     """A torch_dist directory written item by item: tensor chunks and objects appended to one data file, the
     index (``.metadata``) written by :meth:`close`."""
 
     def __init__(self, d: Path) -> None:
         self.dir = Path(d)
-        self._fh = open(self.dir / DATA_FILE, "wb")
+        self._fh = _HashingFile(open(self.dir / DATA_FILE, "wb"))
+        #: {file name: (size, sha256)} of the files written, hashed as the bytes went out (the checksum list's)
+        self.hashed: dict[str, tuple[int, str]] = {}
         self._md: dict[str, Any] = {}
         self._storage: dict[Any, Any] = {}
         self.bytes_written = 0
@@ -218,9 +247,7 @@ class DcpWriter:
         from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
+        self.hashed[DATA_FILE] = self._fh.close()
         md = Metadata(state_dict_metadata=self._md, planner_data=None, storage_data=self._storage,
                       storage_meta=StorageMeta(checkpoint_id=str(self.dir), save_id=str(uuid.uuid4()), load_id=None),
                       version=CURRENT_DCP_VERSION)
@@ -378,7 +405,7 @@ class CheckpointWriter:
         from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        from workbench.backend.checkpointing import _finish_save
+        from workbench.backend.checkpointing import finish_save
 
         missing = [k for k in self.layout.infos if k not in self._written]
         if missing:
@@ -390,7 +417,8 @@ class CheckpointWriter:
         self._dcp.close()
         strategy = TorchDistSaveShardedStrategy()
         save_config(CheckpointingConfig(strategy.backend, strategy.version), str(self.tmp))
-        _finish_save(self.root, self.tmp, self.final, self.iteration, [None], cfg, None, None, extra, tokenizer, False)
+        finish_save(self.root, self.tmp, self.final, self.iteration, [None], cfg, None, None, extra, tokenizer, False,
+                    hashed=self._dcp.hashed)
         return self.final
 
 

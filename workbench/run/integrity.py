@@ -200,12 +200,18 @@ def _files(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_file() and p.name != METADATA_FILE)
 
 
-def file_manifest(d: str | Path) -> dict[str, dict[str, Any]]:
-    """{file name: {"size", "sha256"}} of every file in checkpoint directory ``d`` except ``workbench.json``."""
+def file_manifest(d: str | Path, known: dict[str, tuple[int, str]] | None = None) -> dict[str, dict[str, Any]]:
+    """{file name: {"size", "sha256"}} of every file in checkpoint directory ``d`` except ``workbench.json``.
+
+    ``known``: {file name: (size, sha256)} hashed by its writer as it wrote the bytes (a streaming conversion);
+    used for a file whose size on disk is that size, instead of reading it again."""
     files = _files(Path(d))
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:  # hashlib releases the GIL
-        digests = list(pool.map(_sha256, files))
-    return {p.name: {"size": p.stat().st_size, "sha256": h} for p, h in zip(files, digests)}
+    known = known or {}
+    todo = [p for p in files if known.get(p.name, (None,))[0] != p.stat().st_size]
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(todo) or 1))) as pool:  # hashlib releases the GIL
+        digests = dict(zip(todo, pool.map(_sha256, todo)))
+    return {p.name: {"size": p.stat().st_size, "sha256": digests[p] if p in digests else known[p.name][1]}
+            for p in files}
 
 
 def _manifest(d: Path) -> dict[str, Any] | None:
