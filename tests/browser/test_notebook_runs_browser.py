@@ -180,6 +180,7 @@ def test_stop_during_run_all_halts_the_notebook(browser, lab, artefacts):
         nb.shot("running")
         dash.locator("button", has_text="stop").click()
         nb.wait_idle(120)
+        cell.locator(".jp-OutputArea-output").last.scroll_into_view_if_needed()
         nb.shot("stopped")
         outs = _code_outputs(nb)
         errors = [o for o in nb.outputs() if o["type"] == "error"]
