@@ -219,7 +219,7 @@ def test_watch_raises_one_line_for_a_failed_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "run failed" in out and "rank 1 failed" in out and "<IPython" in out  # failure and figures first
     lines = info.value._render_traceback_()
-    assert len(lines) == 1 and "failed at iteration" in lines[0] and "OutOfMemoryError" in lines[0], lines
+    assert len(lines) == 1 and "\n" not in lines[0] and "failed at iteration" in lines[0] and "rank 1: " in lines[0], lines
     assert info.value.status == "failed" and info.value.run is run
     assert watch(run, live=False, interval=0.05, show=False, check=False) == "failed"
 

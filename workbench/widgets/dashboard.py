@@ -100,7 +100,9 @@ def _ended_early(run, status: str, why: str | None) -> RunEnded:
     where = f"at iteration {it}/{total}" if total else f"at iteration {it}"
     if status == "failed":
         f = run.failure
-        cause = f" ({f.message})" if f is not None and f.message else ""
+        first = (f.message or "").strip().splitlines()[:1] if f is not None else []
+        who = f"rank {f.rank}: " if f is not None and f.rank is not None else ""
+        cause = f" ({who}{first[0]})" if first else ""
         return RunFailed(f"The run failed {where}{cause}; see its failure above. Run All stops here: "
                          f"the cells below did not run. {run.run_dir}", status, run)
     return RunStopped(f"The run was stopped {where}{f' ({why})' if why else ''}. Run All stops here: the cells "
