@@ -73,22 +73,23 @@ def _check_ran_to_the_end(nb: Notebook) -> list[dict]:
     return outs
 
 
-def _shows_like_its_family(nb: Notebook) -> None:
-    text = nb.page.evaluate(OUTPUT_TEXT_JS)
-    if nb.name in ("07_bert", "08_t5"):
+def _shows_like_its_family(name: str, text: str, scales: list[dict]) -> None:
+    """What the notebook showed (``text``: its outputs' text; ``scales``: its figures' natural and shown widths)
+    looks like what its family does."""
+    if name in ("07_bert", "08_t5"):
         from tests.notebooks.test_notebooks import BERT_WORDS, T5_WORDS
 
         assert "the demo model:" in text, text[-3000:]
         lines = [ln.strip() for ln in text.split("the demo model:", 1)[1].splitlines() if "[" in ln or "->" in ln]
-        if nb.name == "07_bert":  # the masks filled with the verse's words, candidates quoted
+        if name == "07_bert":  # the masks filled with the verse's words, candidates quoted
             best = [m.group(1) for m in (re.search(r"\['([^']+)' \d\.\d\d", ln) for ln in lines) if m]
             assert sum(b == w for b, w in zip(best, BERT_WORDS)) >= len(BERT_WORDS) - 1, lines
         else:  # each sentinel filled with words, not only more sentinels
             said = [re.sub(r"<extra_id_\d+>|<\|endoftext\|>", " ", ln.rsplit("->", 1)[1]) for ln in lines]
             assert sum(w in s for w, s in zip(T5_WORDS, said)) >= len(T5_WORDS) - 1, lines
-    elif nb.name == "03_pipeline_schedules":
+    elif name == "03_pipeline_schedules":
         # block labels are 8.5 pt or more at 100 dpi (11.8 px in the PNG): shown at >= 85% they are >= 10 px
-        imgs = [i for i in nb.page.evaluate(IMAGES_JS) if i["natural"] >= 1000]
+        imgs = [i for i in scales if i["natural"] >= 1000]
         assert imgs and all(i["shown"] / i["natural"] >= 0.85 for i in imgs), imgs
 
 
@@ -122,15 +123,14 @@ def _close(page, lab) -> None:
 
 @pytest.mark.parametrize("name", ALL)
 def test_notebook_runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name):
-    import nbformat
-
     nb = Notebook(browser, lab, artefacts, name, {})
     try:
         took = nb.run_all(RUN_ALL_SECONDS.get(name, 300))
         nb.shot("ran-all")
         print(f"{name} ran with its defaults in {took:.0f}s")
         _check_ran_to_the_end(nb)
-        _shows_like_its_family(nb)
+        shown = nb.page.evaluate(OUTPUT_TEXT_JS)
+        scales = nb.page.evaluate(IMAGES_JS)
         watch_cells = _watch_cells(nb)
         by_cell = _code_outputs(nb)
         for i in watch_cells:  # the run's figures are PNG outputs, not only a widget
@@ -139,8 +139,15 @@ def test_notebook_runs_with_its_defaults_and_keeps_its_figures(browser, lab, art
     finally:
         nb.shot("end")
         nb.close()  # saves the copy
-    if not watch_cells:
-        return
+    if watch_cells:
+        _keeps_its_figures(browser, lab, artefacts, nb, watch_cells)
+    _shows_like_its_family(name, shown, scales)
+
+
+def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells: list[int]) -> None:
+    import nbformat
+
+    name = nb.name
     # saved and reopened: every cell that watched a run shows its figures, no "model not found"
     saved = nbformat.read(lab["root"] / f"{name}.ipynb", as_version=4)
     for i in watch_cells:
