@@ -2,6 +2,7 @@
 
 - :func:`quickstart_config`: the quickstart notebook's config from its parameters, fitted to this machine.
 - :func:`generate_from_run`: text from a finished run's latest checkpoint.
+- :func:`demo_checkpoint`: a shipped demo model (trained longer than a notebook's CPU run) as a checkpoint.
 - :func:`dashboard`: the live dashboard of a :class:`workbench.run_handle.Run`.
 - :func:`run_notebook` / :func:`sweep`: notebooks headless through papermill, once or over a grid,
   with :func:`record_metrics` as the notebook's side of the sweep table.
@@ -30,6 +31,8 @@ from workbench.run_handle import Run
 __all__ = [
     "quickstart_config",
     "generate_from_run",
+    "demo_checkpoint",
+    "DEMO_MODELS",
     "dashboard",
     "run_notebook",
     "NotebookResult",
@@ -115,6 +118,32 @@ def generate_from_run(run: Run, prompts: Sequence[str] | str, **options: Any) ->
         return []
     device = cfg.parallel.device if cfg else None
     return generation.generate(root, prompts, device=device, **options)
+
+
+#: the demo models the BERT and T5 notebooks show, as Hugging Face directories (bf16) with provenance.json;
+#: made by ``train_demo_models.py`` there
+DEMO_MODELS = Path(__file__).resolve().parent / "data" / "corpus" / "pretrained"
+
+
+def demo_checkpoint(name: str, out_dir: str | Path) -> Path | None:
+    """The shipped demo model ``name`` (e.g. ``bert-tiny-kjv``) as a workbench checkpoint under ``out_dir``.
+
+    Converted once from its Hugging Face directory in :data:`DEMO_MODELS` (``hf_to_megatron``, fp32, CPU);
+    prints what it is (its ``provenance.json``).  None, saying how to make it, when this checkout lacks it.
+    """
+    from workbench.conversion import hf_to_megatron
+
+    src = DEMO_MODELS / name
+    if not (src / "config.json").is_file():
+        print(f"the demo model {name!r} is not in this checkout ({src}); make it with: "
+              f"python {DEMO_MODELS / 'train_demo_models.py'} --only {name}")
+        return None
+    dst = Path(out_dir) / name
+    if not (dst / TRACKER_FILE).is_file():
+        hf_to_megatron(src, dst, dtype="fp32", device="cpu", force=True, progress=False)
+    prov = read_json(src / "provenance.json") or {}
+    print(f"demo model {name}: {prov.get('summary', src)}")
+    return dst
 
 
 def dashboard(run: Run, **kwargs: Any):

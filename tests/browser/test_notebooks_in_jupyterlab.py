@@ -179,7 +179,7 @@ run2 = Run.launch(form.config.replace(**{"train.train_iters": 1000, "train.eval_
                                          "checkpoint.save_interval": 0, "checkpoint.save_on_exit": False}),
                   run_root=out_dir or "runs")
 print("RUN2", run2.run_dir)
-status2 = watch(run2)
+status2 = watch(run2, check=False)  # the stop is this test's own: it reads the status (a stop ends Run All: test_notebook_runs_browser.py)
 print("second run:", status2)
 """
 
@@ -204,7 +204,7 @@ def test_quickstart_form_dashboard_and_stop(browser, lab, artefacts):
         errors = [o for o in outs if o["type"] == "error"]
         assert not errors, errors
         widgets = [o for o in outs if o["widget"]]
-        assert len(widgets) >= 2 and all(o["rendered"] for o in widgets), widgets  # the form and the dashboard
+        assert widgets and all(o["rendered"] for o in widgets), widgets  # the form (a finished run's dashboard turns into its figures)
         assert not [o for o in outs if TEXT_REPR.match(o["text"] or "")]
         assert page.get_by_text("Error displaying widget").count() == 0
         text = "\n".join(o["text"] for o in outs)
@@ -260,7 +260,7 @@ def test_quickstart_form_dashboard_and_stop(browser, lab, artefacts):
         t_stop = time.time()
         dash.locator("button", has_text="stop").click()
         _wait_text(cell, r"second run: stopped", 60)
-        _wait_text(status, r"stopped", 10)
+        _wait_text(cell, r"stopped\s[\s\S]*iteration \d+/", 10)  # the dashboard, turned into its final status line and figures
         print(f"stop click -> watch returned in {time.time() - t_stop:.1f}s")
         end = time.time() + 10
         while _alive(run2) and time.time() < end:

@@ -4,6 +4,9 @@ A real ipykernel (jupyter_client), a real run (supervisor, torchrun, the fake ra
 ``tests.support``), and the messages a browser sends when a person clicks a button: a
 ``comm_msg`` ``{"method": "custom", "content": {"event": "click"}}`` to the button's comm on the
 shell channel.  The clicks must take effect while the cell that called ``watch`` is still running.
+A stop ends the cell in one line (``RunStopped``, no traceback) and the cells queued behind it
+(as "Run All" queues them) are answered "aborted" instead of running on the stopped run; the
+dashboard is replaced by a static summary and PNG figures.
 The same thing through JupyterLab in Chromium: ``tests/browser``.
 """
 
@@ -29,6 +32,17 @@ class _Widgets:
         self.state: dict[str, dict] = {}
         self.text = ""
         self.idle_for: set[str] = set()
+        self.errors: dict[str, dict] = {}  # cell msg_id -> its error content
+        self.replies: dict[str, dict] = {}  # request msg_id -> execute_reply content
+        self.outputs: dict[str, list] = {}  # cell msg_id -> [(msg_type, content)] of display messages
+
+    def _shell(self) -> None:
+        while True:
+            try:
+                msg = self.kc.get_shell_msg(timeout=0)
+            except queue.Empty:
+                return
+            self.replies[msg["parent_header"].get("msg_id")] = msg["content"]
 
     def pump(self, seconds: float) -> None:
         end = time.time() + seconds
@@ -36,8 +50,11 @@ class _Widgets:
             try:
                 msg = self.kc.get_iopub_msg(timeout=0.1)
             except queue.Empty:
+                self._shell()
                 continue
             kind, content = msg["header"]["msg_type"], msg["content"]
+            if kind in ("display_data", "update_display_data"):
+                self.outputs.setdefault(msg["parent_header"].get("msg_id"), []).append((kind, content))
             if kind == "comm_open":
                 self.state[content["comm_id"]] = dict(content["data"].get("state", {}))
             elif kind == "comm_msg" and content["data"].get("method") == "update":
@@ -46,6 +63,7 @@ class _Widgets:
                 self.text += content["text"]
             elif kind == "error":
                 self.text += "\n".join(content["traceback"])
+                self.errors[msg["parent_header"].get("msg_id")] = content
             elif kind == "status" and content["execution_state"] == "idle":
                 self.idle_for.add(msg["parent_header"].get("msg_id"))
 
@@ -90,6 +108,7 @@ def test_stop_and_stacks_buttons_act_while_watch_waits(rank_script, tmp_path):
             print("WATCH_RETURNED", status, flush=True)
         ''')
         cell = kc.execute(code)
+        marker = tmp_path / "queued-cell-ran"
         line = w.until(lambda: next((ln for ln in w.text.splitlines() if ln.startswith("RUN_DIR ")), None), 90, "the launch")
         run_dir = line.split(" ", 1)[1].strip()
         stop = w.until(lambda: w.find("ButtonModel", description="stop"), 60, "the dashboard's stop button")
@@ -109,11 +128,29 @@ def test_stop_and_stacks_buttons_act_while_watch_waits(rank_script, tmp_path):
         assert cell not in w.idle_for, "the stacks click was only served after the cell ended"
         assert time.time() - t0 < 20
 
+        # "Run All": the cells below are sent at once and wait behind the watching cell (jupyter-ui-poll
+        # holds them; it also publishes an "idle" for the watching cell as it takes each one off the queue)
+        queued = [kc.execute(f"open({str(marker)!r}, 'w').write('ran')"), kc.execute("print('QUEUED_RAN')")]
+        w.pump(1.0)
         t0 = time.time()
         w.click(stop)
-        w.until(lambda: "WATCH_RETURNED" in w.text, 40, "watch() to return after the stop click")
-        assert "WATCH_RETURNED stopped" in w.text, w.text[-2000:]
+        w.until(lambda: cell in w.errors, 40, "the watching cell to end after the stop click")
         assert time.time() - t0 < 40
+        err = w.errors[cell]
+        # a stop is said in one line, without a traceback, and the cell does not go on
+        assert err["ename"] == "RunStopped", err
+        assert len(err["traceback"]) == 1 and "stopped at iteration" in err["traceback"][0], err["traceback"]
+        assert "WATCH_RETURNED" not in w.text
+        # the dashboard became a static summary (HTML in place of the widget) and PNG figures
+        outs = w.outputs.get(cell, [])
+        updates = [c for k, c in outs if k == "update_display_data"]
+        assert updates and "text/html" in updates[-1]["data"] and "stopped" in updates[-1]["data"]["text/html"], outs
+        assert "application/vnd.jupyter.widget-view+json" not in updates[-1]["data"]
+        assert any("image/png" in c["data"] for k, c in outs if k == "display_data"), outs
+        # the cells queued behind it are aborted, not run on the stopped run
+        w.until(lambda: all(q in w.replies for q in queued), 30, "the queued cells' replies")
+        assert [w.replies[q]["status"] for q in queued] == ["aborted", "aborted"], [w.replies[q] for q in queued]
+        assert not marker.exists() and "QUEUED_RAN" not in w.text
         w.until(lambda: cell in w.idle_for, 20, "the cell to end")
         assert not [p for p in run_processes(run_dir) if p.status() != "zombie"]
         assert Run.attach(run_dir).status == "stopped"

@@ -15,7 +15,7 @@ from workbench.config import PRESETS, ConfigError, RunConfig, load_config, prese
 from workbench.run.events import EventWriter
 from workbench.plots.training import frames_from_run, training_figure
 from workbench.widgets.config_form import ConfigForm
-from workbench.widgets.dashboard import Dashboard, watch
+from workbench.widgets.dashboard import Dashboard, RunFailed, watch
 
 from tests.support import RANK_SCRIPT, run_processes, wait_until
 
@@ -211,8 +211,46 @@ def test_watch_headless_prints_progress_and_static_plots(tmp_path, capsys):
     assert "IPython.core.display.Image" in out or "<IPython" in out  # static images displayed (outside a kernel: reprs)
 
 
+def test_watch_raises_one_line_for_a_failed_run(tmp_path, capsys):
+    """A run that did not finish: watch shows its figures and failure, then raises (one line in a notebook)."""
+    run = Run.attach(_synthetic_run(tmp_path / "r", fail_rank=1))
+    with pytest.raises(RunFailed) as info:
+        watch(run, live=False, interval=0.05)
+    out = capsys.readouterr().out
+    assert "run failed" in out and "rank 1 failed" in out and "<IPython" in out  # failure and figures first
+    lines = info.value._render_traceback_()
+    assert len(lines) == 1 and "\n" not in lines[0] and "failed at iteration" in lines[0] and "rank 1: " in lines[0], lines
+    assert info.value.status == "failed" and info.value.run is run
+    assert watch(run, live=False, interval=0.05, show=False, check=False) == "failed"
+
+
+def test_live_watch_leaves_a_static_summary_and_figures(tmp_path):
+    """Live, the dashboard is displayed with a display id; when the run ends that output becomes HTML
+    (no widget a saved notebook could not show) and the figures follow as PNG images."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    published = []
+    shell.display_pub.publish = lambda data, metadata=None, *a, **k: published.append((data, k))
+    try:
+        run = Run.attach(_synthetic_run(tmp_path / "r"))
+        assert watch(run, live=True, interval=0.05) == "finished"
+    finally:
+        InteractiveShell.clear_instance()
+    widget, *rest = published
+    assert "application/vnd.jupyter.widget-view+json" in widget[0]
+    display_id = widget[1]["transient"]["display_id"]
+    update = next(p for p in rest if p[1].get("update"))
+    assert update[1]["transient"]["display_id"] == display_id
+    assert "finished" in update[0]["text/html"] and "iteration 5/5" in update[0]["text/html"]
+    assert "application/vnd.jupyter.widget-view+json" not in update[0]
+    pngs = [d for d, _k in rest if "image/png" in d]
+    assert pngs, [list(d) for d, _k in rest]
+
+
 def test_interrupting_watch_stops_the_run(tmp_path):
-    """Kernel interrupt (SIGINT -> KeyboardInterrupt) while watch() blocks: the run is stopped."""
+    """Kernel interrupt (SIGINT -> KeyboardInterrupt) while watch() blocks: the run is stopped, and watch says so
+    by raising RunStopped (one line), so the cells after it do not run."""
     import signal
     import subprocess
     import sys
@@ -228,10 +266,13 @@ def test_interrupting_watch_stops_the_run(tmp_path):
         signal.signal(signal.SIGINT, signal.default_int_handler)
         from workbench.run_handle import Run
         from workbench.config import preset
-        from workbench.widgets.dashboard import watch
+        from workbench.widgets.dashboard import RunStopped, watch
         run = Run.launch(preset("tiny"), run_root={str(tmp_path / "runs")!r}, entry=[{str(script)!r}], env={{"FAKE_MODE": "slow"}})
         print(run.run_dir, flush=True)
-        print("watch returned", watch(run, live=False, interval=0.1, show=False), flush=True)
+        try:
+            print("watch returned", watch(run, live=False, interval=0.1, show=False), flush=True)
+        except RunStopped as e:  # a run that did not finish ends the cell (and Run All) in one line
+            print("watch raised", type(e).__name__, e.status, "|", e._render_traceback_(), flush=True)
         '''
     )
     k = subprocess.Popen([sys.executable, "-c", kernel], stdout=subprocess.PIPE, text=True)
@@ -240,7 +281,7 @@ def test_interrupting_watch_stops_the_run(tmp_path):
         wait_until(lambda: run.events("step"), 60, "a step")
         k.send_signal(signal.SIGINT)
         out, _ = k.communicate(timeout=60)
-        assert "watch returned stopped" in out
+        assert "watch raised RunStopped stopped" in out and "(kernel interrupt)" in out, out
         assert run_processes(run.run_dir) == []
         assert run.status == "stopped"
     finally:

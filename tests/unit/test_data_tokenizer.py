@@ -175,3 +175,11 @@ def test_wordpiece_export_carries_berts_roles_for_fill_mask(tmp_path):
     assert (hf.mask_token, hf.cls_token, hf.sep_token, hf.pad_token, hf.unk_token) == ("[MASK]", "[CLS]", "[SEP]", "[PAD]", "[UNK]")
     assert hf.mask_token_id == tok.token_to_id("[MASK]") and len(hf) == tok.vocab_size
     assert hf("and god said", add_special_tokens=False)["input_ids"] == tok.encode("and god said")
+
+
+def test_fill_mask_result_quotes_its_candidates():
+    from workbench.models.bert.fill_mask import FillMaskResult
+
+    r = FillMaskResult("the [MASK] and the [MASK].", [[("heaven", 0.5), (",", 0.2)], [("earth", 0.4)]])
+    assert r.filled == "the heaven and the earth."
+    assert str(r) == "the heaven and the earth.    ['heaven' 0.50, ',' 0.20 | 'earth' 0.40]"

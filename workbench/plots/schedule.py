@@ -3,6 +3,8 @@
 Blocks are coloured by micro-batch (forward lighter, backward darker), model chunks of an
 interleaved schedule get a distinct edge style and lightness, idle time is hatched, and
 each title carries the bubble fraction (idle / compute, see :mod:`workbench.schedules`).
+Each block is labelled with its pass, micro-batch and (interleaved) chunk at 8.5-10 pt where
+that fits the block (:func:`block_label`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Sequence
 from workbench.run.reader import RunReader
 from workbench.schedules import MeasuredStep, Timeline, load_measured, measured_report
 
-__all__ = ["gantt", "compare", "overlay", "measured_overlay"]
+__all__ = ["gantt", "compare", "overlay", "measured_overlay", "block_label", "LABEL_SIZES"]
 
 _CHUNK_STYLES = ["-", "--", ":", "-."]
 
@@ -57,9 +59,44 @@ def _colour(mb: int, m: int, kind: str, chunk: int, v: int):
     return mcolors.to_hex((r + (1 - r) * light, g + (1 - g) * light, b + (1 - b) * light))
 
 
-def _draw_rows(ax, tl: Timeline, y0: float, height: float, label_prefix: str, labels: bool, alpha: float = 1.0):
-    """Draw every rank of ``tl`` as one row starting at y0 (rank r at y0 + r)."""
-    step = tl.step_time or 1.0
+#: block labels: the largest size that fits the block, never smaller than the smallest (points)
+LABEL_SIZES = (10.0, 9.0, 8.5)
+_CHAR_EM = 0.62  # average glyph width of the default sans-serif font, in ems
+_LINE_EM = 1.25  # line height, in ems
+
+
+def _axes_points(ax, xspan: float, yspan: float) -> tuple[float, float]:
+    """Points per data unit along x and y of ``ax`` (its current position in its figure)."""
+    pos = ax.get_position()
+    w_in, h_in = ax.figure.get_size_inches()
+    return pos.width * w_in * 72.0 / xspan, pos.height * h_in * 72.0 / yspan
+
+
+def block_label(kind: str, microbatch: int, chunk: int, v: int, width_pt: float, height_pt: float) -> tuple[str, float] | None:
+    """The label of one schedule block and its font size, or None when no label fits.
+
+    A block says its pass and micro-batch (``F3``, ``B3``); with several model chunks per rank
+    (interleaved) also its chunk (``F3 c1`` on one line, or ``F3`` over ``c1`` in a narrow block).
+    Each size of :data:`LABEL_SIZES` is tried, largest first; a chunk is never left out of an
+    interleaved block's label: if it fits nowhere, the block has no label."""
+    head = f"{kind}{microbatch}"
+    layouts = [head] if v <= 1 else [f"{head} c{chunk}", f"{head}\nc{chunk}"]
+    for size in LABEL_SIZES:
+        for text in layouts:
+            lines = text.split("\n")
+            wide = max(map(len, lines)) * _CHAR_EM * size
+            tall = len(lines) * _LINE_EM * size
+            if wide <= width_pt * 0.92 and tall <= height_pt * 0.95:
+                return text, size
+    return None
+
+
+def _draw_rows(ax, tl: Timeline, y0: float, height: float, label_prefix: str, labels: bool, alpha: float = 1.0,
+               blocks: list | None = None):
+    """Draw every rank of ``tl`` as one row starting at y0 (rank r at y0 + r).
+
+    With ``labels``, each block is appended to ``blocks`` for :func:`_label_blocks`, which labels
+    them once the figure's layout is final (a label's size depends on the block's size in points)."""
     for r in range(tl.p):
         y = y0 + r
         for a, b in tl.idle_gaps(r):
@@ -70,11 +107,21 @@ def _draw_rows(ax, tl: Timeline, y0: float, height: float, label_prefix: str, la
             ax.broken_barh([(o.start, o.duration)], (y - height / 2, height), facecolors=colour,
                            edgecolors="black", linewidth=0.6, linestyle=_CHUNK_STYLES[o.chunk % len(_CHUNK_STYLES)],
                            alpha=alpha)
-            if labels and o.duration / step > 0.012 * max(len(str(o.microbatch)), 1):
-                text = f"{o.kind}{o.microbatch}" + (f"\u2009c{o.chunk}" if tl.v > 1 and o.duration / step > 0.03 else "")
-                ax.text(o.start + o.duration / 2, y, text, ha="center", va="center", fontsize=7,
-                        color="white" if o.kind == "B" else "black", clip_on=True)
+            if labels and blocks is not None:
+                blocks.append((o.start, o.duration, y, height, o.kind, o.microbatch, o.chunk, tl.v))
     return [f"{label_prefix}rank {r}" for r in range(tl.p)]
+
+
+def _label_blocks(ax, blocks: list) -> None:
+    """Label the blocks of ``ax`` (from :func:`_draw_rows`) at the size :func:`block_label` picks for each."""
+    x0, x1 = ax.get_xlim()
+    y0, y1 = ax.get_ylim()
+    px, py = _axes_points(ax, abs(x1 - x0), abs(y1 - y0))
+    for start, duration, y, height, kind, mb, chunk, v in blocks:
+        label = block_label(kind, mb, chunk, v, duration * px, height * py)
+        if label is not None:
+            ax.text(start + duration / 2, y, label[0], ha="center", va="center", fontsize=label[1],
+                    linespacing=1.0, color="white" if kind == "B" else "black", clip_on=True)
 
 
 def _title(tl: Timeline, name: str | None = None) -> str:
@@ -84,25 +131,34 @@ def _title(tl: Timeline, name: str | None = None) -> str:
 
 def gantt(tl: Timeline, ax=None, title: str | None = None, labels: bool = True):
     """One Gantt chart: a row per pipeline rank (rank 0 on top). Returns the Figure."""
-    from matplotlib.patches import Patch
-
-    if ax is None:
+    own = ax is None
+    if own:
         fig = _figure(figsize=(12, 0.6 * tl.p + 1.6))
         ax = fig.subplots()
-    else:
-        fig = ax.figure
-    names = _draw_rows(ax, tl, 0, 0.8, "", labels)
+    blocks = _gantt_axes(ax, tl, title, labels, (tl.step_time or 1.0) * 1.01)
+    if own:
+        ax.figure.tight_layout()
+    _label_blocks(ax, blocks)
+    return ax.figure
+
+
+def _gantt_axes(ax, tl: Timeline, title: str | None, labels: bool, xspan: float) -> list:
+    """Draw ``tl`` into ``ax`` over a time axis of length ``xspan``; returns the blocks to label."""
+    from matplotlib.patches import Patch
+
+    blocks: list = []
+    names = _draw_rows(ax, tl, 0, 0.8, "", labels, blocks=blocks)
     ax.set_yticks(range(tl.p), names)
     ax.set_ylim(tl.p - 0.5, -0.5)
-    ax.set_xlim(0, (tl.step_time or 1.0) * 1.01)
+    ax.set_xlim(0, xspan)
     ax.set_xlabel(f"time ({tl.unit})")
     ax.set_title(title or _title(tl), fontsize=10, loc="left")
     handles = [Patch(facecolor=_colour(0, tl.m, "F", 0, tl.v), edgecolor="black", label="forward"),
                Patch(facecolor=_colour(0, tl.m, "B", 0, tl.v), edgecolor="black", label="backward"),
                Patch(facecolor="none", edgecolor="0.6", hatch="///", label="idle (bubble)")]
-    ax.legend(handles=handles, loc="lower right", fontsize=7, ncol=3, framealpha=0.8,
+    ax.legend(handles=handles, loc="lower right", fontsize=8, ncol=3, framealpha=0.8,
               bbox_to_anchor=(1.0, 1.0), bbox_transform=ax.transAxes, borderaxespad=0.2)
-    return fig
+    return blocks
 
 
 def compare(timelines: Sequence[Timeline], titles: Sequence[str] | None = None, share_x: bool = True):
@@ -110,29 +166,32 @@ def compare(timelines: Sequence[Timeline], titles: Sequence[str] | None = None, 
     heights = [0.6 * t.p + 1.0 for t in timelines]
     fig = _figure(figsize=(12, sum(heights) + 0.5))
     axes = fig.subplots(len(timelines), 1, sharex=share_x, gridspec_kw={"height_ratios": heights}, squeeze=False)
+    longest = max(t.step_time for t in timelines) * 1.01
+    blocks = []
     for i, (tl, ax) in enumerate(zip(timelines, axes[:, 0])):
-        gantt(tl, ax=ax, title=titles[i] if titles else None)
+        blocks.append(_gantt_axes(ax, tl, titles[i] if titles else None, True,
+                                  longest if share_x else (tl.step_time or 1.0) * 1.01))
         if i < len(timelines) - 1:
             ax.set_xlabel("")
-    if share_x:
-        axes[0, 0].set_xlim(0, max(t.step_time for t in timelines) * 1.01)
     fig.tight_layout()
+    for ax, bl in zip(axes[:, 0], blocks):
+        _label_blocks(ax, bl)
     return fig
 
 
 def overlay(measured: Timeline, ideal: Timeline, report: dict[str, Any] | None = None, title: str | None = None):
     """For each rank, the ideal row (faded) directly above the measured row, same time axis."""
     p = measured.p
-    fig = _figure(figsize=(13, 1.1 * p + 1.8))
+    fig = _figure(figsize=(12, 1.1 * p + 1.8))  # 12 in at 100 dpi: shown near full size in a notebook
     ax = fig.subplots()
     step = max(measured.step_time, ideal.step_time) or 1.0
-    yt, yl = [], []
+    yt, yl, blocks = [], [], []
     for r in range(p):
         for tl, dy, name, alpha in ((ideal, 0.0, "ideal", 0.55), (measured, 0.45, "measured", 1.0)):
             one = Timeline(tl.schedule, 1, tl.m, tl.v, [tl.ops[r]], tl.forward, tl.backward, tl.latency, unit=tl.unit)
             # keep the full step length so trailing idle time is hatched
             gaps_end = tl.step_time
-            _draw_rows(ax, one, 1.1 * r + dy, 0.38, "", labels=name == "measured", alpha=alpha)
+            _draw_rows(ax, one, 1.1 * r + dy, 0.38, "", labels=name == "measured", alpha=alpha, blocks=blocks)
             last = tl.ops[r][-1].end if tl.ops[r] else 0.0
             if gaps_end > last:
                 ax.broken_barh([(last, gaps_end - last)], (1.1 * r + dy - 0.19, 0.38), facecolors="none",
@@ -151,6 +210,7 @@ def overlay(measured: Timeline, ideal: Timeline, report: dict[str, Any] | None =
             title += f", iteration {report['iteration']}"
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
+    _label_blocks(ax, blocks)
     return fig
 
 

@@ -6,17 +6,23 @@ and updates widgets in place (status line, progress bar with ETA, training figur
 pipeline-schedule figure as PNG ``Image`` widgets, log tail, failure box).  Widget state
 changes are sent from that thread over the kernel's IOPub channel, which is thread-safe.
 
-:func:`watch` waits until the run ends, so the notebook's next cells see a finished run:
-live it shows the dashboard; headless (papermill, plain Python) it prints a progress bar and
-finishes with static PNG plots, so the executed notebook and its HTML export carry the
-figures.  Interrupting the kernel during ``watch`` stops the run.
+:func:`watch` waits until the run ends, so the notebook's next cells see a finished run.
+Live it shows the dashboard and, when the run ends, replaces it with a static summary and the
+final figures as PNG outputs, so a saved notebook and its HTML export keep them (a widget's
+state is not saved with the notebook).  Headless (papermill, plain Python) it prints a
+progress bar and finishes with the same static PNG figures.  A run that did not finish
+(stopped by the stop button, ``Run.stop``, a kernel interrupt or ``timeout``; or failed)
+raises :class:`RunStopped` / :class:`RunFailed`: a notebook shows it as one line, and "Run
+All" halts at that cell, so nothing below it launches more work on a run that ended early.
 
 Why the buttons work while ``watch`` waits: a click is a comm message on the kernel's shell
 channel, which the kernel reads only between cells, so a cell that sleeps would queue every
 click until it ends.  Live, ``watch`` therefore waits by serving the kernel's pending shell
-messages (``jupyter-ui-poll``: comm messages such as the stop and stacks buttons run at once,
-cells queued meanwhile run after this one).  ``watch(run, until_done=False)`` returns at once
-instead and leaves the dashboard running on its own.
+messages (``jupyter-ui-poll``: comm messages such as the stop and stacks buttons run at once;
+cells queued meanwhile are held and run after this one, or are answered "aborted", as the
+kernel does with cells queued behind a failing cell, when this cell ends in an error).
+``watch(run, until_done=False)`` returns at once instead and leaves the dashboard running on
+its own.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from workbench.plots.training import figure_png, frames_from_run, training_figure
 
-__all__ = ["Dashboard", "watch", "static_figures", "planner_memory", "is_headless"]
+__all__ = ["Dashboard", "watch", "static_figures", "planner_memory", "is_headless", "RunEnded", "RunStopped", "RunFailed"]
 
 _STATUS_COLOURS = {"starting": "#888", "running": "#1f77b4", "finished": "#2ca02c", "failed": "#d62728", "stopped": "#ff7f0e"}
 
@@ -64,10 +70,52 @@ def planner_memory(cfg) -> Mapping[int, float] | float | None:
     return out or None
 
 
+class RunEnded(Exception):
+    """A watched run ended without finishing; :func:`watch` raises it so that "Run All" halts at that cell.
+
+    IPython shows it as its one-line message (``_render_traceback_``), not as a traceback: a run
+    that was stopped or failed is news about the run, not a bug in the cell.  ``status`` is the
+    run's final status, ``run`` the :class:`workbench.run_handle.Run`.
+    """
+
+    def __init__(self, message: str, status: str, run=None):
+        super().__init__(message)
+        self.status, self.run = status, run
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]
+
+
+class RunStopped(RunEnded):
+    """The run was stopped before it finished (stop button, ``Run.stop``, a kernel interrupt, a timeout)."""
+
+
+class RunFailed(RunEnded):
+    """A rank of the run failed (which one and why: ``run.failure``, shown above by :func:`watch`)."""
+
+
+def _ended_early(run, status: str, why: str | None) -> RunEnded:
+    """The exception :func:`watch` raises for a run that ended ``status`` (not finished)."""
+    it, total, _eta = run.progress()
+    where = f"at iteration {it}/{total}" if total else f"at iteration {it}"
+    if status == "failed":
+        f = run.failure
+        first = (f.message or "").strip().splitlines()[:1] if f is not None else []
+        who = f"rank {f.rank}: " if f is not None and f.rank is not None else ""
+        cause = f" ({who}{first[0]})" if first else ""
+        return RunFailed(f"The run failed {where}{cause}; see its failure above. Run All stops here: "
+                         f"the cells below did not run. {run.run_dir}", status, run)
+    return RunStopped(f"The run was stopped {where}{f' ({why})' if why else ''}. Run All stops here: the cells "
+                      f"below did not run (run them one by one to use what the run saved). {run.run_dir}", status, run)
+
+
 @contextlib.contextmanager
 def ui_events() -> Iterator[Callable[[int], Any] | None]:
     """In a live kernel: a function that serves the kernel's pending shell messages (widget clicks)
-    while a cell waits (``jupyter_ui_poll.ui_events``); None elsewhere (no kernel, or no jupyter-ui-poll)."""
+    while a cell waits (``jupyter_ui_poll.ui_events``); None elsewhere (no kernel, or no jupyter-ui-poll).
+
+    Cells queued while it serves (e.g. by "Run All") are held by jupyter-ui-poll and run after this
+    cell; when this cell ends in an error they are answered "aborted" instead (:func:`_abort_held_on_error`)."""
     try:
         from IPython import get_ipython
         from jupyter_ui_poll import ui_events as _ui_events
@@ -79,8 +127,38 @@ def ui_events() -> Iterator[Callable[[int], Any] | None]:
     except Exception:
         yield None
         return
+    _abort_held_on_error(shell, ctx)
     with ctx as poll:
         yield poll
+
+
+def _abort_held_on_error(shell, held) -> None:
+    """When the current cell ends in an error, answer the execute requests jupyter-ui-poll holds "aborted".
+
+    The kernel aborts the requests queued behind a cell that fails (``stop_on_error``, what "Run
+    All" sends); the ones jupyter-ui-poll took off the queue while this cell waited would be
+    replayed after it regardless.  This runs at the cell's ``post_run_cell``, before that replay,
+    and empties the held list (``KernelWrapper._events``, jupyter-ui-poll 1.x) the same way the
+    kernel answers an aborted request (``_send_abort_reply``).
+    """
+    if getattr(held, "_workbench_abort_hook", False):
+        return
+    held._workbench_abort_hook = True
+    kernel = shell.kernel
+
+    def post_run_cell(result) -> None:
+        shell.events.unregister("post_run_cell", post_run_cell)
+        requests = getattr(held, "_events", None)
+        if result.success or not requests:
+            return
+        parent = kernel.get_parent() if hasattr(kernel, "get_parent") else getattr(kernel, "_parent_header", {})
+        if not ((parent or {}).get("content") or {}).get("stop_on_error", True):
+            return
+        for stream, ident, request in requests:
+            kernel._send_abort_reply(stream, request, ident)
+        requests.clear()
+
+    shell.events.register("post_run_cell", post_run_cell)
 
 
 def _wait(seconds: float, poll: Callable[[int], Any] | None) -> None:
@@ -95,6 +173,13 @@ def _wait(seconds: float, poll: Callable[[int], Any] | None) -> None:
         if left <= 0:
             return
         time.sleep(min(0.05, left))
+
+
+def _close_tree(widget) -> None:
+    """Close a widget and every widget under it (their comms and front-end models)."""
+    for child in getattr(widget, "children", ()) or ():
+        _close_tree(child)
+    widget.close()
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -273,36 +358,65 @@ class Dashboard:
 
         display(self.widget)
 
+    def leave_static(self, handle=None) -> None:
+        """Replace the live dashboard by what a saved notebook can show: its final status line (with the
+        failure and the log tail) as HTML, then the training and schedule figures as PNG outputs.
+
+        ``handle``: the ``DisplayHandle`` the dashboard's widget was displayed with (``display(...,
+        display_id=True)``); it is updated in place.  The widgets are closed afterwards."""
+        from IPython.display import HTML, Image, display
+
+        parts = [f"<div>{self.status.value}</div>"]
+        if self.failure.layout.display != "none" and self.failure.value:
+            parts.append(self.failure.value)
+        parts.append(f"<details><summary>log tail</summary>{self.log.value}</details>")
+        summary = HTML("".join(parts))
+        if handle is not None:
+            handle.update(summary)
+        else:
+            display(summary)
+        for png in (self.figure.value, self.schedule.value if self.schedule.layout.display != "none" else b""):
+            if png:
+                display(Image(data=bytes(png), format="png"))
+        _close_tree(self.widget)
+
     def static(self) -> list:
         """The current figures as IPython PNG images (for papermill / HTML export)."""
         return static_figures(self.run, self.predicted_memory)
 
 
 def watch(run, until_done: bool = True, *, live: bool | None = None, interval: float = 1.0,
-          timeout: float | None = None, show: bool = True) -> str:
+          timeout: float | None = None, show: bool = True, check: bool = True) -> str:
     """Follow a run until it ends and show its plots; returns the final status.
 
     live (default: auto): the ipywidgets dashboard updating in place; its stop and stacks
-    buttons work while this waits (the kernel's widget messages are served meanwhile).
+    buttons work while this waits (the kernel's widget messages are served meanwhile).  When
+    the run ends the dashboard is replaced by a static summary and the final figures as PNG
+    outputs (:meth:`Dashboard.leave_static`), which a saved notebook keeps.
     ``until_done=False``: show the dashboard and return at once.  Headless: a text progress
     bar, the failure (rank + traceback) if any, then static PNG figures.  A kernel interrupt
-    (or Ctrl-C) while waiting stops the run.
+    (or Ctrl-C) or ``timeout`` seconds stop the run.
+
+    ``check`` (default): a run that did not finish raises :class:`RunStopped` or
+    :class:`RunFailed` after its figures are shown (one line in a notebook; "Run All" halts
+    there).  ``check=False`` returns the status instead.
     """
     from tqdm import tqdm
 
     live = (not is_headless()) if live is None else live
-    dash = None
+    dash = handle = None
     if live:
         from IPython.display import display
 
         dash = Dashboard(run, interval=interval)
-        display(dash)
+        handle = display(dash.widget, display_id=True)  # replaced by the static summary when the run ends
         if not until_done:
             return run.status
     end = None if timeout is None else time.time() + timeout
     total = run.config.train.train_iters if run.config else None
     bar = None if live else tqdm(total=total, desc=run.run_dir.name, unit="it", file=sys.stdout, mininterval=5.0,
                                  disable=not show)
+    why = None
     ui = contextlib.ExitStack()
     try:
         poll = ui.enter_context(ui_events()) if live else None
@@ -315,11 +429,13 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
             if st in ("finished", "failed", "stopped") and not run.is_alive():
                 break
             if end is not None and time.time() > end:
+                why = f"watch's timeout of {timeout:g} s"
                 print(f"watch: timeout after {timeout}s; stopping the run", flush=True)
                 run.stop()
                 break
             _wait(interval, poll)
     except KeyboardInterrupt:
+        why = "kernel interrupt"
         print("interrupted: stopping the run", flush=True)
         run.stop()
     finally:
@@ -330,6 +446,8 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
     if dash is not None:
         dash.update(force=True)
         dash.close()
+        if show:
+            dash.leave_static(handle)
     elif show:
         from IPython.display import display
 
@@ -339,6 +457,8 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
             print(str(f))
         for img in static_figures(run):
             display(img)
+    if check and st != "finished":
+        raise _ended_early(run, st, why)
     return st
 
 

@@ -33,7 +33,8 @@ class FillMaskResult:
         return out
 
     def __str__(self) -> str:
-        alts = "; ".join(", ".join(f"{t} {p:.2f}" for t, p in preds) for preds in self.predictions)
+        """The filled-in text, then each mask's candidates quoted (a punctuation candidate stays visible as one)."""
+        alts = " | ".join(", ".join(f"{t!r} {p:.2f}" for t, p in preds) for preds in self.predictions)
         return f"{self.filled}    [{alts}]"
 
 

@@ -1,0 +1,213 @@
+"""The notebooks as a researcher runs them in JupyterLab (headless Chromium; set-up in conftest.py).
+
+- Every notebook runs to the end through "Run All" with its own defaults (no parameter injected): no cell
+  fails, every cell runs, every widget is drawn, the console stays clean; what it shows looks like what its
+  model family does (BERT fills in words, T5 fills in its sentinels with words; the interleaved Gantt chart
+  is drawn at a scale where its block labels are readable).
+- Saved and reopened, a notebook keeps the figures of its runs: each cell that watched a run shows PNG
+  figures and no "Error displaying widget"; its HTML export carries them too.
+- Stop during "Run All" halts the notebook: the watching cell says so in one line and the cells below it
+  do not run (no evaluation, no generation, no metrics written on the stopped run).
+
+A screenshot of every step goes to ``<artefacts>/screenshots``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.browser.test_notebooks_in_jupyterlab import NOTEBOOKS, TEXT_REPR, Notebook, _alive, _wait_text
+
+pytestmark = pytest.mark.slow
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+ALL = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
+RUN_ALL_SECONDS = {"07_bert": 900, "08_t5": 600, "01_quickstart": 420}
+WATCH = re.compile(r"(^|\W)watch\(")
+
+CELL_SOURCES_JS = """() => {
+  const nb = window.jupyterapp.shell.currentWidget.content;
+  return nb.widgets.map(c => c.model.type === 'code' ? c.model.sharedModel.getSource() : null);
+}"""
+
+# what every cell's output area shows, in full
+OUTPUT_TEXT_JS = """() => window.jupyterapp.shell.currentWidget.content.widgets.map(
+  c => c.model.type === 'code' ? c.outputArea.node.innerText : '').join('\\n')"""
+
+# natural vs displayed width of every figure a cell output (PNG), e.g. the schedules notebook's Gantt charts
+IMAGES_JS = """() => Array.from(document.querySelectorAll('.jp-RenderedImage img')).map(
+  i => ({natural: i.naturalWidth, shown: i.getBoundingClientRect().width}))"""
+
+
+def _code_outputs(nb: Notebook) -> dict[int, list[dict]]:
+    """Outputs by code-cell index (the page's cell index), from the page."""
+    by: dict[int, list[dict]] = {}
+    for o in nb.outputs():
+        by.setdefault(o["cell"], []).append(o)
+    return by
+
+
+def _watch_cells(nb: Notebook) -> list[int]:
+    sources = nb.page.evaluate(CELL_SOURCES_JS)
+    return [i for i, s in enumerate(sources) if s is not None and WATCH.search(s)]
+
+
+def _check_ran_to_the_end(nb: Notebook) -> list[dict]:
+    st = nb.page.evaluate("""() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      return nb.widgets.filter(c => c.model.type === 'code').map(c => c.model.executionCount);
+    }""")
+    outs = nb.outputs()
+    errors = [o for o in outs if o["type"] == "error"]
+    assert not errors, f"{nb.name}: cells failed: {errors}"
+    assert all(c is not None for c in st), f"{nb.name}: cells that did not run: {st}"
+    # a widget is drawn, or it was closed by its own code (a finished progress bar: nothing left to show)
+    bad = [o for o in outs if o["widget"] and ((not o["rendered"] and o["text"].strip()) or "Error displaying widget" in o["text"])]
+    assert not bad, f"{nb.name}: widgets not drawn: {bad}"
+    assert not [o for o in outs if TEXT_REPR.match(o["text"] or "")], f"{nb.name}: text reprs instead of widgets"
+    return outs
+
+
+def _shows_like_its_family(name: str, text: str, scales: list[dict]) -> None:
+    """What the notebook showed (``text``: its outputs' text; ``scales``: its figures' natural and shown widths)
+    looks like what its family does."""
+    if name in ("07_bert", "08_t5"):
+        from tests.notebooks.test_notebooks import BERT_WORDS, T5_WORDS
+
+        assert "the demo model:" in text, text[-3000:]
+        lines = [ln.strip() for ln in text.split("the demo model:", 1)[1].splitlines() if "[" in ln or "->" in ln]
+        if name == "07_bert":  # the masks filled with the verse's words, candidates quoted
+            best = [m.group(1) for m in (re.search(r"\['([^']+)' \d\.\d\d", ln) for ln in lines) if m]
+            assert sum(b == w for b, w in zip(best, BERT_WORDS)) >= len(BERT_WORDS) - 1, lines
+        else:  # each sentinel filled with words, not only more sentinels
+            said = [re.sub(r"<extra_id_\d+>|<\|endoftext\|>", " ", ln.rsplit("->", 1)[1]) for ln in lines]
+            assert sum(w in s for w, s in zip(T5_WORDS, said)) >= len(T5_WORDS) - 1, lines
+    elif name == "03_pipeline_schedules":
+        # block labels are 8.5 pt or more at 100 dpi (11.8 px in the PNG): shown at >= 85% they are >= 10 px
+        imgs = [i for i in scales if i["natural"] >= 1000]
+        assert imgs and all(i["shown"] / i["natural"] >= 0.85 for i in imgs), imgs
+
+
+def _reopen(browser, lab, artefacts: Path, name: str):
+    """The saved copy opened again in a fresh page (a new kernel: no widget model survives)."""
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.set_default_timeout(60_000)
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
+    page.goto(f"{lab['url']}/lab/workspaces/{name}-reopened/tree/{name}.ipynb?reset&token={lab['token']}")
+    page.wait_for_selector(".jp-Notebook", timeout=120_000)
+    try:
+        page.locator(".jp-Dialog button", has_text="Select").click(timeout=3_000)
+    except Exception:
+        pass
+    page.wait_for_function("() => window.jupyterapp?.shell?.currentWidget?.content?.widgets?.length > 0", timeout=60_000)
+    time.sleep(3.0)  # widget outputs try to find their models
+    return page, console
+
+
+def _close(page, lab) -> None:
+    session = page.evaluate("() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.id || null")
+    page.close()
+    if session:
+        req = urllib.request.Request(f"{lab['url']}/api/sessions/{session}?token={lab['token']}", method="DELETE")
+        try:
+            urllib.request.urlopen(req, timeout=30).close()
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_notebook_runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name):
+    nb = Notebook(browser, lab, artefacts, name, {})
+    try:
+        took = nb.run_all(RUN_ALL_SECONDS.get(name, 300))
+        nb.shot("ran-all")
+        print(f"{name} ran with its defaults in {took:.0f}s")
+        _check_ran_to_the_end(nb)
+        shown = nb.page.evaluate(OUTPUT_TEXT_JS)
+        scales = nb.page.evaluate(IMAGES_JS)
+        watch_cells = _watch_cells(nb)
+        by_cell = _code_outputs(nb)
+        for i in watch_cells:  # the run's figures are PNG outputs, not only a widget
+            assert not [o for o in by_cell.get(i, []) if o["widget"]], f"{name}: cell {i} still holds the dashboard widget"
+        assert not nb.console, nb.console
+    finally:
+        nb.shot("end")
+        nb.close()  # saves the copy
+    if watch_cells:
+        _keeps_its_figures(browser, lab, artefacts, nb, watch_cells)
+    _shows_like_its_family(name, shown, scales)
+
+
+def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells: list[int]) -> None:
+    import nbformat
+
+    name = nb.name
+    # saved and reopened: every cell that watched a run shows its figures, no "model not found"
+    saved = nbformat.read(lab["root"] / f"{name}.ipynb", as_version=4)
+    for i in watch_cells:
+        data = [o.get("data", {}) for o in saved.cells[i].get("outputs", [])]
+        assert any("image/png" in d for d in data), f"{name}: cell {i} saved without its figures"
+        assert not any(WIDGET_MIME in d for d in data), f"{name}: cell {i} saved a widget a reopened notebook cannot show"
+    page, _console = _reopen(browser, lab, artefacts, name)
+    try:
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        for k, i in enumerate(watch_cells):
+            cell = cells.nth(i)
+            cell.scroll_into_view_if_needed()
+            page.screenshot(path=str(artefacts / "screenshots" / f"{name}-{nb.step + 1 + k:02d}-reopened-cell-{i}.png"))
+            assert cell.locator(".jp-OutputArea-output img").count() >= 1, f"{name}: reopened cell {i} shows no figure"
+            assert "Error displaying widget" not in cell.inner_text(), f"{name}: reopened cell {i}: {cell.inner_text()[:500]}"
+    finally:
+        _close(page, lab)
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter().from_notebook_node(saved)
+    assert body.count("data:image/png") >= len(watch_cells)
+
+
+def test_stop_during_run_all_halts_the_notebook(browser, lab, artefacts):
+    """01 with a long run: "Run All", then stop from the dashboard while it trains."""
+    from playwright.sync_api import expect
+
+    out = artefacts / "stop-out"
+    nb = Notebook(browser, lab, artefacts, "01_quickstart", {"steps": 5000, "out_dir": str(out)})
+    page = nb.page
+    try:
+        nb.command("notebook:run-all-cells")
+        watch_cell = _watch_cells(nb)[0]
+        cell = page.locator(".jp-Notebook .jp-Cell").nth(watch_cell)
+        dash = cell.locator(".jupyter-widgets").first
+        status = dash.locator(".widget-html").first
+        _wait_text(status, r"running.*iteration [1-9]", 300)
+        run_dir = Path(re.search(r"run directory: (\S+)", _wait_text(page.locator(".jp-Notebook"), r"run directory: \S+", 10)).group(1))
+        nb.shot("running")
+        dash.locator("button", has_text="stop").click()
+        nb.wait_idle(120)
+        cell.locator(".jp-OutputArea-output").last.scroll_into_view_if_needed()
+        nb.shot("stopped")
+        outs = _code_outputs(nb)
+        errors = [o for o in nb.outputs() if o["type"] == "error"]
+        # said in one line, as what happened to the run, not as a traceback
+        assert [e["ename"] for e in errors] == ["RunStopped"], errors
+        assert errors[0]["cell"] == watch_cell
+        line = errors[0]["text"].strip()
+        assert "\n" not in line and "stopped at iteration" in line and "Traceback" not in line, line
+        expect(cell.locator(".jp-OutputArea-output img").first).to_be_visible()  # the figures up to the stop
+        # nothing below it ran: no evaluation, no metrics, no generation on the stopped run
+        counts = page.evaluate("""() => window.jupyterapp.shell.currentWidget.content.widgets.map(
+            c => c.model.type === 'code' ? c.model.executionCount : 'md')""")
+        below = [c for c in counts[watch_cell + 1:] if c != "md"]
+        assert below and all(c is None for c in below), counts
+        assert not any(outs.get(i) for i in range(watch_cell + 1, len(counts))), outs
+        assert not (out / "metrics.json").exists()
+        assert not _alive(str(run_dir)), _alive(str(run_dir))
+        assert not nb.console, nb.console
+    finally:
+        nb.shot("end")
+        nb.close()

@@ -1,0 +1,138 @@
+"""Train the demo models the BERT and T5 notebooks show, and export them into this directory.
+
+    python workbench/data/corpus/pretrained/train_demo_models.py [--device cuda|cpu] [--only bert-tiny-kjv]
+
+Each model is its family's tiny CPU preset (``bert-tiny``, ``t5-tiny``: the shapes a notebook trains on
+a CPU) trained on the embedded corpus far longer than a notebook's default run, through the workbench's
+own backend (``Run.launch``, megatron-core), then exported with ``megatron_to_hf`` as a Hugging Face
+directory in bf16 (weights and tokenizer, 1-2 MB) next to this script, with ``provenance.json``: the
+recipe, the final training and evaluation losses, the device, the commit and the date, and what the
+model says on the notebook's examples.  The notebooks convert it back to a workbench checkpoint
+(:func:`workbench.notebook.demo_checkpoint`) to show what the family does once trained; their own short
+runs show the training itself.
+
+Both models train at once on one GPU (each is far too small to fill it): about ten minutes for 10,000 steps
+of 256 sequences each.  On a 2-core CPU it takes days: 2,000 steps of 64 sequences (35 minutes here) still
+fill every mask with "the".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+#: name -> (preset, overrides): the tiny shapes, longer and with larger batches than a notebook's run
+RECIPES = {
+    "bert-tiny-kjv": ("bert-tiny", {
+        "train.train_iters": 10000, "train.lr_decay_iters": 10000, "train.micro_batch_size": 256,
+        "train.global_batch_size": 256, "train.lr": 3e-3, "train.min_lr": 1e-4, "train.lr_warmup_iters": 500,
+        "train.lr_decay_style": "cosine", "train.eval_interval": 2000, "train.eval_iters": 8,
+        "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0}),
+    "t5-tiny-kjv": ("t5-tiny", {
+        "train.train_iters": 10000, "train.lr_decay_iters": 10000, "train.micro_batch_size": 256,
+        "train.global_batch_size": 256, "train.lr": 3e-3, "train.min_lr": 1e-4, "train.lr_warmup_iters": 500,
+        "train.lr_decay_style": "cosine", "train.eval_interval": 2000, "train.eval_iters": 8,
+        "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0}),
+}
+
+#: what the notebooks ask each model (07_bert's fill-mask, 08_t5's sentinels)
+EXAMPLES = {
+    "bert-tiny-kjv": ["In the beginning God created the [MASK] and the earth.",
+                      "And God said, Let there be [MASK]: and there was light.",
+                      "And the [MASK] spake unto Moses, saying,",
+                      "Speak unto the children of [MASK], and say unto them,"],
+    "t5-tiny-kjv": ["In the beginning God created the <extra_id_0> and the earth.<|endoftext|>",
+                    "And the LORD spake unto <extra_id_0>, saying,<|endoftext|>",
+                    "Speak unto the children of <extra_id_0>, and say unto them,<|endoftext|>"],
+}
+
+
+def examples(name: str, ckpt: Path) -> list[str]:
+    """The model's answers to :data:`EXAMPLES` (fill-mask for BERT, greedy generation for T5)."""
+    if name.startswith("bert"):
+        from workbench.models.bert.fill_mask import fill_mask
+
+        return [str(r) for r in fill_mask(ckpt, EXAMPLES[name], top_k=3)[0]]
+    from workbench.generation import generate
+
+    return [f"{r.prompt!r} -> {r.text!r}" for r in generate(ckpt, EXAMPLES[name], greedy=True, max_new_tokens=8, device="cpu")]
+
+
+def launch(name: str, device: str, work: Path, steps: int | None = None, batch: int | None = None):
+    """Start the training run of demo model ``name``; returns (run, config)."""
+    from workbench.config import preset
+    from workbench.run_handle import Run
+
+    base, over = RECIPES[name]
+    over = dict(over)
+    if steps:
+        over.update({"train.train_iters": steps, "train.lr_decay_iters": steps, "train.lr_warmup_iters": max(steps // 20, 1),
+                     "train.eval_interval": max(steps // 10, 1)})
+    if batch:
+        over.update({"train.micro_batch_size": batch, "train.global_batch_size": batch})
+    cfg = preset(base, **{**over, "parallel.device": device, "parallel.nproc_per_node": 1}).replace(name=name)
+    run = Run.launch(cfg, run_root=work)
+    print(f"{name}: {run.run_dir}", flush=True)
+    return run, base, over
+
+
+def export(name: str, run, base: str, over: dict, device: str) -> dict:
+    """Wait for ``run``; export its checkpoint here as a bf16 HF directory with ``provenance.json``."""
+    from workbench.conversion import megatron_to_hf
+    from workbench.widgets.dashboard import watch
+
+    watch(run, live=False, interval=10.0)
+    ckpt = run.run_dir / "checkpoints"
+    out = HERE / name
+    shutil.rmtree(out, ignore_errors=True)
+    megatron_to_hf(ckpt, out, dtype="bf16", progress=False)
+    cfg = run.config
+    losses = run.train_loss["loss"].astype(float)
+    evals = run.evals
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
+    said = examples(name, ckpt)
+    prov = {"name": name, "preset": base, "overrides": over, "device": device, "commit": commit,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "steps": int(cfg.train.train_iters),
+            "final_train_loss": round(float(losses.iloc[-50:].mean()), 3),
+            "final_eval_loss": round(float(evals["loss"].iloc[-1]), 3) if len(evals) else None,
+            "examples": said,
+            "summary": (f"the {base} preset trained {cfg.train.train_iters} steps x {cfg.train.global_batch_size} "
+                        f"sequences on the embedded corpus ({device}), loss {losses.iloc[-50:].mean():.2f}; "
+                        f"made by workbench/data/corpus/pretrained/train_demo_models.py")}
+    (out / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")
+    print(f"{name} ({prov['summary']}):", *said, sep="\n  ", flush=True)
+    return prov
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda when a GPU is visible)")
+    ap.add_argument("--only", action="append", choices=sorted(RECIPES), help="train only this model (repeatable)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps instead of the recipe's (recorded)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step instead of the recipe's (recorded)")
+    args = ap.parse_args(argv)
+    from workbench.launch import detect_gpus
+
+    device = args.device or ("cuda" if detect_gpus() else "cpu")
+    with tempfile.TemporaryDirectory(prefix="demo-models-") as tmp:
+        runs = {name: launch(name, device, Path(tmp), args.steps, args.batch) for name in args.only or sorted(RECIPES)}
+        try:
+            for name, (run, base, over) in runs.items():
+                export(name, run, base, over, device)
+        finally:
+            for run, _base, _over in runs.values():
+                if run.is_alive():
+                    run.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
