@@ -139,8 +139,20 @@ BERT_WORDS = ["heaven", "light", "lord", "israel"]
 T5_WORDS = ["heaven", "Moses", "Israel"]
 
 
-def _demo_lines(text: str) -> list[str]:
-    """The lines a notebook printed for the shipped demo model (after "the demo model:")."""
+def _demo_shipped(name: str) -> bool:
+    """Whether this checkout ships the demo model ``name`` (trained on a GPU by its recipe; until then the
+    notebook says how to make it, and the checks of its answers do not apply)."""
+    from workbench.notebook import DEMO_MODELS
+
+    return (DEMO_MODELS / name / "config.json").is_file()
+
+
+def _demo_lines(text: str, name: str) -> list[str] | None:
+    """The lines a notebook printed for the shipped demo model (after "the demo model:"); None where the checkout
+    lacks the model, after checking that the notebook said so and how to make it."""
+    if not _demo_shipped(name):
+        assert f"the demo model {name!r} is not in this checkout" in text and "train_demo_models.py" in text, text[-2000:]
+        return None
     assert "the demo model:" in text, f"the demo model's answers are missing:\n{text[-2000:]}"
     return [ln.strip() for ln in text.split("the demo model:", 1)[1].splitlines() if ln.strip()]
 
@@ -153,16 +165,19 @@ def _check_bert(nb, out: Path, proc) -> None:
     # fill-mask: candidates quoted; the demo model fills in the verse's words
     fill = _text(_cell(nb, "fill_mask(ckpt, texts"))
     assert re.search(r"\['\S+' \d\.\d\d, ", fill), fill
-    best = [re.search(r"\['([^']+)' ", ln).group(1) for ln in _demo_lines(fill)]
-    right = [b == w for b, w in zip(best, BERT_WORDS)]
-    assert len(best) == len(BERT_WORDS) and sum(right) >= len(BERT_WORDS) - 1, fill
+    lines = _demo_lines(fill, "bert-tiny-kjv")
+    if lines is not None:
+        best = [re.search(r"\['([^']+)' ", ln).group(1) for ln in lines]
+        right = [b == w for b, w in zip(best, BERT_WORDS)]
+        assert len(best) == len(BERT_WORDS) and sum(right) >= len(BERT_WORDS) - 1, fill
     conv = _text(_cell(nb, "hf_mlm_logits(hf_dir"))
     assert "mask token '[MASK]'" in conv and re.search(r"(\d+) tokens \(the run's demo-wordpiece: \1\)", conv), conv
     assert _number(r"max \|diff\| (\S+)\n", conv) < 1e-4
     assert "-> ok: True" in conv  # TP=2 on two CPU ranks against HF
-    # fine-tuned from the demo model: held-out verses (half from each testament) classified clearly above chance
+    # fine-tuned from the demo model (else from the notebook's own short pretraining): held-out verses, half from
+    # each testament, classified above chance (0.5)
     ev = [e for e in read_events(finetune) if e["event"] == "eval"][-1]
-    assert ev["accuracy"] >= 0.7, ev
+    assert ev["accuracy"] >= (0.7 if _demo_shipped("bert-tiny-kjv") else 0.55), ev
     assert f"{ev['accuracy']:.3f}" in _text(_cell(nb, "held-out accuracy"))
 
 
@@ -174,7 +189,9 @@ def _check_t5(nb, out: Path, proc) -> None:
     same = _text(_cell(nb, "ref.generate("))
     assert same.count("identical: True") == 2, same
     # the demo model fills each sentinel with words of the verse
-    gen = _demo_lines(_text(_cell(nb, 'demo_checkpoint("t5-tiny-kjv"')))
+    gen = _demo_lines(_text(_cell(nb, 'demo_checkpoint("t5-tiny-kjv"')), "t5-tiny-kjv")
+    if gen is None:
+        return
     words = [re.sub(r"<extra_id_\d+>|<\|endoftext\|>", " ", ln.rsplit("->", 1)[1]).strip(" '") for ln in gen]
     assert len(words) == 3 and all(re.search(r"[A-Za-z]{2,}", w) for w in words), gen
     assert sum(w in said for w, said in zip(T5_WORDS, words)) >= len(T5_WORDS) - 1, gen
