@@ -14,7 +14,8 @@ Megatron 0.19's layout rules, each checked by :func:`rules` before any process s
   ``world % (ETP x EP x PP) == 0`` (expert data parallel = world / (ETP x EP x PP)); the dense
   grid stays ``TP x PP x DP``;
 - MoE with TP > 1 trains only with sequence parallelism (``MoELayer`` raises otherwise);
-- linear biases in experts need ETP = 1; the expert FFN is split by ETP, a shared expert's by TP;
+- no linear biases (megatron asserts ETP = 1 for them and fails at TP = EP = 1); the expert FFN is split by ETP,
+  a shared expert's by TP;
 - top-1 routing needs the softmax before the top-k (a softmax over one score is always 1);
 - a capacity (token dropping) applies to the aux / seq-aux / no-balancing routers; padding to it
   needs one.
@@ -174,10 +175,10 @@ def rules(cfg: Any, supported: bool) -> list[tuple[str, ...]]:
     if tp > 1 and not p.sequence_parallel:
         out.append(("parallel.sequence_parallel", f"MoE layers with tensor_parallel {tp} train only with sequence parallelism "
                     "(megatron's MoELayer refuses otherwise)", "set sequence_parallel: true", "parallel.tensor_parallel"))
-    if m.add_bias_linear and etp > 1:
-        out.append(("model.add_bias_linear", f"expert biases need expert_tensor_parallel 1 (it is {etp}; megatron asserts it)",
-                    "set add_bias_linear: false, or expert_tensor_parallel: 1", "parallel.expert_tensor_parallel",
-                    "parallel.tensor_parallel"))
+    if m.add_bias_linear:
+        out.append(("model.add_bias_linear", "megatron 0.19's experts cannot take linear biases here: it asserts expert TP 1, "
+                    "and at TP = EP = 1 its expert MLP adds the fc2 bias in place on an autograd view (training fails)",
+                    "set add_bias_linear: false (Mixtral, Qwen3-MoE and OLMoE have no biases)"))
     if expert_ffn(cfg) % etp:
         out.append(("model.moe.ffn_hidden_size", f"expert ffn size {expert_ffn(cfg)} is not divisible by expert_tensor_parallel {etp}",
                     f"use an expert ffn size that is a multiple of {etp}", "parallel.expert_tensor_parallel",
