@@ -117,6 +117,16 @@ def main() -> None:
                           "grad_diff": max(float((a - b).abs().max()) for a, b in zip(*grads)),
                           "grads": [len(g) for g in grads]}), flush=True)
     kernels.allow_fast_paths_on_cpu(False)
+    # the parameters the builder makes are the ones the planner counts (workbench.config.derive)
+    from workbench.config import derive
+
+    for name, over in {"params-every-layer": {"model.num_layers": 2},
+                       "params-shared-every-2nd": {"model.num_layers": 4, "model.moe.layer_freq": 2, "model.moe.shared_experts": 2,
+                                                   "model.moe.shared_expert_gate": True}}.items():
+        cfg = _cfg(**over)
+        model = build_model(cfg)
+        print(json.dumps({"case": name, "built": sum(p.numel() for p in model.parameters()),
+                          "derived": derive(cfg).params.total}), flush=True)
 
 
 if __name__ == "__main__":
