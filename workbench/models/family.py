@@ -108,8 +108,8 @@ class Family:
     #: only while ``model.arch`` names this family
     fields: tuple[str, ...] = ()
     #: megatron ``TransformerConfig`` fields of this family's layers beyond the generic ones (GPT: the MoE
-    #: fields, :func:`workbench.models.moe.transformer_fields`): cfg -> dict
-    transformer_fields: Callable[[Any], dict] = lambda cfg: {}
+    #: fields, :func:`workbench.models.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
+    transformer_fields: Callable[[Any, Any], dict] = lambda cfg, choice: {}
 
     def part(self, name: str) -> ModuleType:
         """One of the family's modules (``model``, ``step``, ``data``, ``hf``), imported on first use."""

@@ -15,11 +15,10 @@ from workbench.models.gpt import shapes
 from workbench.models.gpt.presets import PRESETS
 
 
-def transformer_fields(cfg: Any) -> dict:
-    """The MoE layers' megatron fields (none for a dense model), with the kernel rule's expert implementation."""
-    from workbench import kernels
-
-    return moe.transformer_fields(cfg, grouped_te=kernels.choose(cfg).experts == "te_grouped")
+def transformer_fields(cfg: Any, choice: Any) -> dict:
+    """The MoE layers' megatron fields (none for a dense model), with the kernel rule's expert implementation
+    (``choice``: :class:`workbench.kernels.KernelChoice`)."""
+    return moe.transformer_fields(cfg, grouped_te=choice.experts == "te_grouped")
 
 
 FAMILY = Family(
