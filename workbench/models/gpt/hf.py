@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from workbench.config import ModelConfig, RunConfig, derive
 from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, take, take_vocab
-from workbench.models.gpt import FAMILY
+from workbench.models.gpt import FAMILY, hf_moe
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore", "mcore_to_hf",
            "verify_inputs", "hf_logits",
@@ -56,7 +56,9 @@ def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
             hidden_dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)), init_method_std=float(hf.get("initializer_range", 0.02)),
         )
-    elif mt == "llama":
+    elif mt in ("llama", *hf_moe.MODEL_TYPES):  # Mixtral: Llama's decoder with MoE MLPs (hf_moe)
+        if mt in hf_moe.MODEL_TYPES:
+            hf_moe.model_fields(hf, m)
         if hf.get("hidden_act", "silu") != "silu":
             raise ConversionError(f"config.json: hidden_act {hf.get('hidden_act')!r} is not supported -> Llama's silu (SwiGLU)")
         if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
@@ -93,7 +95,7 @@ def infer_model_type(m: ModelConfig) -> str:
     if m.position_embedding == "rope" and m.normalization == "rmsnorm" and m.activation == "swiglu":
         if m.rotary_percent != 1.0:
             raise ConversionError("model.rotary_percent < 1 has no HF Llama equivalent")
-        return "llama"
+        return "mixtral" if m.moe.num_experts else "llama"
     raise ConversionError(
         f"model (position_embedding={m.position_embedding}, normalization={m.normalization}, activation={m.activation}) "
         "matches neither HF GPT-2 (learned/layernorm/gelu) nor Llama (rope/rmsnorm/swiglu) -> no HF export for this architecture")
@@ -127,6 +129,8 @@ def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | No
             "rope_theta": float(m.rotary_base), "tie_word_embeddings": m.tie_embeddings,
             "initializer_range": m.init_method_std,
         }
+        if model_type in hf_moe.MODEL_TYPES:
+            out.update(hf_moe.hf_config_fields(cfg))
     out.update(keep)
     out["torch_dtype"] = dtype
     out["dtype"] = dtype
@@ -170,7 +174,7 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
         out["decoder.final_layernorm.bias"] = take(sd, f"{P}ln_f.bias", src)
         if not m.tie_embeddings:
             out["output_layer.weight"] = pad_vocab_rows(take(sd, "lm_head.weight", src), padded)
-    elif model_type == "llama":
+    elif model_type in ("llama", *hf_moe.MODEL_TYPES):
         P = "model." if any(k.startswith("model.") for k in sd) else ""
         out["embedding.word_embeddings.weight"] = pad_vocab_rows(take_vocab(sd, f"{P}embed_tokens.weight", src, m.vocab_size), padded)
         bias = m.add_bias_linear
@@ -181,9 +185,12 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
             out[o + "self_attention.linear_qkv.weight"] = qkv_to_mcore(q, k, v, a, g, d)
             out[o + "self_attention.linear_proj.weight"] = take(sd, s + "self_attn.o_proj.weight", src)
             out[o + "pre_mlp_layernorm.weight"] = take(sd, s + "post_attention_layernorm.weight", src)
-            out[o + "mlp.linear_fc1.weight"] = torch.cat([take(sd, s + "mlp.gate_proj.weight", src),
-                                                          take(sd, s + "mlp.up_proj.weight", src)], dim=0)
-            out[o + "mlp.linear_fc2.weight"] = take(sd, s + "mlp.down_proj.weight", src)
+            if hf_moe.is_moe_layer(cfg, i):
+                out.update(hf_moe.experts_to_mcore(sd, s, o, cfg, src))
+            else:
+                out[o + "mlp.linear_fc1.weight"] = torch.cat([take(sd, s + "mlp.gate_proj.weight", src),
+                                                              take(sd, s + "mlp.up_proj.weight", src)], dim=0)
+                out[o + "mlp.linear_fc2.weight"] = take(sd, s + "mlp.down_proj.weight", src)
             if bias:
                 qb, kb, vb = (take(sd, s + f"self_attn.{n}_proj.bias", src) for n in "qkv")
                 out[o + "self_attention.linear_qkv.bias"] = qkv_to_mcore(qb, kb, vb, a, g, d)
@@ -234,7 +241,7 @@ def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any 
         out["transformer.ln_f.bias"] = take(sd, "decoder.final_layernorm.bias", src)
         if not m.tie_embeddings:
             out["lm_head.weight"] = take(sd, "output_layer.weight", src)[:V]
-    elif model_type == "llama":
+    elif model_type in ("llama", *hf_moe.MODEL_TYPES):
         out["model.embed_tokens.weight"] = emb
         f = m.ffn_size
         for i in it(range(m.num_layers)):
@@ -244,9 +251,12 @@ def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any 
             out[o + "self_attn.q_proj.weight"], out[o + "self_attn.k_proj.weight"], out[o + "self_attn.v_proj.weight"] = q, k, v
             out[o + "self_attn.o_proj.weight"] = take(sd, s + "self_attention.linear_proj.weight", src)
             out[o + "post_attention_layernorm.weight"] = take(sd, s + "pre_mlp_layernorm.weight", src)
-            fc1 = take(sd, s + "mlp.linear_fc1.weight", src)
-            out[o + "mlp.gate_proj.weight"], out[o + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
-            out[o + "mlp.down_proj.weight"] = take(sd, s + "mlp.linear_fc2.weight", src)
+            if hf_moe.is_moe_layer(cfg, i):
+                out.update(hf_moe.experts_from_mcore(sd, s, o, cfg, src))
+            else:
+                fc1 = take(sd, s + "mlp.linear_fc1.weight", src)
+                out[o + "mlp.gate_proj.weight"], out[o + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
+                out[o + "mlp.down_proj.weight"] = take(sd, s + "mlp.linear_fc2.weight", src)
             if m.add_bias_linear:
                 qb, kb, vb = qkv_from_mcore(take(sd, s + "self_attention.linear_qkv.bias", src), a, g, d)
                 out[o + "self_attn.q_proj.bias"], out[o + "self_attn.k_proj.bias"], out[o + "self_attn.v_proj.bias"] = qb, kb, vb
@@ -282,8 +292,10 @@ def make_random_hf_model(out: str | Path, model_type: str = "gpt2", hidden: int 
                                              num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=vocab,
                                              max_position_embeddings=positions, tie_word_embeddings=bool(tied),
                                              bos_token_id=1, eos_token_id=2))
+    elif model_type in hf_moe.MODEL_TYPES:
+        model = hf_moe.make_random_mixtral(hidden, layers, heads, kv_heads, vocab, positions, bool(tied))
     else:
-        raise ConversionError(f"model_type {model_type!r} -> gpt2 or llama")
+        raise ConversionError(f"model_type {model_type!r} -> gpt2, llama or mixtral")
     out = Path(out)
     model.save_pretrained(out)
     return out
