@@ -30,6 +30,8 @@ from workbench import kernels
 from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, reads_bad
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
 from workbench.models import FAMILIES, Supports, all_presets, family_of
+from workbench.models import moe as _moe
+from workbench.models.moe import MoEConfig
 
 __all__ = [
     "ModelConfig",
@@ -104,6 +106,8 @@ class ModelConfig:
     #: position_embedding relative: buckets of the relative position bias and the distance beyond which all share one bucket
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
+    #: mixture of experts (families with ``Supports.moe``): experts, router, capacity; see workbench.models.moe
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     # -- derived helpers (kept here because every consumer needs them)
     @property
@@ -175,6 +179,9 @@ class ParallelConfig:
     #: userbuffers (``initialize_ub``), each all-gather / reduce-scatter split and pipelined with its GEMM.  Off by
     #: default: not measured yet (two GPUs; ``bench/train_throughput.py`` rows ``tp2-te`` / ``tp2-te-ub``).
     te_userbuffers: bool = False
+    #: expert parallelism (MoE): experts split over this many ranks; expert TP: None -> tensor_parallel
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -729,6 +736,8 @@ def _rules(cfg: RunConfig, add: Any) -> None:
         add("parallel.virtual_pipeline_parallel", f"the {m.arch} family has no interleaved schedule", "leave virtual_pipeline_parallel unset", arch)
     if m.num_labels and not sup.classification:
         add("model.num_labels", f"the {m.arch} family has no sequence-classification head", "set num_labels: 0 (classification: a bert model)", arch)
+    for field_name, rule, fix, *reads in _moe.rules(cfg, sup.moe):
+        add(field_name, rule, fix, *reads)
     if p.sequence_parallel and not sup.sequence_parallel:
         add("parallel.sequence_parallel", f"the {m.arch} family has no sequence parallelism", "set sequence_parallel: false", arch)
     if m.kv_channels is None and m.hidden_size % heads:

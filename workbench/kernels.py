@@ -225,6 +225,9 @@ class KernelChoice:
     #: the step's first, a vectorised add after: workbench.backend.grad_accumulation) or "megatron" (its DDP hook's
     #: add_; where megatron's own CUDA graphs accumulate inside the graph)
     grad_accumulation: Literal["workbench", "megatron"] = "megatron"
+    #: MoE layers' experts ("" without): te_grouped (TE's grouped MLP, on TE's layer), torch_grouped (one
+    #: ``grouped_mm`` per expert GEMM, :mod:`workbench.backend.moe_experts`), sequential (megatron's SequentialMLP)
+    experts: Literal["", "sequential", "torch_grouped", "te_grouped"] = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "cuda_graphs": self.cuda_graphs}
@@ -247,7 +250,8 @@ class KernelChoice:
         if self.fp8 != "off":
             layer += f" with FP8 GEMMs ({self.fp8}, {'Transformer Engine' if self.fp8_impl == 'te' else 'torch'})"
             layer += f" [{self.fp8_note}]" if self.fp8_note else ""
-        return (f"attention {self.attention}, {layer}{graphs}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
+        experts = f", experts {self.experts}" if self.experts else ""
+        return (f"attention {self.attention}, {layer}{graphs}{experts}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
                 f"optimizer {self.optimizer}")
 
 
@@ -267,6 +271,8 @@ def layer_blocker(cfg: Any) -> str | None:
     family = FAMILIES.get(m.arch)
     if family is not None and family.supports.compiled_layer_blocker:
         return family.supports.compiled_layer_blocker
+    if getattr(getattr(m, "moe", None), "num_experts", 0):
+        return "mixture of experts (megatron's MoELayer)"
     if m.query_groups < p.tensor_parallel:
         return "fewer KV groups than TP ranks"
     if m.position_embedding == "alibi":
@@ -289,6 +295,8 @@ def graphs_off_reason(cfg: Any) -> str | None:
         return "pipeline parallel (cudagraph trees measured 0.04x under 1F1B; megatron's manager hung at capture)"
     if cfg.parallel.recompute == "full":
         return "full recompute (each layer runs forward twice per step)"
+    if getattr(getattr(cfg.model, "moe", None), "num_experts", 0):
+        return "mixture of experts (token counts per expert change every step)"
     return None
 
 
@@ -383,8 +391,26 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         tp_overlap=tp_overlap, grad_accumulation="megatron" if impl == "megatron" else "workbench",
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
+        experts=_experts_slot(cfg, attention, fast),
         **_fp8_slot(t.fp8, layer, attention, m.hidden_size),
     )
+
+
+def _experts_slot(cfg: Any, attention: str, fast: bool) -> str:
+    """Which expert implementation an MoE config's layers get (:attr:`KernelChoice.experts`): TE's grouped MLP on
+    TE's layer; torch's ``grouped_mm`` where the fast paths run (CUDA in bf16 -- its grouped GEMM kernels are bf16
+    -- or CPU where tests allow the fast paths); else megatron's SequentialMLP.  ``model.moe.grouped_gemm: false``
+    always takes SequentialMLP."""
+    moe = getattr(cfg.model, "moe", None)
+    if moe is None or not moe.num_experts:
+        return ""
+    if not moe.grouped_gemm:
+        return "sequential"
+    if attention == "te":
+        return "te_grouped"
+    if fast and (cfg.train.precision == "bf16" or cfg.parallel.device == "cpu"):
+        return "torch_grouped"
+    return "sequential"
 
 
 #: ``auto``'s choice where the compiled layer does not apply, by measurement: tokens/s of TE's layer over

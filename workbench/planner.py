@@ -419,7 +419,8 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     fp8_weight_copies = 2 * params["layers"] if kp.fp8_impl else 0
     weights = P * sh.w + fp8_weight_copies
     grads = P * sh.grad_bytes
-    shard = math.ceil(P / sh.dp) if sh.dist_opt else P
+    Pe = params.get("experts", 0)  # MoE: the rank's expert parameters, sharded over the expert data-parallel group
+    shard = (math.ceil((P - Pe) / sh.dp) + math.ceil(Pe / getattr(sh, "edp", 1))) if sh.dist_opt else P
     master = 4 * shard if sh.mixed else 0
     moments = 8 * shard
 

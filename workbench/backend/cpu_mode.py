@@ -14,7 +14,11 @@ Patches (all reversible by :func:`disable`, all listed in :data:`PATCHES`):
 - tensor factories (``torch.zeros/empty/ones/full/tensor``) called with a CUDA device ->
   CPU (e.g. ``torch.zeros([], device="cuda")`` in the schedules' token counter);
 - ``torch.cuda.synchronize`` / ``torch.cuda.current_stream`` / ``Stream.wait_stream`` -> no-ops
-  (dist_checkpointing's save strategy synchronises before writing);
+  (dist_checkpointing's save strategy synchronises before writing); ``torch.cuda.Stream()`` /
+  ``torch.cuda.stream(s)`` / ``Stream.record_event`` -> no-op streams and events (megatron's all-to-all
+  MoE token dispatcher copies its split sizes to the host on a side stream); and that dispatcher's
+  ``maybe_move_tensor_to_cpu(as_numpy=True)`` returns numpy split sizes for CPU tensors too, as it does for
+  CUDA ones (``all_to_all_single`` takes lists, not tensors);
 - ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> CPU generator state, and megatron's RNG
   tracker ``fork`` -> a no-op context (there is no CUDA generator to fork; dropout then uses
   the CPU generator, which is fine for tests);
@@ -42,6 +46,8 @@ PATCHES = (
     "torch.cuda.current_device",
     "torch.{zeros,empty,ones,full,tensor}(device=cuda)",
     "torch.cuda.synchronize / current_stream",
+    "torch.cuda.Stream / stream / record_event (MoE dispatcher's side stream)",
+    "megatron's MoE dispatcher maybe_move_tensor_to_cpu(as_numpy) on CPU tensors",
     "torch.cuda.get_rng_state / set_rng_state",
     "megatron CudaRNGStatesTracker.fork / add",
     "megatron clip_grad_by_total_norm_fp32 (asserts CUDA grads)",
@@ -104,6 +110,9 @@ class _NoStream:
     def wait_stream(self, *_: Any) -> None:
         pass
 
+    def record_event(self, *_: Any) -> "_NoStream":
+        return self
+
     def synchronize(self) -> None:
         pass
 
@@ -122,6 +131,8 @@ def enable() -> None:
     _patch(cuda, "current_device", lambda: torch.device("cpu"))
     _patch(cuda, "synchronize", lambda *a, **k: None)
     _patch(cuda, "current_stream", lambda *a, **k: _NoStream())
+    _patch(cuda, "Stream", lambda *a, **k: _NoStream())
+    _patch(cuda, "stream", lambda *a, **k: _NoStream())
     _patch(cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
     _patch(cuda, "set_rng_state", lambda state, *a, **k: None)
     for name in ("zeros", "empty", "ones", "full", "tensor"):
@@ -175,6 +186,16 @@ def enable() -> None:
 
     _patch(torch.Tensor, "type", tensor_type)
     _patch(tracker_cls, "add", add)
+    from megatron.core.transformer.moe import token_dispatcher as mdispatch
+
+    move = mdispatch.maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _patch(mdispatch, "maybe_move_tensor_to_cpu", to_host)
     _patch(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
 
 

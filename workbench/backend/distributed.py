@@ -99,6 +99,8 @@ def _init_parallel_state(cfg: RunConfig) -> Coords:
         tensor_model_parallel_size=p.tensor_parallel,
         pipeline_model_parallel_size=p.pipeline_parallel,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_parallel if p.vpp > 1 else None,
+        expert_model_parallel_size=max(p.expert_parallel, 1),
+        expert_tensor_parallel_size=p.expert_tensor_parallel,  # None: TP
     )
     _seed(cfg)
     return coords()

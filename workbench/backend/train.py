@@ -87,6 +87,7 @@ class Trainer:
         self._ended = False
         self._last_step_time = 0.0
         self._stop_pending: Optional[tuple[Any, torch.Tensor]] = None  # (work, flag) of the lagged stop agreement
+        self.monitor: Any = None  # the family's per-step monitor (setup)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -192,6 +193,9 @@ class Trainer:
             self.kernel_path["tp_comm_overlap"] = "; ".join(overlap)
 
         self._maybe_load()
+        # the family's per-step monitor (GPT's MoE router statistics), if it has one for this config
+        monitor = getattr(family_of(cfg).part("step"), "step_monitor", None)
+        self.monitor = monitor(cfg, [getattr(m, "module", m) for m in self.model]) if monitor else None
 
         train_ds, valid_ds, self.data_desc = build_datasets(cfg, self.run_dir, log=self._log)
         self.train_ds, self.valid_ds = train_ds, valid_ds
@@ -506,6 +510,9 @@ class Trainer:
                     mfu=(tflops / peak) if peak else None, consumed_samples=self.consumed_samples, **memory_stats(self.cuda),
                     extra={k: v for k, v in res["losses"].items() if k != "lm loss"},
                 ))
+            for rec in self.monitor.after_step(it, self.derived.num_microbatches) if self.monitor else ():
+                if self.is_logging_rank:
+                    self.events.write(rec)
             if res["ops"]:
                 self.events.write(Microbatch(iteration=it, ops=res["ops"], pp_rank=self.coords.pp,
                                              num_microbatches=self.derived.num_microbatches, num_chunks=len(self.model)))

@@ -30,21 +30,22 @@ __all__ = ["forward_logits", "verify_against_hf", "main"]
 
 
 def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                   timeout_s: float = 300.0) -> Any:
+                   timeout_s: float = 300.0, ep: int = 1) -> Any:
     """Logits ``[b, s, padded_vocab]`` (fp32) of the checkpoint run at the given layout on CPU under torchrun.
 
     ``tokens``: token ids ``[b, s]``, or the dict of inputs the checkpoint's family reads (its
-    ``hf.verify_inputs``; e.g. BERT's padding mask and token types)."""
+    ``hf.verify_inputs``; e.g. BERT's padding mask and token types).  ``ep``: expert parallelism of an MoE model
+    (its ranks are data-parallel ones: world ``tp x pp x ep``)."""
     import torch
 
-    world = tp * pp
+    world = tp * pp * max(ep, 1)
     inputs = dict(tokens) if isinstance(tokens, dict) else {"tokens": tokens}
     with tempfile.TemporaryDirectory(prefix="wb-verify-") as td:
         tok_path, out_path = Path(td) / "inputs.pt", Path(td) / "logits.pt"
         torch.save({k: v.cpu() for k, v in inputs.items()}, tok_path)
         cmd = [*local_torchrun(world),  # one node: its stores on the loopback only
                "-m", "workbench.conversion.verify", "--ckpt", str(ckpt), "--tokens", str(tok_path), "--out", str(out_path),
-               "--tp", str(tp), "--pp", str(pp)] + (["--vpp", str(vpp)] if vpp and vpp > 1 else [])
+               "--tp", str(tp), "--pp", str(pp), "--ep", str(max(ep, 1))] + (["--vpp", str(vpp)] if vpp and vpp > 1 else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + [p for p in [env.get("PYTHONPATH")] if p])
         # the one launch path: under the supervisor, so a killed caller leaves no rank behind
@@ -72,7 +73,7 @@ def _family_hf(ckpt: str | Path) -> Any:
 
 
 def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                      seq_length: int = 16, batch_size: int = 2, atol: float = 1e-4, seed: int = 0) -> dict[str, Any]:
+                      seq_length: int = 16, batch_size: int = 2, atol: float = 1e-4, seed: int = 0, ep: int = 1) -> dict[str, Any]:
     """Compare HF logits with the checkpoint's at a layout (fp32, CPU), at the positions the family compares
     (BERT: the unpadded ones). Returns max_abs_diff and ok."""
     from workbench.config import ConfigError
@@ -90,7 +91,7 @@ def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int
     HFReader(hf_dir).check()  # every weight file loads as tensors only (else a ConversionError naming it), one at a time
     inputs = hf.verify_inputs(vocab, batch_size, seq_length, seed)
     ref, where = hf.hf_logits(hf_dir, inputs)
-    got = forward_logits(ckpt, inputs, tp=tp, pp=pp, vpp=vpp)[..., :vocab]
+    got = forward_logits(ckpt, inputs, tp=tp, pp=pp, vpp=vpp, ep=ep)[..., :vocab]
     delta = (got - ref).abs()
     diff = float((delta[where] if where is not None else delta).max())
     return {"max_abs_diff": diff, "ok": diff <= atol, "tokens": inputs["tokens"], "inputs": inputs, "hf_logits": ref,
@@ -121,6 +122,7 @@ def _worker(args: argparse.Namespace) -> None:
     cfg = cfg.replace(**{
         "parallel.tensor_parallel": args.tp, "parallel.pipeline_parallel": args.pp,
         "parallel.virtual_pipeline_parallel": vpp, "parallel.nnodes": 1, "parallel.nproc_per_node": world,
+        "parallel.expert_parallel": args.ep,
         "parallel.device": "cpu", "parallel.sequence_parallel": False, "parallel.distributed_optimizer": False,
         "parallel.overlap_grad_reduce": False, "parallel.overlap_param_gather": False,
         "train.precision": "fp32", "train.compile_kernels": False, "model.attention_backend": "sdpa",
@@ -164,7 +166,7 @@ def _worker(args: argparse.Namespace) -> None:
                     dist.send(out.contiguous(), dst=nxt)
                 else:
                     logits = tensor_parallel.gather_from_tensor_model_parallel_region(out)
-        if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+        if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
             with atomic_output(args.out) as tmp:
                 torch.save(logits.float().contiguous(), tmp)
         dist.barrier()
@@ -180,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--ep", type=int, default=1)
     _worker(p.parse_args(argv))
     return 0
 

@@ -63,6 +63,8 @@ class Supports:
     activations: tuple[str, ...] = ("gelu", "swiglu")
     #: whether ``model.num_labels`` > 0 (a sequence-classification head, trained on a labelled set) is built
     classification: bool = False
+    #: whether ``model.moe.num_experts`` > 0 (mixture-of-experts layers, :mod:`workbench.models.moe`) builds
+    moe: bool = False
 
     @property
     def hf_model_types(self) -> tuple[str, ...]:
@@ -105,6 +107,9 @@ class Family:
     #: config fields only this family reads (dotted, e.g. ``model.num_labels``): the config form shows them
     #: only while ``model.arch`` names this family
     fields: tuple[str, ...] = ()
+    #: megatron ``TransformerConfig`` fields of this family's layers beyond the generic ones (GPT: the MoE
+    #: fields, :func:`workbench.models.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
+    transformer_fields: Callable[[Any, Any], dict] = lambda cfg, choice: {}
 
     def part(self, name: str) -> ModuleType:
         """One of the family's modules (``model``, ``step``, ``data``, ``hf``), imported on first use."""

@@ -20,6 +20,11 @@ is a dataclass below (:class:`RunStart`, :class:`Step`, ...):
 - ``checkpoint``: iteration, path, seconds.
 - ``error``: message, traceback, exception (type name).
 - ``run_end``: status ("finished" | "stopped" | "failed"), iteration, seconds, exit_code.
+- ``router`` (MoE models, every ``model.moe.router_stats_interval`` steps, one rank): iteration, layers (the MoE
+  layers' 0-based indices), per layer: tokens_per_expert (tokens each expert received in that step, all ranks and
+  micro-batches, after any capacity), assignments (tokens x top_k asked for), dropped (assignments beyond an
+  expert's capacity), load_balancing_loss and z_loss (each the loss before its coefficient, the step's mean over
+  micro-batches as megatron's tracker reduces it; None when off).
 
 Field names are the on-disk names, so runs written by any earlier version parse; fields a
 record does not declare are kept in its ``extra`` dict (and written back out as they came).
@@ -38,13 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
 
-KINDS = ("run_start", "step", "microbatch", "eval", "checkpoint", "error", "run_end")
+KINDS = ("run_start", "step", "microbatch", "eval", "checkpoint", "error", "run_end", "router")
 
 #: prefix of the kernel-path entries that name the backend's fast paths (``fusions.summary()``)
 FUSION_PREFIX = "fast_"
 
 __all__ = [
-    "KINDS", "FUSION_PREFIX", "Event", "RunStart", "Step", "Microbatch", "Eval", "Checkpoint", "Error", "RunEnd",
+    "KINDS", "FUSION_PREFIX", "Event", "RunStart", "Step", "Microbatch", "Eval", "Checkpoint", "Error", "RunEnd", "Router",
     "RECORD_TYPES", "Layout", "parse_record", "parse_line", "fusion_entries", "EventWriter", "events_dir", "event_file",
 ]
 
@@ -222,7 +227,34 @@ class RunEnd(Event):
     exit_code: int | None = None
 
 
-RECORD_TYPES: dict[str, type[Event]] = {c.KIND: c for c in (RunStart, Step, Microbatch, Eval, Checkpoint, Error, RunEnd)}
+@dataclass(kw_only=True)
+class Router(Event):
+    """One training step of an MoE model's routers (see the module docstring); lists run over ``layers``."""
+
+    KIND: ClassVar[str] = "router"
+    iteration: int | None = None
+    layers: list[int] = field(default_factory=list)
+    tokens_per_expert: list[list[int]] = field(default_factory=list)
+    assignments: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    load_balancing_loss: list[float] | None = None
+    z_loss: list[float] | None = None
+
+    def layer(self, index: int) -> list[int]:
+        """Tokens per expert of MoE layer ``index`` (its 0-based index in the model)."""
+        return self.tokens_per_expert[self.layers.index(index)]
+
+    def coefficient_of_variation(self) -> list[float]:
+        """Per layer: the standard deviation of the experts' token counts over their mean (0: perfectly balanced)."""
+        out = []
+        for row in self.tokens_per_expert:
+            mean = sum(row) / len(row) if row else 0.0
+            var = sum((x - mean) ** 2 for x in row) / len(row) if row else 0.0
+            out.append(var ** 0.5 / mean if mean else 0.0)
+        return out
+
+
+RECORD_TYPES: dict[str, type[Event]] = {c.KIND: c for c in (RunStart, Step, Microbatch, Eval, Checkpoint, Error, RunEnd, Router)}
 _INT_FIELDS = ("rank", "iteration", "world_size", "start_iteration", "pp_rank", "exit_code")
 
 

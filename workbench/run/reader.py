@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from workbench.run.events import KINDS, Event, Layout, RunStart, events_dir, parse_line
+from workbench.run.events import KINDS, Event, Layout, Router, RunStart, events_dir, parse_line
 from workbench.run.files import read_json
 from workbench.run.nodes import EXIT_STATUS_FILE, LAUNCH_FILE, node_dir
 
@@ -123,6 +123,11 @@ class RunReader:
     def count(self) -> int:
         """How many records have been read."""
         return self._count
+
+    def router(self, *, refresh: bool = True) -> list[Router]:
+        """An MoE run's ``router`` records (tokens per expert, router losses per layer), in step order."""
+        recs = [r for r in self.records("router", refresh=refresh) if isinstance(r, Router)]
+        return sorted(recs, key=lambda r: (r.iteration or 0, r.time or 0.0))
 
     # ---- the run's identity: kernel path and layout, from one place
     def run_starts(self, *, refresh: bool = True) -> list[RunStart]:

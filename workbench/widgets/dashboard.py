@@ -231,6 +231,7 @@ class Dashboard:
         self.eta = W.Label("ETA --")
         self.figure = W.Image(format="png")
         self.schedule = W.Image(format="png", layout=W.Layout(display="none"))
+        self.router = W.Image(format="png", layout=W.Layout(display="none"))  # MoE runs: the router dashboard
         self.failure = W.HTML(layout=W.Layout(display="none"))
         self.log = W.HTML()
         self.stop_button = W.Button(description="stop", button_style="danger", icon="stop")
@@ -241,7 +242,7 @@ class Dashboard:
         self.widget = W.VBox([
             W.HBox([self.status, self.stop_button, self.stacks_button]),
             W.HBox([self.progress, self.eta]),
-            self.failure, self.figure, self.schedule,
+            self.failure, self.figure, self.schedule, self.router,
             W.Accordion(children=[self.log, self.stacks], titles=("log tail", "rank stacks")),
         ])
         self._n_events = -1
@@ -277,6 +278,9 @@ class Dashboard:
             if sched:
                 self.schedule.value = sched
                 self.schedule.layout.display = None
+            routed = _router_png(self.run)
+            if routed:
+                self.router.value, self.router.layout.display = routed, None
             self._n_events, self._last_status = n, status
             # drawing takes a while and a fast run goes on meanwhile (the status line lagged ~30
             # iterations behind the log): read again, so status, progress and log are current
@@ -476,4 +480,16 @@ def static_figures(run, predicted_memory: Mapping[int, float] | float | None = N
             out.append(Image(data=figure_png(fig, dpi=90)))
         except Exception as e:
             print(f"(pipeline schedule view unavailable: {e})")
+    routed = _router_png(run, dpi=90)
+    if routed:
+        out.append(Image(data=routed))
     return out
+
+
+def _router_png(run, dpi: int = 80) -> bytes | None:
+    """The router dashboard (:func:`workbench.plots.router.router_figure`) of a run that wrote ``router`` records."""
+    if not run.reader.has("router", refresh=False):
+        return None
+    from workbench.plots.router import router_figure
+
+    return figure_png(router_figure(run.reader), dpi=dpi)

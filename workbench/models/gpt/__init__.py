@@ -1,4 +1,4 @@
-"""GPT: decoder-only transformers (GPT-2 and Llama-style) on megatron-core's ``GPTModel``.
+"""GPT: decoder-only transformers (GPT-2 and Llama-style, dense or mixture of experts) on megatron-core's ``GPTModel``.
 
 Parts: :mod:`.shapes` (counts, FLOPs, planner terms; torch-free), :mod:`.model` (specs and
 builder), :mod:`.step` (default forward step and LM loss), :mod:`.data` (GPT datasets),
@@ -7,16 +7,31 @@ builder), :mod:`.step` (default forward step and LM loss), :mod:`.data` (GPT dat
 
 from __future__ import annotations
 
+from typing import Any
+
+from workbench.models import moe
 from workbench.models.family import Family, Supports
 from workbench.models.gpt import shapes
 from workbench.models.gpt.presets import PRESETS
+
+
+def transformer_fields(cfg: Any, choice: Any) -> dict:
+    """The MoE layers' megatron fields (none for a dense model), with the kernel rule's expert implementation
+    (``choice``: :class:`workbench.kernels.KernelChoice`)."""
+    return moe.transformer_fields(cfg, grouped_te=choice.experts == "te_grouped")
+
 
 FAMILY = Family(
     name="gpt",
     title="GPT (decoder-only: GPT-2, Llama-style)",
     package="workbench.models.gpt",
-    supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=True,
-                      hf_classes=(("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM"))),
+    supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=True, moe=True,
+                      hf_classes=(("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM"),
+                                  ("mixtral", "MixtralForCausalLM")),
+                      hf_refused=(("qwen3_moe", "Qwen3-MoE's q/k norms: the workbench model has none yet"),
+                                  ("olmoe", "OLMoE's q/k norms: the workbench model has none yet"))),
     shapes=shapes,
     presets=PRESETS,
+    fields=("model.moe",),
+    transformer_fields=transformer_fields,
 )

@@ -15,7 +15,7 @@ from workbench.config import ModelConfig, RunConfig, derive
 from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore
 from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, infos_of, need_vocab, run_rules,
                                         strip_module_prefix)
-from workbench.models.gpt import FAMILY
+from workbench.models.gpt import FAMILY, hf_moe
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
            "mcore_to_hf_rules", "hf_to_mcore", "mcore_to_hf",
@@ -58,7 +58,9 @@ def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
             hidden_dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)), init_method_std=float(hf.get("initializer_range", 0.02)),
         )
-    elif mt == "llama":
+    elif mt in ("llama", *hf_moe.MODEL_TYPES):  # Mixtral: Llama's decoder with MoE MLPs (hf_moe)
+        if mt in hf_moe.MODEL_TYPES:
+            hf_moe.model_fields(hf, m)
         if hf.get("hidden_act", "silu") != "silu":
             raise ConversionError(f"config.json: hidden_act {hf.get('hidden_act')!r} is not supported -> Llama's silu (SwiGLU)")
         if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
@@ -95,7 +97,7 @@ def infer_model_type(m: ModelConfig) -> str:
     if m.position_embedding == "rope" and m.normalization == "rmsnorm" and m.activation == "swiglu":
         if m.rotary_percent != 1.0:
             raise ConversionError("model.rotary_percent < 1 has no HF Llama equivalent")
-        return "llama"
+        return "mixtral" if m.moe.num_experts else "llama"
     raise ConversionError(
         f"model (position_embedding={m.position_embedding}, normalization={m.normalization}, activation={m.activation}) "
         "matches neither HF GPT-2 (learned/layernorm/gelu) nor Llama (rope/rmsnorm/swiglu) -> no HF export for this architecture")
@@ -129,6 +131,8 @@ def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | No
             "rope_theta": float(m.rotary_base), "tie_word_embeddings": m.tie_embeddings,
             "initializer_range": m.init_method_std,
         }
+        if model_type in hf_moe.MODEL_TYPES:
+            out.update(hf_moe.hf_config_fields(cfg))
     out.update(keep)
     out["torch_dtype"] = dtype
     out["dtype"] = dtype
@@ -182,7 +186,7 @@ def hf_to_mcore_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
                   copy_rule("decoder.final_layernorm.bias", f"{P}ln_f.bias")]
         if not m.tie_embeddings:
             rules.append(Rule(("output_layer.weight",), ("lm_head.weight",), _vocab_pad(padded)))
-    elif model_type == "llama":
+    elif model_type in ("llama", *hf_moe.MODEL_TYPES):
         P = "model." if any(k.startswith("model.") for k in infos) else ""
         need_vocab(infos, f"{P}embed_tokens.weight", src, m.vocab_size)
         rules.append(Rule(("embedding.word_embeddings.weight",), (f"{P}embed_tokens.weight",), _vocab_pad(padded)))
@@ -193,9 +197,12 @@ def hf_to_mcore_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
             rules += [copy_rule(o + "input_layernorm.weight", s + "input_layernorm.weight"),
                       Rule((o + "self_attention.linear_qkv.weight",), tuple(s + f"self_attn.{n}_proj.weight" for n in "qkv"), qkv),
                       copy_rule(o + "self_attention.linear_proj.weight", s + "self_attn.o_proj.weight"),
-                      copy_rule(o + "pre_mlp_layernorm.weight", s + "post_attention_layernorm.weight"),
-                      Rule((o + "mlp.linear_fc1.weight",), (s + "mlp.gate_proj.weight", s + "mlp.up_proj.weight"), cat),
-                      copy_rule(o + "mlp.linear_fc2.weight", s + "mlp.down_proj.weight")]
+                      copy_rule(o + "pre_mlp_layernorm.weight", s + "post_attention_layernorm.weight")]
+            if hf_moe.is_moe_layer(cfg, i):
+                rules += hf_moe.experts_to_mcore_rules(infos, s, o, cfg)
+            else:
+                rules += [Rule((o + "mlp.linear_fc1.weight",), (s + "mlp.gate_proj.weight", s + "mlp.up_proj.weight"), cat),
+                          copy_rule(o + "mlp.linear_fc2.weight", s + "mlp.down_proj.weight")]
             if m.add_bias_linear:
                 rules += [Rule((o + "self_attention.linear_qkv.bias",), tuple(s + f"self_attn.{n}_proj.bias" for n in "qkv"), qkv),
                           copy_rule(o + "self_attention.linear_proj.bias", s + "self_attn.o_proj.bias"),
@@ -245,7 +252,7 @@ def mcore_to_hf_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
                   copy_rule("transformer.ln_f.bias", "decoder.final_layernorm.bias")]
         if not m.tie_embeddings:
             rules.append(Rule(("lm_head.weight",), ("output_layer.weight",), _rows(V)))
-    elif model_type == "llama":
+    elif model_type in ("llama", *hf_moe.MODEL_TYPES):
         f = m.ffn_size
         split_qkv = lambda t: qkv_from_mcore(t, a, g, d)  # noqa: E731
         halves = lambda t: (t[:f], t[f:])  # noqa: E731
@@ -255,9 +262,12 @@ def mcore_to_hf_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
             rules += [copy_rule(o + "input_layernorm.weight", s + "input_layernorm.weight"),
                       Rule(tuple(o + f"self_attn.{n}_proj.weight" for n in "qkv"), (s + "self_attention.linear_qkv.weight",), split_qkv),
                       copy_rule(o + "self_attn.o_proj.weight", s + "self_attention.linear_proj.weight"),
-                      copy_rule(o + "post_attention_layernorm.weight", s + "pre_mlp_layernorm.weight"),
-                      Rule((o + "mlp.gate_proj.weight", o + "mlp.up_proj.weight"), (s + "mlp.linear_fc1.weight",), halves),
-                      copy_rule(o + "mlp.down_proj.weight", s + "mlp.linear_fc2.weight")]
+                      copy_rule(o + "post_attention_layernorm.weight", s + "pre_mlp_layernorm.weight")]
+            if hf_moe.is_moe_layer(cfg, i):
+                rules += hf_moe.experts_from_mcore_rules(s, o, cfg)
+            else:
+                rules += [Rule((o + "mlp.gate_proj.weight", o + "mlp.up_proj.weight"), (s + "mlp.linear_fc1.weight",), halves),
+                          copy_rule(o + "mlp.down_proj.weight", s + "mlp.linear_fc2.weight")]
             if m.add_bias_linear:
                 rules += [Rule(tuple(o + f"self_attn.{n}_proj.bias" for n in "qkv"), (s + "self_attention.linear_qkv.bias",), split_qkv),
                           copy_rule(o + "self_attn.o_proj.bias", s + "self_attention.linear_proj.bias"),
@@ -306,8 +316,10 @@ def make_random_hf_model(out: str | Path, model_type: str = "gpt2", hidden: int 
                                              num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=vocab,
                                              max_position_embeddings=positions, tie_word_embeddings=bool(tied),
                                              bos_token_id=1, eos_token_id=2))
+    elif model_type in hf_moe.MODEL_TYPES:
+        model = hf_moe.make_random_mixtral(hidden, layers, heads, kv_heads, vocab, positions, bool(tied))
     else:
-        raise ConversionError(f"model_type {model_type!r} -> gpt2 or llama")
+        raise ConversionError(f"model_type {model_type!r} -> gpt2, llama or mixtral")
     out = Path(out)
     model.save_pretrained(out)
     return out

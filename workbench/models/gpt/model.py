@@ -27,12 +27,14 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from workbench import kernels
 from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
+from workbench.models import moe
 
-__all__ = ["layer_spec", "block_spec", "build"]
+__all__ = ["layer_spec", "moe_layer_spec", "block_spec", "build"]
 
 
 class _DropGPTDeprecation(logging.Filter):
@@ -60,11 +62,34 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
     return self_attention_layer_spec(cfg, choice, AttnMaskType.causal)
 
 
+def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec) -> ModuleSpec:
+    """An MoE layer's spec: TE's GPT spec with experts (TE's grouped MLP where the kernel rule says) on TE's
+    layer, else ``dense`` with megatron's ``MoELayer`` as its MLP (:func:`workbench.backend.moe_experts.moe_mlp`:
+    the rule's experts).  The pre-MLP norm keeps its own checkpoint name, as on TE's MoE spec."""
+    choice = kernels.choose(cfg)
+    if choice.attention == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.model.moe.num_experts,
+                                                          moe_grouped_gemm=choice.experts == "te_grouped")
+        return dataclasses.replace(spec, module=layer_class(choice))
+    from workbench.backend.moe_experts import moe_mlp
+
+    keys = {k: v for k, v in (dense.submodules.sharded_state_dict_keys_map or {}).items() if not k.startswith("pre_mlp")}
+    subs = dataclasses.replace(dense.submodules, mlp=moe_mlp(choice.experts), sharded_state_dict_keys_map=keys)
+    return dataclasses.replace(dense, submodules=subs)
+
+
 def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
-    """Layer specs for this pipeline stage plus the final norm (the workbench's, so SP works)."""
+    """Layer specs for this pipeline stage (MoE layers where :func:`workbench.models.moe.moe_layers` says) plus the
+    final norm (the workbench's, so SP works)."""
     spec = layer_spec(cfg)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm_module(cfg, kernels.choose(cfg)))
+    specs = [spec] * n
+    if moe.is_moe(cfg):
+        pattern, offset, expert = moe.moe_layers(cfg), get_transformer_layer_offset(config, vp_stage=vp_stage), moe_layer_spec(cfg, spec)
+        specs = [expert if pattern[offset + i] else spec for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_module(cfg, kernels.choose(cfg)))
 
 
 def build(

@@ -40,6 +40,33 @@ def _llama3(layers: int, hidden: int, heads: int, ffn: int, tied: bool, name: st
     }
 
 
+def _moe(name: str, layers: int, hidden: int, heads: int, groups: int, ffn: int, experts: int, top_k: int, expert_ffn: int,
+         vocab: int, max_pos: int, rope_base: float, eps: float, pre_softmax: bool, kv: int | None = None,
+         z_loss: float = 0.0) -> dict[str, Any]:
+    """A Llama-shaped MoE decoder (RoPE, RMSNorm, SwiGLU experts, no biases, untied output layer), MoE on every layer."""
+    return {
+        "name": name,
+        "model": dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, attention_type="grouped" if groups != heads else "multihead",
+                      num_query_groups=groups if groups != heads else None, kv_channels=kv, ffn_hidden_size=ffn, vocab_size=vocab,
+                      max_position_embeddings=max_pos, seq_length=min(4096, max_pos), position_embedding="rope", rotary_base=rope_base,
+                      normalization="rmsnorm", norm_epsilon=eps, activation="swiglu", add_bias_linear=False, tie_embeddings=False,
+                      hidden_dropout=0.0, attention_dropout=0.0,
+                      moe=dict(num_experts=experts, top_k=top_k, ffn_hidden_size=expert_ffn, router_pre_softmax=pre_softmax,
+                               aux_loss_coeff=0.01, z_loss_coeff=z_loss)),
+        "train": dict(micro_batch_size=1, global_batch_size=64, train_iters=1000, lr=3e-4, min_lr=3e-5, lr_warmup_iters=100),
+    }
+
+
+def _moe_research() -> dict[str, Any]:
+    """A research-scale MoE for one 80 GB GPU on the embedded corpus: 1.69B parameters, 0.31B active per token
+    (16 layers, hidden 1024, 64 fine-grained experts of FFN 512, top-8; OLMoE's proportions at a quarter width)."""
+    cfg = _moe("moe-research", 16, 1024, 16, 4, 2816, 64, 8, 512, 4096, 2048, 10000.0, 1e-5, False, z_loss=1e-3)
+    cfg["model"].update(seq_length=2048)
+    cfg["train"] = dict(micro_batch_size=8, global_batch_size=32, train_iters=300, lr=1e-3, min_lr=1e-4, lr_warmup_iters=30)
+    cfg["data"] = dict(source="demo")
+    return cfg
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "name": "tiny",
@@ -50,6 +77,23 @@ PRESETS: dict[str, dict[str, Any]] = {
                       lr_warmup_iters=2, eval_interval=5, eval_iters=2, precision="fp32", compile_kernels=False),
         "data": dict(source="demo"),
     },
+    "moe-tiny": {
+        "name": "moe-tiny",
+        "model": dict(num_layers=2, hidden_size=64, num_attention_heads=4, attention_type="grouped", num_query_groups=2,
+                      ffn_hidden_size=128, vocab_size=4096, max_position_embeddings=128, seq_length=64, make_vocab_size_divisible_by=64,
+                      position_embedding="rope", normalization="rmsnorm", activation="swiglu", add_bias_linear=False,
+                      tie_embeddings=False, moe=dict(num_experts=8, top_k=2, ffn_hidden_size=64, z_loss_coeff=1e-3,
+                                                     router_stats_interval=1)),
+        "parallel": dict(device="cpu"),
+        "train": dict(micro_batch_size=2, global_batch_size=4, train_iters=10, lr=3e-3, min_lr=3e-4,
+                      lr_warmup_iters=2, eval_interval=5, eval_iters=2, precision="fp32", compile_kernels=False),
+        "data": dict(source="demo"),
+    },
+    "moe-research": _moe_research(),
+    # published shapes (plan them; the workbench model has no q/k norms, which Qwen3-MoE and OLMoE also have)
+    "mixtral-8x7b": _moe("mixtral-8x7b", 32, 4096, 32, 8, 14336, 8, 2, 14336, 32000, 32768, 1e6, 1e-5, False),
+    "qwen3-30b-a3b": _moe("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 128, 8, 768, 151936, 40960, 1e6, 1e-6, False, kv=128),
+    "olmoe-1b-7b": _moe("olmoe-1b-7b", 16, 2048, 16, 16, 1024, 64, 8, 1024, 50304, 4096, 10000.0, 1e-5, True, z_loss=1e-3),
     "demo-small": _demo_small(),
     "gpt2-small": _gpt2(12, 768, 12, "gpt2-small"),
     "gpt2-medium": _gpt2(24, 1024, 16, "gpt2-medium"),

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.models.gpt import moe_shapes
+
 __all__ = ["param_counts", "layer_and_head_flops", "Shape", "shape", "stage_params", "layer_activation_terms",
            "layer_backward_transient", "logits_bytes", "largest_param_elements"]
 
@@ -28,9 +30,14 @@ def param_counts(cfg: Any, padded_vocab: int) -> dict[str, int]:
     fc1_out = 2 * f if m.activation == "swiglu" else f
     mlp = h * fc1_out + (fc1_out if bias else 0) + f * h + (h if bias else 0)
     per_layer = attn + mlp + 2 * norm
+    layers = m.num_layers * per_layer
+    n_moe = sum(moe_shapes.moe.moe_layers(cfg))
+    if n_moe:  # MoE layers (model.moe): per_layer is the mean over the model's layers
+        layers = (m.num_layers - n_moe) * per_layer + n_moe * moe_shapes.layer_params(cfg, attn, 2 * norm)[0]
+        per_layer = round(layers / max(m.num_layers, 1))
     emb = padded_vocab * h + (m.max_position_embeddings * h if m.position_embedding == "learned" else 0)
     out = 0 if m.tie_embeddings else padded_vocab * h
-    total = emb + m.num_layers * per_layer + norm + out
+    total = emb + layers + norm + out
     return dict(embedding=emb, per_layer=per_layer, final_norm=norm, output_layer=out, total=total)
 
 
@@ -41,7 +48,11 @@ def layer_and_head_flops(cfg: Any, padded_vocab: int) -> tuple[float, float]:
     m = cfg.model
     h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
     gate = 1.5 if m.activation == "swiglu" else 1.0
-    layer = (1 + g / a + m.seq_length / h) * (m.head_dim * a / h) + (m.ffn_size / h) * gate
+    mlp = (m.ffn_size / h) * gate
+    frac = sum(moe_shapes.moe.moe_layers(cfg)) / max(m.num_layers, 1)
+    if frac:  # MoE layers: top_k experts and the shared ones per token (moe_shapes.mlp_flops), mixed by their share
+        mlp = (1 - frac) * mlp + frac * moe_shapes.mlp_flops(cfg)
+    layer = (1 + g / a + m.seq_length / h) * (m.head_dim * a / h) + mlp
     return layer, padded_vocab / (2 * h)
 
 
@@ -85,6 +96,17 @@ class Shape:
     dist_opt: bool
     max_pos: int
     relu: bool = False  # ReLU keeps only its output (fc2's input), not its input
+    # mixture of experts (workbench.models.gpt.moe_shapes.shape_fields): share of MoE layers, experts, EP / ETP /
+    # expert DP, top_k, a routed expert's and all shared experts' FFN sizes, capacity factor (0: dropless)
+    moe_frac: float = 0.0
+    experts: int = 0
+    ep: int = 1
+    etp: int = 1
+    edp: int = 1
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    capacity_factor: float = 0.0
 
 
 def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
@@ -101,7 +123,7 @@ def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
         rope=m.position_embedding == "rope", learned_pos=m.position_embedding == "learned", tied=m.tie_embeddings,
         hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0, recompute=p.recompute,
         recompute_num_layers=p.recompute_num_layers, dist_opt=p.distributed_optimizer, max_pos=m.max_position_embeddings,
-        relu=m.activation == "relu",
+        relu=m.activation == "relu", **moe_shapes.shape_fields(cfg),
     )
 
 
@@ -113,11 +135,13 @@ def stage_params(cfg: Any, sh: Shape, d: Any) -> list[dict[str, int]]:
 
     Totals per stage come from ``derive().params_per_stage``; only the TP split is done here:
     norms, row-parallel biases (attention output, fc2) and learned positions are replicated
-    on every TP rank, everything else is divided by ``t`` (vocab is padded so shards are equal).
+    on every TP rank, everything else is divided by ``t`` (vocab is padded so shards are equal).  MoE: the routers are
+    replicated too, the routed experts split over EP x ETP (``experts``: this rank's, which the distributed optimizer
+    shards over the expert data-parallel group; :mod:`workbench.models.gpt.moe_shapes`).
     """
     h, t = sh.h, sh.tp
     norm = (2 if sh.layernorm else 1) * h
-    replicated_per_layer = 2 * norm + (2 * h if sh.bias else 0)
+    replicated_per_layer = 2 * norm + (2 * h if sh.bias else 0) + round(sh.moe_frac * sh.experts * h)
     word = sh.vocab * h
     pos = sh.max_pos * h if sh.learned_pos else 0
     out = []
@@ -128,11 +152,13 @@ def stage_params(cfg: Any, sh: Shape, d: Any) -> list[dict[str, int]]:
         emb_pos = pos if r == 0 else 0
         final_norm = d.params.final_norm if r == sh.pp - 1 else 0
         output = total - layer_part - emb_word - emb_pos - final_norm  # untied head or the tied copy on the last stage
-        sharded = (layer_part - layers * replicated_per_layer) + emb_word + output
-        per_rank = sharded // t + layers * replicated_per_layer + emb_pos + final_norm
+        expert_total, experts = moe_shapes.stage_expert_params(cfg, sh, layers)
+        sharded = (layer_part - layers * replicated_per_layer - expert_total) + emb_word + output
+        per_rank = sharded // t + layers * replicated_per_layer + emb_pos + final_norm + experts
         out.append({
             "total": per_rank,
-            "layers": (layer_part - layers * replicated_per_layer) // t + layers * replicated_per_layer,
+            "experts": experts,
+            "layers": (layer_part - layers * replicated_per_layer - expert_total) // t + layers * replicated_per_layer + experts,
             "embedding": emb_word // t + emb_pos,
             "output_layer": output // t,
             "final_norm": final_norm,
@@ -207,6 +233,8 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
     if sh.hidden_dropout:
         terms["dropout_masks"] = 2 * tok * h / tsp
     terms["norm_stats"] = 2 * (8 if sh.layernorm else 4) * tok / tsp
+    if sh.moe_frac:  # MoE layers' router, dispatched tokens, experts (workbench.models.gpt.moe_shapes)
+        moe_shapes.apply_activation_terms(terms, sh, kp)
 
     if sh.recompute == "selective":
         if kp.selective == "mlp":
@@ -247,7 +275,7 @@ def layer_backward_transient(sh: Shape, kp: Any, assumptions: Any) -> float:
     if sh.recompute == "selective" and kp.selective == "mlp":
         # the MLP intermediates are rebuilt for the layer in backward
         recomputed = e * tok * (sh.fc1_out + sh.ffn * _act_tensors(sh, kp)) / t
-    return grads + weight_grad + stream + recomputed
+    return grads + weight_grad + stream + recomputed + moe_shapes.backward_transient(sh)
 
 
 def logits_bytes(sh: Shape, kp: Any) -> tuple[float, float]:

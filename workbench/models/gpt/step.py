@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["forward_step", "loss", "logits_forward", "LOSS_NAME"]
+__all__ = ["forward_step", "loss", "logits_forward", "step_monitor", "LOSS_NAME"]
 
 #: the key the reported loss goes under
 LOSS_NAME = "lm loss"
@@ -40,3 +40,12 @@ def logits_forward(chunk: Any, inputs: dict) -> Any:
     tokens = inputs["tokens"]
     b, s = tokens.shape
     return chunk(tokens, torch.arange(s).unsqueeze(0).expand(b, -1), None)
+
+
+def step_monitor(cfg: Any, chunks: list) -> Any:
+    """The trainer's per-step monitor of this family's model: the MoE router statistics
+    (:class:`workbench.models.gpt.router_stats.RouterMonitor`), None for a dense model.  Its
+    ``after_step(iteration, num_microbatches)`` runs on every rank after every step and returns the records to write."""
+    from workbench.models.gpt.router_stats import step_monitor as monitor
+
+    return monitor(cfg, chunks)

@@ -1,0 +1,78 @@
+"""The planner's MoE terms (GPT's shapes, workbench.models.gpt.moe_shapes): published parameter counts, expert
+weights / gradients / optimizer state per EP rank, the distributed optimizer over the expert data-parallel group,
+routed activations and the imbalance bound they assume."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench import planner
+from workbench.config import derive, preset
+from workbench.models.gpt import moe_shapes
+from workbench.models.gpt.shapes import shape
+
+
+@pytest.mark.parametrize("name, billions", [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5), ("olmoe-1b-7b", 6.9)])
+def test_published_moe_sizes(name, billions):
+    # OLMoE / Qwen3-MoE also have q/k norms (a few thousand parameters), which the workbench model has not
+    assert derive(preset(name)).params.total / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_megatron_flops_count_the_routed_experts_only():
+    dense = preset("moe-research", **{"model.moe.num_experts": 0, "model.ffn_hidden_size": 8 * 512})
+    moe = preset("moe-research")  # top-8 of 64 experts of 512: the same MLP FLOPs as one 4096-wide MLP
+    assert derive(moe).flops_per_step == pytest.approx(derive(dense).flops_per_step)
+
+
+def _stage(cfg):
+    return planner.predict(cfg, gpu="h100").stages[0]
+
+
+def test_expert_state_per_ep_rank():
+    one = _stage(preset("moe-research"))
+    two = _stage(preset("moe-research", **{"parallel.expert_parallel": 2, "parallel.nproc_per_node": 2}))
+    e1, e2 = one.detail["params"]["experts"], two.detail["params"]["experts"]
+    assert e1 == 16 * 64 * 3 * 1024 * 512 and e2 == e1 // 2
+    assert one.detail["params"]["total"] - e1 == two.detail["params"]["total"] - e2  # the dense part is unchanged
+    for key, per_param in (("weights", 2), ("gradients", 4), ("optimizer_moments", 8), ("master_weights", 4)):
+        assert one.components[key] - two.components[key] == per_param * (e1 - e2), key
+
+
+def test_distributed_optimizer_shards_experts_over_expert_data_parallel():
+    over = {"parallel.nproc_per_node": 4, "parallel.distributed_optimizer": True, "train.global_batch_size": 64}
+    ep2 = _stage(preset("moe-research", **over, **{"parallel.expert_parallel": 2}))
+    P, Pe = ep2.detail["params"]["total"], ep2.detail["params"]["experts"]
+    # dense DP 4, expert DP = 4 / (ETP 1 x EP 2 x PP 1) = 2
+    assert ep2.components["optimizer_moments"] == pytest.approx(8 * (-(-(P - Pe) // 4) + -(-Pe // 2)), abs=8)
+
+
+def test_routed_activations_follow_top_k_and_state_their_imbalance_bound():
+    base = preset("moe-research")
+    k2 = preset("moe-research", **{"model.moe.top_k": 2})
+    t8, t2 = _stage(base).detail["layer_activation_terms"], _stage(k2).detail["layer_activation_terms"]
+    for k in ("expert_input", "expert_fc1_output", "expert_act_output"):
+        assert t8[k] == pytest.approx(4 * t2[k], rel=1e-6), k
+    assert "fc1_output" not in t8  # every layer is MoE: no dense MLP intermediates
+    # EP = 1: every routed token is on the rank, the count is exact; EP = 2 dropless: the stated bound
+    sh1 = shape(base, derive(base))
+    ep2 = preset("moe-research", **{"parallel.expert_parallel": 2, "parallel.nproc_per_node": 2})
+    sh2 = shape(ep2, derive(ep2))
+    tokens = base.model.seq_length * base.train.micro_batch_size
+    assert moe_shapes.routed_tokens(sh1) == (tokens * 8, tokens * 8)
+    planned, worst = moe_shapes.routed_tokens(sh2)
+    assert planned == tokens * 8 * moe_shapes.DROPLESS_IMBALANCE and worst == tokens * 2 * 8
+    capped = preset("moe-research", **{"parallel.expert_parallel": 2, "parallel.nproc_per_node": 2, "model.moe.capacity_factor": 1.1})
+    assert moe_shapes.routed_tokens(shape(capped, derive(capped)))[0] == pytest.approx(tokens * 8 * 1.1)
+
+
+def test_grouped_gemm_keeps_the_stacked_expert_weights():
+    cfg = preset("moe-research")
+    grouped = _stage(cfg).detail["layer_activation_terms"]
+    seq = _stage(cfg.replace(**{"model.moe.grouped_gemm": False})).detail["layer_activation_terms"]
+    assert grouped["grouped_weight_stack"] == 2 * 64 * 3 * 512 * 1024 and "grouped_weight_stack" not in seq
+
+
+def test_moe_research_fits_one_h100_and_mixtral_needs_expert_parallelism():
+    assert _stage(preset("moe-research")).peak_reserved < 70 * 2**30
+    one = planner.predict(preset("mixtral-8x7b"), gpu="h100")
+    assert one.stages[0].components["weights"] > 80 * 2**30
