@@ -5,10 +5,10 @@ at module level and never touches CUDA: it builds configs, plans memory, simulat
 schedules, launches ``torchrun`` and follows the event stream.
 """
 
-from workbench.run.procs import guard_rank
+from workbench.launch.ownership import guard_rank
 
 # A rank of a supervised run dies with its torchrun, and no process of a run outlives its
-# supervisor (a no-op outside a run: see workbench/run/procs.py).
+# supervisor (a no-op outside a run: see workbench/launch/ownership.py).
 guard_rank()
 
 from workbench.noise import quiet_third_party  # noqa: E402

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from workbench.notebook import quickstart_config, run_notebook  # noqa: E402
-from workbench.run_handle import Run  # noqa: E402
+from workbench.launch import Run  # noqa: E402
 
 
 def _device() -> str:

@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from workbench.config import preset
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 from tests.support import ROOT, living, run_processes, wait_until
 

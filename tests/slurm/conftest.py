@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import free_port
-from workbench.run.procs import die_with_parent
+from workbench.launch.ownership import die_with_parent
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 TOOLS = ["slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo", "scontrol", "munged"]

@@ -61,7 +61,7 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
     return out
 
 
-# -- the launch bridge's fake rank: stands in for workbench.backend at the process boundary ----------------
+# -- the launch's fake rank: stands in for workbench.backend at the process boundary ----------------
 
 RANK_SCRIPT = textwrap.dedent(
     '''

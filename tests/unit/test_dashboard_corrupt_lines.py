@@ -8,7 +8,7 @@ from pathlib import Path
 
 from workbench.config import preset
 from workbench.run.events import EventWriter, event_file, parse_line
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 BAD_LINES = [
     '{"event": "step", "time": "garbage", "rank": 0, "iteration": "x", "loss": "abc", "step_time": "?"}\n',

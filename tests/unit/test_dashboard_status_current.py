@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from workbench.config import preset
 from workbench.run.events import EventWriter
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 
 def test_status_line_is_current_after_a_redraw(tmp_path):

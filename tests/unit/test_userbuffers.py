@@ -64,14 +64,14 @@ def test_userbuffers_on_another_layer_exit_2_before_anything_starts(tmp_path, ca
 def test_transformer_engines_layer_without_te_is_refused_before_the_launch(monkeypatch):
     """TE's layer asked for on a GPU machine without a usable TE: a launch problem with the fix, not a rank's
     traceback.  (Whether TE is usable is the machine's question: the config itself stays valid elsewhere.)"""
-    from workbench import launch
+    from workbench.launch import checks
 
-    monkeypatch.setattr(launch, "detect_gpus", lambda: 2)  # the machine boundary: nvidia-smi
+    monkeypatch.setattr(checks, "detect_gpus", lambda: 2)  # the machine boundary: nvidia-smi
     monkeypatch.setattr(kernels, "te_available", lambda: False)
-    problems = [p for p in launch.launch_problems(UB) if p.field == "model.attention_backend"]
+    problems = [p for p in checks.launch_problems(UB) if p.field == "model.attention_backend"]
     assert problems and "install_te.sh" in problems[0].fix and "te_userbuffers: false" in problems[0].fix
     monkeypatch.setattr(kernels, "te_available", lambda: True)
-    assert not [p for p in launch.launch_problems(UB) if p.field == "model.attention_backend"]
+    assert not [p for p in checks.launch_problems(UB) if p.field == "model.attention_backend"]
 
 
 def test_t5_is_refused_by_its_family(te_here):

@@ -350,7 +350,7 @@ class ConfigForm:
 
     def launch(self, **kwargs: Any):
         """Launch the current config (``Run.launch``); shows the dashboard below the form."""
-        from workbench.run_handle import Run
+        from workbench.launch import Run
 
         self.revalidate()
         if self.problems:

@@ -130,7 +130,7 @@ def status_line(status: str, iteration: int, total: int, run_dir: Any) -> str:
 
 
 class Dashboard:
-    """Live view of a :class:`workbench.bridge.Run` (launched here or re-attached)."""
+    """Live view of a :class:`workbench.launch.Run` (launched here or re-attached)."""
 
     def __init__(self, run, interval: float = 1.0, predicted_memory: Mapping[int, float] | float | None = None,
                  log_lines: int = 15, autostart: bool = True, stall_after: float = 120.0):
