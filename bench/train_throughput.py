@@ -435,9 +435,9 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
 def _skip_tp_collectives() -> None:
     """Diagnostic bound (wrong maths, bench only): the compiled layer's TP all-reduces become
     no-ops, so TP=2 runs its half-size GEMMs and replicated element-wise work without talking."""
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
 
-    fusions._all_reduce_sum = lambda x, group: x.contiguous()
+    compiled_layer._all_reduce_sum = lambda x, group: x.contiguous()
 
 
 def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:

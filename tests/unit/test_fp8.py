@@ -271,7 +271,7 @@ def test_a_t5_decoder_whose_token_count_is_not_a_multiple_of_16_is_refused():
 def test_a_layer_with_the_steps_weight_copies_matches_casting_per_call_also_under_mlp_recompute(recompute_mlp):
     """The compiled layer's maths (eager here) with FP8Weight arguments, the MLP's rebuild in backward
     (``recompute_mlp``: the copies pass through torch.utils.checkpoint) included: same output and gradients."""
-    from workbench.backend.fusions import dense_layer_forward
+    from workbench.backend.compiled_layer import dense_layer_forward
 
     g = torch.Generator().manual_seed(6)
     h, heads, ffn, s, b = 64, 4, 128, 16, 2

@@ -30,7 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from workbench import kernels
-from workbench.backend import fusions
+from workbench.backend import compiled_layer
 from workbench.backend.attention import SDPAttention
 from workbench.backend.norms import WorkbenchNorm
 from workbench.config import RunConfig, pipeline_stage_layers
@@ -40,6 +40,7 @@ from workbench.models import family_of
 __all__ = [
     "WorkbenchTransformerConfig",
     "transformer_config",
+    "transformer_config_overrides",
     "layer_class",
     "norm_module",
     "self_attention_layer_spec",
@@ -54,7 +55,7 @@ __all__ = [
 #: What ``parallel.recompute: selective`` recomputes on this workbench.  Stock Megatron's
 #: default (``core_attn``) saves nothing with SDPA/flash attention, which keeps no s x s
 #: scores.  Instead we recompute the dense MLP in backward (inside the compiled dense layer's
-#: graph, see ``fusions.dense_layer_forward``; on the stock layer :class:`RecomputedMLP`): its
+#: graph, see ``compiled_layer.dense_layer_forward``; on the stock layer :class:`RecomputedMLP`): its
 #: fc1 output and activation output (2 x ffn values per token, e.g. 8h for GELU -- the
 #: largest activations of a layer) are dropped and rebuilt from the saved MLP input; the
 #: attention block's activations are kept.  mcore's own ``recompute_modules=["mlp"]`` is
@@ -74,7 +75,7 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_alibi: bool = False
     #: selective recompute of the dense MLP (:class:`RecomputedMLP`).
     workbench_recompute_mlp: bool = False
-    #: parallel.tp_comm_overlap on the compiled layer (:func:`fusions.sink_weight_gradients`).
+    #: parallel.tp_comm_overlap on the compiled layer (:func:`workbench.backend.tp_overlap.sink_weight_gradients`).
     workbench_tp_comm_overlap: bool = False
     #: train.fp8 on the compiled layer: "tensorwise" | "rowwise" | "delayed" (:mod:`workbench.backend.fp8`), None = off.
     workbench_fp8: Optional[str] = None
@@ -136,7 +137,7 @@ def layer_class(choice: kernels.KernelChoice) -> type:
     """The TransformerLayer class for a kernel choice: the compiled dense layer, megatron's graphed for
     training (:class:`GraphedTransformerLayer`), or megatron's."""
     if choice.layer == "compiled":
-        return fusions.CompiledTransformerLayer
+        return compiled_layer.CompiledTransformerLayer
     return GraphedTransformerLayer if choice.cuda_graphs_impl == "megatron" else TransformerLayer
 
 
@@ -167,6 +168,22 @@ def training_step_fields(cfg: RunConfig) -> dict[str, Any]:
     if choice.tp_overlap == "userbuffers":
         fields.update(tp_comm_overlap=True)
     return fields
+
+
+def transformer_config_overrides(cfg: Any) -> dict[str, Any]:
+    """TransformerConfig fields for the stock-forward paths (called by :func:`transformer_config`).
+
+    Only maths-preserving switches: megatron's torch.compile'd bias-dropout-add and its fused
+    vocab-parallel cross entropy (fp32 like the unfused one).  Empty unless
+    ``train.compile_kernels`` is on and the device is CUDA.
+    """
+    if not kernels.fast_paths_wanted(cfg):
+        return {}
+    return {
+        "bias_dropout_fusion": True,
+        "cross_entropy_loss_fusion": True,
+        "cross_entropy_fusion_impl": "native",
+    }
 
 
 def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformerConfig:
@@ -233,7 +250,7 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
             kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
         else:
             kwargs.update(workbench_recompute_mlp=True)
-    kwargs.update(fusions.transformer_config_overrides(cfg))
+    kwargs.update(transformer_config_overrides(cfg))
     kwargs.update(overrides)
     return WorkbenchTransformerConfig(**kwargs)
 
@@ -334,6 +351,6 @@ def kernel_path(cfg: RunConfig) -> dict[str, str]:
     if choice.tp_overlap == "userbuffers":
         out["tp_comm_overlap"] = ("Transformer Engine userbuffers (megatron tp_comm_overlap): the SP all-gather / "
                                   "reduce-scatter of qkv, proj, fc1, fc2 pipelined with their GEMMs")
-    notes = fusions.transformer_config_overrides(cfg)
+    notes = transformer_config_overrides(cfg)
     out["fusions"] = ", ".join(f"{k}={v}" for k, v in notes.items() if "fusion" in k and v) or "none"
     return out

@@ -41,7 +41,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from workbench.backend import fusions as _fusions
+from workbench.backend import compiled_layer
+from workbench.backend.optimizer_paths import prepare_optimizer
 from workbench import kernels
 from workbench.config import RunConfig, derive
 from workbench.run.events import Checkpoint, Error, Eval, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
@@ -154,11 +155,9 @@ class Trainer:
         )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
         # [perf hook] compiled cross-entropy, foreach multi-tensor ops, fused AdamW (no-ops unless
-        # train.compile_kernels on CUDA); see workbench.backend.fusions
-        from workbench.backend import fusions
-
-        fusions.prepare_model(self.model, cfg)
-        fusions.prepare_optimizer(self.optimizer, cfg)
+        # train.compile_kernels on CUDA): workbench.backend.compiled_layer, workbench.backend.optimizer_paths
+        compiled_layer.prepare_model(self.model, cfg)
+        prepare_optimizer(self.optimizer, cfg)
         decay = t.lr_decay_iters or t.train_iters
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
@@ -182,7 +181,7 @@ class Trainer:
         self.kernel_path = kernel_path(cfg)
         self.kernel_choice = choice.to_dict()
         self.kernel_path["optimizer"] = self._optimizer_path()
-        self.kernel_path.update(fusion_entries(fusions.summary()))
+        self.kernel_path.update(fusion_entries(compiled_layer.summary()))
         self.kernel_path["grad_accumulation"] = (
             "workbench: weight gradients into DDP's fp32 main_grad, copied at a step's first micro-batch, then added "
             "(vectorised)" if choice.grad_accumulation == "workbench" else "megatron DDP's hook (main_grad.add_)")
@@ -326,7 +325,7 @@ class Trainer:
         start = time.perf_counter()
         self.timer.begin_step(sample)
         # [perf hook] a new path through the CUDA-graph trees; weights fixed (FP8 copies cast once) until it ends
-        with _fusions.training_step():
+        with compiled_layer.training_step():
             reports = self.forward_backward(
                 forward_step_func=self._make_forward_step(train=True),
                 data_iterator=self._data_iter(self.train_iters),

@@ -45,7 +45,7 @@ class Supports:
     #: (HF ``model_type``, why it is refused and what to use instead): HF types that look like
     #: this family's but are not converted (e.g. post-LN ``bert`` for the pre-LN BERT family)
     hf_refused: tuple[tuple[str, str], ...] = ()
-    #: why the compiled dense layer (:class:`workbench.backend.fusions.CompiledTransformerLayer`) cannot serve this family's
+    #: why the compiled dense layer (:class:`workbench.backend.compiled_layer.CompiledTransformerLayer`) cannot serve this family's
     #: layers, whatever the config (None: it can); read by :func:`workbench.kernels.layer_blocker`
     compiled_layer_blocker: str | None = None
     #: why pipeline parallelism is refused (config validation says it with the field); "" -> a generic sentence

@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 KINDS = ("run_start", "step", "microbatch", "eval", "checkpoint", "error", "run_end")
 
-#: prefix of the kernel-path entries that name the backend's fast paths (``fusions.summary()``)
+#: prefix of the kernel-path entries that name the backend's fast paths (``compiled_layer.summary()``)
 FUSION_PREFIX = "fast_"
 
 __all__ = [
