@@ -17,7 +17,7 @@ from workbench.noise import quiet_third_party  # noqa: E402
 # async save): each known one once, as one line, or dropped where it says nothing (workbench/noise.py)
 quiet_third_party()
 
-from workbench.kernels import guard_transformer_engine  # noqa: E402
+from workbench.kernel_rule import guard_transformer_engine  # noqa: E402
 
 # A Transformer Engine that is installed but broken would fail megatron-core's own import (and
 # with it the whole backend): found and hidden here, before anything can import megatron-core.

@@ -31,7 +31,7 @@ TE_PRESENT_NOTE = ("megatron-core fell back to torch for a piece Transformer Eng
 
 
 def _te_apex_note() -> str:
-    from workbench.kernels import te_status  # torch-free; imported late: kernels imports this package
+    from workbench.kernel_rule import te_status  # torch-free; imported late: kernels imports this package
 
     return TE_PRESENT_NOTE if te_status()[0] == "ok" else TE_APEX_NOTE
 

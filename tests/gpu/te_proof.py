@@ -154,7 +154,7 @@ def _emit(out: Path | None, row: dict) -> None:
 
 
 def ab(out: Path | None, model: str, steps: int, timeout: float) -> None:
-    from workbench.kernels import te_status
+    from workbench.kernel_rule import te_status
 
     base = {"model": model, "path": "default", "steps": steps}
     variants = {"product (TE FusedAdam, megatron's choice)": {}, "torch fused AdamW": {"torch_adamw": True},

@@ -91,12 +91,12 @@ def _built(cfg) -> dict:
 def main() -> int:
     from megatron.core import parallel_state
 
-    from workbench import kernels
+    from workbench import kernel_rule
     from workbench.backend import compiled_layer, cpu_mode, distributed
 
     dist.init_process_group("gloo")
     cpu_mode.enable()
-    kernels.allow_fast_paths_on_cpu(True)
+    kernel_rule.allow_fast_paths_on_cpu(True)
     compiled_layer.set_compile(False)  # the fast paths' own maths, eagerly: same selection, no inductor on CPU
     for name, overrides in GRID:
         cfg = preset("tiny", **{"train.compile_kernels": True, "parallel.nproc_per_node": 2, **overrides})

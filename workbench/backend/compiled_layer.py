@@ -68,7 +68,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.backend.attention import SDPAttention, sdpa_mask
 from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_step, linear as fp8_linear, \
     open_step as fp8_open_step
@@ -96,7 +96,7 @@ _COMPILE = True
 
 def allow_on_cpu(enabled: bool = True) -> None:
     """Tests: enable the fast paths for ``parallel.device: cpu`` too (they are GPU-only otherwise)."""
-    kernels.allow_fast_paths_on_cpu(enabled)
+    kernel_rule.allow_fast_paths_on_cpu(enabled)
 
 
 def set_compile(enabled: bool) -> None:
@@ -113,7 +113,7 @@ def summary() -> dict[str, str]:
 
 
 def _wanted(cfg: Any) -> bool:
-    return kernels.fast_paths_wanted(cfg)
+    return kernel_rule.fast_paths_wanted(cfg)
 
 
 # --------------------------------------------------------------------------- the layer's class
@@ -121,7 +121,7 @@ def _wanted(cfg: Any) -> bool:
 
 def layer_module(cfg: Any) -> type:
     """The TransformerLayer class the kernel rule picks for this config: compiled dense layer or stock."""
-    return CompiledTransformerLayer if kernels.choose(cfg).layer == "compiled" else TransformerLayer
+    return CompiledTransformerLayer if kernel_rule.choose(cfg).layer == "compiled" else TransformerLayer
 
 
 # --------------------------------------------------------------------------- the dense layer
@@ -424,7 +424,7 @@ def _piece(name: str, tp_overlap: bool = False):
 def graphs_wanted(cfg: Any) -> bool:
     """CUDA graphs for the compiled layers: what the kernel rule says, when compiling (not the
     eager test mode) on a process that sees a GPU."""
-    return kernels.choose(cfg, cuda_available=torch.cuda.is_available()).cuda_graphs_impl == "torch" and _COMPILE
+    return kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available()).cuda_graphs_impl == "torch" and _COMPILE
 
 
 def step_begin() -> None:
@@ -776,7 +776,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                     raise RuntimeError(f"train.fp8: {why_not}; fix: train.fp8: off")
                 notes["fp8"] = (f"FP8 GEMMs ({compiled[0]._static['fp8']} scaling, torch._scaled_mm) in the "
                                 f"{len(compiled)}/{len(layers)} compiled layers: {GEMMS}")
-                if fp8_note := kernels.choose(cfg).fp8_note:
+                if fp8_note := kernel_rule.choose(cfg).fp8_note:
                     notes["fp8"] += f"; {fp8_note}"
             if compiled[0].hidden_dropout or compiled[0]._attention_dropout:
                 notes["layer"] += (f", dropout in the graph (hidden {compiled[0].hidden_dropout:g}, "
@@ -798,7 +798,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             elif compiled[0].config.cuda_graph_impl == "local":
                 notes["cuda_graphs"] = ("compiled layers' forward+backward replayed as megatron's CUDA graphs, one per "
                                         "layer and micro-batch in the pipeline schedule's order (recorded in the first step)")
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernels.choose(cfg).cuda_graphs_reason):
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.choose(cfg).cuda_graphs_reason):
                 notes["cuda_graphs_off"] = why_off
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
@@ -806,7 +806,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if any(getattr(m, "config", None) is not None and m.config.cuda_graph_impl == "local" for m in layers):
                 notes["cuda_graphs"] = ("layers' forward+backward replayed as megatron CUDA graphs (cuda_graph_impl local, "
                                         "TE's RNG tracker), recorded after the first steps")
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernels.choose(cfg).cuda_graphs_reason):
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.choose(cfg).cuda_graphs_reason):
                 notes["cuda_graphs_off"] = why_off
     _STATE.update(notes)
     return notes

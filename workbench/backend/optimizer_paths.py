@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from workbench import kernels
+from workbench import kernel_rule
 
 __all__ = ["STATE", "foreach_l2_norm", "foreach_scale", "install_multi_tensor_fallbacks", "use_fused_adam",
            "prepare_optimizer"]
@@ -124,7 +124,7 @@ def use_fused_adam(optimizer: Any) -> int:
 
 def prepare_optimizer(optimizer: Any, cfg: Any) -> dict[str, str]:
     """Optimizer fast paths (called by the training loop after ``get_megatron_optimizer``); what it switched on."""
-    if not kernels.fast_paths_wanted(cfg):
+    if not kernel_rule.fast_paths_wanted(cfg):
         return {}
     install_multi_tensor_fallbacks()
     use_fused_adam(optimizer)

@@ -1,4 +1,4 @@
-"""TP comm overlap, one per layer kind (:attr:`workbench.kernels.KernelChoice.tp_overlap`).
+"""TP comm overlap, one per layer kind (:attr:`workbench.kernel_rule.KernelChoice.tp_overlap`).
 
 - The compiled layer (``parallel.tp_comm_overlap``): an inductor post-grad pass that moves each backward
   graph's weight-gradient GEMMs under the next collective (used by :func:`workbench.backend.compiled_layer._compiled`).
@@ -108,9 +108,9 @@ def initialize_userbuffers(cfg: Any) -> Optional[str]:
     TE exchanges through CUDA IPC instead of NVLink multicast.
     """
     global _UB_LIVE
-    from workbench import kernels
+    from workbench import kernel_rule
 
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     if choice.tp_overlap != "userbuffers":
         return None
     import os

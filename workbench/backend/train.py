@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from workbench.backend import compiled_layer
 from workbench.backend.optimizer_paths import prepare_optimizer
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.config import RunConfig, derive
 from workbench.run.events import Checkpoint, Error, Eval, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
 from workbench.hooks import Batch, TrainHooks, load_hooks
@@ -122,9 +122,9 @@ class Trainer:
             pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
             chunks.append(build_model(cfg, pre_process=pre, post_process=post, vp_stage=vp, config=tc))
-        # the one kernel rule's decision for this process (workbench.kernels.choose), what the planner assumed
-        choice = kernels.choose(cfg, cuda_available=torch.cuda.is_available())
-        if self.cuda:  # the kernel rule's SDPA backend order, for this training process (kernels.KernelChoice.sdpa_order)
+        # the one kernel rule's decision for this process (workbench.kernel_rule.choose), what the planner assumed
+        choice = kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
+        if self.cuda:  # the kernel rule's SDPA backend order, for this training process (kernel_rule.KernelChoice.sdpa_order)
             from workbench.backend.attention import apply_sdpa_order
 
             apply_sdpa_order(choice.sdpa_order)
@@ -138,7 +138,7 @@ class Trainer:
         )
         self.model = [DistributedDataParallel(config=tc, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
                       for i, c in enumerate(chunks)]
-        if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernels.KernelChoice.grad_accumulation)
+        if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernel_rule.KernelChoice.grad_accumulation)
             from workbench.backend import grad_accumulation
 
             grad_accumulation.install(self.model)

@@ -58,11 +58,11 @@ def launch_problems(cfg: RunConfig, *, local: bool = True) -> list[Problem]:
         elif cfg.parallel.nproc_per_node > gpus:
             problems.append(Problem("parallel.nproc_per_node", f"{cfg.parallel.nproc_per_node} processes per node but only {gpus} GPU(s) visible",
                                     f"use nproc_per_node <= {gpus}"))
-        from workbench import kernels
+        from workbench import kernel_rule
 
-        if kernels.choose(cfg).attention == "te" and not kernels.te_available():  # explicit: auto never picks an absent TE
+        if kernel_rule.choose(cfg).attention == "te" and not kernel_rule.te_available():  # explicit: auto never picks an absent TE
             problems.append(Problem("model.attention_backend", f"Transformer Engine's layer is asked for but TE is not usable "
-                                    f"here ({kernels.te_status()[1]})", "install it (bash launch/install_te.sh), or set "
+                                    f"here ({kernel_rule.te_status()[1]})", "install it (bash launch/install_te.sh), or set "
                                     "attention_backend: auto" + (" and te_userbuffers: false" if cfg.parallel.te_userbuffers else "")))
     return problems
 

@@ -133,7 +133,7 @@ class RunStart(Event):
     world_size: int | None = None
     coords: dict[str, int] | None = None
     kernel_path: dict[str, Any] | None = None
-    kernels: Any = None  # the kernel rule's choice (workbench.kernels), when the backend records it
+    kernels: Any = None  # the kernel rule's choice (workbench.kernel_rule), when the backend records it
     data: Any = None
     start_iteration: int | None = None
 

@@ -12,7 +12,7 @@ and renames the decoder layers, which would break (1) for a pure-attention GPT.
 The deprecation line is filtered out by a narrowly scoped ``logging.Filter`` on
 megatron's ``gpt_model`` logger (only that exact message; every other warning stays).
 
-Every kernel slot (attention, layer class, norm) comes from :func:`workbench.kernels.choose`.
+Every kernel slot (attention, layer class, norm) comes from :func:`workbench.kernel_rule.choose`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
 
@@ -49,7 +49,7 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
     """The transformer-layer spec: TE's GPT spec when the rule picks TE, megatron's local spec for
     ``attention_backend: local``, else the workbench's causal self-attention layer
     (:func:`workbench.backend.model.self_attention_layer_spec`)."""
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     if choice.attention == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -64,7 +64,7 @@ def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int
     """Layer specs for this pipeline stage plus the final norm (the workbench's, so SP works)."""
     spec = layer_spec(cfg)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm_module(cfg, kernels.choose(cfg)))
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm_module(cfg, kernel_rule.choose(cfg)))
 
 
 def build(
