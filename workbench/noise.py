@@ -1,5 +1,5 @@
-"""One policy for third-party noise (issue #24): every command used to print the same torch and
-megatron-core warnings, several times each.
+"""One policy for third-party noise: the torch and megatron-core warnings every command would print, several
+times each, are shown once as one line or dropped where they say nothing.
 
 - Warnings from megatron-core about missing Transformer Engine / Apex (five of them, from five
   modules) become one line per process; the other known megatron-core notices (absl, experimental

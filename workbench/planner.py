@@ -692,7 +692,7 @@ def _suggestions(cfg: RunConfig, gpu: GPUSpec, a: PlannerAssumptions, worst: int
     if p.tensor_parallel > 1 and not p.sequence_parallel and m.seq_length % p.tensor_parallel == 0:
         cands.append(("enable sequence parallelism (SP)", {"parallel.sequence_parallel": True}))
     if p.recompute == "none":
-        # speed costs measured on the compiled layer (bench/README.md "Session 6": GPT-2 medium, H200)
+        # speed costs measured on the compiled layer (bench/README.md: GPT-2 medium, H200)
         cands.append(("selective recompute (MLP; ~7% slower)", {"parallel.recompute": "selective"}))
     if p.recompute != "full":
         cands.append(("full recompute (1 layer per block; ~20% slower)", {"parallel.recompute": "full", "parallel.recompute_num_layers": 1}))

@@ -1,8 +1,8 @@
 """``python -m workbench.launch.torchrun TORCHRUN-ARGS``: torch's own torchrun, its stores listening only where they are named.
 
-torch's ``TCPStore`` server listens on every interface (``::``) whatever host it is given, so a
-one-node job's rendezvous store and the store its ranks bootstrap from were reachable from the
-network, as was any process group a single process set up for itself.  This entry runs
+torch's ``TCPStore`` server listens on every interface (``::``) whatever host it is given, which
+would put a one-node job's rendezvous store, the store its ranks bootstrap from and any process
+group a single process sets up for itself on the network.  This entry runs
 ``torch.distributed.run.main`` unchanged except for one thing: a store server is handed a socket
 bound to the address of the host it is named by (TCPStore's own ``master_listen_fd``).
 

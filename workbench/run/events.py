@@ -23,7 +23,7 @@ is a dataclass below (:class:`RunStart`, :class:`Step`, ...):
 
 Field names are the on-disk names, so runs written by any earlier version parse; fields a
 record does not declare are kept in its ``extra`` dict (and written back out as they came).
-Records also answer ``rec["field"]`` / ``rec.get("field")`` like the dicts they used to be.
+Records also answer ``rec["field"]`` / ``rec.get("field")`` like dicts.
 This module must not import torch or megatron-core.
 """
 
