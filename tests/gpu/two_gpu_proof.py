@@ -1,4 +1,4 @@
-"""GPU proof that two GPUs compute what one does, for every family (issue 40): parity, resume, conversion, memory.
+"""GPU proof that two GPUs compute what one does, for every family: parity, resume, conversion, memory.
 
 Run on a machine with 2 GPUs from the repository root, in two calls (each well under 9 minutes on 2x H100)::
 

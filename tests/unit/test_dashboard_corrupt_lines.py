@@ -1,4 +1,4 @@
-"""Issue #24: a corrupt or truncated event line in the middle of a rank file (not only the last line)
+"""A corrupt or truncated event line in the middle of a rank file (not only the last line)
 never breaks the dashboard, its reader or the run's metrics: bad JSON, JSON of the wrong shape and
 records with wrongly typed fields are skipped and counted."""
 

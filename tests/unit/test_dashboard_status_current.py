@@ -1,4 +1,4 @@
-"""Issue #24: the dashboard's status line and progress show the events read after the (slow) redraw,
+"""The dashboard's status line and progress show the events read after the (slow) redraw,
 not those read before it: a fast run used to be ~30 iterations further than the status line said."""
 
 from __future__ import annotations
