@@ -1,4 +1,4 @@
-"""GPU evidence for the launch bridge and the quickstart notebook.
+"""GPU evidence for the launch path (Run.launch, stop, failure) and the quickstart notebook.
 
 1. ``quickstart``: executes notebooks/01_quickstart.ipynb through papermill on the GPUs present
    (configure -> plan -> launch -> watch -> evaluate -> generate) and records its metrics.
