@@ -17,6 +17,7 @@
 | :mod:`~workbench.launch.slurm` | the SLURM batch script, ``sbatch``, ``squeue``, ``scancel`` |
 | :mod:`~workbench.launch.torchrun` | ``python -m workbench.launch.torchrun``: torchrun with its stores bound where named |
 | :mod:`~workbench.launch.handle` | :class:`Run`, the notebook-side handle of one run |
+| :mod:`~workbench.launch.node_processes` | one node's processes of a run on this machine: found (verified) and stopped |
 | :mod:`~workbench.launch.failure` | :class:`Failure`: which rank made a run fail, and why |
 | :mod:`~workbench.launch.frames` | a run's events as pandas DataFrames |
 

@@ -7,7 +7,8 @@ still running.  A ``Run`` follows the event stream through its :class:`workbench
 surfaces a failing rank with its traceback, prints a stuck run's stacks, and stops the run:
 SIGTERM to the supervisor, which SIGTERMs torchrun, which SIGTERMs each rank once (the backend
 finishes its step and saves); SIGKILL for anything left after the grace period, and this side
-kills the process group and every process it saw if even that fails.
+kills the process group and every process it saw if even that fails
+(:mod:`workbench.launch.node_processes`).
 
 A multi-node run (one ``workbench launch --node-rank K`` per node, one run directory they all
 share: :mod:`workbench.run.nodes`) is followed as one job from any node: the events of every
@@ -22,7 +23,6 @@ The live dashboard is :class:`workbench.widgets.dashboard.Dashboard` (``Dashboar
 from __future__ import annotations
 
 import atexit
-import os
 import re
 import subprocess
 import sys
@@ -37,9 +37,10 @@ from workbench.launch import frames
 from workbench.launch.exit_status import STATUSES, lost_peer, write_exit_status
 from workbench.launch.failure import Failure, diagnose, tail
 from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT, HeartbeatClock, read_heartbeat
-from workbench.launch.ownership import Refusal, live_recorded, verified_supervisor
+from workbench.launch.node_processes import NodeProcesses
+from workbench.launch.ownership import Refusal
 from workbench.launch.plan import BACKEND_ENTRY, LaunchPlan, apply_overrides
-from workbench.launch.processes import collect_stacks, descendants, is_alive, live_process, rank_processes, stop
+from workbench.launch.processes import collect_stacks, rank_processes
 from workbench.launch.processes import rank_log as local_rank_log
 from workbench.launch.slurm import JobWatch
 from workbench.launch.start import start_run
@@ -85,8 +86,7 @@ class Run:
         self._lock = threading.RLock()
         self._stop_requested = False
         self._slurm = JobWatch(self.run_dir)
-        #: processes launch.json names that are not this run's (never signalled), each with why
-        self.refusals: list[Refusal] = []
+        self._procs = NodeProcesses(self.run_dir, self.node_rank, self.reader, popen)
         cfg_path = self.run_dir / "config.json"
         self.config: RunConfig | None = None
         if cfg_path.exists():
@@ -183,27 +183,10 @@ class Run:
             return self.plan.nproc_per_node
         return int(self.config.parallel.nproc_per_node) if self.config is not None else 1
 
-    def _node_processes(self, meta: dict) -> list:
-        """Live processes of another node of this run on this machine: its supervisor's tree and its records
-        (only those that provably belong to this run directory: :func:`workbench.launch.ownership.live_recorded`)."""
-        sup, why = verified_supervisor(meta, self.run_dir)
-        self._refuse(why)
-        found = [sup, *descendants(sup)] if sup is not None else []
-        pids = {p.pid for p in found}
-        return found + [p for p in self._live_recorded(meta) if p.pid not in pids]
-
-    def _live_recorded(self, meta: dict) -> list:
-        refused: list[Refusal] = []
-        found = live_recorded(meta, self.run_dir, refused)
-        for why in refused:
-            self._refuse(why)
-        return found
-
-    def _refuse(self, why: Refusal | None) -> None:
-        """Say once (stderr) that a process ``launch.json`` names is not this run's and is left alone."""
-        if why and why not in self.refusals:
-            self.refusals.append(why)
-            print(f"warning: {why}", file=sys.stderr, flush=True)
+    @property
+    def refusals(self) -> list[Refusal]:
+        """Processes ``launch.json`` names that are not this run's (never signalled), each with why."""
+        return self._procs.refusals
 
     def nodes(self) -> list[dict]:
         """Every node of the run: ``{node, host, ranks, status, alive, local, why, exit_status, heartbeat_age}``.
@@ -225,9 +208,9 @@ class Run:
             host = meta.get("host") or (beat or {}).get("host")
             local = host == me
             if k == self.node_rank and (local or self._popen is not None):
-                alive = self._supervisor() is not None or bool(self._recorded())
+                alive = self._procs.alive()
             elif local:
-                alive = bool(self._node_processes(meta))
+                alive = bool(self._procs.of_node(meta))
             else:
                 alive = ex is None and age is not None and age <= float(meta.get("node_timeout") or DEFAULT_NODE_TIMEOUT)
             why = None
@@ -247,7 +230,7 @@ class Run:
                 status = "running"
             elif meta or beat:
                 status = "lost"
-                why = (f"its processes are gone and it wrote no exit status" if local or age is None
+                why = ("its processes are gone and it wrote no exit status" if local or age is None
                        else f"no heartbeat for {age:.0f} s and no exit status")
             else:
                 status = "not started"
@@ -256,27 +239,11 @@ class Run:
                         "heartbeat_age": age})
         return out
 
-    def _supervisor(self):
-        if self._popen is not None:
-            if self._popen.poll() is not None:
-                return None
-            return live_process(self._popen.pid)
-        sup, why = verified_supervisor(self.launch_info, self.run_dir)
-        self._refuse(why)
-        return sup
-
-    def _recorded(self) -> list:
-        """Live processes that ``launch.json`` records for this run (torchrun, ranks), their create times
-        and command lines checked against this run directory."""
-        if self._popen is not None and self._popen.poll() is None:
-            return []  # our own supervisor is running: its tree is the truth
-        return self._live_recorded(self.launch_info)
-
     def is_alive(self) -> bool:
         """True while the run's supervisor, or any process ``launch.json`` records for it, is running;
         a run submitted to SLURM: while ``squeue`` lists its job; a multi-node run: while any node
         runs (see :meth:`nodes`)."""
-        if self._supervisor() is not None or bool(self._recorded()):
+        if self._procs.alive():
             return True
         if self._slurm.state():  # a SLURM job in the queue: pending, running, completing
             return True
@@ -285,17 +252,14 @@ class Run:
     def processes(self) -> list:
         """psutil.Process objects of the run that are alive now (supervisor, torchrun, ranks), of
         every node of a multi-node run that runs on this machine."""
-        sup = self._supervisor()
-        found = [sup, *descendants(sup)] if sup is not None else []
-        pids = {p.pid for p in found}
-        found += [p for p in self._recorded() if p.pid not in pids]
+        found = self._procs.processes()
         if self._per_node():
             me = host_name()
             for k in range(self.nnodes):
                 meta = self.reader.launch_info(k)
                 if k != self.node_rank and meta.get("host") == me:
                     pids = {p.pid for p in found}
-                    found += [p for p in self._node_processes(meta) if p.pid not in pids]
+                    found += [p for p in self._procs.of_node(meta) if p.pid not in pids]
         return found
 
     # ---- events
@@ -379,11 +343,7 @@ class Run:
             time.sleep(poll)
 
     def _reap(self) -> None:
-        if self._popen is not None:
-            try:
-                self._popen.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
+        self._procs.reap()
 
     # ---- stop
     def stop(self, grace: float = 10.0) -> str:
@@ -394,51 +354,14 @@ class Run:
         it (their ranks agree on the step to stop at, their supervisors see this node's exit status).
         """
         self._stop_requested = True
-        if self._supervisor() is None and self._slurm.job is not None:
+        if self._procs.supervisor() is None and self._slurm.job is not None:
             return self._stop_slurm(grace)
-        self._stop_node(grace)
+        self._procs.stop(grace)
         if self._per_node():
             for v in self.nodes():
                 if v["node"] != self.node_rank and v["local"] and v["alive"]:
-                    Run(self.run_dir, node_rank=v["node"])._stop_node(grace)
+                    NodeProcesses(self.run_dir, v["node"], RunReader(self.run_dir)).stop(grace)
         return self.status
-
-    def _stop_node(self, grace: float) -> None:
-        """:meth:`stop` for this handle's node."""
-        sup = self._supervisor()
-        if sup is None:
-            orphans = self._recorded()  # the supervisor is gone (killed) but processes of the run live on
-            if orphans:
-                self._stop_orphans(orphans, grace)
-            self._reap()
-            if orphans and not self.exit_status:
-                write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"),
-                                  node_rank=self.node_rank)
-            return
-        snapshot = [sup, *descendants(sup)]
-        try:  # the supervisor leads the process group it created (a new session); any other group is not the run's
-            own_group = os.getpgid(sup.pid) == sup.pid
-        except OSError:
-            own_group = False
-        # Only the supervisor is signalled: it SIGTERMs torchrun, which SIGTERMs each rank once (see
-        # supervisor.stop_job), and it escalates to SIGKILL after ``grace``.  We wait for that plus a margin,
-        # then kill the supervisor's process group and every process seen in the tree, whatever happened.
-        stop(snapshot, grace + 8.0, term=[sup], wait_for=[sup], more=lambda: descendants(sup) if is_alive(sup) else [],
-             group=sup.pid if own_group else None)
-        orphans = self._live_recorded(self.launch_info)  # anything the supervisor recorded and did not take down
-        if orphans:
-            self._stop_orphans(orphans, 0.0)
-        self._reap()
-        if not self.exit_status:
-            write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"),
-                              node_rank=self.node_rank)
-
-    @staticmethod
-    def _stop_orphans(procs: list, grace: float) -> None:
-        """Stop processes of a run whose supervisor is gone: SIGTERM torchrun (it forwards one SIGTERM
-        to each rank) or, without it, the ranks; SIGKILL whatever is left after ``grace``."""
-        torchrun = [p for p in procs if (getattr(p, "info", None) or {}).get("role") == "torchrun"]
-        stop(procs, grace, term=torchrun or procs)
 
     # ---- SLURM (workbench.launch.slurm)
     def _stop_slurm(self, grace: float) -> str:
