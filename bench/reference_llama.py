@@ -18,7 +18,7 @@ same shape on an H100; what changed, each a candidate for that gap):
 - the KV heads expanded to the query heads before SDPA rather than SDPA's ``enable_gqa`` (which torch served with
   its flash kernel only, pytorch#139586), and the process's SDPA order cuDNN first on Hopper
   (:func:`workbench.backend.attention.apply_sdpa_order`): cuDNN's attention measured 0.38 ms against flash's
-  0.57 ms forward + backward on an H100 (``workbench.kernels.KernelChoice.sdpa_order``);
+  0.57 ms forward + backward on an H100 (``workbench.kernel_rule.KernelChoice.sdpa_order``);
 - the rotary tables computed once (buffers), not in every forward;
 - the loss as ``F.cross_entropy`` on the logits under autocast (which runs it in fp32), not on an explicit fp32
   copy of the logits.
@@ -157,7 +157,7 @@ class LlamaTrainer(ReferenceTrainer):
         spec = spec_from_config(cfg)
         if torch.cuda.is_available():
             from workbench.backend.attention import apply_sdpa_order
-            from workbench.kernels import SDPA_CUDNN_FIRST
+            from workbench.kernel_rule import SDPA_CUDNN_FIRST
 
             apply_sdpa_order(SDPA_CUDNN_FIRST)  # Hopper and later only
         return spec, ReferenceLlama(spec)

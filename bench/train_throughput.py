@@ -435,9 +435,9 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
 def _skip_tp_collectives() -> None:
     """Diagnostic bound (wrong maths, bench only): the compiled layer's TP all-reduces become
     no-ops, so TP=2 runs its half-size GEMMs and replicated element-wise work without talking."""
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
 
-    fusions._all_reduce_sum = lambda x, group: x.contiguous()
+    compiled_layer._all_reduce_sum = lambda x, group: x.contiguous()
 
 
 def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
@@ -520,7 +520,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         "host_profile": host,
         "fast_layer": _fast_layer_stats(tr),
         "kernel_path": tr.kernel_path,
-        "kernels": tr.kernel_choice,  # the one kernel rule's decision (workbench.kernels.choose)
+        "kernels": tr.kernel_choice,  # the one kernel rule's decision (workbench.kernel_rule.choose)
         "libraries": _libraries(),
     }
 
@@ -745,12 +745,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         import torch
 
-        from workbench import kernels
+        from workbench import kernel_rule
 
         if not torch.cuda.is_available():
             ap.error("no CUDA GPU visible: run on a GPU machine, or use --cpu-smoke")
         gpus = torch.cuda.device_count() if a.gpus is None else min(a.gpus, torch.cuda.device_count())
-        have_te = kernels.te_available()  # a broken TE install counts as absent, as in the backend
+        have_te = kernel_rule.te_available()  # a broken TE install counts as absent, as in the backend
         variants = plan(models, gpus, have_te, a.microbatches)
     if a.variants:
         wanted = [w.strip() for w in a.variants.split(",") if w.strip()]

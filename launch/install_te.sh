@@ -59,9 +59,9 @@ step env NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=1 MAX_JOBS="
   "$py" -m pip install -q --no-build-isolation --no-deps "transformer-engine-torch==$te_version"
 if [ -n "$dry" ]; then exit 0; fi
 echo "[te] installed in $(( $(date +%s) - t0 )) s"
-# the workbench's own check (workbench.kernels.te_status): importable, or why not
+# the workbench's own check (workbench.kernel_rule.te_status): importable, or why not
 "$py" - <<'PY'
-from workbench.kernels import te_status
+from workbench.kernel_rule import te_status
 st = te_status()
 print(f"[te] workbench sees Transformer Engine: {st}")
 PY

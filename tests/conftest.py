@@ -22,5 +22,5 @@ def free_port() -> int:
 
 @pytest.fixture()
 def rank_script(tmp_path: Path) -> Path:
-    """The launch bridge's fake rank (``tests.support.RANK_SCRIPT``) as a script in this test's tmp dir."""
+    """The launch's fake rank (``tests.support.RANK_SCRIPT``) as a script in this test's tmp dir."""
     return write_rank_script(tmp_path)

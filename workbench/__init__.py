@@ -5,10 +5,10 @@ at module level and never touches CUDA: it builds configs, plans memory, simulat
 schedules, launches ``torchrun`` and follows the event stream.
 """
 
-from workbench.run.procs import guard_rank
+from workbench.launch.ownership import guard_rank
 
 # A rank of a supervised run dies with its torchrun, and no process of a run outlives its
-# supervisor (a no-op outside a run: see workbench/run/procs.py).
+# supervisor (a no-op outside a run: see workbench/launch/ownership.py).
 guard_rank()
 
 from workbench.noise import quiet_third_party  # noqa: E402
@@ -17,7 +17,7 @@ from workbench.noise import quiet_third_party  # noqa: E402
 # async save): each known one once, as one line, or dropped where it says nothing (workbench/noise.py)
 quiet_third_party()
 
-from workbench.kernels import guard_transformer_engine  # noqa: E402
+from workbench.kernel_rule import guard_transformer_engine  # noqa: E402
 
 # A Transformer Engine that is installed but broken would fail megatron-core's own import (and
 # with it the whole backend): found and hidden here, before anything can import megatron-core.

@@ -3,7 +3,7 @@
 Concern modules contribute their sub-commands through an ``add_cli(subparsers)`` function;
 the commands that drive other layers live here: ``schedule`` (simulation, text and Gantt
 charts), ``launch`` (through :mod:`workbench.launch`, the one launch path, and
-:class:`workbench.run_handle.Run`), ``notebook run`` and ``sweep`` (:mod:`workbench.notebook`).
+:class:`workbench.launch.Run`), ``notebook run`` and ``sweep`` (:mod:`workbench.notebook`).
 Every handler returns an exit code; bad input exits 2 with the problems listed, never with a
 stack trace.
 """
@@ -22,9 +22,10 @@ from typing import Any
 from workbench.accelerate_import import from_accelerate
 from workbench.config import ConfigError, load_config
 from workbench.notebook import _notebook_parameters, _parse_value, notebook_problem, parse_grid, run_notebook, sweep
-from workbench.run_handle import Run
+from workbench.launch import Run
 from workbench.schedules import SCHEDULES, ScheduleError, measured_durations, simulate, text_chart
-from workbench.slurm import submit as slurm_submit
+from workbench.launch.slurm import batch_script
+from workbench.launch.slurm import submit as slurm_submit
 
 # Modules that register sub-commands (in help order); "schedule" and "run" are this module's.
 COMMAND_MODULES = [
@@ -229,7 +230,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         print(f"# config (written to {plan.config_path} at launch): {args.file}")
         if args.slurm:
             print(f"# SLURM batch script ({run_dir / 'slurm.sbatch'}):")
-            print(plan.slurm_script(gpus=cfg.parallel.device == "cuda"), end="")
+            print(batch_script(plan, gpus=cfg.parallel.device == "cuda"), end="")
         else:
             print(plan.shell())
         return 0
@@ -237,7 +238,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         cfg.save(plan.config_path)
         script = run_dir / "slurm.sbatch"
-        script.write_text(plan.slurm_script(gpus=cfg.parallel.device == "cuda"))
+        script.write_text(batch_script(plan, gpus=cfg.parallel.device == "cuda"))
         print(f"wrote {script}")
         if not shutil.which("sbatch"):
             print(f"sbatch not found on this machine; submit with: sbatch {script}")

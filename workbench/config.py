@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, reads_bad
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
 from workbench.models import FAMILIES, Supports, all_presets, family_of
@@ -225,7 +225,7 @@ class TrainConfig:
     cuda_graphs: bool = True
     #: FP8 GEMMs (off = the precision above).  On the compiled layer through torch (workbench.backend.fp8):
     #: tensorwise | rowwise current scaling, delayed (the last step's maxima: a history of 1).  On Transformer Engine's layer:
-    #: tensorwise (current scaling) | delayed (TE's amax history, 1024 steps).  workbench.kernels.fp8_problems says which fit.
+    #: tensorwise (current scaling) | delayed (TE's amax history, 1024 steps).  workbench.kernel_rule.fp8_problems says which fit.
     fp8: Literal["off", "tensorwise", "rowwise", "delayed"] = "off"
     #: custom train step (see workbench.hooks): dotted paths "pkg.module:function" (or "pkg.module.function").
     forward_step: str | None = None
@@ -639,7 +639,7 @@ def rank_environment(cfg: RunConfig) -> dict[str, str]:
 
     p = cfg.parallel
     env: dict[str, str] = {}
-    userbuffers = kernels.choose(cfg).tp_overlap == "userbuffers"
+    userbuffers = kernel_rule.choose(cfg).tp_overlap == "userbuffers"
     if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or userbuffers):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if userbuffers and os.environ.get("NCCL_NVLS_ENABLE") == "0":
@@ -825,7 +825,7 @@ def _rules(cfg: RunConfig, add: Any) -> None:
             if vpp > 1 and pp > 1 and micro % pp:
                 add("train.global_batch_size", f"interleaved 1F1B needs the number of micro-batches ({micro}) divisible by pipeline_parallel {pp}",
                     f"use a global batch giving a multiple of {pp} micro-batches", "parallel.virtual_pipeline_parallel", *batch_fields)
-    for field_name, rule, fix in (kernels.fp8_problems(cfg) + kernels.userbuffer_problems(cfg)) if known else ():
+    for field_name, rule, fix in (kernel_rule.fp8_problems(cfg) + kernel_rule.userbuffer_problems(cfg)) if known else ():
         add(field_name, rule, fix, None)
     if t.min_lr > t.lr:
         add("train.min_lr", f"must be in [0, lr] (lr={t.lr}, min_lr={t.min_lr})", "lower min_lr", "train.lr")

@@ -5,7 +5,7 @@ through :meth:`workbench.config.GenerationConfig.validate`, then the prompts aga
 checkpoint's tokenizer and the family's length rules (``Family.generation_rules``) -- and only then starts one process
 per rank with torchrun, exactly like training::
 
-    python -m workbench.torchrun <one node, loopback> --nproc-per-node TP*PP -m workbench.backend.inference \\
+    python -m workbench.launch.torchrun <one node, loopback> --nproc-per-node TP*PP -m workbench.backend.inference \\
         --ckpt DIR --request REQ.json --out OUT.json --tp TP --pp PP
 
 (a single CPU/GPU process is started without torchrun), under the same supervisor as training

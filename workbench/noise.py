@@ -1,5 +1,5 @@
-"""One policy for third-party noise (issue #24): every command used to print the same torch and
-megatron-core warnings, several times each.
+"""One policy for third-party noise: the torch and megatron-core warnings every command would print, several
+times each, are shown once as one line or dropped where they say nothing.
 
 - Warnings from megatron-core about missing Transformer Engine / Apex (five of them, from five
   modules) become one line per process; the other known megatron-core notices (absl, experimental
@@ -31,7 +31,7 @@ TE_PRESENT_NOTE = ("megatron-core fell back to torch for a piece Transformer Eng
 
 
 def _te_apex_note() -> str:
-    from workbench.kernels import te_status  # torch-free; imported late: kernels imports this package
+    from workbench.kernel_rule import te_status  # torch-free; imported late: kernels imports this package
 
     return TE_PRESENT_NOTE if te_status()[0] == "ok" else TE_APEX_NOTE
 

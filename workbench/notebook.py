@@ -3,7 +3,7 @@
 - :func:`quickstart_config`: the quickstart notebook's config from its parameters, fitted to this machine.
 - :func:`generate_from_run`: text from a finished run's latest checkpoint.
 - :func:`demo_checkpoint`: a shipped demo model (trained longer than a notebook's CPU run) as a checkpoint.
-- :func:`dashboard`: the live dashboard of a :class:`workbench.run_handle.Run`.
+- :func:`dashboard`: the live dashboard of a :class:`workbench.launch.Run`.
 - :func:`run_notebook` / :func:`sweep`: notebooks headless through papermill, once or over a grid,
   with :func:`record_metrics` as the notebook's side of the sweep table.
 
@@ -26,7 +26,7 @@ from workbench.config import ConfigError, Problem, RunConfig
 from workbench.launch import detect_gpus, new_run_dir
 from workbench.run.checkpoint import TRACKER_FILE
 from workbench.run.files import read_json, write_json_atomic
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 __all__ = [
     "quickstart_config",

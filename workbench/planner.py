@@ -81,9 +81,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from workbench import kernels, schedules
+from workbench import kernel_rule, schedules
 from workbench.config import ConfigError, Derived, Problem, RunConfig, derive, load_config
-from workbench.kernels import KernelChoice
+from workbench.kernel_rule import KernelChoice
 from workbench.models import family_of
 from workbench.run.reader import RunReader, as_reader
 
@@ -209,22 +209,22 @@ class PlannerAssumptions:
         return dataclasses.asdict(self)
 
 
-#: The kernels a plan assumes: the one kernel rule's answer (:func:`workbench.kernels.choose`).
+#: The kernels a plan assumes: the one kernel rule's answer (:func:`workbench.kernel_rule.choose`).
 KernelPath = KernelChoice
 
 
 def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -> KernelPath:
-    """Which kernels a config trains with: :func:`workbench.kernels.choose`, the backend's own rule.
+    """Which kernels a config trains with: :func:`workbench.kernel_rule.choose`, the backend's own rule.
 
     ``assumptions`` may pin Transformer Engine's presence (where training runs), the compiled
     layer or the optimizer kernel, for what-if plans and calibration runs of another path.
     """
     a = assumptions or PlannerAssumptions()
-    kp = kernels.choose(cfg, te=a.transformer_engine)
+    kp = kernel_rule.choose(cfg, te=a.transformer_engine)
     if a.compiled_layer is not None and (a.compiled_layer != (kp.layer == "compiled")):
         kp = dataclasses.replace(kp, layer="compiled" if a.compiled_layer else "stock",
                                  layer_reason="" if a.compiled_layer else "pinned by PlannerAssumptions.compiled_layer",
-                                 cuda_graphs_impl=kernels.graphs_impl(cfg, "compiled") if kp.cuda_graphs and a.compiled_layer else "")
+                                 cuda_graphs_impl=kernel_rule.graphs_impl(cfg, "compiled") if kp.cuda_graphs and a.compiled_layer else "")
     if a.optimizer != "auto":
         kp = dataclasses.replace(kp, optimizer=a.optimizer)
     return kp
@@ -693,7 +693,7 @@ def _suggestions(cfg: RunConfig, gpu: GPUSpec, a: PlannerAssumptions, worst: int
     if p.tensor_parallel > 1 and not p.sequence_parallel and m.seq_length % p.tensor_parallel == 0:
         cands.append(("enable sequence parallelism (SP)", {"parallel.sequence_parallel": True}))
     if p.recompute == "none":
-        # speed costs measured on the compiled layer (bench/README.md "Session 6": GPT-2 medium, H200)
+        # speed costs measured on the compiled layer (bench/README.md: GPT-2 medium, H200)
         cands.append(("selective recompute (MLP; ~7% slower)", {"parallel.recompute": "selective"}))
     if p.recompute != "full":
         cands.append(("full recompute (1 layer per block; ~20% slower)", {"parallel.recompute": "full", "parallel.recompute_num_layers": 1}))

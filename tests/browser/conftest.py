@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT, free_port
-from workbench.run.procs import die_with_parent
+from workbench.launch.ownership import die_with_parent
 
 CHROMIUM = "/usr/bin/chromium"
 

@@ -367,7 +367,7 @@ import math
 from pathlib import Path
 from workbench.config import preset
 from workbench.run.events import EventWriter
-from workbench.run_handle import Run
+from workbench.launch import Run
 from workbench.widgets.dashboard import Dashboard
 
 # a CPU run 40 iterations into 1000, in a nested run directory (the rank's own event writer)

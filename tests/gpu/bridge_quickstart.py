@@ -1,4 +1,4 @@
-"""GPU evidence for the launch bridge and the quickstart notebook (issue 4).
+"""GPU evidence for the launch path (Run.launch, stop, failure) and the quickstart notebook.
 
 1. ``quickstart``: executes notebooks/01_quickstart.ipynb through papermill on the GPUs present
    (configure -> plan -> launch -> watch -> evaluate -> generate) and records its metrics.
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from workbench.notebook import quickstart_config, run_notebook  # noqa: E402
-from workbench.run_handle import Run  # noqa: E402
+from workbench.launch import Run  # noqa: E402
 
 
 def _device() -> str:

@@ -1,4 +1,4 @@
-"""GPU proof for the Transformer Engine path (issue 23), on one GPU with TE importable.
+"""GPU proof for the Transformer Engine path, on one GPU with TE importable.
 
     python3 tests/gpu/te_proof.py ab --out $OUT/te_ab.jsonl                      # the default path with TE present
     python3 tests/gpu/te_proof.py parity --model gpt2-medium --out $OUT/te.jsonl  # loss parity + checkpoint interchange
@@ -154,7 +154,7 @@ def _emit(out: Path | None, row: dict) -> None:
 
 
 def ab(out: Path | None, model: str, steps: int, timeout: float) -> None:
-    from workbench.kernels import te_status
+    from workbench.kernel_rule import te_status
 
     base = {"model": model, "path": "default", "steps": steps}
     variants = {"product (TE FusedAdam, megatron's choice)": {}, "torch fused AdamW": {"torch_adamw": True},

@@ -1,4 +1,4 @@
-"""GPU proof that two GPUs compute what one does, for every family (issue 40): parity, resume, conversion, memory.
+"""GPU proof that two GPUs compute what one does, for every family: parity, resume, conversion, memory.
 
 Run on a machine with 2 GPUs from the repository root, in two calls (each well under 9 minutes on 2x H100)::
 
@@ -177,7 +177,7 @@ class Job:
 
 
 class RunHandle:
-    """A ``Run`` (the launch bridge) as a job handle."""
+    """A ``Run`` (workbench.launch) as a job handle."""
 
     def __init__(self, run: Any):
         self.run = run
@@ -273,8 +273,8 @@ def run_jobs(jobs: list[Job], ngpus: int, per_gpu: int, log: Callable[[str], Non
 
 
 def run_job(name: str, cfg: Any, gpus: int, work: Path, needs: list[str], timeout: float, entry: tuple[str, ...] | None = None) -> Job:
-    """A training run through the launch bridge (``Run.launch``: supervised torchrun, the product path)."""
-    from workbench.run_handle import Run
+    """A training run through workbench.launch (``Run.launch``: supervised torchrun, the product path)."""
+    from workbench.launch import Run
 
     def start(devices: str) -> RunHandle:
         env = {"CUDA_VISIBLE_DEVICES": devices} if cfg.parallel.device == "cuda" else {}

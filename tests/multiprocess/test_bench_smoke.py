@@ -119,9 +119,9 @@ def test_fp8_rows_are_valid_configs_scaled_against_their_bf16_row(monkeypatch):
     sys.path.insert(0, str(ROOT / "bench"))
     import train_throughput as tt
 
-    from workbench import kernels
+    from workbench import kernel_rule
 
-    monkeypatch.setattr(kernels, "te_available", lambda: True)  # the TE rows' configs as a TE machine validates them
+    monkeypatch.setattr(kernel_rule, "te_available", lambda: True)  # the TE rows' configs as a TE machine validates them
     by_name = {v.name: v for v in tt.plan(["gpt2-medium", "llama3.2-1b"], gpus=1, have_te=True, microbatches=4)}
     for m in ("gpt2-medium", "llama3.2-1b"):
         base = tt.bench_config(by_name[f"workbench/{m}"])
@@ -133,7 +133,7 @@ def test_fp8_rows_are_valid_configs_scaled_against_their_bf16_row(monkeypatch):
             v = by_name[name]
             cfg = tt.bench_config(v)
             assert cfg.validate() == [], (name, cfg.validate())
-            assert v.baseline == baseline and kernels.choose(cfg).fp8_impl == impl and cfg.train.fp8 == recipe
+            assert v.baseline == baseline and kernel_rule.choose(cfg).fp8_impl == impl and cfg.train.fp8 == recipe
             assert cfg.replace(**{"train.fp8": "off", "model.attention_backend": base.model.attention_backend}).to_dict() == base.to_dict()
 
 

@@ -128,7 +128,7 @@ def test_a_resume_on_the_compiled_layer_under_dropout_repeats_the_straight_run(t
             tmp_path / "first": straight.replace(**{"train.train_iters": 3, "checkpoint.save_on_exit": True}),
             tmp_path / "resumed": straight.replace(**{"checkpoint.load_dir": str(tmp_path / "first" / "checkpoints")})}
     run_trainers(runs, nproc=1, timeout=600,
-                 prelude="from workbench.backend import fusions; fusions.allow_on_cpu(True); fusions.set_compile(False)")
+                 prelude="from workbench.backend import compiled_layer; compiled_layer.allow_on_cpu(True); compiled_layer.set_compile(False)")
 
     def losses(run):
         return {e["iteration"]: e["loss"] for e in read_events(tmp_path / run) if e["event"] == "step"}

@@ -90,7 +90,7 @@ class _Widgets:
 def test_stop_and_stacks_buttons_act_while_watch_waits(rank_script, tmp_path):
     from jupyter_client.manager import start_new_kernel
 
-    from workbench.run_handle import Run
+    from workbench.launch import Run
 
     env = {k: v for k, v in os.environ.items() if k != "WORKBENCH_HEADLESS"}  # a live kernel, as in a browser
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT), env={**env, "MPLBACKEND": "Agg"})
@@ -99,7 +99,7 @@ def test_stop_and_stacks_buttons_act_while_watch_waits(rank_script, tmp_path):
         w = _Widgets(kc)
         code = textwrap.dedent(f'''
             from workbench.config import preset
-            from workbench.run_handle import Run
+            from workbench.launch import Run
             from workbench.widgets.dashboard import watch
             cfg = preset("tiny").replace(**{{"parallel.nproc_per_node": 2, "train.train_iters": 100000}})
             run = Run.launch(cfg, run_root={str(tmp_path / "runs")!r}, entry=[{str(rank_script)!r}], env={{"FAKE_MODE": "slow"}})

@@ -13,9 +13,9 @@ import pytest
 
 from workbench.config import preset
 from workbench.run.events import Event, parse_record
-from workbench.run.exit_status import root_cause, torchrun_failures
-from workbench.run.procs import rank_processes
-from workbench.run_handle import Run
+from workbench.launch.exit_status import root_cause, torchrun_failures
+from workbench.launch.processes import rank_processes
+from workbench.launch import Run
 
 from tests.support import living, run_processes, wait_until
 

@@ -5,7 +5,7 @@ compiled fast paths allowed there and run eagerly) for TP 1/2, SP, RoPE / learne
 and MQA, recompute none / selective / full, PP 2 and interleaved PP, dropout, compile off and
 stock attention, runs one forward per stage, and reports the core attention, whether every
 layer ran the compiled dense path, the norm and the bound cross-entropy; the planner's kernel
-path (:func:`workbench.kernels.choose`) must say the same on every rank.
+path (:func:`workbench.kernel_rule.choose`) must say the same on every rank.
 """
 
 from __future__ import annotations

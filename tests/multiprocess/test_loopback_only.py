@@ -2,7 +2,7 @@
 conversion's process group accepts connections from the network.
 
 torch's TCPStore server listens on every interface whatever host it is given; the workbench runs
-torchrun through ``workbench.torchrun`` (its stores bound to 127.0.0.1) and sets up one-process
+torchrun through ``workbench.launch.torchrun`` (its stores bound to 127.0.0.1) and sets up one-process
 groups on an in-memory store.  Real supervisor, torchrun, backend (CPU mode, 2 ranks, the tiny
 preset) and generation ranks; every LISTEN socket of their process trees is sampled while they run.
 """
@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from workbench.config import preset
-from workbench.run.procs import rank_processes
-from workbench.run_handle import Run
-from workbench.torchrun import loopback_interface
+from workbench.launch.processes import rank_processes
+from workbench.launch import Run
+from workbench.launch.torchrun import loopback_interface
 
 from tests.support import living, run_processes, wait_until
 
@@ -104,7 +104,7 @@ def test_a_one_node_run_and_generation_from_it_listen_on_the_loopback_only(tmp_p
         assert any("workbench.backend.inference" in c for c in s.commands), s.commands  # the sampler saw the ranks
         assert not _not_loopback(s.seen), s.seen
         if tp == 2:
-            assert any("workbench.torchrun" in cmd for _, cmd, _, _ in s.seen), s.seen  # torchrun's store, on 127.0.0.1
+            assert any("workbench.launch.torchrun" in cmd for _, cmd, _, _ in s.seen), s.seen  # torchrun's store, on 127.0.0.1
 
 
 def test_conversion_s_process_group_listens_on_the_loopback_only():

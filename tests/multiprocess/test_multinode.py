@@ -1,4 +1,4 @@
-"""Two ``workbench launch`` invocations as two nodes (issue #25): the real backend in CPU mode (gloo).
+"""Two ``workbench launch`` invocations as two nodes: the real backend in CPU mode (gloo).
 
 Each "node" is its own ``workbench launch --nnodes 2 --node-rank K --rdzv-endpoint 127.0.0.1:PORT``
 process tree (CLI, supervisor, torchrun, one rank) on this machine, talking over loopback; the
@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from workbench.config import preset
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 from tests.support import ROOT, living, run_processes, wait_until
 

@@ -3,7 +3,7 @@ fails the run naming the rank, and leaves no process behind.
 
 The real backend in CPU mode (gloo, 2 ranks, the tiny preset) under the real supervisor and torchrun;
 rank 1 is frozen with SIGSTOP (rank 0 then waits in its next collective: gloo would wait 600 s).
-The rule that sets the bound (:class:`workbench.run.stall.StallWatch`) is checked without processes.
+The rule that sets the bound (:class:`workbench.launch.stall.StallWatch`) is checked without processes.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from workbench.config import ConfigError, preset
 from workbench.run.events import parse_record
-from workbench.run.procs import rank_processes
-from workbench.run.stall import StallWatch
-from workbench.run_handle import Run
+from workbench.launch.processes import rank_processes
+from workbench.launch.stall import StallWatch
+from workbench.launch import Run
 
 from tests.support import living, run_processes, wait_until
 

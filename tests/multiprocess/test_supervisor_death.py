@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from workbench.config import preset
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 from tests.support import living, run_processes, wait_until
 

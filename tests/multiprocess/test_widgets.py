@@ -10,7 +10,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 import pytest
 
-from workbench.run_handle import Run
+from workbench.launch import Run
 from workbench.config import PRESETS, ConfigError, RunConfig, load_config, preset
 from workbench.run.events import EventWriter
 from workbench.plots.training import frames_from_run, training_figure
@@ -264,7 +264,7 @@ def test_interrupting_watch_stops_the_run(tmp_path):
         # a kernel turns SIGINT into KeyboardInterrupt even when its parent ran with SIGINT
         # ignored (a background job of a non-interactive shell, e.g. `nohup bash .ci/run &`)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from workbench.run_handle import Run
+        from workbench.launch import Run
         from workbench.config import preset
         from workbench.widgets.dashboard import RunStopped, watch
         run = Run.launch(preset("tiny"), run_root={str(tmp_path / "runs")!r}, entry=[{str(script)!r}], env={{"FAKE_MODE": "slow"}})

@@ -1,4 +1,4 @@
-"""A single-machine SLURM cluster for the tests in this folder (issue #25, "SLURM, for real").
+"""A single-machine SLURM cluster for the tests in this folder ("SLURM, for real").
 
 - Debian's packages (``slurmctld``, ``slurmd``, ``slurm-client``, ``munge``; 22.05 on Debian 12),
   installed here with apt when missing and this is root (``apt-get update`` only when the install
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import free_port
-from workbench.run.procs import die_with_parent
+from workbench.launch.ownership import die_with_parent
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 TOOLS = ["slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo", "scontrol", "munged"]

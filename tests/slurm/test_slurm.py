@@ -16,8 +16,8 @@ import pytest
 
 from tests.support import ROOT, run_processes, wait_until
 from workbench.notebook import quickstart_config
-from workbench.run_handle import Run
-from workbench.slurm import JOB_FILE
+from workbench.launch import Run
+from workbench.launch.slurm import JOB_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def _submit(cluster, cfg_file, run_dir) -> str:
     job = m.group(1)
     assert json.loads((run_dir / JOB_FILE).read_text())["job_id"] == job  # recorded for Run.attach
     script = (run_dir / "slurm.sbatch").read_text()
-    assert "srun " in script and "-m workbench.torchrun" in script and '--nnodes "$SLURM_NNODES"' in script
+    assert "srun " in script and "-m workbench.launch.torchrun" in script and '--nnodes "$SLURM_NNODES"' in script
     return job
 
 

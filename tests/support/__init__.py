@@ -3,7 +3,7 @@ synthetic run directories, notebook subprocesses and the generation tests' GPT-2
 
 Test files import from here, never from each other.  Heavy imports (torch, transformers,
 megatron) stay inside the functions so that importing this module is cheap.  Helper scripts that
-tests run as subprocesses live beside this file (``fusions_check.py``, ``live_bytes.py``).
+tests run as subprocesses live beside this file (``compiled_layer_check.py``, ``live_bytes.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
     return out
 
 
-# -- the launch bridge's fake rank: stands in for workbench.backend at the process boundary ----------------
+# -- the launch's fake rank: stands in for workbench.backend at the process boundary ----------------
 
 RANK_SCRIPT = textwrap.dedent(
     '''

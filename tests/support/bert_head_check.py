@@ -91,6 +91,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from fusions_check import _exit  # noqa: E402  (tests/support: the process-group teardown without finalisation)
+    from compiled_layer_check import _exit  # noqa: E402  (tests/support: the process-group teardown without finalisation)
 
     _exit(main())

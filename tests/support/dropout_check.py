@@ -7,7 +7,7 @@ megatron's stock layer with the same dropout masks (own process: megatron's para
     python tests/support/dropout_check.py recompute -> JSON: compiled layer under dropout, full recompute vs none (compiled)
     torchrun --nproc_per_node 2 tests/support/dropout_check.py tp2 -> JSON: TP=2 (+SP) under dropout, stock vs compiled
 
-The same masks: both layers run eagerly (``fusions.set_compile(False)``; ``CHECK_COMPILE=1`` compiles where
+The same masks: both layers run eagerly (``compiled_layer.set_compile(False)``; ``CHECK_COMPILE=1`` compiles where
 the result does not depend on it) and draw their masks from torch's CPU generator, seeded alike before each
 forward, in megatron's order (attention probabilities, then each sublayer's bias-dropout-add) and shapes, so
 equal losses and gradients mean the compiled layer drops exactly what megatron's drops, scaled alike.  Under
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/support
-import fusions_check as fc  # noqa: E402
+import compiled_layer_check as fc  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -42,10 +42,10 @@ def _stock_vs_fast_train(cfg, seed: int = 5, reseed=None):
     difference, loss of the compiled model in eval mode (no dropout), compiled calls, blockers)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
 
     stock = fc._build(cfg, TransformerLayer)
-    fast = fc._build(cfg, fusions.CompiledTransformerLayer)
+    fast = fc._build(cfg, compiled_layer.CompiledTransformerLayer)
     fast.load_state_dict(stock.state_dict())
     g = torch.Generator().manual_seed(1)
     b, s = 2, cfg.model.seq_length
@@ -71,9 +71,9 @@ def _stock_vs_fast_train(cfg, seed: int = 5, reseed=None):
 
 
 def check_layer() -> dict:
-    from workbench.backend import distributed, fusions
+    from workbench.backend import compiled_layer, distributed
 
-    fusions.set_compile(False)
+    compiled_layer.set_compile(False)
     out = {}
     cases = {"gpt": DROPOUT, "llama-like": {**LLAMA_LIKE, **DROPOUT}, "hidden-only": {"model.hidden_dropout": 0.2},
              "attention-only": {"model.attention_dropout": 0.2},
@@ -110,10 +110,10 @@ def check_stats() -> dict:
     - ``attention`` (p=0.25, one key allowed per query, identity projection): each head's context 0 or 1/(1-p),
       the same over the head's channels, plus the MLP's 1;
     - ``none`` (p=0): exactly 1 + 1."""
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
 
-    fusions.set_compile(os.environ.get("CHECK_COMPILE") == "1")
-    fn = fusions._compiled("layer")
+    compiled_layer.set_compile(os.environ.get("CHECK_COMPILE") == "1")
+    fn = compiled_layer._compiled("layer")
     s, b, h, heads, ffn = 64, 16, 64, 4, 128
     kw = dict(norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads, groups=heads, head_dim=h // heads, scale=1.0,
               activation="gelu", causal=False)
@@ -140,15 +140,15 @@ def check_recompute() -> dict:
     """Under torch.compile (inductor's own random numbers): megatron's full recompute runs each compiled layer
     forward without grad (an inference graph), then again in backward with the RNG states restored (the training
     graph); both graphs must draw the same masks, so loss and gradients equal those of the run without recompute."""
-    from workbench.backend import distributed, fusions
+    from workbench.backend import compiled_layer, distributed
 
-    fusions.set_compile(True)
+    compiled_layer.set_compile(True)
     out = {}
     for i, (name, over) in enumerate({"none": DROPOUT, "full": {**DROPOUT, "parallel.recompute": "full"}}.items()):
         cfg = preset("tiny", **over)
         if i == 0:
             distributed.initialize_for_tests(cfg, port=int(os.environ.get("CHECK_PORT", "29632")))
-        model = fc._build(cfg, fusions.CompiledTransformerLayer)
+        model = fc._build(cfg, compiled_layer.CompiledTransformerLayer)
         g = torch.Generator().manual_seed(1)
         tok = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=g)
         pos = torch.arange(cfg.model.seq_length)[None].expand(2, -1)
@@ -221,9 +221,9 @@ def check_tp2() -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from workbench.backend import distributed, fusions
+    from workbench.backend import compiled_layer, distributed
 
-    fusions.set_compile(False)
+    compiled_layer.set_compile(False)
     out = {}
     cases = {"gpt": DROPOUT, "gpt+sp": {**DROPOUT, "parallel.sequence_parallel": True},
              "hidden-only": {"model.hidden_dropout": 0.1}, "llama-like": {**LLAMA_LIKE, **DROPOUT}}

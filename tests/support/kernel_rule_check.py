@@ -5,7 +5,7 @@
 Two gloo ranks on CPU, the compiled fast paths allowed on CPU and run eagerly (same
 selection, no inductor).  Per config: the megatron parallel state is rebuilt, every model
 chunk of the rank is built by the backend (``workbench.backend.model.build_model``, i.e. the
-model family's spec), ``fusions.prepare_model`` runs, and one training-mode forward runs on
+model family's spec), ``compiled_layer.prepare_model`` runs, and one training-mode forward runs on
 every stage.  What was built -- core attention class, whether every layer ran the compiled
 dense path (``fast_calls``), the norm class, the cross-entropy bound on the last stage --
 is gathered from both ranks and printed next to what the planner's kernel path (the one
@@ -50,7 +50,7 @@ GRID = [
 def _built(cfg) -> dict:
     from megatron.core import parallel_state
 
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
     from workbench.backend.model import build_model
     from workbench.backend.norms import WorkbenchNorm
 
@@ -62,7 +62,7 @@ def _built(cfg) -> dict:
         chunks.append(build_model(cfg, pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                                   post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                                   vp_stage=vp))
-    fusions.prepare_model(chunks, cfg)
+    compiled_layer.prepare_model(chunks, cfg)
     m = cfg.model
     b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
     tokens = torch.randint(1, m.vocab_size, (b, s))
@@ -74,10 +74,10 @@ def _built(cfg) -> dict:
             chunk.set_input_tensor(torch.randn(s // tsp, b, h))
         chunk(tokens, pos, None, labels=tokens if chunk.post_process else None)
     layers = [mod for c in chunks for mod in c.modules() if isinstance(mod, torch.nn.Module) and hasattr(mod, "self_attention")]
-    compiled = [isinstance(x, fusions.CompiledTransformerLayer) and x.fast_path_blocker is None and x.fast_calls > 0 for x in layers]
+    compiled = [isinstance(x, compiled_layer.CompiledTransformerLayer) and x.fast_path_blocker is None and x.fast_calls > 0 for x in layers]
     core = {type(x.self_attention.core_attention).__name__ for x in layers}
     norms = {type(x.input_layernorm) for x in layers}
-    ce = {c.compute_language_model_loss.__func__ is fusions.lm_cross_entropy
+    ce = {c.compute_language_model_loss.__func__ is compiled_layer.lm_cross_entropy
           for c in chunks if c.post_process and hasattr(c.compute_language_model_loss, "__func__")}
     return {
         "attention": sorted({"SDPAttention": "sdpa", "DotProductAttention": "local"}.get(n, n) for n in core),
@@ -91,13 +91,13 @@ def _built(cfg) -> dict:
 def main() -> int:
     from megatron.core import parallel_state
 
-    from workbench import kernels
-    from workbench.backend import cpu_mode, distributed, fusions
+    from workbench import kernel_rule
+    from workbench.backend import compiled_layer, cpu_mode, distributed
 
     dist.init_process_group("gloo")
     cpu_mode.enable()
-    kernels.allow_fast_paths_on_cpu(True)
-    fusions.set_compile(False)  # the fast paths' own maths, eagerly: same selection, no inductor on CPU
+    kernel_rule.allow_fast_paths_on_cpu(True)
+    compiled_layer.set_compile(False)  # the fast paths' own maths, eagerly: same selection, no inductor on CPU
     for name, overrides in GRID:
         cfg = preset("tiny", **{"train.compile_kernels": True, "parallel.nproc_per_node": 2, **overrides})
         parallel_state.destroy_model_parallel()

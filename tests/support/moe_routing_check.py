@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.backend.distributed import initialize_for_tests
 from workbench.backend.model import build_model
 from workbench.config import preset
@@ -97,7 +97,7 @@ def main() -> None:
                           "scale": float(want.abs().max()), "kept": kept,
                           "asked": x.shape[0] * x.shape[1] * cfg.model.moe.top_k}), flush=True)
     # the grouped-GEMM experts (the kernel rule's torch_grouped: fast paths allowed on CPU) against SequentialMLP
-    kernels.allow_fast_paths_on_cpu(True)
+    kernel_rule.allow_fast_paths_on_cpu(True)
     for name, over in {"grouped-dropless": {}, "grouped-capacity": {"model.moe.capacity_factor": 0.5},
                        "grouped-shared-expert": {"model.moe.shared_experts": 1}}.items():
         cfg_g = _cfg(**{"train.compile_kernels": True, **over})
@@ -116,7 +116,7 @@ def main() -> None:
                           "max_diff": float((outs[0] - outs[1]).abs().max()),
                           "grad_diff": max(float((a - b).abs().max()) for a, b in zip(*grads)),
                           "grads": [len(g) for g in grads]}), flush=True)
-    kernels.allow_fast_paths_on_cpu(False)
+    kernel_rule.allow_fast_paths_on_cpu(False)
     # the parameters the builder makes are the ones the planner counts (workbench.config.derive)
     from workbench.config import derive
 

@@ -75,7 +75,7 @@ def test_a_real_launch_of_a_hostile_config_starts_nothing(hostile, tmp_path, cap
 
 
 def test_run_launch_refuses_a_config_built_in_python(tmp_path):
-    from workbench.run_handle import Run
+    from workbench.launch import Run
 
     cfg = preset("tiny")
     cfg.train.lr = math.nan

@@ -16,12 +16,12 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 @pytest.fixture(scope="module")
 def fast_model():
-    from workbench.backend import cpu_mode, fusions
+    from workbench.backend import compiled_layer, cpu_mode
     from workbench.backend.distributed import destroy, initialize_for_tests
     from workbench.backend.model import build_model
 
-    fusions.allow_on_cpu(True)
-    fusions.set_compile(False)
+    compiled_layer.allow_on_cpu(True)
+    compiled_layer.set_compile(False)
     cfg = preset("tiny", **{"train.compile_kernels": True})
     initialize_for_tests(cfg, port=free_port())
     torch.manual_seed(0)
@@ -30,8 +30,8 @@ def fast_model():
     finally:
         destroy()
         cpu_mode.disable()
-        fusions.set_compile(True)
-        fusions.allow_on_cpu(False)
+        compiled_layer.set_compile(True)
+        compiled_layer.allow_on_cpu(False)
 
 
 def test_the_pre_hooks_of_bypassed_submodules_run_before_the_compiled_layer_reads_their_weights(fast_model):

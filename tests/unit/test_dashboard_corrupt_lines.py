@@ -1,4 +1,4 @@
-"""Issue #24: a corrupt or truncated event line in the middle of a rank file (not only the last line)
+"""A corrupt or truncated event line in the middle of a rank file (not only the last line)
 never breaks the dashboard, its reader or the run's metrics: bad JSON, JSON of the wrong shape and
 records with wrongly typed fields are skipped and counted."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from workbench.config import preset
 from workbench.run.events import EventWriter, event_file, parse_line
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 BAD_LINES = [
     '{"event": "step", "time": "garbage", "rank": 0, "iteration": "x", "loss": "abc", "step_time": "?"}\n',

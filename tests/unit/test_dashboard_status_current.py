@@ -1,11 +1,11 @@
-"""Issue #24: the dashboard's status line and progress show the events read after the (slow) redraw,
+"""The dashboard's status line and progress show the events read after the (slow) redraw,
 not those read before it: a fast run used to be ~30 iterations further than the status line said."""
 
 from __future__ import annotations
 
 from workbench.config import preset
 from workbench.run.events import EventWriter
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 
 def test_status_line_is_current_after_a_redraw(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.backend import fp8
 from workbench.config import ConfigError, preset, validate
 
@@ -165,21 +165,21 @@ def _llama(**over):
 
 def test_kernel_rule_reports_fp8_on_the_compiled_layer():
     cfg = _llama(**{"train.fp8": "rowwise"})
-    choice = kernels.choose(cfg, te=False)
+    choice = kernel_rule.choose(cfg, te=False)
     assert choice.layer == "compiled" and choice.fp8 == "rowwise"
     assert choice.fp8_impl == "torch" and "FP8 GEMMs (rowwise, torch)" in choice.describe()
-    assert kernels.choose(_llama(), te=False).fp8 == "off"
+    assert kernel_rule.choose(_llama(), te=False).fp8 == "off"
     assert validate(cfg) == []
 
 
 def test_torch_fp8_below_the_measured_hidden_size_says_to_expect_a_slowdown():
-    small = kernels.choose(_llama(**{"train.fp8": "tensorwise", "model.hidden_size": 1024, "model.num_attention_heads": 16}), te=False)
-    large = kernels.choose(_llama(**{"train.fp8": "tensorwise", "model.hidden_size": kernels.FP8_TORCH_PAYS_FROM_HIDDEN,
+    small = kernel_rule.choose(_llama(**{"train.fp8": "tensorwise", "model.hidden_size": 1024, "model.num_attention_heads": 16}), te=False)
+    large = kernel_rule.choose(_llama(**{"train.fp8": "tensorwise", "model.hidden_size": kernel_rule.FP8_TORCH_PAYS_FROM_HIDDEN,
                                      "model.num_attention_heads": 16}), te=False)
     assert small.fp8 == large.fp8 == "tensorwise"
     assert "slower than bf16 at hidden 1024" in small.fp8_note and small.fp8_note in small.describe()
     assert large.fp8_note == "" and "[" not in large.describe()
-    assert kernels.choose(_llama(**{"model.hidden_size": 1024, "model.num_attention_heads": 16}), te=False).fp8_note == ""
+    assert kernel_rule.choose(_llama(**{"model.hidden_size": 1024, "model.num_attention_heads": 16}), te=False).fp8_note == ""
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -238,11 +238,11 @@ def test_transformer_engines_recipes_go_to_megatrons_fp8_config_on_the_te_layer(
     rowwise is refused, and the compiled layer's torch FP8 is not switched on."""
     from workbench.backend import model as wm
 
-    monkeypatch.setattr(kernels, "te_available", lambda: True)  # the boundary: TE is not installed on CPU machines
+    monkeypatch.setattr(kernel_rule, "te_available", lambda: True)  # the boundary: TE is not installed on CPU machines
     for recipe, history in (("tensorwise", 1), ("delayed", 1024)):
         cfg = _llama(**{"model.attention_backend": "te", "train.fp8": recipe})
         assert validate(cfg) == []
-        choice = kernels.choose(cfg)
+        choice = kernel_rule.choose(cfg)
         assert (choice.attention, choice.layer, choice.fp8, choice.fp8_impl) == ("te", "stock", recipe, "te")
         tc = wm.transformer_config(cfg)
         assert (tc.fp8, tc.fp8_recipe, tc.fp8_amax_history_len, tc.workbench_fp8) == ("hybrid", recipe, history, None)
@@ -271,7 +271,7 @@ def test_a_t5_decoder_whose_token_count_is_not_a_multiple_of_16_is_refused():
 def test_a_layer_with_the_steps_weight_copies_matches_casting_per_call_also_under_mlp_recompute(recompute_mlp):
     """The compiled layer's maths (eager here) with FP8Weight arguments, the MLP's rebuild in backward
     (``recompute_mlp``: the copies pass through torch.utils.checkpoint) included: same output and gradients."""
-    from workbench.backend.fusions import dense_layer_forward
+    from workbench.backend.compiled_layer import dense_layer_forward
 
     g = torch.Generator().manual_seed(6)
     h, heads, ffn, s, b = 64, 4, 128, 16, 2

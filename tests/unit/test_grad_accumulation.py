@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.config import preset
 
 
@@ -88,7 +88,7 @@ def test_the_first_micro_batch_of_a_step_copies_and_later_ones_add():
 
 def test_the_kernel_rule_leaves_megatrons_graphed_te_layer_to_megatrons_hook():
     cfg = preset("tiny", **{"parallel.device": "cuda", "train.precision": "bf16", "train.compile_kernels": True})
-    assert kernels.choose(cfg, te=False).grad_accumulation == "workbench"
-    te = kernels.choose(preset("tiny", **{"parallel.device": "cuda", "train.precision": "bf16",
+    assert kernel_rule.choose(cfg, te=False).grad_accumulation == "workbench"
+    te = kernel_rule.choose(preset("tiny", **{"parallel.device": "cuda", "train.precision": "bf16",
                                           "model.attention_backend": "te", "train.cuda_graphs": True}), te=True)
     assert te.cuda_graphs_impl == "megatron" and te.grad_accumulation == "megatron"

@@ -20,13 +20,13 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 @pytest.fixture(scope="module")
 def graphed_layer():
-    from workbench import kernels
+    from workbench import kernel_rule
     from workbench.backend import cpu_mode
     from workbench.backend.distributed import destroy, initialize_for_tests
     from workbench.backend.model import GraphedTransformerLayer, build_model, layer_class
 
     cfg = preset("tiny")
-    te_graphs = kernels.choose(preset("gpt2-small", **{"model.attention_backend": "te"}), te=True)
+    te_graphs = kernel_rule.choose(preset("gpt2-small", **{"model.attention_backend": "te"}), te=True)
     assert layer_class(te_graphs) is GraphedTransformerLayer  # what the TE specs get where the rule graphs TE's layer
     initialize_for_tests(cfg, port=free_port())
     torch.manual_seed(0)
@@ -59,19 +59,19 @@ def test_graphs_serve_training_calls_only(graphed_layer):
 def test_other_layers_keep_megatrons_class():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from workbench import kernels
+    from workbench import kernel_rule
     from workbench.backend.model import layer_class
 
-    plain = kernels.choose(preset("gpt2-small", **{"model.attention_backend": "te", "train.cuda_graphs": False}), te=True)
+    plain = kernel_rule.choose(preset("gpt2-small", **{"model.attention_backend": "te", "train.cuda_graphs": False}), te=True)
     assert layer_class(plain) is TransformerLayer
     assert layer_class(dataclasses.replace(plain, cuda_graphs_impl="megatron")).__name__ == "GraphedTransformerLayer"
 
 
 def test_only_the_training_step_asks_megatron_for_graphs(monkeypatch):
-    import workbench.kernels as kernels
+    from workbench import kernel_rule
     from workbench.backend import model
 
-    monkeypatch.setattr(kernels, "te_available", lambda: True)  # the boundary: a machine with TE installed
+    monkeypatch.setattr(kernel_rule, "te_available", lambda: True)  # the boundary: a machine with TE installed
     te = preset("gpt2-small", **{"model.attention_backend": "te"})
     assert model.training_step_fields(te) == {"cuda_graph_impl": "local", "use_te_rng_tracker": True}
     assert model.training_step_fields(te.replace(**{"parallel.recompute": "selective"})) == {}

@@ -7,7 +7,7 @@ import pytest
 from workbench.cli import main as cli_main
 from workbench.config import ConfigError, preset
 from workbench.launch import launch_checks
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 
 def _problem_lines(text: str) -> list[str]:
@@ -52,4 +52,4 @@ def test_bad_node_rank_and_dry_run(tmp_path, capsys):
     cfg.save(path)
     assert cli_main(["launch", str(path), "--dry-run", "--run-dir", str(tmp_path / "dry")]) == 0
     out = capsys.readouterr().out
-    assert "workbench.torchrun" in out and not (tmp_path / "dry").exists()
+    assert "workbench.launch.torchrun" in out and not (tmp_path / "dry").exists()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from workbench.notebook import record_metrics
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 
 def _write_steps(run_dir, steps, ranks=2):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.cli import main
 from workbench.config import ConfigError, RunConfig, preset
 from workbench.models import moe
@@ -105,20 +105,20 @@ def test_megatron_fields_follow_the_config():
 
 
 def test_the_kernel_rule_names_the_experts():
-    assert kernels.choose(preset("tiny")).experts == ""
+    assert kernel_rule.choose(preset("tiny")).experts == ""
     cpu = _tiny()
-    assert kernels.choose(cpu).experts == "sequential" and kernels.choose(cpu).layer == "stock"
+    assert kernel_rule.choose(cpu).experts == "sequential" and kernel_rule.choose(cpu).layer == "stock"
     gpu = preset("moe-research")
-    assert kernels.choose(gpu, te=False).experts == "torch_grouped"
-    assert kernels.choose(gpu.replace(**{"model.attention_backend": "te"}), te=True).experts == "te_grouped"
-    assert kernels.choose(gpu.replace(**{"model.moe.grouped_gemm": False}), te=False).experts == "sequential"
-    assert kernels.choose(gpu, te=False).layer_reason.startswith("mixture of experts")
-    kernels.allow_fast_paths_on_cpu(True)
+    assert kernel_rule.choose(gpu, te=False).experts == "torch_grouped"
+    assert kernel_rule.choose(gpu.replace(**{"model.attention_backend": "te"}), te=True).experts == "te_grouped"
+    assert kernel_rule.choose(gpu.replace(**{"model.moe.grouped_gemm": False}), te=False).experts == "sequential"
+    assert kernel_rule.choose(gpu, te=False).layer_reason.startswith("mixture of experts")
+    kernel_rule.allow_fast_paths_on_cpu(True)
     try:
-        assert kernels.choose(cpu).experts == "sequential"  # train.compile_kernels off
-        assert kernels.choose(_tiny(**{"train.compile_kernels": True})).experts == "torch_grouped"
+        assert kernel_rule.choose(cpu).experts == "sequential"  # train.compile_kernels off
+        assert kernel_rule.choose(_tiny(**{"train.compile_kernels": True})).experts == "torch_grouped"
     finally:
-        kernels.allow_fast_paths_on_cpu(False)
+        kernel_rule.allow_fast_paths_on_cpu(False)
 
 
 def test_cli_refuses_a_bad_moe_config_with_exit_2(tmp_path):

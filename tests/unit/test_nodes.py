@@ -11,11 +11,12 @@ import pytest
 
 from workbench.cli import main
 from workbench.config import preset
-from workbench.launch import launch_checks, write_exit_status
+from workbench.launch import Run, launch_checks, write_exit_status
+from workbench.launch.exit_status import lost_peer
+from workbench.launch.nodes import HeartbeatClock, PeerWatch, write_heartbeat
 from workbench.run.events import EventWriter
 from workbench.run.files import write_json_atomic
-from workbench.run.nodes import HeartbeatClock, PeerWatch, lost_peer, node_dir, write_heartbeat
-from workbench.run_handle import Run
+from workbench.run.nodes import node_dir
 
 
 def _cfg(**over):

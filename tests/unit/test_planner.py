@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from workbench import kernels, planner
+from workbench import kernel_rule, planner
 from workbench.config import ConfigError, derive, preset
 from workbench.planner import GiB, MiB, PlannerAssumptions
 
@@ -335,7 +335,7 @@ def test_kernel_path_is_the_backend_rule():
     no_te = PlannerAssumptions(transformer_engine=False)
     gpu = preset("gpt2-small")  # cuda, compile_kernels on
     kp = planner.kernel_path(gpu, no_te)
-    assert kp == kernels.choose(gpu, te=False)  # the planner restates nothing
+    assert kp == kernel_rule.choose(gpu, te=False)  # the planner restates nothing
     assert (kp.attention, kp.layer, kp.cross_entropy, kp.optimizer, kp.selective) == ("sdpa", "compiled", "compiled", "fused", "mlp")
     tp2 = planner.kernel_path(gpu.replace(**{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2}), no_te)
     assert (tp2.layer, tp2.cross_entropy, tp2.optimizer) == ("compiled", "vocab_parallel", "fused")  # TP collectives in the graph

@@ -17,7 +17,7 @@ import time
 import psutil
 
 from workbench.config import preset
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 from tests.support import living
 

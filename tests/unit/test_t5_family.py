@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.config import ConfigError, derive, preset
 from workbench.models import FAMILIES, all_presets
 from workbench.models.t5.spans import (check_t5_tokenizer, corrupt, input_and_target_lengths, random_spans_noise_mask,
@@ -66,13 +66,13 @@ def test_other_families_refuse_t5_only_settings():
 
 
 def test_kernel_rule_puts_t5_on_the_compiled_layer_with_sdpa_with_and_without_dropout():
-    kernels.allow_fast_paths_on_cpu(True)
+    kernel_rule.allow_fast_paths_on_cpu(True)
     try:
-        pretrain = kernels.choose(preset("t5-base"), te=True, apex=False)  # T5's published dropout 0.1
-        bench = kernels.choose(preset("t5-base", **{"model.hidden_dropout": 0.0}), te=True, apex=False)
-        explicit = kernels.choose(preset("t5-base", **{"model.attention_backend": "te"}), te=True, apex=False)
+        pretrain = kernel_rule.choose(preset("t5-base"), te=True, apex=False)  # T5's published dropout 0.1
+        bench = kernel_rule.choose(preset("t5-base", **{"model.hidden_dropout": 0.0}), te=True, apex=False)
+        explicit = kernel_rule.choose(preset("t5-base", **{"model.attention_backend": "te"}), te=True, apex=False)
     finally:
-        kernels.allow_fast_paths_on_cpu(False)
+        kernel_rule.allow_fast_paths_on_cpu(False)
     assert pretrain.attention == "sdpa" and pretrain.layer == "compiled" and pretrain.layer_reason == ""
     assert bench.attention == "sdpa" and bench.layer == "compiled" and bench.layer_reason == ""
     assert pretrain.norm == bench.norm == "workbench"  # auto never takes TE's T5 layer (its speed is unmeasured)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.cli import main
 from workbench.config import preset, rank_environment
 
@@ -21,21 +21,21 @@ UB = TE_TP2.replace(**{"parallel.te_userbuffers": True})
 
 @pytest.fixture
 def te_here(monkeypatch):
-    monkeypatch.setattr(kernels, "te_available", lambda: True)  # the boundary: a machine with TE installed
+    monkeypatch.setattr(kernel_rule, "te_available", lambda: True)  # the boundary: a machine with TE installed
 
 
 def test_each_layer_gets_its_own_tp_overlap():
     compiled = preset("gpt2-small", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
-    assert kernels.choose(compiled, te=False).tp_overlap == "compiled"
-    assert kernels.choose(compiled.replace(**{"parallel.tp_comm_overlap": False}), te=False).tp_overlap == ""
-    assert kernels.choose(preset("gpt2-small"), te=False).tp_overlap == ""  # TP = 1: nothing to overlap
+    assert kernel_rule.choose(compiled, te=False).tp_overlap == "compiled"
+    assert kernel_rule.choose(compiled.replace(**{"parallel.tp_comm_overlap": False}), te=False).tp_overlap == ""
+    assert kernel_rule.choose(preset("gpt2-small"), te=False).tp_overlap == ""  # TP = 1: nothing to overlap
     # TE's layer: its collectives are exposed unless userbuffers are asked for
-    assert kernels.choose(TE_TP2, te=True).tp_overlap == ""
-    ub = kernels.choose(UB, te=True)
+    assert kernel_rule.choose(TE_TP2, te=True).tp_overlap == ""
+    ub = kernel_rule.choose(UB, te=True)
     assert ub.tp_overlap == "userbuffers" and "userbuffers" in ub.describe()
-    assert kernels.choose(UB.replace(**{"parallel.sequence_parallel": False}), te=True).tp_overlap == ""
+    assert kernel_rule.choose(UB.replace(**{"parallel.sequence_parallel": False}), te=True).tp_overlap == ""
     # the compiled layer never takes userbuffers, and TE's layer never the compiled layer's pass
-    assert kernels.choose(UB.replace(**{"model.attention_backend": "auto"}), te=True).tp_overlap == "compiled"
+    assert kernel_rule.choose(UB.replace(**{"model.attention_backend": "auto"}), te=True).tp_overlap == "compiled"
 
 
 def test_userbuffers_validate_where_they_can_run(te_here):
@@ -64,14 +64,14 @@ def test_userbuffers_on_another_layer_exit_2_before_anything_starts(tmp_path, ca
 def test_transformer_engines_layer_without_te_is_refused_before_the_launch(monkeypatch):
     """TE's layer asked for on a GPU machine without a usable TE: a launch problem with the fix, not a rank's
     traceback.  (Whether TE is usable is the machine's question: the config itself stays valid elsewhere.)"""
-    from workbench import launch
+    from workbench.launch import checks
 
-    monkeypatch.setattr(launch, "detect_gpus", lambda: 2)  # the machine boundary: nvidia-smi
-    monkeypatch.setattr(kernels, "te_available", lambda: False)
-    problems = [p for p in launch.launch_problems(UB) if p.field == "model.attention_backend"]
+    monkeypatch.setattr(checks, "detect_gpus", lambda: 2)  # the machine boundary: nvidia-smi
+    monkeypatch.setattr(kernel_rule, "te_available", lambda: False)
+    problems = [p for p in checks.launch_problems(UB) if p.field == "model.attention_backend"]
     assert problems and "install_te.sh" in problems[0].fix and "te_userbuffers: false" in problems[0].fix
-    monkeypatch.setattr(kernels, "te_available", lambda: True)
-    assert not [p for p in launch.launch_problems(UB) if p.field == "model.attention_backend"]
+    monkeypatch.setattr(kernel_rule, "te_available", lambda: True)
+    assert not [p for p in checks.launch_problems(UB) if p.field == "model.attention_backend"]
 
 
 def test_t5_is_refused_by_its_family(te_here):
@@ -81,14 +81,14 @@ def test_t5_is_refused_by_its_family(te_here):
                               "model.decoder_seq_length": 512})
     rules = [p.rule for p in t5.validate() if p.field == "parallel.te_userbuffers"]
     assert any("cross-attention" in r for r in rules), rules
-    assert kernels.choose(t5, te=True).tp_overlap == ""  # the rule and the validation agree
+    assert kernel_rule.choose(t5, te=True).tp_overlap == ""  # the rule and the validation agree
 
 
 def test_the_rule_and_the_validation_agree_on_auto(te_here):
     """auto with FP8 resolves to TE's layer (where TE is usable): userbuffers run, and validation lets them."""
     auto_fp8 = UB.replace(**{"model.attention_backend": "auto", "train.fp8": "delayed",
                               "data.reset_attention_mask": True})
-    assert kernels.choose(auto_fp8, te=True).tp_overlap == "userbuffers"
+    assert kernel_rule.choose(auto_fp8, te=True).tp_overlap == "userbuffers"
     assert [p for p in auto_fp8.validate() if p.field == "parallel.te_userbuffers"] == []
 
 
@@ -156,7 +156,7 @@ def test_the_benchmark_has_the_te_tp2_rows_with_and_without_userbuffers(te_here)
         v = rows[f"{name}/gpt2-large"]
         cfg = tt.bench_config(v)
         assert cfg.validate() == [], (name, cfg.validate())
-        choice = kernels.choose(cfg)
+        choice = kernel_rule.choose(cfg)
         assert (choice.attention, cfg.parallel.tensor_parallel, cfg.parallel.sequence_parallel) == ("te", 2, True)
         assert (choice.tp_overlap == "userbuffers") == ("-ub" in name), name
         assert (v.env.get("UB_SKIPMC") == "1") == ("-ub" in name), name  # never NVLink multicast on shared hosts

@@ -40,9 +40,9 @@ def test_a_cli_command_prints_no_third_party_noise(tmp_path):
 def test_the_note_does_not_say_not_installed_where_transformer_engine_is_usable(monkeypatch):
     """megatron also warns about apex-only pieces (and TE entry points a TE version lacks) with TE installed and
     imported; the one line must not tell a user of NVIDIA's containers that TE is missing."""
-    from workbench import kernels, noise
+    from workbench import kernel_rule, noise
 
-    monkeypatch.setattr(kernels, "te_status", lambda: ("ok", "transformer-engine 2.20.2"))
+    monkeypatch.setattr(kernel_rule, "te_status", lambda: ("ok", "transformer-engine 2.20.2"))
     assert noise._te_apex_note() == noise.TE_PRESENT_NOTE and "not installed" not in noise.TE_PRESENT_NOTE.split("(")[0]
-    monkeypatch.setattr(kernels, "te_status", lambda: ("absent", "transformer_engine is not installed"))
+    monkeypatch.setattr(kernel_rule, "te_status", lambda: ("absent", "transformer_engine is not installed"))
     assert noise._te_apex_note() == noise.TE_APEX_NOTE

@@ -264,7 +264,7 @@ def test_each_family_shows_its_own_fields():
 
 
 def test_gpu_only_fields_show_on_cuda_only_and_a_refused_one_shows_with_its_problem():
-    from workbench.kernels import GPU_ONLY_FIELDS
+    from workbench.kernel_rule import GPU_ONLY_FIELDS
     from workbench.widgets.config_form import ConfigForm
 
     assert {"train.cuda_graphs", "parallel.tp_comm_overlap"} <= set(GPU_ONLY_FIELDS)
@@ -280,7 +280,7 @@ def test_gpu_only_fields_show_on_cuda_only_and_a_refused_one_shows_with_its_prob
 
 def test_gpu_only_fields_change_nothing_on_cpu_or_are_refused_there():
     """The list the form hides on CPU is what CPU mode ignores (the kernel rule) or refuses (validation)."""
-    from workbench.kernels import GPU_ONLY_FIELDS, choose
+    from workbench.kernel_rule import GPU_ONLY_FIELDS, choose
 
     def kernels(cfg) -> dict:  # what runs (the reasons' wording aside)
         c = choose(cfg, te=False, apex=False, cuda_available=False)

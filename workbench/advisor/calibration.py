@@ -123,9 +123,9 @@ def format_table(table: list[dict[str, Any]]) -> str:
 def is_host_row(row: MeasuredRow) -> bool:
     """Rows that measure the compiled layer without CUDA graphs and without pipelining: they calibrate the GPU's
     host time per layer (its host CPU's, not a model constant) rather than the constants."""
-    from workbench import kernels
+    from workbench import kernel_rule
 
-    kp = kernels.choose(row.config)
+    kp = kernel_rule.choose(row.config)
     return kp.layer == "compiled" and not kp.cuda_graphs and row.config.parallel.pipeline_parallel == 1
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from workbench.config import RunConfig, validate
-from workbench.kernels import FP8_RECIPES
+from workbench.kernel_rule import FP8_RECIPES
 
 __all__ = ["Layout", "layout_of", "apply_layout", "canonical", "grid", "enumerate_layouts", "RECOMPUTE_MODES", "fp8_recipes"]
 

@@ -39,7 +39,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench import kernels, schedules
+from workbench import kernel_rule, schedules
 from workbench.config import RunConfig, derive, pad_vocab_size
 from workbench.models import family_of
 
@@ -182,7 +182,7 @@ class Model:
         per_node = gpus_per_node or p.nproc_per_node
         d = self._derive(cfg)
         dp, micro = d.data_parallel, d.num_microbatches
-        kp = kernels.choose(cfg)
+        kp = kernel_rule.choose(cfg)
         fam = family_of(cfg)
         sh = fam.shapes.shape(cfg, d)
         b, s, h, e = sh.b, sh.s, sh.h, sh.e

@@ -94,7 +94,7 @@ def sdpa_mask(allowed: Optional[torch.Tensor], additive: Optional[torch.Tensor],
     may attend), an additive score bias and causality.  Causality stays SDPA's flag when nothing else is
     given and sq == sk; otherwise it becomes a bottom-right aligned triangle (query i at position
     sk - sq + i: KV-cache prefill / decode) combined with the mask; masked positions of the bias are -inf.
-    One rule for :class:`SDPAttention` and the compiled layer (:mod:`workbench.backend.fusions`)."""
+    One rule for :class:`SDPAttention` and the compiled layer (:mod:`workbench.backend.compiled_layer`)."""
     if causal and (sq != sk or additive is not None or allowed is not None):
         tri = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
         allowed = tri if allowed is None else (allowed & tri)

@@ -1,6 +1,6 @@
 """CPU emulation mode: run the *real* megatron-core training path on CPU under gloo.
 
-Deliberate choice (issue 3, "CPU"): a CPU-only user and CI should exercise exactly the code
+Deliberate choice: a CPU-only user and CI should exercise exactly the code
 that runs on GPUs -- mcore's ``get_forward_backward_func`` schedules (1F1B, interleaved),
 DDP grad buffers, ``get_megatron_optimizer``, ``dist_checkpointing`` -- on tiny models with
 1-8 gloo processes.  Those pieces assume CUDA in a handful of places; this module patches

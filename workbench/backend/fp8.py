@@ -51,7 +51,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from workbench.kernels import FP8_RECIPES
+from workbench.kernel_rule import FP8_RECIPES
 
 __all__ = ["RECIPES", "GEMMS", "FP8Weight", "Delayed", "quantize", "transpose", "scaled_mm", "linear", "supported_here",
            "open_step", "close_step", "cached", "weight_casts"]

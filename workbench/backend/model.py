@@ -4,7 +4,7 @@ the kernel slots of the one kernel rule, and the dispatch to the family's builde
 - :func:`transformer_config`: the mcore TransformerConfig (sizes, parallel layout, dtypes,
   recompute, p2p settings) for any family.
 - :func:`layer_class` / :func:`norm_module`: the transformer-layer class and the norm module for
-  a :class:`workbench.kernels.KernelChoice` (the compiled dense layer or megatron's
+  a :class:`workbench.kernel_rule.KernelChoice` (the compiled dense layer or megatron's
   TransformerLayer; TE / apex / the workbench's SP-capable norms).
 - :func:`build_model`: one model chunk, built by the config's family
   (``workbench/models/<family>/model.py``).
@@ -29,17 +29,18 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from workbench import kernels
-from workbench.backend import fusions
+from workbench import kernel_rule
+from workbench.backend import compiled_layer
 from workbench.backend.attention import SDPAttention
 from workbench.backend.norms import WorkbenchNorm
 from workbench.config import RunConfig, pipeline_stage_layers
-from workbench.kernels import SELECTIVE_RECOMPUTE
+from workbench.kernel_rule import SELECTIVE_RECOMPUTE
 from workbench.models import family_of
 
 __all__ = [
     "WorkbenchTransformerConfig",
     "transformer_config",
+    "transformer_config_overrides",
     "layer_class",
     "norm_module",
     "self_attention_layer_spec",
@@ -54,7 +55,7 @@ __all__ = [
 #: What ``parallel.recompute: selective`` recomputes on this workbench.  Stock Megatron's
 #: default (``core_attn``) saves nothing with SDPA/flash attention, which keeps no s x s
 #: scores.  Instead we recompute the dense MLP in backward (inside the compiled dense layer's
-#: graph, see ``fusions.dense_layer_forward``; on the stock layer :class:`RecomputedMLP`): its
+#: graph, see ``compiled_layer.dense_layer_forward``; on the stock layer :class:`RecomputedMLP`): its
 #: fc1 output and activation output (2 x ffn values per token, e.g. 8h for GELU -- the
 #: largest activations of a layer) are dropped and rebuilt from the saved MLP input; the
 #: attention block's activations are kept.  mcore's own ``recompute_modules=["mlp"]`` is
@@ -63,7 +64,7 @@ __all__ = [
 #: (measured: unbounded memory growth); and its "layernorm" recompute takes the fp8 path
 #: without TE (``CheckpointWithoutOutput``: ``self.fp8 = fp8 is not None``).  With the TE
 #: spec selective recompute keeps Megatron's default (core attention).  The name lives in
-#: :data:`workbench.kernels.SELECTIVE_RECOMPUTE`.
+#: :data:`workbench.kernel_rule.SELECTIVE_RECOMPUTE`.
 
 
 @dataclass
@@ -74,7 +75,7 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_alibi: bool = False
     #: selective recompute of the dense MLP (:class:`RecomputedMLP`).
     workbench_recompute_mlp: bool = False
-    #: parallel.tp_comm_overlap on the compiled layer (:func:`fusions.sink_weight_gradients`).
+    #: parallel.tp_comm_overlap on the compiled layer (:func:`workbench.backend.tp_overlap.sink_weight_gradients`).
     workbench_tp_comm_overlap: bool = False
     #: train.fp8 on the compiled layer: "tensorwise" | "rowwise" | "delayed" (:mod:`workbench.backend.fp8`), None = off.
     workbench_fp8: Optional[str] = None
@@ -101,11 +102,11 @@ class RecomputedMLP(MLP):
 
 
 def attention_impl(cfg: RunConfig) -> str:
-    """Which core attention this config gets: 'te', 'sdpa' or 'local' (:func:`workbench.kernels.choose`)."""
-    impl = kernels.choose(cfg).attention
-    if impl == "te" and not kernels.te_available():
+    """Which core attention this config gets: 'te', 'sdpa' or 'local' (:func:`workbench.kernel_rule.choose`)."""
+    impl = kernel_rule.choose(cfg).attention
+    if impl == "te" and not kernel_rule.te_available():
         raise ValueError(f"model.attention_backend is 'te' but Transformer Engine is not usable here "
-                         f"({kernels.te_status()[1]}); use 'auto' or 'sdpa'")
+                         f"({kernel_rule.te_status()[1]}); use 'auto' or 'sdpa'")
     return impl
 
 
@@ -132,11 +133,11 @@ class GraphedTransformerLayer(TransformerLayer):
         return self.training and torch.is_grad_enabled() and super()._should_call_local_cudagraph(*args, **kwargs)
 
 
-def layer_class(choice: kernels.KernelChoice) -> type:
+def layer_class(choice: kernel_rule.KernelChoice) -> type:
     """The TransformerLayer class for a kernel choice: the compiled dense layer, megatron's graphed for
     training (:class:`GraphedTransformerLayer`), or megatron's."""
     if choice.layer == "compiled":
-        return fusions.CompiledTransformerLayer
+        return compiled_layer.CompiledTransformerLayer
     return GraphedTransformerLayer if choice.cuda_graphs_impl == "megatron" else TransformerLayer
 
 
@@ -144,7 +145,7 @@ def _fp8_fields(cfg: RunConfig) -> dict[str, Any]:
     """train.fp8 where the kernel rule runs it: the compiled layer's torch GEMMs (``workbench_fp8``), or
     megatron's fp8 config for Transformer Engine's layer (E4M3 forward / E5M2 gradients; its TransformerBlock
     enters TE's fp8 context per layer).  Delayed scaling keeps TE's default amax history (1024 steps, max)."""
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     if choice.fp8_impl == "torch":
         return {"workbench_fp8": choice.fp8}
     if choice.fp8_impl == "te":
@@ -160,13 +161,29 @@ def training_step_fields(cfg: RunConfig) -> dict[str, Any]:
     CUDA graphs (``cuda_graphs_impl == "megatron"``: TE's layer, the compiled layer under pipeline parallelism; a
     graph-safe RNG tracker, TE's where TE is usable, which ``distributed`` seeds) and TE's userbuffers (``tp_overlap == "userbuffers"``; :func:`workbench.backend.tp_overlap.initialize_userbuffers`
     sizes them for the training micro-batch).  Generation, conversion and verification build without them."""
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     fields: dict[str, Any] = {}
     if choice.cuda_graphs_impl == "megatron":
         fields.update(cuda_graph_impl="local", use_te_rng_tracker=choice.transformer_engine)
     if choice.tp_overlap == "userbuffers":
         fields.update(tp_comm_overlap=True)
     return fields
+
+
+def transformer_config_overrides(cfg: Any) -> dict[str, Any]:
+    """TransformerConfig fields for the stock-forward paths (called by :func:`transformer_config`).
+
+    Only maths-preserving switches: megatron's torch.compile'd bias-dropout-add and its fused
+    vocab-parallel cross entropy (fp32 like the unfused one).  Empty unless
+    ``train.compile_kernels`` is on and the device is CUDA.
+    """
+    if not kernel_rule.fast_paths_wanted(cfg):
+        return {}
+    return {
+        "bias_dropout_fusion": True,
+        "cross_entropy_loss_fusion": True,
+        "cross_entropy_fusion_impl": "native",
+    }
 
 
 def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformerConfig:
@@ -220,10 +237,10 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         overlap_p2p_comm=(not cpu) and p.vpp > 1,
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
-        workbench_tp_comm_overlap=kernels.choose(cfg).tp_overlap == "compiled",
+        workbench_tp_comm_overlap=kernel_rule.choose(cfg).tp_overlap == "compiled",
     )
     kwargs.update(_fp8_fields(cfg))
-    kwargs.update(family_of(cfg).transformer_fields(cfg, kernels.choose(cfg)))  # e.g. GPT's MoE layers (workbench.models.moe)
+    kwargs.update(family_of(cfg).transformer_fields(cfg, kernel_rule.choose(cfg)))  # e.g. GPT's MoE layers (workbench.models.moe)
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
         kwargs.update(num_layers_in_first_pipeline_stage=stage_layers[0], num_layers_in_last_pipeline_stage=stage_layers[-1])
@@ -234,7 +251,7 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
             kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
         else:
             kwargs.update(workbench_recompute_mlp=True)
-    kwargs.update(fusions.transformer_config_overrides(cfg))
+    kwargs.update(transformer_config_overrides(cfg))
     kwargs.update(overrides)
     return WorkbenchTransformerConfig(**kwargs)
 
@@ -243,7 +260,7 @@ _NORM_NAMES = {"te": "Transformer Engine norm", "apex": "apex FusedLayerNorm",
                "torch": "torch norm (megatron local spec)", "workbench": "workbench {} (torch.nn.functional, SP-capable)"}
 
 
-def norm_module(cfg: RunConfig, choice: kernels.KernelChoice) -> Any:
+def norm_module(cfg: RunConfig, choice: kernel_rule.KernelChoice) -> Any:
     """The norm module class for a kernel choice."""
     if choice.norm == "te":
         from megatron.core.extensions.transformer_engine import TENorm
@@ -256,7 +273,7 @@ def norm_module(cfg: RunConfig, choice: kernels.KernelChoice) -> Any:
     return WorkbenchNorm
 
 
-def self_attention_layer_spec(cfg: RunConfig, choice: kernels.KernelChoice, mask_type: Any) -> ModuleSpec:
+def self_attention_layer_spec(cfg: RunConfig, choice: kernel_rule.KernelChoice, mask_type: Any) -> ModuleSpec:
     """A pre-norm self-attention + dense-MLP layer on the kernels of ``choice``: megatron's
     Column/RowParallelLinear, the workbench's SDPA (or stock) core attention and norms, and the
     layer class the rule picks; ``mask_type`` is megatron's ``AttnMaskType`` (causal, padding).
@@ -312,7 +329,7 @@ def build_model(
 
 def kernel_path(cfg: RunConfig) -> dict[str, str]:
     """What each kernel slot resolves to for this config (goes into the run_start event)."""
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     impl = choice.attention
     attn = {
         "te": "Transformer Engine DotProductAttention",
@@ -335,6 +352,6 @@ def kernel_path(cfg: RunConfig) -> dict[str, str]:
     if choice.tp_overlap == "userbuffers":
         out["tp_comm_overlap"] = ("Transformer Engine userbuffers (megatron tp_comm_overlap): the SP all-gather / "
                                   "reduce-scatter of qkv, proj, fc1, fc2 pipelined with their GEMMs")
-    notes = fusions.transformer_config_overrides(cfg)
+    notes = transformer_config_overrides(cfg)
     out["fusions"] = ", ".join(f"{k}={v}" for k, v in notes.items() if "fusion" in k and v) or "none"
     return out

@@ -1,7 +1,7 @@
 """MoE layers on the workbench's layer: megatron-core's ``MoELayer`` with the experts the kernel rule names.
 
 :func:`moe_mlp` is the ``mlp`` submodule of an MoE transformer layer: megatron's ``MoELayer`` (top-k router,
-token dispatcher, shared experts) whose experts are, by :attr:`workbench.kernels.KernelChoice.experts`,
+token dispatcher, shared experts) whose experts are, by :attr:`workbench.kernel_rule.KernelChoice.experts`,
 
 - ``sequential``: megatron's ``SequentialMLP`` (one fc1 / fc2 GEMM pair per local expert, a Python loop);
 - ``torch_grouped``: :class:`GroupedGemmMLP`, the same modules and parameters (so the same checkpoints, the same

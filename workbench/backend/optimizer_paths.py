@@ -1,11 +1,11 @@
-"""Optimizer fast paths for megatron-core without apex / Transformer Engine (used by :mod:`workbench.backend.fusions`).
+"""Optimizer fast paths for megatron-core without apex / Transformer Engine (:func:`prepare_optimizer`).
 
 Without apex, megatron falls back to ``local_multi_tensor_l2_norm`` (a Python loop of ``torch.norm`` plus a host
 round trip per tensor: hundreds of device syncs a step) and ``local_multi_tensor_scale`` (a Python loop of copies).
 :func:`install_multi_tensor_fallbacks` replaces them with ``torch._foreach_norm`` / ``_foreach_mul_`` /
 ``_foreach_copy_`` (a handful of multi-tensor kernels, no syncs); :func:`use_fused_adam` switches torch's AdamW under
 megatron's optimizer to its fused CUDA kernel (the same AdamW update).  What was switched on is recorded in
-:data:`STATE` (the fast paths' summary, ``fusions.summary()``).
+:data:`STATE` (the fast paths' summary, ``compiled_layer.summary()``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["STATE", "foreach_l2_norm", "foreach_scale", "install_multi_tensor_fallbacks", "use_fused_adam"]
+from workbench import kernel_rule
 
-#: What was switched on in this process (shared with ``fusions.summary()``).
+__all__ = ["STATE", "foreach_l2_norm", "foreach_scale", "install_multi_tensor_fallbacks", "use_fused_adam",
+           "prepare_optimizer"]
+
+#: What was switched on in this process (shared with ``compiled_layer.summary()``).
 STATE: dict[str, str] = {}
 
 
@@ -117,3 +120,12 @@ def use_fused_adam(optimizer: Any) -> int:
     if switched:
         STATE["optimizer"] = "torch fused AdamW (torch._fused_adamw_)"
     return switched
+
+
+def prepare_optimizer(optimizer: Any, cfg: Any) -> dict[str, str]:
+    """Optimizer fast paths (called by the training loop after ``get_megatron_optimizer``); what it switched on."""
+    if not kernel_rule.fast_paths_wanted(cfg):
+        return {}
+    install_multi_tensor_fallbacks()
+    use_fused_adam(optimizer)
+    return {k: v for k, v in STATE.items() if k in ("multi_tensor", "optimizer")}

@@ -1,7 +1,7 @@
-"""TP comm overlap, one per layer kind (:attr:`workbench.kernels.KernelChoice.tp_overlap`).
+"""TP comm overlap, one per layer kind (:attr:`workbench.kernel_rule.KernelChoice.tp_overlap`).
 
 - The compiled layer (``parallel.tp_comm_overlap``): an inductor post-grad pass that moves each backward
-  graph's weight-gradient GEMMs under the next collective (used by :func:`workbench.backend.fusions._compiled`).
+  graph's weight-gradient GEMMs under the next collective (used by :func:`workbench.backend.compiled_layer._compiled`).
 - Transformer Engine's layer (``parallel.te_userbuffers``): TE's userbuffers, set up once per training process
   (:func:`initialize_userbuffers`, Megatron-LM's ``_initialize_tp_communicators``) for megatron's
   ``tp_comm_overlap`` (``model.training_step_fields``), and freed at teardown.
@@ -53,7 +53,7 @@ def sink_weight_gradients(graph: Any) -> int:
     the wgrad GEMMs before the collective and inductor's peak-memory reordering moves them to
     the end of the graph, so by default every TP collective in backward is exposed.  After
     this pass the layer's backward reads ``dgrad fc1, all-reduce, wgrad fc2, wgrad fc1, wait``
-    and ``dgrad qkv, all-reduce, wgrad proj, wgrad qkv, wait`` (tests/test_fusions.py checks
+    and ``dgrad qkv, all-reduce, wgrad proj, wgrad qkv, wait`` (tests/multiprocess/test_compiled_layer.py checks
     inductor's generated code).  Forward graphs (no ``tangents`` inputs) are left alone.
     Returns the number of GEMMs moved.
     """
@@ -108,9 +108,9 @@ def initialize_userbuffers(cfg: Any) -> Optional[str]:
     TE exchanges through CUDA IPC instead of NVLink multicast.
     """
     global _UB_LIVE
-    from workbench import kernels
+    from workbench import kernel_rule
 
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     if choice.tp_overlap != "userbuffers":
         return None
     import os

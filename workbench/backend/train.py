@@ -41,8 +41,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from workbench.backend import fusions as _fusions
-from workbench import kernels
+from workbench.backend import compiled_layer
+from workbench.backend.optimizer_paths import prepare_optimizer
+from workbench import kernel_rule
 from workbench.config import RunConfig, derive
 from workbench.run.events import Checkpoint, Error, Eval, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
 from workbench.hooks import Batch, TrainHooks, load_hooks
@@ -122,9 +123,9 @@ class Trainer:
             pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
             chunks.append(build_model(cfg, pre_process=pre, post_process=post, vp_stage=vp, config=tc))
-        # the one kernel rule's decision for this process (workbench.kernels.choose), what the planner assumed
-        choice = kernels.choose(cfg, cuda_available=torch.cuda.is_available())
-        if self.cuda:  # the kernel rule's SDPA backend order, for this training process (kernels.KernelChoice.sdpa_order)
+        # the one kernel rule's decision for this process (workbench.kernel_rule.choose), what the planner assumed
+        choice = kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
+        if self.cuda:  # the kernel rule's SDPA backend order, for this training process (kernel_rule.KernelChoice.sdpa_order)
             from workbench.backend.attention import apply_sdpa_order
 
             apply_sdpa_order(choice.sdpa_order)
@@ -138,7 +139,7 @@ class Trainer:
         )
         self.model = [DistributedDataParallel(config=tc, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
                       for i, c in enumerate(chunks)]
-        if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernels.KernelChoice.grad_accumulation)
+        if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernel_rule.KernelChoice.grad_accumulation)
             from workbench.backend import grad_accumulation
 
             grad_accumulation.install(self.model)
@@ -155,11 +156,9 @@ class Trainer:
         )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
         # [perf hook] compiled cross-entropy, foreach multi-tensor ops, fused AdamW (no-ops unless
-        # train.compile_kernels on CUDA); see workbench.backend.fusions
-        from workbench.backend import fusions
-
-        fusions.prepare_model(self.model, cfg)
-        fusions.prepare_optimizer(self.optimizer, cfg)
+        # train.compile_kernels on CUDA): workbench.backend.compiled_layer, workbench.backend.optimizer_paths
+        compiled_layer.prepare_model(self.model, cfg)
+        prepare_optimizer(self.optimizer, cfg)
         decay = t.lr_decay_iters or t.train_iters
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
@@ -183,7 +182,7 @@ class Trainer:
         self.kernel_path = kernel_path(cfg)
         self.kernel_choice = choice.to_dict()
         self.kernel_path["optimizer"] = self._optimizer_path()
-        self.kernel_path.update(fusion_entries(fusions.summary()))
+        self.kernel_path.update(fusion_entries(compiled_layer.summary()))
         self.kernel_path["grad_accumulation"] = (
             "workbench: weight gradients into DDP's fp32 main_grad, copied at a step's first micro-batch, then added "
             "(vectorised)" if choice.grad_accumulation == "workbench" else "megatron DDP's hook (main_grad.add_)")
@@ -330,7 +329,7 @@ class Trainer:
         start = time.perf_counter()
         self.timer.begin_step(sample)
         # [perf hook] a new path through the CUDA-graph trees; weights fixed (FP8 copies cast once) until it ends
-        with _fusions.training_step():
+        with compiled_layer.training_step():
             reports = self.forward_backward(
                 forward_step_func=self._make_forward_step(train=True),
                 data_iterator=self._data_iter(self.train_iters),

@@ -45,8 +45,8 @@ class Supports:
     #: (HF ``model_type``, why it is refused and what to use instead): HF types that look like
     #: this family's but are not converted (e.g. post-LN ``bert`` for the pre-LN BERT family)
     hf_refused: tuple[tuple[str, str], ...] = ()
-    #: why the compiled dense layer (:class:`workbench.backend.fusions.CompiledTransformerLayer`) cannot serve this family's
-    #: layers, whatever the config (None: it can); read by :func:`workbench.kernels.layer_blocker`
+    #: why the compiled dense layer (:class:`workbench.backend.compiled_layer.CompiledTransformerLayer`) cannot serve this family's
+    #: layers, whatever the config (None: it can); read by :func:`workbench.kernel_rule.layer_blocker`
     compiled_layer_blocker: str | None = None
     #: why pipeline parallelism is refused (config validation says it with the field); "" -> a generic sentence
     pipeline_reason: str = ""
@@ -55,7 +55,7 @@ class Supports:
     #: explicit ``te``, ungraphed: its cross-attention mask pair)
     transformer_engine: bool = True
     #: why TE's userbuffers (``parallel.te_userbuffers``) cannot serve this family's TE layer ("" -> they can);
-    #: read by :func:`workbench.kernels.userbuffer_problems`
+    #: read by :func:`workbench.kernel_rule.userbuffer_problems`
     te_userbuffers_blocker: str = ""
     #: ``model.position_embedding`` values the family builds
     positions: tuple[str, ...] = ("learned", "rope", "alibi")

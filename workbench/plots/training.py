@@ -1,6 +1,6 @@
 """Training curves of a run: loss, throughput / MFU, memory per rank, grad norm / LR.
 
-Pure functions of the DataFrames :class:`workbench.bridge.Run` exposes, drawn on a
+Pure functions of the DataFrames :class:`workbench.launch.Run` exposes, drawn on a
 ``matplotlib.figure.Figure`` that lives outside pyplot (safe from a background thread, never
 auto-shown twice).  The dashboard re-renders it to PNG for in-place updates; headless
 (papermill) runs display the final PNG as a static image.

@@ -6,7 +6,10 @@
 - :mod:`workbench.run.checkpoint`: checkpoint discovery and ``workbench.json`` (:class:`CheckpointMeta`).
 - :mod:`workbench.run.files`: atomic file writes, ``read_json``, ``free_port``.
 - :mod:`workbench.run.nodes`: a multi-node run's shared run directory (one set of launch files
-  per node, heartbeats, the supervisors' watch over the other nodes).
+  per node).
+- :mod:`workbench.run.integrity`, :mod:`workbench.run.ckpt_files`: a checkpoint's content digests and files.
+
+The processes that write and follow a run directory are :mod:`workbench.launch`.
 
 Nothing here imports torch or megatron-core.
 """

@@ -32,7 +32,7 @@ __all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "CheckpointError", "Checkp
            "recorded_hooks", "hook_note", "tokenizer_spec"]
 
 from workbench.run.ckpt_files import (  # noqa: F401  (the tree's names, shared with workbench.run.integrity)
-    _ITER_RE, FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, _is_complete, iter_dir_name, list_checkpoints,
+    ITER_RE, FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, is_complete, iter_dir_name, list_checkpoints,
 )
 
 
@@ -123,8 +123,8 @@ def find_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint path {p} does not exist -> check the path (a checkpoint root or an iter_XXXXXXX directory)")
     if not p.is_dir():
         raise CheckpointError(f"checkpoint path {p} is a file, not a directory -> pass the checkpoint root or an iter_XXXXXXX directory")
-    if (p / METADATA_FILE).exists() or _ITER_RE.match(p.name) or ".tmp-" in p.name:
-        if _is_complete(p):
+    if (p / METADATA_FILE).exists() or ITER_RE.match(p.name) or ".tmp-" in p.name:
+        if is_complete(p):
             return p
         raise CheckpointError(
             f"{p} is not a complete workbench checkpoint ({METADATA_FILE} missing or not marked complete: "
@@ -135,7 +135,7 @@ def find_checkpoint(path: str | Path) -> Path:
         text = tracker.read_text().strip()
         if text.isdigit():
             d = p / iter_dir_name(int(text))
-            if _is_complete(d):
+            if is_complete(d):
                 _refuse_newer_damaged(p, d)
                 return d
     complete = list_checkpoints(p)
@@ -175,9 +175,9 @@ def _refuse_newer_damaged(root: Path, chosen: Path) -> None:
     """An ``iter_N`` newer than ``chosen`` whose ``workbench.json`` is there but unreadable is a damaged save
     (a save renames its directory into place only after writing that file), never an interrupted one: loading
     the older iteration instead would lose training silently, so it is refused, naming both."""
-    m = _ITER_RE.match(chosen.name)
+    m = ITER_RE.match(chosen.name)
     newer = sorted((int(x.group(1)), d) for d in root.iterdir()
-                   if (x := _ITER_RE.match(d.name)) and d.is_dir() and m and int(x.group(1)) > int(m.group(1)))
+                   if (x := ITER_RE.match(d.name)) and d.is_dir() and m and int(x.group(1)) > int(m.group(1)))
     for _, d in reversed(newer):
         why = _unreadable_metadata(d)
         if why:
@@ -199,7 +199,7 @@ def _run_dir_checkpoints(p: Path) -> Path | None:
         pass
     roots.append(p / "checkpoints")
     for root in roots:
-        if root.is_dir() and root != p and ((root / TRACKER_FILE).is_file() or any(_ITER_RE.match(x.name) for x in root.iterdir())):
+        if root.is_dir() and root != p and ((root / TRACKER_FILE).is_file() or any(ITER_RE.match(x.name) for x in root.iterdir())):
             return root
     return None
 
@@ -453,7 +453,7 @@ def remove_stale_partials(root: str | Path) -> list[str]:
         if m.group(2) == "tmp":
             shutil.rmtree(p, ignore_errors=True)
             done.append(f"removed {p.name} (an unfinished save of process {pid}, which is gone)")
-        elif final.exists() and _is_complete(final):
+        elif final.exists() and is_complete(final):
             shutil.rmtree(p, ignore_errors=True)
             done.append(f"removed {p.name} ({final.name} is complete)")
         elif not final.exists():

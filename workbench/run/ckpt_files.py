@@ -7,12 +7,13 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "CheckpointError", "iter_dir_name", "list_checkpoints", "is_complete"]
+__all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "ITER_RE", "CheckpointError", "iter_dir_name", "list_checkpoints",
+           "is_complete"]
 
 FORMAT = "workbench-mcore-v1"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "workbench.json"
-_ITER_RE = re.compile(r"^iter_(\d{7})$")
+ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
 class CheckpointError(ValueError):
@@ -23,7 +24,7 @@ def iter_dir_name(iteration: int) -> str:
     return f"iter_{int(iteration):07d}"
 
 
-def _is_complete(d: Path) -> bool:
+def is_complete(d: Path) -> bool:
     meta = d / METADATA_FILE
     if not meta.is_file():
         return False
@@ -41,10 +42,8 @@ def list_checkpoints(root: str | Path) -> list[Path]:
         return []
     found = []
     for d in root.iterdir():
-        m = _ITER_RE.match(d.name)
-        if m and d.is_dir() and _is_complete(d):
+        m = ITER_RE.match(d.name)
+        if m and d.is_dir() and is_complete(d):
             found.append((int(m.group(1)), d))
     return [d for _, d in sorted(found)]
 
-
-is_complete = _is_complete

@@ -28,7 +28,7 @@ is a dataclass below (:class:`RunStart`, :class:`Step`, ...):
 
 Field names are the on-disk names, so runs written by any earlier version parse; fields a
 record does not declare are kept in its ``extra`` dict (and written back out as they came).
-Records also answer ``rec["field"]`` / ``rec.get("field")`` like the dicts they used to be.
+Records also answer ``rec["field"]`` / ``rec.get("field")`` like dicts.
 This module must not import torch or megatron-core.
 """
 
@@ -45,7 +45,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 KINDS = ("run_start", "step", "microbatch", "eval", "checkpoint", "error", "run_end", "router")
 
-#: prefix of the kernel-path entries that name the backend's fast paths (``fusions.summary()``)
+#: prefix of the kernel-path entries that name the backend's fast paths (``compiled_layer.summary()``)
 FUSION_PREFIX = "fast_"
 
 __all__ = [
@@ -138,7 +138,7 @@ class RunStart(Event):
     world_size: int | None = None
     coords: dict[str, int] | None = None
     kernel_path: dict[str, Any] | None = None
-    kernels: Any = None  # the kernel rule's choice (workbench.kernels), when the backend records it
+    kernels: Any = None  # the kernel rule's choice (workbench.kernel_rule), when the backend records it
     data: Any = None
     start_iteration: int | None = None
 

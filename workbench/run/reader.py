@@ -6,7 +6,7 @@ may be in the middle of, waits for the next :meth:`RunReader.poll`) and skips a 
 anywhere in a file (counted in :attr:`RunReader.bad_lines`); when a line is a torn write glued
 to the next record (a rank killed mid-line, then the run resumed into the same file), the
 glued record is still read.  Every record read so far stays available by kind, so the
-notebook-side :class:`workbench.runs.Run`, the supervisor, ``write_exit_status``, the planner's
+notebook-side :class:`workbench.launch.Run`, the supervisor, ``write_exit_status``, the planner's
 measured peaks and the measured pipeline schedule all read through it and nothing re-reads.
 
 The run's kernel path and TP/PP/DP layout come from one place: :meth:`RunReader.run_start`.

@@ -7,7 +7,7 @@ rebuilds the :class:`RunConfig`, re-runs ``validate()`` and shows each problem n
 field it names, refreshes the memory-planner readout, and keeps export / launch in step.
 
 The form shows the fields that apply: a field one model family owns (``Family.fields``) only for
-that family, a GPU-only field (:data:`workbench.kernels.GPU_ONLY_FIELDS`) only on ``device: cuda``;
+that family, a GPU-only field (:data:`workbench.kernel_rule.GPU_ONLY_FIELDS`) only on ``device: cuda``;
 a hidden field that has a problem shows again, next to its message.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from workbench.config import PRESETS, ConfigError, DatasetEntry, Problem, RunConfig, preset
-from workbench.kernels import GPU_ONLY_FIELDS
+from workbench.kernel_rule import GPU_ONLY_FIELDS
 from workbench.models import FAMILIES
 from workbench.widgets.layout import plural
 
@@ -350,7 +350,7 @@ class ConfigForm:
 
     def launch(self, **kwargs: Any):
         """Launch the current config (``Run.launch``); shows the dashboard below the form."""
-        from workbench.run_handle import Run
+        from workbench.launch import Run
 
         self.revalidate()
         if self.problems:

@@ -75,7 +75,7 @@ class RunEnded(Exception):
 
     IPython shows it as its one-line message (``_render_traceback_``), not as a traceback: a run
     that was stopped or failed is news about the run, not a bug in the cell.  ``status`` is the
-    run's final status, ``run`` the :class:`workbench.run_handle.Run`.
+    run's final status, ``run`` the :class:`workbench.launch.Run`.
     """
 
     def __init__(self, message: str, status: str, run=None):
@@ -215,7 +215,7 @@ def status_line(status: str, iteration: int, total: int, run_dir: Any) -> str:
 
 
 class Dashboard:
-    """Live view of a :class:`workbench.bridge.Run` (launched here or re-attached)."""
+    """Live view of a :class:`workbench.launch.Run` (launched here or re-attached)."""
 
     def __init__(self, run, interval: float = 1.0, predicted_memory: Mapping[int, float] | float | None = None,
                  log_lines: int = 15, autostart: bool = True, stall_after: float = 120.0):

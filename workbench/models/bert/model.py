@@ -1,7 +1,7 @@
 """BERT's megatron spec and builder: RunConfig -> layer spec -> megatron-core ``BertModel`` chunk.
 
 The layer is Megatron's pre-LN BERT layer on the workbench's kernel slots (the one kernel rule,
-:func:`workbench.kernels.choose`): self-attention with ``AttnMaskType.padding`` on the workbench
+:func:`workbench.kernel_rule.choose`): self-attention with ``AttnMaskType.padding`` on the workbench
 SDPA module (bidirectional, the padding mask passed by megatron) or on megatron's unfused
 ``DotProductAttention`` (``attention_backend: local``), the workbench's SP-capable norms, column /
 row parallel linears, and Transformer Engine's BERT spec when the rule picks TE.  The layer class is
@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import get_linear_layer
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.backend.attention import SDPAttention
 from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
@@ -58,7 +58,7 @@ __all__ = ["layer_spec", "block_spec", "build", "WorkbenchBertModel", "Workbench
 
 def layer_spec(cfg: RunConfig) -> ModuleSpec:
     """The BERT layer: TE's BERT spec when the rule picks TE, else megatron linears + workbench attention / norms."""
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     if choice.attention == "te":
         from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
 
@@ -69,7 +69,7 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
 def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     """Layer specs for this pipeline stage plus the final norm (the workbench's, so SP works)."""
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(cfg)] * n, layer_norm=norm_module(cfg, kernels.choose(cfg)))
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(cfg)] * n, layer_norm=norm_module(cfg, kernel_rule.choose(cfg)))
 
 
 class WorkbenchBertLMHead(MegatronModule):
@@ -216,7 +216,7 @@ def build(
         rotary_percent=m.rotary_percent,
         add_binary_head=m.add_binary_head,
         vp_stage=vp_stage,
-        norm=norm_module(cfg, kernels.choose(cfg)),
+        norm=norm_module(cfg, kernel_rule.choose(cfg)),
         add_pooler=m.add_pooler,
         num_labels=m.num_labels,
         masked_per_sequence=masked_per_sequence(cfg),

@@ -17,7 +17,7 @@ from workbench.models.gpt.presets import PRESETS
 
 def transformer_fields(cfg: Any, choice: Any) -> dict:
     """The MoE layers' megatron fields (none for a dense model), with the kernel rule's expert implementation
-    (``choice``: :class:`workbench.kernels.KernelChoice`)."""
+    (``choice``: :class:`workbench.kernel_rule.KernelChoice`)."""
     return moe.transformer_fields(cfg, grouped_te=choice.experts == "te_grouped")
 
 

@@ -12,7 +12,7 @@ and renames the decoder layers, which would break (1) for a pure-attention GPT.
 The deprecation line is filtered out by a narrowly scoped ``logging.Filter`` on
 megatron's ``gpt_model`` logger (only that exact message; every other warning stays).
 
-Every kernel slot (attention, layer class, norm) comes from :func:`workbench.kernels.choose`.
+Every kernel slot (attention, layer class, norm) comes from :func:`workbench.kernel_rule.choose`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
 from workbench.models import moe
@@ -51,7 +51,7 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
     """The transformer-layer spec: TE's GPT spec when the rule picks TE, megatron's local spec for
     ``attention_backend: local``, else the workbench's causal self-attention layer
     (:func:`workbench.backend.model.self_attention_layer_spec`)."""
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     if choice.attention == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -66,7 +66,7 @@ def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec) -> ModuleSpec:
     """An MoE layer's spec: TE's GPT spec with experts (TE's grouped MLP where the kernel rule says) on TE's
     layer, else ``dense`` with megatron's ``MoELayer`` as its MLP (:func:`workbench.backend.moe_experts.moe_mlp`:
     the rule's experts).  The pre-MLP norm keeps its own checkpoint name, as on TE's MoE spec."""
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     if choice.attention == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -89,7 +89,7 @@ def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int
     if moe.is_moe(cfg):
         pattern, offset, expert = moe.moe_layers(cfg), get_transformer_layer_offset(config, vp_stage=vp_stage), moe_layer_spec(cfg, spec)
         specs = [expert if pattern[offset + i] else spec for i in range(n)]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_module(cfg, kernels.choose(cfg)))
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_module(cfg, kernel_rule.choose(cfg)))
 
 
 def build(

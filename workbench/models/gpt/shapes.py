@@ -3,7 +3,7 @@
 A decoder-only transformer (GPT-2 and Llama-style: learned/RoPE/ALiBi positions,
 LayerNorm/RMSNorm, GELU/SwiGLU, MHA/GQA/MQA, tied or untied output layer).  The planner
 (:mod:`workbench.planner`) and :func:`workbench.config.derive` call these through the family;
-the kernel path argument ``kp`` is a :class:`workbench.kernels.KernelChoice`.
+the kernel path argument ``kp`` is a :class:`workbench.kernel_rule.KernelChoice`.
 Torch-free and config-free (configs are read by attribute).
 """
 

@@ -47,7 +47,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.backend.attention import SDPAttention
 from workbench.backend.model import RecomputedMLP, layer_class, norm_module, transformer_config
 from workbench.config import RunConfig, derive
@@ -123,7 +123,7 @@ def _te_layer_spec(decoder: bool) -> ModuleSpec:
 
 def encoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
     """Encoder layer: bidirectional self-attention under the padding mask, MLP; pre-norm."""
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     if choice.attention == "te":
         return _te_layer_spec(decoder=False)
     norm = norm_module(cfg, choice)
@@ -134,7 +134,7 @@ def encoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
 
 def decoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
     """Decoder layer: causal self-attention, cross-attention over the encoder output, MLP; pre-norm."""
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     if choice.attention == "te":
         return _te_layer_spec(decoder=True)
     norm = norm_module(cfg, choice)
@@ -283,7 +283,7 @@ def build(
     """
     config = config or transformer_config(cfg)
     m = cfg.model
-    choice = kernels.choose(cfg)
+    choice = kernel_rule.choose(cfg)
     norm = norm_module(cfg, choice)
     enc = TransformerBlockSubmodules(layer_specs=[encoder_layer_spec(cfg)] * m.num_layers, layer_norm=norm)
     dec = TransformerBlockSubmodules(layer_specs=[decoder_layer_spec(cfg)] * m.decoder_layers, layer_norm=norm)

@@ -69,7 +69,7 @@ def examples(name: str, ckpt: Path) -> list[str]:
 def launch(name: str, device: str, work: Path, steps: int | None = None, batch: int | None = None):
     """Start the training run of demo model ``name``; returns (run, config)."""
     from workbench.config import preset
-    from workbench.run_handle import Run
+    from workbench.launch import Run
 
     base, over = RECIPES[name]
     over = dict(over)

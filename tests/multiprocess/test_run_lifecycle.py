@@ -1,10 +1,10 @@
-"""The launch bridge against real processes: real torchrun, real supervisor, a tiny rank script.
+"""A run's lifecycle against real processes: real torchrun, real supervisor, a tiny rank script.
 
 The rank script (``tests.support.RANK_SCRIPT``, written by the ``rank_script`` fixture in
 conftest.py) stands in for ``workbench.backend`` at the process boundary only: it
 writes the event stream through the real :class:`workbench.run.events.EventWriter` the way a
 rank does, with behaviours the tests need (partial lines, failures, ignoring SIGTERM).
-Tests against the real backend live in ``test_bridge_backend.py``.
+Tests against the real backend live in ``test_run_real_backend.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.run_handle import Run
+from workbench.launch import Run
 from workbench.config import ConfigError, preset
 
 from tests.support import free_port, run_processes, wait_until
@@ -124,7 +124,7 @@ def test_dead_kernel_leaves_no_orphans(rank_script, tmp_path):
     kernel = textwrap.dedent(
         f'''
         import sys, time
-        from workbench.run_handle import Run
+        from workbench.launch import Run
         from workbench.config import preset
         cfg = preset("tiny").replace(**{{"parallel.nproc_per_node": 2}})
         run = Run.launch(cfg, run_root={str(tmp_path / "runs")!r}, entry=[{str(rank_script)!r}], env={{"FAKE_MODE": "slow"}})
@@ -169,7 +169,7 @@ def test_kernel_exit_stops_its_runs_via_atexit(rank_script, tmp_path):
     kernel = textwrap.dedent(
         f'''
         import time
-        from workbench.run_handle import Run
+        from workbench.launch import Run
         from workbench.config import preset
         run = Run.launch(preset("tiny"), run_root={str(tmp_path / "runs")!r}, entry=[{str(rank_script)!r}], env={{"FAKE_MODE": "slow"}})
         print(run.run_dir, flush=True)

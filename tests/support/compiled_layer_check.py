@@ -1,13 +1,13 @@
-"""Subprocess helper for tests/multiprocess/test_fusions.py (own process: megatron parallel state is global).
+"""Subprocess helper for tests/multiprocess/test_compiled_layer.py (own process: megatron parallel state is global).
 
-    python tests/support/fusions_check.py layer [--compile]   -> JSON: stock vs fast-layer loss / grad diffs
-    python tests/support/fusions_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
-    python tests/support/fusions_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
-    torchrun --nproc_per_node 2 tests/support/fusions_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
-    torchrun --nproc_per_node 2 tests/support/fusions_check.py tp2-order -> JSON: GEMM / collective order in the compiled backward
-    python tests/support/fusions_check.py families            -> JSON: BERT / T5 / RoPE GPT Trainer steps, stock vs fast
-    python tests/support/fusions_check.py fp8                 -> JSON: RoPE GPT Trainer steps, fast layer without / with FP8 GEMMs
-    python tests/support/fusions_check.py all                 -> all of the above in one process (stock trainer first)
+    python tests/support/compiled_layer_check.py layer [--compile]   -> JSON: stock vs fast-layer loss / grad diffs
+    python tests/support/compiled_layer_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
+    python tests/support/compiled_layer_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
+    torchrun --nproc_per_node 2 tests/support/compiled_layer_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
+    torchrun --nproc_per_node 2 tests/support/compiled_layer_check.py tp2-order -> JSON: GEMM / collective order in the compiled backward
+    python tests/support/compiled_layer_check.py families            -> JSON: BERT / T5 / RoPE GPT Trainer steps, stock vs fast
+    python tests/support/compiled_layer_check.py fp8                 -> JSON: RoPE GPT Trainer steps, fast layer without / with FP8 GEMMs
+    python tests/support/compiled_layer_check.py all                 -> all of the above in one process (stock trainer first)
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def _stock_vs_fast(cfg, measure_kept: bool = False):
     [bytes each forward left for backward] when ``measure_kept``: eager, one process)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
 
     stock = _build(cfg, TransformerLayer)
-    fast = _build(cfg, fusions.CompiledTransformerLayer)
+    fast = _build(cfg, compiled_layer.CompiledTransformerLayer)
     fast.load_state_dict(stock.state_dict())
     g = torch.Generator().manual_seed(1)
     b, s = 2, cfg.model.seq_length
@@ -96,9 +96,9 @@ def _stock_vs_fast(cfg, measure_kept: bool = False):
 
 
 def check_layer(compile_: bool) -> dict:
-    from workbench.backend import distributed, fusions
+    from workbench.backend import compiled_layer, distributed
 
-    fusions.set_compile(compile_)
+    compiled_layer.set_compile(compile_)
     out = {}
     for i, (name, over) in enumerate(VARIANTS.items()):
         cfg = preset("tiny", **over)
@@ -136,9 +136,9 @@ def check_tp2() -> dict:
     """Under torchrun --nproc_per_node 2 (CPU, gloo): the TP=2 fast layer vs stock, per rank."""
     import torch.distributed as dist
 
-    from workbench.backend import distributed, fusions
+    from workbench.backend import compiled_layer, distributed
 
-    fusions.set_compile(os.environ.get("CHECK_COMPILE") == "1")
+    compiled_layer.set_compile(os.environ.get("CHECK_COMPILE") == "1")
     out = {}
     first = True
     # one compiled graph per layer with functional collectives; "+sp": sequence parallelism
@@ -184,7 +184,7 @@ def check_tp2_order() -> dict:
     import torch._inductor.config as inductor
     from torch._inductor.utils import run_and_get_code
 
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
 
     dist.init_process_group("gloo")
     inductor.force_disable_caches = True  # the code is generated, not loaded from a cache
@@ -196,7 +196,7 @@ def check_tp2_order() -> dict:
     cases = [(overlap, sp, None) for overlap in (True, False) for sp in (False, True)]
     cases += [(overlap, False, "tensorwise") for overlap in (True, False)]  # FP8 wgrad GEMMs are _scaled_mm
     for overlap, sp, fp8 in cases:
-        fusions._compiled.cache_clear()
+        compiled_layer._compiled.cache_clear()
         g = torch.Generator().manual_seed(0)
 
         def p(*shape):
@@ -204,7 +204,7 @@ def check_tp2_order() -> dict:
 
         args = [p(s // tp if sp else s, b, h), p(h), p(h), p(3 * h // tp, h), p(3 * h // tp), p(h, h // tp), p(h),
                 p(h), p(h), p(4 * h // tp, h), p(4 * h // tp), p(h, 4 * h // tp), p(h)]
-        fn = fusions._compiled("layer", False, overlap)
+        fn = compiled_layer._compiled("layer", False, overlap)
         kw = dict(norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads // tp, groups=heads // tp, head_dim=h // heads,
                   scale=0.25, activation="gelu", tp_group=dist.group.WORLD.group_name, sequence_parallel=sp, fp8=fp8)
         _, codes = run_and_get_code(lambda: fn(*args, **kw).sum().backward())
@@ -346,15 +346,15 @@ def check_fp8() -> dict:
 
 
 def check_trainer(fast: bool, preset_name: str = "tiny", over: dict | None = None) -> dict:
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
     from workbench.backend.train import Trainer
 
-    fusions.allow_on_cpu(fast)
-    fusions.set_compile(fast and os.environ.get("CHECK_COMPILE") == "1")
+    compiled_layer.allow_on_cpu(fast)
+    compiled_layer.set_compile(fast and os.environ.get("CHECK_COMPILE") == "1")
     over = over or {"data.source": "synthetic"}
     cfg = preset(preset_name, **{"train.compile_kernels": fast, "train.eval_interval": 0, **over})
     _env(int(os.environ.get("CHECK_PORT", "29613")))
-    tr = Trainer(cfg, tempfile.mkdtemp(prefix="fusions-check-"))
+    tr = Trainer(cfg, tempfile.mkdtemp(prefix="compiled-layer-check-"))
     tr.setup()
     losses, norms = [], []
     for _ in range(3):

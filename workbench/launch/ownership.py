@@ -1,4 +1,4 @@
-"""A run's processes: their records in ``launch.json`` and the rule that they die with the supervisor.
+"""Which processes are a run's: their records in ``launch.json``, and the rule that they die with the supervisor.
 
 - **Records.**  The supervisor writes ``launch.json``'s ``processes``: torchrun and every process
   below it (the ranks), each as ``{pid, create_time, role}``, refreshed while the tree changes.
@@ -28,11 +28,10 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
-__all__ = ["SUPERVISOR_ENV", "SUPERVISOR_MODULE", "supervisor_token", "die_with_parent", "guard_rank", "describe",
-           "names_run_dir", "verified_supervisor", "live_recorded", "Refusal", "rank_processes", "rank_log", "is_stopped",
-           "collect_stacks"]
+__all__ = ["SUPERVISOR_ENV", "SUPERVISOR_MODULE", "supervisor_token", "die_with_parent", "guard_rank",
+           "names_run_dir", "verified_supervisor", "live_recorded", "Refusal"]
 
 #: the environment variable the supervisor sets for torchrun and so for every rank: "<pid>:<start ticks>"
 SUPERVISOR_ENV = "WORKBENCH_SUPERVISOR"
@@ -136,20 +135,6 @@ def _leave(why: str) -> None:
 
 
 # --------------------------------------------------------------------------- records
-
-
-def describe(procs: Iterable[Any], torchrun_pid: int | None = None) -> list[dict]:
-    """Records ``{pid, create_time, role}`` of psutil processes (role: torchrun | rank | child)."""
-    import psutil
-
-    out = []
-    for p in procs:
-        try:
-            role = "torchrun" if p.pid == torchrun_pid else ("rank" if p.ppid() == torchrun_pid else "child")
-            out.append({"pid": p.pid, "create_time": p.create_time(), "role": role})
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
 
 
 class Refusal(str):
@@ -289,71 +274,3 @@ def _environ(p: Any) -> dict:
         return p.environ()
     except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
         return {}
-
-
-# --------------------------------------------------------------------------- ranks and their stacks
-
-
-def rank_processes(processes: Iterable[Any]) -> dict[int, Any]:
-    """{global rank: process} of the training ranks among ``processes`` (their command line runs
-    ``workbench.backend`` under torchrun, which gave them ``RANK``)."""
-    import psutil
-
-    ranks: dict[int, Any] = {}
-    for p in processes:
-        try:
-            cmd, env = " ".join(p.cmdline()), p.environ()
-            if "workbench.backend" in cmd and "RANK" in env and "torch.distributed.run" not in cmd and "torchrun" not in cmd:
-                ranks[int(env["RANK"])] = p
-        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-            continue
-    return ranks
-
-
-def rank_log(node_dir: str | Path, local_rank: int, stream: str = "stderr") -> Path | None:
-    """A local rank's torchrun log file (``<node_dir>/logs/torchrun/<id>/attempt_<k>/<local>/<stream>.log``,
-    the latest attempt), if it exists."""
-    found = sorted((Path(node_dir) / "logs" / "torchrun").glob(f"*/attempt_*/{int(local_rank)}/{stream}.log"),
-                   key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
-
-
-def is_stopped(p: Any) -> bool:
-    """Whether ``p`` is stopped (SIGSTOP, SIGTSTP, a debugger: psutil status 'stopped')."""
-    import psutil
-
-    try:
-        return p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-
-
-def collect_stacks(ranks: dict[int, Any], logs: dict[int, Path | None], wait: float = 2.0) -> dict[int, str]:
-    """Every rank's Python stacks: SIGUSR1 to each (the backend's faulthandler prints all its threads
-    to its stderr log and the rank goes on), then what each log gained within ``wait`` seconds.
-
-    A stopped process cannot print anything: it is not signalled and its entry says it is stopped."""
-    sizes = {r: (path.stat().st_size if path and path.exists() else 0) for r, path in logs.items()}
-    stopped = {r for r, p in ranks.items() if is_stopped(p)}
-    live = [p for r, p in ranks.items() if r not in stopped]
-    for p in live:
-        try:
-            p.send_signal(signal.SIGUSR1)
-        except Exception:  # noqa: BLE001  (ended meanwhile)
-            pass
-    if live:
-        import time
-
-        time.sleep(wait)
-    out: dict[int, str] = {}
-    for r in sorted(ranks):
-        if r in stopped:
-            out[r] = (f"rank {r} (pid {ranks[r].pid}) is stopped (process status 'stopped': SIGSTOP, SIGTSTP or a "
-                      "debugger); a stopped process cannot print its stack\n")
-            continue
-        path = logs.get(r)
-        if path is not None and path.exists():
-            with open(path, "rb") as fh:
-                fh.seek(sizes[r])
-                out[r] = fh.read().decode("utf-8", "replace")
-    return out

@@ -5,7 +5,7 @@ attention (Transformer Engine, the workbench SDPA module or stock megatron), whe
 transformer layers run as the compiled dense layer or as megatron's stock layer (and why
 not), the norm, the cross-entropy, the optimizer kernel, what ``recompute: selective``
 recomputes and whether the compiled layers replay as CUDA graphs.  The backend's builder
-(:mod:`workbench.models` specs, :mod:`workbench.backend.fusions`), the planner and the
+(:mod:`workbench.models` specs, :mod:`workbench.backend.compiled_layer`), the planner and the
 benchmarks call it; nothing else restates these rules.  ``tests/`` builds the real model
 for a grid of configs and checks that what was built is what :func:`choose` said.
 
@@ -263,7 +263,7 @@ def fast_paths_wanted(cfg: Any) -> bool:
 def layer_blocker(cfg: Any) -> str | None:
     """Why the compiled dense layer cannot serve this config's layers, whatever the attention (None: it can).
 
-    The model-level counterpart of ``fusions.fast_path_blocker``, which checks a built layer.
+    The model-level counterpart of ``compiled_layer.fast_path_blocker``, which checks a built layer.
     """
     m, p = cfg.model, cfg.parallel
     from workbench.models import FAMILIES

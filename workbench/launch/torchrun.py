@@ -1,12 +1,12 @@
-"""``python -m workbench.torchrun TORCHRUN-ARGS``: torch's own torchrun, its stores listening only where they are named.
+"""``python -m workbench.launch.torchrun TORCHRUN-ARGS``: torch's own torchrun, its stores listening only where they are named.
 
-torch's ``TCPStore`` server listens on every interface (``::``) whatever host it is given, so a
-one-node job's rendezvous store and the store its ranks bootstrap from were reachable from the
-network, as was any process group a single process set up for itself.  This entry runs
+torch's ``TCPStore`` server listens on every interface (``::``) whatever host it is given, which
+would put a one-node job's rendezvous store, the store its ranks bootstrap from and any process
+group a single process sets up for itself on the network.  This entry runs
 ``torch.distributed.run.main`` unchanged except for one thing: a store server is handed a socket
 bound to the address of the host it is named by (TCPStore's own ``master_listen_fd``).
 
-- **One node** (training's :class:`workbench.launch.LaunchPlan`, generation's and verification's
+- **One node** (training's :class:`workbench.launch.plan.LaunchPlan`, generation's and verification's
   ranks: :func:`one_node_args`): the c10d rendezvous at ``127.0.0.1`` on a free port and
   ``--local-addr 127.0.0.1``, so both of torchrun's stores listen on the loopback only; with a
   loopback rendezvous every rank is on this machine, so the ranks' gloo and NCCL sockets are put on
@@ -17,7 +17,7 @@ bound to the address of the host it is named by (TCPStore's own ``master_listen_
 - **One process** (conversion, generation on one rank): :func:`private_world` makes a 1-rank group
   on an in-memory store, no listening store at all, gloo on the loopback.
 
-The SLURM script (:meth:`workbench.launch.LaunchPlan.slurm_script`) runs this entry too, with the first
+The SLURM script (:func:`workbench.launch.slurm.batch_script`) runs this entry too, with the first
 node's address as SLURM reaches it as the rendezvous host: its store listens on that address only.
 """
 
@@ -32,7 +32,7 @@ from typing import Any, Sequence
 __all__ = ["MODULE", "LOOPBACK", "one_node_args", "loopback_interface", "loopback_env", "listening_socket",
            "bind_problem", "install", "private_world", "main"]
 
-MODULE = "workbench.torchrun"
+MODULE = "workbench.launch.torchrun"
 LOOPBACK = "127.0.0.1"
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _STORE_ARGS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant",

@@ -1,6 +1,6 @@
-"""The performance fast paths (workbench.backend.fusions) keep the training maths.
+"""The performance fast paths (workbench.backend.compiled_layer, optimizer_paths) keep the training maths.
 
-Model-level checks run in a subprocess (tests/support/fusions_check.py): megatron's parallel state
+Model-level checks run in a subprocess (tests/support/compiled_layer_check.py): megatron's parallel state
 is process-global.  They compare, on CPU with the same weights and data:
 - the compiled-layer forward/backward against stock megatron TransformerLayer (GPT and a
   GQA/SwiGLU/RMSNorm variant), and that unsupported cases fall back to the stock forward;
@@ -22,11 +22,11 @@ import torch
 from tests.support import SUPPORT, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-FUSIONS_CHECK = SUPPORT / "fusions_check.py"
+LAYER_CHECK = SUPPORT / "compiled_layer_check.py"
 
 
 def _run_check(*args: str, port: int) -> dict:
-    proc = subprocess.run([sys.executable, str(FUSIONS_CHECK), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(LAYER_CHECK), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "CHECK_PORT": str(port)})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -133,7 +133,7 @@ def test_compiled_layer_serves_bert_t5_and_rope_with_the_stock_maths():
 
 @pytest.mark.slow
 def test_families_on_the_compiled_layer_under_torch_compile():
-    proc = subprocess.run([sys.executable, str(FUSIONS_CHECK), "families"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, str(LAYER_CHECK), "families"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**__import__("os").environ, "CHECK_PORT": str(free_port()), "CHECK_COMPILE": "1"})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -145,7 +145,7 @@ def test_fp8_gemms_train_on_the_compiled_layer_under_torch_compile():
     """train.fp8 through the real Trainer (RoPE/GQA/SwiGLU GPT, torch.compile'd layer, CPU): every layer takes the
     compiled path, the kernel path names the recipe, three steps stay within FP8's rounding of the same run
     without FP8 while differing from it (the GEMMs really ran in FP8), and each weight is cast once per step."""
-    proc = subprocess.run([sys.executable, str(FUSIONS_CHECK), "fp8"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, str(LAYER_CHECK), "fp8"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**__import__("os").environ, "CHECK_PORT": str(free_port()), "CHECK_COMPILE": "1"})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -180,29 +180,29 @@ def test_foreach_multi_tensor_ops_match_plain_torch(monkeypatch):
     from megatron.core import utils as mutils
     from megatron.core.optimizer import clip_grads, optimizer as mopt
 
-    from workbench.backend import fusions
+    from workbench.backend import optimizer_paths
 
     g = torch.Generator().manual_seed(3)
     ts = [torch.randn(n, generator=g) for n in (7, 300, 1)] + [torch.randn(5, 9, generator=g)]
     flag = torch.zeros(1, dtype=torch.int)
-    total, per = fusions.foreach_l2_norm(2048, flag, [ts], True)
+    total, per = optimizer_paths.foreach_l2_norm(2048, flag, [ts], True)
     expect = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in ts]))
     assert total.shape == (1,) and torch.allclose(total[0], expect, rtol=1e-6)
     assert torch.allclose(per, torch.stack([t.norm() for t in ts]))
 
     dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in ts]
-    fusions.foreach_scale(2048, flag, [ts, dst], 1.0)  # main fp32 -> model bf16 copy
+    optimizer_paths.foreach_scale(2048, flag, [ts, dst], 1.0)  # main fp32 -> model bf16 copy
     assert all(torch.equal(d, t.to(torch.bfloat16)) for d, t in zip(dst, ts))
     inplace = [t.clone() for t in ts]
-    fusions.foreach_scale(2048, flag, [inplace, inplace], 0.25)  # grad clipping scale
+    optimizer_paths.foreach_scale(2048, flag, [inplace, inplace], 0.25)  # grad clipping scale
     assert all(torch.allclose(a, 0.25 * b) for a, b in zip(inplace, ts))
 
     # clipping by a device-resident coefficient: scales like the float path, and 1.0 is bit-exact
     clipped = [t.clone() for t in ts]
-    fusions.foreach_scale(2048, flag, [clipped, clipped], torch.tensor([0.25]))
+    optimizer_paths.foreach_scale(2048, flag, [clipped, clipped], torch.tensor([0.25]))
     assert all(torch.equal(a, b * 0.25) for a, b in zip(clipped, ts))
     kept = [t.clone() for t in ts]
-    fusions.foreach_scale(2048, flag, [kept, kept], torch.tensor([1.0]).clamp_max(1.0))
+    optimizer_paths.foreach_scale(2048, flag, [kept, kept], torch.tensor([1.0]).clamp_max(1.0))
     assert all(torch.equal(a, b) for a, b in zip(kept, ts))
 
     for mod, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"), (mopt, "multi_tensor_scale_impl"),
@@ -210,41 +210,42 @@ def test_foreach_multi_tensor_ops_match_plain_torch(monkeypatch):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
     if clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm:  # no apex / TE here
         assert clip_grads.multi_tensor_scale_tensor_impl is None  # so megatron syncs on the norm
-        assert fusions.install_multi_tensor_fallbacks()
-        assert clip_grads.l2_norm_impl is fusions.foreach_l2_norm
-        assert mopt.multi_tensor_scale_impl is fusions.foreach_scale
-        assert clip_grads.multi_tensor_scale_tensor_impl is fusions.foreach_scale
+        assert optimizer_paths.install_multi_tensor_fallbacks()
+        assert clip_grads.l2_norm_impl is optimizer_paths.foreach_l2_norm
+        assert mopt.multi_tensor_scale_impl is optimizer_paths.foreach_scale
+        assert clip_grads.multi_tensor_scale_tensor_impl is optimizer_paths.foreach_scale
 
 
 def test_fused_adam_leaves_cpu_params_alone():
-    from workbench.backend import fusions
+    from workbench.backend import optimizer_paths
 
     p = torch.nn.Parameter(torch.randn(4, 4))
     opt = torch.optim.AdamW([p], lr=1e-3)
-    assert fusions.use_fused_adam(opt) == 0  # the fused kernel is CUDA-only
+    assert optimizer_paths.use_fused_adam(opt) == 0  # the fused kernel is CUDA-only
     assert not opt.param_groups[0].get("fused")
 
 
 def test_transformer_config_overrides_only_on_gpu_with_compile_kernels():
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
+    from workbench.backend.model import transformer_config_overrides
     from workbench.config import preset
 
-    assert fusions.transformer_config_overrides(preset("tiny")) == {}  # CPU preset
+    assert transformer_config_overrides(preset("tiny")) == {}  # CPU preset
     gpu = preset("gpt2-small")
-    over = fusions.transformer_config_overrides(gpu)
+    over = transformer_config_overrides(gpu)
     assert over["bias_dropout_fusion"] and over["cross_entropy_loss_fusion"]
     assert "bias_activation_fusion" not in over  # megatron's fused bias-GELU is tanh: different maths
-    assert fusions.transformer_config_overrides(gpu.replace(**{"train.compile_kernels": False})) == {}
-    assert fusions.layer_module(gpu) is fusions.CompiledTransformerLayer
-    assert fusions.layer_module(preset("tiny")) is not fusions.CompiledTransformerLayer
+    assert transformer_config_overrides(gpu.replace(**{"train.compile_kernels": False})) == {}
+    assert compiled_layer.layer_module(gpu) is compiled_layer.CompiledTransformerLayer
+    assert compiled_layer.layer_module(preset("tiny")) is not compiled_layer.CompiledTransformerLayer
 
 
 def _tp2_check(what: str = "tp2", **env: str) -> dict:
-    """tests/support/fusions_check.py ``what`` (tp2, tp2-order) under torchrun on two CPU ranks: its JSON result."""
+    """tests/support/compiled_layer_check.py ``what`` (tp2, tp2-order) under torchrun on two CPU ranks: its JSON result."""
     import os
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(FUSIONS_CHECK), what], cwd=ROOT, capture_output=True, text=True,
+                           str(LAYER_CHECK), what], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -314,29 +315,29 @@ def test_tensor_parallel_one_graph_layer_under_torch_compile():
 
 
 def test_cuda_graphs_only_on_a_gpu_with_compiled_kernels():
-    from workbench.backend import fusions
+    from workbench.backend import compiled_layer
     from workbench.config import preset
 
     gpu = preset("tiny").replace(**{"parallel.device": "cuda", "train.compile_kernels": True, "train.cuda_graphs": True})
-    assert fusions.graphs_wanted(gpu) == torch.cuda.is_available()
-    assert not fusions.graphs_wanted(gpu.replace(**{"train.cuda_graphs": False}))
-    assert not fusions.graphs_wanted(gpu.replace(**{"train.compile_kernels": False}))
-    assert not fusions.graphs_wanted(gpu.replace(**{"parallel.device": "cpu"}))
-    assert not fusions.graphs_wanted(gpu.replace(**{"parallel.pipeline_parallel": 2}))
-    fusions.step_begin()  # a no-op without graphs (must not touch CUDA)
+    assert compiled_layer.graphs_wanted(gpu) == torch.cuda.is_available()
+    assert not compiled_layer.graphs_wanted(gpu.replace(**{"train.cuda_graphs": False}))
+    assert not compiled_layer.graphs_wanted(gpu.replace(**{"train.compile_kernels": False}))
+    assert not compiled_layer.graphs_wanted(gpu.replace(**{"parallel.device": "cpu"}))
+    assert not compiled_layer.graphs_wanted(gpu.replace(**{"parallel.pipeline_parallel": 2}))
+    compiled_layer.step_begin()  # a no-op without graphs (must not touch CUDA)
 
 
 CLIP_CHECK = r'''
 import json, socket, torch, torch.distributed as dist
 from megatron.core.optimizer import clip_grads
-from workbench.backend import cpu_mode, fusions
+from workbench.backend import cpu_mode, optimizer_paths
 
 megatron_clip = clip_grads.clip_grad_by_total_norm_fp32  # before cpu_mode swaps in its own CPU copy
 cpu_mode.enable()  # 'cuda' factories -> CPU, CUDA tensor type names: megatron's own code runs on CPU
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-fusions.install_multi_tensor_fallbacks()
+optimizer_paths.install_multi_tensor_fallbacks()
 out = {}
 for max_norm in (0.5, 1e6):  # clipping, and a coefficient clamped to exactly 1.0
     g = torch.Generator().manual_seed(5)

@@ -1,4 +1,4 @@
-"""The bridge against the real backend (``python -m workbench.backend``) in CPU mode: tiny preset, 2 ranks.
+"""A run of the real backend (``python -m workbench.backend``) in CPU mode: tiny preset, 2 ranks.
 
 The finished-run path (train -> eval -> checkpoint -> generate) is exercised by the quickstart
 notebook in ``test_notebooks.py``; here the run is followed live and stopped half-way.
@@ -11,7 +11,7 @@ import math
 import pytest
 
 from workbench.notebook import quickstart_config
-from workbench.run_handle import Run
+from workbench.launch import Run
 
 from tests.support import run_processes, wait_until
 

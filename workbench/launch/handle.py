@@ -1,18 +1,20 @@
 """The notebook-side handle of one training run: :class:`Run`.
 
-:meth:`Run.launch` starts a run through the one launch path (:func:`workbench.launch.start_run`:
+:meth:`Run.launch` starts a run through the one launch path (:func:`workbench.launch.start.start_run`:
 checks, run directory, supervisor); :meth:`Run.attach` re-opens a run directory, finished or
 still running.  A ``Run`` follows the event stream through its :class:`workbench.run.RunReader`
 (incremental, partial lines tolerated), exposes the records as pandas DataFrames and a status,
 surfaces a failing rank with its traceback, prints a stuck run's stacks, and stops the run:
 SIGTERM to the supervisor, which SIGTERMs torchrun, which SIGTERMs each rank once (the backend
 finishes its step and saves); SIGKILL for anything left after the grace period, and this side
-kills the process group and every process it saw if even that fails.
+kills the process group and every process it saw if even that fails
+(:mod:`workbench.launch.node_processes`).
 
 A multi-node run (one ``workbench launch --node-rank K`` per node, one run directory they all
 share: :mod:`workbench.run.nodes`) is followed as one job from any node: the events of every
 rank, each node's state (:meth:`Run.nodes`), one status, and the failure that started it
-(a rank's error, a rank that died without one, or a node that went silent), with its node.
+(a rank's error, a rank that died without one, or a node that went silent), with its node
+(:mod:`workbench.launch.failure`).  The DataFrames come from :mod:`workbench.launch.frames`.
 
 The live dashboard is :class:`workbench.widgets.dashboard.Dashboard` (``Dashboard(run)``), or
 :func:`workbench.notebook.dashboard`.  No megatron-core here; pandas and psutil load lazily.
@@ -21,50 +23,32 @@ The live dashboard is :class:`workbench.widgets.dashboard.Dashboard` (``Dashboar
 from __future__ import annotations
 
 import atexit
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from workbench import slurm
 from workbench.config import ConfigError, RunConfig, load_config
-from workbench.launch import (
-    BACKEND_ENTRY, STATUSES, LaunchPlan, _alive, _proc, _signal_all, _tree, apply_overrides, start_run, write_exit_status,
-)
+from workbench.launch import frames
+from workbench.launch.exit_status import STATUSES, lost_peer, write_exit_status
+from workbench.launch.failure import Failure, diagnose, tail
+from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT, HeartbeatClock, read_heartbeat
+from workbench.launch.node_processes import NodeProcesses
+from workbench.launch.ownership import Refusal
+from workbench.launch.plan import BACKEND_ENTRY, LaunchPlan, apply_overrides
+from workbench.launch.processes import collect_stacks, rank_processes
+from workbench.launch.processes import rank_log as local_rank_log
+from workbench.launch.slurm import JobWatch
+from workbench.launch.start import start_run
 from workbench.run.events import Event
-from workbench.run.nodes import (
-    DEFAULT_NODE_TIMEOUT, HeartbeatClock, host_name, lost_peer, node_dir, node_of_rank, node_ranks, read_heartbeat,
-)
-from workbench.run.procs import Refusal, collect_stacks, live_recorded, rank_log, rank_processes, verified_supervisor
+from workbench.run.nodes import host_name, node_dir, node_of_rank, node_ranks
 from workbench.run.reader import RunReader
 
-__all__ = ["Run", "Failure"]
-
-
-@dataclass
-class Failure:
-    """Which rank failed and why, for the notebook to show."""
-
-    rank: int | None
-    message: str
-    traceback: str
-    source: str  # "event" (the rank's error event) | "stderr" (tail of its log) | "launcher" | "node" (a node went silent)
-    log_path: str | None = None
-    node: int | None = None  # multi-node runs: the node of the failing rank (or the node that was lost)
-
-    def __str__(self) -> str:
-        if self.rank is not None:
-            where = f"rank {self.rank}" + (f" (node {self.node})" if self.node is not None else "")
-        else:
-            where = f"node {self.node}" if self.node is not None else "unknown rank"
-        return f"{where} failed: {self.message}\n{self.traceback}".rstrip()
+__all__ = ["Run"]
 
 
 _LIVE_RUNS: "weakref.WeakSet[Run]" = weakref.WeakSet()
@@ -101,9 +85,8 @@ class Run:
         self.reader = RunReader(self.run_dir)  # the run directory's one reader: events, launch.json, exit status
         self._lock = threading.RLock()
         self._stop_requested = False
-        self._slurm_seen: tuple[float, str | None] | None = None  # (when, squeue's state)
-        #: processes launch.json names that are not this run's (never signalled), each with why
-        self.refusals: list[Refusal] = []
+        self._slurm = JobWatch(self.run_dir)
+        self._procs = NodeProcesses(self.run_dir, self.node_rank, self.reader, popen)
         cfg_path = self.run_dir / "config.json"
         self.config: RunConfig | None = None
         if cfg_path.exists():
@@ -146,7 +129,7 @@ class Run:
         ``node_timeout``: seconds another node may go silent before this node stops its job.
         ``stall_floor`` (default 300 s; 0: off) / ``startup_timeout`` (default 1800 s): a rank that
         makes no progress for longer than the bound they set ends the run as ``failed`` (reason
-        ``stalled``, naming the rank; its stacks in ``stall_stacks.txt``): :mod:`workbench.run.stall`.
+        ``stalled``, naming the rank; its stacks in ``stall_stacks.txt``): :mod:`workbench.launch.stall`.
         Raises :class:`ConfigError` (nothing started) when the config or this machine cannot run it.
         """
         cfg = apply_overrides(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
@@ -200,27 +183,10 @@ class Run:
             return self.plan.nproc_per_node
         return int(self.config.parallel.nproc_per_node) if self.config is not None else 1
 
-    def _node_processes(self, meta: dict) -> list:
-        """Live processes of another node of this run on this machine: its supervisor's tree and its records
-        (only those that provably belong to this run directory: :func:`workbench.run.procs.live_recorded`)."""
-        sup, why = verified_supervisor(meta, self.run_dir)
-        self._refuse(why)
-        found = [sup, *_tree(sup)] if sup is not None else []
-        pids = {p.pid for p in found}
-        return found + [p for p in self._live_recorded(meta) if p.pid not in pids]
-
-    def _live_recorded(self, meta: dict) -> list:
-        refused: list[Refusal] = []
-        found = live_recorded(meta, self.run_dir, refused)
-        for why in refused:
-            self._refuse(why)
-        return found
-
-    def _refuse(self, why: Refusal | None) -> None:
-        """Say once (stderr) that a process ``launch.json`` names is not this run's and is left alone."""
-        if why and why not in self.refusals:
-            self.refusals.append(why)
-            print(f"warning: {why}", file=sys.stderr, flush=True)
+    @property
+    def refusals(self) -> list[Refusal]:
+        """Processes ``launch.json`` names that are not this run's (never signalled), each with why."""
+        return self._procs.refusals
 
     def nodes(self) -> list[dict]:
         """Every node of the run: ``{node, host, ranks, status, alive, local, why, exit_status, heartbeat_age}``.
@@ -242,9 +208,9 @@ class Run:
             host = meta.get("host") or (beat or {}).get("host")
             local = host == me
             if k == self.node_rank and (local or self._popen is not None):
-                alive = self._supervisor() is not None or bool(self._recorded())
+                alive = self._procs.alive()
             elif local:
-                alive = bool(self._node_processes(meta))
+                alive = bool(self._procs.of_node(meta))
             else:
                 alive = ex is None and age is not None and age <= float(meta.get("node_timeout") or DEFAULT_NODE_TIMEOUT)
             why = None
@@ -264,7 +230,7 @@ class Run:
                 status = "running"
             elif meta or beat:
                 status = "lost"
-                why = (f"its processes are gone and it wrote no exit status" if local or age is None
+                why = ("its processes are gone and it wrote no exit status" if local or age is None
                        else f"no heartbeat for {age:.0f} s and no exit status")
             else:
                 status = "not started"
@@ -273,46 +239,27 @@ class Run:
                         "heartbeat_age": age})
         return out
 
-    def _supervisor(self):
-        if self._popen is not None:
-            if self._popen.poll() is not None:
-                return None
-            return _proc(self._popen.pid)
-        sup, why = verified_supervisor(self.launch_info, self.run_dir)
-        self._refuse(why)
-        return sup
-
-    def _recorded(self) -> list:
-        """Live processes that ``launch.json`` records for this run (torchrun, ranks), their create times
-        and command lines checked against this run directory."""
-        if self._popen is not None and self._popen.poll() is None:
-            return []  # our own supervisor is running: its tree is the truth
-        return self._live_recorded(self.launch_info)
-
     def is_alive(self) -> bool:
         """True while the run's supervisor, or any process ``launch.json`` records for it, is running;
         a run submitted to SLURM: while ``squeue`` lists its job; a multi-node run: while any node
         runs (see :meth:`nodes`)."""
-        if self._supervisor() is not None or bool(self._recorded()):
+        if self._procs.alive():
             return True
-        if self._slurm_state():  # a SLURM job in the queue: pending, running, completing
+        if self._slurm.state():  # a SLURM job in the queue: pending, running, completing
             return True
         return self._per_node() and any(n["alive"] for n in self.nodes())
 
     def processes(self) -> list:
         """psutil.Process objects of the run that are alive now (supervisor, torchrun, ranks), of
         every node of a multi-node run that runs on this machine."""
-        sup = self._supervisor()
-        found = [sup, *_tree(sup)] if sup is not None else []
-        pids = {p.pid for p in found}
-        found += [p for p in self._recorded() if p.pid not in pids]
+        found = self._procs.processes()
         if self._per_node():
             me = host_name()
             for k in range(self.nnodes):
                 meta = self.reader.launch_info(k)
                 if k != self.node_rank and meta.get("host") == me:
                     pids = {p.pid for p in found}
-                    found += [p for p in self._node_processes(meta) if p.pid not in pids]
+                    found += [p for p in self._procs.of_node(meta) if p.pid not in pids]
         return found
 
     # ---- events
@@ -357,7 +304,7 @@ class Run:
                 if s in states:
                     return s
             return "finished"
-        if self._popen is None and not self.launch_info and self._slurm_state() is None:
+        if self._popen is None and not self.launch_info and self._slurm.state() is None:
             return "running" if begun else "starting"  # events only (e.g. SLURM, no squeue here): cannot tell
         return "failed"
 
@@ -396,11 +343,7 @@ class Run:
             time.sleep(poll)
 
     def _reap(self) -> None:
-        if self._popen is not None:
-            try:
-                self._popen.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
+        self._procs.reap()
 
     # ---- stop
     def stop(self, grace: float = 10.0) -> str:
@@ -411,96 +354,20 @@ class Run:
         it (their ranks agree on the step to stop at, their supervisors see this node's exit status).
         """
         self._stop_requested = True
-        if self._supervisor() is None and self._slurm_job() is not None:
+        if self._procs.supervisor() is None and self._slurm.job is not None:
             return self._stop_slurm(grace)
-        self._stop_node(grace)
+        self._procs.stop(grace)
         if self._per_node():
             for v in self.nodes():
                 if v["node"] != self.node_rank and v["local"] and v["alive"]:
-                    Run(self.run_dir, node_rank=v["node"])._stop_node(grace)
+                    NodeProcesses(self.run_dir, v["node"], RunReader(self.run_dir)).stop(grace)
         return self.status
 
-    def _stop_node(self, grace: float) -> None:
-        """:meth:`stop` for this handle's node."""
-        import psutil
-
-        sup = self._supervisor()
-        if sup is None:
-            orphans = self._recorded()  # the supervisor is gone (killed) but processes of the run live on
-            if orphans:
-                self._stop_orphans(orphans, grace)
-            self._reap()
-            if orphans and not self.exit_status:
-                write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"),
-                                  node_rank=self.node_rank)
-            return
-        snapshot = [sup, *_tree(sup)]
-        try:  # the supervisor leads the process group it created (a new session); any other group is not the run's
-            own_group = os.getpgid(sup.pid) == sup.pid
-        except OSError:
-            own_group = False
-        # Only the supervisor is signalled: it SIGTERMs torchrun, which SIGTERMs each rank once (see
-        # _stop_tree), and it escalates to SIGKILL after ``grace``.  We wait for that plus a margin,
-        # then kill the supervisor's process group and every process seen in the tree, whatever happened.
-        _signal_all([sup], signal.SIGTERM)
-        psutil.wait_procs([sup], timeout=grace + 8.0)
-        leftovers = [p for p in snapshot + (_tree(sup) if _alive(sup) else []) if _alive(p)]
-        if leftovers:
-            if own_group:
-                try:
-                    os.killpg(sup.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            _signal_all(leftovers, signal.SIGKILL)
-            psutil.wait_procs(leftovers, timeout=5)
-        orphans = self._live_recorded(self.launch_info)  # anything the supervisor recorded and did not take down
-        if orphans:
-            self._stop_orphans(orphans, 0.0)
-        self._reap()
-        if not self.exit_status:
-            write_exit_status(self.run_dir, None, reason="stopped", status="stopped", started=self.launch_info.get("started"),
-                              node_rank=self.node_rank)
-
-    @staticmethod
-    def _stop_orphans(procs: list, grace: float) -> None:
-        """Stop processes of a run whose supervisor is gone: SIGTERM torchrun (it forwards one SIGTERM
-        to each rank) or, without it, the ranks; SIGKILL whatever is left after ``grace``."""
-        import psutil
-
-        torchrun = [p for p in procs if (getattr(p, "info", None) or {}).get("role") == "torchrun"]
-        _signal_all(torchrun or procs, signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=max(grace, 0.0))
-        alive = [p for p in alive if _alive(p)]
-        if alive:
-            _signal_all(alive, signal.SIGKILL)
-            psutil.wait_procs(alive, timeout=5)
-
-    # ---- SLURM (workbench.slurm)
-    def _slurm_job(self) -> str | None:
-        """The SLURM job id of a run submitted with ``workbench launch --slurm`` (``slurm.json``), else None."""
-        rec = slurm.job_record(self.run_dir)
-        return str(rec["job_id"]) if rec else None
-
-    def _slurm_state(self, max_age: float = 2.0) -> str | None:
-        """The run's SLURM job state (``""``: it has left the queue); None: not a SLURM run, or squeue
-        cannot tell.  squeue is asked at most every ``max_age`` seconds (the dashboard polls the status)."""
-        job = self._slurm_job()
-        if job is None:
-            return None
-        seen = self._slurm_seen
-        if seen is None or time.time() - seen[0] > max_age:
-            seen = self._slurm_seen = (time.time(), slurm.job_state(job))
-        return seen[1]
-
+    # ---- SLURM (workbench.launch.slurm)
     def _stop_slurm(self, grace: float) -> str:
-        """``scancel`` the job and wait (``grace`` + 120 s at most) until it has left the queue: SLURM sends
-        SIGTERM to every process of the job (the ranks stop at a step boundary, the batch script records
-        ``stopped``) and SIGKILL to what is left after its KillWait."""
-        slurm.cancel(self._slurm_job())
-        end = time.time() + grace + 120.0
-        while self._slurm_state(max_age=0.0) and time.time() < end:
-            time.sleep(0.5)
-        if not self.exit_status and self._slurm_state(max_age=0.0) == "":  # cancelled before its script could record it
+        """``scancel`` the job and wait until it has left the queue (:meth:`JobWatch.cancel`)."""
+        self._slurm.cancel(grace)
+        if not self.exit_status and self._slurm.state(max_age=0.0) == "":  # cancelled before its script could record it
             write_exit_status(self.run_dir, None, reason="stopped", status="stopped")
         return self.status
 
@@ -519,14 +386,14 @@ class Run:
             local = rank - int(meta.get("node_rank") or 0) * nproc
         if not 0 <= local < nproc:
             return None
-        return rank_log(base, local, stream)
+        return local_rank_log(base, local, stream)
 
     def log_tail(self, rank: int | None = None, lines: int = 40, stream: str = "stderr") -> str:
         """Last lines of a rank's log, or of the launcher log (torchrun's tee of every rank) when rank is None."""
         path = self.node_dir / "logs" / "launcher.log" if rank is None else self.rank_log(rank, stream)
         if path is None or not path.exists():
             return ""
-        return _tail(path, lines)
+        return tail(path, lines)
 
     def stacks(self, wait: float = 2.0) -> dict[int, str]:
         """Every live rank's Python stacks, for a run that seems stuck: each rank prints them to its
@@ -539,172 +406,55 @@ class Run:
     def failure(self) -> Failure | None:
         """The rank that caused the failure and its traceback: from its ``error`` event, else its stderr log.
 
-        Once the job has ended, the rank its exit status names (:mod:`workbench.run.exit_status`: a rank
+        Once the job has ended, the rank its exit status names (:mod:`workbench.launch.exit_status`: a rank
         that died by a signal or an exit code of its own comes before the first that raised); while it is
         being torn down, the first rank that raised.  An error that only says a peer went away (gloo's
         "connection reset by peer" on the survivors) is passed over for a rank's own error.  A multi-node
         run: the failure that started it, with its node (a rank's death, its own error, or a lost node).
         """
         errors = self.events("error")
-        if self._per_node():
-            f = self._job_failure(errors)
-            if f is not None:
-                return f
-        ex = self.exit_status
-        if ex and ex.get("status") == "failed" and ex.get("failed_rank") is not None:
-            rank = int(ex["failed_rank"])
-            own = [e for e in errors if e.get("rank") == rank]
-            if own and not ex.get("failed_signal"):
-                return self._event_failure(min(own, key=lambda r: r.get("time", 0)))
-            f = self._log_failure(rank, ex)
-            if f is not None:
-                return f
-            if ex.get("failed_signal") or ex.get("failed_message"):
-                return Failure(rank, ex.get("failed_message") or f"killed by {ex['failed_signal']}", "", "launcher",
-                               str(self.node_dir / "logs" / "launcher.log"), self._node_of(rank))
-        if errors:
-            own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
-            return self._event_failure(min(own or errors, key=lambda r: r.get("time", 0)))
-        if not ex or ex.get("status") != "failed":
-            return None
-        tail = self.log_tail(None, 40)
-        return Failure(ex.get("failed_rank"), f"torchrun exited with code {ex.get('returncode')}", tail, "launcher",
-                       str(self.node_dir / "logs" / "launcher.log"))
+        return diagnose(errors, self.exit_status, rank_log=self.rank_log, launcher_log=self.node_dir / "logs" / "launcher.log",
+                        node_of=self._node_of, node_views=self.nodes if self._per_node() else None)
 
     def _node_of(self, rank) -> int | None:
         return node_of_rank(rank, self._nproc()) if self._per_node() and isinstance(rank, int) else None
 
-    def _event_failure(self, e: Event) -> Failure:
-        log = self.rank_log(e["rank"]) if isinstance(e.get("rank"), int) else None
-        etype = e.get("type") or e.get("exception")
-        msg = e.get("message") or etype or "error"
-        if etype and etype not in msg:
-            msg = f"{etype}: {msg}"
-        return Failure(e.get("rank"), msg, e.get("traceback") or "", "event", str(log) if log else None, self._node_of(e.get("rank")))
-
-    def _log_failure(self, rank: int, ex: dict) -> Failure | None:
-        """A rank that failed without an error event: the traceback in its stderr log, else how it exited."""
-        log = self.rank_log(rank)
-        if log is None:
-            return None
-        tb = _last_traceback(log.read_text(errors="replace"))
-        code = ex.get("failed_exitcode")
-        if ex.get("stall"):  # the supervisor found it stalled: its verdict, and the stacks it wrote
-            msg = ex.get("failed_message") or f"rank {rank} stalled"
-            tb = f"every rank's stacks: {ex['stall'].get('stacks')}\n" + _tail(Path(ex["stall"].get("stacks") or log), 60)
-        elif ex.get("failed_signal"):  # killed: whatever its log last printed is not why
-            msg = f"exited with code {code} (killed by {ex['failed_signal']})" + (f": {ex['failed_message']}" if ex.get("failed_message") else "")
-            tb = _tail(log, 30)
-        elif tb:
-            last = [ln for ln in tb.strip().splitlines() if ln.strip()]
-            msg = last[-1] if last else f"exit code {code}"
-        elif code is not None:  # killed (a signal: negative code) or exited without a Python traceback
-            msg = f"exited with code {code}" + (f": {ex['failed_message']}" if ex.get("failed_message") else "")
-            tb = _tail(log, 30)
-        else:
-            tb = _tail(log, 30)
-            last = [ln for ln in tb.strip().splitlines() if ln.strip()]
-            msg = last[-1] if last else f"exit code {ex.get('returncode')}"
-        return Failure(rank, msg, tb, "stderr", str(log), self._node_of(rank))
-
-    def _job_failure(self, errors: list[Event]) -> Failure | None:
-        """A multi-node run's first cause (see :attr:`failure`); None leaves it to the one-node rules."""
-        views = self.nodes()
-        reported = {e.get("rank") for e in errors}
-        for v in views:  # a rank that died (a signal, or without an error event of its own)
-            ex = v["exit_status"] or {}
-            r = ex.get("failed_rank")
-            if (v["status"] == "failed" and not ex.get("peer") and r is not None
-                    and (r not in reported or ex.get("failed_signal"))):
-                f = self._log_failure(int(r), ex)
-                if f is not None:
-                    f.node = v["node"]
-                    return f
-                return Failure(int(r), f"rank {r} failed (torchrun exit code {ex.get('returncode')})", "", "launcher", None, v["node"])
-        own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
-        if own:
-            return self._event_failure(min(own, key=lambda r: r.get("time", 0)))
-        for v in views:
-            if v["status"] == "lost":
-                return Failure(None, f"node {v['node']} lost: {v['why']}", "", "node", None, v["node"])
-        for v in views:
-            peer = (v["exit_status"] or {}).get("peer") or {}
-            if peer.get("status") == "lost":
-                return Failure(None, peer.get("why") or f"node {peer.get('node')} lost", "", "node", None, peer.get("node"))
-        return None
-
-    # ---- DataFrames
-    def _frame(self, kind: str, columns: Sequence[str]):
-        import pandas as pd
-
-        rows = [r.to_dict() for r in self.events(kind)]
-        df = pd.DataFrame(rows)
-        for c in columns:
-            if c not in df.columns:
-                df[c] = pd.Series(dtype="float64")
-        return df
-
+    # ---- DataFrames (workbench.launch.frames)
     @property
     def steps(self):
         """One row per (rank, step event): loss, lr, grad_norm, step_time, tokens_per_s, mfu, memory."""
-        cols = ["rank", "iteration", "time", "loss", "lr", "grad_norm", "skipped", "step_time", "tokens_per_s",
-                "tflops_per_gpu", "mfu", "mem_allocated", "mem_reserved", "mem_peak"]
-        df = self._frame("step", cols)
-        return df.sort_values(["iteration", "rank"]).reset_index(drop=True) if len(df) else df
+        return frames.steps(self.events("step"))
 
     @property
     def train_loss(self):
         """Loss per iteration (mean over the ranks that hold it: the last pipeline stage)."""
-        df = self.steps
-        df = df[df["loss"].notna()] if len(df) else df
-        return df.groupby("iteration", as_index=False)[["loss"]].mean() if len(df) else df[["iteration", "loss"]]
+        return frames.train_loss(self.steps)
 
     @property
     def memory(self):
         """Latest memory numbers of each rank (bytes)."""
-        df = self.steps
-        cols = ["rank", "iteration", "mem_allocated", "mem_reserved", "mem_peak"]
-        if not len(df):
-            return df[cols]
-        return df.sort_values("iteration").groupby("rank", as_index=False).last()[cols]
+        return frames.memory(self.steps)
 
     @property
     def microbatches(self):
         """One row per measured forward/backward op: rank, iteration, kind, microbatch, chunk, start_ms, end_ms."""
-        import pandas as pd
-
-        rows = []
-        for e in self.events("microbatch"):
-            for op in e.get("ops") or []:
-                rows.append({"rank": e.get("rank"), "iteration": e.get("iteration"), **op})
-        cols = ["rank", "iteration", "kind", "microbatch", "chunk", "start_ms", "end_ms"]
-        return pd.DataFrame(rows, columns=cols) if rows else pd.DataFrame(columns=cols)
+        return frames.microbatches(self.events("microbatch"))
 
     @property
     def evals(self):
-        df = self._frame("eval", ["rank", "iteration", "loss", "ppl"])
-        if not len(df):
-            return df
-        return df.groupby("iteration", as_index=False)[["loss", "ppl"]].mean()
+        return frames.evals(self.events("eval"))
 
     @property
     def errors(self):
-        return self._frame("error", ["rank", "time", "message", "type", "traceback"])
+        return frames.frame(self.events("error"), frames.ERROR_COLUMNS)
 
     @property
     def checkpoints(self):
-        return self._frame("checkpoint", ["rank", "iteration", "path", "seconds"])
+        return frames.frame(self.events("checkpoint"), frames.CHECKPOINT_COLUMNS)
 
     def progress(self) -> tuple[int, int, float | None]:
         """(last iteration, train iterations, ETA seconds or None)."""
-        total = self.config.train.train_iters if self.config else 0
-        df = self.steps
-        if not len(df):
-            return 0, total, None
-        last = int(df["iteration"].max())
-        per_it = df.groupby("iteration")["step_time"].max().dropna().tail(10)
-        eta = float(per_it.mean() * max(total - last, 0)) if len(per_it) else None
-        return last, total, eta
+        return frames.progress(self.steps, self.config.train.train_iters if self.config else 0)
 
     def stalled_for(self, factor: float = 20.0, floor: float = 120.0, *, status: str | None = None) -> float | None:
         """Seconds since the last event of a running run that has trained a step, when that is
@@ -733,7 +483,7 @@ class Run:
             out["eval_ppl"] = float(ev["ppl"].iloc[-1]) if "ppl" in ev and ev["ppl"].notna().any() else None
         st = self.steps
         if len(st):
-            out.update(_throughput(st))
+            out.update(frames.throughput(st))
         return out
 
     def __repr__(self) -> str:
@@ -745,43 +495,3 @@ class Run:
         it, total, eta = self.progress()
         return (f"<b>Run</b> <code>{html.escape(str(self.run_dir))}</code>: <b>{self.status}</b>, "
                 f"iteration {it}/{total}" + (f", ETA {eta:.0f}s" if eta else ""))
-
-
-def _throughput(st) -> dict:
-    """tokens/s as total tokens over total time (not a mean of per-step rates, which an uneven run
-    inflates): the tokens of iterations 2..N over the wall time between the first and the last step
-    event; mean step time; MFU weighted by step time. The first iteration (warm-up) is left out."""
-    st = st.assign(tokens=st["tokens_per_s"] * st["step_time"])
-    per_it = st.groupby("iteration").agg(step_time=("step_time", "max"), tokens=("tokens", "max"),
-                                         mfu=("mfu", "max"), time=("time", "max")).sort_index()
-    tail = per_it.iloc[1:] if len(per_it) > 1 else per_it
-    out: dict[str, float] = {}
-    if tail["step_time"].notna().any():
-        out["step_time"] = float(tail["step_time"].mean())
-    if tail["tokens"].notna().any():
-        wall = float(per_it["time"].iloc[-1] - per_it["time"].iloc[0]) if len(per_it) > 1 else 0.0
-        busy = float(tail["step_time"].sum())
-        out["tokens_per_s"] = float(tail["tokens"].sum()) / max(wall, busy)  # never faster than the steps themselves
-    if tail["mfu"].notna().any():
-        ok = tail[tail["mfu"].notna()]
-        out["mfu"] = float((ok["mfu"] * ok["step_time"]).sum() / ok["step_time"].sum())
-    return out
-
-
-def _tail(path: Path, lines: int) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(size - 64 * 1024, 0))
-            data = fh.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(data.splitlines()[-lines:])
-
-
-def _last_traceback(text: str) -> str:
-    i = text.rfind("Traceback (most recent call last)")
-    return text[i:].strip() if i >= 0 else ""
-
-

@@ -8,13 +8,13 @@ The **root cause** of a failed job, in this order:
    teardown signalled later, or that exited on the stop signal, is a consequence);
 2. else the first rank that raised an error of its own (an ``error`` event whose message is not
    just that a peer went away: gloo's "connection reset by peer" on the survivors is a symptom,
-   :func:`workbench.run.nodes.lost_peer`);
+   :func:`lost_peer`);
 3. else the first rank that raised at all, else the rank torchrun reports as its root cause.
 
 A rank that died by a signal is recorded with ``failed_exitcode`` (negative), ``failed_signal``
 (``"SIGKILL"``) and ``failed_message`` (torchrun's "Signal 9 (SIGKILL) received by PID ...").
 
-Stdlib only, like the rest of :mod:`workbench.run`.
+Stdlib only.
 """
 
 from __future__ import annotations
@@ -28,13 +28,31 @@ from workbench.run import nodes
 from workbench.run.files import read_json, write_json_atomic
 from workbench.run.reader import RunReader
 
-__all__ = ["STATUSES", "torchrun_failures", "root_cause", "write_exit_status"]
+__all__ = ["STATUSES", "lost_peer", "torchrun_failures", "root_cause", "write_exit_status"]
 
 STATUSES = ("starting", "running", "finished", "failed", "stopped")
 #: signals a job's own teardown or stop sends its ranks (torchrun, the supervisor, Run.stop, SLURM)
 _TEARDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 #: exit codes of a rank that left on such a signal (the backend's stop: 128 + the signal)
 _TEARDOWN_CODES = {128 + int(s) for s in _TEARDOWN_SIGNALS}
+
+# what a collective or store says when the process on the other end went away (gloo, NCCL, c10d)
+_PEER_LOST = re.compile("|".join([
+    r"connection closed by peer", r"connection reset by peer", r"broken pipe", r"connection refused",
+    r"timed out waiting", r"timeout waiting", r"operation timed out", r"remote process exited",
+    r"network error", r"communicator was aborted", r"ncclremoteerror", r"failed to recv", r"socket timeout",
+    r"remote worker crash",
+]), re.IGNORECASE)
+_PEER_LOST_TYPES = ("DistNetworkError", "DistStoreError")
+
+
+def lost_peer(message: str | None, exception: str | None = None) -> bool:
+    """True when an error only reports that another process of the job vanished or stalled
+    (a symptom on the surviving ranks), not a failure of its own."""
+    if exception and exception.rsplit(".", 1)[-1] in _PEER_LOST_TYPES:
+        return True
+    return bool(message and _PEER_LOST.search(message))
+
 
 _BLOCK = re.compile(r"^\[\d+\]:\s*$", re.M)
 _FIELD = re.compile(r"^\s*(time|rank|exitcode|traceback)\s*:\s*(.*?)\s*$", re.M)
@@ -106,7 +124,7 @@ def root_cause(errors: list, failures: list[dict], root: dict) -> tuple[int | No
     died = [f for f in failures if _died(f, raised) and (first_time is None or not f.get("time") or f["time"] == first_time)]
     if died:
         return died[0]["rank"], died[0]
-    own = [e for e in errors if not nodes.lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
+    own = [e for e in errors if not lost_peer(e.get("message"), e.get("exception") or e.get("type"))]
     chosen = min(own or errors, key=lambda e: e.get("time") or 0, default=None)
     rank = chosen.rank if chosen is not None else root.get("rank")
     return rank, next((f for f in failures if f.get("rank") == rank), {})

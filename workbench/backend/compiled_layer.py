@@ -1,4 +1,5 @@
-"""Fast paths for megatron-core when Transformer Engine and apex are absent (the usual case).
+"""The compiled dense layer: one ``torch.compile``'d function per transformer layer, its CUDA graphs, and the
+compiled cross-entropy, for megatron-core when Transformer Engine and apex are absent (the usual case).
 
 Where stock megatron-core (local spec, no TE/apex) loses time against a compiled plain-PyTorch
 GPT, and what this module does about it -- every change keeps the training maths (same ops,
@@ -23,8 +24,8 @@ same dtypes, no skipped work):
    GPT-2 large: 1.27x one GPU, against 1.11x for compiled pieces around megatron's eager
    collectives; inductor's compute/communication reordering and its async-TP pass gained
    nothing or failed there: bench/README.md.)  With ``parallel.tp_comm_overlap`` the
-   backward's collectives run under the weight-gradient GEMMs (:func:`sink_weight_gradients`;
-   1.40x with ``CUDA_DEVICE_MAX_CONNECTIONS=1``).
+   backward's collectives run under the weight-gradient GEMMs
+   (:func:`workbench.backend.tp_overlap.sink_weight_gradients`; 1.40x with ``CUDA_DEVICE_MAX_CONNECTIONS=1``).
    Any other case (ALiBi, a KV cache, packed sequences, ...) falls back to the stock forward.
    Dropout's random numbers come from torch's generator inside the graph (inductor's philox; under CUDA
    graphs each replay reads the generator's seed and offset and advances it), so the checkpointed RNG
@@ -34,13 +35,10 @@ same dtypes, no skipped work):
    for backward.  With TP=1 the loss is ``F.cross_entropy(logits.float())`` compiled: the same
    fp32 log-softmax maths (the reference's autocast runs cross-entropy in fp32 too) in one
    fused pass, recomputed from the bf16 logits in backward.
-3. **Optimizer fast paths** (:func:`prepare_optimizer`, :mod:`workbench.backend.optimizer_paths`): megatron's
-   Python-loop multi-tensor fallbacks replaced by ``torch._foreach_*`` kernels (no host syncs), and torch's AdamW
-   under megatron's optimizer switched to its fused CUDA kernel (the same AdamW update).
-4. **TransformerConfig switches** (:func:`transformer_config_overrides`): megatron's own
-   compiled bias-dropout-add and fused vocab-parallel cross entropy for the paths that keep
-   the stock forward (TP>1).  ``bias_activation_fusion`` stays off: megatron's fused
-   bias-GELU is the tanh approximation, which would change the model's maths.
+
+The other fast paths live beside it: the optimizer's (:mod:`workbench.backend.optimizer_paths`) and
+megatron's own fused switches for the stock forward
+(:func:`workbench.backend.model.transformer_config_overrides`).
 
 CUDA graphs here cover the compiled layers (``train.cuda_graphs``, :func:`graphs_wanted`):
 mcore DDP's per-parameter backward hooks and the Python schedules are not capture-safe
@@ -70,33 +68,25 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from workbench import kernels
+from workbench import kernel_rule
 from workbench.backend.attention import SDPAttention, sdpa_mask
 from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_step, linear as fp8_linear, \
     open_step as fp8_open_step
-from workbench.backend.optimizer_paths import STATE as _STATE, foreach_l2_norm, foreach_scale, \
-    install_multi_tensor_fallbacks, use_fused_adam
-from workbench.backend.tp_overlap import sink_weight_gradients, tp_overlap_pass
+from workbench.backend.optimizer_paths import STATE as _STATE
+from workbench.backend.tp_overlap import tp_overlap_pass
 
 __all__ = [
-    "transformer_config_overrides",
     "layer_module",
     "CompiledTransformerLayer",
     "dense_layer_forward",
     "fast_path_blocker",
     "prepare_model",
-    "prepare_optimizer",
     "step_begin",
     "training_step",
     "graphs_wanted",
-    "install_multi_tensor_fallbacks",
-    "foreach_l2_norm",
-    "foreach_scale",
-    "use_fused_adam",
     "lm_cross_entropy",
     "set_compile",
     "allow_on_cpu",
-    "sink_weight_gradients",
     "summary",
 ]
 
@@ -106,7 +96,7 @@ _COMPILE = True
 
 def allow_on_cpu(enabled: bool = True) -> None:
     """Tests: enable the fast paths for ``parallel.device: cpu`` too (they are GPU-only otherwise)."""
-    kernels.allow_fast_paths_on_cpu(enabled)
+    kernel_rule.allow_fast_paths_on_cpu(enabled)
 
 
 def set_compile(enabled: bool) -> None:
@@ -117,36 +107,21 @@ def set_compile(enabled: bool) -> None:
 
 
 def summary() -> dict[str, str]:
-    """What this module switched on in this process, e.g. ``{"layer": "compiled dense layer", ...}``."""
+    """What the fast paths (this module's and :mod:`workbench.backend.optimizer_paths`') switched on in this
+    process, e.g. ``{"layer": "compiled dense layer", ...}``."""
     return dict(_STATE)
 
 
 def _wanted(cfg: Any) -> bool:
-    return kernels.fast_paths_wanted(cfg)
+    return kernel_rule.fast_paths_wanted(cfg)
 
 
-# --------------------------------------------------------------------------- config
-
-
-def transformer_config_overrides(cfg: Any) -> dict[str, Any]:
-    """TransformerConfig fields for the stock-forward paths (called by ``model.transformer_config``).
-
-    Only maths-preserving switches: megatron's torch.compile'd bias-dropout-add and its fused
-    vocab-parallel cross entropy (fp32 like the unfused one).  Empty unless
-    ``train.compile_kernels`` is on and the device is CUDA.
-    """
-    if not _wanted(cfg):
-        return {}
-    return {
-        "bias_dropout_fusion": True,
-        "cross_entropy_loss_fusion": True,
-        "cross_entropy_fusion_impl": "native",
-    }
+# --------------------------------------------------------------------------- the layer's class
 
 
 def layer_module(cfg: Any) -> type:
     """The TransformerLayer class the kernel rule picks for this config: compiled dense layer or stock."""
-    return CompiledTransformerLayer if kernels.choose(cfg).layer == "compiled" else TransformerLayer
+    return CompiledTransformerLayer if kernel_rule.choose(cfg).layer == "compiled" else TransformerLayer
 
 
 # --------------------------------------------------------------------------- the dense layer
@@ -419,7 +394,7 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False):
     previous node's output (no copy), and :func:`step_begin` starts each step's path.
 
     ``tp_overlap`` (``parallel.tp_comm_overlap`` at TP > 1): the backward's collectives run
-    under the weight-gradient GEMMs (:func:`sink_weight_gradients`); inductor's peak-memory
+    under the weight-gradient GEMMs (:func:`workbench.backend.tp_overlap.sink_weight_gradients`); inductor's peak-memory
     reordering is off for this graph so it keeps that order (it would move the GEMMs back).
     """
     fn = {"layer": dense_layer_forward, "ce": _cross_entropy_sb}[name]
@@ -449,7 +424,7 @@ def _piece(name: str, tp_overlap: bool = False):
 def graphs_wanted(cfg: Any) -> bool:
     """CUDA graphs for the compiled layers: what the kernel rule says, when compiling (not the
     eager test mode) on a process that sees a GPU."""
-    return kernels.choose(cfg, cuda_available=torch.cuda.is_available()).cuda_graphs_impl == "torch" and _COMPILE
+    return kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available()).cuda_graphs_impl == "torch" and _COMPILE
 
 
 def step_begin() -> None:
@@ -755,7 +730,7 @@ def lm_cross_entropy(self: Any, labels: torch.Tensor, logits: torch.Tensor) -> t
     return _compiled("ce")(logits, labels)
 
 
-# --------------------------------------------------------------------------- model / optimizer hooks
+# --------------------------------------------------------------------------- model hook
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -801,7 +776,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                     raise RuntimeError(f"train.fp8: {why_not}; fix: train.fp8: off")
                 notes["fp8"] = (f"FP8 GEMMs ({compiled[0]._static['fp8']} scaling, torch._scaled_mm) in the "
                                 f"{len(compiled)}/{len(layers)} compiled layers: {GEMMS}")
-                if fp8_note := kernels.choose(cfg).fp8_note:
+                if fp8_note := kernel_rule.choose(cfg).fp8_note:
                     notes["fp8"] += f"; {fp8_note}"
             if compiled[0].hidden_dropout or compiled[0]._attention_dropout:
                 notes["layer"] += (f", dropout in the graph (hidden {compiled[0].hidden_dropout:g}, "
@@ -823,7 +798,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             elif compiled[0].config.cuda_graph_impl == "local":
                 notes["cuda_graphs"] = ("compiled layers' forward+backward replayed as megatron's CUDA graphs, one per "
                                         "layer and micro-batch in the pipeline schedule's order (recorded in the first step)")
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernels.choose(cfg).cuda_graphs_reason):
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.choose(cfg).cuda_graphs_reason):
                 notes["cuda_graphs_off"] = why_off
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
@@ -831,16 +806,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if any(getattr(m, "config", None) is not None and m.config.cuda_graph_impl == "local" for m in layers):
                 notes["cuda_graphs"] = ("layers' forward+backward replayed as megatron CUDA graphs (cuda_graph_impl local, "
                                         "TE's RNG tracker), recorded after the first steps")
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernels.choose(cfg).cuda_graphs_reason):
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.choose(cfg).cuda_graphs_reason):
                 notes["cuda_graphs_off"] = why_off
     _STATE.update(notes)
     return notes
-
-
-def prepare_optimizer(optimizer: Any, cfg: Any) -> dict[str, str]:
-    """Optimizer fast paths (called by the training loop after ``get_megatron_optimizer``)."""
-    if not _wanted(cfg):
-        return {}
-    install_multi_tensor_fallbacks()
-    use_fused_adam(optimizer)
-    return {k: v for k, v in _STATE.items() if k in ("multi_tensor", "optimizer")}

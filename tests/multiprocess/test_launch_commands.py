@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from workbench.launch import LaunchPlan
+from workbench.launch.slurm import batch_script
 from workbench.notebook import parse_grid
 from workbench.cli import main
 from workbench.config import preset
@@ -23,7 +24,7 @@ def _opt(cmd: list[str], name: str) -> str:
 def test_single_node_command(tmp_path):
     plan = LaunchPlan(tmp_path / "r1", nproc_per_node=2)
     cmd = plan.command()
-    assert cmd[:3] == [sys.executable, "-m", "workbench.torchrun"]  # torch's torchrun, its stores on the named host only
+    assert cmd[:3] == [sys.executable, "-m", "workbench.launch.torchrun"]  # torch's torchrun, its stores on the named host only
     # one node: the c10d rendezvous on the loopback at a port the OS picks
     assert (_opt(cmd, "--rdzv-endpoint"), _opt(cmd, "--local-addr"), _opt(cmd, "--nnodes")) == ("127.0.0.1:0", "127.0.0.1", "1")
     assert _opt(cmd, "--nproc-per-node") == "2"
@@ -44,18 +45,18 @@ def test_multi_node_command_uses_rendezvous(tmp_path):
 
 def test_slurm_script_is_valid_bash_with_srun_torchrun(tmp_path):
     plan = LaunchPlan(tmp_path / "r3", nproc_per_node=8, nnodes=2)
-    script = plan.slurm_script(partition="gpu", time_limit="01:00:00")
+    script = batch_script(plan, partition="gpu", time_limit="01:00:00")
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --time=01:00:00" in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
-    assert "-m torch.distributed.run" in srun
+    assert "-m workbench.launch.torchrun" in srun  # torch's torchrun, its store on the first node's address only
     joined = script.replace("\\\n", " ")
     assert '--nnodes "$SLURM_NNODES"' in joined and "--rdzv-backend c10d" in joined
     assert f"--config {tmp_path / 'r3' / 'config.json'}" in joined
     f = tmp_path / "job.sbatch"
     f.write_text(script)
     assert subprocess.run(["bash", "-n", str(f)]).returncode == 0
-    assert "--gpus-per-node" not in plan.slurm_script(gpus=False)
+    assert "--gpus-per-node" not in batch_script(plan, gpus=False)
 
 
 def test_cli_launch_dry_run_prints_exact_command(tmp_path, capsys):
@@ -64,7 +65,7 @@ def test_cli_launch_dry_run_prints_exact_command(tmp_path, capsys):
     rd = tmp_path / "myrun"
     assert main(["launch", str(f), "--dry-run", "--run-dir", str(rd)]) == 0
     out = capsys.readouterr().out
-    cmd_line = [ln for ln in out.splitlines() if "workbench.torchrun" in ln][0]
+    cmd_line = [ln for ln in out.splitlines() if "workbench.launch.torchrun" in ln][0]
     cmd = shlex.split(cmd_line)
     assert cmd == LaunchPlan(rd, 2).command()
     assert not rd.exists()  # a dry run starts and writes nothing
