@@ -7,7 +7,7 @@ Scans README.md, ARCHITECTURE.md, docs/*.md and bench/README.md for
 - relative Markdown links (``[text](path)``, resolved from the document's folder),
 - dotted module names (``workbench.launch.torchrun``, ``workbench.kernel_rule.choose``): the longest prefix must
   be a module or package of the repository, and a name after it must occur in that module's source,
-- ``workbench COMMAND`` in code: COMMAND must be a sub-command some ``add_parser("COMMAND", ...)`` registers.
+- ``workbench COMMAND`` in code (a fenced block or an inline code span): COMMAND must be a sub-command some ``add_parser("COMMAND", ...)`` registers.
 A path that does not exist, a module that was renamed or a command that is gone fails the test with the document
 and the line.
 """
@@ -27,7 +27,8 @@ PATH_RE = re.compile(r"(?<![\w./$~-])((?:%s)/[\w./<>*-]*)" % "|".join(PREFIXES))
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
 MODULE_RE = re.compile(r"(?<![\w./-])(workbench(?:\.\w+)+)")
 FILE_SUFFIXES = ("json", "jsonl", "yaml", "yml", "md", "log")
-COMMAND_RE = re.compile(r"(?:^|`|\$ |\n)\s*workbench ([a-z][a-z-]*)")
+CODE_SPAN_RE = re.compile(r"`([^`]+)`")
+COMMAND_RE = re.compile(r"^\s*(?:\$ )?workbench ([a-z][a-z-]*)")
 
 
 #: Paths the docs name before they exist: what a GPU script writes once it has run on the device.
@@ -87,7 +88,11 @@ def problems(root: Path = ROOT, docs: list[Path] | None = None, presets: frozens
     commands = _commands(root)
     for doc in docs if docs is not None else documents(root):
         rel = doc.relative_to(root)
+        fenced = False
         for no, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
             for token in PATH_RE.findall(line):
                 if not _path_exists(root, token, presets):
                     found.append(f"{rel}:{no}: path {token} does not exist")
@@ -103,7 +108,8 @@ def problems(root: Path = ROOT, docs: list[Path] | None = None, presets: frozens
                 why = _module_problem(root, dotted)
                 if why:
                     found.append(f"{rel}:{no}: module {why}")
-            for cmd in COMMAND_RE.findall(line):
+            code = [line] if fenced else CODE_SPAN_RE.findall(line)
+            for cmd in (c for span in code for c in COMMAND_RE.findall(span)):
                 if cmd not in commands:
                     found.append(f"{rel}:{no}: command `workbench {cmd}` is not a sub-command")
     return found
@@ -128,15 +134,16 @@ def test_checker_reports_what_is_broken(tmp_path):
         "`workbench/launch/` and `workbench/models/<family>/shapes.py` exist, [self](page.md).\n"
         "`workbench.launch.Run` and `workbench launch CFG` too.\n"
         "`workbench/launch/gone.py`, `bench/results/none.jsonl:3`, [x](../nowhere.md)\n"
-        "`workbench.bridge.Run`, `workbench.launch.Missing`, `workbench runs`\n"
+        "`workbench.bridge.Run`, `workbench.launch.Missing`, `workbench runs`; workbench uses prose\n"
         "`workbench/models/<family>/step.py`; rows `workbench/gpt2-large`, `workbench/gpt2-huge`\n"
+        "```\nworkbench launch cfg.yaml\nworkbench lanch cfg.yaml\n```\n"
     )
     found = problems(tmp_path, [doc], presets=frozenset({"gpt2-large"}))
-    assert [f.split(": ", 1)[0] for f in found] == ["docs/page.md:3"] * 3 + ["docs/page.md:4"] * 3 + ["docs/page.md:5"] * 2
+    assert [f.split(": ", 1)[0] for f in found] == ["docs/page.md:3"] * 3 + ["docs/page.md:4"] * 3 + ["docs/page.md:5"] * 2 + ["docs/page.md:8"]
     joined = "\n".join(found)
     for name in ("workbench/launch/gone.py", "bench/results/none.jsonl", "../nowhere.md", "workbench.bridge",
                  "'Missing'", "`workbench runs`", "workbench/models/<family>/step.py",
-                 "workbench/gpt2-huge"):
+                 "workbench/gpt2-huge", "`workbench lanch`"):
         assert name in joined, (name, joined)
 
 
