@@ -3,7 +3,7 @@
 Scans README.md, ARCHITECTURE.md, docs/*.md and bench/README.md for
 - repository paths (``workbench/...``, ``bench/...``, ``tests/...``, ``evidence/...``, ``notebooks/...``,
   ``launch/...``, ``docs/...``; ``<family>``-style placeholders and ``*`` match any one name, a ``:LINE`` suffix
-  is dropped),
+  must lie within the file),
 - relative Markdown links (``[text](path)``, resolved from the document's folder),
 - dotted module names (``workbench.launch.torchrun``, ``workbench.kernel_rule.choose``): the longest prefix must
   be a module or package of the repository, and a name after it must occur in that module's source,
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "ARCHITECTURE.md", "bench/README.md")
 PREFIXES = ("workbench", "bench", "tests", "evidence", "notebooks", "launch", "docs")
 
-PATH_RE = re.compile(r"(?<![\w./$~-])((?:%s)/[\w./<>*-]*)" % "|".join(PREFIXES))
+PATH_RE = re.compile(r"(?<![\w./$~-])((?:%s)/[\w./<>*-]*)((?::\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)?)" % "|".join(PREFIXES))
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
 MODULE_RE = re.compile(r"(?<![\w./-])(workbench(?:\.\w+)+)")
 FILE_SUFFIXES = ("json", "jsonl", "yaml", "yml", "md", "log")
@@ -34,6 +34,7 @@ COMMAND_RE = re.compile(r"^\s*(?:\$ )?workbench ([a-z][a-z-]*)")
 #: Paths the docs name before they exist: what a GPU script writes once it has run on the device.
 NOT_YET = {
     "evidence/advisor/": "tests/gpu/advisor_measure.py writes it (docs/advisor.md)",
+    "bench/results/moe_bench.jsonl": "bench/moe_bench.py writes it (not yet run on GPUs)",
 }
 
 
@@ -48,14 +49,23 @@ def documents(root: Path = ROOT) -> list[Path]:
     return [root / d for d in DOCS if (root / d).exists()] + sorted((root / "docs").glob("*.md"))
 
 
-def _path_exists(root: Path, token: str, presets: frozenset[str]) -> bool:
-    token = re.sub(r":\d+(-\d+)?$", "", token).rstrip(".,;:)")
+def _path_problem(root: Path, token: str, lines: str, presets: frozenset[str]) -> str | None:
+    """Why ``token`` (with an optional ``:LINE[-LINE][,...]`` suffix in ``lines``) names nothing (None: it exists)."""
+    token = token.rstrip(".,;:)")
     if not token or token in NOT_YET or token.split("/", 1)[1] in presets:
-        return True
+        return None
     pattern = re.sub(r"<[^>/]*>", "*", token.rstrip("/"))
     if "*" in pattern:
-        return any(root.glob(pattern))
-    return (root / pattern).exists()
+        return None if any(root.glob(pattern)) else f"path {token} does not exist"
+    path = root / pattern
+    if not path.exists():
+        return f"path {token} does not exist"
+    if lines:
+        last = max(int(n) for n in re.findall(r"\d+", lines))
+        have = len(path.read_text(encoding="utf-8", errors="replace").splitlines())
+        if last > have:
+            return f"{token}{lines}: the file has {have} lines"
+    return None
 
 
 def _module_problem(root: Path, dotted: str) -> str | None:
@@ -93,9 +103,10 @@ def problems(root: Path = ROOT, docs: list[Path] | None = None, presets: frozens
             if line.lstrip().startswith("```"):
                 fenced = not fenced
                 continue
-            for token in PATH_RE.findall(line):
-                if not _path_exists(root, token, presets):
-                    found.append(f"{rel}:{no}: path {token} does not exist")
+            for token, lines in PATH_RE.findall(line):
+                why = _path_problem(root, token, lines, presets)
+                if why:
+                    found.append(f"{rel}:{no}: {why}")
             for target in LINK_RE.findall(line):
                 if re.match(r"[a-z]+:", target) or target.startswith("#"):
                     continue
@@ -133,17 +144,17 @@ def test_checker_reports_what_is_broken(tmp_path):
     doc.write_text(
         "`workbench/launch/` and `workbench/models/<family>/shapes.py` exist, [self](page.md).\n"
         "`workbench.launch.Run` and `workbench launch CFG` too.\n"
-        "`workbench/launch/gone.py`, `bench/results/none.jsonl:3`, [x](../nowhere.md)\n"
+        "`workbench/launch/gone.py`, `bench/results/none.jsonl:3`, [x](../nowhere.md), `docs/page.md:1-12`\n"
         "`workbench.bridge.Run`, `workbench.launch.Missing`, `workbench runs`; workbench uses prose\n"
         "`workbench/models/<family>/step.py`; rows `workbench/gpt2-large`, `workbench/gpt2-huge`\n"
         "```\nworkbench launch cfg.yaml\nworkbench lanch cfg.yaml\n```\n"
     )
     found = problems(tmp_path, [doc], presets=frozenset({"gpt2-large"}))
-    assert [f.split(": ", 1)[0] for f in found] == ["docs/page.md:3"] * 3 + ["docs/page.md:4"] * 3 + ["docs/page.md:5"] * 2 + ["docs/page.md:8"]
+    assert [f.split(": ", 1)[0] for f in found] == ["docs/page.md:3"] * 4 + ["docs/page.md:4"] * 3 + ["docs/page.md:5"] * 2 + ["docs/page.md:8"]
     joined = "\n".join(found)
     for name in ("workbench/launch/gone.py", "bench/results/none.jsonl", "../nowhere.md", "workbench.bridge",
                  "'Missing'", "`workbench runs`", "workbench/models/<family>/step.py",
-                 "workbench/gpt2-huge", "`workbench lanch`"):
+                 "workbench/gpt2-huge", "`workbench lanch`", "docs/page.md:1-12: the file has 9 lines"):
         assert name in joined, (name, joined)
 
 
