@@ -11,6 +11,8 @@ key-token-weighted loss.
 
 from __future__ import annotations
 
+from tests.support import torchrun_args
+
 import json
 import math
 import os
@@ -43,7 +45,7 @@ def _torchrun(cfg, run_dir: Path, nproc: int, port: int, timeout: int = 240, **p
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.parallel.nproc_per_node = nproc
     cfg.save(run_dir / "config.json")
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+    cmd = [PY, *torchrun_args(str(nproc)),
            "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     if popen:
         return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)

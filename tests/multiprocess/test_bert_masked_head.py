@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import SUPPORT, free_port
+from tests.support import torchrun_args, SUPPORT, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = SUPPORT / "bert_head_check.py"
@@ -20,7 +20,7 @@ CHECK = SUPPORT / "bert_head_check.py"
 
 def _run(nproc: int) -> dict:
     cmd = [sys.executable, str(CHECK)] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), str(CHECK)]
+        sys.executable, *torchrun_args(str(nproc)), str(CHECK)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "CHECK_PORT": str(free_port())})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

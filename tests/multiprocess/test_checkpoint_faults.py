@@ -27,7 +27,7 @@ from workbench.run.checkpoint import TRACKER_FILE, find_checkpoint
 from workbench.run.integrity import verify_checkpoint
 from workbench.run.reader import read_events
 
-from tests.support import free_port
+from tests.support import torchrun_args, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -44,7 +44,7 @@ def _cfg(**over):
 def _cmd(cfg, run_dir: Path) -> list[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    return [sys.executable, *torchrun_args("2"),
             "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
 
 

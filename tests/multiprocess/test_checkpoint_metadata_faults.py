@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import free_port
+from tests.support import torchrun_args, free_port
 from workbench.config import preset
 from workbench.run.checkpoint import TRACKER_FILE, find_checkpoint
 from workbench.run.integrity import verify_checkpoint
@@ -35,7 +35,7 @@ def _cfg(**over):
 def _run(cfg, run_dir: Path, env: dict, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [sys.executable, *torchrun_args("2"),
            "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import SUPPORT, free_port
+from tests.support import torchrun_args, SUPPORT, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = SUPPORT / "dropout_check.py"
@@ -26,7 +26,7 @@ CHECK = SUPPORT / "dropout_check.py"
 
 def _run(what: str, nproc: int = 1, timeout: int = 900, **env: str) -> dict:
     cmd = [sys.executable, str(CHECK), what] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+        sys.executable, *torchrun_args(str(nproc)),
         str(CHECK), what]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "CHECK_PORT": str(free_port()), **env})

@@ -17,7 +17,7 @@ import pytest
 from workbench.config import preset
 from workbench.run.reader import read_events
 
-from tests.support import free_port
+from tests.support import torchrun_args, free_port
 
 
 @pytest.mark.slow
@@ -29,8 +29,7 @@ def test_tiny_preset_trains_on_the_demo_corpus_with_two_ranks(tmp_path):
     run.mkdir()
     cfg.save(run / "config.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "workbench.backend", "--config", str(run / "config.json"), "--run-dir", str(run)]
+    cmd = [sys.executable, *torchrun_args("2"), "-m", "workbench.backend", "--config", str(run / "config.json"), "--run-dir", str(run)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.support import SUPPORT
+from tests.support import torchrun_args, SUPPORT
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ _NORMS = {"workbench": {"WorkbenchLayerNorm", "WorkbenchRMSNorm"}, "torch": {"to
 
 @pytest.fixture(scope="module")
 def reports(free_port) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port),
+    out = subprocess.run([sys.executable, *torchrun_args("2"),
                           str(SUPPORT / "kernel_rule_check.py")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

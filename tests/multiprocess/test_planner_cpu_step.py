@@ -12,6 +12,8 @@ allocator rounding) -- the GPU measurements in ``evidence/`` cover those.
 
 from __future__ import annotations
 
+from tests.support import torchrun_args
+
 import json
 import os
 import subprocess
@@ -85,7 +87,7 @@ def measured():
     from tests.support import free_port  # here, not at the top: this file also runs as a torchrun script
 
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [sys.executable, *torchrun_args("2"),
            str(Path(__file__).resolve()), json.dumps(LAYOUTS)]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

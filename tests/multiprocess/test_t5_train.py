@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import free_port
+from tests.support import torchrun_args, free_port
 from workbench.config import preset
 from workbench.run.reader import read_events
 
@@ -53,7 +53,7 @@ def _torchrun(cfg, run_dir: Path, nproc: int, timeout: int = 300, check: bool = 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.parallel.nproc_per_node = nproc
     cfg.save(run_dir / "config.json")
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+    cmd = [PY, *torchrun_args(str(nproc)),
            "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     if not check:

@@ -27,6 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_args(nproc: int | str) -> list[str]:
+    """``-m`` arguments of a one-node torchrun on ``nproc`` ranks: the launch's own (its rendezvous on a port the OS
+    picks, on the loopback), so no port is chosen here that another run could take first."""
+    from workbench.launch.torchrun import MODULE, one_node_args
+
+    return ["-m", MODULE, *one_node_args(), "--nproc-per-node", str(nproc)]
+
+
 def wait_until(pred, timeout: float, what: str, poll: float = 0.05):
     end = time.time() + timeout
     while time.time() < end:

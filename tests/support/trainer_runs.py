@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import free_port
+from workbench.launch.torchrun import MODULE as TORCHRUN_MODULE, one_node_args
 
 __all__ = ["run_trainers"]
 
@@ -48,8 +49,10 @@ def run_trainers(runs: dict[Path, Any], nproc: int = 1, timeout: int = 300, env:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         cfg.parallel.nproc_per_node = nproc
         cfg.save(Path(run_dir) / "config.json")
-    port = str(free_port())
-    head = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", port]
+    port = str(free_port())  # one process without torchrun: its own store
+    # several: the launch's one-node torchrun, its rendezvous on a port the OS picks (a port chosen here could be
+    # taken before the store binds it, on a busy machine)
+    head = [sys.executable] + (["-m", TORCHRUN_MODULE, *one_node_args(), "--nproc-per-node", str(nproc)]
                                if nproc > 1 else [])
     env = env or {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     script = Path(runs and next(iter(runs))).parent / "_trainer_runs.py"

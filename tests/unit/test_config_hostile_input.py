@@ -359,8 +359,11 @@ def test_every_bounded_field_out_of_range_is_the_only_problem(family):
                 d["data"]["datasets"][0][path.rsplit(".", 1)[1]] = _break(None, bound, side)
                 where = "data.datasets[0]." + path.rsplit(".", 1)[1]
             else:
-                section, name = path.split(".")
-                d[section][name] = _break(None, bound, side)
+                *sections, name = path.split(".")
+                node = d
+                for section in sections:  # nested sections too (model.moe.*)
+                    node = node[section]
+                node[name] = _break(None, bound, side)
             try:
                 problems = RunConfig.from_dict(d).validate()
             except ConfigError as e:
