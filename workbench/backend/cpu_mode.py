@@ -107,6 +107,12 @@ def _cpu_factory(fn: Callable) -> Callable:
 
 
 class _NoStream:
+    """A CUDA stream / event stand-in on CPU.  A class (as ``torch.cuda.Stream`` is), so code that uses the name in
+    a type expression (``torch.cuda.Stream | None``, transformers' generation utilities) still imports."""
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        pass
+
     def wait_stream(self, *_: Any) -> None:
         pass
 
@@ -131,7 +137,7 @@ def enable() -> None:
     _patch(cuda, "current_device", lambda: torch.device("cpu"))
     _patch(cuda, "synchronize", lambda *a, **k: None)
     _patch(cuda, "current_stream", lambda *a, **k: _NoStream())
-    _patch(cuda, "Stream", lambda *a, **k: _NoStream())
+    _patch(cuda, "Stream", _NoStream)
     _patch(cuda, "stream", lambda *a, **k: _NoStream())
     _patch(cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
     _patch(cuda, "set_rng_state", lambda state, *a, **k: None)
