@@ -197,7 +197,14 @@ def _check_t5(nb, out: Path, proc) -> None:
     assert sum(w in said for w, said in zip(T5_WORDS, words)) >= len(T5_WORDS) - 1, gen
 
 
-CHECKS = {"01_quickstart": _check_quickstart, "04_checkpoint_conversion": _check_conversion,
+def _check_moe(nb, out: Path, proc) -> None:
+    losses = _losses(_run_dirs(nb)[0])
+    k = max(len(losses) // 4, 1)
+    assert sum(losses[-k:]) / k < sum(losses[:k]) / k, "the MoE model's loss should fall"
+    assert "dropless: every routed assignment served: True" in _text(_cell(nb, "load_table(run.reader)"))
+
+
+CHECKS = {"09_moe": _check_moe, "01_quickstart": _check_quickstart, "04_checkpoint_conversion": _check_conversion,
           "05_generation": _check_generation, "06_data": _check_data, "07_bert": _check_bert, "08_t5": _check_t5}
 
 
