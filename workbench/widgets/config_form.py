@@ -171,6 +171,9 @@ class ConfigForm:
         if spec.kind == "datasets":
             return W.Textarea(description=label, placeholder="one per line: PREFIX [WEIGHT]", style=style,
                               layout=W.Layout(width=layout.width, flex=layout.flex, height="70px"))
+        if spec.kind == "json":  # a nested section (e.g. model.moe): one key a line, wrapped, never clipped
+            return W.Textarea(description=label, style=style, layout=W.Layout(width=layout.width, flex=layout.flex,
+                                                                             height="160px"))
         placeholder = "none" if spec.kind.startswith("optional") else ""
         return W.Text(description=label, placeholder=placeholder, style=style, layout=layout)
 
@@ -178,7 +181,7 @@ class ConfigForm:
         if spec.kind == "datasets":
             return _datasets_text(value)
         if spec.kind == "json":
-            return json.dumps(value)
+            return json.dumps(value, indent=1) if isinstance(value, dict) and value else json.dumps(value)
         if spec.kind.startswith("optional") or spec.kind == "str":
             return "" if value is None else str(value)
         return value
