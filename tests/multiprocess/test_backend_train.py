@@ -11,8 +11,6 @@ key-token-weighted loss.
 
 from __future__ import annotations
 
-from tests.support import torchrun_args
-
 import json
 import math
 import os
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import torchrun_args
 from workbench.config import preset
 from workbench.run.reader import read_events
 

@@ -18,7 +18,7 @@ import pytest
 from workbench.config import preset
 from workbench.launch.processes import rank_processes
 from workbench.launch import Run
-from workbench.launch.torchrun import loopback_interface
+from workbench.launch.stores import loopback_interface
 
 from tests.support import living, run_processes, wait_until
 

@@ -12,8 +12,6 @@ allocator rounding) -- the GPU measurements in ``evidence/`` cover those.
 
 from __future__ import annotations
 
-from tests.support import torchrun_args
-
 import json
 import os
 import subprocess
@@ -84,7 +82,7 @@ def _probe(layouts: dict[str, dict]) -> None:
 
 @pytest.fixture(scope="module")
 def measured():
-    from tests.support import free_port  # here, not at the top: this file also runs as a torchrun script
+    from tests.support import torchrun_args  # here, not at the top: this file also runs as a torchrun script
 
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, *torchrun_args("2"),

@@ -30,7 +30,7 @@ def free_port() -> int:
 def torchrun_args(nproc: int | str) -> list[str]:
     """``-m`` arguments of a one-node torchrun on ``nproc`` ranks: the launch's own (its rendezvous on a port the OS
     picks, on the loopback), so no port is chosen here that another run could take first."""
-    from workbench.launch.torchrun import MODULE, one_node_args
+    from workbench.launch.stores import MODULE, one_node_args
 
     return ["-m", MODULE, *one_node_args(), "--nproc-per-node", str(nproc)]
 

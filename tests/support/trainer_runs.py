@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import free_port
-from workbench.launch.torchrun import MODULE as TORCHRUN_MODULE, one_node_args
+from workbench.launch.stores import MODULE as TORCHRUN_MODULE, one_node_args
 
 __all__ = ["run_trainers"]
 

@@ -795,7 +795,7 @@ def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
     cfg = cfg.replace(**overrides)
     if not _dist_ready() and "TORCHELASTIC_RUN_ID" not in os.environ:
         # one process started without torchrun: a private 1-rank world that listens for no peers
-        from workbench.launch.torchrun import private_world
+        from workbench.launch.stores import private_world
 
         private_world(device)
     distributed.initialize(cfg)

@@ -96,7 +96,7 @@ def _group() -> Iterator[None]:
     from workbench.backend import cpu_mode
     from workbench.backend.distributed import destroy, initialize_for_tests
 
-    from workbench.launch.torchrun import private_world
+    from workbench.launch.stores import private_world
 
     saved_env = {k: os.environ.get(k) for k in _ENV_KEYS}
     was_enabled = cpu_mode.enabled()

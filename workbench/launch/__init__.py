@@ -15,7 +15,7 @@
 | :mod:`~workbench.launch.nodes` | a multi-node run's heartbeats and each supervisor's watch over the other nodes |
 | :mod:`~workbench.launch.exit_status` | ``exit_status.json``: how the job ended, which rank caused a failure |
 | :mod:`~workbench.launch.slurm` | the SLURM batch script, ``sbatch``, ``squeue``, ``scancel`` |
-| :mod:`~workbench.launch.torchrun` | ``python -m workbench.launch.torchrun``: torchrun with its stores bound where named |
+| :mod:`~workbench.launch.stores` | torchrun with its stores bound where named (entry: ``python -m workbench.launch.torchrun``) |
 | :mod:`~workbench.launch.handle` | :class:`Run`, the notebook-side handle of one run |
 | :mod:`~workbench.launch.node_processes` | one node's processes of a run on this machine: found (verified) and stopped |
 | :mod:`~workbench.launch.failure` | :class:`Failure`: which rank made a run fail, and why |

@@ -16,7 +16,7 @@ from pathlib import Path
 from workbench.config import ConfigError, Problem, RunConfig, load_config
 from workbench.launch import stall
 from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT
-from workbench.launch.torchrun import bind_problem
+from workbench.launch.stores import bind_problem
 from workbench.run import nodes
 
 __all__ = ["detect_gpus", "launch_problems", "launch_checks"]

@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from workbench.config import RunConfig
-from workbench.launch.torchrun import MODULE as TORCHRUN_MODULE
-from workbench.launch.torchrun import one_node_args
+from workbench.launch.stores import MODULE as TORCHRUN_MODULE
+from workbench.launch.stores import one_node_args
 from workbench.run import nodes
 
 __all__ = ["BACKEND_ENTRY", "DEFAULT_RUN_ROOT", "DEFAULT_RDZV_PORT", "LaunchPlan", "new_run_dir", "apply_overrides",

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from workbench.launch.plan import LaunchPlan
-from workbench.launch.torchrun import MODULE as TORCHRUN_MODULE
+from workbench.launch.stores import MODULE as TORCHRUN_MODULE
 from workbench.run.files import read_json, write_json_atomic
 
 __all__ = ["JOB_FILE", "batch_script", "submit", "job_record", "job_state", "cancel", "JobWatch"]
