@@ -30,8 +30,8 @@ from workbench import kernel_rule
 from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, reads_bad
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
 from workbench.models import FAMILIES, Supports, all_presets, family_of
-from workbench.models import moe as _moe
-from workbench.models.moe import MoEConfig
+from workbench.models.common import moe as _moe
+from workbench.models.common.moe import MoEConfig
 
 __all__ = [
     "ModelConfig",
@@ -106,7 +106,7 @@ class ModelConfig:
     #: position_embedding relative: buckets of the relative position bias and the distance beyond which all share one bucket
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
-    #: mixture of experts (families with ``Supports.moe``): experts, router, capacity; see workbench.models.moe
+    #: mixture of experts (families with ``Supports.moe``): experts, router, capacity; see workbench.models.common.moe
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     # -- derived helpers (kept here because every consumer needs them)

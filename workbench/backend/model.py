@@ -240,7 +240,7 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         workbench_tp_comm_overlap=kernel_rule.choose(cfg).tp_overlap == "compiled",
     )
     kwargs.update(_fp8_fields(cfg))
-    kwargs.update(family_of(cfg).transformer_fields(cfg, kernel_rule.choose(cfg)))  # e.g. GPT's MoE layers (workbench.models.moe)
+    kwargs.update(family_of(cfg).transformer_fields(cfg, kernel_rule.choose(cfg)))  # e.g. GPT's MoE layers (workbench.models.common.moe)
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
         kwargs.update(num_layers_in_first_pipeline_stage=stage_layers[0], num_layers_in_last_pipeline_stage=stage_layers[-1])

@@ -63,7 +63,7 @@ class Supports:
     activations: tuple[str, ...] = ("gelu", "swiglu")
     #: whether ``model.num_labels`` > 0 (a sequence-classification head, trained on a labelled set) is built
     classification: bool = False
-    #: whether ``model.moe.num_experts`` > 0 (mixture-of-experts layers, :mod:`workbench.models.moe`) builds
+    #: whether ``model.moe.num_experts`` > 0 (mixture-of-experts layers, :mod:`workbench.models.common.moe`) builds
     moe: bool = False
 
     @property
@@ -108,7 +108,7 @@ class Family:
     #: only while ``model.arch`` names this family
     fields: tuple[str, ...] = ()
     #: megatron ``TransformerConfig`` fields of this family's layers beyond the generic ones (GPT: the MoE
-    #: fields, :func:`workbench.models.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
+    #: fields, :func:`workbench.models.common.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
     transformer_fields: Callable[[Any, Any], dict] = lambda cfg, choice: {}
 
     def part(self, name: str) -> ModuleType:

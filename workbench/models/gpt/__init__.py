@@ -1,6 +1,6 @@
 """GPT: decoder-only transformers (GPT-2 and Llama-style, dense or mixture of experts) on megatron-core's ``GPTModel``.
 
-Parts: :mod:`.shapes` (counts, FLOPs, planner terms; torch-free), :mod:`.model` (specs and
+Parts: shapes (the common transformer stack's, :mod:`workbench.models.common.shapes`), :mod:`.model` (specs and
 builder), :mod:`.step` (default forward step and LM loss), :mod:`.data` (GPT datasets),
 :mod:`.hf` (HF GPT-2 / Llama state-dict adapter).
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.models import moe
+from workbench.models.common import moe
 from workbench.models.family import Family, Supports
-from workbench.models.gpt import shapes
+from workbench.models.common import shapes
 from workbench.models.gpt.presets import PRESETS
 
 
