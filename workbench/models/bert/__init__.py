@@ -92,7 +92,6 @@ def data_rules(cfg: Any) -> list[tuple[str, str, str]]:
 FAMILY = Family(
     name="bert",
     title="BERT (encoder-only: masked LM + sentence order)",
-    package="workbench.models.bert",
     supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=False, classification=True,
                       hf_classes=(("megatron-bert", "MegatronBertForPreTraining"),),
                       hf_refused=(("bert", _POST_LN),)),

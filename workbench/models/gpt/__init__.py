@@ -24,7 +24,6 @@ def transformer_fields(cfg: Any, choice: Any) -> dict:
 FAMILY = Family(
     name="gpt",
     title="GPT (decoder-only: GPT-2, Llama-style)",
-    package="workbench.models.gpt",
     supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=True, moe=True,
                       hf_classes=(("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM"),
                                   ("mixtral", "MixtralForCausalLM")),

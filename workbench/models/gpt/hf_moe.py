@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from workbench.conversion.hf import ConversionError
+from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import Rule, copy_rule
 from workbench.models.common import moe
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from workbench.models.common.lm_loss import LOSS_NAME, token_mean_loss
 
-__all__ = ["forward_step", "loss", "logits_forward", "step_monitor", "LOSS_NAME"]
+__all__ = ["forward_step", "loss", "logits_forward", "LOSS_NAME"]
 
 
 def forward_step(batch: Any, model: Any, return_logits: bool = False, **_: Any) -> Any:
@@ -34,12 +34,3 @@ def logits_forward(chunk: Any, inputs: dict) -> Any:
     tokens = inputs["tokens"]
     b, s = tokens.shape
     return chunk(tokens, torch.arange(s).unsqueeze(0).expand(b, -1), None)
-
-
-def step_monitor(cfg: Any, chunks: list) -> Any:
-    """The trainer's per-step monitor of this family's model: the MoE router statistics
-    (:class:`workbench.models.gpt.router_stats.RouterMonitor`), None for a dense model.  Its
-    ``after_step(iteration, num_microbatches)`` runs on every rank after every step and returns the records to write."""
-    from workbench.models.gpt.router_stats import step_monitor as monitor
-
-    return monitor(cfg, chunks)

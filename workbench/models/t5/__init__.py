@@ -103,7 +103,6 @@ def generation_rules(cfg: Any, n: int, max_new: int) -> list[tuple[str, str, str
 FAMILY = Family(
     name="t5",
     title="T5 (encoder-decoder: span-corruption pretraining)",
-    package="workbench.models.t5",
     supports=Supports(pipeline=False, interleaved=False, sequence_parallel=True, generation=True,
                       hf_classes=(("t5", "T5ForConditionalGeneration"), ("mt5", "MT5ForConditionalGeneration")),
                       pipeline_reason=PIPELINE_REASON, transformer_engine=False, positions=("relative",),
@@ -114,7 +113,6 @@ FAMILY = Family(
     presets=PRESETS,
     rules=rules,
     data_rules=data_rules,
-    generation_engine="generate",
     generation_rules=generation_rules,
     fields=("model.decoder_num_layers", "model.decoder_seq_length", "model.relative_attention_num_buckets",
             "model.relative_attention_max_distance"),
