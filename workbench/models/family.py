@@ -34,6 +34,7 @@ outside the folder branches on ``model.arch``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -112,12 +113,23 @@ class Family:
     #: length checks of one generation request: (cfg, prompt tokens, max_new_tokens) -> [(field, rule, fix)],
     #: field "prompt" (the generation front end names which) or "generation.max_new_tokens"
     generation_rules: Callable[[Any, int, int], list[tuple[str, str, str]]] = positions_rule
-    #: config fields only this family reads (dotted, e.g. ``model.num_labels``): the config form shows them
-    #: only while ``model.arch`` names this family
-    fields: tuple[str, ...] = ()
+    #: the model-config fields only this family reads: a dataclass that :class:`workbench.config.ModelConfig`
+    #: mounts (keys ``model.<field>``; a field's ``metadata["bound"]`` is its range,
+    #: :class:`workbench.config_fields.Bound`); None: none
+    model_fields: type | None = None
+    #: the rules of this family's own fields that hold whatever the config's family (e.g. BERT's ``num_labels``
+    #: where the config's family has no classification head): (cfg, the config's family's Supports) ->
+    #: [(field, rule, fix, *fields it reads)]
+    field_rules: Callable[[Any, Supports], list[tuple[str, ...]]] = lambda cfg, supports: []
     #: megatron ``TransformerConfig`` fields of this family's layers beyond the generic ones (GPT: the MoE
     #: fields, :func:`workbench.models.common.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
     transformer_fields: Callable[[Any, Any], dict] = lambda cfg, choice: {}
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The dotted config fields only this family reads (its :attr:`model_fields`): the config form shows
+        them only while ``model.arch`` names this family."""
+        return tuple(f"model.{f.name}" for f in dataclasses.fields(self.model_fields)) if self.model_fields else ()
 
 
 # --------------------------------------------------------------------------- the parts and their protocols

@@ -7,12 +7,28 @@ builder), :mod:`.step` (default forward step and LM loss), :mod:`.data` (GPT dat
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.models.common import moe
+from workbench.models.common.moe import MoEConfig
 from workbench.models.family import Family, Supports
 from workbench.models.common import shapes
 from workbench.models.gpt.presets import PRESETS
+
+
+@dataclass
+class GPTFields:
+    """The model-config fields GPT reads (``model.<field>``, mounted on :class:`workbench.config.ModelConfig`)."""
+
+    #: mixture of experts (families with ``Supports.moe``): experts, router, capacity; see workbench.models.common.moe
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+def field_rules(cfg: Any, supports: Supports) -> list[tuple[str, ...]]:
+    """The ``model.moe`` section and expert parallelism on a config of any family (refused where the family has no
+    MoE layers): :func:`workbench.models.common.moe.rules`."""
+    return moe.rules(cfg, supports.moe)
 
 
 def transformer_fields(cfg: Any, choice: Any) -> dict:
@@ -31,6 +47,7 @@ FAMILY = Family(
                                   ("olmoe", "OLMoE's q/k norms: the workbench model has none yet"))),
     shapes=shapes,
     presets=PRESETS,
-    fields=("model.moe",),
+    model_fields=GPTFields,
+    field_rules=field_rules,
     transformer_fields=transformer_fields,
 )
