@@ -63,7 +63,7 @@ def build_pair(name: str, device: str, dtype: str, vocab: int, positions: int, s
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from workbench.backend.model import build_model
+    from workbench.backend.build import build_model
     from workbench.conversion.hf import hf_to_mcore, run_config_from_hf
 
     layers, hidden, heads = MODELS[name]
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import transformers
 
     from workbench.backend import distributed
-    from workbench.backend.inference import InferenceEngine
+    from workbench.backend.decoding import InferenceEngine
     from workbench.config import GenerationConfig
 
     cuda = not args.cpu_smoke

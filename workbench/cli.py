@@ -11,7 +11,6 @@ stack trace.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import shutil
 import sys
@@ -28,15 +27,6 @@ from workbench.launch.slurm import batch_script
 from workbench.launch.slurm import submit as slurm_submit
 
 # Modules that register sub-commands (in help order); "schedule" and "run" are this module's.
-COMMAND_MODULES = [
-    "workbench.planner",         # plan
-    "workbench.advisor",         # advise, calibrate
-    "schedule",                  # schedule
-    "run",                       # launch, sweep, notebook
-    "workbench.data",            # preprocess, tokenizer, data
-    "workbench.conversion",      # convert
-    "workbench.generation",      # generate
-]
 
 
 def _config_validate(args: argparse.Namespace) -> int:
@@ -399,9 +389,6 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=_cmd_notebook_run)
 
 
-_OWN_COMMANDS = {"schedule": _add_schedule_cli, "run": _add_run_cli}
-
-
 # --------------------------------------------------------------------------- the parser
 
 
@@ -409,19 +396,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description="Megatron Workbench")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_config_cli(sub)
-    for name in COMMAND_MODULES:
-        if name in _OWN_COMMANDS:
-            _OWN_COMMANDS[name](sub)
-            continue
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # that concern is not built yet
-                continue
-            raise
-        add = getattr(mod, "add_cli", None)
-        if add is not None:
-            add(sub)
+    from workbench import advisor, conversion, data, generation, planner
+
+    for add in (planner.add_cli,         # plan
+                advisor.add_cli,         # advise, calibrate
+                _add_schedule_cli,       # schedule
+                _add_run_cli,            # launch, sweep, notebook
+                data.add_cli,            # preprocess, tokenizer, data
+                conversion.add_cli,      # convert
+                generation.add_cli):     # generate
+        add(sub)
     return parser
 
 

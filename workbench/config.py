@@ -21,6 +21,8 @@ import dataclasses
 import functools
 import json
 import math
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -30,8 +32,6 @@ from workbench import kernel_rule
 from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, reads_bad
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
 from workbench.models import FAMILIES, Supports, all_presets, family_of
-from workbench.models import moe as _moe
-from workbench.models.moe import MoEConfig
 
 __all__ = [
     "ModelConfig",
@@ -56,11 +56,16 @@ __all__ = [
 # --------------------------------------------------------------------------- sections
 
 
-@dataclass
-class ModelConfig:
-    """Architecture. `arch` names the model family (``workbench/models/<arch>/``): gpt, bert, t5 (encoder-decoder)."""
+#: ``model.arch``: the name of a family of the registry (:data:`workbench.models.FAMILIES`)
+ArchName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]
 
-    arch: Literal["gpt", "bert", "t5"] = "gpt"
+
+@dataclass
+class CommonModelConfig:
+    """The architecture fields every family reads; :class:`ModelConfig` adds each family's own."""
+
+    #: the model family (``workbench/models/<arch>/``), one of :data:`workbench.models.FAMILIES`
+    arch: ArchName = "gpt"
     num_layers: int = 2
     hidden_size: int = 128
     num_attention_heads: int = 4
@@ -90,24 +95,6 @@ class ModelConfig:
     init_method_std: float = 0.02
     #: auto: Transformer Engine when importable, else the workbench SDPA module; local: stock mcore (unfused).
     attention_backend: Literal["auto", "sdpa", "te", "local"] = "auto"
-    #: token-type (segment) embeddings, e.g. BERT's sentence A / B (2); 0: none
-    num_tokentypes: int = 0
-    #: encoders (BERT): the binary (sentence-order) head on the pooled first token, a second pretraining loss
-    add_binary_head: bool = False
-    #: encoders (BERT): the pooler (dense + tanh on the first token) also without the binary head (classification fine-tuning)
-    add_pooler: bool = False
-    #: encoders (BERT): > 0 adds a sequence-classification head with this many classes on the pooled output and trains
-    #: classification (cross entropy, accuracy) instead of pretraining; fine-tune with checkpoint.load_dir + finetune
-    num_labels: int = 0
-    #: encoder-decoder (T5): decoder layers (`num_layers` is the encoder's); None -> num_layers
-    decoder_num_layers: int | None = None
-    #: encoder-decoder (T5): decoder (target) sequence length (`seq_length` is the encoder's); None -> seq_length
-    decoder_seq_length: int | None = None
-    #: position_embedding relative: buckets of the relative position bias and the distance beyond which all share one bucket
-    relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
-    #: mixture of experts (families with ``Supports.moe``): experts, router, capacity; see workbench.models.moe
-    moe: MoEConfig = field(default_factory=MoEConfig)
 
     # -- derived helpers (kept here because every consumer needs them)
     @property
@@ -123,16 +110,6 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // max(self.num_attention_heads, 1)
 
     @property
-    def decoder_layers(self) -> int:
-        """Decoder layers of an encoder-decoder model (``decoder_num_layers`` or ``num_layers``)."""
-        return self.decoder_num_layers or self.num_layers
-
-    @property
-    def decoder_seq(self) -> int:
-        """Decoder (target) sequence length of an encoder-decoder model."""
-        return self.decoder_seq_length or self.seq_length
-
-    @property
     def gated_mlp(self) -> bool:
         """Whether fc1 holds a gate and an up projection (swiglu, geglu)."""
         return self.activation in ("swiglu", "geglu")
@@ -146,6 +123,23 @@ class ModelConfig:
             return int(math.ceil(8 * self.hidden_size / 3 / 64) * 64)
         return 4 * self.hidden_size
 
+
+
+def _mount_family_fields() -> type:
+    """:class:`ModelConfig`: one flat ``model`` section of the common fields and then each family's own
+    (:attr:`workbench.models.Family.model_fields`, in registry order), so a family's fields keep their keys
+    ``model.<field>`` and a new family adds its fields in its own folder."""
+    own = [f.model_fields for f in FAMILIES.values() if f.model_fields is not None]
+    # dataclass fields are collected along the reversed MRO: the common ones first, then the registry's order
+    cls = type("ModelConfig", (*reversed(own), CommonModelConfig), {
+        "__module__": __name__, "__qualname__": "ModelConfig",
+        "__doc__": "Architecture: the common fields (:class:`CommonModelConfig`) and every family's own "
+                   "(``Family.model_fields``); ``arch`` names the family that reads them."})
+    return dataclass(cls)
+
+
+#: the ``model`` section (see :func:`_mount_family_fields`)
+ModelConfig = _mount_family_fields()
 
 @dataclass
 class ParallelConfig:
@@ -488,7 +482,7 @@ def _coerce(tp: Any, value: Any, path: str, problems: list[Problem]) -> Any:
             problems.append(Problem(path, f"expected a mapping, got {value!r}", "write it as a mapping of names to values"))
             return _BAD
         return value
-    if origin in (getattr(__import__("types"), "UnionType"), getattr(__import__("typing"), "Union")):
+    if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
@@ -734,10 +728,9 @@ def _rules(cfg: RunConfig, add: Any) -> None:
         add("parallel.pipeline_parallel", sup.pipeline_reason or f"the {m.arch} family has no pipeline parallelism", "set pipeline_parallel: 1", arch)
     if vpp > 1 and not sup.interleaved:
         add("parallel.virtual_pipeline_parallel", f"the {m.arch} family has no interleaved schedule", "leave virtual_pipeline_parallel unset", arch)
-    if m.num_labels and not sup.classification:
-        add("model.num_labels", f"the {m.arch} family has no sequence-classification head", "set num_labels: 0 (classification: a bert model)", arch)
-    for field_name, rule, fix, *reads in _moe.rules(cfg, sup.moe):
-        add(field_name, rule, fix, *reads)
+    for fam in FAMILIES.values():  # each family's own fields, whatever the config's family (e.g. model.moe, model.num_labels)
+        for field_name, rule, fix, *reads in fam.field_rules(cfg, sup):
+            add(field_name, rule, fix, *reads)
     if p.sequence_parallel and not sup.sequence_parallel:
         add("parallel.sequence_parallel", f"the {m.arch} family has no sequence parallelism", "set sequence_parallel: false", arch)
     if m.kv_channels is None and m.hidden_size % heads:

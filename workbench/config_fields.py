@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from workbench.config_text import MAX_VALUES
 
-__all__ = ["Problem", "ConfigError", "Bound", "BOUNDS", "field_problems", "plain_data_problem", "LARGEST_ACCELERATOR_BYTES",
+__all__ = ["Problem", "ConfigError", "Bound", "BOUNDS", "LAYERS", "ITERS", "SEQ_WHY", "bounded", "field_problems", "plain_data_problem", "LARGEST_ACCELERATOR_BYTES",
            "at_defaults", "reads_bad", "touches"]
 
 
@@ -87,11 +87,18 @@ class Bound:
                        self.fix or f"use a {short} {'above' if self.lo_open else 'of at least'} {self.lo}")
 
 
+def bounded(default: Any, lo: float | None = None, hi: float | None = None, **kwargs: Any) -> Any:
+    """A dataclass field with ``default`` whose range (``metadata["bound"]``) is ``Bound(lo, hi, **kwargs)``: how a
+    model family's own fields (:attr:`workbench.models.Family.model_fields`) carry their bounds."""
+    return dataclasses.field(default=default, metadata={"bound": Bound(lo, hi, **kwargs)})
+
+
 LAYERS = Bound(1, 1024, why="the deepest trained transformers have ~100-200 layers")
 ITERS = 10**9
-_SEQ = "the workbench has no context parallelism: one rank holds a whole sequence, and no accelerator holds more"
+SEQ_WHY = "the workbench has no context parallelism: one rank holds a whole sequence, and no accelerator holds more"
 
-#: every numeric field's range, by dotted path (a list's entries share one: ``data.datasets.weight``)
+#: every numeric field's range, by dotted path (a list's entries share one: ``data.datasets.weight``); a model
+#: family's own fields carry theirs in their dataclass field's ``metadata["bound"]`` (:attr:`workbench.models.Family.model_fields`)
 BOUNDS: dict[str, Bound] = {
     "model.num_layers": LAYERS,
     "model.hidden_size": Bound(1, 131072, why="the widest trained transformers have hidden sizes of ~25k"),
@@ -102,30 +109,13 @@ BOUNDS: dict[str, Bound] = {
     "model.vocab_size": Bound(1, 1 << 24, why="the largest tokenizers have ~1M tokens"),
     "model.make_vocab_size_divisible_by": Bound(1, 1 << 16, why="megatron pads by 128"),
     "model.max_position_embeddings": Bound(1, 1 << 24, why="the longest trained contexts are ~10M positions"),
-    "model.seq_length": Bound(1, 1 << 20, why=_SEQ),
-    "model.decoder_seq_length": Bound(None, 1 << 20, why=_SEQ),
-    "model.decoder_num_layers": Bound(None, 1024, why=LAYERS.why),
+    "model.seq_length": Bound(1, 1 << 20, why=SEQ_WHY),
     "model.rotary_base": Bound(0, lo_open=True, fix="use 10000 (GPT-NeoX, Llama 2) or 500000 (Llama 3)"),
     "model.rotary_percent": Bound(0, 1, lo_open=True, fix="use 1.0"),
     "model.norm_epsilon": Bound(0, 1, lo_open=True, fix="use 1e-5"),
     "model.hidden_dropout": Bound(0, 1, hi_open=True, fix="use e.g. 0.1, or 0 to disable"),
     "model.attention_dropout": Bound(0, 1, hi_open=True, fix="use e.g. 0.1, or 0 to disable"),
     "model.init_method_std": Bound(0, fix="use 0.02"),
-    "model.num_tokentypes": Bound(0, 1024, why="BERT uses 2", fix="use 2 (sentences A / B) or 0"),
-    "model.num_labels": Bound(0, 1 << 20, why="a classifier over more classes than the largest vocabularies",
-                              fix="use 0 (pretraining) or the number of classes"),
-    "model.relative_attention_num_buckets": Bound(None, 1 << 20, why="T5 uses 32"),
-    "model.relative_attention_max_distance": Bound(None, 1 << 20, why="T5 uses 128"),
-    "model.moe.num_experts": Bound(0, 4096, why="the largest trained MoEs have a few hundred experts", fix="use 0 (dense) or e.g. 8-128"),
-    "model.moe.top_k": Bound(1, 64, why="trained MoEs route to 1-16 experts"),
-    "model.moe.ffn_hidden_size": Bound(1, 1 << 20, why="the widest trained MLPs are ~100k", fix="use null for model.ffn_hidden_size"),
-    "model.moe.shared_experts": Bound(0, 64, why="trained MoEs have 0-2 shared experts"),
-    "model.moe.shared_expert_ffn_hidden_size": Bound(1, 1 << 20, why="the widest trained MLPs are ~100k", fix="use null for the experts' size"),
-    "model.moe.layer_freq": Bound(1, 1024, why=LAYERS.why, fix="use 1 (every layer) or 2 (every other)"),
-    "model.moe.aux_loss_coeff": Bound(0, 1e3, why="trained MoEs use 1e-3 to 1e-2", fix="use 1e-2, or 0"),
-    "model.moe.z_loss_coeff": Bound(0, 1e3, why="ST-MoE uses 1e-3", fix="use 1e-3, or 0 to disable"),
-    "model.moe.capacity_factor": Bound(0, 1e3, lo_open=True, why="capacity factors are ~1-2", fix="use e.g. 1.25, or null (dropless)"),
-    "model.moe.router_stats_interval": Bound(0, ITERS, why="a billion steps", fix="use 0 to disable"),
     "parallel.expert_parallel": Bound(1, 4096, why="experts are split over at most a few hundred ranks"),
     "parallel.expert_tensor_parallel": Bound(1, 1024, why="tensor parallelism spans one node's GPUs, at most a rack's",
                                              fix="use null (= tensor_parallel) or 1"),
@@ -226,7 +216,8 @@ def _layout(cls: type, prefix: str) -> tuple[tuple[str, str, Any, str, Bound | N
         tp, path = hints[f.name], f"{prefix}.{f.name}" if prefix else f.name
         entries = get_origin(tp) is list and bool(get_args(tp)) and dataclasses.is_dataclass(get_args(tp)[0])
         kind = "section" if dataclasses.is_dataclass(tp) else "entries" if entries else "value"
-        out.append((f.name, path, get_args(tp)[0] if entries else tp if kind == "section" else _checker(tp), kind, BOUNDS.get(path)))
+        bound = BOUNDS.get(path) or f.metadata.get("bound")
+        out.append((f.name, path, get_args(tp)[0] if entries else tp if kind == "section" else _checker(tp), kind, bound))
     return tuple(out)
 
 

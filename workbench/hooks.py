@@ -11,8 +11,9 @@ API (``workbench.backend.train.Trainer(cfg, run_dir, hooks=TrainHooks(...))``).
     batch.attention_mask, labels=batch.labels)``), or the logits when
     ``train.return_logits`` is on; on other stages the hidden states.  Every stage receives the
     whole batch (tokens too), so a loss hook on the last stage can look at the inputs.  The
-    default is the model family's ``step.forward_step`` (GPT's is re-exported here as
-    :func:`default_forward_step`).
+    default is the model family's (:meth:`workbench.models.family.FamilyParts.step`); a hook
+    that wraps it calls :func:`default_forward_step`, the forward step of the family this
+    process trains (the trainer binds it: :func:`bind_family_step`).
 
 ``loss_func(batch: Batch, losses: Tensor, **hook_kwargs) -> Tensor | (Tensor, dict)``
     Turns the per-token losses ``[b, s]`` (fp32; ``batch.logits`` holds this rank's
@@ -31,9 +32,11 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from workbench.models.gpt.step import forward_step as default_forward_step  # GPT's; other families: models/<family>/step.py
+__all__ = ["Batch", "TrainHooks", "resolve", "load_hooks", "default_forward_step", "bind_family_step",
+           "keytoken_weighted_loss"]
 
-__all__ = ["Batch", "TrainHooks", "resolve", "load_hooks", "default_forward_step", "keytoken_weighted_loss"]
+#: the default train step (:class:`workbench.models.family.StepPart`) of the family this process trains
+_family_step: Any = None
 
 
 @dataclass
@@ -90,6 +93,22 @@ def load_hooks(cfg: Any) -> TrainHooks:
         kwargs=dict(t.hook_kwargs or {}),
         return_logits=bool(t.return_logits),
     )
+
+
+def bind_family_step(step: Any) -> None:
+    """Make ``step`` (the trained family's :class:`workbench.models.family.StepPart`) the one
+    :func:`default_forward_step` runs; the trainer calls this before its first step."""
+    global _family_step
+    _family_step = step
+
+
+def default_forward_step(batch: Batch, model: Any, **kwargs: Any) -> Any:
+    """The default forward step of the model family this process trains, for a ``train.forward_step``
+    hook that wraps it (e.g. to record or alter a micro-batch, then run the default)."""
+    if _family_step is None:
+        raise RuntimeError("default_forward_step runs inside a training run (workbench.backend.train.Trainer binds "
+                           "its model family's step); outside one, call workbench.models.parts.parts_of(cfg).step().forward_step")
+    return _family_step.forward_step(batch, model, **kwargs)
 
 
 def keytoken_weighted_loss(batch: Batch, losses: Any, keytoken_ids: list[int] = (), alpha: float = 0.25, **_: Any) -> Any:

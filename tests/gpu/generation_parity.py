@@ -61,7 +61,7 @@ def build(device: str, dtype: str = "fp32", seed: int = 0, layers: int = 4, hidd
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from workbench.backend.model import build_model
+    from workbench.backend.build import build_model
     from workbench.conversion.hf import hf_to_mcore, run_config_from_hf
 
     torch.manual_seed(seed)
@@ -84,14 +84,14 @@ def build(device: str, dtype: str = "fp32", seed: int = 0, layers: int = 4, hidd
 
 
 def hf_batch(prompts, device):
-    from workbench.backend.inference import left_pad
+    from workbench.backend.decoding import left_pad
 
     ids, valid = left_pad(prompts, 0, device)
     return ids, valid.long()
 
 
 def check_greedy(hf, model, device, graphs: bool) -> dict:
-    from workbench.backend.inference import InferenceEngine
+    from workbench.backend.decoding import InferenceEngine
     from workbench.config import GenerationConfig
 
     eng = InferenceEngine(model, vocab_size=50257, max_positions=256, pad_id=0, cuda_graphs=graphs)
@@ -107,7 +107,7 @@ def check_greedy(hf, model, device, graphs: bool) -> dict:
 
 
 def check_beam(hf, model, device) -> list[dict]:
-    from workbench.backend.inference import InferenceEngine
+    from workbench.backend.decoding import InferenceEngine
     from workbench.config import GenerationConfig
 
     eng = InferenceEngine(model, vocab_size=50257, max_positions=256, pad_id=0, cuda_graphs=False)
@@ -129,7 +129,7 @@ def check_beam(hf, model, device) -> list[dict]:
 
 
 def check_sampling(model, device) -> dict:
-    from workbench.backend.inference import InferenceEngine
+    from workbench.backend.decoding import InferenceEngine
     from workbench.config import GenerationConfig
 
     graphs = device == "cuda"
@@ -148,7 +148,7 @@ def check_sampling(model, device) -> dict:
 def check_bf16(device) -> dict:
     import torch
 
-    from workbench.backend.inference import InferenceEngine
+    from workbench.backend.decoding import InferenceEngine
     from workbench.config import GenerationConfig
 
     hf, _, model = build(device, dtype="bf16")

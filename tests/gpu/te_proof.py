@@ -60,16 +60,16 @@ def _logits(tr, seed: int = 1234):
     """fp32 logits of the trained model on the family's fixed verification inputs (conversion's verify inputs)."""
     import torch
     from workbench.backend.checkpointing import _unwrap
-    from workbench.models import FAMILIES
+    from workbench.models.parts import parts_of
 
-    family = FAMILIES[tr.cfg.model.arch]
+    parts = parts_of(tr.cfg)
     model = _unwrap(tr.model[0])
     dev = next(model.parameters()).device
-    inputs = family.part("hf").verify_inputs(tr.cfg.model.vocab_size, 2, tr.cfg.model.seq_length, seed=seed)
+    inputs = parts.hf().verify_inputs(tr.cfg.model.vocab_size, 2, tr.cfg.model.seq_length, seed=seed)
     inputs = {k: v.to(dev) for k, v in inputs.items()}
     model.eval()
     with torch.no_grad(), dev:  # the family's forward makes its position ids on the default device
-        out = family.part("step").logits_forward(model, inputs)
+        out = parts.step().logits_forward(model, inputs)
     model.train()
     return out.float().cpu()
 

@@ -25,7 +25,7 @@ from workbench.run.reader import read_events
 
 INIT = r'''
 import torch
-from workbench.backend.model import build_model
+from workbench.backend.build import build_model
 from workbench.backend.checkpointing import save_checkpoint
 cfg = load_config(INIT_CONFIG)
 distributed.initialize_for_tests(cfg, port=int(sys.argv[1]))

@@ -41,14 +41,14 @@ CASES = {
 MAKE = r'''
 import json, sys
 from pathlib import Path
-from workbench.models import family_for_hf
+from workbench.conversion.hf import hf_adapter
 
 root, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
 for name, (mt, kw) in cases.items():
     shape = dict(hidden=48, layers=2, heads=4, vocab=123, positions=32, seed=7)  # vocab 123: padded on import
     if mt == "llama":
         shape["kv_heads"] = 2
-    family_for_hf(mt).part("hf").make_random_hf_model(root / name / "hf", mt, **shape, **kw)
+    hf_adapter(mt).make_random_hf_model(root / name / "hf", mt, **shape, **kw)
 '''
 
 #: phase 2: HF -> workbench checkpoint -> HF, and the checkpoint's megatron-core logits on the family's verify inputs
@@ -58,7 +58,8 @@ from pathlib import Path
 from workbench.backend.checkpointing import load_checkpoint, read_metadata
 from workbench.conversion.api import compare_hf_dirs, hf_to_megatron, megatron_to_hf
 from workbench.conversion.runtime import build_full_model, single_process_group
-from workbench.models import family_for_hf, family_of
+from workbench.conversion.hf import hf_adapter
+from workbench.models.parts import parts_of
 from workbench.run.checkpoint import checkpoint_config
 
 root, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
@@ -66,7 +67,7 @@ for name, (mt, kw) in cases.items():
     d = root / name
     res = hf_to_megatron(d / "hf", d / "mc", dtype="fp32", device="cpu", progress=False)
     megatron_to_hf(d / "mc", d / "back", progress=False)
-    inputs = family_for_hf(mt).part("hf").verify_inputs(123, 2, 12, seed=1)
+    inputs = hf_adapter(mt).verify_inputs(123, 2, 12, seed=1)
     meta = read_metadata(d / "mc")
     cfg = checkpoint_config(meta)
     with single_process_group():
@@ -74,7 +75,7 @@ for name, (mt, kw) in cases.items():
         load_checkpoint(meta["path"], [model], load_optimizer=False)
         model.eval()
         with torch.no_grad():
-            torch.save(family_of(cfg).part("step").logits_forward(model, inputs)[..., :123].contiguous(), d / "mcore.pt")
+            torch.save(parts_of(cfg).step().logits_forward(model, inputs)[..., :123].contiguous(), d / "mcore.pt")
     out = {"round_trip": compare_hf_dirs(d / "hf", d / "back"), "tied": res.config.model.tie_embeddings}
     print("CASE " + json.dumps({name: out}), flush=True)
 '''
@@ -84,12 +85,12 @@ for name, (mt, kw) in cases.items():
 LOGITS = r'''
 import json, sys, torch
 from pathlib import Path
-from workbench.models import family_for_hf
+from workbench.conversion.hf import hf_adapter
 
 root, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
 for name, (mt, kw) in cases.items():
     d = root / name
-    hf = family_for_hf(mt).part("hf")
+    hf = hf_adapter(mt)
     inputs = hf.verify_inputs(123, 2, 12, seed=1)
     ref, where = hf.hf_logits(d / "hf", inputs)
     back, _ = hf.hf_logits(d / "back", inputs)

@@ -69,7 +69,7 @@ def test_smaller_tokenizer_warns_and_generation_shows_undecodable_ids(hf_dir, tm
         prepare_request(checkpoint_info(res.output), ["the cat"], GenerationConfig(max_new_tokens=4))
 
     # the real engine on the model: ids >= 300 (most of a random 1,000-token model's) are shown, not dropped
-    from workbench.backend.inference import InferenceEngine
+    from workbench.backend.decoding import InferenceEngine
 
     hf = hf_gpt2(seed=1)
     cfg = gpt2_run_config(hf)

@@ -39,7 +39,8 @@ def _probe(variants: dict[str, dict], port: int) -> dict[str, dict]:
 
     from workbench import planner
     from workbench.backend import distributed
-    from workbench.backend.model import build_model, transformer_config
+    from workbench.backend.build import build_model
+    from workbench.backend.model import transformer_config
     from workbench.config import preset
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # tests/support (also when run as a script)

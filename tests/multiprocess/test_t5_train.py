@@ -30,7 +30,7 @@ INIT = r'''
 import sys, torch
 from workbench.config import load_config
 from workbench.backend import distributed
-from workbench.backend.model import build_model
+from workbench.backend.build import build_model
 from workbench.backend.checkpointing import save_checkpoint
 cfg = load_config(sys.argv[1])
 distributed.initialize_for_tests(cfg, port=int(sys.argv[3]))

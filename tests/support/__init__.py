@@ -286,7 +286,7 @@ def hf_gpt2(seed: int = 0, init_range: float = 0.2):
 
 def workbench_gpt(cfg, pre_process: bool = True, post_process: bool = True):
     """The model the workbench trains (its layer spec, SDPA core attention), built for this rank."""
-    from workbench.backend.model import build_model
+    from workbench.backend.build import build_model
 
     return build_model(cfg, pre_process=pre_process, post_process=post_process).eval()
 

@@ -80,6 +80,7 @@ def convert(ckpt: Path, work: Path, device: str, atol: float = 1e-4, new: int = 
     from workbench.conversion.verify import verify_against_hf
     from workbench.generation import generate
     from workbench.models import family_of
+    from workbench.models.parts import parts_of
     from workbench.run.checkpoint import read_metadata
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -101,7 +102,7 @@ def convert(ckpt: Path, work: Path, device: str, atol: float = 1e-4, new: int = 
     rec.update(verify_max_abs_diff=v["max_abs_diff"], verify_atol=atol, verify_ok=bool(v["ok"]),
                verify_seconds=round(time.time() - t0, 1))
     if not fam.supports.generation:  # BERT: the masked-token answer of the verified logits (fill-mask) is HF's
-        ref, where = fam.part("hf").hf_logits(hf, v["inputs"])
+        ref, where = parts_of(fam).hf().hf_logits(hf, v["inputs"])
         vocab = ref.shape[-1]
         a, b = v["mcore_logits"][..., :vocab].argmax(-1), ref.argmax(-1)
         if where is not None:
@@ -122,7 +123,7 @@ def convert(ckpt: Path, work: Path, device: str, atol: float = 1e-4, new: int = 
         trained = generate(ckpt, PROMPTS, greedy, device=device, work_dir=work / "gen-trained", timeout=600)
         ids = [list(r.prompt_ids) for r in trained]
         ours = generate(back, gen=greedy, prompt_ids=ids, device=device, work_dir=work / "gen-fp32", timeout=600)
-        seq2seq = fam.generation_engine is not None
+        seq2seq = any(cls.endswith("ForConditionalGeneration") for _, cls in fam.supports.hf_classes)  # encoder-decoder
         theirs = hf_greedy(hf, ids, new, device, seq2seq)
         equal = [same_tokens(o, t) for o, t in zip(ours, theirs)]
         gen_ok = all(equal) and len(equal) == len(PROMPTS)

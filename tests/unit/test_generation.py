@@ -34,7 +34,7 @@ def setup():
     was = init_single_process(cfg)
     model = workbench_gpt(cfg)
     load_into(model, converted_state(hf, cfg))
-    from workbench.backend.inference import InferenceEngine
+    from workbench.backend.decoding import InferenceEngine
 
     engine = InferenceEngine(model, vocab_size=VOCAB, max_positions=POSITIONS, eos_id=None, pad_id=0)
     yield engine, hf, model
@@ -42,7 +42,7 @@ def setup():
 
 
 def _hf_batch(prompts):
-    from workbench.backend.inference import left_pad
+    from workbench.backend.decoding import left_pad
 
     ids, valid = left_pad(prompts, 0)
     return ids, valid.long()
@@ -166,7 +166,7 @@ def test_top_p_decays_to_its_bound(setup):
 
 
 def test_top_p_filter_keeps_smallest_nucleus():
-    from workbench.backend.inference import filter_top_p
+    from workbench.backend.decoding import filter_top_p
 
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     kept = torch.isfinite(filter_top_p(probs.log(), 0.7))[0].tolist()
@@ -178,7 +178,7 @@ def test_top_p_filter_keeps_smallest_nucleus():
 def test_prefill_logits_match_the_models_own_forward(setup):
     """The engine's cached attention gives the same next-token logits as GPTModel.forward (SDPA module)."""
     engine, _, model = setup
-    from workbench.backend.inference import KVCache
+    from workbench.backend.decoding import KVCache
 
     prompt = torch.tensor([PROMPTS[2]])
     with torch.no_grad():

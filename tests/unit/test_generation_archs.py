@@ -41,7 +41,7 @@ def parallel():
 
 @pytest.mark.parametrize("kind", ["llama", "alibi"])
 def test_cached_greedy_equals_full_forward_argmax(parallel, kind):
-    from workbench.backend.inference import InferenceEngine
+    from workbench.backend.decoding import InferenceEngine
 
     torch.manual_seed(0)
     cfg = _cfg(kind)
@@ -62,7 +62,7 @@ def test_cached_greedy_equals_full_forward_argmax(parallel, kind):
 
 def test_beam_search_reorders_the_cache_consistently(parallel):
     """Every returned beam's reported log-probs equal a fresh full forward over that beam."""
-    from workbench.backend.inference import InferenceEngine
+    from workbench.backend.decoding import InferenceEngine
 
     torch.manual_seed(1)
     model = workbench_gpt(_cfg("llama"))

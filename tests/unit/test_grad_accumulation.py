@@ -11,7 +11,8 @@ def _ddp(cfg, workbench_hooks: bool):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from workbench.backend import grad_accumulation
-    from workbench.backend.model import build_model, transformer_config
+    from workbench.backend.build import build_model
+    from workbench.backend.model import transformer_config
 
     torch.manual_seed(0)
     tc = transformer_config(cfg)

@@ -23,7 +23,8 @@ def graphed_layer():
     from workbench import kernel_rule
     from workbench.backend import cpu_mode
     from workbench.backend.distributed import destroy, initialize_for_tests
-    from workbench.backend.model import GraphedTransformerLayer, build_model, layer_class
+    from workbench.backend.build import build_model
+    from workbench.backend.model import GraphedTransformerLayer, layer_class
 
     cfg = preset("tiny")
     te_graphs = kernel_rule.choose(preset("gpt2-small", **{"model.attention_backend": "te"}), te=True)

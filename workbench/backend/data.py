@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from workbench.config import RunConfig, derive
-from workbench.models import family_of
+from workbench.models.parts import parts_of
 
 __all__ = ["build_datasets", "MicroBatchStream", "microbatch_indices"]
 
@@ -31,7 +31,7 @@ def build_datasets(cfg: RunConfig, run_dir: Any, log: Any = print) -> tuple[Any,
     ``data.source: synthetic`` is the family's deterministic token stream; every other source
     reads real data, and a failure to import or build it is an error, never a silent fallback.
     """
-    return family_of(cfg).part("data").build_datasets(cfg, run_dir, log=log)
+    return parts_of(cfg).data().build_datasets(cfg, run_dir, log=log)
 
 
 def microbatch_indices(iteration: int, microbatch: int, gbs: int, mbs: int, dp: int, dp_rank: int, start_sample: int = 0) -> list[int]:

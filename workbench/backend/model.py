@@ -1,13 +1,12 @@
-"""Model construction shared by every family: RunConfig -> megatron-core ``TransformerConfig``,
-the kernel slots of the one kernel rule, and the dispatch to the family's builder.
+"""The building blocks every family builds its model from: RunConfig -> megatron-core ``TransformerConfig``,
+and the kernel slots of the one kernel rule.
 
 - :func:`transformer_config`: the mcore TransformerConfig (sizes, parallel layout, dtypes,
   recompute, p2p settings) for any family.
 - :func:`layer_class` / :func:`norm_module`: the transformer-layer class and the norm module for
   a :class:`workbench.kernel_rule.KernelChoice` (the compiled dense layer or megatron's
   TransformerLayer; TE / apex / the workbench's SP-capable norms).
-- :func:`build_model`: one model chunk, built by the config's family
-  (``workbench/models/<family>/model.py``).
+- :func:`self_attention_layer_spec`: a pre-norm self-attention + MLP layer on the rule's kernels.
 - :func:`kernel_path`: what each kernel slot resolves to, for the ``run_start`` event.
 """
 
@@ -44,7 +43,6 @@ __all__ = [
     "layer_class",
     "norm_module",
     "self_attention_layer_spec",
-    "build_model",
     "kernel_path",
     "attention_impl",
     "SELECTIVE_RECOMPUTE",
@@ -240,7 +238,7 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         workbench_tp_comm_overlap=kernel_rule.choose(cfg).tp_overlap == "compiled",
     )
     kwargs.update(_fp8_fields(cfg))
-    kwargs.update(family_of(cfg).transformer_fields(cfg, kernel_rule.choose(cfg)))  # e.g. GPT's MoE layers (workbench.models.moe)
+    kwargs.update(family_of(cfg).transformer_fields(cfg, kernel_rule.choose(cfg)))  # e.g. GPT's MoE layers (workbench.models.common.moe)
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
         kwargs.update(num_layers_in_first_pipeline_stage=stage_layers[0], num_layers_in_last_pipeline_stage=stage_layers[-1])
@@ -309,22 +307,6 @@ def self_attention_layer_spec(cfg: RunConfig, choice: kernel_rule.KernelChoice, 
             },
         ),
     )
-
-
-def build_model(
-    cfg: RunConfig,
-    pre_process: bool = True,
-    post_process: bool = True,
-    vp_stage: Optional[int] = None,
-    config: Optional[TransformerConfig] = None,
-) -> Any:
-    """One model chunk for this rank, built by the config's family (parallel state must be initialised),
-    on this rank's GPU when ``parallel.device`` is cuda."""
-    model = family_of(cfg).part("model").build(cfg, pre_process=pre_process, post_process=post_process,
-                                               vp_stage=vp_stage, config=config)
-    if cfg.parallel.device == "cuda" and torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
 
 
 def kernel_path(cfg: RunConfig) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """The training loop every rank runs: megatron-core schedules, DDP, optimizer, events, checkpoints.
 
 ``Trainer(cfg, run_dir, hooks=None).run() -> exit code``.  Pieces (all real megatron-core):
-- model chunks from :func:`workbench.backend.model.build_model` (one per virtual pipeline
+- model chunks from :func:`workbench.backend.build.build_model` (one per virtual pipeline
   stage), ``Float16Module`` for bf16/fp16, mcore ``DistributedDataParallel`` (fp32 grad
   reduction by default, optional distributed optimizer / overlap);
 - ``get_megatron_optimizer`` (Adam, grad clipping, dynamic or static fp16 loss scaling) and
@@ -46,8 +46,8 @@ from workbench.backend.optimizer_paths import prepare_optimizer
 from workbench import kernel_rule
 from workbench.config import RunConfig, derive
 from workbench.run.events import Checkpoint, Error, Eval, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
-from workbench.hooks import Batch, TrainHooks, load_hooks
-from workbench.models import family_of
+from workbench.hooks import Batch, TrainHooks, bind_family_step, load_hooks
+from workbench.models.parts import parts_of
 
 __all__ = ["Trainer", "main"]
 
@@ -77,6 +77,10 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.hooks = hooks if hooks is not None else load_hooks(cfg)
+        #: the family's default train step; its LOSS_NAME is the reported key of the main loss
+        self.step = parts_of(cfg).step()
+        self.loss_name = self.step.LOSS_NAME
+        bind_family_step(self.step)  # workbench.hooks.default_forward_step: this run's family's forward step
         self.rank = int(os.environ.get("RANK", "0"))
         self.events = EventWriter(self.run_dir, self.rank)
         self.iteration = 0
@@ -101,7 +105,8 @@ class Trainer:
 
         from workbench.backend import distributed, timing
         from workbench.backend.data import MicroBatchStream, build_datasets
-        from workbench.backend.model import build_model, kernel_path, training_step_fields, transformer_config
+        from workbench.backend.build import build_model
+        from workbench.backend.model import kernel_path, training_step_fields, transformer_config
 
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
         self.coords = distributed.initialize(cfg)
@@ -193,8 +198,8 @@ class Trainer:
 
         self._maybe_load()
         # the family's per-step monitor (GPT's MoE router statistics), if it has one for this config
-        monitor = getattr(family_of(cfg).part("step"), "step_monitor", None)
-        self.monitor = monitor(cfg, [getattr(m, "module", m) for m in self.model]) if monitor else None
+        monitor = parts_of(cfg).monitor()
+        self.monitor = monitor.step_monitor(cfg, [getattr(m, "module", m) for m in self.model]) if monitor else None
 
         train_ds, valid_ds, self.data_desc = build_datasets(cfg, self.run_dir, log=self._log)
         self.train_ds, self.valid_ds = train_ds, valid_ds
@@ -250,7 +255,8 @@ class Trainer:
         from megatron.core import tensor_parallel
 
         hooks = self.hooks
-        step = family_of(self.cfg).part("step")  # the family's default forward step and loss
+        step = self.step  # the family's default forward step and loss
+        loss_name = self.loss_name
         fwd = hooks.forward_step or step.forward_step
         counters = [0] * len(self.model)
         timer = self.timer if train else None
@@ -269,7 +275,7 @@ class Trainer:
             if train and hooks.loss_func is not None:
                 res = hooks.loss_func(batch, losses, **hooks.kwargs)
                 loss, extras = (res if isinstance(res, tuple) else (res, {}))
-                report = {"lm loss": loss.detach().clone().float()}
+                report = {loss_name: loss.detach().clone().float()}
                 report.update({k: torch.as_tensor(v).detach().float() for k, v in extras.items()})
                 if timer is not None:
                     timer.remember(loss, mb, chunk)
@@ -380,11 +386,11 @@ class Trainer:
         for m in self.model:
             m.train()
         losses = self._reduce_loss(reports)
-        if "lm loss" not in losses:
+        if self.loss_name not in losses:
             return None
-        loss = losses["lm loss"]
+        loss = losses[self.loss_name]
         # the family's other reported metrics (e.g. BERT's sentence-order loss, masked-token accuracy)
-        return {"loss": loss, "ppl": math.exp(min(loss, 80.0)), "metrics": {k: v for k, v in losses.items() if k != "lm loss"}}
+        return {"loss": loss, "ppl": math.exp(min(loss, 80.0)), "metrics": {k: v for k, v in losses.items() if k != self.loss_name}}
 
     def save(self) -> Path:
         from workbench.backend.checkpointing import save_checkpoint
@@ -498,7 +504,7 @@ class Trainer:
         while self.iteration < t.train_iters:
             res = self.train_step()
             it = self.iteration
-            loss = res["losses"].get("lm loss")
+            loss = res["losses"].get(self.loss_name)
             self.last_loss = loss
             if it % t.log_interval == 0 or it == t.train_iters:
                 tflops = flops / res["step_time"] / world / 1e12
@@ -507,7 +513,7 @@ class Trainer:
                     grad_norm=None if res["grad_norm"] is None else float(res["grad_norm"]), skipped=res["skipped"],
                     step_time=res["step_time"], tokens_per_s=tokens / res["step_time"], tflops_per_gpu=tflops,
                     mfu=(tflops / peak) if peak else None, consumed_samples=self.consumed_samples, **memory_stats(self.cuda),
-                    extra={k: v for k, v in res["losses"].items() if k != "lm loss"},
+                    extra={k: v for k, v in res["losses"].items() if k != self.loss_name},
                 ))
             for rec in self.monitor.after_step(it, self.derived.num_microbatches) if self.monitor else ():
                 if self.is_logging_rank:

@@ -31,17 +31,17 @@ from workbench.conversion.hf import (
     SUPPORTED_MODEL_TYPES,
     TOKENIZER_FILES,
     ConversionError,
+    hf_adapter,
     hf_config_dict_from_run,
     hf_to_mcore_rules,
     infer_model_type,
     load_hf_state_dict,
     mcore_to_hf_rules,
-    pad_vocab_rows,
     parse_size,
     read_hf_config,
     run_config_from_hf,
 )
-from workbench.conversion.rules import Rule, TensorInfo, infos_of, plan_targets, stream_rules
+from workbench.conversion.rules import Rule, TensorInfo, infos_of, pad_vocab_rows, plan_targets, stream_rules
 from workbench.models import family_for_hf
 
 __all__ = [
@@ -510,7 +510,7 @@ def make_random_hf_model(out: str | Path, model_type: str = "gpt2", **kwargs: An
     fam = family_for_hf(model_type)
     if fam is None:
         raise ConversionError(f"model_type {model_type!r} -> one of {sorted(SUPPORTED_MODEL_TYPES)}")
-    return fam.part("hf").make_random_hf_model(out, model_type, **kwargs)
+    return hf_adapter(model_type).make_random_hf_model(out, model_type, **kwargs)
 
 
 def compare_hf_dirs(a: str | Path, b: str | Path) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Hugging Face <-> megatron-core: configs and per-tensor conversion rules, for every model family.
 
 The model-specific parts (HF config fields, tensor names) are each family's ``hf`` adapter
-(``workbench/models/<family>/hf.py``); this module reads and writes HF directories, pads
-vocabularies and dispatches to the adapter of an HF ``model_type``.
+(:meth:`workbench.models.family.FamilyParts.hf`, built from :mod:`workbench.conversion.rules`);
+this module reads and writes HF directories and dispatches to the adapter of an HF ``model_type``.
 
 Pure torch: no megatron import.  The megatron side is the *full* state dict of a
 TP=1/PP=1 ``GPTModel`` (stock names: ``embedding.word_embeddings.weight``,
@@ -32,7 +32,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 from workbench.config import ModelConfig, RunConfig
 from workbench.conversion.errors import ConversionError
-from workbench.models import FAMILIES, family_for_hf, family_of
+from workbench.models import FAMILIES, Family, family_for_hf, family_of
+from workbench.models.family import HfPart
+from workbench.models.parts import parts_of
 
 __all__ = [
     "ConversionError",
@@ -48,7 +50,7 @@ __all__ = [
     "load_hf_state_dict",
     "save_hf_state_dict",
     "parse_size",
-    "pad_vocab_rows",
+    "hf_adapter",
     "TOKENIZER_FILES",
 ]
 
@@ -94,7 +96,7 @@ def run_config_from_hf(hf: dict[str, Any], base: RunConfig | None = None, tp: in
     if fam is None:
         raise ConversionError(f"model_type {mt!r} is not supported -> one of {sorted(SUPPORTED_MODEL_TYPES)}")
     m["arch"] = fam.name
-    fam.part("hf").model_fields(hf, m)
+    _hf_of(fam).model_fields(hf, m)
     if make_vocab_size_divisible_by is not None:
         m["make_vocab_size_divisible_by"] = int(make_vocab_size_divisible_by)
     par = d["parallel"]
@@ -109,36 +111,44 @@ def run_config_from_hf(hf: dict[str, Any], base: RunConfig | None = None, tp: in
 
 
 
-def _adapter(model_type: str) -> Any:
+def _hf_of(fam: Family) -> HfPart:
+    hf = parts_of(fam).hf()
+    if hf is None:
+        raise ConversionError(f"model.arch {fam.name!r} has no Hugging Face adapter")
+    return hf
+
+
+def hf_adapter(model_type: str) -> HfPart:
+    """The HF adapter of the family that converts ``model_type`` (:class:`workbench.models.family.HfPart`)."""
     fam = family_for_hf(model_type)
     if fam is None:
         raise ConversionError(f"model_type {model_type!r} is not supported -> one of {sorted(SUPPORTED_MODEL_TYPES)}")
-    return fam.part("hf")
+    return _hf_of(fam)
 
 
 def infer_model_type(m: ModelConfig) -> str:
     """Which HF architecture a workbench model maps onto (its family's adapter decides), or a clear refusal."""
     if not family_of(m.arch).supports.hf_model_types:
         raise ConversionError(f"model.arch {m.arch!r} has no Hugging Face adapter")
-    return family_of(m.arch).part("hf").infer_model_type(m)
+    return _hf_of(family_of(m.arch)).infer_model_type(m)
 
 
 def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | None = None, dtype: str = "float32") -> dict[str, Any]:
     """config.json content for the exported HF model (token ids etc. kept from the imported config when known)."""
-    return _adapter(model_type).hf_config_dict_from_run(cfg, model_type, hf_extra, dtype)
+    return hf_adapter(model_type).hf_config_dict_from_run(cfg, model_type, hf_extra, dtype)
 
 
 def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
     """Map an HF state dict to the full TP=1 megatron-core state dict (vocab padded per ``derive(cfg)``)."""
-    return _adapter(model_type).hf_to_mcore(hf_sd, cfg, model_type, dtype, progress)
+    return hf_adapter(model_type).hf_to_mcore(hf_sd, cfg, model_type, dtype, progress)
 
 
 def hf_to_mcore_rules(infos: Mapping[str, Any], cfg: RunConfig, model_type: str) -> list[Any]:
     """The per-tensor rules (:class:`workbench.conversion.rules.Rule`) mapping an HF checkpoint's tensors (``infos``:
     name -> :class:`~workbench.conversion.rules.TensorInfo`) to the full TP=1 megatron-core state dict; a missing
     tensor or a wrong vocabulary is a ConversionError before any data is read."""
-    return _adapter(model_type).hf_to_mcore_rules(infos, cfg, model_type)
+    return hf_adapter(model_type).hf_to_mcore_rules(infos, cfg, model_type)
 
 
 def mcore_to_hf_rules(infos: Mapping[str, Any], cfg: RunConfig, model_type: str,
@@ -146,56 +156,13 @@ def mcore_to_hf_rules(infos: Mapping[str, Any], cfg: RunConfig, model_type: str,
     """The per-tensor rules mapping the full TP=1 megatron-core state dict (``infos``) to HF names (vocab padding
     stripped); ``read`` (a tensor by name) for the decisions that look at values (T5: an untied head equal to the
     embeddings is left out, as ``save_pretrained`` does)."""
-    return _adapter(model_type).mcore_to_hf_rules(infos, cfg, model_type, read=read)
+    return hf_adapter(model_type).mcore_to_hf_rules(infos, cfg, model_type, read=read)
 
 
 def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
     """Map a full TP=1 megatron-core state dict to HF names (vocab padding stripped)."""
-    return _adapter(model_type).mcore_to_hf(sd, cfg, model_type, dtype, progress)
-
-
-# --------------------------------------------------------------------------- tensors
-
-
-def pad_vocab_rows(t: Any, padded: int, real: int | None = None) -> Any:
-    """Resize the vocab dim of ``[rows, h]`` to ``padded`` rows.
-
-    Existing rows are kept (cut when shrinking, never below ``real``); new rows are the
-    mean of the ``real`` vocabulary rows (all rows when ``real`` is None).
-    """
-    import torch
-
-    v = t.shape[0]
-    real = v if real is None else real
-    if padded < real:
-        raise ConversionError(f"cannot pad a vocabulary of {real} rows to {padded}")
-    if padded == v:
-        return t
-    if padded < v:
-        return t[:padded].clone()
-    fill = t[:real].float().mean(dim=0, keepdim=True).to(t.dtype).expand(padded - v, *t.shape[1:])
-    return torch.cat([t, fill], dim=0)
-
-
-def qkv_to_mcore(q: Any, k: Any, v: Any, heads: int, groups: int, d: int) -> Any:
-    import torch
-
-    tail = q.shape[1:]
-    q = q.reshape(groups, heads // groups * d, *tail)
-    k = k.reshape(groups, d, *tail)
-    v = v.reshape(groups, d, *tail)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *tail).contiguous()
-
-
-def qkv_from_mcore(qkv: Any, heads: int, groups: int, d: int) -> tuple[Any, Any, Any]:
-    tail = qkv.shape[1:]
-    per = heads // groups
-    x = qkv.reshape(groups, (per + 2) * d, *tail)
-    q = x[:, : per * d].reshape(heads * d, *tail).contiguous()
-    k = x[:, per * d: (per + 1) * d].reshape(groups * d, *tail).contiguous()
-    v = x[:, (per + 1) * d:].reshape(groups * d, *tail).contiguous()
-    return q, k, v
+    return hf_adapter(model_type).mcore_to_hf(sd, cfg, model_type, dtype, progress)
 
 
 # --------------------------------------------------------------------------- HF files

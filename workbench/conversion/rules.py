@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from workbench.conversion.errors import ConversionError
 
 __all__ = ["TensorInfo", "Rule", "copy_rule", "infos_of", "need", "need_vocab", "check_sources", "plan_targets",
-           "run_rules", "stream_rules", "strip_module_prefix"]
+           "run_rules", "stream_rules", "strip_module_prefix", "pad_vocab_rows", "qkv_to_mcore", "qkv_from_mcore"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,46 @@ def stream_rules(rules: Sequence[Rule], read: Callable[[str], Any], write: Calla
         for name, t in zip(r.targets, outs):
             write(name, _finish(t, dtype))
         del outs
+
+
+# --------------------------------------------------------------------------- tensor layouts
+
+
+def pad_vocab_rows(t: Any, padded: int, real: int | None = None) -> Any:
+    """Resize the vocab dim of ``[rows, h]`` to ``padded`` rows.
+
+    Existing rows are kept (cut when shrinking, never below ``real``); new rows are the
+    mean of the ``real`` vocabulary rows (all rows when ``real`` is None).
+    """
+    import torch
+
+    v = t.shape[0]
+    real = v if real is None else real
+    if padded < real:
+        raise ConversionError(f"cannot pad a vocabulary of {real} rows to {padded}")
+    if padded == v:
+        return t
+    if padded < v:
+        return t[:padded].clone()
+    fill = t[:real].float().mean(dim=0, keepdim=True).to(t.dtype).expand(padded - v, *t.shape[1:])
+    return torch.cat([t, fill], dim=0)
+
+
+def qkv_to_mcore(q: Any, k: Any, v: Any, heads: int, groups: int, d: int) -> Any:
+    import torch
+
+    tail = q.shape[1:]
+    q = q.reshape(groups, heads // groups * d, *tail)
+    k = k.reshape(groups, d, *tail)
+    v = v.reshape(groups, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail).contiguous()
+
+
+def qkv_from_mcore(qkv: Any, heads: int, groups: int, d: int) -> tuple[Any, Any, Any]:
+    tail = qkv.shape[1:]
+    per = heads // groups
+    x = qkv.reshape(groups, (per + 2) * d, *tail)
+    q = x[:, : per * d].reshape(heads * d, *tail).contiguous()
+    k = x[:, per * d: (per + 1) * d].reshape(groups * d, *tail).contiguous()
+    v = x[:, (per + 1) * d:].reshape(groups * d, *tail).contiguous()
+    return q, k, v

@@ -60,15 +60,15 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
 
 def _family_hf(ckpt: str | Path) -> Any:
     """The checkpoint's family's HF adapter, which must make verify's inputs and reference logits."""
-    from workbench.conversion.hf import ConversionError
-    from workbench.models import family_of
+    from workbench.conversion.errors import ConversionError
+    from workbench.models.parts import parts_of
     from workbench.run.checkpoint import read_metadata
 
-    fam = family_of(((read_metadata(ckpt).get("config") or {}).get("model") or {}).get("arch", "gpt"))
-    hf = fam.part("hf")
-    if not (hasattr(hf, "verify_inputs") and hasattr(hf, "hf_logits") and hasattr(fam.part("step"), "logits_forward")):
-        raise ConversionError(f"the {fam.name} family's checkpoints are not verified by this layout check: its hf part has no "
-                              f"verify_inputs / hf_logits (or its step part no logits_forward) -> see {fam.package} for its own check")
+    parts = parts_of(((read_metadata(ckpt).get("config") or {}).get("model") or {}).get("arch", "gpt"))
+    hf = parts.hf()
+    if hf is None:
+        raise ConversionError(f"the {parts.family.name} family has no Hugging Face adapter, so its checkpoints have no HF "
+                              "reference to verify against -> compare two of its own checkpoints instead")
     return hf
 
 
@@ -110,11 +110,12 @@ def _worker(args: argparse.Namespace) -> None:
     from workbench.backend.checkpointing import load_checkpoint, read_metadata
     from workbench.backend.cpu_mode import tensor_cuda_is_identity
     from workbench.backend.distributed import destroy, initialize
-    from workbench.backend.model import build_model, transformer_config
+    from workbench.backend.build import build_model
+    from workbench.backend.model import transformer_config
     from workbench.conversion.runtime import model_overrides
     from workbench.run.checkpoint import checkpoint_config
     from workbench.run.integrity import safe_torch_load
-    from workbench.models import family_of
+    from workbench.models.parts import parts_of
 
     cfg = checkpoint_config(read_metadata(args.ckpt))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -146,7 +147,7 @@ def _worker(args: argparse.Namespace) -> None:
         if not isinstance(inputs, dict):
             inputs = {"tokens": inputs}
         b, s = inputs["tokens"].shape
-        step = family_of(cfg).part("step")  # the family's forward for logits
+        step = parts_of(cfg).step()  # the family's forward for logits
         h = cfg.model.hidden_size
         nxt, prv = ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()
         last = pp_size * nchunks - 1

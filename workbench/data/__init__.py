@@ -15,26 +15,38 @@ from workbench.data.cli import add_cli  # noqa: F401
 from workbench.data.errors import DataError  # noqa: F401
 
 _LAZY = {
-    "load_tokenizer": "workbench.data.tokenizer",
-    "train_tokenizer": "workbench.data.tokenizer",
-    "Tokenizer": "workbench.data.tokenizer",
-    "preprocess": "workbench.data.preprocess",
-    "PreprocessSummary": "workbench.data.preprocess",
-    "check_indexed": "workbench.data.indexed",
-    "build_datasets": "workbench.data.megatron",
-    "dataset_sizes": "workbench.data.megatron",
-    "check_data": "workbench.data.megatron",
-    "ensure_demo_dataset": "workbench.data.demo",
-    "inspect_dataset": "workbench.data.inspect",
-    "plot_lengths": "workbench.data.inspect",
+    "load_tokenizer": "tokenizer",
+    "train_tokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "preprocess": "preprocess",
+    "PreprocessSummary": "preprocess",
+    "check_indexed": "indexed",
+    "build_datasets": "megatron",
+    "dataset_sizes": "megatron",
+    "check_data": "megatron",
+    "ensure_demo_dataset": "demo",
+    "inspect_dataset": "inspect",
+    "plot_lengths": "inspect",
 }
 
 __all__ = ["add_cli", "DataError", *_LAZY]
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'workbench.data' has no attribute {name!r}")
+    """The re-exported names of :data:`_LAZY`, each module imported on first use (an import statement apiece)."""
+    where = _LAZY.get(name)
+    if where == "tokenizer":
+        from workbench.data import tokenizer as module
+    elif where == "preprocess":
+        from workbench.data import preprocess as module
+    elif where == "indexed":
+        from workbench.data import indexed as module
+    elif where == "megatron":
+        from workbench.data import megatron as module
+    elif where == "demo":
+        from workbench.data import demo as module
+    elif where == "inspect":
+        from workbench.data import inspect as module
+    else:
+        raise AttributeError(f"module 'workbench.data' has no attribute {name!r}")
+    return getattr(module, name)

@@ -1,9 +1,10 @@
 """Model families: ``workbench/models/<family>/``, one folder each (see :mod:`workbench.models.family`).
 
-``model.arch`` names the family; everything that depends on the architecture (builder and
-specs, shape terms for the planner, the default train step, datasets, the HF adapter,
-presets, config rules) is asked of :func:`family_of` instead of branching on it.
-Torch-free: the heavy parts are imported by :meth:`Family.part` where they run.
+``model.arch`` names the family; everything that depends on the architecture is asked of it
+instead of branching on it: this registry holds the torch-free declarations (:func:`family_of`:
+supports, presets, config fields and rules, shape terms) and :mod:`workbench.models.parts` the
+rank-side parts (:func:`workbench.models.parts.parts_of`: builder, train step, datasets, HF
+adapter, generation engine).  What families share lives in :mod:`workbench.models.common`.
 """
 
 from __future__ import annotations

@@ -1,35 +1,47 @@
 """What a model family is: one folder under ``workbench/models/`` that the rest of the workbench asks.
 
-A family declares (torch-free, so the planner, config validation and widgets can read it in
-a notebook kernel) what it supports, its presets, its config rules and its shape terms; and
-names the modules of its heavier concerns, imported only where they run:
+A family has two sides.  Its **declaration** (:class:`Family`, the folder's ``__init__.py``) is
+torch-free, so config validation, the planner and the widgets read it in a notebook kernel: what it
+supports, its presets, its config rules, its shape terms.  Its **parts** (:class:`FamilyParts`, the
+folder's ``parts.py``) are the rank-side modules, each imported where it is first asked for, by a
+static import in ``parts.py``, so the import graph shows every arrow:
 
-=============  ==========================================================================
-part           what it holds
-=============  ==========================================================================
-``shapes``     parameter counts, Megatron FLOPs and the planner's per-stage memory terms
-               (torch-free; imported with the family)
-``model``      the megatron ``ModuleSpec`` s and ``build(cfg, pre_process, post_process,
-               vp_stage, config)`` -> one model chunk (rank side: torch + megatron-core)
-``step``       the default train step: ``forward_step(batch, model, return_logits)`` and
-               ``loss(batch, losses)`` (rank side)
-``data``       ``build_datasets(cfg, run_dir, log)`` for the non-synthetic sources (rank side)
-``hf``         the Hugging Face state-dict adapter (conversion)
-=============  ==========================================================================
+==============  =========================================================================
+part            what it holds (the protocol it answers)
+==============  =========================================================================
+``shapes``      parameter counts, Megatron FLOPs, the planner's per-stage memory terms
+                (:class:`ShapesPart`; torch-free, on the declaration)
+``model()``     ``build(cfg, pre_process, post_process, vp_stage, config)`` -> one model chunk
+                (:class:`ModelPart`; torch + megatron-core)
+``step()``      the default train step: ``forward_step``, ``loss``, ``logits_forward`` and the
+                name of the main reported loss ``LOSS_NAME`` (:class:`StepPart`)
+``data()``      ``build_datasets(cfg, run_dir, log)`` (:class:`DataPart`)
+``hf()``        the Hugging Face adapter: configs, per-tensor rules, a logits check's inputs and
+                reference (:class:`HfPart`; None: no HF types)
+``generation()``  ``make_engine(...)``, this family's generation engine (:class:`GenerationPart`;
+                None: the family does not generate)
+``monitor()``   ``step_monitor(cfg, chunks)``, a per-step monitor the trainer runs
+                (:class:`MonitorPart`; None: none)
+==============  =========================================================================
 
-Adding a family: a folder with an ``__init__.py`` that defines ``FAMILY`` and the modules it
-names, and one line in :data:`workbench.models.FAMILIES`. Nothing outside the folder branches on
-``model.arch``.
+The generic code asks :func:`workbench.models.family_of` for the declaration and
+:func:`workbench.models.parts.parts_of` for the parts; the family's modules import the backend's
+building blocks, never the other way round.  Adding a family: a folder with an ``__init__.py``
+that defines ``FAMILY`` and a ``parts.py`` that defines ``PARTS``, one line in
+:data:`workbench.models.FAMILIES` and one in :data:`workbench.models.parts.PARTS`.  Nothing
+outside the folder branches on ``model.arch``.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import inspect
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Protocol, runtime_checkable
 
-__all__ = ["Family", "Supports"]
+__all__ = ["Family", "Supports", "FamilyParts", "ShapesPart", "ModelPart", "StepPart", "DataPart", "HfPart",
+           "GenerationPart", "MonitorPart", "part_problems"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,7 @@ class Supports:
     activations: tuple[str, ...] = ("gelu", "swiglu")
     #: whether ``model.num_labels`` > 0 (a sequence-classification head, trained on a labelled set) is built
     classification: bool = False
-    #: whether ``model.moe.num_experts`` > 0 (mixture-of-experts layers, :mod:`workbench.models.moe`) builds
+    #: whether ``model.moe.num_experts`` > 0 (mixture-of-experts layers, :mod:`workbench.models.common.moe`) builds
     moe: bool = False
 
     @property
@@ -84,13 +96,13 @@ def positions_rule(cfg: Any, n: int, max_new: int) -> list[tuple[str, str, str]]
 
 @dataclass(frozen=True)
 class Family:
+    """A family's torch-free declaration (see the module docstring)."""
+
     name: str
     title: str
-    #: dotted package holding the parts (``workbench.models.gpt``)
-    package: str
     supports: Supports
-    #: the torch-free ``shapes`` module
-    shapes: ModuleType
+    #: the torch-free shape terms (:class:`ShapesPart`)
+    shapes: ShapesPart
     #: preset name -> nested dict of RunConfig sections (missing fields take the defaults)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: family-specific config rules: cfg -> [(field, rule, fix)]
@@ -98,19 +110,155 @@ class Family:
     #: family-specific data checks a launcher runs before any process starts (light: tokenizer
     #: files, ``.idx`` headers and sidecars, never torch): cfg -> [(field, rule, fix)]
     data_rules: Callable[[Any], list[tuple[str, str, str]]] = lambda cfg: []
-    #: the part whose ``make_engine(model, cfg, tokenizer, special_ids, cuda_graphs)`` generates for this
-    #: family (None: the decoder-only engine of :mod:`workbench.backend.inference`)
-    generation_engine: str | None = None
     #: length checks of one generation request: (cfg, prompt tokens, max_new_tokens) -> [(field, rule, fix)],
     #: field "prompt" (the generation front end names which) or "generation.max_new_tokens"
     generation_rules: Callable[[Any, int, int], list[tuple[str, str, str]]] = positions_rule
-    #: config fields only this family reads (dotted, e.g. ``model.num_labels``): the config form shows them
-    #: only while ``model.arch`` names this family
-    fields: tuple[str, ...] = ()
+    #: the model-config fields only this family reads: a dataclass that :class:`workbench.config.ModelConfig`
+    #: mounts (keys ``model.<field>``; a field's ``metadata["bound"]`` is its range,
+    #: :class:`workbench.config_fields.Bound`); None: none
+    model_fields: type | None = None
+    #: the rules of this family's own fields that hold whatever the config's family (e.g. BERT's ``num_labels``
+    #: where the config's family has no classification head): (cfg, the config's family's Supports) ->
+    #: [(field, rule, fix, *fields it reads)]
+    field_rules: Callable[[Any, Supports], list[tuple[str, ...]]] = lambda cfg, supports: []
     #: megatron ``TransformerConfig`` fields of this family's layers beyond the generic ones (GPT: the MoE
-    #: fields, :func:`workbench.models.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
+    #: fields, :func:`workbench.models.common.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
     transformer_fields: Callable[[Any, Any], dict] = lambda cfg, choice: {}
 
-    def part(self, name: str) -> ModuleType:
-        """One of the family's modules (``model``, ``step``, ``data``, ``hf``), imported on first use."""
-        return importlib.import_module(f"{self.package}.{name}")
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The dotted config fields only this family reads (its :attr:`model_fields`): the config form shows
+        them only while ``model.arch`` names this family."""
+        return tuple(f"model.{f.name}" for f in dataclasses.fields(self.model_fields)) if self.model_fields else ()
+
+
+# --------------------------------------------------------------------------- the parts and their protocols
+
+
+@runtime_checkable
+class ShapesPart(Protocol):
+    """Parameter counts, Megatron FLOPs and the planner's per-stage memory terms (torch-free)."""
+
+    def param_counts(self, cfg: Any, padded_vocab: int) -> dict[str, int]: ...
+    def layer_and_head_flops(self, cfg: Any, padded_vocab: int) -> tuple[float, float]: ...
+    def shape(self, cfg: Any, d: Any, micro_batch: int | None = None) -> Any: ...
+    def stage_params(self, cfg: Any, sh: Any, d: Any) -> list[dict[str, int]]: ...
+    def layer_activation_terms(self, sh: Any, kp: Any) -> dict[str, float]: ...
+    def layer_backward_transient(self, sh: Any, kp: Any, assumptions: Any) -> float: ...
+    def logits_bytes(self, sh: Any, kp: Any) -> tuple[float, float]: ...
+
+
+@runtime_checkable
+class ModelPart(Protocol):
+    """The family's megatron-core model: one chunk of a (virtual) pipeline stage."""
+
+    def build(self, cfg: Any, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+              config: Any = None) -> Any: ...
+
+
+@runtime_checkable
+class StepPart(Protocol):
+    """The family's default train step: the forward of one micro-batch, its loss, one chunk's forward for
+    logits (conversion's verify), and the report key of the main loss (the trainer's ``loss``)."""
+
+    LOSS_NAME: str
+
+    def forward_step(self, batch: Any, model: Any, return_logits: bool = False) -> Any: ...
+    def loss(self, batch: Any, output: Any) -> tuple[Any, Any, dict]: ...
+    def logits_forward(self, chunk: Any, inputs: dict) -> Any: ...
+
+
+@runtime_checkable
+class DataPart(Protocol):
+    """The family's datasets: ``(train, valid, description)`` for the config's data source."""
+
+    def build_datasets(self, cfg: Any, run_dir: Any, log: Any = print) -> tuple[Any, Any, str]: ...
+
+
+@runtime_checkable
+class HfPart(Protocol):
+    """The Hugging Face adapter of the family's ``Supports.hf_classes``."""
+
+    def model_fields(self, hf: dict, m: dict) -> None: ...
+    def infer_model_type(self, m: Any) -> str: ...
+    def hf_config_dict_from_run(self, cfg: Any, model_type: str, hf_extra: dict | None = None,
+                                dtype: str = "float32") -> dict: ...
+    def hf_to_mcore_rules(self, infos: Mapping[str, Any], cfg: Any, model_type: str) -> list: ...
+    def mcore_to_hf_rules(self, infos: Mapping[str, Any], cfg: Any, model_type: str, read: Any = None) -> list: ...
+    def hf_to_mcore(self, hf_sd: dict, cfg: Any, model_type: str, dtype: Any = None, progress: Any = None) -> dict: ...
+    def mcore_to_hf(self, sd: dict, cfg: Any, model_type: str, dtype: Any = None, progress: Any = None) -> dict: ...
+    def make_random_hf_model(self, out: Any, model_type: str) -> Any: ...
+    def verify_inputs(self, vocab: int, batch_size: int, seq_length: int, seed: int = 0) -> dict: ...
+    def hf_logits(self, hf_dir: Any, inputs: dict) -> tuple[Any, Any]: ...
+
+
+@runtime_checkable
+class GenerationPart(Protocol):
+    """The family's generation engine over one rank's model stage (``generate(prompt_ids, gen, ...)``)."""
+
+    def make_engine(self, model: Any, cfg: Any, tokenizer: Any, ids: dict, cuda_graphs: bool | str = "auto") -> Any: ...
+
+
+@runtime_checkable
+class MonitorPart(Protocol):
+    """A per-step monitor of the family's model (``after_step(iteration, num_microbatches)`` -> records), or None."""
+
+    def step_monitor(self, cfg: Any, chunks: list) -> Any: ...
+
+
+class FamilyParts(ABC):
+    """A family's rank-side parts.  The family's ``parts.py`` subclasses this with one method per part, each
+    a static import of the family's own module (imported on first call, so conversion's notebook side loads
+    the ``hf`` adapter without megatron-core); a part the family does not have stays None."""
+
+    #: the declaration these parts belong to
+    family: ClassVar[Family]
+
+    @abstractmethod
+    def model(self) -> ModelPart: ...
+
+    @abstractmethod
+    def step(self) -> StepPart: ...
+
+    @abstractmethod
+    def data(self) -> DataPart: ...
+
+    def hf(self) -> HfPart | None:
+        return None
+
+    def generation(self) -> GenerationPart | None:
+        return None
+
+    def monitor(self) -> MonitorPart | None:
+        return None
+
+
+#: each part accessor of :class:`FamilyParts` and the protocol its part answers
+PART_PROTOCOLS: dict[str, type] = {"model": ModelPart, "step": StepPart, "data": DataPart, "hf": HfPart,
+                                   "generation": GenerationPart, "monitor": MonitorPart}
+
+
+def part_problems(part: Any, protocol: type) -> list[str]:
+    """What ``part`` (a module or object) lacks of ``protocol``: each member missing, a constant of the wrong
+    type, a function that is not callable or does not take the protocol's call (its required parameters by
+    position, those with a default by name).  Empty: it answers."""
+    out: list[str] = []
+    for name, tp in getattr(protocol, "__annotations__", {}).items():
+        value = getattr(part, name, None)
+        if not isinstance(value, {"str": str, "int": int, "bool": bool}.get(tp, object)) or value is None:
+            out.append(f"{name}: a {tp} constant is missing")
+    for name, member in vars(protocol).items():
+        if name.startswith("_") or not inspect.isfunction(member):
+            continue
+        fn = getattr(part, name, None)
+        if not callable(fn):
+            out.append(f"{name}(): missing")
+            continue
+        want = list(inspect.signature(member).parameters.values())[1:]  # after self
+        positional = [object() for p in want if p.default is p.empty]  # required: passed by position
+        named = {p.name: object() for p in want if p.default is not p.empty}  # with a default: passed by name
+        try:
+            inspect.signature(fn).bind(*positional, **named)
+        except TypeError as e:
+            out.append(f"{name}(): does not take the call {name}({', '.join(p.name for p in want)}): {e}")
+    return out

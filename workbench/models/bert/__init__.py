@@ -12,19 +12,46 @@ The layout is Megatron's pre-LN BERT, which is HF's ``megatron-bert``; HF's orig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from workbench.config_fields import bounded
 from workbench.models.bert import shapes
 from workbench.models.bert.presets import PRESETS
 from workbench.models.family import Family, Supports
 
-__all__ = ["FAMILY", "rules", "data_rules", "BYTE_LEVEL_HINT"]
+__all__ = ["FAMILY", "BertFields", "rules", "field_rules", "data_rules", "BYTE_LEVEL_HINT"]
 
 BYTE_LEVEL_HINT = ("set data.tokenizer: demo-wordpiece (the WordPiece vocabulary trained on the embedded corpus), "
                    "a local BERT tokenizer directory or a vocab.txt")
 _POST_LN = ("HF 'bert' (BertForPreTraining) is post-LN: its layer norms follow each residual sum, while megatron-core's "
             "BERT (and HF 'megatron-bert') normalise before attention and MLP, so no weight mapping gives the same "
             "function -> convert a MegatronBertForPreTraining checkpoint (model_type 'megatron-bert')")
+
+
+@dataclass
+class BertFields:
+    """The model-config fields BERT reads (``model.<field>``, mounted on :class:`workbench.config.ModelConfig`)."""
+
+    #: token-type (segment) embeddings, e.g. BERT's sentence A / B (2); 0: none
+    num_tokentypes: int = bounded(0, 0, 1024, why="BERT uses 2", fix="use 2 (sentences A / B) or 0")
+    #: encoders (BERT): the binary (sentence-order) head on the pooled first token, a second pretraining loss
+    add_binary_head: bool = False
+    #: encoders (BERT): the pooler (dense + tanh on the first token) also without the binary head (classification fine-tuning)
+    add_pooler: bool = False
+    #: encoders (BERT): > 0 adds a sequence-classification head with this many classes on the pooled output and trains
+    #: classification (cross entropy, accuracy) instead of pretraining; fine-tune with checkpoint.load_dir + finetune
+    num_labels: int = bounded(0, 0, 1 << 20, why="a classifier over more classes than the largest vocabularies",
+                              fix="use 0 (pretraining) or the number of classes")
+
+
+def field_rules(cfg: Any, supports: Supports) -> list[tuple[str, ...]]:
+    """BERT's fields on a config of any family: a classification head only where the family builds one."""
+    m = cfg.model
+    if m.num_labels and not supports.classification:
+        return [("model.num_labels", f"the {m.arch} family has no sequence-classification head",
+                 "set num_labels: 0 (classification: a bert model)", "model.arch")]
+    return []
 
 
 def rules(cfg: Any) -> list[tuple[str, str, str]]:
@@ -92,7 +119,6 @@ def data_rules(cfg: Any) -> list[tuple[str, str, str]]:
 FAMILY = Family(
     name="bert",
     title="BERT (encoder-only: masked LM + sentence order)",
-    package="workbench.models.bert",
     supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=False, classification=True,
                       hf_classes=(("megatron-bert", "MegatronBertForPreTraining"),),
                       hf_refused=(("bert", _POST_LN),)),
@@ -100,5 +126,6 @@ FAMILY = Family(
     presets=PRESETS,
     rules=rules,
     data_rules=data_rules,
-    fields=("model.num_tokentypes", "model.add_binary_head", "model.add_pooler", "model.num_labels"),
+    model_fields=BertFields,
+    field_rules=field_rules,
 )

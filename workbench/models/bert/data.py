@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from workbench.data.errors import DataError
-from workbench.models.gpt.data import _mix32
+from workbench.models.common.seeds import mix32
 
 __all__ = ["SyntheticBertDataset", "BertSamples", "bert_dataset_config", "build_datasets", "MASKING"]
 
@@ -49,7 +49,7 @@ class SyntheticBertDataset:
         return self.size
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        g = np.random.default_rng(_mix32(self.seed, self.offset, int(idx)))
+        g = np.random.default_rng(mix32(self.seed, self.offset, int(idx)))
         span = self.vocab - self.FIRST
         n = int(g.integers(max(self.seq // 2, 4), self.seq - 3 + 1))  # text tokens; the rest is padding
         start, stride = int(g.integers(0, span)), int(g.integers(1, 4))

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench.models.gpt.data import _mix32
+from workbench.models.common.seeds import mix32
 
 __all__ = ["TESTAMENT_LABELS", "testament_verses", "TestamentDataset", "SyntheticLabelledDataset", "build_datasets"]
 
@@ -109,7 +109,7 @@ class SyntheticLabelledDataset:
         return self.size
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        g = np.random.default_rng(_mix32(self.seed, self.offset + 7, int(idx)))
+        g = np.random.default_rng(mix32(self.seed, self.offset + 7, int(idx)))
         band = (self.vocab - self.FIRST) // self.labels
         label = int(g.integers(0, self.labels))
         n = int(g.integers(max(self.seq // 2, 4), self.seq - 2 + 1))

@@ -6,7 +6,7 @@ final norm, the masked-LM head (dense + GELU + LayerNorm transform, then the out
 the word embeddings, with a vocab-sized bias), and on the pooled first token the pooler (dense +
 tanh) and the binary (sentence-order) head.
 
-The transformer layers keep what GPT's keep (:mod:`workbench.models.gpt.shapes`): with SDPA
+The transformer layers keep what GPT's keep (:mod:`workbench.models.common.shapes`): with SDPA
 attention bidirectional and causal attention keep the same tensors; the padding mask is one
 tensor per micro-batch shared by every layer (GPT's per-layer ``causal_mask`` term is dropped).
 Torch-free and config-free (configs are read by attribute).
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.models.gpt import shapes as _gpt
+from workbench.models.common import shapes as _stack
 
 __all__ = ["param_counts", "head_params", "layer_and_head_flops", "Shape", "shape", "stage_params",
            "layer_activation_terms", "layer_backward_transient", "logits_bytes"]
 
-Shape = _gpt.Shape
-shape = _gpt.shape
-layer_backward_transient = _gpt.layer_backward_transient
+Shape = _stack.Shape
+shape = _stack.shape
+layer_backward_transient = _stack.layer_backward_transient
 
 
 def head_params(cfg: Any, padded_vocab: int) -> dict[str, int]:
@@ -52,7 +52,7 @@ def head_params(cfg: Any, padded_vocab: int) -> dict[str, int]:
 def param_counts(cfg: Any, padded_vocab: int) -> dict[str, int]:
     """Parameters of the whole model (GPT's keys; see the module docstring for ``final_norm``)."""
     m = cfg.model
-    base = _gpt.param_counts(cfg, padded_vocab)
+    base = _stack.param_counts(cfg, padded_vocab)
     emb = base["embedding"] + max(m.num_tokentypes, 0) * m.hidden_size
     tail = sum(head_params(cfg, padded_vocab).values())
     total = emb + m.num_layers * base["per_layer"] + tail + base["output_layer"]
@@ -63,7 +63,7 @@ def layer_and_head_flops(cfg: Any, padded_vocab: int) -> tuple[float, float]:
     """Megatron's terms in units of ``12 * tokens * h^2``: one layer as GPT's (bidirectional attention
     costs the same dense FLOPs), and the head: the output layer and loss ``V / (2h)`` (logits for
     every token, as megatron's BERT computes them) plus the LM-head transform (one h x h GEMM: 1/2)."""
-    layer, out = _gpt.layer_and_head_flops(cfg, padded_vocab)
+    layer, out = _stack.layer_and_head_flops(cfg, padded_vocab)
     return layer, out + 0.5
 
 
@@ -107,7 +107,7 @@ def stage_params(cfg: Any, sh: Shape, d: Any) -> list[dict[str, int]]:
 
 def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
     """GPT's per-layer terms without the per-layer causal mask (BERT's padding mask is shared)."""
-    terms = _gpt.layer_activation_terms(sh, kp)
+    terms = _stack.layer_activation_terms(sh, kp)
     terms.pop("causal_mask", None)
     return terms
 
@@ -116,7 +116,7 @@ def logits_bytes(sh: Shape, kp: Any) -> tuple[float, float]:
     """(peak, kept) of the LM head and loss: GPT's logits + loss terms plus the LM-head transform,
     which keeps its input, the GELU input, the LayerNorm input and statistics, and the output
     layer's input (``e sbh`` each, ``/t`` under sequence parallelism)."""
-    peak, kept = _gpt.logits_bytes(sh, kp)
+    peak, kept = _stack.logits_bytes(sh, kp)
     tok = sh.s * sh.b
     tsp = sh.tp if sh.sp else 1
     transform = (4 * sh.e * tok * sh.h + 8 * tok) / tsp

@@ -11,20 +11,9 @@ from typing import Any
 import torch
 
 from workbench.data.megatron import build_datasets as megatron_datasets
+from workbench.models.common.seeds import mix32
 
 __all__ = ["SyntheticGPTDataset", "build_datasets"]
-
-
-def _mix32(*values: int) -> int:
-    """splitmix64 over the values, folded to 32 bits (distinct streams for distinct inputs)."""
-    x = 0x9E3779B97F4A7C15
-    for v in values:
-        x = (x ^ (v & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-        x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x & 0xFFFFFFFF
 
 
 class SyntheticGPTDataset:
@@ -46,8 +35,7 @@ class SyntheticGPTDataset:
         return self.size
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        # torch's CPU generator keeps only 32 bits of a seed: mix (seed, offset, idx) first
-        g = torch.Generator().manual_seed(_mix32(self.seed, self.offset, int(idx)))
+        g = torch.Generator().manual_seed(mix32(self.seed, self.offset, int(idx)))
         start = int(torch.randint(0, self.vocab - 1, (1,), generator=g))
         stride = int(torch.randint(1, 8, (1,), generator=g))
         t = torch.arange(self.seq + 1)

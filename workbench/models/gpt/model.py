@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from workbench import kernel_rule
 from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
-from workbench.models import moe
+from workbench.models.common import moe
 
 __all__ = ["layer_spec", "moe_layer_spec", "block_spec", "build"]
 
@@ -81,7 +81,7 @@ def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec) -> ModuleSpec:
 
 
 def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
-    """Layer specs for this pipeline stage (MoE layers where :func:`workbench.models.moe.moe_layers` says) plus the
+    """Layer specs for this pipeline stage (MoE layers where :func:`workbench.models.common.moe.moe_layers` says) plus the
     final norm (the workbench's, so SP works)."""
     spec = layer_spec(cfg)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)

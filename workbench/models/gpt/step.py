@@ -2,18 +2,17 @@
 
 ``forward_step(batch, model, return_logits)`` returns per-token losses ``[b, s]`` on the last
 pipeline stage (the logits with ``return_logits``), hidden states elsewhere.
-``loss(batch, losses)`` -> ``(loss_sum, num_tokens, report)``: megatron's per-token loss
-convention (the schedule divides by the token count summed over micro-batches).
+``loss(batch, losses)`` -> ``(loss_sum, num_tokens, report)``: the token-mean LM loss of
+:mod:`workbench.models.common.lm_loss`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["forward_step", "loss", "logits_forward", "step_monitor", "LOSS_NAME"]
+from workbench.models.common.lm_loss import LOSS_NAME, token_mean_loss
 
-#: the key the reported loss goes under
-LOSS_NAME = "lm loss"
+__all__ = ["forward_step", "loss", "logits_forward", "LOSS_NAME"]
 
 
 def forward_step(batch: Any, model: Any, return_logits: bool = False, **_: Any) -> Any:
@@ -23,13 +22,8 @@ def forward_step(batch: Any, model: Any, return_logits: bool = False, **_: Any) 
 
 
 def loss(batch: Any, losses: Any) -> tuple[Any, Any, dict]:
-    """Sum of the masked per-token losses, the token count, and the report megatron averages."""
-    import torch
-
-    mask = batch.loss_mask.reshape(-1).float()
-    loss_sum = torch.sum(losses.reshape(-1).float() * mask)
-    num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {LOSS_NAME: torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])}
+    """Megatron's token-mean LM loss (:func:`workbench.models.common.lm_loss.token_mean_loss`)."""
+    return token_mean_loss(batch, losses)
 
 
 def logits_forward(chunk: Any, inputs: dict) -> Any:
@@ -40,12 +34,3 @@ def logits_forward(chunk: Any, inputs: dict) -> Any:
     tokens = inputs["tokens"]
     b, s = tokens.shape
     return chunk(tokens, torch.arange(s).unsqueeze(0).expand(b, -1), None)
-
-
-def step_monitor(cfg: Any, chunks: list) -> Any:
-    """The trainer's per-step monitor of this family's model: the MoE router statistics
-    (:class:`workbench.models.gpt.router_stats.RouterMonitor`), None for a dense model.  Its
-    ``after_step(iteration, num_microbatches)`` runs on every rank after every step and returns the records to write."""
-    from workbench.models.gpt.router_stats import step_monitor as monitor
-
-    return monitor(cfg, chunks)

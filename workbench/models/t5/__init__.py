@@ -21,13 +21,15 @@ Facts this family is built on (megatron-core 0.19.2):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from workbench.config_fields import LAYERS, SEQ_WHY, bounded
 from workbench.models.family import Family, Supports
 from workbench.models.t5 import shapes
 from workbench.models.t5.presets import PRESETS
 
-__all__ = ["FAMILY", "rules", "data_rules", "PIPELINE_REASON", "TOKENIZER_HINT"]
+__all__ = ["FAMILY", "T5Fields", "rules", "data_rules", "PIPELINE_REASON", "TOKENIZER_HINT"]
 
 PIPELINE_REASON = ("megatron-core 0.19 has no pipeline parallelism for T5: encoder-decoder pipelining was removed in "
                    "megatron-core 0.14 (Megatron-LM's pretrain_t5.py raises 'Pipeline parallelism is not supported for T5'); "
@@ -35,6 +37,29 @@ PIPELINE_REASON = ("megatron-core 0.19 has no pipeline parallelism for T5: encod
 TOKENIZER_HINT = ("set data.tokenizer: demo-t5 (the embedded corpus's BPE with 100 <extra_id_i> sentinels), or a local "
                   "HF T5 tokenizer directory / tokenizer.json that has <extra_id_i> tokens, or a SentencePiece .model "
                   "(read as T5's: its pieces + 100 sentinels)")
+
+
+@dataclass
+class T5Fields:
+    """The model-config fields T5 reads (``model.<field>``, mounted on :class:`workbench.config.ModelConfig`)."""
+
+    #: encoder-decoder (T5): decoder layers (`num_layers` is the encoder's); None -> num_layers
+    decoder_num_layers: int | None = bounded(None, None, 1024, why=LAYERS.why)
+    #: encoder-decoder (T5): decoder (target) sequence length (`seq_length` is the encoder's); None -> seq_length
+    decoder_seq_length: int | None = bounded(None, None, 1 << 20, why=SEQ_WHY)
+    #: position_embedding relative: buckets of the relative position bias and the distance beyond which all share one bucket
+    relative_attention_num_buckets: int = bounded(32, None, 1 << 20, why="T5 uses 32")
+    relative_attention_max_distance: int = bounded(128, None, 1 << 20, why="T5 uses 128")
+
+    @property
+    def decoder_layers(self) -> int:
+        """Decoder layers of an encoder-decoder model (``decoder_num_layers`` or ``num_layers``)."""
+        return self.decoder_num_layers or self.num_layers  # type: ignore[attr-defined]  # the mounted ModelConfig's
+
+    @property
+    def decoder_seq(self) -> int:
+        """Decoder (target) sequence length of an encoder-decoder model."""
+        return self.decoder_seq_length or self.seq_length  # type: ignore[attr-defined]
 
 
 def rules(cfg: Any) -> list[tuple[str, str, str]]:
@@ -103,7 +128,6 @@ def generation_rules(cfg: Any, n: int, max_new: int) -> list[tuple[str, str, str
 FAMILY = Family(
     name="t5",
     title="T5 (encoder-decoder: span-corruption pretraining)",
-    package="workbench.models.t5",
     supports=Supports(pipeline=False, interleaved=False, sequence_parallel=True, generation=True,
                       hf_classes=(("t5", "T5ForConditionalGeneration"), ("mt5", "MT5ForConditionalGeneration")),
                       pipeline_reason=PIPELINE_REASON, transformer_engine=False, positions=("relative",),
@@ -114,8 +138,6 @@ FAMILY = Family(
     presets=PRESETS,
     rules=rules,
     data_rules=data_rules,
-    generation_engine="generate",
     generation_rules=generation_rules,
-    fields=("model.decoder_num_layers", "model.decoder_seq_length", "model.relative_attention_num_buckets",
-            "model.relative_attention_max_distance"),
+    model_fields=T5Fields,
 )

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench.models.gpt.data import _mix32
+from workbench.models.common.seeds import mix32
 from workbench.models.t5.spans import T5Vocab, check_t5_tokenizer, corrupt, input_and_target_lengths, random_spans_noise_mask
 
 __all__ = ["t5_sample", "SpanCorruptedDataset", "SyntheticT5Dataset", "build_datasets", "synthetic_vocab"]
@@ -66,7 +66,7 @@ class SpanCorruptedDataset:
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         raw = np.asarray(self.windows[idx]["tokens"], dtype=np.int64)[: self.raw]
-        rng = np.random.default_rng(_mix32(self.seed, self.offset, int(idx)))
+        rng = np.random.default_rng(mix32(self.seed, self.offset, int(idx)))
         return t5_sample(raw, rng, self.vocab, self.enc, self.dec, self.density, self.mean)
 
 
@@ -93,7 +93,7 @@ class SyntheticT5Dataset:
         return self.size
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        rng = np.random.default_rng(_mix32(self.seed, self.offset, int(idx)))
+        rng = np.random.default_rng(mix32(self.seed, self.offset, int(idx)))
         start, stride = int(rng.integers(0, self.span)), int(rng.integers(1, 4))
         raw = 2 + (start + stride * np.arange(self.raw)) % self.span
         return t5_sample(raw, rng, self.vocab, self.enc, self.dec, self.density, self.mean)

@@ -1,7 +1,7 @@
 """T5 generation: the encoder runs once, the decoder step by step with a static self-attention KV cache
 and cross-attention keys / values computed once from the encoder output.
 
-Like the GPT engine (:mod:`workbench.backend.inference`), this runs the model's own modules and
+Like the decoder-only engine (:mod:`workbench.backend.decoding`), this runs the model's own modules and
 parameters (embedding, each decoder layer's norms, ``linear_qkv`` / ``linear_q`` / ``linear_kv`` /
 ``linear_proj``, MLP, the final norm and the LM head with T5's scaling; tensor-parallel linears and
 their collectives) and owns only attention over the caches:
@@ -33,7 +33,7 @@ from torch import Tensor
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-from workbench.backend.inference import (BeamSearchDecoder, GenerationOutput, KVCache, SamplingDecoder, _GraphedDecode,
+from workbench.backend.decoding import (BeamSearchDecoder, GenerationOutput, GraphedDecode, KVCache, SamplingDecoder,
                                         decode_outputs)
 
 __all__ = ["T5Engine", "make_engine"]
@@ -196,7 +196,7 @@ class T5Engine:
         fn = lambda t, s: self._step(t, s, sess)  # noqa: E731
         if self.cuda_graphs and sess["graph"] is None:
             try:
-                sess["graph"] = _GraphedDecode(fn, tok.clone(), step.clone())
+                sess["graph"] = GraphedDecode(fn, tok.clone(), step.clone())
             except Exception as e:  # capture is an optimisation: fall back to eager, loudly
                 print(f"[t5 generate] CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly", file=sys.stderr)
                 self.cuda_graphs = False

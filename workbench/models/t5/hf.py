@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.hf import ConversionError, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore
-from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, infos_of, need_vocab, run_rules,
-                                        strip_module_prefix)
+from workbench.conversion.errors import ConversionError
+from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, infos_of, need_vocab,
+                                        pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, run_rules, strip_module_prefix)
 from workbench.models.t5 import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",

@@ -7,7 +7,7 @@ output, MLP), one relative-position-bias table per stack (``buckets x heads``), 
 stacks, and the LM head (tied to the embeddings, or untied).  Two sequence lengths: the encoder's
 ``seq_length`` and the decoder's ``decoder_seq_length``.
 
-The interface is the other families' (:mod:`workbench.models.gpt.shapes`), so the planner and
+The interface is the other families' (:mod:`workbench.models.common.shapes`), so the planner and
 :func:`workbench.config.derive` need nothing T5-specific:
 
 - ``param_counts``: ``per_layer`` is one *encoder* layer; ``final_norm`` holds everything on the
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.models.gpt import shapes as _gpt
+from workbench.models.common import shapes as _stack
 
 __all__ = ["param_counts", "layer_and_head_flops", "Shape", "shape", "stage_params", "layer_activation_terms",
            "layer_backward_transient", "logits_bytes", "layer_params", "attention_mask_bytes"]
@@ -84,7 +84,7 @@ def layer_and_head_flops(cfg: Any, padded_vocab: int) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
-class Shape(_gpt.Shape):
+class Shape(_stack.Shape):
     """GPT's shape plus the decoder's sequence length and layer count."""
 
     sd: int = 0
@@ -94,7 +94,7 @@ class Shape(_gpt.Shape):
 
 
 def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
-    base = _gpt.shape(cfg, d, micro_batch)
+    base = _stack.shape(cfg, d, micro_batch)
     fields = {k: getattr(base, k) for k in base.__dataclass_fields__}
     fields.update(fc1_out=2 * cfg.model.ffn_size if cfg.model.gated_mlp else cfg.model.ffn_size, swiglu=cfg.model.gated_mlp,
                   learned_pos=False, rope=False)
@@ -123,9 +123,9 @@ def stage_params(cfg: Any, sh: Shape, d: Any) -> list[dict[str, int]]:
 
 
 def _scaled(sh: Shape, s: int) -> Shape:
-    fields = {k: getattr(sh, k) for k in _gpt.Shape.__dataclass_fields__}
+    fields = {k: getattr(sh, k) for k in _stack.Shape.__dataclass_fields__}
     fields["s"] = s
-    return _gpt.Shape(**fields)
+    return _stack.Shape(**fields)
 
 
 def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
@@ -138,9 +138,9 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
 
     With the relative position bias, every self-attention layer keeps its own additive mask
     (:func:`attention_mask_bytes`)."""
-    enc = _gpt.layer_activation_terms(_scaled(sh, sh.s), kp)
+    enc = _stack.layer_activation_terms(_scaled(sh, sh.s), kp)
     enc.pop("causal_mask", None)
-    dec = _gpt.layer_activation_terms(_scaled(sh, sh.sd), kp)
+    dec = _stack.layer_activation_terms(_scaled(sh, sh.sd), kp)
     enc_mask, dec_mask = attention_mask_bytes(sh, kp)
     if enc_mask:
         enc["attention_mask_bias"] = enc_mask
@@ -175,7 +175,7 @@ def layer_backward_transient(sh: Shape, kp: Any, assumptions: Any) -> float:
     """The larger of GPT's MLP-backward transient at the longer sequence and the encoder attention's:
     SDPA's gradient of the ``[b, a/t, s, s]`` mask and ``masked_fill``'s gradient of it coexist before
     they are summed over the batch into the relative bias's gradient (plus the residual-stream grads)."""
-    mlp = _gpt.layer_backward_transient(_scaled(sh, max(sh.s, sh.sd)), kp, assumptions)
+    mlp = _stack.layer_backward_transient(_scaled(sh, max(sh.s, sh.sd)), kp, assumptions)
     enc_mask, _ = attention_mask_bytes(sh, kp)
     stream = 2 * sh.e * sh.s * sh.b * sh.h / (sh.tp if sh.sp else 1)
     return max(mlp, 2 * enc_mask + stream)
@@ -183,4 +183,4 @@ def layer_backward_transient(sh: Shape, kp: Any, assumptions: Any) -> float:
 
 def logits_bytes(sh: Shape, kp: Any) -> tuple[float, float]:
     """The logits and loss live on the decoder's tokens."""
-    return _gpt.logits_bytes(_scaled(sh, sh.sd), kp)
+    return _stack.logits_bytes(_scaled(sh, sh.sd), kp)

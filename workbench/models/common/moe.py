@@ -28,37 +28,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from workbench.config_fields import ITERS, LAYERS, bounded
+
 __all__ = ["MoEConfig", "is_moe", "moe_layers", "expert_tensor_parallel", "expert_data_parallel",
            "expert_ffn", "shared_ffn", "transformer_fields", "rules", "LOSS_METRICS"]
 
 
 @dataclass
 class MoEConfig:
-    """Mixture of experts (``num_experts: 0``: a dense MLP; the other fields are then not read)."""
+    """Mixture of experts (``num_experts: 0``: a dense MLP; the other fields are then not read).  Each numeric
+    field's ``metadata["bound"]`` is its range (:mod:`workbench.config_fields`)."""
 
-    num_experts: int = 0
+    num_experts: int = bounded(0, 0, 4096, why="the largest trained MoEs have a few hundred experts",
+                               fix="use 0 (dense) or e.g. 8-128")
     #: experts each token is routed to
-    top_k: int = 2
+    top_k: int = bounded(2, 1, 64, why="trained MoEs route to 1-16 experts")
     #: each routed expert's FFN size; None -> model.ffn_hidden_size (its default)
-    ffn_hidden_size: int | None = None
+    ffn_hidden_size: int | None = bounded(None, 1, 1 << 20, why="the widest trained MLPs are ~100k",
+                                          fix="use null for model.ffn_hidden_size")
     #: shared experts every token passes through (Qwen2-MoE / DeepSeek style), added to the routed output
-    shared_experts: int = 0
+    shared_experts: int = bounded(0, 0, 64, why="trained MoEs have 0-2 shared experts")
     #: each shared expert's FFN size; None -> the routed experts' size
-    shared_expert_ffn_hidden_size: int | None = None
+    shared_expert_ffn_hidden_size: int | None = bounded(None, 1, 1 << 20, why="the widest trained MLPs are ~100k",
+                                                        fix="use null for the experts' size")
     #: a sigmoid gate on the shared experts' output (Qwen2-MoE)
     shared_expert_gate: bool = False
     #: MoE on every n-th layer (layers 0, n, 2n, ...; megatron's moe_layer_freq), dense MLPs between
-    layer_freq: int = 1
+    layer_freq: int = bounded(1, 1, 1024, why=LAYERS.why, fix="use 1 (every layer) or 2 (every other)")
     #: softmax over all experts before the top-k (OLMoE; the k weights then do not sum to 1); false: softmax
     #: over the k chosen scores (Mixtral, Qwen3-MoE with normalised top-k)
     router_pre_softmax: bool = False
     #: load-balancing loss: aux_loss (Switch, over the micro-batch), seq_aux_loss (per sequence), none
     load_balancing: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
-    aux_loss_coeff: float = 1e-2
+    aux_loss_coeff: float = bounded(1e-2, 0, 1e3, why="trained MoEs use 1e-3 to 1e-2", fix="use 1e-2, or 0")
     #: router z-loss (ST-MoE) coefficient; 0: off
-    z_loss_coeff: float = 0.0
+    z_loss_coeff: float = bounded(0.0, 0, 1e3, why="ST-MoE uses 1e-3", fix="use 1e-3, or 0 to disable")
     #: expert capacity = capacity_factor x tokens x top_k / num_experts; tokens beyond it are dropped. None: dropless
-    capacity_factor: float | None = None
+    capacity_factor: float | None = bounded(None, 0, 1e3, lo_open=True, why="capacity factors are ~1-2",
+                                            fix="use e.g. 1.25, or null (dropless)")
     #: pad every expert's input to its capacity (static shapes); needs capacity_factor
     pad_to_capacity: bool = False
     #: which routed tokens a full expert drops: the lowest router probabilities, or the latest positions
@@ -69,7 +76,7 @@ class MoEConfig:
     grouped_gemm: bool = True
     #: write a ``router`` event (tokens per expert, load-balancing / z-loss, dropped tokens per MoE layer) every
     #: this many steps; 0: never.  Cost: one all-reduce of layers x experts counts on those steps
-    router_stats_interval: int = 5
+    router_stats_interval: int = bounded(5, 0, ITERS, why="a billion steps", fix="use 0 to disable")
 
 
 #: megatron's metric names of the router losses (its MoE metrics tracker), by config

@@ -1,6 +1,6 @@
-"""The mixture-of-experts terms of GPT's shapes: parameters, FLOPs and the planner's memory of MoE layers.
+"""The mixture-of-experts terms of the transformer stack's shapes: parameters, FLOPs and the planner's memory of MoE layers.
 
-Called by :mod:`workbench.models.gpt.shapes` where ``model.moe.num_experts`` > 0 (nothing here is read for a
+Called by :mod:`workbench.models.common.shapes` where ``model.moe.num_experts`` > 0 (nothing here is read for a
 dense model).  An MoE layer is a dense layer whose MLP is megatron's ``MoELayer``:
 
 - parameters: the router (``E x h``), ``E`` experts of ``(2 if gated else 1) x h x f_e + f_e x h`` each, the
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.models import moe
+from workbench.models.common import moe
 
 __all__ = ["DROPLESS_IMBALANCE", "layer_params", "mlp_flops", "shape_fields", "stage_expert_params",
            "apply_activation_terms", "backward_transient", "routed_tokens"]
@@ -56,7 +56,7 @@ def mlp_flops(cfg: Any) -> float:
 
 
 def shape_fields(cfg: Any) -> dict[str, Any]:
-    """The MoE fields of GPT's planner ``Shape`` (all zero / off for a dense model)."""
+    """The MoE fields of the planner's ``Shape`` (all zero / off for a dense model)."""
     if not moe.is_moe(cfg):
         return {}
     m, p = cfg.model, cfg.parallel
@@ -110,7 +110,7 @@ def _moe_terms(sh: Any, kp: Any) -> dict[str, float]:
 
 
 def apply_activation_terms(terms: dict[str, float], sh: Any, kp: Any) -> None:
-    """Mix an MoE layer's kept tensors into GPT's per-layer ``terms`` (in place): the dense MLP's intermediates are
+    """Mix an MoE layer's kept tensors into the stack's per-layer ``terms`` (in place): the dense MLP's intermediates are
     weighted by the dense share of layers, the MoE ones by the MoE share (``layer_freq``)."""
     dense = 1.0 - sh.moe_frac
     for k in ("fc1_output", "act_output"):
