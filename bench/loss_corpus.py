@@ -1,4 +1,4 @@
-"""A larger real-text corpus for the FP8-vs-bf16 loss curves (issue 22), built here and carried to the GPU.
+"""A larger real-text corpus for the FP8-vs-bf16 loss curves, built here and carried to the GPU.
 
     python3 bench/loss_corpus.py --out .corpus          # needs a Debian mirror (apt-get download) and the workbench
     -> .corpus/loss_text.{bin,idx} (+ .workbench.json, the preprocess summary), .corpus/manifest.json

@@ -1,4 +1,4 @@
-"""What importing Transformer Engine changes in a torch process (issue 23: the default path is ~6% slower
+"""What importing Transformer Engine changes in a torch process (the default path is ~6% slower
 with TE importable, though it runs none of TE's modules).
 
     python3 bench/te_presence_probe.py --out $OUT/te_presence.jsonl

@@ -1,4 +1,4 @@
-"""GPU proof for the training backend (issue 3): layouts, resume and recompute against one GPU.
+"""GPU proof for the training backend: layouts, resume and recompute against one GPU.
 
 Run on a machine with 2 GPUs (from the repo root)::
 

@@ -1,4 +1,4 @@
-"""GPU proof for issue 8: a converted HF GPT-2 is loaded by the backend and training continues from HF's loss.
+"""GPU proof: a converted HF GPT-2 is loaded by the backend and training continues from HF's loss.
 
 Steps (all real: transformers, workbench convert, torchrun + ``python -m workbench.backend``):
 1. a random HF GPT-2 (small config, gelu_new, no dropout) is saved and converted with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU evidence for issue 41 on one H100: the presets as shipped (dropout 0.1) against HF's own models, the Llama
+# GPU evidence on one H100: the presets as shipped (dropout 0.1) against HF's own models, the Llama
 # rows against the strengthened plain-PyTorch reference, and the 300-step dropout loss curves, compiled vs stock.
 # Each phase has its own timeout and appends its JSON lines (device, date, commit on every row) to OUTDIR at once;
 # logs-<phases>.tgz keeps the logs.  Estimates (compile time dominates; each row is two fresh processes):

@@ -1,4 +1,4 @@
-"""GPU proof: under dropout the compiled layer trains like megatron's stock layer (issue 41), through the backend.
+"""GPU proof: under dropout the compiled layer trains like megatron's stock layer, through the backend.
 
     python3 tests/gpu/dropout_loss.py --out $OUT/dropout_loss.jsonl --png $OUT/dropout_loss.png \
         [--families bert-base,t5-base] [--runs stock,compiled] [--steps 300]

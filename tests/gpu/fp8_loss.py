@@ -1,4 +1,4 @@
-"""GPU proof for train.fp8 (issue 22): FP8 and bf16 loss curves from the same weights and data, through the backend.
+"""GPU proof for train.fp8: FP8 and bf16 loss curves from the same weights and data, through the backend.
 
     python3 tests/gpu/fp8_loss.py --out $OUT/fp8_loss.jsonl [--steps 300] [--model llama3.2-1b] [--data .corpus/loss_text]
     python3 tests/gpu/fp8_loss.py --out $OUT/b.jsonl --recipes rowwise,off --base bench/results/a.jsonl  (a later call)

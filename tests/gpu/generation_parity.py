@@ -1,4 +1,4 @@
-"""GPU proof for generation (issue 9): HF parity with CUDA graphs on, TP=2 / PP=2 reproducibility.
+"""GPU proof for generation: HF parity with CUDA graphs on, TP=2 / PP=2 reproducibility.
 
 Run on a GPU machine from the repository root (2 GPUs add the TP=2 / PP=2 checks)::
 

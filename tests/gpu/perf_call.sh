@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Batched GPU work on 2 GPUs (device kind nvidia-h200-x2) for issue 10 and the backend's proofs.
+# Batched GPU work on 2 GPUs (device kind nvidia-h200-x2) for the backend's proofs.
 # Each phase has its own timeout; results land in OUTDIR as JSON lines (device, date,
 # git_commit on every row) plus logs.tgz.
 #   1 (~30 s):   bench/allreduce_probe.py: link speed; can TP=2 pay on this machine at all?

@@ -2,12 +2,12 @@
 
 Two sets of configs::
 
-    # one GPU (issue 26): GPT-2 small/medium/large, a Llama-3.2-1B shape, demo-small; recompute
+    # one GPU: GPT-2 small/medium/large, a Llama-3.2-1B shape, demo-small; recompute
     # none/selective/full; distributed optimizer; the default compiled path with CUDA graphs,
     # compiled without graphs, and compile off.  Jobs share the one GPU (a memory budget).
     python tests/gpu/planner_measure.py --set 1gpu --out evidence/planner_1gpu.jsonl --deadline 500
 
-    # the earlier 2-GPU matrix (issue 5): TP, TP+SP, PP, PP x VPP, DP + distributed optimizer
+    # the earlier 2-GPU matrix: TP, TP+SP, PP, PP x VPP, DP + distributed optimizer
     python tests/gpu/planner_measure.py --set 2gpu --out evidence/planner_measurements.jsonl
 
     # every family's two-GPU layouts (GPT-2, a GQA Llama, BERT, T5) on the default compiled path, the
@@ -72,7 +72,7 @@ LLAMA_1B = {"model.num_layers": 16, "model.hidden_size": 2048, "model.num_attent
 OFF = {"train.compile_kernels": False}
 NOGRAPHS = {"train.cuda_graphs": False}
 
-# The earlier matrix (issue 5; 2x H200): name -> (GPUs, overrides on top of base("gpt2-small")), compile off
+# The earlier matrix (2x H200): name -> (GPUs, overrides on top of base("gpt2-small")), compile off
 # unless named.  `--set 2gpu`.
 TWO_GPU: dict[str, tuple[int, dict]] = {
     "small-tp1-mbs4-compiled": (1, {**SMALL, "train.micro_batch_size": 4, "train.compile_kernels": True}),
@@ -93,7 +93,7 @@ _TWO_GPU_BASE = {"train.compile_kernels": False}
 
 NO_DROPOUT = {"model.hidden_dropout": 0.0, "model.attention_dropout": 0.0}
 
-# Every family's two-GPU layouts (issue 40): name -> (GPUs, preset, overrides); the preset's default
+# Every family's two-GPU layouts: name -> (GPUs, preset, overrides); the preset's default
 # kernel path (compiled layer + CUDA graphs on GPUs) unless OFF says otherwise; dropout 0 so the encoder
 # families run the compiled layer too.  `--set 2gpu-all`.
 GQA_SMALL = {"model.num_layers": 12, "model.hidden_size": 768, "model.num_attention_heads": 12,
@@ -102,7 +102,7 @@ TP2, SP = {"parallel.tensor_parallel": 2}, {"parallel.sequence_parallel": True}
 PP2, VPP2 = {"parallel.pipeline_parallel": 2}, {"parallel.virtual_pipeline_parallel": 2}
 DISTOPT = {"parallel.distributed_optimizer": True}
 TWO_GPU_ALL: dict[str, tuple[int, str, dict]] = {
-    # the rows issue 40 found low on reserved, first (eager, as measured there)
+    # the rows found low on reserved, first (eager, as measured there)
     "g2s-tp2-eager": (2, "gpt2-small", {"train.micro_batch_size": 4, **TP2, **OFF}),
     "g2m-pp2-vpp2-eager": (2, "gpt2-medium", {"train.micro_batch_size": 4, **PP2, **VPP2, **OFF}),
     "g2s-tp2": (2, "gpt2-small", {"train.micro_batch_size": 8, **TP2}),
@@ -123,7 +123,7 @@ TWO_GPU_ALL: dict[str, tuple[int, str, dict]] = {
     "llama1b-pp2": (2, "llama3.2-1b", {**PP2}),
 }
 
-# One GPU (issue 26), in priority order (the deadline drops the tail): name -> (preset, overrides).
+# One GPU, in priority order (the deadline drops the tail): name -> (preset, overrides).
 # The workbench defaults (compile_kernels and cuda_graphs on) unless OFF / NOGRAPHS say otherwise.
 ONE_GPU: dict[str, tuple[str, dict]] = {
     "g2s-default": ("gpt2-small", {"train.micro_batch_size": 16}),
@@ -454,7 +454,7 @@ def _budget_bytes(cfg) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", default="1gpu", choices=["1gpu", "2gpu", "2gpu-all"],
-                    help="1gpu: issue 26's one-GPU matrix; 2gpu: the earlier 2-GPU matrix; 2gpu-all: every family's two-GPU layouts")
+                    help="1gpu: the one-GPU matrix; 2gpu: the earlier 2-GPU matrix; 2gpu-all: every family's two-GPU layouts")
     ap.add_argument("--out", default=None, help="JSON lines to append to (default evidence/planner_1gpu.jsonl or planner_measurements.jsonl)")
     ap.add_argument("--only", default="", help="comma-separated config names (default: all of the set)")
     ap.add_argument("--list", action="store_true")

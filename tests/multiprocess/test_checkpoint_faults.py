@@ -1,4 +1,4 @@
-"""Issue #24, data safety under faults, with real torchrun ranks in CPU mode:
+"""Data safety under faults, with real torchrun ranks in CPU mode:
 
 - a rank SIGKILLed in the middle of ``save_checkpoint`` (its shards written, the save not finished):
   the previous checkpoint stays loadable, ``latest`` never names the partial one, a resume continues

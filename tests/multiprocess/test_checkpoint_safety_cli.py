@@ -1,6 +1,6 @@
 """``workbench generate`` / ``workbench convert`` as real processes on hostile and damaged checkpoints
 (exit 2 naming the file, nothing run), and generation's temporary directory removed after a real
-run, successful or not (issue #24)."""
+run, successful or not."""
 
 from __future__ import annotations
 

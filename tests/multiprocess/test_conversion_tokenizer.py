@@ -1,4 +1,4 @@
-"""Issue #24: a conversion carries the model's tokenizer or says loudly that it has none; a tokenizer
+"""A conversion carries the model's tokenizer or says loudly that it has none; a tokenizer
 larger than the model's vocabulary is refused; generation never prints an undecodable id as nothing."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A trained checkpoint through the conversion tools: export, verify, round trip, generate (one chain, two users).
 
-``tests/gpu/two_gpu_conversion.py`` runs it on checkpoints trained on two GPUs (the GPU proof of issue 40);
+``tests/gpu/two_gpu_conversion.py`` runs it on checkpoints trained on two GPUs;
 ``tests/multiprocess/test_two_rank_conversion.py`` on checkpoints trained by two CPU ranks under gloo.
 Steps, all through the workbench's own conversion and generation paths:
 

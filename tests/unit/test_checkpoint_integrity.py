@@ -1,4 +1,4 @@
-"""Checkpoint safety and integrity (issue #24): nothing in a checkpoint runs code, damaged files are named,
+"""Checkpoint safety and integrity: nothing in a checkpoint runs code, damaged files are named,
 and ``workbench generate`` / ``workbench convert`` refuse both (exit 2) before any process starts.
 
 One real workbench checkpoint (a random HF GPT-2 through ``workbench.conversion.hf_to_megatron``,

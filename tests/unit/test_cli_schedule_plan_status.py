@@ -1,4 +1,4 @@
-"""Issue #24: `workbench plan` exit status when the plan does not fit; `workbench schedule`'s
+"""`workbench plan` exit status when the plan does not fit; `workbench schedule`'s
 interleaved text timeline, the m < p warning, and --chart into a missing directory."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue #24: metrics.json's tokens_per_s is total tokens over total time, not a mean of per-step rates."""
+"""`metrics.json`'s tokens_per_s is total tokens over total time, not a mean of per-step rates."""
 
 from __future__ import annotations
 

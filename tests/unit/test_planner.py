@@ -415,7 +415,7 @@ def test_oom_on_a_balanced_first_stage_suggests_the_even_split():
     assert "even" in sugg and sugg["even"].worst_total < plan.stages[0].total
 
 
-# --------------------------------------------------------------------------- reserved memory (issue #26)
+# --------------------------------------------------------------------------- reserved memory
 
 
 def test_cuda_graphs_split_allocated_and_reserved():

@@ -1,4 +1,4 @@
-"""The one-GPU measurements of issue #26: allocated AND reserved within 5% on every rank.
+"""The one-GPU measurements: allocated AND reserved within 5% on every rank.
 
 ``tests/gpu/planner_measure.py --set 1gpu`` (one device call) wrote one line per layout to
 ``evidence/planner_1gpu.jsonl`` (GPT layouts), ``evidence/planner_1gpu_families.jsonl`` (BERT and T5

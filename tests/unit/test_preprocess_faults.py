@@ -1,4 +1,4 @@
-"""Issue #24: `workbench preprocess` killed (SIGKILL) mid-write or out of disk (a file size limit: writes
+"""`workbench preprocess` killed (SIGKILL) mid-write or out of disk (a file size limit: writes
 fail with EFBIG) never leaves a .bin/.idx pair that loads; a previous dataset at the prefix is untouched."""
 
 from __future__ import annotations

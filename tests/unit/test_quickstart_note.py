@@ -1,4 +1,4 @@
-"""Issue #24: a preset the machine cannot train (demo-small on CPU) is replaced by tiny, never silently."""
+"""A preset the machine cannot train (demo-small on CPU) is replaced by tiny, never silently."""
 
 from __future__ import annotations
 

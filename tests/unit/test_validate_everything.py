@@ -1,4 +1,4 @@
-"""Issue #24: `config validate` reports every problem at once (parse, positive-value and divisibility
+"""`config validate` reports every problem at once (parse, positive-value and divisibility
 phases together), one message for a tensor_parallel that does not divide the heads, and the data too."""
 
 from __future__ import annotations

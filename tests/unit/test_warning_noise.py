@@ -1,4 +1,4 @@
-"""Issue #24: the torch / megatron-core warnings every command printed (CUDA_HOME, Transformer Engine /
+"""The torch / megatron-core warnings every command printed (CUDA_HOME, Transformer Engine /
 Apex missing x5, deprecated async save) are shown once as one line, or dropped where they say nothing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue #24, widgets: after an invalid value the memory planner and the schedule explorer show the
+"""Widgets: after an invalid value the memory planner and the schedule explorer show the
 refusal without the previous chart under it; no description is cut and no box overlaps the next column;
 the memory chart's rank labels never touch at 8 ranks."""
 
