@@ -45,13 +45,16 @@ from workbench.backend import compiled_layer
 from workbench.backend.optimizer_paths import prepare_optimizer
 from workbench import kernel_rule
 from workbench.config import RunConfig, derive
-from workbench.run.events import Checkpoint, Error, Eval, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
+from workbench.run.events import Checkpoint, Error, Eval, EvalProgress, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
 from workbench.hooks import Batch, TrainHooks, bind_family_step, load_hooks
 from workbench.models.parts import parts_of
 
 __all__ = ["Trainer", "main"]
 
 STOP_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}
+#: while an evaluation runs, every rank writes an ``eval_progress`` event at most this often (the supervisor's
+#: stall watch counts it as progress: a long first evaluation is not a hung rank)
+EVAL_PROGRESS_SECONDS = 30.0
 
 
 def _versions() -> dict[str, str]:
@@ -372,8 +375,12 @@ class Trainer:
             m.eval()
         its = [MicroBatchStream(self.valid_ds, self.cfg, self.coords.dp, 0, self.device) for _ in self.model]
         reports: list[dict] = []
+        last_note = time.time()
         with torch.no_grad():
-            for _ in range(t.eval_iters):
+            for done in range(t.eval_iters):
+                if time.time() - last_note >= EVAL_PROGRESS_SECONDS:
+                    self.events.write(EvalProgress(iteration=self.iteration, done=done, total=t.eval_iters))
+                    last_note = time.time()
                 reports += self.forward_backward(
                     forward_step_func=self._make_forward_step(train=False),
                     data_iterator=self._data_iter(its),

@@ -3,7 +3,8 @@
 A rank stopped by a signal (SIGSTOP), deadlocked, or stuck in a collective whose peer is gone never
 raises, so nothing else ends its run: gloo and NCCL wait for their whole timeout (600 s and more),
 and the run stays ``running``.  The supervisor feeds :class:`StallWatch` every event it reads; a
-rank makes **progress** when it writes an event (a step, an eval, a checkpoint, ...), and while a
+rank makes **progress** when it writes an event (a step, an eval, a checkpoint, ...; an evaluation writes
+``eval_progress`` events while it runs), and while a
 checkpoint is being saved (which writes its event only when done) files under the checkpoint
 directory keep changing.  A rank is **stalled** when it has made no progress for longer than:
 

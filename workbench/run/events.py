@@ -17,6 +17,8 @@ is a dataclass below (:class:`RunStart`, :class:`Step`, ...):
 - ``microbatch``: iteration, ops: list of {kind: "F"|"B", microbatch, chunk, start_ms, end_ms}
   (times relative to the step start, measured with CUDA events), sampled every K steps.
 - ``eval``: iteration, loss, ppl.
+- ``eval_progress``: iteration, done, total (evaluation batches; every rank, at most every
+  ``EVAL_PROGRESS_SECONDS`` of the backend while an evaluation runs, so a long one is progress).
 - ``checkpoint``: iteration, path, seconds.
 - ``error``: message, traceback, exception (type name).
 - ``run_end``: status ("finished" | "stopped" | "failed"), iteration, seconds, exit_code.
@@ -43,13 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
 
-KINDS = ("run_start", "step", "microbatch", "eval", "checkpoint", "error", "run_end", "router")
+KINDS = ("run_start", "step", "microbatch", "eval", "eval_progress", "checkpoint", "error", "run_end", "router")
 
 #: prefix of the kernel-path entries that name the backend's fast paths (``compiled_layer.summary()``)
 FUSION_PREFIX = "fast_"
 
 __all__ = [
-    "KINDS", "FUSION_PREFIX", "Event", "RunStart", "Step", "Microbatch", "Eval", "Checkpoint", "Error", "RunEnd", "Router",
+    "KINDS", "FUSION_PREFIX", "Event", "RunStart", "Step", "Microbatch", "Eval", "EvalProgress", "Checkpoint", "Error", "RunEnd", "Router",
     "RECORD_TYPES", "Layout", "parse_record", "parse_line", "fusion_entries", "EventWriter", "events_dir", "event_file",
 ]
 
@@ -198,6 +200,14 @@ class Eval(Event):
 
 
 @dataclass(kw_only=True)
+class EvalProgress(Event):
+    KIND: ClassVar[str] = "eval_progress"
+    iteration: int | None = None
+    done: int | None = None
+    total: int | None = None
+
+
+@dataclass(kw_only=True)
 class Checkpoint(Event):
     KIND: ClassVar[str] = "checkpoint"
     iteration: int | None = None
@@ -254,7 +264,7 @@ class Router(Event):
         return out
 
 
-RECORD_TYPES: dict[str, type[Event]] = {c.KIND: c for c in (RunStart, Step, Microbatch, Eval, Checkpoint, Error, RunEnd, Router)}
+RECORD_TYPES: dict[str, type[Event]] = {c.KIND: c for c in (RunStart, Step, Microbatch, Eval, EvalProgress, Checkpoint, Error, RunEnd, Router)}
 _INT_FIELDS = ("rank", "iteration", "world_size", "start_iteration", "pp_rank", "exit_code")
 
 
