@@ -20,8 +20,9 @@ workbench-fp8-tensorwise  1     workbench with ``train.fp8: tensorwise`` (torch-
 workbench-fp8-rowwise     1     same, ``train.fp8: rowwise``
 workbench-fp8-delayed     1     same, ``train.fp8: delayed`` (tensorwise from the previous step's maxima: casts fused)
 workbench-te-fp8-<r>      1     Transformer Engine spec with TE's FP8 recipe ``tensorwise`` or ``delayed`` ("scaling": vs workbench-te)
-dropout-sdpa              1     workbench with dropout 0.1 (the compiled layer does not apply): megatron's stock layer, SDPA
-dropout-te                1     same on Transformer Engine's layer ("scaling": vs dropout-sdpa; what ``auto`` picks there)
+dropout                   1     workbench with dropout 0.1, default kernels (the compiled layer applies the dropout)
+dropout-stock             1     same, ``train.compile_kernels: false``: megatron's stock layer on SDPA ("scaling": vs dropout)
+dropout-te                1     same on Transformer Engine's layer ("scaling": vs dropout)
 recompute-selective       1     workbench with ``parallel.recompute: selective`` ("scaling": speed vs workbench)
 recompute-full            1     workbench with ``parallel.recompute: full`` (1 layer per block)
 dp2                       2     workbench, data parallel 2 (grad-reduce overlap on)
@@ -144,12 +145,13 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             for recipe in ("tensorwise", "delayed"):  # TE's FP8 recipes, beside the torch-native rows
                 rows.append(Variant(f"workbench-te-fp8-{recipe}/{m}", "workbench", m, microbatches=microbatches,
                                     baseline=f"workbench-te/{m}", overrides={"model.attention_backend": "te", "train.fp8": recipe}))
-        # dropout blocks the compiled layer: auto's choice there is the stock SDPA layer or TE's ("scaling": TE vs SDPA)
+        # dropout on the default path (the compiled layer applies it), against megatron's stock layer and TE's
         drop = harness.DROPOUT
-        rows.append(Variant(f"dropout-sdpa/{m}", "workbench", m, microbatches=microbatches,
-                            overrides={**drop, "model.attention_backend": "sdpa"}))
+        rows.append(Variant(f"dropout/{m}", "workbench", m, microbatches=microbatches, overrides=dict(drop)))
+        rows.append(Variant(f"dropout-stock/{m}", "workbench", m, microbatches=microbatches, baseline=f"dropout/{m}",
+                            overrides={**drop, "train.compile_kernels": False, "model.attention_backend": "sdpa"}))
         if have_te:
-            rows.append(Variant(f"dropout-te/{m}", "workbench", m, microbatches=microbatches, baseline=f"dropout-sdpa/{m}",
+            rows.append(Variant(f"dropout-te/{m}", "workbench", m, microbatches=microbatches, baseline=f"dropout/{m}",
                                 overrides={**drop, "model.attention_backend": "te"}))
         for mode in ("selective", "full"):  # what recompute costs in speed ("scaling") and saves in memory
             rows.append(Variant(f"recompute-{mode}/{m}", "workbench", m, microbatches=microbatches,
