@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workbench.config import ConfigError, Problem, RunConfig
-from workbench.config import _closest as closest  # the "did you mean" of unknown keys
+from workbench.config import did_you_mean as closest
 from workbench.config_text import ConfigTextError, read_config_file
 
 __all__ = ["from_accelerate"]

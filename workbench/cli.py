@@ -20,7 +20,7 @@ from typing import Any
 
 from workbench.accelerate_import import from_accelerate
 from workbench.config import ConfigError, load_config
-from workbench.notebook import _notebook_parameters, _parse_value, notebook_problem, parse_grid, run_notebook, sweep
+from workbench.notebook import notebook_parameters, parse_value, notebook_problem, parse_grid, run_notebook, sweep
 from workbench.launch import Run
 from workbench.schedules import SCHEDULES, ScheduleError, measured_durations, simulate, text_chart
 from workbench.launch.slurm import batch_script
@@ -290,12 +290,12 @@ def _follow_cli(run: Run) -> int:
 
 
 def _cmd_notebook_run(args: argparse.Namespace) -> int:
-    params = {name: _parse_value(value) for name, value in (args.parameters or [])}
+    params = {name: parse_value(value) for name, value in (args.parameters or [])}
     nb = Path(args.notebook)
     if (problem := notebook_problem(nb)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    declared = _notebook_parameters(nb)
+    declared = notebook_parameters(nb)
     unknown = [p for p in params if declared and p not in declared]
     if unknown:
         print(f"error: {nb} has no parameter(s) {', '.join(unknown)} -> known: {', '.join(sorted(declared))}", file=sys.stderr)
@@ -327,8 +327,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if (problem := notebook_problem(nb)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    declared = _notebook_parameters(nb)
-    params = {name: _parse_value(value) for name, value in (args.parameters or [])}
+    declared = notebook_parameters(nb)
+    params = {name: parse_value(value) for name, value in (args.parameters or [])}
     unknown = [p for p in list(grid) + list(params) if declared and p not in declared]
     if unknown:
         print(f"error: {nb} has no parameter(s) {', '.join(unknown)} -> known: {', '.join(sorted(declared))}", file=sys.stderr)

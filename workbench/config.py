@@ -416,7 +416,7 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
     cur[parts[-1]] = value
 
 
-def _closest(name: str, options: list[str]) -> str:
+def did_you_mean(name: str, options: list[str]) -> str:
     import difflib
 
     m = difflib.get_close_matches(name, options, n=1)
@@ -448,7 +448,7 @@ def _build(cls: type, data: Any, path: str, problems: list[Problem]) -> Any:
             warnings.warn(f"config key {fpath} is ignored: {RETIRED_KEYS[fpath]}", stacklevel=2)
             continue
         if key not in names:
-            problems.append(Problem(fpath, "unknown key", _closest(str(key), names)))
+            problems.append(Problem(fpath, "unknown key", did_you_mean(str(key), names)))
             continue
         value = _coerce(hints[key], value, fpath, problems)
         if value is not _BAD:
@@ -875,6 +875,6 @@ PRESETS: dict[str, Any] = {name: family for name, (family, _) in all_presets().i
 def preset(name: str, **overrides: Any) -> RunConfig:
     """A fresh copy of a named preset, with optional dotted overrides."""
     if name not in PRESETS:
-        raise ConfigError([Problem("preset", f"unknown preset '{name}'", _closest(name, list(PRESETS)))])
+        raise ConfigError([Problem("preset", f"unknown preset '{name}'", did_you_mean(name, list(PRESETS)))])
     cfg = RunConfig.from_dict(copy.deepcopy(all_presets()[name][1]), source=f"preset {name}")
     return cfg.replace(**overrides) if overrides else cfg

@@ -40,6 +40,8 @@ __all__ = [
     "parse_grid",
     "sweep",
     "notebook_problem",
+    "notebook_parameters",
+    "parse_value",
 ]
 
 
@@ -169,7 +171,7 @@ class NotebookResult:
         return self.error is None
 
 
-def _notebook_parameters(path: Path) -> dict:
+def notebook_parameters(path: Path) -> dict:
     import papermill
 
     try:
@@ -195,7 +197,7 @@ def run_notebook(notebook: str | Path, parameters: dict | None = None, out_dir: 
     out = Path(out_dir).absolute() if out_dir else new_run_dir(nb.stem, runs_root)
     out.mkdir(parents=True, exist_ok=True)
     params = dict(parameters or {})
-    declared = _notebook_parameters(nb)
+    declared = notebook_parameters(nb)
     if "out_dir" in declared and "out_dir" not in params:
         params["out_dir"] = str(out)
     executed = out / f"{nb.stem}.ipynb"
@@ -244,7 +246,7 @@ def record_metrics(metrics: dict, out_dir: str | Path | None) -> Path | None:
     return path
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
     """A CLI value as Python: int, float (``1e-3`` too, which YAML 1.1 leaves a string), YAML scalar, else text."""
     import yaml
 
@@ -269,7 +271,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list]:
         name = name.strip()
         if not name.isidentifier():
             raise ValueError(f"--grid {item!r}: {name!r} is not a parameter name")
-        vals = [_parse_value(v.strip()) for v in values.split(",") if v.strip()]
+        vals = [parse_value(v.strip()) for v in values.split(",") if v.strip()]
         if not vals:
             raise ValueError(f"--grid {item!r}: no values")
         grid[name] = vals

@@ -464,12 +464,12 @@ def checkpoint_structure(path: str | Path) -> dict[str, Any]:
                 raise e from None  # a workbench checkpoint that cannot be read: its own message names the file
             raise CheckpointError(f"{p}: neither a workbench checkpoint, an HF model directory nor a legacy Megatron-LM "
                                   "checkpoint -> pass one of those") from None
-        from workbench.conversion.legacy import _lm_tensors, safe_torch_load
+        from workbench.conversion.legacy import lm_tensors, safe_torch_load
 
         files = find_legacy_files(p)
         tensors = {}
         for (r, s), f in sorted(files.items()):
-            for k, v in _lm_tensors(safe_torch_load(f), f).items():
+            for k, v in lm_tensors(safe_torch_load(f), f).items():
                 if hasattr(v, "shape"):
                     tensors[f"mp_rank_{r:02d}_{s:03d}/{k}"] = (tuple(v.shape), str(v.dtype).replace("torch.", ""))
         return {"kind": "megatron-lm-legacy", "path": str(p), "tensors": tensors}

@@ -26,7 +26,7 @@ from workbench.config import RunConfig
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import pad_vocab_rows
 
-__all__ = ["LegacyCheckpoint", "find_legacy_files", "load_legacy", "legacy_to_mcore", "safe_torch_load"]
+__all__ = ["LegacyCheckpoint", "find_legacy_files", "load_legacy", "legacy_to_mcore", "safe_torch_load", "lm_tensors"]
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
@@ -109,7 +109,7 @@ class LegacyCheckpoint:
     iteration: int
 
 
-def _lm_tensors(ckpt: dict, f: Path) -> dict[str, Any]:
+def lm_tensors(ckpt: dict, f: Path) -> dict[str, Any]:
     model = ckpt.get("model", ckpt)
     flat = _flatten(model)
     lm = {k.split("language_model.", 1)[1]: v for k, v in flat.items() if "language_model." in k}
@@ -161,7 +161,7 @@ def load_legacy(path: str | Path, num_attention_heads: int | None = None) -> Leg
         per: dict[str, list[Any]] = {}
         for r in range(tp):
             ck = first if (r, s) == (0, 0) else safe_torch_load(files[(r, s)])
-            for k, v in _lm_tensors(ck, files[(r, s)]).items():
+            for k, v in lm_tensors(ck, files[(r, s)]).items():
                 if torch.is_tensor(v):
                     per.setdefault(k, []).append(v)
         stages.append(per)
