@@ -55,15 +55,25 @@ EXAMPLES = {
 }
 
 
-def examples(name: str, ckpt: Path) -> list[str]:
-    """The model's answers to :data:`EXAMPLES` (fill-mask for BERT, greedy generation for T5)."""
-    if name.startswith("bert"):
-        from workbench.models.bert.fill_mask import fill_mask
+def _fill_mask(ckpt: Path, prompts: list[str]) -> list[str]:
+    from workbench.models.bert.fill_mask import fill_mask
 
-        return [str(r) for r in fill_mask(ckpt, EXAMPLES[name], top_k=3)[0]]
+    return [str(r) for r in fill_mask(ckpt, prompts, top_k=3)[0]]
+
+
+def _greedy(ckpt: Path, prompts: list[str]) -> list[str]:
     from workbench.generation import generate
 
-    return [f"{r.prompt!r} -> {r.text!r}" for r in generate(ckpt, EXAMPLES[name], greedy=True, max_new_tokens=8, device="cpu")]
+    return [f"{r.prompt!r} -> {r.text!r}" for r in generate(ckpt, prompts, greedy=True, max_new_tokens=8, device="cpu")]
+
+
+#: how each model is asked its examples (as its notebook asks it)
+ASK = {"bert-tiny-kjv": _fill_mask, "t5-tiny-kjv": _greedy}
+
+
+def examples(name: str, ckpt: Path) -> list[str]:
+    """The model's answers to :data:`EXAMPLES`, asked the way its notebook asks (:data:`ASK`)."""
+    return ASK[name](ckpt, EXAMPLES[name])
 
 
 def launch(name: str, device: str, work: Path, steps: int | None = None, batch: int | None = None):
