@@ -68,7 +68,7 @@ def _generate_worker(preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
     from workbench.backend.build import build_model
     from workbench.config import GenerationConfig
     from workbench.models.t5.generate import T5Engine
-    from workbench.models.t5.hf import mcore_to_hf
+    from workbench.conversion.hf import mcore_to_hf
     from workbench.models.t5.model import TE_KEYS
 
     cuda = not a.cpu_smoke

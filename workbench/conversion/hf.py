@@ -140,8 +140,12 @@ def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | No
 
 def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Map an HF state dict to the full TP=1 megatron-core state dict (vocab padded per ``derive(cfg)``)."""
-    return hf_adapter(model_type).hf_to_mcore(hf_sd, cfg, model_type, dtype, progress)
+    """Map an HF state dict to the full TP=1 megatron-core state dict (vocab padded per ``derive(cfg)``):
+    :func:`hf_to_mcore_rules` run on the dict."""
+    from workbench.conversion.rules import infos_of, run_rules, strip_module_prefix
+
+    sd = {strip_module_prefix(k): v for k, v in hf_sd.items()}
+    return run_rules(hf_to_mcore_rules(infos_of(sd), cfg, model_type), sd, dtype, progress)
 
 
 def hf_to_mcore_rules(infos: Mapping[str, Any], cfg: RunConfig, model_type: str) -> list[Any]:
@@ -161,8 +165,11 @@ def mcore_to_hf_rules(infos: Mapping[str, Any], cfg: RunConfig, model_type: str,
 
 def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Map a full TP=1 megatron-core state dict to HF names (vocab padding stripped)."""
-    return hf_adapter(model_type).mcore_to_hf(sd, cfg, model_type, dtype, progress)
+    """Map a full TP=1 megatron-core state dict to HF names (vocab padding stripped; what HF's ``save_pretrained``
+    leaves out, left out): :func:`mcore_to_hf_rules` run on the dict."""
+    from workbench.conversion.rules import infos_of, run_rules
+
+    return run_rules(mcore_to_hf_rules(infos_of(sd), cfg, model_type, read=sd.__getitem__), sd, dtype, progress)
 
 
 # --------------------------------------------------------------------------- HF files

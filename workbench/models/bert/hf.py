@@ -15,17 +15,16 @@ The generic machinery (HF dirs, vocab padding, the per-group QKV layout) is
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
 from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, infos_of, need_vocab,
-                                        pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, run_rules, strip_module_prefix)
+from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need_vocab, pad_vocab_rows,
+                                        qkv_from_mcore, qkv_to_mcore)
 from workbench.models.bert import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
-           "mcore_to_hf_rules", "hf_to_mcore", "mcore_to_hf",
-           "make_random_hf_model", "verify_inputs", "hf_logits"]
+           "mcore_to_hf_rules", "make_random_hf_model", "verify_inputs", "hf_logits"]
 
 #: the HF model types this adapter converts, and their HF classes
 HF_CLASSES = dict(FAMILY.supports.hf_classes)
@@ -184,20 +183,6 @@ def mcore_to_hf_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
         rules.append(Rule(("cls.predictions.decoder.weight",), ("output_layer.weight",), rows))
     check_sources(rules, infos, src)
     return rules
-
-
-def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
-                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Map an HF MegatronBertForPreTraining state dict to the full TP=1 megatron-core BERT state dict:
-    :func:`hf_to_mcore_rules` run on the dict."""
-    sd = {strip_module_prefix(k): v for k, v in hf_sd.items()}
-    return run_rules(hf_to_mcore_rules(infos_of(sd), cfg, model_type), sd, dtype, progress)
-
-
-def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
-                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Inverse of :func:`hf_to_mcore`: pad rows are stripped (they never reach HF)."""
-    return run_rules(mcore_to_hf_rules(infos_of(sd), cfg, model_type, read=sd.__getitem__), sd, dtype, progress)
 
 
 def make_random_hf_model(out: str | Path, model_type: str = "megatron-bert", hidden: int = 96, layers: int = 4, heads: int = 6,

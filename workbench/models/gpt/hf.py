@@ -9,17 +9,16 @@ Llama (rotate-half RoPE q/k, which is mcore's default), and the random demo mode
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
 from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, infos_of, need_vocab,
-                                        pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, run_rules, strip_module_prefix)
+from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need_vocab, pad_vocab_rows,
+                                        qkv_from_mcore, qkv_to_mcore)
 from workbench.models.gpt import FAMILY, hf_moe
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
-           "mcore_to_hf_rules", "hf_to_mcore", "mcore_to_hf",
-           "verify_inputs", "hf_logits",
+           "mcore_to_hf_rules", "verify_inputs", "hf_logits",
            "make_random_hf_model"]
 
 #: the HF model types this adapter converts, and their HF classes
@@ -280,20 +279,6 @@ def mcore_to_hf_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
         raise ConversionError(f"model_type {model_type!r} is not supported")
     check_sources(rules, infos, src)
     return rules
-
-
-def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
-                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Map an HF state dict to the full TP=1 megatron-core state dict (vocab padded per ``derive(cfg)``):
-    :func:`hf_to_mcore_rules` run on the dict."""
-    sd = {strip_module_prefix(k): v for k, v in hf_sd.items()}
-    return run_rules(hf_to_mcore_rules(infos_of(sd), cfg, model_type), sd, dtype, progress)
-
-
-def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
-                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Inverse of :func:`hf_to_mcore`: pad rows are stripped (they never reach HF)."""
-    return run_rules(mcore_to_hf_rules(infos_of(sd), cfg, model_type, read=sd.__getitem__), sd, dtype, progress)
 
 
 # --------------------------------------------------------------------------- demos

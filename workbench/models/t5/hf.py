@@ -18,17 +18,16 @@ for the gated MLP (megatron's GLU: ``act(first half) * second half``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
 from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, infos_of, need_vocab,
-                                        pad_vocab_rows, qkv_from_mcore, qkv_to_mcore, run_rules, strip_module_prefix)
+from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need_vocab, pad_vocab_rows,
+                                        qkv_from_mcore, qkv_to_mcore)
 from workbench.models.t5 import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
-           "mcore_to_hf_rules", "hf_to_mcore", "mcore_to_hf",
-           "make_random_hf_model", "kv_to_mcore", "kv_from_mcore", "verify_inputs", "hf_logits"]
+           "mcore_to_hf_rules", "make_random_hf_model", "kv_to_mcore", "kv_from_mcore", "verify_inputs", "hf_logits"]
 
 HF_CLASSES = dict(FAMILY.supports.hf_classes)
 _ACTS = {"relu": ("relu", "none"), "gated-gelu": ("geglu", "tanh"), "gated-gelu_new": ("geglu", "tanh"),
@@ -234,21 +233,6 @@ def mcore_to_hf_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
         if not torch.equal(read("output_layer.weight")[:V], read("embedding.word_embeddings.weight")[:V]):
             rules.append(Rule(("lm_head.weight",), ("output_layer.weight",), rows))
     return rules
-
-
-def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
-                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Map an HF T5 / mT5 state dict to the full TP=1 megatron-core T5 state dict (vocab padded per ``derive(cfg)``):
-    :func:`hf_to_mcore_rules` run on the dict."""
-    sd = {strip_module_prefix(k): v for k, v in hf_sd.items()}
-    return run_rules(hf_to_mcore_rules(infos_of(sd), cfg, model_type), sd, dtype, progress)
-
-
-def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any = None,
-                progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
-    """Inverse of :func:`hf_to_mcore`: pad rows are stripped; the tied copies HF's ``save_pretrained``
-    leaves out (``encoder/decoder.embed_tokens``, a tied ``lm_head``) are left out too."""
-    return run_rules(mcore_to_hf_rules(infos_of(sd), cfg, model_type, read=sd.__getitem__), sd, dtype, progress)
 
 
 def make_random_hf_model(out: str | Path, model_type: str = "t5", hidden: int = 96, layers: int = 3, heads: int = 6,
