@@ -28,7 +28,7 @@ import torch
 from workbench.backend.build import build_model
 from workbench.backend.checkpointing import save_checkpoint
 cfg = load_config(INIT_CONFIG)
-distributed.initialize_for_tests(cfg, port=int(sys.argv[1]))
+distributed.initialize(cfg)  # torchrun set the rank and store
 torch.manual_seed(cfg.train.seed)
 save_checkpoint(INIT_DIR, 0, [build_model(cfg)], cfg)
 cls = load_config(CLS_CONFIG)  # the classification model: its head is in the initial checkpoint too

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.support import free_port
 from workbench.launch.stores import MODULE as TORCHRUN_MODULE, one_node_args
 
 __all__ = ["run_trainers"]
@@ -25,14 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 DRIVER = r"""
 import os, sys
-if "RANK" not in os.environ:  # one process without torchrun
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 from megatron.core import parallel_state
 from workbench.backend import distributed
 from workbench.backend.train import Trainer
 from workbench.config import load_config
 PRELUDE
-for run_dir in sys.argv[2:]:
+for run_dir in sys.argv[1:]:
     code = Trainer(load_config(os.path.join(run_dir, "config.json")), run_dir).run()
     assert code == 0, (run_dir, code)
     parallel_state.destroy_model_parallel()
@@ -49,15 +46,13 @@ def run_trainers(runs: dict[Path, Any], nproc: int = 1, timeout: int = 300, env:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         cfg.parallel.nproc_per_node = nproc
         cfg.save(Path(run_dir) / "config.json")
-    port = str(free_port())  # one process without torchrun: its own store
-    # several: the launch's one-node torchrun, its rendezvous on a port the OS picks (a port chosen here could be
-    # taken before the store binds it, on a busy machine)
-    head = [sys.executable] + (["-m", TORCHRUN_MODULE, *one_node_args(), "--nproc-per-node", str(nproc)]
-                               if nproc > 1 else [])
+    # the launch's one-node torchrun, also for one rank: its rendezvous on a port the OS picks (a port chosen here
+    # could be taken before a store binds it, on a busy machine: EADDRINUSE)
+    head = [sys.executable, "-m", TORCHRUN_MODULE, *one_node_args(), "--nproc-per-node", str(nproc)]
     env = env or {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     script = Path(runs and next(iter(runs))).parent / "_trainer_runs.py"
     script.write_text(DRIVER.replace("PRELUDE", prelude))
-    proc = subprocess.run(head + [str(script), port, *map(str, runs)], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run(head + [str(script), *map(str, runs)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout
