@@ -112,3 +112,17 @@ def test_calibrate_cpu_writes_a_profile_that_loads(tmp_path):
     assert all("over 2 ranks" in p.source for p in prof.collectives["all_reduce"])
     assert prof.host_us_per_layer["compiled"].source.startswith("from the shipped")
     assert main(["advise", path, "--gpus", "2", "--profile", str(out)]) == 0
+
+
+@pytest.mark.parametrize("name", ["moe-research", "mixtral-8x7b"])
+def test_an_moe_config_is_refused_with_model_moe_and_plan_as_the_way(tmp_path, capsys, name):
+    """The advisor models no experts or expert parallelism: an MoE config exits 2 naming ``model.moe`` and
+    ``workbench plan``, and advise() raises the same problem (what the widget shows) instead of ranking layouts."""
+    path = _cfg(tmp_path, name)
+    assert main(["advise", path, "--gpus", "8", "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "model.moe" in out.err and "workbench plan" in out.err and "expert" in out.err
+    with pytest.raises(ConfigError) as e:
+        advise(preset(name), 8)
+    assert [p.field for p in e.value.problems] == ["model.moe"]
+    assert main(["advise", _cfg(tmp_path, name, **{"model.moe.num_experts": 0}), "--gpus", "8", "--top", "1"]) in (0, 1)
