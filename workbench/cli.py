@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -114,7 +115,31 @@ def _floats(text: str) -> float | list[float]:
     return vals[0] if len(vals) == 1 else vals
 
 
+def _schedule_arg_problems(args: argparse.Namespace) -> list[str]:
+    """``workbench schedule``'s flags that cannot describe a pipeline, each with the flag and the fix."""
+    out = []
+    for flag, value, fix in (("--pp", args.pp, "e.g. --pp 4 (1: no pipelining)"),
+                             ("--microbatches", args.microbatches, f"e.g. --microbatches {4 * max(args.pp, 1)} (at least --pp)"),
+                             ("--vpp", args.vpp, "e.g. --vpp 2 for interleaved 1F1B, or leave it out (1 chunk per rank)"),
+                             ("--group-size", args.group_size, "leave it out (default: --pp) or give at least --pp")):
+        if value is not None and value < 1:
+            out.append(f"{flag} {value}: must be a positive integer -> {fix}")
+    for flag, value in (("--forward", args.forward), ("--backward", args.backward)):
+        values = value if isinstance(value, list) else [value]
+        if not all(math.isfinite(x) and x > 0 for x in values):
+            out.append(f"{flag} {','.join(f'{x:g}' for x in values)}: durations must be finite numbers > 0 -> "
+                       f"e.g. {flag} {'1.0' if flag == '--forward' else '2.0'} (or one per stage, comma-separated)")
+    if not (math.isfinite(args.latency) and args.latency >= 0):
+        out.append(f"--latency {args.latency:g}: must be a finite number >= 0 -> e.g. --latency 0.1 (default 0)")
+    return out
+
+
 def _cmd_schedule(args: argparse.Namespace) -> int:
+    problems = _schedule_arg_problems(args)
+    if problems:
+        for problem in problems:
+            print(f"workbench schedule: {problem}", file=sys.stderr)
+        return 2
     try:
         v = args.vpp or 1
         times: dict[str, Any] = {"forward": args.forward, "backward": args.backward}

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from workbench import kernel_rule
-from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, reads_bad
+from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, module_exists, reads_bad
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
 from workbench.models import FAMILIES, Supports, all_presets, family_of
 
@@ -834,15 +834,8 @@ def _rules(cfg: RunConfig, add: Any) -> None:
             mod = path.split(":", 1)[0] if ":" in path else path.rpartition(".")[0]
             if not mod or (":" in path and not path.split(":", 1)[1]):
                 add(f"train.{hook}", f"'{path}' is not a dotted path to a function", "write it as 'package.module:function'")
-            else:
-                import importlib.util
-
-                try:
-                    found = importlib.util.find_spec(mod) is not None
-                except (ImportError, ValueError):
-                    found = False
-                if not found:
-                    add(f"train.{hook}", f"module '{mod}' is not importable", "put the module on PYTHONPATH (e.g. next to the notebook) or fix the path")
+            elif not module_exists(mod):  # looked for on disk: nothing a config names runs during validation
+                add(f"train.{hook}", f"module '{mod}' is not importable", "put the module on PYTHONPATH (e.g. next to the notebook) or fix the path")
     if p.device == "cpu" and t.precision == "fp16":
         add("train.precision", "fp16 is not supported on CPU", "use bf16 or fp32 on device: cpu", "parallel.device")
 

@@ -16,15 +16,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.machinery
+import importlib.util
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from workbench.config_text import MAX_VALUES
 
 __all__ = ["Problem", "ConfigError", "Bound", "BOUNDS", "LAYERS", "ITERS", "SEQ_WHY", "bounded", "field_problems", "plain_data_problem", "LARGEST_ACCELERATOR_BYTES",
-           "at_defaults", "reads_bad", "touches"]
+           "at_defaults", "reads_bad", "touches", "module_exists"]
 
 
 @dataclass(frozen=True)
@@ -290,3 +294,51 @@ def at_defaults(cfg: Any, bad: set[str], probe: bool = False) -> Any:
                 v = (not v) if isinstance(v, bool) else (2 * v or 1) if isinstance(v, int) else (v / 2 or 0.5) if isinstance(v, float) else v
             setattr(obj, f.name, v)
     return fixed
+
+
+# --------------------------------------------------------------------------- a hook's module, found without importing it
+
+
+def module_exists(name: str) -> bool:
+    """Whether an import of the dotted module ``name`` would find it, decided without importing anything.
+
+    A module already imported counts (``sys.modules``).  Otherwise the search starts from the deepest
+    package of ``name`` already imported (its ``__path__``), else from the top-level name's location as the
+    import system's finders report it (a top-level look-up imports nothing: there is no parent to run), and
+    goes down on disk: each package below is a directory there (regular or namespace), and the module is
+    ``<name><suffix>`` or ``<name>/__init__<suffix>`` for a module suffix of this interpreter (``.py``,
+    ``.pyc``, extension modules).  No package's ``__init__`` runs (``importlib.util.find_spec`` of a dotted
+    name would import every parent package first)."""
+    parts = name.split(".")
+    if not name or not all(p.isidentifier() for p in parts):
+        return False
+    if sys.modules.get(name) is not None:
+        return True
+    locations: list[str] | None = None
+    rest: list[str] = []
+    for i in range(len(parts) - 1, 0, -1):
+        mod = sys.modules.get(".".join(parts[:i]))
+        if mod is not None:
+            path = getattr(mod, "__path__", None)
+            if path is None:
+                return False  # a module, not a package: it has no submodules
+            locations, rest = [str(x) for x in path], parts[i:]
+            break
+    if locations is None:
+        try:
+            spec = importlib.util.find_spec(parts[0])  # top-level: nothing is imported to find it
+        except (ImportError, ValueError):
+            return False
+        if spec is None:
+            return False
+        if len(parts) == 1:
+            return True
+        if spec.submodule_search_locations is None:
+            return False
+        locations, rest = [str(x) for x in spec.submodule_search_locations], parts[1:]
+    for part in rest[:-1]:
+        locations = [os.path.join(d, part) for d in locations if os.path.isdir(os.path.join(d, part))]
+    last = rest[-1]
+    suffixes = importlib.machinery.all_suffixes()
+    return any(os.path.isfile(os.path.join(d, last + sfx)) or os.path.isfile(os.path.join(d, last, "__init__" + sfx))
+               for d in locations for sfx in suffixes)

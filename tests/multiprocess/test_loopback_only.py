@@ -114,3 +114,22 @@ def test_conversion_s_process_group_listens_on_the_loopback_only():
     with single_process_group():
         opened = set(_listeners([psutil.Process()])) - before
     assert not _not_loopback(opened), opened
+
+
+def test_calibrate_s_ranks_listen_on_the_loopback_only(tmp_path):
+    """``workbench calibrate --cpu`` (2 gloo ranks under torchrun, the links measured between them): its stores and
+    the ranks' sockets are on 127.0.0.1, started through the workbench's torchrun entry."""
+    from workbench.advisor.profile import load_profile
+    from workbench.cli import main
+
+    cfg = preset("tiny").save(tmp_path / "tiny.json")
+    out = tmp_path / "cal.json"
+    with _Sampler() as s:
+        rc = main(["calibrate", str(cfg), "--cpu", "--nproc", "2", "--iters", "2", "--gpu", "H100-80GB",
+                   "--out", str(out), "--timeout", "300"])
+    assert rc == 0
+    assert load_profile(out).collectives["all_reduce"]  # the ranks did talk to each other
+    assert any("workbench.advisor.measure" in c for c in s.commands), s.commands  # the sampler saw the ranks
+    assert any("workbench.launch.torchrun" in c for c in s.commands), s.commands
+    assert not any("torch.distributed.run" in c for c in s.commands), s.commands
+    assert s.seen and not _not_loopback(s.seen), s.seen

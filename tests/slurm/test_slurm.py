@@ -141,3 +141,40 @@ def test_two_nodes_and_run_stop(slurm_cluster, tmp_path):
     assert run.events("error") == [] and run.failure is None
     assert run.exit_status["status"] == "stopped"
     print(f"\n2 nodes x 2 ranks: Run.stop() -> stopped in {time.time() - t0:.1f} s")
+
+
+def test_run_stop_cancels_only_a_job_that_runs_this_run_directory_s_script(slurm_cluster, tmp_path, capsys):
+    """``slurm.json`` is a file: one that names another job (a real one, running another script) or no job id at all
+    gets nothing cancelled; the run's own job (submitted by ``submit``, as ``workbench launch --slurm`` does) is."""
+    from workbench.config import preset
+    from workbench.launch.slurm import submit
+
+    def sleeper(run_dir):
+        (run_dir / "events").mkdir(parents=True)
+        (run_dir / "logs").mkdir()
+        preset("tiny").save(run_dir / "config.json")
+        script = run_dir / "slurm.sbatch"
+        script.write_text(f"#!/bin/bash\n#SBATCH --output={run_dir}/logs/launcher.log\nsleep 600\n")
+        return script
+
+    other, mine = tmp_path / "other", tmp_path / "mine"
+    other_job = slurm_cluster.run("sbatch", "--parsable", str(sleeper(other))).stdout.strip().split(";")[0]
+    wait_until(lambda: [other_job, "RUNNING"] in [line.split() for line in slurm_cluster.queue()], 60, "the other job to run")
+    my_job = submit(mine, sleeper(mine))
+    for forged in (other_job, f"--name={other.name}", f"{other_job} "):
+        (mine / JOB_FILE).write_text(json.dumps({"job_id": forged, "script": str(mine / "slurm.sbatch")}))
+        run = Run.attach(mine)
+        run.stop(grace=1)
+        assert [other_job, "RUNNING"] in [line.split() for line in slurm_cluster.queue()], f"{forged!r} cancelled it"
+        assert run.refusals and str(mine / JOB_FILE) in run.refusals[0]
+    err = capsys.readouterr().err
+    assert f"whose batch script is {other / 'slurm.sbatch'}" in err and "not a SLURM job id" in err
+    assert run.exit_status is None
+    (mine / JOB_FILE).write_text(json.dumps({"job_id": my_job, "script": str(mine / "slurm.sbatch")}))
+    run = Run.attach(mine)
+    assert run.is_alive()
+    assert run.stop(grace=1) == "stopped" and not run.refusals
+    wait_until(lambda: not any(line.split()[0] == my_job for line in slurm_cluster.queue()), 60, "the run's job to leave squeue")
+    assert [other_job, "RUNNING"] in [line.split() for line in slurm_cluster.queue()]
+    slurm_cluster.run("scancel", other_job)
+    wait_until(lambda: slurm_cluster.queue() == [], 60, "the queue to empty")

@@ -112,3 +112,72 @@ def test_calibrate_cpu_writes_a_profile_that_loads(tmp_path):
     assert all("over 2 ranks" in p.source for p in prof.collectives["all_reduce"])
     assert prof.host_us_per_layer["compiled"].source.startswith("from the shipped")
     assert main(["advise", path, "--gpus", "2", "--profile", str(out)]) == 0
+
+
+@pytest.mark.parametrize("name", ["moe-research", "mixtral-8x7b"])
+def test_an_moe_config_is_refused_with_model_moe_and_plan_as_the_way(tmp_path, capsys, name):
+    """The advisor models no experts or expert parallelism: an MoE config exits 2 naming ``model.moe`` and
+    ``workbench plan``, and advise() raises the same problem (what the widget shows) instead of ranking layouts."""
+    path = _cfg(tmp_path, name)
+    assert main(["advise", path, "--gpus", "8", "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "model.moe" in out.err and "workbench plan" in out.err and "expert" in out.err
+    with pytest.raises(ConfigError) as e:
+        advise(preset(name), 8)
+    assert [p.field for p in e.value.problems] == ["model.moe"]
+    assert main(["advise", _cfg(tmp_path, name, **{"model.moe.num_experts": 0}), "--gpus", "8", "--top", "1"]) in (0, 1)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--iters", "0"], "--iters 0"),
+    (["--iters", "-3"], "--iters -3"),
+    (["--timeout", "0"], "--timeout 0"),
+    (["--timeout", "-5"], "--timeout -5"),
+    (["--timeout", "nan"], "--timeout nan"),
+    (["--timeout", "inf"], "--timeout inf"),
+    (["--nproc", "0"], "--nproc 0"),
+])
+def test_calibrate_bad_numbers_exit_2_before_anything_starts(tmp_path, capsys, args, flag):
+    """Checked before the config is even read (a missing file would be exit 2 for another reason) and before any
+    process starts: nothing is written, no supervisor or rank runs."""
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", str(tmp_path / "no-such-config.json"), "--cpu", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "->" in err and "no-such-config" not in err
+    assert not out.exists()
+
+
+def test_calibrate_ranks_that_overrun_the_timeout_are_stopped_without_a_traceback(tmp_path):
+    """Ranks still measuring at ``--timeout`` (a huge ``--iters``): exit 1 with the flag and the fix, no traceback, no
+    profile, and no process of the calibration left anywhere (its temporary directory is under ``tmp_path``)."""
+    import os
+    import time
+
+    import psutil
+
+    path = _cfg(tmp_path, "tiny")
+    out = tmp_path / "cal.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "calibrate", path, "--cpu", "--nproc", "2",
+                           "--iters", "100000000", "--out", str(out), "--gpu", "H100-80GB", "--timeout", "20"],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    took = time.time() - t0
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "--timeout 20" in proc.stderr and "->" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists() and took < 120
+
+    def leftovers():
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if str(scratch) in " ".join(p.info["cmdline"] or []):
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    assert not leftovers(), [" ".join(p.cmdline()) for p in leftovers()]
+    assert not list(scratch.glob("wb-calibrate-*"))  # its temporary run directory was cleaned up too

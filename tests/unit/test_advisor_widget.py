@@ -59,3 +59,11 @@ def test_invalid_config_shows_the_problem_instead_of_a_table():
 
     w = AdvisorWidget(preset("gpt2-medium", **{"train.lr": -1.0}), gpus=2)
     assert w.advice is None and "train.lr" in w.status.value and w.rows_box.children == ()
+
+
+def test_an_moe_config_shows_the_refusal_instead_of_a_table():
+    from workbench.widgets.advisor import AdvisorWidget
+
+    w = AdvisorWidget(preset("moe-research"), gpus=4)
+    assert w.advice is None and w.shown_rows() == [] and w.buttons == []
+    assert "model.moe" in w.status.value and "workbench plan" in w.status.value

@@ -65,6 +65,28 @@ def test_bad_input_exits_2_with_the_reason(argv, needle, capsys):
     assert needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["--pp", "2", "--microbatches", "4", "--vpp", "0"], "--vpp 0"),
+    (["--pp", "2", "--microbatches", "4", "--vpp", "-2"], "--vpp -2"),
+    (["--pp", "0", "--microbatches", "4"], "--pp 0"),
+    (["--pp", "-1", "--microbatches", "4"], "--pp -1"),
+    (["--pp", "2", "--microbatches", "0"], "--microbatches 0"),
+    (["--pp", "2", "-m", "-3"], "--microbatches -3"),
+    (["--pp", "2", "--microbatches", "4", "--vpp", "2", "--group-size", "0"], "--group-size 0"),
+    (["--pp", "2", "--microbatches", "4", "--forward", "0"], "--forward 0"),
+    (["--pp", "2", "--microbatches", "4", "--backward", "inf"], "--backward inf"),
+    (["--pp", "2", "--microbatches", "4", "--forward", "1,nan"], "--forward 1,nan"),
+    (["--pp", "2", "--microbatches", "4", "--latency", "nan"], "--latency nan"),
+    (["--pp", "2", "--microbatches", "4", "--latency", "inf"], "--latency inf"),
+])
+def test_nonsensical_flags_exit_2_naming_the_flag_and_the_fix(argv, flag):
+    """In a subprocess, as typed: exit 2, the flag with its value and a fix, no traceback, no schedule printed."""
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "schedule", *argv], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert flag in r.stderr and "->" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""
+
+
 def test_console_entry_point():
     r = subprocess.run([sys.executable, "-m", "workbench.cli", "schedule", "--pp", "2", "--microbatches", "3", "--json"],
                        capture_output=True, text=True, timeout=60)

@@ -1,7 +1,8 @@
 """Rank every valid layout of a model on a set of GPUs by predicted speed, each with the planner's fits / OOM.
 
 :func:`advise` validates the config (a :class:`~workbench.config.ConfigError` names the field and the
-fix), enumerates every valid layout (:mod:`workbench.advisor.enumerate`), predicts each one's step
+fix), refuses a mixture-of-experts model (``model.moe``: experts and expert parallelism are not modelled; the
+planner, ``workbench plan``, is), enumerates every valid layout (:mod:`workbench.advisor.enumerate`), predicts each one's step
 time (:mod:`workbench.advisor.perf_model`; a closed-form bubble first, then the schedule simulator for
 the leading layouts), and asks the memory planner (:func:`workbench.planner.predict`: reserved + CUDA
 context + NCCL on every rank) whether each fits, in order of predicted speed until ``top`` layouts
@@ -18,6 +19,7 @@ from typing import Any
 
 from workbench import planner
 from workbench.config import ConfigError, Problem, RunConfig
+from workbench.models.common.moe import is_moe
 
 from workbench.advisor.enumerate import Layout, enumerate_layouts, layout_of
 from workbench.advisor.perf_model import REASONS, Model, Prediction
@@ -92,6 +94,12 @@ def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, to
     problems = cfg.validate()
     if problems:
         raise ConfigError(problems)
+    if is_moe(cfg):
+        raise _problem("model.moe", f"the advisor does not model experts or expert parallelism (EP) yet: its speed model has no "
+                       f"experts' compute or all-to-all and it enumerates no EP layouts, so a ranking of this {cfg.model.moe.num_experts}-"
+                       "expert model would be wrong",
+                       "check a layout of this MoE model with `workbench plan CONFIG --gpu GPU` (the planner counts the experts' "
+                       "memory per EP rank), or advise a dense model (model.moe.num_experts: 0)")
     if not isinstance(gpus, int) or gpus < 1:
         raise _problem("--gpus", f"must be a positive number of GPUs (got {gpus!r})", "e.g. --gpus 8")
     if not isinstance(nodes, int) or nodes < 1 or gpus % nodes:

@@ -4,18 +4,22 @@
 prints every valid layout's predicted speed, sorted, with the planner's fits / OOM; exit 2 with the
 field and the fix on bad input (the config is validated first), 1 when no layout fits, else 0.
 
-``workbench calibrate CONFIG [--out FILE] [--nproc N] [--cpu]`` measures a calibration profile on the
-GPUs it sees (:mod:`workbench.advisor.measure` under torchrun, supervised like every launch) and writes
-it as JSON (default ``calibration-<gpu>.json``), to be passed to ``advise --profile``.  What it does not
-measure (host time per layer, links between nodes, the fitted constants) it takes from the shipped
-profile of the same GPU, and says so in each number's source.
+``workbench calibrate CONFIG [--out FILE] [--nproc N] [--iters N] [--timeout S] [--cpu]`` measures a calibration
+profile on the GPUs it sees (:mod:`workbench.advisor.measure` under the workbench's one-node torchrun, its stores on
+the loopback only, supervised like every launch) and writes it as JSON (default ``calibration-<gpu>.json``), to be
+passed to ``advise --profile``.  What it does not measure (host time per layer, links between nodes, the fitted constants) it takes from the shipped
+profile of the same GPU, and says so in each number's source.  ``--iters`` / ``--timeout`` / ``--nproc`` below 1
+(or a timeout that is no finite number) exit 2 before anything starts; ranks that overrun ``--timeout`` are
+stopped with their whole process tree, and it exits 1 saying so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -85,11 +89,28 @@ def profile_from_raw(raw: dict[str, Any], base: Any, gpu: str) -> Any:
     return profile_from_dict(d, "calibration")
 
 
+def _calibrate_arg_problems(args: argparse.Namespace) -> list[str]:
+    """``workbench calibrate``'s flags that cannot work, each with the flag and the fix (checked before anything starts)."""
+    out = []
+    if args.nproc is not None and args.nproc < 1:
+        out.append(f"--nproc {args.nproc}: must be >= 1 -> e.g. --nproc 8 (default: every visible GPU)")
+    if args.iters < 1:
+        out.append(f"--iters {args.iters}: must be >= 1 timed repetition -> e.g. --iters 10 (the default)")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        out.append(f"--timeout {args.timeout:g}: must be a finite number of seconds > 0 -> e.g. --timeout 600 (the default)")
+    return out
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from workbench.advisor.profile import ProfileError, default_profile
-    from workbench.launch import run_supervised
+    from workbench.launch import local_torchrun, run_supervised
     from workbench.planner import gpu_spec
 
+    bad = _calibrate_arg_problems(args)
+    if bad:
+        for problem in bad:
+            print(f"workbench calibrate: {problem}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.file)
         problems = cfg.validate()
@@ -97,9 +118,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             raise ConfigError(problems, args.file)
     except ConfigError as e:
         print(e, file=sys.stderr)
-        return 2
-    if args.nproc is not None and args.nproc < 1:
-        print("--nproc: must be >= 1 -> e.g. --nproc 8 (default: every visible GPU)", file=sys.stderr)
         return 2
     if args.cpu:
         nproc, device = args.nproc or 2, "cpu"
@@ -127,12 +145,19 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="wb-calibrate-") as tmp:
         cfg_path = cfg.save(Path(tmp) / "config.json")
         raw_path = Path(tmp) / "raw.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "workbench.advisor.measure", "--config", str(cfg_path), "--out", str(raw_path),
+        cmd = [*local_torchrun(nproc), "-m", "workbench.advisor.measure", "--config", str(cfg_path), "--out", str(raw_path),
                "--iters", str(args.iters)] + (["--cpu"] if args.cpu else [])
         env = dict(os.environ)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
-        res = run_supervised(cmd, Path(tmp) / "run", env=env, timeout=args.timeout)
+        try:  # the supervisor's tree is stopped (SIGTERM, then SIGKILL) before either exception reaches here
+            res = run_supervised(cmd, Path(tmp) / "run", env=env, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"workbench calibrate: the measuring ranks did not finish within --timeout {args.timeout:g} s and were "
+                  f"stopped -> raise --timeout or lower --iters (now {args.iters})", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("workbench calibrate: interrupted; the measuring ranks were stopped", file=sys.stderr)
+            return 130
         if res.returncode != 0 or not raw_path.exists():
             print(f"workbench calibrate: the measuring ranks failed (exit {res.returncode}):\n{res.output[-3000:]}", file=sys.stderr)
             return 1

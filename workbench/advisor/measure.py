@@ -1,10 +1,10 @@
 """``workbench calibrate``'s ranks: measure one GPU's rates at a model's shapes and the links between the GPUs.
 
-Run by ``workbench calibrate`` under torchrun (one process per visible GPU, NCCL; ``--cpu``: gloo on
-CPU with tiny sizes, which checks the machinery)::
+Run by ``workbench calibrate`` under the workbench's one-node torchrun (one process per visible GPU, NCCL;
+``--cpu``: gloo on CPU with tiny sizes, which checks the machinery; its stores on the loopback only)::
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m workbench.advisor.measure \\
-        --config CFG.json --out RAW.json [--cpu]
+    python -m workbench.launch.torchrun <workbench.launch.local_torchrun's options> --nproc-per-node N \\
+        -m workbench.advisor.measure --config CFG.json --out RAW.json [--cpu]
 
 Rank 0 times (CUDA events; host timers on CPU) bf16 GEMMs of the model's four layer GEMMs at TP = 1, 2,
 4, 8, the fused attention forward + backward at the model's sequence and heads, a large copy, a fused

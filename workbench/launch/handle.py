@@ -185,8 +185,9 @@ class Run:
 
     @property
     def refusals(self) -> list[Refusal]:
-        """Processes ``launch.json`` names that are not this run's (never signalled), each with why."""
-        return self._procs.refusals
+        """Processes ``launch.json`` names and SLURM jobs ``slurm.json`` names that are not this run's (never signalled
+        or cancelled), each with why."""
+        return self._procs.refusals + self._slurm.refusals
 
     def nodes(self) -> list[dict]:
         """Every node of the run: ``{node, host, ranks, status, alive, local, why, exit_status, heartbeat_age}``.
@@ -365,9 +366,10 @@ class Run:
 
     # ---- SLURM (workbench.launch.slurm)
     def _stop_slurm(self, grace: float) -> str:
-        """``scancel`` the job and wait until it has left the queue (:meth:`JobWatch.cancel`)."""
-        self._slurm.cancel(grace)
-        if not self.exit_status and self._slurm.state(max_age=0.0) == "":  # cancelled before its script could record it
+        """``scancel`` the job and wait until it has left the queue (:meth:`JobWatch.cancel`: only a job SLURM reports
+        as running this run directory's ``slurm.sbatch``; a job ``slurm.json`` names that is not is refused, said)."""
+        if self._slurm.cancel(grace) and not self.exit_status and self._slurm.state(max_age=0.0) == "":
+            # cancelled before its script could record it
             write_exit_status(self.run_dir, None, reason="stopped", status="stopped")
         return self.status
 

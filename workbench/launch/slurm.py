@@ -5,7 +5,12 @@ task per node, each a torchrun with the c10d rendezvous on the first node) and s
 :func:`submit`, which records the job in ``<run_dir>/slurm.json`` (job id, script, when and from
 which host).  With that record, :class:`workbench.launch.handle.Run` follows the job like any run
 (:class:`JobWatch`): it is alive while ``squeue`` lists it (pending, running, completing), and
-``Run.stop()`` ends it with ``scancel``.  There is no
+``Run.stop()`` ends it with ``scancel``.  The record is a file anyone who can write the run directory
+can forge, so it never gets a job cancelled or followed on its word alone: its job id must be a SLURM
+job id (:data:`JOB_ID`: digits, or ``<array job>_<task>``; else :class:`JobRecordError`, naming the
+file), and SLURM must say that the job's batch script is this run directory's ``slurm.sbatch``
+(``squeue -h -j ID -o %o``: :func:`job_script`).  A job that is not this run's is never cancelled
+and counts as this run's job having left the queue; each refusal is said once.  There is no
 workbench supervisor under SLURM: the batch script records ``exit_status.json`` itself
 (finished / failed from its ranks' exit, ``stopped`` when SLURM signalled the job: ``scancel``,
 the time limit, a preemption).
@@ -17,20 +22,32 @@ from its events and exit status alone.  Torch-free.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+from workbench.launch.ownership import Refusal
 from workbench.launch.plan import LaunchPlan
 from workbench.launch.stores import MODULE as TORCHRUN_MODULE
 from workbench.run.files import read_json, write_json_atomic
 
-__all__ = ["JOB_FILE", "batch_script", "submit", "job_record", "job_state", "cancel", "JobWatch"]
+__all__ = ["JOB_FILE", "SCRIPT_FILE", "JOB_ID", "JobRecordError", "batch_script", "submit", "job_record", "job_state",
+           "job_script", "cancel", "JobWatch"]
 
 #: the job record beside the batch script
 JOB_FILE = "slurm.json"
+#: the batch script ``workbench launch --slurm`` writes into the run directory and submits
+SCRIPT_FILE = "slurm.sbatch"
+#: a SLURM job id as sbatch prints it: the job's number, or an array task's ``<array job>_<task>`` (ASCII digits)
+JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")
+
+
+class JobRecordError(ValueError):
+    """A run directory's ``slurm.json`` whose job id is not a SLURM job id (not written by :func:`submit`)."""
 
 
 def batch_script(plan: LaunchPlan, *, partition: str | None = None, account: str | None = None,
@@ -143,9 +160,20 @@ def submit(run_dir: str | Path, script: str | Path, *, sbatch: str | None = None
 
 
 def job_record(run_dir: str | Path) -> dict | None:
-    """``<run_dir>/slurm.json`` of a run submitted with :func:`submit`, else None."""
-    rec = read_json(Path(run_dir) / JOB_FILE)
-    return rec if isinstance(rec, dict) and rec.get("job_id") else None
+    """``<run_dir>/slurm.json`` of a run submitted with :func:`submit` (None: there is none, or it is no JSON object).
+
+    Raises :class:`JobRecordError`, naming the file, when its ``job_id`` is not a SLURM job id (:data:`JOB_ID`),
+    so that nothing it says reaches ``squeue`` or ``scancel``."""
+    path = Path(run_dir) / JOB_FILE
+    rec = read_json(path)
+    if rec is None:
+        return None
+    job = rec.get("job_id")
+    if isinstance(job, bool) or not isinstance(job, (str, int)) or not JOB_ID.fullmatch(str(job)):
+        raise JobRecordError(f"{path}: job_id {job!r} is not a SLURM job id (digits, or <array job>_<task>), so this file "
+                             "was not written by `workbench launch --slurm`; no job it names is followed or cancelled -> "
+                             "remove the file, or put back the job id sbatch printed for this run")
+    return rec
 
 
 def job_state(job_id: str | int, *, squeue: str | None = None) -> str | None:
@@ -164,6 +192,21 @@ def job_state(job_id: str | int, *, squeue: str | None = None) -> str | None:
     return words[0] if words else ""
 
 
+def job_script(job_id: str | int, *, squeue: str | None = None) -> str | None:
+    """The job's batch script as SLURM recorded it (``squeue -h -j ID -o %o``: an absolute path, whatever path
+    sbatch was given); ``""`` once the job has left the queue; None when this machine cannot tell."""
+    exe = squeue or shutil.which("squeue")
+    if not exe:
+        return None
+    try:
+        r = subprocess.run([exe, "-h", "-j", str(job_id), "-o", "%o"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return "" if "Invalid job id" in r.stderr else None
+    return r.stdout.rstrip("\n")
+
+
 def cancel(job_id: str | int, *, scancel: str | None = None) -> None:
     """``scancel <job>``: SLURM sends SIGTERM to every process of the job, SIGKILL after its KillWait.
 
@@ -178,34 +221,91 @@ def cancel(job_id: str | int, *, scancel: str | None = None) -> None:
 
 
 class JobWatch:
-    """The SLURM job of one run directory (its ``slurm.json``), as ``Run`` follows and stops it."""
+    """The SLURM job of one run directory (its ``slurm.json``), as ``Run`` follows and stops it: only a job whose
+    batch script SLURM reports as this run directory's ``slurm.sbatch`` (see the module docstring)."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
-        self._seen: tuple[float, str | None] | None = None  # (when, squeue's state)
+        self._seen: tuple[float, str | None] | None = None  # (when, the job's state as this run's)
+        self._owner: dict[str, bool] = {}  # job id -> whether its batch script is this run's (SLURM's word)
+        #: why a job that ``slurm.json`` names was not taken as this run's (never cancelled), each said once
+        self.refusals: list[Refusal] = []
+
+    def refuse(self, why: str) -> None:
+        if why not in self.refusals:
+            self.refusals.append(Refusal(why))
+            print(f"warning: {why}", file=sys.stderr, flush=True)
 
     @property
     def job(self) -> str | None:
-        """The job id of a run submitted with ``workbench launch --slurm`` (``slurm.json``), else None."""
-        rec = job_record(self.run_dir)
+        """The job id ``slurm.json`` records, once it is a SLURM job id; else None (a record whose id is not: refused)."""
+        try:
+            rec = job_record(self.run_dir)
+        except JobRecordError as e:
+            self.refuse(str(e))
+            return None
         return str(rec["job_id"]) if rec else None
 
+    @property
+    def script(self) -> Path:
+        """This run directory's batch script: the one a job of this run runs."""
+        return self.run_dir / SCRIPT_FILE
+
+    def _is_this_runs(self, script: str) -> bool:
+        mine = self.script.absolute()
+        return script == str(mine) or os.path.realpath(script) == os.path.realpath(mine)
+
+    def owned(self, job: str) -> bool | None:
+        """Whether SLURM says ``job``'s batch script is this run's (False refuses it, saying why); None: squeue
+        cannot tell, or the job has left the queue.  SLURM's answer for a job id is kept."""
+        if job in self._owner:
+            return self._owner[job]
+        script = job_script(job)
+        if not script:
+            return None
+        mine = self._owner[job] = self._is_this_runs(script)
+        if not mine:
+            self.refuse(f"{self.run_dir / JOB_FILE} names SLURM job {job}, whose batch script is {script}, not "
+                        f"{self.script.absolute()}: not this run's job, so it is not cancelled or followed")
+        return mine
+
     def state(self, max_age: float = 2.0) -> str | None:
-        """The job's state (``""``: it has left the queue); None: not a SLURM run, or squeue cannot tell.
-        squeue is asked at most every ``max_age`` seconds (the dashboard polls the status)."""
+        """This run's job's state (``""``: it has left the queue, or the job ``slurm.json`` names is not this run's);
+        None: not a SLURM run, or squeue cannot tell.  squeue is asked at most every ``max_age`` seconds (the
+        dashboard polls the status)."""
         job = self.job
         if job is None:
             return None
         seen = self._seen
         if seen is None or time.time() - seen[0] > max_age:
-            seen = self._seen = (time.time(), job_state(job))
+            st = job_state(job)
+            if st:  # in the queue: this run's job only if SLURM says it runs this run's batch script
+                owned = self.owned(job)
+                st = st if owned else None if owned is None else ""
+            seen = self._seen = (time.time(), st)
         return seen[1]
 
-    def cancel(self, grace: float) -> None:
-        """``scancel`` the job and wait (``grace`` + 120 s at most) until it has left the queue: SLURM sends
+    def cancel(self, grace: float) -> bool:
+        """``scancel`` this run's job and wait (``grace`` + 120 s at most) until it has left the queue: SLURM sends
         SIGTERM to every process of the job (the ranks stop at a step boundary, the batch script records
-        ``stopped``) and SIGKILL to what is left after its KillWait."""
-        cancel(self.job)
+        ``stopped``) and SIGKILL to what is left after its KillWait.  Returns whether it was cancelled: a job that
+        SLURM does not report as this run's is refused (said), one that has left the queue needs nothing."""
+        job = self.job
+        if job is None:
+            return False
+        self._owner.pop(job, None)  # asked afresh right before cancelling
+        script = job_script(job)
+        if script is None:
+            self.refuse(f"{self.run_dir / JOB_FILE} names SLURM job {job}, and squeue cannot say whose batch script it runs "
+                        f"(no squeue here, or the controller does not answer): not cancelled -> check it with "
+                        f"squeue -j {job} -o %o where SLURM's commands are, then scancel {job}")
+            return False
+        if script == "":
+            return False  # it has left the queue: nothing to cancel
+        if not self.owned(job):
+            return False
+        cancel(job)
         end = time.time() + grace + 120.0
         while self.state(max_age=0.0) and time.time() < end:
             time.sleep(0.5)
+        return True
