@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from tests.support import torchrun_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "train_throughput.py"
@@ -140,7 +141,7 @@ def test_fp8_rows_are_valid_configs_scaled_against_their_bf16_row(monkeypatch):
 def test_allreduce_probe_runs_over_two_ranks(tmp_path):
     """bench/allreduce_probe.py over gloo (--cpu): one all-reduce and one send/recv row, stamped."""
     out = tmp_path / "probe.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, *torchrun_args(2),
                            str(ROOT / "bench" / "allreduce_probe.py"), "--cpu", "--iters", "3", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

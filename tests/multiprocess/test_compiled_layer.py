@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import SUPPORT, free_port
+from tests.support import SUPPORT, free_port, torchrun_args
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYER_CHECK = SUPPORT / "compiled_layer_check.py"
@@ -247,7 +247,7 @@ def _tp2_check(what: str = "tp2", **env: str) -> dict:
     """tests/support/compiled_layer_check.py ``what`` (tp2, tp2-order) under torchrun on two CPU ranks: its JSON result."""
     import os
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    proc = subprocess.run([sys.executable, *torchrun_args(2),
                            str(LAYER_CHECK), what], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

@@ -15,6 +15,7 @@ import pytest
 from workbench.config import preset
 from workbench.run.reader import read_events
 from workbench.schedules import load_measured, measured_report, operation_order
+from tests.support import torchrun_args
 
 
 @pytest.mark.slow
@@ -29,7 +30,7 @@ def test_real_interleaved_run_follows_the_simulated_order(tmp_path):
     assert cfg.validate() == [] and cfg.derived().num_microbatches == 4
     cfg_path = cfg.save(tmp_path / "run.json")
     run_dir = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    r = subprocess.run([sys.executable, *torchrun_args(2),
                         "-m", "workbench.backend", "--config", str(cfg_path), "--run-dir", str(run_dir)],
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]

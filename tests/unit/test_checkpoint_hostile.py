@@ -94,7 +94,7 @@ def test_the_marker_runs_when_imported(hostile_hooks):
     import importlib.util
 
     _, _, marker = hostile_hooks
-    importlib.util.find_spec("evil_hooks_pkg.steps")  # what config validation does for a dotted hook path
+    importlib.util.find_spec("evil_hooks_pkg.steps")  # importing the parent package runs its payload
     assert marker.read_text() == "evil_hooks_pkg\n"
     sys.modules.pop("evil_hooks_pkg", None)
 
