@@ -11,7 +11,7 @@ export MPLBACKEND=Agg PYTHONUNBUFFERED=1
 set +e
 # a private basetemp: another pytest session on the machine must not clean up this one's tmp dirs
 basetemp="$(mktemp -d -t workbench-tests-XXXXXX)"
-"$venv/bin/python" -m pytest -q "${@:-tests}" --ignore=tests/gpu -p no:cacheprovider --basetemp="$basetemp" --durations=15
+"$venv/bin/python" -m pytest -q "${@:-tests}" --ignore=tests/gpu_proofs -p no:cacheprovider --basetemp="$basetemp" --durations=15
 rc=$?
 set -e
 rm -rf "$basetemp"

@@ -106,7 +106,7 @@ def test_run_directory_files(tmp_path):
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_vpp2"])
 def test_committed_evidence_runs_still_load(name):
-    run = next((d / name for d in (ROOT / "evidence" / "runs", ROOT / "tests" / "gpu" / "evidence" / "runs") if (d / name).is_dir()), None)
+    run = next((d / name for d in (ROOT / "evidence" / "runs", ROOT / "tests" / "gpu_proofs" / "evidence" / "runs") if (d / name).is_dir()), None)
     if run is None:
         pytest.skip("evidence runs not in this checkout")
     r = RunReader(run)

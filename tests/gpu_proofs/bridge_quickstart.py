@@ -111,7 +111,7 @@ def main() -> int:
     # all-reduce; the failing rank and its traceback must surface and the job be torn down.
     # (An absurd micro-batch no longer fails: demo-small at micro-batch 4096 fits an H200.)
     last = max(cfg.parallel.world_size - 1, 0)
-    failing = cfg.replace(**{"train.train_iters": 50, "train.forward_step": "tests.gpu.failing_forward:forward_step",
+    failing = cfg.replace(**{"train.train_iters": 50, "train.forward_step": "tests.gpu_proofs.failing_forward:forward_step",
                              "train.hook_kwargs": {"fail_rank": last, "fail_after": 3}})
     run = Run.launch(failing, run_root=work / "fail")
     t2 = time.time()

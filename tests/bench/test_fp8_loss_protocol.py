@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu_proofs"))
 import fp8_loss  # noqa: E402
 
 

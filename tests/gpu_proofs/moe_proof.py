@@ -97,7 +97,7 @@ def parity(a: argparse.Namespace, work: Path) -> dict:
 
 
 def planner_rows(a: argparse.Namespace, work: Path) -> list[dict]:
-    spec = importlib.util.spec_from_file_location("planner_measure", ROOT / "tests" / "gpu" / "planner_measure.py")
+    spec = importlib.util.spec_from_file_location("planner_measure", ROOT / "tests" / "gpu_proofs" / "planner_measure.py")
     pm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pm)
     rows = []

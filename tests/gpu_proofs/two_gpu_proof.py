@@ -458,7 +458,7 @@ def phase_b(args: argparse.Namespace, work: Path, log: Callable, ngpus: int) -> 
             "train.lr": 3e-3 if tiny else 1e-3, "train.eval_interval": 0, "checkpoint.save_on_exit": True})
         train = f"{n}-train"
         jobs.append(run_job(train, cfg, world, work, [], args.timeout))
-        argv = [str(ROOT / "tests" / "gpu" / "two_gpu_conversion.py"), "--ckpt", str(work / train / "checkpoints"),
+        argv = [str(ROOT / "tests" / "gpu_proofs" / "two_gpu_conversion.py"), "--ckpt", str(work / train / "checkpoints"),
                 "--work", str(work / n), "--result", str(work / n / "result.json"), "--device", device]
         jobs.append(script_job(n, world, argv, work, [train], args.timeout * 2))
     waves = [jobs]
@@ -473,7 +473,7 @@ def phase_b(args: argparse.Namespace, work: Path, log: Callable, ngpus: int) -> 
             left = args.hard_stop - (time.time() - t_phase) - 40 if args.hard_stop else args.planner_deadline
             deadline = max(30.0, min(args.planner_deadline, left))
             log(f"planner: deadline {deadline:.0f} s")
-            return [str(ROOT / "tests" / "gpu" / "planner_measure.py"), "--set", "2gpu-all", "--out", str(args.planner_out),
+            return [str(ROOT / "tests" / "gpu_proofs" / "planner_measure.py"), "--set", "2gpu-all", "--out", str(args.planner_out),
                     "--concurrent", "3", "--concurrent-multi", str(args.planner_concurrent), "--keep", str(work / "planner"),
                     "--deadline", f"{deadline:.0f}"] + (["--device", "cpu", "--only", "g2s-tp2-eager"] if tiny else [])
 

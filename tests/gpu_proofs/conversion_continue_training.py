@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "parallel.nnodes": 1, "parallel.nproc_per_node": world,
         "train.micro_batch_size": mbs, "train.global_batch_size": mbs * micro, "train.train_iters": args.steps,
         "train.lr": 1e-4, "train.min_lr": 1e-5, "train.lr_warmup_iters": 0, "train.eval_interval": 0,
-        "train.forward_step": "tests.gpu.conversion_continue_training:recording_forward_step",
+        "train.forward_step": "tests.gpu_proofs.conversion_continue_training:recording_forward_step",
         "train.hook_kwargs": {"record_dir": str(rec), "record_first": micro},
         # the random HF model ships no tokenizer (the conversion records none): train on the demo corpus's
         "data.source": "demo", "data.tokenizer": "demo", "checkpoint.save_on_exit": False, "train.precision": precision,

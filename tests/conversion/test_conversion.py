@@ -392,7 +392,7 @@ def test_tokenizer_files_travel_with_the_checkpoint(hf_models, tmp_path):
 def test_backend_continues_training_from_a_converted_checkpoint(tmp_path):
     """The GPU proof's script on CPU (fp32, PP=2 with tied embeddings): the real backend (torchrun +
     ``python -m workbench.backend``) fine-tunes the converted GPT-2; step 1's loss is HF's loss on the same batches."""
-    from tests.gpu.conversion_continue_training import main
+    from tests.gpu_proofs.conversion_continue_training import main
 
     out = tmp_path / "evidence.jsonl"
     rc = main(["--device", "cpu", "--tp", "1", "--pp", "2", "--steps", "2", "--work", str(tmp_path / "w"), "--out", str(out)])
