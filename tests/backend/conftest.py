@@ -1,4 +1,4 @@
-"""Fixtures shared by the unit tests."""
+"""Fixtures of the backend tests."""
 
 import pytest
 

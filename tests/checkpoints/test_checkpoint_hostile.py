@@ -23,28 +23,10 @@ import sys
 
 import pytest
 
-from tests.support import ROOT, hf_gpt2
+from tests.support import ROOT
 from workbench.run.checkpoint import CheckpointError, find_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    from workbench.conversion import hf_to_megatron
-    from workbench.data.tokenizer import train_tokenizer
-
-    root = tmp_path_factory.mktemp("hostile")
-    hf_gpt2(seed=5).save_pretrained(root / "hf")
-    train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, vocab_size=300, out_dir=root / "hf")
-    return hf_to_megatron(root / "hf", root / "ckpt", dtype="fp32", device="cpu", progress=False).output
-
-
-@pytest.fixture()
-def ckpt(source, tmp_path):
-    root = tmp_path / "ckpt"
-    shutil.copytree(source, root)
-    return root, find_checkpoint(root)
 
 
 def _edit_meta(d, **changes):
@@ -129,11 +111,11 @@ def test_converting_inspecting_and_prechecking_never_import_its_hooks(hostile_ho
     assert not marker.exists(), marker.read_text()
 
 
-def test_verify_never_imports_its_hooks(hostile_hooks, source):
+def test_verify_never_imports_its_hooks(hostile_hooks, gpt2_checkpoint):
     """``workbench convert verify`` as a real process (its torchrun rank loads the checkpoint too)."""
     root, _, marker = hostile_hooks
     proc = subprocess.run([sys.executable, "-m", "workbench.cli", "convert", "verify", "--ckpt", str(root),
-                           "--hf", str(source.parent / "hf"), "--seq-length", "8", "--batch-size", "1"],
+                           "--hf", str(gpt2_checkpoint.parent / "hf"), "--seq-length", "8", "--batch-size", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert not marker.exists(), marker.read_text()

@@ -17,31 +17,9 @@ import tempfile
 
 import pytest
 
-from tests.support import hf_gpt2
 from workbench.run.checkpoint import CheckpointError, find_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """Root of a real checkpoint written by the product path, with a tokenizer, so an undamaged copy
-    would start generating (never modified by the tests)."""
-    from workbench.conversion import hf_to_megatron
-    from workbench.data.tokenizer import train_tokenizer
-
-    root = tmp_path_factory.mktemp("integrity")
-    hf_gpt2(seed=3).save_pretrained(root / "hf")
-    train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, vocab_size=300, out_dir=root / "hf")
-    return hf_to_megatron(root / "hf", root / "ckpt", dtype="fp32", device="cpu", progress=False).output
-
-
-@pytest.fixture()
-def ckpt(source, tmp_path):
-    """(checkpoint root, its iteration directory): a private copy to damage."""
-    root = tmp_path / "ckpt"
-    shutil.copytree(source, root)
-    return root, find_checkpoint(root)
 
 
 class _Payload:
@@ -136,7 +114,7 @@ def test_torch_readers_use_the_allow_list_inside_workbench_loads_only(ckpt, tmp_
     assert FileSystemReader.read_metadata is original and not marker.exists()
 
 
-def test_hostile_object_inside_the_data_file_never_runs(source, tmp_path):
+def test_hostile_object_inside_the_data_file_never_runs(gpt2_checkpoint, tmp_path):
     """Stored objects (the common state, _extra_state) are unpickled by torch with weights_only=False;
     under workbench loads they get weights_only=True."""
     from workbench.config import RunConfig
@@ -144,10 +122,10 @@ def test_hostile_object_inside_the_data_file_never_runs(source, tmp_path):
     from workbench.run.checkpoint import read_metadata
 
     marker = tmp_path / "pwned"
-    meta = read_metadata(source)
+    meta = read_metadata(gpt2_checkpoint)
     cfg = RunConfig.from_dict(meta["config"])
     with single_process_group():
-        full, _ = load_full_state_dict(source)
+        full, _ = load_full_state_dict(gpt2_checkpoint)
         save_full_state_dict(tmp_path / "evil", 0, full, cfg, extra={"note": _payloads(marker)["exec"]})
         with pytest.raises(CheckpointError, match="'common_state/shard_0_1' holds more than tensors"):
             load_full_state_dict(tmp_path / "evil")

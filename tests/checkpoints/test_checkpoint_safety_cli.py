@@ -14,22 +14,10 @@ import tempfile
 
 import pytest
 
-from tests.support import ROOT, hf_gpt2
+from tests.support import ROOT
 from workbench.run.checkpoint import find_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """A real workbench checkpoint with a tokenizer (random HF GPT-2 through ``hf_to_megatron``)."""
-    from workbench.conversion import hf_to_megatron
-    from workbench.data.tokenizer import train_tokenizer
-
-    root = tmp_path_factory.mktemp("safety-cli")
-    hf_gpt2(seed=4).save_pretrained(root / "hf")
-    train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, vocab_size=300, out_dir=root / "hf")
-    return hf_to_megatron(root / "hf", root / "ckpt", dtype="fp32", device="cpu", progress=False).output
 
 
 class _Payload:
@@ -46,9 +34,9 @@ def _workbench(*args, timeout=180) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=ROOT)
 
 
-def test_cli_refuses_a_hostile_checkpoint_without_running_it(source, tmp_path):
+def test_cli_refuses_a_hostile_checkpoint_without_running_it(gpt2_checkpoint, tmp_path):
     root = tmp_path / "ckpt"
-    shutil.copytree(source, root)
+    shutil.copytree(gpt2_checkpoint, root)
     meta = find_checkpoint(root) / ".metadata"
     marker = tmp_path / "pwned"
     with open(meta, "rb") as fh:
@@ -64,9 +52,9 @@ def test_cli_refuses_a_hostile_checkpoint_without_running_it(source, tmp_path):
     assert not marker.exists() and not (tmp_path / "hf").exists()
 
 
-def test_cli_names_a_truncated_data_file(source, tmp_path):
+def test_cli_names_a_truncated_data_file(gpt2_checkpoint, tmp_path):
     root = tmp_path / "ckpt"
-    shutil.copytree(source, root)
+    shutil.copytree(gpt2_checkpoint, root)
     f = find_checkpoint(root) / "__0_0.distcp"
     f.write_bytes(f.read_bytes()[:1000])
     for args in (("generate", "--ckpt", root, "--prompt", "the cat", "--device", "cpu"),
@@ -77,24 +65,24 @@ def test_cli_names_a_truncated_data_file(source, tmp_path):
         assert "Traceback" not in p.stderr
 
 
-def test_generate_removes_its_temp_dir_after_success_and_failure(source, tmp_path, monkeypatch):
+def test_generate_removes_its_temp_dir_after_success_and_failure(gpt2_checkpoint, tmp_path, monkeypatch):
     from workbench.generation import generate
 
     private = tmp_path / "tmp"
     private.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(private))  # where generate makes its work dir
-    out = generate(source, ["the cat"], max_new_tokens=3, greedy=True, device="cpu", timeout=240)
+    out = generate(gpt2_checkpoint, ["the cat"], max_new_tokens=3, greedy=True, device="cpu", timeout=240)
     assert len(out) == 1 and len(out[0].token_ids) == 3
     assert not list(private.glob("workbench-generate-*"))
     with pytest.raises((subprocess.TimeoutExpired, RuntimeError)):
-        generate(source, ["the cat"], max_new_tokens=3, device="cpu", timeout=0.5)  # killed mid-start
+        generate(gpt2_checkpoint, ["the cat"], max_new_tokens=3, device="cpu", timeout=0.5)  # killed mid-start
     assert not list(private.glob("workbench-generate-*"))
 
 
-def test_verification_stays_torch_free(source):
+def test_verification_stays_torch_free(gpt2_checkpoint):
     """Launch and generation pre-checks run it in the notebook / CLI process: no torch import."""
     code = ("import sys; from workbench.run.integrity import verify_checkpoint; from workbench.run.checkpoint import "
-            f"find_checkpoint; verify_checkpoint(find_checkpoint({str(source)!r})); print('torch' in sys.modules)")
+            f"find_checkpoint; verify_checkpoint(find_checkpoint({str(gpt2_checkpoint)!r})); print('torch' in sys.modules)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stdout + p.stderr

@@ -11,22 +11,15 @@ import shutil
 
 import pytest
 
-from tests.support import hf_gpt2
 from workbench.run.checkpoint import find_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def source(gpt2_checkpoint):
     """(HF dir with a tokenizer, the workbench checkpoint converted from it)."""
-    from workbench.conversion import hf_to_megatron
-    from workbench.data.tokenizer import train_tokenizer
-
-    root = tmp_path_factory.mktemp("conv-inputs")
-    hf_gpt2(seed=6).save_pretrained(root / "hf")
-    train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, vocab_size=300, out_dir=root / "hf")
-    return root / "hf", hf_to_megatron(root / "hf", root / "ckpt", dtype="fp32", device="cpu", progress=False).output
+    return gpt2_checkpoint.parent / "hf", gpt2_checkpoint
 
 
 @pytest.fixture()
