@@ -8,7 +8,7 @@ TP / PP partial sums add up in another order), with the same learning rate and s
 equal is that the model, the optimizer's moments and step, the LR schedule and the data position all move
 to the new layout: a resume that restarted any of them (fresh Adam moments at the first step after the
 resume change the update by far more than 1e-4) would miss.  The GPU proof of the same at bf16 is
-``tests/gpu/two_gpu_proof.py --phase a`` (cases ``resume-*``).
+``tests/gpu_proofs/two_gpu_proof.py --phase a`` (cases ``resume-*``).
 """
 
 from __future__ import annotations

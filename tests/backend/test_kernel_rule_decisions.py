@@ -1,6 +1,6 @@
 """The kernel rule's decisions (workbench.kernel_rule), Transformer Engine's health probe and its guard.
 
-What the backend really builds for each decision is checked in tests/multiprocess/test_kernel_rule.py.
+What the backend really builds for each decision is checked in tests/backend/test_kernel_rule.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The FP8-vs-bf16 loss protocol's arithmetic (tests/gpu/fp8_loss.py): smoothing, the judged mean of the bf16 runs,
+"""The FP8-vs-bf16 loss protocol's arithmetic (tests/gpu_proofs/fp8_loss.py): smoothing, the judged mean of the bf16 runs,
 which earlier runs count as bf16 for a comparison.  The GPU runs themselves are device-only."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 CPU mode under gloo, tiny models, fp32: GPT and BERT trained 3 steps at TP=2 by the backend's own ``Trainer``
 (a training checkpoint written by two ranks: model shards, optimizer state, random states), then the chain of
 ``tests/support/conversion_chain.py`` -- the one the GPU proof runs on checkpoints trained on two GPUs
-(``tests/gpu/two_gpu_proof.py --phase b``): ``megatron_to_hf``; ``convert verify`` at TP=2 (HF logits
+(``tests/gpu_proofs/two_gpu_proof.py --phase b``): ``megatron_to_hf``; ``convert verify`` at TP=2 (HF logits
 against the trained checkpoint's, max |difference| <= 1e-4); the round trip HF -> workbench at TP=2 -> HF,
 bit-identical; GPT: greedy ``workbench generate`` (two ranks) on the round-tripped checkpoint token for
 token equal to HF ``generate``; BERT: the masked-token argmax of the verified logits equal to HF's.

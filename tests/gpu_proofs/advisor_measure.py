@@ -2,8 +2,8 @@
 
 One device call (about 8 minutes on 2 GPUs with the defaults), from the repository root with the wheels carried::
 
-    source tests/gpu/device_env.sh || exit 1
-    python3 tests/gpu/advisor_measure.py --out $OUT/advisor [--calibrate] [--models gpt2-medium,llama3.2-1b] [--top 3]
+    source tests/gpu_proofs/device_env.sh || exit 1
+    python3 tests/gpu_proofs/advisor_measure.py --out $OUT/advisor [--calibrate] [--models gpt2-medium,llama3.2-1b] [--top 3]
 
 For each model (the benchmark's preset, sequence and micro-batch anchor; the global batch of ``bench/train_throughput.py``
 times ``--batch-scale``), :func:`workbench.advisor.advise` on every visible GPU picks its ``--top`` layouts that fit

@@ -2,7 +2,7 @@
 
 Run on a machine with 2 GPUs (from the repo root)::
 
-    python tests/gpu/backend_proof.py --out evidence/backend_proof.jsonl
+    python tests/gpu_proofs/backend_proof.py --out evidence/backend_proof.jsonl
 
 Every run is a real ``torchrun ... -m workbench.backend`` job on the same small GPT, the same
 synthetic data and the same initial weights (one checkpoint made first and loaded with

@@ -10,7 +10,7 @@
 
 Writes JSON lines (device, date, git_commit on each) to --out.  Run from the repo root:
 
-    .venv/bin/python tests/gpu/bridge_quickstart.py --out evidence/bridge_quickstart.jsonl
+    .venv/bin/python tests/gpu_proofs/bridge_quickstart.py --out evidence/bridge_quickstart.jsonl
 """
 
 from __future__ import annotations

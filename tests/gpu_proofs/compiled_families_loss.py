@@ -1,6 +1,6 @@
 """GPU proof: BERT and T5 train on the compiled layer (issues 20, 21), through the real backend.
 
-    python3 tests/gpu/compiled_families_loss.py --out $OUT/compiled_families_loss.jsonl [--steps 150]
+    python3 tests/gpu_proofs/compiled_families_loss.py --out $OUT/compiled_families_loss.jsonl [--steps 150]
 
 Per family (bert-base, t5-base; dropout 0 so the kernel rule puts every layer on the compiled layer with
 CUDA graphs; the embedded corpus with the family's demo tokenizer; bf16, one GPU): ``python -m

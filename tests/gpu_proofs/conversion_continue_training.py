@@ -11,7 +11,7 @@ Steps (all real: transformers, workbench convert, torchrun + ``python -m workben
 
 Usage (one GPU is enough; tp*pp GPUs for a parallel layout)::
 
-    python tests/gpu/conversion_continue_training.py [--tp 1 --pp 1] [--out evidence/conversion_continue_training.jsonl]
+    python tests/gpu_proofs/conversion_continue_training.py [--tp 1 --pp 1] [--out evidence/conversion_continue_training.jsonl]
 
 Appends one JSON line: device, date, git_commit, layout, losses, |diff|, ok.  Exit 0 when ok.
 """

@@ -1,4 +1,4 @@
-# Source on the device machine, from the repository root:  source tests/gpu/device_env.sh || exit 1
+# Source on the device machine, from the repository root:  source tests/gpu_proofs/device_env.sh || exit 1
 # The device's python3 has torch and jupyter but no megatron-core: install the carried wheel
 # (.whl/, see bench/README.md) into /tmp/site; the notebook extras in .whl/extra only where the
 # image lacks the distribution, so nothing of the image's own stack is shadowed.

@@ -8,16 +8,16 @@
 #   3 (~2.5 min): t5-base as shipped vs HF T5ForConditionalGeneration (bench/t5_bench.py --rows throughput)
 #   4 (~2.5 min): t5-v1_1-base, the same
 #   l (~5-6 min): llama3.2-1b and -3b: workbench vs bench/reference_llama.py (train_throughput.py --quick)
-#   d (~3.5 min): tests/gpu/dropout_loss.py: bert-base and t5-base, 300 steps, stock then compiled layer (+ PNG)
+#   d (~3.5 min): tests/gpu_proofs/dropout_loss.py: bert-base and t5-base, 300 steps, stock then compiled layer (+ PNG)
 #   z (~4 min):   bert-base and t5-base with dropout 0 on both sides (rows named throughput-dropout0)
 # Usage (device, repo root, .whl carried), each call within the 10-minute limit per command:
-#   PHASES=123 GIT_COMMIT=<sha> bash tests/gpu/dropout_call.sh $OUT;  PHASES=4d ...;  PHASES=l ...
+#   PHASES=123 GIT_COMMIT=<sha> bash tests/gpu_proofs/dropout_call.sh $OUT;  PHASES=4d ...;  PHASES=l ...
 set -u
 out="${1:?usage: dropout_call.sh OUTDIR}"
 phases="${PHASES:?set PHASES, e.g. 123, 4d or l (see the header)}"
 steps="${STEPS:-8}"; warmup="${WARMUP:-3}"
 mkdir -p "$out"
-source tests/gpu/device_env.sh || exit 1
+source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
 say() { echo "$1 rc=$2 after $(( $(date +%s) - t0 ))s"; }
 row() {  # row SCRIPT PRESET ROWS LOG
@@ -39,7 +39,7 @@ if [[ $phases == *l* ]]; then
   say llama $?; grep -A8 "^device:" "$out/llama.log" | head -10
 fi
 if [[ $phases == *d* ]]; then
-  timeout 260 python3 tests/gpu/dropout_loss.py --out "$out/dropout_loss.jsonl" --png "$out/dropout_loss.png" \
+  timeout 260 python3 tests/gpu_proofs/dropout_loss.py --out "$out/dropout_loss.jsonl" --png "$out/dropout_loss.png" \
     --families bert-base,t5-base --runs stock,compiled --timeout 120 > "$out/dropout_loss.log" 2>&1
   say dropout_loss $?; tail -6 "$out/dropout_loss.log"
 fi

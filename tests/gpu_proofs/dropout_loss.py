@@ -1,8 +1,8 @@
 """GPU proof: under dropout the compiled layer trains like megatron's stock layer, through the backend.
 
-    python3 tests/gpu/dropout_loss.py --out $OUT/dropout_loss.jsonl --png $OUT/dropout_loss.png \
+    python3 tests/gpu_proofs/dropout_loss.py --out $OUT/dropout_loss.jsonl --png $OUT/dropout_loss.png \
         [--families bert-base,t5-base] [--runs stock,compiled] [--steps 300]
-    python3 tests/gpu/dropout_loss.py --plot bench/results/dropout_loss.jsonl --png bench/results/dropout_loss.png  (no GPU)
+    python3 tests/gpu_proofs/dropout_loss.py --plot bench/results/dropout_loss.jsonl --png bench/results/dropout_loss.png  (no GPU)
 
 Per family (the preset as shipped: dropout 0.1; the embedded corpus with the family's demo tokenizer; a small batch,
 one micro-batch a step; bf16; one GPU; same seed, so the same initial weights and batches) and per run kind:
@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/gpu: fp8_loss's comparison rule
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/gpu_proofs: fp8_loss's comparison rule
 
 from fp8_loss import BAR, compare, mean_curve, smoothed  # noqa: E402
 

@@ -1,8 +1,8 @@
 """GPU proof for train.fp8: FP8 and bf16 loss curves from the same weights and data, through the backend.
 
-    python3 tests/gpu/fp8_loss.py --out $OUT/fp8_loss.jsonl [--steps 300] [--model llama3.2-1b] [--data .corpus/loss_text]
-    python3 tests/gpu/fp8_loss.py --out $OUT/b.jsonl --recipes rowwise,off --base bench/results/a.jsonl  (a later call)
-    python3 tests/gpu/fp8_loss.py --plot bench/results/fp8_loss.jsonl --png bench/results/fp8_loss.png   (here, no GPU)
+    python3 tests/gpu_proofs/fp8_loss.py --out $OUT/fp8_loss.jsonl [--steps 300] [--model llama3.2-1b] [--data .corpus/loss_text]
+    python3 tests/gpu_proofs/fp8_loss.py --out $OUT/b.jsonl --recipes rowwise,off --base bench/results/a.jsonl  (a later call)
+    python3 tests/gpu_proofs/fp8_loss.py --plot bench/results/fp8_loss.jsonl --png bench/results/fp8_loss.png   (here, no GPU)
 
 Per recipe (off = bf16, tensorwise, rowwise): ``python -m workbench.backend`` under torchrun on the embedded corpus,
 or with ``--data`` on an indexed dataset (``bench/loss_corpus.py`` builds a 11.5M-token one: the rows then carry its

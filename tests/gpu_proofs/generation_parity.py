@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root (2 GPUs add the TP=2 / PP=2 checks)::
 
-    python tests/gpu/generation_parity.py --out evidence/generation_parity.jsonl
+    python tests/gpu_proofs/generation_parity.py --out evidence/generation_parity.jsonl
 
 Checks (one JSON line each, with device, date, git_commit and ``passed``):
 

@@ -3,14 +3,14 @@ against measured peaks at EP=1 and EP=2.
 
 One device call on two GPUs (``nvidia-h100-x2``; about 6-8 minutes)::
 
-    python tests/gpu/moe_proof.py --out evidence/moe_proof.jsonl
+    python tests/gpu_proofs/moe_proof.py --out evidence/moe_proof.jsonl
 
 - ``parity``: the ``moe-research`` preset (bf16, dropless, no dropout, the embedded corpus).  ``init`` trains one step
   on one GPU and saves; ``1gpu`` (EP=1) and ``ep2`` (two GPUs, ``parallel.expert_parallel: 2``, the same global
   batch) each load its weights (``checkpoint.finetune``) and train ``--steps`` steps.  Row: both loss curves, the
   largest relative per-step difference (target <= 2%), the router's coefficient of variation per layer of each run.
 - ``planner``: ``moe-research`` at EP=1 on one GPU and EP=2 on two, 4 steps each through
-  ``tests/gpu/planner_measure.py``'s rank entry (the backend's Trainer with the allocator's peaks recorded per rank):
+  ``tests/gpu_proofs/planner_measure.py``'s rank entry (the backend's Trainer with the allocator's peaks recorded per rank):
   one row per rank with measured and predicted peak allocated and reserved, the errors in percent (target within 5%).
 
 ``--phases parity,planner`` picks phases; ``--device cpu`` runs tiny shapes on CPU (gloo) to check the script.

@@ -5,18 +5,18 @@ Two sets of configs::
     # one GPU: GPT-2 small/medium/large, a Llama-3.2-1B shape, demo-small; recompute
     # none/selective/full; distributed optimizer; the default compiled path with CUDA graphs,
     # compiled without graphs, and compile off.  Jobs share the one GPU (a memory budget).
-    python tests/gpu/planner_measure.py --set 1gpu --out evidence/planner_1gpu.jsonl --deadline 500
+    python tests/gpu_proofs/planner_measure.py --set 1gpu --out evidence/planner_1gpu.jsonl --deadline 500
 
     # the earlier 2-GPU matrix: TP, TP+SP, PP, PP x VPP, DP + distributed optimizer
-    python tests/gpu/planner_measure.py --set 2gpu --out evidence/planner_measurements.jsonl
+    python tests/gpu_proofs/planner_measure.py --set 2gpu --out evidence/planner_measurements.jsonl
 
     # every family's two-GPU layouts (GPT-2, a GQA Llama, BERT, T5) on the default compiled path, the
     # issue-40 rows that missed on reserved (GPT-2 small TP=2 eager, GPT-2 medium PP=2 x VPP=2 eager)
     # and Llama-3.2-1B TP=2 / PP=2 at its preset batch; jobs share both GPUs under --gpu-bytes
-    python tests/gpu/planner_measure.py --set 2gpu-all --out evidence/planner_2gpu.jsonl --concurrent 3 --deadline 330
+    python tests/gpu_proofs/planner_measure.py --set 2gpu-all --out evidence/planner_2gpu.jsonl --concurrent 3 --deadline 330
 
     # CPU self-check of the script (tiny shapes, gloo, no memory statistics)
-    python tests/gpu/planner_measure.py --device cpu --only g2s-default,g2m-full
+    python tests/gpu_proofs/planner_measure.py --device cpu --only g2s-default,g2m-full
 
 Every config is a real ``torchrun`` job whose ranks run the backend's own ``Trainer`` (the same
 setup and training loop as ``python -m workbench.backend``; 4 steps, synthetic data, no eval, no

@@ -2,12 +2,12 @@
 
 Usage (after pipeline-parallel training runs with micro-batch timing enabled)::
 
-    python tests/gpu/schedule_overlay.py RUN_DIR [RUN_DIR ...] [--iteration N] [--out evidence/schedules]
+    python tests/gpu_proofs/schedule_overlay.py RUN_DIR [RUN_DIR ...] [--iteration N] [--out evidence/schedules]
 
 or, on a 2-GPU machine, train the two evidence runs first (demo-small with 8 layers, 8 micro-batches,
 PP=2 and PP=2 x VPP=2, 20 steps, timings every 5 steps; run dirs ``pp2`` and ``pp2_vpp2``)::
 
-    python tests/gpu/schedule_overlay.py --train evidence/runs --out evidence/schedules
+    python tests/gpu_proofs/schedule_overlay.py --train evidence/runs --out evidence/schedules
 
 For each run it writes ``<out>/<run name>.png`` (the overlay chart) and ``<out>/<run name>.json``
 (the report: measured vs ideal vs closed-form bubble, per-rank time split), and appends one

@@ -1,7 +1,7 @@
 """GPU proof for the Transformer Engine path, on one GPU with TE importable.
 
-    python3 tests/gpu/te_proof.py ab --out $OUT/te_ab.jsonl                      # the default path with TE present
-    python3 tests/gpu/te_proof.py parity --model gpt2-medium --out $OUT/te.jsonl  # loss parity + checkpoint interchange
+    python3 tests/gpu_proofs/te_proof.py ab --out $OUT/te_ab.jsonl                      # the default path with TE present
+    python3 tests/gpu_proofs/te_proof.py parity --model gpt2-medium --out $OUT/te.jsonl  # loss parity + checkpoint interchange
 
 ``ab``: the default path (``attention_backend: auto``) trained with TE importable, GPT-2 medium at the benchmark's
 shape: as the product runs it (megatron's choice: TE's FusedAdam), with torch's fused AdamW instead, and with

@@ -1,8 +1,8 @@
 """A checkpoint trained on several GPUs (or ranks) through the conversion tools: export, verify, round trip, generate.
 
-    python3 tests/gpu/two_gpu_conversion.py --ckpt RUN/checkpoints --work DIR --result DIR/result.json [--device cuda]
+    python3 tests/gpu_proofs/two_gpu_conversion.py --ckpt RUN/checkpoints --work DIR --result DIR/result.json [--device cuda]
 
-Run by ``tests/gpu/two_gpu_proof.py --phase b`` on each checkpoint it trains (GPT and Llama at TP=2 and PP=2,
+Run by ``tests/gpu_proofs/two_gpu_proof.py --phase b`` on each checkpoint it trains (GPT and Llama at TP=2 and PP=2,
 BERT and T5 at TP=2); the chain is ``tests/support/conversion_chain.py`` (the CPU test of two-rank
 checkpoints runs the same one).  Steps, all through the workbench's own conversion and generation paths:
 

@@ -2,9 +2,9 @@
 
 Run on a machine with 2 GPUs from the repository root, in two calls (each well under 9 minutes on 2x H100)::
 
-    source tests/gpu/device_env.sh && export GIT_COMMIT=<sha>
-    python3 tests/gpu/two_gpu_proof.py --phase a --out $OUT/two_gpu_proof.jsonl --work /tmp/two_gpu
-    python3 tests/gpu/two_gpu_proof.py --phase b --out $OUT/two_gpu_proof.jsonl --work /tmp/two_gpu \\
+    source tests/gpu_proofs/device_env.sh && export GIT_COMMIT=<sha>
+    python3 tests/gpu_proofs/two_gpu_proof.py --phase a --out $OUT/two_gpu_proof.jsonl --work /tmp/two_gpu
+    python3 tests/gpu_proofs/two_gpu_proof.py --phase b --out $OUT/two_gpu_proof.jsonl --work /tmp/two_gpu \\
         --planner-out $OUT/planner_2gpu.jsonl
 
 Phase ``a`` (parity and resume; every run a real ``torchrun -m workbench.backend`` job started through
@@ -25,11 +25,11 @@ Phase ``b`` (conversion, then the planner):
 
 - ``convert``: GPT and Llama trained at TP=2 and at PP=2 (TP=2 x PP=2 when 4 GPUs are visible), BERT and
   T5 at TP=2 (30 steps on the embedded corpus with the family's demo tokenizer), each then through
-  ``tests/gpu/two_gpu_conversion.py``: export to HF, ``convert verify`` at the training layout, the round
+  ``tests/gpu_proofs/two_gpu_conversion.py``: export to HF, ``convert verify`` at the training layout, the round
   trip (HF -> workbench at the training layout -> HF, bit-identical), and greedy HF ``generate`` ==
   ``workbench generate`` on the round-tripped fp32 checkpoint (GPT, Llama, T5; BERT: the masked-token
   argmax of the verified logits equals HF's).
-- ``planner``: ``tests/gpu/planner_measure.py --set 2gpu-all`` (predicted vs measured allocated and
+- ``planner``: ``tests/gpu_proofs/planner_measure.py --set 2gpu-all`` (predicted vs measured allocated and
   reserved per rank, the allocator's counters and the device memory outside torch), its JSON lines to
   ``--planner-out``.
 
@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"a  {n:<28} from {src} at step half-way, {g} GPU(s) {over}")
         for n, (fam, over) in {**CONVERSIONS_2, **CONVERSIONS_4}.items():
             print(f"b  {n:<28} {fam:<6} trained at {over}")
-        print(f"b  {'planner':<28} tests/gpu/planner_measure.py --set 2gpu-all")
+        print(f"b  {'planner':<28} tests/gpu_proofs/planner_measure.py --set 2gpu-all")
         return 0
     tiny = args.device == "cpu"
     args.timeout = args.timeout or (900.0 if tiny else 240.0)

@@ -1,6 +1,6 @@
 """A multi-node run's files without processes: node directories, heartbeats, the supervisors' watch
 over the other nodes, the checks of a shared run directory, and ``Run`` over nodes on other hosts.
-(The real two-node runs are in ``tests/multiprocess/test_multinode.py``.)"""
+(The real two-node runs are in ``tests/launch/test_multinode.py``.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The one-GPU measurements: allocated AND reserved within 5% on every rank.
 
-``tests/gpu/planner_measure.py --set 1gpu`` (one device call) wrote one line per layout to
+``tests/gpu_proofs/planner_measure.py --set 1gpu`` (one device call) wrote one line per layout to
 ``evidence/planner_1gpu.jsonl`` (GPT layouts), ``evidence/planner_1gpu_families.jsonl`` (BERT and T5
 layouts, a second call) and ``evidence/planner_1gpu_compiled_layer.jsonl`` (BERT, T5 and the Llama-1B shape once
 the kernel rule put them on the compiled layer, a third call): the peak of ``torch.cuda.max_memory_allocated()`` and of
@@ -46,7 +46,7 @@ def _ok(records: list[dict]) -> list[dict]:
 RECORDS = _ok(_records())
 FAMILY_RECORDS = _ok(_records(FAMILIES))
 COMPILED_RECORDS = _ok(_records(COMPILED))
-pytestmark = pytest.mark.skipif(not RECORDS, reason="no one-GPU evidence committed (run tests/gpu/planner_measure.py --set 1gpu)")
+pytestmark = pytest.mark.skipif(not RECORDS, reason="no one-GPU evidence committed (run tests/gpu_proofs/planner_measure.py --set 1gpu)")
 
 
 def errors(rec: dict) -> dict[str, float]:
@@ -70,7 +70,7 @@ def test_evidence_is_one_device_call_and_covers_the_issue():
 
 
 def test_family_evidence_is_one_device_call_and_covers_bert_and_t5():
-    assert FAMILY_RECORDS, "no BERT/T5 evidence committed (tests/gpu/planner_measure.py --only bert-base,...,t5-base-full)"
+    assert FAMILY_RECORDS, "no BERT/T5 evidence committed (tests/gpu_proofs/planner_measure.py --only bert-base,...,t5-base-full)"
     assert all(r.get("device") and "cpu" not in r["device"].lower() for r in FAMILY_RECORDS)
     assert len({(r["date"], r["commit"]) for r in FAMILY_RECORDS}) == 1
     cfgs = [RunConfig.from_dict(r["run_config"]) for r in FAMILY_RECORDS]

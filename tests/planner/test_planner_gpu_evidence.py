@@ -1,6 +1,6 @@
 """The committed GPU measurements as regression data: the planner stays within 10% on every rank.
 
-``tests/gpu/planner_measure.py`` writes one line per rank of real backend runs on 1-2 GPUs
+``tests/gpu_proofs/planner_measure.py`` writes one line per rank of real backend runs on 1-2 GPUs
 (measured ``max_memory_allocated``).  This test re-plans each recorded config with today's
 planner (the kernel path the run reported: Transformer Engine or not) and checks the issue's
 bar: |predicted - measured| / measured < 10%.  It also checks the records are what they claim
@@ -36,7 +36,7 @@ def _latest_ok(records: list[dict]) -> list[dict]:
 
 
 RECORDS = _latest_ok(_records())
-pytestmark = pytest.mark.skipif(not RECORDS, reason="no GPU evidence committed yet (run tests/gpu/planner_measure.py)")
+pytestmark = pytest.mark.skipif(not RECORDS, reason="no GPU evidence committed yet (run tests/gpu_proofs/planner_measure.py)")
 
 
 def _replan(rec: dict) -> planner.Plan:
