@@ -13,7 +13,7 @@ Every step runs in a fresh Python process that imports what it needs, then reset
 ``getrusage`` reports as ``ru_maxrss``).  One JSON line per step: wall time, peak RSS, peak minus baseline,
 the largest tensor and the model's size, bytes read + written and their pace against the copy's, and whether
 the peak is within the target ``largest tensor x 3 + 1.5 GB``.  ``--shape ci`` is the small model
-``tests/multiprocess/test_convert_streaming.py`` runs.
+``tests/conversion/test_convert_streaming.py`` runs.
 
 Benchmark-only code: it lives in ``bench/``, never in ``workbench/``.
 """

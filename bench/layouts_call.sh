@@ -13,7 +13,7 @@ set -u
 out="${1:?usage: layouts_call.sh OUTDIR}"
 phases="${PHASES:?set PHASES, e.g. pt}"
 mkdir -p "$out"
-source tests/gpu/device_env.sh || exit 1
+source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
 bench() {  # bench NAME TIMEOUT MODELS VARIANTS [EXTRA ARGS]
   # each variant has its own limit (the harness ends its process group); the phase's limit is the backstop, and

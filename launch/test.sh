@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv (if needed) and runs the CPU test suite.
-# GPU tests (tests/gpu) run on GPU machines only: `bash launch/test.sh tests/gpu`.
-# One group alone: `bash launch/test.sh tests/unit` (or tests/multiprocess, tests/notebooks, or one file).
+# GPU proof scripts (tests/gpu_proofs) are not pytest tests: they run on GPU machines (bench/README.md says how).
+# One folder alone: `bash launch/test.sh tests/launch` (any folder of tests/README.md's map, or one file).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -11,7 +11,7 @@ export MPLBACKEND=Agg PYTHONUNBUFFERED=1
 set +e
 # a private basetemp: another pytest session on the machine must not clean up this one's tmp dirs
 basetemp="$(mktemp -d -t workbench-tests-XXXXXX)"
-"$venv/bin/python" -m pytest -q "${@:-tests}" --ignore=tests/gpu -p no:cacheprovider --basetemp="$basetemp" --durations=15
+"$venv/bin/python" -m pytest -q "${@:-tests}" --ignore=tests/gpu_proofs -p no:cacheprovider --basetemp="$basetemp" --durations=15
 rc=$?
 set -e
 rm -rf "$basetemp"

@@ -1,4 +1,6 @@
-"""Fixtures shared by every test folder (unit/, multiprocess/, notebooks/).
+"""Fixtures that test folders share.  A fixture one folder alone needs lives in that folder's
+``conftest.py`` (``backend/``: megatron-core's process groups on one CPU rank; ``checkpoints/``: a private
+copy of a checkpoint to damage; ``browser/``: JupyterLab and Chromium; ``slurm/``: a SLURM cluster).
 
 Plain helpers (no fixtures) live in ``tests/support``; test files import those from there and
 never from each other.
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import free_port as _free_port
-from tests.support import write_rank_script
+from tests.support import hf_gpt2, write_rank_script
 
 
 @pytest.fixture()
@@ -24,3 +26,18 @@ def free_port() -> int:
 def rank_script(tmp_path: Path) -> Path:
     """The launch's fake rank (``tests.support.RANK_SCRIPT``) as a script in this test's tmp dir."""
     return write_rank_script(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory) -> Path:
+    """Root of a real workbench checkpoint with a tokenizer, written by the product path: a random HF GPT-2
+    (``tests.support.hf_gpt2``) and a small trained tokenizer in ``<root>/../hf``, converted by
+    ``workbench.conversion.hf_to_megatron`` (fp32, 1 CPU process).  One per test module; tests never modify
+    it (they damage a copy)."""
+    from workbench.conversion import hf_to_megatron
+    from workbench.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("gpt2-checkpoint")
+    hf_gpt2(seed=3).save_pretrained(root / "hf")
+    train_tokenizer(["the cat sat on the mat", "a dog ran in the park"] * 20, vocab_size=300, out_dir=root / "hf")
+    return hf_to_megatron(root / "hf", root / "ckpt", dtype="fp32", device="cpu", progress=False).output

@@ -53,17 +53,17 @@ Adam's moments strand when the first optimizer step carves them out of a larger 
 and the CUDA-graph pool (:func:`_reserved_terms`).  ``evidence/planner_1gpu.jsonl`` (16
 GPT / Llama layouts), ``evidence/planner_1gpu_families.jsonl`` (6 BERT / T5 layouts) and
 ``evidence/planner_1gpu_compiled_layer.jsonl`` (BERT, T5 and Llama-1B on the compiled layer), measured on
-an H100, hold both to 5% in ``tests/unit/test_planner_1gpu_evidence.py`` (table:
+an H100, hold both to 5% in ``tests/planner/test_planner_1gpu_evidence.py`` (table:
 :func:`workbench.planner_evidence.evidence_table`).
 
 Pure arithmetic (no torch, no megatron import): ``predict`` takes well under 50 ms.
 
-Validation.  ``tests/multiprocess/test_planner_cpu_measure.py`` checks the per-layer terms against the
+Validation.  ``tests/planner/test_planner_cpu_measure.py`` checks the per-layer terms against the
 tensors the real megatron-core model keeps (CPU allocation tracker, 7 variants, < 3%);
-``tests/multiprocess/test_planner_cpu_step.py`` runs whole training steps of the backend on 2 CPU ranks
+``tests/planner/test_planner_cpu_step.py`` runs whole training steps of the backend on 2 CPU ranks
 (PP, VPP, TP, SP, recompute, distributed optimizer, local attention) and compares every
-rank's state and step peak (within 0.5% / 3.2% when written).  ``tests/gpu/planner_measure.py``
-measures GPU peaks per rank; ``tests/unit/test_planner_gpu_evidence.py`` holds the planner to 10% of
+rank's state and step peak (within 0.5% / 3.2% when written).  ``tests/gpu_proofs/planner_measure.py``
+measures GPU peaks per rank; ``tests/planner/test_planner_gpu_evidence.py`` holds the planner to 10% of
 them.  CUDA-only terms (cuBLAS workspace, flash-attention backward buffers, Inductor's choices
 for the compiled layer) are calibrated only by that GPU evidence.
 """

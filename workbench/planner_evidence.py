@@ -1,9 +1,9 @@
 """The planner against committed GPU measurements: one table, re-planned with today's planner.
 
-``tests/gpu/planner_measure.py`` writes one JSON line per rank of each measured layout (device, date,
+``tests/gpu_proofs/planner_measure.py`` writes one JSON line per rank of each measured layout (device, date,
 commit, the run's config and kernel path, peak allocated and reserved).  :func:`evidence_table`
 re-plans each record and lays predicted next to measured; the memory-planner notebook shows it and
-``tests/unit/test_planner_1gpu_evidence.py`` holds the same errors to 5%.
+``tests/planner/test_planner_1gpu_evidence.py`` holds the same errors to 5%.
 """
 
 from __future__ import annotations

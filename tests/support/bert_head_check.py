@@ -1,4 +1,4 @@
-"""Subprocess helper for tests/multiprocess/test_bert_masked_head.py (own process: megatron's parallel state is global).
+"""Subprocess helper for tests/models/test_bert_masked_head.py (own process: megatron's parallel state is global).
 
     python tests/support/bert_head_check.py              -> JSON: BERT's step with the masked-LM head on the masked
                                                             positions only against the head on every position

@@ -1,4 +1,4 @@
-"""Subprocess helper for tests/multiprocess/test_compiled_layer.py (own process: megatron parallel state is global).
+"""Subprocess helper for tests/backend/test_compiled_layer.py (own process: megatron parallel state is global).
 
     python tests/support/compiled_layer_check.py layer [--compile]   -> JSON: stock vs fast-layer loss / grad diffs
     python tests/support/compiled_layer_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights

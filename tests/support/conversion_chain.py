@@ -1,7 +1,7 @@
 """A trained checkpoint through the conversion tools: export, verify, round trip, generate (one chain, two users).
 
-``tests/gpu/two_gpu_conversion.py`` runs it on checkpoints trained on two GPUs;
-``tests/multiprocess/test_two_rank_conversion.py`` on checkpoints trained by two CPU ranks under gloo.
+``tests/gpu_proofs/two_gpu_conversion.py`` runs it on checkpoints trained on two GPUs;
+``tests/conversion/test_two_rank_conversion.py`` on checkpoints trained by two CPU ranks under gloo.
 Steps, all through the workbench's own conversion and generation paths:
 
 1. ``megatron_to_hf`` (what ``workbench convert megatron-to-hf`` runs) writes an fp32 HF directory;

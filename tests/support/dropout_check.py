@@ -1,4 +1,4 @@
-"""Subprocess helper for tests/multiprocess/test_compiled_dropout.py: the compiled layer under dropout against
+"""Subprocess helper for tests/backend/test_compiled_dropout.py: the compiled layer under dropout against
 megatron's stock layer with the same dropout masks (own process: megatron's parallel state is global).
 
     python tests/support/dropout_check.py layer     -> JSON: GPT layers stock vs compiled, train mode, same seed

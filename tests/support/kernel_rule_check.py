@@ -1,4 +1,4 @@
-"""Build the real model for a grid of configs and report what was built (tests/multiprocess/test_kernel_rule.py).
+"""Build the real model for a grid of configs and report what was built (tests/backend/test_kernel_rule.py).
 
     torchrun --nproc_per_node 2 tests/support/kernel_rule_check.py   -> one JSON line per config (rank 0)
 

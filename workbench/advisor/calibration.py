@@ -3,7 +3,7 @@
 :func:`fit` chooses the :class:`~workbench.advisor.perf_model.Constants` that minimise the squared
 log error of predicted tokens/s over measured rows (:func:`workbench.advisor.rows.measured_rows`;
 Nelder-Mead, pure Python); :func:`error_table` reports predicted vs measured per row.
-``tests/unit/test_advisor_fit.py`` fits on the H200 rows and holds the H100 rows (another GPU, other
+``tests/advisor/test_advisor_fit.py`` fits on the H200 rows and holds the H100 rows (another GPU, other
 profile numbers, the same mechanisms) to a stated bound.
 
 ``python -m workbench.advisor.calibration`` rebuilds ``profiles/h100.json`` and ``profiles/h200.json``

@@ -1,7 +1,7 @@
 """The committed benchmark rows the advisor is calibrated and judged on.
 
 The repository's throughput benchmarks (``bench/results/train_throughput.jsonl``,
-``bench/results/layouts/*.jsonl``, and what ``tests/gpu/advisor_measure.py`` writes under
+``bench/results/layouts/*.jsonl``, and what ``tests/gpu_proofs/advisor_measure.py`` writes under
 ``evidence/advisor/``) hold one JSON line per measured layout with device, date and commit.
 :func:`measured_rows` reads them and keeps the rows that measure the workbench as it trains now
 (:data:`VARIANTS`: the default path, TP / SP / PP / DP / recompute / FP8 / eager layouts; the newest

@@ -53,7 +53,7 @@ def sink_weight_gradients(graph: Any) -> int:
     the wgrad GEMMs before the collective and inductor's peak-memory reordering moves them to
     the end of the graph, so by default every TP collective in backward is exposed.  After
     this pass the layer's backward reads ``dgrad fc1, all-reduce, wgrad fc2, wgrad fc1, wait``
-    and ``dgrad qkv, all-reduce, wgrad proj, wgrad qkv, wait`` (tests/multiprocess/test_compiled_layer.py checks
+    and ``dgrad qkv, all-reduce, wgrad proj, wgrad qkv, wait`` (tests/backend/test_compiled_layer.py checks
     inductor's generated code).  Forward graphs (no ``tangents`` inputs) are left alone.
     Returns the number of GEMMs moved.
     """
