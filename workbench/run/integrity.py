@@ -169,16 +169,17 @@ def read_dist_metadata(path: str | Path, *, real: bool = True) -> Any:
 
 
 def safe_torch_load(f: Any, *, source: str, allow: tuple = (), error: type[Exception] = CheckpointError,
-                    fix: str = _UNTRUSTED_FIX) -> Any:
+                    fix: str = _UNTRUSTED_FIX, mmap: bool = False) -> Any:
     """``torch.load`` of a file or buffer with an explicit ``weights_only=True`` (tensors, numbers, strings and
     containers; the environment's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` cannot turn it off), plus the classes
     in ``allow``.  ``error`` (default :class:`CheckpointError`) names ``source``: a file holding anything else
-    is refused as untrusted (``fix`` says what to do), one that does not parse as damaged."""
+    is refused as untrusted (``fix`` says what to do), one that does not parse as damaged.  ``mmap``: the
+    tensors are memory-mapped from the file (a path to a file in torch's zip format), read as they are touched."""
     import torch
 
     try:
         with torch.serialization.safe_globals(list(allow)):
-            return torch.load(f, map_location="cpu", weights_only=True)
+            return torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise error(f"{source} holds more than tensors and plain data, which torch.load(weights_only=True) refuses "
                     f"({str(e).splitlines()[0]}); {fix}") from None
