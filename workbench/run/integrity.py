@@ -21,11 +21,11 @@ Two threats, one module:
   ``.metadata`` is there and parses under the allow-list, and that every byte range its index
   names lies inside its file.  Every file name either index holds must stay inside the checkpoint
   directory once resolved (:func:`checkpoint_member`: no ``..``, absolute path or symlink that leads
-  out), else the checkpoint is refused before any file it names is opened.  The manifest is the checkpoint's closed list of files: a file it does
-  not name (say a ``common.pt`` dropped in, which megatron-core would read) is refused, and so is a
-  checkpoint without the list (its files cannot be checked: a damaged one would load unnoticed),
-  until someone who trusts that copy records it with :func:`record_checksums`
-  (``workbench convert trust``).  Each problem names the file; the error says how to fix it.
+  out), else the checkpoint is refused before any file it names is opened.  The manifest is the
+  checkpoint's closed list of files: a file it does not name (say a ``common.pt`` dropped in, which
+  megatron-core would read) is refused, and so is a checkpoint without the list (its files cannot
+  be checked: a damaged one would load unnoticed), until someone who trusts that copy records it
+  with :func:`record_checksums` (``workbench convert trust``).  Each problem names the file; the error says how to fix it.
 
 Torch-free at import, and :func:`verify_checkpoint` stays torch-free (it parses ``.metadata``
 with inert stand-ins for the admitted classes, so launch checks can run it without torch);
@@ -49,8 +49,8 @@ import re
 from workbench.run.ckpt_files import METADATA_FILE, CheckpointError, list_checkpoints
 
 __all__ = ["ALLOWED_GLOBALS", "DIST_METADATA_FILE", "MetadataUnpickler", "read_dist_metadata", "file_manifest",
-           "checkpoint_member", "storage_needs", "checkpoint_damage", "unlisted_files", "verify_checkpoint", "record_checksums", "safe_dist_reading",
-           "safe_torch_load"]
+           "checkpoint_member", "storage_needs", "checkpoint_damage", "unlisted_files", "verify_checkpoint",
+           "record_checksums", "safe_dist_reading", "safe_torch_load"]
 
 DIST_METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint"
