@@ -266,3 +266,134 @@ def test_generate_refuses_a_layout_before_any_process_starts(ckpt, tmp_path, cap
         rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cuda"], capsys)
         assert rc == 2 and "device: is 'cuda' but no CUDA GPU" in out and "--device cpu" in out, out
     assert list(private.iterdir()) == []  # nothing was launched: no work dir was even made
+
+
+# --------------------------------------------------------------------------- names that lead out of the checkpoint
+
+
+def _reseal(d: pathlib.Path) -> None:
+    """Record the current size and SHA-256 of ``d``'s ``.metadata`` in its checksum list, as the author of a crafted
+    checkpoint would (so only the names inside it can give it away)."""
+    import hashlib
+
+    meta = json.loads((d / "workbench.json").read_text())
+    data = (d / ".metadata").read_bytes()
+    meta["files"][".metadata"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (d / "workbench.json").write_text(json.dumps(meta))
+
+
+def _edit_storage(d: pathlib.Path, fn) -> pathlib.Path:
+    """Rewrite every storage entry of ``d``'s ``.metadata`` (a real ``_StorageInfo``) with ``fn(entry)``, then reseal."""
+    with open(d / ".metadata", "rb") as fh:
+        md = pickle.load(fh)  # our own, freshly saved file
+    md.storage_data = {k: fn(k, v) for k, v in md.storage_data.items()}
+    with open(d / ".metadata", "wb") as fh:
+        pickle.dump(md, fh)
+    _reseal(d)
+    return d / ".metadata"
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute"])
+def test_a_metadata_data_file_outside_the_checkpoint_is_refused_before_it_is_read(ckpt, tmp_path, capsys, how):
+    """``.metadata`` pointing its tensors at a file outside the checkpoint (here an intact copy of the real data file,
+    so every size and range checks out): refused at verification, by the streaming reader and by the CLI (exit 2),
+    naming ``.metadata`` and the entry."""
+    import dataclasses
+
+    from workbench.conversion.dcp import DcpReader
+    from workbench.run.integrity import verify_checkpoint
+
+    root, d = ckpt
+    outside = tmp_path / "elsewhere" / "stolen.distcp"
+    outside.parent.mkdir()
+    shutil.copy(d / "__0_0.distcp", outside)
+    name = os.path.relpath(outside, d) if how == "dotdot" else str(outside)
+    assert (name.startswith("../") if how == "dotdot" else os.path.isabs(name))
+    meta = _edit_storage(d, lambda k, v: dataclasses.replace(v, relative_path=name))
+    for check in (verify_checkpoint, DcpReader):
+        with pytest.raises(CheckpointError) as e:
+            check(d)
+        msg = str(e.value)
+        assert str(meta) in msg and repr(name) in msg and "outside checkpoint" in msg and " -> " in msg, msg
+    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
+    assert rc == 2 and str(meta) in out and repr(name) in out and "Traceback" not in out, out
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("linked", ["__0_0.distcp", "metadata.json"])
+def test_a_checkpoint_file_that_is_a_symlink_out_of_the_checkpoint_is_refused(ckpt, tmp_path, capsys, linked):
+    """A file of the checkpoint replaced by a symlink to an identical copy elsewhere (its checksum still matches):
+    refused by verification and by ``convert trust``, naming the file."""
+    from workbench.run.integrity import verify_checkpoint
+
+    root, d = ckpt
+    outside = tmp_path / "elsewhere" / linked
+    outside.parent.mkdir()
+    shutil.move(d / linked, outside)
+    (d / linked).symlink_to(outside)
+    with pytest.raises(CheckpointError) as e:
+        verify_checkpoint(d)
+    assert repr(linked) in str(e.value) and f"resolves to {outside}" in str(e.value), str(e.value)
+    rc, out = _cli(["convert", "inspect", root], capsys)
+    assert rc == 2 and repr(linked) in out and "outside checkpoint" in out, out
+    meta = json.loads((d / "workbench.json").read_text())
+    del meta["files"]
+    (d / "workbench.json").write_text(json.dumps(meta))
+    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    assert rc == 2 and repr(linked) in out and "outside checkpoint" in out, out
+    assert "files" not in json.loads((d / "workbench.json").read_text())
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute"])
+def test_a_checksum_list_naming_a_file_outside_the_checkpoint_is_refused_unhashed(ckpt, tmp_path, where, monkeypatch):
+    """``workbench.json``'s list naming a file elsewhere: refused naming ``workbench.json`` and the entry, before
+    that file is opened (hashed, or its size reported)."""
+    import workbench.run.integrity as integrity
+
+    root, d = ckpt
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the checkpoint's")
+    name = os.path.relpath(secret, d) if where == "dotdot" else str(secret)
+    meta = json.loads((d / "workbench.json").read_text())
+    meta["files"][name] = {"size": 3, "sha256": "0" * 64}
+    (d / "workbench.json").write_text(json.dumps(meta))
+    hashed = []
+    real = integrity._sha256
+    monkeypatch.setattr(integrity, "_sha256", lambda p: hashed.append(pathlib.Path(p)) or real(p))
+    with pytest.raises(CheckpointError) as e:
+        integrity.verify_checkpoint(d)
+    msg = str(e.value)
+    assert str(d / "workbench.json") in msg and repr(name) in msg and "outside checkpoint" in msg, msg
+    assert secret not in hashed, hashed
+
+
+@pytest.mark.parametrize("offset, length", [(-8, None), (0, -1), ("past-end", None)])
+def test_a_storage_range_outside_its_data_file_is_refused_when_the_reader_opens(ckpt, offset, length):
+    """A negative offset or length, or a range that ends past the data file: refused naming the file and the entry,
+    by verification and by the streaming reader as it opens (before any chunk is read)."""
+    import dataclasses
+
+    from workbench.conversion.dcp import DcpReader
+    from workbench.run.integrity import verify_checkpoint
+
+    _, d = ckpt
+    data = d / "__0_0.distcp"
+    size = data.stat().st_size
+    victim = []
+
+    def edit(k, v):
+        if victim or k.fqn.startswith("common") or "extra_state" in k.fqn:
+            return v  # one tensor chunk: the reader would reach it only when that tensor is read
+        victim.append(k.fqn)
+        return dataclasses.replace(v, offset=size if offset == "past-end" else offset if offset is not None else v.offset,
+                                   length=length if length is not None else v.length)
+
+    meta = _edit_storage(d, edit)
+    for check in (verify_checkpoint, DcpReader):
+        with pytest.raises(CheckpointError) as e:
+            check(d)
+        msg = str(e.value)
+        if offset == "past-end":
+            assert str(data) in msg and "truncated" in msg, msg
+        else:
+            assert str(meta) in msg and repr(victim[0]) in msg and "offset" in msg and " -> " in msg, msg

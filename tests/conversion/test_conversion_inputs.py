@@ -83,6 +83,28 @@ def test_verify_refuses_a_hostile_pytorch_model_bin_naming_it(source, tmp_path, 
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("how", ["dotdot", "absolute"])
+def test_verify_refuses_an_index_naming_weights_outside_the_model_directory(source, tmp_path, capsys, how):
+    """An HF index whose weight map points out of the model directory (at a real, loadable copy of the weights):
+    refused naming the index and the entry, before that file is read."""
+    import torch
+    from safetensors.torch import load_file
+
+    hf, ckpt = source
+    model = tmp_path / "hf-index"
+    model.mkdir()
+    shutil.copy(hf / "config.json", model / "config.json")
+    outside = tmp_path / "elsewhere" / "pytorch_model.bin"
+    outside.parent.mkdir()
+    sd = load_file(str(hf / "model.safetensors"))
+    torch.save(sd, outside)
+    name = "../elsewhere/pytorch_model.bin" if how == "dotdot" else str(outside)
+    (model / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {k: name for k in sd}}))
+    rc, out = _cli(["convert", "verify", "--ckpt", ckpt, "--hf", model], capsys)
+    assert rc == 2 and str(model / "pytorch_model.bin.index.json") in out and repr(name) in out, out
+    assert "Traceback" not in out
+
+
 def test_help_names_every_familys_hf_classes(capsys):
     from workbench.cli import main
     from workbench.models import FAMILIES

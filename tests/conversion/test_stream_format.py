@@ -10,6 +10,8 @@ megatron reads the streamed one.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -93,3 +95,77 @@ def test_safetensors_shards_written_tensor_by_tensor_are_what_safetensors_reads(
     assert got.keys() == sd.keys() and all(got[k].dtype == sd[k].dtype and torch.equal(got[k], sd[k]) for k in sd)
     r = HFReader(tmp_path)
     assert r.infos == infos_of(sd) and all(torch.equal(r.read(k), sd[k]) for k in sd)
+
+
+def _bin_shards(d, n_shards=2, per_shard=8, zip_format=True):
+    """A sharded ``pytorch_model.bin`` (``pytorch_model-0000i-of-0000n.bin`` and its index) of ``per_shard`` 1 MiB
+    fp32 tensors a shard; {name: tensor}, {name: its file's name}."""
+    import json
+
+    g = torch.Generator().manual_seed(1)
+    sd, where = {}, {}
+    d.mkdir(parents=True, exist_ok=True)
+    for s in range(n_shards):
+        name = f"pytorch_model-{s + 1:05d}-of-{n_shards:05d}.bin"
+        part = {f"layers.{s}.w{i}": torch.randn(256, 1024, generator=g) for i in range(per_shard)}
+        torch.save(part, d / name, _use_new_zipfile_serialization=zip_format)
+        sd.update(part)
+        where.update({k: name for k in part})
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": where}))
+    return sd, where
+
+
+def _counting_loads(monkeypatch):
+    """[(file, mmap)] of every call to the safe torch loader (the boundary every ``.bin`` read goes through)."""
+    import workbench.run.integrity as integrity
+
+    calls, real = [], integrity.safe_torch_load
+    monkeypatch.setattr(integrity, "safe_torch_load",
+                        lambda f, **kw: calls.append((str(f), kw.get("mmap", False))) or real(f, **kw))
+    return calls
+
+
+def _read_syscall_bytes() -> int:
+    """Bytes this process has read through read()-style system calls (Linux ``/proc/self/io`` ``rchar``)."""
+    with open("/proc/self/io") as fh:
+        return int(dict(line.split(": ") for line in fh.read().splitlines())["rchar"])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+@pytest.mark.parametrize("order", ["file", "alternating"])
+def test_sharded_bin_tensors_are_read_once_whatever_the_order(tmp_path, monkeypatch, order):
+    """Reading every tensor of a 2-shard ``.bin`` checkpoint, in file order or alternating between the shards (as a
+    conversion's rule order does when a layer's tensors sit in different shards): no shard is read whole, let
+    alone again for each tensor; the bytes read besides the tensors' own pages stay well under one pass over the
+    files; every tensor comes back equal and independent of the reader."""
+    from workbench.conversion.hf_files import HFReader
+
+    sd, where = _bin_shards(tmp_path / "hf")
+    total = sum(p.stat().st_size for p in (tmp_path / "hf").glob("*.bin"))
+    torch.save({"warm": torch.zeros(1)}, tmp_path / "warm.pt")
+    torch.load(tmp_path / "warm.pt", weights_only=True, mmap=True)  # the loader's lazy imports: not counted
+    calls = _counting_loads(monkeypatch)
+    names = sorted(sd) if order == "file" else [n for pair in zip(*[sorted(k for k in sd if where[k] == f)
+                                                                     for f in sorted(set(where.values()))]) for n in pair]
+    before = _read_syscall_bytes()
+    r = HFReader(tmp_path / "hf")
+    got = {n: r.read(n) for n in names} if order == "alternating" else dict(r.tensors())
+    read = _read_syscall_bytes() - before
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    got[names[0]].add_(1)  # the caller's own copy: the next read is unchanged
+    assert torch.equal(r.read(names[0]), sd[names[0]])
+    assert read < total / 4, f"{read} bytes read from {total} bytes of shards ({len(calls)} opens)"
+    assert not [f for f, mapped in calls if not mapped], calls  # no shard loaded whole
+
+
+def test_legacy_bin_shards_are_loaded_once_each_when_read_in_file_order(tmp_path, monkeypatch):
+    """Shards in torch's pre-zip format can only be loaded whole: listing them loads each once, and reading every
+    tensor starts with the shard still held, so two shards cost three loads, one shard held at a time."""
+    from workbench.conversion.hf_files import HFReader
+
+    sd, _ = _bin_shards(tmp_path / "hf", zip_format=False)
+    calls = _counting_loads(monkeypatch)
+    r = HFReader(tmp_path / "hf")
+    got = dict(r.tensors())
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert len(calls) == 3 and not any(mapped for _, mapped in calls), calls

@@ -19,8 +19,10 @@ applied), so the conversion never re-implements megatron's key naming.  Then
 - :class:`CheckpointReader` reads one state-dict tensor at a time from the stored chunks that overlap it,
   each chunk through :func:`workbench.run.integrity.safe_torch_load` and ``.metadata`` through the allow-list
   unpickler; every stored object and the common state are read the same way when it opens, so whatever a
-  megatron-core load would refuse is refused here too.  The caller verifies the files first
-  (:func:`workbench.run.checkpoint.checkpoint_info`).
+  megatron-core load would refuse is refused here too.  When it opens, every byte range ``.metadata`` indexes
+  is checked to lie in a file inside the checkpoint directory and within that file's size
+  (:func:`workbench.run.integrity.storage_needs`), before any byte is read.  The caller verifies the files
+  first (:func:`workbench.run.checkpoint.checkpoint_info`).
 
 Peak memory of a read or a write: about two copies of the largest chunk it touches, whatever the model size.
 """
@@ -277,10 +279,22 @@ class DcpReader:
     def __init__(self, d: Path) -> None:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-        from workbench.run.integrity import read_dist_metadata
+        from workbench.run.integrity import read_dist_metadata, storage_needs
 
         self.dir = Path(d)
         md = read_dist_metadata(self.dir)
+        source = self.dir / ".metadata"
+        try:
+            need = storage_needs(self.dir, md, str(source))
+        except TypeError as e:
+            raise CheckpointError(f"{source} is damaged ({e}) -> copy the checkpoint again from its source") from None
+        for rel, n in sorted(need.items()):
+            path = self.dir / rel
+            size = path.stat().st_size if path.is_file() else None
+            if size is None or size < n:
+                state = "missing" if size is None else f"truncated ({size} bytes)"
+                raise CheckpointError(f"{path} is {state}: the byte ranges {source} indexes in it end at {n} -> copy the "
+                                      "checkpoint again from its source")
         self.tensors: dict[str, Any] = {}
         self._chunks: dict[str, list[tuple[tuple, tuple, Any]]] = {}
         self._objects: dict[str, Any] = {}

@@ -3,8 +3,11 @@
 :class:`HFReader` lists a model directory's tensors (names, shapes, dtypes) from the safetensors headers and
 reads one tensor per call: each read opens the file with safetensors' ``safe_open`` and closes it again, so the
 memory map (whose touched pages count as the process's resident memory while it is open) never holds more than
-that tensor.  ``pytorch_model*.bin`` files are pickles, which can only be read whole: one file at a time, through
-:func:`workbench.run.integrity.safe_torch_load` (tensors only, whatever the environment says).
+that tensor.  ``pytorch_model*.bin`` files are pickles, loaded through :func:`workbench.run.integrity.safe_torch_load`
+(tensors only, whatever the environment says); the reader holds one of them at a time, the one it read last.  A
+file in torch's zip format (every ``torch.save`` since torch 1.6) is memory-mapped: opening it reads its pickled
+index only and a tensor's bytes are read when that tensor is, so moving between files costs their indexes, not their
+tensors, whatever order the tensors are asked for in.  An older (non-zip) file can only be loaded whole.
 
 :class:`SafetensorsWriter` writes ``save_pretrained``'s layout (``model.safetensors``, or
 ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``) from a plan of names, shapes
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -36,13 +40,19 @@ _BIN_FIX = ("it was not loaded: unpickling it could run code -> use the model's 
 
 def weight_files(hf_dir: str | Path) -> list[Path]:
     """The weight files of a local HF checkpoint: the files its index names, else its (sharded) safetensors, else
-    its ``pytorch_model*.bin``; a ConversionError when there are none or the index names a missing one."""
+    its ``pytorch_model*.bin``; a ConversionError when there are none, or the index names a missing one or one
+    outside the directory (an absolute path or one through ``..``; symlinks are followed, as a hub cache's
+    snapshot is made of them)."""
     p = Path(hf_dir)
     files: list[Path] = []
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         idx = p / index_name
         if idx.is_file():
             wm = json.loads(idx.read_text()).get("weight_map", {})
+            for f in set(wm.values()):
+                if not isinstance(f, str) or not f or "\x00" in f or Path(f).is_absolute() or ".." in Path(f).parts:
+                    raise ConversionError(f"{idx} names weight file {f!r}, which is not a file of {p}; it was not read "
+                                          "-> use a model directory from a source you trust, or download it again")
             files = [p / f for f in sorted(set(wm.values()))]
             break
     if not files:
@@ -55,11 +65,12 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_bin(f: Path) -> dict[str, Any]:
-    """One ``pytorch_model*.bin``: tensors only (a pickle that names anything else is refused, naming the file)."""
+def load_bin(f: Path, *, mmap: bool = False) -> dict[str, Any]:
+    """One ``pytorch_model*.bin``: tensors only (a pickle that names anything else is refused, naming the file);
+    ``mmap``: its tensors memory-mapped, read when touched (a file in torch's zip format only)."""
     from workbench.run.integrity import safe_torch_load
 
-    sd = safe_torch_load(str(f), source=str(f), error=ConversionError, fix=_BIN_FIX)
+    sd = safe_torch_load(str(f), source=str(f), error=ConversionError, fix=_BIN_FIX, mmap=mmap)
     if not isinstance(sd, dict):
         raise ConversionError(f"{f}: holds a {type(sd).__name__}, not a state dict -> save the model with save_pretrained")
     return sd
@@ -82,19 +93,32 @@ class HFReader:
         self.files = weight_files(self.dir)
         self.infos: dict[str, TensorInfo] = {}
         self._where: dict[str, tuple[Path, str]] = {}
-        self._bin: tuple[Path | None, dict[str, Any]] = (None, {})
+        self._bin: tuple[Path | None, dict[str, Any], bool] = (None, {}, False)
         for f in self.files:
             if f.suffix == ".safetensors":
                 for key, info in self._safetensors_header(f).items():
                     self.infos[strip_module_prefix(key)] = info
                     self._where[strip_module_prefix(key)] = (f, key)
             else:
-                sd = load_bin(f)
-                for key, t in sd.items():
+                for key, t in self._open_bin(f).items():
                     if hasattr(t, "shape"):
                         self.infos[strip_module_prefix(key)] = TensorInfo(tuple(t.shape), t.dtype)
                         self._where[strip_module_prefix(key)] = (f, key)
-                self._bin = (f, sd)
+
+    def _open_bin(self, f: Path) -> dict[str, Any]:
+        """The state dict of ``.bin`` file ``f``, now the one the reader holds (the one it held before let go first):
+        memory-mapped when ``f`` is in torch's zip format, else loaded whole."""
+        if self._bin[0] != f:
+            self._bin = (None, {}, False)
+            mapped = zipfile.is_zipfile(f)
+            try:
+                sd = load_bin(f, mmap=mapped)
+            except ConversionError:
+                if not mapped:
+                    raise
+                mapped, sd = False, load_bin(f)  # a zip torch cannot map: whole (a damaged file is refused here)
+            self._bin = (f, sd, mapped)
+        return self._bin[1]
 
     @staticmethod
     def _safetensors_header(f: Path) -> dict[str, TensorInfo]:
@@ -124,14 +148,13 @@ class HFReader:
                     return fh.get_tensor(key)
             except SafetensorError as e:
                 raise ConversionError(f"{f}: tensor {key!r} cannot be read ({e}) -> copy the model again from its source") from None
-        if self._bin[0] != f:
-            self._bin = (None, {})  # the previous file goes before the next one comes
-            self._bin = (f, load_bin(f))
-        return self._bin[1][key]
+        t = self._open_bin(f)[key]
+        return t.clone() if self._bin[2] else t  # a copy: the mapped file is let go with the reader's next file
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
-        """(name, tensor) of every tensor, one at a time, file by file."""
-        for name in sorted(self.infos, key=lambda n: (str(self._where[n][0]), n)):
+        """(name, tensor) of every tensor, one at a time, file by file (the file the reader holds first)."""
+        held = self._bin[0]
+        for name in sorted(self.infos, key=lambda n: (self._where[n][0] != held, str(self._where[n][0]), n)):
             yield name, self.read(name)
 
     def check(self) -> int:

@@ -19,11 +19,13 @@ Two threats, one module:
 - **Damaged or altered files.**  :func:`file_manifest` records every file's size and SHA-256 in
   ``workbench.json`` (``"files"``) at save time; :func:`verify_checkpoint` checks them, checks that
   ``.metadata`` is there and parses under the allow-list, and that every byte range its index
-  names lies inside its file.  The manifest is the checkpoint's closed list of files: a file it does
-  not name (say a ``common.pt`` dropped in, which megatron-core would read) is refused, and so is a
-  checkpoint without the list (its files cannot be checked: a damaged one would load unnoticed),
-  until someone who trusts that copy records it with :func:`record_checksums`
-  (``workbench convert trust``).  Each problem names the file; the error says how to fix it.
+  names lies inside its file.  Every file name either index holds must stay inside the checkpoint
+  directory once resolved (:func:`checkpoint_member`: no ``..``, absolute path or symlink that leads
+  out), else the checkpoint is refused before any file it names is opened.  The manifest is the
+  checkpoint's closed list of files: a file it does not name (say a ``common.pt`` dropped in, which
+  megatron-core would read) is refused, and so is a checkpoint without the list (its files cannot
+  be checked: a damaged one would load unnoticed), until someone who trusts that copy records it
+  with :func:`record_checksums` (``workbench convert trust``).  Each problem names the file; the error says how to fix it.
 
 Torch-free at import, and :func:`verify_checkpoint` stays torch-free (it parses ``.metadata``
 with inert stand-ins for the admitted classes, so launch checks can run it without torch);
@@ -47,8 +49,8 @@ import re
 from workbench.run.ckpt_files import METADATA_FILE, CheckpointError, list_checkpoints
 
 __all__ = ["ALLOWED_GLOBALS", "DIST_METADATA_FILE", "MetadataUnpickler", "read_dist_metadata", "file_manifest",
-           "checkpoint_damage", "unlisted_files", "verify_checkpoint", "record_checksums", "safe_dist_reading",
-           "safe_torch_load"]
+           "checkpoint_member", "storage_needs", "checkpoint_damage", "unlisted_files", "verify_checkpoint",
+           "record_checksums", "safe_dist_reading", "safe_torch_load"]
 
 DIST_METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint"
@@ -167,16 +169,17 @@ def read_dist_metadata(path: str | Path, *, real: bool = True) -> Any:
 
 
 def safe_torch_load(f: Any, *, source: str, allow: tuple = (), error: type[Exception] = CheckpointError,
-                    fix: str = _UNTRUSTED_FIX) -> Any:
+                    fix: str = _UNTRUSTED_FIX, mmap: bool = False) -> Any:
     """``torch.load`` of a file or buffer with an explicit ``weights_only=True`` (tensors, numbers, strings and
     containers; the environment's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` cannot turn it off), plus the classes
     in ``allow``.  ``error`` (default :class:`CheckpointError`) names ``source``: a file holding anything else
-    is refused as untrusted (``fix`` says what to do), one that does not parse as damaged."""
+    is refused as untrusted (``fix`` says what to do), one that does not parse as damaged.  ``mmap``: the
+    tensors are memory-mapped from the file (a path to a file in torch's zip format), read as they are touched."""
     import torch
 
     try:
         with torch.serialization.safe_globals(list(allow)):
-            return torch.load(f, map_location="cpu", weights_only=True)
+            return torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise error(f"{source} holds more than tensors and plain data, which torch.load(weights_only=True) refuses "
                     f"({str(e).splitlines()[0]}); {fix}") from None
@@ -223,16 +226,53 @@ def _manifest(d: Path) -> dict[str, Any] | None:
     return files if isinstance(files, dict) else None
 
 
-def _storage_ranges(md: Any) -> dict[str, int]:
-    """{relative file: bytes its index needs} from a parsed ``.metadata``."""
+_OUTSIDE_FIX = ("it was not read: a checkpoint's files lie inside its own directory, so a name that leads out of it "
+                "is crafted or foreign -> load only checkpoints from a source you trust, or copy this one again from its source")
+
+
+def checkpoint_member(d: str | Path, name: Any, *, source: str, what: str, entry: str = "") -> Path:
+    """``d / name`` for the file ``name`` that ``source`` (a file of checkpoint directory ``d``) names as ``what``
+    (in ``entry``); a :class:`CheckpointError` naming ``source``, the name and the entry when ``name`` is not a
+    relative path that stays inside ``d`` once resolved (``..``, an absolute path, a symlink that leads out of ``d``)."""
+    d = Path(d)
+    what = f"{what} {name!r}" + (f" ({entry})" if entry else "")
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise CheckpointError(f"{source} names {what}, which is not a file name -> copy the checkpoint again "
+                              "from its source")
+    root = d.resolve()
+    try:
+        target = (d / name).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise CheckpointError(f"{source} names {what}, which does not resolve ({type(e).__name__}: {e}); "
+                              f"{_OUTSIDE_FIX}") from None
+    if target == root or not target.is_relative_to(root):
+        raise CheckpointError(f"{source} names {what}, which lies outside checkpoint {d} (it resolves to "
+                              f"{target}); {_OUTSIDE_FIX}")
+    return d / name
+
+
+def storage_needs(d: str | Path, md: Any, source: str) -> dict[str, int]:
+    """{data file name: bytes its index needs} from ``md``, the parsed ``.metadata`` (``source``) of checkpoint
+    directory ``d``: every storage entry checked to name a file inside ``d`` (:func:`checkpoint_member`) and a
+    byte range of non-negative offset and length, else a :class:`CheckpointError` naming ``source`` and the entry.
+    A ``TypeError`` for an index that is not one (damage: the caller reports it)."""
     need: dict[str, int] = {}
     storage = getattr(md, "storage_data", None)
     if not isinstance(storage, dict):
         raise TypeError("no storage index")
-    for info in storage.values():
+    checked: set[str] = set()
+    for index, info in storage.items():
         rel, off, length = getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None)
-        if not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int):
+        if not isinstance(rel, str) or type(off) is not int or type(length) is not int:
             raise TypeError("malformed storage entry")
+        entry = f"storage entry of {getattr(index, 'fqn', index)!r}"
+        if rel not in checked:
+            checkpoint_member(d, rel, source=source, what="the data file", entry=entry)
+            checked.add(rel)
+        if off < 0 or length < 0:
+            raise CheckpointError(f"{source}: the {entry} has offset {off} and length {length} in {Path(d) / rel}, a byte "
+                                  "range no save writes; it was not read -> load only checkpoints from a source you trust, "
+                                  "or copy this one again from its source")
         need[rel] = max(need.get(rel, 0), off + length)
     return need
 
@@ -251,19 +291,25 @@ def checkpoint_damage(d: str | Path, *, hashes: bool = True) -> list[str]:
     Checks ``.metadata`` (present, parses under the allow-list), every byte range its index names
     (file present and long enough), and the save-time manifest in ``workbench.json`` (sizes, and
     SHA-256 when ``hashes``).  Raises :class:`CheckpointError` for metadata that names a class
-    outside the allow-list (that is not damage, it is a hostile or foreign file).
+    outside the allow-list, and for a file name in either index that leads out of ``d`` or a negative
+    byte range (:func:`storage_needs`): that is not damage, it is a hostile or foreign file, and no
+    file it names is looked at.
     """
     d = Path(d)
     problems: list[str] = []
     meta_path = d / DIST_METADATA_FILE
     manifest = _manifest(d)
+    for name in manifest or ():  # every name checked before any file is read
+        checkpoint_member(d, name, source=str(d / METADATA_FILE), what="the file", entry='its "files" list')
+    if meta_path.is_symlink():
+        checkpoint_member(d, DIST_METADATA_FILE, source=f"checkpoint {d}", what="the index file")
     if not meta_path.is_file():
         problems.append(f"{meta_path} is missing")
     else:
         try:
             with open(meta_path, "rb") as fh:
                 md = MetadataUnpickler(fh, source=str(meta_path), real=False).load()
-            need = _storage_ranges(md)
+            need = storage_needs(d, md, str(meta_path))
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001  (any parse failure of a damaged pickle)
@@ -365,6 +411,8 @@ def record_checksums(d: str | Path) -> dict[str, dict[str, Any]]:
     problems = checkpoint_damage(d, hashes=False)
     if problems:
         raise CheckpointError(f"checkpoint {d} is damaged: " + "; ".join(problems) + " -> copy the checkpoint again from its source")
+    for p in _files(d):  # a symlink that leads out of the checkpoint is not hashed into its list
+        checkpoint_member(d, p.name, source=f"checkpoint {d}", what="the file")
     foreign = [p.name for p in _files(d) if not _SAVED_FILE_RE.match(p.name)]
     if foreign:
         raise CheckpointError(f"checkpoint {d} holds {', '.join(str(d / n) for n in foreign)}, which a megatron-core save "
