@@ -136,3 +136,21 @@ def test_an_array_task_id_is_accepted(tmp_path, fake_slurm):
     assert job_record(run_dir)["job_id"] == "77_3"
     assert Run.attach(run_dir).stop(grace=0.1) == "stopped"
     assert ["scancel", "77_3"] in calls()
+
+
+def test_a_link_at_the_run_s_batch_script_cannot_adopt_another_job(tmp_path, fake_slurm, capsys):
+    """``slurm.sbatch`` replaced by a link to another job's script (by anyone who can write the run directory) does
+    not make that job this run's: it is neither followed nor cancelled."""
+    set_queue, calls, queue = fake_slurm
+    run_dir = _run_dir(tmp_path, "4243")
+    victim = tmp_path / "victim" / "job.sh"
+    victim.parent.mkdir()
+    victim.write_text("#!/bin/bash\n")
+    (run_dir / "slurm.sbatch").unlink()
+    (run_dir / "slurm.sbatch").symlink_to(victim)
+    set_queue({"4243": ["RUNNING", str(victim)]})
+    run = Run.attach(run_dir)
+    assert not run.is_alive()
+    run.stop(grace=0.1)
+    assert ["scancel", "4243"] not in calls() and "4243" in queue()
+    assert "not cancelled" in capsys.readouterr().err

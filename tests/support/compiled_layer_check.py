@@ -50,7 +50,7 @@ def _env(port: int) -> None:
 
 
 def _build(cfg, layer_cls):
-    from workbench.backend import model as wm
+    from workbench.backend.build import build_model
     from workbench.models.gpt import model as gm
 
     spec = gm.layer_spec(cfg)
@@ -59,7 +59,7 @@ def _build(cfg, layer_cls):
     gm.layer_spec = lambda _cfg: spec
     try:
         torch.manual_seed(0)
-        return wm.build_model(cfg)
+        return build_model(cfg)
     finally:
         gm.layer_spec = orig
 

@@ -204,7 +204,10 @@ def job_script(job_id: str | int, *, squeue: str | None = None) -> str | None:
         return None
     if r.returncode != 0:
         return "" if "Invalid job id" in r.stderr else None
-    return r.stdout.rstrip("\n")
+    lines = {ln.strip() for ln in r.stdout.splitlines() if ln.strip()}  # an array job: one line per task
+    if len(lines) > 1:
+        return None  # tasks that disagree: this machine cannot tell
+    return lines.pop() if lines else ""
 
 
 def cancel(job_id: str | int, *, scancel: str | None = None) -> None:
@@ -252,8 +255,12 @@ class JobWatch:
         return self.run_dir / SCRIPT_FILE
 
     def _is_this_runs(self, script: str) -> bool:
-        mine = self.script.absolute()
-        return script == str(mine) or os.path.realpath(script) == os.path.realpath(mine)
+        """SLURM's script path is this run directory's ``slurm.sbatch``: by name and directory, never through a
+        link at ``slurm.sbatch`` (a link there could name another job's script)."""
+        if self.script.is_symlink():
+            return False
+        path = Path(script)
+        return path.name == SCRIPT_FILE and os.path.realpath(path.parent) == os.path.realpath(self.run_dir)
 
     def owned(self, job: str) -> bool | None:
         """Whether SLURM says ``job``'s batch script is this run's (False refuses it, saying why); None: squeue
