@@ -36,17 +36,19 @@ def __getattr__(name: str):
     """The re-exported names of :data:`_LAZY`, each module imported on first use (an import statement apiece)."""
     where = _LAZY.get(name)
     if where == "tokenizer":
-        from workbench.data import tokenizer as module
+        import workbench.data.tokenizer as module
     elif where == "preprocess":
-        from workbench.data import preprocess as module
+        import workbench.data.preprocess as module
     elif where == "indexed":
-        from workbench.data import indexed as module
+        import workbench.data.indexed as module
     elif where == "megatron":
-        from workbench.data import megatron as module
+        import workbench.data.megatron as module
     elif where == "demo":
-        from workbench.data import demo as module
+        import workbench.data.demo as module
     elif where == "inspect":
-        from workbench.data import inspect as module
+        import workbench.data.inspect as module
     else:
         raise AttributeError(f"module 'workbench.data' has no attribute {name!r}")
-    return getattr(module, name)
+    value = getattr(module, name)
+    globals()[name] = value  # the name, not the submodule of the same name the import bound here
+    return value
