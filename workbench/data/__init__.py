@@ -11,6 +11,8 @@ Light at import time: torch / megatron-core / tokenizers load inside the functio
 - :mod:`workbench.data.inspect`    ``inspect_dataset(prefix)``, ``plot_lengths``
 """
 
+import sys
+
 from workbench.data.cli import add_cli  # noqa: F401
 from workbench.data.errors import DataError  # noqa: F401
 
@@ -36,19 +38,19 @@ def __getattr__(name: str):
     """The re-exported names of :data:`_LAZY`, each module imported on first use (an import statement apiece)."""
     where = _LAZY.get(name)
     if where == "tokenizer":
-        import workbench.data.tokenizer as module
+        import workbench.data.tokenizer  # noqa: F401
     elif where == "preprocess":
-        import workbench.data.preprocess as module
+        import workbench.data.preprocess  # noqa: F401
     elif where == "indexed":
-        import workbench.data.indexed as module
+        import workbench.data.indexed  # noqa: F401
     elif where == "megatron":
-        import workbench.data.megatron as module
+        import workbench.data.megatron  # noqa: F401
     elif where == "demo":
-        import workbench.data.demo as module
+        import workbench.data.demo  # noqa: F401
     elif where == "inspect":
-        import workbench.data.inspect as module
+        import workbench.data.inspect  # noqa: F401
     else:
         raise AttributeError(f"module 'workbench.data' has no attribute {name!r}")
-    value = getattr(module, name)
+    value = getattr(sys.modules[f"workbench.data.{where}"], name)  # the module, whatever the package's name binds
     globals()[name] = value  # the name, not the submodule of the same name the import bound here
     return value
