@@ -102,13 +102,13 @@ def bind_family_step(step: Any) -> None:
     _family_step = step
 
 
-def default_forward_step(batch: Batch, model: Any, **kwargs: Any) -> Any:
+def default_forward_step(batch: Batch, model: Any, *args: Any, **kwargs: Any) -> Any:
     """The default forward step of the model family this process trains, for a ``train.forward_step``
     hook that wraps it (e.g. to record or alter a micro-batch, then run the default)."""
     if _family_step is None:
         raise RuntimeError("default_forward_step runs inside a training run (workbench.backend.train.Trainer binds "
                            "its model family's step); outside one, call workbench.models.parts.parts_of(cfg).step().forward_step")
-    return _family_step.forward_step(batch, model, **kwargs)
+    return _family_step.forward_step(batch, model, *args, **kwargs)
 
 
 def keytoken_weighted_loss(batch: Batch, losses: Any, keytoken_ids: list[int] = (), alpha: float = 0.25, **_: Any) -> Any:

@@ -176,7 +176,7 @@ class PlannerAssumptions:
       (fc1 output + activation output) alive at the layer's backward peak on top of its kept
       tensors; autograd frees the MLP's saved tensors as it goes, so not all of them coexist.
       0.5 is what whole training steps of the real backend measured (CPU allocation tracker,
-      ``tests/test_planner_cpu_step.py``); 1.0 is the conservative bound.
+      ``tests/planner/test_planner_cpu_step.py``); 1.0 is the conservative bound.
 
     Not allocated (added for "fits"):
 

@@ -86,10 +86,11 @@ def test_arch_choices_are_the_registry():
 # --------------------------------------------------------------------------- the import graph
 
 
-def _imported_modules(path: Path) -> list[tuple[int, str]]:
-    """Every module an ``import`` / ``from ... import`` of the file names (relative ones resolved), with the
-    names a ``from`` import takes (``from workbench.models import gpt`` names ``workbench.models.gpt``)."""
-    rel = path.relative_to(WORKBENCH.parent).with_suffix("")
+def _imported_modules(path: Path, root: Path = WORKBENCH.parent) -> list[tuple[int, str]]:
+    """Every module an ``import`` / ``from ... import`` of the file names (relative ones resolved against its
+    place under ``root``), with the names a ``from`` import takes (``from workbench.models import gpt`` names
+    ``workbench.models.gpt``)."""
+    rel = path.relative_to(root).with_suffix("")
     package = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
     out: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -103,13 +104,14 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def family_imports(path: Path) -> list[str]:
-    """The imports of a module of workbench/ that reach into a family's package (``workbench.models.<family>``)."""
+def family_imports(path: Path, root: Path = WORKBENCH.parent) -> list[str]:
+    """The imports of a module of workbench/ (under ``root``) that reach into a family's package
+    (``workbench.models.<family>``)."""
     bad = []
-    for line, module in _imported_modules(path):
+    for line, module in _imported_modules(path, root):
         parts = module.split(".")
         if parts[:2] == ["workbench", "models"] and len(parts) > 2 and parts[2] in FAMILY_PACKAGES:
-            bad.append(f"{path.relative_to(WORKBENCH.parent)}:{line} imports {module}")
+            bad.append(f"{path.relative_to(root)}:{line} imports {module}")
     return bad
 
 
@@ -121,16 +123,14 @@ def test_no_backend_module_imports_a_family():
 
 def test_the_family_import_check_finds_one(tmp_path):
     """The check above fails for any spelling of an import of a family from the backend."""
-    probe = WORKBENCH / "backend" / "_seam_probe.py"
-    try:
-        for source in ("from workbench.models.gpt import model\n", "import workbench.models.t5.generate\n",
-                       "from workbench.models import bert\n", "def f():\n    from ..models.gpt.step import loss\n"):
-            probe.write_text(source)
-            assert family_imports(probe), source
-        probe.write_text("from workbench.models import family_of\nfrom workbench.models.parts import parts_of\n")
-        assert family_imports(probe) == []
-    finally:
-        probe.unlink(missing_ok=True)
+    probe = tmp_path / "workbench" / "backend" / "_seam_probe.py"  # where a backend module would stand
+    probe.parent.mkdir(parents=True)
+    for source in ("from workbench.models.gpt import model\n", "import workbench.models.t5.generate\n",
+                   "from workbench.models import bert\n", "def f():\n    from ..models.gpt.step import loss\n"):
+        probe.write_text(source)
+        assert family_imports(probe, tmp_path), source
+    probe.write_text("from workbench.models import family_of\nfrom workbench.models.parts import parts_of\n")
+    assert family_imports(probe, tmp_path) == []
 
 
 def test_no_hidden_imports_of_workbench_modules():

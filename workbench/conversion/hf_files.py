@@ -49,7 +49,10 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
         idx = p / index_name
         if idx.is_file():
             wm = json.loads(idx.read_text()).get("weight_map", {})
-            for f in set(wm.values()):
+            if not isinstance(wm, dict):
+                raise ConversionError(f"{idx}: 'weight_map' is not a mapping of tensor names to files; it was not read "
+                                      "-> use a model directory from a source you trust, or download it again")
+            for f in wm.values():
                 if not isinstance(f, str) or not f or "\x00" in f or Path(f).is_absolute() or ".." in Path(f).parts:
                     raise ConversionError(f"{idx} names weight file {f!r}, which is not a file of {p}; it was not read "
                                           "-> use a model directory from a source you trust, or download it again")

@@ -69,7 +69,7 @@ class LaunchPlan:
 
     def torchrun_args(self) -> list[str]:
         """Rendezvous + logging options.  One node: a c10d rendezvous on the loopback at a port the OS picks
-        (no clashes, nothing listening beyond 127.0.0.1: :mod:`workbench.launch.torchrun`); several nodes: the
+        (no clashes, nothing listening beyond 127.0.0.1: :mod:`workbench.launch.stores`); several nodes: the
         static rendezvous at ``rdzv_endpoint``, whose store node 0 opens on that address only."""
         if self.nnodes == 1 and not self.rdzv_endpoint:
             args = one_node_args()
@@ -85,7 +85,7 @@ class LaunchPlan:
         return [*self.entry, "--config", str(self.config_path), "--run-dir", str(self.run_dir)]
 
     def command(self) -> list[str]:
-        """The torchrun command line this node runs (torch's torchrun through :mod:`workbench.launch.torchrun`)."""
+        """The torchrun command line this node runs (torch's torchrun through :mod:`workbench.launch.stores`)."""
         return [self.python, "-m", TORCHRUN_MODULE, *self.torchrun_args(), *self.entry_args()]
 
     def shell(self) -> str:

@@ -39,6 +39,7 @@ import hashlib
 import importlib
 import json
 import pickle
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -282,7 +283,9 @@ _VERIFIED_LOCK = threading.Lock()
 
 
 def _signature(d: Path) -> tuple:
-    return tuple((p.name, st.st_size, st.st_mtime_ns) for p in sorted(d.iterdir()) if p.is_file() for st in [p.stat()])
+    # lstat: a file swapped for a link (even to one of the same size and time) changes the signature
+    return tuple((p.name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns) for p in sorted(d.iterdir())
+                 for st in [p.lstat()] if not stat.S_ISDIR(st.st_mode))
 
 
 def checkpoint_damage(d: str | Path, *, hashes: bool = True) -> list[str]:
