@@ -176,38 +176,36 @@ def job_record(run_dir: str | Path) -> dict | None:
     return rec
 
 
-def job_state(job_id: str | int, *, squeue: str | None = None) -> str | None:
-    """The job's state as ``squeue`` shows it (PENDING, RUNNING, COMPLETING, ...); ``""`` once it has
-    left the queue; None when this machine cannot tell (no squeue, no controller answering)."""
+def _squeue(job_id: str | int, fmt: str, squeue: str | None) -> list[str] | None:
+    """``squeue -h -j ID -o FMT``'s non-empty lines; ``[]`` once the job has left the queue (a job purged from the
+    controller's memory is an "invalid job id"); None when this machine cannot tell (no squeue, no controller)."""
     exe = squeue or shutil.which("squeue")
     if not exe:
         return None
     try:
-        r = subprocess.run([exe, "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True, timeout=30)
+        r = subprocess.run([exe, "-h", "-j", str(job_id), "-o", fmt], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    if r.returncode != 0:  # a job purged from the controller's memory is an "invalid job id"
-        return "" if "Invalid job id" in r.stderr else None
-    words = r.stdout.split()
-    return words[0] if words else ""
+    if r.returncode != 0:
+        return [] if "Invalid job id" in r.stderr else None
+    return [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+
+
+def job_state(job_id: str | int, *, squeue: str | None = None) -> str | None:
+    """The job's state as ``squeue`` shows it (PENDING, RUNNING, COMPLETING, ...); ``""`` once it has
+    left the queue; None when this machine cannot tell (no squeue, no controller answering)."""
+    lines = _squeue(job_id, "%T", squeue)
+    return None if lines is None else (lines[0].split()[0] if lines else "")
 
 
 def job_script(job_id: str | int, *, squeue: str | None = None) -> str | None:
     """The job's batch script as SLURM recorded it (``squeue -h -j ID -o %o``: an absolute path, whatever path
-    sbatch was given); ``""`` once the job has left the queue; None when this machine cannot tell."""
-    exe = squeue or shutil.which("squeue")
-    if not exe:
+    sbatch was given); ``""`` once the job has left the queue; None when this machine cannot tell (also when an
+    array job's tasks name different scripts)."""
+    lines = _squeue(job_id, "%o", squeue)
+    if lines is None or len(set(lines)) > 1:
         return None
-    try:
-        r = subprocess.run([exe, "-h", "-j", str(job_id), "-o", "%o"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if r.returncode != 0:
-        return "" if "Invalid job id" in r.stderr else None
-    lines = {ln.strip() for ln in r.stdout.splitlines() if ln.strip()}  # an array job: one line per task
-    if len(lines) > 1:
-        return None  # tasks that disagree: this machine cannot tell
-    return lines.pop() if lines else ""
+    return lines[0] if lines else ""
 
 
 def cancel(job_id: str | int, *, scancel: str | None = None) -> None:
