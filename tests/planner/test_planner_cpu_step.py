@@ -38,8 +38,8 @@ LAYOUTS = {
 }
 
 
-def _probe(layouts: dict[str, dict]) -> None:
-    """One torchrun rank: every layout in turn, one JSON line each."""
+def _probe(layouts: dict[str, dict], scratch: str) -> None:
+    """One torchrun rank: every layout in turn, one JSON line each (run directories under ``scratch``)."""
     import gc
     import tempfile
 
@@ -59,7 +59,7 @@ def _probe(layouts: dict[str, dict]) -> None:
                                              cublas_workspace_bytes=0)
     for name, overrides in layouts.items():
         cfg = preset("tiny", **{**BASE, **overrides})
-        trainer = Trainer(cfg, tempfile.mkdtemp(prefix="planner-step-"))
+        trainer = Trainer(cfg, tempfile.mkdtemp(prefix=f"{name}-rank{rank}-", dir=scratch))
         tracker = LiveBytes()
         with tracker:
             trainer.setup()
@@ -81,12 +81,12 @@ def _probe(layouts: dict[str, dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def measured():
+def measured(tmp_path_factory):
     from tests.support import torchrun_args  # here, not at the top: this file also runs as a torchrun script
 
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, *torchrun_args("2"),
-           str(Path(__file__).resolve()), json.dumps(LAYOUTS)]
+           str(Path(__file__).resolve()), json.dumps(LAYOUTS), str(tmp_path_factory.mktemp("planner-step"))]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -122,6 +122,6 @@ def test_step_peak_matches_backend(measured, layout, rank):
 
 
 if __name__ == "__main__":
-    _probe(json.loads(sys.argv[1]))
+    _probe(json.loads(sys.argv[1]), sys.argv[2])
     sys.stdout.flush()
     os._exit(0)  # gloo / CPU-mode teardown can hang; nothing is left to flush

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -354,13 +355,17 @@ def check_trainer(fast: bool, preset_name: str = "tiny", over: dict | None = Non
     over = over or {"data.source": "synthetic"}
     cfg = preset(preset_name, **{"train.compile_kernels": fast, "train.eval_interval": 0, **over})
     _env(int(os.environ.get("CHECK_PORT", "29613")))
-    tr = Trainer(cfg, tempfile.mkdtemp(prefix="compiled-layer-check-"))
-    tr.setup()
-    losses, norms = [], []
-    for _ in range(3):
-        res = tr.train_step()
-        losses.append(sum(res["losses"].values()))
-        norms.append(float(res["grad_norm"]))
+    run_dir = tempfile.mkdtemp(prefix="compiled-layer-check-")
+    try:
+        tr = Trainer(cfg, run_dir)
+        tr.setup()
+        losses, norms = [], []
+        for _ in range(3):
+            res = tr.train_step()
+            losses.append(sum(res["losses"].values()))
+            norms.append(float(res["grad_norm"]))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     layers = [m for m in tr.model[0].modules() if hasattr(m, "fast_calls")]
     return {"losses": losses, "grad_norms": norms, "kernel_path": tr.kernel_path, "layers": len(layers),
             "fast_calls": sum(m.fast_calls for m in layers), "blockers": [m.fast_path_blocker for m in layers]}
