@@ -3,7 +3,7 @@
 # GPU proof scripts (tests/gpu_proofs) are not pytest tests: they run on GPU machines (bench/README.md says how).
 # One folder alone: `bash launch/test.sh tests/launch` (any folder of tests/README.md's map, or one file).
 # Parallel: WORKBENCH_TEST_WORKERS pytest-xdist workers (default 2; 0 runs in this process), each test file whole
-# on one worker (tests/conftest.py groups them).
+# on one worker (its module fixtures built once).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -13,7 +13,7 @@ export MPLBACKEND=Agg PYTHONUNBUFFERED=1
 set +e
 # a private basetemp: another pytest session on the machine must not clean up this one's tmp dirs
 basetemp="$(mktemp -d -t workbench-tests-XXXXXX)"
-"$venv/bin/python" -m pytest -q "${@:-tests}" -n "${WORKBENCH_TEST_WORKERS:-2}" --dist loadgroup --ignore=tests/gpu_proofs -p no:cacheprovider --basetemp="$basetemp" --durations=15
+"$venv/bin/python" -m pytest -q "${@:-tests}" -n "${WORKBENCH_TEST_WORKERS:-2}" --dist loadfile --ignore=tests/gpu_proofs -p no:cacheprovider --basetemp="$basetemp" --durations=15
 rc=$?
 set -e
 rm -rf "$basetemp"

@@ -5,9 +5,9 @@ copy of a checkpoint to damage; ``browser/``: JupyterLab and Chromium; ``slurm/`
 Plain helpers (no fixtures) live in ``tests/support``; test files import those from there and
 never from each other.
 
-In parallel (``launch/test.sh`` runs pytest-xdist's workers with ``--dist loadgroup``) a test file runs whole on
-one worker, so its module fixtures are built once; ``browser/`` and ``slurm/`` each run on one worker (one
-JupyterLab and Chromium, one SLURM cluster).
+In parallel (``launch/test.sh`` runs pytest-xdist's workers with ``--dist loadfile``) a test file runs whole on
+one worker, so its module fixtures are built once; each worker that runs browser tests starts its own JupyterLab
+(``browser/conftest.py``: a folder per worker).
 """
 
 from __future__ import annotations
@@ -18,18 +18,6 @@ import pytest
 
 from tests.support import free_port as _free_port
 from tests.support import hf_gpt2, write_rank_script
-
-
-TESTS = Path(__file__).resolve().parent
-ONE_WORKER_FOLDERS = ("browser", "slurm")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Each test's xdist group: its file, or its folder for :data:`ONE_WORKER_FOLDERS`."""
-    for item in items:
-        rel = Path(str(item.fspath)).resolve().relative_to(TESTS)
-        group = rel.parts[0] if rel.parts[0] in ONE_WORKER_FOLDERS else rel.as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture()

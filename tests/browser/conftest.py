@@ -8,11 +8,12 @@
   workspace folders, every cell rendered (no windowing) and the app exposed to the page so a
   test can run JupyterLab's own commands (``notebook:run-all-cells``).
 - Artefacts (screenshots, the executed copies, the runs they launched) go to
-  ``$WORKBENCH_ARTIFACTS`` or ``runs/browser-<timestamp>/`` (git-ignored).
+  ``$WORKBENCH_ARTIFACTS`` or ``runs/browser-<timestamp>/`` (git-ignored), in a folder per xdist worker.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -40,17 +41,23 @@ def _ensure_chromium() -> str:
         pytest.skip(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): "
                     "apt-get install -y chromium, then run bash launch/test.sh tests/browser")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]):
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            pytest.fail(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    with open("/tmp/workbench-tests-chromium.lock", "w") as lock:  # one install at a time (parallel test workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]):
+            if Path(CHROMIUM).exists():  # another worker installed it meanwhile
+                break
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            if r.returncode != 0:
+                pytest.fail(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     assert Path(CHROMIUM).exists(), "apt-get installed chromium but /usr/bin/chromium is missing"
     return CHROMIUM
 
 
 @pytest.fixture(scope="session")
 def artefacts() -> Path:
-    d = Path(os.environ.get("WORKBENCH_ARTIFACTS") or ROOT / "runs" / f"browser-{datetime.now():%Y%m%d-%H%M%S}").absolute()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # parallel workers: a folder (and a JupyterLab) each
+    d = Path(os.environ.get("WORKBENCH_ARTIFACTS") or ROOT / "runs" / f"browser-{datetime.now():%Y%m%d-%H%M%S}")
+    d = (d / worker if worker else d).absolute()
     (d / "screenshots").mkdir(parents=True, exist_ok=True)
     print(f"\nbrowser test artefacts: {d}")
     return d
