@@ -174,14 +174,30 @@ def _pickled_list(value: Any) -> bytes:
 
 
 class _HashingFile:
-    """A binary file written front to back whose SHA-256 is taken as the bytes go out (no second read)."""
+    """A binary file written front to back whose SHA-256 is taken as the bytes go out (no second read): a large
+    write is hashed on a helper thread while the system call writes it (both without the GIL), and returns when both
+    are done, so the caller's buffer is free again and the hash stays in write order."""
+
+    _PARALLEL = 4 << 20  # smaller writes are hashed in line
 
     def __init__(self, fh: Any) -> None:
         self._fh, self._sha, self._size = fh, hashlib.sha256(), 0
+        self._pool: Any = None
 
     def write(self, data: Any) -> int:
-        self._sha.update(data)
-        n = self._fh.write(data)
+        if memoryview(data).nbytes < self._PARALLEL:
+            self._sha.update(data)
+            n = self._fh.write(data)
+        else:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-convert-hash")
+            hashed = self._pool.submit(self._sha.update, data)
+            try:
+                n = self._fh.write(data)
+            finally:
+                hashed.result()
         self._size += n
         return n
 
@@ -193,10 +209,26 @@ class _HashingFile:
 
     def close(self) -> tuple[int, str]:
         """Flush to disk, close; (size, sha256)."""
+        if self._pool is not None:
+            self._pool.shutdown()
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
         return self._size, self._sha.hexdigest()
+
+
+def _own_storage(t: Any) -> Any:
+    """``t`` as a tensor whose storage is exactly its own bytes (what ``torch.save`` writes whole): ``t`` itself when it
+    is, a tensor over the same memory (no copy) when ``t`` is a contiguous part of a larger storage, else a copy."""
+    import torch
+
+    nbytes = t.numel() * t.element_size()
+    if not t.storage_offset() and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes:
+        return t
+    if not t.is_contiguous() or not nbytes or t.device.type != "cpu":
+        return t.contiguous().clone()
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()  # the chunk's bytes, shared with t
+    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).reshape(t.shape)
 
 
 class DcpWriter:
@@ -230,8 +262,7 @@ class DcpWriter:
             md = self._md[fqn] = TensorStorageMetadata(TensorProperties(dtype=chunk.dtype), torch.Size(global_shape), [])
         elif tuple(md.size) != tuple(global_shape) or md.properties.dtype != chunk.dtype:
             raise ValueError(f"{fqn}: chunks of different global shapes or dtypes")
-        if chunk.storage_offset() or not chunk.is_contiguous() or chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
-            chunk = chunk.contiguous().clone()  # torch.save writes a tensor's whole storage: only the chunk's own
+        chunk = _own_storage(chunk)  # torch.save writes a tensor's whole storage: only the chunk's bytes
         md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(chunk.shape)))
         start = self._fh.tell()
         torch.save(chunk, self._fh)

@@ -420,6 +420,8 @@ class ChecksummedReads:
 
     #: the largest stretch of a streamed file read (and hashed) only to keep its hash going
     GAP = 4 << 20
+    #: a mapped range at least this long is hashed on a helper thread
+    PARALLEL = 4 << 20
 
     def __init__(self, d: str | Path, streamed: Any) -> None:
         self.dir = Path(d)
@@ -446,6 +448,7 @@ class ChecksummedReads:
         self._pos = {n: 0 for n in want}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._pool: Any = None
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
@@ -482,7 +485,8 @@ class ChecksummedReads:
     @contextlib.contextmanager
     def view(self, name: str, offset: int, length: int) -> Iterator[memoryview]:
         """``length`` bytes of file ``name`` from ``offset`` (fewer at its end), memory-mapped (the kernel copies
-        nothing) and hashed; valid inside the block only (unmapped after it, so the pages leave the process)."""
+        nothing) and hashed (a large range on a helper thread while the block runs: both read the same pages);
+        valid inside the block only (unmapped after it, so the pages leave the process)."""
         import mmap
 
         with self._lock:
@@ -497,8 +501,17 @@ class ChecksummedReads:
             try:
                 mv = memoryview(mm)[offset - start:]
                 try:
-                    self._hash(name, offset, mv)
-                    yield mv
+                    if len(mv) < self.PARALLEL:
+                        self._hash(name, offset, mv)
+                        yield mv
+                    else:
+                        if self._pool is None:
+                            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-checksum")
+                        hashed = self._pool.submit(self._hash, name, offset, mv)
+                        try:
+                            yield mv
+                        finally:
+                            hashed.result()
                 finally:
                     mv.release()
             finally:
@@ -529,9 +542,12 @@ class ChecksummedReads:
             raise _damaged(self.dir, problems)
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown()
+            self._pool = None
+        for fd in getattr(self, "_fds", {}).values():
             os.close(fd)
-        self._fds.clear()
+        self._fds = {}
 
     def __del__(self) -> None:
         self.close()
