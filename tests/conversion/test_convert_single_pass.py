@@ -103,3 +103,52 @@ def test_a_tampered_data_file_is_refused_after_the_pass_and_leaves_no_output(ckp
     msg = str(e.value)
     assert f"{f} does not match its checksum from the save" in msg and "copy the checkpoint again" in msg, msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no staging directory left behind
+
+
+def test_a_chunk_that_is_part_of_a_larger_tensor_is_saved_from_its_own_memory():
+    """``torch.save`` writes a tensor's whole storage; the writer hands it the chunk's own bytes without copying them
+    (SwiGLU's fc1 halves are such chunks), and what it saves loads back as the chunk."""
+    import io
+
+    import torch
+
+    from workbench.conversion.dcp import _own_storage
+
+    for dtype in (torch.bfloat16, torch.float32):
+        big = torch.randn(64, 48).to(dtype)
+        for part in (big[32:], big[:32], big):
+            own = _own_storage(part)
+            assert own.data_ptr() == part.data_ptr() and own.untyped_storage().nbytes() == part.numel() * part.element_size()
+            buf, ref = io.BytesIO(), io.BytesIO()
+            torch.save(own, buf)
+            torch.save(part.clone(), ref)
+            assert len(buf.getvalue()) == len(ref.getvalue())
+            buf.seek(0)
+            back = torch.load(buf, weights_only=True)
+            assert back.dtype == dtype and torch.equal(back, part)
+    t = big.t()  # not contiguous: a copy
+    assert _own_storage(t).is_contiguous() and torch.equal(_own_storage(t), t)
+
+
+def test_safetensors_shards_reach_the_disk_when_the_writer_closes_not_between_shards(tmp_path, monkeypatch):
+    """No wait for the disk between shards (the next shard is written while the last goes out); every shard is
+    fsynced before ``close`` returns, so the output is on disk before it is renamed into place."""
+    import torch
+
+    import workbench.conversion.hf_files as hf_files
+    from workbench.conversion.rules import TensorInfo
+
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(hf_files.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    plan = {f"t{i}": TensorInfo((256, 256), torch.float32) for i in range(6)}
+    w = hf_files.SafetensorsWriter(tmp_path, plan, 2 * 256 * 256 * 4)
+    for name, info in plan.items():
+        w.write(name, torch.full(info.shape, float(name[1:])))
+    assert synced == [], synced  # nothing waited for while writing
+    names = w.close()
+    assert len(names) == 3 and sorted(os.path.basename(p) for p in synced) == sorted(names)
+    from safetensors.torch import load_file
+
+    got = {k: v for n in names for k, v in load_file(tmp_path / n).items()}
+    assert all(torch.equal(got[k], torch.full((256, 256), float(k[1:]))) for k in plan)
