@@ -543,7 +543,7 @@ class ChecksummedReads:
 
     def close(self) -> None:
         if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown()
+            self._pool.shutdown(wait=False)  # idle: every hash it ran was waited for (and this may run on its thread)
             self._pool = None
         for fd in getattr(self, "_fds", {}).values():
             os.close(fd)
