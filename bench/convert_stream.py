@@ -10,10 +10,20 @@
 
 Every step runs in a fresh Python process that imports what it needs, then resets the kernel's peak-RSS mark
 (``/proc/self/clear_refs``), records its RSS (the baseline), runs the step and reads the peak (``VmHWM``, what
-``getrusage`` reports as ``ru_maxrss``).  One JSON line per step: wall time, peak RSS, peak minus baseline,
-the largest tensor and the model's size, bytes read + written and their pace against the copy's, and whether
-the peak is within the target ``largest tensor x 3 + 1.5 GB``.  ``--shape ci`` is the small model
-``tests/conversion/test_convert_streaming.py`` runs.
+``getrusage`` reports as ``ru_maxrss``).  Before the copy and each conversion, the step's input files are dropped
+from the page cache (``posix_fadvise(DONTNEED)`` on those files only), so each reads from the disk, as the copy
+does.  One JSON line per step: wall time, peak RSS, peak minus baseline, the largest tensor and the model's size,
+bytes read + written and their pace against the copy's, whether the peak is within the target
+``largest tensor x 3 + 1.5 GB``, and where the time went: CPU seconds (user, system; all threads), the bytes the
+process moved through read()/write() system calls and those it made the disk read and write (``/proc/self/io``
+``rchar``/``wchar``, ``read_bytes``/``write_bytes``; memory-mapped reads count only in the latter), and the load
+average when the step started (other work on the machine slows every step).
+``--shape ci`` is the small model ``tests/conversion/test_convert_streaming.py`` runs.
+
+Disk: each checkpoint is deleted as soon as no later step needs it (the copy once it is timed, the TP=2 x PP=2
+checkpoint after ``reshape``, the TP=1 one after ``megatron-to-hf``), so at most three copies of the model are on
+disk at once (about 48 GB for ``llama3.1-8b``); the run refuses to start (exit 2) when the work directory's disk has
+less than that plus 2 GB free.
 
 Benchmark-only code: it lives in ``bench/``, never in ``workbench/``.
 """
@@ -111,6 +121,18 @@ def disk_copy(src: Path, dst: Path) -> dict[str, Any]:
     return {}
 
 
+def evict(*paths: Path) -> None:
+    """Drop the files under ``paths`` from the page cache (written back first): the next read comes from the disk."""
+    for root in paths:
+        for f in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _run_step(step: str, a: dict[str, Any]) -> dict[str, Any]:
     from workbench.conversion.api import compare_hf_dirs, hf_to_megatron, megatron_to_hf, reshape
 
@@ -137,6 +159,14 @@ def _status(field: str) -> int:
     return 0
 
 
+def _io() -> dict[str, int]:
+    try:
+        with open("/proc/self/io") as fh:
+            return {k: int(v) for k, v in (line.split(": ") for line in fh.read().splitlines())}
+    except OSError:
+        return {}
+
+
 def child(step: str, args: dict[str, Any]) -> dict[str, Any]:
     """Run one step here and measure it: the peak mark is reset after the imports, so the peak is the step's."""
     import torch  # noqa: F401  (the imports the steps need, before the baseline)
@@ -156,12 +186,23 @@ def child(step: str, args: dict[str, Any]) -> dict[str, Any]:
         reset = True
     except OSError:
         reset = False
+    import resource
+
     base = _status("VmRSS")
+    load = os.getloadavg()
+    io0, ru0 = _io(), resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     extra = _run_step(step, args)
     wall = time.perf_counter() - t0
+    io1, ru1 = _io(), resource.getrusage(resource.RUSAGE_SELF)
     return {"wall_s": round(wall, 3), "peak_rss_bytes": _status("VmHWM"), "baseline_rss_bytes": base,
-            "peak_reset_after_imports": reset, **extra}
+            "peak_reset_after_imports": reset, "cpu_user_s": round(ru1.ru_utime - ru0.ru_utime, 2),
+            "cpu_sys_s": round(ru1.ru_stime - ru0.ru_stime, 2),
+            "read_syscall_bytes": io1.get("rchar", 0) - io0.get("rchar", 0),
+            "write_syscall_bytes": io1.get("wchar", 0) - io0.get("wchar", 0),
+            "disk_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+            "disk_write_bytes": io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
+            "loadavg": [round(x, 2) for x in load], **extra}
 
 
 def measure(step: str, args: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -203,6 +244,11 @@ def run(shape: str, workdir: Path, out: Path | None, keep: bool = False, env: di
     shapes = hf_tensors(shape)
     numel = {k: int(torch.Size(s).numel()) for k, s in shapes.items()}
     model_bytes, largest = 2 * sum(numel.values()), 2 * max(numel.values())
+    need, free = 3 * model_bytes + 2 * 10**9, shutil.disk_usage(workdir).free
+    if free < need:
+        print(f"--workdir {workdir}: {free / 1e9:.1f} GB free, the {shape} run needs {need / 1e9:.1f} GB (three copies "
+              "of the model at once) -> free some space or pass a workdir on a larger disk", file=sys.stderr)
+        raise SystemExit(2)
     common = {"bench": "convert_stream", "shape": shape, "device": "cpu", "date": datetime.date.today().isoformat(),
               "git_commit": _git_commit(), "cpus": os.cpu_count(), "model_bytes": model_bytes,
               "largest_tensor_bytes": largest, "bound_bytes": largest * FACTOR + SLACK}
@@ -215,12 +261,15 @@ def run(shape: str, workdir: Path, out: Path | None, keep: bool = False, env: di
     rows: list[dict[str, Any]] = []
     copy_pace = None
     for step, args, src, dst in plan:
+        if src is not None:
+            evict(src)
         r = measure(step, args, env)
         read = _bytes(src) if src else (_bytes(d["hf"]) + _bytes(d["hf-back"]) if step == "compare" else 0)
         written = _bytes(dst) if dst else 0
         row = {**common, "step": step, **r, "peak_minus_baseline_bytes": r["peak_rss_bytes"] - r["baseline_rss_bytes"],
                "bytes_read": read, "bytes_written": written, "mb_per_s": round((read + written) / max(r["wall_s"], 1e-9) / 1e6, 1)}
         row["within_bound"] = row["peak_rss_bytes"] <= common["bound_bytes"]
+        row["inputs_evicted"] = src is not None
         if step == "disk-copy":
             copy_pace = row["mb_per_s"]
             shutil.rmtree(d["copy"], ignore_errors=True)

@@ -267,13 +267,15 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 
 
 def _open_checkpoint(ckpt: str | Path) -> Any:
-    """The checkpoint's :class:`~workbench.run.checkpoint.CheckpointInfo`: files verified (a damaged or hostile one is a
-    CheckpointError naming them, before any work), its config read as data (hooks it names are never imported)."""
+    """The checkpoint's :class:`~workbench.run.checkpoint.CheckpointInfo`: files checked (a damaged or hostile one is a
+    CheckpointError naming them, before any work) but for their checksums, which the :class:`CheckpointReader` checks
+    as it reads them (:meth:`~workbench.conversion.dcp.CheckpointReader.finish`, before the output is renamed into
+    place); its config read as data (hooks it names are never imported)."""
     from workbench.config import ConfigError as _ConfigError
     from workbench.run.checkpoint import CheckpointError, checkpoint_info
 
     try:
-        return checkpoint_info(ckpt)
+        return checkpoint_info(ckpt, hashes=False)
     except _ConfigError as e:
         if len(e.problems) == 1 and e.problems[0].field == "ckpt":
             raise CheckpointError(f"{e.problems[0].rule} -> {e.problems[0].fix}") from None
@@ -302,6 +304,12 @@ def _checkpoint_tokenizer(info: Any, tokenizer: str | Path | None) -> tuple[Any,
     return spec, (f"checkpoint {info.path}" if spec is not None else f"checkpoint {info.path} names no tokenizer")
 
 
+def _file_order(rules: list[Rule], reader: Any) -> list[Rule]:
+    """``rules`` in the order their sources lie in the checkpoint's files (:meth:`CheckpointReader.position`), so
+    the files are read front to back, once."""
+    return sorted(rules, key=lambda r: min((reader.position(s) for s in r.sources), default=("", 0)))
+
+
 def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "2GB", dtype: str | None = None,
                    force: bool = False, progress: bool = True, tokenizer: str | Path | None = None) -> ConversionResult:
     """Workbench checkpoint (root or iter dir, any layout) -> HF directory that ``from_pretrained`` loads.
@@ -325,7 +333,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     with single_process_group():
         layout = model_layout(cfg)
     reader = CheckpointReader(info.path, layout)  # its stored objects are read (weights-only) here
-    rules = mcore_to_hf_rules(layout.infos, cfg, mt, read=reader.read)
+    rules = _file_order(mcore_to_hf_rules(layout.infos, cfg, mt, read=reader.read), reader)
     tdt = _torch_dtype(dtype)
     targets = plan_targets(rules, layout.infos, tdt)
     out_dtype = _DTYPES[dtype or cfg.train.precision]
@@ -334,6 +342,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     with _staged_output(final, force) as tmp:
         writer = SafetensorsWriter(tmp, targets, limit)
         stream_rules(rules, reader.read, writer.write, tdt, _progress(len(rules), f"mcore -> {mt}", progress))
+        reader.finish()  # the checksums of what was read: a file that differs leaves no output
         files = writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         if tok is not None:
@@ -375,12 +384,13 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         layout = model_layout(src_cfg)
     reader = CheckpointReader(info.path, layout)  # its stored objects are read (weights-only) here
     vocab = set(vocab_keys())  # every vocab-sized tensor (BERT's LM head also has a vocab-sized output bias)
-    rules = [Rule((k,), (k,), (lambda t: pad_vocab_rows(t, padded, real=V)) if k in vocab else (lambda t: t))
-             for k in layout.infos]
+    rules = _file_order([Rule((k,), (k,), (lambda t: pad_vocab_rows(t, padded, real=V)) if k in vocab else (lambda t: t))
+                         for k in layout.infos], reader)
     targets = plan_targets(rules, layout.infos)
 
     def fill(write: Any) -> None:
         stream_rules(rules, reader.read, write)
+        reader.finish()  # the checksums of what was read: a file that differs leaves no output
 
     source = dict(reader.extra.get("source") or {})
     source["reshaped_from"] = {"path": str(info.path), "tensor_parallel": src_cfg.parallel.tensor_parallel,

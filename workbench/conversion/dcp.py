@@ -21,8 +21,11 @@ applied), so the conversion never re-implements megatron's key naming.  Then
   unpickler; every stored object and the common state are read the same way when it opens, so whatever a
   megatron-core load would refuse is refused here too.  When it opens, every byte range ``.metadata`` indexes
   is checked to lie in a file inside the checkpoint directory and within that file's size
-  (:func:`workbench.run.integrity.storage_needs`), before any byte is read.  The caller verifies the files
-  first (:func:`workbench.run.checkpoint.checkpoint_info`).
+  (:func:`workbench.run.integrity.storage_needs`), before any byte is read.  The caller checks the files first
+  (:func:`workbench.run.checkpoint.checkpoint_info`, with ``hashes=False``); the reader checks the checksums as it
+  reads (:class:`workbench.run.integrity.ChecksummedReads`: the small files when it opens, the data files as their
+  bytes go by), so each byte is read once, and :meth:`CheckpointReader.finish` compares them after the last read.
+  :meth:`CheckpointReader.position` gives the order that reads the data files front to back.
 
 Peak memory of a read or a write: about two copies of the largest chunk it touches, whatever the model size.
 """
@@ -171,14 +174,30 @@ def _pickled_list(value: Any) -> bytes:
 
 
 class _HashingFile:
-    """A binary file written front to back whose SHA-256 is taken as the bytes go out (no second read)."""
+    """A binary file written front to back whose SHA-256 is taken as the bytes go out (no second read): a large
+    write is hashed on a helper thread while the system call writes it (both without the GIL), and returns when both
+    are done, so the caller's buffer is free again and the hash stays in write order."""
+
+    _PARALLEL = 4 << 20  # smaller writes are hashed in line
 
     def __init__(self, fh: Any) -> None:
         self._fh, self._sha, self._size = fh, hashlib.sha256(), 0
+        self._pool: Any = None
 
     def write(self, data: Any) -> int:
-        self._sha.update(data)
-        n = self._fh.write(data)
+        if memoryview(data).nbytes < self._PARALLEL:
+            self._sha.update(data)
+            n = self._fh.write(data)
+        else:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-convert-hash")
+            hashed = self._pool.submit(self._sha.update, data)
+            try:
+                n = self._fh.write(data)
+            finally:
+                hashed.result()
         self._size += n
         return n
 
@@ -190,10 +209,26 @@ class _HashingFile:
 
     def close(self) -> tuple[int, str]:
         """Flush to disk, close; (size, sha256)."""
+        if self._pool is not None:
+            self._pool.shutdown()
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
         return self._size, self._sha.hexdigest()
+
+
+def _own_storage(t: Any) -> Any:
+    """``t`` as a tensor whose storage is exactly its own bytes (what ``torch.save`` writes whole): ``t`` itself when it
+    is, a tensor over the same memory (no copy) when ``t`` is a contiguous part of a larger storage, else a copy."""
+    import torch
+
+    nbytes = t.numel() * t.element_size()
+    if not t.storage_offset() and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes:
+        return t
+    if not t.is_contiguous() or not nbytes or t.device.type != "cpu":
+        return t.contiguous().clone()
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()  # the chunk's bytes, shared with t
+    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).reshape(t.shape)
 
 
 class DcpWriter:
@@ -227,8 +262,7 @@ class DcpWriter:
             md = self._md[fqn] = TensorStorageMetadata(TensorProperties(dtype=chunk.dtype), torch.Size(global_shape), [])
         elif tuple(md.size) != tuple(global_shape) or md.properties.dtype != chunk.dtype:
             raise ValueError(f"{fqn}: chunks of different global shapes or dtypes")
-        if chunk.storage_offset() or not chunk.is_contiguous() or chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
-            chunk = chunk.contiguous().clone()  # torch.save writes a tensor's whole storage: only the chunk's own
+        chunk = _own_storage(chunk)  # torch.save writes a tensor's whole storage: only the chunk's bytes
         md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(chunk.shape)))
         start = self._fh.tell()
         torch.save(chunk, self._fh)
@@ -271,17 +305,51 @@ def _overlap(a_off: tuple, a_size: tuple, b_off: tuple, b_size: tuple) -> list[t
     return out
 
 
+class _BufferFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview that ``torch.load`` reads with ``readinto`` (straight into its
+    tensors' memory); :meth:`close` lets go of the view."""
+
+    def __init__(self, mv: memoryview) -> None:
+        super().__init__()
+        self._mv, self._pos = mv, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._mv) - self._pos))
+        memoryview(b).cast("B")[:n] = self._mv[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = max(0, {0: pos, 1: self._pos + pos, 2: len(self._mv) + pos}[whence])
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        self._mv = memoryview(b"")
+        super().close()
+
+
 class DcpReader:
     """The stored tensors of a torch_dist directory, read region by region: ``.metadata`` through the allow-list
     unpickler, each chunk through ``safe_torch_load``; every stored object (the common state included, or a
     legacy ``common.pt``) is read the same way when it opens."""
 
-    def __init__(self, d: Path) -> None:
+    def __init__(self, d: Path, checksums: bool = True) -> None:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-        from workbench.run.integrity import read_dist_metadata, storage_needs
+        from workbench.run.integrity import ChecksummedReads, read_dist_metadata, storage_needs
 
         self.dir = Path(d)
+        # every small file hashed before it is parsed, the data files as they are read (finish() completes the check)
+        self._reads = ChecksummedReads(self.dir, {p.name for p in self.dir.glob("*.distcp")}) if checksums else None
         md = read_dist_metadata(self.dir)
         source = self.dir / ".metadata"
         try:
@@ -317,9 +385,12 @@ class DcpReader:
 
     def _bytes(self, info: Any) -> bytes:
         path = self.dir / info.relative_path
-        with open(path, "rb") as fh:
-            fh.seek(info.offset)
-            data = fh.read(info.length)
+        if self._reads is not None:
+            data = self._reads.read(info.relative_path, info.offset, info.length)
+        else:
+            with open(path, "rb") as fh:
+                fh.seek(info.offset)
+                data = fh.read(info.length)
         if len(data) != info.length:
             raise CheckpointError(f"{path} is truncated: the checkpoint's index needs {info.offset + info.length} bytes "
                                   "-> copy the checkpoint again from its source")
@@ -345,11 +416,35 @@ class DcpReader:
 
         from workbench.run.integrity import safe_torch_load
 
-        t = safe_torch_load(io.BytesIO(self._bytes(info)), source=f"{self.dir / info.relative_path} (tensor {fqn!r})")
+        source = f"{self.dir / info.relative_path} (tensor {fqn!r})"
+        if self._reads is None:
+            t = safe_torch_load(io.BytesIO(self._bytes(info)), source=source)
+        else:  # loaded straight from the mapped file: one copy, into the tensor
+            with self._reads.view(info.relative_path, info.offset, info.length) as mv:
+                if len(mv) != info.length:
+                    raise CheckpointError(f"{self.dir / info.relative_path} is truncated: the checkpoint's index needs "
+                                          f"{info.offset + info.length} bytes -> copy the checkpoint again from its source")
+                f = _BufferFile(mv)
+                try:
+                    t = safe_torch_load(f, source=source)
+                finally:
+                    f.close()
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{self.dir / info.relative_path}: the chunk of {fqn!r} holds a {type(t).__name__}, not a tensor "
                                   "-> copy the checkpoint again from its source")
         return t
+
+    def finish(self) -> None:
+        """After the last read: the checksums of the data files (hashed as they were read, the rest now) compared; the
+        :class:`CheckpointError` naming a file that differs (nothing to do when opened with ``checksums=False``)."""
+        if self._reads is not None:
+            self._reads.finish()
+
+    def position(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[str, int]:
+        """(file, byte offset) of the first stored chunk of ``fqn`` that meets the box: reading in this order reads
+        the files front to back."""
+        hits = [(info.relative_path, info.offset) for o, s, info in self._chunks.get(fqn, ()) if _overlap(o, s, offsets, sizes)]
+        return min(hits, default=("\uffff", 0))
 
     def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
         """The box at ``offsets`` of ``sizes`` of stored tensor ``fqn``, in its stored dtype."""
@@ -442,12 +537,21 @@ class CheckpointReader:
     a time, each in ``layout``'s dtype (as a model of that layout holds them).  A vocabulary-sized tensor stored with
     other padding is read whole, its rows cut or zero-filled to the model's (as a load does)."""
 
-    def __init__(self, path: str | Path, layout: Layout) -> None:
+    def __init__(self, path: str | Path, layout: Layout, checksums: bool = True) -> None:
         from workbench.backend.checkpointing import vocab_keys
 
         self.layout = layout
-        self.dcp = DcpReader(Path(path))
+        self.dcp = DcpReader(Path(path), checksums)
         self._vocab = set(vocab_keys())
+
+    def finish(self) -> None:
+        """After the last read: :meth:`DcpReader.finish` (the data files' checksums)."""
+        self.dcp.finish()
+
+    def position(self, key: str) -> tuple[str, int]:
+        """Where state-dict tensor ``key``'s bytes start (:meth:`DcpReader.position`): read in this order, the data
+        files are read front to back."""
+        return min((self.dcp.position(p.fqn, p.offsets, p.sizes) for p in self.layout.pieces[key]), default=("\uffff", 0))
 
     @property
     def extra(self) -> dict[str, Any]:

@@ -12,7 +12,8 @@ tensors, whatever order the tensors are asked for in.  An older (non-zip) file c
 :class:`SafetensorsWriter` writes ``save_pretrained``'s layout (``model.safetensors``, or
 ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``) from a plan of names, shapes
 and dtypes known up front: each shard's header is written when the shard is opened, then its tensors as they
-come, so no shard is ever held in memory.
+come, so no shard is ever held in memory; :meth:`SafetensorsWriter.close` waits until every shard is on disk (the
+shards before it go to disk in the background while the next is written).
 """
 
 from __future__ import annotations
@@ -205,9 +206,7 @@ class SafetensorsWriter:
 
     def _close_file(self) -> None:
         if self._fh is not None:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())  # on disk before the output is renamed into place
-            self._fh.close()
+            self._fh.close()  # to disk in the background; close() waits for every shard (before the rename)
             self._fh = None
 
     def _open(self, s: int) -> None:
@@ -251,6 +250,12 @@ class SafetensorsWriter:
         if len(self.shards) == 1 and not self.shards[0]:  # an empty plan: an empty (valid) file
             self._open(0)
             self._close_file()
+        for name in self.names:  # on disk before the output is renamed into place (no wait between shards)
+            fd = os.open(self.out_dir / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         if len(self.shards) > 1:
             weight_map = {name: self.names[s] for s, name in self._order}
             total = sum(self.plan[n].nbytes for n in weight_map)

@@ -310,15 +310,17 @@ class CheckpointInfo:
     meta: dict[str, Any]
 
 
-def checkpoint_info(ckpt: str | Path) -> CheckpointInfo:
-    """Resolve ``ckpt`` (root or iter dir) and read its ``workbench.json``; ConfigError naming ``ckpt`` if there is none."""
+def checkpoint_info(ckpt: str | Path, *, hashes: bool = True) -> CheckpointInfo:
+    """Resolve ``ckpt`` (root or iter dir) and read its ``workbench.json``; ConfigError naming ``ckpt`` if there is none.
+    ``hashes=False``: every check of :func:`~workbench.run.integrity.verify_checkpoint` but the checksums, for a
+    reader that checks them as it reads (:class:`~workbench.run.integrity.ChecksummedReads`)."""
     from workbench.config import ConfigError, Problem
 
     try:
         meta = read_checkpoint(ckpt)
         from workbench.run.integrity import verify_checkpoint
 
-        verify_checkpoint(meta.path)  # damaged or hostile files: refused here, before any process starts
+        verify_checkpoint(meta.path, hashes=hashes)  # damaged or hostile files: refused here, before any process starts
     except CheckpointError as e:
         rule, _, fix = str(e).partition(" -> ")
         raise ConfigError([Problem("ckpt", rule, fix or "point ckpt at a checkpoint root or an iter_XXXXXXX directory")]) from None

@@ -26,6 +26,9 @@ Two threats, one module:
   megatron-core would read) is refused, and so is a checkpoint without the list (its files cannot
   be checked: a damaged one would load unnoticed), until someone who trusts that copy records it
   with :func:`record_checksums` (``workbench convert trust``).  Each problem names the file; the error says how to fix it.
+  A reader that goes through every byte anyway (a conversion) checks the checksums as it reads
+  (:class:`ChecksummedReads`, after ``verify_checkpoint(hashes=False)``) and refuses at the end of its pass, before
+  its output is renamed into place, so the data is read once.
 
 Torch-free at import, and :func:`verify_checkpoint` stays torch-free (it parses ``.metadata``
 with inert stand-ins for the admitted classes, so launch checks can run it without torch);
@@ -38,6 +41,7 @@ import contextlib
 import hashlib
 import importlib
 import json
+import os
 import pickle
 import stat
 import threading
@@ -51,7 +55,7 @@ from workbench.run.ckpt_files import METADATA_FILE, CheckpointError, list_checkp
 
 __all__ = ["ALLOWED_GLOBALS", "DIST_METADATA_FILE", "MetadataUnpickler", "read_dist_metadata", "file_manifest",
            "checkpoint_member", "storage_needs", "checkpoint_damage", "unlisted_files", "verify_checkpoint",
-           "record_checksums", "safe_dist_reading", "safe_torch_load"]
+           "record_checksums", "ChecksummedReads", "safe_dist_reading", "safe_torch_load"]
 
 DIST_METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint"
@@ -334,7 +338,7 @@ def checkpoint_damage(d: str | Path, *, hashes: bool = True) -> list[str]:
             elif isinstance(rec, dict) and rec.get("size") is not None and f.stat().st_size != rec["size"]:
                 problems.append(f"{f} has {f.stat().st_size} bytes, {rec['size']} when saved")
             elif hashes and isinstance(rec, dict) and rec.get("sha256") and _sha256(f) != rec["sha256"]:
-                problems.append(f"{f} does not match its checksum from the save (its contents changed)")
+                problems.append(_mismatch(f))
     return problems
 
 
@@ -358,6 +362,18 @@ def _unverifiable(d: Path) -> str:
             f"trust, record its checksums once with `workbench convert trust --ckpt {d}`")
 
 
+def _damaged(d: Path, problems: list[str]) -> CheckpointError:
+    """The error for checkpoint directory ``d`` with ``problems`` (each naming its file), with the fix."""
+    earlier = [c.name for c in list_checkpoints(d.parent) if c.name < d.name] if d.parent.is_dir() else []
+    alt = f", or load an earlier iteration ({d.parent / earlier[-1]})" if earlier else ""
+    return CheckpointError(f"checkpoint {d} is damaged: " + "; ".join(problems) +
+                           f" -> copy the checkpoint again from its source (an interrupted copy or a full disk cuts files short){alt}")
+
+
+def _mismatch(f: Path) -> str:
+    return f"{f} does not match its checksum from the save (its contents changed)"
+
+
 def verify_checkpoint(d: str | Path, *, hashes: bool = True) -> None:
     """Raise :class:`CheckpointError` naming every damaged file of checkpoint directory ``d``, and the fix; also
     for a file its checksum list does not name, and for a checkpoint without that list.
@@ -375,10 +391,7 @@ def verify_checkpoint(d: str | Path, *, hashes: bool = True) -> None:
             return
     problems = checkpoint_damage(d, hashes=hashes)
     if problems:
-        earlier = [c.name for c in list_checkpoints(d.parent) if c.name < d.name] if d.parent.is_dir() else []
-        alt = f", or load an earlier iteration ({d.parent / earlier[-1]})" if earlier else ""
-        raise CheckpointError(f"checkpoint {d} is damaged: " + "; ".join(problems) +
-                              f" -> copy the checkpoint again from its source (an interrupted copy or a full disk cuts files short){alt}")
+        raise _damaged(d, problems)
     if _manifest(d) is None:
         raise CheckpointError(_unverifiable(d))
     extra = unlisted_files(d)
@@ -390,6 +403,154 @@ def verify_checkpoint(d: str | Path, *, hashes: bool = True) -> None:
     if hashes:
         with _VERIFIED_LOCK:
             _VERIFIED[key] = sig
+
+
+class ChecksummedReads:
+    """Byte ranges of the files of checkpoint directory ``d``, read while their SHA-256 is taken: a conversion reads
+    each byte once, where a verification followed by the conversion's own reads would read it twice.
+
+    For a directory :func:`verify_checkpoint` has passed with ``hashes=False`` (names, sizes, byte ranges, the
+    closed list of files).  The files of the checksum list not in ``streamed`` are hashed when it opens; each file
+    of ``streamed`` as it is read: :meth:`read` hashes the bytes that continue the file from where its hash stands
+    (a gap of up to :attr:`GAP` bytes is read and hashed first), and :meth:`finish` hashes whatever was not read in
+    that order and compares every checksum.  A file that differs is the :class:`CheckpointError`
+    :func:`verify_checkpoint` raises for it, when it opens or from :meth:`finish`; until :meth:`finish` returns,
+    what was read is known only to have loaded as weights-only data, so the caller writes into a staging directory
+    it removes when :meth:`finish` raises."""
+
+    #: the largest stretch of a streamed file read (and hashed) only to keep its hash going
+    GAP = 4 << 20
+    #: a mapped range at least this long is hashed on a helper thread
+    PARALLEL = 4 << 20
+
+    def __init__(self, d: str | Path, streamed: Any) -> None:
+        self.dir = Path(d)
+        manifest = _manifest(self.dir)
+        if manifest is None:
+            raise CheckpointError(_unverifiable(self.dir))
+        want: dict[str, str] = {}
+        problems: list[str] = []
+        for name, rec in sorted(manifest.items()):
+            f = checkpoint_member(self.dir, name, source=str(self.dir / METADATA_FILE), what="the file", entry='its "files" list')
+            sha = rec.get("sha256") if isinstance(rec, dict) else None
+            if not sha:
+                continue
+            if name in streamed:
+                want[name] = sha
+            elif not f.is_file():
+                problems.append(f"{f} is missing")
+            elif _sha256(f) != sha:
+                problems.append(_mismatch(f))
+        if problems:
+            raise _damaged(self.dir, problems)
+        self._want = want
+        self._sha = {n: hashlib.sha256() for n in want}
+        self._pos = {n: 0 for n in want}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._pool: Any = None
+
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
+            self._fds[name] = os.open(checkpoint_member(self.dir, name, source=f"checkpoint {self.dir}", what="the file"), os.O_RDONLY)
+        return self._fds[name]
+
+    def _pread(self, name: str, length: int, offset: int) -> bytes:
+        fd = self._fd(name)
+        data = os.pread(fd, length, offset)
+        if 0 < len(data) < length:  # a read of more than the kernel hands out at once
+            parts = [data]
+            got = len(data)
+            while got < length:
+                more = os.pread(fd, length - got, offset + got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+        return data
+
+    def _hash(self, name: str, offset: int, data: Any) -> None:
+        """Take the bytes ``data`` at ``offset`` of ``name`` into its hash where they continue it (after a short gap)."""
+        if name not in self._sha:
+            return
+        sha, pos = self._sha[name], self._pos[name]
+        if pos < offset <= pos + self.GAP:
+            sha.update(self._pread(name, offset - pos, pos))
+            pos = offset
+        if offset <= pos < offset + len(data):
+            sha.update(data[pos - offset:])
+            self._pos[name] = offset + len(data)
+
+    @contextlib.contextmanager
+    def view(self, name: str, offset: int, length: int) -> Iterator[memoryview]:
+        """``length`` bytes of file ``name`` from ``offset`` (fewer at its end), memory-mapped (the kernel copies
+        nothing) and hashed (a large range on a helper thread while the block runs: both read the same pages);
+        valid inside the block only (unmapped after it, so the pages leave the process)."""
+        import mmap
+
+        with self._lock:
+            fd = self._fd(name)
+            end = min(offset + length, os.fstat(fd).st_size)
+            if end <= offset:
+                yield memoryview(b"")
+                return
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ, offset=start)
+            try:
+                mv = memoryview(mm)[offset - start:]
+                try:
+                    if len(mv) < self.PARALLEL:
+                        self._hash(name, offset, mv)
+                        yield mv
+                    else:
+                        if self._pool is None:
+                            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-checksum")
+                        hashed = self._pool.submit(self._hash, name, offset, mv)
+                        try:
+                            yield mv
+                        finally:
+                            hashed.result()
+                finally:
+                    mv.release()
+            finally:
+                mm.close()
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of file ``name`` from ``offset`` (fewer at its end), hashed (:meth:`view`, copied out)."""
+        with self.view(name, offset, length) as mv:
+            return bytes(mv)
+
+    def finish(self) -> None:
+        """Hash the rest of every streamed file and compare; the :class:`CheckpointError` naming each that differs."""
+        problems = []
+        with self._lock:
+            for name, want in sorted(self._want.items()):
+                sha, pos = self._sha[name], self._pos[name]
+                while True:
+                    block = self._pread(name, 16 << 20, pos)
+                    if not block:
+                        break
+                    sha.update(block)
+                    pos += len(block)
+                self._pos[name] = pos
+                if sha.hexdigest() != want:
+                    problems.append(_mismatch(self.dir / name))
+            self.close()
+        if problems:
+            raise _damaged(self.dir, problems)
+
+    def close(self) -> None:
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=False)  # idle: every hash it ran was waited for (and this may run on its thread)
+            self._pool = None
+        for fd in getattr(self, "_fds", {}).values():
+            os.close(fd)
+        self._fds = {}
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def record_checksums(d: str | Path) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,154 @@
+"""A conversion from a workbench checkpoint reads its data once and checks its checksums as it goes.
+
+``reshape`` and ``megatron_to_hf`` read the source checkpoint's data file front to back, once, hashing it as they
+read (:class:`workbench.run.integrity.ChecksummedReads`), where a verification pass followed by the conversion's own
+reads would read every byte twice.  A file whose checksum differs is still refused, with the message
+``verify_checkpoint`` gives, and the conversion leaves no output behind.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _read_syscall_bytes() -> int:
+    """Bytes this process has read through read()-style system calls (Linux ``/proc/self/io`` ``rchar``), all threads."""
+    with open("/proc/self/io") as fh:
+        return int(dict(line.split(": ") for line in fh.read().splitlines())["rchar"])
+
+
+def _counting_maps(monkeypatch) -> list[int]:
+    """The length of every range the checksummed reader maps (bytes read without a read() system call)."""
+    from workbench.run.integrity import ChecksummedReads
+
+    lengths, real = [], ChecksummedReads.view
+    monkeypatch.setattr(ChecksummedReads, "view", lambda self, name, offset, length: lengths.append(length) or
+                        real(self, name, offset, length))
+    return lengths
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Two checkpoints of one ~40 MB Llama-shaped model (fp32): one to warm the imports up with, one to measure."""
+    from workbench.conversion.api import hf_to_megatron, make_random_hf_model
+
+    d = tmp_path_factory.mktemp("single-pass")
+    hf = make_random_hf_model(d / "hf", "llama", hidden=256, layers=4, heads=4, vocab=16000, tied=False)
+    out = [hf_to_megatron(hf, d / name, tp=2, pp=1, dtype="fp32", device="cpu", progress=False).output
+           for name in ("warm", "ckpt")]
+    return d, hf, out[0], out[1]
+
+
+def _data_file(root):
+    from workbench.run.checkpoint import find_checkpoint
+
+    return find_checkpoint(root) / "__0_0.distcp"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_reshape_and_export_read_the_checkpoint_once(ckpts, monkeypatch):
+    from workbench.conversion.api import compare_hf_dirs, megatron_to_hf, reshape
+
+    d, hf, warm, ckpt = ckpts
+    reshape(warm, d / "warm-tp1", tp=1, pp=1)  # every lazy import of both paths, from another checkpoint
+    megatron_to_hf(warm, d / "warm-hf", progress=False)
+    size = _data_file(ckpt).stat().st_size
+    assert size > 30e6
+    mapped = _counting_maps(monkeypatch)
+    for name, run in (("reshape", lambda: reshape(ckpt, d / "tp1", tp=1, pp=1)),
+                      ("megatron-to-hf", lambda: megatron_to_hf(ckpt, d / "hf-back", progress=False))):
+        mapped.clear()
+        before = _read_syscall_bytes()
+        run()
+        read = _read_syscall_bytes() - before + sum(mapped)
+        assert size <= read < 1.25 * size, f"{name}: {read} bytes read for a {size}-byte data file (a second pass over it?)"
+    assert compare_hf_dirs(hf, d / "hf-back")["identical"]
+
+
+def _flip_inside_a_tensor(f):
+    """Flip one byte in the middle of the largest stored chunk (its raw values: the chunk still loads)."""
+    from workbench.run.integrity import read_dist_metadata
+
+    info = max(read_dist_metadata(f.parent).storage_data.values(), key=lambda i: i.length)
+    with open(f, "r+b") as fh:
+        fh.seek(info.offset + info.length // 2)
+        b = fh.read(1)
+        fh.seek(info.offset + info.length // 2)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("step", ["reshape", "megatron-to-hf"])
+def test_a_tampered_data_file_is_refused_after_the_pass_and_leaves_no_output(ckpts, tmp_path, step):
+    import shutil
+
+    from workbench.conversion.api import megatron_to_hf, reshape
+    from workbench.run.checkpoint import CheckpointError, checkpoint_info
+
+    _, _, _, ckpt = ckpts
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    f = _data_file(src)
+    _flip_inside_a_tensor(f)
+    checkpoint_info(src, hashes=False)  # sizes, index and list of files intact: only the checksum can tell
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as e:
+        if step == "reshape":
+            reshape(src, out, tp=1, pp=1)
+        else:
+            megatron_to_hf(src, out, progress=False)
+    msg = str(e.value)
+    assert f"{f} does not match its checksum from the save" in msg and "copy the checkpoint again" in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no staging directory left behind
+
+
+def test_a_chunk_that_is_part_of_a_larger_tensor_is_saved_from_its_own_memory():
+    """``torch.save`` writes a tensor's whole storage; the writer hands it the chunk's own bytes without copying them
+    (SwiGLU's fc1 halves are such chunks), and what it saves loads back as the chunk."""
+    import io
+
+    import torch
+
+    from workbench.conversion.dcp import _own_storage
+
+    for dtype in (torch.bfloat16, torch.float32):
+        big = torch.randn(64, 48).to(dtype)
+        for part in (big[32:], big[:32], big):
+            own = _own_storage(part)
+            assert own.data_ptr() == part.data_ptr() and own.untyped_storage().nbytes() == part.numel() * part.element_size()
+            buf, ref = io.BytesIO(), io.BytesIO()
+            torch.save(own, buf)
+            torch.save(part.clone(), ref)
+            assert len(buf.getvalue()) == len(ref.getvalue())
+            buf.seek(0)
+            back = torch.load(buf, weights_only=True)
+            assert back.dtype == dtype and torch.equal(back, part)
+    t = big.t()  # not contiguous: a copy
+    assert _own_storage(t).is_contiguous() and torch.equal(_own_storage(t), t)
+
+
+def test_safetensors_shards_reach_the_disk_when_the_writer_closes_not_between_shards(tmp_path, monkeypatch):
+    """No wait for the disk between shards (the next shard is written while the last goes out); every shard is
+    fsynced before ``close`` returns, so the output is on disk before it is renamed into place."""
+    import torch
+
+    import workbench.conversion.hf_files as hf_files
+    from workbench.conversion.rules import TensorInfo
+
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(hf_files.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    plan = {f"t{i}": TensorInfo((256, 256), torch.float32) for i in range(6)}
+    w = hf_files.SafetensorsWriter(tmp_path, plan, 2 * 256 * 256 * 4)
+    for name, info in plan.items():
+        w.write(name, torch.full(info.shape, float(name[1:])))
+    assert synced == [], synced  # nothing waited for while writing
+    names = w.close()
+    assert len(names) == 3 and sorted(os.path.basename(p) for p in synced) == sorted(names)
+    from safetensors.torch import load_file
+
+    got = {k: v for n in names for k, v in load_file(tmp_path / n).items()}
+    assert all(torch.equal(got[k], torch.full((256, 256), float(k[1:]))) for k in plan)
