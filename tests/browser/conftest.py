@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT, free_port
+from tests.support import ROOT, apt_install, free_port
 from workbench.launch.ownership import die_with_parent
 
 CHROMIUM = "/usr/bin/chromium"
@@ -40,15 +39,10 @@ def _ensure_chromium() -> str:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         pytest.skip(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): "
                     "apt-get install -y chromium, then run bash launch/test.sh tests/browser")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    with open("/tmp/workbench-tests-chromium.lock", "w") as lock:  # one install at a time (parallel test workers)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]):
-            if Path(CHROMIUM).exists():  # another worker installed it meanwhile
-                break
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-            if r.returncode != 0:
-                pytest.fail(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    try:
+        apt_install(["chromium"], lambda: Path(CHROMIUM).exists())
+    except RuntimeError as e:
+        pytest.fail(str(e))
     assert Path(CHROMIUM).exists(), "apt-get installed chromium but /usr/bin/chromium is missing"
     return CHROMIUM
 

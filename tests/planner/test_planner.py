@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 
@@ -267,13 +266,10 @@ def test_every_rank_listed_with_megatron_coordinates():
     assert plan.fits is None and plan.largest_micro_batch is None
 
 
-def test_plan_is_json_serialisable_and_fast():
+def test_plan_is_json_serialisable():
     cfg = preset("gpt2-large", **{"parallel.tensor_parallel": 2, "parallel.pipeline_parallel": 4, "parallel.nproc_per_node": 16,
                                   "train.global_batch_size": 64, "parallel.virtual_pipeline_parallel": 3})
-    planner.predict(cfg, gpu="H100")  # warm
-    t0 = time.perf_counter()
     plan = planner.predict(cfg, gpu="H100")
-    assert time.perf_counter() - t0 < 0.05
     d = json.loads(plan.to_json())
     assert len(d["ranks"]) == 16 and d["fits"] in (True, False)
     assert set(d["stages"][0]["components"]) == set(planner.COMPONENTS)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import free_port
+from tests.support import apt_install, free_port
 from workbench.launch.ownership import die_with_parent
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
@@ -49,16 +49,12 @@ def _ensure_slurm() -> dict[str, str]:
         if os.geteuid() != 0 or not shutil.which("apt-get"):
             pytest.skip(f"SLURM is not installed ({', '.join(missing)} missing) and cannot be installed here (needs root "
                         f"and apt-get): apt-get install -y {' '.join(PACKAGES)}, then bash launch/test.sh tests/slurm")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-        t0 = time.time()
-        r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:  # a fresh machine has no package lists yet
-            for cmd in (["apt-get", "update", "-q"], install):
-                r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-                if r.returncode != 0:
-                    pytest.fail(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-        print(f"\ninstalled {' '.join(PACKAGES)} with apt-get in {time.time() - t0:.0f} s")
+        try:
+            took = apt_install(PACKAGES, lambda: not [t for t in TOOLS if not _which(t)])
+        except RuntimeError as e:
+            pytest.fail(str(e))
+        if took is not None:
+            print(f"\ninstalled {' '.join(PACKAGES)} with apt-get in {took:.0f} s")
     paths = {t: _which(t) for t in TOOLS}
     gone = [t for t, p in paths.items() if not p]
     assert not gone, f"apt-get installed {' '.join(PACKAGES)} but {', '.join(gone)} is still missing"

@@ -27,6 +27,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+APT_LOCK = Path("/tmp/workbench-tests-apt.lock")
+
+
+def apt_install(packages: list[str], installed) -> float | None:
+    """Install Debian ``packages`` with apt-get unless ``installed()`` already holds; one install at a time on the
+    machine (parallel test workers take :data:`APT_LOCK`; apt waits for dpkg's own lock too).  Seconds it took, None
+    when nothing was installed; raises RuntimeError with apt's output when it fails (``apt-get update`` first when
+    the install alone fails: a fresh machine has no package lists yet)."""
+    import fcntl
+    import os
+
+    if installed():
+        return None
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    with open(APT_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if installed():  # another worker installed them meanwhile
+            return None
+        t0 = time.time()
+        install = ["apt-get", "-o", "DPkg::Lock::Timeout=600", "install", "-y", "-q", "--no-install-recommends", *packages]
+        r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            for cmd in (["apt-get", "-o", "DPkg::Lock::Timeout=600", "update", "-q"], install):
+                r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        return time.time() - t0
+
+
 def torchrun_args(nproc: int | str) -> list[str]:
     """``-m`` arguments of a one-node torchrun on ``nproc`` ranks: the launch's own (its rendezvous on a port the OS
     picks, on the loopback), so no port is chosen here that another run could take first."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -186,8 +186,12 @@ def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, targets: dict[str, T
         if tuple(targets[k].shape) != tuple(info.shape):
             raise ValueError(f"{k}: shape {tuple(targets[k].shape)} but the model wants {tuple(info.shape)}")
     writer = CheckpointWriter(tmp, iteration, layout)
-    fill(writer.write)
-    ckpt = writer.finish(cfg, extra={"source": source}, tokenizer=tok_spec)
+    try:
+        fill(writer.write)
+        ckpt = writer.finish(cfg, extra={"source": source}, tokenizer=tok_spec)
+    except BaseException:
+        writer.abort()  # no open file into the staging directory the caller removes
+        raise
     (tmp / CONFIG_FILE).write_text(cfg.to_json())
     return ConversionResult(output=final, checkpoint=final / ckpt.name, config=cfg, config_path=final / CONFIG_FILE,
                             files=sorted(p.name for p in tmp.iterdir()), notes=notes)
@@ -339,11 +343,15 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     out_dtype = _DTYPES[dtype or cfg.train.precision]
     hf_cfg = hf_config_dict_from_run(cfg, mt, source.get("hf_config"), dtype=out_dtype)
     final = Path(out).expanduser().resolve()
-    with _staged_output(final, force) as tmp:
+    with _staged_output(final, force) as tmp, closing(reader):
         writer = SafetensorsWriter(tmp, targets, limit)
-        stream_rules(rules, reader.read, writer.write, tdt, _progress(len(rules), f"mcore -> {mt}", progress))
-        reader.finish()  # the checksums of what was read: a file that differs leaves no output
-        files = writer.close()
+        try:
+            stream_rules(rules, reader.read, writer.write, tdt, _progress(len(rules), f"mcore -> {mt}", progress))
+            reader.finish()  # the checksums of what was read: a file that differs leaves no output
+            files = writer.close()
+        except BaseException:
+            writer.abort()  # no open shard into the staging directory _staged_output removes
+            raise
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         if tok is not None:
             _ship_tokenizer(tok, tmp, tok_from)
@@ -396,7 +404,7 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     source["reshaped_from"] = {"path": str(info.path), "tensor_parallel": src_cfg.parallel.tensor_parallel,
                                "pipeline_parallel": src_cfg.parallel.pipeline_parallel}
     iteration = int(reader.dcp.common.get("iteration", info.meta.get("iteration", 0)))
-    with _staged_output(final, force) as tmp:
+    with _staged_output(final, force) as tmp, closing(reader):
         res = _write_megatron(tmp, final, cfg, targets, fill, iteration, cfg.train.precision, source, tok, tok_from)
     if info.meta.get("has_optimizer"):
         res.notes.append("optimizer state was not carried over (reshape writes weights; resume with finetune or a fresh optimizer)")

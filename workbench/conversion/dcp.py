@@ -207,6 +207,13 @@ class _HashingFile:
     def flush(self) -> None:
         self._fh.flush()
 
+    def abort(self) -> None:
+        """Close without flushing to disk (a write that failed: its directory is removed)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self._fh.close()
+
     def close(self) -> tuple[int, str]:
         """Flush to disk, close; (size, sha256)."""
         if self._pool is not None:
@@ -278,6 +285,10 @@ class DcpWriter:
         start = self._fh.tell()
         self._fh.write(data)
         self._record(MetadataIndex(fqn), start)
+
+    def abort(self) -> None:
+        """Let go of the data file (a write that failed: its directory is removed)."""
+        self._fh.abort()
 
     def close(self) -> None:
         """Flush the data file to disk and write ``.metadata`` (what torch's writer pickles)."""
@@ -440,6 +451,11 @@ class DcpReader:
         if self._reads is not None:
             self._reads.finish()
 
+    def close(self) -> None:
+        """Let go of the data files' descriptors and the hashing thread (also after a failed read)."""
+        if self._reads is not None:
+            self._reads.close()
+
     def position(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[str, int]:
         """(file, byte offset) of the first stored chunk of ``fqn`` that meets the box: reading in this order reads
         the files front to back."""
@@ -495,6 +511,10 @@ class CheckpointWriter:
     def bytes_written(self) -> int:
         return self._dcp.bytes_written
 
+    def abort(self) -> None:
+        """Let go of the data file (a conversion that failed: the caller removes the directory it wrote into)."""
+        self._dcp.abort()
+
     def write(self, key: str, t: Any) -> None:
         info = self.layout.infos.get(key)
         if info is None:
@@ -547,6 +567,10 @@ class CheckpointReader:
     def finish(self) -> None:
         """After the last read: :meth:`DcpReader.finish` (the data files' checksums)."""
         self.dcp.finish()
+
+    def close(self) -> None:
+        """:meth:`DcpReader.close`."""
+        self.dcp.close()
 
     def position(self, key: str) -> tuple[str, int]:
         """Where state-dict tensor ``key``'s bytes start (:meth:`DcpReader.position`): read in this order, the data

@@ -241,6 +241,10 @@ class SafetensorsWriter:
         self._fh.write(memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b"")
         self._next += 1
 
+    def abort(self) -> None:
+        """Let go of the open shard (a conversion that failed: its staging directory is removed)."""
+        self._close_file()
+
     def close(self) -> list[str]:
         """Finish the last shard and write the index; the shard file names."""
         if self._next != len(self._order):
