@@ -353,14 +353,14 @@ class DcpReader:
     unpickler, each chunk through ``safe_torch_load``; every stored object (the common state included, or a
     legacy ``common.pt``) is read the same way when it opens."""
 
-    def __init__(self, d: Path, checksums: bool = True) -> None:
+    def __init__(self, d: Path) -> None:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
         from workbench.run.integrity import ChecksummedReads, read_dist_metadata, storage_needs
 
         self.dir = Path(d)
         # every small file hashed before it is parsed, the data files as they are read (finish() completes the check)
-        self._reads = ChecksummedReads(self.dir, {p.name for p in self.dir.glob("*.distcp")}) if checksums else None
+        self._reads = ChecksummedReads(self.dir, {p.name for p in self.dir.glob("*.distcp")})
         md = read_dist_metadata(self.dir)
         source = self.dir / ".metadata"
         try:
@@ -394,17 +394,14 @@ class DcpReader:
                 self._objects[index.fqn] = info
         self.common = self._read_common()
 
+    def _truncated(self, info: Any) -> CheckpointError:
+        return CheckpointError(f"{self.dir / info.relative_path} is truncated: the checkpoint's index needs "
+                               f"{info.offset + info.length} bytes -> copy the checkpoint again from its source")
+
     def _bytes(self, info: Any) -> bytes:
-        path = self.dir / info.relative_path
-        if self._reads is not None:
-            data = self._reads.read(info.relative_path, info.offset, info.length)
-        else:
-            with open(path, "rb") as fh:
-                fh.seek(info.offset)
-                data = fh.read(info.length)
+        data = self._reads.read(info.relative_path, info.offset, info.length)
         if len(data) != info.length:
-            raise CheckpointError(f"{path} is truncated: the checkpoint's index needs {info.offset + info.length} bytes "
-                                  "-> copy the checkpoint again from its source")
+            raise self._truncated(info)
         return data
 
     def _read_common(self) -> dict[str, Any]:
@@ -428,18 +425,15 @@ class DcpReader:
         from workbench.run.integrity import safe_torch_load
 
         source = f"{self.dir / info.relative_path} (tensor {fqn!r})"
-        if self._reads is None:
-            t = safe_torch_load(io.BytesIO(self._bytes(info)), source=source)
-        else:  # loaded straight from the mapped file: one copy, into the tensor
-            with self._reads.view(info.relative_path, info.offset, info.length) as mv:
-                if len(mv) != info.length:
-                    raise CheckpointError(f"{self.dir / info.relative_path} is truncated: the checkpoint's index needs "
-                                          f"{info.offset + info.length} bytes -> copy the checkpoint again from its source")
-                f = _BufferFile(mv)
-                try:
-                    t = safe_torch_load(f, source=source)
-                finally:
-                    f.close()
+        # loaded straight from the mapped file: one copy, into the tensor
+        with self._reads.view(info.relative_path, info.offset, info.length) as mv:
+            if len(mv) != info.length:
+                raise self._truncated(info)
+            f = _BufferFile(mv)
+            try:
+                t = safe_torch_load(f, source=source)
+            finally:
+                f.close()
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{self.dir / info.relative_path}: the chunk of {fqn!r} holds a {type(t).__name__}, not a tensor "
                                   "-> copy the checkpoint again from its source")
@@ -447,14 +441,12 @@ class DcpReader:
 
     def finish(self) -> None:
         """After the last read: the checksums of the data files (hashed as they were read, the rest now) compared; the
-        :class:`CheckpointError` naming a file that differs (nothing to do when opened with ``checksums=False``)."""
-        if self._reads is not None:
-            self._reads.finish()
+        :class:`CheckpointError` naming a file that differs."""
+        self._reads.finish()
 
     def close(self) -> None:
         """Let go of the data files' descriptors and the hashing thread (also after a failed read)."""
-        if self._reads is not None:
-            self._reads.close()
+        self._reads.close()
 
     def position(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[str, int]:
         """(file, byte offset) of the first stored chunk of ``fqn`` that meets the box: reading in this order reads
@@ -557,11 +549,11 @@ class CheckpointReader:
     a time, each in ``layout``'s dtype (as a model of that layout holds them).  A vocabulary-sized tensor stored with
     other padding is read whole, its rows cut or zero-filled to the model's (as a load does)."""
 
-    def __init__(self, path: str | Path, layout: Layout, checksums: bool = True) -> None:
+    def __init__(self, path: str | Path, layout: Layout) -> None:
         from workbench.backend.checkpointing import vocab_keys
 
         self.layout = layout
-        self.dcp = DcpReader(Path(path), checksums)
+        self.dcp = DcpReader(Path(path))
         self._vocab = set(vocab_keys())
 
     def finish(self) -> None:

@@ -137,12 +137,12 @@ def run_rules(rules: Sequence[Rule], sd: Mapping[str, Any], dtype: Any = None,
 
 
 def stream_rules(rules: Sequence[Rule], read: Callable[[str], Any], write: Callable[[str, Any], None], dtype: Any = None,
-                 progress: Callable[[Iterable], Iterable] | None = None, prefetch: bool = True) -> None:
+                 progress: Callable[[Iterable], Iterable] | None = None) -> None:
     """Run ``rules`` one at a time: read its sources (``read(name)``), make its targets, hand each to
     ``write(name, tensor)``, and let go of all of them before the next rule; memory is bounded by one rule's
     tensors, not the model.
 
-    ``prefetch``: the next rule's sources are read on a second thread while this rule's targets are made and
+    The next rule's sources are read on a second thread while this rule's targets are made and
     written (file reads, hashing and file writes run without the GIL), so reading and writing overlap as a copy's
     do; memory holds at most one more rule's sources.  Every ``read`` runs on that thread, in rule order.  The
     cyclic garbage collector waits until the last rule is written."""
@@ -152,18 +152,14 @@ def stream_rules(rules: Sequence[Rule], read: Callable[[str], Any], write: Calla
     was_on = gc.isenabled()
     gc.disable()  # tensors go by reference counts; a collection would walk every object the imports made, often
     try:
-        _stream(rules, read, write, dtype, progress, prefetch)
+        _stream(rules, read, write, dtype, progress)
     finally:
         if was_on:
             gc.enable()
 
 
 def _stream(rules: list[Rule], read: Callable[[str], Any], write: Callable[[str, Any], None], dtype: Any,
-            progress: Callable[[Iterable], Iterable] | None, prefetch: bool) -> None:
-    if not prefetch or len(rules) < 2:
-        for r in (progress or _identity)(rules):
-            _run_one(r, [read(s) for s in r.sources], write, dtype)
-        return
+            progress: Callable[[Iterable], Iterable] | None) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     def fetch(r: Rule) -> list[Any]:
@@ -171,22 +167,17 @@ def _stream(rules: list[Rule], read: Callable[[str], Any], write: Callable[[str,
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-convert-read")
     try:
-        nxt = pool.submit(fetch, rules[0])
+        nxt = pool.submit(fetch, rules[0]) if rules else None
         for i, r in enumerate((progress or _identity)(rules)):
             sources = nxt.result()
             nxt = pool.submit(fetch, rules[i + 1]) if i + 1 < len(rules) else None
-            _run_one(r, sources, write, dtype)
+            outs = _as_tuple(r.fn(*sources), r)
             del sources
+            for name, t in zip(r.targets, outs):
+                write(name, _finish(t, dtype))
+            del outs
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _run_one(r: Rule, sources: list[Any], write: Callable[[str, Any], None], dtype: Any) -> None:
-    outs = _as_tuple(r.fn(*sources), r)
-    sources.clear()
-    for name, t in zip(r.targets, outs):
-        write(name, _finish(t, dtype))
-    del outs
 
 
 # --------------------------------------------------------------------------- tensor layouts
