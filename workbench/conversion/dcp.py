@@ -224,6 +224,12 @@ class _HashingFile:
         return self._size, self._sha.hexdigest()
 
 
+def _crc_config() -> Any:
+    from torch.utils.serialization import config
+
+    return config.save
+
+
 def _own_storage(t: Any) -> Any:
     """``t`` as a tensor whose storage is exactly its own bytes (what ``torch.save`` writes whole): ``t`` itself when it
     is, a tensor over the same memory (no copy) when ``t`` is a contiguous part of a larger storage, else a copy."""
@@ -232,8 +238,10 @@ def _own_storage(t: Any) -> Any:
     nbytes = t.numel() * t.element_size()
     if not t.storage_offset() and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes:
         return t
-    if not t.is_contiguous() or not nbytes or t.device.type != "cpu":
-        return t.contiguous().clone()
+    if not t.is_contiguous():
+        return t.contiguous()  # a fresh tensor of exactly its bytes
+    if not nbytes or t.device.type != "cpu":
+        return t.clone()
     raw = t.detach().reshape(-1).view(torch.uint8).numpy()  # the chunk's bytes, shared with t
     return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).reshape(t.shape)
 
@@ -272,7 +280,12 @@ class DcpWriter:
         chunk = _own_storage(chunk)  # torch.save writes a tensor's whole storage: only the chunk's bytes
         md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(chunk.shape)))
         start = self._fh.tell()
-        torch.save(chunk, self._fh)
+        crc = _crc_config()
+        was, crc.compute_crc32 = crc.compute_crc32, False  # the file's SHA-256 covers these bytes
+        try:
+            torch.save(chunk, self._fh)
+        finally:
+            crc.compute_crc32 = was
         self._record(MetadataIndex(fqn, torch.Size(offsets)), start)
 
     def object(self, fqn: str, data: bytes) -> None:
@@ -331,8 +344,12 @@ class _BufferFile(io.RawIOBase):
         return True
 
     def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), len(self._mv) - self._pos))
-        memoryview(b).cast("B")[:n] = self._mv[self._pos:self._pos + n]
+        import numpy as np
+
+        dst = memoryview(b).cast("B")
+        n = max(0, min(len(dst), len(self._mv) - self._pos))
+        # numpy's copy lets go of the GIL (a memoryview's slice assignment holds it): the other threads run meanwhile
+        np.copyto(np.frombuffer(dst, np.uint8, n), np.frombuffer(self._mv, np.uint8, n, self._pos))
         self._pos += n
         return n
 

@@ -52,6 +52,7 @@ from typing import Any, BinaryIO, Iterator
 import re
 
 from workbench.run.ckpt_files import METADATA_FILE, CheckpointError, list_checkpoints
+from workbench.run.direct_io import DirectReads
 
 __all__ = ["ALLOWED_GLOBALS", "DIST_METADATA_FILE", "MetadataUnpickler", "read_dist_metadata", "file_manifest",
            "checkpoint_member", "storage_needs", "checkpoint_damage", "unlisted_files", "verify_checkpoint",
@@ -447,12 +448,15 @@ class ChecksummedReads:
         self._sha = {n: hashlib.sha256() for n in want}
         self._pos = {n: 0 for n in want}
         self._fds: dict[str, int] = {}
+        self._paths: dict[str, str] = {}
         self._lock = threading.Lock()
         self._pool: Any = None
+        self._direct: DirectReads | None = DirectReads()
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
-            self._fds[name] = os.open(checkpoint_member(self.dir, name, source=f"checkpoint {self.dir}", what="the file"), os.O_RDONLY)
+            path = checkpoint_member(self.dir, name, source=f"checkpoint {self.dir}", what="the file")
+            self._fds[name], self._paths[name] = os.open(path, os.O_RDONLY), str(path)
         return self._fds[name]
 
     def _pread(self, name: str, length: int, offset: int) -> bytes:
@@ -484,38 +488,52 @@ class ChecksummedReads:
 
     @contextlib.contextmanager
     def view(self, name: str, offset: int, length: int) -> Iterator[memoryview]:
-        """``length`` bytes of file ``name`` from ``offset`` (fewer at its end), memory-mapped (the kernel copies
-        nothing) and hashed (a large range on a helper thread while the block runs: both read the same pages);
-        valid inside the block only (unmapped after it, so the pages leave the process)."""
+        """``length`` bytes of file ``name`` from ``offset`` (fewer at its end), hashed (a large range on a helper
+        thread while the block runs); valid inside the block only.  Read past the page cache into a reused buffer
+        (:class:`workbench.run.direct_io.DirectReads`) where the file system allows, else memory-mapped (the
+        kernel copies nothing; unmapped after the block, so the pages leave the process)."""
         import mmap
 
         with self._lock:
             fd = self._fd(name)
             end = min(offset + length, os.fstat(fd).st_size)
-            if end <= offset:
-                yield memoryview(b"")
-                return
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY
-            mm = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ, offset=start)
+        if end <= offset:
+            yield memoryview(b"")
+            return
+        direct, pooled = self._direct, False
+        dfd = direct.open(self._paths[name]) if direct is not None else None
+        if dfd is not None:
             try:
-                mv = memoryview(mm)[offset - start:]
-                try:
-                    if len(mv) < self.PARALLEL:
-                        self._hash(name, offset, mv)
+                buf, mv = direct.read(dfd, offset, end - offset)
+                pooled = True
+            except OSError:  # refused after all: cached reads from now on
+                self._direct = None
+                direct.close()
+        if not pooled:
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            buf = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                            prot=mmap.PROT_READ, offset=start)
+            mv = memoryview(buf)[offset - start:]
+        try:
+            try:
+                if len(mv) < self.PARALLEL:
+                    self._hash(name, offset, mv)
+                    yield mv
+                else:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-checksum")
+                    hashed = self._pool.submit(self._hash, name, offset, mv)
+                    try:
                         yield mv
-                    else:
-                        if self._pool is None:
-                            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-checksum")
-                        hashed = self._pool.submit(self._hash, name, offset, mv)
-                        try:
-                            yield mv
-                        finally:
-                            hashed.result()
-                finally:
-                    mv.release()
+                    finally:
+                        hashed.result()
             finally:
-                mm.close()
+                mv.release()
+        finally:
+            if pooled:
+                direct.release(buf)
+            else:
+                buf.close()
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         """``length`` bytes of file ``name`` from ``offset`` (fewer at its end), hashed (:meth:`view`, copied out)."""
@@ -548,6 +566,8 @@ class ChecksummedReads:
         for fd in getattr(self, "_fds", {}).values():
             os.close(fd)
         self._fds = {}
+        if getattr(self, "_direct", None) is not None:
+            self._direct.close()
 
     def __del__(self) -> None:
         self.close()
