@@ -22,12 +22,16 @@ def _read_syscall_bytes() -> int:
 
 
 def _counting_maps(monkeypatch) -> list[int]:
-    """The length of every range the checksummed reader maps (bytes read without a read() system call)."""
+    """The lengths of the ranges the checksummed reader maps (bytes read without a read() system call): every range
+    it is asked for, less those it reads directly (with preadv, which /proc/self/io counts)."""
+    from workbench.run.direct_io import DirectReads
     from workbench.run.integrity import ChecksummedReads
 
-    lengths, real = [], ChecksummedReads.view
+    lengths, real, direct = [], ChecksummedReads.view, DirectReads.read
     monkeypatch.setattr(ChecksummedReads, "view", lambda self, name, offset, length: lengths.append(length) or
                         real(self, name, offset, length))
+    monkeypatch.setattr(DirectReads, "read", lambda self, fd, offset, length: lengths.append(-length) or
+                        direct(self, fd, offset, length))
     return lengths
 
 
@@ -81,14 +85,37 @@ def _flip_inside_a_tensor(f):
         fh.write(bytes([b[0] ^ 0xFF]))
 
 
+def _refuse_direct_reads(monkeypatch) -> list[str]:
+    """Make the file system refuse O_DIRECT (tmpfs before Linux 6.6, some network file systems); the paths asked."""
+    from workbench.run.direct_io import DirectReads
+
+    asked: list[str] = []
+    monkeypatch.setattr(DirectReads, "open", lambda self, path: asked.append(path) or None)
+    return asked
+
+
+def test_where_direct_reads_are_refused_the_checkpoint_is_read_through_the_page_cache(ckpts, tmp_path, monkeypatch):
+    from workbench.conversion.api import compare_hf_dirs, megatron_to_hf, reshape
+
+    _, hf, _, ckpt = ckpts
+    asked = _refuse_direct_reads(monkeypatch)
+    tp1 = reshape(ckpt, tmp_path / "tp1", tp=1, pp=1).output
+    megatron_to_hf(tp1, tmp_path / "hf-back", progress=False)
+    assert any(p.endswith("__0_0.distcp") for p in asked), asked
+    assert compare_hf_dirs(hf, tmp_path / "hf-back")["identical"]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-reads", "cached-reads"])
 @pytest.mark.parametrize("step", ["reshape", "megatron-to-hf"])
-def test_a_tampered_data_file_is_refused_after_the_pass_and_leaves_no_output(ckpts, tmp_path, step):
+def test_a_tampered_data_file_is_refused_after_the_pass_and_leaves_no_output(ckpts, tmp_path, step, direct, monkeypatch):
     import shutil
 
     from workbench.conversion.api import megatron_to_hf, reshape
     from workbench.run.checkpoint import CheckpointError, checkpoint_info
 
     _, _, _, ckpt = ckpts
+    if not direct:
+        _refuse_direct_reads(monkeypatch)
     src = tmp_path / "src"
     shutil.copytree(ckpt, src)
     f = _data_file(src)
