@@ -4,15 +4,22 @@
 
 1. makes a Llama-shaped HF checkpoint of random bf16 weights, written tensor by tensor into 5 GB safetensors shards
    (making it needs no more memory than converting it);
-2. copies those files once (a plain ``shutil.copyfile`` + fsync): the disk's own pace in this run;
-3. converts HF -> TP=2 x PP=2 (``hf_to_megatron``) -> TP=1 (``reshape``) -> HF (``megatron_to_hf``) and compares
-   the result with the original tensor by tensor (``compare_hf_dirs``, streaming): it must be bit-identical.
+2. copies those files (a plain ``shutil.copyfile`` + fsync): the disk's own pace in this run;
+3. converts HF -> TP=2 x PP=2 (``hf_to_megatron``) -> TP=1 (``reshape``) -> HF (``megatron_to_hf``), copying each
+   step's input files again right after the step, and compares the result with the original tensor by tensor
+   (``compare_hf_dirs``, streaming): it must be bit-identical.
+
+The yardstick of a step is the faster plain copy of its own input files in this run (``disk_copy_mb_per_s``,
+``pace_vs_copy``), made with the same page-cache state: a virtual disk's pace moves with its host's cache and other
+work (copies of one 16 GB checkpoint have run at 0.97 to 1.87 GB/s within one run), so a copy made once, long before
+a step, says little about it.  ``pace_vs_fastest_copy`` is the same step against the fastest copy of the run.
 
 Every step runs in a fresh Python process that imports what it needs, then resets the kernel's peak-RSS mark
 (``/proc/self/clear_refs``), records its RSS (the baseline), runs the step and reads the peak (``VmHWM``, what
 ``getrusage`` reports as ``ru_maxrss``).  Before the copy and each conversion, the step's input files are dropped
 from the page cache (``posix_fadvise(DONTNEED)`` on those files only), so each reads from the disk, as the copy
-does.  One JSON line per step: wall time, peak RSS, peak minus baseline, the largest tensor and the model's size,
+does.  Each conversion runs as ``workbench convert`` does (its environment, ``workbench.conversion.CONVERT_ENV``).
+One JSON line per step: wall time, peak RSS, peak minus baseline, the largest tensor and the model's size,
 bytes read + written and their pace against the copy's, whether the peak is within the target
 ``largest tensor x 3 + 1.5 GB``, and where the time went: CPU seconds (user, system; all threads), the bytes the
 process moved through read()/write() system calls and those it made the disk read and write (``/proc/self/io``
@@ -21,8 +28,8 @@ average when the step started (other work on the machine slows every step).
 ``--shape ci`` is the small model ``tests/conversion/test_convert_streaming.py`` runs.
 
 Disk: each checkpoint is deleted as soon as no later step needs it (the copy once it is timed, the TP=2 x PP=2
-checkpoint after ``reshape``, the TP=1 one after ``megatron-to-hf``), so at most three copies of the model are on
-disk at once (about 48 GB for ``llama3.1-8b``); the run refuses to start (exit 2) when the work directory's disk has
+checkpoint after ``reshape``, the TP=1 one after ``megatron-to-hf``), so at most four copies of the model are on
+disk at once (about 64 GB for ``llama3.1-8b``); the run refuses to start (exit 2) when the work directory's disk has
 less than that plus 2 GB free.
 
 Benchmark-only code: it lives in ``bench/``, never in ``workbench/``.
@@ -55,7 +62,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                intermediate_size=2816, vocab_size=16000, tie_word_embeddings=False),
 }
 FACTOR, SLACK = 3, int(1.5 * 2**30)  # the target: peak RSS <= largest tensor x FACTOR + SLACK
-STEPS = ("make-hf", "disk-copy", "hf-to-megatron", "reshape", "megatron-to-hf", "disk-copy-after", "compare")
+STEPS = ("make-hf", "disk-copy", "hf-to-megatron", "reshape", "megatron-to-hf", "compare")
 
 
 def hf_config(shape: str) -> dict[str, Any]:
@@ -248,9 +255,9 @@ def run(shape: str, workdir: Path, out: Path | None, keep: bool = False, env: di
     shapes = hf_tensors(shape)
     numel = {k: int(torch.Size(s).numel()) for k, s in shapes.items()}
     model_bytes, largest = 2 * sum(numel.values()), 2 * max(numel.values())
-    need, free = 3 * model_bytes + 2 * 10**9, shutil.disk_usage(workdir).free
+    need, free = 4 * model_bytes + 2 * 10**9, shutil.disk_usage(workdir).free
     if free < need:
-        print(f"--workdir {workdir}: {free / 1e9:.1f} GB free, the {shape} run needs {need / 1e9:.1f} GB (three copies "
+        print(f"--workdir {workdir}: {free / 1e9:.1f} GB free, the {shape} run needs {need / 1e9:.1f} GB (four copies "
               "of the model at once) -> free some space or pass a workdir on a larger disk", file=sys.stderr)
         raise SystemExit(2)
     common = {"bench": "convert_stream", "shape": shape, "device": "cpu", "date": datetime.date.today().isoformat(),
@@ -261,13 +268,13 @@ def run(shape: str, workdir: Path, out: Path | None, keep: bool = False, env: di
             ("hf-to-megatron", {"src": str(d["hf"]), "out": str(d["tp2pp2"])}, d["hf"], d["tp2pp2"]),
             ("reshape", {"src": str(d["tp2pp2"]), "out": str(d["tp1"])}, d["tp2pp2"], d["tp1"]),
             ("megatron-to-hf", {"src": str(d["tp1"]), "out": str(d["hf-back"])}, d["tp1"], d["hf-back"]),
-            ("disk-copy-after", {"src": str(d["hf"]), "out": str(d["copy"])}, d["hf"], d["copy"]),
             ("compare", {"src": str(d["hf"]), "out": str(d["hf-back"])}, None, None)]
     rows: list[dict[str, Any]] = []
-    for step, args, src, dst in plan:
+
+    def step_row(step: str, args: dict[str, Any], src: Path | None, dst: Path | None) -> dict[str, Any]:
         if src is not None:
             evict(src)
-        r = measure(step if step != "disk-copy-after" else "disk-copy", args, env)
+        r = measure("disk-copy" if step.startswith("disk-copy") else step, args, env)
         read = _bytes(src) if src else (_bytes(d["hf"]) + _bytes(d["hf-back"]) if step == "compare" else 0)
         written = _bytes(dst) if dst else 0
         row = {**common, "step": step, **r, "peak_minus_baseline_bytes": r["peak_rss_bytes"] - r["baseline_rss_bytes"],
@@ -276,24 +283,38 @@ def run(shape: str, workdir: Path, out: Path | None, keep: bool = False, env: di
         row["inputs_evicted"] = src is not None
         if step.startswith("disk-copy"):
             shutil.rmtree(d["copy"], ignore_errors=True)
-        if not keep and step in ("reshape", "megatron-to-hf"):  # its input is no longer needed: disk for the next
-            shutil.rmtree(src, ignore_errors=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    # the yardstick: the faster of the two copies (one before the conversions, one after), the pace least in their favour
-    copy_pace = max(r["mb_per_s"] for r in rows if r["step"].startswith("disk-copy"))
+        return row
+
+    copies: dict[str, list[float]] = {}  # input directory -> the paces of its plain copies
+    for step, args, src, dst in plan:
+        row = step_row(step, args, src, dst)
+        if step == "disk-copy":
+            copies.setdefault(args["src"], []).append(row["mb_per_s"])
+        if step in ("hf-to-megatron", "reshape", "megatron-to-hf"):
+            # the same input copied right after the step (evicted again first): whatever the disk, the host's cache or
+            # other work did to this step, the copy sees too; the faster copy of the input is the yardstick
+            after = step_row(f"disk-copy-after-{step}", {"src": args["src"], "out": str(d["copy"])}, src, d["copy"])
+            copies.setdefault(args["src"], []).append(after["mb_per_s"])
+            row["disk_copy_mb_per_s"] = max(copies[args["src"]])
+            row["pace_vs_copy"] = round(row["mb_per_s"] / row["disk_copy_mb_per_s"], 3)
+        if not keep and step in ("reshape", "megatron-to-hf"):  # its input is no longer needed: disk for the next
+            shutil.rmtree(src, ignore_errors=True)
+    fastest = max(max(v) for v in copies.values())
     for row in rows:
-        if row["step"] not in ("make-hf", "disk-copy", "disk-copy-after"):
-            row["disk_copy_mb_per_s"] = copy_pace
-            row["pace_vs_copy"] = round(row["mb_per_s"] / copy_pace, 3)
+        if "pace_vs_copy" in row:
+            row["fastest_copy_mb_per_s"] = fastest
+            row["pace_vs_fastest_copy"] = round(row["mb_per_s"] / fastest, 3)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "a") as fh:
             fh.writelines(json.dumps(row) + "\n" for row in rows)
     for row in rows:
         if "pace_vs_copy" in row:
-            print(f"{row['step']:>16}: {row['mb_per_s']:7.1f} MB/s = {row['pace_vs_copy']:.3f} of the faster copy "
-                  f"({copy_pace:.1f} MB/s), peak RSS {row['peak_rss_bytes'] / 1e9:.2f} GB (bound {common['bound_bytes'] / 1e9:.2f})")
+            print(f"{row['step']:>16}: {row['mb_per_s']:7.1f} MB/s = {row['pace_vs_copy']:.3f} of its input's faster copy "
+                  f"({row['disk_copy_mb_per_s']:.1f} MB/s), {row['pace_vs_fastest_copy']:.3f} of the run's fastest "
+                  f"({fastest:.1f}); peak RSS {row['peak_rss_bytes'] / 1e9:.2f} GB (bound {common['bound_bytes'] / 1e9:.2f})")
     if not keep:
         for p in d.values():
             shutil.rmtree(p, ignore_errors=True)
