@@ -18,6 +18,7 @@ import psutil
 
 from workbench.config import preset
 from workbench.launch import Run
+from workbench.launch.processes import create_time
 
 from tests.support import living
 
@@ -38,8 +39,7 @@ def _forge(run_dir, meta: dict) -> None:
 def test_forged_supervisor_pid_and_pgid_are_not_signalled(tmp_path, capsys):
     victim = _bystander(tmp_path, own_group=True)
     try:
-        p = psutil.Process(victim.pid)
-        _forge(tmp_path / "run", {"supervisor_pid": victim.pid, "supervisor_create_time": p.create_time(),
+        _forge(tmp_path / "run", {"supervisor_pid": victim.pid, "supervisor_create_time": create_time(victim.pid),
                                   "pgid": os.getpgid(victim.pid)})
         run = Run.attach(tmp_path / "run")
         assert not run.is_alive() and run.processes() == []
@@ -59,10 +59,9 @@ def test_forged_process_records_are_not_signalled(tmp_path, capsys):
     a = _bystander(tmp_path, own_group=False)
     b = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "--run-dir", str(tmp_path / "other-run")])
     try:
-        pa, pb = psutil.Process(a.pid), psutil.Process(b.pid)
-        _forge(tmp_path / "run", {"torchrun_pid": a.pid, "torchrun_create_time": pa.create_time(), "pgid": os.getpgid(0),
-                                  "processes": [{"pid": a.pid, "create_time": pa.create_time(), "role": "torchrun"},
-                                                {"pid": b.pid, "create_time": pb.create_time(), "role": "rank"}]})
+        _forge(tmp_path / "run", {"torchrun_pid": a.pid, "torchrun_create_time": create_time(a.pid), "pgid": os.getpgid(0),
+                                  "processes": [{"pid": a.pid, "create_time": create_time(a.pid), "role": "torchrun"},
+                                                {"pid": b.pid, "create_time": create_time(b.pid), "role": "rank"}]})
         run = Run.attach(tmp_path / "run")
         assert not run.is_alive()
         run.stop(grace=0.5)
@@ -83,12 +82,33 @@ def test_a_process_that_runs_the_directory_is_still_stopped(tmp_path):
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "--run-dir", str(run_dir)])
     try:
         p = psutil.Process(orphan.pid)
-        _forge(run_dir, {"processes": [{"pid": orphan.pid, "create_time": p.create_time(), "role": "rank"}]})
+        _forge(run_dir, {"processes": [{"pid": orphan.pid, "create_time": create_time(orphan.pid), "role": "rank"}]})
         run = Run.attach(run_dir)
         assert [q.pid for q in run.processes()] == [orphan.pid]
         assert run.stop(grace=2) == "stopped"
         assert not living([p])  # (stop() has reaped it: psutil waits for the processes it signals)
         assert run.refusals == []
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()
+
+
+def test_a_wall_clock_step_does_not_hide_the_run_s_processes(tmp_path, monkeypatch):
+    """The boot time /proc/stat reports moves by a whole second when the wall clock is adjusted (psutil adds it to
+    every create time it reads): a recorded process is still recognised, and stopped, after such a step."""
+    import psutil._pslinux as pslinux
+
+    run_dir = tmp_path / "run"
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "--run-dir", str(run_dir)])
+    try:
+        _forge(run_dir, {"processes": [{"pid": orphan.pid, "create_time": create_time(orphan.pid), "role": "rank"}]})
+        boot = pslinux.boot_time()
+        monkeypatch.setattr(pslinux, "boot_time", lambda: boot + 1.0)  # the clock stepped after the record was made
+        run = Run.attach(run_dir)
+        assert [q.pid for q in run.processes()] == [orphan.pid]
+        assert run.stop(grace=2) == "stopped"
+        assert orphan.wait(timeout=10) is not None
     finally:
         if orphan.poll() is None:
             orphan.kill()

@@ -20,6 +20,7 @@ import pytest
 
 from workbench.config import preset
 from workbench.launch import Run
+from workbench.launch.processes import create_time
 
 from tests.support import living, run_processes, wait_until
 
@@ -113,7 +114,7 @@ def test_stop_of_an_attached_run_without_supervisor_ends_the_recorded_processes(
 
         # a recycled PID: the record's create time is not the live process's, so it is never signalled
         meta = json.loads((run.run_dir / "launch.json").read_text())
-        meta["processes"].append({"pid": bystander.pid, "create_time": psutil.Process(bystander.pid).create_time() - 5.0,
+        meta["processes"].append({"pid": bystander.pid, "create_time": create_time(bystander.pid) - 5.0,
                                   "role": "rank"})
         (run.run_dir / "launch.json").write_text(json.dumps(meta))
 

@@ -55,3 +55,59 @@ def test_a_buffer_handed_back_serves_the_next_read_and_only_the_largest_idle_one
     finally:
         reads.close()
     assert big.closed
+
+
+def _chunks(total: int, seed: int = 0) -> list[bytes]:
+    import random
+
+    rng, out, n = random.Random(seed), [], 0
+    while n < total:
+        k = min(total - n, rng.choice([1, 7, 4096, 4095, 100_003, 3 << 20, 9 << 20]))
+        out.append(os.urandom(k))
+        n += k
+    return out
+
+
+def test_a_direct_writer_s_file_is_exactly_the_bytes_written(tmp_path):
+    from workbench.run.direct_io import DirectWriter, close_synced, open_for_writing
+
+    path = tmp_path / "out.bin"
+    fh = open_for_writing(str(path))
+    if not isinstance(fh, DirectWriter):
+        fh.close()
+        pytest.skip("this file system refuses O_DIRECT writes")
+    parts = _chunks(2 * DirectWriter.BLOCK + 12345)  # two full blocks and an unaligned tail
+    for p in parts:
+        assert fh.write(memoryview(p)) == len(p)
+    assert fh.tell() == sum(map(len, parts))
+    close_synced(fh)
+    assert path.read_bytes() == b"".join(parts)
+
+
+def test_where_direct_writes_are_refused_a_plain_file_takes_them(tmp_path, monkeypatch):
+    from workbench.run.direct_io import DirectWriter, close_synced, open_for_writing
+
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)  # a platform or file system without it
+    fh = open_for_writing(str(tmp_path / "out.bin"))
+    assert not isinstance(fh, DirectWriter)
+    parts = _chunks(5 << 20, seed=1)
+    for p in parts:
+        fh.write(p)
+    close_synced(fh)
+    assert (tmp_path / "out.bin").read_bytes() == b"".join(parts)
+
+
+def test_an_abandoned_direct_writer_lets_go_of_its_file(tmp_path):
+    from workbench.run.direct_io import DirectWriter, abandon, open_for_writing
+
+    path = tmp_path / "out.bin"
+    fh = open_for_writing(str(path))
+    if not isinstance(fh, DirectWriter):
+        fh.close()
+        pytest.skip("this file system refuses O_DIRECT writes")
+    fh.write(os.urandom(DirectWriter.BLOCK + 5))
+    abandon(fh)
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert str(path) not in held
+    path.unlink()

@@ -44,6 +44,7 @@ from typing import Any
 from workbench.config import RunConfig
 from workbench.conversion.rules import TensorInfo
 from workbench.run.checkpoint import CheckpointError
+from workbench.run.direct_io import abandon, close_synced, open_for_writing
 
 __all__ = ["Piece", "Layout", "meta_model", "model_layout", "DcpWriter", "DcpReader", "CheckpointWriter",
            "CheckpointReader", "DATA_FILE"]
@@ -212,15 +213,13 @@ class _HashingFile:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        self._fh.close()
+        abandon(self._fh)
 
     def close(self) -> tuple[int, str]:
         """Flush to disk, close; (size, sha256)."""
         if self._pool is not None:
             self._pool.shutdown()
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
+        close_synced(self._fh)
         return self._size, self._sha.hexdigest()
 
 
@@ -252,7 +251,7 @@ class DcpWriter:
 
     def __init__(self, d: Path) -> None:
         self.dir = Path(d)
-        self._fh = _HashingFile(open(self.dir / DATA_FILE, "wb"))
+        self._fh = _HashingFile(open_for_writing(str(self.dir / DATA_FILE)))
         #: {file name: (size, sha256)} of the files written, hashed as the bytes went out (the checksum list's)
         self.hashed: dict[str, tuple[int, str]] = {}
         self._md: dict[str, Any] = {}

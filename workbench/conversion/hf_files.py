@@ -27,6 +27,7 @@ from typing import Any, Iterator, Mapping
 
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import TensorInfo, strip_module_prefix
+from workbench.run.direct_io import abandon, open_for_writing
 
 __all__ = ["weight_files", "HFReader", "SafetensorsWriter", "SAFETENSORS_DTYPES"]
 
@@ -204,10 +205,13 @@ class SafetensorsWriter:
         self._shard = -1
         self._fh: Any = None
 
-    def _close_file(self) -> None:
+    def _close_file(self, abort: bool = False) -> None:
         if self._fh is not None:
-            self._fh.close()  # to disk in the background; close() waits for every shard (before the rename)
-            self._fh = None
+            fh, self._fh = self._fh, None
+            if abort:
+                abandon(fh)
+            else:
+                fh.close()  # a cached file goes to the disk in the background; close() waits for every shard
 
     def _open(self, s: int) -> None:
         self._close_file()
@@ -220,7 +224,7 @@ class SafetensorsWriter:
             offset += info.nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        self._fh = open(self.out_dir / self.names[s], "wb")
+        self._fh = open_for_writing(str(self.out_dir / self.names[s]))
         self._fh.write(struct.pack("<Q", len(text)))
         self._fh.write(text)
         self._shard = s
@@ -243,7 +247,7 @@ class SafetensorsWriter:
 
     def abort(self) -> None:
         """Let go of the open shard (a conversion that failed: its staging directory is removed)."""
-        self._close_file()
+        self._close_file(abort=True)
 
     def close(self) -> list[str]:
         """Finish the last shard and write the index; the shard file names."""

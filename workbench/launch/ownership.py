@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from workbench.launch.processes import same_start, start_ticks
+
 __all__ = ["SUPERVISOR_ENV", "SUPERVISOR_MODULE", "supervisor_token", "die_with_parent", "guard_rank",
            "names_run_dir", "verified_supervisor", "live_recorded", "Refusal"]
 
@@ -37,8 +39,6 @@ __all__ = ["SUPERVISOR_ENV", "SUPERVISOR_MODULE", "supervisor_token", "die_with_
 SUPERVISOR_ENV = "WORKBENCH_SUPERVISOR"
 #: the supervisor's module (``python -m workbench.launch supervise --run-dir DIR ...``)
 SUPERVISOR_MODULE = "workbench.launch"
-#: the largest difference (seconds) between a recorded and a live create time of one process
-_SAME_START = 0.05
 _PR_SET_PDEATHSIG = 1
 
 
@@ -48,25 +48,10 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _start_ticks(pid: int) -> int | None:
-    """A process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    # the command name (field 2) is in parentheses and may hold spaces: split after the last ')'
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return int(fields[19])  # field 22 overall; fields[0] is field 3 (state)
-    except (IndexError, ValueError):
-        return None
-
-
 def supervisor_token(pid: int | None = None) -> str:
     """``"<pid>:<start ticks>"`` of this process (the value of :data:`SUPERVISOR_ENV`)."""
     pid = os.getpid() if pid is None else pid
-    return f"{pid}:{_start_ticks(pid) or 0}"
+    return f"{pid}:{start_ticks(pid) or 0}"
 
 
 def _token_alive(token: str) -> bool:
@@ -75,7 +60,7 @@ def _token_alive(token: str) -> bool:
         pid, ticks = int(pid_s), int(ticks_s)
     except ValueError:
         return True  # not ours to judge
-    now = _start_ticks(pid)
+    now = start_ticks(pid)
     return now is not None and (ticks == 0 or now == ticks)
 
 
@@ -174,8 +159,8 @@ def _same_start(p: Any, created: Any) -> bool:
     import psutil
 
     try:
-        return created is not None and abs(p.create_time() - float(created)) <= _SAME_START and p.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError, ValueError):
+        return same_start(p.pid, created) and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 
 

@@ -1,6 +1,7 @@
 """The processes of a run, seen through psutil: finding them, signalling them, and the one way they are stopped.
 
-- :func:`live_process`, :func:`descendants`, :func:`is_alive`, :func:`create_time`, :func:`signal_all`:
+- :func:`live_process`, :func:`descendants`, :func:`is_alive`, :func:`create_time` (with :func:`same_start`),
+  :func:`signal_all`:
   the psutil calls every part of the launch makes, each tolerant of a process that ends meanwhile.
 - :func:`stop`: the one "SIGTERM, wait, SIGKILL" routine.  The supervisor stops its job with it
   (SIGTERM to torchrun only, which forwards one to each rank), :func:`workbench.launch.start.run_supervised`
@@ -22,19 +23,49 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 __all__ = ["live_process", "descendants", "signal_all", "is_alive", "create_time", "set_child_subreaper", "stop",
-           "describe", "rank_processes", "rank_log", "is_stopped", "collect_stacks"]
+           "describe", "same_start", "start_ticks", "rank_processes", "rank_log", "is_stopped", "collect_stacks"]
 
 #: seconds :func:`stop` waits for the SIGKILLed processes to go
 KILL_WAIT = 5.0
 
 
+def start_ticks(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces: split after the last ')'
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])  # field 22 overall; fields[0] is field 3 (state)
+    except (IndexError, ValueError):
+        return None
+
+
+def _started(pid: int) -> float | None:
+    ticks = start_ticks(pid)
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
+
+
+def same_start(pid: int, recorded: Any) -> bool:
+    """Whether process ``pid`` started when ``recorded`` (a :func:`create_time`) says: not a later process that was
+    given the same PID."""
+    try:
+        now = _started(pid)
+        return now is not None and recorded is not None and abs(now - float(recorded)) < 0.5 / os.sysconf("SC_CLK_TCK")
+    except (TypeError, ValueError):
+        return False
+
+
 def live_process(pid: int, create_time: float | None = None):
-    """psutil.Process for ``pid`` if it is alive (and is the same process), else None."""
+    """psutil.Process for ``pid`` if it is alive (and, given its :func:`create_time`, is the same process), else None."""
     import psutil
 
     try:
         p = psutil.Process(pid)
-        if create_time is not None and abs(p.create_time() - create_time) > 0.05:
+        if create_time is not None and not same_start(pid, create_time):
             return None  # PID reused
         if p.status() == psutil.STATUS_ZOMBIE:
             return None
@@ -75,12 +106,11 @@ def is_alive(p) -> bool:
 
 
 def create_time(pid: int) -> float | None:
-    """The create time of live process ``pid``, None if it is gone."""
-    p = live_process(pid)
-    try:
-        return p.create_time() if p else None
-    except Exception:
-        return None
+    """When live process ``pid`` started, in seconds since boot (its start ticks over the clock's ticks per second),
+    None if it is gone: what ``launch.json`` records and :func:`same_start` compares.  Fixed for the process's life,
+    whoever reads it; psutil's ``create_time()`` adds the boot time ``/proc/stat`` reports at the moment of the call,
+    which moves by a whole second when the wall clock is adjusted, so two readings of one process could disagree."""
+    return _started(pid) if live_process(pid) is not None else None
 
 
 def set_child_subreaper() -> None:
@@ -139,9 +169,11 @@ def describe(procs: Iterable[Any], torchrun_pid: int | None = None) -> list[dict
     for p in procs:
         try:
             role = "torchrun" if p.pid == torchrun_pid else ("rank" if p.ppid() == torchrun_pid else "child")
-            out.append({"pid": p.pid, "create_time": p.create_time(), "role": role})
+            started = _started(p.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+        if started is not None:
+            out.append({"pid": p.pid, "create_time": started, "role": role})
     return out
 
 

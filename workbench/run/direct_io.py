@@ -108,3 +108,158 @@ class DirectReads:
             for b in self._idle:
                 b.close()
             self._idle = []
+
+
+class DirectWriter:
+    """A file written front to back past the page cache: :meth:`write` copies into one of two page-aligned staging
+    buffers, and a full buffer goes to the disk (``O_DIRECT``) on a helper thread while the other fills; :meth:`close`
+    writes the tail (padded to a block, then the file cut to its size) and syncs the file.  Where the file system
+    refuses ``O_DIRECT``, :func:`open_for_writing` returns a plain buffered file instead.  The bytes of the file are
+    whatever :meth:`write` was given, in order; an error of the helper thread is raised by the next call."""
+
+    BLOCK = 16 << 20  # bytes per direct write (two buffers of it): large enough to keep a disk streaming
+
+    def __init__(self, fd: int, path: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.name = path
+        self._fd, self._size, self._fill = fd, 0, 0
+        self._bufs = [mmap.mmap(-1, self.BLOCK), mmap.mmap(-1, self.BLOCK)]
+        self._cur = 0
+        self._pending: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-direct-write")
+        self._written = 0  # bytes on the disk (a multiple of ALIGN until the tail)
+        self.closed = False
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _write_block(self, buf: mmap.mmap, n: int, offset: int) -> None:
+        view = memoryview(buf)[:n]
+        try:
+            done = 0
+            while done < n:
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        finally:
+            view.release()
+
+    def _flush_full(self) -> None:
+        """Send the current (full) buffer to the disk and switch to the other one."""
+        self._wait()  # the other buffer is free again
+        buf, offset = self._bufs[self._cur], self._written
+        self._pending = self._pool.submit(self._write_block, buf, self.BLOCK, offset)
+        self._written += self.BLOCK
+        self._cur, self._fill = 1 - self._cur, 0
+
+    def write(self, data: Any) -> int:
+        import numpy as np
+
+        src = memoryview(data).cast("B")
+        n, done = len(src), 0
+        while done < n:
+            k = min(self.BLOCK - self._fill, n - done)
+            dst = np.frombuffer(self._bufs[self._cur], np.uint8, k, self._fill)
+            np.copyto(dst, np.frombuffer(src, np.uint8, k, done))  # without the GIL
+            self._fill += k
+            done += k
+            if self._fill == self.BLOCK:
+                self._flush_full()
+        self._size += n
+        return n
+
+    def tell(self) -> int:
+        return self._size
+
+    def flush(self) -> None:
+        pass  # the bytes reach the disk in blocks, and at close()
+
+    def _finish_threads(self) -> None:
+        try:
+            self._wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        """The tail written, the file cut to its size and synced to the disk."""
+        if self.closed:
+            return
+        try:
+            self._finish_threads()
+            if self._fill:
+                tail = -(-self._fill // ALIGN) * ALIGN
+                buf = self._bufs[self._cur]
+                buf[self._fill:tail] = bytes(tail - self._fill)
+                self._write_block(buf, tail, self._written)
+            os.ftruncate(self._fd, self._size)
+            os.fsync(self._fd)
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        """Close without finishing the file (a write that failed: its directory is removed)."""
+        if not self.closed:
+            try:
+                self._finish_threads()
+            except OSError:
+                pass
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        self.closed = True
+        os.close(self._fd)
+        for b in self._bufs:
+            b.close()
+        self._bufs = []
+
+    def __enter__(self) -> "DirectWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close() if exc[0] is None else self.abort()
+
+
+def open_for_writing(path: str) -> Any:
+    """``path`` created (truncated) for writing front to back: a :class:`DirectWriter` where the file system takes
+    ``O_DIRECT``, else a plain buffered binary file.  Either has ``write``, ``tell``, ``flush`` and ``close``; close
+    of a :class:`DirectWriter` also syncs the file to the disk."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if flag:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o666)  # the umask applies, as to open()
+        except OSError:
+            fd = None
+        if fd is not None:
+            probe = mmap.mmap(-1, ALIGN)  # page-aligned, as a direct write's memory must be
+            try:
+                os.pwrite(fd, probe, 0)  # some file systems accept the flag but refuse the write
+                os.ftruncate(fd, 0)
+            except OSError:
+                os.close(fd)
+                fd = None
+            finally:
+                probe.close()
+            if fd is None:
+                return open(path, "wb")
+            return DirectWriter(fd, str(path))
+    return open(path, "wb")
+
+
+def close_synced(fh: Any) -> None:
+    """Close a file :func:`open_for_writing` opened, its bytes on the disk first."""
+    if isinstance(fh, DirectWriter):
+        fh.close()
+        return
+    fh.flush()
+    os.fsync(fh.fileno())
+    fh.close()
+
+
+def abandon(fh: Any) -> None:
+    """Close a file :func:`open_for_writing` opened without finishing it (its directory is about to be removed)."""
+    if isinstance(fh, DirectWriter):
+        fh.abort()
+    else:
+        fh.close()
