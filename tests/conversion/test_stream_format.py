@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 
+from workbench.conversion.errors import ConversionError
+
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 CASES = [("gpt2", {}), ("llama", {"tied": False}), ("megatron-bert", {"tied": False}),
@@ -70,13 +72,20 @@ def test_streamed_checkpoint_is_megatrons_own(model_type, kw, tmp_path):
         assert got.dtype == t.dtype and torch.equal(got, t), k
 
 
-def test_safetensors_shards_written_tensor_by_tensor_are_what_safetensors_reads(tmp_path):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-io", "page-cache"])
+def test_safetensors_shards_written_tensor_by_tensor_are_what_safetensors_reads(tmp_path, monkeypatch, direct):
     """Headers written before the data (shards of at most ``max_shard_size``, an index), every dtype a model has,
-    a 0-d and an empty tensor; safetensors' own loader validates and reads them; out-of-plan writes are refused."""
+    a 0-d and an empty tensor; safetensors' own loader validates and reads them; out-of-plan writes are refused.
+    The same where the file system refuses O_DIRECT (written and read through the page cache)."""
     from safetensors.torch import load_file
 
+    import workbench.conversion.hf_files as hf_files
     from workbench.conversion.hf_files import HFReader, SafetensorsWriter
     from workbench.conversion.rules import infos_of
+
+    if not direct:
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+        monkeypatch.setattr(hf_files, "open_direct", lambda path: None)
 
     g = torch.Generator().manual_seed(0)
     sd = {"a.weight": torch.randn(7, 5, generator=g).to(torch.bfloat16), "b": torch.randn(300, generator=g),
@@ -169,3 +178,16 @@ def test_legacy_bin_shards_are_loaded_once_each_when_read_in_file_order(tmp_path
     got = dict(r.tensors())
     assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
     assert len(calls) == 3 and not any(mapped for _, mapped in calls), calls
+
+
+def test_a_safetensors_file_cut_short_after_it_was_opened_is_refused_by_name(tmp_path):
+    from safetensors.torch import save_file
+
+    from workbench.conversion.hf_files import HFReader
+
+    save_file({"a": torch.randn(64, 64), "b": torch.randn(256, 256)}, str(tmp_path / "model.safetensors"))
+    r = HFReader(tmp_path)  # the headers are read (and checked) here
+    f = tmp_path / "model.safetensors"
+    os.truncate(f, f.stat().st_size - 1000)
+    with pytest.raises(ConversionError, match=r"model.safetensors.* -> copy the model again"):
+        r.read("b")

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping
 
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import TensorInfo, strip_module_prefix
-from workbench.run.direct_io import abandon, open_for_writing
+from workbench.run.direct_io import DirectReads, abandon, open_direct, open_for_writing
 
 __all__ = ["weight_files", "HFReader", "SafetensorsWriter", "SAFETENSORS_DTYPES"]
 
@@ -99,6 +99,8 @@ class HFReader:
         self.infos: dict[str, TensorInfo] = {}
         self._where: dict[str, tuple[Path, str]] = {}
         self._bin: tuple[Path | None, dict[str, Any], bool] = (None, {}, False)
+        self._spans: dict[tuple[Path, str], tuple[int, int]] = {}  # (file, key) -> (byte offset, length)
+        self._direct = DirectReads()
         for f in self.files:
             if f.suffix == ".safetensors":
                 for key, info in self._safetensors_header(f).items():
@@ -125,8 +127,9 @@ class HFReader:
             self._bin = (f, sd, mapped)
         return self._bin[1]
 
-    @staticmethod
-    def _safetensors_header(f: Path) -> dict[str, TensorInfo]:
+    def _safetensors_header(self, f: Path) -> dict[str, TensorInfo]:
+        """The tensors of safetensors file ``f`` (safetensors checks its header: offsets inside the file, sizes that
+        fit the shapes); where each one's bytes lie in the file is kept for :meth:`_read_direct`."""
         from safetensors import SafetensorError, safe_open
 
         try:
@@ -135,9 +138,16 @@ class HFReader:
                 for key in fh.keys():
                     sl = fh.get_slice(key)
                     out[key] = TensorInfo(tuple(sl.get_shape()), _torch_dtype(sl.get_dtype(), f, key))
-                return out
         except SafetensorError as e:
             raise ConversionError(f"{f}: not a readable safetensors file ({e}) -> copy the model again from its source") from None
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for key, info in out.items():
+            begin, end = header[key]["data_offsets"]
+            if end - begin == info.nbytes:
+                self._spans[(f, key)] = (8 + n + begin, end - begin)
+        return out
 
     def __contains__(self, name: str) -> bool:
         return name in self.infos
@@ -146,6 +156,9 @@ class HFReader:
         """Tensor ``name`` (a fresh CPU tensor)."""
         f, key = self._where[name]
         if f.suffix == ".safetensors":
+            t = self._read_direct(f, key, self.infos[name])
+            if t is not None:
+                return t
             from safetensors import SafetensorError, safe_open
 
             try:
@@ -155,6 +168,32 @@ class HFReader:
                 raise ConversionError(f"{f}: tensor {key!r} cannot be read ({e}) -> copy the model again from its source") from None
         t = self._open_bin(f)[key]
         return t.clone() if self._bin[2] else t  # a copy: the mapped file is let go with the reader's next file
+
+    def _read_direct(self, f: Path, key: str, info: TensorInfo) -> Any:
+        """Tensor ``key`` of safetensors file ``f`` read past the page cache into a reused buffer, then copied into a
+        fresh tensor (:class:`workbench.run.direct_io.DirectReads`); None where the file system refuses that."""
+        import torch
+
+        span = self._spans.get((f, key))
+        fd = open_direct(str(f)) if span is not None else None
+        if fd is None:
+            return None
+        offset, nbytes = span
+        try:
+            buf, view = self._direct.read(fd, offset, nbytes)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        try:
+            if len(view) != nbytes:
+                raise ConversionError(f"{f} is truncated: tensor {key!r} needs bytes up to {offset + nbytes} -> copy the "
+                                      "model again from its source")
+            flat = torch.frombuffer(view, dtype=torch.uint8).clone() if nbytes else torch.empty(0, dtype=torch.uint8)
+        finally:
+            view.release()
+            self._direct.release(buf)
+        return flat.view(info.dtype).reshape(info.shape)
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
         """(name, tensor) of every tensor, one at a time, file by file (the file the reader holds first)."""

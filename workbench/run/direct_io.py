@@ -25,6 +25,17 @@ ALIGN = 4096
 _STEP = 2 << 20
 
 
+def open_direct(path: str) -> int | None:
+    """A read-only ``O_DIRECT`` descriptor of ``path``, None where the platform or file system refuses one."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | flag)
+    except OSError:
+        return None
+
+
 class DirectReads:
     """``O_DIRECT`` descriptors of files and the buffers their reads go into; thread-safe.
 
@@ -39,17 +50,12 @@ class DirectReads:
         self._fds: dict[str, int] = {}
 
     def open(self, path: str) -> int | None:
-        """A direct descriptor of ``path`` (opened once), None where the file system refuses ``O_DIRECT``."""
+        """A direct descriptor of ``path`` (opened once, closed by :meth:`close`), None where the file system refuses
+        ``O_DIRECT``."""
         with self._lock:
             if path in self._fds:
                 return self._fds[path]
-        flag = getattr(os, "O_DIRECT", 0)
-        fd = None
-        if flag:
-            try:
-                fd = os.open(path, os.O_RDONLY | flag)
-            except OSError:
-                fd = None
+        fd = open_direct(path)
         with self._lock:
             if path in self._fds:  # another thread opened it meanwhile
                 if fd is not None:
