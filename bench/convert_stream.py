@@ -119,12 +119,13 @@ def make_hf(shape: str, out: Path) -> dict[str, Any]:
 
 
 def disk_copy(src: Path, dst: Path) -> dict[str, Any]:
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in sorted(src.iterdir()):
-        if f.is_file():
-            shutil.copyfile(f, dst / f.name)
-            with open(dst / f.name, "rb+") as fh:
-                os.fsync(fh.fileno())
+    """Every file under ``src`` copied to the same place under ``dst`` (``shutil.copyfile``, then fsync)."""
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        out = dst / f.relative_to(src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, out)
+        with open(out, "rb+") as fh:
+            os.fsync(fh.fileno())
     return {}
 
 
