@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from workbench.run.direct_io import ALIGN, DirectReads
+from workbench.run.direct_io import ALIGN, DirectReads, DirectWriter
 
 
 @pytest.fixture()
@@ -82,6 +82,24 @@ def test_a_direct_writer_s_file_is_exactly_the_bytes_written(tmp_path):
     assert fh.tell() == sum(map(len, parts))
     close_synced(fh)
     assert path.read_bytes() == b"".join(parts)
+
+
+@pytest.mark.parametrize("blocks", [0, 1, DirectWriter.BUFFERS + 2])
+def test_a_hashing_direct_writer_s_sha256_is_the_file_s(tmp_path, blocks):
+    """Whole blocks hashed on the helper thread (more than there are buffers: each buffer reused), then the tail."""
+    import hashlib
+
+    from workbench.run.direct_io import close_synced, open_for_writing
+
+    path = tmp_path / "out.bin"
+    fh = open_for_writing(str(path), hashed=True)
+    if not isinstance(fh, DirectWriter):
+        fh.close()
+        pytest.skip("this file system refuses O_DIRECT writes")
+    for p in _chunks(blocks * DirectWriter.BLOCK + 777, seed=blocks):
+        fh.write(p)
+    close_synced(fh)
+    assert fh.sha.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_where_direct_writes_are_refused_a_plain_file_takes_them(tmp_path, monkeypatch):

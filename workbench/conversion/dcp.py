@@ -175,18 +175,23 @@ def _pickled_list(value: Any) -> bytes:
 
 
 class _HashingFile:
-    """A binary file written front to back whose SHA-256 is taken as the bytes go out (no second read): a large
-    write is hashed on a helper thread while the system call writes it (both without the GIL), and returns when both
-    are done, so the caller's buffer is free again and the hash stays in write order."""
+    """A binary file written front to back whose SHA-256 is taken as the bytes go out (no second read).  A file
+    written past the page cache (:class:`workbench.run.direct_io.DirectWriter`) hashes its own staging buffers on a
+    helper thread; otherwise a large write is hashed on a helper thread while the system call writes it (both
+    without the GIL), and returns when both are done, so the caller's buffer is free again and the hash stays in
+    write order."""
 
     _PARALLEL = 4 << 20  # smaller writes are hashed in line
 
     def __init__(self, fh: Any) -> None:
         self._fh, self._sha, self._size = fh, hashlib.sha256(), 0
         self._pool: Any = None
+        self._inner = getattr(fh, "sha", None) is not None  # a DirectWriter that hashes its own buffers
 
     def write(self, data: Any) -> int:
-        if memoryview(data).nbytes < self._PARALLEL:
+        if self._inner:
+            n = self._fh.write(data)
+        elif memoryview(data).nbytes < self._PARALLEL:
             self._sha.update(data)
             n = self._fh.write(data)
         else:
@@ -220,7 +225,7 @@ class _HashingFile:
         if self._pool is not None:
             self._pool.shutdown()
         close_synced(self._fh)
-        return self._size, self._sha.hexdigest()
+        return self._size, (self._fh.sha if self._inner else self._sha).hexdigest()
 
 
 def _crc_config() -> Any:
@@ -251,7 +256,7 @@ class DcpWriter:
 
     def __init__(self, d: Path) -> None:
         self.dir = Path(d)
-        self._fh = _HashingFile(open_for_writing(str(self.dir / DATA_FILE)))
+        self._fh = _HashingFile(open_for_writing(str(self.dir / DATA_FILE), hashed=True))
         #: {file name: (size, sha256)} of the files written, hashed as the bytes went out (the checksum list's)
         self.hashed: dict[str, tuple[int, str]] = {}
         self._md: dict[str, Any] = {}

@@ -93,14 +93,15 @@ def _torch_dtype(name: str, f: Path, key: str) -> Any:
 class HFReader:
     """The tensors of a local HF model directory, by name (``module.`` prefixes stripped), read one at a time."""
 
-    def __init__(self, hf_dir: str | Path) -> None:
+    def __init__(self, hf_dir: str | Path, buffers: DirectReads | None = None) -> None:
+        """``buffers``: where direct reads go (readers used side by side can share them), else the reader's own."""
         self.dir = Path(hf_dir)
         self.files = weight_files(self.dir)
         self.infos: dict[str, TensorInfo] = {}
         self._where: dict[str, tuple[Path, str]] = {}
         self._bin: tuple[Path | None, dict[str, Any], bool] = (None, {}, False)
         self._spans: dict[tuple[Path, str], tuple[int, int]] = {}  # (file, key) -> (byte offset, length)
-        self._direct = DirectReads()
+        self._direct = buffers if buffers is not None else DirectReads()
         for f in self.files:
             if f.suffix == ".safetensors":
                 for key, info in self._safetensors_header(f).items():

@@ -117,30 +117,36 @@ class DirectReads:
 
 
 class DirectWriter:
-    """A file written front to back past the page cache: :meth:`write` copies into one of two page-aligned staging
-    buffers, and a full buffer goes to the disk (``O_DIRECT``) on a helper thread while the other fills; :meth:`close`
-    writes the tail (padded to a block, then the file cut to its size) and syncs the file.  Where the file system
-    refuses ``O_DIRECT``, :func:`open_for_writing` returns a plain buffered file instead.  The bytes of the file are
-    whatever :meth:`write` was given, in order; an error of the helper thread is raised by the next call."""
+    """A file written front to back past the page cache: :meth:`write` copies into page-aligned staging buffers, and
+    each full buffer goes to the disk (``O_DIRECT``) on a helper thread while the next fills; :meth:`close` writes
+    the tail (padded to a block, then the file cut to its size) and syncs the file.  With ``hashed``, the file's
+    SHA-256 (:attr:`sha`) is taken from the same buffers on a second helper thread, in file order, while they are
+    written.  Where the file system refuses ``O_DIRECT``, :func:`open_for_writing` returns a plain buffered file
+    instead.  The bytes of the file are whatever :meth:`write` was given, in order; an error of a helper thread is
+    raised by a later call."""
 
-    BLOCK = 16 << 20  # bytes per direct write (two buffers of it): large enough to keep a disk streaming
+    BLOCK = 16 << 20  # bytes per direct write: large enough to keep a disk streaming
+    BUFFERS = 3  # staging buffers: the one filling, and up to two being written (and hashed)
 
-    def __init__(self, fd: int, path: str) -> None:
+    def __init__(self, fd: int, path: str, hashed: bool = False) -> None:
+        import hashlib
         from concurrent.futures import ThreadPoolExecutor
 
         self.name = path
         self._fd, self._size, self._fill = fd, 0, 0
-        self._bufs = [mmap.mmap(-1, self.BLOCK), mmap.mmap(-1, self.BLOCK)]
+        self._bufs = [mmap.mmap(-1, self.BLOCK) for _ in range(self.BUFFERS)]
+        self._pending: list[list[Any]] = [[] for _ in self._bufs]  # per buffer: the work still reading it
         self._cur = 0
-        self._pending: Any = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-direct-write")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-direct-write")  # one: writes in order
+        self.sha: Any = hashlib.sha256() if hashed else None
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-direct-hash") if hashed else None
         self._written = 0  # bytes on the disk (a multiple of ALIGN until the tail)
         self.closed = False
 
-    def _wait(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+    def _wait(self, i: int) -> None:
+        pending, self._pending[i] = self._pending[i], []
+        for f in pending:
+            f.result()
 
     def _write_block(self, buf: mmap.mmap, n: int, offset: int) -> None:
         view = memoryview(buf)[:n]
@@ -151,13 +157,22 @@ class DirectWriter:
         finally:
             view.release()
 
+    def _hash_block(self, buf: mmap.mmap, n: int) -> None:
+        view = memoryview(buf)[:n]
+        try:
+            self.sha.update(view)
+        finally:
+            view.release()
+
     def _flush_full(self) -> None:
-        """Send the current (full) buffer to the disk and switch to the other one."""
-        self._wait()  # the other buffer is free again
-        buf, offset = self._bufs[self._cur], self._written
-        self._pending = self._pool.submit(self._write_block, buf, self.BLOCK, offset)
+        """Send the current (full) buffer to the disk (and the hash) and move to the next one, once it is free."""
+        i, buf = self._cur, self._bufs[self._cur]
+        self._pending[i].append(self._io.submit(self._write_block, buf, self.BLOCK, self._written))
+        if self._hasher is not None:
+            self._pending[i].append(self._hasher.submit(self._hash_block, buf, self.BLOCK))
         self._written += self.BLOCK
-        self._cur, self._fill = 1 - self._cur, 0
+        self._cur, self._fill = (i + 1) % len(self._bufs), 0
+        self._wait(self._cur)
 
     def write(self, data: Any) -> int:
         import numpy as np
@@ -183,9 +198,12 @@ class DirectWriter:
 
     def _finish_threads(self) -> None:
         try:
-            self._wait()
+            for i in range(len(self._bufs)):
+                self._wait(i)
         finally:
-            self._pool.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+            if self._hasher is not None:
+                self._hasher.shutdown(wait=True)
 
     def close(self) -> None:
         """The tail written, the file cut to its size and synced to the disk."""
@@ -196,6 +214,8 @@ class DirectWriter:
             if self._fill:
                 tail = -(-self._fill // ALIGN) * ALIGN
                 buf = self._bufs[self._cur]
+                if self.sha is not None:
+                    self._hash_block(buf, self._fill)
                 buf[self._fill:tail] = bytes(tail - self._fill)
                 self._write_block(buf, tail, self._written)
             os.ftruncate(self._fd, self._size)
@@ -227,10 +247,10 @@ class DirectWriter:
         self.close() if exc[0] is None else self.abort()
 
 
-def open_for_writing(path: str) -> Any:
+def open_for_writing(path: str, hashed: bool = False) -> Any:
     """``path`` created (truncated) for writing front to back: a :class:`DirectWriter` where the file system takes
-    ``O_DIRECT``, else a plain buffered binary file.  Either has ``write``, ``tell``, ``flush`` and ``close``; close
-    of a :class:`DirectWriter` also syncs the file to the disk."""
+    ``O_DIRECT`` (``hashed``: taking the file's SHA-256 as it writes), else a plain buffered binary file.  Either has
+    ``write``, ``tell``, ``flush`` and ``close``; close of a :class:`DirectWriter` also syncs the file to the disk."""
     flag = getattr(os, "O_DIRECT", 0)
     if flag:
         try:
@@ -249,7 +269,7 @@ def open_for_writing(path: str) -> Any:
                 probe.close()
             if fd is None:
                 return open(path, "wb")
-            return DirectWriter(fd, str(path))
+            return DirectWriter(fd, str(path), hashed)
     return open(path, "wb")
 
 
