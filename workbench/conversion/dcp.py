@@ -15,7 +15,11 @@ applied), so the conversion never re-implements megatron's key naming.  Then
   common state as megatron writes them, ``.metadata`` and ``metadata.json``; ``workbench.json`` (checksums,
   ``complete``) and the rename into place are :func:`workbench.backend.checkpointing.save_checkpoint`'s own
   last step.  megatron-core's ``dist_checkpointing.load`` (training, generation, verification) reads the result
-  as it reads its own saves.
+  as it reads its own saves.  Chunks are saved without ``torch.save``'s zip CRC-32 (the data file's SHA-256 in
+  the checksum list covers every byte; ``torch.load`` reads such a file, as
+  ``torch.serialization.set_crc32_options`` documents); the data file is written past the
+  page cache where the file system allows, hashed from the writer's own buffers
+  (:class:`workbench.run.direct_io.DirectWriter`).
 - :class:`CheckpointReader` reads one state-dict tensor at a time from the stored chunks that overlap it,
   each chunk through :func:`workbench.run.integrity.safe_torch_load` and ``.metadata`` through the allow-list
   unpickler; every stored object and the common state are read the same way when it opens, so whatever a

@@ -1,9 +1,10 @@
 """Hugging Face weight files read and written one tensor at a time.
 
-:class:`HFReader` lists a model directory's tensors (names, shapes, dtypes) from the safetensors headers and
-reads one tensor per call: each read opens the file with safetensors' ``safe_open`` and closes it again, so the
-memory map (whose touched pages count as the process's resident memory while it is open) never holds more than
-that tensor.  ``pytorch_model*.bin`` files are pickles, loaded through :func:`workbench.run.integrity.safe_torch_load`
+:class:`HFReader` lists a model directory's tensors (names, shapes, dtypes) from the safetensors headers (checked
+by safetensors' ``safe_open``) and reads one tensor per call: its byte range goes from the disk into a reused buffer
+past the page cache (``O_DIRECT``, :class:`workbench.run.direct_io.DirectReads`) and is copied once into the tensor;
+where the file system refuses that, the file is opened with ``safe_open`` and closed again, so the memory map (whose
+touched pages count as the process's resident memory while it is open) never holds more than that tensor.  ``pytorch_model*.bin`` files are pickles, loaded through :func:`workbench.run.integrity.safe_torch_load`
 (tensors only, whatever the environment says); the reader holds one of them at a time, the one it read last.  A
 file in torch's zip format (every ``torch.save`` since torch 1.6) is memory-mapped: opening it reads its pickled
 index only and a tensor's bytes are read when that tensor is, so moving between files costs their indexes, not their
@@ -12,8 +13,10 @@ tensors, whatever order the tensors are asked for in.  An older (non-zip) file c
 :class:`SafetensorsWriter` writes ``save_pretrained``'s layout (``model.safetensors``, or
 ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``) from a plan of names, shapes
 and dtypes known up front: each shard's header is written when the shard is opened, then its tensors as they
-come, so no shard is ever held in memory; :meth:`SafetensorsWriter.close` waits until every shard is on disk (the
-shards before it go to disk in the background while the next is written).
+come, so no shard is ever held in memory.  Shards are written past the page cache where the file system allows
+(:func:`workbench.run.direct_io.open_for_writing`), each on disk when it is closed; otherwise through the cache, and
+:meth:`SafetensorsWriter.close` waits until every shard is on disk (the shards before it go to disk in the
+background while the next is written).
 """
 
 from __future__ import annotations
