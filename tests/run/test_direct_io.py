@@ -68,14 +68,22 @@ def _chunks(total: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def test_a_direct_writer_s_file_is_exactly_the_bytes_written(tmp_path):
-    from workbench.run.direct_io import DirectWriter, close_synced, open_for_writing
+def _direct_writer(path, hashed: bool = False) -> DirectWriter:
+    """A :class:`DirectWriter` of ``path``; the test is skipped where the file system refuses O_DIRECT writes."""
+    from workbench.run.direct_io import open_for_writing
 
-    path = tmp_path / "out.bin"
-    fh = open_for_writing(str(path))
+    fh = open_for_writing(str(path), hashed=hashed)
     if not isinstance(fh, DirectWriter):
         fh.close()
         pytest.skip("this file system refuses O_DIRECT writes")
+    return fh
+
+
+def test_a_direct_writer_s_file_is_exactly_the_bytes_written(tmp_path):
+    from workbench.run.direct_io import close_synced
+
+    path = tmp_path / "out.bin"
+    fh = _direct_writer(path)
     parts = _chunks(2 * DirectWriter.BLOCK + 12345)  # two full blocks and an unaligned tail
     for p in parts:
         assert fh.write(memoryview(p)) == len(p)
@@ -89,13 +97,10 @@ def test_a_hashing_direct_writer_s_sha256_is_the_file_s(tmp_path, blocks):
     """Whole blocks hashed on the helper thread (more than there are buffers: each buffer reused), then the tail."""
     import hashlib
 
-    from workbench.run.direct_io import close_synced, open_for_writing
+    from workbench.run.direct_io import close_synced
 
     path = tmp_path / "out.bin"
-    fh = open_for_writing(str(path), hashed=True)
-    if not isinstance(fh, DirectWriter):
-        fh.close()
-        pytest.skip("this file system refuses O_DIRECT writes")
+    fh = _direct_writer(path, hashed=True)
     for p in _chunks(blocks * DirectWriter.BLOCK + 777, seed=blocks):
         fh.write(p)
     close_synced(fh)
@@ -103,7 +108,7 @@ def test_a_hashing_direct_writer_s_sha256_is_the_file_s(tmp_path, blocks):
 
 
 def test_where_direct_writes_are_refused_a_plain_file_takes_them(tmp_path, monkeypatch):
-    from workbench.run.direct_io import DirectWriter, close_synced, open_for_writing
+    from workbench.run.direct_io import close_synced, open_for_writing
 
     monkeypatch.delattr(os, "O_DIRECT", raising=False)  # a platform or file system without it
     fh = open_for_writing(str(tmp_path / "out.bin"))
@@ -116,13 +121,10 @@ def test_where_direct_writes_are_refused_a_plain_file_takes_them(tmp_path, monke
 
 
 def test_an_abandoned_direct_writer_lets_go_of_its_file(tmp_path):
-    from workbench.run.direct_io import DirectWriter, abandon, open_for_writing
+    from workbench.run.direct_io import abandon
 
     path = tmp_path / "out.bin"
-    fh = open_for_writing(str(path))
-    if not isinstance(fh, DirectWriter):
-        fh.close()
-        pytest.skip("this file system refuses O_DIRECT writes")
+    fh = _direct_writer(path)
     fh.write(os.urandom(DirectWriter.BLOCK + 5))
     abandon(fh)
     held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
