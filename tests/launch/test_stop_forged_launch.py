@@ -113,3 +113,22 @@ def test_a_wall_clock_step_does_not_hide_the_run_s_processes(tmp_path, monkeypat
         if orphan.poll() is None:
             orphan.kill()
             orphan.wait()
+
+
+def test_a_record_with_a_wall_clock_create_time_is_still_recognised(tmp_path):
+    """A ``launch.json`` an earlier version wrote holds psutil's wall-clock create times: its run is still found
+    and stopped (within the second by which psutil's boot time can move), and a PID given to a later process is not."""
+    run_dir = tmp_path / "run"
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "--run-dir", str(run_dir)])
+    try:
+        wall = psutil.Process(orphan.pid).create_time()
+        _forge(run_dir, {"processes": [{"pid": orphan.pid, "create_time": wall - 5.0, "role": "rank"}]})
+        assert Run.attach(run_dir).processes() == []  # five seconds off: not the recorded process
+        _forge(run_dir, {"processes": [{"pid": orphan.pid, "create_time": wall, "role": "rank"}]})
+        run = Run.attach(run_dir)
+        assert [q.pid for q in run.processes()] == [orphan.pid]
+        assert run.stop(grace=2) == "stopped"
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()

@@ -22,8 +22,8 @@ def test_ranges_at_any_offset_and_length_are_the_file_s_bytes(data_file):
     if fd is None:
         pytest.skip("this file system refuses O_DIRECT")
     try:
-        for offset, length in [(0, len(data)), (1, 10), (ALIGN - 1, 2), (ALIGN, ALIGN), (3 * ALIGN + 7, 10_000),
-                               (len(data) - 5, 100), (len(data), 10), (17, 0)]:
+        for offset, length in [(0, 0), (ALIGN, 0), (0, len(data)), (1, 10), (ALIGN - 1, 2), (ALIGN, ALIGN),
+                               (3 * ALIGN + 7, 10_000), (len(data) - 5, 100), (len(data), 10), (17, 0)]:
             buf, view = reads.read(fd, offset, length)
             assert bytes(view) == data[offset:offset + length], (offset, length)
             view.release()
@@ -131,3 +131,27 @@ def test_an_abandoned_direct_writer_lets_go_of_its_file(tmp_path):
             if os.path.exists(f"/proc/self/fd/{fd}")]
     assert str(path) not in held
     path.unlink()
+
+
+def test_a_failed_direct_write_is_raised_and_abandoning_the_writer_raises_nothing(tmp_path, monkeypatch):
+    """A write the disk refuses (here: no space) comes back from a later ``write``, as that error; abandoning the
+    writer after it lets go of the file and raises nothing of its own."""
+    import errno
+
+    from workbench.run.direct_io import abandon
+
+    path = tmp_path / "out.bin"
+    fh = _direct_writer(path)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError) as e:
+        for _ in range(DirectWriter.BUFFERS + 2):
+            fh.write(os.urandom(DirectWriter.BLOCK))
+    assert e.value.errno == errno.ENOSPC
+    abandon(fh)
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert str(path) not in held

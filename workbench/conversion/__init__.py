@@ -76,7 +76,8 @@ def _print_structure(path: str) -> None:
 
 #: the environment a conversion process starts torch with: tensors of 2 MB and more on transparent huge pages (torch's
 #: CPU allocator reads this once, at its first allocation).  A conversion allocates its model's size in fresh tensors
-#: several times over; the kernel faults huge pages in about three times faster than 4 KiB ones.
+#: several times over; on the CI-class machine a copy into fresh tensors ran at 2.8-3.0 GB/s on 4 KiB pages and at
+#: 8-11 GB/s on huge pages.
 CONVERT_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 

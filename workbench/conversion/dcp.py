@@ -40,6 +40,7 @@ import hashlib
 import io
 import os
 import pickle
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,6 +233,9 @@ class _HashingFile:
         return self._size, (self._fh.sha if self._inner else self._sha).hexdigest()
 
 
+_CRC_LOCK = threading.Lock()
+
+
 def _crc_config() -> Any:
     from torch.utils.serialization import config
 
@@ -289,11 +293,12 @@ class DcpWriter:
         md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(chunk.shape)))
         start = self._fh.tell()
         crc = _crc_config()
-        was, crc.compute_crc32 = crc.compute_crc32, False  # the file's SHA-256 covers these bytes
-        try:
-            torch.save(chunk, self._fh)
-        finally:
-            crc.compute_crc32 = was
+        with _CRC_LOCK:  # torch's switch is the process's: one save at a time turns it off and back
+            was, crc.compute_crc32 = crc.compute_crc32, False  # the file's SHA-256 covers these bytes
+            try:
+                torch.save(chunk, self._fh)
+            finally:
+                crc.compute_crc32 = was
         self._record(MetadataIndex(fqn, torch.Size(offsets)), start)
 
     def object(self, fqn: str, data: bytes) -> None:
@@ -356,6 +361,8 @@ class _BufferFile(io.RawIOBase):
 
         dst = memoryview(b).cast("B")
         n = max(0, min(len(dst), len(self._mv) - self._pos))
+        if n == 0:
+            return 0
         # numpy's copy lets go of the GIL (a memoryview's slice assignment holds it): the other threads run meanwhile
         np.copyto(np.frombuffer(dst, np.uint8, n), np.frombuffer(self._mv, np.uint8, n, self._pos))
         self._pos += n
@@ -450,7 +457,7 @@ class DcpReader:
         from workbench.run.integrity import safe_torch_load
 
         source = f"{self.dir / info.relative_path} (tensor {fqn!r})"
-        # loaded straight from the mapped file: one copy, into the tensor
+        # loaded from the bytes read (a reused buffer, or the mapped file): one copy, into the tensor
         with self._reads.view(info.relative_path, info.offset, info.length) as mv:
             if len(mv) != info.length:
                 raise self._truncated(info)

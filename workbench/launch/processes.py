@@ -49,12 +49,23 @@ def _started(pid: int) -> float | None:
     return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
 
+#: a recorded create time above this is a wall-clock time (seconds since 1970), as earlier versions recorded them
+_WALL_CLOCK = 1e8
+
+
 def same_start(pid: int, recorded: Any) -> bool:
     """Whether process ``pid`` started when ``recorded`` (a :func:`create_time`) says: not a later process that was
-    given the same PID."""
+    given the same PID.  A wall-clock time (a record an earlier version wrote) is compared with psutil's, within the
+    second by which the boot time it adds can move."""
     try:
         now = _started(pid)
-        return now is not None and recorded is not None and abs(now - float(recorded)) < 0.5 / os.sysconf("SC_CLK_TCK")
+        if now is None or recorded is None:
+            return False
+        if float(recorded) > _WALL_CLOCK:
+            import psutil
+
+            return abs(now + psutil.boot_time() - float(recorded)) <= 1.05
+        return abs(now - float(recorded)) < 0.5 / os.sysconf("SC_CLK_TCK")
     except (TypeError, ValueError):
         return False
 

@@ -1,18 +1,23 @@
-"""Large sequential reads that bypass the page cache (``O_DIRECT``), into page-aligned buffers that are reused.
+"""Large sequential file I/O past the page cache (``O_DIRECT``), through page-aligned buffers that are reused.
 
-A conversion reads every byte of a multi-GB checkpoint once.  Through the page cache (a memory-mapped range, or
-``read()``) each byte costs the kernel a cache page to fill, map and later reclaim, and the process a fresh
-allocation to fault in; a direct read moves the bytes from the disk into a buffer this process already holds.
-:class:`DirectReads` does that for byte ranges of files: ``O_DIRECT`` reads whole 4 KiB blocks at 4 KiB offsets
-into memory aligned the same way, so a range is widened to the blocks around it and the caller gets a view of the
-bytes it asked for.  Where the file system refuses ``O_DIRECT`` (tmpfs, some network file systems) :meth:`open`
-answers None and the caller reads as it otherwise would.  Bytes other processes wrote and the kernel has not yet
-flushed are flushed before a direct read returns them (the kernel's rule), so a direct read sees what a cached one
-would.
+A conversion reads and writes every byte of a multi-GB checkpoint once.  Through the page cache each byte costs the
+kernel a cache page to fill (or dirty), map and later reclaim or write back, and the process a fresh allocation to
+fault in; a direct read or write moves the bytes between the disk and a buffer this process already holds.
+``O_DIRECT`` moves whole 4 KiB blocks at 4 KiB offsets to and from memory aligned the same way:
+
+- :class:`DirectReads` reads byte ranges of files: a range is widened to the blocks around it and the caller gets a
+  view of the bytes it asked for.  Bytes other processes wrote and the kernel has not yet flushed are flushed
+  before a direct read returns them (the kernel's rule), so a direct read sees what a cached one would.
+- :class:`DirectWriter` writes a file front to back through staging buffers (:func:`open_for_writing`).
+
+Where the platform or file system refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some network file systems),
+:func:`open_direct` answers None and :func:`open_for_writing` a plain buffered file, and callers read and write
+through the page cache as they otherwise would.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -72,7 +77,7 @@ class DirectReads:
                 buf = min(fits, key=len)
                 self._idle.remove(buf)
                 return buf
-        return mmap.mmap(-1, -(-n // _STEP) * _STEP)  # anonymous: page-aligned
+        return mmap.mmap(-1, max(1, -(-n // _STEP)) * _STEP)  # anonymous: page-aligned
 
     def release(self, buf: mmap.mmap) -> None:
         """Hand ``buf`` back (every view of it released first)."""
@@ -153,7 +158,10 @@ class DirectWriter:
         try:
             done = 0
             while done < n:
-                done += os.pwrite(self._fd, view[done:], offset + done)
+                k = os.pwrite(self._fd, view[done:], offset + done)
+                if k <= 0 or (done + k < n and k % ALIGN):  # nothing written, or a rest no direct write can take
+                    raise OSError(errno.EIO, f"{self.name}: a direct write of {n - done} bytes wrote {k}")
+                done += k
         finally:
             view.release()
 
@@ -181,8 +189,8 @@ class DirectWriter:
         n, done = len(src), 0
         while done < n:
             k = min(self.BLOCK - self._fill, n - done)
-            dst = np.frombuffer(self._bufs[self._cur], np.uint8, k, self._fill)
-            np.copyto(dst, np.frombuffer(src, np.uint8, k, done))  # without the GIL
+            # without the GIL; no array over the buffer outlives the copy (a buffer with a view cannot be closed)
+            np.copyto(np.frombuffer(self._bufs[self._cur], np.uint8, k, self._fill), np.frombuffer(src, np.uint8, k, done))
             self._fill += k
             done += k
             if self._fill == self.BLOCK:
@@ -237,7 +245,10 @@ class DirectWriter:
         self.closed = True
         os.close(self._fd)
         for b in self._bufs:
-            b.close()
+            try:
+                b.close()
+            except BufferError:  # still viewed by a caller's traceback: freed with it
+                pass
         self._bufs = []
 
     def __enter__(self) -> "DirectWriter":
@@ -269,7 +280,11 @@ def open_for_writing(path: str, hashed: bool = False) -> Any:
                 probe.close()
             if fd is None:
                 return open(path, "wb")
-            return DirectWriter(fd, str(path), hashed)
+            try:
+                return DirectWriter(fd, str(path), hashed)
+            except BaseException:
+                os.close(fd)
+                raise
     return open(path, "wb")
 
 

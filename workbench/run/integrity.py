@@ -406,6 +406,11 @@ def verify_checkpoint(d: str | Path, *, hashes: bool = True) -> None:
             _VERIFIED[key] = sig
 
 
+def _same_file(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 class ChecksummedReads:
     """Byte ranges of the files of checkpoint directory ``d``, read while their SHA-256 is taken: a conversion reads
     each byte once, where a verification followed by the conversion's own reads would read it twice.
@@ -417,11 +422,12 @@ class ChecksummedReads:
     that order and compares every checksum.  A file that differs is the :class:`CheckpointError`
     :func:`verify_checkpoint` raises for it, when it opens or from :meth:`finish`; until :meth:`finish` returns,
     what was read is known only to have loaded as weights-only data, so the caller writes into a staging directory
-    it removes when :meth:`finish` raises."""
+    it removes when :meth:`finish` raises.  One thread reads at a time (a conversion's read thread): the hashes
+    follow the order of the reads."""
 
     #: the largest stretch of a streamed file read (and hashed) only to keep its hash going
     GAP = 4 << 20
-    #: a mapped range at least this long is hashed on a helper thread
+    #: a range at least this long is hashed on a helper thread while the caller uses it
     PARALLEL = 4 << 20
 
     def __init__(self, d: str | Path, streamed: Any) -> None:
@@ -502,6 +508,8 @@ class ChecksummedReads:
             return
         direct, pooled = self._direct, False
         dfd = direct.open(self._paths[name]) if direct is not None else None
+        if dfd is not None and not _same_file(dfd, fd):  # the path names another file now: read the one opened
+            dfd = None
         if dfd is not None:
             try:
                 buf, mv = direct.read(dfd, offset, end - offset)
