@@ -113,14 +113,12 @@ def test_a_tampered_data_file_is_refused_after_the_pass_and_leaves_no_output(ckp
     from workbench.conversion.api import megatron_to_hf, reshape
     from workbench.run.checkpoint import CheckpointError, checkpoint_info
 
-    from workbench.run.direct_io import DirectReads
+    from tests.support import count_direct_reads
 
     _, _, _, ckpt = ckpts
     read_directly: list[int] = []
     if direct:
-        real = DirectReads.read
-        monkeypatch.setattr(DirectReads, "read", lambda self, fd, offset, length: read_directly.append(length) or
-                            real(self, fd, offset, length))
+        read_directly = count_direct_reads(monkeypatch)
     else:
         _refuse_direct_reads(monkeypatch)
     src = tmp_path / "src"

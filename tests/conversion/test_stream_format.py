@@ -83,13 +83,11 @@ def test_safetensors_shards_written_tensor_by_tensor_are_what_safetensors_reads(
     from workbench.conversion.hf_files import HFReader, SafetensorsWriter
     from workbench.conversion.rules import infos_of
 
-    from workbench.run.direct_io import DirectReads
+    from tests.support import count_direct_reads
 
     read_directly: list[int] = []
     if direct:
-        real = DirectReads.read
-        monkeypatch.setattr(DirectReads, "read", lambda self, fd, offset, length: read_directly.append(length) or
-                            real(self, fd, offset, length))
+        read_directly = count_direct_reads(monkeypatch)
     else:
         monkeypatch.delattr(os, "O_DIRECT", raising=False)
         monkeypatch.setattr(hf_files, "open_direct", lambda path: None)

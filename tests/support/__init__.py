@@ -352,3 +352,15 @@ def load_into(model, full_state: dict[str, torch.Tensor]) -> None:
                 dim = 0 if full.shape[0] != p.shape[0] else 1
                 full = full.chunk(tp, dim=dim)[rank]
             p.copy_(full)
+
+
+def count_direct_reads(monkeypatch) -> list[int]:
+    """The lengths of the ranges read past the page cache from now on (``DirectReads.read``, wrapped): a test of the
+    direct path skips when this stays empty (a file system that refuses O_DIRECT)."""
+    from workbench.run.direct_io import DirectReads
+
+    lengths: list[int] = []
+    real = DirectReads.read
+    monkeypatch.setattr(DirectReads, "read", lambda self, fd, offset, length: lengths.append(length) or
+                        real(self, fd, offset, length))
+    return lengths
