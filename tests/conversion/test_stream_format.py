@@ -83,11 +83,10 @@ def test_safetensors_shards_written_tensor_by_tensor_are_what_safetensors_reads(
     from workbench.conversion.hf_files import HFReader, SafetensorsWriter
     from workbench.conversion.rules import infos_of
 
-    from tests.support import count_direct_reads
-
     read_directly: list[int] = []
     if direct:
-        read_directly = count_direct_reads(monkeypatch)
+        real = hf_files.open_direct
+        monkeypatch.setattr(hf_files, "open_direct", lambda path: (lambda fd: fd is None or read_directly.append(fd) or fd)(real(path)))
     else:
         monkeypatch.delattr(os, "O_DIRECT", raising=False)
         monkeypatch.setattr(hf_files, "open_direct", lambda path: None)

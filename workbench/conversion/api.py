@@ -537,10 +537,8 @@ def compare_hf_dirs(a: str | Path, b: str | Path) -> dict[str, Any]:
     import torch
 
     from workbench.conversion.hf_files import HFReader
-    from workbench.run.direct_io import DirectReads
 
-    buffers = DirectReads()  # one read buffer for both: the one idle between reads is shared
-    ra, rb = HFReader(a, buffers), HFReader(b, buffers)
+    ra, rb = HFReader(a), HFReader(b)
     differing = []
     for k, ta in ra.tensors():
         if k in rb:

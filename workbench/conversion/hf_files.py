@@ -1,8 +1,8 @@
 """Hugging Face weight files read and written one tensor at a time.
 
 :class:`HFReader` lists a model directory's tensors (names, shapes, dtypes) from the safetensors headers (checked
-by safetensors' ``safe_open``) and reads one tensor per call: its byte range goes from the disk into a reused buffer
-past the page cache (``O_DIRECT``, :class:`workbench.run.direct_io.DirectReads`) and is copied once into the tensor;
+by safetensors' ``safe_open``) and reads one tensor per call: its byte range goes from the disk straight into the
+tensor's memory past the page cache (``O_DIRECT``, :func:`workbench.run.direct_io.open_direct`);
 where the file system refuses that, the file is opened with ``safe_open`` and closed again, so the memory map (whose
 touched pages count as the process's resident memory while it is open) never holds more than that tensor.  ``pytorch_model*.bin`` files are pickles, loaded through :func:`workbench.run.integrity.safe_torch_load`
 (tensors only, whatever the environment says); the reader holds one of them at a time, the one it read last.  A
@@ -30,7 +30,7 @@ from typing import Any, Iterator, Mapping
 
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import TensorInfo, strip_module_prefix
-from workbench.run.direct_io import DirectReads, abandon, open_direct, open_for_writing
+from workbench.run.direct_io import ALIGN, abandon, open_direct, open_for_writing
 
 __all__ = ["weight_files", "HFReader", "SafetensorsWriter", "SAFETENSORS_DTYPES"]
 
@@ -96,15 +96,13 @@ def _torch_dtype(name: str, f: Path, key: str) -> Any:
 class HFReader:
     """The tensors of a local HF model directory, by name (``module.`` prefixes stripped), read one at a time."""
 
-    def __init__(self, hf_dir: str | Path, buffers: DirectReads | None = None) -> None:
-        """``buffers``: where direct reads go (readers used side by side can share them), else the reader's own."""
+    def __init__(self, hf_dir: str | Path) -> None:
         self.dir = Path(hf_dir)
         self.files = weight_files(self.dir)
         self.infos: dict[str, TensorInfo] = {}
         self._where: dict[str, tuple[Path, str]] = {}
         self._bin: tuple[Path | None, dict[str, Any], bool] = (None, {}, False)
         self._spans: dict[tuple[Path, str], tuple[int, int]] = {}  # (file, key) -> (byte offset, length)
-        self._direct = buffers if buffers is not None else DirectReads()
         for f in self.files:
             if f.suffix == ".safetensors":
                 for key, info in self._safetensors_header(f).items():
@@ -174,8 +172,9 @@ class HFReader:
         return t.clone() if self._bin[2] else t  # a copy: the mapped file is let go with the reader's next file
 
     def _read_direct(self, f: Path, key: str, info: TensorInfo) -> Any:
-        """Tensor ``key`` of safetensors file ``f`` read past the page cache into a reused buffer, then copied into a
-        fresh tensor (:class:`workbench.run.direct_io.DirectReads`); None where the file system refuses that."""
+        """Tensor ``key`` of safetensors file ``f`` read past the page cache straight into the tensor's own memory (the
+        blocks around its bytes, into a fresh allocation aligned for ``O_DIRECT``; the tensor is a view of its bytes
+        there): no copy, no buffer kept.  None where the file system refuses that."""
         import torch
 
         span = self._spans.get((f, key))
@@ -183,21 +182,30 @@ class HFReader:
         if fd is None:
             return None
         offset, nbytes = span
+        start = offset - offset % ALIGN
+        stop = -(-(offset + nbytes) // ALIGN) * ALIGN
+        base = torch.empty(stop - start + ALIGN, dtype=torch.uint8)
+        pad = -base.data_ptr() % ALIGN
+        dst = base[pad:pad + stop - start].numpy()
         try:
-            buf, view = self._direct.read(fd, offset, nbytes)
+            got = 0
+            while start + got < stop:
+                n = os.preadv(fd, [memoryview(dst)[got:]], start + got)
+                got += n
+                if n <= 0 or n % ALIGN:  # the end of the file
+                    break
         except OSError:
             return None
         finally:
             os.close(fd)
-        try:
-            if len(view) != nbytes:
-                raise ConversionError(f"{f} is truncated: tensor {key!r} needs bytes up to {offset + nbytes} -> copy the "
-                                      "model again from its source")
-            flat = torch.frombuffer(view, dtype=torch.uint8).clone() if nbytes else torch.empty(0, dtype=torch.uint8)
-        finally:
-            view.release()
-            self._direct.release(buf)
-        return flat.view(info.dtype).reshape(info.shape)
+        lo = offset - start
+        if got < lo + nbytes:
+            raise ConversionError(f"{f} is truncated: tensor {key!r} needs bytes up to {offset + nbytes} -> copy the "
+                                  "model again from its source")
+        raw = base[pad + lo:pad + lo + nbytes]
+        if (pad + lo) % torch.empty(0, dtype=info.dtype).element_size():  # bytes not at an element boundary: copy
+            raw = raw.clone()
+        return raw.view(info.dtype).reshape(info.shape)
 
     def tensors(self) -> Iterator[tuple[str, Any]]:
         """(name, tensor) of every tensor, one at a time, file by file (the file the reader holds first)."""
