@@ -30,7 +30,7 @@ from typing import Any, Iterator, Mapping
 
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import TensorInfo, strip_module_prefix
-from workbench.run.direct_io import ALIGN, abandon, open_direct, open_for_writing
+from workbench.run.direct_io import ALIGN, abandon, open_direct, open_for_writing, read_blocks
 
 __all__ = ["weight_files", "HFReader", "SafetensorsWriter", "SAFETENSORS_DTYPES"]
 
@@ -188,12 +188,7 @@ class HFReader:
         pad = -base.data_ptr() % ALIGN
         dst = base[pad:pad + stop - start].numpy()
         try:
-            got = 0
-            while start + got < stop:
-                n = os.preadv(fd, [memoryview(dst)[got:]], start + got)
-                got += n
-                if n <= 0 or n % ALIGN:  # the end of the file
-                    break
+            got = read_blocks(fd, dst, start)
         except OSError:
             return None
         finally:

@@ -41,6 +41,18 @@ def open_direct(path: str) -> int | None:
         return None
 
 
+def read_blocks(fd: int, dst: Any, start: int) -> int:
+    """Fill ``dst`` (page-aligned, a multiple of :data:`ALIGN` long) from direct descriptor ``fd`` at ``start`` (a
+    multiple of :data:`ALIGN`); the bytes read, fewer at the end of the file."""
+    view, got = memoryview(dst).cast("B"), 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], start + got)
+        got += n
+        if n <= 0 or n % ALIGN:  # the end of the file
+            break
+    return got
+
+
 class DirectReads:
     """``O_DIRECT`` descriptors of files and the buffers their reads go into; thread-safe.
 
@@ -96,12 +108,7 @@ class DirectReads:
         buf = self._take(stop - start)
         whole = memoryview(buf)
         try:
-            got = 0
-            while start + got < stop:
-                n = os.preadv(fd, [whole[got:stop - start]], start + got)
-                got += n
-                if n <= 0 or n % ALIGN:  # the end of the file
-                    break
+            got = read_blocks(fd, whole[:stop - start], start)
         except BaseException:
             whole.release()
             self.release(buf)
