@@ -19,7 +19,7 @@ Every step runs in a fresh Python process that imports what it needs, then reset
 (``/proc/self/clear_refs``), records its RSS (the baseline), runs the step and reads the peak (``VmHWM``, what
 ``getrusage`` reports as ``ru_maxrss``).  Before the copy and each conversion, the step's input files are dropped
 from the page cache (``posix_fadvise(DONTNEED)`` on those files only), so each reads from the disk, as the copy
-does.  Each conversion runs as ``workbench convert`` does (its environment, ``workbench.conversion.CONVERT_ENV``).
+does.  Each conversion runs as ``workbench convert`` does (``workbench.conversion.prepare_conversion_process``).
 One JSON line per step: wall time, peak RSS, peak minus baseline, the largest tensor and the model's size,
 bytes read + written and their pace against the copy's, whether the peak is within the target
 ``largest tensor x 3 + 1.5 GB``, and where the time went: CPU seconds (user, system; all threads), the bytes the
@@ -191,6 +191,9 @@ def _io() -> dict[str, int]:
 
 def child(step: str, args: dict[str, Any]) -> dict[str, Any]:
     """Run one step here and measure it: the peak mark is reset after the imports, so the peak is the step's."""
+    from workbench.conversion import prepare_conversion_process
+
+    prepare_conversion_process()  # as `workbench convert` starts: its environment and allocator settings
     import torch  # noqa: F401  (the imports the steps need, before the baseline)
     import megatron.core.dist_checkpointing  # noqa: F401
     import safetensors.torch  # noqa: F401
@@ -232,10 +235,6 @@ def measure(step: str, args: dict[str, Any], env: dict[str, str] | None = None) 
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("OMP_NUM_THREADS", "2")
-    from workbench.conversion import CONVERT_ENV
-
-    for k, v in CONVERT_ENV.items():  # what `workbench convert` starts torch with
-        env.setdefault(k, v)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", step, json.dumps(args)],
                           capture_output=True, text=True, env=env, cwd=str(ROOT))
     if proc.returncode != 0:
