@@ -50,11 +50,29 @@ def _launch_node(cfg_file: Path, run_dir: Path, node: int, port: int, out: Path,
     cmd = [sys.executable, "-m", "workbench.cli", "launch", str(cfg_file), "--nnodes", "2", "--nproc-per-node", "1",
            "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir", str(run_dir), *extra]
     with open(out, "w") as fh:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc.out = out  # its terminal, for a failure's message
+    return proc
 
 
-def _attach(run_dir: Path) -> Run:
-    return wait_until(lambda: Run.attach(run_dir) if (run_dir / "launch.json").exists() else None, 180, "node 0's launch files")
+def _attach(run_dir: Path, *nodes: subprocess.Popen) -> Run:
+    """``Run.attach`` once node 0 has written its launch files; a node that exits before then fails the test at once,
+    with what its terminal showed."""
+
+    def attached() -> Run | None:
+        if (run_dir / "launch.json").exists():
+            return Run.attach(run_dir)
+        for n in nodes:
+            if n.poll() is not None:
+                raise AssertionError(f"{n.out.name}: `workbench launch` exited ({n.returncode}) before node 0's launch "
+                                     f"files appeared:\n{n.out.read_text()[-3000:]}")
+        return None
+
+    try:
+        return wait_until(attached, 180, "node 0's launch files")
+    except AssertionError as e:
+        shown = "".join(f"\n--- {n.out.name}:\n{n.out.read_text()[-2000:]}" for n in nodes)
+        raise AssertionError(f"{e}{shown}") from None
 
 
 def _steps_of_both(run: Run, n: int) -> bool:
@@ -111,7 +129,7 @@ def test_two_nodes_train_like_one_node_and_one_run_follows_both(tmp_path, free_p
     n1 = _launch_node(cfg_file, shared, 1, free_port, tmp_path / "node1.out")
     n0 = _launch_node(cfg_file, shared, 0, free_port, tmp_path / "node0.out")
     try:
-        run = _attach(shared)  # the notebook side, attached to the run directory both nodes write
+        run = _attach(shared, n0, n1)  # the notebook side, attached to the run directory both nodes write
         live: dict = {}
 
         def both_training() -> bool:
@@ -162,7 +180,7 @@ def test_a_rank_killed_on_node_1_stops_node_0_and_is_reported(tmp_path, free_por
     n0 = _launch_node(cfg_file, shared, 0, free_port, tmp_path / "node0.out")
     n1 = _launch_node(cfg_file, shared, 1, free_port, tmp_path / "node1.out")
     try:
-        run = _attach(shared)
+        run = _attach(shared, n0, n1)
         wait_until(lambda: _steps_of_both(run, 2), 300, "both nodes training", poll=0.3)
         rank = wait_until(lambda: _node1_processes(shared, ("rank",)), 20, "node 1's rank in its launch.json")[0]
         assert "workbench.backend" in " ".join(rank.cmdline()) and rank.environ()["RANK"] == "1"
@@ -197,7 +215,7 @@ def test_a_frozen_node_is_declared_lost_and_the_other_stops_in_bounded_time(tmp_
     n1 = _launch_node(cfg_file, shared, 1, free_port, tmp_path / "node1.out", "--node-timeout", str(NODE_TIMEOUT))
     frozen: list[psutil.Process] = []
     try:
-        run = _attach(shared)
+        run = _attach(shared, n0, n1)
         wait_until(lambda: _steps_of_both(run, 2), 300, "both nodes training", poll=0.3)
         frozen = wait_until(lambda: _node1_processes(shared), 20, "node 1's supervisor, torchrun and rank")
         assert len(frozen) >= 3

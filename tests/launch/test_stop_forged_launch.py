@@ -18,6 +18,7 @@ import psutil
 
 from workbench.config import preset
 from workbench.launch import Run
+from workbench.launch.ownership import verified_supervisor
 from workbench.launch.processes import create_time
 
 from tests.support import living
@@ -47,8 +48,9 @@ def test_forged_supervisor_pid_and_pgid_are_not_signalled(tmp_path, capsys):
         time.sleep(0.2)
         assert victim.poll() is None, f"stop() signalled an unrelated process (exit {victim.returncode})"
         err = capsys.readouterr().err
-        assert f"pid {victim.pid} as the supervisor" in err and "sleep 300" in err and "not signalled" in err
-        assert any(str(victim.pid) in why for why in run.refusals)
+        seen = (err, run.refusals, verified_supervisor(run.launch_info, tmp_path / "run"), psutil.Process(victim.pid).cmdline())
+        assert f"pid {victim.pid} as the supervisor" in err and "sleep 300" in err and "not signalled" in err, seen
+        assert any(str(victim.pid) in why for why in run.refusals), seen
     finally:
         victim.kill()
         victim.wait()

@@ -137,7 +137,7 @@ class DirectWriter:
     instead.  The bytes of the file are whatever :meth:`write` was given, in order; an error of a helper thread is
     raised by a later call."""
 
-    BLOCK = 8 << 20  # bytes per direct write: large enough to keep a disk streaming
+    BLOCK = 16 << 20  # bytes per direct write: 8 MB blocks wrote the Llama-3.1-8B shape 16% slower (megatron-to-hf)
     BUFFERS = 3  # staging buffers: the one filling, and up to two being written (and hashed)
 
     def __init__(self, fd: int, path: str, hashed: bool = False) -> None:
