@@ -27,8 +27,8 @@ def _counting_maps(monkeypatch) -> list[int]:
     from workbench.run.direct_io import DirectReads
     from workbench.run.integrity import ChecksummedReads
 
-    lengths, real, direct = [], ChecksummedReads.view, DirectReads.read
-    monkeypatch.setattr(ChecksummedReads, "view", lambda self, name, offset, length: lengths.append(length) or
+    lengths, real, direct = [], ChecksummedReads.hold, DirectReads.read
+    monkeypatch.setattr(ChecksummedReads, "hold", lambda self, name, offset, length: lengths.append(length) or
                         real(self, name, offset, length))
     monkeypatch.setattr(DirectReads, "read", lambda self, fd, offset, length: lengths.append(-length) or
                         direct(self, fd, offset, length))

@@ -380,6 +380,50 @@ class _BufferFile(io.RawIOBase):
         super().close()
 
 
+def _load_chunk(held: Any, source: str) -> Any:
+    """The tensor a stored chunk (``torch.save`` bytes, :class:`workbench.run.integrity.HeldRange`) holds.  Where the
+    bytes are this process's memory, the tensor is made over them, not copied: its layout comes from a weights-only
+    load onto the meta device (which reads no data and says where the data record starts); the buffer is let go
+    when the tensor is freed.  Else (a read-only mapping of the file, or bytes the meta load cannot place) a
+    weights-only load copies the data out and the bytes are let go at once."""
+    import weakref
+
+    import numpy as np
+    import torch
+
+    from workbench.run.integrity import safe_torch_load
+
+    def loaded(map_location: str) -> Any:
+        f = _BufferFile(held.view)
+        try:
+            return safe_torch_load(f, source=source, map_location=map_location)
+        finally:
+            f.close()
+
+    if held.writable:
+        meta = loaded("meta")
+        if not isinstance(meta, torch.Tensor):
+            held.done()
+            return meta
+        storage = meta.untyped_storage()
+        start, nbytes = getattr(storage, "_checkpoint_offset", None), storage.nbytes()
+        if isinstance(start, int) and 0 <= start and start + nbytes <= len(held.view):
+            arr = np.frombuffer(held.view, np.uint8, nbytes, start)
+        else:
+            arr = None
+        if arr is not None and arr.ctypes.data % meta.element_size() == 0:  # else copied out: aligned elements
+            weakref.finalize(arr, held.done)  # the buffer is reused once the last tensor over it is freed
+            base = torch.from_numpy(arr) if nbytes else torch.empty(0, dtype=torch.uint8)
+            try:
+                return base.view(meta.dtype).as_strided(meta.size(), meta.stride(), meta.storage_offset())
+            except RuntimeError as e:
+                raise CheckpointError(f"{source} is damaged: its tensor does not fit its data ({str(e).splitlines()[0]}) "
+                                      "-> copy it again from its source") from None
+    t = loaded("cpu")
+    held.done()
+    return t
+
+
 class DcpReader:
     """The stored tensors of a torch_dist directory, read region by region: ``.metadata`` through the allow-list
     unpickler, each chunk through ``safe_torch_load``; every stored object (the common state included, or a
@@ -454,18 +498,15 @@ class DcpReader:
     def _chunk(self, fqn: str, info: Any) -> Any:
         import torch
 
-        from workbench.run.integrity import safe_torch_load
-
         source = f"{self.dir / info.relative_path} (tensor {fqn!r})"
-        # loaded from the bytes read (a reused buffer, or the mapped file): one copy, into the tensor
-        with self._reads.view(info.relative_path, info.offset, info.length) as mv:
-            if len(mv) != info.length:
+        held = self._reads.hold(info.relative_path, info.offset, info.length)
+        try:
+            if len(held.view) != info.length:
                 raise self._truncated(info)
-            f = _BufferFile(mv)
-            try:
-                t = safe_torch_load(f, source=source)
-            finally:
-                f.close()
+            t = _load_chunk(held, source)
+        except BaseException:
+            held.done()
+            raise
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{self.dir / info.relative_path}: the chunk of {fqn!r} holds a {type(t).__name__}, not a tensor "
                                   "-> copy the checkpoint again from its source")

@@ -57,11 +57,11 @@ class DirectReads:
     """``O_DIRECT`` descriptors of files and the buffers their reads go into; thread-safe.
 
     :meth:`read` returns a buffer with a view of the range; :meth:`release` hands the buffer back once the view is no
-    longer used (the largest idle buffer stays allocated for the next reads)."""
+    longer used (the ``keep`` largest idle buffers stay allocated for the next reads: as many as a reader holds at
+    once, so no read waits for fresh pages)."""
 
-    KEEP = 1
-
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 1) -> None:
+        self.keep = keep
         self._idle: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
@@ -89,16 +89,25 @@ class DirectReads:
                 buf = min(fits, key=len)
                 self._idle.remove(buf)
                 return buf
-        return mmap.mmap(-1, max(1, -(-n // _STEP)) * _STEP)  # anonymous: page-aligned
+        buf = mmap.mmap(-1, max(1, -(-n // _STEP)) * _STEP)  # anonymous: page-aligned
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # fresh memory on huge pages: faulted in at several times the pace
+            try:
+                buf.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        return buf
 
     def release(self, buf: mmap.mmap) -> None:
         """Hand ``buf`` back (every view of it released first)."""
         with self._lock:
             self._idle.append(buf)
             self._idle.sort(key=len, reverse=True)
-            for old in self._idle[self.KEEP:]:
-                old.close()
-            del self._idle[self.KEEP:]
+            for old in self._idle[self.keep:]:
+                try:
+                    old.close()
+                except BufferError:  # an array over it is being freed: unmapped once it has gone
+                    pass
+            del self._idle[self.keep:]
 
     def read(self, fd: int, offset: int, length: int) -> tuple[mmap.mmap, memoryview]:
         """``length`` bytes at ``offset`` of the file of direct descriptor ``fd`` (fewer at its end): (buffer, view of

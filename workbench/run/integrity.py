@@ -37,6 +37,7 @@ with inert stand-ins for the admitted classes, so launch checks can run it witho
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import importlib
@@ -175,17 +176,19 @@ def read_dist_metadata(path: str | Path, *, real: bool = True) -> Any:
 
 
 def safe_torch_load(f: Any, *, source: str, allow: tuple = (), error: type[Exception] = CheckpointError,
-                    fix: str = _UNTRUSTED_FIX, mmap: bool = False) -> Any:
+                    fix: str = _UNTRUSTED_FIX, mmap: bool = False, map_location: str = "cpu") -> Any:
     """``torch.load`` of a file or buffer with an explicit ``weights_only=True`` (tensors, numbers, strings and
     containers; the environment's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` cannot turn it off), plus the classes
     in ``allow``.  ``error`` (default :class:`CheckpointError`) names ``source``: a file holding anything else
     is refused as untrusted (``fix`` says what to do), one that does not parse as damaged.  ``mmap``: the
-    tensors are memory-mapped from the file (a path to a file in torch's zip format), read as they are touched."""
+    tensors are memory-mapped from the file (a path to a file in torch's zip format), read as they are touched.
+    ``map_location="meta"``: the tensors' layouts only, no data read (each storage's ``_checkpoint_offset`` says
+    where its data record starts in the file)."""
     import torch
 
     try:
         with torch.serialization.safe_globals(list(allow)):
-            return torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise error(f"{source} holds more than tensors and plain data, which torch.load(weights_only=True) refuses "
                     f"({str(e).splitlines()[0]}); {fix}") from None
@@ -411,6 +414,33 @@ def _same_file(a: int, b: int) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
+class HeldRange:
+    """Bytes :meth:`ChecksummedReads.hold` read: :attr:`view` until :meth:`done` (thread-safe, once); the bytes'
+    buffer is reused once :meth:`done` is called and their hash is taken.  ``writable``: the bytes are in memory of
+    this process (not a read-only mapping of the file), so an array over them may be written."""
+
+    def __init__(self, view: memoryview, let_go: Any, writable: bool = False, hashed: Any = None) -> None:
+        self.view, self.writable = view, writable
+        self._let_go, self._parts, self._lock, self._done = let_go, 2 if hashed is not None else 1, threading.Lock(), False
+        if hashed is not None:
+            hashed.add_done_callback(lambda _: self._part_done())
+
+    def _part_done(self) -> None:
+        with self._lock:
+            self._parts -= 1
+            last = self._parts == 0
+        if last and self._let_go is not None:
+            self._let_go()
+
+    def done(self) -> None:
+        """The caller no longer uses the bytes (a second call does nothing)."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._part_done()
+
+
 class ChecksummedReads:
     """Byte ranges of the files of checkpoint directory ``d``, read while their SHA-256 is taken: a conversion reads
     each byte once, where a verification followed by the conversion's own reads would read it twice.
@@ -429,6 +459,9 @@ class ChecksummedReads:
     GAP = 4 << 20
     #: a range at least this long is hashed on a helper thread while the caller uses it
     PARALLEL = 4 << 20
+    #: how many ranges may still be hashing once the caller is done with them: the next range is read from the disk
+    #: while the last is hashed (each keeps its buffer until its hash is taken)
+    BEHIND = 1
 
     def __init__(self, d: str | Path, streamed: Any) -> None:
         self.dir = Path(d)
@@ -457,7 +490,8 @@ class ChecksummedReads:
         self._paths: dict[str, str] = {}
         self._lock = threading.Lock()
         self._pool: Any = None
-        self._direct: DirectReads | None = DirectReads()
+        self._behind: collections.deque = collections.deque()  # (hash future, let go of its range) per range hashing
+        self._direct: DirectReads | None = DirectReads(keep=self.BEHIND + 1)
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
@@ -495,17 +529,27 @@ class ChecksummedReads:
     @contextlib.contextmanager
     def view(self, name: str, offset: int, length: int) -> Iterator[memoryview]:
         """``length`` bytes of file ``name`` from ``offset`` (fewer at its end), hashed (a large range on a helper
-        thread while the block runs); valid inside the block only.  Read past the page cache into a reused buffer
-        (:class:`workbench.run.direct_io.DirectReads`) where the file system allows, else memory-mapped (the
-        kernel copies nothing; unmapped after the block, so the pages leave the process)."""
+        thread while the block runs); valid inside the block only (:meth:`hold`)."""
+        held = self.hold(name, offset, length)
+        try:
+            yield held.view
+        finally:
+            held.done()
+
+    def hold(self, name: str, offset: int, length: int) -> "HeldRange":
+        """``length`` bytes of file ``name`` from ``offset`` (fewer at its end), hashed: a large range on a helper
+        thread while the caller uses it (the reads go on meanwhile; at most :attr:`BEHIND` ranges still hashing).
+        Read past the page cache into a reused buffer (:class:`workbench.run.direct_io.DirectReads`) where the file
+        system allows (``writable``), else memory-mapped read-only (the kernel copies nothing; unmapped once let go,
+        so the pages leave the process).  The caller calls :meth:`HeldRange.done` when it no longer uses the bytes;
+        the buffer is reused once that is called and the hash is taken."""
         import mmap
 
         with self._lock:
             fd = self._fd(name)
             end = min(offset + length, os.fstat(fd).st_size)
         if end <= offset:
-            yield memoryview(b"")
-            return
+            return HeldRange(memoryview(b""), None)
         direct, pooled = self._direct, False
         dfd = direct.open(self._paths[name]) if direct is not None else None
         if dfd is not None and not _same_file(dfd, fd):  # the path names another file now: read the one opened
@@ -522,26 +566,39 @@ class ChecksummedReads:
             buf = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                             prot=mmap.PROT_READ, offset=start)
             mv = memoryview(buf)[offset - start:]
-        try:
+
+        def let_go() -> None:
             try:
-                if len(mv) < self.PARALLEL:
-                    self._hash(name, offset, mv)
-                    yield mv
-                else:
-                    if self._pool is None:
-                        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-checksum")
-                    hashed = self._pool.submit(self._hash, name, offset, mv)
-                    try:
-                        yield mv
-                    finally:
-                        hashed.result()
-            finally:
                 mv.release()
-        finally:
+            except BufferError:  # a caller's array of these bytes is being freed: it lets go of them itself
+                pass
             if pooled:
                 direct.release(buf)
             else:
-                buf.close()
+                try:
+                    buf.close()
+                except BufferError:  # (as above: unmapped once the last view goes)
+                    pass
+
+        if len(mv) < self.PARALLEL and not self._behind:
+            try:
+                self._hash(name, offset, mv)
+            except BaseException:
+                let_go()
+                raise
+            return HeldRange(mv, let_go, writable=pooled)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-checksum")
+        hashed = self._pool.submit(self._hash, name, offset, mv)  # one thread, so in the order of the reads
+        held = HeldRange(mv, let_go, writable=pooled, hashed=hashed)
+        self._behind.append(hashed)
+        self._settle(self.BEHIND)
+        return held
+
+    def _settle(self, keep: int) -> None:
+        """Wait for the hashes still running until at most ``keep`` are (an error of one is raised here)."""
+        while len(self._behind) > keep:
+            self._behind.popleft().result()
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         """``length`` bytes of file ``name`` from ``offset`` (fewer at its end), hashed (:meth:`view`, copied out)."""
@@ -551,6 +608,7 @@ class ChecksummedReads:
     def finish(self) -> None:
         """Hash the rest of every streamed file and compare; the :class:`CheckpointError` naming each that differs."""
         problems = []
+        self._settle(0)
         with self._lock:
             for name, want in sorted(self._want.items()):
                 sha, pos = self._sha[name], self._pos[name]
@@ -568,6 +626,11 @@ class ChecksummedReads:
             raise _damaged(self.dir, problems)
 
     def close(self) -> None:
+        while getattr(self, "_behind", None):  # after a failed read too: no buffer goes while its hash reads it
+            try:
+                self._settle(0)
+            except Exception:  # noqa: BLE001  (closing after a failure: the failure is what is reported)
+                pass
         if getattr(self, "_pool", None) is not None:
             self._pool.shutdown(wait=False)  # idle: every hash it ran was waited for (and this may run on its thread)
             self._pool = None
