@@ -167,3 +167,55 @@ def test_a_save_records_a_tokenizer_path_as_an_absolute_one(source, tmp_path, mo
         named = save_full_state_dict(tmp_path / "named", 3, full, cfg, tokenizer="demo")
     assert read_checkpoint(out).tokenizer == str(hf.resolve())
     assert read_checkpoint(named).tokenizer == "demo"
+
+
+def test_an_output_disk_too_small_is_refused_before_anything_is_written(source, tmp_path, capsys, monkeypatch):
+    """The free space of ``--out``'s file system (the operating system's answer, the one thing faked) is checked
+    against the bytes the conversion writes: exit 2 naming both, nothing written."""
+    import workbench.conversion.api as api
+
+    hf, ckpt = source
+    real = shutil.disk_usage
+    monkeypatch.setattr(api.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    for argv in (["hf-to-megatron", "--hf", hf], ["megatron-to-hf", "--ckpt", ckpt], ["reshape", "--ckpt", ckpt, "--tp", "1", "--pp", "1"]):
+        out_dir = tmp_path / argv[0]
+        rc, out = _cli(["convert", *argv, "--out", out_dir], capsys)
+        assert rc == 2, out
+        assert f"--out {out_dir}: 0.00 GB free on its file system, the output takes" in out and "larger disk" in out, out
+        assert not out_dir.exists() and not list(tmp_path.glob(f"{argv[0]}.tmp-*")), argv
+
+
+def test_a_disk_that_fills_up_mid_conversion_is_named_and_leaves_no_output(source, tmp_path, capsys, monkeypatch):
+    """A write refused with ENOSPC halfway through (the disk fills up while the conversion runs; the failing write
+    is the one thing faked): the command says so, not torch's "unexpected pos", exits 1, and removes its partial
+    output."""
+    import errno
+
+    import workbench.conversion.dcp as dcp
+    from workbench.run import direct_io
+
+    hf, _ = source
+    written = [0]
+
+    class Filling:
+        def __init__(self, fh):
+            self._fh = fh
+            self.sha = getattr(fh, "sha", None)
+
+        def write(self, data):
+            written[0] += memoryview(data).nbytes
+            if written[0] > 200_000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self._fh.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self._fh, name)
+
+    real = direct_io.open_for_writing
+    monkeypatch.setattr(dcp, "open_for_writing", lambda path, hashed=False: Filling(real(path, hashed)))
+    out_dir = tmp_path / "out"
+    rc, out = _cli(["convert", "hf-to-megatron", "--hf", hf, "--out", out_dir], capsys)
+    assert rc == 1, out
+    assert "No space left on device" in out and "free space on that file system" in out, out
+    assert "unexpected pos" not in out and "Traceback" not in out, out
+    assert not out_dir.exists() and not list(tmp_path.glob("out.tmp-*"))

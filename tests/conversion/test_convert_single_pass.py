@@ -212,3 +212,40 @@ def test_safetensors_shards_reach_the_disk_before_the_writer_closes(tmp_path, mo
 
     got = {k: v for n in names for k, v in load_file(tmp_path / n).items()}
     assert all(torch.equal(got[k], torch.full((256, 256), float(k[1:]))) for k in plan)
+
+
+def test_chunks_a_conversion_wrote_are_read_back_without_a_copy(ckpts, monkeypatch):
+    """The converter writes each chunk aligned in its data file, so a reader makes each tensor over the bytes it read
+    past the page cache (a weights-only load onto the meta device for the layout, no data copied out), and the
+    values are the stored ones."""
+    import io
+
+    import torch
+
+    import workbench.run.integrity as integrity
+    from workbench.conversion.dcp import DcpReader
+    from workbench.run.direct_io import open_direct
+
+    _, _, _, ckpt = ckpts
+    data = _data_file(ckpt)
+    fd = open_direct(str(data))
+    if fd is None:
+        pytest.skip("this file system refuses O_DIRECT: chunks are copied out of a read-only mapping instead")
+    os.close(fd)
+    loads, real = [], integrity.safe_torch_load
+    monkeypatch.setattr(integrity, "safe_torch_load",
+                        lambda f, **kw: loads.append(kw.get("map_location", "cpu")) or real(f, **kw))
+    reader = DcpReader(data.parent)
+    loads.clear()  # (its common state, read when it opens)
+    got = {}
+    for fqn, smd in reader.tensors.items():
+        for c in smd.chunks:
+            got[(fqn, tuple(c.offsets))] = reader.region(fqn, tuple(c.offsets), tuple(c.sizes)).clone()
+    reader.finish()
+    assert len(loads) == len(got) > 10 and set(loads) == {"meta"}, loads
+    index = integrity.read_dist_metadata(data.parent).storage_data
+    with open(data, "rb") as fh:  # the same chunks as torch.load reads them from the file
+        for (fqn, offsets), t in got.items():
+            info = next(i for k, i in index.items() if k.fqn == fqn and tuple(k.offset) == offsets)
+            fh.seek(info.offset)
+            assert torch.equal(t, real(io.BytesIO(fh.read(info.length)), source=fqn)), fqn

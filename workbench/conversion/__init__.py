@@ -10,6 +10,7 @@ Light at import: torch, transformers and megatron-core load inside the functions
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import Any
@@ -115,6 +116,12 @@ def _run(fn: Any, args: argparse.Namespace) -> int:
     except (ConversionError, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: {e} -> free space on that file system and convert again (the partial output was removed)",
+              file=sys.stderr)
+        return 1
 
 
 def _hf_to_megatron(args: argparse.Namespace) -> int:

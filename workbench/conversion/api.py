@@ -92,12 +92,18 @@ def _torch_dtype(name: str | None):
 
 
 @contextmanager
-def _staged_output(out: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of ``out``; rename it to ``out`` only if the block succeeds."""
+def _staged_output(out: str | Path, force: bool = False, need: int = 0) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out``; rename it to ``out`` only if the block succeeds.  ``need``: the bytes the
+    block writes; refused before anything is written where ``out``'s file system has less free (an output it
+    replaces goes only after the new one is complete)."""
     out = Path(out).expanduser().resolve()
     if out.exists() and any(out.iterdir()) and not force:
         raise ConversionError(f"--out {out} already exists and is not empty -> choose a new directory (or pass --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if need and free < need + (64 << 20):
+        raise ConversionError(f"--out {out}: {free / 1e9:.2f} GB free on its file system, the output takes "
+                              f"{need / 1e9:.2f} GB -> free space there or choose an --out on a larger disk")
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -114,6 +120,11 @@ def _staged_output(out: str | Path, force: bool = False) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)
+
+
+def _nbytes(targets: dict[str, TensorInfo]) -> int:
+    """The bytes of the tensors ``targets`` describes (what a conversion writes, less its small files)."""
+    return sum(t.nbytes for t in targets.values())
 
 
 def _check(cfg: RunConfig, what: str) -> None:
@@ -258,7 +269,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         stream_rules(rules, reader.read, write, tdt, _progress(len(rules), f"{mt} -> mcore", progress))
 
     final = Path(out).expanduser().resolve()
-    with _staged_output(final, force) as tmp:
+    with _staged_output(final, force, _nbytes(targets)) as tmp:
         res = _write_megatron(tmp, final, cfg, targets, fill, 0, dtype,
                               {"format": "hf", "model_type": mt, "path": str(hf_dir), "hf_config": hf},
                               hf_dir if _has_tokenizer_files(hf_dir) else None,
@@ -343,7 +354,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     out_dtype = _DTYPES[dtype or cfg.train.precision]
     hf_cfg = hf_config_dict_from_run(cfg, mt, source.get("hf_config"), dtype=out_dtype)
     final = Path(out).expanduser().resolve()
-    with _staged_output(final, force) as tmp, closing(reader):
+    with _staged_output(final, force, _nbytes(targets)) as tmp, closing(reader):
         writer = SafetensorsWriter(tmp, targets, limit)
         try:
             stream_rules(rules, reader.read, writer.write, tdt, _progress(len(rules), f"mcore -> {mt}", progress))
@@ -404,7 +415,7 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     source["reshaped_from"] = {"path": str(info.path), "tensor_parallel": src_cfg.parallel.tensor_parallel,
                                "pipeline_parallel": src_cfg.parallel.pipeline_parallel}
     iteration = int(reader.dcp.common.get("iteration", info.meta.get("iteration", 0)))
-    with _staged_output(final, force) as tmp, closing(reader):
+    with _staged_output(final, force, _nbytes(targets)) as tmp, closing(reader):
         res = _write_megatron(tmp, final, cfg, targets, fill, iteration, cfg.train.precision, source, tok, tok_from)
     if info.meta.get("has_optimizer"):
         res.notes.append("optimizer state was not carried over (reshape writes weights; resume with finetune or a fresh optimizer)")
@@ -439,7 +450,7 @@ def import_legacy(path: str | Path, out: str | Path, tp: int = 1, pp: int = 1, v
         for k in list(full):
             write(k, full.pop(k))
 
-    with _staged_output(final, force) as tmp:
+    with _staged_output(final, force, _nbytes(infos_of(full))) as tmp:
         res = _write_megatron(tmp, final, cfg, infos_of(full), fill, 0, dtype, source, tokenizer_dir or None,
                               f"--tokenizer {tokenizer_dir}" if tokenizer_dir else f"legacy checkpoint {path} (no --tokenizer given)")
     res.notes.append(f"merged {ck.tp} TP shard(s) x {ck.pp} PP stage(s), checkpoint_version {ck.checkpoint_version}")

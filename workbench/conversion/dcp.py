@@ -192,8 +192,17 @@ class _HashingFile:
         self._fh, self._sha, self._size = fh, hashlib.sha256(), 0
         self._pool: Any = None
         self._inner = getattr(fh, "sha", None) is not None  # a DirectWriter that hashes its own buffers
+        #: the first error a write raised (``torch.save`` reports one only as "unexpected pos")
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
+        try:
+            return self._write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def _write(self, data: Any) -> int:
         if self._inner:
             n = self._fh.write(data)
         elif memoryview(data).nbytes < self._PARALLEL:
@@ -258,6 +267,12 @@ def _own_storage(t: Any) -> Any:
     return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).reshape(t.shape)
 
 
+#: each stored chunk's ``torch.save`` bytes start at a multiple of this in the data file, so its tensor data (64-byte
+#: aligned within them) is aligned in the file and in a page-aligned read of it: a reader makes the tensor over the
+#: bytes read instead of copying them out (:func:`_load_chunk`)
+_BLOB_ALIGN = 64
+
+
 class DcpWriter:
     """A torch_dist directory written item by item: tensor chunks and objects appended to one data file, the
     index (``.metadata``) written by :meth:`close`."""
@@ -291,12 +306,19 @@ class DcpWriter:
             raise ValueError(f"{fqn}: chunks of different global shapes or dtypes")
         chunk = _own_storage(chunk)  # torch.save writes a tensor's whole storage: only the chunk's bytes
         md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(chunk.shape)))
+        gap = -self._fh.tell() % _BLOB_ALIGN
+        if gap:  # unindexed zeros: the chunk's data (64-byte aligned in its torch.save bytes) lands aligned in the file
+            self._fh.write(bytes(gap))
         start = self._fh.tell()
         crc = _crc_config()
         with _CRC_LOCK:  # torch's switch is the process's: one save at a time turns it off and back
             was, crc.compute_crc32 = crc.compute_crc32, False  # the file's SHA-256 covers these bytes
             try:
                 torch.save(chunk, self._fh)
+            except RuntimeError:
+                if self._fh.error is not None:  # say what failed (a full disk, say), not torch's "unexpected pos"
+                    raise self._fh.error from None
+                raise
             finally:
                 crc.compute_crc32 = was
         self._record(MetadataIndex(fqn, torch.Size(offsets)), start)
