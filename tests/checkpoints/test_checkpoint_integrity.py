@@ -205,7 +205,7 @@ def test_trust_records_the_list_of_a_sound_copy_and_refuses_foreign_files(ckpt, 
     assert rc == 2 and str(d / "common.pt") in out and "never writes" in out, out
     os.remove(d / "common.pt")
     rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
-    assert rc == 0 and "recorded the checksums of 3 files" in out, out
+    assert rc == 0 and f"recorded the checksums of {len(saved)} files" in out, out
     assert json.loads((d / "workbench.json").read_text())["files"] == saved
     verify_checkpoint(d)
     _flip(d / "__0_0.distcp")

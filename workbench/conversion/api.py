@@ -322,7 +322,7 @@ def _checkpoint_tokenizer(info: Any, tokenizer: str | Path | None) -> tuple[Any,
 def _file_order(rules: list[Rule], reader: Any) -> list[Rule]:
     """``rules`` in the order their sources lie in the checkpoint's files (:meth:`CheckpointReader.position`), so
     the files are read front to back, once."""
-    return sorted(rules, key=lambda r: min((reader.position(s) for s in r.sources), default=("", 0)))
+    return sorted(rules, key=lambda r: min((reader.position(s) for s in r.sources), default=(0, "")))
 
 
 def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "2GB", dtype: str | None = None,

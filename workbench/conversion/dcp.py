@@ -52,9 +52,11 @@ from workbench.run.checkpoint import CheckpointError
 from workbench.run.direct_io import abandon, close_synced, open_for_writing
 
 __all__ = ["Piece", "Layout", "meta_model", "model_layout", "DcpWriter", "DcpReader", "CheckpointWriter",
-           "CheckpointReader", "DATA_FILE"]
+           "CheckpointReader", "DATA_FILES"]
 
-DATA_FILE = "__0_0.distcp"
+#: the data files a conversion writes (as megatron-core's save with two writer threads names them): chunks go to the
+#: one with fewer bytes so far, so each holds about half and a reader hashes both at once, each on its own thread
+DATA_FILES = ("__0_0.distcp", "__0_1.distcp")
 _COMMON_KEY = "common_state"
 
 
@@ -271,6 +273,8 @@ def _own_storage(t: Any) -> Any:
 #: aligned within them) is aligned in the file and in a page-aligned read of it: a reader makes the tensor over the
 #: bytes read instead of copying them out (:func:`_load_chunk`)
 _BLOB_ALIGN = 64
+#: the position of what no stored chunk holds (read last)
+_NOWHERE = 1 << 62
 
 
 class DcpWriter:
@@ -279,18 +283,24 @@ class DcpWriter:
 
     def __init__(self, d: Path) -> None:
         self.dir = Path(d)
-        self._fh = _HashingFile(open_for_writing(str(self.dir / DATA_FILE), hashed=True))
+        self._fhs: dict[str, _HashingFile] = {}
+        try:
+            for name in DATA_FILES:
+                self._fhs[name] = _HashingFile(open_for_writing(str(self.dir / name), hashed=True))
+        except BaseException:
+            self.abort()
+            raise
         #: {file name: (size, sha256)} of the files written, hashed as the bytes went out (the checksum list's)
         self.hashed: dict[str, tuple[int, str]] = {}
         self._md: dict[str, Any] = {}
         self._storage: dict[Any, Any] = {}
         self.bytes_written = 0
 
-    def _record(self, index: Any, start: int) -> None:
+    def _record(self, index: Any, name: str, start: int) -> None:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-        end = self._fh.tell()
-        self._storage[index] = _StorageInfo(DATA_FILE, start, end - start)
+        end = self._fhs[name].tell()
+        self._storage[index] = _StorageInfo(name, start, end - start)
         self.bytes_written += end - start
 
     def tensor(self, fqn: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], chunk: Any) -> None:
@@ -306,22 +316,24 @@ class DcpWriter:
             raise ValueError(f"{fqn}: chunks of different global shapes or dtypes")
         chunk = _own_storage(chunk)  # torch.save writes a tensor's whole storage: only the chunk's bytes
         md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(chunk.shape)))
-        gap = -self._fh.tell() % _BLOB_ALIGN
+        name = min(self._fhs, key=lambda n: self._fhs[n].tell())
+        fh = self._fhs[name]
+        gap = -fh.tell() % _BLOB_ALIGN
         if gap:  # unindexed zeros: the chunk's data (64-byte aligned in its torch.save bytes) lands aligned in the file
-            self._fh.write(bytes(gap))
-        start = self._fh.tell()
+            fh.write(bytes(gap))
+        start = fh.tell()
         crc = _crc_config()
         with _CRC_LOCK:  # torch's switch is the process's: one save at a time turns it off and back
             was, crc.compute_crc32 = crc.compute_crc32, False  # the file's SHA-256 covers these bytes
             try:
-                torch.save(chunk, self._fh)
+                torch.save(chunk, fh)
             except RuntimeError:
-                if self._fh.error is not None:  # say what failed (a full disk, say), not torch's "unexpected pos"
-                    raise self._fh.error from None
+                if fh.error is not None:  # say what failed (a full disk, say), not torch's "unexpected pos"
+                    raise fh.error from None
                 raise
             finally:
                 crc.compute_crc32 = was
-        self._record(MetadataIndex(fqn, torch.Size(offsets)), start)
+        self._record(MetadataIndex(fqn, torch.Size(offsets)), name, start)
 
     def object(self, fqn: str, data: bytes) -> None:
         """Append a stored object's bytes (see :func:`_pickled_list`)."""
@@ -330,20 +342,24 @@ class DcpWriter:
         if fqn in self._md:
             raise ValueError(f"object {fqn!r} written twice")
         self._md[fqn] = BytesStorageMetadata()
-        start = self._fh.tell()
-        self._fh.write(data)
-        self._record(MetadataIndex(fqn), start)
+        name = DATA_FILES[0]
+        start = self._fhs[name].tell()
+        self._fhs[name].write(data)
+        self._record(MetadataIndex(fqn), name, start)
 
     def abort(self) -> None:
-        """Let go of the data file (a write that failed: its directory is removed)."""
-        self._fh.abort()
+        """Let go of the data files (a write that failed: its directory is removed)."""
+        for fh in self._fhs.values():
+            fh.abort()
+        self._fhs = {}
 
     def close(self) -> None:
-        """Flush the data file to disk and write ``.metadata`` (what torch's writer pickles)."""
+        """Flush the data files to disk and write ``.metadata`` (what torch's writer pickles)."""
         from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-        self.hashed[DATA_FILE] = self._fh.close()
+        for name, fh in self._fhs.items():
+            self.hashed[name] = fh.close()
         md = Metadata(state_dict_metadata=self._md, planner_data=None, storage_data=self._storage,
                       storage_meta=StorageMeta(checkpoint_id=str(self.dir), save_id=str(uuid.uuid4()), load_id=None),
                       version=CURRENT_DCP_VERSION)
@@ -543,11 +559,11 @@ class DcpReader:
         """Let go of the data files' descriptors and the hashing thread (also after a failed read)."""
         self._reads.close()
 
-    def position(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[str, int]:
-        """(file, byte offset) of the first stored chunk of ``fqn`` that meets the box: reading in this order reads
-        the files front to back."""
-        hits = [(info.relative_path, info.offset) for o, s, info in self._chunks.get(fqn, ()) if _overlap(o, s, offsets, sizes)]
-        return min(hits, default=("\uffff", 0))
+    def position(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, str]:
+        """(byte offset, file) of the first stored chunk of ``fqn`` that meets the box: reading in this order reads
+        each file front to back, the files side by side (each hashed on its own thread meanwhile)."""
+        hits = [(info.offset, info.relative_path) for o, s, info in self._chunks.get(fqn, ()) if _overlap(o, s, offsets, sizes)]
+        return min(hits, default=(_NOWHERE, ""))
 
     def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
         """The box at ``offsets`` of ``sizes`` of stored tensor ``fqn``, in its stored dtype."""
@@ -662,7 +678,7 @@ class CheckpointReader:
     def position(self, key: str) -> tuple[str, int]:
         """Where state-dict tensor ``key``'s bytes start (:meth:`DcpReader.position`): read in this order, the data
         files are read front to back."""
-        return min((self.dcp.position(p.fqn, p.offsets, p.sizes) for p in self.layout.pieces[key]), default=("\uffff", 0))
+        return min((self.dcp.position(p.fqn, p.offsets, p.sizes) for p in self.layout.pieces[key]), default=(_NOWHERE, ""))
 
     @property
     def extra(self) -> dict[str, Any]:

@@ -459,9 +459,9 @@ class ChecksummedReads:
     GAP = 4 << 20
     #: a range at least this long is hashed on a helper thread while the caller uses it
     PARALLEL = 4 << 20
-    #: how many ranges may still be hashing once the caller is done with them: the next range is read from the disk
-    #: while the last is hashed (each keeps its buffer until its hash is taken)
-    BEHIND = 1
+    #: how many ranges may still be hashing once the caller is done with them: the next ranges are read from the
+    #: disk while the last are hashed, one per file of a checkpoint written in two (each keeps its buffer until hashed)
+    BEHIND = 2
 
     def __init__(self, d: str | Path, streamed: Any) -> None:
         self.dir = Path(d)
@@ -489,7 +489,7 @@ class ChecksummedReads:
         self._fds: dict[str, int] = {}
         self._paths: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._pool: Any = None
+        self._pools: dict[str, Any] = {}
         self._behind: collections.deque = collections.deque()  # (hash future, let go of its range) per range hashing
         self._direct: DirectReads | None = DirectReads(keep=self.BEHIND + 1)
 
@@ -587,9 +587,9 @@ class ChecksummedReads:
                 let_go()
                 raise
             return HeldRange(mv, let_go, writable=pooled)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-checksum")
-        hashed = self._pool.submit(self._hash, name, offset, mv)  # one thread, so in the order of the reads
+        if name not in self._pools:  # a thread per file: files read side by side are hashed side by side
+            self._pools[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wb-checksum")
+        hashed = self._pools[name].submit(self._hash, name, offset, mv)  # one thread: in the order of the reads
         held = HeldRange(mv, let_go, writable=pooled, hashed=hashed)
         self._behind.append(hashed)
         self._settle(self.BEHIND)
@@ -631,9 +631,9 @@ class ChecksummedReads:
                 self._settle(0)
             except Exception:  # noqa: BLE001  (closing after a failure: the failure is what is reported)
                 pass
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=False)  # idle: every hash it ran was waited for (and this may run on its thread)
-            self._pool = None
+        for pool in getattr(self, "_pools", {}).values():
+            pool.shutdown(wait=False)  # idle: every hash it ran was waited for (and this may run on its thread)
+        self._pools = {}
         for fd in getattr(self, "_fds", {}).values():
             os.close(fd)
         self._fds = {}
