@@ -1,8 +1,8 @@
 """The megatron side of streaming conversion: a workbench checkpoint's tensors read and written one at a time.
 
 A workbench checkpoint is a megatron-core ``torch_dist`` save: ``.metadata`` (torch's ``Metadata``: every
-stored tensor's global shape and the chunks it was written in, each chunk's byte range), ``__0_0.distcp``
-(each chunk a ``torch.save`` of its own, each object a pickled list), megatron's ``metadata.json`` and the
+stored tensor's global shape and the chunks it was written in, each chunk's byte range), the data files
+(``__0_0.distcp``, ``__0_1.distcp``: each chunk a ``torch.save`` of its own, each object a pickled list), megatron's ``metadata.json`` and the
 workbench's ``workbench.json``.  Global tensors are keyed by megatron's sharded keys (layers stacked on a
 leading axis, TE-style norm names, SwiGLU's ``fc1`` as two halves), so a checkpoint written at one TP/PP loads
 at any other: TP split/merge and PP layer placement happen when megatron-core loads it, never on disk.
