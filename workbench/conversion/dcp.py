@@ -15,10 +15,10 @@ applied), so the conversion never re-implements megatron's key naming.  Then
   common state as megatron writes them, ``.metadata`` and ``metadata.json``; ``workbench.json`` (checksums,
   ``complete``) and the rename into place are :func:`workbench.backend.checkpointing.save_checkpoint`'s own
   last step.  megatron-core's ``dist_checkpointing.load`` (training, generation, verification) reads the result
-  as it reads its own saves.  Chunks are saved without ``torch.save``'s zip CRC-32 (the data file's SHA-256 in
+  as it reads its own saves.  Chunks are saved without ``torch.save``'s zip CRC-32 (the data files' SHA-256 in
   the checksum list covers every byte; ``torch.load`` reads such a file, as
-  ``torch.serialization.set_crc32_options`` documents); the data file is written past the
-  page cache where the file system allows, hashed from the writer's own buffers
+  ``torch.serialization.set_crc32_options`` documents); the data files are written past the
+  page cache where the file system allows, hashed from the writers' own buffers
   (:class:`workbench.run.direct_io.DirectWriter`).
 - :class:`CheckpointReader` reads one state-dict tensor at a time from the stored chunks that overlap it,
   each chunk through :func:`workbench.run.integrity.safe_torch_load` and ``.metadata`` through the allow-list
@@ -278,7 +278,7 @@ _NOWHERE = 1 << 62
 
 
 class DcpWriter:
-    """A torch_dist directory written item by item: tensor chunks and objects appended to one data file, the
+    """A torch_dist directory written item by item: tensor chunks and objects appended to its data files, the
     index (``.metadata``) written by :meth:`close`."""
 
     def __init__(self, d: Path) -> None:
@@ -455,8 +455,11 @@ def _load_chunk(held: Any, source: str) -> Any:
             try:
                 return base.view(meta.dtype).as_strided(meta.size(), meta.stride(), meta.storage_offset())
             except RuntimeError as e:
-                raise CheckpointError(f"{source} is damaged: its tensor does not fit its data ({str(e).splitlines()[0]}) "
-                                      "-> copy it again from its source") from None
+                why = str(e).splitlines()[0]
+            base = arr = None  # (let go of the bytes before the error travels)
+            raise CheckpointError(f"{source} is damaged: its tensor does not fit its data ({why}) -> copy it again from "
+                                  "its source")
+        arr = None
     t = loaded("cpu")
     held.done()
     return t
@@ -675,7 +678,7 @@ class CheckpointReader:
         """:meth:`DcpReader.close`."""
         self.dcp.close()
 
-    def position(self, key: str) -> tuple[str, int]:
+    def position(self, key: str) -> tuple[int, str]:
         """Where state-dict tensor ``key``'s bytes start (:meth:`DcpReader.position`): read in this order, the data
         files are read front to back."""
         return min((self.dcp.position(p.fqn, p.offsets, p.sizes) for p in self.layout.pieces[key]), default=(_NOWHERE, ""))

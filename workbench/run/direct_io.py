@@ -133,7 +133,10 @@ class DirectReads:
                 os.close(fd)
             self._fds = {}
             for b in self._idle:
-                b.close()
+                try:
+                    b.close()
+                except BufferError:  # an array over it is being freed: unmapped once it has gone
+                    pass
             self._idle = []
 
 
