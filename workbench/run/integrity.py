@@ -490,7 +490,7 @@ class ChecksummedReads:
         self._paths: dict[str, str] = {}
         self._lock = threading.Lock()
         self._pools: dict[str, Any] = {}
-        self._behind: collections.deque = collections.deque()  # (hash future, let go of its range) per range hashing
+        self._behind: collections.deque = collections.deque()  # the hash futures of ranges not yet settled, oldest first
         self._direct: DirectReads | None = DirectReads(keep=self.BEHIND + 1)
 
     def _fd(self, name: str) -> int:
