@@ -12,6 +12,7 @@ Benchmark-only code: it lives in ``bench/``, never in ``workbench/``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,15 +36,15 @@ def sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(step: Callable[[], Any], n: int, cuda: bool) -> list[float]:
+def time_steps(step: Callable[[], Any], n: int, cuda: bool, clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """Seconds of each of ``n`` calls of ``step``, the device synchronised before and after each."""
     out = []
     for _ in range(n):
         sync(cuda)
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
         sync(cuda)
-        out.append(time.perf_counter() - t0)
+        out.append(clock() - t0)
     return out
 
 
@@ -51,6 +53,143 @@ def median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if s else float("nan")
 
+
+# --------------------------------------------------------------------------- the measurement protocol
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How every throughput row is measured (the one protocol; a row stores it under ``"protocol"``).
+
+    A side (one variant of a comparison) is run ``repeats`` times, each in a fresh process, interleaved with
+    the other side (A B A B A B) so that drift of clocks, temperature or neighbours hits both alike.  In each
+    process :func:`warm_up` steps until the last ``window`` step times agree within ``tolerance`` (at least
+    ``warmup_min`` steps, at most ``warmup_max`` steps or ``warmup_max_s`` seconds: a run that never settles
+    is marked ``steady: false``), then ``steps`` steps are timed, each between device synchronisations; the
+    process's number is the median step.  The row stores every repeat's median, the median of the medians
+    and the spread; a ratio of two sides is reported with its range, the worst and best of all pairings of
+    their repeats (:func:`ratio`), and a target counts as met only when the worst pairing clears it."""
+
+    steps: int = 20
+    repeats: int = 3
+    warmup_min: int = 5
+    warmup_max: int = 60
+    warmup_max_s: float = 180.0
+    window: int = 5
+    tolerance: float = 0.03
+
+    NAME = "harness-v1"
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.NAME, **dataclasses.asdict(self)}
+
+
+#: CPU smokes (CI): the protocol's code at its smallest (one repeat: the interleaving has a test of its own)
+SMOKE = Protocol(steps=2, repeats=1, warmup_min=2, warmup_max=3, window=2, tolerance=10.0)
+
+
+def settled(times: list[float], window: int, tolerance: float) -> bool:
+    """Whether the last ``window`` times agree within ``tolerance`` (max - min over their median)."""
+    if len(times) < window:
+        return False
+    last = times[-window:]
+    return (max(last) - min(last)) / median(last) <= tolerance
+
+
+def warm_up(step: Callable[[], Any], cuda: bool, p: Protocol, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Untimed-for-the-row steps until steady (see :class:`Protocol`): their times, count, seconds, and whether
+    the bound was reached first (``steady: false``).  ``clock``: the time source (tests plant one)."""
+    times: list[float] = []
+    t0 = clock()
+    while True:
+        sync(cuda)
+        s = clock()
+        step()
+        sync(cuda)
+        times.append(clock() - s)
+        if len(times) >= p.warmup_min and settled(times, p.window, p.tolerance):
+            steady = True
+            break
+        if len(times) >= p.warmup_max or clock() - t0 >= p.warmup_max_s:
+            steady = False
+            break
+    return {"warmup_steps": len(times), "warmup_times": times, "warmup_s": clock() - t0, "steady": steady}
+
+
+def measure_steps(step: Callable[[], Any], cuda: bool, p: Protocol, clock: Callable[[], float] = time.perf_counter,
+                  before_timing: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """One process's measurement under ``p``: :func:`warm_up`, then ``p.steps`` timed steps; the median step
+    (``step_s``), every step time and the warm-up record.  ``before_timing`` runs between the two (e.g. a
+    reset of the peak-memory counters)."""
+    warm = warm_up(step, cuda, p, clock)
+    if before_timing is not None:
+        before_timing()
+    times = time_steps(step, p.steps, cuda, clock)
+    return {"step_times": times, "step_s": median(times), **warm}
+
+
+def side(values: list[float]) -> dict[str, Any]:
+    """One side's repeats (each a process's number, e.g. tokens/s): all of them, their median and spread
+    ((max - min) / median)."""
+    m = median(values)
+    return {"repeats": values, "median": m, "min": min(values), "max": max(values), "spread": (max(values) - min(values)) / m}
+
+
+def ratio(a: list[float], b: list[float], target: float | None = None) -> dict[str, Any]:
+    """``a`` over ``b`` (higher is better on both, e.g. tokens/s): the ratio of the medians and its range over
+    every pairing of a repeat of ``a`` with a repeat of ``b`` (worst: ``min(a) / max(b)``); ``met`` only when the
+    worst pairing clears ``target`` (None: no target)."""
+    worst, best = min(a) / max(b), max(a) / min(b)
+    out: dict[str, Any] = {"ratio": median(a) / median(b), "worst": worst, "best": best,
+                           "paired": [x / y for x, y in zip(a, b)]}  # repeat i of each side, run back to back
+    if target is not None:
+        out.update(target=target, met=worst >= target)
+    return out
+
+
+def interleaved(sides: dict[str, Callable[[int], dict[str, Any]]], repeats: int) -> dict[str, list[dict[str, Any]]]:
+    """Each side's measurement ``repeats`` times, interleaved (A B A B ...): ``sides[name](i)`` runs repeat ``i``
+    in a fresh process and returns its result; the wall seconds each took are added (``repeat_wall_s``: what
+    a repeat costs, compile cache warm after the first)."""
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for i in range(repeats):
+        for name, run_one in sides.items():
+            t0 = time.perf_counter()
+            res = run_one(i)
+            res["repeat_wall_s"] = round(time.perf_counter() - t0, 1)
+            out[name].append(res)
+    return out
+
+
+def compare(results: dict[str, list[dict[str, Any]]], over: str, base: str, key: str = "tokens_per_s",
+            target: float | None = None) -> dict[str, Any] | None:
+    """The protocol's comparison of side ``over`` against side ``base`` on ``key``: both sides' repeats and the
+    ratio with its range; None when a repeat of either side has no number (its ``error`` says why)."""
+    a = [r.get(key) for r in results[over]]
+    b = [r.get(key) for r in results[base]]
+    if not a or not b or any(x is None for x in a + b):
+        return None
+    return {over: side(a), base: side(b), **ratio(a, b, target)}
+
+
+
+def add_protocol_args(ap: argparse.ArgumentParser) -> None:
+    """The protocol's knobs on a benchmark's command line (defaults: :class:`Protocol`'s)."""
+    d = Protocol()
+    ap.add_argument("--steps", type=int, default=d.steps, help=f"timed steps per process (default {d.steps})")
+    ap.add_argument("--repeats", type=int, default=d.repeats, help=f"fresh processes per side, interleaved (default {d.repeats})")
+    ap.add_argument("--warmup", type=int, default=d.warmup_min, help=f"at least this many warm-up steps (default {d.warmup_min})")
+    ap.add_argument("--warmup-max", type=int, default=d.warmup_max,
+                    help=f"at most this many warm-up steps while step times have not settled (default {d.warmup_max})")
+
+
+def protocol(a: argparse.Namespace) -> Protocol:
+    """The protocol a benchmark's arguments ask for (``--cpu-smoke``: :data:`SMOKE`'s size, at most)."""
+    if getattr(a, "cpu_smoke", False):
+        return dataclasses.replace(SMOKE, steps=min(a.steps, SMOKE.steps), repeats=min(getattr(a, "repeats", 1), SMOKE.repeats))
+    d = Protocol()
+    return dataclasses.replace(d, steps=a.steps, repeats=getattr(a, "repeats", d.repeats), warmup_min=a.warmup,
+                               warmup_max=max(getattr(a, "warmup_max", d.warmup_max), a.warmup))
 
 # --------------------------------------------------------------------------- a family's one-GPU training rows
 
@@ -85,8 +224,8 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
     """One training measurement in this (torchrun) process: ``kind`` "reference" trains
     ``reference(cfg, device=, compile=)`` (a :class:`HFReference`) on 8 micro-batches of ``dataset(cfg)``
     cycled; anything else trains the workbench's ``Trainer`` and adds the planner's rank-0 peak.
-    ``a.warmup`` untimed steps, then ``a.steps`` timed ones: step times, median step, tokens/s,
-    peak memory and (GPU) MFU."""
+    Measured by :func:`measure_steps` under :func:`protocol` ``(a)`` (warm-up until steady, then the timed
+    steps): step times, median step, the warm-up record, tokens/s, peak memory and (GPU) MFU."""
     import torch
 
     from workbench.config import derive
@@ -114,32 +253,25 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
             state["i"] += 1
             return ref.step([pool[(i * k + j) % len(pool)] for j in range(k)])
 
-        for _ in range(a.warmup):
-            step()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        times = time_steps(step, a.steps, cuda)
     else:
         from workbench import planner
         from workbench.backend.train import Trainer
 
         tr = Trainer(cfg, tempfile.mkdtemp(prefix=tmp_prefix))
         tr.setup()
-        for _ in range(a.warmup):
-            tr.train_step()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        times = time_steps(tr.train_step, a.steps, cuda)
+        step = tr.train_step
+    measured = measure_steps(step, cuda, protocol(a), before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
+    if kind != "reference":
         plan = planner.predict(cfg)
         out["planner_peak_allocated"] = int(plan.stages[0].peak_allocated)
         out["kernel_path"] = tr.kernel_path
-    step_s = median(times)
+    step_s = measured["step_s"]
     from torch._dynamo.utils import counters
 
     # where compiling fell short: graph breaks, and compiled graphs that cudagraph trees did not record
     out.update(graph_breaks=int(sum(counters["graph_break"].values())),
                cudagraph_skips=int(counters["inductor"].get("cudagraph_skips", 0)))
-    out.update(step_times=times, step_s=step_s, tokens_per_s=d.tokens_per_step / step_s,
+    out.update(measured, tokens_per_s=d.tokens_per_step / step_s,
                mem_peak=int(torch.cuda.max_memory_allocated()) if cuda else None,
                device=torch.cuda.get_device_name() if cuda else "cpu")
     if cuda:
@@ -284,13 +416,19 @@ def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, ove
 
 
 def throughput_row(script: str, preset_name: str, a: argparse.Namespace, cfg: Any, *, row: str = "throughput",
-                   over: dict[str, Any] | None = None, target: str = ">= 1.15") -> dict[str, Any]:
-    """The workbench against the HF reference, same config ``cfg`` (the preset as shipped, or ``over`` on top,
-    which ``row`` then names), same batches, same GPU: tokens/s ratio."""
-    wb, ref = measure(script, "workbench", preset_name, a, over), measure(script, "reference", preset_name, a, over)
-    ratio = wb["tokens_per_s"] / ref["tokens_per_s"] if "tokens_per_s" in wb and "tokens_per_s" in ref else None
-    return {"row": row, "preset": preset_name, "settings": settings(cfg), "workbench": wb, "reference": ref, "ratio": ratio,
-            "target": target}
+                   over: dict[str, Any] | None = None, target: float | None = 1.15, note: str | None = None) -> dict[str, Any]:
+    """The workbench against the HF reference under the protocol: same config ``cfg`` (the preset as shipped, or
+    ``over`` on top, which ``row`` then names), same batches, same GPU, each side ``repeats`` times in fresh
+    processes, interleaved: every repeat's result, the tokens/s ratio of the medians with its range, and
+    whether the worst pairing clears ``target`` (None: a row with no target, ``note`` says why)."""
+    p = protocol(a)
+    res = interleaved({kind: (lambda i, kind=kind: measure(script, kind, preset_name, a, over)) for kind in ("workbench", "reference")},
+                      p.repeats)
+    cmp = compare(res, "workbench", "reference", target=target)
+    return {"row": row, "preset": preset_name, "settings": settings(cfg), "protocol": p.record(),
+            "workbench": res["workbench"], "reference": res["reference"], "comparison": cmp,
+            "ratio": cmp["ratio"] if cmp else None, "range": [cmp["worst"], cmp["best"]] if cmp else None,
+            "target": f">= {target:g} (worst pairing)" if target is not None else note, "met": cmp.get("met") if cmp else None}
 
 
 def planner_row(script: str, preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -319,7 +457,7 @@ def dropout_row(script: str, preset_name: str, a: argparse.Namespace) -> dict[st
     ``auto``; ``te_vs_sdpa``: TE's tokens/s over SDPA's (TE's side is an ``error`` where TE is not importable)."""
     res = {b: measure(script, "workbench", preset_name, a, {**DROPOUT, "model.attention_backend": b}) for b in ("sdpa", "te", "auto")}
     tps = {b: r.get("tokens_per_s") for b, r in res.items()}
-    return {"row": "dropout", "preset": preset_name, **{b: {k: r.get(k) for k in ("tokens_per_s", "mfu", "mem_peak", "kernel_path", "error")}
+    return {"row": "dropout", "preset": preset_name, "measured": "one process per backend: not a protocol ratio", **{b: {k: r.get(k) for k in ("tokens_per_s", "mfu", "mem_peak", "kernel_path", "error")}
                                                        for b, r in res.items()},
             "te_vs_sdpa": tps["te"] / tps["sdpa"] if tps["te"] and tps["sdpa"] else None}
 
@@ -344,7 +482,7 @@ def training_rows(script: str, a: argparse.Namespace, presets: list[str], cfg: C
     out = [throughput_row(script, name, a, cfg(name)) for name in presets] if "throughput" in want else []
     if "throughput-dropout0" in want:
         out.append(throughput_row(script, presets[0], a, cfg(presets[0], **DROPOUT0), row="throughput-dropout0",
-                                  over=DROPOUT0, target="(dropout 0: not the presets' setting)"))
+                                  over=DROPOUT0, target=None, note="(dropout 0: not the presets' setting)"))
     if "planner" in want:
         out += [planner_row(script, name, a) for name in presets]
     if "dropout" in want:
@@ -357,8 +495,7 @@ def parser(doc: str, *, rows: str, rows_help: str, smoke_help: str, out: str, pr
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--rows", default=rows, help=rows_help)
     ap.add_argument("--presets", default=None, help="comma list: only these of the benchmark's presets (default: all)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    add_protocol_args(ap)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--cpu-smoke", action="store_true", help=smoke_help)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out))
@@ -371,11 +508,9 @@ def parser(doc: str, *, rows: str, rows_help: str, smoke_help: str, out: str, pr
 
 def run(a: argparse.Namespace, worker: Callable[[argparse.Namespace], dict[str, Any]],
         rows: Callable[[argparse.Namespace], list[dict[str, Any]]]) -> int:
-    """A family benchmark's main: ``--cpu-smoke`` caps steps at 2 (warm-up 1); a worker writes its result
+    """A family benchmark's main (``--cpu-smoke``: the protocol at :data:`SMOKE`'s size); a worker writes its result
     (rank 0); the launcher appends each of ``rows(a)`` to ``--out`` stamped with date, commit and
     ``cpu_smoke``, and prints a brief of each."""
-    if a.cpu_smoke:
-        a.steps, a.warmup = min(a.steps, 2), min(a.warmup, 1)
     if a.worker:
         res = worker(a)
         if int(os.environ.get("RANK", "0")) == 0:
@@ -391,26 +526,32 @@ def run(a: argparse.Namespace, worker: Callable[[argparse.Namespace], dict[str, 
         for r in results:
             fh.write(json.dumps({**stamp, **r}) + "\n")
     for r in results:
-        brief = {k: v for k, v in r.items() if k not in ("workbench", "reference", "losses")}
+        brief = {k: v for k, v in r.items() if k not in ("workbench", "reference", "losses", "comparison", "protocol")}
         if r["row"].startswith("throughput"):
-            brief.update(workbench_tokens_per_s=r["workbench"].get("tokens_per_s"), reference_tokens_per_s=r["reference"].get("tokens_per_s"),
-                         mfu=r["workbench"].get("mfu"), errors=[x.get("error") for x in (r["workbench"], r["reference"]) if x.get("error")])
+            brief.update(mfu=[x.get("mfu") for x in r["workbench"]], steady=[x.get("steady") for x in r["workbench"] + r["reference"]],
+                         repeat_wall_s=[x.get("repeat_wall_s") for x in r["workbench"] + r["reference"]],
+                         errors=[x.get("error")[-500:] for x in r["workbench"] + r["reference"] if x.get("error")])
         print(json.dumps(brief, default=str))
     print_ratios(results)
     return 0
 
 
 def print_ratios(results: list[dict[str, Any]]) -> None:
-    """One line per throughput row: the workbench's and the yardstick's tokens/s side by side, and their ratio."""
+    """One line per throughput row: both sides' median tokens/s and spread, the ratio with its range, the verdict."""
     rows = [r for r in results if r["row"].startswith("throughput")]
     if rows:
-        print(f"{'row':<20} {'preset':<14} {'dropout h/a':<12} {'batch':<8} {'workbench':>11} {'reference':>11} {'ratio':>7}")
+        print(f"{'row':<20} {'preset':<14} {'dropout h/a':<12} {'batch':<8} {'workbench':>18} {'reference':>18} {'ratio [worst, best]':>22}  met")
     for r in rows:
-        st, wb, ref = r["settings"], r["workbench"].get("tokens_per_s"), r["reference"].get("tokens_per_s")
-        fmt = lambda v: f"{v / 1e3:10.1f}k" if v else f"{'error':>11}"  # noqa: E731
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+        st, c = r["settings"], r.get("comparison")
+        if not c:
+            errors = [x.get("error", "")[-200:] for x in r["workbench"] + r["reference"] if x.get("error")]
+            print(f"{r['row']:<20} {r['preset']:<14} error: {errors[:1]}")
+            continue
+        fmt = lambda sd: f"{sd['median'] / 1e3:9.1f}k ±{sd['spread'] * 50:4.1f}%"  # noqa: E731 (half the spread)
+        rng = f"{c['ratio']:.2f}x [{c['worst']:.2f}, {c['best']:.2f}]"
         print(f"{r['row']:<20} {r['preset']:<14} {st['hidden_dropout']:g}/{st['attention_dropout']:<10g} "
-              f"{st['micro_batch_size']}x{st['microbatches']:<6} {fmt(wb)} {fmt(ref)} {ratio:>7}")
+              f"{st['micro_batch_size']}x{st['microbatches']:<6} {fmt(c['workbench']):>18} {fmt(c['reference']):>18} {rng:>22}  "
+              f"{'-' if r.get('met') is None else ('yes' if r['met'] else 'NO')}")
 
 
 # --------------------------------------------------------------------------- the HF references' step

@@ -365,7 +365,7 @@ def _fast_layer_stats(tr: Any) -> dict[str, Any]:
 def _profiled(v: "Variant", a: argparse.Namespace) -> bool:
     """--profile: the variants named by --profile-variants, else the reference and default
     workbench rows of --profile-model."""
-    if not a.profile:
+    if not a.profile or a.repeat_index:  # the first repeat alone is profiled
         return False
     if a.profile_variants:
         return v.name in a.profile_variants.split(",")
@@ -412,19 +412,14 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         state["i"] += 1
         return trainer.step([pool[(i * k + j) % len(pool)] for j in range(k)])
 
-    t_warm = time.perf_counter()
-    losses = [step() for _ in range(a.warmup)]
-    warmup_s = time.perf_counter() - t_warm
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = harness.time_steps(step, a.steps, cuda)
+    first_loss = step()
+    measured = harness.measure_steps(step, cuda, harness.protocol(a), before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
     prof = _maybe_profile(step, cuda, _profiled(v, a), top=a.profile_top)
-    host = _host_profile(step, cuda, a.host_profile and v.model == a.profile_model)
+    host = _host_profile(step, cuda, a.host_profile and v.model == a.profile_model and a.repeat_index == 0)
     return {
         "host_profile": host,
-        "step_times": times,
-        "warmup_s": warmup_s,
-        "first_loss": losses[0] if losses else None,
+        **measured,
+        "first_loss": first_loss,
         "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None,
         "mem_reserved_peak": int(torch.cuda.max_memory_reserved()) if cuda else None,
         "profile": prof,
@@ -457,17 +452,12 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     tr.setup()
     t = tr.cfg.train
     t.microbatch_timing_interval = 0  # the timed steps: no micro-batch timing, no events
-    t_warm = time.perf_counter()
     first = tr.train_step()
-    for _ in range(max(a.warmup - 1, 0)):
-        tr.train_step()
-    warmup_s = time.perf_counter() - t_warm
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times = harness.time_steps(tr.train_step, a.steps, cuda)
+    measured = harness.measure_steps(tr.train_step, cuda, harness.protocol(a),
+                                     before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
     mem_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
     stream = None
-    if not a.no_stream_cost and v.name.startswith("workbench/"):
+    if not a.no_stream_cost and v.name.startswith("workbench/") and a.repeat_index == 0:
         # The event stream's own cost: the Trainer's full loop (step + microbatch events every
         # step, micro-batch CUDA-event timing every step, the per-step stop agreement) against
         # bare train steps with timing off.  Each loop call also emits run_start (one-time
@@ -508,11 +498,10 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0,
                   "loop_s_n": t_n, "loop_s_2n": t_2n, "bare_s_n": b_n, "bare_s_2n": b_2n, "n": n}
     prof = _maybe_profile(tr.train_step, cuda, _profiled(v, a), top=a.profile_top)
-    host = _host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model)
+    host = _host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model and a.repeat_index == 0)
     losses = first.get("losses") or {}
     return {
-        "step_times": times,
-        "warmup_s": warmup_s,
+        **measured,
         "first_loss": losses.get("lm loss"),
         "mem_peak": mem_peak,
         # CUDA-graph replays allocate nothing: their pool shows up as reserved, not allocated
@@ -637,6 +626,8 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
         "mem_peak_gib": (res["mem_peak"] / 2**30) if res.get("mem_peak") else None,
         "mem_reserved_peak_gib": (res["mem_reserved_peak"] / 2**30) if res.get("mem_reserved_peak") else None,
         "warmup_s": res.get("warmup_s"),
+        "warmup_steps": res.get("warmup_steps"),
+        "steady": res.get("steady"),
         "first_loss": res.get("first_loss"),
         "kernel_path": res.get("kernel_path"),
         "kernels": res.get("kernels"),
@@ -650,36 +641,67 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
     return row
 
 
+def merge_repeats(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's row from its repeats (the protocol): the median repeat's row, with every repeat's tokens/s,
+    their median and spread (``repeats``), each repeat's brief (``repeat_rows``), and the first repeat's profile
+    and event-stream cost (only it measures them).  A failed repeat fails the row (its error kept)."""
+    brief = [{k: r.get(k) for k in ("repeat", "ok", "tokens_per_s", "step_s", "warmup_steps", "steady", "wall_s", "mem_peak_gib", "error")}
+             for r in rs]
+    ok = [r for r in rs if r["ok"]]
+    if len(ok) < len(rs):
+        bad = next(r for r in rs if not r["ok"])
+        return {**bad, "ok": False, "repeat_rows": brief}
+    tps = [r["tokens_per_s"] for r in ok]
+    row = dict(next(r for r in ok if r["tokens_per_s"] == harness.median(tps)))  # the upper median is a repeat
+    for key in ("profile", "host_profile", "stream_cost", "event_stream_overhead", "fast_layer"):
+        row.pop(key, None)
+        if rs[0].get(key) is not None:
+            row[key] = rs[0][key]
+    row.pop("repeat", None)
+    row.update(repeats=harness.side(tps), repeat_rows=brief)
+    return row
+
+
+def _range(r: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """``r`` over ``base`` under the protocol: the ratio of medians and its worst and best pairing."""
+    return harness.ratio(r["repeats"]["repeats"], base["repeats"]["repeats"])
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     by_name = {r["variant"]: r for r in rows}
     # allocated peak, and reserved: CUDA-graph pools (the compiled layers' activations) count only there
-    hdr = (f"{'variant':28s} {'gpus':>4s} {'tok/s':>10s} {'MFU':>6s} {'mem GiB':>8s} {'resv GiB':>8s} {'vs ref':>7s} "
-           f"{'scaling':>8s} {'events':>7s}")
+    hdr = (f"{'variant':28s} {'gpus':>4s} {'tok/s':>10s} {'spread':>7s} {'MFU':>6s} {'mem GiB':>8s} {'resv GiB':>8s} "
+           f"{'vs ref [worst, best]':>22s} {'scaling [worst, best]':>22s} {'events':>7s}")
     print(hdr)
     print("-" * len(hdr))
+    fmt = lambda c: f"{c['ratio']:.2f}x [{c['worst']:.2f}, {c['best']:.2f}]" if c else "-"  # noqa: E731
     for r in rows:
         if not r["ok"]:
             print(f"{r['variant']:28s} {r['gpus']:>4d}  FAILED: {str(r.get('error'))[:80]}")
             continue
         ref = by_name.get(f"reference/{r['model']}")
-        vs = r["tokens_per_s"] / ref["tokens_per_s"] if ref and ref.get("ok") else None
-        r["ratio_to_reference"] = vs
-        sc = r.get("scaling")
+        vs = _range(r, ref) if ref and ref.get("ok") else None
+        r["ratio_to_reference"] = vs["ratio"] if vs else None
+        r["ratio_to_reference_range"] = [vs["worst"], vs["best"]] if vs else None
+        sc = {"ratio": r["scaling"], "worst": r["scaling_range"][0], "best": r["scaling_range"][1]} if r.get("scaling") else None
         ev = r.get("event_stream_overhead")
-        print(f"{r['variant']:28s} {r['gpus']:>4d} {r['tokens_per_s']:>10.0f} {r['mfu'] * 100:>5.1f}% "
-              f"{(r['mem_peak_gib'] or 0):>8.2f} {(r.get('mem_reserved_peak_gib') or 0):>8.2f} {('%.2fx' % vs) if vs else '-':>7s} {('%.2fx' % sc) if sc else '-':>8s} "
+        print(f"{r['variant']:28s} {r['gpus']:>4d} {r['tokens_per_s']:>10.0f} {r['repeats']['spread'] * 100:>6.1f}% {r['mfu'] * 100:>5.1f}% "
+              f"{(r['mem_peak_gib'] or 0):>8.2f} {(r.get('mem_reserved_peak_gib') or 0):>8.2f} {fmt(vs):>22s} {fmt(sc):>22s} "
               f"{('%+.1f%%' % (ev * 100)) if ev is not None else '-':>7s}")
 
 
 def add_scaling(rows: list[dict[str, Any]], variants: list[Variant]) -> None:
-    """Speed-up over the variant's single-GPU baseline, and the target it is judged against."""
+    """Speed-up over the variant's single-GPU baseline (ratio of medians, with its worst and best pairing), and the
+    target it is judged against: met only when the worst pairing clears it."""
     by_name = {r["variant"]: r for r in rows}
     for v in variants:
         r = by_name.get(v.name)
         base = by_name.get(v.baseline or "")
         if not (r and base and r["ok"] and base["ok"]):
             continue
-        r["scaling"] = r["tokens_per_s"] / base["tokens_per_s"]
+        c = _range(r, base)
+        r["scaling"], r["scaling_range"] = c["ratio"], [c["worst"], c["best"]]
+        worst = c["worst"]
         if v.name.startswith("pp"):
             m, p = r["microbatches"], r["pp"]
             ideal = p * m / (m + p - 1)  # 1F1B with bubble (p-1)/m relative to the work
@@ -690,27 +712,26 @@ def add_scaling(rows: list[dict[str, Any]], variants: list[Variant]) -> None:
             elif "-vpp" in v.name:
                 plain = by_name.get(v.name.replace("-vpp2", ""))
                 r["target"] = ">= 1.6x one GPU and >= pp2-m8"
-                r["meets_target"] = r["scaling"] >= 1.6 and bool(plain and plain["ok"] and r["tokens_per_s"] >= plain["tokens_per_s"])
+                r["meets_target"] = worst >= 1.6 and bool(plain and plain["ok"] and _range(r, plain)["worst"] >= 1.0)
             else:
-                r["target"], r["meets_target"] = ">= 1.6x one GPU (ideal 1.78x)", r["scaling"] >= 1.6
+                r["target"], r["meets_target"] = ">= 1.6x one GPU (ideal 1.78x)", worst >= 1.6
         elif v.name.startswith("tp"):
             bar = 1.7 if "llama3.2-3b" in v.name else 1.6
-            r["target"], r["meets_target"] = f">= {bar}x one GPU", r["scaling"] >= bar
+            r["target"], r["meets_target"] = f">= {bar}x one GPU", worst >= bar
         elif "-fp8-" in v.name:
-            r["target"], r["meets_target"] = f">= 1.2x {v.baseline}", r["scaling"] >= 1.2
+            r["target"], r["meets_target"] = f">= 1.2x {v.baseline}", worst >= 1.2
         elif v.name.startswith("dp"):
-            r["target"], r["meets_target"] = ">= 1.9x one GPU", r["scaling"] >= 0.95 * r["gpus"]
+            r["target"], r["meets_target"] = ">= 1.9x one GPU", worst >= 0.95 * r["gpus"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="short run: 3 warm-up + 6 timed steps")
+    ap.add_argument("--quick", action="store_true", help="short run, NOT the protocol (one repeat, 3 warm-up + 6 timed steps; rows say so)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny config, 2 steps, on CPU (for CI)")
     ap.add_argument("--models", default="gpt2-small,gpt2-medium", help="comma list of gpt2-small, gpt2-medium, gpt2-large, llama3.2-1b, llama3.2-3b")
     ap.add_argument("--variants", default="", help="comma list of variant-name prefixes to run (default: all that fit)")
     ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step and data-parallel rank")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (compile, allocator)")
+    harness.add_protocol_args(ap)
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="peak dense TFLOP/s per GPU for MFU (default 989)")
     ap.add_argument("--profile", action="store_true", help="torch-profiler summary for the reference and default workbench")
     ap.add_argument("--profile-model", default="gpt2-small")
@@ -724,14 +745,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--gpus", type=int, default=None, help="use at most this many GPUs (default: all visible)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--repeat-index", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    steps, warmup = (2, 1) if a.cpu_smoke else (6, 3) if a.quick else (20, 5)
-    a.steps = steps if a.steps is None else a.steps
-    a.warmup = warmup if a.warmup is None else a.warmup
-    if a.cpu_smoke:
-        a.microbatches = 2
-    if a.steps < 1 or a.warmup < 0 or a.microbatches < 1:
-        ap.error("--steps must be >= 1, --warmup >= 0, --microbatches >= 1")
+    if a.quick:
+        a.steps, a.warmup, a.repeats = 6, 3, 1
+    if a.cpu_smoke:  # the protocol at its smallest (harness.SMOKE)
+        a.microbatches, a.steps, a.repeats = 2, min(a.steps, harness.SMOKE.steps), harness.SMOKE.repeats
+    if a.steps < 1 or a.warmup < 0 or a.microbatches < 1 or a.repeats < 1:
+        ap.error("--steps must be >= 1, --warmup >= 0, --microbatches >= 1, --repeats >= 1")
 
     if a.worker:
         return worker(a)
@@ -760,7 +781,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not variants:
             ap.error(f"--variants {a.variants!r} matches nothing")
 
-    passthrough = [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--profile-model={a.profile_model}",
+    passthrough = [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--warmup-max={a.warmup_max}", f"--repeats={a.repeats}",
+                   f"--profile-model={a.profile_model}",
                    f"--profile-variants={a.profile_variants}", f"--profile-top={a.profile_top}"]
     for flag in ("cpu_smoke", "profile", "host_profile", "no_stream_cost", "no_compile_reference"):
         if getattr(a, flag):
@@ -768,21 +790,27 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     device = _device_name(a.cpu_smoke)
     commit, date = _git_commit(), _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    rows = []
+    proto = harness.protocol(a)
+    measured = "quick: one short pass, not the protocol" if a.quick else "protocol"
     partial = Path(a.out).with_suffix(".partial.jsonl")
     partial.parent.mkdir(parents=True, exist_ok=True)
-    for v in variants:
-        print(f"[bench] {v.name} on {v.gpus or 'cpu'} GPU(s) ...", flush=True)
-        res = _launch(v, a, passthrough)
-        cfg = bench_config(v, a.cpu_smoke)
-        row = summarise(v, res, cfg, a.peak_tflops, gpus)
-        row.update({"device": device, "date": date, "git_commit": commit, "peak_tflops": a.peak_tflops,
-                    "quick": bool(a.quick), "cpu_smoke": bool(a.cpu_smoke)})
-        rows.append(row)
-        print(f"[bench] {v.name}: " + (f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, wall {row['wall_s']} s"
-                                       if row["ok"] else f"FAILED: {row.get('error')}\n{row.get('log_tail', '')}"), flush=True)
-        with open(partial, "a") as fh:  # survives a launch that is cut short
-            fh.write(json.dumps(row, default=str) + "\n")
+    repeats: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
+    for i in range(proto.repeats):  # interleaved: every variant once, then again (fresh processes each time)
+        for v in variants:
+            print(f"[bench] {v.name} on {v.gpus or 'cpu'} GPU(s), repeat {i + 1}/{proto.repeats} ...", flush=True)
+            res = _launch(v, a, passthrough + [f"--repeat-index={i}"])
+            row = summarise(v, res, bench_config(v, a.cpu_smoke), a.peak_tflops, gpus)
+            row.update({"device": device, "date": date, "git_commit": commit, "repeat": i})
+            repeats[v.name].append(row)
+            print(f"[bench] {v.name}: " + (f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, wall {row['wall_s']} s, "
+                                           f"warm-up {row.get('warmup_steps')} steps{'' if row.get('steady') else ' (NOT steady)'}"
+                                           if row["ok"] else f"FAILED: {row.get('error')}\n{row.get('log_tail', '')}"), flush=True)
+            with open(partial, "a") as fh:  # survives a launch that is cut short
+                fh.write(json.dumps(row, default=str) + "\n")
+    rows = [merge_repeats(repeats[v.name]) for v in variants]
+    for row in rows:
+        row.update({"device": device, "date": date, "git_commit": commit, "peak_tflops": a.peak_tflops, "quick": bool(a.quick),
+                    "cpu_smoke": bool(a.cpu_smoke), "measured": measured, "protocol": proto.record()})
     add_scaling(rows, variants)
     print()
     print(f"device: {device}   commit: {commit[:10]}   peak: {a.peak_tflops:g} TFLOP/s per GPU")

@@ -28,7 +28,8 @@ def test_cpu_smoke_writes_one_row_per_variant(tmp_path):
         assert r["ok"], r
         for key in ("device", "date", "git_commit"):
             assert r[key], key
-        assert r["steps_timed"] == 2 and r["step_s"] > 0
+        assert r["steps_timed"] == 2 and r["step_s"] > 0 and r["warmup_steps"] >= 2
+        assert r["measured"] == "protocol" and r["repeats"]["repeats"] == [r["tokens_per_s"]]  # the smoke: one repeat
         # FLOPs come from the config contract; throughput and MFU follow from the measured step time
         d = derive(cfg.replace(**{"train.global_batch_size": r["global_batch_size"]}))
         assert r["flops_per_step"] == d.flops_per_step
@@ -40,6 +41,7 @@ def test_cpu_smoke_writes_one_row_per_variant(tmp_path):
     ref, wb = rows
     assert ref["ratio_to_reference"] == 1.0
     assert math.isclose(wb["ratio_to_reference"], wb["tokens_per_s"] / ref["tokens_per_s"])
+    assert wb["ratio_to_reference_range"] == [wb["ratio_to_reference"]] * 2
     assert wb["kernel_path"]["schedule"] == "no pipelining"
     cost = wb["stream_cost"]
     assert cost["step_s_bare"] > 0 and cost["n"] == 3 and cost["loop_s_2n"] > 0 and cost["loop_s_n"] > 0

@@ -48,12 +48,15 @@ def test_rows_at_other_settings_say_so_in_their_name(monkeypatch):
     rows = bert_train.rows(a)
     assert [(r["row"], r["preset"]) for r in rows] == [("throughput", "bert-base"), ("throughput", "bert-large"),
                                                        ("throughput-dropout0", "bert-base")]
-    assert rows[0]["settings"]["hidden_dropout"] == 0.1 and rows[0]["ratio"] == 2.0 and rows[0]["target"] == ">= 1.15"
-    assert rows[2]["settings"]["hidden_dropout"] == 0.0 and "dropout 0" in rows[2]["target"]
-    # both sides of a row get the same overrides: none for the presets, dropout 0 for the named row
-    assert calls[:4] == [("workbench", "bert-base", None), ("reference", "bert-base", None),
-                         ("workbench", "bert-large", None), ("reference", "bert-large", None)]
-    assert calls[4:] == [("workbench", "bert-base", harness.DROPOUT0), ("reference", "bert-base", harness.DROPOUT0)]
+    assert rows[0]["settings"]["hidden_dropout"] == 0.1 and rows[0]["ratio"] == 2.0 and rows[0]["target"].startswith(">= 1.15")
+    assert rows[0]["met"] is True and rows[0]["range"] == [2.0, 2.0] and rows[0]["protocol"]["repeats"] == 3
+    assert rows[2]["settings"]["hidden_dropout"] == 0.0 and "dropout 0" in rows[2]["target"] and rows[2]["met"] is None
+    # both sides of a row get the same overrides (none for the presets, dropout 0 for the named row), interleaved
+    # over the protocol's three repeats
+    base, large = ("workbench", "bert-base", None), ("workbench", "bert-large", None)
+    assert calls[:6] == [base, ("reference", "bert-base", None)] * 3
+    assert calls[6:12] == [large, ("reference", "bert-large", None)] * 3
+    assert calls[12:] == [("workbench", "bert-base", harness.DROPOUT0), ("reference", "bert-base", harness.DROPOUT0)] * 3
 
 
 @pytest.mark.parametrize("smoke", [False, True])

@@ -21,10 +21,14 @@ def _smoke(script: str, rows: str, out: Path) -> tuple[list[dict], str]:
 
 def _assert_throughput(row: dict, name: str) -> None:
     assert row["row"] == "throughput" and row["preset"] == name, row
+    assert row["protocol"]["name"] == "harness-v1" and row["protocol"]["repeats"] == 1  # the smoke: one repeat a side
     for side in ("workbench", "reference"):
-        assert "error" not in row[side], row[side].get("error")
-        assert row[side]["tokens_per_s"] > 0 and len(row[side]["step_times"]) == 2
-    assert abs(row["ratio"] - row["workbench"]["tokens_per_s"] / row["reference"]["tokens_per_s"]) < 1e-9
+        (only,) = row[side]
+        assert "error" not in only, only.get("error")
+        assert only["tokens_per_s"] > 0 and len(only["step_times"]) == 2 and only["warmup_steps"] >= 2
+        assert only["step_s"] == sorted(only["step_times"])[1]  # the (upper) median of the timed steps
+    wb, ref = row["workbench"][0]["tokens_per_s"], row["reference"][0]["tokens_per_s"]
+    assert abs(row["ratio"] - wb / ref) < 1e-9 and row["range"] == [row["ratio"], row["ratio"]]
     assert row["settings"]["micro_batch_size"] == 2 and row["commit"] and row["date"]
 
 

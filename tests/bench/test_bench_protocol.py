@@ -1,0 +1,110 @@
+"""bench/harness's measurement protocol on planted step times (no torch, no processes): the warm-up waits for
+steady steps, the timed median is the steady one, a run that never settles says so, repeats interleave, and a
+ratio whose range crosses its target is not met."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+sys.path.insert(0, str(ROOT))
+
+from bench import harness  # noqa: E402
+
+
+class Planted:
+    """A fake step and clock: each call of ``step`` advances the clock by the next planted duration."""
+
+    def __init__(self, durations):
+        self.durations = iter(durations)
+        self.now = 0.0
+        self.calls = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self) -> None:
+        self.now += next(self.durations)
+        self.calls += 1
+
+
+WARMUP = [3.0, 2.0, 1.5, 1.25, 1.12, 1.06, 1.03]  # a compile, then a slow settle
+STEADY = [1.00, 1.01, 0.99, 1.02, 0.98, 1.005, 0.995]  # median 1.00
+
+
+def test_warm_up_runs_until_the_last_steps_agree_then_the_median_is_the_steady_ones():
+    p = harness.Protocol(steps=21, warmup_min=5, warmup_max=60, window=5, tolerance=0.03)
+    t = Planted(WARMUP + list(itertools.islice(itertools.cycle(STEADY), 200)))
+    res = harness.measure_steps(t.step, False, p, clock=t.clock)
+    # the first window of 5 within 3%: 1.03 and the next four steady steps would span 1.03-0.99 = 4%: not yet
+    times = WARMUP + list(itertools.islice(itertools.cycle(STEADY), 200))
+    first = next(n for n in range(p.warmup_min, 100) if harness.settled(times[:n], 5, 0.03))
+    assert res["steady"] and res["warmup_steps"] == first
+    assert all(x <= 1.02 + 1e-9 for x in res["step_times"])  # nothing of the warm-up is timed
+    assert len(res["step_times"]) == 21 and res["step_s"] == pytest.approx(1.00)
+    assert t.calls == res["warmup_steps"] + 21
+
+
+def test_a_run_that_never_settles_stops_at_the_bound_and_says_so():
+    rng = random.Random(3)
+    noisy = [1.0 + rng.uniform(-0.15, 0.15) for _ in range(500)]
+    p = harness.Protocol(steps=20, warmup_min=5, warmup_max=25, window=5, tolerance=0.03)
+    t = Planted(noisy)
+    res = harness.measure_steps(t.step, False, p, clock=t.clock)
+    assert not res["steady"] and res["warmup_steps"] == 25
+    assert res["step_s"] == pytest.approx(sorted(noisy[25:45])[10])  # the upper median of the timed steps
+
+
+def test_the_warm_up_is_bounded_in_seconds_too():
+    p = harness.Protocol(steps=2, warmup_min=5, warmup_max=1000, warmup_max_s=10.0, window=5, tolerance=0.03)
+    t = Planted([3.0, 1.0] * 100)  # never settles; 2 s a pair
+    res = harness.warm_up(t.step, False, p, clock=t.clock)
+    assert not res["steady"] and res["warmup_s"] >= 10.0 and res["warmup_steps"] < 10
+
+
+def test_repeats_run_interleaved_in_order():
+    order = []
+    sides = {name: (lambda i, name=name: order.append((name, i)) or {"tokens_per_s": 1.0}) for name in ("A", "B")}
+    res = harness.interleaved(sides, 3)
+    assert order == [("A", 0), ("B", 0), ("A", 1), ("B", 1), ("A", 2), ("B", 2)]
+    assert all("repeat_wall_s" in r for r in res["A"] + res["B"])
+
+
+@pytest.mark.parametrize("a, b, met", [
+    ([120.0, 118.0, 122.0], [100.0, 108.0, 98.0], False),  # medians 1.20x, but 118 / 108 = 1.09x < 1.15
+    ([120.0, 119.0, 122.0], [100.0, 101.0, 99.0], True),   # worst 119 / 101 = 1.178x
+])
+def test_a_target_is_met_only_when_the_worst_pairing_clears_it(a, b, met):
+    r = harness.ratio(a, b, 1.15)
+    assert r["ratio"] == pytest.approx(harness.median(a) / harness.median(b))
+    assert r["worst"] == pytest.approx(min(a) / max(b)) and r["best"] == pytest.approx(max(a) / min(b))
+    assert r["worst"] <= r["ratio"] <= r["best"]
+    assert r["met"] is met
+
+
+def test_compare_reports_both_sides_spread_and_refuses_a_missing_repeat():
+    res = {"wb": [{"tokens_per_s": v} for v in (110.0, 100.0, 105.0)], "ref": [{"tokens_per_s": v} for v in (100.0, 90.0, 95.0)]}
+    c = harness.compare(res, "wb", "ref", target=1.0)
+    assert c["wb"]["median"] == 105.0 and c["wb"]["spread"] == pytest.approx(10.0 / 105.0)
+    assert c["ref"]["repeats"] == [100.0, 90.0, 95.0] and c["met"] is True  # worst 100 / 100
+    res["ref"][1] = {"error": "OOM"}
+    assert harness.compare(res, "wb", "ref") is None
+
+
+def test_the_command_line_sets_the_protocol_and_the_smoke_shrinks_it():
+    ap = argparse.ArgumentParser()
+    harness.add_protocol_args(ap)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    p = harness.protocol(ap.parse_args([]))
+    assert (p.steps, p.repeats, p.warmup_min) == (20, 3, 5)  # the brief's floor: >= 20 timed steps, >= 3 repeats
+    p = harness.protocol(ap.parse_args(["--steps", "30", "--repeats", "4", "--warmup", "8", "--warmup-max", "4"]))
+    assert (p.steps, p.repeats, p.warmup_min, p.warmup_max) == (30, 4, 8, 8)
+    smoke = harness.protocol(ap.parse_args(["--cpu-smoke"]))
+    assert smoke.steps <= 2 and smoke.repeats == 1
+    assert harness.protocol(ap.parse_args([])).record()["name"] == harness.Protocol.NAME
