@@ -410,9 +410,13 @@ def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, ove
     extra = (["--cpu-smoke"] if a.cpu_smoke else []) + (["--set", json.dumps(over)] if over else [])
     proc = torchrun(1, [str(Path(script).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
                         "--steps", str(a.steps), "--warmup", str(a.warmup), *extra], a.timeout)
-    if proc.returncode != 0:
-        return {"kind": kind, "preset": preset_name, "error": (proc.stdout[-1500:] + proc.stderr[-3000:])}
-    return json.loads(Path(res_path).read_text())
+    res = ({"kind": kind, "preset": preset_name, "error": (proc.stdout[-1500:] + proc.stderr[-3000:])} if proc.returncode != 0
+           else json.loads(Path(res_path).read_text()))
+    if getattr(a, "out", None):  # each process's result as it comes (a row cut short still has its repeats)
+        with open(Path(a.out).with_suffix(".partial.jsonl"), "a") as fh:
+            fh.write(json.dumps({"kind": kind, "preset": preset_name, "over": over, "commit": os.environ.get("GIT_COMMIT"),
+                                 **{k: res.get(k) for k in ("tokens_per_s", "step_s", "warmup_steps", "steady", "mfu", "device", "error")}}) + "\n")
+    return res
 
 
 def throughput_row(script: str, preset_name: str, a: argparse.Namespace, cfg: Any, *, row: str = "throughput",
