@@ -261,6 +261,10 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
         tr.setup()
         step = tr.train_step
     measured = measure_steps(step, cuda, protocol(a), before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
+    if getattr(a, "profile", False):  # after the timed steps: the profiler never slows a timed one
+        from bench.profiling import profile_steps
+
+        out["profile"] = profile_steps(step, cuda, True)
     if kind != "reference":
         plan = planner.predict(cfg)
         out["planner_peak_allocated"] = int(plan.stages[0].peak_allocated)
@@ -402,12 +406,14 @@ def torchrun(nproc: int, args: list[str], timeout: float) -> subprocess.Complete
     return run_group(cmd, timeout, cwd=ROOT, env=env)
 
 
-def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, over: dict[str, Any] | None = None) -> dict[str, Any]:
+def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, over: dict[str, Any] | None = None,
+            profile: bool = False) -> dict[str, Any]:
     """``script --worker kind`` in its own one-process torchrun: its result, or the log's tail as ``error``.
-    ``over``: dotted config overrides the worker applies on top of the row's config (:func:`overrides`)."""
+    ``over``: dotted config overrides the worker applies on top of the row's config (:func:`overrides`);
+    ``profile``: a torch-profiler summary of a few steps after the timed ones (``profile`` in the result)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         res_path = fh.name
-    extra = (["--cpu-smoke"] if a.cpu_smoke else []) + (["--set", json.dumps(over)] if over else [])
+    extra = (["--cpu-smoke"] if a.cpu_smoke else []) + (["--set", json.dumps(over)] if over else []) + (["--profile"] if profile else [])
     proc = torchrun(1, [str(Path(script).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
                         "--steps", str(a.steps), "--warmup", str(a.warmup), *extra], a.timeout)
     res = ({"kind": kind, "preset": preset_name, "error": (proc.stdout[-1500:] + proc.stderr[-3000:])} if proc.returncode != 0
@@ -415,7 +421,8 @@ def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, ove
     if getattr(a, "out", None):  # each process's result as it comes (a row cut short still has its repeats)
         with open(Path(a.out).with_suffix(".partial.jsonl"), "a") as fh:
             fh.write(json.dumps({"kind": kind, "preset": preset_name, "over": over, "commit": os.environ.get("GIT_COMMIT"),
-                                 **{k: res.get(k) for k in ("tokens_per_s", "step_s", "warmup_steps", "steady", "mfu", "device", "error")}}) + "\n")
+                                 **{k: res.get(k) for k in ("tokens_per_s", "step_s", "warmup_steps", "steady", "mfu", "device", "error",
+                                                                 "step_times", "warmup_times", "profile")}}) + "\n")
     return res
 
 
@@ -426,8 +433,8 @@ def throughput_row(script: str, preset_name: str, a: argparse.Namespace, cfg: An
     processes, interleaved: every repeat's result, the tokens/s ratio of the medians with its range, and
     whether the worst pairing clears ``target`` (None: a row with no target, ``note`` says why)."""
     p = protocol(a)
-    res = interleaved({kind: (lambda i, kind=kind: measure(script, kind, preset_name, a, over)) for kind in ("workbench", "reference")},
-                      p.repeats)
+    res = interleaved({kind: (lambda i, kind=kind: measure(script, kind, preset_name, a, over, profile=a.profile and i == 0))
+                       for kind in ("workbench", "reference")}, p.repeats)
     cmp = compare(res, "workbench", "reference", target=target)
     return {"row": row, "preset": preset_name, "settings": settings(cfg), "protocol": p.record(),
             "workbench": res["workbench"], "reference": res["reference"], "comparison": cmp,
@@ -502,6 +509,7 @@ def parser(doc: str, *, rows: str, rows_help: str, smoke_help: str, out: str, pr
     add_protocol_args(ap)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--cpu-smoke", action="store_true", help=smoke_help)
+    ap.add_argument("--profile", action="store_true", help="throughput rows: a torch-profiler summary of each side's first repeat")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--preset", default=preset, help=argparse.SUPPRESS)

@@ -14,24 +14,27 @@ source tests/gpu_proofs/device_env.sh || exit 1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache  # repeats after the first hit the on-disk compile cache
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-gpu0() {
-  if [[ $rows == *bert* ]]; then
-    CUDA_VISIBLE_DEVICES=0 timeout -k 5 "${BERT_S:-300}" python3 bench/bert_train.py --rows throughput --presets bert-base \
-      --timeout 200 --out "$out/bert_train.jsonl" > "$out/bert.log" 2>&1; say "bert rc=$?"
-  fi
-  if [[ $rows == *t5* ]]; then
-    CUDA_VISIBLE_DEVICES=0 timeout -k 5 "${T5_S:-270}" python3 bench/t5_bench.py --rows throughput --presets t5-base \
-      --timeout 200 --out "$out/t5_bench.jsonl" > "$out/t5.log" 2>&1; say "t5 rc=$?"
-  fi
+# Each GPU's processes run on their own half of the host's cores with one compile thread: BERT and T5 steps are
+# short enough for the host to matter, and a neighbour's compile workers on every core made them noisy (2026-11-28).
+export TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=4
+half=$(( $(nproc) / 2 ))
+on() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu taskset -c "$(( gpu * half ))-$(( gpu * half + half - 1 ))" "$@"; }
+row() {  # row NAME GPU LIMIT ARGS...: one benchmark row, its log kept
+  local name=$1 gpu=$2 limit=$3; shift 3
+  on "$gpu" timeout -k 5 "$limit" python3 "$@" > "$out/$name.log" 2>&1; say "$name rc=$?"
 }
-gpu1() {
-  if [[ $rows == *llama* ]]; then
-    CUDA_VISIBLE_DEVICES=1 timeout -k 5 "${LLAMA_S:-560}" python3 bench/train_throughput.py --models llama3.2-1b \
-      --variants reference/,workbench/ --no-stream-cost --variant-timeout 200 --out "$out/train_throughput.jsonl" \
-      > "$out/llama.log" 2>&1; say "llama rc=$?"
-  fi
-}
-gpu0 & gpu1 & wait
+family() { echo "bench/$1 --rows throughput --presets $2 --timeout 200 --warmup-max ${WARMUP_MAX:-40} ${PROFILE:+--profile}"; }
+if [[ $rows == *bert* && $rows == *t5* && $rows != *llama* ]]; then  # one row a GPU
+  row bert 0 "${BERT_S:-540}" $(family bert_train.py bert-base) --out "$out/bert_train.jsonl" &
+  row t5 1 "${T5_S:-540}" $(family t5_bench.py t5-base) --out "$out/t5_bench.jsonl" &
+  wait
+else
+  { [[ $rows == *bert* ]] && row bert 0 "${BERT_S:-300}" $(family bert_train.py bert-base) --out "$out/bert_train.jsonl"
+    [[ $rows == *t5* ]] && row t5 0 "${T5_S:-270}" $(family t5_bench.py t5-base) --out "$out/t5_bench.jsonl"; } &
+  [[ $rows == *llama* ]] && row llama 1 "${LLAMA_S:-560}" bench/train_throughput.py --models llama3.2-1b --variants reference/,workbench/ \
+    --no-stream-cost --variant-timeout 200 --out "$out/train_throughput.jsonl" &
+  wait
+fi
 for f in bert t5 llama; do
   [[ -f $out/$f.log ]] && { echo "== $f"; grep -E "^(row|throughput|variant|reference/|workbench/|device:)|FAILED|Error" "$out/$f.log" | tail -12; }
 done

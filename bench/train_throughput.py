@@ -77,7 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import harness  # noqa: E402
+from bench import harness, profiling  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "train_throughput.jsonl"
 PEAK_TFLOPS = 989.0
@@ -256,68 +256,6 @@ def _git_commit() -> str:
     return git_commit()
 
 
-def _profile_summary(prof: Any, steps: int, wall_s: Optional[float] = None, top: int = 15) -> dict[str, Any]:
-    """Top kernels by device time and device time by category, per step."""
-    from torch.autograd import DeviceType
-
-    events = prof.key_averages()
-    rows = []
-    for e in events:
-        if e.device_type == DeviceType.CPU:  # CPU ops also carry their kernels' time: count kernels only
-            continue
-        dev = getattr(e, "self_device_time_total", None)
-        if dev is None:
-            dev = getattr(e, "self_cuda_time_total", 0)
-        if dev and dev > 0:
-            rows.append((e.key, float(dev) / 1000.0 / steps, int(e.count) // steps))
-    total = sum(r[1] for r in rows) or 1.0
-    step_wall_ms = wall_s / steps * 1000.0 if wall_s else None
-    rows.sort(key=lambda r: -r[1])
-
-    def category(name: str) -> str:
-        n = name.lower()
-        if "nccl" in n:
-            return "communication"
-        if any(k in n for k in ("flash", "fmha", "attention", "sdpa")):
-            return "attention"
-        if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul", "cublas")) or n.startswith("sm90_"):
-            return "gemm"
-        if "adam" in n or "foreach" in n or "multi_tensor" in n:
-            return "optimizer / multi-tensor"
-        if n.startswith("triton") or "triton" in n:
-            return "compiled (triton) fused"
-        if "memcpy" in n or "memset" in n:
-            return "memcpy/memset"
-        if any(k in n for k in ("layer_norm", "layernorm", "softmax", "cross_entropy", "nll", "log_softmax")):
-            return "norm / softmax / loss (eager)"
-        return "other (eager element-wise, reductions)"
-
-    # host side: how long the CPU waited on the GPU (syncs: GPU-bound when large) and how many
-    # kernel launches it issued (host-bound when waits are ~0 and the device is often idle)
-    host_wait_ms, launches = 0.0, 0
-    for e in events:
-        if e.device_type != DeviceType.CPU:
-            continue
-        if "Synchronize" in e.key or e.key in ("aten::_local_scalar_dense",):
-            host_wait_ms += float(getattr(e, "self_cpu_time_total", 0.0)) / 1000.0 / steps
-        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
-            launches += int(e.count) // steps
-    by_cat: dict[str, float] = {}
-    for name, ms, _ in rows:
-        by_cat[category(name)] = by_cat.get(category(name), 0.0) + ms
-    return {
-        "device_ms_per_step": round(total, 3),  # kernels, summed (streams may overlap)
-        "wall_ms_per_step": round(step_wall_ms, 3) if step_wall_ms else None,  # under the profiler
-        "device_busy_fraction": round(total / step_wall_ms, 4) if step_wall_ms else None,
-        "by_category_ms": {k: round(v, 3) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": n[:120], "ms_per_step": round(ms, 3), "calls_per_step": c,
-                         "share": round(ms / total, 4)} for n, ms, c in rows[:top]],
-        "kernels_per_step": sum(c for _, _, c in rows),
-        "host_sync_wait_ms_per_step": round(host_wait_ms, 3),
-        "kernel_launches_per_step": launches,
-    }
-
-
 def _host_profile(step_fn, cuda: bool, want: bool, steps: int = 2, top: int = 30) -> Optional[dict]:
     """cProfile of a few steps: where the host's Python time goes (inflated by the profiler)."""
     if not want:
@@ -372,22 +310,6 @@ def _profiled(v: "Variant", a: argparse.Namespace) -> bool:
     return v.model == a.profile_model and v.name.startswith(("reference/", "workbench/"))
 
 
-def _maybe_profile(step_fn, cuda: bool, want: bool, steps: int = 3, top: int = 15) -> Optional[dict]:
-    if not (want and cuda):
-        return None
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step_fn()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    return _profile_summary(prof, steps, wall, top=top)
-
-
 def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -414,7 +336,7 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
 
     first_loss = step()
     measured = harness.measure_steps(step, cuda, harness.protocol(a), before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
-    prof = _maybe_profile(step, cuda, _profiled(v, a), top=a.profile_top)
+    prof = profiling.profile_steps(step, cuda, _profiled(v, a), top=a.profile_top)
     host = _host_profile(step, cuda, a.host_profile and v.model == a.profile_model and a.repeat_index == 0)
     return {
         "host_profile": host,
@@ -497,7 +419,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         on, off = (t_2n - t_n) / n, (b_2n - b_n) / n
         stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0,
                   "loop_s_n": t_n, "loop_s_2n": t_2n, "bare_s_n": b_n, "bare_s_2n": b_2n, "n": n}
-    prof = _maybe_profile(tr.train_step, cuda, _profiled(v, a), top=a.profile_top)
+    prof = profiling.profile_steps(tr.train_step, cuda, _profiled(v, a), top=a.profile_top)
     host = _host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model and a.repeat_index == 0)
     losses = first.get("losses") or {}
     return {

@@ -38,7 +38,7 @@ def test_the_issue_batches():
 def test_rows_at_other_settings_say_so_in_their_name(monkeypatch):
     calls = []
 
-    def fake_measure(script, kind, preset_name, a, over=None):
+    def fake_measure(script, kind, preset_name, a, over=None, profile=False):
         calls.append((kind, preset_name, over))
         return {"tokens_per_s": 2.0 if kind == "workbench" else 1.0}
 
@@ -69,7 +69,7 @@ def test_bert_two_gpu_rows_are_valid_configs(smoke):
 
 
 def test_presets_picks_rows_and_refuses_an_unknown_one(monkeypatch, capsys):
-    monkeypatch.setattr(harness, "measure", lambda script, kind, name, a, over=None: {"tokens_per_s": 1.0})
+    monkeypatch.setattr(harness, "measure", lambda script, kind, name, a, over=None, profile=False: {"tokens_per_s": 1.0})
     ap = harness.parser(t5_bench.__doc__, rows="throughput", rows_help="", smoke_help="", out="x", preset="t5-base")
     rows = t5_bench.rows(ap.parse_args(["--presets", "t5-v1_1-base"]))
     assert [r["preset"] for r in rows] == ["t5-v1_1-base"]

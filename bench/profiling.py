@@ -1,0 +1,88 @@
+"""Where a benchmark step's time goes: a torch-profiler summary (device time by kernel category, top kernels,
+wall vs device time, host waits and kernel launches per step).  Benchmark-only code; torch imported lazily."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+__all__ = ["profile_steps", "summary"]
+
+
+def profile_steps(step_fn: Callable[[], Any], cuda: bool, want: bool, steps: int = 3, top: int = 15) -> Optional[dict]:
+    """Torch-profiler summary (:func:`summary`) of ``steps`` calls of ``step_fn`` on the GPU; None when not ``want``."""
+    if not (want and cuda):
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return summary(prof, steps, wall, top=top)
+
+
+def summary(prof: Any, steps: int, wall_s: Optional[float] = None, top: int = 15) -> dict[str, Any]:
+    """Top kernels by device time and device time by category, per step."""
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    rows = []
+    for e in events:
+        if e.device_type == DeviceType.CPU:  # CPU ops also carry their kernels' time: count kernels only
+            continue
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0)
+        if dev and dev > 0:
+            rows.append((e.key, float(dev) / 1000.0 / steps, int(e.count) // steps))
+    total = sum(r[1] for r in rows) or 1.0
+    step_wall_ms = wall_s / steps * 1000.0 if wall_s else None
+    rows.sort(key=lambda r: -r[1])
+
+    def category(name: str) -> str:
+        n = name.lower()
+        if "nccl" in n:
+            return "communication"
+        if any(k in n for k in ("flash", "fmha", "attention", "sdpa")):
+            return "attention"
+        if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul", "cublas")) or n.startswith("sm90_"):
+            return "gemm"
+        if "adam" in n or "foreach" in n or "multi_tensor" in n:
+            return "optimizer / multi-tensor"
+        if n.startswith("triton") or "triton" in n:
+            return "compiled (triton) fused"
+        if "memcpy" in n or "memset" in n:
+            return "memcpy/memset"
+        if any(k in n for k in ("layer_norm", "layernorm", "softmax", "cross_entropy", "nll", "log_softmax")):
+            return "norm / softmax / loss (eager)"
+        return "other (eager element-wise, reductions)"
+
+    # host side: how long the CPU waited on the GPU (syncs: GPU-bound when large) and how many
+    # kernel launches it issued (host-bound when waits are ~0 and the device is often idle)
+    host_wait_ms, launches = 0.0, 0
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        if "Synchronize" in e.key or e.key in ("aten::_local_scalar_dense",):
+            host_wait_ms += float(getattr(e, "self_cpu_time_total", 0.0)) / 1000.0 / steps
+        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+            launches += int(e.count) // steps
+    by_cat: dict[str, float] = {}
+    for name, ms, _ in rows:
+        by_cat[category(name)] = by_cat.get(category(name), 0.0) + ms
+    return {
+        "device_ms_per_step": round(total, 3),  # kernels, summed (streams may overlap)
+        "wall_ms_per_step": round(step_wall_ms, 3) if step_wall_ms else None,  # under the profiler
+        "device_busy_fraction": round(total / step_wall_ms, 4) if step_wall_ms else None,
+        "by_category_ms": {k: round(v, 3) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:120], "ms_per_step": round(ms, 3), "calls_per_step": c,
+                         "share": round(ms / total, 4)} for n, ms, c in rows[:top]],
+        "kernels_per_step": sum(c for _, _, c in rows),
+        "host_sync_wait_ms_per_step": round(host_wait_ms, 3),
+        "kernel_launches_per_step": launches,
+    }
