@@ -12,6 +12,8 @@ Variants (``--variants`` picks a subset by name):
 name                      GPUs  what runs
 ========================  ====  ==============================================================
 reference                 1     bench/reference_gpt.py (Llama models: reference_llama.py): SDPA, fused AdamW, torch.compile, bf16 autocast
+fsdp2                     2     Llama models: bench/reference_fsdp2.py, plain FSDP2 (per-block compile + fully_shard, bf16
+                                params / fp32 reduce, fused AdamW): the multi-GPU yardstick (torchtitan 0.3 needs a newer torch)
 workbench                 1     the backend's train step, default kernels (SDPA + workbench fusions)
 workbench-eager           1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
 workbench-local           1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
@@ -111,7 +113,7 @@ class Variant:
     """One benchmark row: what to build and how many GPUs it takes."""
 
     name: str
-    kind: str  # "reference" | "workbench"
+    kind: str  # "reference" | "workbench" | "fsdp2" (bench/reference_fsdp2.py, on the variant's GPUs)
     model: str
     gpus: int = 1
     microbatches: int = 4  # per data-parallel rank and step
@@ -159,6 +161,8 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
     if gpus >= 2:
         for m in models:
             base = f"workbench/{m}"
+            if is_llama(m):  # the multi-GPU yardstick (bench/reference_fsdp2.py): plain FSDP2 + compile, the same batch
+                rows.append(Variant(f"fsdp2/{m}", "fsdp2", m, gpus=2, microbatches=microbatches, baseline=base))
             rows.append(Variant(f"dp2/{m}", "workbench", m, gpus=2, microbatches=microbatches, baseline=base,
                                 overrides={"parallel.overlap_grad_reduce": True}))
             rows.append(Variant(f"dp2-distopt/{m}", "workbench", m, gpus=2, microbatches=microbatches, baseline=base,
@@ -466,7 +470,12 @@ def worker(a: argparse.Namespace) -> int:
         apply_rank_environment(bench_config(v, a.cpu_smoke))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        res = run_reference(v, a) if v.kind == "reference" else run_workbench(v, a)
+        if v.kind == "fsdp2":
+            from bench import reference_fsdp2
+
+            res = reference_fsdp2.run_variant(v, a)
+        else:
+            res = run_reference(v, a) if v.kind == "reference" else run_workbench(v, a)
         res["ok"] = True
     except Exception as e:  # the row records the failure; the launch goes on with the next variant
         import traceback
