@@ -261,10 +261,11 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
         tr.setup()
         step = tr.train_step
     measured = measure_steps(step, cuda, protocol(a), before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
-    if getattr(a, "profile", False):  # after the timed steps: the profiler never slows a timed one
-        from bench.profiling import profile_steps
+    if getattr(a, "profile", False):  # after the timed steps: the profilers never slow a timed one
+        from bench.profiling import host_profile, profile_steps
 
         out["profile"] = profile_steps(step, cuda, True)
+        out["host_profile"] = host_profile(step, cuda, True)  # where the host's Python time goes
     if kind != "reference":
         plan = planner.predict(cfg)
         out["planner_peak_allocated"] = int(plan.stages[0].peak_allocated)
@@ -422,7 +423,7 @@ def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, ove
         with open(Path(a.out).with_suffix(".partial.jsonl"), "a") as fh:
             fh.write(json.dumps({"kind": kind, "preset": preset_name, "over": over, "commit": os.environ.get("GIT_COMMIT"),
                                  **{k: res.get(k) for k in ("tokens_per_s", "step_s", "warmup_steps", "steady", "mfu", "device", "error",
-                                                                 "step_times", "warmup_times", "profile")}}) + "\n")
+                                                                 "step_times", "warmup_times", "profile", "host_profile")}}) + "\n")
     return res
 
 
@@ -509,7 +510,8 @@ def parser(doc: str, *, rows: str, rows_help: str, smoke_help: str, out: str, pr
     add_protocol_args(ap)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--cpu-smoke", action="store_true", help=smoke_help)
-    ap.add_argument("--profile", action="store_true", help="throughput rows: a torch-profiler summary of each side's first repeat")
+    ap.add_argument("--profile", action="store_true",
+                    help="throughput rows: torch-profiler and cProfile summaries of each side's first repeat")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--preset", default=preset, help=argparse.SUPPRESS)

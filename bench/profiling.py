@@ -4,9 +4,10 @@ wall vs device time, host waits and kernel launches per step).  Benchmark-only c
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["profile_steps", "summary"]
+__all__ = ["profile_steps", "summary", "host_profile"]
 
 
 def profile_steps(step_fn: Callable[[], Any], cuda: bool, want: bool, steps: int = 3, top: int = 15) -> Optional[dict]:
@@ -86,3 +87,36 @@ def summary(prof: Any, steps: int, wall_s: Optional[float] = None, top: int = 15
         "host_sync_wait_ms_per_step": round(host_wait_ms, 3),
         "kernel_launches_per_step": launches,
     }
+
+
+def host_profile(step_fn: Callable[[], Any], cuda: bool, want: bool, steps: int = 2, top: int = 30) -> Optional[dict]:
+    """cProfile of a few steps: where the host's Python time goes (inflated by the profiler)."""
+    if not want:
+        return None
+    import cProfile
+    import pstats
+
+    _sync(cuda)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step_fn()
+    _sync(cuda)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append({"fn": f"{Path(file).name}:{line}({func})", "tottime_ms": round(tt * 1000 / steps, 3),
+                     "cumtime_ms": round(ct * 1000 / steps, 3), "calls": nc // steps})
+    by_tot = sorted(rows, key=lambda r: -r["tottime_ms"])[:top]
+    by_cum = sorted(rows, key=lambda r: -r["cumtime_ms"])[:top]
+    return {"wall_ms_per_step_under_cprofile": round(wall * 1000 / steps, 2), "by_tottime": by_tot, "by_cumtime": by_cum}
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()

@@ -260,32 +260,6 @@ def _git_commit() -> str:
     return git_commit()
 
 
-def _host_profile(step_fn, cuda: bool, want: bool, steps: int = 2, top: int = 30) -> Optional[dict]:
-    """cProfile of a few steps: where the host's Python time goes (inflated by the profiler)."""
-    if not want:
-        return None
-    import cProfile
-    import pstats
-
-    harness.sync(cuda)
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(steps):
-        step_fn()
-    harness.sync(cuda)
-    prof.disable()
-    wall = time.perf_counter() - t0
-    st = pstats.Stats(prof)
-    rows = []
-    for (file, line, func), (cc, nc, tt, ct, _callers) in st.stats.items():
-        rows.append({"fn": f"{Path(file).name}:{line}({func})", "tottime_ms": round(tt * 1000 / steps, 3),
-                     "cumtime_ms": round(ct * 1000 / steps, 3), "calls": nc // steps})
-    by_tot = sorted(rows, key=lambda r: -r["tottime_ms"])[:top]
-    by_cum = sorted(rows, key=lambda r: -r["cumtime_ms"])[:top]
-    return {"wall_ms_per_step_under_cprofile": round(wall * 1000 / steps, 2), "by_tottime": by_tot, "by_cumtime": by_cum}
-
-
 def _fast_layer_stats(tr: Any) -> dict[str, Any]:
     """Did the compiled layer really run (fast_calls), and did dynamo recompile or fall back?"""
     calls, layers = 0, 0
@@ -341,7 +315,7 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     first_loss = step()
     measured = harness.measure_steps(step, cuda, harness.protocol(a), before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
     prof = profiling.profile_steps(step, cuda, _profiled(v, a), top=a.profile_top)
-    host = _host_profile(step, cuda, a.host_profile and v.model == a.profile_model and a.repeat_index == 0)
+    host = profiling.host_profile(step, cuda, a.host_profile and v.model == a.profile_model and a.repeat_index == 0)
     return {
         "host_profile": host,
         **measured,
@@ -424,7 +398,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
         stream = {"step_s_loop_events_timing_every_step": on, "step_s_bare": off, "overhead": on / off - 1.0,
                   "loop_s_n": t_n, "loop_s_2n": t_2n, "bare_s_n": b_n, "bare_s_2n": b_2n, "n": n}
     prof = profiling.profile_steps(tr.train_step, cuda, _profiled(v, a), top=a.profile_top)
-    host = _host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model and a.repeat_index == 0)
+    host = profiling.host_profile(tr.train_step, cuda, a.host_profile and v.model == a.profile_model and a.repeat_index == 0)
     losses = first.get("losses") or {}
     return {
         **measured,

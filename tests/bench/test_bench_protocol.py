@@ -108,3 +108,18 @@ def test_the_command_line_sets_the_protocol_and_the_smoke_shrinks_it():
     smoke = harness.protocol(ap.parse_args(["--cpu-smoke"]))
     assert smoke.steps <= 2 and smoke.repeats == 1
     assert harness.protocol(ap.parse_args([])).record()["name"] == harness.Protocol.NAME
+
+
+def test_the_host_profile_names_where_a_step_spends_its_python_time():
+    from bench import profiling
+
+    def slow_part():
+        return sum(i * i for i in range(20000))
+
+    def step():
+        slow_part()
+
+    prof = profiling.host_profile(step, False, True, steps=2)
+    assert prof["wall_ms_per_step_under_cprofile"] > 0
+    assert any("slow_part" in r["fn"] and r["calls"] == 1 for r in prof["by_cumtime"])  # per step: called once
+    assert profiling.host_profile(step, False, False) is None and profiling.profile_steps(step, False, True) is None  # no GPU
