@@ -235,6 +235,10 @@ class Trainer:
         if note:
             self._log(f"[workbench] {note}")
         if c.finetune:
+            # the optimizer was built before the load: under bf16/fp16 (and the distributed optimizer) it holds fp32
+            # main copies of the freshly initialised weights, and its first step would write those (plus the update)
+            # back over the loaded ones.  Megatron's own loader refreshes them when it loads no optimizer state.
+            self.optimizer.reload_model_params()
             fresh = f"; initialised fresh: {', '.join(meta['fresh'])}" if meta.get("fresh") else ""
             self._log(f"[workbench] loaded weights from {meta['path']} (finetune: iteration 0, fresh optimizer{fresh})")
             return
