@@ -409,11 +409,30 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
     cur = d
     for part in parts[:-1]:
         if part not in cur or not isinstance(cur[part], dict):
-            raise ConfigError([Problem(key, f"unknown section '{part}'", "use model./parallel./train./data./checkpoint.")])
+            raise ConfigError([Problem(key, f"unknown section '{part}'", _suggest_key(key, d))])
         cur = cur[part]
     if parts[-1] not in cur:
-        raise ConfigError([Problem(key, "unknown field", f"known fields: {', '.join(sorted(cur))}")])
+        raise ConfigError([Problem(key, "unknown field", _suggest_key(key, d))])
     cur[parts[-1]] = value
+
+
+def _suggest_key(key: str, d: dict) -> str:
+    """The fix for an unknown dotted key: the field of that name in another section (``tensor_parallel`` ->
+    ``parallel.tensor_parallel``), else the closest dotted key, else the sections' names."""
+    import difflib
+
+    known = [f"{sec}.{f}" for sec, fields in d.items() if isinstance(fields, dict) for f in fields
+             if not isinstance(fields[f], dict)]
+    known += [f"{sec}.{sub}.{f}" for sec, fields in d.items() if isinstance(fields, dict) for sub, inner in fields.items()
+              if isinstance(inner, dict) for f in inner]
+    dotted = key.replace("__", ".")
+    last = dotted.split(".")[-1]
+    same = [k for k in known if k.split(".")[-1] == last]
+    close = same or difflib.get_close_matches(dotted, known, n=1, cutoff=0.75) or [
+        k for k in known if k.split(".")[-1] in difflib.get_close_matches(last, [k.split(".")[-1] for k in known], n=1)]
+    if close:
+        return f"did you mean '{close[0]}'? (fields are dotted: section.field)"
+    return f"fields are dotted, section.field; sections: {', '.join(sorted(k for k, v in d.items() if isinstance(v, dict)))}"
 
 
 def did_you_mean(name: str, options: list[str]) -> str:
