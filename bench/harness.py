@@ -416,7 +416,7 @@ def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, ove
         res_path = fh.name
     extra = (["--cpu-smoke"] if a.cpu_smoke else []) + (["--set", json.dumps(over)] if over else []) + (["--profile"] if profile else [])
     proc = torchrun(1, [str(Path(script).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
-                        "--steps", str(a.steps), "--warmup", str(a.warmup), *extra], a.timeout)
+                        "--steps", str(a.steps), "--warmup", str(a.warmup), "--warmup-max", str(a.warmup_max), *extra], a.timeout)
     res = ({"kind": kind, "preset": preset_name, "error": (proc.stdout[-1500:] + proc.stderr[-3000:])} if proc.returncode != 0
            else json.loads(Path(res_path).read_text()))
     if getattr(a, "out", None):  # each process's result as it comes (a row cut short still has its repeats)
