@@ -110,6 +110,7 @@ def torch_row(a: argparse.Namespace) -> dict:
     h, nh, g, d, L = m.hidden_size, m.num_attention_heads, m.query_groups, m.head_dim, m.num_layers
     E, k, f, V, s = moe.num_experts, moe.top_k, moe.ffn_hidden_size, m.vocab_size, m.seq_length
     grouped = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    gemm_dtype = torch.bfloat16 if cuda else torch.float32  # torch's grouped GEMM kernels on CUDA are bf16
 
     def rope(x, cos, sin):  # x [b, heads, s, d], rotate-half
         x1, x2 = x.chunk(2, dim=-1)
@@ -143,7 +144,7 @@ def torch_row(a: argparse.Namespace) -> dict:
             z = torch.logsumexp(logits, dim=-1).square().mean()
             order = idx.flatten().argsort(stable=True)
             tok = order // k
-            xs = y[tok]
+            xs = y[tok].to(gemm_dtype)  # autocast leaves grouped_mm alone, and the norm's output is fp32 under it
             offs = torch.cumsum(counts, 0).to(torch.int32)
             hmid = grouped(xs, self.w1.to(xs.dtype).transpose(-2, -1), offs=offs)
             gate, up = hmid.chunk(2, dim=-1)
