@@ -34,7 +34,6 @@ COMMAND_RE = re.compile(r"^\s*(?:\$ )?workbench ([a-z][a-z-]*)")
 #: Paths the docs name before they exist: what a GPU script writes once it has run on the device.
 NOT_YET = {
     "evidence/advisor/": "tests/gpu_proofs/advisor_measure.py writes it (docs/advisor.md)",
-    "bench/results/moe_bench.jsonl": "bench/moe_bench.py writes it (not yet run on GPUs)",
 }
 
 
