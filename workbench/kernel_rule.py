@@ -273,6 +273,8 @@ def layer_blocker(cfg: Any) -> str | None:
         return family.supports.compiled_layer_blocker
     if getattr(getattr(m, "moe", None), "num_experts", 0):
         return "mixture of experts (megatron's MoELayer)"
+    if getattr(m, "qk_layernorm", False):
+        return "q/k layernorm (megatron's attention normalises each query / key head)"
     if m.query_groups < p.tensor_parallel:
         return "fewer KV groups than TP ranks"
     if m.position_embedding == "alibi":

@@ -23,18 +23,34 @@ class GPTFields:
 
     #: mixture of experts (families with ``Supports.moe``): experts, router, capacity; see workbench.models.common.moe
     moe: MoEConfig = field(default_factory=MoEConfig)
+    #: RMSNorm / LayerNorm of each query and key head (head_dim wide, before RoPE): megatron-core's ``qk_layernorm``
+    #: (Qwen3's q/k norms)
+    qk_layernorm: bool = False
 
 
 def field_rules(cfg: Any, supports: Supports) -> list[tuple[str, ...]]:
     """The ``model.moe`` section and expert parallelism on a config of any family (refused where the family has no
-    MoE layers): :func:`workbench.models.common.moe.rules`."""
-    return moe.rules(cfg, supports.moe)
+    MoE layers): :func:`workbench.models.common.moe.rules`; ``model.qk_layernorm`` (GPT's alone)."""
+    out = moe.rules(cfg, supports.moe)
+    if getattr(cfg.model, "qk_layernorm", False) and cfg.model.arch != "gpt":
+        out.append(("model.qk_layernorm", f"the {cfg.model.arch} family's attention has no q/k norms",
+                    "set qk_layernorm: false (q/k norms: a gpt model)", "model.arch"))
+    return out
 
 
 def transformer_fields(cfg: Any, choice: Any) -> dict:
-    """The MoE layers' megatron fields (none for a dense model), with the kernel rule's expert implementation
+    """The MoE layers' megatron fields (none for a dense model) and ``qk_layernorm``, with the kernel rule's expert implementation
     (``choice``: :class:`workbench.kernel_rule.KernelChoice`)."""
-    return moe.transformer_fields(cfg, grouped_te=choice.experts == "te_grouped")
+    fields = moe.transformer_fields(cfg, grouped_te=choice.experts == "te_grouped")
+    if cfg.model.qk_layernorm:
+        fields["qk_layernorm"] = True
+    return fields
+
+
+_OLMOE = ("OLMoE's q/k norms normalise all heads at once (q_norm holds num_heads x head_dim weights), while "
+          "megatron-core's qk_layernorm normalises each head on its own (head_dim weights): no weight mapping gives the "
+          "same function -> convert a Qwen3-MoE (per-head q/k norms) or Mixtral checkpoint, or train OLMoE's shapes "
+          "from scratch (preset olmoe-1b-7b)")
 
 
 FAMILY = Family(
@@ -42,9 +58,8 @@ FAMILY = Family(
     title="GPT (decoder-only: GPT-2, Llama-style)",
     supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=True, moe=True,
                       hf_classes=(("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM"),
-                                  ("mixtral", "MixtralForCausalLM")),
-                      hf_refused=(("qwen3_moe", "Qwen3-MoE's q/k norms: the workbench model has none yet"),
-                                  ("olmoe", "OLMoE's q/k norms: the workbench model has none yet"))),
+                                  ("mixtral", "MixtralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")),
+                      hf_refused=(("olmoe", _OLMOE),)),
     shapes=shapes,
     presets=PRESETS,
     model_fields=GPTFields,

@@ -1,4 +1,4 @@
-"""HF GPT-2 / Llama <-> megatron-core GPT: config fields and per-tensor conversion rules.
+"""HF GPT-2 / Llama (and its MoE kin, :mod:`.hf_moe`) <-> megatron-core GPT: config fields and per-tensor conversion rules.
 
 The generic machinery (reading/writing HF dirs, vocab padding, the per-group QKV layout) is
 :mod:`workbench.conversion.hf`; this module holds what is GPT's: the HF config fields, the
@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
 from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need_vocab, pad_vocab_rows,
+from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need, need_vocab, pad_vocab_rows,
                                         qkv_from_mcore, qkv_to_mcore)
 from workbench.models.gpt import FAMILY, hf_moe
 
@@ -39,6 +39,7 @@ def _rope_theta(hf: dict) -> float:
 def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
     """Fill the RunConfig ``model`` section ``m`` (a dict) from an HF GPT-2 / Llama config."""
     mt = hf.get("model_type")
+    m["qk_layernorm"] = False  # Qwen3-MoE's per-head q/k norms turn it on (hf_moe)
     if mt == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         if act not in _GELU_TANH | {"gelu"}:
@@ -57,7 +58,7 @@ def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
             hidden_dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)), init_method_std=float(hf.get("initializer_range", 0.02)),
         )
-    elif mt in ("llama", *hf_moe.MODEL_TYPES):  # Mixtral: Llama's decoder with MoE MLPs (hf_moe)
+    elif mt in ("llama", *hf_moe.MODEL_TYPES):  # Mixtral, Qwen3-MoE: Llama's decoder with MoE MLPs (hf_moe)
         if mt in hf_moe.MODEL_TYPES:
             hf_moe.model_fields(hf, m)
         if hf.get("hidden_act", "silu") != "silu":
@@ -96,6 +97,11 @@ def infer_model_type(m: ModelConfig) -> str:
     if m.position_embedding == "rope" and m.normalization == "rmsnorm" and m.activation == "swiglu":
         if m.rotary_percent != 1.0:
             raise ConversionError("model.rotary_percent < 1 has no HF Llama equivalent")
+        if m.qk_layernorm:
+            if not m.moe.num_experts:
+                raise ConversionError("model.qk_layernorm on a dense model: HF Qwen3 (dense) export is not mapped -> "
+                                      "export a model with experts (Qwen3-MoE) or set qk_layernorm: false (Llama)")
+            return "qwen3_moe"
         return "mixtral" if m.moe.num_experts else "llama"
     raise ConversionError(
         f"model (position_embedding={m.position_embedding}, normalization={m.normalization}, activation={m.activation}) "
@@ -131,7 +137,7 @@ def hf_config_dict_from_run(cfg: RunConfig, model_type: str, hf_extra: dict | No
             "initializer_range": m.init_method_std,
         }
         if model_type in hf_moe.MODEL_TYPES:
-            out.update(hf_moe.hf_config_fields(cfg))
+            out.update(hf_moe.hf_config_fields(cfg, model_type))
     out.update(keep)
     out["torch_dtype"] = dtype
     out["dtype"] = dtype
@@ -148,6 +154,19 @@ def _rows(n: int) -> Callable[[Any], Any]:
 
 def _transpose(t: Any) -> Any:
     return t.t()
+
+
+def _qk_norm_rules(infos: Mapping[str, TensorInfo], s: str, o: str, d: int, src: str) -> list[Rule]:
+    """Qwen3's per-head q/k norms (``self_attn.q_norm`` / ``k_norm``, head_dim wide) -> megatron's ``q_layernorm`` /
+    ``k_layernorm``; a norm of another width (OLMoE's span all heads) is refused."""
+    rules = []
+    for n in "qk":
+        info = need(infos, s + f"{n}_norm.weight", src)
+        if tuple(info.shape) != (d,):
+            raise ConversionError(f"{src}: {s}{n}_norm.weight has shape {tuple(info.shape)}, not ({d},) (head_dim) -> "
+                                  "only per-head q/k norms convert (megatron-core's qk_layernorm normalises each head)")
+        rules.append(copy_rule(o + f"{n}_layernorm.weight", s + f"{n}_norm.weight"))
+    return rules
 
 
 def hf_to_mcore_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_type: str) -> list[Rule]:
@@ -197,6 +216,8 @@ def hf_to_mcore_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
                       Rule((o + "self_attention.linear_qkv.weight",), tuple(s + f"self_attn.{n}_proj.weight" for n in "qkv"), qkv),
                       copy_rule(o + "self_attention.linear_proj.weight", s + "self_attn.o_proj.weight"),
                       copy_rule(o + "pre_mlp_layernorm.weight", s + "post_attention_layernorm.weight")]
+            if m.qk_layernorm:
+                rules += _qk_norm_rules(infos, s + "self_attn.", o + "self_attention.", d, src)
             if hf_moe.is_moe_layer(cfg, i):
                 rules += hf_moe.experts_to_mcore_rules(infos, s, o, cfg)
             else:
@@ -262,6 +283,8 @@ def mcore_to_hf_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
                       Rule(tuple(o + f"self_attn.{n}_proj.weight" for n in "qkv"), (s + "self_attention.linear_qkv.weight",), split_qkv),
                       copy_rule(o + "self_attn.o_proj.weight", s + "self_attention.linear_proj.weight"),
                       copy_rule(o + "post_attention_layernorm.weight", s + "pre_mlp_layernorm.weight")]
+            if m.qk_layernorm:
+                rules += [copy_rule(o + f"self_attn.{n}_norm.weight", s + f"self_attention.{n}_layernorm.weight") for n in "qk"]
             if hf_moe.is_moe_layer(cfg, i):
                 rules += hf_moe.experts_from_mcore_rules(s, o, cfg)
             else:
@@ -301,10 +324,12 @@ def make_random_hf_model(out: str | Path, model_type: str = "gpt2", hidden: int 
                                              num_key_value_heads=kv_heads, intermediate_size=2 * hidden, vocab_size=vocab,
                                              max_position_embeddings=positions, tie_word_embeddings=bool(tied),
                                              bos_token_id=1, eos_token_id=2))
-    elif model_type in hf_moe.MODEL_TYPES:
+    elif model_type == "mixtral":
         model = hf_moe.make_random_mixtral(hidden, layers, heads, kv_heads, vocab, positions, bool(tied))
+    elif model_type == "qwen3_moe":
+        model = hf_moe.make_random_qwen3_moe(hidden, layers, heads, kv_heads, vocab, positions, bool(tied))
     else:
-        raise ConversionError(f"model_type {model_type!r} -> gpt2, llama or mixtral")
+        raise ConversionError(f"model_type {model_type!r} -> gpt2, llama, mixtral or qwen3_moe")
     out = Path(out)
     model.save_pretrained(out)
     return out

@@ -1,16 +1,21 @@
-"""HF Mixtral <-> megatron-core GPT with MoE layers: config fields and the MoE MLP's tensors.
+"""HF Mixtral and Qwen3-MoE <-> megatron-core GPT with MoE layers: config fields and the MoE MLP's tensors.
 
-Mixtral is Llama's decoder (its attention and norms convert by :mod:`workbench.models.gpt.hf`'s Llama rules) whose
-MLP is a sparse MoE block: HF (transformers 5) holds the router ``mlp.gate.weight [E, h]`` and the experts fused,
+Both are Llama's decoder (attention and norms convert by :mod:`workbench.models.gpt.hf`'s Llama rules) whose MLP is
+a sparse MoE block: HF (transformers 5) holds the router ``mlp.gate.weight [E, h]`` and the experts fused,
 ``mlp.experts.gate_up_proj [E, 2f, h]`` (gate rows, then up rows) and ``mlp.experts.down_proj [E, h, f]``; older
-checkpoints hold ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.<e>.w1 / w3 / w2`` (read too).  In
+checkpoints hold Mixtral's ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.<e>.w1 / w3 / w2``, or Qwen's
+``mlp.gate`` and ``mlp.experts.<e>.gate_proj / up_proj / down_proj`` (the published Qwen3-MoE files; read too).  In
 megatron-core the router is ``mlp.router.weight`` and expert ``e`` is ``mlp.experts.local_experts.<e>.linear_fc1``
 (``[gate; up]``, megatron's GLU order) and ``linear_fc2``: the full, TP=1 / EP=1 names, which megatron's
 distributed checkpoint reshards to any TP / EP / PP on load.  Mixtral's router (softmax, top-k, renormalised) is
-megatron's softmax over the top-k scores (``router_pre_softmax: false``).
+megatron's softmax over the top-k scores (``router_pre_softmax: false``); Qwen3-MoE's is that with
+``norm_topk_prob: true`` and the softmax over all experts, top-k kept as they are (``router_pre_softmax: true``),
+without.
 
-Qwen3-MoE and OLMoE are refused (GPT's ``Supports.hf_refused``): both normalise queries and keys (Qwen3 per head,
-OLMoE over all heads), which the workbench model does not have yet.
+Qwen3-MoE also normalises each query and key head (``self_attn.q_norm`` / ``k_norm``, head_dim wide, before RoPE):
+megatron's ``qk_layernorm`` (``model.qk_layernorm``; ``self_attention.q_layernorm`` / ``k_layernorm``), and sizes
+its experts by ``moe_intermediate_size`` and its heads by ``head_dim``.  OLMoE is refused (GPT's
+``Supports.hf_refused``): its q/k norms span all heads at once, which megatron's per-head norm cannot express.
 """
 
 from __future__ import annotations
@@ -22,19 +27,39 @@ from workbench.conversion.rules import Rule, copy_rule
 from workbench.models.common import moe
 
 __all__ = ["MODEL_TYPES", "model_fields", "is_moe_layer", "experts_to_mcore_rules", "experts_from_mcore_rules",
-           "hf_config_fields", "make_random_mixtral"]
+           "hf_config_fields", "make_random_mixtral", "make_random_qwen3_moe"]
 
-MODEL_TYPES = ("mixtral",)
+MODEL_TYPES = ("mixtral", "qwen3_moe")
 
 
 def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
-    """The MoE part of a Mixtral config (the Llama part is filled by the caller)."""
+    """The MoE part of a Mixtral / Qwen3-MoE config (the Llama part is filled by the caller)."""
+    if hf.get("model_type") == "qwen3_moe":
+        _qwen3_moe_fields(hf, m)
+        return
     if hf.get("sliding_window"):
         raise ConversionError(f"config.json: sliding_window {hf['sliding_window']} -> the workbench model attends to the "
                               "whole sequence; only Mixtral configs with sliding_window null convert")
     m["moe"] = dict(num_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
                     ffn_hidden_size=int(hf["intermediate_size"]), router_pre_softmax=False,
                     aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)))
+
+
+def _qwen3_moe_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
+    if hf.get("use_sliding_window"):
+        raise ConversionError("config.json: use_sliding_window true -> the workbench model attends to the whole sequence; "
+                              "only Qwen3-MoE configs with use_sliding_window false convert")
+    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        raise ConversionError(f"config.json: decoder_sparse_step {hf.get('decoder_sparse_step')} / mlp_only_layers "
+                              f"{hf.get('mlp_only_layers')} -> only Qwen3-MoE configs with experts on every layer convert "
+                              "(decoder_sparse_step 1, mlp_only_layers [])")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise ConversionError("config.json: Qwen3-MoE config without num_experts -> a complete Qwen3MoeConfig")
+    m["moe"] = dict(num_experts=int(experts), top_k=int(hf["num_experts_per_tok"]),
+                    ffn_hidden_size=int(hf["moe_intermediate_size"]), router_pre_softmax=not hf.get("norm_topk_prob", False),
+                    aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)))
+    m["qk_layernorm"] = True
 
 
 def is_moe_layer(cfg: Any, i: int) -> bool:
@@ -45,22 +70,26 @@ def is_moe_layer(cfg: Any, i: int) -> bool:
 def experts_to_mcore_rules(infos: Mapping[str, Any], s: str, o: str, cfg: Any) -> list[Rule]:
     """One MoE layer's router and experts as conversion rules: HF prefix ``s`` (``model.layers.<i>.``) -> megatron
     prefix ``o``.  transformers 5's fused experts are one source each (the largest single tensors of the checkpoint);
-    the older per-expert names convert expert by expert."""
+    the older per-expert names (Mixtral's ``w1 / w3 / w2``, Qwen's ``gate_proj / up_proj / down_proj``) convert expert
+    by expert."""
     import torch
 
     E = cfg.model.moe.num_experts
     fc1 = tuple(o + f"mlp.experts.local_experts.{e}.linear_fc1.weight" for e in range(E))
     fc2 = tuple(o + f"mlp.experts.local_experts.{e}.linear_fc2.weight" for e in range(E))
-    if s + "mlp.gate.weight" in infos:
+    if s + "mlp.experts.0.gate_proj.weight" in infos:
+        router = s + "mlp.gate.weight"
+        names = [tuple(s + f"mlp.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")) for e in range(E)]
+    elif s + "block_sparse_moe.gate.weight" in infos:
+        b = s + "block_sparse_moe."
+        router, names = b + "gate.weight", [tuple(b + f"experts.{e}.{n}.weight" for n in ("w1", "w3", "w2")) for e in range(E)]
+    else:
         return [copy_rule(o + "mlp.router.weight", s + "mlp.gate.weight"),
                 Rule(fc1, (s + "mlp.experts.gate_up_proj",), _unstack),
                 Rule(fc2, (s + "mlp.experts.down_proj",), _unstack)]
-    b = s + "block_sparse_moe."
-    rules = [copy_rule(o + "mlp.router.weight", b + "gate.weight")]
-    for e in range(E):
-        rules += [Rule((fc1[e],), (b + f"experts.{e}.w1.weight", b + f"experts.{e}.w3.weight"),
-                       lambda w1, w3: torch.cat([w1, w3], dim=0)),
-                  copy_rule(fc2[e], b + f"experts.{e}.w2.weight")]
+    rules = [copy_rule(o + "mlp.router.weight", router)]
+    for e, (gate, up, down) in enumerate(names):
+        rules += [Rule((fc1[e],), (gate, up), lambda g, u: torch.cat([g, u], dim=0)), copy_rule(fc2[e], down)]
     return rules
 
 
@@ -85,13 +114,23 @@ def _stack(*ts: Any) -> Any:
     return torch.stack(ts)
 
 
-def hf_config_fields(cfg: Any) -> dict[str, Any]:
-    """The Mixtral fields of an exported ``config.json`` (over the Llama ones)."""
+def hf_config_fields(cfg: Any, model_type: str = "mixtral") -> dict[str, Any]:
+    """The Mixtral / Qwen3-MoE fields of an exported ``config.json`` (over the Llama ones)."""
     m = cfg.model
     mo = m.moe
-    if mo.router_pre_softmax or mo.shared_experts or mo.layer_freq != 1:
-        raise ConversionError("model.moe: HF Mixtral routes every layer with a renormalised top-k and no shared experts -> "
-                              "router_pre_softmax false, shared_experts 0, layer_freq 1 export to Mixtral")
+    if model_type == "qwen3_moe":
+        if mo.shared_experts or mo.layer_freq != 1 or not m.qk_layernorm:
+            raise ConversionError("model: HF Qwen3-MoE routes every layer, has no shared experts and normalises q/k per head "
+                                  "-> shared_experts 0, layer_freq 1, qk_layernorm true export to Qwen3-MoE")
+        return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": mo.num_experts,
+                "num_experts_per_tok": mo.top_k, "moe_intermediate_size": moe.expert_ffn(cfg),
+                "norm_topk_prob": not mo.router_pre_softmax, "router_aux_loss_coef": mo.aux_loss_coeff,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None,
+                "output_router_logits": False}
+    if mo.router_pre_softmax or mo.shared_experts or mo.layer_freq != 1 or m.qk_layernorm:
+        raise ConversionError("model.moe: HF Mixtral routes every layer with a renormalised top-k, no shared experts and "
+                              "no q/k norms -> router_pre_softmax false, shared_experts 0, layer_freq 1, qk_layernorm "
+                              "false export to Mixtral")
     return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": mo.num_experts,
             "num_experts_per_tok": mo.top_k, "intermediate_size": moe.expert_ffn(cfg), "router_aux_loss_coef": mo.aux_loss_coeff,
             "sliding_window": None, "output_router_logits": False}
@@ -107,3 +146,18 @@ def make_random_mixtral(hidden: int, layers: int, heads: int, kv_heads: int, voc
                                             vocab_size=vocab, max_position_embeddings=positions, tie_word_embeddings=tied,
                                             num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=None,
                                             bos_token_id=1, eos_token_id=2))
+
+
+def make_random_qwen3_moe(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, positions: int, tied: bool,
+                          experts: int = 4, top_k: int = 2, ffn: int | None = None, head_dim: int | None = None,
+                          norm_topk_prob: bool = True) -> Any:
+    """A small randomly initialised HF Qwen3-MoE (tests, demos); ``head_dim`` defaults to twice hidden / heads (as
+    Qwen3's own shapes: head_dim is not hidden / heads)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                              num_key_value_heads=kv_heads, head_dim=head_dim or 2 * hidden // heads,
+                                              intermediate_size=2 * hidden, moe_intermediate_size=ffn or hidden,
+                                              num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
+                                              vocab_size=vocab, max_position_embeddings=positions, tie_word_embeddings=tied,
+                                              bos_token_id=1, eos_token_id=2))

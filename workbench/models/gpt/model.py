@@ -50,16 +50,27 @@ if not any(isinstance(f, _DropGPTDeprecation) for f in _gpt_logger.filters):
 def layer_spec(cfg: RunConfig) -> ModuleSpec:
     """The transformer-layer spec: TE's GPT spec when the rule picks TE, megatron's local spec for
     ``attention_backend: local``, else the workbench's causal self-attention layer
-    (:func:`workbench.backend.model.self_attention_layer_spec`)."""
+    (:func:`workbench.backend.model.self_attention_layer_spec`); per-head q/k norms where ``model.qk_layernorm``."""
     choice = kernel_rule.choose(cfg)
+    qk = bool(cfg.model.qk_layernorm)
     if choice.attention == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return dataclasses.replace(get_gpt_layer_with_transformer_engine_spec(), module=layer_class(choice))  # graphed for training where the rule says
+        return dataclasses.replace(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk), module=layer_class(choice))  # graphed for training where the rule says
     if choice.norm == "torch":
         # the stock spec as-is (torch norms) when the user asked for stock behaviour
-        return get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
-    return self_attention_layer_spec(cfg, choice, AttnMaskType.causal)
+        return get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm",
+                                        qk_layernorm=qk)
+    spec = self_attention_layer_spec(cfg, choice, AttnMaskType.causal)
+    return _with_qk_norms(spec, norm_module(cfg, choice)) if qk else spec
+
+
+def _with_qk_norms(spec: ModuleSpec, norm: type) -> ModuleSpec:
+    """``spec`` with ``norm`` as its attention's per-head q and k norms (``self_attention.q_layernorm`` /
+    ``k_layernorm``, megatron's ``qk_layernorm``)."""
+    attn = spec.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, q_layernorm=norm, k_layernorm=norm))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
 
 
 def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec) -> ModuleSpec:
@@ -71,7 +82,8 @@ def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec) -> ModuleSpec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.model.moe.num_experts,
-                                                          moe_grouped_gemm=choice.experts == "te_grouped")
+                                                          moe_grouped_gemm=choice.experts == "te_grouped",
+                                                          qk_layernorm=bool(cfg.model.qk_layernorm))
         return dataclasses.replace(spec, module=layer_class(choice))
     from workbench.backend.moe_experts import moe_mlp
 
