@@ -227,7 +227,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     # a dry run makes the launch's own checks (run directory included), all but this machine's GPUs
     problems = launch_checks(cfg, run_dir=run_dir, node_rank=args.node_rank,
                              rdzv_endpoint=args.rdzv_endpoint, local=not (args.dry_run or args.slurm), slurm=args.slurm,
-                             node_timeout=args.node_timeout, stall_floor=args.stall_floor, startup_timeout=args.startup_timeout)
+                             node_timeout=args.node_timeout, stall_floor=args.stall_floor, startup_timeout=args.startup_timeout,
+                             run_root=args.run_root, ignore_memory_plan=args.ignore_memory_plan)
     if cfg.parallel.nnodes > 1 and not (run_dir or args.slurm):
         from workbench.config import Problem
 
@@ -270,7 +271,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     try:  # the checks above run again inside (the run directory may have appeared meanwhile)
         run = Run.launch(cfg, run_dir, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                          rdzv_id=args.rdzv_id, watch_parent=not args.detach, node_timeout=args.node_timeout,
-                         stall_floor=args.stall_floor, startup_timeout=args.startup_timeout)
+                         stall_floor=args.stall_floor, startup_timeout=args.startup_timeout,
+                         ignore_memory_plan=args.ignore_memory_plan)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -391,6 +393,9 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
                                                          "command may be for another machine), print the exact commands, start nothing")
     p.add_argument("--slurm", action="store_true", help="write a SLURM batch script (srun torchrun ...) and submit it if sbatch exists")
     p.add_argument("--detach", action="store_true", help="return at once; the run keeps going")
+    p.add_argument("--ignore-memory-plan", action="store_true",
+                   help="launch a CUDA run whose memory plan (`workbench plan`) is over this machine's GPU memory (or, "
+                        "for a dry run or SLURM, over the most any accelerator has), which is refused otherwise")
     p.set_defaults(func=_cmd_launch)
 
     s = sub.add_parser("sweep", help="run a notebook over a parameter grid; collect final metrics into a CSV")

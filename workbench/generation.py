@@ -308,7 +308,12 @@ def _cli_generate(args: argparse.Namespace) -> int:
                     except json.JSONDecodeError:
                         print(f"--prompts-file {f}: line {i + 1} is not JSON -> one JSON string or {{\"prompt\": ...}} per line", file=sys.stderr)
                         return 2
-                    prompts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
+                    prompt = obj.get("prompt") if isinstance(obj, dict) else obj
+                    if not isinstance(prompt, str):
+                        print(f"--prompts-file {f}: line {i + 1} holds no prompt text ({line.strip()[:60]}) -> one JSON string "
+                              "or {\"prompt\": \"text\"} per line", file=sys.stderr)
+                        return 2
+                    prompts.append(prompt)
         else:
             prompts += [line for line in f.read_text().splitlines() if line.strip()]
     if args.prompt is None and not args.prompts_file:

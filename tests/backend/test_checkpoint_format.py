@@ -54,8 +54,7 @@ def test_incomplete_saves_are_never_picked(dist_group, tmp_path):
     cfg = dist_group
     root = tmp_path / "ck"
     good = C.save_checkpoint(root, 5, [_model(cfg, 1)], cfg)
-    # an interrupted later save: directory without workbench.json, a tmp dir, and one marked incomplete
-    (root / "iter_0000009").mkdir()
+    # an interrupted later save: a tmp dir, and one marked incomplete
     (root / "iter_0000010.tmp-123").mkdir()
     bad = root / "iter_0000011"
     bad.mkdir()
@@ -66,6 +65,11 @@ def test_incomplete_saves_are_never_picked(dist_group, tmp_path):
     assert C.list_checkpoints(root) == [good]
     with pytest.raises(C.CheckpointError, match="not a complete workbench checkpoint"):
         C.find_checkpoint(bad)
+    # a later iteration without workbench.json is no interrupted save (a save renames its directory into place only
+    # after writing that file): refused, naming it, never passed over for the older one
+    (root / "iter_0000009").mkdir()
+    with pytest.raises(C.CheckpointError, match="iter_0000009/workbench.json is missing"):
+        C.find_checkpoint(root)
 
 
 def test_failed_save_keeps_last_good_checkpoint(dist_group, tmp_path, monkeypatch):

@@ -221,7 +221,8 @@ def test_bad_data_and_checkpoint_paths_refused_before_anything_starts(rank_scrip
 
 def _fake_checkpoint(root: Path, cfg, *, has_optimizer: bool) -> Path:
     """A checkpoint as save_checkpoint writes it: its metadata, and a small but well-formed torch
-    dist checkpoint (the pre-launch check verifies the files' index without loading tensors)."""
+    dist checkpoint (the pre-launch check verifies the files' index without loading tensors) holding as many
+    parameters as ``cfg``'s model (it compares the count: :mod:`workbench.run.ckpt_layout`), in one flat tensor."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -230,7 +231,7 @@ def _fake_checkpoint(root: Path, cfg, *, has_optimizer: bool) -> Path:
 
     d = root / iter_dir_name(3)
     d.mkdir(parents=True)
-    dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
+    dcp.save({"w": torch.zeros(cfg.derived().params.total)}, checkpoint_id=str(d), no_dist=True)
     (d / METADATA_FILE).write_text(json.dumps({"format": FORMAT, "iteration": 3, "config": cfg.to_dict(),
                                                "has_optimizer": has_optimizer, "files": file_manifest(d), "complete": True}))
     (root / TRACKER_FILE).write_text("3")

@@ -91,14 +91,62 @@ def _torch_dtype(name: str | None):
     return {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+#: the file every conversion leaves in its output: ``--force`` replaces only a directory that holds it (one this tool
+#: wrote), never anything else
+OUTPUT_MARKER = ".workbench-convert.json"
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """Whether ``a`` lies strictly inside ``b`` (both resolved)."""
+    return b in a.parents
+
+
+def _out_problem(given: Path, out: Path, force: bool, inputs: dict[str, list[Path]]) -> str | None:
+    """Why ``out`` (``given`` as the user wrote it, resolved) may not be written, or None.  ``inputs``: what the
+    conversion reads, {"--flag": [paths]} (the first path of each is as given, the others what it resolves to)."""
+    for flag, paths in inputs.items():
+        shown = paths[0]
+        for i, p in enumerate(paths):
+            if not p.exists():
+                continue
+            real = p.resolve()
+            if out == real or _inside(real, out):
+                what = "is" if out == real else "holds"
+                return (f"--out {given} {what} the input {flag} {shown}{f' ({real})' if real != shown else ''}: a conversion "
+                        f"never writes over what it reads -> choose an --out outside {shown}")
+            # inside an input: refused, but for a run directory given as --ckpt (an export may go there; its
+            # checkpoint root, the next path, may not hold one)
+            if (i > 0 or len(paths) == 1) and _inside(out, real):
+                return (f"--out {given} lies inside the input {flag} {real}: a conversion never writes into what it "
+                        f"reads -> choose an --out outside {real}")
+    if given.is_symlink() and force and out.is_dir() and any(out.iterdir()):
+        return (f"--out {given} is a symbolic link to {out}: --force never replaces a link's target -> pass a new "
+                f"directory, or {out} itself once you have checked what it holds")
+    if out.exists() and not out.is_dir():
+        return f"--out {given} is a file, not a directory -> choose a new directory"
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            return f"--out {out} already exists and is not empty -> choose a new directory (or pass --force to replace it)"
+        if not (out / OUTPUT_MARKER).is_file():
+            return (f"--out {out} holds files that no conversion wrote (it has no {OUTPUT_MARKER}): --force replaces only an "
+                    f"earlier conversion's output -> choose a new directory, or remove {out} yourself if nothing there is needed")
+    return None
+
+
 @contextmanager
-def _staged_output(out: str | Path, force: bool = False, need: int = 0) -> Iterator[Path]:
+def _staged_output(out: str | Path, force: bool = False, need: int = 0, *, inputs: dict[str, list[Any]] | None = None,
+                   command: str = "convert") -> Iterator[Path]:
     """Yield a temporary sibling of ``out``; rename it to ``out`` only if the block succeeds.  ``need``: the bytes the
     block writes; refused before anything is written where ``out``'s file system has less free (an output it
-    replaces goes only after the new one is complete)."""
-    out = Path(out).expanduser().resolve()
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ConversionError(f"--out {out} already exists and is not empty -> choose a new directory (or pass --force to replace it)")
+    replaces goes only after the new one is complete).  ``force`` replaces only an earlier conversion's output
+    (:data:`OUTPUT_MARKER`, which the output gets); an ``out`` that is, holds or lies inside one of ``inputs``
+    ({flag: [paths]}), a link whose target it would replace, or a file is a ConversionError naming it."""
+    given = Path(out).expanduser().absolute()
+    out = given.resolve()
+    why = _out_problem(given, out, force, {k: [Path(str(p)).expanduser().absolute() for p in v if p is not None]
+                                           for k, v in (inputs or {}).items() if any(p is not None for p in v)})
+    if why:
+        raise ConversionError(why)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if need and free < need + (64 << 20):
@@ -110,6 +158,7 @@ def _staged_output(out: str | Path, force: bool = False, need: int = 0) -> Itera
     tmp.mkdir()
     try:
         yield tmp
+        (tmp / OUTPUT_MARKER).write_text(json.dumps({"written_by": f"workbench convert {command}", "pid": os.getpid()}))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -269,7 +318,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         stream_rules(rules, reader.read, write, tdt, _progress(len(rules), f"{mt} -> mcore", progress))
 
     final = Path(out).expanduser().resolve()
-    with _staged_output(final, force, _nbytes(targets)) as tmp:
+    with _staged_output(out, force, _nbytes(targets), inputs={"--hf": [hf_dir]}, command="hf-to-megatron") as tmp:
         res = _write_megatron(tmp, final, cfg, targets, fill, 0, dtype,
                               {"format": "hf", "model_type": mt, "path": str(hf_dir), "hf_config": hf},
                               hf_dir if _has_tokenizer_files(hf_dir) else None,
@@ -319,6 +368,13 @@ def _checkpoint_tokenizer(info: Any, tokenizer: str | Path | None) -> tuple[Any,
     return spec, (f"checkpoint {info.path}" if spec is not None else f"checkpoint {info.path} names no tokenizer")
 
 
+def _checkpoint_inputs(ckpt: str | Path, info: Any, tok: Any, tokenizer: Any) -> dict[str, list[Any]]:
+    """What a conversion of checkpoint ``info`` reads, for :func:`_staged_output`: ``ckpt`` as given (a run directory
+    may hold the output), the iteration directory and its root; the tokenizer it ships when that is a path."""
+    flag = "--tokenizer" if tokenizer is not None else "tokenizer"
+    return {"--ckpt": [ckpt, info.path, info.path.parent], flag: [tok if isinstance(tok, (str, Path)) else None]}
+
+
 def _file_order(rules: list[Rule], reader: Any) -> list[Rule]:
     """``rules`` in the order their sources lie in the checkpoint's files (:meth:`CheckpointReader.position`), so
     the files are read front to back, once."""
@@ -354,7 +410,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     out_dtype = _DTYPES[dtype or cfg.train.precision]
     hf_cfg = hf_config_dict_from_run(cfg, mt, source.get("hf_config"), dtype=out_dtype)
     final = Path(out).expanduser().resolve()
-    with _staged_output(final, force, _nbytes(targets)) as tmp, closing(reader):
+    with _staged_output(out, force, _nbytes(targets), inputs=_checkpoint_inputs(ckpt, info, tok, tokenizer),
+                        command="megatron-to-hf") as tmp, closing(reader):
         writer = SafetensorsWriter(tmp, targets, limit)
         try:
             stream_rules(rules, reader.read, writer.write, tdt, _progress(len(rules), f"mcore -> {mt}", progress))
@@ -415,7 +472,8 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     source["reshaped_from"] = {"path": str(info.path), "tensor_parallel": src_cfg.parallel.tensor_parallel,
                                "pipeline_parallel": src_cfg.parallel.pipeline_parallel}
     iteration = int(reader.dcp.common.get("iteration", info.meta.get("iteration", 0)))
-    with _staged_output(final, force, _nbytes(targets)) as tmp, closing(reader):
+    with _staged_output(out, force, _nbytes(targets), inputs=_checkpoint_inputs(ckpt, info, tok, tokenizer),
+                        command="reshape") as tmp, closing(reader):
         res = _write_megatron(tmp, final, cfg, targets, fill, iteration, cfg.train.precision, source, tok, tok_from)
     if info.meta.get("has_optimizer"):
         res.notes.append("optimizer state was not carried over (reshape writes weights; resume with finetune or a fresh optimizer)")
@@ -450,7 +508,8 @@ def import_legacy(path: str | Path, out: str | Path, tp: int = 1, pp: int = 1, v
         for k in list(full):
             write(k, full.pop(k))
 
-    with _staged_output(final, force, _nbytes(infos_of(full))) as tmp:
+    with _staged_output(out, force, _nbytes(infos_of(full)), inputs={"--load": [path], "--tokenizer": [tokenizer_dir or None]},
+                        command="legacy") as tmp:
         res = _write_megatron(tmp, final, cfg, infos_of(full), fill, 0, dtype, source, tokenizer_dir or None,
                               f"--tokenizer {tokenizer_dir}" if tokenizer_dir else f"legacy checkpoint {path} (no --tokenizer given)")
     res.notes.append(f"merged {ck.tp} TP shard(s) x {ck.pp} PP stage(s), checkpoint_version {ck.checkpoint_version}")

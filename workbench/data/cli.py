@@ -7,6 +7,7 @@ on bad input, never a stack trace for the user's mistakes.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 
@@ -44,10 +45,11 @@ def _preprocess(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: no new .idx was written (the previous dataset, if any, is untouched)", file=sys.stderr)
         return 130
-    except OSError as e:  # out of disk, a file size limit, a read-only directory
-        print(f"error: writing {args.output_prefix}.bin/.idx failed: {e} -> free disk space (or choose another "
-              f"--output-prefix) and run again; nothing was written there (the previous dataset, if any, is untouched)",
-              file=sys.stderr)
+    except OSError as e:  # out of disk or a file size limit mid-write (a directory that cannot be written: refused before)
+        space = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        fix = "free disk space (or choose another --output-prefix)" if space else "choose another --output-prefix"
+        print(f"error: writing {args.output_prefix}.bin/.idx failed: {e} -> {fix} and run again; nothing was written "
+              "there (the previous dataset, if any, is untouched)", file=sys.stderr)
         return 1
     print(json.dumps(summary.to_dict()) if args.json else summary)
     return 0

@@ -25,6 +25,7 @@ from typing import Iterator
 from workbench.data.errors import DataError
 from workbench.data.sources import InvalidPolicy, ReadStats, SplitDocs, iter_documents, resolve_inputs, uncompressed_size
 from workbench.data.tokenizer import Tokenizer, load_tokenizer
+from workbench.run.files import dir_write_problem
 
 __all__ = ["PreprocessSummary", "preprocess", "token_dtype", "SIDECAR_FORMAT"]
 
@@ -178,6 +179,15 @@ def _remove_stale_tmp(*finals: str) -> None:
                 pass  # alive, someone else's
 
 
+def _make_output_dir(out_dir: Path, output_prefix: str | Path) -> None:
+    """Make the output's directory; one that cannot be written is a DataError before any input is read (not a failed
+    write at the end)."""
+    why = dir_write_problem(out_dir)
+    if why:
+        raise DataError("--output-prefix", f"{output_prefix}: {why}", "choose an --output-prefix in a directory you can write")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
 def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Path, tokenizer: "str | Tokenizer" = "demo",
                json_key: str = "text", append_eod: bool = True, workers: int = 1, split_docs: SplitDocs = "blank-line",
                invalid_utf8: InvalidPolicy = "replace", model_vocab_size: int | None = None,
@@ -199,8 +209,7 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
     for suf in (".bin", ".idx"):
         if prefix.endswith(suf):
             prefix = prefix[: -len(suf)]
-    out_dir = Path(prefix).parent
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _make_output_dir(Path(prefix).parent, output_prefix)
 
     dtype = token_dtype(tok.vocab_size)
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder

@@ -7,6 +7,7 @@
 | --- | --- |
 | :mod:`~workbench.launch.plan` | :class:`LaunchPlan` (the torchrun command of one node), run directories, the launch's overrides |
 | :mod:`~workbench.launch.checks` | every check made before anything starts (:func:`launch_checks`) |
+| :mod:`~workbench.launch.writer` | one writer per checkpoint folder: the claim a live run holds on its ``checkpoint.save_dir`` |
 | :mod:`~workbench.launch.start` | :func:`start_run` (training) and :func:`run_supervised` (generation's, conversion's ranks) |
 | :mod:`~workbench.launch.supervisor` | the supervisor process and the ``python -m workbench.launch`` entry points |
 | :mod:`~workbench.launch.processes` | psutil helpers and :func:`~workbench.launch.processes.stop`, the one SIGTERM-wait-SIGKILL |

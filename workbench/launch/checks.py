@@ -17,6 +17,8 @@ from workbench.config import ConfigError, Problem, RunConfig, load_config
 from workbench.launch import stall
 from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT
 from workbench.launch.stores import bind_problem
+from workbench.launch.preflight import memory_problems, path_problems
+from workbench.launch.writer import owner_problem
 from workbench.run import nodes
 
 __all__ = ["detect_gpus", "launch_problems", "launch_checks"]
@@ -71,13 +73,17 @@ def launch_problems(cfg: RunConfig, *, local: bool = True) -> list[Problem]:
 def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_rank: int = 0,
                   rdzv_endpoint: str | None = None, local: bool = True, slurm: bool = False,
                   node_timeout: float | None = None, stall_floor: float | None = None,
-                  startup_timeout: float | None = None) -> list[Problem]:
+                  startup_timeout: float | None = None, run_root: str | Path | None = None,
+                  ignore_memory_plan: bool = False) -> list[Problem]:
     """Every problem that stops a launch, before any process starts (``Run.launch`` and ``workbench launch``).
 
     ``local``: check this machine's GPUs too (not for a dry run or a SLURM script).  ``slurm``: the
     SLURM script brings its own rendezvous.  ``run_dir``: must be new or empty; for one node of a
     multi-node run it is the run directory every node shares (:mod:`workbench.run.nodes`), which
-    must hold nothing of this node yet and no other config.
+    must hold nothing of this node yet and no other config; None: a fresh one under ``run_root``.  A
+    ``checkpoint.save_dir`` another live run saves into is refused, naming that run (:mod:`workbench.launch.writer`);
+    so are a plan over the GPUs' memory (unless ``ignore_memory_plan``) and a directory the run cannot write or has
+    no room in (:mod:`workbench.launch.preflight`).
     """
     problems = launch_problems(cfg, local=local)
     multi = cfg.parallel.nnodes > 1 and not slurm
@@ -113,6 +119,13 @@ def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_ran
             problems.append(Problem("run_dir", f"{d.absolute()} exists and is not a directory", "pass a new run_dir (or none for a fresh one)"))
         elif d.exists() and any(d.iterdir()):
             problems.append(Problem("run_dir", f"{d.absolute()} exists and is not empty", "pass a new run_dir (or none for a fresh one)"))
+    if not cfg.validate():  # what would certainly fail after the start: memory, directories, another writer
+        said = {p.field for p in problems}
+        more = memory_problems(cfg, local=local, ignore_memory_plan=ignore_memory_plan)
+        more += path_problems(cfg, Path(run_dir) if run_dir is not None else None, Path(run_root) if run_root else None)
+        if (taken := owner_problem(cfg, run_dir)) is not None:
+            more.append(taken)  # another live run saves into the same folder
+        problems += [p for p in more if p.field not in said]
     return problems
 
 

@@ -120,6 +120,7 @@ class Run:
         node_timeout: float | None = None,
         stall_floor: float | None = None,
         startup_timeout: float | None = None,
+        ignore_memory_plan: bool = False,
     ) -> "Run":
         """Validate, create a fresh run dir (config.json saved), start torchrun under a supervisor.
 
@@ -130,13 +131,15 @@ class Run:
         ``stall_floor`` (default 300 s; 0: off) / ``startup_timeout`` (default 1800 s): a rank that
         makes no progress for longer than the bound they set ends the run as ``failed`` (reason
         ``stalled``, naming the rank; its stacks in ``stall_stacks.txt``): :mod:`workbench.launch.stall`.
-        Raises :class:`ConfigError` (nothing started) when the config or this machine cannot run it.
+        Raises :class:`ConfigError` (nothing started) when the config or this machine cannot run it: a memory plan
+        over the GPUs' memory too, unless ``ignore_memory_plan``; a ``checkpoint.save_dir`` another live run saves into.
         """
         cfg = apply_overrides(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
         plan, popen = start_run(cfg, run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                                 run_root=run_root, entry=entry, env=env, grace=grace, error_grace=error_grace,
                                 watch_parent=watch_parent, check_devices=check_devices, node_timeout=node_timeout,
-                                stall_floor=stall_floor, startup_timeout=startup_timeout)
+                                stall_floor=stall_floor, startup_timeout=startup_timeout,
+                                ignore_memory_plan=ignore_memory_plan)
         return cls(plan.run_dir, popen=popen, plan=plan)
 
     @classmethod

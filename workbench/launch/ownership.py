@@ -10,7 +10,8 @@
   command line runs this run directory (the supervisor: ``workbench.launch supervise --run-dir
   <dir>``; torchrun and the ranks: ``--run-dir <dir>`` in their arguments), or, for a helper a
   rank started, when it carries the supervisor token of such a process in its environment.  What
-  is refused is said (:class:`Refusal`), never signalled.
+  is refused is said (:class:`Refusal`), never signalled.  A process still inside its ``execve``
+  (no command line yet, see :func:`_argv`) is waited for, not taken for one that is exiting.
 - **Parent death.**  torchrun starts with ``PR_SET_PDEATHSIG = SIGKILL`` (:func:`die_with_parent`,
   the supervisor's ``preexec_fn``), and each rank arms the same when it imports ``workbench``
   (:func:`guard_rank`, switched on by ``WORKBENCH_SUPERVISOR`` in the environment the supervisor
@@ -27,6 +28,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -126,6 +128,46 @@ class Refusal(str):
     """Why a process that ``launch.json`` names was not taken as this run's (it is never signalled)."""
 
 
+#: seconds a process that is still inside its ``execve`` (its new program's arguments not in place yet) is waited for
+EXEC_WAIT = 2.0
+_PF_EXITING, _PF_KTHREAD = 0x4, 0x200000  # task flags (/proc/<pid>/stat field 9)
+
+
+def _in_exec(pid: int) -> bool:
+    """Whether ``pid`` lives, is not exiting and is no kernel thread: with an empty command line, it is inside an
+    ``execve`` (the new memory is in place, its arguments not yet).  False off Linux or when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        fields = stat[stat.rfind(b")") + 2:].split()
+        state, flags = fields[0], int(fields[6])
+    except (OSError, IndexError, ValueError):
+        return False
+    return state not in (b"Z", b"X", b"x") and not flags & (_PF_EXITING | _PF_KTHREAD)
+
+
+def _argv(p: Any) -> list[str]:
+    """Process ``p``'s command line (psutil's ``cmdline()``; raises as it does).
+
+    ``/proc/<pid>/cmdline`` is empty both for a process that is exiting and, for a moment, for one inside its
+    ``execve``: the new program's memory is in place before its arguments are.  ``Popen`` returns in that window
+    (the close-on-exec pipe it waits on closes first), so a process started a moment ago, a record forged from it
+    included, can read as having no command line.  Such a process is waited for (up to :data:`EXEC_WAIT`, it is
+    only a moment unless the machine is busy) rather than taken for one that is gone: else its refusal is never said
+    and a run's own process is passed over.  An exiting process (``PF_EXITING``) gives ``[]`` at once."""
+    deadline = None
+    while True:
+        args = p.cmdline()
+        if args or not _in_exec(p.pid):
+            return args
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + EXEC_WAIT
+        elif now >= deadline:
+            return args
+        time.sleep(0.002)
+
+
 def _run_dir_args(argv: list[str]) -> list[str]:
     out = []
     for i, a in enumerate(argv):
@@ -143,8 +185,8 @@ def names_run_dir(p: Any, run_dir: str | Path) -> bool:
 
     want = Path(run_dir).resolve()
     try:
-        argv, cwd = p.cmdline(), None
-        for arg in _run_dir_args(argv):
+        args, cwd = _argv(p), None
+        for arg in _run_dir_args(args):
             if not os.path.isabs(arg):
                 cwd = cwd or p.cwd()
                 arg = os.path.join(cwd, arg)
@@ -166,7 +208,7 @@ def _same_start(p: Any, created: Any) -> bool:
 
 def _shown(p: Any) -> str:
     try:
-        return shlex.join(p.cmdline())[:160] or p.name()
+        return shlex.join(_argv(p))[:160] or p.name()
     except Exception:  # noqa: BLE001  (gone, or not ours to read)
         return "?"
 
@@ -187,12 +229,12 @@ def verified_supervisor(meta: dict, run_dir: str | Path) -> tuple[Any | None, Re
     if not _same_start(p, meta.get("supervisor_create_time")):
         return None, None  # ended (its PID reused, or a zombie), or a record without a create time
     try:
-        argv = p.cmdline()
+        args = _argv(p)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None, None
     if not _exists(p):
         return None, None
-    if SUPERVISOR_MODULE in argv and "supervise" in argv and names_run_dir(p, run_dir):
+    if SUPERVISOR_MODULE in args and "supervise" in args and names_run_dir(p, run_dir):
         return p, None
     return None, Refusal(f"launch.json names pid {p.pid} as the supervisor of {run_dir}, but that process runs "
                          f"{_shown(p)!r}, not this run directory: it is not signalled")
@@ -243,11 +285,12 @@ def live_recorded(meta: dict, run_dir: str | Path, refused: list[Refusal] | None
 
 
 def _exists(p: Any) -> bool:
-    """Whether ``p`` still runs a program: a process that is exiting has no command line left (and is no one's)."""
+    """Whether ``p`` still runs a program: a process that is exiting has no command line left (and is no one's);
+    one inside its ``execve`` is waited for (:func:`_argv`)."""
     import psutil
 
     try:
-        return bool(p.cmdline()) and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        return bool(_argv(p)) and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 

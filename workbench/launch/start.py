@@ -20,12 +20,14 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from workbench.config import ConfigError, RunConfig
+from workbench.launch import writer
 from workbench.launch.checks import launch_checks
 from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT
 from workbench.launch.plan import BACKEND_ENTRY, LaunchPlan, new_run_dir
@@ -52,7 +54,8 @@ def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: i
               rdzv_id: str | None = None, run_root: str | Path | None = None, entry: Sequence[str] = BACKEND_ENTRY,
               env: dict[str, str] | None = None, grace: float = 10.0, error_grace: float = 10.0,
               watch_parent: bool = True, check_devices: bool = True, node_timeout: float | None = None,
-              stall_floor: float | None = None, startup_timeout: float | None = None) -> tuple[LaunchPlan, subprocess.Popen]:
+              stall_floor: float | None = None, startup_timeout: float | None = None,
+              ignore_memory_plan: bool = False) -> tuple[LaunchPlan, subprocess.Popen]:
     """Check (:func:`launch_checks`), create the run directory, start torchrun under a supervisor.
 
     Raises :class:`ConfigError` (nothing started, nothing written) when the config or this
@@ -62,16 +65,35 @@ def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: i
     filesystem) each follow their own ranks only.  ``node_timeout``: seconds another node may
     go without a heartbeat before this node stops its job.  ``stall_floor`` / ``startup_timeout``:
     when a rank that makes no progress counts as stalled and ends the run (:mod:`workbench.launch.stall`;
-    defaults 300 s / 1800 s; ``stall_floor=0`` turns the watch off).
+    defaults 300 s / 1800 s; ``stall_floor=0`` turns the watch off).  ``ignore_memory_plan``: launch a CUDA run
+    whose memory plan is over the GPUs' memory (:mod:`workbench.launch.preflight`).
     """
     problems = launch_checks(cfg, run_dir=run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, local=check_devices,
-                             node_timeout=node_timeout, stall_floor=stall_floor, startup_timeout=startup_timeout)
+                             node_timeout=node_timeout, stall_floor=stall_floor, startup_timeout=startup_timeout,
+                             run_root=run_root, ignore_memory_plan=ignore_memory_plan)
     if problems:
         raise ConfigError(problems)
     node_timeout = float(node_timeout or DEFAULT_NODE_TIMEOUT)
     stall_floor = DEFAULT_STALL_FLOOR if stall_floor is None else float(stall_floor)
     startup_timeout = DEFAULT_STARTUP_TIMEOUT if startup_timeout is None else float(startup_timeout)
     run_dir = Path(run_dir).absolute() if run_dir else new_run_dir(cfg.name, run_root)
+    notes = writer.claim(cfg, run_dir)  # one writer per checkpoint folder: a live owner is refused (ConfigError)
+    for note in notes:
+        print(f"[workbench] note: {note}", file=sys.stderr, flush=True)
+    try:
+        plan, popen = _start(cfg, run_dir, node_rank, rdzv_endpoint, rdzv_id, entry, env, grace, error_grace, watch_parent,
+                             node_timeout, stall_floor, startup_timeout, notes)
+    except BaseException:
+        writer.release(cfg, run_dir)
+        raise
+    return plan, popen
+
+
+def _start(cfg: RunConfig, run_dir: Path, node_rank: int, rdzv_endpoint: str | None, rdzv_id: str | None,
+           entry: Sequence[str], env: dict[str, str] | None, grace: float, error_grace: float, watch_parent: bool,
+           node_timeout: float, stall_floor: float, startup_timeout: float,
+           notes: list[str]) -> tuple[LaunchPlan, subprocess.Popen]:
+    """:func:`start_run` once checked and its checkpoint folder claimed: the run directory's files, the supervisor."""
     plan = LaunchPlan(run_dir, cfg.parallel.nproc_per_node, cfg.parallel.nnodes, node_rank, rdzv_endpoint,
                       rdzv_id or f"workbench-{cfg.name}", entry=tuple(entry))
     ndir = plan.node_dir
@@ -95,7 +117,7 @@ def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: i
         "command": torchrun_cmd, "shell": plan.shell(), "supervisor_command": sup_cmd,
         "nproc_per_node": plan.nproc_per_node, "nnodes": plan.nnodes, "node_rank": plan.node_rank,
         "rdzv_endpoint": plan.rdzv_endpoint, "kernel_pid": watch_pid or None, "started": started,
-        "host": host_name(),
+        "host": host_name(), "notes": notes,
     }
     if cfg.parallel.nnodes > 1:
         info.update(node_timeout=node_timeout, ranks=nodes.node_ranks(node_rank, plan.nproc_per_node))

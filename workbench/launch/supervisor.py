@@ -7,7 +7,8 @@ process and kills the whole process tree when that disappears, kills the job whe
 an ``error`` event but the job did not tear down, ends it as ``failed`` when a rank makes no
 progress past a bound set by the run's own rhythm (:mod:`workbench.launch.stall`; the ranks'
 stacks in ``stall_stacks.txt``), and writes ``<run_dir>/exit_status.json``
-(:mod:`workbench.launch.exit_status`: which rank caused a failure).  It records torchrun and the
+(:mod:`workbench.launch.exit_status`: which rank caused a failure), then gives the run's checkpoint folder back
+(:mod:`workbench.launch.writer`).  It records torchrun and the
 ranks (PIDs with create times) in ``launch.json``, and the job cannot outlive it: torchrun and the
 ranks die with it even when it is SIGKILLed (:mod:`workbench.launch.ownership`).
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from workbench.config import ConfigError, load_config
-from workbench.launch import stall
+from workbench.launch import stall, writer
 from workbench.launch.exit_status import STATUSES, write_exit_status
 from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT, PeerWatch, start_heartbeat
 from workbench.launch.ownership import SUPERVISOR_ENV, SUPERVISOR_MODULE, die_with_parent, supervisor_token
@@ -227,9 +228,19 @@ def supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error
     info = write_exit_status(run_dir, rc, reason=reason, status=status, started=started, reader=reader,
                              node_rank=node_rank, peer=peer, failed_rank=verdict.rank if verdict else None, extra=stall_info)
     beating.set()
+    if node_rank == 0:
+        _give_back(run_dir)
     where = f"node {node_rank}: " if nnodes > 1 else ""
     print(f"[supervisor] {where}run ended: {info['status']} (torchrun exit code {rc})", flush=True)
     return rc if isinstance(rc, int) else 1
+
+
+def _give_back(run_dir: Path) -> None:
+    """The run's checkpoint folder is free for the next run (:mod:`workbench.launch.writer`)."""
+    try:
+        writer.release(load_config(run_dir / "config.json"), run_dir)
+    except (ConfigError, OSError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,8 @@ __all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "CheckpointError", "Checkp
            "recorded_hooks", "hook_note", "tokenizer_spec"]
 
 from workbench.run.ckpt_files import (  # noqa: F401  (the tree's names, shared with workbench.run.integrity)
-    ITER_RE, FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, is_complete, iter_dir_name, list_checkpoints,
+    HOOK_FIELDS, ITER_RE, FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, is_complete, iter_dir_name, list_checkpoints,
+    recorded_config,
 )
 
 
@@ -69,10 +70,6 @@ class CheckpointMeta:
         return out
 
 
-#: the config fields that name code (``train.<field>``: 'package.module:function'); a checkpoint records them as text
-HOOK_FIELDS = ("forward_step", "loss_func")
-
-
 def recorded_hooks(config: dict[str, Any] | None) -> dict[str, str]:
     """{``train.forward_step`` / ``train.loss_func``: the dotted path} that a recorded config names (empty: none)."""
     train = (config or {}).get("train") if isinstance(config, dict) else None
@@ -86,16 +83,9 @@ def checkpoint_config(meta: "CheckpointMeta | dict[str, Any]") -> Any:
     and their ``hook_kwargs``) are cleared, so validating, building or converting from it never imports a
     module that the checkpoint's ``workbench.json`` names.  ``meta``: a :class:`CheckpointMeta` or the dict
     of :func:`read_metadata`."""
-    from workbench.config import RunConfig
-
     if isinstance(meta, CheckpointMeta):
-        config, where = meta.config, str(meta.path)
-    else:
-        config, where = meta.get("config"), meta.get("path")
-    data = dict(config or {})
-    if isinstance(data.get("train"), dict):
-        data["train"] = {**data["train"], **{k: None for k in HOOK_FIELDS}, "hook_kwargs": {}}
-    return RunConfig.from_dict(data, source=where)
+        return recorded_config(meta.config, meta.path)
+    return recorded_config(meta.get("config"), meta.get("path"))
 
 
 def hook_note(cfg: Any, meta: "CheckpointMeta | dict[str, Any]") -> str | None:
@@ -158,23 +148,26 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def _unreadable_metadata(d: Path) -> str | None:
-    """Why ``d``'s ``workbench.json`` cannot be read (None: it reads as a JSON object, or it is absent)."""
+    """What is wrong with ``d``'s ``workbench.json`` ("is missing (...)", "is damaged (...)"), None when it reads as a
+    JSON object.  A save writes that file before it renames ``iter_N.tmp-*`` to ``iter_N``, so an ``iter_N`` without
+    one, or with one that does not read, was damaged or altered afterwards, never interrupted."""
     f = d / METADATA_FILE
     if not f.is_file():
-        return None
+        return ("is missing (a save renames an iteration into place only after writing it, so this one lost it "
+                "afterwards)")
     try:
         data = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"{type(e).__name__}: {e}"
+        return f"is damaged ({type(e).__name__}: {e})"
     if not isinstance(data, dict):
-        return f"a JSON {type(data).__name__}, not an object"
-    return None
+        return f"is damaged (a JSON {type(data).__name__}, not an object)"
+    return None  # read (one marked incomplete says so itself: skipped, as its writer asked)
 
 
 def _refuse_newer_damaged(root: Path, chosen: Path) -> None:
-    """An ``iter_N`` newer than ``chosen`` whose ``workbench.json`` is there but unreadable is a damaged save
-    (a save renames its directory into place only after writing that file), never an interrupted one: loading
-    the older iteration instead would lose training silently, so it is refused, naming both."""
+    """An ``iter_N`` newer than ``chosen`` whose ``workbench.json`` is missing or unreadable is a damaged save (a save
+    renames its directory into place only after writing that file), never an interrupted one: loading the older
+    iteration instead would lose training silently, so it is refused, naming both."""
     m = ITER_RE.match(chosen.name)
     newer = sorted((int(x.group(1)), d) for d in root.iterdir()
                    if (x := ITER_RE.match(d.name)) and d.is_dir() and m and int(x.group(1)) > int(m.group(1)))
@@ -182,7 +175,7 @@ def _refuse_newer_damaged(root: Path, chosen: Path) -> None:
         why = _unreadable_metadata(d)
         if why:
             raise CheckpointError(
-                f"a newer checkpoint {d} cannot be read: {d / METADATA_FILE} is damaged ({why}) -> copy the checkpoint "
+                f"a newer checkpoint {d} cannot be read: {d / METADATA_FILE} {why} -> copy the checkpoint "
                 f"again from its source, or load the older iteration explicitly: point at {chosen}")
 
 
@@ -423,11 +416,27 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _may_be_saving(pid: int, folder: Path) -> bool:
+    """Whether live process ``pid`` may be the save that made ``folder``: a process that started after the folder was
+    last written (its PID given anew, say after a restart) cannot have made it."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time() <= folder.stat().st_mtime + 1.0
+    except ImportError:
+        return True
+    except (psutil.NoSuchProcess, OSError):
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
 def remove_stale_partials(root: str | Path) -> list[str]:
     """Tidy what a save killed half-way left in a checkpoint ROOT; returns what was done, a line each.
 
-    Only this host's leftovers (named by :func:`partial_dir_name`) whose process is gone are touched;
-    another host's (a shared filesystem) may be a save in progress and are only reported.
+    Only this host's leftovers (named by :func:`partial_dir_name`) whose process is gone (or whose PID now belongs
+    to a process started after the leftover was written) are touched; another host's (a shared filesystem), and
+    one whose live process may still be saving, are only reported.
     ``iter_N.tmp-...`` (a save that never completed) is removed.  ``iter_N.old-...`` (the previous copy
     of an iteration being re-saved) is removed when ``iter_N`` is complete again, and moved back into
     place when the kill came between the two renames and ``iter_N`` is missing.  Called by rank 0
@@ -449,12 +458,15 @@ def remove_stale_partials(root: str | Path) -> list[str]:
         if host is not None and host != here:
             done.append(f"left {p.name}: an unfinished save from host {host} (remove it once that job is gone)")
             continue
-        if _pid_alive(pid):  # a save in progress here (or an unrelated process that took the PID: a leftover)
+        if _pid_alive(pid) and _may_be_saving(pid, p):  # a save in progress here, perhaps: said, left alone
+            done.append(f"left {p.name}: process {pid} is alive and may still be saving it (remove it once that process "
+                        "is gone)")
             continue
         final = root / m.group(1)
+        gone = "which is gone" if not _pid_alive(pid) else "which is gone: that PID is now a process started later"
         if m.group(2) == "tmp":
             shutil.rmtree(p, ignore_errors=True)
-            done.append(f"removed {p.name} (an unfinished save of process {pid}, which is gone)")
+            done.append(f"removed {p.name} (an unfinished save of process {pid}, {gone})")
         elif final.exists() and is_complete(final):
             shutil.rmtree(p, ignore_errors=True)
             done.append(f"removed {p.name} ({final.name} is complete)")

@@ -53,6 +53,7 @@ from typing import Any, BinaryIO, Iterator
 import re
 
 from workbench.run.ckpt_files import METADATA_FILE, CheckpointError, list_checkpoints
+from workbench.run.ckpt_layout import config_mismatch
 from workbench.run.direct_io import DirectReads
 
 __all__ = ["ALLOWED_GLOBALS", "DIST_METADATA_FILE", "MetadataUnpickler", "read_dist_metadata", "file_manifest",
@@ -304,12 +305,14 @@ def checkpoint_damage(d: str | Path, *, hashes: bool = True) -> list[str]:
     SHA-256 when ``hashes``).  Raises :class:`CheckpointError` for metadata that names a class
     outside the allow-list, and for a file name in either index that leads out of ``d`` or a negative
     byte range (:func:`storage_needs`): that is not damage, it is a hostile or foreign file, and no
-    file it names is looked at.
+    file it names is looked at; and for sound files whose recorded config does not describe the tensors they hold
+    (:func:`~workbench.run.ckpt_layout.config_mismatch`).
     """
     d = Path(d)
     problems: list[str] = []
     meta_path = d / DIST_METADATA_FILE
     manifest = _manifest(d)
+    index = None
     for name in manifest or ():  # every name checked before any file is read
         checkpoint_member(d, name, source=str(d / METADATA_FILE), what="the file", entry='its "files" list')
     if meta_path.is_symlink():
@@ -321,6 +324,7 @@ def checkpoint_damage(d: str | Path, *, hashes: bool = True) -> list[str]:
             with open(meta_path, "rb") as fh:
                 md = MetadataUnpickler(fh, source=str(meta_path), real=False).load()
             need = storage_needs(d, md, str(meta_path))
+            index = md
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001  (any parse failure of a damaged pickle)
@@ -343,6 +347,8 @@ def checkpoint_damage(d: str | Path, *, hashes: bool = True) -> list[str]:
                 problems.append(f"{f} has {f.stat().st_size} bytes, {rec['size']} when saved")
             elif hashes and isinstance(rec, dict) and rec.get("sha256") and _sha256(f) != rec["sha256"]:
                 problems.append(_mismatch(f))
+    if not problems and index is not None and (why := config_mismatch(d, index)):
+        raise CheckpointError(why)  # sound files, but a config that does not describe them: no model would load them
     return problems
 
 
