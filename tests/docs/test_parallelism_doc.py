@@ -37,7 +37,8 @@ def test_every_named_field_exists_and_every_parallel_field_is_named():
     named = set(re.findall(r"`((?:%s)\.[\w.]+)" % "|".join(SECTIONS), text))
     assert named, "no dotted fields found"
     assert sorted(named - known) == []
-    spans = set(re.findall(r"`([^`]+)`", text))
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # fenced blocks would shift the pairing
+    spans = set(re.findall(r"`([^`\n]+)`", prose))
     words = {w for span in spans for w in re.findall(r"[\w.]+", span)}
     missing = [f.name for f in dataclasses.fields(ParallelConfig)
                if f.name not in words and f"parallel.{f.name}" not in words]
