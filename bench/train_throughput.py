@@ -208,12 +208,15 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
                                     env=env, bound=bound))
         # PP=2 with 8 micro-batches against the one-GPU default path (CUDA graphs on) of the same global batch;
         # ideal p*m/(m+p-1) = 1.78x.  "-nograph": the same layout without CUDA graphs (what PP ran before).
+        # With --microbatches 8 the default row is that baseline already.
         pp2 = {"parallel.pipeline_parallel": 2}
-        for m in [m for m in models if m in ("gpt2-medium", "llama3.2-1b")]:
-            rows.append(Variant(f"pp1-m8/{m}", "workbench", m, microbatches=8))
+        for m in [m for m in models if m in ("gpt2-medium", "llama3.2-1b", "llama3.2-3b")]:
+            pp_base = f"workbench/{m}" if microbatches == 8 else f"pp1-m8/{m}"
+            if microbatches != 8:
+                rows.append(Variant(pp_base, "workbench", m, microbatches=8))
             for name, over in (("pp2-m8", pp2), ("pp2-vpp2-m8", {**pp2, "parallel.virtual_pipeline_parallel": 2}),
                                ("pp2-m8-nograph", {**pp2, "train.cuda_graphs": False})):
-                rows.append(Variant(f"{name}/{m}", "workbench", m, gpus=2, microbatches=8, baseline=f"pp1-m8/{m}",
+                rows.append(Variant(f"{name}/{m}", "workbench", m, gpus=2, microbatches=8, baseline=pp_base,
                                     overrides=over))
     return rows
 
