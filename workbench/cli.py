@@ -74,9 +74,34 @@ def _config_from_accelerate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_show(args: argparse.Namespace) -> int:
-    from workbench.config import preset
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
+
+def preset_line(name: str) -> str:
+    """One line about a preset: its family and its size (parameters, layers x hidden, experts)."""
+    from workbench.config import PRESETS, preset
+
+    cfg = preset(name)
+    m = cfg.model
+    moe = getattr(m, "moe", None)
+    experts = f", MoE {moe.num_experts} experts top-{moe.top_k}" if moe is not None and moe.num_experts else ""
+    return (f"{PRESETS[name].name}, {_size(cfg.derived().params.total)} params "
+            f"({m.num_layers} layers x hidden {m.hidden_size}, seq {m.seq_length}{experts})")
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from workbench.config import PRESETS, preset
+
+    if args.list:
+        width = max(map(len, PRESETS))
+        for name in PRESETS:
+            print(f"{name:<{width}}  {preset_line(name)}")
+        return 0
+    if args.preset is None:
+        print("workbench config preset: name a preset (e.g. workbench config preset tiny) or pass --list to see them all",
+              file=sys.stderr)
+        return 2
     try:
         cfg = preset(args.preset)
     except ConfigError as e:
@@ -97,9 +122,10 @@ def _add_config_cli(sub: argparse._SubParsersAction) -> None:
     a.add_argument("file")
     a.add_argument("-o", "--output", required=True)
     a.set_defaults(func=_config_from_accelerate)
-    s = csub.add_parser("preset", help="print a preset as JSON (or YAML)")
-    s.add_argument("preset")
+    s = csub.add_parser("preset", help="print a preset as JSON (or YAML); --list: every preset, one line each")
+    s.add_argument("preset", nargs="?", help="preset name (see --list)")
     s.add_argument("--yaml", action="store_true")
+    s.add_argument("--list", action="store_true", help="every preset's name with its family and size")
     s.set_defaults(func=_config_show)
 
 
@@ -180,10 +206,10 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         print(json.dumps(d, indent=2))
         return 0
     met = tl.metrics()
-    print(f"{tl.schedule}: p={tl.p} m={tl.m} v={tl.v}  step {met['step_time']:.4g}  "
+    print(f"{tl.schedule}: p={tl.p} m={tl.m} v={tl.v}  step {met['step_time']:.4g} ms  "
           f"bubble {met['bubble_fraction']:.4f} (closed form {met['closed_form_bubble_fraction']:.4f})")
     for x in met["per_rank"]:
-        print(f"  rank {x['rank']}: warm-up {x['warmup']:>3}  busy {x['busy']:.4g}  idle {x['bubble']:.4g}  "
+        print(f"  rank {x['rank']}: warm-up {x['warmup']:>3}  busy {x['busy']:.4g} ms  idle {x['bubble']:.4g} ms  "
               f"bubble {x['bubble_fraction']:.4f}  peak in flight {x['peak_inflight_microbatches']:.3g} micro-batches")
     print(text_chart(tl))
     if args.chart:
@@ -200,9 +226,10 @@ def _add_schedule_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--vpp", type=int, default=None, help="model chunks per rank v (interleaved)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None,
                    help="default: interleaved when --vpp > 1, else 1f1b")
-    p.add_argument("--forward", type=_floats, default=1.0, help="forward time per stage (one number or p comma-separated)")
-    p.add_argument("--backward", type=_floats, default=2.0, help="backward time per stage (default 2.0)")
-    p.add_argument("--latency", type=float, default=0.0, help="send/recv latency between ranks")
+    p.add_argument("--forward", type=_floats, default=1.0,
+                   help="forward time per stage in ms (one number or p comma-separated; default 1.0)")
+    p.add_argument("--backward", type=_floats, default=2.0, help="backward time per stage in ms (default 2.0)")
+    p.add_argument("--latency", type=float, default=0.0, help="send/recv latency between ranks in ms (default 0)")
     p.add_argument("--from-run", default=None, metavar="RUN_DIR",
                    help="take per-stage F/B times (ms) from a run's micro-batch events instead of --forward/--backward")
     p.add_argument("--group-size", type=int, default=None,
@@ -422,8 +449,24 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
 # --------------------------------------------------------------------------- the parser
 
 
+def version_text() -> str:
+    """``workbench --version``: the installed package's version and those of megatron-core and torch (from
+    their distributions' metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"megatron-workbench {v('megatron-workbench')} (megatron-core {v('megatron-core')}, torch {v('torch')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description="Megatron Workbench")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="the workbench's version with megatron-core's and torch's")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_config_cli(sub)
     from workbench import advisor, conversion, data, generation, planner

@@ -161,7 +161,7 @@ class ParallelConfig:
     #: launch context: world size = nnodes * nproc_per_node
     nnodes: int = 1
     nproc_per_node: int = 1
-    #: cuda: NCCL on GPUs (the product path). cpu: gloo emulation for tiny models (tests, laptops).
+    #: cuda: NCCL on GPUs (the product path). cpu: CPU mode, gloo, for tiny models (tests, laptops).
     device: Literal["cuda", "cpu"] = "cuda"
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -812,7 +812,7 @@ def _rules(cfg: RunConfig, add: Any) -> None:
             "parallel.sequence_parallel", "parallel.tensor_parallel")
     if p.device == "cpu":
         if world > 8:
-            add("parallel.device", f"CPU emulation is for tiny models on 1-8 processes, not {world}", "use device: cuda on GPUs", "parallel.nnodes", "parallel.nproc_per_node")
+            add("parallel.device", f"CPU mode is for tiny models on 1-8 processes, not {world}", "use device: cuda on GPUs", "parallel.nnodes", "parallel.nproc_per_node")
         if p.overlap_grad_reduce or p.overlap_param_gather:
             add("parallel.overlap_grad_reduce", "communication overlap needs CUDA streams", "turn overlap off on device: cpu", "parallel.device", "parallel.overlap_param_gather")
     if p.overlap_param_gather and not p.distributed_optimizer:

@@ -70,7 +70,7 @@ def quickstart_config(preset_name: str = "demo-small", *, tp: int = 1, pp: int =
             notes.append("no GPU visible: running in the backend's CPU mode (gloo) with the tiny preset")
     if device == "cpu" and preset_name != "tiny":
         if gpus or device_requested == "cpu":
-            notes.append(f"preset {preset_name!r} is too large for CPU emulation: using 'tiny'")
+            notes.append(f"preset {preset_name!r} is too large for CPU mode: using 'tiny'")
         preset_name = "tiny"
     cfg = make_preset(preset_name)
     model_parallel = max(tp, 1) * max(pp, 1)
@@ -104,7 +104,7 @@ def quickstart_config(preset_name: str = "demo-small", *, tp: int = 1, pp: int =
     note = f"{cfg.name}: device {device}, tp {tp} x pp {pp}, {nproc} process(es), {cfg.train.train_iters} steps"
     if preset_name != asked:  # never silently: the output, the notebook and metrics.json say so
         why = "CI mode" if ci else "device cpu" if device_requested == "cpu" else "no GPU visible"
-        notes.insert(0, f"NOTE: preset {asked!r} was replaced by {preset_name!r} ({why}: CPU emulation trains tiny models only)")
+        notes.insert(0, f"NOTE: preset {asked!r} was replaced by {preset_name!r} ({why}: CPU mode trains tiny models only)")
     return cfg, "; ".join([note, *notes])
 
 

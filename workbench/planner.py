@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from workbench import kernel_rule, schedules
+from workbench import kernel_rule, planner_text, schedules
 from workbench.config import ConfigError, Derived, Problem, RunConfig, derive, load_config
 from workbench.kernel_rule import KernelChoice
 from workbench.models import family_of
@@ -295,7 +295,7 @@ class Plan:
     suggestions: list[Suggestion]
     megatron: MegatronEstimate
     assumptions: PlannerAssumptions
-    layout: dict[str, int]
+    layout: dict[str, Any]  # tp, pp, dp, vpp, micro-batch, micro-batches; device and recompute (str)
 
     @property
     def fits(self) -> bool | None:
@@ -769,7 +769,8 @@ def predict(cfg: RunConfig, gpu: str | int | GPUSpec | None = None, assumptions:
         config_name=cfg.name, gpu=spec, kernel_path=kp, stages=stages, ranks=ranks, largest_micro_batch=largest,
         suggestions=sugg, megatron=megatron_theoretical_memory(cfg), assumptions=a,
         layout={"world_size": d.world_size, "tp": p.tensor_parallel, "pp": p.pipeline_parallel, "dp": d.data_parallel,
-                "vpp": p.vpp, "micro_batch_size": cfg.train.micro_batch_size, "num_microbatches": d.num_microbatches},
+                "vpp": p.vpp, "micro_batch_size": cfg.train.micro_batch_size, "num_microbatches": d.num_microbatches,
+                "device": p.device, "recompute": p.recompute},
     )
 
 
@@ -825,42 +826,10 @@ def compare(plan: Plan, measured: dict[int, int], reserved: dict[int, int] | Non
 # --------------------------------------------------------------------------- text / CLI
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:7.2f}"
-
-
 def format_plan(plan: Plan) -> str:
-    """A per-rank table (GiB) with the breakdown, totals, fits, and suggestions."""
-    short = {"weights": "weights", "gradients": "grads", "master_weights": "master", "optimizer_moments": "adam",
-             "activations": "activ", "logits_loss": "logits", "pipeline_buffers": "p2p", "workspace": "work"}
-    lay = plan.layout
-    lines = [f"{plan.config_name}: tp {lay['tp']} x pp {lay['pp']} x dp {lay['dp']}"
-             f"{' (vpp ' + str(lay['vpp']) + ')' if lay['vpp'] > 1 else ''}, micro-batch {lay['micro_batch_size']}"
-             f" x {lay['num_microbatches']}; kernels: attention {plan.kernel_path.attention}, layer {plan.kernel_path.layer},"
-             f" CE {plan.kernel_path.cross_entropy}, optimizer {plan.kernel_path.optimizer}"]
-    if plan.gpu:
-        lines.append(f"GPU {plan.gpu.name}: {plan.gpu.capacity_bytes / GiB:.1f} GiB")
-    head = ["rank", "tp", "pp", "dp"] + [short[c] for c in COMPONENTS] + ["alloc", "reserv", "+ctx", "total", "fits"]
-    lines.append("  ".join(f"{h:>7}" for h in head) + "   (GiB)")
-    for r in plan.ranks:
-        st = plan.stages[r.pp_rank]
-        cells = [f"{r.rank:>7}", f"{r.tp_rank:>7}", f"{r.pp_rank:>7}", f"{r.dp_rank:>7}"]
-        cells += [_gib(st.components[c]) for c in COMPONENTS]
-        cells += [_gib(r.peak_allocated), _gib(r.peak_reserved), _gib(r.total - r.peak_reserved), _gib(r.total),
-                  f"{'-' if r.fits is None else ('yes' if r.fits else 'OOM'):>7}"]
-        lines.append("  ".join(cells))
-    worst = plan.worst
-    terms = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.2f}" for k, v in worst.reserved_terms.items() if v)
-    lines.append(f"reserved (decides fits, with CUDA context + NCCL) on stage {worst.pp_rank}: {terms}; "
-                 f"selective recompute here means: {plan.kernel_path.selective}")
-    mg = plan.megatron
-    lines.append(f"megatron theoretical formula ({mg.formula}, first stage only): {mg.total / GiB:.2f} GiB "
-                 f"(weights+optimizer {mg.weight_and_optimizer / GiB:.2f}, activations {mg.activation / GiB:.2f})")
-    if plan.gpu is not None:
-        lines.append(f"fits: {'yes' if plan.fits else 'NO'}; largest micro-batch that fits: {plan.largest_micro_batch}")
-        for sg in plan.suggestions:
-            lines.append(f"  - {sg.text}: worst rank {sg.worst_total / GiB:.2f} GiB{' (fits)' if sg.fits else ''}")
-    return "\n".join(lines)
+    """A per-rank table (GiB) with the breakdown, totals, fits, suggestions and the notes that explain them
+    (:mod:`workbench.planner_text`)."""
+    return planner_text.format_plan(plan, COMPONENTS)
 
 
 def _cli_plan(args: argparse.Namespace) -> int:

@@ -49,3 +49,29 @@ def test_console_script_exit_code(tmp_path):
     r = subprocess.run([sys.executable, "-m", "workbench.cli", "config", "validate", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2
     assert "parallel.sequence_parallel" in r.stderr and "tensor_parallel" in r.stderr
+
+
+def test_preset_list_names_every_preset_with_family_and_size(capsys):
+    from workbench.config import PRESETS
+
+    assert main(["config", "preset", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(PRESETS)
+    by_name = {line.split()[0]: line for line in lines}
+    assert "gpt, 8.0B params (32 layers x hidden 4096" in by_name["llama3.1-8b"]
+    assert "bert, 110.2M params" in by_name["bert-base"]
+    assert "MoE 8 experts top-2" in by_name["mixtral-8x7b"] and "MoE" not in by_name["gpt2-small"]
+
+
+def test_preset_without_a_name_or_list_exits_2_with_the_fix(capsys):
+    assert main(["config", "preset"]) == 2
+    assert "--list" in capsys.readouterr().err
+
+
+def test_version_names_workbench_megatron_core_and_torch():
+    from importlib.metadata import version
+
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == (f"megatron-workbench {version('megatron-workbench')} "
+                                f"(megatron-core {version('megatron-core')}, torch {version('torch')})")

@@ -92,3 +92,11 @@ def test_console_entry_point():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["metrics"]["bubble_fraction"] == pytest.approx(1 / 3)
+
+
+def test_text_output_gives_times_in_ms(capsys):
+    """--forward / --backward / --latency are milliseconds (as --from-run's measured times), and the text says so."""
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--forward", "1.5", "--backward", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("1f1b: p=2 m=4 v=1  step 22.5 ms  bubble")
+    assert "busy 18 ms  idle 4.5 ms" in lines[1]

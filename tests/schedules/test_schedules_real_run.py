@@ -1,6 +1,6 @@
 """The simulator's order is the order megatron-core really executes: a real PP=2 x VPP=2 run on CPU.
 
-torchrun starts two ranks of the workbench backend (gloo, CPU emulation) with micro-batch
+torchrun starts two ranks of the workbench backend (gloo, CPU mode) with micro-batch
 timing on every step; each rank's recorded op sequence must equal :func:`operation_order`,
 and the overlay report must be computable from the real events.
 """

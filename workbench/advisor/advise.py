@@ -24,6 +24,7 @@ from workbench.models.common.moe import is_moe
 from workbench.advisor.enumerate import Layout, enumerate_layouts, layout_of
 from workbench.advisor.perf_model import REASONS, Model, Prediction
 from workbench.advisor.profile import Profile, ProfileError, default_profile
+from workbench.advisor.rows import fp8_measured_faster
 
 __all__ = ["AdvisedLayout", "Advice", "advise", "format_advice"]
 
@@ -84,11 +85,13 @@ def _problem(field_name: str, rule: str, fix: str) -> ConfigError:
 
 
 def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, top: int | None = 20,
-           profile: Profile | None = None, simulate: int = 64, fp8: bool = True) -> Advice:
+           profile: Profile | None = None, simulate: int = 64, fp8: bool | None = None) -> Advice:
     """Every valid layout of ``cfg``'s model, global batch and sequence on ``gpus`` GPUs (``nodes`` nodes), sorted by
     predicted tokens/s.  ``top``: ask the planner about layouts in that order until this many fit (None: all);
-    ``simulate``: how many leading layouts get the schedule simulator's bubble (the rest the closed form); ``fp8=False``:
-    no FP8 recipes.
+    ``simulate``: how many leading layouts get the schedule simulator's bubble (the rest the closed form); ``fp8``:
+    True lists the FP8 recipes too, False not; None (the default) lists them only where the config asks for FP8
+    (``train.fp8``) or committed rows measured FP8 faster than bf16 for this model on this GPU
+    (:func:`workbench.advisor.rows.fp8_measured_faster`), and says which in the notes.
     Bad input raises :class:`ConfigError` naming the field and the fix."""
     t0, c0 = time.perf_counter(), time.process_time()
     problems = cfg.validate()
@@ -120,6 +123,9 @@ def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, to
         notes.append(f"the config trains on parallel.device: {cfg.parallel.device}; its layouts are advised for {spec.name} GPUs (device: cuda)")
     if profile.gpu != spec.name:
         notes.append(f"profile measured on {profile.device} ({profile.gpu}); memory checked against {spec.name}")
+    if fp8 is None:
+        fp8, why = _fp8_default(cfg, spec.name)
+        notes.append(why)
     per_node = gpus // nodes
     layouts = enumerate_layouts(cfg, gpus, nodes, fp8)
     model = Model(cfg, profile)
@@ -156,6 +162,17 @@ def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, to
             "estimates": ", ".join(profile.estimates()[:6]) + (" ..." if len(profile.estimates()) > 6 else "")}
     return Advice(cfg.name, gpus, nodes, spec.name, info, shown, len(layouts), evaluated, time.perf_counter() - t0, notes,
                   cpu_seconds=time.process_time() - c0)
+
+
+def _fp8_default(cfg: RunConfig, gpu: str) -> tuple[bool, str]:
+    """Whether ``advise`` lists FP8 layouts when not told, with the note that says why (FP8 is opt-in: faster in the
+    Llama-1B/3B rows, slower than bf16 in GPT-2 medium's)."""
+    if cfg.train.fp8 != "off":
+        return True, f"FP8 layouts included: the config asks for train.fp8: {cfg.train.fp8} (--no-fp8 leaves them out)"
+    faster, why = fp8_measured_faster(cfg, gpu)
+    if faster:
+        return True, f"FP8 layouts included: measured faster than bf16 ({why}; --no-fp8 leaves them out)"
+    return False, f"FP8 layouts left out (opt-in: --fp8 includes them): no committed row shows FP8 faster here ({why})"
 
 
 def current_layout_row(cfg: RunConfig, advice: Advice) -> AdvisedLayout | None:

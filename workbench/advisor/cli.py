@@ -1,7 +1,8 @@
 """``workbench advise`` and ``workbench calibrate``.
 
-``workbench advise CONFIG --gpus N [--gpu H100-80GB] [--nodes K] [--json] [--top 20] [--profile FILE] [--no-fp8]``
-prints every valid layout's predicted speed, sorted, with the planner's fits / OOM; exit 2 with the
+``workbench advise CONFIG --gpus N [--gpu H100-80GB] [--nodes K] [--json] [--top 20] [--profile FILE] [--fp8 | --no-fp8]``
+prints every valid layout's predicted speed, sorted, with the planner's fits / OOM (FP8 layouts: opt-in, see
+:func:`workbench.advisor.advise.advise`); exit 2 with the
 field and the fix on bad input (the config is validated first), 1 when no layout fits, else 0.
 
 ``workbench calibrate CONFIG [--out FILE] [--nproc N] [--iters N] [--timeout S] [--cpu]`` measures a calibration
@@ -37,7 +38,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.file)
         profile = load_profile(args.profile) if args.profile else None
-        adv = advise(cfg, args.gpus, gpu=args.gpu, nodes=args.nodes, top=args.top, profile=profile, fp8=not args.no_fp8)
+        adv = advise(cfg, args.gpus, gpu=args.gpu, nodes=args.nodes, top=args.top, profile=profile, fp8=args.fp8)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
@@ -178,7 +179,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (TP stays inside a node)")
     a.add_argument("--top", type=int, default=20, help="layouts that fit to show (memory is checked in order of speed)")
     a.add_argument("--profile", default=None, help="calibration profile JSON (default: the shipped one of --gpu)")
-    a.add_argument("--no-fp8", action="store_true", help="leave FP8 recipes out (layouts in the config's precision only)")
+    fp8 = a.add_mutually_exclusive_group()
+    fp8.add_argument("--fp8", dest="fp8", action="store_const", const=True, default=None,
+                     help="list FP8 recipes too (default: only where the config asks for FP8 or committed rows measured "
+                          "FP8 faster than bf16 for this model on --gpu)")
+    fp8.add_argument("--no-fp8", dest="fp8", action="store_const", const=False,
+                     help="leave FP8 recipes out (layouts in bf16 only), whatever the rows say")
     a.add_argument("--json", action="store_true", help="print every evaluated layout as JSON")
     a.set_defaults(func=_cmd_advise)
     c = subparsers.add_parser("calibrate", help="measure GEMM / attention / copy / optimizer rates and NCCL links on the visible GPUs",

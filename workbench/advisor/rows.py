@@ -12,14 +12,16 @@ bf16, synthetic data, the row's batch and overrides).  Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.config import RunConfig, preset
+from workbench.config import ConfigError, RunConfig, preset
 
-__all__ = ["MeasuredRow", "VARIANTS", "measured_rows", "row_config", "device_gpu", "REPO", "read_row"]
+__all__ = ["MeasuredRow", "VARIANTS", "measured_rows", "row_config", "device_gpu", "REPO", "read_row", "fp8_measured_faster"]
 
 REPO = Path(__file__).resolve().parents[2]
 ROW_FILES = ("bench/results/train_throughput.jsonl", "bench/results/train_throughput_fp8.jsonl",
@@ -143,9 +145,61 @@ def measured_rows(root: str | Path = REPO, newest: bool = True) -> tuple[list[Me
     return sorted(kept.values(), key=lambda r: (r.gpu, r.variant)), left
 
 
-
-
 def read_row(ref: str, root: str | Path = REPO) -> dict[str, Any]:
     """The JSON row at ``file:line`` (1-based) under ``root``."""
     path, line = ref.rsplit(":", 1)
     return json.loads((Path(root) / path).read_text().splitlines()[int(line) - 1])
+
+
+def _same_model(a: RunConfig, b: RunConfig) -> bool:
+    """The same model (every model field but the sequence, which a benchmark row sets)."""
+    def key(m: Any) -> Any:
+        return dataclasses.replace(m, seq_length=0, max_position_embeddings=0)
+
+    return key(a.model) == key(b.model)
+
+
+@functools.lru_cache(maxsize=4)
+def _bf16_and_fp8_rows(root: str) -> tuple[tuple[str, str, str, float, str], ...]:
+    """(gpu, variant, model, tokens/s, file:line) of the newest kept default and FP8 rows per (gpu, variant): what
+    :func:`measured_rows` keeps of those variants, without rebuilding every row's config."""
+    newest: dict[tuple[str, str], tuple[str, tuple[str, str, str, float, str]]] = {}
+    for pattern in ROW_FILES:
+        for path in sorted(Path(root).glob(pattern)):
+            for i, line in enumerate(path.read_text().splitlines()):
+                if '"workbench' not in line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                name = str(row.get("variant", "")).split("/")[0]
+                if not (name == "workbench" or name.startswith("workbench-fp8-")) or _why_not(row, path.name, i):
+                    continue
+                gpu = device_gpu(row["device"])
+                key = (gpu, row["variant"])
+                if key not in newest or newest[key][0] <= row["date"]:
+                    newest[key] = (row["date"], (gpu, name, row["model"], float(row["tokens_per_s"]),
+                                                 f"{path.relative_to(root)}:{i + 1}"))
+    return tuple(v for _, v in newest.values())
+
+
+def fp8_measured_faster(cfg: RunConfig, gpu: str, root: str | Path = REPO) -> tuple[bool, str]:
+    """Whether committed rows measured an FP8 recipe faster than bf16 for this config's model on ``gpu``, and why:
+    the advisor lists FP8 layouts by default only then (FP8 is slower than bf16 below hidden 2048 in the rows)."""
+    rows = [r for r in _bf16_and_fp8_rows(str(root)) if r[0] == gpu]
+    for model in sorted({r[2] for r in rows}):
+        try:
+            same = _same_model(cfg, preset(model))
+        except ConfigError:  # a row of a preset that no longer exists
+            same = False
+        if not same:
+            continue
+        bf16 = next((r for r in rows if r[2] == model and r[1] == "workbench"), None)
+        fp8 = max((r for r in rows if r[2] == model and r[1] != "workbench"), key=lambda r: r[3], default=None)
+        if bf16 is None or fp8 is None:
+            return False, f"{model} on {gpu} has no measured pair of bf16 and FP8 rows"
+        faster = fp8[3] > bf16[3]
+        return faster, (f"{model} on {gpu}: {fp8[1].removeprefix('workbench-')} {fp8[3]:,.0f} tok/s ({fp8[4]}) vs bf16 "
+                        f"{bf16[3]:,.0f} ({bf16[4]})")
+    return False, f"no committed FP8 measurement of this model on {gpu}"

@@ -1,4 +1,4 @@
-"""CPU emulation mode: run the *real* megatron-core training path on CPU under gloo.
+"""CPU mode: run the *real* megatron-core training path on CPU under gloo.
 
 Deliberate choice: a CPU-only user and CI should exercise exactly the code
 that runs on GPUs -- mcore's ``get_forward_backward_func`` schedules (1F1B, interleaved),

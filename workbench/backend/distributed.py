@@ -129,7 +129,7 @@ def initialize(cfg: RunConfig, timeout_s: float = 600.0) -> Coords:
     else:
         hardware_queue_note(cfg)  # applies it before is_available(), which may start CUDA
         if not torch.cuda.is_available():
-            raise RuntimeError("parallel.device is 'cuda' but no GPU is visible; set parallel.device: cpu for the CPU emulation mode")
+            raise RuntimeError("parallel.device is 'cuda' but no GPU is visible; set parallel.device: cpu for CPU mode")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
     if not dist.is_initialized():
