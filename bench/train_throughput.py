@@ -13,7 +13,10 @@ name                      GPUs  what runs
 ========================  ====  ==============================================================
 reference                 1     bench/reference_gpt.py (Llama models: reference_llama.py): SDPA, fused AdamW, torch.compile, bf16 autocast
 fsdp2                     2     Llama models: bench/reference_fsdp2.py, plain FSDP2 (per-block compile + fully_shard, bf16
-                                params / fp32 reduce, fused AdamW): the multi-GPU yardstick (torchtitan 0.3 needs a newer torch)
+                                params / fp32 reduce, fused AdamW): the plain-FSDP2 yardstick
+torchtitan                2     Llama models: bench/reference_torchtitan.py, torchtitan 0.3.0's Llama-3 model,
+                                parallelize_llama (FSDP2 + per-block compile), loss and fused AdamW (carried wheels:
+                                bench/README.md); rows carry ``torchtitan_version`` and the torch-2.11 shims
 workbench                 1     the backend's train step, default kernels (SDPA + workbench fusions)
 workbench-eager           1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
 workbench-local           1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
@@ -113,7 +116,7 @@ class Variant:
     """One benchmark row: what to build and how many GPUs it takes."""
 
     name: str
-    kind: str  # "reference" | "workbench" | "fsdp2" (bench/reference_fsdp2.py, on the variant's GPUs)
+    kind: str  # "reference" | "workbench" | "fsdp2" (bench/reference_fsdp2.py) | "torchtitan" (bench/reference_torchtitan.py)
     model: str
     gpus: int = 1
     microbatches: int = 4  # per data-parallel rank and step
@@ -163,6 +166,9 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             base = f"workbench/{m}"
             if is_llama(m):  # the multi-GPU yardstick (bench/reference_fsdp2.py): plain FSDP2 + compile, the same batch
                 rows.append(Variant(f"fsdp2/{m}", "fsdp2", m, gpus=2, microbatches=microbatches, baseline=base))
+                # torchtitan's own Llama-3 model, parallelize_llama (FSDP2 + compile), loss and optimizer
+                # (bench/reference_torchtitan.py; torchtitan from the carried wheels, see bench/README.md)
+                rows.append(Variant(f"torchtitan/{m}", "torchtitan", m, gpus=2, microbatches=microbatches, baseline=base))
             rows.append(Variant(f"dp2/{m}", "workbench", m, gpus=2, microbatches=microbatches, baseline=base,
                                 overrides={"parallel.overlap_grad_reduce": True}))
             rows.append(Variant(f"dp2-distopt/{m}", "workbench", m, gpus=2, microbatches=microbatches, baseline=base,
@@ -451,6 +457,10 @@ def worker(a: argparse.Namespace) -> int:
             from bench import reference_fsdp2
 
             res = reference_fsdp2.run_variant(v, a)
+        elif v.kind == "torchtitan":
+            from bench import reference_torchtitan
+
+            res = reference_torchtitan.run_variant(v, a)
         else:
             res = run_reference(v, a) if v.kind == "reference" else run_workbench(v, a)
         res["ok"] = True
@@ -543,7 +553,7 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
     if res.get("stream_cost"):
         row["event_stream_overhead"] = res["stream_cost"]["overhead"]
         row["stream_cost"] = res["stream_cost"]
-    for key in ("profile", "host_profile", "fast_layer", "libraries"):
+    for key in ("profile", "host_profile", "fast_layer", "libraries", "torchtitan_version", "torchtitan_shims", "yardstick"):
         if res.get(key):
             row[key] = res[key]
     return row

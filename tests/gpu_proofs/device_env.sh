@@ -3,11 +3,12 @@
 # (.whl/, see bench/README.md) into /tmp/site; the notebook extras in .whl/extra only where the
 # image lacks the distribution, so nothing of the image's own stack is shadowed.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl || return 1
-# every wheel in .whl/extra whose distribution the image lacks (papermill, ipykernel and their
-# dependencies: the notebook path), checked by distribution name in one interpreter
+# every wheel in .whl/extra and .whl/titan whose distribution the image lacks (papermill, ipykernel and their
+# dependencies: the notebook path; torchtitan and the four it imports: bench/reference_torchtitan.py), checked by
+# distribution name in one interpreter
 missing=$(python3 - <<'PY'
 import glob, importlib.metadata as md, os, re
-for wheel in sorted(glob.glob(".whl/extra/*.whl")):
+for wheel in sorted(glob.glob(".whl/extra/*.whl") + glob.glob(".whl/titan/*.whl")):
     dist = re.sub(r"[-_.]+", "-", os.path.basename(wheel).split("-")[0]).lower()
     try:
         md.distribution(dist)
@@ -17,7 +18,7 @@ PY
 )
 if [[ -n "$missing" ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $missing || return 1
-  echo "[device_env] installed $(echo $missing | wc -w) notebook wheels the image lacks"
+  echo "[device_env] installed $(echo $missing | wc -w) carried wheels the image lacks (.whl/extra, .whl/titan)"
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
