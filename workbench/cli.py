@@ -412,7 +412,8 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
                         "stacks in stall_stacks.txt (default 300: above a first save or eval, which the rhythm has not "
                         "measured yet; 0: off)")
     p.add_argument("--startup-timeout", type=float, default=None, metavar="SECONDS",
-                   help="the same before the first step: start, data, compilation, CUDA graph capture (default 1800)")
+                   help="the same before the first step: start, data, compilation, CUDA graph capture (default: derived from the "
+                        "model's size, device, compilation and checkpoint: workbench.launch.stall.startup_limit)")
     p.add_argument("--run-dir", help="run directory (default: a fresh runs/<name>-<timestamp>); multi-node: the same "
                                      "directory on every node, on a filesystem they share")
     p.add_argument("--run-root", help="parent of fresh run directories (default: runs/ or $WORKBENCH_RUNS)")

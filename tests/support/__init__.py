@@ -102,9 +102,11 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
 
 RANK_SCRIPT = textwrap.dedent(
     '''
-    import argparse, json, os, signal, sys, time
+    import argparse, faulthandler, json, os, signal, sys, time
     from pathlib import Path
     from workbench.run.events import EventWriter, event_file
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # as the backend: stacks to stderr on SIGUSR1, and go on
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config")

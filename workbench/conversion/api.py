@@ -257,9 +257,9 @@ def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, targets: dict[str, T
                             files=sorted(p.name for p in tmp.iterdir()), notes=notes)
 
 
-def _tokenizer_notes(tok_dir: Path | None, src: str, cfg: RunConfig) -> list[str]:
-    """The tokenizer must fit the model: one with more ids than the model's vocabulary is refused, one
-    with fewer (or none at all) is carried with a loud warning (and printed to stderr by the CLI)."""
+def _tokenizer_notes(tok_dir: Path | None, src: str, cfg: RunConfig, fix: str = "use the model's own tokenizer") -> list[str]:
+    """The tokenizer must fit the model (either direction): one with more ids than the model's vocabulary is refused (those
+    ids have no embedding row), one with fewer (or none at all) is carried with a loud warning (the CLI prints it)."""
     vocab = cfg.model.vocab_size
     if tok_dir is None:
         return [f"WARNING: {src}: the checkpoint records no tokenizer and data.tokenizer is "
@@ -274,7 +274,7 @@ def _tokenizer_notes(tok_dir: Path | None, src: str, cfg: RunConfig) -> list[str
         raise ConversionError(f"{src}: its tokenizer files cannot be loaded ({e.problem}) -> fix or remove them") from None
     if n > vocab:
         raise ConversionError(f"{src}: the tokenizer has {n} tokens but the model's vocabulary is {vocab}: ids >= {vocab} "
-                              f"have no embedding -> use the model's own tokenizer")
+                              f"have no embedding -> {fix}")
     if n < vocab:
         return [f"WARNING: the tokenizer has {n} tokens, the model {vocab}: generated ids >= {n} have no text "
                 f"(generation shows them as <id:N>) -> check that this is the model's tokenizer"]
@@ -386,8 +386,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     """Workbench checkpoint (root or iter dir, any layout) -> HF directory that ``from_pretrained`` loads.
 
     The tokenizer files come from ``tokenizer`` when given, else from the checkpoint (files beside it, its recorded
-    spec, its config's ``data.tokenizer``); a recorded one that does not load is refused (ConversionError), none at
-    all is a warning."""
+    spec, its config's ``data.tokenizer``); one that does not load or has more ids than the model's vocabulary is
+    refused (ConversionError), a smaller one or none at all is a warning."""
     from workbench.conversion.dcp import CheckpointReader, model_layout
     from workbench.conversion.hf_files import SafetensorsWriter
     from workbench.conversion.runtime import single_process_group
@@ -423,12 +423,12 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         if tok is not None:
             _ship_tokenizer(tok, tmp, tok_from)
+            tok_notes = _tokenizer_notes(tmp, tok_from, cfg, "pass the model's own tokenizer with --tokenizer DIR")
         names = sorted(p.name for p in tmp.iterdir())
     res = ConversionResult(output=final, config=cfg, files=names)
     res.notes.append(f"{len(files)} safetensors shard(s), max {limit} bytes; model_type {mt}; dtype {out_dtype}")
-    if tok is None:
-        res.notes.append(f"WARNING: {tok_from}: the export has no tokenizer files -> copy the model's tokenizer into "
-                         f"{final} (or pass --tokenizer DIR)")
+    res.notes += tok_notes if tok is not None else [f"WARNING: {tok_from}: the export has no tokenizer files -> copy the "
+                                                    f"model's tokenizer into {final} (or pass --tokenizer DIR)"]
     return res
 
 

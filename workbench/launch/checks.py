@@ -105,11 +105,13 @@ def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_ran
         problems.append(Problem("node_timeout", f"{node_timeout!r} is not a positive number of seconds",
                                 f"pass the seconds another node may go without a heartbeat, e.g. --node-timeout {DEFAULT_NODE_TIMEOUT:.0f}"))
     for name, value, default, low in (("stall_floor", stall_floor, stall.DEFAULT_STALL_FLOOR, 0.0),
-                                      ("startup_timeout", startup_timeout, stall.DEFAULT_STARTUP_TIMEOUT, 1e-9)):
+                                      ("startup_timeout", startup_timeout, None, 1e-9)):
         if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                       and value >= low and value < float("inf")):
+            default = stall.startup_limit(cfg) if default is None else default
             problems.append(Problem(name, f"{value!r} is not {'a number of seconds >= 0' if low == 0 else 'a positive number of seconds'}",
-                                    f"pass seconds, e.g. --{name.replace('_', '-')} {default:.0f} (the default)"
+                                    f"pass seconds, e.g. --{name.replace('_', '-')} {default:.0f} (the default"
+                                    + (")" if low == 0 else " here, from the model's size)")
                                     + (" or 0 to turn the stall watch off" if low == 0 else "")))
     if run_dir is not None:
         d = Path(run_dir)

@@ -128,7 +128,7 @@ class Run:
         they are written into the saved config so the backend sees the same world size.  One node
         of a multi-node run: ``node_rank``, ``rdzv_endpoint`` and the ``run_dir`` every node shares;
         ``node_timeout``: seconds another node may go silent before this node stops its job.
-        ``stall_floor`` (default 300 s; 0: off) / ``startup_timeout`` (default 1800 s): a rank that
+        ``stall_floor`` (default 300 s; 0: off) / ``startup_timeout`` (default: derived from the config's size, :func:`workbench.launch.stall.startup_limit`): a rank that
         makes no progress for longer than the bound they set ends the run as ``failed`` (reason
         ``stalled``, naming the rank; its stacks in ``stall_stacks.txt``): :mod:`workbench.launch.stall`.
         Raises :class:`ConfigError` (nothing started) when the config or this machine cannot run it: a memory plan
@@ -403,9 +403,25 @@ class Run:
     def stacks(self, wait: float = 2.0) -> dict[int, str]:
         """Every live rank's Python stacks, for a run that seems stuck: each rank prints them to its
         stderr log on SIGUSR1 (the backend registers it) and goes on running; a stopped rank (SIGSTOP)
-        cannot, and its entry says so.  {global rank: text}."""
+        cannot, and its entry says so.  {global rank: text}.  Once no rank is alive: the last stacks
+        gathered, those the stall watch wrote into ``stall_stacks.txt`` before ending the run ({} if none)."""
         ranks = rank_processes(self.processes())
+        if not ranks:
+            return self._stall_stacks()
         return collect_stacks(ranks, {r: self.rank_log(r, "stderr") for r in ranks}, wait)
+
+    def _stall_stacks(self) -> dict[int, str]:
+        """``stall_stacks.txt`` of every node (:func:`workbench.launch.supervisor.end_stalled`) read back by rank."""
+        out: dict[int, str] = {}
+        for k in range(max(self.nnodes, 1)):
+            try:
+                text = (node_dir(self.run_dir, k) / "stall_stacks.txt").read_text(errors="replace")
+            except OSError:
+                continue
+            for part in re.split(r"^=== rank (?=\d+ \(pid \d+\)$)", text, flags=re.M)[1:]:
+                head, _, body = part.partition("\n")
+                out[int(head.split()[0])] = body.rstrip("\n") + "\n"
+        return out
 
     @property
     def failure(self) -> Failure | None:

@@ -9,7 +9,11 @@ checkpoint is being saved (which writes its event only when done) files under th
 directory keep changing.  A rank is **stalled** when it has made no progress for longer than:
 
 - before any rank's first step (starting, loading data, compiling, capturing CUDA graphs):
-  ``startup`` seconds (default :data:`DEFAULT_STARTUP_TIMEOUT`, 30 minutes);
+  ``max(startup, floor)`` seconds; the launch derives ``startup`` from the config
+  (:func:`startup_limit`: a base, seconds per billion parameters each rank builds, compilation and
+  CUDA graphs, a checkpoint to load, the first step's own compute): about a minute for the tiny CPU preset (so
+  the floor's 5 minutes), 26 minutes for Llama-3.1-8B on one GPU, hours for Mixtral-8x7B on one; where 30 minutes
+  were once the limit for all.  ``--startup-timeout`` / ``startup_timeout=`` replaces it;
 - after it: ``max(floor, 20 x the median time between a rank's step events, 2 x the longest
   time between two of its events seen so far)``, so a run's own rhythm (its log interval, its
   evals and saves once seen) never looks like a stall.  ``floor`` defaults to
@@ -30,12 +34,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-__all__ = ["DEFAULT_STALL_FLOOR", "DEFAULT_STARTUP_TIMEOUT", "STALL_FACTOR", "Stall", "StallWatch"]
+__all__ = ["DEFAULT_STALL_FLOOR", "DEFAULT_STARTUP_TIMEOUT", "STALL_FACTOR", "Stall", "StallWatch", "startup_limit"]
 
 #: seconds without progress after a run's first step before a rank counts as stalled, at the least
 DEFAULT_STALL_FLOOR = 300.0
-#: seconds a rank may take to its first step (start, data, compilation, CUDA graph capture)
+#: seconds a rank may take to its first step when no config says more (the supervisor's own default;
+#: a launch passes :func:`startup_limit` of its config instead)
 DEFAULT_STARTUP_TIMEOUT = 1800.0
+#: :func:`startup_limit`'s terms, in seconds: every run (process start, imports, process groups, data) ...
+STARTUP_BASE_S = 60.0
+#: ... per billion parameters one rank builds, initialises or loads (the model divided by TP x PP), by device
+STARTUP_S_PER_BILLION = {"cuda": 120.0, "cpu": 600.0}
+#: ... compiling the fused layer pieces (CUDA with ``train.compile_kernels``) and capturing them as CUDA graphs
+STARTUP_COMPILE_S, STARTUP_CUDA_GRAPHS_S = 240.0, 120.0
+#: ... per billion parameters a rank reads from ``checkpoint.load_dir``
+STARTUP_LOAD_S_PER_BILLION = 60.0
+#: the first step's own compute (its FLOPs per rank, sequence and batch included) at this rate, times 3
+STARTUP_FLOPS_PER_S = {"cuda": 1e14, "cpu": 1e10}
 #: the bound is at least this many times the median time between a rank's step events
 STALL_FACTOR = 20.0
 #: ... and at least this many times the longest time between two events of a rank seen after its first step
@@ -55,8 +70,12 @@ class Stall:
 
     @property
     def message(self) -> str:
-        what = "before its first step" if self.startup else "since its last event"
-        msg = f"rank {self.rank} made no progress for {self.idle:.0f} s {what} (bound {self.bound:.0f} s)"
+        if self.startup:
+            msg = (f"rank {self.rank} made no progress for {self.idle:.0f} s before its first step (waited for its start, "
+                   f"data, compilation and first step; start-up limit {self.bound:.0f} s for this model: raise it with "
+                   f"--startup-timeout SECONDS or Run.launch(startup_timeout=...))")
+        else:
+            msg = f"rank {self.rank} made no progress for {self.idle:.0f} s since its last event (bound {self.bound:.0f} s)"
         if self.rank in self.stopped:
             msg += ": its process is stopped (SIGSTOP or a debugger)"
         elif len(self.idle_ranks) > 1:
@@ -66,6 +85,30 @@ class Stall:
     def to_dict(self) -> dict:
         return {"rank": self.rank, "idle_s": round(self.idle, 3), "bound_s": round(self.bound, 3), "stopped": self.stopped,
                 "idle_ranks": self.idle_ranks, "before_first_step": self.startup}
+
+
+def startup_limit(cfg) -> float:
+    """Seconds a rank of ``cfg`` may take to its first step (the start-up watch's limit): the sum of
+    :data:`STARTUP_BASE_S`; :data:`STARTUP_S_PER_BILLION` (by device) x the billions of parameters one rank
+    builds (all of them / (TP x PP)); :data:`STARTUP_COMPILE_S` and :data:`STARTUP_CUDA_GRAPHS_S` when a CUDA
+    run compiles (and captures); :data:`STARTUP_LOAD_S_PER_BILLION` x those billions when it loads a
+    checkpoint; 3 x the first step's FLOPs per rank over :data:`STARTUP_FLOPS_PER_S` (so sequence length
+    and batch count).  Rounded up to whole seconds."""
+    import math
+
+    from workbench.config import derive
+
+    d = derive(cfg)
+    p, t = cfg.parallel, cfg.train
+    device = "cuda" if p.device == "cuda" else "cpu"
+    billions = d.params.total / max(p.tensor_parallel, 1) / max(p.pipeline_parallel, 1) / 1e9
+    limit = STARTUP_BASE_S + STARTUP_S_PER_BILLION[device] * billions
+    if device == "cuda" and t.compile_kernels:
+        limit += STARTUP_COMPILE_S + (STARTUP_CUDA_GRAPHS_S if t.cuda_graphs else 0.0)
+    if cfg.checkpoint.load_dir:
+        limit += STARTUP_LOAD_S_PER_BILLION * billions
+    limit += 3 * d.flops_per_step / max(d.world_size, 1) / STARTUP_FLOPS_PER_S[device]
+    return float(math.ceil(limit))
 
 
 class StallWatch:

@@ -33,7 +33,7 @@ from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT
 from workbench.launch.plan import BACKEND_ENTRY, LaunchPlan, new_run_dir
 from workbench.launch.processes import create_time, live_process, stop
 from workbench.launch.slurm import batch_script
-from workbench.launch.stall import DEFAULT_STALL_FLOOR, DEFAULT_STARTUP_TIMEOUT
+from workbench.launch.stall import DEFAULT_STALL_FLOOR, startup_limit
 from workbench.launch.supervisor import supervisor_command
 from workbench.run import nodes
 from workbench.run.nodes import host_name
@@ -65,7 +65,7 @@ def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: i
     filesystem) each follow their own ranks only.  ``node_timeout``: seconds another node may
     go without a heartbeat before this node stops its job.  ``stall_floor`` / ``startup_timeout``:
     when a rank that makes no progress counts as stalled and ends the run (:mod:`workbench.launch.stall`;
-    defaults 300 s / 1800 s; ``stall_floor=0`` turns the watch off).  ``ignore_memory_plan``: launch a CUDA run
+    defaults 300 s / :func:`workbench.launch.stall.startup_limit` of the config; ``stall_floor=0`` turns the watch off).  ``ignore_memory_plan``: launch a CUDA run
     whose memory plan is over the GPUs' memory (:mod:`workbench.launch.preflight`).
     """
     problems = launch_checks(cfg, run_dir=run_dir, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, local=check_devices,
@@ -75,9 +75,10 @@ def start_run(cfg: RunConfig, run_dir: str | Path | None = None, *, node_rank: i
         raise ConfigError(problems)
     node_timeout = float(node_timeout or DEFAULT_NODE_TIMEOUT)
     stall_floor = DEFAULT_STALL_FLOOR if stall_floor is None else float(stall_floor)
-    startup_timeout = DEFAULT_STARTUP_TIMEOUT if startup_timeout is None else float(startup_timeout)
+    startup_timeout = startup_limit(cfg) if startup_timeout is None else float(startup_timeout)
     run_dir = Path(run_dir).absolute() if run_dir else new_run_dir(cfg.name, run_root)
     notes = writer.claim(cfg, run_dir)  # one writer per checkpoint folder: a live owner is refused (ConfigError)
+    notes += hook_notes(cfg)
     for note in notes:
         print(f"[workbench] note: {note}", file=sys.stderr, flush=True)
     try:
@@ -123,11 +124,27 @@ def _start(cfg: RunConfig, run_dir: Path, node_rank: int, rdzv_endpoint: str | N
         info.update(node_timeout=node_timeout, ranks=nodes.node_ranks(node_rank, plan.nproc_per_node))
     write_json_atomic(ndir / "launch.json", info)
     with open(ndir / "logs" / "launcher.log", "ab") as log:
+        log.write("".join(f"[workbench] note: {n}\n" for n in notes).encode())
+        log.flush()
         popen = spawn_supervisor(sup_cmd, env, log)
     meta = read_json(ndir / "launch.json") or {}
     meta.update(supervisor_pid=popen.pid, pgid=popen.pid, supervisor_create_time=create_time(popen.pid))
     write_json_atomic(ndir / "launch.json", meta)
     return plan, popen
+
+
+def hook_notes(cfg: RunConfig) -> list[str]:
+    """A resume's line when the hooks its checkpoint recorded differ from the config's (which are the ones the
+    ranks import: :func:`workbench.run.checkpoint.hook_note`); none for a fresh run or agreeing hooks."""
+    if not cfg.checkpoint.load_dir:
+        return []
+    from workbench.run.checkpoint import CheckpointError, hook_note, read_checkpoint
+
+    try:
+        note = hook_note(cfg, read_checkpoint(cfg.checkpoint.load_dir))
+    except (CheckpointError, OSError, ValueError):  # the launch checks judged the checkpoint already
+        return []
+    return [note] if note else []
 
 
 @dataclass
