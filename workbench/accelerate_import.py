@@ -11,6 +11,7 @@ from pathlib import Path
 from workbench.config import ConfigError, Problem, RunConfig
 from workbench.config import did_you_mean as closest
 from workbench.config_text import ConfigTextError, read_config_file
+from workbench.layout import Layout
 
 __all__ = ["from_accelerate"]
 
@@ -58,6 +59,6 @@ def from_accelerate(path_or_dict: str | Path | dict, base: RunConfig | None = No
     mp = acc.get("mixed_precision", "no")
     tr["precision"] = {"bf16": "bf16", "fp16": "fp16"}.get(str(mp), "fp32")
     micro = int(mlm.get("megatron_lm_num_micro_batches", 1))
-    dp = max(procs // (par["tensor_parallel"] * par["pipeline_parallel"]), 1)
+    dp = Layout(world=procs, tp=par["tensor_parallel"], pp=par["pipeline_parallel"]).dp
     tr["global_batch_size"] = micro * tr["micro_batch_size"] * dp
     return RunConfig.from_dict(d, source)

@@ -31,6 +31,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from workbench import kernel_rule
 from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, module_exists, reads_bad
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
+from workbench.layout import Layout
 from workbench.models import FAMILIES, Supports, all_presets, family_of
 
 __all__ = [
@@ -143,7 +144,7 @@ ModelConfig = _mount_family_fields()
 
 @dataclass
 class ParallelConfig:
-    """Layout. Data parallel size is derived: world_size / (tp * pp)."""
+    """Layout. Data parallel size is derived: world_size / (tp * pp) (:class:`workbench.layout.Layout`)."""
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
@@ -671,9 +672,8 @@ def apply_rank_environment(cfg: RunConfig) -> dict[str, str]:
 def derive(cfg: RunConfig) -> Derived:
     """Everything computed from a config, in one place. Tolerant of invalid configs (no division by zero)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, pp = max(p.tensor_parallel, 1), max(p.pipeline_parallel, 1)
-    world = max(p.world_size, 1)
-    dp = max(world // (tp * pp), 1)
+    lay = Layout.of(cfg)
+    tp, pp, world, dp = lay.tp, lay.pp, lay.world, lay.dp
     vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     micro = max(t.global_batch_size // max(t.micro_batch_size * dp, 1), 1)
     stage_layers = pipeline_stage_layers(cfg)
@@ -787,10 +787,10 @@ def _rules(cfg: RunConfig, add: Any) -> None:
         add("model.attention_backend", f"ALiBi is implemented only in the workbench SDPA attention, not '{m.attention_backend}'", "set attention_backend: sdpa (or auto)", "model.position_embedding")
 
     # parallel
-    world = p.world_size
+    world, lay = p.world_size, Layout.of(cfg)
     world_fields = ("parallel.nnodes", "parallel.nproc_per_node", "parallel.tensor_parallel", "parallel.pipeline_parallel")
-    if world % (tp * pp):
-        add("parallel.nproc_per_node", f"world size {world} (nnodes*nproc_per_node) is not divisible by tp*pp = {tp * pp}", f"use a world size that is a multiple of {tp * pp}", *world_fields)
+    for q in lay.problems():  # the world splits into tp x pp blocks (workbench.layout)
+        add(q.field, q.rule, q.fix, *q.reads)
     split_fields = ("model.num_layers", "parallel.virtual_pipeline_parallel", "parallel.pipeline_split")
     if m.num_layers < pp:
         add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is fewer than pipeline_parallel {pp} stages", f"use pipeline_parallel <= {m.num_layers}", "model.num_layers")
@@ -827,7 +827,7 @@ def _rules(cfg: RunConfig, add: Any) -> None:
                 "(`workbench plan` gives each rank's memory)", "parallel")
 
     # train
-    dp = world // (tp * pp) if world % (tp * pp) == 0 else None
+    dp = lay.dp if lay.divisible else None
     batch_fields = ("train.micro_batch_size", *world_fields)
     if dp:
         if t.global_batch_size % (t.micro_batch_size * dp):

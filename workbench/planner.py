@@ -84,6 +84,7 @@ from typing import Any, Iterable, Literal
 from workbench import kernel_rule, planner_text, schedules
 from workbench.config import ConfigError, Derived, Problem, RunConfig, derive, load_config
 from workbench.kernel_rule import KernelChoice
+from workbench.layout import Layout
 from workbench.models import family_of
 from workbench.run.reader import RunReader, as_reader
 
@@ -649,11 +650,11 @@ def megatron_theoretical_memory(cfg: RunConfig) -> MegatronEstimate:
 
 
 def _rank_coords(tp: int, pp: int, dp: int) -> Iterable[tuple[int, int, int, int]]:
-    """(global rank, tp, pp, dp) in megatron-core's default order 'tp-cp-ep-dp-pp' (tp fastest)."""
-    for pr in range(pp):
-        for dr in range(dp):
-            for tr in range(tp):
-                yield tr + tp * (dr + dp * pr), tr, pr, dr
+    """(global rank, tp, pp, dp) of a tp x pp x dp world, in megatron-core's order (:meth:`workbench.layout.Layout.coords`)."""
+    lay = Layout(world=tp * pp * dp, tp=tp, pp=pp)
+    for g in range(lay.world):
+        c = lay.coords(g)
+        yield g, c.tp, c.pp, c.dp
 
 
 def _fits(total: int, gpu: GPUSpec | None) -> bool | None:

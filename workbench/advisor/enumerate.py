@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 from workbench.config import RunConfig, validate
 from workbench.kernel_rule import FP8_RECIPES
+from workbench.layout import Layout as ParallelLayout
 
 __all__ = ["Layout", "layout_of", "apply_layout", "canonical", "grid", "enumerate_layouts", "RECOMPUTE_MODES", "fp8_recipes"]
 
@@ -99,7 +100,7 @@ class Layout:
 def layout_of(cfg: RunConfig) -> Layout:
     """The layout a config already has."""
     p, t = cfg.parallel, cfg.train
-    dp = max(p.world_size // max(p.tensor_parallel * p.pipeline_parallel, 1), 1)
+    dp = ParallelLayout.of(cfg).dp
     return Layout(p.tensor_parallel, p.pipeline_parallel, p.vpp, dp, bool(p.sequence_parallel),
                   bool(p.distributed_optimizer), p.recompute, t.micro_batch_size, t.fp8)
 
@@ -137,7 +138,7 @@ def grid(cfg: RunConfig, gpus: int, nodes: int = 1, fp8: bool = True) -> Iterato
         for pp in _divisors(gpus // tp):
             if pp > layers:
                 continue
-            dp = gpus // (tp * pp)
+            dp = ParallelLayout(world=gpus, tp=tp, pp=pp).dp
             if gbs % dp:
                 continue
             # interleaving needs pp * vpp to divide the layers (the validator's rule, here only to bound the grid)

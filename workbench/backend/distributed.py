@@ -3,7 +3,7 @@
 ``initialize(cfg)`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR/PORT), starts NCCL on GPUs or gloo for ``parallel.device == "cpu"`` (after
 turning on :mod:`workbench.backend.cpu_mode`), builds megatron's TP/PP/VPP/DP groups
-(DP = world / (tp * pp)) and seeds the RNGs the way Megatron does.
+(DP = world / (tp * pp): :class:`workbench.layout.Layout`) and seeds the RNGs the way Megatron does.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from workbench.backend import cpu_mode
 from workbench.config import RunConfig, apply_rank_environment, derive, rank_environment
+from workbench.layout import Layout
 
 __all__ = ["Coords", "initialize", "initialize_for_tests", "coords", "destroy", "device"]
 
@@ -90,7 +91,7 @@ def _seed(cfg: RunConfig) -> None:
 def _init_parallel_state(cfg: RunConfig) -> Coords:
     p = cfg.parallel
     world = dist.get_world_size()
-    if world % (p.tensor_parallel * p.pipeline_parallel):
+    if not Layout(world=world, tp=p.tensor_parallel, pp=p.pipeline_parallel).divisible:
         raise ValueError(
             f"world size {world} is not divisible by tensor_parallel*pipeline_parallel = {p.tensor_parallel * p.pipeline_parallel}; "
             "fix parallel.nproc_per_node / nnodes"

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
 
+from workbench.layout import Layout as ParallelLayout
+
 KINDS = ("run_start", "step", "microbatch", "eval", "eval_progress", "checkpoint", "error", "run_end", "router")
 
 #: prefix of the kernel-path entries that name the backend's fast paths (``compiled_layer.summary()``)
@@ -160,7 +162,7 @@ class RunStart(Event):
         pp = int(par.get("pipeline_parallel") or 1)
         vpp = int(par.get("virtual_pipeline_parallel") or 1)
         world = int(self.world_size or int(par.get("nproc_per_node") or 0) * int(par.get("nnodes") or 1) or tp * pp)
-        return Layout(tp, pp, max(world // (tp * pp), 1), vpp, world)
+        return Layout(tp, pp, ParallelLayout(world=max(world, 1), tp=max(tp, 1), pp=max(pp, 1)).dp, vpp, world)
 
 
 @dataclass(kw_only=True)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from workbench.config_fields import ITERS, LAYERS, bounded
+from workbench.layout import Layout
 
 __all__ = ["MoEConfig", "is_moe", "moe_layers", "expert_tensor_parallel", "expert_data_parallel",
            "expert_ffn", "shared_ffn", "transformer_fields", "rules", "LOSS_METRICS"]
@@ -105,9 +106,7 @@ def expert_tensor_parallel(cfg: Any) -> int:
 
 def expert_data_parallel(cfg: Any) -> int:
     """Expert data parallel size: world / (ETP x EP x PP), megatron 0.19's definition (1 when it does not divide)."""
-    p = cfg.parallel
-    grid = expert_tensor_parallel(cfg) * max(p.expert_parallel, 1) * max(p.pipeline_parallel, 1)
-    return max(p.world_size // grid, 1) if p.world_size % grid == 0 else 1
+    return Layout.of(cfg).expert_data_parallel
 
 
 def expert_ffn(cfg: Any) -> int:
@@ -145,7 +144,7 @@ def rules(cfg: Any, supported: bool) -> list[tuple[str, ...]]:
     ``Supports.moe``."""
     m, p = cfg.model, cfg.parallel
     moe = m.moe
-    ep, tp, pp = max(p.expert_parallel, 1), p.tensor_parallel, p.pipeline_parallel
+    ep, tp = max(p.expert_parallel, 1), p.tensor_parallel
     out: list[tuple[str, ...]] = []
     E = "model.moe.num_experts"
     if not is_moe(cfg):
@@ -171,14 +170,7 @@ def rules(cfg: Any, supported: bool) -> list[tuple[str, ...]]:
         out.append(("parallel.expert_parallel", f"num_experts {moe.num_experts} is not divisible by expert_parallel {ep}",
                     f"use an expert_parallel dividing the experts: one of {', '.join(ok)}", E))
     etp = expert_tensor_parallel(cfg)
-    grid = etp * ep * pp
-    world_fields = ("parallel.nnodes", "parallel.nproc_per_node", "parallel.tensor_parallel", "parallel.pipeline_parallel",
-                    "parallel.expert_tensor_parallel")
-    if p.world_size % grid:
-        out.append(("parallel.expert_parallel", f"world size {p.world_size} is not divisible by expert_tensor_parallel x "
-                    f"expert_parallel x pipeline_parallel = {etp} x {ep} x {pp} (megatron's expert grid: expert data parallel "
-                    f"= world / (ETP x EP x PP))", f"use a world size that is a multiple of {grid}, or a smaller expert_parallel",
-                    *world_fields))
+    out.extend((q.field, q.rule, q.fix, *q.reads) for q in Layout.of(cfg).expert_problems())  # world % (ETP x EP x PP)
     if tp > 1 and not p.sequence_parallel:
         out.append(("parallel.sequence_parallel", f"MoE layers with tensor_parallel {tp} train only with sequence parallelism "
                     "(megatron's MoELayer refuses otherwise)", "set sequence_parallel: true", "parallel.tensor_parallel"))
