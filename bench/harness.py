@@ -116,6 +116,28 @@ def warm_up(step: Callable[[], Any], cuda: bool, p: Protocol, clock: Callable[[]
     return {"warmup_steps": len(times), "warmup_times": times, "warmup_s": clock() - t0, "steady": steady}
 
 
+def split_recorded(times: list[float], p: Protocol) -> dict[str, Any]:
+    """:func:`measure_steps`' rule applied to step times a run recorded itself (the product's step events, where the
+    benchmark cannot drive the steps): the warm-up ends at the first step count >= ``warmup_min`` whose last
+    ``window`` times agree within ``tolerance`` (or at ``warmup_max`` steps or ``warmup_max_s`` seconds: ``steady:
+    false``); the next ``p.steps``
+    times are the timed ones.  Raises ValueError when the run recorded too few steps for that."""
+    n, steady, spent = len(times), False, 0.0
+    for k in range(1, len(times) + 1):  # warm_up's loop, step by step
+        spent += times[k - 1]
+        if k >= p.warmup_min and settled(times[:k], p.window, p.tolerance):
+            n, steady = k, True
+            break
+        if k >= p.warmup_max or spent >= p.warmup_max_s:
+            n = k
+            break
+    timed = times[n:n + p.steps]
+    if len(timed) < p.steps:
+        raise ValueError(f"{len(times)} recorded steps: {n} of warm-up leave {len(timed)} of the {p.steps} timed steps")
+    return {"step_times": timed, "step_s": median(timed), "warmup_steps": n, "warmup_times": times[:n],
+            "warmup_s": sum(times[:n]), "steady": steady}
+
+
 def measure_steps(step: Callable[[], Any], cuda: bool, p: Protocol, clock: Callable[[], float] = time.perf_counter,
                   before_timing: Callable[[], Any] | None = None) -> dict[str, Any]:
     """One process's measurement under ``p``: :func:`warm_up`, then ``p.steps`` timed steps; the median step

@@ -1,16 +1,20 @@
 """MoE training throughput: the workbench's ``moe-research`` preset against a compiled plain-PyTorch MoE of the same
 shape, and expert parallelism (EP=2 on two GPUs) against one GPU at the same global batch.
 
-One device call on two GPUs (``nvidia-h100-x2``; about 6-8 minutes)::
+On two GPUs (about 8-10 minutes with the protocol's defaults)::
 
     python bench/moe_bench.py --out bench/results/moe_bench.jsonl
 
-Rows (JSON lines, each with device, date, git commit):
+Measured under the protocol of ``bench/harness.py``: each row is run ``--repeats`` times in fresh processes, the rows
+interleaved; in each process the warm-up runs until the step times settle (the product's runs record every step, and
+:func:`harness.split_recorded` applies the same rule to them), then ``--steps`` steps are timed.  Each row stores its
+repeats, their median and spread; each ratio its range (worst and best pairing) and whether the worst pairing
+clears the target.  Rows (JSON lines, each with device, date, git commit):
 
 - ``workbench-1gpu``: ``python -m workbench.backend`` under torchrun on one GPU, bf16, the kernel rule's default path
   (grouped-GEMM experts through torch's ``grouped_mm``, SDPA attention, fused AdamW); tokens/s is the median of the
   step events after ``--warmup`` steps; first / last losses on the embedded corpus; the router's coefficient of
-  variation per layer from the last ``router`` record.
+  variation per layer from the last ``router`` record.  The run trains ``--warmup-max`` + ``--steps`` iterations.
 - ``workbench-ep2``: the same model and global batch on two GPUs with ``parallel.expert_parallel: 2`` (DP 2 for the
   dense part, the experts split); the ratio to ``workbench-1gpu`` (target >= 1.8x).
 - ``torch-compiled``: the same shapes written as a capable user would in plain PyTorch: bf16 weights in an fp32
@@ -18,8 +22,8 @@ Rows (JSON lines, each with device, date, git commit):
   one ``grouped_mm`` per expert linear, the same load-balancing and z-loss, fused AdamW, the whole model under
   ``torch.compile``; synthetic tokens of the same vocabulary.  The ratio workbench / torch (target >= 1.1x).
 
-``--phases`` picks rows (``workbench-1gpu,workbench-ep2,torch-compiled``); ``--steps`` / ``--warmup`` the timing;
-``--smoke`` runs tiny shapes on CPU to check the script itself.
+``--phases`` picks rows (``workbench-1gpu,workbench-ep2,torch-compiled``); ``--steps`` / ``--repeats`` / ``--warmup`` /
+``--warmup-max`` the protocol; ``--smoke`` runs tiny shapes on CPU, the protocol at its smallest, to check the script.
 """
 
 from __future__ import annotations
@@ -28,8 +32,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import harness  # noqa: E402
 from workbench.config import preset  # noqa: E402
 from workbench.provenance import git_commit  # noqa: E402
 from workbench.run.reader import RunReader  # noqa: E402
@@ -49,9 +52,10 @@ def _stamp(device: str) -> dict:
 
 
 def bench_config(a: argparse.Namespace, ep: int = 1):
-    over = {"train.train_iters": a.steps, "train.lr_decay_iters": a.steps, "train.lr_warmup_iters": max(a.steps // 10, 1),
+    iters = a.proto.warmup_max + a.proto.steps  # enough for the longest warm-up and the timed steps
+    over = {"train.train_iters": iters, "train.lr_decay_iters": iters, "train.lr_warmup_iters": max(iters // 10, 1),
             "train.eval_interval": 0,
-            "train.microbatch_timing_interval": 0, "checkpoint.save_on_exit": False, "model.moe.router_stats_interval": 10,
+            "train.microbatch_timing_interval": 0, "checkpoint.save_on_exit": False, "model.moe.router_stats_interval": min(10, iters),
             "parallel.expert_parallel": ep, "parallel.nproc_per_node": ep}
     if a.smoke:
         over.update({"parallel.device": "cpu", "train.precision": "fp32", "model.num_layers": 2, "model.hidden_size": 64,
@@ -71,7 +75,7 @@ def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
                "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
         t0 = time.time()
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.timeout)
+        proc = harness.run_group(cmd, a.timeout, cwd=ROOT, env=env)  # a timeout ends the ranks too
         reader = RunReader(run_dir)
         steps = sorted((r for r in reader.records("step") if r.loss is not None), key=lambda r: r.iteration)
         seen, rows = set(), []
@@ -82,12 +86,17 @@ def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
         start = reader.run_start()
         out = {"row": name, "preset": "moe-research", "ep": ep, "gpus": ep, "seconds": round(time.time() - t0, 1),
                "returncode": proc.returncode, **_stamp(start.device if start else "?")}
-        if proc.returncode != 0 or len(rows) <= a.warmup:
+        if proc.returncode != 0:
             return {**out, "status": "failed", "log_tail": (proc.stdout + proc.stderr)[-4000:]}
-        timed = rows[a.warmup:]
+        try:
+            meas = harness.split_recorded([r.step_time for r in rows], a.proto)
+        except ValueError as e:
+            return {**out, "status": "failed", "error": str(e)}
+        tokens = cfg.train.global_batch_size * cfg.model.seq_length
         router = reader.router()
-        return {**out, "status": "ok", "tokens_per_s": statistics.median(r.tokens_per_s for r in timed),
-                "step_time_s": statistics.median(r.step_time for r in timed), "mem_peak": max((r.mem_peak or 0) for r in rows),
+        return {**out, "status": "ok", "tokens_per_s": tokens / meas["step_s"], "step_time_s": meas["step_s"],
+                "warmup_steps": meas["warmup_steps"], "steady": meas["steady"], "step_times": meas["step_times"],
+                "mem_peak": max((r.mem_peak or 0) for r in rows),
                 "loss_first": rows[0].loss, "loss_last": rows[-1].loss, "kernels": start.kernels if start else None,
                 "router_cv_per_layer": router[-1].coefficient_of_variation() if router else None,
                 "router_iteration": router[-1].iteration if router else None,
@@ -195,56 +204,91 @@ def torch_row(a: argparse.Namespace) -> dict:
         opt.step()
         return last
 
-    times, losses = [], []
+    losses: list[float] = []
     t0 = time.time()
-    for i in range(a.steps):
-        if cuda:
-            torch.cuda.synchronize()
-        st = time.perf_counter()
-        losses.append(float(step().detach()))
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - st)
+    meas = harness.measure_steps(lambda: losses.append(float(step().detach())), cuda, a.proto)
     tokens = t.global_batch_size * s
-    timed = times[a.warmup:] or times
     return {"row": "torch-compiled", "preset": "moe-research", "ep": 1, "gpus": 1, "status": "ok",
-            "tokens_per_s": tokens / statistics.median(timed), "step_time_s": statistics.median(timed),
+            "tokens_per_s": tokens / meas["step_s"], "step_time_s": meas["step_s"], "warmup_steps": meas["warmup_steps"],
+            "steady": meas["steady"], "step_times": meas["step_times"],
             "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None, "loss_first": losses[0], "loss_last": losses[-1],
             "seconds": round(time.time() - t0, 1), "data": "synthetic tokens", **_stamp(torch.cuda.get_device_name() if cuda else "cpu")}
+
+
+PHASES = ("workbench-1gpu", "workbench-ep2", "torch-compiled")
+#: (row over row, target): the ratios each measurement reports
+RATIOS = {"workbench-ep2": ("workbench-1gpu", 1.8), "torch-compiled": ("workbench-1gpu", 1.1)}
+
+
+def one_repeat(a: argparse.Namespace, phase: str) -> dict:
+    """One fresh process's measurement of ``phase`` (the workbench rows are fresh torchrun launches; the plain-PyTorch
+    row runs this script again with ``--worker``)."""
+    try:
+        if phase != "torch-compiled":
+            return workbench_row(a, 2 if phase == "workbench-ep2" else 1, phase)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", phase, *a.passthrough]
+        proc = harness.run_group(cmd, a.timeout, cwd=ROOT)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            return {"row": phase, "status": "failed", "returncode": proc.returncode,
+                    "log_tail": (proc.stdout + proc.stderr)[-4000:], **_stamp("?")}
+        return json.loads(lines[-1][len("RESULT "):])
+    except Exception as e:  # one failed repeat must not lose the others
+        return {"row": phase, "status": "failed", "error": repr(e), **_stamp("?")}
+
+
+def merged(phase: str, reps: list[dict]) -> dict:
+    """A row from its repeats: the median repeat's details, every repeat's tokens/s with median and spread."""
+    ok = [r for r in reps if r.get("status") == "ok"]
+    if len(ok) < len(reps):
+        bad = next(r for r in reps if r.get("status") != "ok")
+        return {**bad, "row": phase, "status": "failed", "repeats_ok": len(ok), "repeats": len(reps)}
+    tps = [r["tokens_per_s"] for r in ok]
+    row = dict(next(r for r in ok if r["tokens_per_s"] == harness.median(tps)))
+    row.pop("step_times", None)
+    return {**row, "tokens_per_s": harness.median(tps), "repeats": harness.side(tps),
+            "repeat_rows": [{k: r.get(k) for k in ("tokens_per_s", "warmup_steps", "steady", "repeat_wall_s")} for r in ok]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe_bench.jsonl"))
-    ap.add_argument("--phases", default="workbench-1gpu,workbench-ep2,torch-compiled")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per workbench run")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script)")
+    ap.add_argument("--phases", default=",".join(PHASES))
+    harness.add_protocol_args(ap)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per process")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, the protocol at its smallest (checks the script)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.cpu_smoke = a.smoke
+    a.proto = harness.protocol(a)
+    a.passthrough = [f"--steps={a.steps}", f"--repeats={a.repeats}", f"--warmup={a.warmup}", f"--warmup-max={a.warmup_max}",
+                     *(["--smoke"] if a.smoke else [])]
+    if a.worker:
+        print("RESULT " + json.dumps(torch_row(a)), flush=True)
+        return 0
     phases = [p for p in a.phases.split(",") if p]
-    unknown = set(phases) - {"workbench-1gpu", "workbench-ep2", "torch-compiled"}
+    unknown = set(phases) - set(PHASES)
     if unknown:
-        print(f"--phases: unknown {sorted(unknown)} -> workbench-1gpu, workbench-ep2, torch-compiled", file=sys.stderr)
+        print(f"--phases: unknown {sorted(unknown)} -> {', '.join(PHASES)}", file=sys.stderr)
         return 2
-    results: dict[str, dict] = {}
+    runs = harness.interleaved({p: (lambda i, p=p: one_repeat(a, p)) for p in phases}, a.proto.repeats)
+    rows = {p: merged(p, runs[p]) for p in phases}
+    for p, (base, target) in RATIOS.items():
+        if p in rows and base in rows and rows[p].get("status") == rows[base].get("status") == "ok":
+            over, under = (base, p) if p == "torch-compiled" else (p, base)  # workbench over torch; EP=2 over one GPU
+            key = "workbench_over_torch" if p == "torch-compiled" else "speedup_over_1gpu"
+            rows[p][key] = harness.ratio(rows[over]["repeats"]["repeats"], rows[under]["repeats"]["repeats"], target)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as fh:
+        for p in phases:
+            measured = "cpu smoke: the protocol's code at its smallest, not a measurement" if a.smoke else "protocol"
+            fh.write(json.dumps({**rows[p], "smoke": a.smoke, "measured": measured, "protocol": a.proto.record()}) + "\n")
     for p in phases:
-        try:
-            row = {"workbench-1gpu": lambda: workbench_row(a, 1, p), "workbench-ep2": lambda: workbench_row(a, 2, p),
-                   "torch-compiled": lambda: torch_row(a)}[p]()
-        except Exception as e:  # one failed row must not lose the others
-            row = {"row": p, "status": "failed", "error": repr(e), **_stamp("?")}
-        if p == "workbench-ep2" and results.get("workbench-1gpu", {}).get("tokens_per_s") and row.get("tokens_per_s"):
-            row["speedup_over_1gpu"] = row["tokens_per_s"] / results["workbench-1gpu"]["tokens_per_s"]
-        if p == "torch-compiled" and results.get("workbench-1gpu", {}).get("tokens_per_s") and row.get("tokens_per_s"):
-            row["workbench_over_torch"] = results["workbench-1gpu"]["tokens_per_s"] / row["tokens_per_s"]
-        results[p] = row
-        with open(out, "a") as fh:
-            fh.write(json.dumps({**row, "smoke": a.smoke}) + "\n")
-        print(json.dumps({k: v for k, v in row.items() if k not in ("log_tail", "kernels")}), flush=True)
-    return 0 if all(r.get("status") == "ok" for r in results.values()) else 1
+        r = rows[p]
+        brief = {k: r.get(k) for k in ("row", "status", "tokens_per_s", "speedup_over_1gpu", "workbench_over_torch", "error")}
+        print(json.dumps({k: v for k, v in brief.items() if v is not None}), flush=True)
+    return 0 if all(r.get("status") == "ok" for r in rows.values()) else 1
 
 
 if __name__ == "__main__":

@@ -123,3 +123,25 @@ def test_the_host_profile_names_where_a_step_spends_its_python_time():
     assert prof["wall_ms_per_step_under_cprofile"] > 0
     assert any("slow_part" in r["fn"] and r["calls"] == 1 for r in prof["by_cumtime"])  # per step: called once
     assert profiling.host_profile(step, False, False) is None and profiling.profile_steps(step, False, True) is None  # no GPU
+
+
+@pytest.mark.parametrize("durations, p", [
+    (WARMUP + STEADY * 30, harness.Protocol(steps=21, warmup_min=5, warmup_max=60, window=5, tolerance=0.03)),
+    ([1.0 + random.Random(3).uniform(-0.15, 0.15) for _ in range(80)],
+     harness.Protocol(steps=20, warmup_min=5, warmup_max=25, window=5, tolerance=0.03)),
+    ([3.0, 1.0] * 40, harness.Protocol(steps=2, warmup_min=5, warmup_max=1000, warmup_max_s=10.0, window=5, tolerance=0.03)),
+], ids=["settles", "never-settles", "seconds-bound"])
+def test_recorded_step_times_are_split_as_measure_steps_would_have(durations, p):
+    """bench/moe_bench.py times the product's own runs from their step events: the same warm-up rule on the
+    recorded times gives what driving the steps would have given."""
+    t = Planted(durations)
+    driven = harness.measure_steps(t.step, False, p, clock=t.clock)
+    split = harness.split_recorded(durations, p)
+    for key in ("warmup_steps", "steady", "step_times", "step_s"):
+        assert split[key] == pytest.approx(driven[key]), key
+
+
+def test_a_recorded_run_too_short_for_the_timed_steps_is_refused():
+    p = harness.Protocol(steps=20, warmup_min=5, warmup_max=60, window=5, tolerance=0.03)
+    with pytest.raises(ValueError, match="timed steps"):
+        harness.split_recorded(WARMUP + STEADY * 2, p)
