@@ -7,7 +7,8 @@ never from each other.
 
 In parallel (``launch/test.sh`` runs pytest-xdist's workers with ``--dist loadfile``) a test file runs whole on
 one worker, so its module fixtures are built once; each worker that runs browser tests starts its own JupyterLab
-(``browser/conftest.py``: a folder per worker).
+(``browser/conftest.py``: a folder per worker).  The workers take the files longest first (:data:`FILE_SECONDS`), so
+no long file starts last while the other worker has nothing left to do.
 """
 
 from __future__ import annotations
@@ -18,6 +19,82 @@ import pytest
 
 from tests.support import free_port as _free_port
 from tests.support import hf_gpt2, write_rank_script
+
+
+#: seconds the slowest test files took, each run alone (``-n 0``) on a busy 2-core machine: the order in which the
+#: workers take files (longest first; every other file after these, in collection order).  A stale or missing number
+#: only changes that order, never what runs.  Refresh from a serial run's ``--junitxml`` (each file's testcase times).
+FILE_SECONDS = {
+    "backend/test_compiled_layer_compile.py": 450, "notebooks/test_notebooks.py": 330, "notebooks/test_notebooks_families.py": 330,
+    "backend/test_compiled_layer.py": 250, "backend/test_compiled_layer_tp.py": 200, "launch/test_multinode.py": 290,
+    "conversion/test_convert_streaming.py": 280, "models/test_t5_train.py": 240, "backend/test_backend_train.py": 300,
+    "backend/test_compiled_dropout.py": 250, "conversion/test_conversion.py": 215, "launch/test_loopback_only.py": 180,
+    "bench/test_family_bench_smoke.py": 155, "data_pipeline/test_preprocess_faults.py": 145,
+    "backend/test_backend_model.py": 130, "backend/test_cross_layout_resume.py": 120,
+    "conversion/test_two_rank_conversion.py": 115, "launch/test_run_lifecycle.py": 110,
+    "checkpoints/test_checkpoint_hostile.py": 100, "checkpoints/test_checkpoint_metadata_faults.py": 100,
+    "conversion/test_t5_conversion.py": 95, "models/test_bert_train.py": 85, "checkpoints/test_checkpoint_faults.py": 85,
+    "widgets/test_widgets.py": 85, "conversion/test_conversion_heads.py": 85, "conversion/test_moe_conversion.py": 80,
+    "advisor/test_advisor_cli.py": 80, "bench/test_bench_smoke.py": 75, "advisor/test_advisor_enumerate.py": 70,
+    "conversion/test_bert_conversion.py": 70, "launch/test_checkpoint_writer.py": 65,
+    "generation/test_generation_parallel.py": 65, "cli/test_warning_noise.py": 65,
+}
+
+
+def pytest_configure(config) -> None:
+    # pytest-xdist (>= 3.8) would hand the files out by their number of tests, most first: the few-test files, often
+    # the slowest, would start last.  Keep the order pytest_collection_modifyitems makes.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The files of :data:`FILE_SECONDS` first, longest first; each file's tests together and in their own order."""
+    first: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    for i, item in enumerate(items):
+        f = item.nodeid.split("::", 1)[0]
+        if f not in first:
+            first[f] = i
+            rel = f[len("tests/"):] if f.startswith("tests/") else f
+            seconds[f] = FILE_SECONDS.get(rel, 0)
+    items.sort(key=lambda item: (-seconds[item.nodeid.split("::", 1)[0]], first[item.nodeid.split("::", 1)[0]]))
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the apt installs that browser/ and slurm/ need (Chromium; SLURM and munge) in the background once their
+    tests are collected, in one process (xdist's first worker, or the only one): on a fresh machine they take a minute
+    or more, which the first such test would otherwise spend waiting with its worker idle.  The folders' fixtures
+    still install and check what they need themselves (one apt at a time: they wait for this one, then find it
+    installed), and report any failure; a failure here is left to them."""
+    import os
+    import shutil
+    import threading
+
+    if (os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" or not hasattr(os, "geteuid") or os.geteuid() != 0
+            or not shutil.which("apt-get")):
+        return
+    folders = [f for f in dict.fromkeys(item.nodeid.split("/")[1] for item in session.items if item.nodeid.count("/") > 1)
+               if f in ("browser", "slurm")]
+    if not folders:
+        return
+    from tests.support import apt_install
+
+    def install() -> None:
+        for folder in folders:
+            try:
+                if folder == "browser":
+                    from tests.browser.conftest import CHROMIUM
+
+                    apt_install(["chromium"], lambda: Path(CHROMIUM).exists())
+                else:
+                    from tests.slurm.conftest import PACKAGES, TOOLS, _which
+
+                    apt_install(PACKAGES, lambda: all(_which(t) for t in TOOLS))
+            except Exception:  # noqa: BLE001  (the folder's fixture installs again and reports it)
+                pass
+
+    threading.Thread(target=install, name="apt-prefetch", daemon=True).start()
 
 
 @pytest.fixture()

@@ -6,7 +6,12 @@ schedule exactly, distributed-optimizer save and resume at DP=2, SIGTERM shutdow
 run_end "stopped", non-zero exit), SIGUSR1 stack dumps, a hung process-group teardown that
 still ends the process, an exception in a rank (error event, non-zero exit), bad config (exit 2
 before any process group), and the custom loss hook reproducing the reference guide's
-key-token-weighted loss.
+key-token-weighted loss; a long evaluation reports its progress on every rank (``eval_progress``: the supervisor's
+stall watch takes it for progress).
+
+The evaluation-progress run, the PP=2 resume and both DP=2 distributed-optimizer runs (the first and its resume) share
+one launch of two ranks (``tests.support.trainer_runs``: the backend's Trainer per run directory, in order; a resumed
+run never directly follows the run whose checkpoint it loads).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import torchrun_args
+from tests.support.trainer_runs import run_trainers
 from workbench.config import preset
 from workbench.run.reader import read_events
 
@@ -102,14 +108,38 @@ def test_pp2_run_writes_the_event_contract(pp2_run):
     assert meta["complete"] and meta["iteration"] == 3 and meta["extra"]["consumed_samples"] == 24
 
 
-def test_resume_continues_loss_lr_and_data(pp2_run, tmp_path):
-    run_dir, ev = pp2_run
-    cfg = _cfg(**{"parallel.pipeline_parallel": 2, "checkpoint.load_dir": str(run_dir / "checkpoints" / "iter_0000003"),
-                  "checkpoint.save_interval": 0, "checkpoint.save_on_exit": False, "train.eval_interval": 0})
-    proc = _torchrun(cfg, tmp_path / "resumed", 2, 29702)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    ev2 = read_events(tmp_path / "resumed")
+DIST_OPT = {"parallel.distributed_optimizer": True, "train.eval_interval": 0}
+#: the ranks write eval_progress after every evaluation batch (its default: at most every EVAL_PROGRESS_SECONDS); the
+#: other runs of the launch do not evaluate
+EVERY_BATCH = "import workbench.backend.train as _train\n_train.EVAL_PROGRESS_SECONDS = 0.0\n"
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(pp2_run, tmp_path_factory):
+    """One launch of two ranks: a run whose one evaluation takes three batches, the DP=2 distributed-optimizer run
+    (checkpoints at 3 and 6), the PP=2 run resumed from ``pp2_run``'s step-3 checkpoint, and the DP=2 run resumed from
+    its own step-3 checkpoint."""
+    root = tmp_path_factory.mktemp("two-rank")
+    no_save = {"checkpoint.save_interval": 0, "checkpoint.save_on_exit": False}
+    evaluating = preset("tiny", **{"data.source": "synthetic", "train.train_iters": 2, "train.lr_decay_iters": 2,
+                                   "train.lr_warmup_iters": 0, "train.global_batch_size": 4, "train.eval_interval": 2,
+                                   "train.eval_iters": 3, "train.microbatch_timing_interval": 0,
+                                   "checkpoint.save_on_exit": False})
+    run_trainers({root / "eval-progress": evaluating,
+                  root / "dp2-first": _cfg(**DIST_OPT),
+                  root / "pp2-resumed": _cfg(**{"parallel.pipeline_parallel": 2, "train.eval_interval": 0, **no_save,
+                                                "checkpoint.load_dir": str(pp2_run[0] / "checkpoints" / "iter_0000003")}),
+                  root / "dp2-resumed": _cfg(**DIST_OPT, **no_save,
+                                             **{"checkpoint.load_dir": str(root / "dp2-first" / "checkpoints" / "iter_0000003")})},
+                 nproc=2, timeout=600, prelude=EVERY_BATCH)
+    return root
+
+
+def test_resume_continues_loss_lr_and_data(pp2_run, two_rank_runs):
+    _, ev = pp2_run
+    ev2 = read_events(two_rank_runs / "pp2-resumed")
     assert _by(ev2, "run_start", 1)[0]["start_iteration"] == 3
+    assert _by(ev2, "run_start", 1)[0]["config"]["parallel"]["pipeline_parallel"] == 2
     before = {e["iteration"]: e for e in _by(ev, "step", 1)}
     after = _by(ev2, "step", 1)
     assert [e["iteration"] for e in after] == [4, 5, 6]
@@ -269,22 +299,36 @@ def test_demo_corpus_trains_through_the_data_pipeline(tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.05, losses
 
 
-def test_distributed_optimizer_state_saves_and_resumes_at_dp2(tmp_path):
+def test_distributed_optimizer_state_saves_and_resumes_at_dp2(two_rank_runs):
     """The distributed optimizer's state goes to disk as 'fully_reshardable' (mcore's default
     sharding is refused by the torch_dist strategy) and a resumed DP=2 run continues the loss."""
-    dist_opt = {"parallel.distributed_optimizer": True, "train.eval_interval": 0}
-    proc = _torchrun(_cfg(**dist_opt), tmp_path / "first", 2, 29706)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    ev = read_events(tmp_path / "first")
-    cfg = _cfg(**dist_opt, **{"checkpoint.load_dir": str(tmp_path / "first" / "checkpoints" / "iter_0000003"),
-                              "checkpoint.save_interval": 0, "checkpoint.save_on_exit": False})
-    proc = _torchrun(cfg, tmp_path / "resumed", 2, 29707)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    ev = read_events(two_rank_runs / "dp2-first")
+    start = _by(ev, "run_start", 0)[0]
+    assert start["world_size"] == 2 and start["config"]["parallel"]["distributed_optimizer"] is True
+    assert (two_rank_runs / "dp2-first" / "checkpoints" / "iter_0000003").is_dir()
     before = {e["iteration"]: e["loss"] for e in _by(ev, "step", 0)}
-    after = {e["iteration"]: e["loss"] for e in _by(read_events(tmp_path / "resumed"), "step", 0)}
+    resumed = read_events(two_rank_runs / "dp2-resumed")
+    assert _by(resumed, "run_start", 0)[0]["start_iteration"] == 3
+    after = {e["iteration"]: e["loss"] for e in _by(resumed, "step", 0)}
     assert sorted(after) == [4, 5, 6]
     for i, loss in after.items():
         assert abs(loss - before[i]) <= 1e-5 * before[i], (i, loss, before[i])
+
+
+def test_every_rank_reports_progress_through_an_evaluation(two_rank_runs):
+    """A long evaluation is progress: while it runs every rank writes ``eval_progress`` events (at most every
+    ``EVAL_PROGRESS_SECONDS``), so the supervisor's stall watch does not take a slow first evaluation for a hung rank."""
+    events = read_events(two_rank_runs / "eval-progress")
+    for rank in (0, 1):
+        mine = [e for e in events if e.get("rank") == rank]
+        kinds = [e["event"] for e in mine]
+        progress = [e for e in mine if e["event"] == "eval_progress"]
+        assert [(p["iteration"], p["done"], p["total"]) for p in progress] == [(2, 0, 3), (2, 1, 3), (2, 2, 3)], kinds
+        last_step = max(i for i, k in enumerate(kinds) if k == "step")
+        first_progress = kinds.index("eval_progress")
+        assert last_step < first_progress  # written during the evaluation that follows step 2
+        if "eval" in kinds:  # the rank that holds the loss writes the evaluation's result after its progress
+            assert kinds.index("eval") > max(i for i, k in enumerate(kinds) if k == "eval_progress")
 
 
 def test_tp_comm_overlap_asks_for_one_hardware_queue_before_cuda_starts(monkeypatch, tmp_path):

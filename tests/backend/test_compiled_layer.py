@@ -19,27 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import SUPPORT, free_port, torchrun_args
+from tests.support import free_port
+from tests.support.compiled_layer_run import assert_families_match as _assert_families_match
+from tests.support.compiled_layer_run import close as _close
+from tests.support.compiled_layer_run import run_check as _run_check
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYER_CHECK = SUPPORT / "compiled_layer_check.py"
-
-
-def _run_check(*args: str, port: int) -> dict:
-    proc = subprocess.run([sys.executable, str(LAYER_CHECK), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "CHECK_PORT": str(port)})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 @pytest.fixture(scope="module")
 def checks() -> dict:
     return _run_check("all", port=free_port())
-
-
-def _close(a: float, b: float, rel: float = 1e-5) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1.0)
 
 
 def test_dense_layer_matches_stock_megatron_layer(checks):
@@ -110,19 +100,6 @@ def test_trainer_steps_identical_with_fast_paths(checks):
     assert not any(k.startswith("fast_") for k in stock["kernel_path"])
 
 
-def _assert_families_match(r: dict, rel: float) -> None:
-    for name, runs in r.items():
-        stock, fast = runs["stock"], runs["fast"]
-        assert stock["fast_calls"] == 0 and stock["layers"] == 0, name  # megatron's own layers
-        # every layer (T5: encoder and decoder) took the compiled path, each micro-batch of each step
-        assert fast["blockers"] == [None] * fast["layers"] and fast["fast_calls"] == fast["layers"] * 2 * 3, (name, fast)
-        for a, b in zip(stock["losses"], fast["losses"]):
-            assert _close(a, b, rel), (name, stock["losses"], fast["losses"])
-        for a, b in zip(stock["grad_norms"], fast["grad_norms"]):
-            assert _close(a, b, 10 * rel), (name, stock["grad_norms"], fast["grad_norms"])
-        assert fast["losses"][0] != fast["losses"][2]  # the optimizer really stepped
-
-
 def test_compiled_layer_serves_bert_t5_and_rope_with_the_stock_maths():
     """BERT (padding mask, bidirectional), T5 (relative bias, padding-masked encoder, causal decoder with
     cross-attention; GEGLU and ReLU) and a RoPE/GQA GPT: three Trainer steps on the compiled layer (eager)
@@ -132,51 +109,6 @@ def test_compiled_layer_serves_bert_t5_and_rope_with_the_stock_maths():
     assert r["t5-padded"]["fast"]["losses"] != r["t5"]["fast"]["losses"]  # the padding changed what was attended
     assert r["t5"]["fast"]["layers"] == 4  # 2 encoder + 2 decoder layers
     _assert_families_match(r, 1e-5)
-
-
-@pytest.mark.slow
-def test_families_on_the_compiled_layer_under_torch_compile():
-    proc = subprocess.run([sys.executable, str(LAYER_CHECK), "families"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**__import__("os").environ, "CHECK_PORT": str(free_port()), "CHECK_COMPILE": "1"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    _assert_families_match(json.loads(lines[-1][len("RESULT "):]), 1e-4)
-
-
-@pytest.mark.slow
-def test_fp8_gemms_train_on_the_compiled_layer_under_torch_compile():
-    """train.fp8 through the real Trainer (RoPE/GQA/SwiGLU GPT, torch.compile'd layer, CPU): every layer takes the
-    compiled path, the kernel path names the recipe, three steps stay within FP8's rounding of the same run
-    without FP8 while differing from it (the GEMMs really ran in FP8), and each weight is cast once per step."""
-    proc = subprocess.run([sys.executable, str(LAYER_CHECK), "fp8"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**__import__("os").environ, "CHECK_PORT": str(free_port()), "CHECK_COMPILE": "1"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    r = json.loads(lines[-1][len("RESULT "):])
-    off = r["off"]
-    assert "fast_fp8" not in off["kernel_path"]
-    for recipe in ("tensorwise", "rowwise"):
-        run = r[recipe]
-        assert f"FP8 GEMMs ({recipe} scaling" in run["kernel_path"]["fast_fp8"]
-        assert run["blockers"] == [None] * run["layers"] and run["fast_calls"] == off["fast_calls"] > 0
-        assert run["losses"] != off["losses"] and run["grad_norms"] != off["grad_norms"]
-        for a, b in zip(run["losses"], off["losses"]):
-            assert _close(a, b, 1e-3), (recipe, run["losses"], off["losses"])
-        for a, b in zip(run["grad_norms"], off["grad_norms"]):
-            assert _close(a, b, 5e-2), (recipe, run["grad_norms"], off["grad_norms"])
-        assert run["losses"][0] != run["losses"][2]
-        # each GEMM weight (4 per layer) cast to FP8 once per step, not per micro-batch and GEMM
-        assert run["weight_casts"] == 3 * 4 * run["layers"], run["weight_casts"]
-    assert off["weight_casts"] == 0
-
-
-@pytest.mark.slow
-def test_compiled_layer_matches_stock_under_torch_compile():
-    r = _run_check("layer", "--compile", port=free_port())
-    for name in ("gpt", "llama-like", "rope", "recompute-selective", "recompute-full"):
-        assert r[name]["fast_calls"] == (8 if name == "recompute-full" else 4)
-        assert _close(r[name]["loss_fast"], r[name]["loss_stock"], 1e-4), r[name]
-        assert r[name]["grad_rel_max"] < 1e-4, r[name]
 
 
 def test_foreach_multi_tensor_ops_match_plain_torch(monkeypatch):
@@ -241,80 +173,6 @@ def test_transformer_config_overrides_only_on_gpu_with_compile_kernels():
     assert transformer_config_overrides(gpu.replace(**{"train.compile_kernels": False})) == {}
     assert compiled_layer.layer_module(gpu) is compiled_layer.CompiledTransformerLayer
     assert compiled_layer.layer_module(preset("tiny")) is not compiled_layer.CompiledTransformerLayer
-
-
-def _tp2_check(what: str = "tp2", **env: str) -> dict:
-    """tests/support/compiled_layer_check.py ``what`` (tp2, tp2-order) under torchrun on two CPU ranks: its JSON result."""
-    import os
-
-    proc = subprocess.run([sys.executable, *torchrun_args(2),
-                           str(LAYER_CHECK), what], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def _assert_tp2_matches_stock(v: dict, rel: float, passes: int = 1) -> None:
-    # 4 layers x 2 ranks x forward passes per layer (2 under full recompute)
-    assert v["blockers"] == [None] * 4 and v["fast_calls_all_ranks"] == 8 * passes, v
-    assert v["one_graph"] == [True] * 4, v
-    assert v["loss_diff_max"] <= rel * abs(v["loss_stock"]) and v["grad_rel_max"] < rel, v
-
-
-def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
-    """TP=2 (two gloo processes): the one-graph layer with functional collectives, with and
-    without sequence parallelism, against the stock megatron layer with the same weights."""
-    r = _tp2_check()
-    for name, heads_per_rank, groups_per_rank in (("gpt", 2, 2), ("llama-like", 2, 1)):
-        v = r[name]
-        _assert_tp2_matches_stock(v, rel=1e-5)
-        head_dim = 16  # tiny: hidden 64 / 4 heads; each rank holds only its shard of the fused QKV
-        assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim
-    for name in ("gpt+sp", "llama-like+sp", "rope+sp", "gpt+sp+selective", "gpt+full"):
-        _assert_tp2_matches_stock(r[name], rel=1e-5, passes=2 if name == "gpt+full" else 1)
-
-
-def _gemms_in_flight(events: list[str]) -> list[int]:
-    """Per collective start in code order: how many GEMMs run before its wait."""
-    counts = []
-    for i, kind in enumerate(events):
-        if kind == "start":
-            rest = events[i + 1:]
-            counts.append(rest[:rest.index("wait")].count("mm"))
-    return counts
-
-
-def test_tp_backward_collectives_run_under_the_weight_gradient_gemms():
-    """parallel.tp_comm_overlap, on inductor's generated backward of the TP=2 layer: each
-    input-gradient all-reduce (reduce-scatter under SP) has two weight-gradient GEMMs between
-    its start and its wait; without the overlap every collective is waited on at once."""
-    r = _tp2_check("tp2-order")
-    # backward collectives: TP = [all-reduce dgrad fc1, all-reduce dgrad qkv];
-    # SP = [all-gather grad, reduce-scatter dgrad fc1, all-gather grad, reduce-scatter dgrad qkv]
-    expected_on = {False: [2, 2], True: [0, 2, 0, 2]}
-    for sp, want in expected_on.items():
-        on, off = r[f"overlap=True,sp={sp}"], r[f"overlap=False,sp={sp}"]
-        assert _gemms_in_flight(on) == want, on
-        assert _gemms_in_flight(off) == [0] * len(want), off
-        assert on.count("mm") == off.count("mm") == 8, (on, off)  # moved, not added: 4 dgrad + 4 wgrad
-    # train.fp8: the weight gradients are FP8 GEMMs (torch._scaled_mm) and the pass moves them too; inductor then
-    # fuses the first pair's operand (the FP8 norm output, recomputed in backward) into the norm backward, which
-    # waits for the all-reduce, so only part of it runs in flight (the kernel path says so)
-    on, off = r["overlap=True,sp=False,fp8=tensorwise"], r["overlap=False,sp=False,fp8=tensorwise"]
-    assert sum(_gemms_in_flight(on)) >= 1 and _gemms_in_flight(off) == [0, 0], (on, off)
-    assert on.count("mm") == off.count("mm") == 8, (on, off)
-
-
-@pytest.mark.slow
-def test_tensor_parallel_one_graph_layer_under_torch_compile():
-    """The same under torch.compile: the collectives stay inside one graph (no graph breaks),
-    with the recomputed MLP and under megatron's full recompute too."""
-    r = _tp2_check(CHECK_COMPILE="1", CHECK_CASES="gpt+sp,llama-like+sp,gpt+sp+selective,gpt+full")
-    assert set(r) == {"gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full"}
-    for name, v in r.items():
-        _assert_tp2_matches_stock(v, rel=1e-5, passes=2 if name == "gpt+full" else 1)
-        assert v["graph_breaks"] == 0, v
 
 
 def test_cuda_graphs_only_on_a_gpu_with_compiled_kernels():

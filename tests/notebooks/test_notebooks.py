@@ -1,211 +1,34 @@
-"""Every notebook in notebooks/ executes headless through papermill with its own defaults, and shows what it should.
-
-The notebooks show results and never assert: a check that can fail belongs here, reading the executed
-notebook's outputs and the run directories it names (``run directory: ...``).  Convention for notebook
-authors: a cell tagged ``parameters`` declares ``ci = False`` (and ``out_dir = None`` if the notebook writes
-``metrics.json`` for ``workbench sweep``, runs or exports); with its defaults the notebook must finish on
-a 2-core CPU machine in a few minutes (it picks CPU-sized runs when no GPU is visible).
+"""Every notebook in notebooks/ executes headless through papermill with its own defaults, and shows what it should
+(the running and the checks: ``tests/support/notebook_checks.py``).  The model-family notebooks (07-09, the longest)
+are in ``test_notebooks_families.py``, so the two files can run on two workers side by side; this file runs every
+other notebook, and the ``workbench notebook run`` / ``sweep`` commands on a tiny notebook.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from workbench.cli import main
-from workbench.run.reader import read_events
 
-from tests.support import run_in_fresh_process
+from tests.support.notebook_checks import FAMILY_NOTEBOOKS, NOTEBOOKS, run_with_defaults
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-#: seconds one attempt may take on a busy 2-core machine (a hung kernel is retried, see run_in_fresh_process)
-SECONDS = {"01_quickstart": 600, "07_bert": 900, "08_t5": 600}
-
-
-def _parameters_cell(nb) -> str | None:
-    for cell in nb.cells:
-        if cell.cell_type == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
-            return cell.source
-    return None
-
-
-def _errors(nb) -> list[str]:
-    return [f"{o.get('ename')}: {o.get('evalue')}" for c in nb.cells if c.cell_type == "code"
-            for o in c.get("outputs", []) if o.get("output_type") == "error"]
-
-
-def _text(cell) -> str:
-    """What a cell printed or showed as text."""
-    out = []
-    for o in cell.get("outputs", []):
-        if o.get("output_type") == "stream":
-            out.append(o.get("text", ""))
-        elif "text/plain" in o.get("data", {}):
-            out.append(o["data"]["text/plain"])
-    return "".join(out)
-
-
-def _cell(nb, needle: str):
-    """The first code cell whose source contains ``needle``."""
-    return next(c for c in nb.cells if c.cell_type == "code" and needle in c.source)
-
-
-def _number(pattern: str, text: str) -> float:
-    m = re.search(pattern, text)
-    assert m, f"/{pattern}/ not in:\n{text[-2000:]}"
-    return float(m.group(1))
-
-
-def _run_dirs(nb) -> list[Path]:
-    text = "".join(_text(c) for c in nb.cells if c.cell_type == "code")
-    return [Path(p) for p in re.findall(r"run directory: (\S+)", text)]
-
-
-def _losses(run_dir: Path) -> list[float]:
-    return [e["loss"] for e in read_events(run_dir) if e["event"] == "step" and e.get("rank", 0) == 0]
+OTHERS = [p for p in NOTEBOOKS if p.stem not in FAMILY_NOTEBOOKS]
 
 
 def test_there_are_notebooks():
     assert any(p.name == "01_quickstart.ipynb" for p in NOTEBOOKS)
+    assert {p.stem for p in NOTEBOOKS} >= set(FAMILY_NOTEBOOKS)  # test_notebooks_families.py runs these
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", OTHERS, ids=[p.stem for p in OTHERS])
 def test_notebook_runs_with_its_own_defaults(path: Path, tmp_path: Path):
-    nb = nbformat.read(str(path), as_version=4)
-    params = _parameters_cell(nb)
-    assert params is not None, f"{path.name}: no cell tagged 'parameters'"
-    assert "ci = False" in params.replace("ci=False", "ci = False"), f"{path.name}: the parameters cell must declare ci = False"
-    assert not [c for c in nb.cells if c.cell_type == "code" and re.search(r"^\s*assert\b", c.source, re.M)], \
-        f"{path.name}: a notebook shows results; its checks belong in tests/notebooks"
-    out = tmp_path / path.stem
-    proc = run_in_fresh_process(
-        [sys.executable, "-m", "workbench.cli", "notebook", "run", str(path), "--out", str(out), "--quiet", "--timeout", "900"],
-        seconds=SECONDS.get(path.stem, 300))
-    executed_path = out / f"{path.stem}.ipynb"
-    assert proc.returncode == 0, f"{path.name} failed (exit {proc.returncode}): {proc.stderr[-3000:]}; executed notebook: {executed_path}"
-    executed = nbformat.read(str(executed_path), as_version=4)
-    assert _errors(executed) == []
-    assert all(c.get("execution_count") for c in executed.cells if c.cell_type == "code"), f"{path.name}: a cell did not run"
-    html = out / f"{path.stem}.html"
-    assert html.exists() and html.stat().st_size > 0
-    CHECKS.get(path.stem, lambda *a: None)(executed, out, proc)
-
-
-def _check_quickstart(nb, out: Path, proc) -> None:
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["status"] == "finished"
-    assert metrics["eval_loss"] > 0 and metrics["iteration"] >= 1
-    run_dir = Path(metrics["run_dir"])
-    assert run_dir.is_relative_to(out)  # out_dir was injected: the run lives next to the notebook
-    assert (run_dir / "exit_status.json").exists()
-    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
-    assert "CPU mode" in text  # says which mode it ran in
-    # without a GPU the default preset (demo-small) is replaced by tiny: said in the notebook, in
-    # metrics.json and in the command's output
-    assert "preset 'demo-small' was replaced by 'tiny'" in text
-    assert "preset 'demo-small' was replaced by 'tiny'" in metrics["config_note"]
-    assert "config:" in proc.stdout and "replaced by 'tiny'" in proc.stdout
-    losses = _losses(run_dir)
-    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 1.0, losses  # it trained
-    watched = _cell(nb, "watch(run)")
-    assert [o for o in watched.outputs if "image/png" in o.get("data", {})], "watch() should leave static plots"
-    assert "->" in _text(_cell(nb, "generate_from_run("))
-
-
-def _check_conversion(nb, out: Path, proc) -> None:
-    assert re.search(r"max \|mcore - HF\| logits = \S+  ->  OK", _text(_cell(nb, "verify_against_hf(res.output")))
-    assert "bit-identical: True" in _text(_cell(nb, "compare_hf_dirs(hf_dir, back.output)"))
-
-
-def _check_generation(nb, out: Path, proc) -> None:
-    assert "same seed, same tokens: True" in _text(_cell(nb, "same seed, same tokens"))
-
-
-def _check_data(nb, out: Path, proc) -> None:
-    assert "decodes back to the same text: True" in _text(_cell(nb, "decodes back to the same text"))
-
-
-#: the words behind the masks / sentinels of 07's and 08's examples (KJV: Genesis 1:1, 1:3, and the most
-#: frequent frames of the corpus); the demo models must find all but one (the demo-wordpiece vocabulary is uncased)
-BERT_WORDS = ["heaven", "light", "lord", "israel"]
-T5_WORDS = ["heaven", "Moses", "Israel"]
-
-
-def _demo_shipped(name: str) -> bool:
-    """Whether this checkout ships the demo model ``name`` (trained on a GPU by its recipe; until then the
-    notebook says how to make it, and the checks of its answers do not apply)."""
-    from workbench.notebook import DEMO_MODELS
-
-    return (DEMO_MODELS / name / "config.json").is_file()
-
-
-def _demo_lines(text: str, name: str) -> list[str] | None:
-    """The lines a notebook printed for the shipped demo model (after "the demo model:"); None where the checkout
-    lacks the model, after checking that the notebook said so and how to make it."""
-    if not _demo_shipped(name):
-        assert f"the demo model {name!r} is not in this checkout" in text and "train_demo_models.py" in text, text[-2000:]
-        return None
-    assert "the demo model:" in text, f"the demo model's answers are missing:\n{text[-2000:]}"
-    return [ln.strip() for ln in text.split("the demo model:", 1)[1].splitlines() if ln.strip()]
-
-
-def _check_bert(nb, out: Path, proc) -> None:
-    pretrain, finetune = _run_dirs(nb)
-    losses = _losses(pretrain)
-    k = max(len(losses) // 8, 1)
-    assert sum(losses[-k:]) / k < sum(losses[:k]) / k - 0.3, "the masked-LM loss should fall clearly"
-    # fill-mask: candidates quoted; the demo model fills in the verse's words
-    fill = _text(_cell(nb, "fill_mask(ckpt, texts"))
-    assert re.search(r"\['\S+' \d\.\d\d, ", fill), fill
-    lines = _demo_lines(fill, "bert-tiny-kjv")
-    if lines is not None:
-        best = [re.search(r"\['([^']+)' ", ln).group(1) for ln in lines]
-        right = [b == w for b, w in zip(best, BERT_WORDS)]
-        assert len(best) == len(BERT_WORDS) and sum(right) >= len(BERT_WORDS) - 1, fill
-    conv = _text(_cell(nb, "hf_mlm_logits(hf_dir"))
-    assert "mask token '[MASK]'" in conv and re.search(r"(\d+) tokens \(the run's demo-wordpiece: \1\)", conv), conv
-    assert _number(r"max \|diff\| (\S+)\n", conv) < 1e-4
-    assert "-> ok: True" in conv  # TP=2 on two CPU ranks against HF
-    # fine-tuned from the demo model (else from the notebook's own short pretraining): held-out verses, half from
-    # each testament, classified above chance (0.5)
-    ev = [e for e in read_events(finetune) if e["event"] == "eval"][-1]
-    assert ev["accuracy"] >= (0.7 if _demo_shipped("bert-tiny-kjv") else 0.55), ev
-    assert f"{ev['accuracy']:.3f}" in _text(_cell(nb, "held-out accuracy"))
-
-
-def _check_t5(nb, out: Path, proc) -> None:
-    losses = _losses(_run_dirs(nb)[0])
-    assert losses[-1] < losses[0] - 1.0, "the loss should fall"
-    conv = _text(_cell(nb, "verify_against_hf(work"))
-    assert "-> ok: True" in conv and "bit-exact: True" in conv, conv
-    same = _text(_cell(nb, "ref.generate("))
-    assert same.count("identical: True") == 2, same
-    # the demo model fills each sentinel with words of the verse
-    gen = _demo_lines(_text(_cell(nb, 'demo_checkpoint("t5-tiny-kjv"')), "t5-tiny-kjv")
-    if gen is None:
-        return
-    words = [re.sub(r"<extra_id_\d+>|<\|endoftext\|>", " ", ln.rsplit("->", 1)[1]).strip(" '") for ln in gen]
-    assert len(words) == 3 and all(re.search(r"[A-Za-z]{2,}", w) for w in words), gen
-    assert sum(w in said for w, said in zip(T5_WORDS, words)) >= len(T5_WORDS) - 1, gen
-
-
-def _check_moe(nb, out: Path, proc) -> None:
-    losses = _losses(_run_dirs(nb)[0])
-    k = max(len(losses) // 4, 1)
-    assert sum(losses[-k:]) / k < sum(losses[:k]) / k, "the MoE model's loss should fall"
-    assert "dropless: every routed assignment served: True" in _text(_cell(nb, "load_table(run.reader)"))
-
-
-CHECKS = {"09_moe": _check_moe, "01_quickstart": _check_quickstart, "04_checkpoint_conversion": _check_conversion,
-          "05_generation": _check_generation, "06_data": _check_data, "07_bert": _check_bert, "08_t5": _check_t5}
+    run_with_defaults(path, tmp_path)
 
 
 def _tiny_notebook(path: Path) -> Path:
