@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Llama-3.2-3B on two GPUs under the measurement protocol (bench/harness.Protocol: 3 interleaved repeats a side in
+# fresh processes), one device call per CALL value (each under 10 minutes): the layouts issue's rows.
+#   CALL=1: the one-GPU default path, DP=2 + distributed optimizer (the advisor's first pick) and the yardstick,
+#           torchtitan 0.3.0 (bench/reference_torchtitan.py); micro-batches 4 a rank
+#   CALL=2: the one-GPU default path, PP=2 (1F1B) and TP=2 + SP at the same global batch (8 micro-batches), the
+#           first repeat of pp2-m8 and tp2-sp profiled (wall vs device time, kernels)
+#   CALL=3: the plain FSDP2 loop (bench/reference_fsdp2.py) beside torchtitan and DP=2 + distributed optimizer
+#   CALL=4: PP=2 interleaved (VPP=2) and PP=2 without CUDA graphs beside PP=2, same batch as CALL=2
+# Rows go to OUTDIR/train_throughput.jsonl (device, date, commit, versions, MFU, memory, kernel path), logs to
+# OUTDIR/logs.tgz.  Run from the repository root with .whl (and .whl/titan) carried:
+#   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT
+set -u
+out="${1:?usage: scale_call.sh OUTDIR}"
+call="${CALL:?set CALL=1, 2, 3 or 4}"
+model="${MODEL:-llama3.2-3b}"
+mkdir -p "$out"
+source tests/gpu_proofs/device_env.sh || exit 1
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache  # repeats after the first hit the on-disk compile cache
+t0=$(date +%s)
+names() { local v out=""; for v in "$@"; do out+="${out:+,}$v/$model"; done; echo "$out"; }  # full names: no other model
+bench() {  # bench LIMIT ARGS...: one protocol measurement, its log kept; the call's limit is the backstop
+  timeout -k 5 "$1" python3 bench/train_throughput.py --models "$model" --no-stream-cost \
+    --variant-timeout "${VARIANT_TIMEOUT:-200}" --out "$out/train_throughput.jsonl" "${@:2}" > "$out/call$call.log" 2>&1
+  echo "call $call rc=$? after $(( $(date +%s) - t0 ))s"; grep -A30 "^device:" "$out/call$call.log" | head -30
+  grep -E "FAILED|Error|error:" "$out/call$call.log" | head -8
+}
+case "$call" in
+  1) bench "${LIMIT:-570}" --microbatches 4 --variants "$(names workbench dp2-distopt torchtitan)" ;;
+  2) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench pp2-m8 tp2-sp)" --profile \
+       --profile-variants "pp2-m8/$model,tp2-sp/$model" ;;
+  3) bench "${LIMIT:-570}" --microbatches 4 --variants "$(names dp2-distopt torchtitan fsdp2)" ;;
+  4) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names pp2-m8 pp2-vpp2-m8 pp2-m8-nograph)" ;;
+  *) echo "CALL must be 1, 2, 3 or 4" >&2; exit 2 ;;
+esac
+cd "$out" && tar czf logs.tgz *.log && rm -f *.log
