@@ -38,6 +38,8 @@ FILE_SECONDS = {
     "advisor/test_advisor_cli.py": 80, "bench/test_bench_smoke.py": 75, "advisor/test_advisor_enumerate.py": 70,
     "conversion/test_bert_conversion.py": 70, "launch/test_checkpoint_writer.py": 65,
     "generation/test_generation_parallel.py": 65, "cli/test_warning_noise.py": 65,
+    "docs/test_readme_tour.py": 200, "bench/test_moe_bench_smoke.py": 120, "docs/test_readme_multi_gpu.py": 120,
+    "launch/test_startup_watch.py": 90, "generation/test_generate_progress.py": 60,
 }
 
 

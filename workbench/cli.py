@@ -315,11 +315,24 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return _follow_cli(run)
 
 
+def _say(line: str) -> None:
+    """A progress line on stderr (stdout keeps what scripts parse: the run directory, losses, the end)."""
+    print(f"launch: {line}", file=sys.stderr, flush=True)
+
+
 def _follow_cli(run: Run) -> int:
     seen = 0
+    cfg = run.config
+    ranks = cfg.parallel.nproc_per_node * cfg.parallel.nnodes if cfg is not None else None
+    _say(f"waiting for {ranks or 'the'} rank(s) to start: torchrun, importing torch and megatron-core, "
+         "model parallel, building the model")
+    started = False
     try:
         while True:
             st = run.status
+            if not started and st == "running" and not seen:
+                started = True
+                _say("ranks started; waiting for the first step: data, the first forward and backward")
             df = run.train_loss
             if len(df) > seen:
                 for _, row in df.iloc[seen:].iterrows():

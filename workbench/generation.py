@@ -16,20 +16,23 @@ per rank with torchrun, exactly like training::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shlex
 import shutil
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from workbench.config import ConfigError, GenerationConfig, Problem
 from workbench.models import family_of
 from workbench.launch import local_torchrun, run_supervised
-from workbench.run.checkpoint import CheckpointInfo, checkpoint_info, resolve_tokenizer, special_ids, tokenizer_size  # noqa: F401
+from workbench.data.tokenizer import resolve_tokenizer
+from workbench.run.checkpoint import CheckpointInfo, checkpoint_info, special_ids, tokenizer_size  # noqa: F401
 from workbench.run.files import write_json_atomic
 
 __all__ = [
@@ -189,8 +192,12 @@ def layout_problems(info: CheckpointInfo, tp: int, pp: int, device: str, vpp: in
 
 
 def _launch(info: CheckpointInfo, request: dict[str, Any], *, tp: int | None, pp: int | None, device: str | None,
-            work_dir: str | Path | None, timeout: float | None, verbose: bool) -> dict[str, Any]:
+            work_dir: str | Path | None, timeout: float | None, verbose: bool,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Check the layout, write the request, run one process per rank, return the backend's results JSON.
+
+    ``progress``: called with one line as each phase starts (the process start, then the ranks' own lines:
+    model parallel, building the model and loading the checkpoint, generating), while it runs.
 
     Without ``work_dir`` the request and output live in a temp directory removed afterwards (also on failure).
     """
@@ -206,14 +213,20 @@ def _launch(info: CheckpointInfo, request: dict[str, Any], *, tp: int | None, pp
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         req_path, out_path = tmp / "request.json", tmp / "output.json"
+        if progress is not None:  # the ranks append a line as each phase starts; echoed while they run
+            request["progress"] = str((tmp / "progress.txt").absolute())
+            (tmp / "progress.txt").unlink(missing_ok=True)
         write_json_atomic(req_path, request, indent=None)
         if out_path.exists():
             out_path.unlink()
         cmd = generation_command(info.path, req_path, out_path, tp=tp, pp=pp, device=device)
         if verbose:
             print("$", shlex.join(cmd), flush=True)
+        if progress is not None:
+            progress(f"starting {tp * pp} generation process(es) on {device} (tp {tp}, pp {pp}): importing torch and megatron-core")
         # the same supervised launch as training: if this process dies, the ranks go too
-        proc = run_supervised(cmd, tmp, timeout=timeout, capture=not verbose)
+        with _echo_progress(tmp / "progress.txt", progress):
+            proc = run_supervised(cmd, tmp, timeout=timeout, capture=not verbose)
         if proc.returncode != 0 or not out_path.exists():
             tail = proc.output[-4000:] if not verbose else ""
             raise RuntimeError(f"generation failed (exit code {proc.returncode}); command: {shlex.join(cmd)}\n{tail}")
@@ -221,6 +234,39 @@ def _launch(info: CheckpointInfo, request: dict[str, Any], *, tp: int | None, pp
     finally:
         if own_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _echo_progress(path: Path, progress: Callable[[str], None] | None, interval: float = 0.2):
+    """While the body runs, pass each new line of ``path`` (the ranks' progress file) to ``progress``."""
+    if progress is None:
+        yield
+        return
+    done = threading.Event()
+    seen = 0
+
+    def pump() -> None:
+        nonlocal seen
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            return
+        for line in lines[seen:]:
+            progress(line)
+        seen = len(lines)
+
+    def loop() -> None:
+        while not done.wait(interval):
+            pump()
+
+    t = threading.Thread(target=loop, name="generate-progress", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join(timeout=5)
+        pump()
 
 
 def _results(texts: list[str] | None, n: int, outputs: list[dict]) -> list[GenerationResult]:
@@ -233,21 +279,22 @@ def _results(texts: list[str] | None, n: int, outputs: list[dict]) -> list[Gener
 def generate(ckpt: str | Path, prompts: Sequence[str] | str | None = None, gen: GenerationConfig | None = None, *,
              prompt_ids: Sequence[Sequence[int]] | None = None, tp: int | None = None, pp: int | None = None,
              device: str | None = None, work_dir: str | Path | None = None, timeout: float | None = None,
-             verbose: bool = False, **options: Any) -> list[GenerationResult]:
+             verbose: bool = False, progress: Callable[[str], None] | None = None, **options: Any) -> list[GenerationResult]:
     """Generate continuations of ``prompts`` with the checkpoint's model, on its TP x PP layout.
 
     ``gen`` (or keyword options such as ``max_new_tokens=64, top_p=0.9``) sets the decoding.
-    Bad input raises :class:`ConfigError` before any process starts.
+    Bad input raises :class:`ConfigError` before any process starts.  ``progress``: called with a line as each
+    phase starts (process start, model parallel, building the model and loading the checkpoint, generating).
     """
     gen = dataclasses.replace(gen or GenerationConfig(), **options) if options else (gen or GenerationConfig())
     return compare(ckpt, prompts, {"default": gen}, prompt_ids=prompt_ids, tp=tp, pp=pp, device=device,
-                   work_dir=work_dir, timeout=timeout, verbose=verbose)["default"]
+                   work_dir=work_dir, timeout=timeout, verbose=verbose, progress=progress)["default"]
 
 
 def compare(ckpt: str | Path, prompts: Sequence[str] | str | None, configs: dict[str, GenerationConfig], *,
             prompt_ids: Sequence[Sequence[int]] | None = None, tp: int | None = None, pp: int | None = None,
             device: str | None = None, work_dir: str | Path | None = None, timeout: float | None = None,
-            verbose: bool = False) -> dict[str, list[GenerationResult]]:
+            verbose: bool = False, progress: Callable[[str], None] | None = None) -> dict[str, list[GenerationResult]]:
     """Several decoding configs on the same prompts, the model loaded once: {name: results}.
 
     Every config is validated (each problem prefixed with its name) before anything starts.
@@ -273,7 +320,8 @@ def compare(ckpt: str | Path, prompts: Sequence[str] | str | None, configs: dict
         raise ConfigError(problems)
     request.pop("generation", None)
     request["runs"] = {name: dataclasses.asdict(gen) for name, gen in configs.items()}
-    data = _launch(info, request, tp=tp, pp=pp, device=device, work_dir=work_dir, timeout=timeout, verbose=verbose)
+    data = _launch(info, request, tp=tp, pp=pp, device=device, work_dir=work_dir, timeout=timeout, verbose=verbose,
+                   progress=progress)
     n = len(request["prompt_ids"])
     return {name: _results(request["prompts"], n, data["runs"][name]["outputs"]) for name in configs}
 
@@ -291,6 +339,10 @@ def _gen_from_args(args: argparse.Namespace) -> GenerationConfig:
         if v is not None:
             kw[name] = v
     return dataclasses.replace(g, **kw)
+
+
+def _stderr_line(line: str) -> None:
+    print(f"generate: {line}", file=sys.stderr, flush=True)
 
 
 def _cli_generate(args: argparse.Namespace) -> int:
@@ -321,8 +373,9 @@ def _cli_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         gen = _gen_from_args(args)
+        # a line on stderr as each phase starts (several seconds pass before any output); stdout keeps the results
         results = generate(args.ckpt, prompts, gen, tp=args.tp, pp=args.pp, device=args.device,
-                           work_dir=args.work_dir, verbose=args.verbose)
+                           work_dir=args.work_dir, verbose=args.verbose, progress=_stderr_line)
     except ValueError as e:  # ConfigError, CheckpointError, DataError: bad input, nothing started
         print(e, file=sys.stderr)
         return 2

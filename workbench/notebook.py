@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from workbench import generation
 from workbench.config import ConfigError, Problem, RunConfig
 from workbench.launch import detect_gpus, new_run_dir
+from workbench.data.demo import DEMO_MODELS, DEMO_MODELS_TRAINER
 from workbench.run.checkpoint import TRACKER_FILE
 from workbench.run.files import read_json, write_json_atomic
 from workbench.launch import Run
@@ -122,11 +123,6 @@ def generate_from_run(run: Run, prompts: Sequence[str] | str, **options: Any) ->
     return generation.generate(root, prompts, device=device, **options)
 
 
-#: the demo models the BERT and T5 notebooks show, as Hugging Face directories (bf16) with provenance.json;
-#: made by ``train_demo_models.py`` there
-DEMO_MODELS = Path(__file__).resolve().parent / "data" / "corpus" / "pretrained"
-
-
 def demo_checkpoint(name: str, out_dir: str | Path) -> Path | None:
     """The shipped demo model ``name`` (e.g. ``bert-tiny-kjv``) as a workbench checkpoint under ``out_dir``.
 
@@ -137,8 +133,8 @@ def demo_checkpoint(name: str, out_dir: str | Path) -> Path | None:
 
     src = DEMO_MODELS / name
     if not (src / "config.json").is_file():
-        print(f"the demo model {name!r} is not in this checkout ({src}); make it with: "
-              f"python {DEMO_MODELS / 'train_demo_models.py'} --only {name}")
+        print(f"the demo model {name!r} is not in this checkout ({src}); make it with, from the repository's root: "
+              f"python {DEMO_MODELS_TRAINER} --only {name}")
         return None
     dst = Path(out_dir) / name
     if not (dst / TRACKER_FILE).is_file():

@@ -2,7 +2,7 @@
 
 Scans README.md, ARCHITECTURE.md, docs/*.md and bench/README.md for
 - repository paths (``workbench/...``, ``bench/...``, ``tests/...``, ``evidence/...``, ``notebooks/...``,
-  ``launch/...``, ``docs/...``; ``<family>``-style placeholders and ``*`` match any one name, a ``:LINE`` suffix
+  ``launch/...``, ``docs/...``, ``tools/...``; ``<family>``-style placeholders and ``*`` match any one name, a ``:LINE`` suffix
   must lie within the file),
 - relative Markdown links (``[text](path)``, resolved from the document's folder),
 - dotted module names (``workbench.launch.torchrun``, ``workbench.kernel_rule.choose``): the longest prefix must
@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "ARCHITECTURE.md", "bench/README.md")
-PREFIXES = ("workbench", "bench", "tests", "evidence", "notebooks", "launch", "docs")
+PREFIXES = ("workbench", "bench", "tests", "evidence", "notebooks", "launch", "docs", "tools")
 
 PATH_RE = re.compile(r"(?<![\w./$~-])((?:%s)/[\w./<>*-]*)((?::\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)?)" % "|".join(PREFIXES))
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")

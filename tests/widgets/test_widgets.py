@@ -208,7 +208,26 @@ def test_watch_headless_prints_progress_and_static_plots(tmp_path, capsys):
     assert watch(run, live=False, interval=0.05) == "finished"
     out = capsys.readouterr().out
     assert "run finished" in out
-    assert "IPython.core.display.Image" in out or "<IPython" in out  # static images displayed (outside a kernel: reprs)
+    # outside a notebook kernel (a script): the figures are saved and their paths said, never an object's repr
+    assert "<IPython" not in out, out
+    shown = [Path(line.split("figure: ", 1)[1]) for line in out.splitlines() if line.startswith("figure: ")]
+    assert shown == [run.run_dir / "figures" / "training.png"], out
+    assert shown[0].read_bytes().startswith(b"\x89PNG")
+
+
+def test_watch_in_a_kernel_displays_the_figures_and_saves_nothing(tmp_path, capsys, monkeypatch):
+    import IPython.display
+
+    from workbench.widgets import dashboard
+
+    shown = []
+    monkeypatch.setattr(dashboard, "_in_kernel", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **kw: shown.append(obj))
+    run = Run.attach(_synthetic_run(tmp_path / "r"))
+    assert watch(run, live=False, interval=0.05) == "finished"
+    out = capsys.readouterr().out
+    assert [type(x).__name__ for x in shown] == ["Image"] and shown[0].data.startswith(b"\x89PNG"), shown
+    assert "figure: " not in out and not (run.run_dir / "figures").exists()
 
 
 def test_watch_raises_one_line_for_a_failed_run(tmp_path, capsys):
@@ -217,7 +236,8 @@ def test_watch_raises_one_line_for_a_failed_run(tmp_path, capsys):
     with pytest.raises(RunFailed) as info:
         watch(run, live=False, interval=0.05)
     out = capsys.readouterr().out
-    assert "run failed" in out and "rank 1 failed" in out and "<IPython" in out  # failure and figures first
+    assert "run failed" in out and "rank 1 failed" in out and "figure: " in out  # failure and figures first
+    assert out.index("rank 1 failed") < out.index("figure: ") and "<IPython" not in out
     lines = info.value._render_traceback_()
     assert len(lines) == 1 and "\n" not in lines[0] and "failed at iteration" in lines[0] and "rank 1: " in lines[0], lines
     assert info.value.status == "failed" and info.value.run is run

@@ -28,7 +28,8 @@ from megatron.core import parallel_state
 
 from workbench.backend.decoding import dist_ready, pp_info
 from workbench.models.parts import parts_of
-from workbench.run.checkpoint import checkpoint_config, checkpoint_info, read_checkpoint, resolve_tokenizer, special_ids
+from workbench.data.tokenizer import resolve_tokenizer
+from workbench.run.checkpoint import checkpoint_config, checkpoint_info, read_checkpoint, special_ids
 from workbench.run.files import write_json_atomic
 
 __all__ = ["load_engine", "run_request", "initialize_for_generation", "main"]
@@ -42,11 +43,12 @@ def _load_tokenizer(path: Path):
     return resolve_tokenizer(checkpoint_info(path))
 
 
-def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: bool | str = "auto") -> Any:
+def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: bool | str = "auto",
+                say: Any = None) -> Any:
     """Build this rank's stage of the checkpoint's model, load its weights, return its family's engine.
 
     Needs model parallel initialised (``workbench.backend.distributed``) with the TP/PP
-    wanted; dist checkpoints load at any layout.
+    wanted; dist checkpoints load at any layout.  ``say``: called with a line as building and loading start.
     """
     from workbench.backend import cpu_mode
     from workbench.backend.checkpointing import load_checkpoint
@@ -61,8 +63,12 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
                              "parallel.sequence_parallel": False, "parallel.virtual_pipeline_parallel": None,
                              "parallel.recompute": "none", **({"parallel.device": device} if device else {})})
     pp_rank, pp = pp_info()
+    say = say or (lambda line: None)
+    m = cfg.model
+    say(f"building the model: {m.arch}, {m.num_layers} layers x hidden {m.hidden_size}")
     with cpu_mode.tensor_cuda_is_identity(cfg.parallel.device == "cpu"):
         model = build_model(cfg, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+    say(f"loading checkpoint {path}")
     load_checkpoint(path, [model], load_optimizer=False)
     tok = _load_tokenizer(Path(path))
     ids = special_ids(tok)
@@ -130,6 +136,23 @@ def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
     return cfg
 
 
+def _progress_writer(path: str | None):
+    """``say(line)``: one progress line appended to ``path`` (the caller's progress file, which
+    :mod:`workbench.generation` echoes to stderr) by global rank 0; a no-op without a path or on other ranks."""
+    rank = int(os.environ.get("RANK", "0"))
+    if not path or rank != 0:
+        return lambda line: None
+
+    def say(line: str) -> None:
+        try:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(line.replace("\n", " ") + "\n")
+        except OSError:
+            pass
+
+    return say
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workbench.backend.inference", description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", required=True, help="checkpoint root or iter_XXXXXXX directory")
@@ -143,8 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or request.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     world = int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ else 1
     tp = args.tp or max(world // args.pp, 1)
+    say = _progress_writer(request.get("progress"))
+    say(f"initialising model parallel: {world} rank(s) on {device}, tp {tp}, pp {args.pp}")
     initialize_for_generation(args.ckpt, tp, args.pp, device)
-    engine = load_engine(args.ckpt, device=device, cuda_graphs=request.get("cuda_graphs", "auto"))
+    engine = load_engine(args.ckpt, device=device, cuda_graphs=request.get("cuda_graphs", "auto"), say=say)
+    n_prompts = len(request.get("prompt_ids") or request.get("prompts") or [])
+    runs = request.get("runs") or {"default": request.get("generation", {})}
+    n_new = max(int((g or {}).get("max_new_tokens", 0) or 0) for g in runs.values()) if runs else 0
+    say(f"generating up to {n_new} tokens for {n_prompts} prompt(s)" + (f", {len(runs)} decoding configs" if len(runs) > 1 else ""))
     result = run_request(engine, request)
     result.update({"tp": tp, "pp": args.pp, "device": device, "ckpt": str(args.ckpt)})
     pp_rank, pp = pp_info()

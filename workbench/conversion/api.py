@@ -360,7 +360,7 @@ def _hook_notes(info: Any) -> list[str]:
 
 def _checkpoint_tokenizer(info: Any, tokenizer: str | Path | None) -> tuple[Any, str]:
     """(the tokenizer spec a conversion of ``info`` ships: ``tokenizer`` if given, else the checkpoint's own; its description)."""
-    from workbench.run.checkpoint import tokenizer_spec
+    from workbench.data.tokenizer import tokenizer_spec
 
     if tokenizer is not None:
         return tokenizer, f"--tokenizer {tokenizer}"

@@ -15,10 +15,15 @@ from pathlib import Path
 
 from workbench.data.errors import DataError
 
-__all__ = ["CORPUS_DIR", "DEMO_CORPUS", "user_cache_dir", "demo_prefix", "ensure_demo_dataset"]
+__all__ = ["CORPUS_DIR", "DEMO_CORPUS", "DEMO_MODELS", "DEMO_MODELS_TRAINER", "user_cache_dir", "demo_prefix",
+           "ensure_demo_dataset"]
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 DEMO_CORPUS = CORPUS_DIR / "kjv.txt.gz"
+#: the demo models the BERT and T5 notebooks show, as Hugging Face directories (bf16) with provenance.json
+DEMO_MODELS = CORPUS_DIR / "pretrained"
+#: what makes them, from the repository's root (a maintainer's tool, not shipped with the package)
+DEMO_MODELS_TRAINER = "tools/train_demo_models.py"
 _DEMO_FORMAT = "1"
 
 

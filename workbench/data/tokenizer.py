@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 from workbench.data.errors import DataError
 
-__all__ = ["Tokenizer", "load_tokenizer", "train_tokenizer", "train_wordpiece", "DEMO_TOKENIZER_DIR", "DEMO_WORDPIECE_DIR",
+__all__ = ["Tokenizer", "load_tokenizer", "tokenizer_spec", "resolve_tokenizer", "train_tokenizer", "train_wordpiece", "DEMO_TOKENIZER_DIR", "DEMO_WORDPIECE_DIR",
            "EOD_CANDIDATES", "WORDPIECE_SPECIALS"]
 
 DEMO_TOKENIZER_DIR = Path(__file__).parent / "corpus" / "demo-tokenizer"
@@ -286,6 +286,29 @@ def load_tokenizer(spec: "str | Path | Tokenizer") -> Tokenizer:
     if "/" not in text and not text.endswith(".json"):
         raise DataError(text, "not 'demo' and not a local tokenizer path", hint)
     raise DataError(text, "tokenizer path does not exist", hint)
+
+
+def tokenizer_spec(info: Any) -> Any:
+    """Where the tokenizer of a checkpoint (``info``: a :class:`workbench.run.checkpoint.CheckpointInfo`) lives:
+    files next to the weights, the recorded spec, the run's data.tokenizer (None: it records none).  A recorded relative path is as the run wrote it (relative to where it was launched)."""
+    for d in (info.path, info.path.parent, info.path.parent / "tokenizer"):  # conversion ships ROOT/tokenizer/
+        if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
+            return str(d)
+    spec = info.meta.get("tokenizer")
+    if isinstance(spec, dict):
+        spec = spec.get("path") or spec.get("name")
+    if spec:
+        return spec
+    return info.config.data.tokenizer or None
+
+
+def resolve_tokenizer(info: Any) -> "Tokenizer | None":
+    """The tokenizer of a checkpoint (``info``: a :class:`workbench.run.checkpoint.CheckpointInfo`), or None when it
+    records none."""
+    spec = tokenizer_spec(info)
+    if spec is None:
+        return None
+    return load_tokenizer(spec)
 
 
 def train_tokenizer(inputs: "Iterable[str] | Iterator[str]", vocab_size: int, out_dir: str | Path | None = None,

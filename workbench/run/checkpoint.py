@@ -28,8 +28,8 @@ from typing import Any
 
 __all__ = ["FORMAT", "TRACKER_FILE", "METADATA_FILE", "CheckpointError", "CheckpointMeta", "CheckpointInfo", "iter_dir_name",
            "list_checkpoints", "find_checkpoint", "read_checkpoint", "read_metadata", "load_problems", "checkpoint_info",
-           "resolve_tokenizer", "special_ids", "remove_stale_partials", "partial_dir_name", "HOOK_FIELDS", "checkpoint_config",
-           "recorded_hooks", "hook_note", "tokenizer_spec"]
+           "special_ids", "remove_stale_partials", "partial_dir_name", "HOOK_FIELDS", "checkpoint_config",
+           "recorded_hooks", "hook_note"]
 
 from workbench.run.ckpt_files import (  # noqa: F401  (the tree's names, shared with workbench.run.integrity)
     HOOK_FIELDS, ITER_RE, FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, is_complete, iter_dir_name, list_checkpoints,
@@ -318,30 +318,6 @@ def checkpoint_info(ckpt: str | Path, *, hashes: bool = True) -> CheckpointInfo:
         rule, _, fix = str(e).partition(" -> ")
         raise ConfigError([Problem("ckpt", rule, fix or "point ckpt at a checkpoint root or an iter_XXXXXXX directory")]) from None
     return CheckpointInfo(path=meta.path, config=checkpoint_config(meta), meta=meta.to_dict())
-
-
-def tokenizer_spec(info: CheckpointInfo) -> Any:
-    """Where the checkpoint's tokenizer lives: files next to the weights, the recorded spec, the run's data.tokenizer
-    (None: it records none).  A recorded relative path is as the run wrote it (relative to where it was launched)."""
-    for d in (info.path, info.path.parent, info.path.parent / "tokenizer"):  # conversion ships ROOT/tokenizer/
-        if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
-            return str(d)
-    spec = info.meta.get("tokenizer")
-    if isinstance(spec, dict):
-        spec = spec.get("path") or spec.get("name")
-    if spec:
-        return spec
-    return info.config.data.tokenizer or None
-
-
-def resolve_tokenizer(info: CheckpointInfo):
-    """The checkpoint's tokenizer (``workbench.data.tokenizer.Tokenizer``) or None when it records none."""
-    spec = tokenizer_spec(info)
-    if spec is None:
-        return None
-    from workbench.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(spec)
 
 
 def tokenizer_size(tok: Any) -> int | None:

@@ -33,11 +33,12 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from workbench.plots.training import figure_png, frames_from_run, training_figure
 
-__all__ = ["Dashboard", "watch", "static_figures", "planner_memory", "is_headless", "RunEnded", "RunStopped", "RunFailed"]
+__all__ = ["Dashboard", "watch", "static_figures", "show_figures", "planner_memory", "is_headless", "RunEnded", "RunStopped", "RunFailed"]
 
 _STATUS_COLOURS = {"starting": "#888", "running": "#1f77b4", "finished": "#2ca02c", "failed": "#d62728", "stopped": "#ff7f0e"}
 
@@ -453,14 +454,11 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
         if show:
             dash.leave_static(handle)
     elif show:
-        from IPython.display import display
-
         print(f"run {st}: {run.run_dir}")
         f = run.failure
         if f is not None:
             print(str(f))
-        for img in static_figures(run):
-            display(img)
+        show_figures(run)  # PNG outputs in a notebook; in a script, the saved files' paths (not an object's repr)
     if check and st != "finished":
         raise _ended_early(run, st, why)
     return st
@@ -470,20 +468,63 @@ def static_figures(run, predicted_memory: Mapping[int, float] | float | None = N
     """The training figure (and the measured pipeline schedule, when micro-batch events exist) as PNG images."""
     from IPython.display import Image
 
+    return [Image(data=png) for _, png in _figure_pngs(run, predicted_memory)]
+
+
+def _figure_pngs(run, predicted_memory: Mapping[int, float] | float | None = None) -> list[tuple[str, bytes]]:
+    """(name, PNG bytes) of the training figure, the measured pipeline schedule and the router dashboard (the
+    last two when the run wrote their events)."""
     pred = predicted_memory if predicted_memory is not None else planner_memory(run.config)
-    out = [Image(data=figure_png(training_figure(frames_from_run(run), pred), dpi=90))]
+    out = [("training", figure_png(training_figure(frames_from_run(run), pred), dpi=90))]
     if run.events("microbatch"):
         try:
             from workbench.plots.schedule import measured_overlay
 
             fig, _ = measured_overlay(run.reader)
-            out.append(Image(data=figure_png(fig, dpi=90)))
+            out.append(("schedule", figure_png(fig, dpi=90)))
         except Exception as e:
             print(f"(pipeline schedule view unavailable: {e})")
     routed = _router_png(run, dpi=90)
     if routed:
-        out.append(Image(data=routed))
+        out.append(("router", routed))
     return out
+
+
+def _in_kernel() -> bool:
+    """True inside a notebook kernel (Jupyter, papermill), where a displayed PNG shows; False in a plain script
+    or a terminal IPython, where ``display`` would print the image object's repr."""
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+    except ImportError:
+        return False
+    return ip is not None and "Terminal" not in type(ip).__name__
+
+
+def show_figures(run, predicted_memory: Mapping[int, float] | float | None = None) -> list[Path]:
+    """The run's final figures: displayed as PNG outputs in a notebook kernel; elsewhere (a script) written to
+    ``<run_dir>/figures/<name>.png`` with one line naming each file.  Returns the files written ([] in a kernel)."""
+    pngs = _figure_pngs(run, predicted_memory)
+    if _in_kernel():
+        from IPython.display import Image, display
+
+        for _, png in pngs:
+            display(Image(data=png))
+        return []
+    out_dir = Path(run.run_dir) / "figures"
+    written = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, png in pngs:
+            path = out_dir / f"{name}.png"
+            path.write_bytes(png)
+            written.append(path)
+    except OSError as e:
+        print(f"(figures not saved: {e})")
+    for path in written:
+        print(f"figure: {path}")
+    return written
 
 
 def _router_png(run, dpi: int = 80) -> bytes | None:

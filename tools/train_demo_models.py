@@ -1,11 +1,12 @@
-"""Train the demo models the BERT and T5 notebooks show, and export them into this directory.
+"""Train the demo models the BERT and T5 notebooks show, and export them where the notebooks load them.
 
-    python workbench/data/corpus/pretrained/train_demo_models.py [--device cuda|cpu] [--only bert-tiny-kjv]
+    python tools/train_demo_models.py [--device cuda|cpu] [--only bert-tiny-kjv]
 
 Each model is its family's tiny CPU preset (``bert-tiny``, ``t5-tiny``: the shapes a notebook trains on
 a CPU) trained on the embedded corpus far longer than a notebook's default run, through the workbench's
 own backend (``Run.launch``, megatron-core), then exported with ``megatron_to_hf`` as a Hugging Face
-directory in bf16 (weights and tokenizer, 1-2 MB) next to this script, with ``provenance.json``: the
+directory in bf16 (weights and tokenizer, 1-2 MB) in ``workbench/data/corpus/pretrained/``
+(:data:`workbench.data.demo.DEMO_MODELS`, shipped with the package), with ``provenance.json``: the
 recipe, the final training and evaluation losses, the device, the commit and the date, and what the
 model says on the notebook's examples.  The notebooks convert it back to a workbench checkpoint
 (:func:`workbench.notebook.demo_checkpoint`) to show what the family does once trained; their own short
@@ -26,6 +27,8 @@ import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
+
+from workbench.data.demo import DEMO_MODELS
 
 HERE = Path(__file__).resolve().parent
 
@@ -101,8 +104,9 @@ def export(name: str, run, base: str, over: dict, device: str) -> dict:
 
     watch(run, live=False, interval=10.0)
     ckpt = run.run_dir / "checkpoints"
-    out = HERE / name
+    out = DEMO_MODELS / name
     shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     megatron_to_hf(ckpt, out, dtype="bf16", progress=False)
     cfg = run.config
     losses = run.train_loss["loss"].astype(float)
@@ -116,7 +120,7 @@ def export(name: str, run, base: str, over: dict, device: str) -> dict:
             "examples": said,
             "summary": (f"the {base} preset trained {cfg.train.train_iters} steps x {cfg.train.global_batch_size} "
                         f"sequences on the embedded corpus ({device}), loss {losses.iloc[-50:].mean():.2f}; "
-                        f"made by workbench/data/corpus/pretrained/train_demo_models.py")}
+                        f"made by tools/train_demo_models.py")}
     (out / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")
     print(f"{name} ({prov['summary']}):", *said, sep="\n  ", flush=True)
     return prov
