@@ -77,7 +77,7 @@ def _shows_like_its_family(name: str, text: str, scales: list[dict]) -> None:
     """What the notebook showed (``text``: its outputs' text; ``scales``: its figures' natural and shown widths)
     looks like what its family does."""
     if name in ("07_bert", "08_t5"):
-        from tests.notebooks.test_notebooks import BERT_WORDS, T5_WORDS, _demo_shipped
+        from tests.support.notebook_checks import BERT_WORDS, T5_WORDS, _demo_shipped
 
         model = "bert-tiny-kjv" if name == "07_bert" else "t5-tiny-kjv"
         if not _demo_shipped(model):  # the checkout lacks it: the notebook says so and how to make it
