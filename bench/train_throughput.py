@@ -17,6 +17,7 @@ fsdp2                     2     Llama models: bench/reference_fsdp2.py, plain FS
 torchtitan                2     Llama models: bench/reference_torchtitan.py, torchtitan 0.3.0's Llama-3 model,
                                 parallelize_llama (FSDP2 + per-block compile), loss and fused AdamW (carried wheels:
                                 bench/README.md); rows carry ``torchtitan_version`` and the torch-2.11 shims
+torchtitan-1gpu           1     the same on one GPU (Llama models; its "scaling" is torchtitan over the workbench row)
 workbench                 1     the backend's train step, default kernels (SDPA + workbench fusions)
 workbench-eager           1     same, ``train.compile_kernels: false`` (SDPA, no fusions)
 workbench-local           1     stock megatron-core local spec (unfused DotProductAttention, no fusions)
@@ -133,6 +134,8 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
     rows: list[Variant] = []
     for m in models:  # the headline comparison first, so a cut-short launch still has it
         rows.append(Variant(f"reference/{m}", "reference", m, microbatches=microbatches))
+        if is_llama(m):  # the peer project on one GPU (its FSDP over one rank: its model, compile and optimizer)
+            rows.append(Variant(f"torchtitan-1gpu/{m}", "torchtitan", m, microbatches=microbatches, baseline=f"workbench/{m}"))
         rows.append(Variant(f"workbench/{m}", "workbench", m, microbatches=microbatches))
         rows.append(Variant(f"workbench-nograph/{m}", "workbench", m, microbatches=microbatches,
                             overrides={"train.cuda_graphs": False}))

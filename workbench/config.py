@@ -251,7 +251,9 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
-    num_workers: int = 0
+    #: processes that build training micro-batches ahead of the step on a GPU (megatron-LM's ``--num-workers``
+    #: default); 0 builds them in the rank between launches.  CPU mode always builds them inline.
+    num_workers: int = 2
     #: span corruption (encoder-decoder pretraining, T5): fraction of tokens masked, and the mean length of a masked span
     noise_density: float = 0.15
     mean_noise_span_length: float = 3.0

@@ -72,3 +72,29 @@ def test_prefetch_keeps_the_micro_batch_order():
     assert len({tuple(t.flatten().tolist()) for t in want}) == 7  # distinct batches, so order is checked
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+def test_loader_workers_build_the_same_micro_batches_in_order():
+    """``data.num_workers`` processes (forked, GPU runs) build exactly the inline stream's micro-batches, in the
+    sampler's order, from a resumed ``consumed_samples``, over several steps; CPU mode keeps them inline."""
+    import torch
+
+    from workbench.backend.data import MicroBatchStream, loader_workers
+    from workbench.models.bert.data import SyntheticBertDataset
+
+    cfg = preset("bert-tiny", **{"train.micro_batch_size": 2, "train.global_batch_size": 8})
+    ds = SyntheticBertDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
+    inline = MicroBatchStream(ds, cfg, 0, consumed_samples=8)
+    loaded = MicroBatchStream(ds, cfg, 0, consumed_samples=8, workers=2)
+    try:
+        for _ in range(3 * 4):  # three steps of four micro-batches: the workers take turns
+            a, b = next(inline), next(loaded)
+            assert a.keys() == b.keys()
+            for key in a:
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    finally:
+        loaded.close()
+    assert loaded._loader is None
+    assert loader_workers(cfg) == 0 and cfg.data.num_workers == 2  # CPU mode: inline whatever the field says
+    cfg.parallel.device = "cuda"
+    assert loader_workers(cfg) == 2

@@ -107,7 +107,7 @@ class Trainer:
         from megatron.core.transformer.module import Float16Module
 
         from workbench.backend import distributed, timing
-        from workbench.backend.data import MicroBatchStream, build_datasets
+        from workbench.backend.data import MicroBatchStream, build_datasets, loader_workers
         from workbench.backend.build import build_model
         from workbench.backend.model import kernel_path, training_step_fields, transformer_config
 
@@ -206,7 +206,9 @@ class Trainer:
 
         train_ds, valid_ds, self.data_desc = build_datasets(cfg, self.run_dir, log=self._log)
         self.train_ds, self.valid_ds = train_ds, valid_ds
-        self.train_iters = [MicroBatchStream(train_ds, cfg, self.coords.dp, self.consumed_samples, self.device) for _ in range(vpp)]
+        workers = loader_workers(cfg)
+        self.train_iters = [MicroBatchStream(train_ds, cfg, self.coords.dp, self.consumed_samples, self.device, workers)
+                            for _ in range(vpp)]
 
     def _optimizer_path(self) -> str:
         opts = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
@@ -468,6 +470,8 @@ class Trainer:
         if self._ended:
             return
         self._ended = True
+        for stream in getattr(self, "train_iters", ()):
+            stream.close()  # the data loader's workers
         try:
             self.events.write(RunEnd(status=status, iteration=self.iteration, seconds=time.time() - self.t0, exit_code=code))
             self.events.close()
