@@ -4,13 +4,19 @@
   the previous checkpoint stays loadable, ``latest`` never names the partial one, a resume continues
   from the last good one;
 - a full disk during a save (the rank's file size capped with ``RLIMIT_FSIZE``, so writes fail with
-  EFBIG): a clear error event, the run ends ``failed``, the last good checkpoint intact.
+  EFBIG): a clear error event, the run ends ``failed``, the last good checkpoint intact;
+- one writer per checkpoint folder without a launch (bare torchrun, as a SLURM script runs it): the job's global
+  rank 0 claims its ``checkpoint.save_dir``; while it lives another backend naming that folder exits 2 before any
+  step, naming the owner (so does a launch of it); the claim a killed rank 0 left is taken over with a note by the
+  resume, which gives the folder back when it finishes.
 
 The fault is injected through ``WORKBENCH_FAULT`` (``workbench/backend/checkpointing.py:_fault_point``).
 """
 
 from __future__ import annotations
 
+import faulthandler
+import json
 import os
 import re
 import signal
@@ -26,6 +32,7 @@ from workbench.config import preset
 from workbench.run.checkpoint import TRACKER_FILE, find_checkpoint
 from workbench.run.integrity import verify_checkpoint
 from workbench.run.reader import read_events
+from workbench.run.writer import OWNER_FILE, RANK0
 
 from tests.support import torchrun_args, free_port
 
@@ -72,11 +79,36 @@ def _resume_from(ckpts: Path, run_dir: Path, save_into: Path | None = None) -> s
     return proc.stdout
 
 
-def test_rank_killed_mid_save_leaves_the_last_checkpoint_and_resume_works(tmp_path):
+def _a_second_run_is_refused(ckpts: Path, owner_dir: Path, claim: dict, tmp_path: Path, capfd, monkeypatch) -> None:
+    """While the job that owns ``ckpts`` lives: another backend naming that save_dir (its rank 0, in this process) exits
+    2 before any step, and so does a launch of it (``--dry-run``), both naming the owner and the fix."""
+    from workbench.backend.train import main as backend_main
+    from workbench.cli import main as cli_main
+
+    second = tmp_path / "second"
+    second.mkdir()
+    _cfg(**{"checkpoint.save_dir": str(ckpts), "train.seed": 99}).save(second / "config.json")
+    monkeypatch.setenv("RANK", "0")
+    capfd.readouterr()
+    try:
+        assert backend_main(["--config", str(second / "config.json"), "--run-dir", str(second)]) == 2
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)  # what the backend's main registers for its stacks
+    err = capfd.readouterr().err
+    owner = f"{ckpts} is the checkpoint folder of run {owner_dir} (host {claim['host']}, pid {claim['pid']}"
+    assert owner in err and f"its rank 0 (pid {claim['pid']}) is running" in err, err
+    assert "give this run its own checkpoint.save_dir" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in second.iterdir()) == ["config.json"]  # no event, no step, no checkpoint
+    assert cli_main(["launch", str(second / "config.json"), "--dry-run"]) == 2
+    assert owner in capfd.readouterr().err
+
+
+def test_rank_killed_mid_save_leaves_the_last_checkpoint_and_resume_works(tmp_path, capfd, monkeypatch):
     run_dir = tmp_path / "killed"
+    ckpts = run_dir / "checkpoints"
     env = {**ENV, "WORKBENCH_FAULT": "saved:4:1:sleep=300"}  # rank 1 wrote its shards of iteration 4, then stalls
-    proc = subprocess.Popen(_cmd(_cfg(), run_dir), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(_cmd(_cfg(**{"checkpoint.save_dir": str(ckpts)}), run_dir), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     found = threading.Event()
     pid: list[int] = []
@@ -92,8 +124,10 @@ def test_rank_killed_mid_save_leaves_the_last_checkpoint_and_resume_works(tmp_pa
     threading.Thread(target=reader, daemon=True).start()
     try:
         assert found.wait(240), "".join(lines[-60:])
-        ckpts = run_dir / "checkpoints"
         assert any(p.name.startswith("iter_0000004.tmp") for p in ckpts.iterdir())  # the save is under way
+        claim = json.loads((ckpts / OWNER_FILE).read_text())  # the bare job's global rank 0 claimed its save_dir
+        assert claim["run_dir"] == str(run_dir) and claim["by"] == RANK0 and claim["pid"] != pid[0], claim
+        _a_second_run_is_refused(ckpts, run_dir, claim, tmp_path, capfd, monkeypatch)
         os.kill(pid[0], signal.SIGKILL)
         assert proc.wait(timeout=120) != 0
     finally:
@@ -103,9 +137,13 @@ def test_rank_killed_mid_save_leaves_the_last_checkpoint_and_resume_works(tmp_pa
     _assert_last_good_is_iteration_2(ckpts)
     partial = [p.name for p in ckpts.iterdir() if ".tmp-" in p.name]
     assert partial  # what the killed save left
+    # what a SIGKILLed rank 0 leaves (one that fails on its own gives the folder back)
+    (ckpts / OWNER_FILE).write_text(json.dumps(claim))
     # resuming into the same root: the next save tidies the killed one's leftovers and says so
     out = _resume_from(ckpts, tmp_path / "resumed", save_into=ckpts)
     assert f"removed {partial[0]}" in out
+    assert f"took over checkpoint folder {ckpts} from run {run_dir} (its rank 0, pid {claim['pid']}, is gone)" in out, out
+    assert not (ckpts / OWNER_FILE).exists()  # given back at the resume's clean exit
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["iter_0000002", "iter_0000006"]
     assert find_checkpoint(ckpts).name == "iter_0000006"
 

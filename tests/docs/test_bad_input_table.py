@@ -5,9 +5,11 @@ with no traceback.  The page is linked from docs/index.md."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
+import time
 
 import pytest
 
@@ -27,6 +29,8 @@ def _files(work, ckpt_root):
     """The files docs/bad-input.md names, in ``work``."""
     from workbench.cli import main
     from workbench.config import load_config, preset
+    from workbench.run import writer
+    from workbench.run.checkpoint import TRACKER_FILE
 
     tiny = preset("tiny").replace(**{"parallel.device": "cpu", "parallel.nproc_per_node": 1})
     tiny.save(work / "tiny.yaml")
@@ -52,6 +56,16 @@ def _files(work, ckpt_root):
     meta_file.write_text(json.dumps(meta))
     load_config(work / "damaged" / "workbench_config.json").replace(
         **{"checkpoint.load_dir": "damaged", "parallel.device": "cpu"}).save(work / "resume-damaged.yaml")
+    shutil.copytree(ckpt_root, work / "gone")
+    (work / "gone" / TRACKER_FILE).write_text("30")  # the tracker names an iteration whose folder is not there
+    load_config(work / "gone" / "workbench_config.json").replace(
+        **{"checkpoint.load_dir": "gone", "parallel.device": "cpu"}).save(work / "resume-gone.yaml")
+    tiny.replace(**{"checkpoint.save_dir": "owned"}).save(work / "owned.yaml")
+    (work / "owned").mkdir()  # claimed by a live run: this process, as a bare backend's rank 0 (run/writer.py)
+    me = os.getpid()
+    (work / "owned" / writer.OWNER_FILE).write_text(json.dumps(
+        {"run_dir": str(work / "other-run"), "host": writer.host_name(), "pid": me, "create_time": writer.process_started(me),
+         "claimed": time.time(), "by": writer.RANK0}))
     (work / "notmine").mkdir()
     (work / "notmine" / "keep.txt").write_text("mine")
     (work / "docs.txt").write_text("the cat sat on the mat\n\na dog ran in the park\n")
@@ -91,3 +105,4 @@ def test_every_row_exits_and_says_what_the_page_says(gpt2_checkpoint, tmp_path, 
     for name in ("exported", "reshaped", "run", "out"):
         assert not (work / name).exists(), name  # refused: nothing written
     assert (work / "notmine" / "keep.txt").read_text() == "mine"
+    assert json.loads((work / "owned" / ".workbench-writer.json").read_text())["pid"] == os.getpid()  # the owner's claim kept

@@ -1,11 +1,14 @@
 """A run of the real backend (``python -m workbench.backend``) in CPU mode: tiny preset, 2 ranks.
 
 The finished-run path (train -> eval -> checkpoint -> generate) is exercised by the quickstart
-notebook in ``test_notebooks.py``; here the run is followed live and stopped half-way.
+notebook in ``test_notebooks.py``; here the run is followed live and stopped half-way.  Its
+``checkpoint.save_dir`` is claimed by the launch, and the backend's rank 0 takes that claim for its own
+(``workbench/run/writer.py``: one writer per checkpoint folder); the supervisor gives it back at the end.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -20,12 +23,15 @@ pytestmark = pytest.mark.slow
 
 def test_real_backend_follow_and_stop(tmp_path):
     cfg, _note = quickstart_config("tiny", nproc=2, device="cpu", steps=100000)
-    cfg = cfg.replace(**{"train.eval_interval": 0, "checkpoint.save_on_exit": False})
+    save_dir = tmp_path / "shared-ckpts"
+    cfg = cfg.replace(**{"train.eval_interval": 0, "checkpoint.save_on_exit": False, "checkpoint.save_dir": str(save_dir)})
     run = Run.launch(cfg, run_root=tmp_path)
     try:
         assert run.status in ("starting", "running")
         wait_until(lambda: run.train_loss["iteration"].nunique() >= 3, 150, "three training steps", poll=0.5)
         assert run.status == "running"
+        claim = json.loads((save_dir / ".workbench-writer.json").read_text())
+        assert claim["run_dir"] == str(run.run_dir) and claim["by"] == "launch", claim  # rank 0 trains under its launch's claim
         starts = run.events("run_start")
         assert sorted(e["rank"] for e in starts) == [0, 1] and starts[0]["world_size"] == 2
         steps = run.steps
@@ -47,6 +53,7 @@ def test_real_backend_follow_and_stop(tmp_path):
         wait_until(lambda: run.train_loss["iteration"].nunique() > n, 60, "a step after the stack dump", poll=0.5)
         assert run.stop(grace=20) == "stopped"
         assert run_processes(run.run_dir) == []
+        wait_until(lambda: not (save_dir / ".workbench-writer.json").exists(), 20, "the supervisor to give the folder back")
         ends = run.events("run_end")  # the backend finished its step and said so before exiting
         assert ends and {e["status"] for e in ends} == {"stopped"}
         assert run.exit_status["status"] == "stopped"

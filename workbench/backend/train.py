@@ -563,10 +563,15 @@ class Trainer:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m workbench.backend --config RUN.json --run-dir DIR`` (under torchrun)."""
+    """``python -m workbench.backend --config RUN.json --run-dir DIR`` (under torchrun).  Exit 2 before any step for
+    what the launch would refuse too: a config, a resume's checkpoint (``load_problems``) or, on global rank 0, a
+    ``checkpoint.save_dir`` another live run writes (:mod:`workbench.run.writer`)."""
     import argparse
 
     from workbench.config import ConfigError, load_config
+    from workbench.run import writer
+    from workbench.run.checkpoint import load_problems
+    from workbench.run.nodes import LAUNCH_FILE
 
     ap = argparse.ArgumentParser(prog="python -m workbench.backend", description="Workbench training backend (one rank; start with torchrun).")
     ap.add_argument("--config", required=True, help="RunConfig JSON/YAML")
@@ -577,11 +582,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = load_config(args.config)
         cfg.check()
+        # a resume's checkpoint as the launch checks it; its files' checksums only on rank 0 of a run that no
+        # `workbench launch` started (a launch writes launch.json after hashing them; every rank's load hashes its own)
+        hashes = int(os.environ.get("RANK", "0")) == 0 and not (Path(args.run_dir) / LAUNCH_FILE).exists()
+        if problems := load_problems(cfg, hashes=hashes):
+            raise ConfigError(problems)
+        notes = writer.rank_claim(cfg, args.run_dir)  # one writer per checkpoint folder: global rank 0, before any step
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"[workbench] note: {note}", flush=True)
     trainer = Trainer(cfg, args.run_dir)
     code = trainer.run()
+    writer.release(cfg, args.run_dir, pid=os.getpid())  # rank 0's own claim only; a launch's is its supervisor's to give back
     if code == 1:
         # another rank may be blocked in a collective; do not wait for process-group teardown
         sys.stdout.flush()

@@ -58,10 +58,15 @@ def find_legacy_files(path: str | Path) -> dict[tuple[int, int], Path]:
         return {(0, 0): p}
     tracker = p / "latest_checkpointed_iteration.txt"
     if tracker.is_file():
-        t = tracker.read_text().strip()
+        t = tracker.read_text(errors="replace").strip()
+        if t != "release" and not t.isdigit():
+            raise ConversionError(f"{tracker} holds {t[:40]!r}, not an iteration number or 'release' -> point at the "
+                                  "iteration directory (iter_XXXXXXX) to convert")
         sub = p / ("release" if t == "release" else f"iter_{int(t):07d}")
-        if sub.is_dir():
-            p = sub
+        if not sub.is_dir():  # the latest save, deleted or moved: never an older iteration in its place
+            raise ConversionError(f"{tracker} names {sub.name}, but {sub} is not there (deleted or moved after its save) "
+                                  "-> copy the checkpoint again from its source, or point at an iteration directory that is")
+        p = sub
     elif not any(_RANK_RE.match(x.name) for x in p.iterdir()):
         subs = sorted(x for x in p.iterdir() if x.is_dir() and (x.name == "release" or x.name.startswith("iter_")))
         if subs:

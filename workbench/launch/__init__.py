@@ -7,7 +7,6 @@
 | --- | --- |
 | :mod:`~workbench.launch.plan` | :class:`LaunchPlan` (the torchrun command of one node), run directories, the launch's overrides |
 | :mod:`~workbench.launch.checks` | every check made before anything starts (:func:`launch_checks`) |
-| :mod:`~workbench.launch.writer` | one writer per checkpoint folder: the claim a live run holds on its ``checkpoint.save_dir`` |
 | :mod:`~workbench.launch.start` | :func:`start_run` (training) and :func:`run_supervised` (generation's, conversion's ranks) |
 | :mod:`~workbench.launch.supervisor` | the supervisor process and the ``python -m workbench.launch`` entry points |
 | :mod:`~workbench.launch.processes` | psutil helpers and :func:`~workbench.launch.processes.stop`, the one SIGTERM-wait-SIGKILL |
@@ -22,7 +21,8 @@
 | :mod:`~workbench.launch.failure` | :class:`Failure`: which rank made a run fail, and why |
 | :mod:`~workbench.launch.frames` | a run's events as pandas DataFrames |
 
-What a run directory holds (events, ``launch.json``, checkpoint metadata) is the run contract,
+What a run directory holds (events, ``launch.json``, checkpoint metadata) and the claim a run holds on its
+``checkpoint.save_dir`` (:mod:`workbench.run.writer`: one writer per checkpoint folder) are the run contract,
 :mod:`workbench.run`.  No megatron-core or torch here; psutil and pandas are imported lazily.
 """
 

@@ -18,8 +18,8 @@ from workbench.launch import stall
 from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT
 from workbench.launch.stores import bind_problem
 from workbench.launch.preflight import memory_problems, path_problems
-from workbench.launch.writer import owner_problem
 from workbench.run import nodes
+from workbench.run.writer import owner_problem
 
 __all__ = ["detect_gpus", "launch_problems", "launch_checks"]
 
@@ -81,7 +81,7 @@ def launch_checks(cfg: RunConfig, *, run_dir: str | Path | None = None, node_ran
     SLURM script brings its own rendezvous.  ``run_dir``: must be new or empty; for one node of a
     multi-node run it is the run directory every node shares (:mod:`workbench.run.nodes`), which
     must hold nothing of this node yet and no other config; None: a fresh one under ``run_root``.  A
-    ``checkpoint.save_dir`` another live run saves into is refused, naming that run (:mod:`workbench.launch.writer`);
+    ``checkpoint.save_dir`` another live run saves into is refused, naming that run (:mod:`workbench.run.writer`);
     so are a plan over the GPUs' memory (unless ``ignore_memory_plan``) and a directory the run cannot write or has
     no room in (:mod:`workbench.launch.preflight`).
     """

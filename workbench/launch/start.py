@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Sequence
 
 from workbench.config import ConfigError, RunConfig
-from workbench.launch import writer
 from workbench.launch.checks import launch_checks
 from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT
 from workbench.launch.plan import BACKEND_ENTRY, LaunchPlan, new_run_dir
@@ -35,7 +34,7 @@ from workbench.launch.processes import create_time, live_process, stop
 from workbench.launch.slurm import batch_script
 from workbench.launch.stall import DEFAULT_STALL_FLOOR, startup_limit
 from workbench.launch.supervisor import supervisor_command
-from workbench.run import nodes
+from workbench.run import nodes, writer
 from workbench.run.nodes import host_name
 from workbench.run.files import read_json, write_json_atomic, write_text_atomic
 

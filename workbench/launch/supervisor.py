@@ -8,7 +8,7 @@ an ``error`` event but the job did not tear down, ends it as ``failed`` when a r
 progress past a bound set by the run's own rhythm (:mod:`workbench.launch.stall`; the ranks'
 stacks in ``stall_stacks.txt``), and writes ``<run_dir>/exit_status.json``
 (:mod:`workbench.launch.exit_status`: which rank caused a failure), then gives the run's checkpoint folder back
-(:mod:`workbench.launch.writer`).  It records torchrun and the
+(:mod:`workbench.run.writer`).  It records torchrun and the
 ranks (PIDs with create times) in ``launch.json``, and the job cannot outlive it: torchrun and the
 ranks die with it even when it is SIGKILLed (:mod:`workbench.launch.ownership`).
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from workbench.config import ConfigError, load_config
-from workbench.launch import stall, writer
+from workbench.launch import stall
 from workbench.launch.exit_status import STATUSES, write_exit_status
 from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT, PeerWatch, start_heartbeat
 from workbench.launch.ownership import SUPERVISOR_ENV, SUPERVISOR_MODULE, die_with_parent, supervisor_token
@@ -43,7 +43,7 @@ from workbench.launch.processes import (
     signal_all, stop,
 )
 from workbench.launch.stall import DEFAULT_STARTUP_TIMEOUT
-from workbench.run import nodes
+from workbench.run import nodes, writer
 from workbench.run.files import read_json, write_json_atomic, write_text_atomic
 from workbench.run.reader import RunReader
 
@@ -236,7 +236,7 @@ def supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error
 
 
 def _give_back(run_dir: Path) -> None:
-    """The run's checkpoint folder is free for the next run (:mod:`workbench.launch.writer`)."""
+    """The run's checkpoint folder is free for the next run (:mod:`workbench.run.writer`)."""
     try:
         writer.release(load_config(run_dir / "config.json"), run_dir)
     except (ConfigError, OSError):

@@ -8,6 +8,8 @@
 - :mod:`workbench.run.nodes`: a multi-node run's shared run directory (one set of launch files
   per node).
 - :mod:`workbench.run.integrity`, :mod:`workbench.run.ckpt_files`: a checkpoint's content digests and files.
+- :mod:`workbench.run.writer`: one writer per checkpoint folder (the claim a launch, or a backend's rank 0, holds
+  on ``checkpoint.save_dir``).
 
 The processes that write and follow a run directory are :mod:`workbench.launch`.
 

@@ -106,7 +106,9 @@ def find_checkpoint(path: str | Path) -> Path:
     """Resolve a checkpoint ROOT or an ``iter_XXXXXXX`` dir to a complete iteration directory.
 
     From a root: the iteration named by ``latest_checkpointed_iteration.txt`` if complete,
-    else the newest complete ``iter_*`` (an interrupted save never wins).
+    else the newest complete ``iter_*`` (an interrupted save never wins).  A newer iteration whose
+    ``workbench.json`` is missing or unreadable, or whose folder the tracker names but is gone, raises
+    :class:`CheckpointError` naming it: never a silent fall-back to the one before.
     """
     p = Path(path).expanduser()
     if not p.exists():
@@ -120,18 +122,15 @@ def find_checkpoint(path: str | Path) -> Path:
             f"{p} is not a complete workbench checkpoint ({METADATA_FILE} missing or not marked complete: "
             "the save was interrupted or this is not a workbench checkpoint) -> use an earlier iteration, "
             "or import foreign checkpoints with `workbench convert`")
-    tracker = p / TRACKER_FILE
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        if text.isdigit():
-            d = p / iter_dir_name(int(text))
-            if is_complete(d):
-                _refuse_newer_damaged(p, d)
-                return d
+    tracked = _tracked_iteration(p)
+    if tracked is not None and is_complete(d := p / iter_dir_name(tracked)):
+        _refuse_newer_damaged(p, d)
+        return d
     complete = list_checkpoints(p)
     if complete:
         _refuse_newer_damaged(p, complete[-1])
         return complete[-1]
+    _refuse_newer_damaged(p, None)  # the tracker names an iteration whose folder is gone, and none is older
     inner = _run_dir_checkpoints(p)
     if inner is not None:
         return find_checkpoint(inner)
@@ -147,11 +146,25 @@ def find_checkpoint(path: str | Path) -> Path:
         f"no complete checkpoint under {p}" + (f" (incomplete: {', '.join(partial)})" if partial else "") + f" -> {hint}")
 
 
+def _tracked_iteration(root: Path) -> int | None:
+    """The iteration ``root``'s tracker (``latest_checkpointed_iteration.txt``, megatron's name) says is the latest;
+    None without one, or for one that names no iteration (megatron's ``release``)."""
+    try:
+        text = (root / TRACKER_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def _unreadable_metadata(d: Path) -> str | None:
     """What is wrong with ``d``'s ``workbench.json`` ("is missing (...)", "is damaged (...)"), None when it reads as a
-    JSON object.  A save writes that file before it renames ``iter_N.tmp-*`` to ``iter_N``, so an ``iter_N`` without
-    one, or with one that does not read, was damaged or altered afterwards, never interrupted."""
+    JSON object.  A save writes that file before it renames ``iter_N.tmp-*`` to ``iter_N``, and the tracker after,
+    so an ``iter_N`` without one, or with one that does not read, or the tracker's ``iter_N`` that is not there at
+    all, was damaged, altered or deleted afterwards, never interrupted."""
     f = d / METADATA_FILE
+    if not d.exists():
+        return (f"is missing ({d.name} is gone, yet {d.parent / TRACKER_FILE} names it the latest: it was deleted or "
+                "moved after its save)")
     if not f.is_file():
         return ("is missing (a save renames an iteration into place only after writing it, so this one lost it "
                 "afterwards)")
@@ -164,19 +177,26 @@ def _unreadable_metadata(d: Path) -> str | None:
     return None  # read (one marked incomplete says so itself: skipped, as its writer asked)
 
 
-def _refuse_newer_damaged(root: Path, chosen: Path) -> None:
-    """An ``iter_N`` newer than ``chosen`` whose ``workbench.json`` is missing or unreadable is a damaged save (a save
-    renames its directory into place only after writing that file), never an interrupted one: loading the older
-    iteration instead would lose training silently, so it is refused, naming both."""
-    m = ITER_RE.match(chosen.name)
-    newer = sorted((int(x.group(1)), d) for d in root.iterdir()
-                   if (x := ITER_RE.match(d.name)) and d.is_dir() and m and int(x.group(1)) > int(m.group(1)))
-    for _, d in reversed(newer):
+def _refuse_newer_damaged(root: Path, chosen: Path | None) -> None:
+    """An ``iter_N`` newer than ``chosen`` (None: no complete one) whose ``workbench.json`` is missing or unreadable,
+    or that the tracker names but is gone, is a damaged save (a save renames its directory into place only after
+    writing that file, and writes the tracker last), never an interrupted one: loading the older iteration instead
+    would lose training silently, so it is refused, naming both."""
+    m = ITER_RE.match(chosen.name) if chosen is not None else None
+    floor = int(m.group(1)) if m else -1
+    newer = {} if chosen is None else {int(x.group(1)): d for d in root.iterdir()
+                                       if (x := ITER_RE.match(d.name)) and d.is_dir() and int(x.group(1)) > floor}
+    tracked = _tracked_iteration(root)
+    if tracked is not None and tracked > floor and not (root / iter_dir_name(tracked)).exists():
+        newer[tracked] = root / iter_dir_name(tracked)
+    for n in sorted(newer, reverse=True):
+        d = newer[n]
         why = _unreadable_metadata(d)
         if why:
             raise CheckpointError(
-                f"a newer checkpoint {d} cannot be read: {d / METADATA_FILE} {why} -> copy the checkpoint "
-                f"again from its source, or load the older iteration explicitly: point at {chosen}")
+                f"{'a newer' if chosen else 'the latest'} checkpoint {d} cannot be read: {d / METADATA_FILE} {why} -> "
+                "copy the checkpoint again from its source"
+                + (f", or load the older iteration explicitly: point at {chosen}" if chosen else ""))
 
 
 def _run_dir_checkpoints(p: Path) -> Path | None:
@@ -227,12 +247,13 @@ _WEIGHT_SHAPE_FIELDS = {
 _DERIVED_SHAPE_FIELDS = {"query_groups": "model.num_query_groups", "head_dim": "model.kv_channels", "ffn_size": "model.ffn_hidden_size"}
 
 
-def load_problems(cfg: Any) -> list:
+def load_problems(cfg: Any, *, hashes: bool = True) -> list:
     """Why ``cfg.checkpoint.load_dir`` would not load into ``cfg``, from the checkpoint's
     ``workbench.json`` alone (no process, no megatron-core), so a launch is refused with the
     field and the fix before any rank starts: a missing or incomplete checkpoint, another
     architecture, and for a resume (not ``finetune``) a ``train.train_iters`` the checkpoint has already reached
-    (0 steps to train) and missing or differently sharded optimizer state.
+    (0 steps to train) and missing or differently sharded optimizer state.  ``hashes=False``: every check but the
+    files' checksums (the backend's ranks, whose load verifies those as it reads).
     """
     from workbench.config import ConfigError, Problem, pad_vocab_size
 
@@ -243,7 +264,7 @@ def load_problems(cfg: Any) -> list:
         meta = read_checkpoint(c.load_dir)
         from workbench.run.integrity import verify_checkpoint
 
-        verify_checkpoint(meta.path)  # damaged or hostile files: refused here, before any rank starts
+        verify_checkpoint(meta.path, hashes=hashes)  # damaged or hostile files: refused here, before any rank starts
         saved = checkpoint_config(meta)
     except CheckpointError as e:
         rule, _, fix = str(e).partition(" -> ")
