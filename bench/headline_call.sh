@@ -11,7 +11,6 @@ out="${1:?usage: headline_call.sh OUTDIR}"
 rows="${ROWS:-bert t5 llama}"
 mkdir -p "$out"
 source tests/gpu_proofs/device_env.sh || exit 1
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache  # repeats after the first hit the on-disk compile cache
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 # Each GPU's processes run on their own half of the host's cores with one compile thread: BERT and T5 steps are

@@ -514,9 +514,12 @@ def _drop_values(argv: list[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_cli(argv: list[str] | None, ap: argparse.ArgumentParser, settings: Any, train_fn: Any, launch_fn: Any,
+            brief_keys: tuple[str, ...]) -> int:
+    """The command line of a multi-GPU reference (this file's and ``bench/reference_torchtitan.py``'s): parse and
+    check the arguments; as ``--worker`` (a torchrun rank) train and write the result; else launch the ranks, stamp
+    the result (date, commit), write ``--result`` / append ``--out`` and print the ``brief_keys`` of it."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = parser()
     a = ap.parse_args(argv)
     try:
         a.model = canonical(a.model or ("tiny-llama" if a.cpu_smoke else "llama3.2-3b"))
@@ -525,8 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     if (a.steps is not None and a.steps < 1) or (a.warmup is not None and a.warmup < 1):
         ap.error("--steps and --warmup must be >= 1")
     if a.worker:
-        cfg, opts, m = _settings(a)
-        res = train(cfg, opts, m, preset_name=a.model)
+        cfg, opts, m = settings(a)
+        res = train_fn(cfg, opts, m, preset_name=a.model)
         if int(os.environ.get("RANK", "0")) == 0 and a.result:
             Path(a.result).write_text(json.dumps(res))
         import torch.distributed as dist
@@ -534,10 +537,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     try:
-        _settings(argparse.Namespace(**vars(a)))  # a wrong shape or batch is an argument error, before any launch
+        settings(argparse.Namespace(**vars(a)))  # a wrong shape or batch is an argument error, before any launch
     except ValueError as e:
         ap.error(str(e))
-    res = launch(a, argv)
+    res = launch_fn(a, argv)
     from workbench.provenance import git_commit
 
     res.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
@@ -548,13 +551,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         with open(a.out, "a") as fh:
             fh.write(json.dumps(res) + "\n")
-    brief = {k: res.get(k) for k in ("ok", "preset", "gpus", "seq_length", "micro_batch_size", "microbatches", "global_batch_size",
-                                     "tokens_per_s", "step_s", "mfu", "mem_peak", "mem_peak_max_rank", "steady", "warmup_steps",
-                                     "first_loss", "graph_breaks", "device", "torch", "wall_s", "error")}
-    print(json.dumps(brief))
+    print(json.dumps({k: res.get(k) for k in brief_keys}))
     if not res["ok"]:
         print(res.get("log_tail", ""), file=sys.stderr)
     return 0 if res["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, parser(), _settings, train, launch,
+                   ("ok", "preset", "gpus", "seq_length", "micro_batch_size", "microbatches", "global_batch_size",
+                    "tokens_per_s", "step_s", "mfu", "mem_peak", "mem_peak_max_rank", "steady", "warmup_steps",
+                    "first_loss", "graph_breaks", "device", "torch", "wall_s", "error"))
 
 
 if __name__ == "__main__":

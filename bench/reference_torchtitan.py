@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import subprocess
@@ -474,45 +473,10 @@ def launch(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = parser()
-    a = ap.parse_args(argv)
-    try:
-        a.model = fsdp2.canonical(a.model or ("tiny-llama" if a.cpu_smoke else "llama3.2-3b"))
-    except ValueError as e:
-        ap.error(str(e))
-    if a.worker:
-        cfg, opts, m = _settings(a)
-        res = train(cfg, opts, m, preset_name=a.model)
-        if int(os.environ.get("RANK", "0")) == 0 and a.result:
-            Path(a.result).write_text(json.dumps(res))
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-        return 0
-    try:
-        _settings(argparse.Namespace(**vars(a)))
-    except ValueError as e:
-        ap.error(str(e))
-    res = launch(a, argv)
-    from workbench.provenance import git_commit
-
-    res.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
-               cpu_smoke=a.cpu_smoke)
-    if a.result:
-        Path(a.result).write_text(json.dumps(res))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.out, "a") as fh:
-            fh.write(json.dumps(res) + "\n")
-    brief = {k: res.get(k) for k in ("ok", "preset", "torchtitan_version", "gpus", "seq_length", "micro_batch_size",
-                                     "microbatches", "global_batch_size", "tokens_per_s", "step_s", "mfu", "mem_peak_max_rank",
-                                     "steady", "warmup_steps", "first_loss", "params_total", "params_derived", "device",
-                                     "torch", "wall_s", "error")}
-    print(json.dumps(brief))
-    if not res["ok"]:
-        print(res.get("log_tail", ""), file=sys.stderr)
-    return 0 if res["ok"] else 1
+    return fsdp2.run_cli(argv, parser(), _settings, train, launch,
+                         ("ok", "preset", "torchtitan_version", "gpus", "seq_length", "micro_batch_size", "microbatches",
+                          "global_batch_size", "tokens_per_s", "step_s", "mfu", "mem_peak_max_rank", "steady", "warmup_steps",
+                          "first_loss", "params_total", "params_derived", "device", "torch", "wall_s", "error"))
 
 
 if __name__ == "__main__":

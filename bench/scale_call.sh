@@ -16,7 +16,6 @@ call="${CALL:?set CALL=1, 2, 3 or 4}"
 model="${MODEL:-llama3.2-3b}"
 mkdir -p "$out"
 source tests/gpu_proofs/device_env.sh || exit 1
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache  # repeats after the first hit the on-disk compile cache
 t0=$(date +%s)
 names() { local v out=""; for v in "$@"; do out+="${out:+,}$v/$model"; done; echo "$out"; }  # full names: no other model
 bench() {  # bench LIMIT ARGS...: one protocol measurement, its log kept; the call's limit is the backstop

@@ -21,5 +21,7 @@ if [[ -n "$missing" ]]; then
   echo "[device_env] installed $(echo $missing | wc -w) carried wheels the image lacks (.whl/extra, .whl/titan)"
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# one on-disk compile cache for the call: a benchmark's repeats after the first hit it (set here, once, for every call)
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 python3 -c 'import torch, megatron.core as m; print(f"[device_env] torch {torch.__version__}, megatron-core {m.__version__}, {torch.cuda.device_count()} GPU(s)")'
