@@ -85,3 +85,37 @@ def test_the_dashboards_static_view_adds_the_router_panel_only_for_moe_runs(tmp_
     _write(tmp_path / "moe")
     png = _router_png(_Run(tmp_path / "moe"))
     assert png and png[:4] == b"\x89PNG"
+
+
+def _records(rows_by_step):
+    """Router records of one MoE layer (index 1) with 4 experts: {iteration: tokens per expert}."""
+    return [Router(iteration=it, layers=[1], tokens_per_expert=[row], assignments=[sum(row)], dropped=[0])
+            for it, row in rows_by_step.items()]
+
+
+def test_collapse_flags_name_starved_and_flooded_experts_only_when_it_lasts():
+    """An expert under 10% of its balanced share (1/E), or at 2x it, for the last 3 sampled steps in a row is
+    flagged with the step the run of records began; one step over a bound (noise) or a recovered expert is not."""
+    from workbench.plots.router import collapse_flags, flags_text
+
+    balanced = [100, 100, 100, 100]
+    collapsed = [260, 125, 10, 5]  # expert 0 at 2.6x its share; experts 2 and 3 at 0.1x and 0.05x
+    flags = collapse_flags(_records({10: balanced, 20: collapsed, 30: collapsed, 40: collapsed}))
+    got = {(f["expert"], f["kind"]): f for f in flags}
+    assert set(got) == {(0, "flooded"), (3, "starved")}  # expert 2 sits exactly at 10%: not under it
+    assert got[(0, "flooded")]["since"] == 20 and got[(0, "flooded")]["share_over_balanced"] == pytest.approx(2.6)
+    assert got[(3, "starved")]["share_over_balanced"] == pytest.approx(0.05) and got[(0, "flooded")]["layer"] == 1
+    assert "layer 1 expert 3 starved" in flags_text(flags)
+    assert collapse_flags(_records({10: collapsed, 20: collapsed, 30: balanced})) == []  # recovered
+    assert collapse_flags(_records({10: balanced, 20: balanced, 30: collapsed})) == []  # one step: noise
+    assert collapse_flags(_records({20: collapsed, 30: collapsed})) == []  # fewer records than the window
+    assert collapse_flags(_records({n: balanced for n in (1, 2, 3, 4)})) == [] and flags_text([]) == ""
+
+
+def test_the_router_figure_titles_a_collapse():
+    from workbench.plots.router import router_figure
+
+    collapsed = [370, 10, 10, 10]
+    fig = router_figure(_records({10: collapsed, 20: collapsed, 30: collapsed}))
+    assert fig._suptitle is not None and "expert 0 flooded" in fig._suptitle.get_text()
+    assert router_figure(_records({10: [100] * 4, 20: [100] * 4, 30: [100] * 4}))._suptitle is None

@@ -6,6 +6,18 @@ sampled step for one MoE layer (1/E everywhere is perfect balance), the load-bal
 mean over MoE layers, and the chosen layer's), the coefficient of variation of the experts' token counts per
 layer over the steps, and the dropped assignments where experts have a capacity.  A pyplot-free ``Figure``
 (safe from the dashboard's thread; rendered to PNG by :func:`workbench.plots.training.figure_png`).
+
+:func:`collapse_flags` names the experts that a router has starved or flooded for :data:`WINDOW` sampled steps in a
+row (the figure's title and the dashboard show them):
+
+- **starved**: under :data:`STARVED` (10%) of the balanced share 1/E.  Such an expert learns from almost no tokens,
+  so its router logit keeps falling and it stays unused: the dead-expert collapse that the load-balancing loss exists
+  to prevent (Shazeer et al. 2017; Fedus et al. 2021, section 2.2).
+- **flooded**: at least :data:`FLOODED` (2x) the balanced share.  In a dropless layer the busiest expert sets the
+  layer's time: under expert parallelism its rank does twice the average work, so the layer runs at half its
+  balanced speed or less; with a capacity, tokens beyond ~1.25x (Switch's capacity factor) are dropped.
+
+One sampled step over a bound is noise (a batch of one topic); :data:`WINDOW` in a row is a trend.
 """
 
 from __future__ import annotations
@@ -16,7 +28,14 @@ from typing import Any, Sequence
 from workbench.run.events import Router
 from workbench.run.reader import RunReader, as_reader
 
-__all__ = ["router_records", "router_figure", "load_table"]
+__all__ = ["router_records", "router_figure", "load_table", "collapse_flags", "flags_text", "STARVED", "FLOODED", "WINDOW"]
+
+#: an expert under this fraction of the balanced share 1/E is starved (see the module docstring)
+STARVED = 0.1
+#: an expert at or over this multiple of the balanced share is flooded
+FLOODED = 2.0
+#: sampled steps in a row over a bound before an expert is flagged
+WINDOW = 3
 
 
 def router_records(source: "str | Path | RunReader | Sequence[Router]") -> list[Router]:
@@ -39,6 +58,46 @@ def load_table(source: Any) -> list[dict[str, Any]]:
                          "load_balancing_loss": r.load_balancing_loss[j] if r.load_balancing_loss else None,
                          "z_loss": r.z_loss[j] if r.z_loss else None})
     return rows
+
+
+def collapse_flags(source: Any, starved: float = STARVED, flooded: float = FLOODED, window: int = WINDOW) -> list[dict[str, Any]]:
+    """The experts starved or flooded in each of the last ``window`` sampled steps (see the module docstring): per
+    expert the MoE layer, the expert, ``kind`` ("starved" / "flooded"), its share over the balanced share in the
+    newest record, and the first iteration of the run of records it has been over the bound since.  [] when
+    fewer than ``window`` records exist."""
+    recs = router_records(source)
+    if len(recs) < window or window < 1:
+        return []
+    flags = []
+    newest = recs[-1]
+    for layer in newest.layers:
+        ratios = []  # per record (oldest first): each expert's share over 1/E
+        for r in recs:
+            if layer not in r.layers:
+                ratios.append(None)
+                continue
+            row = r.layer(layer)
+            total = sum(row)
+            ratios.append([x * len(row) / total for x in row] if total else None)
+        for e in range(len(newest.layer(layer))):
+            for kind, over in (("starved", lambda x: x < starved), ("flooded", lambda x: x >= flooded)):
+                k = len(ratios)
+                while k > 0 and ratios[k - 1] is not None and e < len(ratios[k - 1]) and over(ratios[k - 1][e]):
+                    k -= 1
+                if len(ratios) - k >= window:
+                    flags.append({"layer": layer, "expert": e, "kind": kind, "share_over_balanced": ratios[-1][e],
+                                  "since": recs[k].iteration})
+    return flags
+
+
+def flags_text(flags: list[dict[str, Any]], limit: int = 6) -> str:
+    """One line naming the flagged experts ("" for none)."""
+    if not flags:
+        return ""
+    words = [f"layer {f['layer']} expert {f['expert']} {f['kind']} ({f['share_over_balanced']:.2f}x its share since step {f['since']})"
+             for f in flags[:limit]]
+    more = f" and {len(flags) - limit} more" if len(flags) > limit else ""
+    return "router collapse: " + "; ".join(words) + more
 
 
 def _empty(ax, text: str) -> None:
@@ -116,5 +175,8 @@ def router_figure(source: Any, layer: int | None = None, figsize: tuple[float, f
         ax_drop.grid(alpha=0.3)
     else:
         _empty(ax_drop, "no dropped tokens (dropless, or every expert under its capacity)")
+    warn = flags_text(collapse_flags(recs), limit=3)
+    if warn:
+        fig.suptitle(warn, color="#d62728", fontsize=9)
     fig.tight_layout()
     return fig
