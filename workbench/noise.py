@@ -10,6 +10,14 @@ times each, are shown once as one line or dropped where they say nothing.
 
 Anything else passes through untouched. Installed by ``workbench/__init__.py`` before anything can import
 megatron-core, so the CLI, the notebook kernel and every rank get it. Torch-free.
+
+In a notebook kernel the same list decides, and the notes are not written at all: a kernel imports
+megatron-core only to build datasets, convert and inspect (its ranks run in processes of their own, whose
+logs keep the notes), and a note on stderr is a pink box on every default run that asks nothing of the
+reader.  They are kept in :data:`DROPPED` (``workbench.noise.DROPPED``).  Hugging Face's progress bars
+(transformers' "Loading weights" / "Writing model shards", hub downloads) are switched off there too
+(:func:`quiet_notebook_progress`): they are ipywidgets that a saved and reopened notebook can no longer
+draw ("Error displaying widget: model not found").
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ import sys
 import warnings
 from typing import Any
 
-__all__ = ["quiet_third_party", "TE_APEX_NOTE", "TE_PRESENT_NOTE"]
+__all__ = ["quiet_third_party", "quiet_notebook_progress", "in_notebook_kernel", "DROPPED", "TE_APEX_NOTE",
+           "TE_PRESENT_NOTE"]
 
 TE_APEX_NOTE = ("Transformer Engine / Apex not installed: megatron-core uses its torch fallbacks "
                 "(expected on CPU; install them on GPUs for its fused kernels)")
@@ -50,6 +59,40 @@ _LOGS = {
 }
 _shown: set[int] = set()
 _installed = False
+#: the notes a notebook kernel did not write (see the module docstring), in the order they came
+DROPPED: list[str] = []
+
+
+def in_notebook_kernel() -> bool:
+    """True inside a Jupyter kernel (JupyterLab, papermill): an IPython shell with a kernel attached."""
+    if "ipykernel" not in sys.modules:
+        return False
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except Exception:
+        return False
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def quiet_notebook_progress() -> bool:
+    """In a notebook kernel, switch off Hugging Face's progress bars (hub and transformers; see the module
+    docstring); returns whether it did.  Elsewhere (the CLI, a script, a rank) nothing changes."""
+    if not in_notebook_kernel():
+        return False
+    try:
+        with warnings.catch_warnings():  # HF_HUB_DISABLE_PROGRESS_BARS=0 set by the user wins, silently
+            warnings.simplefilter("ignore")
+            import huggingface_hub.utils
+
+            huggingface_hub.utils.disable_progress_bars()  # transformers reads this when it is imported
+            loaded = sys.modules.get("transformers.utils.logging")
+            if loaded is not None:  # transformers was imported first: its own switch too
+                loaded.disable_progress_bar()
+    except Exception:
+        return False
+    return True
 
 
 class _Drop(logging.Filter):
@@ -78,6 +121,9 @@ def quiet_third_party() -> None:
         text = str(message)
         for i, (pattern, summary) in enumerate(_WARNINGS):
             if pattern.search(text):
+                if in_notebook_kernel():
+                    DROPPED.append(text.split(". ")[0].strip())
+                    return
                 if i not in _shown:
                     _shown.add(i)
                     out = file if file is not None else sys.stderr
@@ -93,3 +139,4 @@ def quiet_third_party() -> None:
     # the same text from several call sites counts once (Python's default is once per location)
     for pattern, _ in _WARNINGS:
         warnings.filterwarnings("once", message=f".*{pattern.pattern}")
+    quiet_notebook_progress()

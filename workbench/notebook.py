@@ -4,6 +4,8 @@
 - :func:`generate_from_run`: text from a finished run's latest checkpoint.
 - :func:`demo_checkpoint`: a shipped demo model (trained longer than a notebook's CPU run) as a checkpoint.
 - :func:`dashboard`: the live dashboard of a :class:`workbench.launch.Run`.
+- :func:`notebook_dir`: where a notebook writes its runs, exports and demo files (one git-ignored directory).
+- :func:`say`: ``print`` for a notebook, wrapped between words (:func:`workbench.plots.tables.say`).
 - :func:`run_notebook` / :func:`sweep`: notebooks headless through papermill, once or over a grid,
   with :func:`record_metrics` as the notebook's side of the sweep table.
 
@@ -28,8 +30,11 @@ from workbench.data.demo import DEMO_MODELS, DEMO_MODELS_TRAINER
 from workbench.run.checkpoint import TRACKER_FILE
 from workbench.run.files import read_json, write_json_atomic
 from workbench.launch import Run
+from workbench.plots.tables import say
 
 __all__ = [
+    "notebook_dir",
+    "say",
     "quickstart_config",
     "generate_from_run",
     "demo_checkpoint",
@@ -109,6 +114,28 @@ def quickstart_config(preset_name: str = "demo-small", *, tp: int = 1, pp: int =
     return cfg, "; ".join([note, *notes])
 
 
+def notebook_dir(out_dir: str | Path | None = None, *parts: str) -> Path:
+    """Where a notebook writes what it makes (training runs, exported and converted models, demo checkpoints):
+    ``out_dir`` when given (``workbench notebook run`` and papermill inject it: next to the executed notebook),
+    else ``runs/notebooks/`` of this checkout, which git ignores (``/runs/`` in ``.gitignore``), wherever Jupyter
+    started the kernel (``notebooks/``, the repository's root) -- or of ``$WORKBENCH_RUNS`` when set, or of the
+    working directory outside a checkout.  ``parts`` name a sub-directory (not created)."""
+    if out_dir:
+        base = Path(out_dir)
+    else:
+        env = os.environ.get("WORKBENCH_RUNS")
+        checkout = Path(__file__).resolve().parents[1]
+        cwd = Path.cwd().resolve()
+        if env:
+            root = Path(env)
+        elif (checkout / "notebooks").is_dir() and (cwd == checkout or checkout in cwd.parents):
+            root = checkout / "runs"
+        else:
+            root = Path("runs")
+        base = root.absolute() / "notebooks"
+    return base.joinpath(*parts)
+
+
 def generate_from_run(run: Run, prompts: Sequence[str] | str, **options: Any) -> list:
     """Generate text from a finished run's latest checkpoint (``workbench.generation``), or say why not.
 
@@ -133,8 +160,8 @@ def demo_checkpoint(name: str, out_dir: str | Path) -> Path | None:
 
     src = DEMO_MODELS / name
     if not (src / "config.json").is_file():
-        print(f"the demo model {name!r} is not in this checkout ({src}); make it with, from the repository's root: "
-              f"python {DEMO_MODELS_TRAINER} --only {name}")
+        say(f"the demo model {name!r} is not in this checkout ({src}); make it with, from the repository's root: "
+            f"python {DEMO_MODELS_TRAINER} --only {name}")
         return None
     dst = Path(out_dir) / name
     if not (dst / TRACKER_FILE).is_file():

@@ -25,7 +25,9 @@ does not model mcore's blocking send/recv pairing beyond that latency.
 
 Bubble fraction is defined as idle time / compute time (``(step - busy) / busy``), the
 definition under which the textbook closed forms are exact for uniform stage times:
-``(p - 1) / m`` for GPipe and 1F1B, ``(p - 1) / (v m)`` for interleaved 1F1B.
+``(p - 1) / m`` for GPipe and 1F1B, ``(p - 1) / (v m)`` for interleaved 1F1B.  It is a ratio, not a
+share: a rank that idles longer than it computes has one above 1.  The share of the step a rank
+idles, ``(step - busy) / step`` (always in [0, 1)), is :meth:`Timeline.idle_share`.
 
 Durations are given per pipeline *stage* (all layers a rank holds): a chunk of an
 interleaved schedule takes ``1 / v`` of its stage's time, so schedules of one model are
@@ -238,6 +240,16 @@ class Timeline:
             return self.bubble(rank) / b if b > 0 else 0.0
         busy = sum(self.busy(r) for r in range(self.p))
         return (self.p * self.step_time - busy) / busy if busy > 0 else 0.0
+
+    def idle_share(self, rank: int | None = None) -> float:
+        """Idle / step time, per rank, or over all ranks (sum idle / (p x step)) when ``rank`` is None: the share
+        of the step the rank(s) did not compute, in [0, 1) (:meth:`bubble_fraction` is idle / compute instead)."""
+        step = self.step_time
+        if step <= 0:
+            return 0.0
+        if rank is not None:
+            return self.bubble(rank) / step
+        return sum(self.bubble(r) for r in range(self.p)) / (self.p * step)
 
     def peak_inflight(self, rank: int) -> int:
         """Most (micro-batch, chunk) activations held at once (forwards not yet backwarded)."""
@@ -671,6 +683,8 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
             "global_rank": measured.global_ranks[r],
             "measured_bubble_fraction": tl.bubble_fraction(r),
             "ideal_bubble_fraction": ideal.bubble_fraction(r),
+            "measured_idle_share": tl.idle_share(r),
+            "ideal_idle_share": ideal.idle_share(r),
             "mean_forward_ms": statistics.fmean([fw[c * p + r] for c in range(v)]),
             "mean_backward_ms": statistics.fmean([bw[c * p + r] for c in range(v)]),
             "time_ms": parts,
@@ -680,10 +694,18 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
     stragglers = [x["pipeline_rank"] for x, w in zip(ranks, per_rank_work) if med > 0 and w > 1.1 * med]
     tot = {k: sum(x["time_ms"][k] for x in ranks) for k in ranks[0]["time_ms"]}
     idle = sum(v_ for k, v_ in tot.items() if k != "compute")
+    imbalance = max(per_rank_work) / min(per_rank_work) if min(per_rank_work) > 0 else float("inf")
+    closed = closed_form_bubble_fraction(tl.schedule, p, tl.m, v)
     summary = [
         f"{tl.schedule} p={p} v={v} m={tl.m}, iteration {measured.iteration}: measured step {step:.2f} ms vs ideal "
-        f"{ideal.step_time:.2f} ms; bubble {tl.bubble_fraction():.3f} measured vs {ideal.bubble_fraction():.3f} ideal "
-        f"(closed form {closed_form_bubble_fraction(tl.schedule, p, tl.m, v):.3f})."
+        f"{ideal.step_time:.2f} ms; share of the step idle {tl.idle_share():.3f} measured vs {ideal.idle_share():.3f} "
+        f"ideal.",
+        f"Bubble as idle / compute (the closed form's measure): {tl.bubble_fraction():.3f} measured, "
+        f"{ideal.bubble_fraction():.3f} ideal, {closed:.3f} closed form.",
+        f"The closed form (p-1)/{'(v m)' if v > 1 else 'm'} assumes equal stages and free send/recv; the ideal runs "
+        f"megatron-core's order with this run's mean forward / backward time per stage and no send/recv cost"
+        + (f", and its slowest stage takes {imbalance:.2f}x its fastest's time, so the faster stages wait."
+           if imbalance > 1.05 else ", and its stages take about equal time."),
     ]
     if idle > 0:
         summary.append("Idle time: " + ", ".join(f"{k} {100 * tot[k] / idle:.0f}%" for k in ("wait_upstream", "comm", "host", "tail"))
@@ -702,7 +724,10 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
         "ideal_step_ms": ideal.step_time,
         "measured_bubble_fraction": tl.bubble_fraction(),
         "ideal_bubble_fraction": ideal.bubble_fraction(),
-        "closed_form_bubble_fraction": closed_form_bubble_fraction(tl.schedule, p, tl.m, v),
+        "closed_form_bubble_fraction": closed,
+        "measured_idle_share": tl.idle_share(),
+        "ideal_idle_share": ideal.idle_share(),
+        "stage_imbalance": imbalance,
         "time_ms": tot,
         "ranks": ranks,
         "stragglers": stragglers,

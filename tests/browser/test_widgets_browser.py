@@ -9,7 +9,9 @@ a screenshot of each step in ``<artefacts>/screenshots``.
 - the schedule explorer: two quick changes that end on a refused layout leave no chart under the refusal;
 - the dashboard: a one-line status line for a nested run directory, the loss axis over the iterations
   so far, "no GPU memory on CPU", "1 micro-batch";
-- the config form: each family's and device's fields, switching as arch and device change.
+- the config form: each family's and device's fields, switching as arch and device change; the MoE settings
+  an optional group, collapsed on a dense config;
+- a message shown with ``say``: its lines wrap between words, never inside one.
 
 The notebook pages here are scratch notebooks: the cells a test needs, some copied verbatim from the
 repository's notebooks (the cells that show a plan), so a notebook that went back to printing the text
@@ -490,4 +492,72 @@ def test_config_form_shows_each_family_and_devices_fields(scratch):
     _wait_visible(_field(form, "num_tokentypes"), True, "BERT form: num_tokentypes")
     _not_clipped(page.page, form, "config form")
     page.shot("bert-model", form)
+    assert not page.console, page.console
+
+
+# every line break inside the preformatted lines under a root: the text either side of it (a break between words
+# has a space or a hyphen before it), and each line's computed word-break
+BREAKS_JS = """(root) => {
+  const inside = [], styles = [];
+  let breaks = 0;
+  root.querySelectorAll('pre').forEach(pre => {
+    styles.push(getComputedStyle(pre).wordBreak);
+    const node = pre.firstChild;
+    if (!node || node.nodeType !== Node.TEXT_NODE) return;
+    const text = node.textContent, r = document.createRange();
+    let last = null;
+    for (let i = 0; i < text.length; i++) {
+      r.setStart(node, i); r.setEnd(node, i + 1);
+      const rects = r.getClientRects();
+      if (!rects.length) continue;
+      const top = Math.round(rects[0].top);
+      if (last !== null && top > last + 2) {
+        breaks++;
+        if (!' -'.includes(text[i - 1]) && text[i] !== ' ') inside.push(text.slice(Math.max(0, i - 12), i) + '|' + text.slice(i, i + 12));
+      }
+      last = top;
+    }
+  });
+  return {inside, styles, breaks};
+}"""
+
+
+def test_moe_settings_are_an_optional_group_and_messages_wrap_between_words(scratch):
+    """The config form's MoE settings: a collapsed group labelled optional on a dense GPT config, its switch alone in
+    it until it is set, every field a widget, gone for BERT; and a long message shown with ``say`` wraps between
+    words where JupyterLab's own ``pre`` would cut words ("di/vides")."""
+    page = scratch("moe_group_say", [
+        "from workbench.config import preset\nfrom workbench.widgets.config_form import ConfigForm\n"
+        "form = ConfigForm(preset('tiny', **{'parallel.device': 'cpu'}))\nform",
+        "from workbench.config import ConfigError\nfrom workbench.notebook import say\n"
+        "try:\n    preset('t5-tiny', **{'parallel.pipeline_parallel': 2, 'parallel.nproc_per_node': 2}).check()\n"
+        "except ConfigError as e:\n    say(e, e)"])
+    page.run_all(120)
+    form = page.outputs(0).first
+    _tab(form, "model")
+    group = form.locator(".lm-AccordionPanel-title, .jupyter-widget-Collapse-header, .p-Collapse-header",
+                         has_text="mixture of experts (optional").first
+    _wait_visible(group, True, "the MoE group's title")
+    _wait_visible(_field(form, "num_experts"), False, "a collapsed group: num_experts")
+    group.click()
+    _wait_visible(_field(form, "num_experts"), True, "the opened group: num_experts")
+    _wait_visible(_field(form, "top_k"), False, "a dense config: top_k")
+    box = _field(form, "num_experts").locator("input")
+    box.fill("8")
+    box.press("Enter")
+    _wait_visible(_field(form, "top_k"), True, "8 experts: top_k")
+    _wait_visible(_field(form, "load_balancing"), True, "8 experts: load_balancing")
+    _not_clipped(page.page, form, "config form, MoE group open")
+    page.shot("moe-group", form)
+    box.fill("0")
+    box.press("Enter")
+    _wait_visible(_field(form, "top_k"), False, "dense again: top_k")
+    _field(form, "arch").locator("select").select_option("bert")
+    _wait_visible(group, False, "BERT: the MoE group")
+    message = page.outputs(1).first
+    found = page.page.evaluate(BREAKS_JS, message.element_handle())
+    assert found["styles"] and set(found["styles"]) == {"normal"}, found["styles"]
+    assert found["breaks"] > 0, "the message should be long enough to wrap at 1050 px"
+    assert not found["inside"], f"lines broken inside words: {found['inside']}"
+    page.shot("say-wrapped", message)
     assert not page.console, page.console

@@ -168,3 +168,55 @@ def test_clock_skew_between_ranks_is_removed_only_when_causality_demands(tmp_pat
     assert fixed[1][0].start == pytest.approx(fixed[0][0].end)
     same, none = align_clocks(tl.ops, 2)  # consistent clocks are left alone
     assert none == [0.0, 0.0] and same == tl.ops
+
+
+def _slivers(tmp_path):
+    """An interleaved run whose stages are unequal (the last holds the head and the loss: 4.4x the first's time),
+    so the first rank idles longer than it computes and its backward chunks are slivers of the step."""
+    tl = simulate("interleaved", 2, 8, 2, forward=[1.5, 6.6], backward=[0.6, 5.4], latency=0.5, unit="ms")
+    write_run(tmp_path, {3: tl})
+    return load_measured(tmp_path)
+
+
+def test_the_measured_table_shows_shares_of_the_step_and_the_summary_says_why_ideal_is_not_the_closed_form(tmp_path):
+    from workbench.plots.schedule import measured_table
+
+    _, report = measured_report(_slivers(tmp_path))
+    assert report["ranks"][0]["measured_bubble_fraction"] > 1  # idle / compute: a ratio, not a fraction of anything
+    table = measured_table(report)
+    shares = [c for c in table.columns if "idle share" in c]
+    assert len(shares) == 2 and not [c for c in table.columns if "bubble" in c], list(table.columns)
+    assert ((table[shares] >= 0) & (table[shares] < 1)).all().all(), table[shares]
+    assert table[shares[0]][0] == pytest.approx(report["ranks"][0]["measured_idle_share"], abs=1e-3)
+    # the ideal is not the closed form here, and the summary says which assumption of the closed form the run breaks
+    assert report["ideal_bubble_fraction"] > 2 * report["closed_form_bubble_fraction"]
+    assert report["stage_imbalance"] == pytest.approx(12.0 / 2.1)
+    summary = report["summary"]
+    assert "assumes equal stages and free send/recv" in summary and f"{report['stage_imbalance']:.2f}x" in summary, summary
+    assert "idle / compute" in summary
+
+
+def test_every_measured_interleaved_block_is_labelled_in_it_or_in_the_lane_under_it(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from workbench.plots.schedule import LABEL_SIZES, overlay
+
+    ms = _slivers(tmp_path)
+    ideal, report = measured_report(ms)
+    fig = overlay(ms.timeline, ideal, report)
+    FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    ops = [o for r in range(2) for o in ms.timeline.ops[r]]
+    texts = [t for t in ax.texts if t.get_text()]
+    labels = sorted(t.get_text().replace("\n", " ") for t in texts)
+    assert labels == sorted(f"{o.kind}{o.microbatch} c{o.chunk}" for o in ops)  # each block once, with its chunk
+    assert all(t.get_fontsize() >= LABEL_SIZES[-1] for t in texts)
+    upright = [t for t in texts if t.get_rotation() == 90]
+    assert upright, "the slivers should be labelled in the lane"
+    axes_box = ax.get_window_extent(renderer)
+    boxes = sorted((t.get_window_extent(renderer) for t in upright), key=lambda b: (round(b.y0), b.x0))
+    for a in boxes:
+        assert axes_box.x0 - 0.5 <= a.x0 and a.x1 <= axes_box.x1 + 0.5 and axes_box.y0 - 0.5 <= a.y0, (a, axes_box)
+    for a, b in zip(boxes, boxes[1:]):  # upright labels of one lane never overlap
+        assert not (a.overlaps(b) and a.x1 - b.x0 > 0.5 and b.x1 - a.x0 > 0.5), (a, b)

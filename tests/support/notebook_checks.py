@@ -182,6 +182,8 @@ def _check_bert(nb, out: Path, proc) -> None:
 def _check_t5(nb, out: Path, proc) -> None:
     losses = _losses(_run_dirs(nb)[0])
     assert losses[-1] < losses[0] - 1.0, "the loss should fall"
+    spans = _cell(nb, "random_spans_noise_mask(len(text)")
+    assert "encoder:" in _text(spans) and _wrapped_between_words(spans)
     conv = _text(_cell(nb, "verify_against_hf(work"))
     assert "-> ok: True" in conv and "bit-exact: True" in conv, conv
     same = _text(_cell(nb, "ref.generate("))
@@ -195,11 +197,19 @@ def _check_t5(nb, out: Path, proc) -> None:
     assert sum(w in said for w, said in zip(T5_WORDS, words)) >= len(T5_WORDS) - 1, gen
 
 
+def _wrapped_between_words(cell) -> bool:
+    """Whether a cell showed its message as lines that wrap between words (``say``: JupyterLab's output ``pre``
+    breaks long lines inside words otherwise)."""
+    return any("word-break: normal" in o.get("data", {}).get("text/html", "") for o in cell.get("outputs", []))
+
+
 def _check_moe(nb, out: Path, proc) -> None:
     losses = _losses(_run_dirs(nb)[0])
     k = max(len(losses) // 4, 1)
     assert sum(losses[-k:]) / k < sum(losses[:k]) / k, "the MoE model's loss should fall"
     assert "dropless: every routed assignment served: True" in _text(_cell(nb, "load_table(run.reader)"))
+    refused = _cell(nb, '"parallel.expert_parallel": 3')
+    assert "is not divisible by expert_parallel 3" in _text(refused) and _wrapped_between_words(refused)
 
 
 CHECKS = {"09_moe": _check_moe, "01_quickstart": _check_quickstart, "04_checkpoint_conversion": _check_conversion,

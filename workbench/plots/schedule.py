@@ -4,7 +4,9 @@ Blocks are coloured by micro-batch (forward lighter, backward darker), model chu
 interleaved schedule get a distinct edge style and lightness, idle time is hatched, and
 each title carries the bubble fraction (idle / compute, see :mod:`workbench.schedules`).
 Each block is labelled with its pass, micro-batch and (interleaved) chunk at 8.5-10 pt where
-that fits the block (:func:`block_label`).
+that fits the block (:func:`block_label`).  In a measured overlay, a block too narrow for its label
+(an interleaved chunk's fast backward is a sliver of the step) is labelled in a lane under its row,
+the label turned upright and joined to its block by a leader line where neighbours push it aside.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Sequence
 from workbench.run.reader import RunReader
 from workbench.schedules import MeasuredStep, Timeline, load_measured, measured_report
 
-__all__ = ["gantt", "compare", "overlay", "measured_overlay", "block_label", "LABEL_SIZES"]
+__all__ = ["gantt", "compare", "overlay", "measured_overlay", "measured_table", "block_label", "LABEL_SIZES"]
 
 _CHUNK_STYLES = ["-", "--", ":", "-."]
 
@@ -112,21 +114,48 @@ def _draw_rows(ax, tl: Timeline, y0: float, height: float, label_prefix: str, la
     return [f"{label_prefix}rank {r}" for r in range(tl.p)]
 
 
-def _label_blocks(ax, blocks: list) -> None:
-    """Label the blocks of ``ax`` (from :func:`_draw_rows`) at the size :func:`block_label` picks for each."""
+def _label_blocks(ax, blocks: list, lane: float = 0.0) -> None:
+    """Label the blocks of ``ax`` (from :func:`_draw_rows`) at the size :func:`block_label` picks for each.
+
+    ``lane``: the height (data units) of a free lane under each row (y grows downwards): a block whose label
+    does not fit inside it is labelled there instead (:func:`_lane_labels`)."""
     x0, x1 = ax.get_xlim()
     y0, y1 = ax.get_ylim()
     px, py = _axes_points(ax, abs(x1 - x0), abs(y1 - y0))
+    outside: dict[tuple[float, float], list] = {}
     for start, duration, y, height, kind, mb, chunk, v in blocks:
         label = block_label(kind, mb, chunk, v, duration * px, height * py)
         if label is not None:
             ax.text(start + duration / 2, y, label[0], ha="center", va="center", fontsize=label[1],
                     linespacing=1.0, color="white" if kind == "B" else "black", clip_on=True)
+        elif lane > 0:
+            outside.setdefault((y, height), []).append((start + duration / 2, f"{kind}{mb}" + (f" c{chunk}" if v > 1 else "")))
+    for (y, height), items in outside.items():
+        _lane_labels(ax, items, y + height / 2, lane, px, (min(x0, x1), max(x0, x1)))
+
+
+def _lane_labels(ax, items: list[tuple[float, str]], top: float, lane: float, px: float, xlim: tuple[float, float]) -> None:
+    """Upright labels ``(x centre, text)`` in the lane from ``top`` down ``lane`` data units: each at its block's
+    centre where it can, else pushed aside just enough not to touch its neighbour (a leader line joins it to its block)."""
+    size = LABEL_SIZES[-1]
+    step = (_LINE_EM * size + 1.0) / px  # an upright label's width, plus a point of air, in data units
+    items = sorted(items)
+    xs: list[float] = []
+    for centre, _ in items:  # left to right, each at least one label width after the previous
+        xs.append(max(centre, xs[-1] + step) if xs else max(centre, xlim[0] + step / 2))
+    for i in range(len(xs) - 1, -1, -1):  # then back from the right edge, where the first pass ran over it
+        limit = xlim[1] - step / 2 if i == len(xs) - 1 else xs[i + 1] - step
+        xs[i] = min(xs[i], limit)
+    drop = lane * 0.12  # the leader's fall before its label starts
+    for (centre, text), x in zip(items, xs):
+        if abs(x - centre) > 1e-9:
+            ax.plot([centre, x], [top, top + drop], color="0.45", linewidth=0.5, clip_on=True)
+        ax.text(x, top + drop, text, rotation=90, ha="center", va="top", fontsize=size, color="black", clip_on=True)
 
 
 def _title(tl: Timeline, name: str | None = None) -> str:
     name = name or (f"{tl.schedule}" + (f" (v={tl.v})" if tl.v > 1 else ""))
-    return f"{name}: p={tl.p}, m={tl.m}, step {tl.step_time:.3g} {tl.unit}, bubble {tl.bubble_fraction():.3f}"
+    return f"{name}: p={tl.p}, m={tl.m}, step {tl.step_time:.3g} {tl.unit}, bubble {tl.bubble_fraction():.3f} (idle / compute)"
 
 
 def gantt(tl: Timeline, ax=None, title: str | None = None, labels: bool = True):
@@ -182,7 +211,8 @@ def compare(timelines: Sequence[Timeline], titles: Sequence[str] | None = None, 
 def overlay(measured: Timeline, ideal: Timeline, report: dict[str, Any] | None = None, title: str | None = None):
     """For each rank, the ideal row (faded) directly above the measured row, same time axis."""
     p = measured.p
-    fig = _figure(figsize=(12, 1.1 * p + 1.8))  # 12 in at 100 dpi: shown near full size in a notebook
+    gap = 1.65  # per rank: the ideal row, the measured row, and a lane under it for labels of narrow blocks
+    fig = _figure(figsize=(12, gap * p + 1.9))  # 12 in at 100 dpi: shown near full size in a notebook
     ax = fig.subplots()
     step = max(measured.step_time, ideal.step_time) or 1.0
     yt, yl, blocks = [], [], []
@@ -191,26 +221,27 @@ def overlay(measured: Timeline, ideal: Timeline, report: dict[str, Any] | None =
             one = Timeline(tl.schedule, 1, tl.m, tl.v, [tl.ops[r]], tl.forward, tl.backward, tl.latency, unit=tl.unit)
             # keep the full step length so trailing idle time is hatched
             gaps_end = tl.step_time
-            _draw_rows(ax, one, 1.1 * r + dy, 0.38, "", labels=name == "measured", alpha=alpha, blocks=blocks)
+            _draw_rows(ax, one, gap * r + dy, 0.38, "", labels=name == "measured", alpha=alpha, blocks=blocks)
             last = tl.ops[r][-1].end if tl.ops[r] else 0.0
             if gaps_end > last:
-                ax.broken_barh([(last, gaps_end - last)], (1.1 * r + dy - 0.19, 0.38), facecolors="none",
+                ax.broken_barh([(last, gaps_end - last)], (gap * r + dy - 0.19, 0.38), facecolors="none",
                                edgecolors="0.6", hatch="///", linewidth=0.0, alpha=alpha)
-            yt.append(1.1 * r + dy)
+            yt.append(gap * r + dy)
             yl.append(f"rank {r} {name}")
     ax.set_yticks(yt, yl, fontsize=8)
-    ax.set_ylim(1.1 * (p - 1) + 0.75, -0.35)
+    ax.set_ylim(gap * (p - 1) + gap - 0.2, -0.35)
     ax.set_xlim(0, step * 1.01)
     ax.set_xlabel(f"time since step start ({measured.unit})")
     if title is None:
-        title = (f"{measured.schedule} p={p} v={measured.v} m={measured.m}: measured bubble "
-                 f"{measured.bubble_fraction():.3f} (step {measured.step_time:.2f} {measured.unit}) vs ideal "
-                 f"{ideal.bubble_fraction():.3f} (step {ideal.step_time:.2f} {ideal.unit})")
-        if report and report.get("iteration") is not None:
-            title += f", iteration {report['iteration']}"
+        title = (f"{measured.schedule} p={p} v={measured.v} m={measured.m}: idle share of the step "
+                 f"{measured.idle_share():.3f} measured (step {measured.step_time:.2f} {measured.unit}) vs "
+                 f"{ideal.idle_share():.3f} ideal (step {ideal.step_time:.2f} {ideal.unit})"
+                 + (f", iteration {report['iteration']}" if report and report.get("iteration") is not None else "")
+                 + f"\nbubble as idle / compute: {measured.bubble_fraction():.3f} measured vs "
+                 f"{ideal.bubble_fraction():.3f} ideal")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    _label_blocks(ax, blocks)
+    _label_blocks(ax, blocks, lane=gap - 0.45 - 0.38 - 0.05)
     return fig
 
 
@@ -227,3 +258,14 @@ def measured_overlay(run_dir: str | Path | RunReader | MeasuredStep, iteration: 
     ideal, report = measured_report(measured)
     fig = overlay(measured.timeline, ideal, report)
     return fig, report
+
+
+def measured_table(report: dict[str, Any]):
+    """The per-rank rows of a :func:`measured_overlay` report as a DataFrame: pipeline and global rank, the share of
+    the step each rank idled, measured and ideal (in [0, 1)), and where the measured step's time went (ms)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"pipeline rank": r["pipeline_rank"], "global rank": r["global_rank"],
+                          "idle share of step, measured": round(r["measured_idle_share"], 3),
+                          "idle share of step, ideal": round(r["ideal_idle_share"], 3),
+                          **{f"{k} (ms)": round(x, 2) for k, x in r["time_ms"].items()}} for r in report["ranks"]])

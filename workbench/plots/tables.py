@@ -11,6 +11,11 @@ cut where it is wider than the output).  :func:`plan_table` shows a
 
 Both return a :class:`Table`, a ``str`` holding the plain text (``format_plan`` for a plan) that
 Jupyter renders as HTML: ``print`` and text exports give the text, a notebook shows the table.
+
+Messages (a config error, a decoded sample) have the same problem as printed text: JupyterLab's output
+``pre`` breaks a long line at any character ("di/vides", "for/m").  :func:`text_block` shows text as
+preformatted lines that wrap between words at the output's width (a list item's continuation lines
+indented under its text); :func:`say` is ``print`` for a notebook that does so.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from __future__ import annotations
 import html
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Table", "html_table", "plan_frame", "plan_table", "CELL_CSS"]
+__all__ = ["Table", "html_table", "plan_frame", "plan_table", "CELL_CSS", "PRE_CSS", "text_block", "say"]
 
 #: every header and data cell: one line, compact, numbers right-aligned
 CELL_CSS = "white-space: nowrap; padding: 2px 5px; font-size: 12px; line-height: 1.35; text-align: right;"
+#: a message's lines: JupyterLab's ``.jp-OutputArea-output pre`` sets ``word-break: break-all``; these wrap between
+#: words instead (a single word longer than the line, e.g. a path, still breaks rather than overflow)
+PRE_CSS = "white-space: pre-wrap; word-break: normal; overflow-wrap: break-word; margin: 0; padding: 0;"
 _TABLE_CSS = "table-layout: auto; width: auto; max-width: none; border-collapse: collapse; margin: 2px 0 6px 0;"
 
 
@@ -123,3 +131,37 @@ def plan_table(plan: Any) -> Table:
     caption = "<div style='font-size: 11px; line-height: 1.4; color: #666'>GiB per rank: allocated components at the peak, then allocated, " \
               "reserved, + CUDA context and NCCL, total</div>"
     return Table(text, f"<div class='workbench-plan'>{prose(before)}{caption}{table}{prose(after)}</div>")
+
+
+def _hanging(line: str) -> int:
+    """Characters a wrapped line's continuation is indented by: its own indent, plus a list item's marker."""
+    stripped = line.lstrip()
+    indent = len(line) - len(stripped)
+    return indent + (2 if stripped.startswith(("- ", "* ")) else 0)
+
+
+def text_block(text: Any) -> Table:
+    """``text`` as a :class:`Table`: the text itself for ``print`` and text exports; in a notebook, preformatted
+    lines that wrap between words at the output's width, never inside one (see the module docstring)."""
+    t = str(text)
+    lines = "".join(f"<pre style='{PRE_CSS} padding-left: {k}ch; text-indent: -{k}ch'>{html.escape(ln) or ' '}</pre>"
+                    for ln, k in ((ln, _hanging(ln)) for ln in t.split("\n")))
+    return Table(t, f"<div class='workbench-text'>{lines}</div>")
+
+
+def say(*parts: Any, sep: str = " ") -> None:
+    """``print(*parts)`` for a notebook: in a kernel the text is displayed as a :func:`text_block` (wrapped between
+    words); elsewhere (a script, a terminal) it is printed."""
+    text = sep.join(str(p) for p in parts)
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    if shell is None or "Terminal" in type(shell).__name__:
+        print(text)
+        return
+    from IPython.display import display
+
+    display(text_block(text))

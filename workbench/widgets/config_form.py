@@ -9,6 +9,11 @@ field it names, refreshes the memory-planner readout, and keeps export / launch 
 The form shows the fields that apply: a field one model family owns (``Family.fields``) only for
 that family, a GPU-only field (:data:`workbench.kernel_rule.GPU_ONLY_FIELDS`) only on ``device: cuda``;
 a hidden field that has a problem shows again, next to its message.
+
+A nested section (a dataclass field such as ``model.moe``) gets a widget per field too
+(``model.moe.top_k``), in a collapsible group of its own under its section's tab.  A group with a
+switch (:data:`GROUP_SWITCHES`: MoE's ``num_experts``, 0 for a dense MLP) is labelled optional and
+starts collapsed while the switch is off, showing only the switch; its other fields appear when it is on.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from workbench.kernel_rule import GPU_ONLY_FIELDS
 from workbench.models import FAMILIES
 from workbench.widgets.layout import plural
 
-__all__ = ["ConfigForm", "field_specs", "FieldSpec"]
+__all__ = ["ConfigForm", "field_specs", "FieldSpec", "GROUP_SWITCHES"]
 
 SECTIONS = ("model", "parallel", "train", "data", "checkpoint")
+#: nested sections whose other fields are read only while one of theirs is set: group -> (switch field, group title)
+GROUP_SWITCHES = {"model.moe": ("model.moe.num_experts", "mixture of experts (optional; num_experts 0: a dense MLP)")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,18 +62,48 @@ def _kind(tp: Any) -> tuple[str, tuple]:
     return {bool: "bool", int: "int", float: "float", str: "str"}.get(tp, "json"), ()
 
 
+def _specs_of(cls: Any, prefix: str, default: Any) -> list[FieldSpec]:
+    """The fields of dataclass ``cls`` named ``prefix.<field>``; a field that is itself a dataclass (a nested
+    section such as ``model.moe``) contributes its own fields (``model.moe.top_k``) instead of one JSON box."""
+    out = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, value = hints[f.name], getattr(default, f.name)
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out += _specs_of(tp, f"{prefix}.{f.name}", value)
+            continue
+        kind, options = _kind(tp)
+        out.append(FieldSpec(f"{prefix}.{f.name}", kind, options, value))
+    return out
+
+
 def field_specs() -> list[FieldSpec]:
     """Every editable field of RunConfig, in declaration order, from the dataclasses themselves."""
     out = [FieldSpec("name", "str", (), RunConfig().name)]
     hints = get_type_hints(RunConfig)
     default = RunConfig()
     for section in SECTIONS:
-        cls = hints[section]
-        sh = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            kind, options = _kind(sh[f.name])
-            out.append(FieldSpec(f"{section}.{f.name}", kind, options, getattr(getattr(default, section), f.name)))
+        out += _specs_of(hints[section], section, getattr(default, section))
     return out
+
+
+def _group(name: str) -> str | None:
+    """The nested section a field belongs to (``model.moe`` for ``model.moe.top_k``), None for a section's own field."""
+    parts = name.split(".")
+    return ".".join(parts[:-1]) if len(parts) > 2 else None
+
+
+def _get(d: dict, name: str) -> Any:
+    for part in name.split("."):
+        d = d[part]
+    return d
+
+
+def _put(d: dict, name: str, value: Any) -> None:
+    *head, last = name.split(".")
+    for part in head:
+        d = d.setdefault(part, {})
+    d[last] = value
 
 
 def _datasets_text(entries: list) -> str:
@@ -114,6 +151,7 @@ class ConfigForm:
         self._parse_problems: list[Problem] = []
         self.messages: dict[str, Any] = {}
         self.rows: dict[str, Any] = {}
+        self.groups: dict[str, Any] = {}  # nested section -> its collapsible box (an Accordion)
         self._suspend = False
         self.config: RunConfig = cfg or (preset(preset_name) if preset_name else RunConfig())
         self.problems: list[Problem] = []
@@ -125,6 +163,7 @@ class ConfigForm:
                                  description="preset")
         self.preset.observe(self._on_preset, names="value")
         rows: dict[str, list] = {s: [] for s in ("run", *SECTIONS)}
+        grouped: dict[str, list] = {}
         for spec in self.specs.values():
             w = self._make_widget(spec)
             msg = W.HTML(layout=W.Layout(width="auto"))
@@ -132,7 +171,18 @@ class ConfigForm:
             w.observe(self._on_change, names="value")
             section = spec.name.split(".")[0] if "." in spec.name else "run"
             self.rows[spec.name] = W.HBox([w, msg])
-            rows[section].append(self.rows[spec.name])
+            group = _group(spec.name)
+            if group is None:
+                rows[section].append(self.rows[spec.name])
+                continue
+            if group not in grouped:  # the group's box takes the place of the nested section's first field
+                grouped[group] = []
+                title = GROUP_SWITCHES.get(group, (None, group))[1]
+                self.groups[group] = W.Accordion(children=[W.VBox(grouped[group])], titles=(title,), selected_index=None)
+                rows[section].append(self.groups[group])
+            grouped[group].append(self.rows[spec.name])
+        for group, members in grouped.items():
+            self.groups[group].children[0].children = members
         self.summary = W.HTML()
         self.plan = W.HTML()
         self.export_path = W.Text(value="run.yaml", description="export to", layout=W.Layout(width="360px"))
@@ -213,12 +263,7 @@ class ConfigForm:
         d: dict[str, Any] = {s: {} for s in SECTIONS}
         self._parse_problems = []
         for name, spec in self.specs.items():
-            v = self._from_widget(spec, self.fields[name].value)
-            if "." in name:
-                sec, key = name.split(".", 1)
-                d[sec][key] = v
-            else:
-                d[name] = v
+            _put(d, name, self._from_widget(spec, self.fields[name].value))
         return d
 
     def load(self, cfg: RunConfig) -> None:
@@ -227,14 +272,29 @@ class ConfigForm:
         self._suspend = True
         try:
             for name, spec in self.specs.items():
-                v = d[name] if "." not in name else d[name.split(".")[0]][name.split(".", 1)[1]]
-                self.fields[name].value = self._to_widget(spec, v)
+                self.fields[name].value = self._to_widget(spec, _get(d, name))
         finally:
             self._suspend = False
+        for group, box in self.groups.items():  # a group opens on a config that uses it, stays closed otherwise
+            switch = GROUP_SWITCHES.get(group, (None,))[0]
+            box.selected_index = 0 if switch is None or self.fields[switch].value else None
         self.revalidate()
 
     def set(self, name: str, value: Any) -> None:
-        """Set one field by dotted name, as a user would (re-validates and re-plans)."""
+        """Set one field by dotted name, as a user would (re-validates and re-plans).  A nested section's name
+        (``model.moe``) takes a dict of its fields."""
+        if name in self.groups and isinstance(value, dict):
+            unknown = [k for k in value if f"{name}.{k}" not in self.fields]
+            if unknown:
+                raise KeyError(f"unknown field(s) of {name}: {', '.join(unknown)}")
+            self._suspend = True
+            try:
+                for key, v in value.items():
+                    self.fields[f"{name}.{key}"].value = self._to_widget(self.specs[f"{name}.{key}"], v)
+            finally:
+                self._suspend = False
+            self._on_change(None)
+            return
         if name not in self.fields:
             raise KeyError(f"unknown field {name!r}; known: {', '.join(self.fields)}")
         self.fields[name].value = self._to_widget(self.specs[name], value)
@@ -292,10 +352,15 @@ class ConfigForm:
                 f"{plural(d.num_microbatches, 'micro-batch', 'micro-batches')} per step")
 
     def applies(self, name: str) -> bool:
-        """Whether field ``name`` applies to the form's family and device (see the module docstring)."""
+        """Whether field ``name`` applies to the form's family and device, and (in a group with a switch) whether
+        the group's switch is on (see the module docstring)."""
         arch = self.fields["model.arch"].value
-        owners = [fam.name for fam in FAMILIES.values() if name in fam.fields]
+        owners = [fam.name for fam in FAMILIES.values()
+                  if name in fam.fields or any(name.startswith(f"{own}.") for own in fam.fields)]
         if owners and arch not in owners:
+            return False
+        switch = GROUP_SWITCHES.get(_group(name) or "", (None,))[0]
+        if switch is not None and name != switch and not self.fields[switch].value:
             return False
         return not (name in GPU_ONLY_FIELDS and self.fields["parallel.device"].value != "cuda")
 
@@ -303,18 +368,27 @@ class ConfigForm:
         """Show the fields that apply (and any field with a problem); the summary names the family."""
         for name, row in self.rows.items():
             row.layout.display = "" if self.applies(name) or by_field.get(name) else "none"
+        for group, box in self.groups.items():  # a group with nothing to show is hidden whole
+            members = [n for n in self.rows if _group(n) == group]
+            shown = any(self.rows[n].layout.display != "none" for n in members)
+            box.layout.display = "" if shown else "none"
+            if any(by_field.get(n) for n in members):
+                box.selected_index = 0  # a problem inside: open it
         fam = FAMILIES.get(self.fields["model.arch"].value)
         if fam is not None and not self.problems:
             self.summary.value = self.summary.value.replace("<b>valid</b>:", f"<b>valid</b> ({html.escape(fam.title)}):", 1)
 
     def shown_fields(self) -> list[str]:
-        """The dotted names of the fields the form shows now."""
-        return [n for n, row in self.rows.items() if row.layout.display != "none"]
+        """The dotted names of the fields the form shows now (a collapsed group's fields count: one click opens it)."""
+        return [n for n, row in self.rows.items() if row.layout.display != "none"
+                and (_group(n) not in self.groups or self.groups[_group(n)].layout.display != "none")]
 
     def _field_for(self, problem_field: str) -> str | None:
         name = problem_field.split("[")[0]
         if name in self.fields:
             return name
+        if name in self.groups:  # a problem with the whole nested section: next to its switch (or first field)
+            return GROUP_SWITCHES.get(name, (None,))[0] or next(n for n in self.fields if _group(n) == name)
         return None
 
     def _update_plan(self) -> None:

@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from workbench.plots.training import figure_png, frames_from_run, training_figure
 
-__all__ = ["Dashboard", "watch", "static_figures", "show_figures", "planner_memory", "is_headless", "RunEnded", "RunStopped", "RunFailed"]
+__all__ = ["Dashboard", "watch", "static_figures", "show_figures", "planner_memory", "is_headless", "RunEnded", "RunStopped", "RunFailed",
+           "wrap_words"]
 
 _STATUS_COLOURS = {"starting": "#888", "running": "#1f77b4", "finished": "#2ca02c", "failed": "#d62728", "stopped": "#ff7f0e"}
 
@@ -84,7 +85,9 @@ class RunEnded(Exception):
         self.status, self.run = status, run
 
     def _render_traceback_(self) -> list[str]:
-        return [str(self)]
+        # a notebook shows an error as preformatted text that breaks lines anywhere ("di/vides"): wrapped
+        # here on word boundaries instead, one string (one line of the error output's list)
+        return [wrap_words(str(self))]
 
 
 class RunStopped(RunEnded):
@@ -95,19 +98,58 @@ class RunFailed(RunEnded):
     """A rank of the run failed (which one and why: ``run.failure``, shown above by :func:`watch`)."""
 
 
-def _ended_early(run, status: str, why: str | None) -> RunEnded:
-    """The exception :func:`watch` raises for a run that ended ``status`` (not finished)."""
+def wrap_words(text: str, width: int = 100) -> str:
+    """``text`` with each line longer than ``width`` wrapped on word boundaries (never inside a word or a path),
+    continuation lines indented like the line they continue."""
+    import textwrap
+
+    out = []
+    for line in str(text).splitlines() or [""]:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        more = indent + ("  " if line.lstrip().startswith("- ") else "")
+        out.extend(textwrap.wrap(line, width, subsequent_indent=more, break_long_words=False,
+                                 break_on_hyphens=False) or [line])
+    return "\n".join(out)
+
+
+def _ended_early(run, status: str, why: str | None, queued: int | None = None) -> RunEnded:
+    """The exception :func:`watch` raises for a run that ended ``status`` (not finished).
+
+    ``queued``: how many cells were queued behind the watching cell (by "Run All"), which the kernel aborts;
+    0: the cell was run on its own; None: not known (papermill, a script), where execution stops at the error."""
     it, total, _eta = run.progress()
     where = f"at iteration {it}/{total}" if total else f"at iteration {it}"
+    if queued:
+        after = (f"Run All stops here: the {queued} queued cell{'s' if queued != 1 else ''} below "
+                 f"{'were' if queued != 1 else 'was'} not run")
+    elif queued == 0:
+        after = "No other cell was queued"
+    else:
+        after = "Execution stops here: the cells below did not run"
     if status == "failed":
         f = run.failure
         first = (f.message or "").strip().splitlines()[:1] if f is not None else []
         who = f"rank {f.rank}: " if f is not None and f.rank is not None else ""
         cause = f" ({who}{first[0]})" if first else ""
-        return RunFailed(f"The run failed {where}{cause}; see its failure above. Run All stops here: "
-                         f"the cells below did not run. {run.run_dir}", status, run)
-    return RunStopped(f"The run was stopped {where}{f' ({why})' if why else ''}. Run All stops here: the cells "
-                      f"below did not run (run them one by one to use what the run saved). {run.run_dir}", status, run)
+        return RunFailed(f"The run failed {where}{cause}; see its failure above. {after}. {run.run_dir}", status, run)
+    return RunStopped(f"The run was stopped {where}{f' ({why})' if why else ''}. {after}; run the cells below one by "
+                      f"one to use what the run saved. {run.run_dir}", status, run)
+
+
+class _Poll:
+    """jupyter-ui-poll's poll function, and how many cells it holds (queued behind the waiting cell)."""
+
+    def __init__(self, poll: Callable[[int], Any], held: Any):
+        self._poll, self._held = poll, held
+
+    def __call__(self, n: int = 1) -> Any:
+        return self._poll(n)
+
+    def queued(self) -> int:
+        return len(getattr(self._held, "_events", None) or ())
 
 
 @contextlib.contextmanager
@@ -130,7 +172,7 @@ def ui_events() -> Iterator[Callable[[int], Any] | None]:
         return
     _abort_held_on_error(shell, ctx)
     with ctx as poll:
-        yield poll
+        yield _Poll(poll, ctx)
 
 
 def _abort_held_on_error(shell, held) -> None:
@@ -248,8 +290,12 @@ class Dashboard:
         ])
         self._n_events = -1
         self._last_status: str | None = None
+        # one update at a time: the polling thread and watch()'s final update never interleave, so a slow
+        # redraw that started on older events cannot land after (and over) the final figures
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
+        self.stopped_here = False  # the stop button (or :meth:`stop`) stopped the run
         self.updates = 0
         self.update()
         if autostart and not self.finished:
@@ -265,6 +311,10 @@ class Dashboard:
     # ---- updating
     def update(self, force: bool = False) -> None:
         """One refresh: re-read events; redraw only when something changed."""
+        with self._lock:
+            self._update(force)
+
+    def _update(self, force: bool) -> None:
         run = self.run
         status = self._update_status()
         n = run.event_count
@@ -322,6 +372,8 @@ class Dashboard:
         while not self._closed.is_set():
             try:
                 self.update()
+                if self._closed.is_set():
+                    break  # closed meanwhile: whoever closed it draws the final state
                 if self.finished:
                     self.update(force=True)
                     break
@@ -343,6 +395,7 @@ class Dashboard:
 
     def stop(self, grace: float = 10.0) -> str:
         """The stop button: stop the run (SIGTERM, SIGKILL after ``grace``)."""
+        self.stopped_here = True
         self.stop_button.disabled = True
         self.stop_button.description = "stopping..."
         st = self.run.stop(grace=grace)
@@ -368,21 +421,28 @@ class Dashboard:
         failure and the log tail) as HTML, then the training and schedule figures as PNG outputs.
 
         ``handle``: the ``DisplayHandle`` the dashboard's widget was displayed with (``display(...,
-        display_id=True)``); it is updated in place.  The widgets are closed afterwards."""
+        display_id=True)``); it is updated in place.  The widgets are closed afterwards.
+
+        The polling thread is stopped first and everything is drawn once more from every event the run
+        wrote, so the figures show each step the status line counts (a redraw the thread started on older
+        events can no longer land over them)."""
         from IPython.display import HTML, Image, display
 
-        parts = [f"<div>{self.status.value}</div>"]
-        if self.failure.layout.display != "none" and self.failure.value:
-            parts.append(self.failure.value)
-        parts.append(f"<details><summary>log tail</summary>{self.log.value}</details>")
+        self.close()
+        with self._lock:
+            self._update(force=True)
+            parts = [f"<div>{self.status.value}</div>"]
+            if self.failure.layout.display != "none" and self.failure.value:
+                parts.append(self.failure.value)
+            parts.append(f"<details><summary>log tail</summary>{self.log.value}</details>")
+            pngs = [w.value for w in (self.figure, self.schedule, self.router) if w.layout.display != "none" and w.value]
         summary = HTML("".join(parts))
         if handle is not None:
             handle.update(summary)
         else:
             display(summary)
-        for png in (self.figure.value, self.schedule.value if self.schedule.layout.display != "none" else b""):
-            if png:
-                display(Image(data=bytes(png), format="png"))
+        for png in pngs:
+            display(Image(data=bytes(png), format="png"))
         _close_tree(self.widget)
 
     def static(self) -> list:
@@ -422,6 +482,8 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
     bar = None if live else tqdm(total=total, desc=run.run_dir.name, unit="it", file=sys.stdout, mininterval=5.0,
                                  disable=not show)
     why = None
+    queued = None  # cells queued behind this one (live in a kernel: counted while they wait; elsewhere unknown)
+    poll = None
     ui = contextlib.ExitStack()
     try:
         poll = ui.enter_context(ui_events()) if live else None
@@ -444,23 +506,32 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
         print("interrupted: stopping the run", flush=True)
         run.stop()
     finally:
+        if poll is not None:
+            try:
+                poll(20)  # take what the front end queued last off the kernel's queue, so it is counted
+                queued = poll.queued()
+            except Exception:
+                queued = None
         ui.close()
         if bar is not None:
             bar.close()
     st = run.wait(timeout=30)
     if dash is not None:
-        dash.update(force=True)
-        dash.close()
+        dash.close()  # the polling thread first: the final update below is the last one
         if show:
             dash.leave_static(handle)
+        else:
+            dash.update(force=True)
     elif show:
         print(f"run {st}: {run.run_dir}")
         f = run.failure
         if f is not None:
             print(str(f))
         show_figures(run)  # PNG outputs in a notebook; in a script, the saved files' paths (not an object's repr)
+    if why is None and dash is not None and dash.stopped_here:
+        why = "the stop button"
     if check and st != "finished":
-        raise _ended_early(run, st, why)
+        raise _ended_early(run, st, why, queued)
     return st
 
 
