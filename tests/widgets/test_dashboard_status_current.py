@@ -116,3 +116,26 @@ def test_the_final_figures_show_every_step_the_header_counts(tmp_path, monkeypat
     summary = [o.data for o in shown if isinstance(o, IPython.display.HTML)][-1]
     assert "iteration 60/60" in summary
     assert images and images[0] == b"PNG last=60", images
+
+
+def test_the_status_line_names_a_router_collapse(tmp_path):
+    """An MoE run whose router has flooded one expert and starved the others for 3 sampled steps: the dashboard's
+    status line says which (workbench.plots.router.collapse_flags); a balanced run's says nothing of routers."""
+    from workbench.run.events import Router
+    from workbench.widgets.dashboard import Dashboard
+
+    for name, row in (("collapsed", [385, 5, 5, 5]), ("balanced", [100, 100, 100, 100])):
+        run_dir = tmp_path / name
+        cfg = preset("tiny").replace(**{"parallel.nproc_per_node": 1, "train.train_iters": 30})
+        run_dir.mkdir()
+        cfg.save(run_dir / "config.json")
+        with EventWriter(run_dir, 0) as writer:
+            writer.emit("run_start", config=cfg.to_dict(), world_size=1, kernel_path={})
+            for it in (10, 20, 30):
+                writer.emit("step", iteration=it, loss=5.0, step_time=0.05, tokens_per_s=1000.0)
+                writer.write(Router(iteration=it, layers=[1], tokens_per_expert=[row], assignments=[sum(row)], dropped=[0]))
+        dash = Dashboard(Run.attach(run_dir), autostart=False)
+        if name == "collapsed":
+            assert "router collapse: layer 1 expert 0 flooded" in dash.status.value and "expert 1 starved" in dash.status.value
+        else:
+            assert "router collapse" not in dash.status.value

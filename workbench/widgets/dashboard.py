@@ -350,6 +350,11 @@ class Dashboard:
         if stalled is not None:
             self.status.value += (f"<div><b style='color:#d62728'>no progress for {_fmt_duration(stalled)}</b>: "
                                   "if it is stuck, the stacks button shows where each rank waits</div>")
+        if run.reader.has("router", refresh=False):  # an MoE run: name the experts its routers starve or flood
+            from workbench.plots.router import collapse_flags, flags_text
+
+            if warn := flags_text(collapse_flags(run.reader)):
+                self.status.value += f"<div><b style='color:#d62728'>{html.escape(warn)}</b></div>"
         self.progress.max = max(total, 1)
         self.progress.value = min(it, self.progress.max)
         self.progress.bar_style = {"finished": "success", "failed": "danger", "stopped": "warning"}.get(status, "info")
