@@ -694,7 +694,7 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
     stragglers = [x["pipeline_rank"] for x, w in zip(ranks, per_rank_work) if med > 0 and w > 1.1 * med]
     tot = {k: sum(x["time_ms"][k] for x in ranks) for k in ranks[0]["time_ms"]}
     idle = sum(v_ for k, v_ in tot.items() if k != "compute")
-    imbalance = max(per_rank_work) / min(per_rank_work) if min(per_rank_work) > 0 else float("inf")
+    imbalance = max(per_rank_work) / min(per_rank_work) if min(per_rank_work) > 0 else None  # None: a stage measured no work
     closed = closed_form_bubble_fraction(tl.schedule, p, tl.m, v)
     summary = [
         f"{tl.schedule} p={p} v={v} m={tl.m}, iteration {measured.iteration}: measured step {step:.2f} ms vs ideal "
@@ -704,7 +704,8 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
         f"{ideal.bubble_fraction():.3f} ideal, {closed:.3f} closed form.",
         f"The closed form (p-1)/{'(v m)' if v > 1 else 'm'} assumes equal stages and free send/recv; the ideal runs "
         f"megatron-core's order with this run's mean forward / backward time per stage and no send/recv cost"
-        + (f", and its slowest stage takes {imbalance:.2f}x its fastest's time, so the faster stages wait."
+        + (", and a stage measured no work, so their balance is unknown." if imbalance is None
+           else f", and its slowest stage takes {imbalance:.2f}x its fastest's time, so the faster stages wait."
            if imbalance > 1.05 else ", and its stages take about equal time."),
     ]
     if idle > 0:

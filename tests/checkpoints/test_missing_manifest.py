@@ -133,7 +133,8 @@ def test_a_legacy_megatron_lm_tracker_naming_a_deleted_iteration_is_refused(tmp_
     (root / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")
     tracker = root / "latest_checkpointed_iteration.txt"
     for text, says in (("20", f"{tracker} names iter_0000020, but {root / 'iter_0000020'} is not there"),
-                       ("oops", f"{tracker} holds 'oops', not an iteration number or 'release'")):
+                       ("oops", f"{tracker} holds 'oops', not an iteration number or 'release'"),
+                       ("\u00b2", f"{tracker} holds '\u00b2', not an iteration number or 'release'")):  # isdigit() takes it
         tracker.write_text(text)
         rc, out = _cli(["convert", "legacy", "--load", root, "--out", tmp_path / "out"], capfd)
         assert rc == 2 and says in out and "Traceback" not in out, out

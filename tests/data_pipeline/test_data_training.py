@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,7 +78,8 @@ def test_prefetch_keeps_the_micro_batch_order():
 
 def test_loader_workers_build_the_same_micro_batches_in_order():
     """``data.num_workers`` processes (forked, GPU runs) build exactly the inline stream's micro-batches, in the
-    sampler's order, from a resumed ``consumed_samples``, over several steps; CPU mode keeps them inline."""
+    sampler's order, from a resumed ``consumed_samples``, over several steps; a signal to the process group leaves
+    them to their rank (they ignore SIGINT / SIGTERM); CPU mode keeps them inline."""
     import torch
 
     from workbench.backend.data import MicroBatchStream, loader_workers
@@ -87,7 +90,13 @@ def test_loader_workers_build_the_same_micro_batches_in_order():
     inline = MicroBatchStream(ds, cfg, 0, consumed_samples=8)
     loaded = MicroBatchStream(ds, cfg, 0, consumed_samples=8, workers=2)
     try:
-        for _ in range(3 * 4):  # three steps of four micro-batches: the workers take turns
+        for i in range(3 * 4):  # three steps of four micro-batches: the workers take turns
+            if i == 5:  # a SIGTERM / SIGINT to the process group is the rank's to handle: its workers ignore it
+                for w in loaded._loader._workers:
+                    os.kill(w.pid, signal.SIGTERM)
+                    os.kill(w.pid, signal.SIGINT)
+                time.sleep(0.3)
+                assert all(w.is_alive() for w in loaded._loader._workers)
             a, b = next(inline), next(loaded)
             assert a.keys() == b.keys()
             for key in a:

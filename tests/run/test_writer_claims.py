@@ -76,7 +76,10 @@ def test_a_bare_rank_0_s_claim_refuses_while_it_lives_and_is_taken_over_once_it_
             assert "give this run its own checkpoint.save_dir" in msg and str(save_dir / writer.OWNER_FILE) in msg, msg
         problem = writer.owner_problem(cfg, run_b)  # the launch's pre-check (--dry-run) says the same
         assert problem is not None and f"its rank 0 (pid {owner.pid}) is running" in problem.rule
-        assert _claim(save_dir)["run_dir"] == str(run_a)
+        with pytest.raises(ConfigError) as e:  # a second bare job given the same run directory: refused too
+            writer.rank_claim(cfg, run_a, rank=0)
+        assert f"its rank 0 (pid {owner.pid}) is running" in str(e.value)
+        assert _claim(save_dir)["run_dir"] == str(run_a) and _claim(save_dir)["pid"] == owner.pid
     finally:
         owner.send_signal(signal.SIGKILL)  # nothing gives the folder back
         owner.wait()

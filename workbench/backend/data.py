@@ -69,6 +69,18 @@ class _MicroBatches(torch.utils.data.Dataset):
         return collate([self.dataset[i % n] for i in self.at(k)])
 
 
+def _quiet_worker(_worker_id: int) -> None:
+    """A loader worker forked from a rank drops the rank's signal handlers: a SIGINT / SIGTERM to the process group
+    is the rank's to handle (it stops at a step boundary, its worker then ended by the loader or by its death), and
+    faulthandler's SIGUSR1 stack dump is the rank's too.  SIGKILL still ends a worker."""
+    import faulthandler
+    import signal
+
+    faulthandler.unregister(signal.SIGUSR1)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class _Count(torch.utils.data.Sampler):
     """0, 1, 2, ... without end (a training stream has no length)."""
 
@@ -106,10 +118,12 @@ class MicroBatchStream:
         if self.workers > 0:
             pin = self.device is not None and torch.device(self.device).type == "cuda"
             # fork: the workers inherit the dataset (megatron's index arrays, memory-mapped) without pickling it
+            # 2 micro-batches a worker in flight (torch's and megatron-LM's default): a worker builds one in a few
+            # ms, far ahead of a step's launches; more would only hold /dev/shm (s x s masks are MBs each)
             self._loader = iter(torch.utils.data.DataLoader(
                 _MicroBatches(self.dataset, self._indices), batch_size=None, sampler=_Count(), num_workers=self.workers,
-                pin_memory=pin, prefetch_factor=max(2, -(-2 * self.num_micro // self.workers)),
-                multiprocessing_context="fork", persistent_workers=True))
+                pin_memory=pin, prefetch_factor=2, multiprocessing_context="fork", persistent_workers=True,
+                worker_init_fn=_quiet_worker))
 
     def _indices(self, k: int) -> list[int]:
         """Sample indices of the stream's micro-batch k."""

@@ -423,14 +423,14 @@ class Trainer:
 
         def handler(signum, _frame):
             if self.stop_signal is not None:  # second signal: leave now
-                self._end("stopped", STOP_CODES.get(signum, 1))
+                self._end("stopped", STOP_CODES.get(signum, 1), leaving=True)
                 os._exit(STOP_CODES.get(signum, 1))
             self.stop_signal = signum
             print(f"[workbench] rank {self.rank}: received signal {signum}; stopping at the next step boundary all ranks agree on", file=sys.stderr, flush=True)
 
             def watchdog():
                 time.sleep(max(15.0, 5.0 * self._last_step_time))  # the agreement lands within two steps
-                self._end("stopped", STOP_CODES.get(signum, 1))
+                self._end("stopped", STOP_CODES.get(signum, 1), leaving=True)
                 os._exit(STOP_CODES.get(signum, 1))
 
             threading.Thread(target=watchdog, daemon=True).start()
@@ -466,17 +466,22 @@ class Trainer:
         work.wait()
         return flag.item() > 0
 
-    def _end(self, status: str, code: int) -> None:
+    def _end(self, status: str, code: int, *, leaving: bool = False) -> None:
+        """The run's end record; then the data loader's workers are ended, unless the process is ``leaving`` at once
+        (``os._exit``: a stuck rank must not wait on their join; they see their parent gone and exit)."""
         if self._ended:
             return
         self._ended = True
-        for stream in getattr(self, "train_iters", ()):
-            stream.close()  # the data loader's workers
         try:
             self.events.write(RunEnd(status=status, iteration=self.iteration, seconds=time.time() - self.t0, exit_code=code))
             self.events.close()
         except Exception:
             pass
+        for stream in () if leaving else getattr(self, "train_iters", ()):
+            try:
+                stream.close()
+            except Exception:
+                pass
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:

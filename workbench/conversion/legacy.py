@@ -59,7 +59,7 @@ def find_legacy_files(path: str | Path) -> dict[tuple[int, int], Path]:
     tracker = p / "latest_checkpointed_iteration.txt"
     if tracker.is_file():
         t = tracker.read_text(errors="replace").strip()
-        if t != "release" and not t.isdigit():
+        if t != "release" and not re.fullmatch(r"[0-9]+", t):  # (str.isdigit takes '²')
             raise ConversionError(f"{tracker} holds {t[:40]!r}, not an iteration number or 'release' -> point at the "
                                   "iteration directory (iter_XXXXXXX) to convert")
         sub = p / ("release" if t == "release" else f"iter_{int(t):07d}")

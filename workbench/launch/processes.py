@@ -193,17 +193,27 @@ def describe(procs: Iterable[Any], torchrun_pid: int | None = None) -> list[dict
 
 def rank_processes(processes: Iterable[Any]) -> dict[int, Any]:
     """{global rank: process} of the training ranks among ``processes`` (their command line runs
-    ``workbench.backend`` under torchrun, which gave them ``RANK``)."""
+    ``workbench.backend`` under torchrun, which gave them ``RANK``).  A rank's forked children (its data loader's
+    workers, ``data.num_workers``) share its command line and environment: a candidate whose parent is a
+    candidate too is such a child, never the rank."""
     import psutil
 
-    ranks: dict[int, Any] = {}
+    found: dict[int, tuple[int, Any]] = {}
     for p in processes:
         try:
             cmd, env = " ".join(p.cmdline()), p.environ()
             if "workbench.backend" in cmd and "RANK" in env and "torch.distributed.run" not in cmd and "torchrun" not in cmd:
-                ranks[int(env["RANK"])] = p
+                found[p.pid] = (int(env["RANK"]), p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
             continue
+    ranks: dict[int, Any] = {}
+    for pid, (rank, p) in found.items():
+        try:
+            if p.ppid() in found:
+                continue
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        ranks[rank] = p
     return ranks
 
 

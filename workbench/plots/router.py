@@ -71,22 +71,27 @@ def collapse_flags(source: Any, starved: float = STARVED, flooded: float = FLOOD
     flags = []
     newest = recs[-1]
     for layer in newest.layers:
-        ratios = []  # per record (oldest first): each expert's share over 1/E
-        for r in recs:
-            if layer not in r.layers:
-                ratios.append(None)
-                continue
-            row = r.layer(layer)
-            total = sum(row)
-            ratios.append([x * len(row) / total for x in row] if total else None)
-        for e in range(len(newest.layer(layer))):
-            for kind, over in (("starved", lambda x: x < starved), ("flooded", lambda x: x >= flooded)):
-                k = len(ratios)
-                while k > 0 and ratios[k - 1] is not None and e < len(ratios[k - 1]) and over(ratios[k - 1][e]):
-                    k -= 1
-                if len(ratios) - k >= window:
-                    flags.append({"layer": layer, "expert": e, "kind": kind, "share_over_balanced": ratios[-1][e],
-                                  "since": recs[k].iteration})
+        n_exp = len(newest.layer(layer))
+        open_runs = {(e, kind) for e in range(n_exp) for kind in ("starved", "flooded")}
+        began: dict[tuple[int, str], int] = {}  # (expert, kind) -> index of the oldest record of its unbroken run
+        shown = None
+        for i in range(len(recs) - 1, -1, -1):  # newest first; stops once every run has broken (a poll stays cheap)
+            r, ratios = recs[i], None
+            if layer in r.layers and len(r.layer(layer)) == n_exp and sum(r.layer(layer)):
+                row = r.layer(layer)
+                ratios = [x * n_exp / sum(row) for x in row]
+            shown = ratios if shown is None and i == len(recs) - 1 else shown
+            for e, kind in list(open_runs):
+                if ratios is not None and (ratios[e] < starved if kind == "starved" else ratios[e] >= flooded):
+                    began[(e, kind)] = i
+                else:
+                    open_runs.discard((e, kind))
+            if not open_runs:
+                break
+        for (e, kind), i in sorted(began.items()):
+            if len(recs) - i >= window:
+                flags.append({"layer": layer, "expert": e, "kind": kind, "share_over_balanced": shown[e],
+                              "since": recs[i].iteration})
     return flags
 
 

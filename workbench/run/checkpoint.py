@@ -153,7 +153,7 @@ def _tracked_iteration(root: Path) -> int | None:
         text = (root / TRACKER_FILE).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return int(text) if text.isdigit() else None
+    return int(text) if re.fullmatch(r"[0-9]+", text) else None  # (str.isdigit takes '²')
 
 
 def _unreadable_metadata(d: Path) -> str | None:

@@ -173,22 +173,45 @@ def _claim(root: Path, run_dir: Path, by: str) -> list[str]:
     me = os.getpid()
     mine = {"run_dir": str(run_dir), "host": host_name(), "pid": me, "create_time": process_started(me),
             "claimed": time.time(), "by": by}
+    if _place(f, mine):
+        return []
+    rec = _read(f) or {}
+    if _same_dir(rec.get("run_dir"), run_dir):
+        if by == RANK0 and rec.get("by") == RANK0 and rec.get("pid") != me:  # an earlier rank 0 of this run dir
+            if _same_process(rec.get("pid"), rec.get("create_time")):  # alive: a second job given the same run dir
+                raise ConfigError([_refusal(root, rec, f"its rank 0 (pid {rec.get('pid')}) is running")]) from None
+            write_json_atomic(f, mine)  # a restart
+        return []
+    alive, how = _owner_alive(rec)
+    if alive:
+        raise ConfigError([_refusal(root, rec, how)]) from None
+    write_json_atomic(f, mine)
+    return [f"took over checkpoint folder {root} from run {rec.get('run_dir')} ({how})"]
+
+
+def _place(f: Path, rec: dict) -> bool:
+    """Make claim file ``f`` holding ``rec`` if none exists (one winner among racing runs); False if one exists.
+    The record is written whole before it appears (a hard link of a finished file), so a racing reader never sees
+    an empty claim; where links are not supported, ``O_EXCL`` creation and a write."""
+    tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(rec, indent=2))
+        try:
+            os.link(tmp, f)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
     try:
         fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        rec = _read(f) or {}
-        if _same_dir(rec.get("run_dir"), run_dir):
-            if by == RANK0 and rec.get("by") == RANK0 and rec.get("pid") != me:
-                write_json_atomic(f, mine)
-            return []
-        alive, how = _owner_alive(rec)
-        if alive:
-            raise ConfigError([_refusal(root, rec, how)]) from None
-        write_json_atomic(f, mine)
-        return [f"took over checkpoint folder {root} from run {rec.get('run_dir')} ({how})"]
+        return False
     with os.fdopen(fd, "w") as fh:
-        json.dump(mine, fh, indent=2)
-    return []
+        json.dump(rec, fh, indent=2)
+    return True
 
 
 def rank_claim(cfg: RunConfig, run_dir: str | Path, rank: int | None = None) -> list[str]:

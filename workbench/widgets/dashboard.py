@@ -148,8 +148,10 @@ class _Poll:
     def __call__(self, n: int = 1) -> Any:
         return self._poll(n)
 
-    def queued(self) -> int:
-        return len(getattr(self._held, "_events", None) or ())
+    def queued(self) -> int | None:
+        """How many cells jupyter-ui-poll holds; None where its version keeps them elsewhere (unknown)."""
+        held = getattr(self._held, "_events", None)
+        return None if held is None else len(held)
 
 
 @contextlib.contextmanager
