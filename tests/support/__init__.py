@@ -366,3 +366,18 @@ def count_direct_reads(monkeypatch) -> list[int]:
     monkeypatch.setattr(DirectReads, "read", lambda self, fd, offset, length: lengths.append(length) or
                         real(self, fd, offset, length))
     return lengths
+
+
+def write_step_events(run_dir: Path, steps: int, train_iters: int = 60):
+    """A tiny run's config and event stream in ``run_dir`` (as its rank writes them): ``run_start``, then ``steps``
+    step events; returns the open :class:`EventWriter` (the caller writes more, or closes it)."""
+    from workbench.config import preset
+    from workbench.run.events import EventWriter
+
+    cfg = preset("tiny").replace(**{"parallel.nproc_per_node": 1, "train.train_iters": train_iters})
+    cfg.save(Path(run_dir) / "config.json")
+    writer = EventWriter(run_dir, 0)
+    writer.emit("run_start", config=cfg.to_dict(), world_size=1, kernel_path={})
+    for it in range(1, steps + 1):
+        writer.emit("step", iteration=it, loss=5.0, step_time=0.05, tokens_per_s=1000.0)
+    return writer

@@ -7,6 +7,8 @@ from workbench.config import preset
 from workbench.run.events import EventWriter
 from workbench.launch import Run
 
+from tests.support import write_step_events
+
 
 def test_status_line_is_current_after_a_redraw(tmp_path):
     from workbench.widgets.dashboard import Dashboard
@@ -47,12 +49,7 @@ def test_the_final_figures_show_every_step_the_header_counts(tmp_path, monkeypat
     from workbench.launch.exit_status import write_exit_status
     from workbench.widgets import dashboard as dashboard_module
 
-    cfg = preset("tiny").replace(**{"parallel.nproc_per_node": 1, "train.train_iters": 60})
-    cfg.save(tmp_path / "config.json")
-    writer = EventWriter(tmp_path, 0)
-    writer.emit("run_start", config=cfg.to_dict(), world_size=1, kernel_path={})
-    for it in range(1, 45):
-        writer.emit("step", iteration=it, loss=5.0, step_time=0.05, tokens_per_s=1000.0)
+    writer = write_step_events(tmp_path, 44)
 
     real_frames = dashboard_module.frames_from_run
     wrote, main_drew, static_done = threading.Event(), threading.Event(), threading.Event()

@@ -7,20 +7,13 @@ import contextlib
 
 import pytest
 
-from workbench.config import preset
 from workbench.launch import Run
 from workbench.launch.exit_status import write_exit_status
-from workbench.run.events import EventWriter
+from tests.support import write_step_events
 
 
 def _stopped_run(tmp_path) -> Run:
-    cfg = preset("tiny").replace(**{"parallel.nproc_per_node": 1, "train.train_iters": 60})
-    cfg.save(tmp_path / "config.json")
-    writer = EventWriter(tmp_path, 0)
-    writer.emit("run_start", config=cfg.to_dict(), world_size=1, kernel_path={})
-    for it in range(1, 13):
-        writer.emit("step", iteration=it, loss=5.0, step_time=0.05, tokens_per_s=1000.0)
-    writer.close()
+    write_step_events(tmp_path, 12).close()
     write_exit_status(tmp_path, None, status="stopped", reason="stopped")
     return Run.attach(tmp_path)
 

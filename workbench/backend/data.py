@@ -84,9 +84,6 @@ def _quiet_worker(_worker_id: int) -> None:
 class _Count(torch.utils.data.Sampler):
     """0, 1, 2, ... without end (a training stream has no length)."""
 
-    def __init__(self) -> None:
-        pass
-
     def __iter__(self):
         import itertools
 
