@@ -7,7 +7,7 @@ from workbench import kernel_rule
 from workbench.config import preset
 
 
-def _ddp(cfg, workbench_hooks: bool):
+def _ddp(cfg, workbench_hooks: bool, min_numel: int = 0):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from workbench.backend import grad_accumulation
@@ -17,7 +17,7 @@ def _ddp(cfg, workbench_hooks: bool):
     torch.manual_seed(0)
     tc = transformer_config(cfg)
     ddp = DistributedDataParallel(config=tc, ddp_config=DistributedDataParallelConfig(), module=build_model(cfg, config=tc))
-    installed = grad_accumulation.install([ddp]) if workbench_hooks else 0
+    installed = grad_accumulation.install([ddp], min_numel=min_numel) if workbench_hooks else 0
     return ddp, installed
 
 
@@ -49,6 +49,25 @@ def test_main_grads_equal_megatrons_own_accumulation_over_steps(dist_group):
             assert a[name].abs().sum() > 0, name  # the micro-batches reached every parameter
     for n, p in ours.module.named_parameters():  # megatron's hook ran after ours and skipped its add
         assert p.grad is None and p.grad_added_to_main_grad, n
+
+
+def test_small_parameters_keep_megatrons_add_and_sum_the_same(dist_group):
+    from workbench.backend import grad_accumulation
+
+    stock, _ = _ddp(dist_group, workbench_hooks=False)
+    sizes = sorted(p.numel() for p in stock.module.parameters())
+    least = sizes[len(sizes) // 2]  # about half the parameters get the hook
+    ours, installed = _ddp(dist_group, workbench_hooks=True, min_numel=least)
+    large = [p for p in ours.module.parameters() if p.numel() >= least]
+    assert installed == len(large) == sum(hasattr(p, "_workbench_grad_hook") for p in ours.module.parameters())
+    assert 0 < installed < len(sizes)
+    assert grad_accumulation.MIN_NUMEL > max(sizes)  # the shipped bound leaves a tiny model to megatron entirely
+    assert grad_accumulation.install([_ddp(dist_group, workbench_hooks=False)[0]]) == 0
+    for m in (stock, ours):
+        m.zero_grad_buffer()
+        _micro_batches(m, [3, 4, 5])
+    a, b = _main_grads(stock), _main_grads(ours)
+    assert all(torch.equal(a[n], b[n]) for n in a)
 
 
 def test_a_second_install_adds_no_second_hook(dist_group):

@@ -11,6 +11,8 @@ from workbench.run.reader import read_events
 from tests.support.trainer_runs import run_trainers
 
 MEGATRONS_OWN = "from workbench.backend import grad_accumulation\ngrad_accumulation.install = lambda chunks: 0\n"
+# the tiny model's parameters are all under the shipped MIN_NUMEL: hook every one, so the comparison means something
+EVERY_PARAMETER = "from workbench.backend import grad_accumulation\ngrad_accumulation.MIN_NUMEL = 0\n"
 
 
 def _steps(run_dir):
@@ -25,10 +27,10 @@ def test_pp2_vpp2_dp2_distributed_optimizer_trains_as_with_megatrons_own_accumul
                             "checkpoint.save_interval": 0, "checkpoint.save_on_exit": False,
                             "parallel.pipeline_parallel": 2, "parallel.virtual_pipeline_parallel": 2,
                             "parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True})
-    run_trainers({tmp_path / "workbench": cfg}, nproc=4, timeout=600)
+    run_trainers({tmp_path / "workbench": cfg}, nproc=4, timeout=600, prelude=EVERY_PARAMETER)
     run_trainers({tmp_path / "megatron": cfg}, nproc=4, timeout=600, prelude=MEGATRONS_OWN)
     ours, theirs = _steps(tmp_path / "workbench"), _steps(tmp_path / "megatron")
     assert sorted({s[0] for s in ours}) == [1, 2, 3] and all(s[3] is not None for s in ours)
     assert ours == theirs
     kp = next(e for e in read_events(tmp_path / "workbench") if e["event"] == "run_start")["kernel_path"]
-    assert kp["grad_accumulation"].startswith("workbench")
+    assert kp["grad_accumulation"].startswith("workbench on ") and not kp["grad_accumulation"].startswith("workbench on 0 ")

@@ -14,6 +14,13 @@ bucket's grad-ready count):
 - both in one vectorised Triton kernel on CUDA (H200, 262M elements: the add at 4.2 TB/s against torch's 2.9,
   bit-equal: ``bench/grad_accumulation_probe.py``), torch's ``copy_`` / ``add_`` elsewhere.
 
+Only on parameters of :data:`MIN_NUMEL` elements or more: each hook call launches the Triton kernel through its Python
+path (~30 us of host time), which saves only ~1 ps of device time an element over torch's add (the probe's rows:
+~5 us at 4M elements).  BERT-base's step called it 1,264 times, mostly on biases and norms of under a million
+elements, and its host-bound step paid ~100 ms for it (cProfile, ``bench/results/bert_train.jsonl``); below the
+bound megatron's own hook adds (one C++ launch), above it (Llama's and GPT's projection matrices, the embeddings)
+the vectorised kernel pays for its launch and a device-bound step gains its bandwidth.
+
 Not installed where megatron's own CUDA graphs run TE's layer (they accumulate into ``main_grad`` inside the
 graph and read the flag), nor while a CUDA graph is being captured (megatron's hook skips those too).
 """
@@ -24,7 +31,10 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["install", "accumulate"]
+__all__ = ["install", "accumulate", "MIN_NUMEL"]
+
+#: the smallest parameter (elements) that gets the workbench's hook; smaller ones keep megatron's add (see above)
+MIN_NUMEL = 1 << 22
 
 _KERNEL = None
 
@@ -68,8 +78,9 @@ def _hook(param: torch.Tensor) -> None:
     param.grad_added_to_main_grad = True  # megatron's hook now skips its own add
 
 
-def install(ddp_chunks: Iterable[Any]) -> int:
-    """Register the hook on every parameter that megatron's DDP gave a ``main_grad``; how many got it.
+def install(ddp_chunks: Iterable[Any], min_numel: int | None = None) -> int:
+    """Register the hook on every parameter of ``min_numel`` elements or more (default :data:`MIN_NUMEL`) that
+    megatron's DDP gave a ``main_grad``; how many got it.
 
     ``zero_out_wgrad`` (megatron sets it on embeddings tied to the output layer in one stage) makes DDP's hook add
     ``.grad`` whatever ``grad_added_to_main_grad`` says; it exists for megatron's fused weight-gradient accumulation,
@@ -78,15 +89,16 @@ def install(ddp_chunks: Iterable[Any]) -> int:
     here.  A model built so that megatron writes ``main_grad`` itself (fused accumulation, delayed weight
     gradients, megatron's CUDA graphs) is refused: the kernel rule never installs the hook there.
     """
-    n = 0
+    n, least = 0, MIN_NUMEL if min_numel is None else min_numel
     for chunk in ddp_chunks:
         if (why := _megatrons_own(getattr(chunk, "config", None))) is not None:
             raise ValueError(f"grad_accumulation: the model was built with {why}, which adds into main_grad itself; "
                              "the kernel rule gives it grad_accumulation 'megatron'")
         for param in chunk.module.parameters():
             if not (param.requires_grad and getattr(param, "main_grad", None) is not None
-                    and hasattr(param, "grad_added_to_main_grad")) or hasattr(param, "_workbench_grad_hook"):
-                continue  # (a second install would add twice)
+                    and hasattr(param, "grad_added_to_main_grad")) or hasattr(param, "_workbench_grad_hook") \
+                    or param.numel() < least:
+                continue  # (a second install would add twice; a small one: megatron's hook adds it)
             param.zero_out_wgrad = False
             param._workbench_grad_hook = param.register_post_accumulate_grad_hook(_hook)
             n += 1
