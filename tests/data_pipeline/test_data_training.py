@@ -76,6 +76,38 @@ def test_prefetch_keeps_the_micro_batch_order():
         assert torch.equal(a, b)
 
 
+EXITS_WITHOUT_CLOSE = """
+from workbench.backend.data import MicroBatchStream
+from workbench.config import preset
+from workbench.models.bert.data import SyntheticBertDataset
+
+cfg = preset("bert-tiny", **{"train.micro_batch_size": 2, "train.global_batch_size": 8})
+stream = MicroBatchStream(SyntheticBertDataset(cfg.model.vocab_size, cfg.model.seq_length, 0), cfg, 0, workers=2)
+next(stream)
+keep = [stream, lambda: keep]  # a reference cycle, as a trainer's bound methods make: no __del__ before exit
+print(" ".join(str(w.pid) for w in stream._loader._workers), flush=True)
+"""
+
+
+def test_a_process_that_never_closes_its_stream_still_exits_and_ends_its_workers():
+    """Loader workers ignore SIGTERM, so multiprocessing's exit path (terminate, then join) would wait on them for
+    ever: the stream closes itself at exit (the bench's worker processes hung 200 s each)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_CLOSE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    time.sleep(0.5)
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"loader worker {pid} outlived its process")
+
+
 def test_loader_workers_build_the_same_micro_batches_in_order():
     """``data.num_workers`` processes (forked, GPU runs) build exactly the inline stream's micro-batches, in the
     sampler's order, from a resumed ``consumed_samples``, over several steps; a signal to the process group leaves

@@ -18,6 +18,8 @@ would otherwise do between kernel launches while the GPU waits.  CPU mode builds
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -81,6 +83,11 @@ def _quiet_worker(_worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _close_at_exit(stream: "weakref.ref[MicroBatchStream]") -> None:
+    if (s := stream()) is not None:
+        s.close()
+
+
 class _Count(torch.utils.data.Sampler):
     """0, 1, 2, ... without end (a training stream has no length)."""
 
@@ -121,6 +128,8 @@ class MicroBatchStream:
                 _MicroBatches(self.dataset, self._indices), batch_size=None, sampler=_Count(), num_workers=self.workers,
                 pin_memory=pin, prefetch_factor=2, multiprocessing_context="fork", persistent_workers=True,
                 worker_init_fn=_quiet_worker))
+            # before multiprocessing's own exit handler (registered earlier, so run later) would join them forever
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     def _indices(self, k: int) -> list[int]:
         """Sample indices of the stream's micro-batch k."""
@@ -128,10 +137,24 @@ class MicroBatchStream:
         return microbatch_indices(step, micro, self.gbs, self.mbs, self.dp, self.dp_rank, self.consumed_samples)
 
     def close(self) -> None:
-        """End the loader's worker processes (they also end with this process)."""
+        """End the loader's worker processes; also at this process's exit (:func:`_close_at_exit`) when nobody did.
+
+        The workers ignore SIGTERM (:func:`_quiet_worker`), so neither the loader's nor multiprocessing's exit path
+        (``terminate()``, then an unbounded ``join()``) can end one that did not stop on the loader's own request: a
+        process that never closed its stream hung at exit (every bench worker, 200 s a repeat until its timeout).
+        One still alive after the request is killed."""
         loader, self._loader = self._loader, None
-        if loader is not None and hasattr(loader, "_shutdown_workers"):
-            loader._shutdown_workers()
+        if loader is None:
+            return
+        workers = list(getattr(loader, "_workers", ()))
+        try:
+            if hasattr(loader, "_shutdown_workers"):
+                loader._shutdown_workers()
+        finally:
+            for w in workers:
+                if w.is_alive():
+                    w.kill()
+                w.join(5)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
