@@ -25,7 +25,9 @@ from tests.support import hf_gpt2, write_rank_script
 #: workers take files (longest first; every other file after these, in collection order).  A stale or missing number
 #: only changes that order, never what runs.  Refresh from a serial run's ``--junitxml`` (each file's testcase times).
 FILE_SECONDS = {
-    "backend/test_compiled_layer_compile.py": 450, "notebooks/test_notebooks.py": 330, "notebooks/test_notebooks_families.py": 330,
+    "browser/test_long_notebook_runs_browser.py": 650, "browser/test_notebook_runs_browser.py": 500,
+    "backend/test_compiled_layer_compile.py": 450,
+    "notebooks/test_notebooks.py": 210,
     "backend/test_compiled_layer.py": 250, "backend/test_compiled_layer_tp.py": 200, "launch/test_multinode.py": 290,
     "conversion/test_convert_streaming.py": 280, "models/test_t5_train.py": 240, "backend/test_backend_train.py": 300,
     "backend/test_compiled_dropout.py": 250, "conversion/test_conversion.py": 215, "launch/test_loopback_only.py": 180,

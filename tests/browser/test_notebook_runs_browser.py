@@ -1,13 +1,20 @@
 """The notebooks as a researcher runs them in JupyterLab (headless Chromium; set-up in conftest.py).
 
-- Every notebook runs to the end through "Run All" with its own defaults (no parameter injected): no cell
-  fails, every cell runs, every widget is drawn, the console stays clean; what it shows looks like what its
-  model family does (BERT fills in words, T5 fills in its sentinels with words; the interleaved Gantt chart
-  is drawn at a scale where its block labels are readable).
+- Every notebook but the quickstart runs to the end through "Run All" with its own defaults (no parameter
+  injected): this is the one run of each with its defaults in CI (``BROWSER_RUNS`` in
+  ``tests/support/notebook_checks.py``; the quickstart's runs headless through papermill, in
+  ``tests/notebooks/test_notebooks.py``, because its checks read what papermill's injected ``out_dir`` collects).
+  On the page: no cell fails, every cell runs, every widget is drawn, the console stays clean; what it shows looks
+  like what its model family does (BERT fills in words, T5 fills in its sentinels with words; the interleaved Gantt
+  chart is drawn at a scale where its block labels are readable).  On the copy JupyterLab saved: the checks the
+  papermill run applies (``check_shows``: written to the notebook convention, no error, every cell run, and the
+  notebook's own checks of what it shows and of the runs it names), and it exports to HTML.
 - Saved and reopened, a notebook keeps the figures of its runs: each cell that watched a run shows PNG
   figures and no "Error displaying widget"; its HTML export carries them too.
-- Stop during "Run All" halts the notebook: the watching cell says so in one line and the cells below it
-  do not run (no evaluation, no generation, no metrics written on the stopped run).
+- Stop during "Run All" halts the notebook (the quickstart): the watching cell says so in one line and the cells
+  below it do not run (no evaluation, no generation, no metrics written on the stopped run); saved and reopened, it
+  keeps the figures of the run up to the stop (the quickstart's widgets and dashboard are otherwise used in
+  ``test_notebooks_in_jupyterlab.py``).
 
 A screenshot of every step goes to ``<artefacts>/screenshots``.
 """
@@ -21,13 +28,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.test_notebooks_in_jupyterlab import NOTEBOOKS, TEXT_REPR, Notebook, _alive, _wait_text
+from tests.browser.test_notebooks_in_jupyterlab import TEXT_REPR, Notebook, _alive, _wait_text
+from tests.support.notebook_checks import BROWSER_RUNS, check_shows
 
 pytestmark = pytest.mark.slow
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-ALL = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
-RUN_ALL_SECONDS = {"07_bert": 900, "08_t5": 600, "01_quickstart": 420}
+RUN_ALL_SECONDS = {"07_bert": 900, "08_t5": 600}
 WATCH = re.compile(r"(^|\W)watch\(")
 
 CELL_SOURCES_JS = """() => {
@@ -125,8 +132,34 @@ def _close(page, lab) -> None:
             pass
 
 
-@pytest.mark.parametrize("name", ALL)
+def _figures_not_widgets(nb: Notebook, watch_cells: list[int]) -> None:
+    """The cells that watched a run show its figures as PNG outputs, not only a widget."""
+    by_cell = _code_outputs(nb)
+    for i in watch_cells:
+        assert not [o for o in by_cell.get(i, []) if o["widget"]], f"{nb.name}: cell {i} still holds the dashboard widget"
+
+
+def _saved(lab, name: str):
+    """The copy of the notebook as JupyterLab saved it (``Notebook.close``)."""
+    import nbformat
+
+    return nbformat.read(lab["root"] / f"{name}.ipynb", as_version=4)
+
+
+#: the longest runs (~10 minutes together on a 2-core machine): ``test_long_notebook_runs_browser.py`` takes them, so
+#: the two files go to two workers
+LONG = ("07_bert", "08_t5", "09_moe")
+
+
+@pytest.mark.parametrize("name", [n for n in BROWSER_RUNS if n not in LONG])
 def test_notebook_runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name):
+    runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name)
+
+
+def runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name: str) -> None:
+    """Run All with the notebook's defaults, its checks on the page and on the saved copy, then reopened."""
+    from nbconvert import HTMLExporter
+
     nb = Notebook(browser, lab, artefacts, name, {})
     try:
         took = nb.run_all(RUN_ALL_SECONDS.get(name, 300))
@@ -136,24 +169,24 @@ def test_notebook_runs_with_its_defaults_and_keeps_its_figures(browser, lab, art
         shown = nb.page.evaluate(OUTPUT_TEXT_JS)
         scales = nb.page.evaluate(IMAGES_JS)
         watch_cells = _watch_cells(nb)
-        by_cell = _code_outputs(nb)
-        for i in watch_cells:  # the run's figures are PNG outputs, not only a widget
-            assert not [o for o in by_cell.get(i, []) if o["widget"]], f"{name}: cell {i} still holds the dashboard widget"
+        _figures_not_widgets(nb, watch_cells)
         assert not nb.console, nb.console
     finally:
         nb.shot("end")
         nb.close()  # saves the copy
+    saved = _saved(lab, name)
+    check_shows(saved, name)  # what the papermill run checked: tests/support/notebook_checks.py
+    body, _ = HTMLExporter().from_notebook_node(saved)
+    assert body.strip(), f"{name}: empty HTML export"
     if watch_cells:
-        _keeps_its_figures(browser, lab, artefacts, nb, watch_cells)
+        _keeps_its_figures(browser, lab, artefacts, nb, watch_cells, saved, body)
     _shows_like_its_family(name, shown, scales)
 
 
-def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells: list[int]) -> None:
-    import nbformat
-
+def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells: list[int], saved, html: str) -> None:
+    """Saved (``saved``: the copy's notebook; ``html``: its HTML export) and reopened: every cell that watched a run
+    shows its figures, no "model not found"."""
     name = nb.name
-    # saved and reopened: every cell that watched a run shows its figures, no "model not found"
-    saved = nbformat.read(lab["root"] / f"{name}.ipynb", as_version=4)
     for i in watch_cells:
         data = [o.get("data", {}) for o in saved.cells[i].get("outputs", [])]
         assert any("image/png" in d for d in data), f"{name}: cell {i} saved without its figures"
@@ -169,14 +202,13 @@ def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells:
             assert "Error displaying widget" not in cell.inner_text(), f"{name}: reopened cell {i}: {cell.inner_text()[:500]}"
     finally:
         _close(page, lab)
-    from nbconvert import HTMLExporter
-
-    body, _ = HTMLExporter().from_notebook_node(saved)
-    assert body.count("data:image/png") >= len(watch_cells)
+    assert html.count("data:image/png") >= len(watch_cells)
 
 
 def test_stop_during_run_all_halts_the_notebook(browser, lab, artefacts):
-    """01 with a long run: "Run All", then stop from the dashboard while it trains."""
+    """01 with a long run: "Run All", then stop from the dashboard while it trains; saved and reopened, the watching
+    cell keeps the figures of the run up to the stop."""
+    from nbconvert import HTMLExporter
     from playwright.sync_api import expect
 
     out = artefacts / "stop-out"
@@ -204,6 +236,7 @@ def test_stop_during_run_all_halts_the_notebook(browser, lab, artefacts):
         assert said.startswith("The run was stopped at iteration") and "Traceback" not in said, said
         assert "(the stop button)" in said and "queued cell" in said, said  # Run All queued the cells below
         expect(cell.locator(".jp-OutputArea-output img").first).to_be_visible()  # the figures up to the stop
+        _figures_not_widgets(nb, [watch_cell])
         # nothing below it ran: no evaluation, no metrics, no generation on the stopped run
         counts = page.evaluate("""() => window.jupyterapp.shell.currentWidget.content.widgets.map(
             c => c.model.type === 'code' ? c.model.executionCount : 'md')""")
@@ -215,4 +248,7 @@ def test_stop_during_run_all_halts_the_notebook(browser, lab, artefacts):
         assert not nb.console, nb.console
     finally:
         nb.shot("end")
-        nb.close()
+        nb.close()  # saves the copy
+    saved = _saved(lab, nb.name)
+    body, _ = HTMLExporter().from_notebook_node(saved)
+    _keeps_its_figures(browser, lab, artefacts, nb, [watch_cell], saved, body)

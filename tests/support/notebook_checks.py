@@ -1,8 +1,19 @@
-"""The notebook tests' shared part (``tests/notebooks``): run a notebook of ``notebooks/`` headless with its own defaults,
-and the checks of what each one shows.
+"""The notebook tests' shared part: the checks of what each notebook of ``notebooks/`` shows when it runs with its own
+defaults, and the headless run of those that run through papermill.
 
-The notebooks show results and never assert: a check that can fail belongs here, reading the executed
-notebook's outputs and the run directories it names (``run directory: ...``).  Convention for notebook
+Each notebook runs with its defaults once in CI, in one of two paths:
+
+- headless through papermill (``workbench notebook run`` in a fresh process: :func:`run_with_defaults`, called by
+  ``tests/notebooks/test_notebooks.py``): :data:`PAPERMILL_RUNS`, the quickstart alone -- the README's main path,
+  and its checks (:data:`PAPERMILL_CHECKS`) read the ``metrics.json`` and the run directory that the injected
+  ``out_dir`` puts next to the executed notebook, and the command's own output;
+- "Run All" in JupyterLab in headless Chromium (``tests/browser/test_notebook_runs_browser.py``): :data:`BROWSER_RUNS`,
+  every other notebook; the test applies the same checks to the copy JupyterLab saved.
+
+Both paths apply :func:`check_executed` and the notebook's entry of :data:`CHECKS`, which read only the executed
+notebook's outputs and the run directories it names (``run directory: ...``, absolute paths).
+
+The notebooks show results and never assert: a check that can fail belongs here.  Convention for notebook
 authors: a cell tagged ``parameters`` declares ``ci = False`` (and ``out_dir = None`` if the notebook writes
 ``metrics.json`` for ``workbench sweep``, runs or exports); with its defaults the notebook must finish on
 a 2-core CPU machine in a few minutes (it picks CPU-sized runs when no GPU is visible).
@@ -22,11 +33,13 @@ from workbench.run.reader import read_events
 from tests.support import ROOT, run_in_fresh_process
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-#: the model-family notebooks (the longest): test_notebooks_families.py runs them, test_notebooks.py every other one,
-#: so the two files can run on two workers side by side
-FAMILY_NOTEBOOKS = ("07_bert", "08_t5", "09_moe")
-#: seconds one attempt may take on a busy 2-core machine (a hung kernel is retried, see run_in_fresh_process)
-SECONDS = {"01_quickstart": 600, "07_bert": 900, "08_t5": 600}
+#: the notebooks that run with their defaults headless through papermill (``tests/notebooks/test_notebooks.py``)
+PAPERMILL_RUNS = ("01_quickstart",)
+#: the notebooks that run with their defaults in JupyterLab (``tests/browser/test_notebook_runs_browser.py``): every
+#: other one, so a new notebook is covered there without being named anywhere
+BROWSER_RUNS = tuple(p.stem for p in NOTEBOOKS if p.stem not in PAPERMILL_RUNS)
+#: seconds one papermill attempt may take on a busy 2-core machine (a hung kernel is retried, see run_in_fresh_process)
+SECONDS = {"01_quickstart": 600}
 
 
 def _parameters_cell(nb) -> str | None:
@@ -72,15 +85,28 @@ def _losses(run_dir: Path) -> list[float]:
     return [e["loss"] for e in read_events(run_dir) if e["event"] == "step" and e.get("rank", 0) == 0]
 
 
-def run_with_defaults(path: Path, tmp_path: Path) -> None:
-    """Execute ``path`` with its own defaults (``workbench notebook run`` in a fresh process) and check what it shows:
-    no error, every cell run, the HTML written, and its own checks (:data:`CHECKS`)."""
-    nb = nbformat.read(str(path), as_version=4)
+def check_executed(nb, name: str) -> None:
+    """What any notebook run with its defaults must be, whichever path ran it: written to the convention (a cell
+    tagged ``parameters`` declaring ``ci = False``; no ``assert`` in its cells), no error output, every code cell run."""
     params = _parameters_cell(nb)
-    assert params is not None, f"{path.name}: no cell tagged 'parameters'"
-    assert "ci = False" in params.replace("ci=False", "ci = False"), f"{path.name}: the parameters cell must declare ci = False"
+    assert params is not None, f"{name}: no cell tagged 'parameters'"
+    assert "ci = False" in params.replace("ci=False", "ci = False"), f"{name}: the parameters cell must declare ci = False"
     assert not [c for c in nb.cells if c.cell_type == "code" and re.search(r"^\s*assert\b", c.source, re.M)], \
-        f"{path.name}: a notebook shows results; its checks belong in tests/notebooks"
+        f"{name}: a notebook shows results; its checks belong in tests/support/notebook_checks.py"
+    assert _errors(nb) == [], f"{name}: {_errors(nb)}"
+    assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code"), f"{name}: a cell did not run"
+
+
+def check_shows(nb, name: str) -> None:
+    """:func:`check_executed`, then the notebook's own checks (:data:`CHECKS`), on the executed notebook ``nb``."""
+    check_executed(nb, name)
+    CHECKS.get(name, lambda nb: None)(nb)
+
+
+def run_with_defaults(path: Path, tmp_path: Path) -> None:
+    """Execute ``path`` with its own defaults (``workbench notebook run`` in a fresh process: papermill injects
+    ``out_dir``) and check what it shows: it exits 0, the HTML written, :func:`check_shows`, and its papermill-only
+    checks (:data:`PAPERMILL_CHECKS`)."""
     out = tmp_path / path.stem
     proc = run_in_fresh_process(
         [sys.executable, "-m", "workbench.cli", "notebook", "run", str(path), "--out", str(out), "--quiet", "--timeout", "900"],
@@ -88,16 +114,15 @@ def run_with_defaults(path: Path, tmp_path: Path) -> None:
     executed_path = out / f"{path.stem}.ipynb"
     assert proc.returncode == 0, f"{path.name} failed (exit {proc.returncode}): {proc.stderr[-3000:]}; executed notebook: {executed_path}"
     executed = nbformat.read(str(executed_path), as_version=4)
-    assert _errors(executed) == []
-    assert all(c.get("execution_count") for c in executed.cells if c.cell_type == "code"), f"{path.name}: a cell did not run"
     html = out / f"{path.stem}.html"
     assert html.exists() and html.stat().st_size > 0
-    CHECKS.get(path.stem, lambda *a: None)(executed, out, proc)
-
-
+    check_shows(executed, path.stem)
+    PAPERMILL_CHECKS.get(path.stem, lambda *a: None)(executed, out, proc)
 
 
 def _check_quickstart(nb, out: Path, proc) -> None:
+    """The quickstart's checks, papermill's run only: they read ``metrics.json`` in the injected ``out_dir``, the run
+    beside it and the command's output (``config: ...``), as well as what the notebook shows."""
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "finished"
     assert metrics["eval_loss"] > 0 and metrics["iteration"] >= 1
@@ -118,16 +143,16 @@ def _check_quickstart(nb, out: Path, proc) -> None:
     assert "->" in _text(_cell(nb, "generate_from_run("))
 
 
-def _check_conversion(nb, out: Path, proc) -> None:
+def _check_conversion(nb) -> None:
     assert re.search(r"max \|mcore - HF\| logits = \S+  ->  OK", _text(_cell(nb, "verify_against_hf(res.output")))
     assert "bit-identical: True" in _text(_cell(nb, "compare_hf_dirs(hf_dir, back.output)"))
 
 
-def _check_generation(nb, out: Path, proc) -> None:
+def _check_generation(nb) -> None:
     assert "same seed, same tokens: True" in _text(_cell(nb, "same seed, same tokens"))
 
 
-def _check_data(nb, out: Path, proc) -> None:
+def _check_data(nb) -> None:
     assert "decodes back to the same text: True" in _text(_cell(nb, "decodes back to the same text"))
 
 
@@ -155,7 +180,7 @@ def _demo_lines(text: str, name: str) -> list[str] | None:
     return [ln.strip() for ln in text.split("the demo model:", 1)[1].splitlines() if ln.strip()]
 
 
-def _check_bert(nb, out: Path, proc) -> None:
+def _check_bert(nb) -> None:
     pretrain, finetune = _run_dirs(nb)
     losses = _losses(pretrain)
     k = max(len(losses) // 8, 1)
@@ -179,7 +204,7 @@ def _check_bert(nb, out: Path, proc) -> None:
     assert f"{ev['accuracy']:.3f}" in _text(_cell(nb, "held-out accuracy"))
 
 
-def _check_t5(nb, out: Path, proc) -> None:
+def _check_t5(nb) -> None:
     losses = _losses(_run_dirs(nb)[0])
     assert losses[-1] < losses[0] - 1.0, "the loss should fall"
     spans = _cell(nb, "random_spans_noise_mask(len(text)")
@@ -203,7 +228,7 @@ def _wrapped_between_words(cell) -> bool:
     return any("word-break: normal" in o.get("data", {}).get("text/html", "") for o in cell.get("outputs", []))
 
 
-def _check_moe(nb, out: Path, proc) -> None:
+def _check_moe(nb) -> None:
     losses = _losses(_run_dirs(nb)[0])
     k = max(len(losses) // 4, 1)
     assert sum(losses[-k:]) / k < sum(losses[:k]) / k, "the MoE model's loss should fall"
@@ -212,5 +237,8 @@ def _check_moe(nb, out: Path, proc) -> None:
     assert "is not divisible by expert_parallel 3" in _text(refused) and _wrapped_between_words(refused)
 
 
-CHECKS = {"09_moe": _check_moe, "01_quickstart": _check_quickstart, "04_checkpoint_conversion": _check_conversion,
-          "05_generation": _check_generation, "06_data": _check_data, "07_bert": _check_bert, "08_t5": _check_t5}
+#: each notebook's own checks, on the executed notebook (either path: :func:`check_shows`)
+CHECKS = {"04_checkpoint_conversion": _check_conversion, "05_generation": _check_generation, "06_data": _check_data,
+          "07_bert": _check_bert, "08_t5": _check_t5, "09_moe": _check_moe}
+#: the checks that need papermill's run: the injected ``out_dir`` and the command's output (:func:`run_with_defaults`)
+PAPERMILL_CHECKS = {"01_quickstart": _check_quickstart}
