@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from workbench.plots.training import figure_png, frames_from_run, training_figure
 
-__all__ = ["Dashboard", "watch", "static_figures", "show_figures", "planner_memory", "is_headless", "RunEnded", "RunStopped", "RunFailed",
+__all__ = ["Dashboard", "watch", "static_figures", "figure_image", "show_figures", "planner_memory", "is_headless", "RunEnded", "RunStopped", "RunFailed",
            "wrap_words"]
 
 _STATUS_COLOURS = {"starting": "#888", "running": "#1f77b4", "finished": "#2ca02c", "failed": "#d62728", "stopped": "#ff7f0e"}
@@ -442,14 +442,15 @@ class Dashboard:
             if self.failure.layout.display != "none" and self.failure.value:
                 parts.append(self.failure.value)
             parts.append(f"<details><summary>log tail</summary>{self.log.value}</details>")
-            pngs = [w.value for w in (self.figure, self.schedule, self.router) if w.layout.display != "none" and w.value]
+            pngs = [(name, w.value) for name, w in (("training", self.figure), ("schedule", self.schedule), ("router", self.router))
+                    if w.layout.display != "none" and w.value]
         summary = HTML("".join(parts))
         if handle is not None:
             handle.update(summary)
         else:
             display(summary)
-        for png in pngs:
-            display(Image(data=bytes(png), format="png"))
+        for name, png in pngs:
+            display(figure_image(name, bytes(png)))
         _close_tree(self.widget)
 
     def static(self) -> list:
@@ -544,9 +545,15 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
 
 def static_figures(run, predicted_memory: Mapping[int, float] | float | None = None) -> list:
     """The training figure (and the measured pipeline schedule, when micro-batch events exist) as PNG images."""
+    return [figure_image(name, png) for name, png in _figure_pngs(run, predicted_memory)]
+
+
+def figure_image(name: str, png: bytes):
+    """A run figure as an IPython PNG image whose output names it (``metadata["image/png"]["workbench_figure"]``:
+    ``training``, ``schedule`` or ``router``), so a saved notebook says which figure each output is."""
     from IPython.display import Image
 
-    return [Image(data=png) for _, png in _figure_pngs(run, predicted_memory)]
+    return Image(data=png, format="png", metadata={"workbench_figure": name})
 
 
 def _figure_pngs(run, predicted_memory: Mapping[int, float] | float | None = None) -> list[tuple[str, bytes]]:
@@ -585,10 +592,10 @@ def show_figures(run, predicted_memory: Mapping[int, float] | float | None = Non
     ``<run_dir>/figures/<name>.png`` with one line naming each file.  Returns the files written ([] in a kernel)."""
     pngs = _figure_pngs(run, predicted_memory)
     if _in_kernel():
-        from IPython.display import Image, display
+        from IPython.display import display
 
-        for _, png in pngs:
-            display(Image(data=png))
+        for name, png in pngs:
+            display(figure_image(name, png))
         return []
     out_dir = Path(run.run_dir) / "figures"
     written = []
