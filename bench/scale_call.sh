@@ -5,6 +5,9 @@
 #           torchtitan 0.3.0 (bench/reference_torchtitan.py); micro-batches 4 a rank
 #   CALL=2: the one-GPU default path, PP=2 (1F1B) and TP=2 + SP at the same global batch (8 micro-batches), the
 #           first repeat of pp2-m8 and tp2-sp profiled (wall vs device time, kernels)
+#   CALL=5 / CALL=6: CALL=2 in two calls that fit 10 minutes (CALL=2 ran 2 of its 3 repeats a side in 520 s at
+#           c5255f4: one-GPU repeats ~70 s, PP=2 / TP=2 ~50-80 s, a profiled first repeat ~150 s): the one-GPU path
+#           beside PP=2 (1F1B, profiled), or beside TP=2 + SP (profiled)
 #   CALL=3: the plain FSDP2 loop (bench/reference_fsdp2.py) beside torchtitan and DP=2 + distributed optimizer
 #   CALL=4: PP=2 interleaved (VPP=2) and PP=2 without CUDA graphs beside PP=2, same batch as CALL=2
 # Rows go to OUTDIR/train_throughput.jsonl (device, date, commit, versions, MFU, memory, kernel path), logs to
@@ -12,7 +15,7 @@
 #   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT
 set -u
 out="${1:?usage: scale_call.sh OUTDIR}"
-call="${CALL:?set CALL=1, 2, 3 or 4}"
+call="${CALL:?set CALL=1 to 6}"
 model="${MODEL:-llama3.2-3b}"
 mkdir -p "$out"
 source tests/gpu_proofs/device_env.sh || exit 1
@@ -28,8 +31,10 @@ case "$call" in
   1) bench "${LIMIT:-570}" --microbatches 4 --variants "$(names workbench dp2-distopt torchtitan)" ;;
   2) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench pp2-m8 tp2-sp)" --profile \
        --profile-variants "pp2-m8/$model,tp2-sp/$model" ;;
+  5) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench pp2-m8)" --profile --profile-variants "pp2-m8/$model" ;;
+  6) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench tp2-sp)" --profile --profile-variants "tp2-sp/$model" ;;
   3) bench "${LIMIT:-570}" --microbatches 4 --variants "$(names dp2-distopt torchtitan fsdp2)" ;;
   4) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names pp2-m8 pp2-vpp2-m8 pp2-m8-nograph)" ;;
-  *) echo "CALL must be 1, 2, 3 or 4" >&2; exit 2 ;;
+  *) echo "CALL must be 1 to 6" >&2; exit 2 ;;
 esac
 cd "$out" && tar czf logs.tgz *.log && rm -f *.log
