@@ -36,6 +36,7 @@ from typing import Any, Literal
 __all__ = [
     "KernelChoice",
     "choose",
+    "decided",
     "fast_paths_wanted",
     "layer_blocker",
     "graphs_off_reason",
@@ -396,6 +397,14 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         experts=_experts_slot(cfg, attention, fast),
         **_fp8_slot(t.fp8, layer, attention, m.hidden_size),
     )
+
+
+def decided(cfg: Any, config: Any = None) -> KernelChoice:
+    """The decision a model was built with: the one its TransformerConfig carries (``workbench_kernels``: made once
+    by ``workbench.backend.model.transformer_config``, the trainer's own for a training run), else :func:`choose`'s
+    for ``cfg`` now.  Spec builders and the compiled layer's summary read it instead of deciding again."""
+    made = getattr(config, "workbench_kernels", None)
+    return made if made is not None else choose(cfg)
 
 
 def _experts_slot(cfg: Any, attention: str, fast: bool) -> str:

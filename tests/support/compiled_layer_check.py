@@ -57,7 +57,7 @@ def _build(cfg, layer_cls):
     spec = gm.layer_spec(cfg)
     spec.module = layer_cls
     orig = gm.layer_spec
-    gm.layer_spec = lambda _cfg: spec
+    gm.layer_spec = lambda *_args: spec
     try:
         torch.manual_seed(0)
         return build_model(cfg)

@@ -776,7 +776,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                     raise RuntimeError(f"train.fp8: {why_not}; fix: train.fp8: off")
                 notes["fp8"] = (f"FP8 GEMMs ({compiled[0]._static['fp8']} scaling, torch._scaled_mm) in the "
                                 f"{len(compiled)}/{len(layers)} compiled layers: {GEMMS}")
-                if fp8_note := kernel_rule.choose(cfg).fp8_note:
+                if fp8_note := kernel_rule.decided(cfg, compiled[0].config).fp8_note:
                     notes["fp8"] += f"; {fp8_note}"
             if compiled[0].hidden_dropout or compiled[0]._attention_dropout:
                 notes["layer"] += (f", dropout in the graph (hidden {compiled[0].hidden_dropout:g}, "
@@ -798,7 +798,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             elif compiled[0].config.cuda_graph_impl == "local":
                 notes["cuda_graphs"] = ("compiled layers' forward+backward replayed as megatron's CUDA graphs, one per "
                                         "layer and micro-batch in the pipeline schedule's order (recorded in the first step)")
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.choose(cfg).cuda_graphs_reason):
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.decided(cfg, compiled[0].config).cuda_graphs_reason):
                 notes["cuda_graphs_off"] = why_off
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
@@ -806,7 +806,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if any(getattr(m, "config", None) is not None and m.config.cuda_graph_impl == "local" for m in layers):
                 notes["cuda_graphs"] = ("layers' forward+backward replayed as megatron CUDA graphs (cuda_graph_impl local, "
                                         "TE's RNG tracker), recorded after the first steps")
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.choose(cfg).cuda_graphs_reason):
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.decided(cfg, getattr(layers[0], "config", None)).cuda_graphs_reason):
                 notes["cuda_graphs_off"] = why_off
     _STATE.update(notes)
     return notes

@@ -77,6 +77,9 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_tp_comm_overlap: bool = False
     #: train.fp8 on the compiled layer: "tensorwise" | "rowwise" | "delayed" (:mod:`workbench.backend.fp8`), None = off.
     workbench_fp8: Optional[str] = None
+    #: the kernel rule's decision for this model, made once (:func:`transformer_config`); the spec builders read it
+    #: through :func:`workbench.kernel_rule.decided`
+    workbench_kernels: Optional[kernel_rule.KernelChoice] = None
 
 
 class RecomputedMLP(MLP):
@@ -99,9 +102,9 @@ class RecomputedMLP(MLP):
         return tensor_parallel.checkpoint(run, False, hidden_states), None
 
 
-def attention_impl(cfg: RunConfig) -> str:
+def attention_impl(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoice] = None) -> str:
     """Which core attention this config gets: 'te', 'sdpa' or 'local' (:func:`workbench.kernel_rule.choose`)."""
-    impl = kernel_rule.choose(cfg).attention
+    impl = (kernels or kernel_rule.choose(cfg)).attention
     if impl == "te" and not kernel_rule.te_available():
         raise ValueError(f"model.attention_backend is 'te' but Transformer Engine is not usable here "
                          f"({kernel_rule.te_status()[1]}); use 'auto' or 'sdpa'")
@@ -139,11 +142,10 @@ def layer_class(choice: kernel_rule.KernelChoice) -> type:
     return GraphedTransformerLayer if choice.cuda_graphs_impl == "megatron" else TransformerLayer
 
 
-def _fp8_fields(cfg: RunConfig) -> dict[str, Any]:
+def _fp8_fields(choice: kernel_rule.KernelChoice) -> dict[str, Any]:
     """train.fp8 where the kernel rule runs it: the compiled layer's torch GEMMs (``workbench_fp8``), or
     megatron's fp8 config for Transformer Engine's layer (E4M3 forward / E5M2 gradients; its TransformerBlock
     enters TE's fp8 context per layer).  Delayed scaling keeps TE's default amax history (1024 steps, max)."""
-    choice = kernel_rule.choose(cfg)
     if choice.fp8_impl == "torch":
         return {"workbench_fp8": choice.fp8}
     if choice.fp8_impl == "te":
@@ -154,12 +156,12 @@ def _fp8_fields(cfg: RunConfig) -> dict[str, Any]:
     return {}
 
 
-def training_step_fields(cfg: RunConfig) -> dict[str, Any]:
+def training_step_fields(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoice] = None) -> dict[str, Any]:
     """TransformerConfig fields of the training step alone, where the kernel rule says so: megatron's per-layer
     CUDA graphs (``cuda_graphs_impl == "megatron"``: TE's layer, the compiled layer under pipeline parallelism; a
     graph-safe RNG tracker, TE's where TE is usable, which ``distributed`` seeds) and TE's userbuffers (``tp_overlap == "userbuffers"``; :func:`workbench.backend.tp_overlap.initialize_userbuffers`
     sizes them for the training micro-batch).  Generation, conversion and verification build without them."""
-    choice = kernel_rule.choose(cfg)
+    choice = kernels or kernel_rule.choose(cfg)
     fields: dict[str, Any] = {}
     if choice.cuda_graphs_impl == "megatron":
         fields.update(cuda_graph_impl="local", use_te_rng_tracker=choice.transformer_engine)
@@ -184,10 +186,14 @@ def transformer_config_overrides(cfg: Any) -> dict[str, Any]:
     }
 
 
-def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformerConfig:
-    """The mcore TransformerConfig for a RunConfig (parallel sizes, dtypes, recompute, kernels)."""
+def transformer_config(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoice] = None,
+                       **overrides: Any) -> WorkbenchTransformerConfig:
+    """The mcore TransformerConfig for a RunConfig (parallel sizes, dtypes, recompute, kernels).  ``kernels``: the
+    kernel rule's decision (the trainer's, made once for the run; default :func:`workbench.kernel_rule.choose` now),
+    carried as ``workbench_kernels`` for every builder of the model."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    impl = attention_impl(cfg)  # refuses attention_backend 'te' where TE is not usable
+    kernels = kernels or kernel_rule.choose(cfg)
+    impl = attention_impl(cfg, kernels)  # refuses attention_backend 'te' where TE is not usable
     dtype = _dtype(cfg)
     cpu = p.device == "cpu"
     kwargs: dict[str, Any] = dict(
@@ -235,10 +241,11 @@ def transformer_config(cfg: RunConfig, **overrides: Any) -> WorkbenchTransformer
         overlap_p2p_comm=(not cpu) and p.vpp > 1,
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
-        workbench_tp_comm_overlap=kernel_rule.choose(cfg).tp_overlap == "compiled",
+        workbench_tp_comm_overlap=kernels.tp_overlap == "compiled",
+        workbench_kernels=kernels,
     )
-    kwargs.update(_fp8_fields(cfg))
-    kwargs.update(family_of(cfg).transformer_fields(cfg, kernel_rule.choose(cfg)))  # e.g. GPT's MoE layers (workbench.models.common.moe)
+    kwargs.update(_fp8_fields(kernels))
+    kwargs.update(family_of(cfg).transformer_fields(cfg, kernels))  # e.g. GPT's MoE layers (workbench.models.common.moe)
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
         kwargs.update(num_layers_in_first_pipeline_stage=stage_layers[0], num_layers_in_last_pipeline_stage=stage_layers[-1])
@@ -309,9 +316,9 @@ def self_attention_layer_spec(cfg: RunConfig, choice: kernel_rule.KernelChoice, 
     )
 
 
-def kernel_path(cfg: RunConfig) -> dict[str, str]:
+def kernel_path(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoice] = None) -> dict[str, str]:
     """What each kernel slot resolves to for this config (goes into the run_start event)."""
-    choice = kernel_rule.choose(cfg)
+    choice = kernels or kernel_rule.choose(cfg)
     impl = choice.attention
     attn = {
         "te": "Transformer Engine DotProductAttention",

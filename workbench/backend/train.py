@@ -122,7 +122,10 @@ class Trainer:
         from workbench.backend.tp_overlap import initialize_userbuffers
 
         userbuffers = initialize_userbuffers(cfg)  # TE's layer at TP > 1: before the model's TE linears are built
-        tc = transformer_config(cfg, **training_step_fields(cfg))
+        # the one kernel rule's decision for this process (workbench.kernel_rule.choose), what the planner assumed:
+        # made once here, carried by the TransformerConfig to every builder of the model (kernel_rule.decided)
+        choice = kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
+        tc = transformer_config(cfg, choice, **training_step_fields(cfg, choice))
         self.tconfig = tc
         vpp = p.vpp
         chunks = []
@@ -131,8 +134,6 @@ class Trainer:
             pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
             chunks.append(build_model(cfg, pre_process=pre, post_process=post, vp_stage=vp, config=tc))
-        # the one kernel rule's decision for this process (workbench.kernel_rule.choose), what the planner assumed
-        choice = kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
         if self.cuda:  # the kernel rule's SDPA backend order, for this training process (kernel_rule.KernelChoice.sdpa_order)
             from workbench.backend.attention import apply_sdpa_order
 
@@ -188,7 +189,7 @@ class Trainer:
 
         self.timer = timing.MicrobatchTimer(cuda=self.cuda)
         timing.install()
-        self.kernel_path = kernel_path(cfg)
+        self.kernel_path = kernel_path(cfg, choice)
         self.kernel_choice = choice.to_dict()
         self.kernel_path["optimizer"] = self._optimizer_path()
         self.kernel_path.update(fusion_entries(compiled_layer.summary()))

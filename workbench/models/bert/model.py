@@ -56,9 +56,10 @@ from workbench.config import RunConfig, derive
 __all__ = ["layer_spec", "block_spec", "build", "WorkbenchBertModel", "WorkbenchBertLMHead"]
 
 
-def layer_spec(cfg: RunConfig) -> ModuleSpec:
-    """The BERT layer: TE's BERT spec when the rule picks TE, else megatron linears + workbench attention / norms."""
-    choice = kernel_rule.choose(cfg)
+def layer_spec(cfg: RunConfig, choice: Optional[kernel_rule.KernelChoice] = None) -> ModuleSpec:
+    """The BERT layer: TE's BERT spec when the rule picks TE, else megatron linears + workbench attention / norms
+    (``choice``: the kernel rule's decision the model is built with; default :func:`workbench.kernel_rule.choose`)."""
+    choice = choice or kernel_rule.choose(cfg)
     if choice.attention == "te":
         from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
 
@@ -69,7 +70,8 @@ def layer_spec(cfg: RunConfig) -> ModuleSpec:
 def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     """Layer specs for this pipeline stage plus the final norm (the workbench's, so SP works)."""
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(cfg)] * n, layer_norm=norm_module(cfg, kernel_rule.choose(cfg)))
+    choice = kernel_rule.decided(cfg, config)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(cfg, choice)] * n, layer_norm=norm_module(cfg, choice))
 
 
 class WorkbenchBertLMHead(MegatronModule):
@@ -216,7 +218,7 @@ def build(
         rotary_percent=m.rotary_percent,
         add_binary_head=m.add_binary_head,
         vp_stage=vp_stage,
-        norm=norm_module(cfg, kernel_rule.choose(cfg)),
+        norm=norm_module(cfg, kernel_rule.decided(cfg, config)),
         add_pooler=m.add_pooler,
         num_labels=m.num_labels,
         masked_per_sequence=masked_per_sequence(cfg),

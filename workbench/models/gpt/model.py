@@ -47,11 +47,12 @@ if not any(isinstance(f, _DropGPTDeprecation) for f in _gpt_logger.filters):
     _gpt_logger.addFilter(_DropGPTDeprecation())
 
 
-def layer_spec(cfg: RunConfig) -> ModuleSpec:
+def layer_spec(cfg: RunConfig, choice: Optional[kernel_rule.KernelChoice] = None) -> ModuleSpec:
     """The transformer-layer spec: TE's GPT spec when the rule picks TE, megatron's local spec for
     ``attention_backend: local``, else the workbench's causal self-attention layer
-    (:func:`workbench.backend.model.self_attention_layer_spec`); per-head q/k norms where ``model.qk_layernorm``."""
-    choice = kernel_rule.choose(cfg)
+    (:func:`workbench.backend.model.self_attention_layer_spec`); per-head q/k norms where ``model.qk_layernorm``.
+    ``choice``: the kernel rule's decision the model is built with (default: :func:`workbench.kernel_rule.choose`)."""
+    choice = choice or kernel_rule.choose(cfg)
     qk = bool(cfg.model.qk_layernorm)
     if choice.attention == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -73,11 +74,11 @@ def _with_qk_norms(spec: ModuleSpec, norm: type) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
 
 
-def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec) -> ModuleSpec:
+def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec, choice: Optional[kernel_rule.KernelChoice] = None) -> ModuleSpec:
     """An MoE layer's spec: TE's GPT spec with experts (TE's grouped MLP where the kernel rule says) on TE's
     layer, else ``dense`` with megatron's ``MoELayer`` as its MLP (:func:`workbench.backend.moe_experts.moe_mlp`:
     the rule's experts).  The pre-MLP norm keeps its own checkpoint name, as on TE's MoE spec."""
-    choice = kernel_rule.choose(cfg)
+    choice = choice or kernel_rule.choose(cfg)
     if choice.attention == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -94,14 +95,15 @@ def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec) -> ModuleSpec:
 
 def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     """Layer specs for this pipeline stage (MoE layers where :func:`workbench.models.common.moe.moe_layers` says) plus the
-    final norm (the workbench's, so SP works)."""
-    spec = layer_spec(cfg)
+    final norm (the workbench's, so SP works); every kernel slot from the decision ``config`` carries."""
+    choice = kernel_rule.decided(cfg, config)
+    spec = layer_spec(cfg, choice)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     specs = [spec] * n
     if moe.is_moe(cfg):
-        pattern, offset, expert = moe.moe_layers(cfg), get_transformer_layer_offset(config, vp_stage=vp_stage), moe_layer_spec(cfg, spec)
+        pattern, offset, expert = moe.moe_layers(cfg), get_transformer_layer_offset(config, vp_stage=vp_stage), moe_layer_spec(cfg, spec, choice)
         specs = [expert if pattern[offset + i] else spec for i in range(n)]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_module(cfg, kernel_rule.choose(cfg)))
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_module(cfg, choice))
 
 
 def build(

@@ -121,9 +121,10 @@ def _te_layer_spec(decoder: bool) -> ModuleSpec:
         mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map=dict(TE_KEYS), **extra))
 
 
-def encoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
-    """Encoder layer: bidirectional self-attention under the padding mask, MLP; pre-norm."""
-    choice = kernel_rule.choose(cfg)
+def encoder_layer_spec(cfg: RunConfig, choice: Optional[kernel_rule.KernelChoice] = None) -> ModuleSpec:
+    """Encoder layer: bidirectional self-attention under the padding mask, MLP; pre-norm (``choice``: the kernel
+    rule's decision the model is built with; default :func:`workbench.kernel_rule.choose`)."""
+    choice = choice or kernel_rule.choose(cfg)
     if choice.attention == "te":
         return _te_layer_spec(decoder=False)
     norm = norm_module(cfg, choice)
@@ -132,9 +133,9 @@ def encoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
         pre_mlp_layernorm=norm, mlp=_mlp(), mlp_bda=get_bias_dropout_add))
 
 
-def decoder_layer_spec(cfg: RunConfig) -> ModuleSpec:
+def decoder_layer_spec(cfg: RunConfig, choice: Optional[kernel_rule.KernelChoice] = None) -> ModuleSpec:
     """Decoder layer: causal self-attention, cross-attention over the encoder output, MLP; pre-norm."""
-    choice = kernel_rule.choose(cfg)
+    choice = choice or kernel_rule.choose(cfg)
     if choice.attention == "te":
         return _te_layer_spec(decoder=True)
     norm = norm_module(cfg, choice)
@@ -283,10 +284,10 @@ def build(
     """
     config = config or transformer_config(cfg)
     m = cfg.model
-    choice = kernel_rule.choose(cfg)
+    choice = kernel_rule.decided(cfg, config)
     norm = norm_module(cfg, choice)
-    enc = TransformerBlockSubmodules(layer_specs=[encoder_layer_spec(cfg)] * m.num_layers, layer_norm=norm)
-    dec = TransformerBlockSubmodules(layer_specs=[decoder_layer_spec(cfg)] * m.decoder_layers, layer_norm=norm)
+    enc = TransformerBlockSubmodules(layer_specs=[encoder_layer_spec(cfg, choice)] * m.num_layers, layer_norm=norm)
+    dec = TransformerBlockSubmodules(layer_specs=[decoder_layer_spec(cfg, choice)] * m.decoder_layers, layer_norm=norm)
     model = WorkbenchT5Model(
         config=config,
         encoder_config=_with_layers(config, m.num_layers),
