@@ -99,4 +99,10 @@ if [ -n "$dry" ] || [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
+# JupyterLab settings the project ships (an overrides.d file of its own, so a person's overrides.json stays theirs):
+# the widget manager saves widget state into the notebook, so a saved notebook reopened without a kernel still shows
+# what its planner, schedule explorer and config form showed (issue #55; docs/notebooks.md)
+for f in launch/jupyterlab/overrides.d/*.json; do
+  install -D -m 644 "$f" "$venv/share/jupyter/lab/settings/overrides.d/$(basename "$f")"
+done
 echo "[setup] ready: $venv/bin/python ($("$venv/bin/python" -c 'import torch, megatron.core as m; print(f"torch {torch.__version__}, megatron-core {m.__version__}")' 2>/dev/null))"

@@ -146,11 +146,14 @@ class Notebook:
         return self.page.locator(".jp-Notebook .jp-CodeCell").last
 
     def close(self) -> None:
-        """Save the copy, close the page and shut its kernel down (each notebook's kernel holds memory)."""
-        self.command("docmanager:save")
+        """Save the copy (awaited: the tests read the saved file next), close the page and shut its kernel down (each
+        notebook's kernel holds memory)."""
         session = self.page.evaluate("() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.id || null")
-        time.sleep(1.0)
-        self.page.close()
+        try:
+            self.page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")  # its promise: the write
+            self.page.wait_for_function("() => !window.jupyterapp.shell.currentWidget?.context?.model?.dirty", timeout=60_000)
+        finally:
+            self.page.close()
         if session:
             req = urllib.request.Request(f"{self.lab['url']}/api/sessions/{session}?token={self.lab['token']}", method="DELETE")
             try:

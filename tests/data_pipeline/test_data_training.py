@@ -85,6 +85,8 @@ cfg = preset("bert-tiny", **{"train.micro_batch_size": 2, "train.global_batch_si
 stream = MicroBatchStream(SyntheticBertDataset(cfg.model.vocab_size, cfg.model.seq_length, 0), cfg, 0, workers=2)
 next(stream)
 keep = [stream, lambda: keep]  # a reference cycle, as a trainer's bound methods make: no __del__ before exit
+import multiprocessing.util  # its exit handler is registered again here, after the stream (get_logger does that)
+multiprocessing.util.get_logger()
 print(" ".join(str(w.pid) for w in stream._loader._workers), flush=True)
 """
 

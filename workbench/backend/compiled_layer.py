@@ -421,10 +421,11 @@ def _piece(name: str, tp_overlap: bool = False):
     return _compiled(name, _GRAPHS and torch.is_grad_enabled(), tp_overlap)
 
 
-def graphs_wanted(cfg: Any) -> bool:
-    """CUDA graphs for the compiled layers: what the kernel rule says, when compiling (not the
-    eager test mode) on a process that sees a GPU."""
-    return kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available()).cuda_graphs_impl == "torch" and _COMPILE
+def graphs_wanted(cfg: Any, config: Any = None) -> bool:
+    """CUDA graphs for the compiled layers: what the kernel rule says (the decision a built model's ``config``
+    carries, else the rule's now for a process that sees a GPU or not), when compiling (not the eager test mode)."""
+    made = getattr(config, "workbench_kernels", None) or kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
+    return made.cuda_graphs_impl == "torch" and _COMPILE and torch.cuda.is_available()
 
 
 def step_begin() -> None:
@@ -785,7 +786,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                 notes["layer"] += ", MLP recomputed in backward inside the graph"
             if compiled[0].config.recompute_granularity == "full":
                 notes["layer"] += ", under megatron's full recompute"
-            _GRAPHS = graphs_wanted(cfg)
+            _GRAPHS = graphs_wanted(cfg, compiled[0].config)
             if _GRAPHS:
                 from torch._dynamo import mark_static_address
 

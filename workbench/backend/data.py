@@ -18,8 +18,7 @@ would otherwise do between kernel launches while the GPU waits.  CPU mode builds
 
 from __future__ import annotations
 
-import atexit
-import weakref
+import multiprocessing.util
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -83,9 +82,21 @@ def _quiet_worker(_worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _close_at_exit(stream: "weakref.ref[MicroBatchStream]") -> None:
-    if (s := stream()) is not None:
-        s.close()
+def _end_workers(loader: Any) -> None:
+    """Stop a loader's workers: torch's own request, then a kill for any still alive.
+
+    The workers ignore SIGTERM (:func:`_quiet_worker`), so neither the loader's nor multiprocessing's exit path
+    (``terminate()``, then an unbounded ``join()``) can end one that did not stop on the loader's request: a process
+    that never closed its stream hung at exit (every bench worker, 200 s a repeat until its timeout)."""
+    workers = list(getattr(loader, "_workers", ()))
+    try:
+        if hasattr(loader, "_shutdown_workers"):
+            loader._shutdown_workers()
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.kill()
+            w.join(5)
 
 
 class _Count(torch.utils.data.Sampler):
@@ -119,6 +130,7 @@ class MicroBatchStream:
         self._micro = 0
         self._ahead: Optional[dict[str, torch.Tensor]] = None
         self._loader: Optional[Iterator[dict[str, torch.Tensor]]] = None
+        self._finalizer: Optional[multiprocessing.util.Finalize] = None
         if self.workers > 0:
             pin = self.device is not None and torch.device(self.device).type == "cuda"
             # fork: the workers inherit the dataset (megatron's index arrays, memory-mapped) without pickling it
@@ -128,8 +140,9 @@ class MicroBatchStream:
                 _MicroBatches(self.dataset, self._indices), batch_size=None, sampler=_Count(), num_workers=self.workers,
                 pin_memory=pin, prefetch_factor=2, multiprocessing_context="fork", persistent_workers=True,
                 worker_init_fn=_quiet_worker))
-            # before multiprocessing's own exit handler (registered earlier, so run later) would join them forever
-            atexit.register(_close_at_exit, weakref.ref(self))
+            # multiprocessing's exit handler runs finalizers with an exit priority before it terminates and joins its
+            # children, which would wait for ever on these (they ignore SIGTERM)
+            self._finalizer = multiprocessing.util.Finalize(self, _end_workers, args=(self._loader,), exitpriority=10)
 
     def _indices(self, k: int) -> list[int]:
         """Sample indices of the stream's micro-batch k."""
@@ -137,24 +150,11 @@ class MicroBatchStream:
         return microbatch_indices(step, micro, self.gbs, self.mbs, self.dp, self.dp_rank, self.consumed_samples)
 
     def close(self) -> None:
-        """End the loader's worker processes; also at this process's exit (:func:`_close_at_exit`) when nobody did.
-
-        The workers ignore SIGTERM (:func:`_quiet_worker`), so neither the loader's nor multiprocessing's exit path
-        (``terminate()``, then an unbounded ``join()``) can end one that did not stop on the loader's own request: a
-        process that never closed its stream hung at exit (every bench worker, 200 s a repeat until its timeout).
-        One still alive after the request is killed."""
-        loader, self._loader = self._loader, None
-        if loader is None:
-            return
-        workers = list(getattr(loader, "_workers", ()))
-        try:
-            if hasattr(loader, "_shutdown_workers"):
-                loader._shutdown_workers()
-        finally:
-            for w in workers:
-                if w.is_alive():
-                    w.kill()
-                w.join(5)
+        """End the loader's worker processes (:func:`_end_workers`); also when the stream is collected or this
+        process exits, whichever comes first, if nobody did."""
+        self._loader = None
+        if self._finalizer is not None:
+            self._finalizer()  # runs once
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self

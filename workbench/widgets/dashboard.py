@@ -433,7 +433,7 @@ class Dashboard:
         The polling thread is stopped first and everything is drawn once more from every event the run
         wrote, so the figures show each step the status line counts (a redraw the thread started on older
         events can no longer land over them)."""
-        from IPython.display import HTML, Image, display
+        from IPython.display import HTML, display
 
         self.close()
         with self._lock:
