@@ -423,9 +423,9 @@ def _piece(name: str, tp_overlap: bool = False):
 
 def graphs_wanted(cfg: Any, config: Any = None) -> bool:
     """CUDA graphs for the compiled layers: what the kernel rule says (the decision a built model's ``config``
-    carries, else the rule's now for a process that sees a GPU or not), when compiling (not the eager test mode)."""
-    made = getattr(config, "workbench_kernels", None) or kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
-    return made.cuda_graphs_impl == "torch" and _COMPILE and torch.cuda.is_available()
+    carries, else the rule's now: :func:`workbench.kernel_rule.decided`), when compiling (not the eager test mode) on
+    a process that sees a GPU."""
+    return kernel_rule.decided(cfg, config).cuda_graphs_impl == "torch" and _COMPILE and torch.cuda.is_available()
 
 
 def step_begin() -> None:
@@ -760,6 +760,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             notes["cross_entropy"] = "compiled F.cross_entropy (fp32 log-softmax)"
     layers = [m for chunk in model_chunks for m in _unwrap(chunk).modules() if isinstance(m, TransformerLayer)]
     if layers:
+        choice = kernel_rule.decided(cfg, getattr(layers[0], "config", None))  # what the model was built with
         compiled = [m for m in layers if isinstance(m, CompiledTransformerLayer) and m.fast_path_blocker is None]
         if compiled:
             notes["layer"] = f"compiled dense layer ({len(compiled)}/{len(layers)} layers)"
@@ -777,7 +778,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                     raise RuntimeError(f"train.fp8: {why_not}; fix: train.fp8: off")
                 notes["fp8"] = (f"FP8 GEMMs ({compiled[0]._static['fp8']} scaling, torch._scaled_mm) in the "
                                 f"{len(compiled)}/{len(layers)} compiled layers: {GEMMS}")
-                if fp8_note := kernel_rule.decided(cfg, compiled[0].config).fp8_note:
+                if fp8_note := choice.fp8_note:
                     notes["fp8"] += f"; {fp8_note}"
             if compiled[0].hidden_dropout or compiled[0]._attention_dropout:
                 notes["layer"] += (f", dropout in the graph (hidden {compiled[0].hidden_dropout:g}, "
@@ -799,7 +800,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             elif compiled[0].config.cuda_graph_impl == "local":
                 notes["cuda_graphs"] = ("compiled layers' forward+backward replayed as megatron's CUDA graphs, one per "
                                         "layer and micro-batch in the pipeline schedule's order (recorded in the first step)")
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.decided(cfg, compiled[0].config).cuda_graphs_reason):
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := choice.cuda_graphs_reason):
                 notes["cuda_graphs_off"] = why_off
         else:
             why = next((m.fast_path_blocker for m in layers if isinstance(m, CompiledTransformerLayer)), "stock spec")
@@ -807,7 +808,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if any(getattr(m, "config", None) is not None and m.config.cuda_graph_impl == "local" for m in layers):
                 notes["cuda_graphs"] = ("layers' forward+backward replayed as megatron CUDA graphs (cuda_graph_impl local, "
                                         "TE's RNG tracker), recorded after the first steps")
-            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := kernel_rule.decided(cfg, getattr(layers[0], "config", None)).cuda_graphs_reason):
+            elif getattr(cfg.train, "cuda_graphs", False) and (why_off := choice.cuda_graphs_reason):
                 notes["cuda_graphs_off"] = why_off
     _STATE.update(notes)
     return notes

@@ -96,7 +96,7 @@ def tp_overlap_pass() -> Any:
 _UB_LIVE = False
 
 
-def initialize_userbuffers(cfg: Any) -> Optional[str]:
+def initialize_userbuffers(cfg: Any, kernels: Any = None) -> Optional[str]:
     """TE's userbuffers for the training step, where the kernel rule runs them; a line for the kernel path
     (None where it does not).  Every rank calls it, after megatron's groups exist and before the model is
     built: TE bootstraps its communicators over NCCL (``bootstrap_backend``; no MPI needed) across the world.
@@ -110,7 +110,7 @@ def initialize_userbuffers(cfg: Any) -> Optional[str]:
     global _UB_LIVE
     from workbench import kernel_rule
 
-    choice = kernel_rule.choose(cfg)
+    choice = kernels or kernel_rule.choose(cfg)  # kernels: the trainer's decision
     if choice.tp_overlap != "userbuffers":
         return None
     import os

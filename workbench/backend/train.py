@@ -121,10 +121,10 @@ class Trainer:
 
         from workbench.backend.tp_overlap import initialize_userbuffers
 
-        userbuffers = initialize_userbuffers(cfg)  # TE's layer at TP > 1: before the model's TE linears are built
         # the one kernel rule's decision for this process (workbench.kernel_rule.choose), what the planner assumed:
         # made once here, carried by the TransformerConfig to every builder of the model (kernel_rule.decided)
         choice = kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
+        userbuffers = initialize_userbuffers(cfg, choice)  # TE's layer at TP > 1: before the model's TE linears are built
         tc = transformer_config(cfg, choice, **training_step_fields(cfg, choice))
         self.tconfig = tc
         vpp = p.vpp
