@@ -141,6 +141,11 @@ def _check_quickstart(nb, out: Path, proc) -> None:
     watched = _cell(nb, "watch(run)")
     assert "training" in figure_names(watched), "watch() should leave static plots"
     assert "->" in _text(_cell(nb, "generate_from_run("))
+    # the run browser over the notebook's folder, this run alone in it: its table, its figure and its value at the end
+    browser = _cell(nb, "RunBrowser(")
+    assert figure_names(browser) == ["compare"], figure_names(browser)
+    shown = _text(browser)
+    assert "1 run under" in shown and run_dir.name in shown and f"values at step {metrics['iteration']}" in shown, shown
 
 
 def _check_conversion(nb) -> None:
