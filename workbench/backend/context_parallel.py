@@ -1,0 +1,470 @@
+"""Context parallelism without Transformer Engine: load-balanced sequence sharding and ring attention over SDPA maths.
+
+Context parallelism (CP) splits each sequence over the ``cp`` ranks of a context-parallel group.  Every layer except
+core attention is per-token and runs on the local shard unchanged; core attention needs every key and value of the
+sequence, so the ranks pass their K/V blocks around a ring (:func:`ring_attention`).
+
+**Sharding (causal load balancing)**, as megatron-core (``get_batch_on_this_cp_rank``) and torchtitan
+(``_context_parallel`` "head-tail" load balancer) do it: the sequence of length ``s`` is cut into ``2 * cp`` chunks of
+``c = s / (2 * cp)`` tokens; rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, in that order
+(:func:`load_balanced_chunks`, :func:`shard_sequence`, :func:`unshard`).  Under a causal mask the work of a query
+grows with its position; pairing an early chunk with a late one gives every rank the same amount of attention work.
+The positions a rank holds (for RoPE, learned position embeddings) are those chunks' positions
+(:func:`shard_positions`).  A sequence length that ``2 * cp`` does not divide is refused.
+
+**Ring attention** (Liu et al. 2023; megatron-core's ``AttnFuncWithCPAndKVP2P``; torchtitan's ring over SDPA).  Each
+rank keeps its queries; at step ``i = 0 .. cp-1`` it holds the K/V block of rank ``src = (r - i) mod cp`` and computes
+that block's attention, while the K/V block of the next step is already travelling (one ``batch_isend_irecv``: send to
+``r + 1``, receive from ``r - 1``; gloo on CPU, NCCL on GPU).  The partial outputs ``O_i`` with their log-sum-exps
+``L_i`` (per query row) are merged in fp32::
+
+    L = log(exp(L_a) + exp(L_b)),   O = O_a * exp(L_a - L) + O_b * exp(L_b - L)
+
+With the load-balanced layout and a causal mask each step is one of three shapes (local halves ``[0:c]`` = chunk
+``r``, ``[c:2c]`` = chunk ``2cp-1-r``; the K/V halves are chunks ``src`` and ``2cp-1-src``):
+
+- ``src == r`` (step 0): both local chunks against both, causal.  Positions increase along the local shard, so this
+  is the ordinary causal triangle over the ``2c x 2c`` block.
+- ``src < r``: K/V chunk ``src`` precedes both query chunks, chunk ``2cp-1-src`` follows both: all ``2c`` queries
+  against the first K/V half, no mask (half a block of work).
+- ``src > r``: both K/V chunks precede query chunk ``2cp-1-r`` and follow query chunk ``r``: the second query half
+  against all ``2c`` keys, no mask (half a block of work).
+
+Every rank therefore does one causal ``2c x 2c`` block and ``cp - 1`` unmasked half blocks (``c x 2c`` or ``2c x c``):
+the same work on every rank, with nothing fully masked computed.  Without the load-balanced layout (a contiguous split)
+these three rules give wrong results, which the tests check.  Bidirectional attention (``causal=False``, BERT) does
+every step in full; an optional key padding mask (``kv_padding``, ``[b, s_local]``, True = padded) is all-gathered once
+and applied to each block (a query with no visible key gets a zero output and zero gradients).
+
+**Backward** (FlashAttention-2's recomputation): with the merged output ``O``, its log-sum-exp ``L`` and ``dO``,
+``D = rowsum(dO * O)``; per block ``P = exp(S - L)``, ``dV = P^T dO``, ``dS = P * (dO V^T - D)``, ``dQ = dS K * scale``,
+``dK = dS^T Q * scale``.  The K/V blocks go around the ring again; each block's ``dK/dV`` accumulator (fp32) travels
+with it and, after one last hop, arrives at its owner.  Grouped-query attention (fewer K/V heads) computes the query
+heads of a group against their shared K/V head (query head ``j`` uses K/V head ``j // (h / h_kv)``, SDPA's
+``enable_gqa`` order), so only ``h_kv`` heads travel and ``dK/dV`` sum over the group.
+
+Block kernels: ``impl="math"`` is plain PyTorch (each block's scores materialised, ``b * h * s_local^2`` fp32 at most;
+any device and dtype; the reference).  ``impl="flash"`` runs each block through torch's FlashAttention-2 op
+(``aten._scaled_dot_product_flash_attention`` and its backward, which return / take the log-sum-exp; CUDA, fp16 /
+bf16, no padding mask; K/V heads repeated per query group for the kernel, their gradients summed back), so no score
+matrix is kept; its backward gets the merged output and log-sum-exp, which makes each block's gradient exact.  The
+flash path has not run on a GPU yet (its test, ``test_cuda_cp2_flash_blocks_match_math_and_reference``, needs two);
+``impl="auto"`` takes math until it has.  Dropout inside attention, ALiBi and other additive biases, and packed
+sequences (THD) are not supported.
+
+**Communication volume** per CP rank, per attention layer, per micro-batch (``s_local = s / cp``; ``h_kv`` = K/V heads
+on this TP rank, ``d`` = head dim, ``e`` = bytes per element of K/V, 2 for bf16; ring hops go to one neighbour)::
+
+    forward   sent = (cp - 1) * 2 * b * s_local * h_kv * d * e                  (K and V, cp-1 hops)
+    backward  sent = (cp - 1) * 2 * b * s_local * h_kv * d * e                  (K and V again)
+                   +  cp      * 2 * b * s_local * h_kv * d * 4                  (dK, dV accumulators, fp32)
+    with activation recompute of the layer: one more forward.
+
+:func:`ring_bytes` computes these numbers for the planner.  Each hop of the forward overlaps the previous block's
+compute; the step is communication-bound when ``2 * s_local * h_kv * d * e / link_bandwidth`` exceeds one half
+block's attention time.
+
+Nothing here is wired into the model yet (see docs/context_parallel.md): the workbench SDPA attention and the compiled
+layer still refuse ``context_parallel_size != 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+__all__ = [
+    "load_balanced_chunks", "shard_sequence", "shard_positions", "unshard", "gather_sequence", "ring_attention",
+    "ring_bytes", "step_plan",
+]
+
+
+# --------------------------------------------------------------------------------------------- sharding
+
+
+def _check_split(seq_len: int, cp: int) -> int:
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"context-parallel size must be a positive integer, got {cp!r}")
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 * context_parallel = {2 * cp}: "
+                         f"causal load balancing cuts the sequence into 2*cp equal chunks; use a sequence length that "
+                         f"is a multiple of {2 * cp}")
+    return seq_len // (2 * cp)
+
+
+def load_balanced_chunks(seq_len: int, cp: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Per CP rank, the two ``(start, stop)`` token ranges it holds, in order: chunk ``r`` and chunk
+    ``2 * cp - 1 - r`` of ``2 * cp`` equal chunks.  Raises ValueError when ``2 * cp`` does not divide ``seq_len``."""
+    c = _check_split(seq_len, cp)
+    return [((r * c, (r + 1) * c), ((2 * cp - 1 - r) * c, (2 * cp - r) * c)) for r in range(cp)]
+
+
+def shard_positions(seq_len: int, cp_rank: int, cp: int, device: Any = None):
+    """The positions (``torch.long``, ``[seq_len / cp]``) rank ``cp_rank`` holds: its RoPE / position-embedding ids."""
+    import torch
+
+    (a0, a1), (b0, b1) = load_balanced_chunks(seq_len, cp)[cp_rank]
+    return torch.cat([torch.arange(a0, a1, device=device), torch.arange(b0, b1, device=device)])
+
+
+def shard_sequence(x, cp_rank: int, cp: int, seq_dim: int):
+    """Rank ``cp_rank``'s load-balanced shard of ``x`` along ``seq_dim`` (chunks ``r`` and ``2cp-1-r`` concatenated).
+    ``seq_dim`` is 1 for ``[b, s]`` token batches, 0 for megatron's ``[s, b, ...]``, 2 for SDPA's ``[b, h, s, d]``."""
+    import torch
+
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"cp_rank {cp_rank} is outside 0..{cp - 1}")
+    seq_dim = seq_dim % x.dim()
+    (a0, a1), (b0, b1) = load_balanced_chunks(x.shape[seq_dim], cp)[cp_rank]
+    return torch.cat([x.narrow(seq_dim, a0, a1 - a0), x.narrow(seq_dim, b0, b1 - b0)], dim=seq_dim)
+
+
+def unshard(shards: Sequence[Any], seq_dim: int):
+    """The whole sequence from every rank's shard (``shards[r]`` = rank r's, as :func:`shard_sequence` made it)."""
+    import torch
+
+    cp = len(shards)
+    seq_dim = seq_dim % shards[0].dim()
+    halves = [s.chunk(2, dim=seq_dim) for s in shards]
+    return torch.cat([halves[r][0] for r in range(cp)] + [halves[r][1] for r in reversed(range(cp))], dim=seq_dim)
+
+
+def gather_sequence(x, group, seq_dim: int):
+    """All-gather every CP rank's shard of ``x`` and :func:`unshard` it (no autograd: for checks and logging)."""
+    import torch
+    import torch.distributed as dist
+
+    shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return unshard(shards, seq_dim)
+
+
+# --------------------------------------------------------------------------------------------- the plan
+
+
+def step_plan(rank: int, src: int, cp: int, causal: bool) -> tuple[str, str, bool]:
+    """What rank ``rank`` computes against the K/V block of rank ``src``: ``(query part, K/V part, causal
+    diagonal)``, a part being ``"all"``, ``"first"`` or ``"second"`` half of the local ``2c`` tokens (module
+    docstring).  Only valid for the load-balanced layout."""
+    if not causal:
+        return "all", "all", False
+    if src == rank:
+        return "all", "all", True
+    if src < rank:
+        return "all", "first", False
+    return "second", "all", False
+
+
+def _part(x, part: str, dim: int):
+    if part == "all":
+        return x
+    n = x.shape[dim] // 2
+    return x.narrow(dim, 0, n) if part == "first" else x.narrow(dim, n, x.shape[dim] - n)
+
+
+def ring_bytes(batch: int, seq_len: int, kv_heads: int, head_dim: int, cp: int, elem_bytes: int = 2,
+               recompute: bool = False) -> dict[str, int]:
+    """Bytes one CP rank sends per attention layer per micro-batch (module docstring): ``forward``, ``backward``
+    and ``total`` (``recompute``: the layer's forward runs twice)."""
+    if cp <= 1:
+        return {"forward": 0, "backward": 0, "total": 0}
+    kv = 2 * batch * (seq_len // cp) * kv_heads * head_dim
+    fwd = (cp - 1) * kv * elem_bytes
+    bwd = (cp - 1) * kv * elem_bytes + cp * kv * 4
+    return {"forward": fwd, "backward": bwd, "total": fwd * (2 if recompute else 1) + bwd}
+
+
+# --------------------------------------------------------------------------------------------- block maths
+
+
+def _scores(q, k, scale: float, diag: bool, kmask):
+    """fp32 scores ``[b, hk, g, sq, sk]`` of grouped queries ``q [b, hk, g, sq, d]`` against ``k [b, hk, sk, d]``,
+    masked with -inf (causal diagonal: top-left triangle; ``kmask [b, sk]`` True = padded)."""
+    import torch
+
+    s = torch.einsum("bngqd,bnkd->bngqk", q.float(), k.float()) * scale
+    if diag:
+        sq, sk = s.shape[-2], s.shape[-1]
+        tri = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~tri, float("-inf"))
+    if kmask is not None:
+        s = s.masked_fill(kmask[:, None, None, None, :], float("-inf"))
+    return s
+
+
+def _finite(x):
+    import torch
+
+    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
+
+
+def _block_forward(q, k, v, scale: float, diag: bool, kmask):
+    """(out fp32 ``[b, hk, g, sq, d]``, lse fp32 ``[b, hk, g, sq]``; -inf where no key is visible)."""
+    import torch
+
+    s = _scores(q, k, scale, diag, kmask)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse)[..., None])
+    return torch.einsum("bngqk,bnkd->bngqd", p, v.float()), lse
+
+
+def _block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask):
+    """(dq, dk, dv) in fp32 of one block, from the merged output ``out`` and its ``lse`` (FlashAttention-2's
+    recomputation: ``delta = rowsum(dO * O)``)."""
+    import torch
+
+    do = do.float()
+    delta = (do * out.float()).sum(-1)
+    s = _scores(q, k, scale, diag, kmask)
+    p = torch.exp(s - _finite(lse)[..., None])
+    dv = torch.einsum("bngqk,bngqd->bnkd", p, do)
+    dp = torch.einsum("bngqd,bnkd->bngqk", do, v.float())
+    ds = p * (dp - delta[..., None])
+    dq = torch.einsum("bngqk,bnkd->bngqd", ds, k.float()) * scale
+    dk = torch.einsum("bngqk,bngqd->bnkd", ds, q.float()) * scale
+    return dq, dk, dv
+
+
+def _flash_ok(q, kv_padding) -> bool:
+    """Whether torch's FlashAttention-2 kernel can run the blocks: CUDA, fp16 / bf16, no padding mask, head dim a
+    multiple of 8 up to 256."""
+    import torch
+
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and kv_padding is None and d % 8 == 0
+            and d <= 256 and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention"))
+
+
+def _flash_heads(q, k, v):
+    """Grouped ``q [b, hk, g, s, d]`` and ``k/v [b, hk, s, d]`` as the kernel's ``[b, h, s, d]`` (K/V heads repeated
+    per group, SDPA's ``enable_gqa`` order)."""
+    b, hk, g, sq, d = q.shape
+    q4 = q.reshape(b, hk * g, sq, d).contiguous()
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return q4, k.contiguous(), v.contiguous()
+
+
+def _flash_block_forward(q, k, v, scale: float, diag: bool, kmask, aux: dict):
+    import torch
+
+    b, hk, g, sq, d = q.shape
+    q4, k4, v4 = _flash_heads(q, k, v)
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, diag, False, scale=scale)
+    if not aux:  # the kernel's varlen / RNG outputs; its backward takes them back (unused without dropout)
+        aux.update(cum_seq_q=res[2], cum_seq_k=res[3], philox_seed=res[6], philox_offset=res[7])
+    return res[0].float().view(b, hk, g, sq, d), res[1].float().view(b, hk, g, sq)
+
+
+def _flash_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask, aux: dict):
+    import torch
+
+    b, hk, g, sq, d = q.shape
+    sk = k.shape[2]
+    q4, k4, v4 = _flash_heads(q, k, v)
+    do4 = do.reshape(b, hk * g, sq, d).contiguous()
+    out4 = out.reshape(b, hk * g, sq, d).contiguous()
+    lse4 = lse.reshape(b, hk * g, sq).contiguous()
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do4, q4, k4, v4, out4, lse4, aux["cum_seq_q"], aux["cum_seq_k"], sq, sk, 0.0, diag, aux["philox_seed"],
+        aux["philox_offset"], scale=scale)
+    dq = dq.float().view(b, hk, g, sq, d)
+    dk = dk.float().view(b, hk, g, sk, d).sum(2)
+    dv = dv.float().view(b, hk, g, sk, d).sum(2)
+    return dq, dk, dv
+
+
+def _merge(out, lse, blk_out, blk_lse):
+    """Merge a block's (out, lse) into the running (out, lse) in place-free fp32 (-inf safe)."""
+    import torch
+
+    new = torch.logaddexp(lse, blk_lse)
+    safe = _finite(new)
+    return out * torch.exp(lse - safe)[..., None] + blk_out * torch.exp(blk_lse - safe)[..., None], new
+
+
+# --------------------------------------------------------------------------------------------- the ring
+
+
+class _Ring:
+    """Send to the next CP rank, receive from the previous one (global ranks of ``group``)."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, send):
+        """Start sending ``send`` forward and receiving its like from behind: ``(receive buffer, requests)``."""
+        import torch
+        import torch.distributed as dist
+
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(pending):
+        recv, reqs = pending
+        for r in reqs:
+            r.wait()
+        return recv
+
+
+def _kernels(flash: bool, aux: dict):
+    """(block forward, block backward) of the chosen kernel, with the same signatures."""
+    if not flash:
+        return _block_forward, _block_backward
+    return (lambda *a: _flash_block_forward(*a, aux)), (lambda *a: _flash_block_backward(*a, aux))
+
+
+def _ring_forward(q, k, v, kmasks, ring, rank: int, cp: int, causal: bool, scale: float, plan, block_forward):
+    """Grouped ``q [b, hk, g, s, d]``, ``k/v [b, hk, s, d]`` -> (out fp32, lse fp32)."""
+    import torch
+
+    b, hk, g, s, d = q.shape
+    out = torch.zeros(b, hk, g, s, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hk, g, s), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    for i in range(cp):
+        pending = ring.start(kv) if i + 1 < cp else None
+        src = (rank - i) % cp
+        qp, kvp, diag = plan(rank, src, cp, causal)
+        km = None if kmasks is None else _part(kmasks[src], kvp, 1)
+        blk_out, blk_lse = block_forward(_part(q, qp, 3), _part(kv[0], kvp, 2), _part(kv[1], kvp, 2), scale, diag, km)
+        if qp == "all":
+            out, lse = _merge(out, lse, blk_out, blk_lse)
+        else:  # half the queries: merge into that half of the buffers (no autograd here)
+            idx = slice(0, s // 2) if qp == "first" else slice(s // 2, s)
+            out[..., idx, :], lse[..., idx] = _merge(out[..., idx, :], lse[..., idx], blk_out, blk_lse)
+        if pending is not None:
+            kv = _Ring.wait(pending)
+    return out, lse
+
+
+def _ring_backward(do, q, k, v, out, lse, kmasks, ring, rank: int, cp: int, causal: bool, scale: float, plan,
+                   block_backward):
+    import torch
+
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    dkv_pending = None
+    for i in range(cp):
+        pending = ring.start(kv) if i + 1 < cp else None
+        src = (rank - i) % cp
+        qp, kvp, diag = plan(rank, src, cp, causal)
+        km = None if kmasks is None else _part(kmasks[src], kvp, 1)
+        bq, bk, bv = block_backward(_part(do, qp, 3), _part(q, qp, 3), _part(kv[0], kvp, 2), _part(kv[1], kvp, 2),
+                                    _part(out, qp, 3), _part(lse, qp, 3), scale, diag, km)
+        if qp == "all":
+            dq += bq
+        else:
+            _part(dq, qp, 3).add_(bq)
+        blk = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+        _part(blk[0], kvp, 2).copy_(bk)
+        _part(blk[1], kvp, 2).copy_(bv)
+        dkv = blk if dkv_pending is None else _Ring.wait(dkv_pending) + blk  # the accumulator of src's K/V
+        if cp == 1:
+            return dq, dkv
+        dkv_pending = ring.start(dkv)  # on to the next rank; after the last hop it reaches its owner
+        if pending is not None:
+            kv = _Ring.wait(pending)
+    return dq, _Ring.wait(dkv_pending)
+
+
+def _autograd_function():
+    import torch
+
+    class RingAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, kmasks, group, causal, scale, plan, flash):
+            b, h, s, d = q.shape
+            hk = k.shape[1]
+            qg = q.reshape(b, hk, h // hk, s, d)
+            ring = _Ring(group) if group is not None else None
+            rank, cp = (ring.rank, ring.size) if ring is not None else (0, 1)
+            aux: dict = {}
+            out, lse = _ring_forward(qg, k, v, kmasks, ring, rank, cp, causal, scale, plan, _kernels(flash, aux)[0])
+            out = out.to(q.dtype)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.kmasks, ctx.ring, ctx.rank, ctx.cp = kmasks, ring, rank, cp
+            ctx.causal, ctx.scale, ctx.plan, ctx.flash, ctx.aux = causal, scale, plan, flash, aux
+            return out.reshape(b, h, s, d)
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            b, h, s, d = q.shape
+            hk = k.shape[1]
+            qg = q.reshape(b, hk, h // hk, s, d)
+            dog = dout.to(q.dtype).reshape(b, hk, h // hk, s, d)
+            dq, dkv = _ring_backward(dog, qg, k, v, out, lse, ctx.kmasks, ctx.ring, ctx.rank, ctx.cp, ctx.causal,
+                                     ctx.scale, ctx.plan, _kernels(ctx.flash, ctx.aux)[1])
+            return (dq.reshape(b, h, s, d).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                    None, None, None, None, None, None)
+
+    return RingAttention
+
+
+_FUNCTION: Any = None
+
+
+def ring_attention(q, k, v, group, causal: bool, scale: Optional[float] = None, kv_padding=None, impl: str = "auto",
+                   _plan=None):
+    """Attention of this CP rank's queries against the whole sequence's keys and values, by ring attention.
+
+    ``q [b, h, s_local, d]``, ``k/v [b, h_kv, s_local, d]`` (SDPA's layout; ``h_kv`` divides ``h``: MHA / GQA / MQA)
+    hold this rank's load-balanced shard (:func:`shard_sequence`, ``seq_dim=2``); returns ``[b, h, s_local, d]`` in
+    ``q``'s dtype, equal to ``F.scaled_dot_product_attention`` over the whole sequence (``is_causal=causal``,
+    ``enable_gqa=True``) sharded the same way.  ``group``: the CP process group (None, or a group of one: plain local
+    attention).  ``scale``: default ``1 / sqrt(d)``.  ``kv_padding``: optional ``[b, s_local]`` bool, True = a padded
+    key (BERT); it is all-gathered once per call.  ``impl``: the block kernel, ``"math"`` (plain PyTorch, any device and
+    dtype), ``"flash"`` (torch's FlashAttention-2 op: CUDA, fp16 / bf16, no ``kv_padding``; not yet checked on a
+    GPU) or ``"auto"`` (math, until the flash path has passed its two-GPU test).  fp32, bf16 and fp16 inputs; the
+    merge and the gradient accumulation run in fp32.  Differentiable in q, k, v.
+    """
+    import torch
+    import torch.distributed as dist
+
+    global _FUNCTION
+    if impl not in ("auto", "math", "flash"):
+        raise ValueError(f"ring_attention impl {impl!r}: use 'auto', 'math' or 'flash'")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("ring_attention takes q/k/v as [b, heads, s_local, head_dim] (SDPA's layout); "
+                         "permute megatron's [s, b, heads, d] with .permute(1, 2, 0, 3)")
+    b, h, s, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+        raise ValueError(f"ring_attention: k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)} "
+                         f"(self-attention on one shard: same batch, length and head dim)")
+    if h % k.shape[1]:
+        raise ValueError(f"ring_attention: {h} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
+    cp = 1 if group is None else dist.get_world_size(group)
+    if causal and s % 2 and cp > 1:
+        raise ValueError(f"ring_attention: the local shard has {s} tokens; the causal load-balanced layout holds two "
+                         f"equal chunks per rank (shard with shard_sequence)")
+    kmasks = None
+    if kv_padding is not None:
+        if kv_padding.shape != (b, s):
+            raise ValueError(f"kv_padding must be [b, s_local] = {(b, s)}, got {tuple(kv_padding.shape)}")
+        kv_padding = kv_padding.to(device=q.device, dtype=torch.bool)
+        if group is None:
+            kmasks = [kv_padding]
+        else:
+            parts = [torch.empty((b, s), dtype=torch.uint8, device=q.device) for _ in range(cp)]
+            dist.all_gather(parts, kv_padding.to(torch.uint8).contiguous(), group=group)
+            kmasks = [p.bool() for p in parts]
+    flash = impl == "flash" and _flash_ok(q, kv_padding)  # auto: math until the flash path has run on a GPU
+    if impl == "flash" and not flash:
+        raise ValueError("ring_attention impl 'flash' needs CUDA tensors in fp16 / bf16, a head dim that is a multiple "
+                         "of 8 up to 256 and no kv_padding; impl='math' runs everywhere")
+    if _FUNCTION is None:
+        _FUNCTION = _autograd_function()
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    return _FUNCTION.apply(q, k, v, kmasks, group, bool(causal), scale, _plan or step_plan, flash)
