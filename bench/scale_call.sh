@@ -10,13 +10,16 @@
 #           beside PP=2 (1F1B, profiled), or beside TP=2 + SP (profiled)
 #   CALL=3: the plain FSDP2 loop (bench/reference_fsdp2.py) beside torchtitan and DP=2 + distributed optimizer
 #   CALL=4: PP=2 interleaved (VPP=2) and PP=2 without CUDA graphs beside PP=2, same batch as CALL=2
+#   CALL=7 / 8 / 9: Llama-3.1-8B (MODEL defaults to llama3.1-8b; one GPU cannot hold it): DP=2 + distributed optimizer,
+#           TP=2 + SP, PP=2 (1F1B, 8 micro-batches), each beside torchtitan 0.3.0 on the same two GPUs, global batch 8
+#           of 2048 tokens, micro-batch 1 (bench/train_throughput.TWO_GPU_ONLY)
 # Rows go to OUTDIR/train_throughput.jsonl (device, date, commit, versions, MFU, memory, kernel path), logs to
 # OUTDIR/logs.tgz.  Run from the repository root with .whl (and .whl/titan) carried:
 #   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT
 set -u
 out="${1:?usage: scale_call.sh OUTDIR}"
-call="${CALL:?set CALL=1 to 6}"
-model="${MODEL:-llama3.2-3b}"
+call="${CALL:?set CALL=1 to 9}"
+case "$call" in 7|8|9) model="${MODEL:-llama3.1-8b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
 mkdir -p "$out"
 source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
@@ -35,6 +38,9 @@ case "$call" in
   6) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench tp2-sp)" --profile --profile-variants "tp2-sp/$model" ;;
   3) bench "${LIMIT:-570}" --microbatches 4 --variants "$(names dp2-distopt torchtitan fsdp2)" ;;
   4) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names pp2-m8 pp2-vpp2-m8 pp2-m8-nograph)" ;;
-  *) echo "CALL must be 1 to 6" >&2; exit 2 ;;
+  7) bench "${LIMIT:-570}" --variants "$(names dp2-distopt torchtitan)" ;;
+  8) bench "${LIMIT:-570}" --variants "$(names tp2-sp torchtitan)" ;;
+  9) bench "${LIMIT:-570}" --variants "$(names pp2-m8 torchtitan)" ;;
+  *) echo "CALL must be 1 to 9" >&2; exit 2 ;;
 esac
 cd "$out" && tar czf logs.tgz *.log && rm -f *.log

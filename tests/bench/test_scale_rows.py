@@ -1,0 +1,66 @@
+"""The Llama-3.1-8B rows of bench/train_throughput.py (bench/scale_call.sh CALL=7-9): a model one GPU cannot hold,
+so every two-GPU layout runs at one global batch beside torchtitan on the same two GPUs."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tt():
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_throughput as tt
+
+    return tt
+
+
+def test_8b_layouts_share_one_global_batch_and_are_judged_against_torchtitan():
+    tt = _tt()
+    from workbench.config import derive
+
+    by_name = {v.name: v for v in tt.plan(["llama3.1-8b"], gpus=2, have_te=False, microbatches=4)}
+    expect = {  # name: (tp, pp, dp, micro-batches a rank)
+        "dp2-distopt/llama3.1-8b": (1, 1, 2, 4),
+        "tp2-sp/llama3.1-8b": (2, 1, 1, 8),
+        "pp2-m8/llama3.1-8b": (1, 2, 1, 8),
+    }
+    for name, (tp, pp, dp, micro) in expect.items():
+        v = by_name[name]
+        cfg = tt.bench_config(v)
+        assert cfg.validate() == [], (name, cfg.validate())
+        d = derive(cfg)
+        assert (cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, d.data_parallel, d.num_microbatches) == \
+            (tp, pp, dp, micro), name
+        assert (cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.model.seq_length) == (8, 1, 2048), name
+        assert v.baseline == "torchtitan/llama3.1-8b" and v.gpus == 2, name
+    assert tt.bench_config(by_name["tp2-sp/llama3.1-8b"]).parallel.sequence_parallel
+    titan = by_name["torchtitan/llama3.1-8b"]
+    assert (titan.gpus, titan.baseline, tt.bench_config(titan).train.global_batch_size) == (2, None, 8)
+    # no two-GPU row of the 8B is scaled over a one-GPU run (none could be measured) or named twice
+    two = [v for v in tt.plan(["llama3.1-8b"], gpus=2, have_te=False, microbatches=4)
+           if v.gpus == 2 and v.model == "llama3.1-8b"]
+    assert len({v.name for v in two}) == len(two)
+    assert all(by_name[v.baseline].gpus == 2 for v in two if v.baseline)
+
+
+def test_8b_layouts_fit_an_h200_and_one_gpu_does_not_by_the_planner():
+    tt = _tt()
+    from workbench.planner import predict
+
+    by_name = {v.name: v for v in tt.plan(["llama3.1-8b"], gpus=2, have_te=False, microbatches=4)}
+    for name in ("dp2-distopt/llama3.1-8b", "tp2-sp/llama3.1-8b", "pp2-m8/llama3.1-8b"):
+        assert predict(tt.bench_config(by_name[name]), "H200").fits, name
+    assert not predict(tt.bench_config(by_name["workbench/llama3.1-8b"]), "H200").fits
+
+
+def test_a_workbench_row_against_torchtitan_meets_its_target_only_on_its_worst_pairing_and_mfu():
+    tt = _tt()
+    v = {x.name: x for x in tt.plan(["llama3.1-8b"], gpus=2, have_te=False, microbatches=4)}
+    row = lambda name, reps, mfu: {"variant": name, "ok": True, "repeats": {"repeats": reps}, "mfu": mfu}  # noqa: E731
+    for reps, mfu, met in (([12.0, 12.1, 12.2], 0.50, True), ([12.0, 10.5, 12.2], 0.50, False),
+                           ([12.0, 12.1, 12.2], 0.44, False)):
+        rows = [row("torchtitan/llama3.1-8b", [10.0, 10.1, 10.2], 0.4), row("tp2-sp/llama3.1-8b", reps, mfu)]
+        tt.add_scaling(rows, [v["torchtitan/llama3.1-8b"], v["tp2-sp/llama3.1-8b"]])
+        assert rows[1]["meets_target"] is met, (reps, mfu)
+        assert "torchtitan" in rows[1]["target"]
