@@ -32,7 +32,7 @@ from workbench import kernel_rule
 from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, module_exists, reads_bad
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
 from workbench.layout import Layout
-from workbench.models import FAMILIES, Supports, all_presets, family_of
+from workbench.families import FAMILIES, Supports, all_presets, family_of
 
 __all__ = [
     "ModelConfig",
@@ -57,7 +57,7 @@ __all__ = [
 # --------------------------------------------------------------------------- sections
 
 
-#: ``model.arch``: the name of a family of the registry (:data:`workbench.models.FAMILIES`)
+#: ``model.arch``: the name of a family of the registry (:data:`workbench.families.FAMILIES`)
 ArchName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]
 
 
@@ -65,7 +65,7 @@ ArchName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]
 class CommonModelConfig:
     """The architecture fields every family reads; :class:`ModelConfig` adds each family's own."""
 
-    #: the model family (``workbench/models/<arch>/``), one of :data:`workbench.models.FAMILIES`
+    #: the model family (``workbench/families/<arch>/``), one of :data:`workbench.families.FAMILIES`
     arch: ArchName = "gpt"
     num_layers: int = 2
     hidden_size: int = 128
@@ -128,7 +128,7 @@ class CommonModelConfig:
 
 def _mount_family_fields() -> type:
     """:class:`ModelConfig`: one flat ``model`` section of the common fields and then each family's own
-    (:attr:`workbench.models.Family.model_fields`, in registry order), so a family's fields keep their keys
+    (:attr:`workbench.families.Family.model_fields`, in registry order), so a family's fields keep their keys
     ``model.<field>`` and a new family adds its fields in its own folder."""
     own = [f.model_fields for f in FAMILIES.values() if f.model_fields is not None]
     # dataclass fields are collected along the reversed MRO: the common ones first, then the registry's order
@@ -882,7 +882,7 @@ def _rules(cfg: RunConfig, add: Any) -> None:
 # --------------------------------------------------------------------------- presets
 
 
-#: every family's presets, by name (the families define them: ``workbench/models/<family>/``)
+#: every family's presets, by name (the families define them: ``workbench/families/<family>/``)
 PRESETS: dict[str, Any] = {name: family for name, (family, _) in all_presets().items()}
 
 

@@ -93,7 +93,7 @@ class Bound:
 
 def bounded(default: Any, lo: float | None = None, hi: float | None = None, **kwargs: Any) -> Any:
     """A dataclass field with ``default`` whose range (``metadata["bound"]``) is ``Bound(lo, hi, **kwargs)``: how a
-    model family's own fields (:attr:`workbench.models.Family.model_fields`) carry their bounds."""
+    model family's own fields (:attr:`workbench.families.Family.model_fields`) carry their bounds."""
     return dataclasses.field(default=default, metadata={"bound": Bound(lo, hi, **kwargs)})
 
 
@@ -102,7 +102,7 @@ ITERS = 10**9
 SEQ_WHY = "the workbench has no context parallelism: one rank holds a whole sequence, and no accelerator holds more"
 
 #: every numeric field's range, by dotted path (a list's entries share one: ``data.datasets.weight``); a model
-#: family's own fields carry theirs in their dataclass field's ``metadata["bound"]`` (:attr:`workbench.models.Family.model_fields`)
+#: family's own fields carry theirs in their dataclass field's ``metadata["bound"]`` (:attr:`workbench.families.Family.model_fields`)
 BOUNDS: dict[str, Bound] = {
     "model.num_layers": LAYERS,
     "model.hidden_size": Bound(1, 131072, why="the widest trained transformers have hidden sizes of ~25k"),

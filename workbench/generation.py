@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from workbench.config import ConfigError, GenerationConfig, Problem
-from workbench.models import family_of
+from workbench.families import family_of
 from workbench.launch import local_torchrun, run_supervised
 from workbench.data.tokenizer import resolve_tokenizer
 from workbench.run.checkpoint import CheckpointInfo, checkpoint_info, special_ids, tokenizer_size  # noqa: F401
@@ -74,7 +74,7 @@ def prepare_request(info: CheckpointInfo, prompts: Sequence[str] | None, gen: Ge
     fam = family_of(info.config)
     if not fam.supports.generation:
         raise ConfigError([Problem("ckpt", f"{info.path} holds a {fam.title} model, which this generation path does not serve",
-                                   "generate from a model family that supports it (see workbench.models)")])
+                                   "generate from a model family that supports it (see workbench.families)")])
     if gen.stop_token is not None and not 0 <= gen.stop_token < m.vocab_size:
         problems.append(Problem("generation.stop_token", f"{gen.stop_token} is not a token id of this model (vocab {m.vocab_size})",
                                 f"use an id in [0, {m.vocab_size})"))

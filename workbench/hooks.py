@@ -11,9 +11,9 @@ API (``workbench.backend.train.Trainer(cfg, run_dir, hooks=TrainHooks(...))``).
     batch.attention_mask, labels=batch.labels)``), or the logits when
     ``train.return_logits`` is on; on other stages the hidden states.  Every stage receives the
     whole batch (tokens too), so a loss hook on the last stage can look at the inputs.  The
-    default is the model family's (:meth:`workbench.models.family.FamilyParts.step`); a hook
-    that wraps it calls :func:`default_forward_step`, the forward step of the family this
-    process trains (the trainer binds it: :func:`bind_family_step`).
+    default is the model family's (:meth:`workbench.families.parts.FamilyParts.step`); a hook
+    that wraps it calls :func:`default_forward_step` with the batch it was given: the batch
+    carries its run's context, the family's default step (:attr:`Batch.family_step`).
 
 ``loss_func(batch: Batch, losses: Tensor, **hook_kwargs) -> Tensor | (Tensor, dict)``
     Turns the per-token losses ``[b, s]`` (fp32; ``batch.logits`` holds this rank's
@@ -32,11 +32,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-__all__ = ["Batch", "TrainHooks", "resolve", "load_hooks", "default_forward_step", "bind_family_step",
-           "keytoken_weighted_loss"]
-
-#: the default train step (:class:`workbench.models.family.StepPart`) of the family this process trains
-_family_step: Any = None
+__all__ = ["Batch", "TrainHooks", "resolve", "load_hooks", "default_forward_step", "keytoken_weighted_loss"]
 
 
 @dataclass
@@ -52,6 +48,9 @@ class Batch:
     logits: Any = None
     #: anything else the data source delivers (e.g. document ids)
     extra: dict = field(default_factory=dict)
+    #: the context of the run: its model family's default train step (:class:`workbench.families.family.StepPart`),
+    #: which :func:`default_forward_step` runs (the trainer sets it on every batch)
+    family_step: Any = None
 
 
 @dataclass
@@ -95,20 +94,14 @@ def load_hooks(cfg: Any) -> TrainHooks:
     )
 
 
-def bind_family_step(step: Any) -> None:
-    """Make ``step`` (the trained family's :class:`workbench.models.family.StepPart`) the one
-    :func:`default_forward_step` runs; the trainer calls this before its first step."""
-    global _family_step
-    _family_step = step
-
-
 def default_forward_step(batch: Batch, model: Any, *args: Any, **kwargs: Any) -> Any:
-    """The default forward step of the model family this process trains, for a ``train.forward_step``
-    hook that wraps it (e.g. to record or alter a micro-batch, then run the default)."""
-    if _family_step is None:
-        raise RuntimeError("default_forward_step runs inside a training run (workbench.backend.train.Trainer binds "
-                           "its model family's step); outside one, call workbench.models.parts.parts_of(cfg).step().forward_step")
-    return _family_step.forward_step(batch, model, *args, **kwargs)
+    """The default forward step of the batch's model family (:attr:`Batch.family_step`), for a
+    ``train.forward_step`` hook that wraps it (e.g. to record or alter a micro-batch, then run the default)."""
+    if getattr(batch, "family_step", None) is None:
+        raise RuntimeError("default_forward_step runs on a batch of a training run (workbench.backend.train.Trainer sets "
+                           "Batch.family_step, its model family's step); outside one, set it: "
+                           "Batch(..., family_step=workbench.families.parts.parts_of(cfg).step())")
+    return batch.family_step.forward_step(batch, model, *args, **kwargs)
 
 
 def keytoken_weighted_loss(batch: Batch, losses: Any, keytoken_ids: list[int] = (), alpha: float = 0.25, **_: Any) -> Any:

@@ -5,7 +5,7 @@ attention (Transformer Engine, the workbench SDPA module or stock megatron), whe
 transformer layers run as the compiled dense layer or as megatron's stock layer (and why
 not), the norm, the cross-entropy, the optimizer kernel, what ``recompute: selective``
 recomputes and whether the compiled layers replay as CUDA graphs.  The backend's builder
-(:mod:`workbench.models` specs, :mod:`workbench.backend.compiled_layer`), the planner and the
+(:mod:`workbench.families` specs, :mod:`workbench.backend.compiled_layer`), the planner and the
 benchmarks call it; nothing else restates these rules.  ``tests/`` builds the real model
 for a grid of configs and checks that what was built is what :func:`choose` said.
 
@@ -267,7 +267,7 @@ def layer_blocker(cfg: Any) -> str | None:
     The model-level counterpart of ``compiled_layer.fast_path_blocker``, which checks a built layer.
     """
     m, p = cfg.model, cfg.parallel
-    from workbench.models import FAMILIES
+    from workbench.families import FAMILIES
 
     family = FAMILIES.get(m.arch)
     if family is not None and family.supports.compiled_layer_blocker:
@@ -331,7 +331,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     apex = apex_available() if apex is None else bool(apex)
     fast = fast_paths_wanted(cfg)
     blocker = layer_blocker(cfg)
-    from workbench.models import FAMILIES
+    from workbench.families import FAMILIES
 
     family = FAMILIES.get(m.arch)
     te_spec = family is None or family.supports.transformer_engine
@@ -534,7 +534,7 @@ def _userbuffer_rules(cfg: Any, attention: str) -> list[tuple[str, str]]:
     if attention != "te":
         out.append((f"TE's userbuffers run on Transformer Engine's layer; attention_backend resolves to {attention}",
                     "set attention_backend: te, or te_userbuffers: false"))
-    from workbench.models import FAMILIES
+    from workbench.families import FAMILIES
 
     family = FAMILIES.get(m.arch)
     if family is not None and family.supports.te_userbuffers_blocker:

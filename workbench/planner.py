@@ -85,7 +85,7 @@ from workbench import kernel_rule, planner_text, schedules
 from workbench.config import ConfigError, Derived, Problem, RunConfig, derive, load_config
 from workbench.kernel_rule import KernelChoice
 from workbench.layout import Layout
-from workbench.models import family_of
+from workbench.families import family_of
 from workbench.run.reader import RunReader, as_reader
 
 __all__ = ["GiB", "MiB", "GPUSpec", "GPUS", "gpu_spec", "PlannerAssumptions", "KernelPath", "kernel_path",

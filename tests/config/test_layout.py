@@ -14,7 +14,7 @@ import pytest
 
 from workbench.config import PRESETS, derive, preset, validate
 from workbench.layout import MEGATRON_ORDER, Coords, Layout
-from workbench.models.common import moe
+from workbench.families.common import moe
 
 #: (world, tp, pp, ep, etp): dense, TP x PP x DP, uneven sizes, expert grids narrower and wider than the dense one
 COMBOS = [

@@ -107,7 +107,7 @@ def test_verify_refuses_an_index_naming_weights_outside_the_model_directory(sour
 
 def test_help_names_every_familys_hf_classes(capsys):
     from workbench.cli import main
-    from workbench.models import FAMILIES
+    from workbench.families import FAMILIES
 
     classes = [cls for f in FAMILIES.values() for _, cls in f.supports.hf_classes]
     assert {"GPT2LMHeadModel", "LlamaForCausalLM", "MegatronBertForPreTraining", "T5ForConditionalGeneration",

@@ -24,7 +24,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 dist.init_process_group("gloo", rank=0, world_size=1)
 from workbench.config import preset
 from workbench.models.bert.data import build_megatron
-from workbench.models.bert.vocab import check_bert_tokenizer
+from workbench.families.bert.vocab import check_bert_tokenizer
 v = check_bert_tokenizer("demo-wordpiece")
 cfg = preset("bert-tiny", **{"data.cache_dir": sys.argv[1], "train.train_iters": 250, "model.seq_length": 128,
                             "model.max_position_embeddings": 128})

@@ -55,7 +55,7 @@ def test_ids_are_sentencepieces_own_and_the_sentinels_follow(spm_model):
 
 
 def test_t5_data_checks_accept_it_and_a_directory_with_spiece_model_too(spm_model, tmp_path):
-    from workbench.models.t5.spans import check_t5_tokenizer
+    from workbench.families.t5.spans import check_t5_tokenizer
 
     cfg = preset("t5-tiny", **{"model.vocab_size": 600, "data.tokenizer": str(spm_model)})
     vocab = check_t5_tokenizer(cfg.data.tokenizer, cfg)

@@ -39,7 +39,7 @@ NOT_YET = {
 
 def _preset_names() -> frozenset[str]:
     """Benchmark rows are named ``VARIANT/PRESET`` (``workbench/gpt2-large``): not paths."""
-    from workbench.models import FAMILIES
+    from workbench.families import FAMILIES
 
     return frozenset(name for family in FAMILIES.values() for name in family.presets)
 

@@ -1,11 +1,15 @@
 """The family seam is what it says: every registered family declares its fields and answers every part's
-protocol, the backend's building blocks never import a family, no family module is loaded by a hidden
-import, and the generic code takes the loss name and the default step from the family."""
+protocol, the declarations (workbench/families/) stand below the config and import no torch, the backend never
+imports a family's rank side (workbench/models/<family>/), a family's modules are loaded by name only by the one
+generic parts mechanism, and the generic code takes the loss name and the default step from the family (a
+batch carries its run's step)."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,21 +17,31 @@ import torch
 
 from tests.support import init_single_process, teardown_single_process
 from workbench.config import ModelConfig, RunConfig, preset
-from workbench.models import FAMILIES
-from workbench.models.family import PART_PROTOCOLS, FamilyParts, ShapesPart, StepPart, part_problems
-from workbench.models.parts import PARTS, check_registry, parts_of
+from workbench.families import FAMILIES
+from workbench.families.family import PART_PROTOCOLS, ShapesPart, StepPart, part_problems
+from workbench.families.parts import PART_MODULES, FamilyParts, parts_of
 
 WORKBENCH = Path(__file__).resolve().parents[2] / "workbench"
-#: the folders under workbench/models that are families (each holds a parts.py), not shared code
-FAMILY_PACKAGES = sorted(p.parent.name for p in (WORKBENCH / "models").glob("*/parts.py"))
+#: the folders under workbench/models that are families (each holds a model.py), not shared code
+FAMILY_PACKAGES = sorted(p.parent.name for p in (WORKBENCH / "models").glob("*/model.py"))
 
 
-def test_the_two_registries_name_the_same_families():
-    assert check_registry() == []
-    assert list(PARTS) == list(FAMILIES)
+def test_every_declared_family_has_its_parts_package():
     assert FAMILY_PACKAGES == sorted(FAMILIES)
-    for name, parts in PARTS.items():
-        assert isinstance(parts, FamilyParts) and parts.family is FAMILIES[name]
+    for name, family in FAMILIES.items():
+        parts = parts_of(name)
+        assert isinstance(parts, FamilyParts) and parts.family is family and parts_of(family) is parts
+        assert parts.package == f"workbench.models.{name}"
+    assert set(PART_MODULES) == set(PART_PROTOCOLS)
+
+
+def test_a_part_the_family_lacks_says_so():
+    bert = FAMILIES["bert"]
+    assert parts_of(bert).generation() is None and parts_of(bert).monitor() is None  # optional parts: None
+    nowhere = FamilyParts(bert, "workbench.models.common")  # a package without the family's modules
+    with pytest.raises(LookupError, match="the bert family has no model part: .*workbench.models.common.model"):
+        nowhere.model()
+    assert FamilyParts(bert, "workbench.models.no_such_package").hf() is None
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -88,8 +102,8 @@ def test_arch_choices_are_the_registry():
 
 def _imported_modules(path: Path, root: Path = WORKBENCH.parent) -> list[tuple[int, str]]:
     """Every module an ``import`` / ``from ... import`` of the file names (relative ones resolved against its
-    place under ``root``), with the names a ``from`` import takes (``from workbench.models import gpt`` names
-    ``workbench.models.gpt``)."""
+    place under ``root``), with the names a ``from`` import takes (``from workbench.families import gpt`` names
+    ``workbench.families.gpt``)."""
     rel = path.relative_to(root).with_suffix("")
     package = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
     out: list[tuple[int, str]] = []
@@ -129,8 +143,50 @@ def test_the_family_import_check_finds_one(tmp_path):
                    "from workbench.models import bert\n", "def f():\n    from ..models.gpt.step import loss\n"):
         probe.write_text(source)
         assert family_imports(probe, tmp_path), source
-    probe.write_text("from workbench.models import family_of\nfrom workbench.models.parts import parts_of\n")
+    probe.write_text("from workbench.families import family_of\nfrom workbench.families.parts import parts_of\n")
     assert family_imports(probe, tmp_path) == []
+
+
+#: what the declarations (workbench/families/) may import of the workbench: themselves and what stands below the
+#: config; the data checks of a family's ``data_rules`` read the data layer's tokenizer and index headers
+FAMILIES_MAY_IMPORT = ("workbench.families", "workbench.config_fields", "workbench.config_text", "workbench.layout",
+                       "workbench.data.errors", "workbench.data.tokenizer", "workbench.data.indexed")
+
+
+def test_the_declarations_import_nothing_above_the_config():
+    """workbench/families/ stands below the config: no declaration imports the config, a family's rank side
+    (workbench/models/), the backend, conversion or anything else above it."""
+    found = []
+    for path in sorted((WORKBENCH / "families").rglob("*.py")):
+        for line, module in _imported_modules(path):
+            if module.startswith("workbench") and not module.startswith(FAMILIES_MAY_IMPORT) and module != "workbench":
+                found.append(f"{path.relative_to(WORKBENCH.parent)}:{line} imports {module}")
+    assert found == []
+
+
+def test_the_declarations_config_and_planner_are_torch_free():
+    """With torch and megatron-core unimportable, the registry, the config (validation of every family's presets)
+    and the planner (a plan of each family) still import and answer."""
+    code = """
+import sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "megatron", "transformer_engine"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, NoTorch())
+import workbench.families, workbench.config, workbench.planner
+from workbench.families import FAMILIES, all_presets
+from workbench.config import preset
+for name, (family, _) in all_presets().items():
+    assert preset(name).validate() == [], name
+for tiny in ("gpt2-small", "bert-tiny", "t5-tiny"):
+    assert workbench.planner.predict(preset(tiny), "H100").ranks, tiny
+assert not any(m.split(".")[0] in ("torch", "megatron") for m in sys.modules)
+print(sorted(FAMILIES))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=WORKBENCH.parent, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str(sorted(FAMILIES))
 
 
 def test_no_hidden_imports_of_workbench_modules():
@@ -138,7 +194,8 @@ def test_no_hidden_imports_of_workbench_modules():
     what a user's config names, a package's version, or a command module that may be absent)."""
     allowed = {"workbench/hooks.py",  # resolve(): the user's train.forward_step / loss_func hook, by dotted path
                "workbench/run/integrity.py",  # find_class(): the allow-listed globals of checkpoint metadata
-               "workbench/backend/train.py"}  # _versions(): the versions of optional third-party packages
+               "workbench/backend/train.py",  # _versions(): the versions of optional third-party packages
+               "workbench/families/parts.py"}  # FamilyParts: a family's part modules, by the one naming rule (PART_MODULES)
     found = []
     for path in sorted(WORKBENCH.rglob("*.py")):
         rel = str(path.relative_to(WORKBENCH.parent))
@@ -146,25 +203,29 @@ def test_no_hidden_imports_of_workbench_modules():
         if ("import_module(" in text or "__import__(" in text) and rel not in allowed:
             found.append(rel)
     assert found == []
-    assert not any("importlib" in p.read_text() for p in (WORKBENCH / "models").rglob("*.py"))
+    assert not any("importlib" in p.read_text() for name in FAMILY_PACKAGES for p in (WORKBENCH / "models" / name).rglob("*.py"))
 
 
 # --------------------------------------------------------------------------- the family's step, asked for
 
 
-def test_default_forward_step_runs_the_trained_familys_step():
-    """A hook wrapping ``workbench.hooks.default_forward_step`` runs its run's family's forward (T5 here), not GPT's."""
+def test_default_forward_step_runs_the_batchs_familys_step(tmp_path):
+    """A hook wrapping ``workbench.hooks.default_forward_step`` runs its run's family's forward (T5 here), not GPT's:
+    the trainer's batches carry that step (``Batch.family_step``), no module holds it."""
     from workbench import hooks
     from workbench.backend.build import build_model
+    from workbench.backend.train import Trainer
 
     cfg = preset("t5-tiny", **{"model.num_layers": 1, "model.hidden_size": 32, "model.num_attention_heads": 2,
                                "model.ffn_hidden_size": 64, "model.vocab_size": 160, "model.seq_length": 16,
                                "model.decoder_seq_length": 8, "data.source": "synthetic", "parallel.device": "cpu",
                                "train.precision": "fp32", "train.micro_batch_size": 2, "train.global_batch_size": 2})
     step = parts_of(cfg).step()
-    hooks.bind_family_step(None)
-    with pytest.raises(RuntimeError, match="inside a training run"):
-        hooks.default_forward_step(None, None)
+    assert not hasattr(hooks, "bind_family_step") and not hasattr(hooks, "_family_step")
+    with pytest.raises(RuntimeError, match="on a batch of a training run"):
+        hooks.default_forward_step(hooks.Batch(), None)
+    trainer = Trainer(cfg, tmp_path)
+    assert trainer._to_batch({"tokens": None}).family_step is trainer.step is step
     was = init_single_process(cfg)
     try:
         torch.manual_seed(0)
@@ -172,13 +233,12 @@ def test_default_forward_step_runs_the_trained_familys_step():
         train, _, _ = parts_of(cfg).data().build_datasets(cfg, None)
         items = [train[i] for i in range(2)]
         raw = {k: torch.stack([it[k] for it in items]) for k in items[0]}
-        batch = hooks.Batch(tokens=raw.pop("tokens"), labels=raw.pop("labels"), loss_mask=raw.pop("loss_mask"), extra=raw)
-        hooks.bind_family_step(step)
+        batch = hooks.Batch(tokens=raw.pop("tokens"), labels=raw.pop("labels"), loss_mask=raw.pop("loss_mask"), extra=raw,
+                            family_step=step)
         with torch.no_grad():
             got = hooks.default_forward_step(batch, model)
             want = step.forward_step(batch, model)
         assert got.shape == (2, cfg.model.decoder_seq)  # the decoder's per-token losses
         assert torch.isfinite(got).all() and torch.equal(got, want)
     finally:
-        hooks.bind_family_step(None)
         teardown_single_process(was)

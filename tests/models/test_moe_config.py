@@ -13,7 +13,7 @@ import pytest
 from workbench import kernel_rule
 from workbench.cli import main
 from workbench.config import ConfigError, RunConfig, preset
-from workbench.models.common import moe
+from workbench.families.common import moe
 
 MOE_PRESETS = ["moe-tiny", "moe-research", "mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b"]
 

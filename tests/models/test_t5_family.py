@@ -9,8 +9,8 @@ import pytest
 
 from workbench import kernel_rule
 from workbench.config import ConfigError, derive, preset
-from workbench.models import FAMILIES, all_presets
-from workbench.models.t5.spans import (check_t5_tokenizer, corrupt, input_and_target_lengths, random_spans_noise_mask,
+from workbench.families import FAMILIES, all_presets
+from workbench.families.t5.spans import (check_t5_tokenizer, corrupt, input_and_target_lengths, random_spans_noise_mask,
                                        span_problems)
 
 
@@ -80,7 +80,7 @@ def test_kernel_rule_puts_t5_on_the_compiled_layer_with_sdpa_with_and_without_dr
 
 
 def test_t5_on_transformer_engine_is_a_config_the_t5_rules_accept_without_recompute():
-    from workbench.models.t5 import rules
+    from workbench.families.t5 import rules
 
     te = preset("t5-tiny", **{"model.attention_backend": "te"})
     assert [f for f, *_ in rules(te)] == []

@@ -1,4 +1,4 @@
-"""The planner's MoE terms (GPT's shapes, workbench.models.common.moe_shapes): published parameter counts, expert
+"""The planner's MoE terms (GPT's shapes, workbench.families.common.moe_shapes): published parameter counts, expert
 weights / gradients / optimizer state per EP rank, the distributed optimizer over the expert data-parallel group,
 routed activations and the imbalance bound they assume."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from workbench import planner
 from workbench.config import derive, preset
-from workbench.models.common import moe_shapes
-from workbench.models.common.shapes import shape
+from workbench.families.common import moe_shapes
+from workbench.families.common.shapes import shape
 
 
 @pytest.mark.parametrize("name, billions", [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5), ("olmoe-1b-7b", 6.9)])

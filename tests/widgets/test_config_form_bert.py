@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("ipywidgets")
 
 from workbench.config import preset  # noqa: E402
-from workbench.models import family_of  # noqa: E402
+from workbench.families import family_of  # noqa: E402
 from workbench.widgets.config_form import ConfigForm  # noqa: E402
 
 BERT_FIELDS = ("model.num_tokentypes", "model.add_binary_head", "model.add_pooler", "model.num_labels")

@@ -19,7 +19,7 @@ from typing import Any
 
 from workbench import planner
 from workbench.config import ConfigError, Problem, RunConfig
-from workbench.models.common.moe import is_moe
+from workbench.families.common.moe import is_moe
 
 from workbench.advisor.enumerate import Layout, enumerate_layouts, layout_of
 from workbench.advisor.perf_model import REASONS, Model, Prediction

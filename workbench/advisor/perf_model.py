@@ -41,7 +41,7 @@ from typing import Any
 
 from workbench import kernel_rule, schedules
 from workbench.config import RunConfig, derive, pad_vocab_size
-from workbench.models import family_of
+from workbench.families import family_of
 
 from workbench.advisor.profile import Profile
 

@@ -34,7 +34,7 @@ from workbench.backend.attention import SDPAttention
 from workbench.backend.norms import WorkbenchNorm
 from workbench.config import RunConfig, pipeline_stage_layers
 from workbench.kernel_rule import SELECTIVE_RECOMPUTE
-from workbench.models import family_of
+from workbench.families import family_of
 
 __all__ = [
     "WorkbenchTransformerConfig",
@@ -245,7 +245,7 @@ def transformer_config(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoic
         workbench_kernels=kernels,
     )
     kwargs.update(_fp8_fields(kernels))
-    kwargs.update(family_of(cfg).transformer_fields(cfg, kernels))  # e.g. GPT's MoE layers (workbench.models.common.moe)
+    kwargs.update(family_of(cfg).transformer_fields(cfg, kernels))  # e.g. GPT's MoE layers (workbench.families.common.moe)
     stage_layers = pipeline_stage_layers(cfg)
     if len(set(stage_layers)) > 1:  # parallel.pipeline_split: balanced (middle stages share the rest evenly)
         kwargs.update(num_layers_in_first_pipeline_stage=stage_layers[0], num_layers_in_last_pipeline_stage=stage_layers[-1])

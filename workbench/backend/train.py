@@ -46,8 +46,8 @@ from workbench.backend.optimizer_paths import prepare_optimizer
 from workbench import kernel_rule
 from workbench.config import RunConfig, derive
 from workbench.run.events import Checkpoint, Error, Eval, EvalProgress, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
-from workbench.hooks import Batch, TrainHooks, bind_family_step, load_hooks
-from workbench.models.parts import parts_of
+from workbench.hooks import Batch, TrainHooks, load_hooks
+from workbench.families.parts import parts_of
 
 __all__ = ["Trainer", "main"]
 
@@ -83,7 +83,6 @@ class Trainer:
         #: the family's default train step; its LOSS_NAME is the reported key of the main loss
         self.step = parts_of(cfg).step()
         self.loss_name = self.step.LOSS_NAME
-        bind_family_step(self.step)  # workbench.hooks.default_forward_step: this run's family's forward step
         self.rank = int(os.environ.get("RANK", "0"))
         self.events = EventWriter(self.run_dir, self.rank)
         self.iteration = 0
@@ -261,7 +260,8 @@ class Trainer:
     def _to_batch(self, raw: dict) -> Batch:
         return Batch(tokens=raw.get("tokens"), labels=raw.get("labels"), loss_mask=raw.get("loss_mask"),
                      position_ids=raw.get("position_ids"), attention_mask=raw.get("attention_mask"),
-                     extra={k: v for k, v in raw.items() if k not in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")})
+                     extra={k: v for k, v in raw.items() if k not in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")},
+                     family_step=self.step)  # the run's context: workbench.hooks.default_forward_step runs it
 
     def _make_forward_step(self, train: bool):
         from megatron.core import tensor_parallel

@@ -201,7 +201,7 @@ def _trust(args: argparse.Namespace) -> int:
 
 def _hf_types() -> str:
     """The HF classes ``hf-to-megatron`` reads, from every family's declaration."""
-    from workbench.models import FAMILIES
+    from workbench.families import FAMILIES
 
     return ", ".join(cls for f in FAMILIES.values() for _, cls in f.supports.hf_classes)
 

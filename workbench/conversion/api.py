@@ -42,7 +42,7 @@ from workbench.conversion.hf import (
     run_config_from_hf,
 )
 from workbench.conversion.rules import Rule, TensorInfo, infos_of, pad_vocab_rows, plan_targets, stream_rules
-from workbench.models import family_for_hf
+from workbench.families import family_for_hf
 
 __all__ = [
     "ConversionResult",

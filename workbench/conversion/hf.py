@@ -1,7 +1,7 @@
 """Hugging Face <-> megatron-core: configs and per-tensor conversion rules, for every model family.
 
 The model-specific parts (HF config fields, tensor names) are each family's ``hf`` adapter
-(:meth:`workbench.models.family.FamilyParts.hf`, built from :mod:`workbench.conversion.rules`);
+(:meth:`workbench.families.parts.FamilyParts.hf`, built from :mod:`workbench.conversion.rules`);
 this module reads and writes HF directories and dispatches to the adapter of an HF ``model_type``.
 
 Pure torch: no megatron import.  The megatron side is the *full* state dict of a
@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 from workbench.config import ModelConfig, RunConfig
 from workbench.conversion.errors import ConversionError
-from workbench.models import FAMILIES, Family, family_for_hf, family_of
-from workbench.models.family import HfPart
-from workbench.models.parts import parts_of
+from workbench.families import FAMILIES, Family, family_for_hf, family_of
+from workbench.families.family import HfPart
+from workbench.families.parts import parts_of
 
 __all__ = [
     "ConversionError",
@@ -119,7 +119,7 @@ def _hf_of(fam: Family) -> HfPart:
 
 
 def hf_adapter(model_type: str) -> HfPart:
-    """The HF adapter of the family that converts ``model_type`` (:class:`workbench.models.family.HfPart`)."""
+    """The HF adapter of the family that converts ``model_type`` (:class:`workbench.families.family.HfPart`)."""
     fam = family_for_hf(model_type)
     if fam is None:
         raise ConversionError(f"model_type {model_type!r} is not supported -> one of {sorted(SUPPORTED_MODEL_TYPES)}")

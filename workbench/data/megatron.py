@@ -180,7 +180,7 @@ def check_data(cfg) -> list:
     """Data problems as config :class:`~workbench.config.Problem` s, for a launcher to report before torchrun:
     the generic checks below, then the model family's ``data_rules`` (e.g. BERT's sentence splits)."""
     from workbench.config import Problem
-    from workbench.models import FAMILIES
+    from workbench.families import FAMILIES
 
     family = FAMILIES.get(cfg.model.arch)
     problems = [Problem(f, r, x) for f, r, x in family.data_rules(cfg)] if family is not None else []

@@ -28,7 +28,7 @@ from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from workbench.config import PRESETS, ConfigError, DatasetEntry, Problem, RunConfig, preset
 from workbench.kernel_rule import GPU_ONLY_FIELDS
-from workbench.models import FAMILIES
+from workbench.families import FAMILIES
 from workbench.widgets.layout import plural
 
 __all__ = ["ConfigForm", "field_specs", "FieldSpec", "GROUP_SWITCHES"]

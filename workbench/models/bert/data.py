@@ -141,7 +141,7 @@ def build_megatron(cfg: Any, run_dir: Any, vocab: Any = None) -> tuple[Any, Any,
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
     from workbench.data.megatron import check_tokenizer_fits, dataset_sizes, resolve_blend
-    from workbench.models.bert.vocab import check_bert_tokenizer, check_sentence_data
+    from workbench.families.bert.vocab import check_bert_tokenizer, check_sentence_data
 
     vocab = vocab or check_bert_tokenizer(cfg.data.tokenizer)
     check_tokenizer_fits(cfg, vocab.tokenizer)
@@ -174,7 +174,7 @@ def build_datasets(cfg: Any, run_dir: Any, log: Any = print) -> tuple[Any, Any, 
         train = SyntheticBertDataset(m.vocab_size, m.seq_length, cfg.train.seed, tokentypes=types, binary_head=binary)
         valid = SyntheticBertDataset(m.vocab_size, m.seq_length, cfg.train.seed, offset=1, tokentypes=types, binary_head=binary)
         return train, valid, "synthetic (BERT)"
-    from workbench.models.bert.vocab import check_bert_tokenizer
+    from workbench.families.bert.vocab import check_bert_tokenizer
 
     vocab = check_bert_tokenizer(cfg.data.tokenizer)
     train, valid, _test = build_megatron(cfg, run_dir, vocab)

@@ -59,7 +59,7 @@ def fill_mask(ckpt: str | Path, texts: Sequence[str] | str, top_k: int = 5, toke
     from workbench.backend.checkpointing import load_checkpoint, read_metadata
     from workbench.conversion.runtime import build_full_model, single_process_group
     from workbench.run.checkpoint import checkpoint_config
-    from workbench.models.bert.vocab import check_bert_tokenizer
+    from workbench.families.bert.vocab import check_bert_tokenizer
 
     texts = [texts] if isinstance(texts, str) else list(texts)
     meta = read_metadata(ckpt)

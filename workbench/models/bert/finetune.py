@@ -139,7 +139,7 @@ def build_datasets(cfg: Any, run_dir: Any, log: Any = print) -> tuple[Any, Any, 
         train = SyntheticLabelledDataset(m.vocab_size, m.seq_length, m.num_labels, cfg.train.seed, tokentypes=types)
         valid = SyntheticLabelledDataset(m.vocab_size, m.seq_length, m.num_labels, cfg.train.seed, offset=1, tokentypes=types)
         return train, valid, f"synthetic labelled set ({m.num_labels} vocabulary bands)"
-    from workbench.models.bert.vocab import check_bert_tokenizer
+    from workbench.families.bert.vocab import check_bert_tokenizer
 
     vocab = check_bert_tokenizer(cfg.data.tokenizer)
     train = TestamentDataset(vocab, m.seq_length, "train", cfg.train.seed, types)

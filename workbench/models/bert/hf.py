@@ -6,7 +6,7 @@ before the MLP (``ln``), a final ``encoder.ln``, no embedding LayerNorm, the poo
 (``transform`` dense -> GELU -> LayerNorm, decoder tied to the word embeddings, a vocab bias) and
 the sentence-order head (``seq_relationship``).  HF's original ``bert`` is post-LN (a LayerNorm
 after each residual sum and after the embeddings): no mapping of weights gives the same function,
-so it is refused (:data:`workbench.models.bert.FAMILY` ``supports.hf_refused``).
+so it is refused (:data:`workbench.families.bert.FAMILY` ``supports.hf_refused``).
 
 The generic machinery (HF dirs, vocab padding, the per-group QKV layout) is
 :mod:`workbench.conversion.hf`.
@@ -21,7 +21,7 @@ from workbench.config import ModelConfig, RunConfig, derive
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need_vocab, pad_vocab_rows,
                                         qkv_from_mcore, qkv_to_mcore)
-from workbench.models.bert import FAMILY
+from workbench.families.bert import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
            "mcore_to_hf_rules", "make_random_hf_model", "verify_inputs", "hf_logits"]

@@ -15,7 +15,8 @@ from workbench.config import ModelConfig, RunConfig, derive
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need, need_vocab, pad_vocab_rows,
                                         qkv_from_mcore, qkv_to_mcore)
-from workbench.models.gpt import FAMILY, hf_moe
+from workbench.families.gpt import FAMILY
+from workbench.models.gpt import hf_moe
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
            "mcore_to_hf_rules", "verify_inputs", "hf_logits",

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import Rule, copy_rule
-from workbench.models.common import moe
+from workbench.families.common import moe
 
 __all__ = ["MODEL_TYPES", "model_fields", "is_moe_layer", "experts_to_mcore_rules", "experts_from_mcore_rules",
            "hf_config_fields", "make_random_mixtral", "make_random_qwen3_moe"]

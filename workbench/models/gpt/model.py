@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from workbench import kernel_rule
 from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
 from workbench.config import RunConfig, derive
-from workbench.models.common import moe
+from workbench.families.common import moe
 
 __all__ = ["layer_spec", "moe_layer_spec", "block_spec", "build"]
 
@@ -94,7 +94,7 @@ def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec, choice: Optional[kernel_ru
 
 
 def block_spec(cfg: RunConfig, config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
-    """Layer specs for this pipeline stage (MoE layers where :func:`workbench.models.common.moe.moe_layers` says) plus the
+    """Layer specs for this pipeline stage (MoE layers where :func:`workbench.families.common.moe.moe_layers` says) plus the
     final norm (the workbench's, so SP works); every kernel slot from the decision ``config`` carries."""
     choice = kernel_rule.decided(cfg, config)
     spec = layer_spec(cfg, choice)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench.models.common import moe
+from workbench.families.common import moe
 from workbench.run.events import Router
 
 __all__ = ["RouterMonitor", "step_monitor"]

@@ -1,4 +1,4 @@
-"""T5's datasets: span corruption (:mod:`.spans`) over megatron-core ``GPTDataset`` token windows of
+"""T5's datasets: span corruption (:mod:`workbench.families.t5.spans`) over megatron-core ``GPTDataset`` token windows of
 ``.bin/.idx`` data (the embedded corpus or ``indexed`` prefixes), and a learnable synthetic stream.
 
 Each sample takes ``raw`` consecutive tokens (megatron-core's GPT sample index: documents
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from workbench.models.common.seeds import mix32
-from workbench.models.t5.spans import T5Vocab, check_t5_tokenizer, corrupt, input_and_target_lengths, random_spans_noise_mask
+from workbench.families.t5.spans import T5Vocab, check_t5_tokenizer, corrupt, input_and_target_lengths, random_spans_noise_mask
 
 __all__ = ["t5_sample", "SpanCorruptedDataset", "SyntheticT5Dataset", "build_datasets", "synthetic_vocab"]
 

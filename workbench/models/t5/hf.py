@@ -24,7 +24,7 @@ from workbench.config import ModelConfig, RunConfig, derive
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need_vocab, pad_vocab_rows,
                                         qkv_from_mcore, qkv_to_mcore)
-from workbench.models.t5 import FAMILY
+from workbench.families.t5 import FAMILY
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
            "mcore_to_hf_rules", "make_random_hf_model", "kv_to_mcore", "kv_from_mcore", "verify_inputs", "hf_logits"]
@@ -89,7 +89,7 @@ def _tokenizer_ids(cfg: RunConfig) -> dict[str, int]:
     generation used: ``demo-t5``'s pad is 1 and EOS 0); synthetic data's are HF T5's defaults (pad 0, EOS 1)."""
     if cfg.data.source == "synthetic" or not cfg.data.tokenizer:
         return {}
-    from workbench.models.t5.spans import check_t5_tokenizer
+    from workbench.families.t5.spans import check_t5_tokenizer
 
     try:
         v = check_t5_tokenizer(cfg.data.tokenizer)

@@ -6,7 +6,7 @@ final norm, the masked-LM head (dense + GELU + LayerNorm transform, then the out
 the word embeddings, with a vocab-sized bias), and on the pooled first token the pooler (dense +
 tanh) and the binary (sentence-order) head.
 
-The transformer layers keep what GPT's keep (:mod:`workbench.models.common.shapes`): with SDPA
+The transformer layers keep what GPT's keep (:mod:`workbench.families.common.shapes`): with SDPA
 attention bidirectional and causal attention keep the same tensors; the padding mask is one
 tensor per micro-batch shared by every layer (GPT's per-layer ``causal_mask`` term is dropped).
 Torch-free and config-free (configs are read by attribute).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.models.common import shapes as _stack
+from workbench.families.common import shapes as _stack
 
 __all__ = ["param_counts", "head_params", "layer_and_head_flops", "Shape", "shape", "stage_params",
            "layer_activation_terms", "layer_backward_transient", "logits_bytes"]

@@ -1,5 +1,5 @@
 """What BERT needs of a tokenizer and of indexed data (torch-free; used by the config's data rules
-before launch and by :mod:`.data` on the ranks).
+before launch and by :mod:`workbench.models.bert.data` on the ranks).
 
 - :class:`BertVocab`: the view megatron-core's ``BERTMaskedWordPieceDataset`` reads (``cls``,
   ``sep``, ``mask``, ``pad`` ids and ``inv_vocab``), over a workbench :class:`~workbench.data.tokenizer.Tokenizer`;

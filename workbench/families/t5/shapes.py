@@ -7,7 +7,7 @@ output, MLP), one relative-position-bias table per stack (``buckets x heads``), 
 stacks, and the LM head (tied to the embeddings, or untied).  Two sequence lengths: the encoder's
 ``seq_length`` and the decoder's ``decoder_seq_length``.
 
-The interface is the other families' (:mod:`workbench.models.common.shapes`), so the planner and
+The interface is the other families' (:mod:`workbench.families.common.shapes`), so the planner and
 :func:`workbench.config.derive` need nothing T5-specific:
 
 - ``param_counts``: ``per_layer`` is one *encoder* layer; ``final_norm`` holds everything on the
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.models.common import shapes as _stack
+from workbench.families.common import shapes as _stack
 
 __all__ = ["param_counts", "layer_and_head_flops", "Shape", "shape", "stage_params", "layer_activation_terms",
            "layer_backward_transient", "logits_bytes", "layer_params", "attention_mask_bytes"]

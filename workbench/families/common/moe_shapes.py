@@ -1,6 +1,6 @@
 """The mixture-of-experts terms of the transformer stack's shapes: parameters, FLOPs and the planner's memory of MoE layers.
 
-Called by :mod:`workbench.models.common.shapes` where ``model.moe.num_experts`` > 0 (nothing here is read for a
+Called by :mod:`workbench.families.common.shapes` where ``model.moe.num_experts`` > 0 (nothing here is read for a
 dense model).  An MoE layer is a dense layer whose MLP is megatron's ``MoELayer``:
 
 - parameters: the router (``E x h``), ``E`` experts of ``(2 if gated else 1) x h x f_e + f_e x h`` each, the
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.models.common import moe
+from workbench.families.common import moe
 
 __all__ = ["DROPLESS_IMBALANCE", "layer_params", "mlp_flops", "shape_fields", "stage_expert_params",
            "apply_activation_terms", "backward_transient", "routed_tokens"]

@@ -1,13 +1,13 @@
-"""What a model family is: one folder under ``workbench/models/`` that the rest of the workbench asks.
+"""What a model family is: what the rest of the workbench asks of ``model.arch``, in two folders.
 
-A family has two sides.  Its **declaration** (:class:`Family`, the folder's ``__init__.py``) is
-torch-free, so config validation, the planner and the widgets read it in a notebook kernel: what it
-supports, its presets, its config rules, its shape terms.  Its **parts** (:class:`FamilyParts`, the
-folder's ``parts.py``) are the rank-side modules, each imported where it is first asked for, by a
-static import in ``parts.py``, so the import graph shows every arrow:
+A family has two sides.  Its **declaration** (:class:`Family`, ``workbench/families/<family>/__init__.py``)
+is torch-free and stands below the config, so config validation, the planner and the widgets read it
+in a notebook kernel: what it supports, its presets, its config rules, its shape terms.  Its **parts**
+are the rank-side modules of ``workbench/models/<family>/``, one module a part, each imported where it
+is first asked for (:class:`workbench.families.parts.FamilyParts`: the same for every family):
 
 ==============  =========================================================================
-part            what it holds (the protocol it answers)
+part (module)   what it holds (the protocol it answers)
 ==============  =========================================================================
 ``shapes``      parameter counts, Megatron FLOPs, the planner's per-stage memory terms
                 (:class:`ShapesPart`; torch-free, on the declaration)
@@ -19,29 +19,29 @@ part            what it holds (the protocol it answers)
 ``hf()``        the Hugging Face adapter: configs, per-tensor rules, a logits check's inputs and
                 reference (:class:`HfPart`; None: no HF types)
 ``generation()``  ``make_engine(...)``, this family's generation engine (:class:`GenerationPart`;
-                None: the family does not generate)
+                module ``generate``; None: the family does not generate)
 ``monitor()``   ``step_monitor(cfg, chunks)``, a per-step monitor the trainer runs
-                (:class:`MonitorPart`; None: none)
+                (:class:`MonitorPart`; module ``router_stats``; None: none)
 ==============  =========================================================================
 
-The generic code asks :func:`workbench.models.family_of` for the declaration and
-:func:`workbench.models.parts.parts_of` for the parts; the family's modules import the backend's
-building blocks, never the other way round.  Adding a family: a folder with an ``__init__.py``
-that defines ``FAMILY`` and a ``parts.py`` that defines ``PARTS``, one line in
-:data:`workbench.models.FAMILIES` and one in :data:`workbench.models.parts.PARTS`.  Nothing
-outside the folder branches on ``model.arch``.
+The generic code asks :func:`workbench.families.family_of` for the declaration and
+:func:`workbench.families.parts.parts_of` for the parts; the family's modules import the backend's
+building blocks and their family's declaration, never the other way round.  Adding a family: a
+folder ``workbench/families/<family>/`` whose ``__init__.py`` defines ``FAMILY``, one line in
+:data:`workbench.families.FAMILIES`, and a folder ``workbench/models/<family>/`` with the part modules
+(``model``, ``step``, ``data``; ``hf``, ``generate``, ``router_stats`` where it has them).  Nothing
+outside the two folders branches on ``model.arch``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
-__all__ = ["Family", "Supports", "FamilyParts", "ShapesPart", "ModelPart", "StepPart", "DataPart", "HfPart",
-           "GenerationPart", "MonitorPart", "part_problems"]
+__all__ = ["Family", "Supports", "ShapesPart", "ModelPart", "StepPart", "DataPart", "HfPart", "GenerationPart",
+           "MonitorPart", "PART_PROTOCOLS", "part_problems"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,10 @@ class Supports:
     activations: tuple[str, ...] = ("gelu", "swiglu")
     #: whether ``model.num_labels`` > 0 (a sequence-classification head, trained on a labelled set) is built
     classification: bool = False
-    #: whether ``model.moe.num_experts`` > 0 (mixture-of-experts layers, :mod:`workbench.models.common.moe`) builds
+    #: whether ``model.moe.num_experts`` > 0 (mixture-of-experts layers, :mod:`workbench.families.common.moe`) builds
     moe: bool = False
+    #: whether ``model.qk_layernorm`` (a norm of each query and key head) builds
+    qk_layernorm: bool = False
 
     @property
     def hf_model_types(self) -> tuple[str, ...]:
@@ -122,7 +124,7 @@ class Family:
     #: [(field, rule, fix, *fields it reads)]
     field_rules: Callable[[Any, Supports], list[tuple[str, ...]]] = lambda cfg, supports: []
     #: megatron ``TransformerConfig`` fields of this family's layers beyond the generic ones (GPT: the MoE
-    #: fields, :func:`workbench.models.common.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
+    #: fields, :func:`workbench.families.common.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
     transformer_fields: Callable[[Any, Any], dict] = lambda cfg, choice: {}
 
     @property
@@ -204,34 +206,7 @@ class MonitorPart(Protocol):
     def step_monitor(self, cfg: Any, chunks: list) -> Any: ...
 
 
-class FamilyParts(ABC):
-    """A family's rank-side parts.  The family's ``parts.py`` subclasses this with one method per part, each
-    a static import of the family's own module (imported on first call, so conversion's notebook side loads
-    the ``hf`` adapter without megatron-core); a part the family does not have stays None."""
-
-    #: the declaration these parts belong to
-    family: ClassVar[Family]
-
-    @abstractmethod
-    def model(self) -> ModelPart: ...
-
-    @abstractmethod
-    def step(self) -> StepPart: ...
-
-    @abstractmethod
-    def data(self) -> DataPart: ...
-
-    def hf(self) -> HfPart | None:
-        return None
-
-    def generation(self) -> GenerationPart | None:
-        return None
-
-    def monitor(self) -> MonitorPart | None:
-        return None
-
-
-#: each part accessor of :class:`FamilyParts` and the protocol its part answers
+#: each part accessor of :class:`workbench.families.parts.FamilyParts` and the protocol its part answers
 PART_PROTOCOLS: dict[str, type] = {"model": ModelPart, "step": StepPart, "data": DataPart, "hf": HfPart,
                                    "generation": GenerationPart, "monitor": MonitorPart}
 

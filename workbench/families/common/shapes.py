@@ -3,7 +3,7 @@
 A stack of pre-norm transformer layers with an embedding and an output layer (GPT-2 and
 Llama-style: learned/RoPE/ALiBi positions, LayerNorm/RMSNorm, GELU/SwiGLU, MHA/GQA/MQA, dense or
 mixture-of-experts MLPs, tied or untied output layer).  These are GPT's shape terms as they stand
-(``FAMILY.shapes`` of :mod:`workbench.models.gpt`); BERT and T5 start from them and add their heads
+(``FAMILY.shapes`` of :mod:`workbench.families.gpt`); BERT and T5 start from them and add their heads
 and stacks.  The planner (:mod:`workbench.planner`) and :func:`workbench.config.derive` call them through the family;
 the kernel path argument ``kp`` is a :class:`workbench.kernel_rule.KernelChoice`.
 Torch-free and config-free (configs are read by attribute).
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.models.common import moe_shapes
+from workbench.families.common import moe_shapes
 
 __all__ = ["param_counts", "layer_and_head_flops", "Shape", "shape", "stage_params", "layer_activation_terms",
            "layer_backward_transient", "logits_bytes", "largest_param_elements"]
@@ -100,7 +100,7 @@ class Shape:
     dist_opt: bool
     max_pos: int
     relu: bool = False  # ReLU keeps only its output (fc2's input), not its input
-    # mixture of experts (workbench.models.common.moe_shapes.shape_fields): share of MoE layers, experts, EP / ETP /
+    # mixture of experts (workbench.families.common.moe_shapes.shape_fields): share of MoE layers, experts, EP / ETP /
     # expert DP, top_k, a routed expert's and all shared experts' FFN sizes, capacity factor (0: dropless)
     moe_frac: float = 0.0
     experts: int = 0
@@ -141,7 +141,7 @@ def stage_params(cfg: Any, sh: Shape, d: Any) -> list[dict[str, int]]:
     norms, row-parallel biases (attention output, fc2) and learned positions are replicated
     on every TP rank, everything else is divided by ``t`` (vocab is padded so shards are equal).  MoE: the routers are
     replicated too, the routed experts split over EP x ETP (``experts``: this rank's, which the distributed optimizer
-    shards over the expert data-parallel group; :mod:`workbench.models.common.moe_shapes`).
+    shards over the expert data-parallel group; :mod:`workbench.families.common.moe_shapes`).
     """
     h, t = sh.h, sh.tp
     norm = (2 if sh.layernorm else 1) * h
@@ -237,7 +237,7 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
     if sh.hidden_dropout:
         terms["dropout_masks"] = 2 * tok * h / tsp
     terms["norm_stats"] = 2 * (8 if sh.layernorm else 4) * tok / tsp
-    if sh.moe_frac:  # MoE layers' router, dispatched tokens, experts (workbench.models.common.moe_shapes)
+    if sh.moe_frac:  # MoE layers' router, dispatched tokens, experts (workbench.families.common.moe_shapes)
         moe_shapes.apply_activation_terms(terms, sh, kp)
 
     if sh.recompute == "selective":

@@ -1,0 +1,70 @@
+"""GPT: decoder-only transformers (GPT-2 and Llama-style, dense or mixture of experts) on megatron-core's ``GPTModel``.
+
+The declaration: shapes (the common transformer stack's, :mod:`workbench.families.common.shapes`), presets
+(:mod:`.presets`), the ``model.moe`` section (:mod:`workbench.families.common.moe`) and ``qk_layernorm``.  The rank
+side, :mod:`workbench.models.gpt`: specs and builder, default forward step and LM loss, GPT datasets, the HF GPT-2 /
+Llama / Mixtral / Qwen3-MoE adapter, the generation engine, the MoE router statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench.families.common import moe
+from workbench.families.common.moe import MoEConfig
+from workbench.families.family import Family, Supports
+from workbench.families.common import shapes
+from workbench.families.gpt.presets import PRESETS
+
+
+@dataclass
+class GPTFields:
+    """The model-config fields GPT reads (``model.<field>``, mounted on :class:`workbench.config.ModelConfig`)."""
+
+    #: mixture of experts (families with ``Supports.moe``): experts, router, capacity; see workbench.families.common.moe
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    #: RMSNorm / LayerNorm of each query and key head (head_dim wide, before RoPE): megatron-core's ``qk_layernorm``
+    #: (Qwen3's q/k norms)
+    qk_layernorm: bool = False
+
+
+def field_rules(cfg: Any, supports: Supports) -> list[tuple[str, ...]]:
+    """The ``model.moe`` section and expert parallelism on a config of any family (refused where the family has no
+    MoE layers): :func:`workbench.families.common.moe.rules`; ``model.qk_layernorm`` (refused where the family's
+    attention has no q/k norms)."""
+    out = moe.rules(cfg, supports.moe)
+    if getattr(cfg.model, "qk_layernorm", False) and not supports.qk_layernorm:
+        out.append(("model.qk_layernorm", f"the {cfg.model.arch} family's attention has no q/k norms",
+                    "set qk_layernorm: false (q/k norms: a gpt model)", "model.arch"))
+    return out
+
+
+def transformer_fields(cfg: Any, choice: Any) -> dict:
+    """The MoE layers' megatron fields (none for a dense model) and ``qk_layernorm``, with the kernel rule's expert implementation
+    (``choice``: :class:`workbench.kernel_rule.KernelChoice`)."""
+    fields = moe.transformer_fields(cfg, grouped_te=choice.experts == "te_grouped")
+    if cfg.model.qk_layernorm:
+        fields["qk_layernorm"] = True
+    return fields
+
+
+_OLMOE = ("OLMoE's q/k norms normalise all heads at once (q_norm holds num_heads x head_dim weights), while "
+          "megatron-core's qk_layernorm normalises each head on its own (head_dim weights): no weight mapping gives the "
+          "same function -> convert a Qwen3-MoE (per-head q/k norms) or Mixtral checkpoint, or train OLMoE's shapes "
+          "from scratch (preset olmoe-1b-7b)")
+
+
+FAMILY = Family(
+    name="gpt",
+    title="GPT (decoder-only: GPT-2, Llama-style)",
+    supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=True, moe=True, qk_layernorm=True,
+                      hf_classes=(("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM"),
+                                  ("mixtral", "MixtralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")),
+                      hf_refused=(("olmoe", _OLMOE),)),
+    shapes=shapes,
+    presets=PRESETS,
+    model_fields=GPTFields,
+    field_rules=field_rules,
+    transformer_fields=transformer_fields,
+)
