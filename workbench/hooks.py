@@ -11,7 +11,7 @@ API (``workbench.backend.train.Trainer(cfg, run_dir, hooks=TrainHooks(...))``).
     batch.attention_mask, labels=batch.labels)``), or the logits when
     ``train.return_logits`` is on; on other stages the hidden states.  Every stage receives the
     whole batch (tokens too), so a loss hook on the last stage can look at the inputs.  The
-    default is the model family's (:meth:`workbench.families.parts.FamilyParts.step`); a hook
+    default is the model family's (:meth:`workbench.models.parts.FamilyParts.step`); a hook
     that wraps it calls :func:`default_forward_step` with the batch it was given: the batch
     carries its run's context, the family's default step (:attr:`Batch.family_step`).
 
@@ -100,7 +100,7 @@ def default_forward_step(batch: Batch, model: Any, *args: Any, **kwargs: Any) ->
     if getattr(batch, "family_step", None) is None:
         raise RuntimeError("default_forward_step runs on a batch of a training run (workbench.backend.train.Trainer sets "
                            "Batch.family_step, its model family's step); outside one, set it: "
-                           "Batch(..., family_step=workbench.families.parts.parts_of(cfg).step())")
+                           "Batch(..., family_step=workbench.models.parts.parts_of(cfg).step())")
     return batch.family_step.forward_step(batch, model, *args, **kwargs)
 
 

@@ -5,7 +5,7 @@ attention (Transformer Engine, the workbench SDPA module or stock megatron), whe
 transformer layers run as the compiled dense layer or as megatron's stock layer (and why
 not), the norm, the cross-entropy, the optimizer kernel, what ``recompute: selective``
 recomputes and whether the compiled layers replay as CUDA graphs.  The backend's builder
-(:mod:`workbench.families` specs, :mod:`workbench.backend.compiled_layer`), the planner and the
+(the families' specs in :mod:`workbench.models`, :mod:`workbench.backend.compiled_layer`), the planner and the
 benchmarks call it; nothing else restates these rules.  ``tests/`` builds the real model
 for a grid of configs and checks that what was built is what :func:`choose` said.
 

@@ -59,7 +59,7 @@ from workbench.backend.checkpointing import load_checkpoint, read_metadata
 from workbench.conversion.api import compare_hf_dirs, hf_to_megatron, megatron_to_hf
 from workbench.conversion.runtime import build_full_model, single_process_group
 from workbench.conversion.hf import hf_adapter
-from workbench.families.parts import parts_of
+from workbench.models.parts import parts_of
 from workbench.run.checkpoint import checkpoint_config
 
 root, cases = Path(sys.argv[1]), json.loads(sys.argv[2])

@@ -60,7 +60,7 @@ def _logits(tr, seed: int = 1234):
     """fp32 logits of the trained model on the family's fixed verification inputs (conversion's verify inputs)."""
     import torch
     from workbench.backend.checkpointing import _unwrap
-    from workbench.families.parts import parts_of
+    from workbench.models.parts import parts_of
 
     parts = parts_of(tr.cfg)
     model = _unwrap(tr.model[0])

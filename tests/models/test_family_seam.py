@@ -19,7 +19,7 @@ from tests.support import init_single_process, teardown_single_process
 from workbench.config import ModelConfig, RunConfig, preset
 from workbench.families import FAMILIES
 from workbench.families.family import PART_PROTOCOLS, ShapesPart, StepPart, part_problems
-from workbench.families.parts import PART_MODULES, FamilyParts, parts_of
+from workbench.models.parts import PART_MODULES, FamilyParts, parts_of
 
 WORKBENCH = Path(__file__).resolve().parents[2] / "workbench"
 #: the folders under workbench/models that are families (each holds a model.py), not shared code
@@ -143,7 +143,7 @@ def test_the_family_import_check_finds_one(tmp_path):
                    "from workbench.models import bert\n", "def f():\n    from ..models.gpt.step import loss\n"):
         probe.write_text(source)
         assert family_imports(probe, tmp_path), source
-    probe.write_text("from workbench.families import family_of\nfrom workbench.families.parts import parts_of\n")
+    probe.write_text("from workbench.families import family_of\nfrom workbench.models.parts import parts_of\n")
     assert family_imports(probe, tmp_path) == []
 
 
@@ -195,7 +195,7 @@ def test_no_hidden_imports_of_workbench_modules():
     allowed = {"workbench/hooks.py",  # resolve(): the user's train.forward_step / loss_func hook, by dotted path
                "workbench/run/integrity.py",  # find_class(): the allow-listed globals of checkpoint metadata
                "workbench/backend/train.py",  # _versions(): the versions of optional third-party packages
-               "workbench/families/parts.py"}  # FamilyParts: a family's part modules, by the one naming rule (PART_MODULES)
+               "workbench/models/parts.py"}  # FamilyParts: the modules of workbench.models.<family>, by PART_MODULES
     found = []
     for path in sorted(WORKBENCH.rglob("*.py")):
         rel = str(path.relative_to(WORKBENCH.parent))

@@ -74,11 +74,11 @@ def test_overlay_has_one_line_per_run_with_its_values(two_runs):
 def test_ranks_are_combined_per_step(two_runs):
     alpha, *_ = two_runs
     tput = metric_curve(alpha, "tokens_per_s")
-    assert tput.y == [100.0 * i + 7 for i in range(1, 6)]  # every rank reports the job's tokens/s: the max
+    assert tput.y == [100.0 * i for i in range(1, 6)]  # the slowest rank's tokens/s: the job's pace
     mem = metric_curve(alpha, "mem_allocated")
     assert mem.y == pytest.approx([3.0] * 5)  # the worst rank's memory, in GiB
     mfu = metric_curve(alpha, "mfu")
-    assert mfu.y == pytest.approx([15.0] * 5)  # mean over ranks, in percent
+    assert mfu.y == pytest.approx([10.0] * 5)  # the slowest rank's, like tokens/s, in percent
 
 
 def test_smoothing_draws_the_ema_over_the_faint_raw_curve(two_runs):
@@ -192,3 +192,11 @@ def test_runs_under_a_folder_and_their_table(two_runs, tmp_path):
     assert df.loc["alpha", "steps"] == "5/5" and df.loc["beta", "steps"] == "8/10"
     assert df.loc["alpha", "last loss"] == pytest.approx(a_loss[-1]) and df.loc["beta", "last loss"] == pytest.approx(b_loss[8])
     assert set(df["status"]) == {"finished"}
+
+
+def test_labels_must_name_every_run(two_runs):
+    alpha, beta, *_ = two_runs
+    with pytest.raises(ValueError, match="labels: 1 given for 2 runs"):
+        compare_runs([alpha, beta], "loss", labels=["only one"])
+    comp = compare_runs([alpha, beta], "loss", labels=["a", "b"])
+    assert sorted(c.run for c in comp.curves) == ["a", "b"]

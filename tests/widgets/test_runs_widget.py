@@ -133,3 +133,16 @@ def test_runs_of_the_same_name_are_told_apart(tmp_path):
     assert sorted(label for label, _ in w.selection.options) == ["cpu/tiny", "gpu/tiny"]
     assert sorted(c.run for c in w.comparison.curves) == ["cpu/tiny", "gpu/tiny"]
     assert w.values.set_index("run").loc["cpu/tiny", "value"] == pytest.approx(4.0)
+
+
+def test_a_run_or_metric_the_browser_does_not_have_is_refused_with_what_it_has(runs):
+    from workbench.widgets.runs import RunBrowser
+
+    root, ft, pre, *_ = runs
+    w = RunBrowser(root, show=False)
+    with pytest.raises(ValueError, match=r"selection: no run nope .*runs: .*ft"):
+        w.set(selection=["nope"])
+    w.set(selection=["pre"])
+    with pytest.raises(ValueError, match=r"metric: 'accuracy' is not offered .*loss"):
+        w.set(metric="accuracy")  # ft's metric; pre alone does not record it
+    assert w.metric.value == "loss" and [c.run for c in w.comparison.curves] == ["pre"]

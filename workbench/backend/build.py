@@ -1,4 +1,4 @@
-"""One model chunk of a run: its family's builder (:meth:`workbench.families.parts.FamilyParts.model`), on the rank's device.
+"""One model chunk of a run: its family's builder (:meth:`workbench.models.parts.FamilyParts.model`), on the rank's device.
 
 The family builds from the blocks of :mod:`workbench.backend.model` (``transformer_config``, layer specs,
 norms); this module is where the generic rank side asks the family, so the blocks never import one.
@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from workbench.config import RunConfig
-from workbench.families.parts import parts_of
+from workbench.models.parts import parts_of
 
 __all__ = ["build_model"]
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from workbench.config import RunConfig, derive
-from workbench.families.parts import parts_of
+from workbench.models.parts import parts_of
 
 __all__ = ["build_datasets", "MicroBatchStream", "microbatch_indices", "loader_workers"]
 

@@ -8,7 +8,7 @@ Entry point (one process per rank, started by torchrun like training)::
 ``"generation": {GenerationConfig fields}`` or ``"runs": {name: {...}, ...}`` (several decoding
 configs, model loaded once).  ``OUT.json`` (written by the last stage's first TP rank):
 ``{"runs": {name: {"outputs": [GenerationOutput dicts], "seconds", "tokens_per_s", ...}}, "tp", "pp", ...}``.
-The engines are the families' generation parts (:meth:`workbench.families.parts.FamilyParts.generation`,
+The engines are the families' generation parts (:meth:`workbench.models.parts.FamilyParts.generation`,
 built from the blocks of :mod:`workbench.backend.decoding`); the notebook-side API that validates and
 launches this is :mod:`workbench.generation`.
 """
@@ -27,7 +27,7 @@ import torch
 from megatron.core import parallel_state
 
 from workbench.backend.decoding import dist_ready, pp_info
-from workbench.families.parts import parts_of
+from workbench.models.parts import parts_of
 from workbench.data.tokenizer import resolve_tokenizer
 from workbench.run.checkpoint import checkpoint_config, checkpoint_info, read_checkpoint, special_ids
 from workbench.run.files import write_json_atomic

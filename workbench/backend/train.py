@@ -47,7 +47,7 @@ from workbench import kernel_rule
 from workbench.config import RunConfig, derive
 from workbench.run.events import Checkpoint, Error, Eval, EvalProgress, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
 from workbench.hooks import Batch, TrainHooks, load_hooks
-from workbench.families.parts import parts_of
+from workbench.models.parts import parts_of
 
 __all__ = ["Trainer", "main"]
 

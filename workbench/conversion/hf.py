@@ -1,7 +1,7 @@
 """Hugging Face <-> megatron-core: configs and per-tensor conversion rules, for every model family.
 
 The model-specific parts (HF config fields, tensor names) are each family's ``hf`` adapter
-(:meth:`workbench.families.parts.FamilyParts.hf`, built from :mod:`workbench.conversion.rules`);
+(:meth:`workbench.models.parts.FamilyParts.hf`, built from :mod:`workbench.conversion.rules`);
 this module reads and writes HF directories and dispatches to the adapter of an HF ``model_type``.
 
 Pure torch: no megatron import.  The megatron side is the *full* state dict of a
@@ -34,7 +34,7 @@ from workbench.config import ModelConfig, RunConfig
 from workbench.conversion.errors import ConversionError
 from workbench.families import FAMILIES, Family, family_for_hf, family_of
 from workbench.families.family import HfPart
-from workbench.families.parts import parts_of
+from workbench.models.parts import parts_of
 
 __all__ = [
     "ConversionError",

@@ -61,7 +61,7 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
 def _family_hf(ckpt: str | Path) -> Any:
     """The checkpoint's family's HF adapter, which must make verify's inputs and reference logits."""
     from workbench.conversion.errors import ConversionError
-    from workbench.families.parts import parts_of
+    from workbench.models.parts import parts_of
     from workbench.run.checkpoint import read_metadata
 
     parts = parts_of(((read_metadata(ckpt).get("config") or {}).get("model") or {}).get("arch", "gpt"))
@@ -115,7 +115,7 @@ def _worker(args: argparse.Namespace) -> None:
     from workbench.conversion.runtime import model_overrides
     from workbench.run.checkpoint import checkpoint_config
     from workbench.run.integrity import safe_torch_load
-    from workbench.families.parts import parts_of
+    from workbench.models.parts import parts_of
 
     cfg = checkpoint_config(read_metadata(args.ckpt))
     world = int(os.environ.get("WORLD_SIZE", "1"))

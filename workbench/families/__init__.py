@@ -3,8 +3,8 @@
 ``model.arch`` names the family; everything that depends on the architecture is asked of it
 instead of branching on it.  This package stands below the config: the registry holds the
 declarations (:func:`family_of`: supports, presets, config fields and rules, shape terms) that
-config validation, the planner, the advisor and the widgets read, and :mod:`workbench.families.parts`
-finds the rank-side parts in ``workbench/models/<family>/`` (:func:`workbench.families.parts.parts_of`:
+config validation, the planner, the advisor and the widgets read, and :mod:`workbench.models.parts`
+finds the rank-side parts in ``workbench/models/<family>/`` (:func:`workbench.models.parts.parts_of`:
 builder, train step, datasets, HF adapter, generation engine), above the backend's building blocks.
 What the declarations share lives in :mod:`workbench.families.common`.
 """

@@ -4,7 +4,7 @@ A family has two sides.  Its **declaration** (:class:`Family`, ``workbench/famil
 is torch-free and stands below the config, so config validation, the planner and the widgets read it
 in a notebook kernel: what it supports, its presets, its config rules, its shape terms.  Its **parts**
 are the rank-side modules of ``workbench/models/<family>/``, one module a part, each imported where it
-is first asked for (:class:`workbench.families.parts.FamilyParts`: the same for every family):
+is first asked for (:class:`workbench.models.parts.FamilyParts`: the same for every family):
 
 ==============  =========================================================================
 part (module)   what it holds (the protocol it answers)
@@ -25,7 +25,7 @@ part (module)   what it holds (the protocol it answers)
 ==============  =========================================================================
 
 The generic code asks :func:`workbench.families.family_of` for the declaration and
-:func:`workbench.families.parts.parts_of` for the parts; the family's modules import the backend's
+:func:`workbench.models.parts.parts_of` for the parts; the family's modules import the backend's
 building blocks and their family's declaration, never the other way round.  Adding a family: a
 folder ``workbench/families/<family>/`` whose ``__init__.py`` defines ``FAMILY``, one line in
 :data:`workbench.families.FAMILIES`, and a folder ``workbench/models/<family>/`` with the part modules
@@ -206,7 +206,7 @@ class MonitorPart(Protocol):
     def step_monitor(self, cfg: Any, chunks: list) -> Any: ...
 
 
-#: each part accessor of :class:`workbench.families.parts.FamilyParts` and the protocol its part answers
+#: each part accessor of :class:`workbench.models.parts.FamilyParts` and the protocol its part answers
 PART_PROTOCOLS: dict[str, type] = {"model": ModelPart, "step": StepPart, "data": DataPart, "hf": HfPart,
                                    "generation": GenerationPart, "monitor": MonitorPart}
 

@@ -10,9 +10,9 @@ the records rather than listed per family (:func:`run_metrics`):
   metrics (``eval accuracy`` of a fine-tuning run, ``eval mlm accuracy``, ``eval sop loss``).
 
 A field a record leaves empty (``mfu`` on CPU, memory without CUDA) is not a metric of that run.  One value per step:
-the last record of each (step, rank) (a resumed run's repeated steps: the newest), then over the ranks the max for
-the job-wide numbers every rank reports (tokens/s, step time, LR, grad norm) and the worst rank's memory, the mean
-for the rest (the loss of the ranks that hold it).  Plotted as stored except MFU (percent) and memory (GiB).
+the last record of each (step, rank) (a resumed run's repeated steps: the newest), then over the ranks the slowest
+rank's step time and throughput (tokens/s, TFLOP/s, MFU: each rank divides by its own step time), the max of LR and
+grad norm, the worst rank's memory, the mean for the rest (the loss of the ranks that hold it).  Plotted as stored except MFU (percent) and memory (GiB).
 
 :func:`compare_runs` draws the overlay: x is the step, the tokens consumed (samples consumed x ``model.seq_length``;
 ``step x global batch x seq_length`` where a step record lacks it) or the wall time since the run started;
@@ -62,8 +62,11 @@ _SHOWN = {
     "mem_reserved": ("memory reserved (GiB)", 1.0 / GIB), "mem_peak": ("peak memory (GiB)", 1.0 / GIB),
     "eval ppl": ("eval perplexity", 1.0),
 }
-#: per step, over the ranks: the job-wide numbers every rank reports and the worst rank's memory take the max
-_MAX_OVER_RANKS = {"tokens_per_s", "step_time", "lr", "grad_norm", "mem_allocated", "mem_reserved", "mem_peak"}
+#: per step, over the ranks: the slowest rank's step time, the job-wide LR and grad norm and the worst rank's memory
+#: take the max; throughput (each rank divides the step's tokens by its own step time) the min: the slowest rank's,
+#: so tokens/s, TFLOP/s and MFU describe the same step time as ``step_time``
+_MAX_OVER_RANKS = {"step_time", "lr", "grad_norm", "mem_allocated", "mem_reserved", "mem_peak"}
+_MIN_OVER_RANKS = {"tokens_per_s", "tflops_per_gpu", "mfu"}
 #: the order metrics are offered in (others follow: train metrics, then eval metrics, by name)
 _ORDER = ("loss", "eval loss", "accuracy", "eval accuracy", "eval ppl", "tokens_per_s", "mfu", "tflops_per_gpu",
           "step_time", "lr", "grad_norm", "mem_allocated", "mem_reserved", "mem_peak")
@@ -164,7 +167,7 @@ def _source(metric: str) -> tuple[str, str]:
 
 
 def _per_step(records: Iterable[Event], key: str, how: str) -> list[tuple[int, float, float]]:
-    """(step, value, time) per step: the last record of each (step, rank), then max or mean over the ranks."""
+    """(step, value, time) per step: the last record of each (step, rank), then max, min or mean over the ranks."""
     latest: dict[tuple[int, Any], tuple[float, float]] = {}
     for rec in records:  # time-ordered: a later record of the same step and rank (a resumed run) replaces the earlier
         it, v = rec.get("iteration"), rec.get(key)
@@ -177,7 +180,7 @@ def _per_step(records: Iterable[Event], key: str, how: str) -> list[tuple[int, f
     out = []
     for it in sorted(by_step):
         vals = [v for v, _t in by_step[it]]
-        value = max(vals) if how == "max" else sum(vals) / len(vals)
+        value = max(vals) if how == "max" else min(vals) if how == "min" else sum(vals) / len(vals)
         out.append((it, value, max(t for _v, t in by_step[it])))
     return out
 
@@ -251,7 +254,7 @@ def metric_curve(source: Any, metric: str, *, x: str = "step", smoothing: float 
     reader = reader_of(source)
     reader.poll()
     kind, key = _source(metric)
-    how = "max" if key in _MAX_OVER_RANKS and kind == "step" else "mean"
+    how = "mean" if kind != "step" else "max" if key in _MAX_OVER_RANKS else "min" if key in _MIN_OVER_RANKS else "mean"
     points = _per_step(reader.records(kind, refresh=False), key, how)
     if not points:
         return None
@@ -350,6 +353,9 @@ def compare_runs(runs: Iterable[Any], metric: str = "loss", *, x: str = "step", 
     runs = list(runs)
     if not 0.0 <= float(smoothing) < 1.0:
         raise ValueError(f"smoothing {smoothing!r} is not in [0, 1)")
+    if labels is not None and not isinstance(labels, Mapping) and len(list(labels)) != len(runs):
+        raise ValueError(f"labels: {len(list(labels))} given for {len(runs)} runs (give one a run, or a mapping "
+                         f"from run name to label)")
     fig = Figure(figsize=figsize)
     ax = fig.subplots()
     comp = Comparison(fig, metric, x, float(smoothing), bool(log_y))

@@ -176,10 +176,19 @@ class RunBrowser:
         try:
             if "selection" in controls:
                 dirs = [Path(v) for _, v in self.selection.options]
-                self.selection.value = tuple(self._key(s, dirs) for s in controls["selection"])
+                keys = tuple(self._key(s, dirs) for s in controls["selection"])
+                missing = [s for s, key in zip(controls["selection"], keys) if key not in {str(d) for d in dirs}]
+                if missing:
+                    raise ValueError(f"selection: no run {', '.join(map(str, missing))} under {self.runs_dir} "
+                                     f"(runs: {', '.join(d.name for d in dirs) or 'none'})")
+                self.selection.value = keys
                 self._fill_metrics(controls.get("metric"))
             for k in ("metric", "x_axis", "smoothing", "log_y"):
                 if k in controls:
+                    options = getattr(getattr(self, k), "options", None)
+                    if options is not None and controls[k] not in [o[1] if isinstance(o, tuple) else o for o in options]:
+                        raise ValueError(f"{k}: {controls[k]!r} is not offered for the selected runs "
+                                         f"(one of: {', '.join(map(str, (o[1] if isinstance(o, tuple) else o for o in options)))})")
                     getattr(self, k).value = controls[k]
         finally:
             self._batch = False

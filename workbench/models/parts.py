@@ -4,9 +4,11 @@
 the widgets read; :class:`FamilyParts` finds the parts that build, train, convert and generate in the
 family's rank-side package, by module name (``<package>.model``, ``.step``, ``.data``, ``.hf``, ``.generate``,
 ``.router_stats``), each imported where it is first asked for: conversion's notebook side loads the ``hf``
-adapter without megatron-core, and the backend asks for a family's parts without importing them.  This is
-the one place that names the rank-side packages, by the naming rule :data:`PART_MODULES` (the import is by
-name: the rank side stands above the backend and the declarations, and imports them, never the other way).
+adapter without megatron-core, and the backend asks for a family's parts without importing them.  It stands
+on the rank side, beside the parts it loads (the declarations below never import it), and it is the one place
+that imports a part by name (:data:`PART_MODULES`).  The backend's trainer, builder and data path import this
+module and the parts import the backend's blocks: a two-way relation between the backend and the models that
+goes when the rank entry point stands in a package of its own above both.
 """
 
 from __future__ import annotations
