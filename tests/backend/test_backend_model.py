@@ -243,35 +243,40 @@ def worker(rank, world, q):
     distributed.destroy()
 
 if __name__ == "__main__":
-    world = int(sys.argv[1])
-    if world == 1:
-        import queue
-        q = queue.Queue()
-        worker(0, 1, q)
-        print(json.dumps([q.get()[1]]))
-    else:
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, world, q)) for r in range(world)]
-        [p.start() for p in procs]
-        res = sorted((q.get(timeout=200) for _ in procs), key=lambda r: r[0])
-        [p.join() for p in procs]
-        print(json.dumps([r[1] for r in res]))
+    for world in map(int, sys.argv[1:]):  # each world's result on its own line, in order
+        if world == 1:  # in this process (its group is torn down before the next world's ranks start)
+            import queue
+            q = queue.Queue()
+            worker(0, 1, q)
+            print(json.dumps([q.get()[1]]), flush=True)
+        else:
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            procs = [ctx.Process(target=worker, args=(r, world, q)) for r in range(world)]
+            [p.start() for p in procs]
+            res = sorted((q.get(timeout=200) for _ in procs), key=lambda r: r[0])
+            [p.join() for p in procs]
+            print(json.dumps([r[1] for r in res]), flush=True)
 '''
 
 
-def _tp_run(tmp_path, world: int) -> list:
-    script = tmp_path / f"tp_worker_{world}.py"
+def _tp_run(tmp_path, *worlds: int) -> list:
+    """TP_WORKER at each world size in turn, in one script run (world 1 in its process, then the ranks of the next):
+    per world, per rank, the results."""
+    script = tmp_path / "tp_worker.py"
     script.write_text(TP_WORKER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([PY, str(script), str(world)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([PY, str(script), *map(str, worlds)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240 * len(worlds))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads([l for l in proc.stdout.splitlines() if l.startswith("[")][-1])
+    lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("[")]
+    assert len(lines) == len(worlds), proc.stdout[-2000:]
+    return lines
 
 
 def test_tp2_and_tp2_sp_forward_backward_match_tp1(tmp_path):
-    one = _tp_run(tmp_path, 1)[0][0]
-    ranks = _tp_run(tmp_path, 2)
+    (one,), ranks = _tp_run(tmp_path, 1, 2)
+    one = one[0]
     ref = one["loss"]
     assert ref > 1.0
     for per_rank in ranks:

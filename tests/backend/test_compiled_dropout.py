@@ -1,7 +1,8 @@
 """The compiled dense layer under dropout: megatron's hidden dropout (each sublayer's output, bias included, before
 its residual add) and attention dropout (on the attention probabilities), with megatron's masks.
 
-Each check runs in a subprocess (tests/support/dropout_check.py: megatron's parallel state is process-global).
+Each check runs in a subprocess (tests/support/dropout_check.py: megatron's parallel state is process-global); the
+one-process checks share one (the ``one_process`` fixture), the TP=2 check has its two ranks.
 Stock and compiled layers run eagerly on the CPU with the same weights and the random generators seeded alike, so
 they draw the same masks only if the compiled layer drops what megatron drops, where it drops it, in the same
 order, from the same stream: equal losses and gradients are the proof; the dropout-free (eval) loss differing
@@ -35,15 +36,22 @@ def _run(what: str, nproc: int = 1, timeout: int = 900, **env: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """``dropout_check.py one-process``: the layer, the statistics (eager and compiled), full recompute (compiled)
+    and the families, one after another in one process (each from empty dynamo caches and parallel state)."""
+    return _run("one-process", timeout=1800)
+
+
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1.0)
 
 
-def test_compiled_layer_drops_what_megatrons_layer_drops():
+def test_compiled_layer_drops_what_megatrons_layer_drops(one_process):
     """GPT (learned positions, GELU) and a RoPE/GQA/SwiGLU/RMSNorm GPT, hidden and attention dropout alone and
     together, under selective and full recompute: the compiled layer in train mode against megatron's
     TransformerLayer, the same seed before each forward."""
-    r = _run("layer")
+    r = one_process["layer"]
     for name, case in r.items():
         assert case["blockers"] == [None] * 4 and case["fast_calls"] >= 4, (name, case)  # the compiled path ran
         assert _close(case["loss_fast"], case["loss_stock"]), (name, case)
@@ -61,31 +69,31 @@ def _assert_statistics(r: dict) -> None:
     assert r["none"] == {"values": [1.0], "dropped": 0.0, "n": r["none"]["n"]}
 
 
-def test_dropout_masks_drop_p_and_scale_the_rest():
-    _assert_statistics(_run("stats"))
+def test_dropout_masks_drop_p_and_scale_the_rest(one_process):
+    _assert_statistics(one_process["stats"])
 
 
 @pytest.mark.slow
-def test_dropout_masks_under_torch_compile():
+def test_dropout_masks_under_torch_compile(one_process):
     """The same statistics from inductor's random numbers (the compiled graph's own dropout)."""
-    _assert_statistics(_run("stats", CHECK_COMPILE="1"))
+    _assert_statistics(one_process["stats_compiled"])
 
 
 @pytest.mark.slow
-def test_full_recompute_redraws_the_same_masks_under_torch_compile():
+def test_full_recompute_redraws_the_same_masks_under_torch_compile(one_process):
     """megatron's full recompute runs each compiled layer forward without grad (inductor's inference graph), then
     again in backward (the training graph) after restoring the RNG states: the same masks both times, so the loss and
     gradients equal the run's without recompute."""
-    r = _run("recompute")
+    r = one_process["recompute"]
     assert r["fast_calls"] == [4, 8], r  # compiled: once per layer, twice under full recompute
     assert r["loss_full"] == r["loss_none"] and r["grad_rel_max"] < 1e-6, r
 
 
-def test_bert_and_t5_masks_under_dropout_match_the_stock_layers():
+def test_bert_and_t5_masks_under_dropout_match_the_stock_layers(one_process):
     """BERT (key padding mask) and T5 (relative position bias, padded encoder inputs, causal decoder, cross-attention;
     GEGLU, and ReLU with hidden dropout only): three Trainer steps on the compiled layer against megatron's layers
     under dropout, same losses and gradient norms."""
-    r = _run("families")
+    r = one_process["families"]
     assert set(r) == {"bert", "t5-padded", "t5-relu-hidden-only"}
     for name, runs in r.items():
         stock, fast = runs["stock"], runs["fast"]

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def checks() -> dict:
-    return _run_check("all", port=free_port())
+    """``compiled_layer_check.py all+families``: every eager check of this file in one process."""
+    return _run_check("all+families", port=free_port())
 
 
 def test_dense_layer_matches_stock_megatron_layer(checks):
@@ -100,11 +101,11 @@ def test_trainer_steps_identical_with_fast_paths(checks):
     assert not any(k.startswith("fast_") for k in stock["kernel_path"])
 
 
-def test_compiled_layer_serves_bert_t5_and_rope_with_the_stock_maths():
+def test_compiled_layer_serves_bert_t5_and_rope_with_the_stock_maths(checks):
     """BERT (padding mask, bidirectional), T5 (relative bias, padding-masked encoder, causal decoder with
     cross-attention; GEGLU and ReLU) and a RoPE/GQA GPT: three Trainer steps on the compiled layer (eager)
     against megatron's own layers, same losses and gradient norms."""
-    r = _run_check("families", port=free_port())
+    r = checks["families"]
     assert set(r) == {"bert", "t5", "t5-padded", "t5-relu", "gpt-rope"}
     assert r["t5-padded"]["fast"]["losses"] != r["t5"]["fast"]["losses"]  # the padding changed what was attended
     assert r["t5"]["fast"]["layers"] == 4  # 2 encoder + 2 decoder layers

@@ -1,6 +1,7 @@
 """The compiled dense layer under ``torch.compile`` (inductor's CPU code) keeps the stock maths: the layer, the
 families (BERT, T5, RoPE GPT) and FP8 GEMMs through the real Trainer.  Split from test_compiled_layer.py (the eager
-checks) so the two run on separate test workers: each compile here takes minutes on CPU."""
+checks) so the two run on separate test workers: each compile here takes minutes on CPU.  The three checks run in one
+process (the ``compiled`` fixture)."""
 
 from __future__ import annotations
 
@@ -12,28 +13,31 @@ import sys
 import pytest
 
 from tests.support import free_port
-from tests.support.compiled_layer_run import LAYER_CHECK, ROOT, assert_families_match, close, run_check
+from tests.support.compiled_layer_run import LAYER_CHECK, ROOT, assert_families_match, close
 
 
-@pytest.mark.slow
-def test_families_on_the_compiled_layer_under_torch_compile():
-    proc = subprocess.run([sys.executable, str(LAYER_CHECK), "families"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "CHECK_PORT": str(free_port()), "CHECK_COMPILE": "1"})
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """``compiled_layer_check.py compiled``: the layer, the families and FP8 under torch.compile in one process (one
+    start and one set of imports for the three checks; each starts from empty dynamo caches): their JSON results."""
+    proc = subprocess.run([sys.executable, str(LAYER_CHECK), "compiled"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800, env={**os.environ, "CHECK_PORT": str(free_port()), "CHECK_COMPILE": "1"})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert_families_match(json.loads(lines[-1][len("RESULT "):]), 1e-4)
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 @pytest.mark.slow
-def test_fp8_gemms_train_on_the_compiled_layer_under_torch_compile():
+def test_families_on_the_compiled_layer_under_torch_compile(compiled):
+    assert_families_match(compiled["families"], 1e-4)
+
+
+@pytest.mark.slow
+def test_fp8_gemms_train_on_the_compiled_layer_under_torch_compile(compiled):
     """train.fp8 through the real Trainer (RoPE/GQA/SwiGLU GPT, torch.compile'd layer, CPU): every layer takes the
     compiled path, the kernel path names the recipe, three steps stay within FP8's rounding of the same run
     without FP8 while differing from it (the GEMMs really ran in FP8), and each weight is cast once per step."""
-    proc = subprocess.run([sys.executable, str(LAYER_CHECK), "fp8"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "CHECK_PORT": str(free_port()), "CHECK_COMPILE": "1"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = compiled["fp8"]
     off = r["off"]
     assert "fast_fp8" not in off["kernel_path"]
     for recipe in ("tensorwise", "rowwise"):
@@ -52,8 +56,8 @@ def test_fp8_gemms_train_on_the_compiled_layer_under_torch_compile():
 
 
 @pytest.mark.slow
-def test_compiled_layer_matches_stock_under_torch_compile():
-    r = run_check("layer", "--compile", port=free_port())
+def test_compiled_layer_matches_stock_under_torch_compile(compiled):
+    r = compiled["layer"]
     for name in ("gpt", "llama-like", "rope", "recompute-selective", "recompute-full"):
         assert r[name]["fast_calls"] == (8 if name == "recompute-full" else 4)
         assert close(r[name]["loss_fast"], r[name]["loss_stock"], 1e-4), r[name]

@@ -1,18 +1,31 @@
 """The compiled layer at TP=2 (two gloo ranks under torchrun): the one-graph layer with functional collectives matches
 megatron's stock layer with and without SP and recompute, ``parallel.tp_comm_overlap`` moves the input-gradient
-collectives under the weight-gradient GEMMs, and under ``torch.compile`` the collectives stay in one graph."""
+collectives under the weight-gradient GEMMs (inductor's generated code for one rank of TP=2, read in one process under
+torch's fake process group of two ranks: the ranks' code is the same and does not depend on the backend), and under
+``torch.compile`` the collectives stay in one graph."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support.compiled_layer_run import assert_tp2_matches_stock, gemms_in_flight, tp2_check
+from tests.support import free_port
+from tests.support.compiled_layer_run import assert_tp2_matches_stock, gemms_in_flight, run_check, tp2_check
 
 
-def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks():
+COMPILED_CASES = ("gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full")
+
+
+@pytest.fixture(scope="module")
+def tp2() -> dict:
+    """One torchrun of two gloo ranks: every case eagerly, then :data:`COMPILED_CASES` under torch.compile in the same
+    ranks (``"compile:<case>"``; their graph breaks counted from the start of that phase)."""
+    return tp2_check(CHECK_THEN_COMPILE=",".join(COMPILED_CASES))
+
+
+def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks(tp2):
     """TP=2 (two gloo processes): the one-graph layer with functional collectives, with and
     without sequence parallelism, against the stock megatron layer with the same weights."""
-    r = tp2_check()
+    r = {name: v for name, v in tp2.items() if not name.startswith("compile:")}
     for name, heads_per_rank, groups_per_rank in (("gpt", 2, 2), ("llama-like", 2, 1)):
         v = r[name]
         assert_tp2_matches_stock(v, rel=1e-5)
@@ -26,7 +39,7 @@ def test_tp_backward_collectives_run_under_the_weight_gradient_gemms():
     """parallel.tp_comm_overlap, on inductor's generated backward of the TP=2 layer: each
     input-gradient all-reduce (reduce-scatter under SP) has two weight-gradient GEMMs between
     its start and its wait; without the overlap every collective is waited on at once."""
-    r = tp2_check("tp2-order")
+    r = run_check("tp2-order", port=free_port())  # one process, a fake group of two ranks (the module docstring)
     # backward collectives: TP = [all-reduce dgrad fc1, all-reduce dgrad qkv];
     # SP = [all-gather grad, reduce-scatter dgrad fc1, all-gather grad, reduce-scatter dgrad qkv]
     expected_on = {False: [2, 2], True: [0, 2, 0, 2]}
@@ -44,10 +57,10 @@ def test_tp_backward_collectives_run_under_the_weight_gradient_gemms():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_one_graph_layer_under_torch_compile():
+def test_tensor_parallel_one_graph_layer_under_torch_compile(tp2):
     """The same under torch.compile: the collectives stay inside one graph (no graph breaks),
     with the recomputed MLP and under megatron's full recompute too."""
-    r = tp2_check(CHECK_COMPILE="1", CHECK_CASES="gpt+sp,llama-like+sp,gpt+sp+selective,gpt+full")
+    r = {name[len("compile:"):]: v for name, v in tp2.items() if name.startswith("compile:")}
     assert set(r) == {"gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full"}
     for name, v in r.items():
         assert_tp2_matches_stock(v, rel=1e-5, passes=2 if name == "gpt+full" else 1)

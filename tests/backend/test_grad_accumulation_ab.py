@@ -10,9 +10,21 @@ from workbench.run.reader import read_events
 
 from tests.support.trainer_runs import run_trainers
 
-MEGATRONS_OWN = "from workbench.backend import grad_accumulation\ngrad_accumulation.install = lambda chunks: 0\n"
-# the tiny model's parameters are all under the shipped MIN_NUMEL: hook every one, so the comparison means something
-EVERY_PARAMETER = "from workbench.backend import grad_accumulation\ngrad_accumulation.MIN_NUMEL = 0\n"
+# both runs in one launch (the ranks start once): the workbench run with the hook on every parameter (the tiny model's
+# parameters are all under the shipped MIN_NUMEL, so hook every one, so the comparison means something); the run in a
+# directory named "megatron" with the hook never installed (megatron's own path).  install() only touches the model it
+# is given (per-parameter hooks), so nothing of the first run carries into the second.
+BOTH = """
+import os
+from workbench.backend import grad_accumulation, train
+grad_accumulation.MIN_NUMEL = 0
+_install, _run = grad_accumulation.install, train.Trainer.run
+def _run_as_named(self, *a, **k):
+    megatrons_own = os.path.basename(os.path.normpath(str(self.run_dir))) == "megatron"
+    grad_accumulation.install = (lambda chunks: 0) if megatrons_own else _install
+    return _run(self, *a, **k)
+train.Trainer.run = _run_as_named
+"""
 
 
 def _steps(run_dir):
@@ -27,10 +39,13 @@ def test_pp2_vpp2_dp2_distributed_optimizer_trains_as_with_megatrons_own_accumul
                             "checkpoint.save_interval": 0, "checkpoint.save_on_exit": False,
                             "parallel.pipeline_parallel": 2, "parallel.virtual_pipeline_parallel": 2,
                             "parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True})
-    run_trainers({tmp_path / "workbench": cfg}, nproc=4, timeout=600, prelude=EVERY_PARAMETER)
-    run_trainers({tmp_path / "megatron": cfg}, nproc=4, timeout=600, prelude=MEGATRONS_OWN)
+    run_trainers({tmp_path / "megatron": cfg, tmp_path / "workbench": cfg}, nproc=4, timeout=600,
+                 prelude=BOTH)
     ours, theirs = _steps(tmp_path / "workbench"), _steps(tmp_path / "megatron")
     assert sorted({s[0] for s in ours}) == [1, 2, 3] and all(s[3] is not None for s in ours)
     assert ours == theirs
     kp = next(e for e in read_events(tmp_path / "workbench") if e["event"] == "run_start")["kernel_path"]
     assert kp["grad_accumulation"].startswith("workbench on ") and not kp["grad_accumulation"].startswith("workbench on 0 ")
+    # the megatron run really had no hook (the per-run switch in BOTH took)
+    kp = next(e for e in read_events(tmp_path / "megatron") if e["event"] == "run_start")["kernel_path"]
+    assert kp["grad_accumulation"].startswith("workbench on 0 "), kp["grad_accumulation"]

@@ -4,10 +4,14 @@
     python tests/support/compiled_layer_check.py reference           -> JSON: workbench GPT vs bench reference GPT, same weights
     python tests/support/compiled_layer_check.py trainer --fast 0|1  -> JSON: losses of 3 Trainer steps
     torchrun --nproc_per_node 2 tests/support/compiled_layer_check.py tp2  -> JSON: TP=2 fast layer vs stock (CPU, gloo)
-    torchrun --nproc_per_node 2 tests/support/compiled_layer_check.py tp2-order -> JSON: GEMM / collective order in the compiled backward
+    python tests/support/compiled_layer_check.py tp2-order -> JSON: GEMM / collective order in the compiled backward of one rank
+                                                        of TP=2 (a fake process group of two ranks; under torchrun: gloo)
     python tests/support/compiled_layer_check.py families            -> JSON: BERT / T5 / RoPE GPT Trainer steps, stock vs fast
     python tests/support/compiled_layer_check.py fp8                 -> JSON: RoPE GPT Trainer steps, fast layer without / with FP8 GEMMs
     python tests/support/compiled_layer_check.py all                 -> all of the above in one process (stock trainer first)
+    python tests/support/compiled_layer_check.py all+families        -> all, then families, in one process
+    CHECK_COMPILE=1 python tests/support/compiled_layer_check.py compiled -> {"layer": layer --compile, "families", "fp8"}
+                                                                            in one process
 """
 
 from __future__ import annotations
@@ -134,12 +138,15 @@ def _eval_calls(cfg, stock, fast) -> dict:
 
 
 def check_tp2() -> dict:
-    """Under torchrun --nproc_per_node 2 (CPU, gloo): the TP=2 fast layer vs stock, per rank."""
+    """Under torchrun --nproc_per_node 2 (CPU, gloo): the TP=2 fast layer vs stock, per rank.
+
+    ``CHECK_COMPILE=1``: the layer under torch.compile; ``CHECK_CASES``: only these cases (comma-separated).
+    ``CHECK_THEN_COMPILE``: after those, these cases again under torch.compile in the same ranks, as
+    ``"compile:<case>"`` (their ``graph_breaks`` counted from the start of that phase)."""
     import torch.distributed as dist
 
     from workbench.backend import compiled_layer, distributed
 
-    compiled_layer.set_compile(os.environ.get("CHECK_COMPILE") == "1")
     out = {}
     first = True
     # one compiled graph per layer with functional collectives; "+sp": sequence parallelism
@@ -153,42 +160,60 @@ def check_tp2() -> dict:
              "gpt+sp+selective": {**VARIANTS["gpt"], "parallel.sequence_parallel": True, "parallel.recompute": "selective"},
              # full recompute: megatron's checkpoint re-runs the layer, collectives included, in backward
              "gpt+full": {**VARIANTS["gpt"], "parallel.recompute": "full"}}
-    only = os.environ.get("CHECK_CASES")
-    for name, over in cases.items():
-        if only and name not in only.split(","):
-            continue
-        cfg = preset("tiny", **over, **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
-        if first:
-            distributed.initialize(cfg)
-            first = False
-        stock, fast, losses, rel, _ = _stock_vs_fast(cfg)
-        worst = torch.tensor([rel, abs(losses[0] - losses[1])])
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        calls = torch.tensor([float(sum(l.fast_calls for l in fast.decoder.layers))])
-        dist.all_reduce(calls)
-        out[name] = {"loss_stock": losses[0], "loss_fast": losses[1], "grad_rel_max": worst[0].item(),
-                     "loss_diff_max": worst[1].item(), "fast_calls_all_ranks": calls.item(),
-                     "blockers": [l.fast_path_blocker for l in fast.decoder.layers],
-                     "one_graph": ["tp_group" in getattr(l, "_static", {}) for l in fast.decoder.layers],
-                     "graph_breaks": _graph_breaks(),
-                     "local_qkv_rows": int(fast.decoder.layers[0].self_attention.linear_qkv.weight.shape[0])}
+    phases = [(os.environ.get("CHECK_COMPILE") == "1", os.environ.get("CHECK_CASES"), "")]
+    if os.environ.get("CHECK_THEN_COMPILE"):
+        phases.append((True, os.environ["CHECK_THEN_COMPILE"], "compile:"))
+    for compile_, only, prefix in phases:
+        compiled_layer.set_compile(compile_)
+        breaks_before = _graph_breaks()
+        for name, over in cases.items():
+            if only and name not in only.split(","):
+                continue
+            cfg = preset("tiny", **over, **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
+            if first:
+                distributed.initialize(cfg)
+                first = False
+            stock, fast, losses, rel, _ = _stock_vs_fast(cfg)
+            worst = torch.tensor([rel, abs(losses[0] - losses[1])])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            calls = torch.tensor([float(sum(l.fast_calls for l in fast.decoder.layers))])
+            dist.all_reduce(calls)
+            out[prefix + name] = {
+                "loss_stock": losses[0], "loss_fast": losses[1], "grad_rel_max": worst[0].item(),
+                "loss_diff_max": worst[1].item(), "fast_calls_all_ranks": calls.item(),
+                "blockers": [l.fast_path_blocker for l in fast.decoder.layers],
+                "one_graph": ["tp_group" in getattr(l, "_static", {}) for l in fast.decoder.layers],
+                "graph_breaks": _graph_breaks() - breaks_before,
+                "local_qkv_rows": int(fast.decoder.layers[0].self_attention.linear_qkv.weight.shape[0])}
     return out
 
 
 def check_tp2_order() -> dict:
-    """Under torchrun --nproc_per_node 2 (CPU, gloo): the order of GEMMs and collectives in
-    inductor's generated backward of the TP=2 layer, with ``tp_overlap`` on and off, with and
+    """One process under a fake two-rank process group (or under torchrun on two gloo ranks): the order of GEMMs and
+    collectives in inductor's generated backward of the TP=2 layer, with ``tp_overlap`` on and off, with and
     without SP.  Per case a list of "mm" / "start" / "wait" in code order."""
     import re
 
     import torch.distributed as dist
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor
     from torch._inductor.utils import run_and_get_code
 
     from workbench.backend import compiled_layer
 
-    dist.init_process_group("gloo")
-    inductor.force_disable_caches = True  # the code is generated, not loaded from a cache
+    if "RANK" in os.environ:  # under torchrun: two gloo ranks
+        dist.init_process_group("gloo")
+    else:  # one process: torch's fake process group of two ranks (collectives compile and run, exchanging nothing);
+        # the code inductor generates for one rank does not depend on the backend, and the ranks' code is the same
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    # the code is generated, not loaded from a cache: no FX-graph or AOTAutograd cache, so every case lowers its graph
+    # and runs its post-grad passes (the overlap pass among them) afresh.  The C++ kernel cache stays on (keyed by the
+    # kernel's source and compile command: the same source gives the same binary), so cases whose kernels are the same
+    # (the overlap on and off differ only in their order) and ranks under torchrun compile each kernel once
+    inductor.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
     h, heads, s, b, tp = 64, 4, 16, 2, 2
     kinds = [("mm", re.compile(r"extern_kernels\.mm\(|_scaled_mm(\.default)?\(")),
              ("start", re.compile(r"_c10d_functional\.(all_reduce_?|reduce_scatter_tensor|all_gather_into_tensor)\.default\(")),
@@ -346,6 +371,22 @@ def check_fp8() -> dict:
     return out
 
 
+def check_compiled() -> dict:
+    """Under ``CHECK_COMPILE=1``: ``layer --compile``, ``families`` and ``fp8`` in one process, in that order, each
+    starting from dynamo's empty caches and a torn-down megatron parallel state (as in a process of its own; what
+    they share is the process's start, its imports and inductor's on-disk caches, which separate processes share
+    too)."""
+    import torch._dynamo
+    from megatron.core import parallel_state
+
+    out = {}
+    for name, check in (("layer", lambda: check_layer(True)), ("families", check_families), ("fp8", check_fp8)):
+        torch._dynamo.reset()
+        out[name] = check()
+        parallel_state.destroy_model_parallel()
+    return out
+
+
 def check_trainer(fast: bool, preset_name: str = "tiny", over: dict | None = None) -> dict:
     from workbench.backend import compiled_layer
     from workbench.backend.train import Trainer
@@ -373,11 +414,12 @@ def check_trainer(fast: bool, preset_name: str = "tiny", over: dict | None = Non
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2", "tp2-order", "families", "fp8"])
+    ap.add_argument("what", choices=["layer", "reference", "trainer", "all", "tp2", "tp2-order", "families", "fp8",
+                                     "compiled", "all+families"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fast", type=int, default=1)
     a = ap.parse_args()
-    if a.what == "all":
+    if a.what in ("all", "all+families"):
         from megatron.core import parallel_state
 
         res = {"layer": check_layer(a.compile), "reference": None, "trainer_stock": None, "trainer_fast": None}
@@ -387,10 +429,15 @@ def main() -> int:
         res["trainer_stock"] = check_trainer(False)  # before the fast run patches megatron's fallbacks
         parallel_state.destroy_model_parallel()
         res["trainer_fast"] = check_trainer(True)
+        if a.what == "all+families":  # then the families, as `families` runs them (stock and fast alternate there too)
+            parallel_state.destroy_model_parallel()
+            res["families"] = check_families()
     elif a.what in ("tp2", "tp2-order"):
         res = check_tp2() if a.what == "tp2" else check_tp2_order()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
+    elif a.what == "compiled":
+        res = check_compiled()
     elif a.what == "layer":
         res = check_layer(a.compile)
     elif a.what == "families":

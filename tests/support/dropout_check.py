@@ -6,6 +6,8 @@ megatron's stock layer with the same dropout masks (own process: megatron's para
     python tests/support/dropout_check.py families  -> JSON: BERT / T5 (padded) Trainer steps under dropout, stock vs fast
     python tests/support/dropout_check.py recompute -> JSON: compiled layer under dropout, full recompute vs none (compiled)
     torchrun --nproc_per_node 2 tests/support/dropout_check.py tp2 -> JSON: TP=2 (+SP) under dropout, stock vs compiled
+    python tests/support/dropout_check.py one-process -> JSON: layer, stats, stats compiled, recompute and families
+                                                         in one process
 
 The same masks: both layers run eagerly (``compiled_layer.set_compile(False)``; ``CHECK_COMPILE=1`` compiles where
 the result does not depend on it) and draw their masks from torch's CPU generator, seeded alike before each
@@ -102,17 +104,19 @@ def _layer_inputs(s: int, b: int, h: int, ffn: int, heads: int, attention_out: b
             z(ffn, h), z(ffn), z(h, ffn), torch.ones(h)]
 
 
-def check_stats() -> dict:
+def check_stats(compile_: bool | None = None) -> dict:
     """Where the compiled layer drops and how it scales, on one layer's function (eager, or compiled with
     CHECK_COMPILE=1), output minus input:
 
     - ``hidden`` (p=0.25, attention output zero): the MLP's output 1 after hidden dropout, 0 or 1/(1-p);
     - ``attention`` (p=0.25, one key allowed per query, identity projection): each head's context 0 or 1/(1-p),
       the same over the head's channels, plus the MLP's 1;
-    - ``none`` (p=0): exactly 1 + 1."""
+    - ``none`` (p=0): exactly 1 + 1.
+
+    ``compile_``: compiled or eager (default: ``CHECK_COMPILE``)."""
     from workbench.backend import compiled_layer
 
-    compiled_layer.set_compile(os.environ.get("CHECK_COMPILE") == "1")
+    compiled_layer.set_compile(os.environ.get("CHECK_COMPILE") == "1" if compile_ is None else compile_)
     fn = compiled_layer._compiled("layer")
     s, b, h, heads, ffn = 64, 16, 64, 4, 128
     kw = dict(norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads, groups=heads, head_dim=h // heads, scale=1.0,
@@ -179,6 +183,25 @@ def check_families() -> dict:
                 runs["fast" if fast else "stock"] = fc.check_trainer(fast, preset_name, {**over, "data.source": "synthetic"})
             parallel_state.destroy_model_parallel()
         out[name] = runs
+    return out
+
+
+def check_one_process() -> dict:
+    """``layer``, ``stats`` (eager), ``stats`` compiled, ``recompute`` and ``families`` in one process, in that order:
+    {"layer", "stats", "stats_compiled", "recompute", "families"}.  Each starts from dynamo's empty caches and a
+    torn-down megatron parallel state, as in a process of its own (each seeds its own generators before it draws);
+    ``CHECK_COMPILE`` must be unset (the families run eagerly, as on their own)."""
+    import torch._dynamo
+    from megatron.core import parallel_state
+
+    assert os.environ.get("CHECK_COMPILE") != "1", "one-process: the families run eagerly"
+    out = {}
+    for name, check in (("layer", check_layer), ("stats", lambda: check_stats(False)),
+                        ("stats_compiled", lambda: check_stats(True)), ("recompute", check_recompute),
+                        ("families", check_families)):
+        torch._dynamo.reset()
+        out[name] = check()
+        parallel_state.destroy_model_parallel()
     return out
 
 
@@ -249,10 +272,10 @@ def check_tp2() -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["layer", "stats", "families", "tp2", "recompute"])
+    ap.add_argument("what", choices=["layer", "stats", "families", "tp2", "recompute", "one-process"])
     a = ap.parse_args()
     res = {"layer": check_layer, "stats": check_stats, "families": check_families, "tp2": check_tp2,
-           "recompute": check_recompute}[a.what]()
+           "recompute": check_recompute, "one-process": check_one_process}[a.what]()
     if a.what == "tp2" and int(os.environ.get("RANK", "0")) != 0:
         return 0
     print("RESULT " + json.dumps(res, default=str))
