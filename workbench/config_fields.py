@@ -99,7 +99,7 @@ def bounded(default: Any, lo: float | None = None, hi: float | None = None, **kw
 
 LAYERS = Bound(1, 1024, why="the deepest trained transformers have ~100-200 layers")
 ITERS = 10**9
-SEQ_WHY = "the workbench has no context parallelism: one rank holds a whole sequence, and no accelerator holds more"
+SEQ_WHY = "one context-parallel group holds a whole sequence (parallel.context_parallel splits it), and no group of accelerators holds more"
 
 #: every numeric field's range, by dotted path (a list's entries share one: ``data.datasets.weight``); a model
 #: family's own fields carry theirs in their dataclass field's ``metadata["bound"]`` (:attr:`workbench.families.Family.model_fields`)
@@ -125,6 +125,7 @@ BOUNDS: dict[str, Bound] = {
                                              fix="use null (= tensor_parallel) or 1"),
     "parallel.tensor_parallel": Bound(1, 1024, why="tensor parallelism spans one node's GPUs, at most a rack's"),
     "parallel.pipeline_parallel": Bound(1, LAYERS.hi, why="a stage holds at least one layer"),
+    "parallel.context_parallel": Bound(1, 1024, why="a rank holds at least two chunks of the sequence"),
     "parallel.virtual_pipeline_parallel": Bound(1, LAYERS.hi, why="a chunk holds at least one layer",
                                                 fix="use null to disable interleaving"),
     "parallel.recompute_num_layers": Bound(1, LAYERS.hi, why=LAYERS.why, fix="use 1"),

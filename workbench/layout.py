@@ -4,7 +4,7 @@ One :class:`Layout` answers what used to be recomputed wherever it was needed (`
 parallel size, the model-parallel size, megatron's expert grid (expert data parallel = world / (ETP x EP x PP)),
 the divisibility rules between them, and where a global rank sits in each process group.  Config validation,
 :func:`workbench.config.derive`, the planner, the advisor, the backend and the MoE rules read it; context
-parallelism (``cp``, present and always 1 today) and a sharded data-parallel dimension (FSDP) plug in here.
+parallelism (``cp``) and a sharded data-parallel dimension (FSDP) plug in here.
 
 Ranks are laid out as megatron-core lays them out: its default order ``"tp-cp-ep-dp-pp"``
 (``parallel_state.initialize_model_parallel(order=...)``), the first dimension fastest.  The dense grid is
@@ -40,7 +40,7 @@ class Coords(NamedTuple):
 
     #: tensor-parallel rank (``get_tensor_model_parallel_rank``)
     tp: int
-    #: context-parallel rank (``get_context_parallel_rank``); 0 while context parallelism is not offered
+    #: context-parallel rank (``get_context_parallel_rank``)
     cp: int
     #: data-parallel rank (``get_data_parallel_rank``)
     dp: int
@@ -80,8 +80,8 @@ class Layout:
     ep: int = 1
     #: expert tensor-parallel size (``expert_tensor_parallel_size``); None on input: the tensor-parallel size
     etp: int | None = None
-    #: context-parallel size: each sequence split over this many ranks (``context_parallel_size``).  Always 1 today:
-    #: context parallelism is not offered yet (:meth:`problems` refuses any other size)
+    #: context-parallel size: each sequence split over this many ranks (``context_parallel_size``; GPT causal on the
+    #: workbench SDPA attention's ring, :mod:`workbench.backend.context_parallel`)
     cp: int = 1
     #: nodes of the launch (``parallel.nnodes``)
     nnodes: int = 1
@@ -142,19 +142,18 @@ class Layout:
     # ------------------------------------------------------------------ rules
 
     def problems(self) -> list[LayoutProblem]:
-        """The dense grid's problems: the world must split into ``tp * pp * cp`` blocks; context parallelism is
-        not offered yet.  The expert grid's are :meth:`expert_problems` (they apply to MoE models only)."""
+        """The dense grid's problems: the world must split into ``tp * cp * pp`` blocks (data parallel =
+        world / (tp * cp * pp)).  The expert grid's are :meth:`expert_problems` (they apply to MoE models only);
+        the rules context parallelism puts on the model (sequence length, family, attention) are
+        :func:`workbench.config.validate`'s."""
         out = []
-        if self.cp != 1:
-            out.append(LayoutProblem("parallel.context_parallel", f"context parallelism ({self.cp}) is not offered yet",
-                                     "use context_parallel: 1", ()))
         mp = self.model_parallel
         if self.world % mp:
-            mp_text = f"tp*pp = {mp}" if self.cp == 1 else f"tp*pp*cp = {mp}"
+            mp_text = f"tp*pp = {mp}" if self.cp == 1 else f"tp*cp*pp = {mp}"
+            reads = ("parallel.nnodes", "parallel.nproc_per_node", "parallel.tensor_parallel", "parallel.pipeline_parallel")
             out.append(LayoutProblem("parallel.nproc_per_node", f"world size {self.world} (nnodes*nproc_per_node) is not divisible "
                                      f"by {mp_text}", f"use a world size that is a multiple of {mp}",
-                                     ("parallel.nnodes", "parallel.nproc_per_node", "parallel.tensor_parallel",
-                                      "parallel.pipeline_parallel")))
+                                     reads + (("parallel.context_parallel",) if self.cp != 1 else ())))
         return out
 
     def expert_problems(self) -> list[LayoutProblem]:

@@ -99,9 +99,12 @@ def test_no_coords_without_a_whole_grid():
         Layout(world=4, tp=2).ranks_of("tp-ep", 0)
 
 
-def test_context_parallel_is_refused():
-    (q,) = Layout(world=4, cp=2).problems()
-    assert q.field == "parallel.context_parallel" and "not offered yet" in q.rule
+def test_context_parallel_divides_the_world():
+    """CP is offered: the world splits into tp*cp*pp blocks, data parallel = world / (tp*cp*pp)."""
+    assert Layout(world=4, cp=2).problems() == [] and Layout(world=4, cp=2).dp == 2
+    assert Layout(world=8, tp=2, cp=2).dp == 2
+    (q,) = Layout(world=6, tp=2, cp=2).problems()
+    assert q.field == "parallel.nproc_per_node" and "tp*cp*pp = 4" in q.rule and "parallel.context_parallel" in q.reads
     assert Layout(world=4).problems() == []
 
 
