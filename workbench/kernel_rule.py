@@ -256,6 +256,10 @@ class KernelChoice:
                 f"optimizer {self.optimizer}")
 
 
+#: why context parallelism keeps the stock layer (the workbench SDPA attention, its ring) and CUDA graphs off
+CP_BLOCKER = "context parallel: ring attention's point-to-point calls break a compiled graph"
+
+
 def fast_paths_wanted(cfg: Any) -> bool:
     """``train.compile_kernels`` on a GPU (or on CPU where tests allowed it)."""
     return bool(cfg.train.compile_kernels) and (cfg.parallel.device == "cuda" or _FAST_ON_CPU)
@@ -272,6 +276,8 @@ def layer_blocker(cfg: Any) -> str | None:
     family = FAMILIES.get(m.arch)
     if family is not None and family.supports.compiled_layer_blocker:
         return family.supports.compiled_layer_blocker
+    if int(getattr(p, "context_parallel", 1) or 1) > 1:
+        return CP_BLOCKER
     if getattr(getattr(m, "moe", None), "num_experts", 0):
         return "mixture of experts (megatron's MoELayer)"
     if getattr(m, "qk_layernorm", False):
@@ -294,6 +300,8 @@ def graphs_off_reason(cfg: Any) -> str | None:
     recompute: megatron's checkpoint runs every layer forward twice per step, once without grad, so no step
     follows one path.
     """
+    if int(getattr(cfg.parallel, "context_parallel", 1) or 1) > 1:
+        return CP_BLOCKER
     if int(cfg.parallel.pipeline_parallel) > 1:
         return "pipeline parallel (cudagraph trees measured 0.04x under 1F1B; megatron's manager hung at capture)"
     if cfg.parallel.recompute == "full":
@@ -337,10 +345,11 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     te_spec = family is None or family.supports.transformer_engine
 
     te_graphs_off = _te_graphs_off(cfg, te_spec)
+    cp = int(getattr(p, "context_parallel", 1) or 1)  # context parallel: the workbench SDPA attention's ring (validation refuses te / local)
     if m.attention_backend == "auto":
         if fast and blocker is None:
             attention = "sdpa"  # the compiled layer: 1.9x TE's stock layer on GPT-2 medium (H200)
-        elif te and cuda and te_spec and m.position_embedding != "alibi" and (
+        elif te and cuda and te_spec and m.position_embedding != "alibi" and cp == 1 and (
                 t.fp8 != "off" or (t.cuda_graphs and not te_graphs_off)):
             attention = "te"  # FP8 (only TE's layer runs it here), or TE's layer replayed as CUDA graphs (AUTO_EVIDENCE)
         else:
@@ -348,7 +357,9 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     else:
         attention = m.attention_backend
 
-    if not t.compile_kernels:
+    if cp > 1 and attention == "sdpa":
+        reason = CP_BLOCKER
+    elif not t.compile_kernels:
         reason = "train.compile_kernels is off"
     elif not fast:
         reason = "fast paths are GPU-only (parallel.device: cpu)"
@@ -379,6 +390,8 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     if t.cuda_graphs and graphed_layer:
         graphs_reason = (te_graphs_off if attention == "te" else graphs_off_reason(cfg)) or (
             "" if cuda and cuda_available else "no GPU")
+    if t.cuda_graphs and cp > 1:
+        graphs_reason = CP_BLOCKER
     graphs = bool(t.cuda_graphs) and graphed_layer and not graphs_reason
     impl = graphs_impl(cfg, layer) if graphs else ""
     tp_overlap = ""

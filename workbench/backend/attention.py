@@ -22,6 +22,8 @@ attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=Non
 ``forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
 packed_seq_params=None)`` with q/k/v ``[s, b, heads, head_dim]`` and output ``[sq, b, hp]``.
 Packed sequences (THD) need Transformer Engine and are refused with a clear message.
+Context parallelism (``context_parallel_size > 1``): causal attention of this rank's load-balanced shard against the
+whole sequence by ring attention over megatron's CP group (:func:`workbench.backend.context_parallel.ring_attention`).
 """
 
 from __future__ import annotations
@@ -119,13 +121,26 @@ class SDPAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("the workbench SDPA attention does not support context parallelism; use Transformer Engine")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(
+                required_pgs=["tp", "cp"] if config.context_parallel_size > 1 else ["tp"])
         self.pg_collection = pg_collection
+        # context parallelism: this rank holds a load-balanced shard of each sequence; attention runs as a K/V ring
+        # over the CP group (workbench.backend.context_parallel.ring_attention)
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            self.cp_group = getattr(pg_collection, "cp", None)
+            if self.cp_group is None:  # a collection without the CP group: megatron's own (never local attention)
+                from megatron.core import parallel_state
+
+                self.cp_group = parallel_state.get_context_parallel_group()
+        if self.cp_group is not None:
+            if (self.dropout_p_of(config, attention_dropout)) > 0:
+                raise ValueError("context parallelism: the ring attention has no dropout; set model.attention_dropout: 0")
+            if getattr(config, "workbench_alibi", False):
+                raise ValueError("context parallelism: the ring attention takes no ALiBi bias")
         tp_size = pg_collection.tp.size()
         tp_rank = pg_collection.tp.rank()
         projection = config.kv_channels * config.num_attention_heads
@@ -142,6 +157,10 @@ class SDPAttention(MegatronModule):
             lo = tp_rank * self.heads_per_partition
             self.register_buffer("alibi_slopes", all_slopes[lo : lo + self.heads_per_partition].clone(), persistent=False)
         self._bias_cache: dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def dropout_p_of(config: TransformerConfig, attention_dropout: Optional[float]) -> float:
+        return config.attention_dropout if attention_dropout is None else attention_dropout
 
     def _alibi(self, sq: int, sk: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (sq, sk, device, dtype)
@@ -178,6 +197,8 @@ class SDPAttention(MegatronModule):
             additive = attention_bias if additive is None else additive + attention_bias
 
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            return self._ring(q, k, v, attention_mask, mask_type, additive, sq, b)
         allowed: Optional[torch.Tensor] = None  # boolean, True = may attend
         if attention_mask is not None and mask_type != AttnMaskType.no_mask:
             allowed = ~attention_mask.bool()
@@ -205,5 +226,22 @@ class SDPAttention(MegatronModule):
                 out = run()
         else:
             out = run()
+        # [b, h, sq, d] -> [sq, b, h*d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
+              mask_type: AttnMaskType, additive: Optional[torch.Tensor], sq: int, b: int) -> torch.Tensor:
+        """Context parallel: this rank's queries against the whole sequence by ring attention (GPT causal)."""
+        from workbench.backend.context_parallel import ring_attention
+
+        if additive is not None:
+            raise NotImplementedError("context parallelism: the ring attention takes no additive bias (ALiBi, attention_bias)")
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise NotImplementedError(f"context parallelism: attention mask type {mask_type.name} is not wired "
+                                      "(GPT's implicit causal mask only)")
+        if attention_mask is not None and mask_type != AttnMaskType.no_mask:
+            raise NotImplementedError("context parallelism: an explicit attention mask (per-document masks) is not wired; "
+                                      "GPT's causal mask is implicit")
+        out = ring_attention(q, k, v, self.cp_group, causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale)
         # [b, h, sq, d] -> [sq, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

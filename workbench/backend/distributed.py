@@ -2,8 +2,8 @@
 
 ``initialize(cfg)`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR/PORT), starts NCCL on GPUs or gloo for ``parallel.device == "cpu"`` (after
-turning on :mod:`workbench.backend.cpu_mode`), builds megatron's TP/PP/VPP/DP groups
-(DP = world / (tp * pp): :class:`workbench.layout.Layout`) and seeds the RNGs the way Megatron does.
+turning on :mod:`workbench.backend.cpu_mode`), builds megatron's TP/CP/PP/VPP/DP groups
+(DP = world / (tp * cp * pp): :class:`workbench.layout.Layout`) and seeds the RNGs the way Megatron does.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ class Coords:
     tp_size: int
     pp_size: int
     dp_size: int
+    #: context-parallel rank and size (megatron's ``get_context_parallel_rank`` / ``_world_size``); ``dp`` and
+    #: ``dp_size`` exclude CP (the ranks of one CP group read the same samples)
+    cp: int = 0
+    cp_size: int = 1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +65,8 @@ def coords() -> Coords:
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         dp_size=parallel_state.get_data_parallel_world_size(),
+        cp=parallel_state.get_context_parallel_rank(),
+        cp_size=parallel_state.get_context_parallel_world_size(),
     )
 
 
@@ -91,15 +97,18 @@ def _seed(cfg: RunConfig) -> None:
 def _init_parallel_state(cfg: RunConfig) -> Coords:
     p = cfg.parallel
     world = dist.get_world_size()
-    if not Layout(world=world, tp=p.tensor_parallel, pp=p.pipeline_parallel).divisible:
+    cp = max(int(getattr(p, "context_parallel", 1) or 1), 1)
+    lay = Layout(world=world, tp=p.tensor_parallel, pp=p.pipeline_parallel, cp=cp)
+    if not lay.divisible:
         raise ValueError(
-            f"world size {world} is not divisible by tensor_parallel*pipeline_parallel = {p.tensor_parallel * p.pipeline_parallel}; "
+            f"world size {world} is not divisible by tensor_parallel*context_parallel*pipeline_parallel = {lay.model_parallel}; "
             "fix parallel.nproc_per_node / nnodes"
         )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor_parallel,
         pipeline_model_parallel_size=p.pipeline_parallel,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_parallel if p.vpp > 1 else None,
+        context_parallel_size=cp,
         expert_model_parallel_size=max(p.expert_parallel, 1),
         expert_tensor_parallel_size=p.expert_tensor_parallel,  # None: TP
     )

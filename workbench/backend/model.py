@@ -214,6 +214,7 @@ def transformer_config(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoic
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_parallel,
         pipeline_model_parallel_size=p.pipeline_parallel,
+        context_parallel_size=max(int(getattr(p, "context_parallel", 1) or 1), 1),
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_parallel if p.vpp > 1 else None,
         sequence_parallel=p.sequence_parallel,
         bf16=t.precision == "bf16",
@@ -325,6 +326,10 @@ def kernel_path(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoice] = No
         "sdpa": "workbench SDPA (torch scaled_dot_product_attention" + (", ALiBi bias" if cfg.model.position_embedding == "alibi" else "") + ")",
         "local": "megatron-core DotProductAttention (unfused)",
     }[impl]
+    cp = int(getattr(cfg.parallel, "context_parallel", 1) or 1)
+    if cp > 1 and impl == "sdpa":
+        attn += (f"; context parallel {cp}: ring attention over the CP group (K/V blocks by batch_isend_irecv, "
+                 "load-balanced sequence shards, workbench.backend.context_parallel)")
     if choice.sdpa_order:
         attn += f"; SDPA backends {' > '.join(choice.sdpa_order)} on Hopper+ (Transformer Engine's cuDNN would demote cuDNN)"
     norm = _NORM_NAMES[choice.norm].format("RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
