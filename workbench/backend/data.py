@@ -8,7 +8,9 @@ for tests (never zeros), only when the config says so.
 
 Sample order follows Megatron's ``MegatronPretrainingSampler``: iteration k covers global
 samples ``[k*G, (k+1)*G)``; micro-batch j of DP rank r takes
-``k*G + j*mbs*dp + r*mbs + [0, mbs)``.  So every layout (TP/PP/DP) sees the same global
+``k*G + j*mbs*dp + r*mbs + [0, mbs)``.  The data-parallel rank and size exclude context parallelism
+(megatron's ``get_data_parallel_rank()``): the ranks of one CP group read the same samples, and the trainer keeps each
+CP rank's load-balanced slice of the sequence (:func:`shard_batch`).  So every layout (TP/CP/PP/DP) sees the same global
 batch per step, and resuming at ``consumed_samples`` continues the data exactly.
 
 On a GPU, ``data.num_workers`` processes build the micro-batches ahead of the step (torch's ``DataLoader``, in
@@ -27,7 +29,10 @@ import torch
 from workbench.config import RunConfig, derive
 from workbench.models.parts import parts_of
 
-__all__ = ["build_datasets", "MicroBatchStream", "microbatch_indices", "loader_workers"]
+__all__ = ["build_datasets", "MicroBatchStream", "microbatch_indices", "loader_workers", "SEQUENCE_KEYS", "shard_batch"]
+
+#: the per-token keys of a micro-batch ``[b, s]`` that context parallelism cuts along the sequence
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def build_datasets(cfg: RunConfig, run_dir: Any, log: Any = print) -> tuple[Any, Any, str]:
@@ -42,6 +47,26 @@ def build_datasets(cfg: RunConfig, run_dir: Any, log: Any = print) -> tuple[Any,
 def microbatch_indices(iteration: int, microbatch: int, gbs: int, mbs: int, dp: int, dp_rank: int, start_sample: int = 0) -> list[int]:
     base = start_sample + iteration * gbs + microbatch * mbs * dp + dp_rank * mbs
     return list(range(base, base + mbs))
+
+
+def shard_batch(batch: dict[str, Any], cp_rank: int, cp: int) -> dict[str, Any]:
+    """Context parallelism: this CP rank's load-balanced slice (:func:`workbench.backend.context_parallel.shard_sequence`:
+    chunks ``r`` and ``2cp-1-r`` of ``2cp``) of the per-token keys (:data:`SEQUENCE_KEYS`, ``[b, s]``) along the sequence.
+    Every rank of a CP group reads the same samples (its data-parallel rank excludes CP); position ids are cut like the
+    tokens, so learned positions see each token's own position (RoPE slices its table the same way in megatron).  An
+    explicit attention mask is refused (validation refuses per-document masks under CP; GPT's causal mask is implicit)."""
+    if cp <= 1:
+        return batch
+    from workbench.backend.context_parallel import shard_sequence
+
+    if batch.get("attention_mask") is not None:
+        raise ValueError("context parallelism: a micro-batch with an explicit attention mask (per-document masks) is not wired")
+    out = dict(batch)
+    for key in SEQUENCE_KEYS:
+        x = out.get(key)
+        if x is not None and x.dim() >= 2:
+            out[key] = shard_sequence(x, cp_rank, cp, seq_dim=1)
+    return out
 
 
 def loader_workers(cfg: RunConfig) -> int:

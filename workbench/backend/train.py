@@ -116,7 +116,7 @@ class Trainer:
         self.cuda = p.device == "cuda"
         self.derived = derive(cfg)
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        self.is_logging_rank = self.is_last_stage and self.coords.tp == 0 and self.coords.dp == 0
+        self.is_logging_rank = self.is_last_stage and self.coords.tp == 0 and self.coords.dp == 0 and self.coords.cp == 0
 
         from workbench.backend.tp_overlap import initialize_userbuffers
 
@@ -275,6 +275,14 @@ class Trainer:
         return_logits = hooks.return_logits
         logits_store = self.last_logits
 
+        from megatron.core import parallel_state
+
+        from workbench.backend.data import shard_batch
+
+        cp = parallel_state.get_context_parallel_world_size()
+        cp_rank = parallel_state.get_context_parallel_rank()
+        cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
+
         def loss_func(batch: Batch, mb: int, chunk: int, output_tensor: torch.Tensor):
             if return_logits:
                 logits = output_tensor
@@ -293,6 +301,13 @@ class Trainer:
                     timer.remember(loss, mb, chunk)
                 return loss, report
             loss_sum, num_tokens, report = step.loss(batch, losses)
+            if cp_group is not None:
+                # context parallel: the schedule divides by num_tokens and DDP averages the gradients over DP x CP, so
+                # each CP rank's sum is divided by the token count of the whole sequence (summed over the CP group) and
+                # multiplied by cp: the CP ranks' halves are weighted by their tokens, as one rank holding it all
+                num_tokens = num_tokens.detach().clone()
+                dist.all_reduce(num_tokens, group=cp_group)
+                loss_sum = loss_sum * cp
             if timer is not None:
                 timer.remember(loss_sum, mb, chunk)
             return loss_sum, num_tokens, report
@@ -301,7 +316,7 @@ class Trainer:
             chunk = self._chunk_of.get(id(model), 0)
             mb = counters[chunk]
             counters[chunk] += 1
-            batch = self._to_batch(next(data_iterator))
+            batch = self._to_batch(shard_batch(next(data_iterator), cp_rank, cp))  # CP: this rank's sequence slice
             op = timer.forward_start(mb, chunk) if timer is not None else None
             if fwd is step.forward_step:
                 out = fwd(batch, model, return_logits=return_logits)
@@ -314,22 +329,24 @@ class Trainer:
         return forward_step
 
     def _reduce_loss(self, reports: list[dict]) -> dict[str, float]:
-        """Average the last stage's reported losses across micro-batches and DP ranks (None elsewhere)."""
+        """Average the last stage's reported losses across micro-batches and DP x CP ranks (None elsewhere)."""
         from megatron.core import parallel_state
 
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) or not reports:
             return {}
         out = {}
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)  # CP ranks hold parts of a sequence
+        size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         for key in reports[0]:
             vals = torch.stack([r[key].float().reshape(-1) for r in reports]).to(self.device)
             if vals.shape[1] == 2:  # [sum, tokens] per micro-batch: token-weighted mean
                 tot = vals.sum(dim=0)
-                dist.all_reduce(tot, group=parallel_state.get_data_parallel_group())
+                dist.all_reduce(tot, group=group)
                 out[key] = float(tot[0] / tot[1].clamp(min=1))
             else:
                 v = vals.mean().reshape(1)
-                dist.all_reduce(v, group=parallel_state.get_data_parallel_group())
-                out[key] = float(v / parallel_state.get_data_parallel_world_size())
+                dist.all_reduce(v, group=group)
+                out[key] = float(v / size)
         return out
 
     def _data_iter(self, its: list):
@@ -512,7 +529,7 @@ class Trainer:
         dev_name = torch.cuda.get_device_name() if self.cuda else f"cpu ({platform.processor() or platform.machine()})"
         self.events.write(RunStart(
             config=cfg.to_dict(), versions=_versions(), device=dev_name, hostname=socket.gethostname(),
-            world_size=self.coords.world_size, coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp},
+            world_size=self.coords.world_size, coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp, "cp": self.coords.cp},
             kernel_path=self.kernel_path, kernels=self.kernel_choice, data=self.data_desc, start_iteration=self.iteration,
         ))
         peak = peak_tflops(dev_name, t.precision, t.peak_tflops) if self.cuda else t.peak_tflops

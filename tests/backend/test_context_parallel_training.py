@@ -1,0 +1,133 @@
+"""Context parallelism wired into GPT training (#53): CP=2 trains as one process does.
+
+A tiny Llama-shaped GPT (RoPE, RMSNorm, SwiGLU, GQA 4 heads / 2 KV groups, seq 64) and a GPT-2-shaped one (learned
+positions, LayerNorm, GELU) train 4 steps through the backend's real ``Trainer`` (gloo, CPU) at context parallel 2
+(two ranks, one CP group, DP = 1) and in one process, from the same seed on the same synthetic data and global batch
+(4 sequences, 2 micro-batches of 2).  The loss mask of each sample hides a sample-dependent head of the sequence (8 to
+24 tokens), so the two CP ranks hold different numbers of loss tokens: a loss divided per rank (not by the CP group's
+token count) or a contiguous (not load-balanced) split of the sequence gives different losses and gradients.  Every
+step's loss and gradient norm, and the weights and gradients after the last step, must match the one-process run.
+
+One launch per world size (``tests.support.trainer_runs``); a prelude in every rank masks the synthetic samples'
+heads and dumps rank 0's weights and DDP main gradients after each run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.trainer_runs import run_trainers
+from workbench.config import preset, validate
+from workbench.run.reader import read_events
+
+PRELUDE = r'''
+import torch
+from workbench.models.gpt import data as _gpt_data
+_item = _gpt_data.SyntheticGPTDataset.__getitem__
+def _masked(self, idx):
+    out = _item(self, idx)
+    out["loss_mask"][: 8 + 8 * (int(idx) % 3)] = 0.0  # uneven loss tokens across the CP ranks' halves
+    return out
+_gpt_data.SyntheticGPTDataset.__getitem__ = _masked
+_run = Trainer.run
+def _dump(self):
+    code = _run(self)
+    if torch.distributed.get_rank() == 0:
+        m = self.model[0].module
+        torch.save({"weights": {n: p.detach().clone() for n, p in m.named_parameters()},
+                    "grads": {n: p.main_grad.detach().clone() for n, p in m.named_parameters()}},
+                   os.path.join(str(self.run_dir), "state.pt"))
+    return code
+Trainer.run = _dump
+'''
+
+STEPS = 4
+LLAMA = {"model.position_embedding": "rope", "model.normalization": "rmsnorm", "model.activation": "swiglu",
+         "model.attention_type": "grouped", "model.num_query_groups": 2, "model.add_bias_linear": False,
+         "model.tie_embeddings": False}
+GPT2 = {"model.position_embedding": "learned"}
+
+
+def _cfg(shape: dict, **over):
+    base = {"data.source": "synthetic", "train.train_iters": STEPS, "train.lr_decay_iters": STEPS, "train.lr_warmup_iters": 0,
+            "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.lr": 3e-3, "train.eval_interval": 0,
+            "train.eval_iters": 0, "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0,
+            "checkpoint.save_on_exit": False, "model.num_layers": 2, "model.seq_length": 64}
+    base.update(shape)
+    base.update(over)
+    return preset("tiny", **base)
+
+
+CP2 = {"parallel.context_parallel": 2}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp")
+    run_trainers({root / "llama_cp1": _cfg(LLAMA), root / "gpt2_cp1": _cfg(GPT2)}, nproc=1, prelude=PRELUDE)
+    run_trainers({root / "llama_cp2": _cfg(LLAMA, **CP2), root / "gpt2_cp2": _cfg(GPT2, **CP2)}, nproc=2, prelude=PRELUDE,
+                 timeout=480)
+    return {p.name: (read_events(p), torch.load(p / "state.pt")) for p in root.iterdir() if (p / "state.pt").exists()}
+
+
+def _steps(events):
+    return {e["iteration"]: e for e in events if e["event"] == "step" and e.get("loss") is not None}
+
+
+@pytest.mark.parametrize("shape", ["llama", "gpt2"])
+def test_cp2_trains_as_one_process(runs, shape):
+    (ref_ev, ref), (got_ev, got) = runs[f"{shape}_cp1"], runs[f"{shape}_cp2"]
+    r, g = _steps(ref_ev), _steps(got_ev)
+    assert sorted(g) == sorted(r) == list(range(1, STEPS + 1))
+    start = next(e for e in got_ev if e["event"] == "run_start")
+    assert start["config"]["parallel"]["context_parallel"] == 2
+    assert "ring attention" in start["kernel_path"]["attention"] and start["kernels"]["layer"] == "stock"
+    for it in r:
+        print(f"{shape} step {it}: loss cp1 {r[it]['loss']:.7f} cp2 {g[it]['loss']:.7f}; "
+              f"grad norm cp1 {r[it]['grad_norm']:.7f} cp2 {g[it]['grad_norm']:.7f}")
+        assert g[it]["loss"] == pytest.approx(r[it]["loss"], rel=2e-6), (shape, it)
+        assert g[it]["grad_norm"] == pytest.approx(r[it]["grad_norm"], rel=1e-4), (shape, it)
+    assert set(got["weights"]) == set(ref["weights"])
+    for name in ref["weights"]:
+        w, rw = got["weights"][name], ref["weights"][name]
+        gr, rg = got["grads"][name], ref["grads"][name]
+        assert torch.allclose(w, rw, rtol=0, atol=1e-4), (shape, name, (w - rw).abs().max().item())
+        scale = rg.abs().max().item() + 1e-12
+        assert (gr - rg).abs().max().item() <= 1e-3 * scale, (shape, name, (gr - rg).abs().max().item(), scale)
+
+
+def _problems(**over):
+    return {(q.field, q.rule, q.fix) for q in validate(preset("tiny", **{"parallel.nproc_per_node": 2, **over}))}
+
+
+def test_cp_config_rules():
+    assert _problems(**CP2) == set()
+    bad = _problems(**CP2, **{"model.seq_length": 66})
+    assert any(f == "model.seq_length" and "2*context_parallel = 4" in r and "multiple of 4" in fix for f, r, fix in bad)
+    sp = _problems(**{"parallel.context_parallel": 2, "parallel.nproc_per_node": 4, "parallel.tensor_parallel": 2,
+                      "parallel.sequence_parallel": True, "model.seq_length": 68})
+    assert any(f == "model.seq_length" and "= 8 (sequence parallelism)" in r for f, r, _ in sp)
+    fields = {f for f, _, _ in _problems(**CP2, **{"model.attention_dropout": 0.1, "model.attention_backend": "te",
+                                                   "data.reset_attention_mask": True})}
+    assert {"model.attention_dropout", "model.attention_backend", "data.reset_attention_mask"} <= fields
+    (te,) = [(r, fix) for f, r, fix in _problems(**CP2, **{"model.attention_backend": "te"}) if f == "model.attention_backend"]
+    assert "Transformer Engine is for later" in te[0] and "sdpa" in te[1]
+    world = _problems(**{"parallel.context_parallel": 2, "parallel.nproc_per_node": 3})
+    assert any(f == "parallel.nproc_per_node" and "tp*cp*pp = 2" in r for f, r, _ in world)
+    bert = {(q.field, q.rule) for q in validate(preset("bert-tiny", **{"parallel.nproc_per_node": 2, **CP2}))}
+    assert any(f == "parallel.context_parallel" and "GPT" in r for f, r in bert)
+
+
+def test_cp_kernel_rule_keeps_the_stock_layer_and_no_graphs():
+    from workbench import kernel_rule
+
+    kernel_rule.allow_fast_paths_on_cpu(True)
+    try:
+        cfg = preset("tiny", **{"parallel.nproc_per_node": 2, **CP2, "train.compile_kernels": True, "train.cuda_graphs": True})
+        choice = kernel_rule.choose(cfg, te=True, cuda_available=True)
+    finally:
+        kernel_rule.allow_fast_paths_on_cpu(False)
+    assert choice.attention == "sdpa" and choice.layer == "stock"
+    assert choice.layer_reason == kernel_rule.CP_BLOCKER and "point-to-point" in choice.layer_reason
+    assert not choice.cuda_graphs and choice.cuda_graphs_reason == kernel_rule.CP_BLOCKER
