@@ -406,8 +406,9 @@ def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moment
 
 
 def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
-           params: dict[str, int], S: Any) -> StagePlan:
-    """One stage's plan; ``sh`` / ``S``: the model family's shape and its ``shapes`` module."""
+           params: dict[str, int], S: Any, cp: int = 1) -> StagePlan:
+    """One stage's plan; ``sh`` / ``S``: the model family's shape (``sh.s``: the tokens a rank holds of each
+    sequence, ``seq_length / cp``) and its ``shapes`` module; ``cp``: the context-parallel size (its ring's buffers)."""
     s, b, h, t, e = sh.s, sh.b, sh.h, sh.tp, sh.e
     tok = s * b
     tsp = t if sh.sp else 1
@@ -473,7 +474,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
         gbuf = max(gbuf, e * b * (sh.heads / t) * s * s)
     # The logits / loss buffers are gone before the first transformer layer runs its backward,
     # so the layer's backward working set (and a recomputed block) competes with them, not adds.
-    layer_bwd = backward + recompute_block
+    layer_bwd = backward + recompute_block + ring_buffers(sh, cp)
     if last and head > 0:
         layer_bwd = max(0.0, layer_bwd - head)
     workspace_fb = a.cublas_workspace_bytes + gbuf + layer_bwd
@@ -519,7 +520,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     components = {k: int(round(components[k])) for k in COMPONENTS}
     peak_i = sum(components.values())
 
-    groups = sum(1 for n in (sh.tp, sh.pp, sh.dp) if n > 1) + (1 if sh.tp * sh.pp * sh.dp > 1 else 0)
+    groups = sum(1 for n in (sh.tp, sh.pp, sh.dp, cp) if n > 1) + (1 if sh.tp * sh.pp * sh.dp * cp > 1 else 0)
     if sh.pp > 1 and (first or last):
         groups += 1  # embedding group (tied word embeddings / position embeddings)
     default_pool = max(v for k, v in phases.items() if k != "cuda_graph_warmup")
@@ -579,8 +580,24 @@ def _stages(cfg: RunConfig, kp: KernelPath, a: PlannerAssumptions, micro_batch: 
     d = d or derive(cfg)
     S = family_of(cfg).shapes
     sh = S.shape(cfg, d, micro_batch)
+    cp = max(int(getattr(cfg.parallel, "context_parallel", 1) or 1), 1)
+    if cp > 1:  # context parallel: every rank holds seq_length / cp tokens of each sequence (its activations / cp)
+        sh = dataclasses.replace(sh, s=sh.s // cp)
     params = S.stage_params(cfg, sh, d)
-    return [_stage(sh, d, kp, a, r, params[r], S) for r in range(sh.pp)]
+    return [_stage(sh, d, kp, a, r, params[r], S, cp=cp) for r in range(sh.pp)]
+
+
+def ring_buffers(sh: Any, cp: int) -> float:
+    """Context parallel: the ring attention's transient bytes in one layer (``sh.s`` is the local length): the K/V
+    block being computed on and the next one in flight (2 x K and V, ``b x s_local x h_kv/tp x d`` each, in the
+    activation dtype), in backward the travelling dK/dV accumulators (fp32, held and in flight), and the math block
+    kernel's fp32 scores and probabilities of the largest (step 0, ``s_local x s_local``) block
+    (:mod:`workbench.backend.context_parallel`; ``impl='auto'`` is the math kernel until the flash path is checked)."""
+    if cp <= 1:
+        return 0.0
+    kv = sh.b * sh.s * (sh.groups / sh.tp) * sh.head_dim
+    scores = 2 * 4 * sh.b * (sh.heads / sh.tp) * sh.s * sh.s
+    return 2 * 2 * kv * sh.e + 2 * 2 * kv * 4 + scores
 
 
 # --------------------------------------------------------------------------- megatron's formula
@@ -649,9 +666,10 @@ def megatron_theoretical_memory(cfg: RunConfig) -> MegatronEstimate:
 # --------------------------------------------------------------------------- predict
 
 
-def _rank_coords(tp: int, pp: int, dp: int) -> Iterable[tuple[int, int, int, int]]:
-    """(global rank, tp, pp, dp) of a tp x pp x dp world, in megatron-core's order (:meth:`workbench.layout.Layout.coords`)."""
-    lay = Layout(world=tp * pp * dp, tp=tp, pp=pp)
+def _rank_coords(tp: int, pp: int, dp: int, cp: int = 1) -> Iterable[tuple[int, int, int, int]]:
+    """(global rank, tp, pp, dp) of a tp x cp x pp x dp world, in megatron-core's order
+    (:meth:`workbench.layout.Layout.coords`); the CP ranks of a stage share its plan."""
+    lay = Layout(world=tp * pp * dp * cp, tp=tp, pp=pp, cp=cp)
     for g in range(lay.world):
         c = lay.coords(g)
         yield g, c.tp, c.pp, c.dp
@@ -760,7 +778,8 @@ def predict(cfg: RunConfig, gpu: str | int | GPUSpec | None = None, assumptions:
     ranks = [
         RankPlan(rank=g, tp_rank=tr, pp_rank=pr, dp_rank=dr, peak_allocated=stages[pr].peak_allocated,
                  total=stages[pr].total, fits=_fits(stages[pr].total, spec), peak_reserved=stages[pr].peak_reserved)
-        for g, tr, pr, dr in _rank_coords(p.tensor_parallel, p.pipeline_parallel, d.data_parallel)
+        for g, tr, pr, dr in _rank_coords(p.tensor_parallel, p.pipeline_parallel, d.data_parallel,
+                                          max(int(getattr(p, "context_parallel", 1) or 1), 1))
     ]
     ranks.sort(key=lambda r: r.rank)
     largest = largest_micro_batch(cfg, spec, a) if spec is not None else None
@@ -770,6 +789,7 @@ def predict(cfg: RunConfig, gpu: str | int | GPUSpec | None = None, assumptions:
         config_name=cfg.name, gpu=spec, kernel_path=kp, stages=stages, ranks=ranks, largest_micro_batch=largest,
         suggestions=sugg, megatron=megatron_theoretical_memory(cfg), assumptions=a,
         layout={"world_size": d.world_size, "tp": p.tensor_parallel, "pp": p.pipeline_parallel, "dp": d.data_parallel,
+                "cp": max(int(getattr(p, "context_parallel", 1) or 1), 1),
                 "vpp": p.vpp, "micro_batch_size": cfg.train.micro_batch_size, "num_microbatches": d.num_microbatches,
                 "device": p.device, "recompute": p.recompute},
     )

@@ -1,0 +1,37 @@
+"""The planner under context parallelism (#53): a rank holds seq_length / cp tokens of each sequence, so its kept
+activations fall by cp; the ring attention's K/V blocks, dK/dV accumulators and math-kernel scores are added to the
+layer's backward working set; every rank of the tp x cp x pp x dp world has a plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench import planner
+from workbench.config import preset
+
+
+def _plan(cp: int, **over):
+    cfg = preset("llama3.2-1b", **{"parallel.context_parallel": cp, "parallel.nproc_per_node": cp, "model.seq_length": 8192,
+                                   "train.micro_batch_size": 1, "train.global_batch_size": 8, **over})
+    return planner.predict(cfg, "H100-80GB", suggest=False)
+
+
+def test_activations_divide_by_cp_and_the_ring_is_counted():
+    p2, p4 = _plan(2), _plan(4)
+    a2, a4 = p2.stages[0].components["activations"], p4.stages[0].components["activations"]
+    assert a4 == pytest.approx(a2 / 2, rel=1e-3)
+    assert p4.layout["cp"] == 4 and p4.layout["dp"] == 1
+    assert sorted(r.rank for r in p4.ranks) == [0, 1, 2, 3]
+    sh = planner.family_of(preset("llama3.2-1b")).shapes.shape(preset("llama3.2-1b"), planner.derive(preset("llama3.2-1b")))
+    import dataclasses
+
+    local = dataclasses.replace(sh, s=8192 // 4, b=1)
+    ring = planner.ring_buffers(local, 4)
+    assert ring > 0 and planner.ring_buffers(local, 1) == 0
+    # K and V: current and next block (bf16), dK/dV accumulators (fp32, held and in flight), fp32 scores and probabilities
+    kv = 1 * 2048 * 8 * 64
+    assert ring == 2 * 2 * kv * 2 + 2 * 2 * kv * 4 + 2 * 4 * 1 * 32 * 2048 * 2048
+
+
+def test_cp_lowers_the_peak():
+    assert _plan(4).stages[0].total < _plan(2).stages[0].total
