@@ -347,8 +347,9 @@ class ConfigForm:
 
     def _valid_line(self) -> str:
         d = self.config.derived()
-        return (f"world {d.world_size} = tp {self.config.parallel.tensor_parallel} x pp {self.config.parallel.pipeline_parallel}"
-                f" x dp {d.data_parallel}; {d.params.total / 1e6:.2f}M parameters; "
+        cp = int(getattr(self.config.parallel, "context_parallel", 1) or 1)
+        return (f"world {d.world_size} = tp {self.config.parallel.tensor_parallel}{f' x cp {cp}' if cp > 1 else ''}"
+                f" x pp {self.config.parallel.pipeline_parallel} x dp {d.data_parallel}; {d.params.total / 1e6:.2f}M parameters; "
                 f"{plural(d.num_microbatches, 'micro-batch', 'micro-batches')} per step")
 
     def applies(self, name: str) -> bool:
