@@ -7,6 +7,7 @@ positions, LayerNorm, GELU) train 4 steps through the backend's real ``Trainer``
 24 tokens), so the two CP ranks hold different numbers of loss tokens: a loss divided per rank (not by the CP group's
 token count) or a contiguous (not load-balanced) split of the sequence gives different losses and gradients.  Every
 step's loss and gradient norm, and the weights and gradients after the last step, must match the one-process run.
+The CP=2 run's step-2 checkpoint resumes at CP=2 and at CP=1 and repeats its steps 3-4.
 
 One launch per world size (``tests.support.trainer_runs``); a prelude in every rank masks the synthetic samples'
 heads and dumps rank 0's weights and DDP main gradients after each run.
@@ -65,9 +66,13 @@ CP2 = {"parallel.context_parallel": 2}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    run_trainers({root / "llama_cp1": _cfg(LLAMA), root / "gpt2_cp1": _cfg(GPT2)}, nproc=1, prelude=PRELUDE)
-    run_trainers({root / "llama_cp2": _cfg(LLAMA, **CP2), root / "gpt2_cp2": _cfg(GPT2, **CP2)}, nproc=2, prelude=PRELUDE,
-                 timeout=480)
+    save2 = {"checkpoint.save_interval": 2}
+    at2 = str(root / "llama_cp2" / "checkpoints" / "iter_0000002")
+    run_trainers({root / "llama_cp2": _cfg(LLAMA, **CP2, **save2), root / "gpt2_cp2": _cfg(GPT2, **CP2),
+                  root / "llama_cp2_resumed": _cfg(LLAMA, **CP2, **{"checkpoint.load_dir": at2})},
+                 nproc=2, prelude=PRELUDE, timeout=480)
+    run_trainers({root / "llama_cp1": _cfg(LLAMA), root / "gpt2_cp1": _cfg(GPT2),
+                  root / "llama_cp1_from_cp2": _cfg(LLAMA, **{"checkpoint.load_dir": at2})}, nproc=1, prelude=PRELUDE)
     return {p.name: (read_events(p), torch.load(p / "state.pt")) for p in root.iterdir() if (p / "state.pt").exists()}
 
 
@@ -131,3 +136,14 @@ def test_cp_kernel_rule_keeps_the_stock_layer_and_no_graphs():
     assert choice.attention == "sdpa" and choice.layer == "stock"
     assert choice.layer_reason == kernel_rule.CP_BLOCKER and "point-to-point" in choice.layer_reason
     assert not choice.cuda_graphs and choice.cuda_graphs_reason == kernel_rule.CP_BLOCKER
+
+
+@pytest.mark.parametrize("resumed", ["llama_cp2_resumed", "llama_cp1_from_cp2"])
+def test_a_cp2_checkpoint_resumes_at_cp2_and_cp1(runs, resumed):
+    """CP=2's step-2 checkpoint (every CP rank holds the whole model) resumes at CP=2 and at CP=1: steps 3-4 as the
+    straight CP=2 run's."""
+    straight, got = _steps(runs["llama_cp2"][0]), _steps(runs[resumed][0])
+    assert sorted(got) == [3, 4]
+    for it, e in got.items():
+        assert e["loss"] == pytest.approx(straight[it]["loss"], rel=2e-6), (resumed, it)
+        assert e["grad_norm"] == pytest.approx(straight[it]["grad_norm"], rel=1e-4), (resumed, it)

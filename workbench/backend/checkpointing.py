@@ -396,7 +396,7 @@ def _rng_sharded(data: Any) -> Any:
 
     return ShardedObject(RNG_KEY, data, (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
                          (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-                         replica_id=ps.get_data_parallel_rank())
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))  # CP ranks: one seed, replicas
 
 
 def _rng_layout_change(meta: dict) -> str:
