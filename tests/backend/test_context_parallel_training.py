@@ -81,7 +81,9 @@ def runs(tmp_path_factory):
                  nproc=4, prelude=PRELUDE, timeout=600)
     run_trainers({root / "llama_cp1": _cfg(LLAMA), root / "gpt2_cp1": _cfg(GPT2),
                   root / "llama_cp1_from_cp2": _cfg(LLAMA, **{"checkpoint.load_dir": at2})}, nproc=1, prelude=PRELUDE)
-    return {p.name: (read_events(p), torch.load(p / "state.pt")) for p in root.iterdir() if (p / "state.pt").exists()}
+    out = {p.name: (read_events(p), torch.load(p / "state.pt")) for p in root.iterdir() if (p / "state.pt").exists()}
+    out["_root"] = root
+    return out
 
 
 def _steps(events):
@@ -168,3 +170,21 @@ def test_cp2_with_dp2_or_tp2_trains_as_without_cp(runs, layout, ref):
               f"grad norm {r[it]['grad_norm']:.7f} {g[it]['grad_norm']:.7f}")
         assert g[it]["loss"] == pytest.approx(r[it]["loss"], rel=2e-6), (layout, it)
         assert g[it]["grad_norm"] == pytest.approx(r[it]["grad_norm"], rel=1e-4), (layout, it)
+
+
+def test_generation_loads_a_cp2_checkpoint_without_cp(runs):
+    """Decoding runs without context parallelism: a CP=2 checkpoint loads into one process (cp forced to 1)."""
+    from tests.support import init_single_process, teardown_single_process
+    from workbench.backend.inference import _checkpoint_config, load_engine
+    from workbench.config import GenerationConfig
+
+    ckpt = runs["_root"] / "llama_cp2" / "checkpoints" / "iter_0000004"
+    cfg = _checkpoint_config(ckpt)
+    assert cfg.parallel.context_parallel == 2
+    was = init_single_process(cfg.replace(**{"parallel.nproc_per_node": 1, "parallel.context_parallel": 1}))
+    try:
+        engine = load_engine(ckpt, device="cpu")
+        (out,) = engine.generate([[5, 6, 7, 8]], GenerationConfig(max_new_tokens=5))
+        assert len(out.token_ids) == 5
+    finally:
+        teardown_single_process(was)

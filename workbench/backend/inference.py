@@ -61,6 +61,7 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
         cfg = cfg.replace(**{"parallel.tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
                              "parallel.pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
                              "parallel.sequence_parallel": False, "parallel.virtual_pipeline_parallel": None,
+                             "parallel.context_parallel": 1,  # decoding runs without context parallelism
                              "parallel.recompute": "none", **({"parallel.device": device} if device else {})})
     pp_rank, pp = pp_info()
     say = say or (lambda line: None)
@@ -123,7 +124,7 @@ def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
                          f"use --nproc-per-node {tp * pp}")
     overrides = {"parallel.tensor_parallel": tp, "parallel.pipeline_parallel": pp, "parallel.device": device,
                  "parallel.nnodes": 1, "parallel.nproc_per_node": world, "parallel.sequence_parallel": False,
-                 "parallel.virtual_pipeline_parallel": None, "parallel.recompute": "none"}
+                 "parallel.virtual_pipeline_parallel": None, "parallel.recompute": "none", "parallel.context_parallel": 1}
     if device == "cpu" and cfg.train.precision == "fp16":
         overrides["train.precision"] = "fp32"
     cfg = cfg.replace(**overrides)

@@ -32,7 +32,7 @@ def cpu_build_config(cfg: RunConfig, dtype: str | None = None) -> RunConfig:
     # keep the target layout's vocab padding: pad(V, d, tp) == pad(V, d * tp, 1)
     over: dict[str, Any] = {
         "model.make_vocab_size_divisible_by": cfg.model.make_vocab_size_divisible_by * max(cfg.parallel.tensor_parallel, 1),
-        "parallel.tensor_parallel": 1, "parallel.pipeline_parallel": 1, "parallel.expert_parallel": 1,
+        "parallel.tensor_parallel": 1, "parallel.pipeline_parallel": 1, "parallel.expert_parallel": 1, "parallel.context_parallel": 1,
         "parallel.expert_tensor_parallel": None,
         "parallel.virtual_pipeline_parallel": None, "parallel.sequence_parallel": False,
         "parallel.nnodes": 1, "parallel.nproc_per_node": 1, "parallel.device": "cpu",

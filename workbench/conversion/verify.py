@@ -123,7 +123,7 @@ def _worker(args: argparse.Namespace) -> None:
     cfg = cfg.replace(**{
         "parallel.tensor_parallel": args.tp, "parallel.pipeline_parallel": args.pp,
         "parallel.virtual_pipeline_parallel": vpp, "parallel.nnodes": 1, "parallel.nproc_per_node": world,
-        "parallel.expert_parallel": args.ep,
+        "parallel.expert_parallel": args.ep, "parallel.context_parallel": 1,
         "parallel.device": "cpu", "parallel.sequence_parallel": False, "parallel.distributed_optimizer": False,
         "parallel.overlap_grad_reduce": False, "parallel.overlap_param_gather": False,
         "train.precision": "fp32", "train.compile_kernels": False, "model.attention_backend": "sdpa",
