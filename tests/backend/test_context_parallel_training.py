@@ -8,7 +8,7 @@ positions, LayerNorm, GELU) train 4 steps through the backend's real ``Trainer``
 token count) or a contiguous (not load-balanced) split of the sequence gives different losses and gradients.  Every
 step's loss and gradient norm, and the weights and gradients after the last step, must match the one-process run.
 The CP=2 run's step-2 checkpoint resumes at CP=2 and at CP=1 and repeats its steps 3-4.  On four ranks, DP=2 x CP=2
-matches DP=2 and TP=2 + SP x CP=2 matches TP=2 + SP (each step's loss and gradient norm).
+matches DP=2, TP=2 + SP x CP=2 matches TP=2 + SP and PP=2 x CP=2 matches PP=2 (each step's loss and gradient norm).
 
 One launch per world size (``tests.support.trainer_runs``); a prelude in every rank masks the synthetic samples'
 heads and dumps rank 0's weights and DDP main gradients after each run.
@@ -66,6 +66,8 @@ CP2 = {"parallel.context_parallel": 2}
 #: reference is DP=2 without CP, same micro-batches); TP=2 with sequence parallelism (seq 64: a multiple of 2*cp*tp)
 DP2 = {"train.micro_batch_size": 1}
 TP2SP = {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True}
+#: PP=2 (1F1B over 2 micro-batches; its second stage is seeded apart, so its reference is PP=2 without CP)
+PP2 = {"parallel.pipeline_parallel": 2}
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +77,11 @@ def runs(tmp_path_factory):
     at2 = str(root / "llama_cp2" / "checkpoints" / "iter_0000002")
     run_trainers({root / "llama_cp2": _cfg(LLAMA, **CP2, **save2), root / "gpt2_cp2": _cfg(GPT2, **CP2),
                   root / "llama_cp2_resumed": _cfg(LLAMA, **CP2, **{"checkpoint.load_dir": at2}),
-                  root / "llama_dp2": _cfg(LLAMA, **DP2), root / "llama_tp2sp": _cfg(LLAMA, **TP2SP)},
+                  root / "llama_dp2": _cfg(LLAMA, **DP2), root / "llama_tp2sp": _cfg(LLAMA, **TP2SP),
+                  root / "llama_pp2": _cfg(LLAMA, **PP2)},
                  nproc=2, prelude=PRELUDE, timeout=480)
-    run_trainers({root / "llama_dp2_cp2": _cfg(LLAMA, **CP2, **DP2), root / "llama_tp2sp_cp2": _cfg(LLAMA, **CP2, **TP2SP)},
+    run_trainers({root / "llama_dp2_cp2": _cfg(LLAMA, **CP2, **DP2), root / "llama_tp2sp_cp2": _cfg(LLAMA, **CP2, **TP2SP),
+                  root / "llama_pp2_cp2": _cfg(LLAMA, **CP2, **PP2)},
                  nproc=4, prelude=PRELUDE, timeout=600)
     run_trainers({root / "llama_cp1": _cfg(LLAMA), root / "gpt2_cp1": _cfg(GPT2),
                   root / "llama_cp1_from_cp2": _cfg(LLAMA, **{"checkpoint.load_dir": at2})}, nproc=1, prelude=PRELUDE)
@@ -159,10 +163,12 @@ def test_a_cp2_checkpoint_resumes_at_cp2_and_cp1(runs, resumed):
         assert e["grad_norm"] == pytest.approx(straight[it]["grad_norm"], rel=1e-4), (resumed, it)
 
 
-@pytest.mark.parametrize("layout, ref", [("llama_dp2_cp2", "llama_dp2"), ("llama_tp2sp_cp2", "llama_tp2sp")])
-def test_cp2_with_dp2_or_tp2_trains_as_without_cp(runs, layout, ref):
+@pytest.mark.parametrize("layout, ref", [("llama_dp2_cp2", "llama_dp2"), ("llama_tp2sp_cp2", "llama_tp2sp"),
+                                         ("llama_pp2_cp2", "llama_pp2")])
+def test_cp2_with_dp2_tp2_or_pp2_trains_as_without_cp(runs, layout, ref):
     """Four ranks: DP=2 x CP=2 (the CP group reads one DP rank's samples; DDP averages over DP x CP) against DP=2,
-    and TP=2 + SP x CP=2 (the ring on each TP rank's heads) against TP=2 + SP."""
+    TP=2 + SP x CP=2 (the ring on each TP rank's heads) against TP=2 + SP, and PP=2 x CP=2 (the stages exchange
+    seq_length / cp tokens) against PP=2."""
     r, g = _steps(runs[ref][0]), _steps(runs[layout][0])
     assert sorted(g) == sorted(r) == list(range(1, STEPS + 1))
     for it in r:
