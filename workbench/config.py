@@ -843,6 +843,10 @@ def _rules(cfg: RunConfig, add: Any) -> None:
             which = "data.reset_attention_mask" if getattr(d, "reset_attention_mask", False) else "data.reset_position_ids"
             add(which, "per-document masks / positions (packed documents) under context parallelism: the ring attention is "
                 "causal over the whole sequence", f"set {which.split('.')[1]}: false, or context_parallel: 1", cpf)
+        if t.loss_func:
+            add("train.loss_func", "a custom loss under context parallelism sees one rank's slice of each sequence, and the "
+                "schedule scales a (loss, report) pair by cp: its token weighting over the CP group is not wired",
+                "remove train.loss_func (the family's token-mean loss is wired), or set context_parallel: 1", cpf)
         if getattr(getattr(m, "moe", None), "num_experts", 0):
             add(cpf, "mixture of experts under context parallelism is not wired yet (expert grid and router statistics over CP)",
                 "set context_parallel: 1, or a dense model (moe.num_experts: 0)", "model.moe.num_experts")

@@ -132,6 +132,8 @@ def test_cp_config_rules():
     assert {"model.attention_dropout", "model.attention_backend", "data.reset_attention_mask"} <= fields
     (te,) = [(r, fix) for f, r, fix in _problems(**CP2, **{"model.attention_backend": "te"}) if f == "model.attention_backend"]
     assert "Transformer Engine is for later" in te[0] and "sdpa" in te[1]
+    hook = _problems(**CP2, **{"train.loss_func": "tests.support.hooks:loss"})
+    assert any(f == "train.loss_func" and "context_parallel: 1" in fix for f, _, fix in hook)
     world = _problems(**{"parallel.context_parallel": 2, "parallel.nproc_per_node": 3})
     assert any(f == "parallel.nproc_per_node" and "tp*cp*pp = 2" in r for f, r, _ in world)
     bert = {(q.field, q.rule) for q in validate(preset("bert-tiny", **{"parallel.nproc_per_node": 2, **CP2}))}
