@@ -529,7 +529,8 @@ class Trainer:
         dev_name = torch.cuda.get_device_name() if self.cuda else f"cpu ({platform.processor() or platform.machine()})"
         self.events.write(RunStart(
             config=cfg.to_dict(), versions=_versions(), device=dev_name, hostname=socket.gethostname(),
-            world_size=self.coords.world_size, coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp, "cp": self.coords.cp},
+            world_size=self.coords.world_size, coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp,
+                                                        **({"cp": self.coords.cp} if self.coords.cp_size > 1 else {})},
             kernel_path=self.kernel_path, kernels=self.kernel_choice, data=self.data_desc, start_iteration=self.iteration,
         ))
         peak = peak_tflops(dev_name, t.precision, t.peak_tflops) if self.cuda else t.peak_tflops
