@@ -31,6 +31,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from workbench import kernel_rule
 from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, module_exists, reads_bad
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
+from workbench.config_cp import context_parallel_problems
 from workbench.layout import Layout
 from workbench.families import FAMILIES, Supports, all_presets, family_of
 
@@ -148,10 +149,8 @@ class ParallelConfig:
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    #: context parallelism: each sequence split over this many ranks (megatron's ``context_parallel_size``), in the
-    #: load-balanced order (2*cp chunks, rank r holds r and 2cp-1-r), attention by a K/V ring over SDPA
-    #: (:mod:`workbench.backend.context_parallel`).  GPT/Llama (causal) on the workbench SDPA attention only;
-    #: seq_length a multiple of 2*cp (2*cp*tp with sequence parallelism).  See docs/context_parallel.md.
+    #: context parallelism: each sequence split over this many ranks (megatron's ``context_parallel_size``) in the
+    #: load-balanced order, attention by a K/V ring over SDPA; its rules: :mod:`workbench.config_cp`
     context_parallel: int = 1
     #: model chunks per pipeline rank (interleaved 1F1B); None or 1 = plain 1F1B.
     virtual_pipeline_parallel: int | None = None
@@ -817,39 +816,8 @@ def _rules(cfg: RunConfig, add: Any) -> None:
     if p.sequence_parallel and m.seq_length % tp:
         add("model.seq_length", f"with sequence parallelism seq_length {m.seq_length} must be divisible by tensor_parallel {tp}", "round seq_length to a multiple of tensor_parallel",
             "parallel.sequence_parallel", "parallel.tensor_parallel")
-    cp = lay.cp
-    if cp > 1:  # context parallelism (workbench.backend.context_parallel): GPT causal on the SDPA attention's K/V ring
-        cpf = "parallel.context_parallel"
-        if m.arch != "gpt":
-            add(cpf, f"context parallelism is wired for GPT (causal) only, not the {m.arch} family yet",
-                "set context_parallel: 1 (BERT / T5 under context parallelism: later)", arch)
-        unit = 2 * cp * (tp if p.sequence_parallel else 1)
-        if m.seq_length % unit:
-            how = f"2*context_parallel*tensor_parallel = {unit} (sequence parallelism)" if p.sequence_parallel else f"2*context_parallel = {unit}"
-            up = -(-m.seq_length // unit) * unit
-            add("model.seq_length", f"seq_length {m.seq_length} is not divisible by {how}: each rank holds 2 of 2*cp equal chunks "
-                f"(megatron's load-balanced order)", f"use a seq_length that is a multiple of {unit} (e.g. {up})", cpf,
-                *(("parallel.sequence_parallel", "parallel.tensor_parallel") if p.sequence_parallel else ()))
-        if m.attention_dropout > 0:
-            add("model.attention_dropout", f"attention dropout {m.attention_dropout} under context parallelism: the ring attention "
-                "has no dropout", "set attention_dropout: 0, or context_parallel: 1", cpf)
-        if m.attention_backend in ("te", "local"):
-            add("model.attention_backend", f"context parallelism runs on the workbench SDPA attention's ring, not '{m.attention_backend}' "
-                "(megatron's own context parallelism through Transformer Engine is for later)", "set attention_backend: sdpa (or auto)", cpf)
-        if m.position_embedding == "alibi":
-            add("model.position_embedding", "ALiBi under context parallelism: the ring attention takes no additive bias",
-                "use rope or learned positions, or context_parallel: 1", cpf)
-        if getattr(d, "reset_attention_mask", False) or getattr(d, "reset_position_ids", False):
-            which = "data.reset_attention_mask" if getattr(d, "reset_attention_mask", False) else "data.reset_position_ids"
-            add(which, "per-document masks / positions (packed documents) under context parallelism: the ring attention is "
-                "causal over the whole sequence", f"set {which.split('.')[1]}: false, or context_parallel: 1", cpf)
-        if t.loss_func:
-            add("train.loss_func", "a custom loss under context parallelism sees one rank's slice of each sequence, and the "
-                "schedule scales a (loss, report) pair by cp: its token weighting over the CP group is not wired",
-                "remove train.loss_func (the family's token-mean loss is wired), or set context_parallel: 1", cpf)
-        if getattr(getattr(m, "moe", None), "num_experts", 0):
-            add(cpf, "mixture of experts under context parallelism is not wired yet (expert grid and router statistics over CP)",
-                "set context_parallel: 1, or a dense model (moe.num_experts: 0)", "model.moe.num_experts")
+    for q in context_parallel_problems(cfg, lay, family_of(cfg).supports if known else Supports()):
+        add(q.field, q.rule, q.fix, *q.reads)
     if p.device == "cpu":
         if world > 8:
             add("parallel.device", f"CPU mode is for tiny models on 1-8 processes, not {world}", "use device: cuda on GPUs", "parallel.nnodes", "parallel.nproc_per_node")

@@ -59,6 +59,7 @@ FAMILY = Family(
     name="gpt",
     title="GPT (decoder-only: GPT-2, Llama-style)",
     supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=True, moe=True, qk_layernorm=True,
+                      context_parallel=True,
                       hf_classes=(("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM"),
                                   ("mixtral", "MixtralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")),
                       hf_refused=(("olmoe", _OLMOE),)),
