@@ -22,7 +22,8 @@ row() {  # row NAME GPU LIMIT ARGS...: one benchmark row, its log kept
   local name=$1 gpu=$2 limit=$3; shift 3
   on "$gpu" timeout -k 5 "$limit" python3 "$@" > "$out/$name.log" 2>&1; say "$name rc=$?"
 }
-family() { echo "bench/$1 --rows throughput --presets $2 --timeout 200 --warmup-max ${WARMUP_MAX:-40} ${PROFILE:+--profile}"; }
+# a process's limit: 200 s, 320 s with PROFILE (T5's profiled HF process ran past 200 s at b534cf8)
+family() { echo "bench/$1 --rows throughput --presets $2 --timeout ${PROC_S:-$([[ -n ${PROFILE:-} ]] && echo 320 || echo 200)} --warmup-max ${WARMUP_MAX:-40} ${PROFILE:+--profile}"; }
 if [[ $rows == *bert* && $rows == *t5* && $rows != *llama* ]]; then  # one row a GPU
   row bert 0 "${BERT_S:-540}" $(family bert_train.py bert-base) --out "$out/bert_train.jsonl" &
   row t5 1 "${T5_S:-540}" $(family t5_bench.py t5-base) --out "$out/t5_bench.jsonl" &
