@@ -165,7 +165,8 @@ def layout_problems(info: CheckpointInfo, tp: int, pp: int, device: str, vpp: in
             out.append(Problem(name, f"{name} is {v}", f"pass --{name} >= 1 (default: the checkpoint's)"))
     if out:
         return out
-    over = {"parallel.nnodes": 1, "parallel.sequence_parallel": False, "parallel.recompute": "none", "parallel.device": device}
+    over = {"parallel.nnodes": 1, "parallel.sequence_parallel": False, "parallel.recompute": "none", "parallel.device": device,
+            "parallel.context_parallel": 1}  # generation's ranks load a CP checkpoint without CP (the backend does)
     flags = {"parallel.pipeline_parallel": "pp", "parallel.virtual_pipeline_parallel": "vpp"}
 
     def rules(t: int, p: int, v: int | None) -> list[Problem]:

@@ -422,7 +422,8 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     weights = P * sh.w + fp8_weight_copies
     grads = P * sh.grad_bytes
     Pe = params.get("experts", 0)  # MoE: the rank's expert parameters, sharded over the expert data-parallel group
-    shard = (math.ceil((P - Pe) / sh.dp) + math.ceil(Pe / getattr(sh, "edp", 1))) if sh.dist_opt else P
+    # the dense buffers (and so the distributed optimizer's shards) span DP x CP (megatron's intra_dp_cp_group)
+    shard = (math.ceil((P - Pe) / (sh.dp * cp)) + math.ceil(Pe / getattr(sh, "edp", 1))) if sh.dist_opt else P
     master = 4 * shard if sh.mixed else 0
     moments = 8 * shard
 
@@ -590,14 +591,15 @@ def _stages(cfg: RunConfig, kp: KernelPath, a: PlannerAssumptions, micro_batch: 
 def ring_buffers(sh: Any, cp: int) -> float:
     """Context parallel: the ring attention's transient bytes in one layer (``sh.s`` is the local length): the K/V
     block being computed on and the next one in flight (2 x K and V, ``b x s_local x h_kv/tp x d`` each, in the
-    activation dtype), in backward the travelling dK/dV accumulators (fp32, held and in flight), and the math block
-    kernel's fp32 scores and probabilities of the largest (step 0, ``s_local x s_local``) block
+    activation dtype), in backward the travelling dK/dV accumulators (fp32: received, the block's, their sum and
+    the one in flight), and the math block kernel's backward working set on the largest (step 0,
+    ``s_local x s_local``) block: five fp32 score-sized tensors at once (scores, probabilities, dP, dP - delta, dS)
     (:mod:`workbench.backend.context_parallel`; ``impl='auto'`` is the math kernel until the flash path is checked)."""
     if cp <= 1:
         return 0.0
     kv = sh.b * sh.s * (sh.groups / sh.tp) * sh.head_dim
-    scores = 2 * 4 * sh.b * (sh.heads / sh.tp) * sh.s * sh.s
-    return 2 * 2 * kv * sh.e + 2 * 2 * kv * 4 + scores
+    scores = 5 * 4 * sh.b * (sh.heads / sh.tp) * sh.s * sh.s
+    return 2 * 2 * kv * sh.e + 4 * 2 * kv * 4 + scores
 
 
 # --------------------------------------------------------------------------- megatron's formula

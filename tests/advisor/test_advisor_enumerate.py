@@ -92,3 +92,14 @@ def test_apply_layout_keeps_the_model_and_batch():
     lay, c = enumerate_layouts(cfg, 2)[-1]
     assert c.model == cfg.model and c.train.global_batch_size == cfg.train.global_batch_size
     assert apply_layout(cfg, lay, 2).to_dict() == c.to_dict()
+
+
+def test_a_context_parallel_base_gets_candidates_without_cp():
+    """The advisor does not enumerate context parallelism yet: a base config at CP=2 gets valid candidates at CP=1
+    whose labels say the layout they run (dp counted over the whole world)."""
+    cfg = _small("tiny", **{"parallel.context_parallel": 2, "parallel.nproc_per_node": 2})
+    found = enumerate_layouts(cfg, 4)
+    assert found
+    for lay, c in found:
+        assert c.parallel.context_parallel == 1 and validate(c) == [], lay.label()
+        assert layout_of(c) == lay and lay.tp * lay.pp * lay.dp == 4

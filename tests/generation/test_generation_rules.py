@@ -34,3 +34,15 @@ def test_t5_prompt_goes_to_the_encoder_and_is_not_held_to_max_positions():
     with pytest.raises(ConfigError) as e:  # the other checks still apply
         prepare_request(info, None, GenerationConfig(greedy=True, max_new_tokens=4), prompt_ids=[[10 ** 6]])
     assert "outside the vocabulary" in str(e.value)
+
+
+def test_a_context_parallel_checkpoint_runs_at_any_layout_without_cp():
+    """Generation (and ``convert verify``) load a CP=2 checkpoint without context parallelism, at its own layout and
+    at another one: CP is not a property of the weights."""
+    from workbench.generation import layout_problems
+
+    cfg = preset("tiny", **{"parallel.context_parallel": 2, "parallel.nproc_per_node": 2, "model.seq_length": 64})
+    info = CheckpointInfo(path="ckpt/iter_0000001", config=cfg, meta={})
+    assert layout_problems(info, 1, 1, "cpu") == []
+    assert layout_problems(info, 2, 1, "cpu") == []
+    assert [p.field for p in layout_problems(info, 3, 1, "cpu")] != []  # a layout the model cannot take still fails

@@ -28,9 +28,22 @@ def test_activations_divide_by_cp_and_the_ring_is_counted():
     local = dataclasses.replace(sh, s=8192 // 4, b=1)
     ring = planner.ring_buffers(local, 4)
     assert ring > 0 and planner.ring_buffers(local, 1) == 0
-    # K and V: current and next block (bf16), dK/dV accumulators (fp32, held and in flight), fp32 scores and probabilities
+    # K and V: current and next block (bf16); dK/dV accumulators (fp32: received, the block's, their sum, in flight);
+    # the math kernel's backward on the step-0 block: scores, probabilities, dP, dP - delta, dS (fp32, at once)
     kv = 1 * 2048 * 8 * 64
-    assert ring == 2 * 2 * kv * 2 + 2 * 2 * kv * 4 + 2 * 4 * 1 * 32 * 2048 * 2048
+    assert ring == 2 * 2 * kv * 2 + 4 * 2 * kv * 4 + 5 * 4 * 1 * 32 * 2048 * 2048
+
+
+def test_the_distributed_optimizer_shards_over_dp_times_cp():
+    """megatron's DDP buffers (and the distributed optimizer's shards) span DP x CP: at DP=1, CP=2 the distributed
+    optimizer halves the fp32 master weights and Adam's moments; at CP=4 it quarters them."""
+    def state(cp: int, dist: bool) -> tuple[float, float]:
+        c = _plan(cp, **{"parallel.distributed_optimizer": dist}).stages[0].components
+        return c["master_weights"], c["optimizer_moments"]
+
+    for cp in (2, 4):
+        (m_d, o_d), (m, o) = state(cp, True), state(cp, False)
+        assert o > 0 and m_d == pytest.approx(m / cp, rel=1e-3) and o_d == pytest.approx(o / cp, rel=1e-3), cp
 
 
 def test_cp_lowers_the_peak():

@@ -201,7 +201,7 @@ def check_tp2_order() -> dict:
 
     from workbench.backend import compiled_layer
 
-    if "RANK" in os.environ:  # under torchrun: two gloo ranks
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # under torchrun (which sets it): two gloo ranks
         dist.init_process_group("gloo")
     else:  # one process: torch's fake process group of two ranks (collectives compile and run, exchanging nothing);
         # the code inductor generates for one rank does not depend on the backend, and the ranks' code is the same

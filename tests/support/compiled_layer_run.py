@@ -16,8 +16,12 @@ LAYER_CHECK = SUPPORT / "compiled_layer_check.py"
 
 
 def run_check(*args: str, port: int) -> dict:
+    # a test process's own rendezvous variables (tests that initialise one process set RANK, WORLD_SIZE, MASTER_*)
+    # are not the check's: it starts its own process groups
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     proc = subprocess.run([sys.executable, str(LAYER_CHECK), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "CHECK_PORT": str(port)})
+                          capture_output=True, text=True, timeout=600, env={**env, "CHECK_PORT": str(port)})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])

@@ -68,6 +68,16 @@ def test_widget_controls_move_the_plan():
         w.set(bogus=1)
 
 
+def test_widget_keeps_the_base_configs_context_parallelism():
+    from workbench.widgets.planner import MemoryPlanner
+
+    cfg = preset("llama3.2-1b", **{"parallel.context_parallel": 2, "parallel.nproc_per_node": 2, "model.seq_length": 8192})
+    w = MemoryPlanner(cfg, gpu="H100", show=False)
+    w.set(tp=2, dp=1)
+    assert w.config.parallel.context_parallel == 2 and w.config.parallel.world_size == 4 and w.config.validate() == []
+    assert len(w.plan.ranks) == 4
+
+
 def test_widget_overlays_measured_run(tmp_path):
     from workbench.run.events import EventWriter
     from workbench.widgets.planner import MemoryPlanner

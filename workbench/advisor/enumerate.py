@@ -106,9 +106,10 @@ def layout_of(cfg: RunConfig) -> Layout:
 
 
 def apply_layout(cfg: RunConfig, layout: Layout, gpus_per_node: int, nodes: int = 1) -> RunConfig:
-    """``cfg`` with ``layout`` set (``RunConfig.replace``'s meaning, built without re-parsing)."""
+    """``cfg`` with ``layout`` set (``RunConfig.replace``'s meaning, built without re-parsing).  The candidates have no
+    context parallelism (the advisor does not enumerate it yet): a base config's ``context_parallel`` is set to 1."""
     p = dataclasses.replace(
-        cfg.parallel, tensor_parallel=layout.tp, pipeline_parallel=layout.pp,
+        cfg.parallel, tensor_parallel=layout.tp, pipeline_parallel=layout.pp, context_parallel=1,
         virtual_pipeline_parallel=layout.vpp if layout.vpp > 1 else None, sequence_parallel=layout.sp,
         distributed_optimizer=layout.distributed_optimizer, recompute=layout.recompute, nnodes=nodes,
         nproc_per_node=gpus_per_node, device="cuda", overlap_grad_reduce=layout.dp > 1,

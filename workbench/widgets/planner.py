@@ -147,7 +147,7 @@ class MemoryPlanner:
         tp, pp, dp = self.tp.value, self.pp.value, self.dp.value
         mbs, m = self.micro_batch.value, self.microbatches.value
         vpp = self.vpp.value
-        world = tp * pp * dp
+        world = tp * pp * dp * max(int(getattr(self.base.parallel, "context_parallel", 1) or 1), 1)  # the base's CP kept
         nnodes = self.base.parallel.nnodes if world % self.base.parallel.nnodes == 0 else 1
         return self.base.replace(**{
             "parallel.tensor_parallel": tp, "parallel.pipeline_parallel": pp,
