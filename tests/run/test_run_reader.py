@@ -104,6 +104,13 @@ def test_run_directory_files(tmp_path):
     assert (r.layout().pp, r.layout().dp) == (2, 2)
 
 
+def test_a_context_parallel_runs_layout_counts_dp_without_cp(tmp_path):
+    write_json_atomic(tmp_path / "config.json", {"parallel": {"tensor_parallel": 2, "context_parallel": 2,
+                                                              "nproc_per_node": 8}})
+    lay = RunReader(tmp_path).layout()
+    assert (lay.tp, lay.cp, lay.dp, lay.world_size) == (2, 2, 2, 8)
+
+
 @pytest.mark.parametrize("name", ["pp2", "pp2_vpp2"])
 def test_committed_evidence_runs_still_load(name):
     run = next((d / name for d in (ROOT / "evidence" / "runs", ROOT / "tests" / "gpu_proofs" / "evidence" / "runs") if (d / name).is_dir()), None)

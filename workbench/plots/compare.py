@@ -481,7 +481,8 @@ def run_summary(source: Any) -> dict[str, Any]:
     if int(model.get("num_labels") or 0) > 0:
         family += " classifier"
     lay = reader.layout()
-    layout = "-" if lay is None else f"tp{lay.tp} pp{lay.pp} dp{lay.dp}" + (f" vpp{lay.vpp}" if lay.vpp > 1 else "")
+    layout = "-" if lay is None else (f"tp{lay.tp} pp{lay.pp} dp{lay.dp}" + (f" vpp{lay.vpp}" if lay.vpp > 1 else "")
+                                      + (f" cp{lay.cp}" if lay.cp > 1 else ""))
     loss = metric_curve(reader, "loss")
     done = loss.steps[-1] if loss else max((int(r.get("iteration")) for r in reader.records("step", refresh=False)
                                             if r.get("iteration") is not None), default=0)

@@ -130,6 +130,8 @@ class Layout:
     dp: int
     vpp: int = 1
     world_size: int = 1
+    #: context-parallel size (each sequence split over this many ranks; dp counts the rest)
+    cp: int = 1
 
 
 @dataclass(kw_only=True)
@@ -156,13 +158,15 @@ class RunStart(Event):
         return "cuda_graphs" in self.fusions()
 
     def layout(self) -> Layout:
-        """TP/PP/DP sizes from the run's config (VPP too), else from world size and coords."""
+        """TP/PP/DP sizes from the run's config (VPP and CP too), else from world size and coords."""
         par = (self.config or {}).get("parallel") or {}
         tp = int(par.get("tensor_parallel") or 1)
         pp = int(par.get("pipeline_parallel") or 1)
         vpp = int(par.get("virtual_pipeline_parallel") or 1)
-        world = int(self.world_size or int(par.get("nproc_per_node") or 0) * int(par.get("nnodes") or 1) or tp * pp)
-        return Layout(tp, pp, ParallelLayout(world=max(world, 1), tp=max(tp, 1), pp=max(pp, 1)).dp, vpp, world)
+        cp = max(int(par.get("context_parallel") or 1), 1)
+        world = int(self.world_size or int(par.get("nproc_per_node") or 0) * int(par.get("nnodes") or 1) or tp * pp * cp)
+        dp = ParallelLayout(world=max(world, 1), tp=max(tp, 1), pp=max(pp, 1), cp=cp).dp
+        return Layout(tp, pp, dp, vpp, world, cp)
 
 
 @dataclass(kw_only=True)
