@@ -9,7 +9,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash launch/setup.sh
 venv="${WORKBENCH_VENV:-$root/.venv}"
-export MPLBACKEND=Agg PYTHONUNBUFFERED=1
+# one OpenMP thread per process (tests/conftest.py says why: the workers' processes share two cores)
+export MPLBACKEND=Agg PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 set +e
 # a private basetemp: another pytest session on the machine must not clean up this one's tmp dirs
 basetemp="$(mktemp -d -t workbench-tests-XXXXXX)"

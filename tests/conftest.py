@@ -13,9 +13,22 @@ no long file starts last while the other worker has nothing left to do.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
+
+#: one OpenMP thread per process, in this process and every process the tests start (JupyterLab's kernels, torchrun's
+#: ranks, helper scripts), unless the caller set OMP_NUM_THREADS: the workers (two on the 2-core CI machine) and the
+#: processes each starts share the cores, and torch's default of one OpenMP thread per core makes two such processes
+#: spin against each other (measured on the 2-core machine: a t5-tiny 60-step run beside a busy torch process took
+#: 117 s with the default threads, 50 s with one each, while the busy process got 26x more done).  The tiny CPU models
+#: gain next to nothing from a second thread.  Many test files already passed OMP_NUM_THREADS=1 to their
+#: subprocesses; this makes it the rule for all.  ``launch/test.sh`` exports the same.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules and os.environ["OMP_NUM_THREADS"] == "1":  # imported before this file (a plugin): too late
+    sys.modules["torch"].set_num_threads(1)                          # for the variable, not for the setting
 
 from tests.support import free_port as _free_port
 from tests.support import hf_gpt2, write_rank_script
