@@ -154,14 +154,14 @@ def evict(*paths: Path) -> None:
 
 
 def _run_step(step: str, a: dict[str, Any]) -> dict[str, Any]:
-    from workbench.conversion.api import compare_hf_dirs, hf_to_megatron, megatron_to_hf, reshape
-
-    if step == "make-hf":
-        return make_hf(a["shape"], Path(a["out"]))
     if step == "disk-copy":
         return disk_copy(Path(a["src"]), Path(a["out"]))
     if step == "disk-copy-direct":
         return disk_copy_direct(Path(a["src"]), Path(a["out"]))
+    from workbench.conversion.api import compare_hf_dirs, hf_to_megatron, megatron_to_hf, reshape
+
+    if step == "make-hf":
+        return make_hf(a["shape"], Path(a["out"]))
     if step == "hf-to-megatron":
         hf_to_megatron(a["src"], a["out"], tp=2, pp=2, device="cpu", progress=False, force=True)
     elif step == "reshape":
@@ -190,20 +190,23 @@ def _io() -> dict[str, int]:
 
 
 def child(step: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Run one step here and measure it: the peak mark is reset after the imports, so the peak is the step's."""
-    from workbench.conversion import prepare_conversion_process
+    """Run one step here and measure it: the peak mark is reset after the imports, so the peak is the step's.  A disk
+    copy imports nothing of torch or megatron (it copies files; its pace is timed after the imports either way): eight
+    of a run's fourteen processes are copies, and those imports take ~9 CPU seconds a process on a small CPU machine."""
+    if not step.startswith("disk-copy"):
+        from workbench.conversion import prepare_conversion_process
 
-    prepare_conversion_process()  # as `workbench convert` starts: its environment and allocator settings
-    import torch  # noqa: F401  (the imports the steps need, before the baseline)
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import safetensors.torch  # noqa: F401
+        prepare_conversion_process()  # as `workbench convert` starts: its environment and allocator settings
+        import torch  # noqa: F401  (the imports the steps need, before the baseline)
+        import megatron.core.dist_checkpointing  # noqa: F401
+        import safetensors.torch  # noqa: F401
 
-    import workbench.backend.checkpointing  # noqa: F401
-    import workbench.backend.model  # noqa: F401
-    import workbench.conversion.api  # noqa: F401
-    import workbench.conversion.dcp  # noqa: F401
-    import workbench.conversion.hf_files  # noqa: F401
-    import workbench.conversion.runtime  # noqa: F401
+        import workbench.backend.checkpointing  # noqa: F401
+        import workbench.backend.model  # noqa: F401
+        import workbench.conversion.api  # noqa: F401
+        import workbench.conversion.dcp  # noqa: F401
+        import workbench.conversion.hf_files  # noqa: F401
+        import workbench.conversion.runtime  # noqa: F401
 
     try:
         with open("/proc/self/clear_refs", "w") as fh:
