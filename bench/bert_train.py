@@ -13,7 +13,7 @@ Rows (``--rows``, comma list):
 - ``planner``: ``bert-base`` and ``bert-large`` as shipped: the planner's rank-0 peak allocated against
   ``torch.cuda.max_memory_allocated`` of the workbench's steps (target within 10%).
 - ``dropout``: ``bert-base`` (dropout 0.1) with ``attention_backend`` sdpa, te and auto.
-- ``loss200``: ``python -m workbench.backend`` (torchrun, one GPU) on the embedded corpus, BERT-base shape with
+- ``loss200``: ``python -m workbench.rank`` (torchrun, one GPU) on the embedded corpus, BERT-base shape with
   the demo WordPiece vocabulary, 200 steps: first and last MLM loss (must fall), eval masked-token accuracy.
 - ``tp2``, ``pp2``: BERT-base as shipped through the backend on 2 GPUs (TP=2 + SP; PP=2 1F1B), synthetic data,
   30 steps: tokens/s and MFU from the event stream.
@@ -68,7 +68,7 @@ def _backend_run(cfg: Any, nproc: int, a: argparse.Namespace) -> dict[str, Any]:
         return {"returncode": 2, "error": "; ".join(map(str, problems))}
     run_dir = Path(tempfile.mkdtemp(prefix="wb-bert-run-"))
     cfg.save(run_dir / "config.json")
-    proc = harness.torchrun(nproc, ["-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], a.timeout)
+    proc = harness.torchrun(nproc, ["-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], a.timeout)
     ev = read_events(run_dir)
     steps = [e for e in ev if e["event"] == "step" and e.get("loss") is not None]
     evals = [e for e in ev if e["event"] == "eval"]

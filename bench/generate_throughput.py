@@ -63,7 +63,7 @@ def build_pair(name: str, device: str, dtype: str, vocab: int, positions: int, s
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.conversion.hf import hf_to_mcore, run_config_from_hf
 
     layers, hidden, heads = MODELS[name]

@@ -277,7 +277,7 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
 
     else:
         from workbench import planner
-        from workbench.backend.train import Trainer
+        from workbench.rank.train import Trainer
 
         tr = Trainer(cfg, tempfile.mkdtemp(prefix=tmp_prefix))
         tr.setup()
@@ -302,7 +302,7 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
                mem_peak=int(torch.cuda.max_memory_allocated()) if cuda else None,
                device=torch.cuda.get_device_name() if cuda else "cpu")
     if cuda:
-        from workbench.backend.metrics import peak_tflops
+        from workbench.rank.metrics import peak_tflops
 
         peak = peak_tflops(out["device"], cfg.train.precision, None)
         out["mfu"] = d.flops_per_step / step_s / 1e12 / peak if peak else None

@@ -11,7 +11,7 @@ interleaved; in each process the warm-up runs until the step times settle (the p
 repeats, their median and spread; each ratio its range (worst and best pairing) and whether the worst pairing
 clears the target.  Rows (JSON lines, each with device, date, git commit):
 
-- ``workbench-1gpu``: ``python -m workbench.backend`` under torchrun on one GPU, bf16, the kernel rule's default path
+- ``workbench-1gpu``: ``python -m workbench.rank`` under torchrun on one GPU, bf16, the kernel rule's default path
   (grouped-GEMM experts through torch's ``grouped_mm``, SDPA attention, fused AdamW); tokens/s is the median of the
   step events after ``--warmup`` steps; first / last losses on the embedded corpus; the router's coefficient of
   variation per layer from the last ``router`` record.  The run trains ``--warmup-max`` + ``--steps`` iterations.
@@ -72,7 +72,7 @@ def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
         run_dir.mkdir()
         cfg.save(run_dir / "config.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ep), "--master-port", str(29600 + ep),
-               "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+               "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
         t0 = time.time()
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}
         proc = harness.run_group(cmd, a.timeout, cwd=ROOT, env=env)  # a timeout ends the ranks too

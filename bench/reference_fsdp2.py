@@ -387,7 +387,7 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "fsdp2", preset_name:
     }
     if cuda:
         try:
-            from workbench.backend.metrics import peak_tflops
+            from workbench.rank.metrics import peak_tflops
 
             pk = peak_tflops(out["device"], t.precision, None)
         except ImportError:  # (it reads no megatron-core today; the H100's and H200's dense bf16 peak otherwise)

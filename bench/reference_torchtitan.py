@@ -379,7 +379,7 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "torchtitan", preset_
     }
     if cuda:
         try:
-            from workbench.backend.metrics import peak_tflops
+            from workbench.rank.metrics import peak_tflops
 
             pk = peak_tflops(out["device"], t.precision, None)
         except ImportError:

@@ -65,7 +65,7 @@ def _generate_worker(preset_name: str, a: argparse.Namespace) -> dict[str, Any]:
 
     from bench.reference_t5 import build_hf_t5
     from workbench.backend import distributed
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.config import GenerationConfig
     from workbench.models.t5.generate import T5Engine
     from workbench.conversion.hf import mcore_to_hf

@@ -373,7 +373,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     """Train with the backend's own Trainer (real mcore model, DDP, Megatron optimizer, schedules)."""
     import torch
 
-    from workbench.backend.train import Trainer
+    from workbench.rank.train import Trainer
 
     cfg = bench_config(v, a.cpu_smoke)
     cuda = not a.cpu_smoke

@@ -42,7 +42,7 @@ FILE_SECONDS = {
     "backend/test_compiled_layer_compile.py": 450,
     "notebooks/test_notebooks.py": 210,
     "backend/test_compiled_layer.py": 250, "backend/test_compiled_layer_tp.py": 200, "launch/test_multinode.py": 290,
-    "conversion/test_convert_streaming.py": 280, "models/test_t5_train.py": 240, "backend/test_backend_train.py": 300,
+    "conversion/test_convert_streaming.py": 280, "models/test_t5_train.py": 240, "rank/test_rank_train.py": 300,
     "backend/test_compiled_dropout.py": 250, "conversion/test_conversion.py": 215, "launch/test_loopback_only.py": 180,
     "bench/test_family_bench_smoke.py": 155, "data_pipeline/test_preprocess_faults.py": 145,
     "backend/test_backend_model.py": 130, "backend/test_cross_layout_resume.py": 120,

@@ -1,8 +1,8 @@
 """Megatron Workbench: a Jupyter-first research workbench for megatron-core.
 
-The notebook side (this package minus ``workbench.backend``) never imports megatron-core
-at module level and never touches CUDA: it builds configs, plans memory, simulates
-schedules, launches ``torchrun`` and follows the event stream.
+The notebook side (this package minus the rank side: ``workbench.backend``, ``workbench.models``,
+``workbench.rank``) never imports megatron-core at module level and never touches CUDA: it builds
+configs, plans memory, simulates schedules, launches ``torchrun`` and follows the event stream.
 """
 
 from workbench.launch.ownership import guard_rank

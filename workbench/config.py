@@ -233,7 +233,7 @@ class TrainConfig:
     hook_kwargs: dict[str, Any] = field(default_factory=dict)
     #: compute the loss from the last stage's logits and keep them for the loss hook / Python API.
     return_logits: bool = False
-    #: peak dense TFLOP/s per GPU for MFU; None = look the device up in workbench.backend.metrics.
+    #: peak dense TFLOP/s per GPU for MFU; None = look the device up in workbench.rank.metrics.
     peak_tflops: float | None = None
 
 

@@ -5,12 +5,12 @@ through :meth:`workbench.config.GenerationConfig.validate`, then the prompts aga
 checkpoint's tokenizer and the family's length rules (``Family.generation_rules``) -- and only then starts one process
 per rank with torchrun, exactly like training::
 
-    python -m workbench.launch.torchrun <one node, loopback> --nproc-per-node TP*PP -m workbench.backend.inference \\
+    python -m workbench.launch.torchrun <one node, loopback> --nproc-per-node TP*PP -m workbench.rank.inference \\
         --ckpt DIR --request REQ.json --out OUT.json --tp TP --pp PP
 
 (a single CPU/GPU process is started without torchrun), under the same supervisor as training
 (:func:`workbench.launch.run_supervised`), so a killed caller leaves no rank behind.  The engine itself
-(:mod:`workbench.backend.inference`) keeps megatron-core out of this module.
+(:mod:`workbench.rank.inference`) keeps megatron-core out of this module.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def generation_command(ckpt: str | Path, request_path: str | Path, out_path: str
                        device: str, python: str | None = None) -> list[str]:
     """The exact command that runs generation: torchrun for several ranks, plain python for one."""
     python = python or sys.executable
-    entry = ["-m", "workbench.backend.inference", "--ckpt", str(ckpt), "--request", str(request_path),
+    entry = ["-m", "workbench.rank.inference", "--ckpt", str(ckpt), "--request", str(request_path),
              "--out", str(out_path), "--tp", str(tp), "--pp", str(pp), "--device", device]
     world = tp * pp
     if world == 1:

@@ -3,7 +3,7 @@
 Two hooks, set by dotted path in the run config (``train.forward_step`` /
 ``train.loss_func``, e.g. ``"my_project.losses:keytoken_weighted_loss"``, with
 ``train.hook_kwargs`` passed as keyword arguments) or as callables through the Python
-API (``workbench.backend.train.Trainer(cfg, run_dir, hooks=TrainHooks(...))``).
+API (``workbench.rank.train.Trainer(cfg, run_dir, hooks=TrainHooks(...))``).
 
 ``forward_step(batch: Batch, model, **hook_kwargs) -> Tensor``
     Runs one micro-batch through one model chunk.  On the last pipeline stage it returns
@@ -98,7 +98,7 @@ def default_forward_step(batch: Batch, model: Any, *args: Any, **kwargs: Any) ->
     """The default forward step of the batch's model family (:attr:`Batch.family_step`), for a
     ``train.forward_step`` hook that wraps it (e.g. to record or alter a micro-batch, then run the default)."""
     if getattr(batch, "family_step", None) is None:
-        raise RuntimeError("default_forward_step runs on a batch of a training run (workbench.backend.train.Trainer sets "
+        raise RuntimeError("default_forward_step runs on a batch of a training run (workbench.rank.train.Trainer sets "
                            "Batch.family_step, its model family's step); outside one, set it: "
                            "Batch(..., family_step=workbench.models.parts.parts_of(cfg).step())")
     return batch.family_step.forward_step(batch, model, *args, **kwargs)

@@ -178,7 +178,7 @@ def test_model_forward_matches_plain_reference():
 import json, torch
 from workbench.config import preset
 from workbench.backend import distributed
-from workbench.backend.build import build_model
+from workbench.rank.build import build_model
 variants = {
     "gpt2": {},
     "llama": {"model.position_embedding": "rope", "model.normalization": "rmsnorm", "model.activation": "swiglu",
@@ -218,7 +218,7 @@ import torch.multiprocessing as mp
 def worker(rank, world, q):
     from workbench.config import preset
     from workbench.backend import distributed
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     res = []
     for sp in ([False, True] if world > 1 else [False]):
         cfg = preset("tiny", **{"model.num_layers": 2, "parallel.tensor_parallel": world, "parallel.nproc_per_node": world,

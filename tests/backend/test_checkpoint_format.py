@@ -14,7 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _model(cfg, seed: int):
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
 
     torch.manual_seed(seed)
     return build_model(cfg)
@@ -141,7 +141,7 @@ def test_optimizer_state_round_trip(dist_group, tmp_path):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from workbench.backend import checkpointing as C
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
 
     cfg = dist_group

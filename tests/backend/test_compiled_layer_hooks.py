@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 def fast_model():
     from workbench.backend import compiled_layer, cpu_mode
     from workbench.backend.distributed import destroy, initialize_for_tests
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
 
     compiled_layer.allow_on_cpu(True)
     compiled_layer.set_compile(False)

@@ -183,7 +183,7 @@ def test_cp2_with_dp2_tp2_or_pp2_trains_as_without_cp(runs, layout, ref):
 def test_generation_loads_a_cp2_checkpoint_without_cp(runs):
     """Decoding runs without context parallelism: a CP=2 checkpoint loads into one process (cp forced to 1)."""
     from tests.support import init_single_process, teardown_single_process
-    from workbench.backend.inference import _checkpoint_config, load_engine
+    from workbench.rank.inference import _checkpoint_config, load_engine
     from workbench.config import GenerationConfig
 
     ckpt = runs["_root"] / "llama_cp2" / "checkpoints" / "iter_0000004"

@@ -11,7 +11,7 @@ def _ddp(cfg, workbench_hooks: bool, min_numel: int = 0):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from workbench.backend import grad_accumulation
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
 
     torch.manual_seed(0)

@@ -16,7 +16,8 @@ from tests.support.trainer_runs import run_trainers
 # is given (per-parameter hooks), so nothing of the first run carries into the second.
 BOTH = """
 import os
-from workbench.backend import grad_accumulation, train
+from workbench.backend import grad_accumulation
+from workbench.rank import train
 grad_accumulation.MIN_NUMEL = 0
 _install, _run = grad_accumulation.install, train.Trainer.run
 def _run_as_named(self, *a, **k):

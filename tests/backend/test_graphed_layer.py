@@ -23,7 +23,7 @@ def graphed_layer():
     from workbench import kernel_rule
     from workbench.backend import cpu_mode
     from workbench.backend.distributed import destroy, initialize_for_tests
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.model import GraphedTransformerLayer, layer_class
 
     cfg = preset("tiny")

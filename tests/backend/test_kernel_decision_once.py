@@ -27,7 +27,7 @@ def _counting(monkeypatch) -> list:
 
 @pytest.mark.parametrize("name", ["tiny", "bert-tiny", "t5-tiny"])
 def test_building_a_model_asks_the_kernel_rule_once(dist_group, monkeypatch, name):
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
 
     cfg = preset(name)
@@ -40,7 +40,7 @@ def test_building_a_model_asks_the_kernel_rule_once(dist_group, monkeypatch, nam
 
 def test_the_decision_passed_in_is_the_one_built(dist_group, monkeypatch):
     """The stock norm ('torch': megatron's local spec in every layer) passed in where the rule picks the workbench's."""
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
 
     cfg = preset("tiny")

@@ -20,7 +20,8 @@ import torch
 sys.path.insert(0, ".")
 from bench.reference_llama import ReferenceLlama, spec_from_config
 from bench.train_throughput import TINY_LLAMA
-from workbench.backend import build as wm, distributed
+from workbench.backend import distributed
+from workbench.rank import build as wm
 from workbench.config import derive, preset
 
 

@@ -52,7 +52,7 @@ def _cmd(cfg, run_dir: Path) -> list[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
     return [sys.executable, *torchrun_args("2"),
-            "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+            "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
 
 
 def _by(events, kind, rank=None):
@@ -82,7 +82,7 @@ def _resume_from(ckpts: Path, run_dir: Path, save_into: Path | None = None) -> s
 def _a_second_run_is_refused(ckpts: Path, owner_dir: Path, claim: dict, tmp_path: Path, capfd, monkeypatch) -> None:
     """While the job that owns ``ckpts`` lives: another backend naming that save_dir (its rank 0, in this process) exits
     2 before any step, and so does a launch of it (``--dry-run``), both naming the owner and the fix."""
-    from workbench.backend.train import main as backend_main
+    from workbench.rank.train import main as backend_main
     from workbench.cli import main as cli_main
 
     second = tmp_path / "second"

@@ -36,7 +36,7 @@ def _run(cfg, run_dir: Path, env: dict, cwd: Path = ROOT) -> subprocess.Complete
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.save(run_dir / "config.json")
     cmd = [sys.executable, *torchrun_args("2"),
-           "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+           "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -81,10 +81,10 @@ def test_every_reader_exits_2_naming_the_missing_manifest(newest_without_manifes
 
 @pytest.mark.parametrize("newest_without_manifest", ["folder-deleted"], indirect=True)
 def test_a_resume_without_a_launch_exits_2_before_its_first_step(newest_without_manifest, tmp_path, capfd, monkeypatch):
-    """``torchrun ... -m workbench.backend`` (a SLURM script's line), its rank 0 in this process: the launch's pre-check
+    """``torchrun ... -m workbench.rank`` (a SLURM script's line), its rank 0 in this process: the launch's pre-check
     of the checkpoint, exit 2 before any step, where it used to fail in the load with exit 1 and a traceback; so is
     the older iteration once one of its files is damaged (rank 0 checks the checksums)."""
-    from workbench.backend.train import main as backend_main
+    from workbench.rank.train import main as backend_main
     from workbench.config import load_config
 
     root, d, newer = newest_without_manifest

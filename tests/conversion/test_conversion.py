@@ -391,7 +391,7 @@ def test_tokenizer_files_travel_with_the_checkpoint(hf_models, tmp_path):
 @pytest.mark.slow
 def test_backend_continues_training_from_a_converted_checkpoint(tmp_path):
     """The GPU proof's script on CPU (fp32, PP=2 with tied embeddings): the real backend (torchrun +
-    ``python -m workbench.backend``) fine-tunes the converted GPT-2; step 1's loss is HF's loss on the same batches."""
+    ``python -m workbench.rank``) fine-tunes the converted GPT-2; step 1's loss is HF's loss on the same batches."""
     from tests.gpu_proofs.conversion_continue_training import main
 
     out = tmp_path / "evidence.jsonl"

@@ -31,7 +31,7 @@ def test_tiny_preset_trains_on_the_demo_corpus_with_two_ranks(tmp_path):
     run.mkdir()
     cfg.save(run / "config.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, *torchrun_args("2"), "-m", "workbench.backend", "--config", str(run / "config.json"), "--run-dir", str(run)]
+    cmd = [sys.executable, *torchrun_args("2"), "-m", "workbench.rank", "--config", str(run / "config.json"), "--run-dir", str(run)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -57,7 +57,7 @@ def test_prefetch_keeps_the_micro_batch_order():
     """The trainer prefetches the next micro-batch mid-step: same batches, same order, none lost."""
     import torch
 
-    from workbench.backend.data import MicroBatchStream
+    from workbench.rank.data import MicroBatchStream
     from workbench.models.gpt.data import SyntheticGPTDataset
 
     cfg = preset("tiny", **{"train.micro_batch_size": 2, "train.global_batch_size": 6})
@@ -77,7 +77,7 @@ def test_prefetch_keeps_the_micro_batch_order():
 
 
 EXITS_WITHOUT_CLOSE = """
-from workbench.backend.data import MicroBatchStream
+from workbench.rank.data import MicroBatchStream
 from workbench.config import preset
 from workbench.models.bert.data import SyntheticBertDataset
 
@@ -116,7 +116,7 @@ def test_loader_workers_build_the_same_micro_batches_in_order():
     them to their rank (they ignore SIGINT / SIGTERM); CPU mode keeps them inline."""
     import torch
 
-    from workbench.backend.data import MicroBatchStream, loader_workers
+    from workbench.rank.data import MicroBatchStream, loader_workers
     from workbench.models.bert.data import SyntheticBertDataset
 
     cfg = preset("bert-tiny", **{"train.micro_batch_size": 2, "train.global_batch_size": 8})

@@ -1,7 +1,7 @@
 """Generation from a real checkpoint through the real entry point, at TP=2 and PP=2 (gloo, CPU).
 
 A random GPT-2 with a small trained tokenizer is converted by ``workbench convert``'s API into
-a workbench checkpoint, then generated from by ``python -m workbench.backend.inference``
+a workbench checkpoint, then generated from by ``python -m workbench.rank.inference``
 started by torchrun (2 processes) -- the product path -- and compared with the same model
 generating in this process at TP=1: seeded sampling must give the same tokens at TP=2, and
 beam search the same beams across two pipeline stages.  Bad input must be refused before
@@ -39,7 +39,7 @@ def ckpt(tmp_path_factory):
     tok = train_tokenizer(corpus, vocab_size=400, out_dir=hf_dir)
     assert tok.vocab_size <= VOCAB
     res = hf_to_megatron(hf_dir, root / "ckpt", dtype="fp32", device="cpu", make_vocab_size_divisible_by=128, progress=False)
-    from workbench.backend.inference import _checkpoint_config, load_engine
+    from workbench.rank.inference import _checkpoint_config, load_engine
 
     cfg = _checkpoint_config(res.output)
     was = init_single_process(cfg.replace(**{"model.attention_backend": "sdpa", "parallel.nproc_per_node": 1}))

@@ -4,7 +4,7 @@ Run on a machine with 2 GPUs (from the repo root)::
 
     python tests/gpu_proofs/backend_proof.py --out evidence/backend_proof.jsonl
 
-Every run is a real ``torchrun ... -m workbench.backend`` job on the same small GPT, the same
+Every run is a real ``torchrun ... -m workbench.rank`` job on the same small GPT, the same
 synthetic data and the same initial weights (one checkpoint made first and loaded with
 ``checkpoint.finetune`` by every layout, since dist checkpoints load at any TP/PP):
 
@@ -76,7 +76,7 @@ def run(cfg: RunConfig, run_dir: Path, nproc: int, log) -> list[dict]:
     cfg.check()
     cfg.save(run_dir / "config.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(29400 + (hash(run_dir.name) % 500)),
-           "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+           "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     t0 = time.time()
     with open(run_dir / "log.txt", "w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
@@ -164,7 +164,7 @@ def main() -> int:
     init_dir.mkdir(parents=True, exist_ok=True)
     init_cfg.save(init_dir / "config.json")
     script = (
-        "import sys; from workbench.config import load_config; from workbench.backend.train import Trainer; "
+        "import sys; from workbench.config import load_config; from workbench.rank.train import Trainer; "
         f"t=Trainer(load_config('{init_dir}/config.json'), '{init_dir}'); t.setup(); t.save(); "
         "from workbench.backend import distributed; distributed.destroy()"
     )

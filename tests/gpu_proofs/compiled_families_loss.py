@@ -4,7 +4,7 @@
 
 Per family (bert-base, t5-base; dropout 0 so the kernel rule puts every layer on the compiled layer with
 CUDA graphs; the embedded corpus with the family's demo tokenizer; bf16, one GPU): ``python -m
-workbench.backend`` under torchrun, then from the event stream: the kernel path the run reported, the
+workbench.rank`` under torchrun, then from the event stream: the kernel path the run reported, the
 first and last losses, the smallest loss of the last tenth against the first tenth (must fall), eval
 losses and tokens/s.  One JSON line per family with device, date and commit.
 """
@@ -37,7 +37,7 @@ def run(name: str, steps: int, timeout: float) -> dict:
                           "parallel.device": "cuda", "checkpoint.save_on_exit": False})
     run_dir = Path(tempfile.mkdtemp(prefix=f"wb-{name}-compiled-"))
     cfg.save(run_dir / "config.json")
-    proc = harness.torchrun(1, ["-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], timeout)
+    proc = harness.torchrun(1, ["-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], timeout)
     ev = read_events(run_dir)
     start = next((e for e in ev if e["event"] == "run_start"), {})
     losses = [e["loss"] for e in ev if e["event"] == "step" and e.get("loss") is not None]

@@ -1,6 +1,6 @@
 """GPU proof: a converted HF GPT-2 is loaded by the backend and training continues from HF's loss.
 
-Steps (all real: transformers, workbench convert, torchrun + ``python -m workbench.backend``):
+Steps (all real: transformers, workbench convert, torchrun + ``python -m workbench.rank``):
 1. a random HF GPT-2 (small config, gelu_new, no dropout) is saved and converted with
    ``hf_to_megatron`` at ``--tp/--pp`` (bf16 checkpoint, config with ``finetune: true``);
 2. the backend trains ``--steps`` steps from it on the demo corpus; a forward-step hook
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = work / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           "-m", "workbench.backend", "--config", str(cfg_path), "--run-dir", str(run_dir)]
+           "-m", "workbench.rank", "--config", str(cfg_path), "--run-dir", str(run_dir)]
     proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=900)
     (work / "backend.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:

@@ -8,7 +8,7 @@ Per family (the preset as shipped: dropout 0.1; the embedded corpus with the fam
 one micro-batch a step; bf16; one GPU; same seed, so the same initial weights and batches) and per run kind:
 ``stock`` (``train.compile_kernels: false``: megatron's TransformerLayer, dropout from its own calls) or ``compiled``
 (the default kernel path: the compiled layer replayed as CUDA graphs, dropout inside its graph), ``python -m
-workbench.backend`` under torchrun; from the event stream every step's loss, tokens/s and the kernel path.  The masks
+workbench.rank`` under torchrun; from the event stream every step's loss, tokens/s and the kernel path.  The masks
 differ between the two (their random streams are consumed differently), so the curves are compared statistically,
 by fp8_loss.py's rule: per step, the relative difference of the losses smoothed over ``--window`` steps (centred
 moving average), its maximum after the first ``--window`` steps, against the mean curve of the family's stock runs;
@@ -49,7 +49,7 @@ def run(family: str, kind: str, steps: int, lr: float, timeout: float) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"wb-dropout-{family}-{kind}-"))
     cfg.save(run_dir / "config.json")
     t0 = time.monotonic()
-    proc = harness.torchrun(1, ["-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], timeout)
+    proc = harness.torchrun(1, ["-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], timeout)
     ev = read_events(run_dir)
     start = next((e for e in ev if e["event"] == "run_start"), {})
     steps_ev = [e for e in ev if e["event"] == "step" and e.get("loss") is not None]

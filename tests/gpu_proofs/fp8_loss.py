@@ -4,7 +4,7 @@
     python3 tests/gpu_proofs/fp8_loss.py --out $OUT/b.jsonl --recipes rowwise,off --base bench/results/a.jsonl  (a later call)
     python3 tests/gpu_proofs/fp8_loss.py --plot bench/results/fp8_loss.jsonl --png bench/results/fp8_loss.png   (here, no GPU)
 
-Per recipe (off = bf16, tensorwise, rowwise): ``python -m workbench.backend`` under torchrun on the embedded corpus,
+Per recipe (off = bf16, tensorwise, rowwise): ``python -m workbench.rank`` under torchrun on the embedded corpus,
 or with ``--data`` on an indexed dataset (``bench/loss_corpus.py`` builds a 11.5M-token one: the rows then carry its
 manifest), real text either way; same seed, so the same initial weights and batches; one GPU; first a check of the FP8 linear itself in
 bf16 on the GPU against an fp32 linear.  From the event streams: every step's
@@ -59,7 +59,7 @@ def run(model: str, recipe: str, steps: int, timeout: float, over: dict, lr: flo
     run_dir = Path(tempfile.mkdtemp(prefix=f"wb-fp8-{recipe}-"))
     cfg.save(run_dir / "config.json")
     t0 = time.monotonic()
-    proc = harness.torchrun(1, ["-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], timeout)
+    proc = harness.torchrun(1, ["-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)], timeout)
     ev = read_events(run_dir)
     start = next((e for e in ev if e["event"] == "run_start"), {})
     steps_ev = [e for e in ev if e["event"] == "step" and e.get("loss") is not None]

@@ -61,7 +61,7 @@ def build(device: str, dtype: str = "fp32", seed: int = 0, layers: int = 4, hidd
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.conversion.hf import hf_to_mcore, run_config_from_hf
 
     torch.manual_seed(seed)

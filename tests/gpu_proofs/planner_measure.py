@@ -19,7 +19,7 @@ Two sets of configs::
     python tests/gpu_proofs/planner_measure.py --device cpu --only g2s-default,g2m-full
 
 Every config is a real ``torchrun`` job whose ranks run the backend's own ``Trainer`` (the same
-setup and training loop as ``python -m workbench.backend``; 4 steps, synthetic data, no eval, no
+setup and training loop as ``python -m workbench.rank``; 4 steps, synthetic data, no eval, no
 checkpoint) through this script's ``--child`` entry, which records on every rank what the
 backend's step events cannot: ``torch.cuda.max_memory_allocated()`` and
 ``max_memory_reserved()`` over the whole run (set-up included, the compile / CUDA-graph
@@ -309,7 +309,7 @@ def child(args: argparse.Namespace) -> int:
     import torch
 
     from workbench.backend import distributed
-    from workbench.backend.train import Trainer, teardown
+    from workbench.rank.train import Trainer, teardown
 
     run_dir = Path(args.run_dir)
     rank = int(os.environ.get("RANK", "0"))

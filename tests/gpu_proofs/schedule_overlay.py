@@ -77,7 +77,7 @@ def train_evidence_runs(runs_root: Path, steps: int = 20, cpu_smoke: bool = Fals
         run_dir.mkdir(parents=True)
         cfg_path = cfg.save(run_dir / "config.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "workbench.backend", "--config", str(cfg_path), "--run-dir", str(run_dir)]
+               "-m", "workbench.rank", "--config", str(cfg_path), "--run-dir", str(run_dir)]
         print("+", " ".join(cmd), flush=True)
         r = subprocess.run(cmd, cwd=ROOT)
         if r.returncode != 0:

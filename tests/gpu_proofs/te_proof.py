@@ -98,7 +98,7 @@ def worker(job: dict) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.get("port", 29561)), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     from workbench.backend import checkpointing
-    from workbench.backend.train import Trainer
+    from workbench.rank.train import Trainer
 
     if job.get("torch_adamw"):  # torch's AdamW (fused) where megatron would take TE's FusedAdam (the A/B's other side)
         import megatron.core.optimizer as mopt

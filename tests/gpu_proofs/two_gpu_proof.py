@@ -7,7 +7,7 @@ Run on a machine with 2 GPUs from the repository root, in two calls (each well u
     python3 tests/gpu_proofs/two_gpu_proof.py --phase b --out $OUT/two_gpu_proof.jsonl --work /tmp/two_gpu \\
         --planner-out $OUT/planner_2gpu.jsonl
 
-Phase ``a`` (parity and resume; every run a real ``torchrun -m workbench.backend`` job started through
+Phase ``a`` (parity and resume; every run a real ``torchrun -m workbench.rank`` job started through
 ``Run.launch``, the product path, on the workbench's default GPU path: compiled layer, CUDA graphs, bf16):
 
 - ``parity``: per family one initial checkpoint (the backend's ``Trainer`` set up and saved on one GPU),
@@ -312,7 +312,7 @@ def child_init(config: str, run_dir: str) -> int:
 
     cfg = load_config(config)
     apply_rank_environment(cfg)
-    from workbench.backend.train import Trainer, teardown
+    from workbench.rank.train import Trainer, teardown
 
     tr = Trainer(cfg, Path(run_dir))
     tr.setup()

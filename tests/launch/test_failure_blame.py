@@ -28,7 +28,7 @@ def _report(root: tuple[int, int, str], *others: tuple[int, int, str]) -> str:
         return (f"[{i}]:\n  time      : {when}\n  host      : localhost\n  rank      : {rank} (local_rank: {rank})\n"
                 f"  exitcode  : {code} (pid: {4000 + rank})\n  error_file: <N/A>\n  traceback : {tb}\n")
     failures = "".join(block(i + 1, *o) for i, o in enumerate(others)) or "  <NO_OTHER_FAILURES>\n"
-    return ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n" + "=" * 60 + "\nworkbench.backend FAILED\n"
+    return ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n" + "=" * 60 + "\nworkbench.rank FAILED\n"
             + "-" * 60 + "\nFailures:\n" + failures + "-" * 60 + "\nRoot Cause (first observed failure):\n"
             + block(0, *root) + "=" * 60 + "\n")
 

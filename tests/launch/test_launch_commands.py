@@ -29,7 +29,7 @@ def test_single_node_command(tmp_path):
     assert (_opt(cmd, "--rdzv-endpoint"), _opt(cmd, "--local-addr"), _opt(cmd, "--nnodes")) == ("127.0.0.1:0", "127.0.0.1", "1")
     assert _opt(cmd, "--nproc-per-node") == "2"
     # the backend entry and its arguments come after every torchrun option
-    i = cmd.index("workbench.backend")
+    i = cmd.index("workbench.rank")
     assert cmd[i - 1] == "-m" and cmd[i + 1:] == ["--config", str(tmp_path / "r1" / "config.json"), "--run-dir", str(tmp_path / "r1")]
     assert Path(_opt(cmd, "--log-dir")).is_relative_to(tmp_path / "r1" / "logs")
     assert shlex.split(plan.shell()) == cmd

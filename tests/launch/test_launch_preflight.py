@@ -72,7 +72,7 @@ def test_a_plan_over_every_accelerator_is_refused_by_the_dry_run_unless_told(tmp
     assert "over the most memory any accelerator has" in p.stderr and "--ignore-memory-plan" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
     p = _workbench("launch", f, "--dry-run", "--run-dir", tmp_path / "run", "--ignore-memory-plan")
-    assert p.returncode == 0 and "-m workbench.backend" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "-m workbench.rank" in p.stdout, p.stdout + p.stderr
 
 
 def _fake_nvidia_smi(bin_dir: Path, mib: int) -> None:

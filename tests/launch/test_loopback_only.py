@@ -101,7 +101,7 @@ def test_a_one_node_run_and_generation_from_it_listen_on_the_loopback_only(tmp_p
         with _Sampler() as s:
             out = generate(ckpt, prompt_ids=[[1, 2, 3]], max_new_tokens=2, tp=tp, device="cpu", timeout=300)
         assert len(out) == 1
-        assert any("workbench.backend.inference" in c for c in s.commands), s.commands  # the sampler saw the ranks
+        assert any("workbench.rank.inference" in c for c in s.commands), s.commands  # the sampler saw the ranks
         assert not _not_loopback(s.seen), s.seen
         if tp == 2:
             assert any("workbench.launch.torchrun" in cmd for _, cmd, _, _ in s.seen), s.seen  # torchrun's store, on 127.0.0.1

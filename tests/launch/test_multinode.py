@@ -183,7 +183,7 @@ def test_a_rank_killed_on_node_1_stops_node_0_and_is_reported(tmp_path, free_por
         run = _attach(shared, n0, n1)
         wait_until(lambda: _steps_of_both(run, 2), 300, "both nodes training", poll=0.3)
         rank = wait_until(lambda: _node1_processes(shared, ("rank",)), 20, "node 1's rank in its launch.json")[0]
-        assert "workbench.backend" in " ".join(rank.cmdline()) and rank.environ()["RANK"] == "1"
+        assert "workbench.rank" in " ".join(rank.cmdline()) and rank.environ()["RANK"] == "1"
         rank.send_signal(signal.SIGKILL)  # what the kernel's OOM killer does
         t0 = time.time()
         assert run.wait(timeout=90) == "failed"

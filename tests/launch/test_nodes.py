@@ -161,7 +161,7 @@ def test_run_follows_nodes_on_other_hosts_by_their_heartbeats(tmp_path):
 
 ROOT_CAUSE = """\
 ============================================================
-workbench.backend FAILED
+workbench.rank FAILED
 ------------------------------------------------------------
 Root Cause (first observed failure):
 [0]:

@@ -1,7 +1,7 @@
 """A run's lifecycle against real processes: real torchrun, real supervisor, a tiny rank script.
 
 The rank script (``tests.support.RANK_SCRIPT``, written by the ``rank_script`` fixture in
-conftest.py) stands in for ``workbench.backend`` at the process boundary only: it
+conftest.py) stands in for ``workbench.rank`` at the process boundary only: it
 writes the event stream through the real :class:`workbench.run.events.EventWriter` the way a
 rank does, with behaviours the tests need (partial lines, failures, ignoring SIGTERM).
 Tests against the real backend live in ``test_run_real_backend.py``.

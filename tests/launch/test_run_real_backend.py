@@ -1,4 +1,4 @@
-"""A run of the real backend (``python -m workbench.backend``) in CPU mode: tiny preset, 2 ranks.
+"""A run of the real backend (``python -m workbench.rank``) in CPU mode: tiny preset, 2 ranks.
 
 The finished-run path (train -> eval -> checkpoint -> generate) is exercised by the quickstart
 notebook in ``test_notebooks.py``; here the run is followed live and stopped half-way.  Its
@@ -48,7 +48,7 @@ def test_real_backend_follow_and_stop(tmp_path):
         dash = Dashboard(run, autostart=False)
         stacks = dash.show_stacks()  # a seemingly stuck run: every rank's Python stacks, and it goes on
         assert sorted(stacks) == [0, 1] and "rank 1" in dash.stacks.value and "most recent call first" in dash.stacks.value
-        assert all("(most recent call first)" in t and "workbench/backend/train.py" in t for t in stacks.values()), stacks
+        assert all("(most recent call first)" in t and "workbench/rank/train.py" in t for t in stacks.values()), stacks
         n = run.train_loss["iteration"].nunique()
         wait_until(lambda: run.train_loss["iteration"].nunique() > n, 60, "a step after the stack dump", poll=0.5)
         assert run.stop(grace=20) == "stopped"

@@ -17,8 +17,8 @@ from tests.support import RANK_SCRIPT, living, run_processes
 
 @pytest.mark.slow
 def test_stacks_of_a_stalled_run_outlive_its_ranks(tmp_path):
-    # the supervisor knows a rank by ``workbench.backend`` in its command line: the fake rank's file name carries it
-    rank_script = tmp_path / "workbench.backend.fake_rank.py"
+    # the supervisor knows a rank by ``workbench.rank`` in its command line: the fake rank's file name carries it
+    rank_script = tmp_path / "workbench.rank.fake_rank.py"
     rank_script.write_text(RANK_SCRIPT)
     cfg = preset("tiny").replace(**{"parallel.device": "cpu", "parallel.nproc_per_node": 2})
     run = Run.launch(cfg, run_root=tmp_path / "runs", entry=[str(rank_script)], env={"FAKE_MODE": "stall"},

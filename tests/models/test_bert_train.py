@@ -25,7 +25,7 @@ from workbench.run.reader import read_events
 
 INIT = r'''
 import torch
-from workbench.backend.build import build_model
+from workbench.rank.build import build_model
 from workbench.backend.checkpointing import save_checkpoint
 cfg = load_config(INIT_CONFIG)
 distributed.initialize(cfg)  # torchrun set the rank and store

@@ -1,6 +1,7 @@
 """The family seam is what it says: every registered family declares its fields and answers every part's
 protocol, the declarations (workbench/families/) stand below the config and import no torch, the backend never
-imports a family's rank side (workbench/models/<family>/), a family's modules are loaded by name only by the one
+imports a family's rank side (workbench/models/<family>/) and the models never the rank entry point
+(workbench/rank/), a family's modules are loaded by name only by the one
 generic parts mechanism, and the generic code takes the loss name and the default step from the family (a
 batch carries its run's step)."""
 
@@ -135,6 +136,23 @@ def test_no_backend_module_imports_a_family():
     assert [b for p in backend for b in family_imports(p)] == []
 
 
+#: the floors of the rank side, bottom up: the backend's blocks, the families' models, the rank entry point
+RANK_SIDE_FLOORS = ("workbench.backend", "workbench.models", "workbench.rank")
+
+
+def test_the_rank_side_imports_only_down():
+    """The backend imports neither the models nor the rank entry point; the models do not import the rank entry
+    point (it asks them for their parts, through workbench.models.parts)."""
+    found = []
+    for i, floor in enumerate(RANK_SIDE_FLOORS[:-1]):
+        above = RANK_SIDE_FLOORS[i + 1:]
+        for path in sorted((WORKBENCH / floor.split(".")[1]).rglob("*.py")):
+            for line, module in _imported_modules(path):
+                if any(module == a or module.startswith(a + ".") for a in above):
+                    found.append(f"{path.relative_to(WORKBENCH.parent)}:{line} imports {module}")
+    assert found == []
+
+
 def test_the_family_import_check_finds_one(tmp_path):
     """The check above fails for any spelling of an import of a family from the backend."""
     probe = tmp_path / "workbench" / "backend" / "_seam_probe.py"  # where a backend module would stand
@@ -194,7 +212,7 @@ def test_no_hidden_imports_of_workbench_modules():
     what a user's config names, a package's version, or a command module that may be absent)."""
     allowed = {"workbench/hooks.py",  # resolve(): the user's train.forward_step / loss_func hook, by dotted path
                "workbench/run/integrity.py",  # find_class(): the allow-listed globals of checkpoint metadata
-               "workbench/backend/train.py",  # _versions(): the versions of optional third-party packages
+               "workbench/rank/train.py",  # _versions(): the versions of optional third-party packages
                "workbench/models/parts.py"}  # FamilyParts: the modules of workbench.models.<family>, by PART_MODULES
     found = []
     for path in sorted(WORKBENCH.rglob("*.py")):
@@ -213,8 +231,8 @@ def test_default_forward_step_runs_the_batchs_familys_step(tmp_path):
     """A hook wrapping ``workbench.hooks.default_forward_step`` runs its run's family's forward (T5 here), not GPT's:
     the trainer's batches carry that step (``Batch.family_step``), no module holds it."""
     from workbench import hooks
-    from workbench.backend.build import build_model
-    from workbench.backend.train import Trainer
+    from workbench.rank.build import build_model
+    from workbench.rank.train import Trainer
 
     cfg = preset("t5-tiny", **{"model.num_layers": 1, "model.hidden_size": 32, "model.num_attention_heads": 2,
                                "model.ffn_hidden_size": 64, "model.vocab_size": 160, "model.seq_length": 16,

@@ -32,7 +32,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWAR
 
 INIT = r'''
 import torch
-from workbench.backend.build import build_model
+from workbench.rank.build import build_model
 from workbench.backend.checkpointing import save_checkpoint
 cfg = load_config(INIT_CONFIG)
 distributed.initialize(cfg)  # torchrun set the rank and store
@@ -55,7 +55,7 @@ def _torchrun(cfg, run_dir: Path, nproc: int, timeout: int = 300, check: bool = 
     cfg.parallel.nproc_per_node = nproc
     cfg.save(run_dir / "config.json")
     cmd = [PY, *torchrun_args(str(nproc)),
-           "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+           "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     if not check:
         return proc

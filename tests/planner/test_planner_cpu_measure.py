@@ -39,7 +39,7 @@ def _probe(variants: dict[str, dict], port: int) -> dict[str, dict]:
 
     from workbench import planner
     from workbench.backend import distributed
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
     from workbench.config import preset
 

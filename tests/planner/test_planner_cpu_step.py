@@ -1,6 +1,6 @@
 """Whole training steps of the real backend, 2 CPU ranks under torchrun, against the planner.
 
-Each rank runs ``workbench.backend.train.Trainer`` (mcore DDP buffers, megatron's mixed-precision
+Each rank runs ``workbench.rank.train.Trainer`` (mcore DDP buffers, megatron's mixed-precision
 optimizer, the 1F1B / interleaved schedules, TP / SP / distributed optimizer) inside an
 allocation tracker (a ``TorchDispatchMode`` with weak references on storages) and reports,
 per layout: the bytes alive after three steps (weights, grad buffer, master weights, Adam
@@ -46,7 +46,7 @@ def _probe(layouts: dict[str, dict], scratch: str) -> None:
     import torch
 
     from workbench import planner
-    from workbench.backend.train import Trainer
+    from workbench.rank.train import Trainer
     from workbench.config import preset
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # tests/support (also when run as a torchrun script)

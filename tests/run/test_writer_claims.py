@@ -3,7 +3,7 @@ launch and the backend's global rank 0 share, on real files, with a real process
 
 - a launch's claim is its own rank 0's (the same run directory): kept, never given back by the rank; a rank other
   than global rank 0 claims nothing;
-- a claim a bare backend's rank 0 made (``torchrun ... -m workbench.backend``: no launch) refuses a second run
+- a claim a bare backend's rank 0 made (``torchrun ... -m workbench.rank``: no launch) refuses a second run
   (launch or rank) while that process lives, naming the run, host and pid and the fix; once it is gone (or its pid
   is a later process's) the claim is taken over with a note; a claim made on another host counts as live;
 - a ``save_dir`` the run cannot write its claim into is a ``ConfigError`` on that field (exit 2), not an OSError.

@@ -31,7 +31,7 @@ def test_real_interleaved_run_follows_the_simulated_order(tmp_path):
     cfg_path = cfg.save(tmp_path / "run.json")
     run_dir = tmp_path / "run"
     r = subprocess.run([sys.executable, *torchrun_args(2),
-                        "-m", "workbench.backend", "--config", str(cfg_path), "--run-dir", str(run_dir)],
+                        "-m", "workbench.rank", "--config", str(cfg_path), "--run-dir", str(run_dir)],
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     events = [e for e in read_events(run_dir) if e["event"] == "microbatch"]

@@ -98,7 +98,7 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
     return out
 
 
-# -- the launch's fake rank: stands in for workbench.backend at the process boundary ----------------
+# -- the launch's fake rank: stands in for workbench.rank at the process boundary ----------------
 
 RANK_SCRIPT = textwrap.dedent(
     '''
@@ -317,7 +317,7 @@ def hf_gpt2(seed: int = 0, init_range: float = 0.2):
 
 def workbench_gpt(cfg, pre_process: bool = True, post_process: bool = True):
     """The model the workbench trains (its layer spec, SDPA core attention), built for this rank."""
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
 
     return build_model(cfg, pre_process=pre_process, post_process=post_process).eval()
 

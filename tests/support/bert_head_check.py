@@ -35,7 +35,7 @@ def _step(model, batch, labels_loss):
 
 def check(cases: dict) -> dict:
     from workbench.backend import distributed
-    from workbench.backend.train import Batch
+    from workbench.rank.train import Batch
     from workbench.models.bert.data import SyntheticBertDataset
     from workbench.models.bert.model import build
 

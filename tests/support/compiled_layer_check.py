@@ -55,7 +55,7 @@ def _env(port: int) -> None:
 
 
 def _build(cfg, layer_cls):
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.models.gpt import model as gm
 
     spec = gm.layer_spec(cfg)
@@ -389,7 +389,7 @@ def check_compiled() -> dict:
 
 def check_trainer(fast: bool, preset_name: str = "tiny", over: dict | None = None) -> dict:
     from workbench.backend import compiled_layer
-    from workbench.backend.train import Trainer
+    from workbench.rank.train import Trainer
 
     compiled_layer.allow_on_cpu(fast)
     compiled_layer.set_compile(fast and os.environ.get("CHECK_COMPILE") == "1")

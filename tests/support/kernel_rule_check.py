@@ -4,7 +4,7 @@
 
 Two gloo ranks on CPU, the compiled fast paths allowed on CPU and run eagerly (same
 selection, no inductor).  Per config: the megatron parallel state is rebuilt, every model
-chunk of the rank is built by the backend (``workbench.backend.build.build_model``, i.e. the
+chunk of the rank is built by the backend (``workbench.rank.build.build_model``, i.e. the
 model family's spec), ``compiled_layer.prepare_model`` runs, and one training-mode forward runs on
 every stage.  What was built -- core attention class, whether every layer ran the compiled
 dense path (``fast_calls``), the norm class, the cross-entropy bound on the last stage --
@@ -51,7 +51,7 @@ def _built(cfg) -> dict:
     from megatron.core import parallel_state
 
     from workbench.backend import compiled_layer
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.norms import WorkbenchNorm
 
     p = cfg.parallel

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from workbench import kernel_rule
 from workbench.backend.distributed import initialize_for_tests
-from workbench.backend.build import build_model
+from workbench.rank.build import build_model
 from workbench.config import preset
 
 BASE = {"model.num_layers": 1, "model.moe.router_stats_interval": 0, "train.micro_batch_size": 3, "model.seq_length": 16,

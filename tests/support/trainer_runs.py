@@ -3,7 +3,7 @@
 Most of a tiny CPU-mode run's wall time is starting torchrun and importing torch and megatron-core in
 every rank (~20 s each on a busy machine, against a few seconds of training), so tests that need
 several runs of the same world size start the ranks once.  Each run is the backend's own
-``Trainer(cfg, run_dir).run()`` (what ``python -m workbench.backend`` calls), with its own config,
+``Trainer(cfg, run_dir).run()`` (what ``python -m workbench.rank`` calls), with its own config,
 run directory and events; between runs megatron's model-parallel state is torn down and built again
 for the next run's layout (the default process group is kept).
 """
@@ -26,7 +26,7 @@ DRIVER = r"""
 import os, sys
 from megatron.core import parallel_state
 from workbench.backend import distributed
-from workbench.backend.train import Trainer
+from workbench.rank.train import Trainer
 from workbench.config import load_config
 PRELUDE
 for run_dir in sys.argv[1:]:

@@ -66,7 +66,7 @@ block's attention time.
 
 Wired into GPT training (``parallel.context_parallel``, see docs/context_parallel.md): the workbench SDPA attention
 calls :func:`ring_attention` over megatron's CP group, the trainer shards each micro-batch with :func:`shard_sequence`
-(:func:`workbench.backend.data.shard_batch`); the compiled layer still refuses ``context_parallel_size != 1``.
+(:func:`workbench.rank.data.shard_batch`); the compiled layer still refuses ``context_parallel_size != 1``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ HF transformers' vectorised ``_beam_search`` (``length_penalty``, default
 
 The families' generation parts build their engines from these blocks (GPT: :class:`InferenceEngine`,
 T5: :mod:`workbench.models.t5.generate`); the entry point that loads a checkpoint and asks its family for the
-engine is :mod:`workbench.backend.inference`.
+engine is :mod:`workbench.rank.inference`.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _meta_mode() -> Any:
 def meta_model(cfg: RunConfig, dtype: str | None = None) -> Any:
     """The TP=1/PP=1 CPU-mode model of ``cfg`` with every parameter on the meta device (shapes, no memory); call
     inside :func:`workbench.conversion.runtime.single_process_group`."""
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
     from workbench.conversion.runtime import cpu_build_config, model_overrides
 

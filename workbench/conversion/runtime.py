@@ -120,7 +120,7 @@ def build_full_model(cfg: RunConfig, dtype: str | None = None) -> Any:
     """A TP=1/PP=1 CPU GPTModel for ``cfg`` (call inside :func:`single_process_group`)."""
     import torch
 
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
 
     c = cpu_build_config(cfg, dtype)

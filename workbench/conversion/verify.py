@@ -110,7 +110,7 @@ def _worker(args: argparse.Namespace) -> None:
     from workbench.backend.checkpointing import load_checkpoint, read_metadata
     from workbench.backend.cpu_mode import tensor_cuda_is_identity
     from workbench.backend.distributed import destroy, initialize
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
     from workbench.conversion.runtime import model_overrides
     from workbench.run.checkpoint import checkpoint_config

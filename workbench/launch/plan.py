@@ -29,7 +29,7 @@ __all__ = ["BACKEND_ENTRY", "DEFAULT_RUN_ROOT", "DEFAULT_RDZV_PORT", "LaunchPlan
            "local_torchrun"]
 
 #: torchrun's entry for the real backend; tests may launch a script path instead.
-BACKEND_ENTRY: tuple[str, ...] = ("-m", "workbench.backend")
+BACKEND_ENTRY: tuple[str, ...] = ("-m", "workbench.rank")
 DEFAULT_RUN_ROOT = "runs"
 DEFAULT_RDZV_PORT = 29500
 

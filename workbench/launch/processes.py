@@ -191,9 +191,15 @@ def describe(procs: Iterable[Any], torchrun_pid: int | None = None) -> list[dict
 # --------------------------------------------------------------------------- ranks and their stacks
 
 
+#: what a rank's command line names: ``workbench.rank`` (``python -m workbench.rank``, the generation's
+#: ``workbench.rank.inference``); ``workbench.backend``, the rank entry of runs started before it moved to
+#: ``workbench.rank``, so that a run still going from then is still watched, stalled and stopped by rank
+RANK_MODULES: tuple[str, ...] = ("workbench.rank", "workbench.backend")
+
+
 def rank_processes(processes: Iterable[Any]) -> dict[int, Any]:
-    """{global rank: process} of the training ranks among ``processes`` (their command line runs
-    ``workbench.backend`` under torchrun, which gave them ``RANK``).  A rank's forked children (its data loader's
+    """{global rank: process} of the training ranks among ``processes`` (their command line runs a module of
+    :data:`RANK_MODULES` under torchrun, which gave them ``RANK``).  A rank's forked children (its data loader's
     workers, ``data.num_workers``) share its command line and environment: a candidate whose parent is a
     candidate too is such a child, never the rank."""
     import psutil
@@ -202,7 +208,7 @@ def rank_processes(processes: Iterable[Any]) -> dict[int, Any]:
     for p in processes:
         try:
             cmd, env = " ".join(p.cmdline()), p.environ()
-            if "workbench.backend" in cmd and "RANK" in env and "torch.distributed.run" not in cmd and "torchrun" not in cmd:
+            if any(m in cmd for m in RANK_MODULES) and "RANK" in env and "torch.distributed.run" not in cmd and "torchrun" not in cmd:
                 found[p.pid] = (int(env["RANK"]), p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
             continue

@@ -4,11 +4,11 @@
 the widgets read; :class:`FamilyParts` finds the parts that build, train, convert and generate in the
 family's rank-side package, by module name (``<package>.model``, ``.step``, ``.data``, ``.hf``, ``.generate``,
 ``.router_stats``), each imported where it is first asked for: conversion's notebook side loads the ``hf``
-adapter without megatron-core, and the backend asks for a family's parts without importing them.  It stands
-on the rank side, beside the parts it loads (the declarations below never import it), and it is the one place
-that imports a part by name (:data:`PART_MODULES`).  The backend's trainer, builder and data path import this
-module and the parts import the backend's blocks: a two-way relation between the backend and the models that
-goes when the rank entry point stands in a package of its own above both.
+adapter without megatron-core, and the rank entry point asks for a family's parts without importing them.  It
+stands on the rank side, beside the parts it loads (the declarations below never import it), and it is the one
+place that imports a part by name (:data:`PART_MODULES`).  Its callers stand above the models: the rank entry
+point (:mod:`workbench.rank`: its trainer, builder, data path and generation engine) and conversion; the parts
+stand above the backend's blocks, which import neither.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ launch or a rank made it.  The same code claims for both ways a run starts:
 
 - ``workbench launch`` / ``Run.launch`` (:func:`workbench.launch.start.start_run`) claim before any process starts
   (:func:`claim`, after the pre-check :func:`owner_problem`); the supervisor gives the folder back when the run ends;
-- the backend's global rank 0 (:func:`rank_claim`, ``python -m workbench.backend``, however it was started: a
+- the backend's global rank 0 (:func:`rank_claim`, ``python -m workbench.rank``, however it was started: a
   ``torchrun`` line in a SLURM script needs no launch) claims before its first step; a claim naming its own run
   directory (its launch's, or another node's) is its own.  It gives back only its own claim (:func:`release` with
   its pid) when it leaves its training loop.

@@ -218,7 +218,7 @@ class T5Engine:
 
 
 def make_engine(model: Any, cfg: Any, tokenizer: Any, ids: dict[str, Any], cuda_graphs: bool | str = "auto") -> T5Engine:
-    """The engine :func:`workbench.backend.inference.load_engine` returns for a T5 checkpoint."""
+    """The engine :func:`workbench.rank.inference.load_engine` returns for a T5 checkpoint."""
     pad = ids.get("pad")
     return T5Engine(model, vocab_size=cfg.model.vocab_size, tokenizer=tokenizer, eos_id=ids.get("eos"),
                     pad_id=pad if pad is not None else 0, cuda_graphs=cuda_graphs)

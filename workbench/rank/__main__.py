@@ -1,4 +1,4 @@
-"""``python -m workbench.backend --config RUN.json --run-dir DIR`` -- one rank of a torchrun job."""
+"""``python -m workbench.rank --config RUN.json --run-dir DIR`` -- one rank of a torchrun job."""
 
 import sys
 
@@ -19,6 +19,6 @@ def _rank_environment(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _rank_environment(sys.argv[1:])
-    from workbench.backend.train import main
+    from workbench.rank.train import main
 
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Backend training tests: real ``torchrun ... -m workbench.backend`` jobs in CPU mode (gloo).
+"""Training-rank tests: real ``torchrun ... -m workbench.rank`` jobs in CPU mode (gloo).
 
 Covers: PP=2 training through megatron's 1F1B schedule with events (run_start, step,
 microbatch, eval, checkpoint, run_end), checkpoint + resume continuing the loss curve and LR
@@ -51,7 +51,7 @@ def _torchrun(cfg, run_dir: Path, nproc: int, port: int, timeout: int = 240, **p
     cfg.parallel.nproc_per_node = nproc
     cfg.save(run_dir / "config.json")
     cmd = [PY, *torchrun_args(str(nproc)),
-           "-m", "workbench.backend", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
+           "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     if popen:
         return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
@@ -111,7 +111,7 @@ def test_pp2_run_writes_the_event_contract(pp2_run):
 DIST_OPT = {"parallel.distributed_optimizer": True, "train.eval_interval": 0}
 #: the ranks write eval_progress after every evaluation batch (its default: at most every EVAL_PROGRESS_SECONDS); the
 #: other runs of the launch do not evaluate
-EVERY_BATCH = "import workbench.backend.train as _train\n_train.EVAL_PROGRESS_SECONDS = 0.0\n"
+EVERY_BATCH = "import workbench.rank.train as _train\n_train.EVAL_PROGRESS_SECONDS = 0.0\n"
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_sigterm_stops_cleanly_with_checkpoint(tmp_path):
         # learn of it through the stop agreement and stop at the very same step boundary
         import psutil
 
-        workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "workbench.backend" in " ".join(c.cmdline())]
+        workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "workbench.rank" in " ".join(c.cmdline())]
         rank1 = [w for w in workers if w.environ().get("RANK") == "1"]
         assert len(workers) == 2 and len(rank1) == 1, [w.cmdline() for w in workers]
         # SIGUSR1 prints a rank's Python stacks (where a hung rank waits) and the run goes on
@@ -181,7 +181,7 @@ def test_sigterm_stops_cleanly_with_checkpoint(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
-    assert "(most recent call first)" in out and "workbench/backend/train.py" in out, out[-3000:]
+    assert "(most recent call first)" in out and "workbench/rank/train.py" in out, out[-3000:]
     ev = read_events(run_dir)
     for rank in (0, 1):
         end = _by(ev, "run_end", rank)
@@ -199,7 +199,8 @@ def test_a_hung_teardown_still_ends_the_process_with_the_runs_code():
     hands the code back."""
     script = textwrap.dedent("""
         import sys, time
-        from workbench.backend import distributed, train
+        from workbench.backend import distributed
+        from workbench.rank import train
         distributed.destroy = lambda: None
         assert train.teardown(5, timeout_s=30) == 5
         distributed.destroy = lambda: time.sleep(300)
@@ -228,7 +229,7 @@ def test_bad_config_exits_2_before_starting(tmp_path):
     cfg = _cfg(**{"parallel.tensor_parallel": 3})  # 4 heads are not divisible by 3
     path = tmp_path / "bad.json"
     cfg.save(path)
-    proc = subprocess.run([PY, "-m", "workbench.backend", "--config", str(path), "--run-dir", str(tmp_path / "r")],
+    proc = subprocess.run([PY, "-m", "workbench.rank", "--config", str(path), "--run-dir", str(tmp_path / "r")],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "parallel.tensor_parallel" in proc.stderr and "divisible" in proc.stderr
@@ -238,8 +239,8 @@ def test_bad_config_exits_2_before_starting(tmp_path):
 HOOK_SCRIPT = r'''
 import json, os, torch
 from workbench.config import preset
-from workbench.backend.train import Trainer
-from workbench.backend.data import MicroBatchStream
+from workbench.rank.train import Trainer
+from workbench.rank.data import MicroBatchStream
 
 cfg = preset("tiny", **{"data.source": "synthetic", "train.train_iters": 4, "train.global_batch_size": 4,
                         "train.eval_interval": 0, "checkpoint.save_on_exit": False, "train.return_logits": True,
@@ -335,7 +336,8 @@ def test_tp_comm_overlap_asks_for_one_hardware_queue_before_cuda_starts(monkeypa
     """TP with parallel.tp_comm_overlap runs its ranks with CUDA_DEVICE_MAX_CONNECTIONS=1 (the
     backward all-reduce must start before the GEMMs it runs under): the backend's entry point
     sets it before importing torch, a launch's own value is kept, nothing without TP."""
-    from workbench.backend import __main__ as entry, distributed
+    from workbench.backend import distributed
+    from workbench.rank import __main__ as entry
     from workbench.config import rank_environment
 
     tp2 = preset("gpt2-small", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})

@@ -1,7 +1,7 @@
 """The training loop every rank runs: megatron-core schedules, DDP, optimizer, events, checkpoints.
 
 ``Trainer(cfg, run_dir, hooks=None).run() -> exit code``.  Pieces (all real megatron-core):
-- model chunks from :func:`workbench.backend.build.build_model` (one per virtual pipeline
+- model chunks from :func:`workbench.rank.build.build_model` (one per virtual pipeline
   stage), ``Float16Module`` for bf16/fp16, mcore ``DistributedDataParallel`` (fp32 grad
   reduction by default, optional distributed optimizer / overlap);
 - ``get_megatron_optimizer`` (Adam, grad clipping, dynamic or static fp16 loss scaling) and
@@ -105,9 +105,10 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.module import Float16Module
 
-        from workbench.backend import distributed, timing
-        from workbench.backend.data import MicroBatchStream, build_datasets, loader_workers
-        from workbench.backend.build import build_model
+        from workbench.backend import distributed
+        from workbench.rank import timing
+        from workbench.rank.data import MicroBatchStream, build_datasets, loader_workers
+        from workbench.rank.build import build_model
         from workbench.backend.model import kernel_path, training_step_fields, transformer_config
 
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
@@ -277,7 +278,7 @@ class Trainer:
 
         from megatron.core import parallel_state
 
-        from workbench.backend.data import shard_batch
+        from workbench.rank.data import shard_batch
 
         cp = parallel_state.get_context_parallel_world_size()
         cp_rank = parallel_state.get_context_parallel_rank()
@@ -392,7 +393,7 @@ class Trainer:
         return {"losses": losses, "grad_norm": grad_norm, "skipped": not ok, "step_time": step_time, "ops": ops}
 
     def evaluate(self) -> Optional[dict[str, float]]:
-        from workbench.backend.data import MicroBatchStream
+        from workbench.rank.data import MicroBatchStream
 
         t = self.cfg.train
         if t.eval_iters <= 0 or self.valid_ds is None or len(self.valid_ds) == 0:
@@ -523,7 +524,7 @@ class Trainer:
     def _loop(self) -> int:
         from tqdm import tqdm
 
-        from workbench.backend.metrics import memory_stats, peak_tflops
+        from workbench.rank.metrics import memory_stats, peak_tflops
 
         cfg, t, c = self.cfg, self.cfg.train, self.cfg.checkpoint
         dev_name = torch.cuda.get_device_name() if self.cuda else f"cpu ({platform.processor() or platform.machine()})"
@@ -589,7 +590,7 @@ class Trainer:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m workbench.backend --config RUN.json --run-dir DIR`` (under torchrun).  Exit 2 before any step for
+    """``python -m workbench.rank --config RUN.json --run-dir DIR`` (under torchrun).  Exit 2 before any step for
     what the launch would refuse too: a config, a resume's checkpoint (``load_problems``) or, on global rank 0, a
     ``checkpoint.save_dir`` another live run writes (:mod:`workbench.run.writer`)."""
     import argparse
@@ -599,7 +600,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from workbench.run.checkpoint import load_problems
     from workbench.run.nodes import LAUNCH_FILE
 
-    ap = argparse.ArgumentParser(prog="python -m workbench.backend", description="Workbench training backend (one rank; start with torchrun).")
+    ap = argparse.ArgumentParser(prog="python -m workbench.rank", description="Workbench training backend (one rank; start with torchrun).")
     ap.add_argument("--config", required=True, help="RunConfig JSON/YAML")
     ap.add_argument("--run-dir", required=True, help="run directory (events/, checkpoints/, exit_status.json)")
     args = ap.parse_args(argv)

@@ -2,7 +2,7 @@
 
 Entry point (one process per rank, started by torchrun like training)::
 
-    python -m workbench.backend.inference --ckpt DIR --request REQ.json --out OUT.json
+    python -m workbench.rank.inference --ckpt DIR --request REQ.json --out OUT.json
 
 ``REQ.json``: ``{"prompt_ids": [[...], ...]}`` (or ``"prompts": [text, ...]``) plus either
 ``"generation": {GenerationConfig fields}`` or ``"runs": {name: {...}, ...}`` (several decoding
@@ -52,7 +52,7 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     """
     from workbench.backend import cpu_mode
     from workbench.backend.checkpointing import load_checkpoint
-    from workbench.backend.build import build_model
+    from workbench.rank.build import build_model
 
     meta = read_checkpoint(ckpt)
     path = meta.path
@@ -155,7 +155,7 @@ def _progress_writer(path: str | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench.backend.inference", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m workbench.rank.inference", description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", required=True, help="checkpoint root or iter_XXXXXXX directory")
     ap.add_argument("--request", required=True, help="request JSON: prompts / prompt_ids + generation options")
     ap.add_argument("--out", required=True, help="results JSON (written by the last stage's first TP rank)")
