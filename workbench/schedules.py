@@ -653,11 +653,47 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
     p, v = tl.p, tl.v
     fw, bw = _mean_durations(tl)
     ideal = simulate(tl.schedule, p, tl.m, v, forward=fw, backward=bw, unit="ms")
+    ranks = _rank_time_split(measured, ideal, fw, bw)
+    per_rank_work = [x["mean_forward_ms"] + x["mean_backward_ms"] for x in ranks]
+    med = statistics.median(per_rank_work)
+    stragglers = [x["pipeline_rank"] for x, w in zip(ranks, per_rank_work) if med > 0 and w > 1.1 * med]
+    tot = {k: sum(x["time_ms"][k] for x in ranks) for k in ranks[0]["time_ms"]}
+    imbalance = max(per_rank_work) / min(per_rank_work) if min(per_rank_work) > 0 else None  # None: a stage measured no work
+    closed = closed_form_bubble_fraction(tl.schedule, p, tl.m, v)
+    summary = _report_summary(measured, ideal, closed, imbalance, tot, stragglers)
+    report = {
+        "run_dir": measured.run_dir,
+        "iteration": measured.iteration,
+        "device": measured.device,
+        "schedule": tl.schedule, "p": p, "v": v, "m": tl.m,
+        "measured_step_ms": tl.step_time,
+        "ideal_step_ms": ideal.step_time,
+        "measured_bubble_fraction": tl.bubble_fraction(),
+        "ideal_bubble_fraction": ideal.bubble_fraction(),
+        "closed_form_bubble_fraction": closed,
+        "measured_idle_share": tl.idle_share(),
+        "ideal_idle_share": ideal.idle_share(),
+        "stage_imbalance": imbalance,
+        "time_ms": tot,
+        "ranks": ranks,
+        "stragglers": stragglers,
+        "repaired_ops": measured.repaired_ops,
+        "clock_shift_ms": list(measured.clock_shift_ms),
+        "dropped_ops": measured.dropped_ops,
+        "summary": " ".join(summary),
+    }
+    return ideal, report
+
+
+def _rank_time_split(measured: MeasuredStep, ideal: Timeline, fw: list[float], bw: list[float]) -> list[dict[str, Any]]:
+    """Per pipeline rank: its measured step split into compute, wait_upstream, comm, host and tail (see
+    :func:`measured_report`), beside its measured and ideal bubble and idle shares and mean chunk times."""
+    tl = measured.timeline
+    p, v = tl.p, tl.v
     end_of: dict[tuple[str, int, int], float] = {}
     for r in range(p):
         for o in tl.ops[r]:
             end_of[(o.kind, o.microbatch, o.chunk * p + r)] = o.end
-    step = tl.step_time
     ranks = []
     for r in range(p):
         parts = {"compute": 0.0, "wait_upstream": 0.0, "comm": 0.0, "host": 0.0, "tail": 0.0}
@@ -677,7 +713,7 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
                 parts["comm"] += gap - wait
             parts["compute"] += o.duration
             t = max(t, o.end)
-        parts["tail"] = max(step - t, 0.0)
+        parts["tail"] = max(tl.step_time - t, 0.0)
         ranks.append({
             "pipeline_rank": r,
             "global_rank": measured.global_ranks[r],
@@ -689,15 +725,18 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
             "mean_backward_ms": statistics.fmean([bw[c * p + r] for c in range(v)]),
             "time_ms": parts,
         })
-    per_rank_work = [x["mean_forward_ms"] + x["mean_backward_ms"] for x in ranks]
-    med = statistics.median(per_rank_work)
-    stragglers = [x["pipeline_rank"] for x, w in zip(ranks, per_rank_work) if med > 0 and w > 1.1 * med]
-    tot = {k: sum(x["time_ms"][k] for x in ranks) for k in ranks[0]["time_ms"]}
+    return ranks
+
+
+def _report_summary(measured: MeasuredStep, ideal: Timeline, closed: float, imbalance: float | None,
+                    tot: dict[str, float], stragglers: list[int]) -> list[str]:
+    """The report's sentences: measured vs ideal step and idle share, the bubble three ways and why they differ,
+    where the idle time went, repaired / dropped ops, stragglers."""
+    tl = measured.timeline
+    p, v = tl.p, tl.v
     idle = sum(v_ for k, v_ in tot.items() if k != "compute")
-    imbalance = max(per_rank_work) / min(per_rank_work) if min(per_rank_work) > 0 else None  # None: a stage measured no work
-    closed = closed_form_bubble_fraction(tl.schedule, p, tl.m, v)
     summary = [
-        f"{tl.schedule} p={p} v={v} m={tl.m}, iteration {measured.iteration}: measured step {step:.2f} ms vs ideal "
+        f"{tl.schedule} p={p} v={v} m={tl.m}, iteration {measured.iteration}: measured step {tl.step_time:.2f} ms vs ideal "
         f"{ideal.step_time:.2f} ms; share of the step idle {tl.idle_share():.3f} measured vs {ideal.idle_share():.3f} "
         f"ideal.",
         f"Bubble as idle / compute (the closed form's measure): {tl.bubble_fraction():.3f} measured, "
@@ -716,28 +755,7 @@ def measured_report(measured: MeasuredStep) -> tuple[Timeline, dict[str, Any]]:
                        f"{measured.dropped_ops} ops dropped (ids outside p={p}, v={v}, m={tl.m}: check config.json).")
     if stragglers:
         summary.append("Stragglers (mean F+B > 1.1 x median rank): pipeline ranks " + ", ".join(map(str, stragglers)) + ".")
-    report = {
-        "run_dir": measured.run_dir,
-        "iteration": measured.iteration,
-        "device": measured.device,
-        "schedule": tl.schedule, "p": p, "v": v, "m": tl.m,
-        "measured_step_ms": step,
-        "ideal_step_ms": ideal.step_time,
-        "measured_bubble_fraction": tl.bubble_fraction(),
-        "ideal_bubble_fraction": ideal.bubble_fraction(),
-        "closed_form_bubble_fraction": closed,
-        "measured_idle_share": tl.idle_share(),
-        "ideal_idle_share": ideal.idle_share(),
-        "stage_imbalance": imbalance,
-        "time_ms": tot,
-        "ranks": ranks,
-        "stragglers": stragglers,
-        "repaired_ops": measured.repaired_ops,
-        "clock_shift_ms": list(measured.clock_shift_ms),
-        "dropped_ops": measured.dropped_ops,
-        "summary": " ".join(summary),
-    }
-    return ideal, report
+    return summary
 
 
 def text_chart(tl: Timeline, width: int = 100) -> str:

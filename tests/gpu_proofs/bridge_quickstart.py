@@ -3,7 +3,7 @@
 1. ``quickstart``: executes notebooks/01_quickstart.ipynb through papermill on the GPUs present
    (configure -> plan -> launch -> watch -> evaluate -> generate) and records its metrics.
 2. ``memory``: measured peak allocated and reserved per rank of that run vs the planner's prediction;
-   passes only when both are within the planner's bar (``workbench.planner_evidence.BAR``, 5%) on every rank.
+   passes only when both are within the planner's bar (``workbench.planner.evidence.BAR``, 5%) on every rank.
 3. ``stop``: launches a longer run, stops it mid-training (SIGTERM, SIGKILL after the grace) and
    counts the run's processes left behind (must be 0); ``failure``: a run whose last rank raises
    in its forward step must come back failed with the failing rank and its traceback.
@@ -88,7 +88,7 @@ def main() -> int:
 
     # 2. measured memory vs planner prediction of that run: allocated and reserved within the planner's bar on every rank
     if metrics.get("run_dir"):
-        from workbench.planner_evidence import run_within_bar
+        from workbench.planner.evidence import run_within_bar
 
         run = Run.attach(metrics["run_dir"])
         check = run_within_bar(run.reader)

@@ -498,7 +498,7 @@ def phase_b(args: argparse.Namespace, work: Path, log: Callable, ngpus: int) -> 
 def planner_summary(path: Path, offset: int) -> dict:
     """The planner records written after ``offset`` bytes of ``path`` (this call's): per config and rank, errors in
     percent; pass when every rank of every config is within the planner's bar, allocated and reserved."""
-    from workbench.planner_evidence import BAR
+    from workbench.planner.evidence import BAR
 
     rows, failed = [], []
     text = path.read_bytes()[offset:].decode() if path.exists() else ""

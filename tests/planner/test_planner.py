@@ -433,7 +433,7 @@ def test_cuda_graphs_split_allocated_and_reserved():
 
 
 def test_segment_slack_follows_the_allocator_rules():
-    from workbench.planner import _segment_slack
+    from workbench.planner.stage import _segment_slack
 
     assert _segment_slack([24 * MiB, 96 * MiB], 12) == 0  # > 10 MiB, already 2 MiB multiples
     assert _segment_slack([11 * MiB], 1) == 1 * MiB  # own segment, rounded up to 2 MiB
@@ -444,7 +444,7 @@ def test_segment_slack_follows_the_allocator_rules():
 def test_mid_size_requests_that_do_not_tile_20_mib_segments_leave_their_remainders():
     """Best fit into 20 MiB segments, one layer at a time: 8 MiB tensors go two to a segment (4 MiB left over),
     GPT-2 small TP=2's 6, 6, 9, 3, 6, 6 MiB take three segments (the 3 MiB one fits a remainder)."""
-    from workbench.planner import _segment_slack
+    from workbench.planner.stage import _segment_slack
 
     assert _segment_slack([8 * MiB] * 5, 6) == 6 * (60 - 40) * MiB
     assert _segment_slack([6 * MiB, 6 * MiB, 9 * MiB, 3 * MiB, 6 * MiB, 6 * MiB], 12) == 12 * (60 - 36) * MiB

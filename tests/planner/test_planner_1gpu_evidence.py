@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from workbench.config import RunConfig
-from workbench.planner_evidence import BAR, ONE_GPU_FILES, evidence_table, replan
+from workbench.planner.evidence import BAR, ONE_GPU_FILES, evidence_table, replan
 
 EVIDENCE, FAMILIES, COMPILED = ONE_GPU_FILES
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from workbench import planner
-from workbench.config import preset
+from workbench.config import derive, preset
+from workbench.families import family_of
 
 
 def _plan(cp: int, **over):
@@ -22,7 +23,7 @@ def test_activations_divide_by_cp_and_the_ring_is_counted():
     assert a4 == pytest.approx(a2 / 2, rel=1e-3)
     assert p4.layout["cp"] == 4 and p4.layout["dp"] == 1
     assert sorted(r.rank for r in p4.ranks) == [0, 1, 2, 3]
-    sh = planner.family_of(preset("llama3.2-1b")).shapes.shape(preset("llama3.2-1b"), planner.derive(preset("llama3.2-1b")))
+    sh = family_of(preset("llama3.2-1b")).shapes.shape(preset("llama3.2-1b"), derive(preset("llama3.2-1b")))
     import dataclasses
 
     local = dataclasses.replace(sh, s=8192 // 4, b=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from workbench import planner
 from workbench.config import preset
-from workbench.planner_evidence import BAR, run_within_bar
+from workbench.planner.evidence import BAR, run_within_bar
 from workbench.run.events import EventWriter, Step
 
 

@@ -20,7 +20,7 @@ __all__ = ["BAR", "EVIDENCE_DIR", "ONE_GPU_FILES", "evidence_table", "replan", "
 #: the planner's bar against a measured run: |predicted - measured| / measured, allocated and reserved, every rank
 BAR = 0.05
 
-EVIDENCE_DIR = Path(__file__).resolve().parents[1] / "evidence"
+EVIDENCE_DIR = Path(__file__).resolve().parents[2] / "evidence"
 #: the one-GPU measurements: GPT layouts, then the BERT / T5 layouts, then the compiled layer's
 ONE_GPU_FILES = (EVIDENCE_DIR / "planner_1gpu.jsonl", EVIDENCE_DIR / "planner_1gpu_families.jsonl",
                  EVIDENCE_DIR / "planner_1gpu_compiled_layer.jsonl")
