@@ -354,7 +354,8 @@ def test_ring_bytes():
 
     kv = 2 * 1 * 2048 * 8 * 128  # b=1, s=8192 over cp=4, 8 KV heads of 128
     r = ring_bytes(1, 8192, 8, 128, cp=4, elem_bytes=2)
-    assert r == {"forward": 3 * kv * 2, "backward": 3 * kv * 2 + 4 * kv * 4, "total": 3 * kv * 2 * 2 + 4 * kv * 4}
+    assert r == {"forward": 3 * kv * 2, "backward": 3 * kv * 2 + 4 * kv * 4, "total": 3 * kv * 2 * 2 + 4 * kv * 4,
+                 "kv_hop": kv * 2, "grad_hop": kv * 4}  # one hop: a K/V block (bf16), a dK/dV accumulator (fp32)
     assert ring_bytes(1, 8192, 8, 128, cp=1)["total"] == 0
     assert ring_bytes(1, 8192, 8, 128, cp=4, recompute=True)["total"] == r["total"] + r["forward"]
 

@@ -49,3 +49,19 @@ def test_the_distributed_optimizer_shards_over_dp_times_cp():
 
 def test_cp_lowers_the_peak():
     assert _plan(4).stages[0].total < _plan(2).stages[0].total
+
+
+def test_the_flash_block_kernel_keeps_no_scores():
+    """On CUDA in bf16 the ring's blocks run the flash kernel (``impl='auto'``): no s_local^2 scores in the layer's
+    backward working set, so CP at long sequences is not dominated by the math kernel's block scores; on CPU (the math
+    kernel) they stay."""
+    cfg = preset("llama3.2-1b", **{"parallel.context_parallel": 2, "parallel.nproc_per_node": 2, "model.seq_length": 32768,
+                                   "train.micro_batch_size": 1, "train.global_batch_size": 2})
+    sh = planner.family_of(cfg).shapes.shape(cfg, planner.derive(cfg))
+    import dataclasses
+
+    local = dataclasses.replace(sh, s=16384)
+    assert planner.ring_flash(cfg, local) and not planner.ring_flash(cfg.replace(**{"parallel.device": "cpu"}), local)
+    flash, math_ = planner.ring_buffers(local, 2, flash=True), planner.ring_buffers(local, 2)
+    assert flash < math_ / 100
+    assert planner.predict(cfg, "H200-141GB", suggest=False).fits

@@ -48,8 +48,8 @@ any device and dtype; the reference).  ``impl="flash"`` runs each block through 
 (``aten._scaled_dot_product_flash_attention`` and its backward, which return / take the log-sum-exp; CUDA, fp16 /
 bf16, no padding mask; K/V heads repeated per query group for the kernel, their gradients summed back), so no score
 matrix is kept; its backward gets the merged output and log-sum-exp, which makes each block's gradient exact.  The
-flash path has not run on a GPU yet (its test, ``test_cuda_cp2_flash_blocks_match_math_and_reference``, needs two);
-``impl="auto"`` takes math until it has.  Dropout inside attention, ALiBi and other additive biases, and packed
+flash path passed its two-GPU check on H200 (``test_cuda_cp2_flash_blocks_match_math_and_reference``, scale call 9 at
+9810c0f); ``impl="auto"`` takes flash where it runs (CUDA, fp16 / bf16, no padding mask) and math elsewhere.  Dropout inside attention, ALiBi and other additive biases, and packed
 sequences (THD) are not supported.
 
 **Communication volume** per CP rank, per attention layer, per micro-batch (``s_local = s / cp``; ``h_kv`` = K/V heads
@@ -60,7 +60,7 @@ on this TP rank, ``d`` = head dim, ``e`` = bytes per element of K/V, 2 for bf16;
                    +  cp      * 2 * b * s_local * h_kv * d * 4                  (dK, dV accumulators, fp32)
     with activation recompute of the layer: one more forward.
 
-:func:`ring_bytes` computes these numbers for the planner.  Each hop of the forward overlaps the previous block's
+:func:`ring_bytes` computes these numbers (and one hop's) for the planner and the advisor's ring time.  Each hop of the forward overlaps the previous block's
 compute; the step is communication-bound when ``2 * s_local * h_kv * d * e / link_bandwidth`` exceeds one half
 block's attention time.
 
@@ -166,13 +166,16 @@ def _part(x, part: str, dim: int):
 def ring_bytes(batch: int, seq_len: int, kv_heads: int, head_dim: int, cp: int, elem_bytes: int = 2,
                recompute: bool = False) -> dict[str, int]:
     """Bytes one CP rank sends per attention layer per micro-batch (module docstring): ``forward``, ``backward``
-    and ``total`` (``recompute``: the layer's forward runs twice)."""
+    and ``total`` (``recompute``: the layer's forward runs twice); one hop's: ``kv_hop`` (a K/V block, forward and
+    backward) and ``grad_hop`` (a dK/dV accumulator, fp32: backward only; its last hop returns it to its owner).
+    Torch-free: the planner and the advisor's cost model (:mod:`workbench.advisor.perf_model`) read it."""
     if cp <= 1:
-        return {"forward": 0, "backward": 0, "total": 0}
+        return {"forward": 0, "backward": 0, "total": 0, "kv_hop": 0, "grad_hop": 0}
     kv = 2 * batch * (seq_len // cp) * kv_heads * head_dim
     fwd = (cp - 1) * kv * elem_bytes
     bwd = (cp - 1) * kv * elem_bytes + cp * kv * 4
-    return {"forward": fwd, "backward": bwd, "total": fwd * (2 if recompute else 1) + bwd}
+    return {"forward": fwd, "backward": bwd, "total": fwd * (2 if recompute else 1) + bwd, "kv_hop": kv * elem_bytes,
+            "grad_hop": kv * 4}
 
 
 # --------------------------------------------------------------------------------------------- block maths
@@ -425,8 +428,8 @@ def ring_attention(q, k, v, group, causal: bool, scale: Optional[float] = None, 
     ``enable_gqa=True``) sharded the same way.  ``group``: the CP process group (None, or a group of one: plain local
     attention).  ``scale``: default ``1 / sqrt(d)``.  ``kv_padding``: optional ``[b, s_local]`` bool, True = a padded
     key (BERT); it is all-gathered once per call.  ``impl``: the block kernel, ``"math"`` (plain PyTorch, any device and
-    dtype), ``"flash"`` (torch's FlashAttention-2 op: CUDA, fp16 / bf16, no ``kv_padding``; not yet checked on a
-    GPU) or ``"auto"`` (math, until the flash path has passed its two-GPU test).  fp32, bf16 and fp16 inputs; the
+    dtype), ``"flash"`` (torch's FlashAttention-2 op: CUDA, fp16 / bf16, no ``kv_padding``) or ``"auto"`` (flash where
+    it runs, math elsewhere).  fp32, bf16 and fp16 inputs; the
     merge and the gradient accumulation run in fp32.  Differentiable in q, k, v.
     """
     import torch
@@ -461,7 +464,7 @@ def ring_attention(q, k, v, group, causal: bool, scale: Optional[float] = None, 
             parts = [torch.empty((b, s), dtype=torch.uint8, device=q.device) for _ in range(cp)]
             dist.all_gather(parts, kv_padding.to(torch.uint8).contiguous(), group=group)
             kmasks = [p.bool() for p in parts]
-    flash = impl == "flash" and _flash_ok(q, kv_padding)  # auto: math until the flash path has run on a GPU
+    flash = impl != "math" and _flash_ok(q, kv_padding)  # auto: flash where it runs (checked on two H200s), else math
     if impl == "flash" and not flash:
         raise ValueError("ring_attention impl 'flash' needs CUDA tensors in fp16 / bf16, a head dim that is a multiple "
                          "of 8 up to 256 and no kv_padding; impl='math' runs everywhere")

@@ -26,9 +26,9 @@ from workbench.planner.measured import compare, measured_peaks, measured_reserve
 from workbench.planner.megatron import megatron_theoretical_memory
 from workbench.planner.plan import COMPONENTS, OVERHEADS, MegatronEstimate, Plan, RankPlan, StagePlan, Suggestion
 from workbench.planner.predict import largest_micro_batch, predict
-from workbench.planner.stage import ring_buffers
+from workbench.planner.stage import ring_buffers, ring_flash
 
 __all__ = ["GiB", "MiB", "GPUSpec", "GPUS", "gpu_spec", "PlannerAssumptions", "KernelPath", "kernel_path",
            "COMPONENTS", "OVERHEADS", "StagePlan", "RankPlan", "Suggestion", "MegatronEstimate", "Plan", "predict",
            "megatron_theoretical_memory", "largest_micro_batch", "compare", "measured_peaks", "measured_reserved",
-           "format_plan", "add_cli", "ring_buffers"]
+           "format_plan", "add_cli", "ring_buffers", "ring_flash"]

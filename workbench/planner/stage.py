@@ -83,7 +83,7 @@ from workbench.planner.assumptions import KernelPath, PlannerAssumptions
 from workbench.planner.gpus import MiB
 from workbench.planner.plan import COMPONENTS, StagePlan
 
-__all__ = ["stages_of", "ring_buffers"]
+__all__ = ["stages_of", "ring_buffers", "ring_flash"]
 
 
 def _inflight(sh: Any, rank: int) -> tuple[int, float]:
@@ -247,7 +247,8 @@ class _Transients:
     workspace: float  # cuBLAS workspaces + gbuf + layer_bwd
 
 
-def _transients(sh: Any, kp: KernelPath, a: PlannerAssumptions, r: int, S: Any, kept: _Kept, cp: int) -> _Transients:
+def _transients(sh: Any, kp: KernelPath, a: PlannerAssumptions, r: int, S: Any, kept: _Kept, cp: int,
+                ring_flash: bool) -> _Transients:
     """The logits / loss buffers, pipeline buffers, megatron's global buffer and one layer's backward working set."""
     e, tok, h, t = sh.e, sh.s * sh.b, sh.h, sh.tp
     tsp = t if sh.sp else 1
@@ -270,7 +271,7 @@ def _transients(sh: Any, kp: KernelPath, a: PlannerAssumptions, r: int, S: Any, 
         gbuf = max(gbuf, e * sh.b * (sh.heads / t) * sh.s * sh.s)
     # The logits / loss buffers are gone before the first transformer layer runs its backward,
     # so the layer's backward working set (and a recomputed block) competes with them, not adds.
-    layer_bwd = backward + kept.recompute_block + ring_buffers(sh, cp)
+    layer_bwd = backward + kept.recompute_block + ring_buffers(sh, cp, flash=ring_flash)
     if last and head > 0:
         layer_bwd = max(0.0, layer_bwd - head)
     return _Transients(backward, head, logits_kept, pipeline, gbuf, layer_bwd, a.cublas_workspace_bytes + gbuf + layer_bwd)
@@ -357,12 +358,13 @@ def _reserved(sh: Any, kp: KernelPath, a: PlannerAssumptions, S: Any, r: int, st
 
 
 def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
-           params: dict[str, int], S: Any, cp: int = 1) -> StagePlan:
+           params: dict[str, int], S: Any, cp: int = 1, ring_flash: bool = False) -> StagePlan:
     """One stage's plan; ``sh`` / ``S``: the model family's shape (``sh.s``: the tokens a rank holds of each
-    sequence, ``seq_length / cp``) and its ``shapes`` module; ``cp``: the context-parallel size (its ring's buffers)."""
+    sequence, ``seq_length / cp``) and its ``shapes`` module; ``cp``: the context-parallel size (its ring's buffers;
+    ``ring_flash``: its blocks run the flash kernel)."""
     st = _static_state(sh, kp, params, cp)
     kept = _kept(sh, d, kp, r, S)
-    tr = _transients(sh, kp, a, r, S, kept, cp)
+    tr = _transients(sh, kp, a, r, S, kept, cp, ring_flash)
     step_tmp = _optimizer_temporaries(sh, kp, st.shard, r)
     phases, phase, components, layers_kept = _peak(st, kept, tr, kp, a, sh, step_tmp)
     peak_i = sum(components.values())
@@ -401,18 +403,29 @@ def stages_of(cfg: RunConfig, kp: KernelPath, a: PlannerAssumptions, micro_batch
     if cp > 1:  # context parallel: every rank holds seq_length / cp tokens of each sequence (its activations / cp)
         sh = dataclasses.replace(sh, s=sh.s // cp)
     params = S.stage_params(cfg, sh, d)
-    return [_stage(sh, d, kp, a, r, params[r], S, cp=cp) for r in range(sh.pp)]
+    flash = ring_flash(cfg, sh)
+    return [_stage(sh, d, kp, a, r, params[r], S, cp=cp, ring_flash=flash) for r in range(sh.pp)]
 
 
-def ring_buffers(sh: Any, cp: int) -> float:
+def ring_flash(cfg: RunConfig, sh: Any) -> bool:
+    """Whether the ring attention's blocks run the flash kernel (``impl='auto'``'s rule,
+    :func:`workbench.backend.context_parallel.ring_attention`): CUDA, 16-bit activations, a head dim that is a
+    multiple of 8 up to 256 (GPT's causal mask: no padding mask)."""
+    return cfg.parallel.device == "cuda" and sh.e == 2 and sh.head_dim % 8 == 0 and sh.head_dim <= 256
+
+
+def ring_buffers(sh: Any, cp: int, flash: bool = False) -> float:
     """Context parallel: the ring attention's transient bytes in one layer (``sh.s`` is the local length): the K/V
     block being computed on and the next one in flight (2 x K and V, ``b x s_local x h_kv/tp x d`` each, in the
     activation dtype), in backward the travelling dK/dV accumulators (fp32: received, the block's, their sum and
-    the one in flight), and the math block kernel's backward working set on the largest (step 0,
-    ``s_local x s_local``) block: five fp32 score-sized tensors at once (scores, probabilities, dP, dP - delta, dS)
-    (:mod:`workbench.backend.context_parallel`; ``impl='auto'`` is the math kernel until the flash path is checked)."""
+    the one in flight), and the block kernel's backward working set on the largest (step 0, ``s_local x s_local``)
+    block: the math kernel's five fp32 score-sized tensors at once (scores, probabilities, dP, dP - delta, dS), the
+    flash kernel's (``flash``; :func:`ring_flash`) no scores but its K/V heads repeated per query group and their
+    gradients (4 x ``b x s_local x h/tp x d``, activation dtype) and the block's fp32 dQ
+    (:mod:`workbench.backend.context_parallel`; ``impl='auto'``: flash on CUDA in 16 bits, math elsewhere)."""
     if cp <= 1:
         return 0.0
     kv = sh.b * sh.s * (sh.groups / sh.tp) * sh.head_dim
-    scores = 5 * 4 * sh.b * (sh.heads / sh.tp) * sh.s * sh.s
+    q = sh.b * sh.s * (sh.heads / sh.tp) * sh.head_dim
+    scores = (4 * q * sh.e + q * 4) if flash else 5 * 4 * sh.b * (sh.heads / sh.tp) * sh.s * sh.s
     return 2 * 2 * kv * sh.e + 4 * 2 * kv * 4 + scores
