@@ -57,7 +57,7 @@ def test_the_flash_block_kernel_keeps_no_scores():
     kernel) they stay."""
     cfg = preset("llama3.2-1b", **{"parallel.context_parallel": 2, "parallel.nproc_per_node": 2, "model.seq_length": 32768,
                                    "train.micro_batch_size": 1, "train.global_batch_size": 2})
-    sh = planner.family_of(cfg).shapes.shape(cfg, planner.derive(cfg))
+    sh = family_of(cfg).shapes.shape(cfg, derive(cfg))
     import dataclasses
 
     local = dataclasses.replace(sh, s=16384)
