@@ -204,6 +204,17 @@ class Layout:
         edp, ep = divmod(rest, self.ep)
         return Coords(tp=tp, cp=cp, dp=dp, pp=pp, etp=etp, ep=ep, edp=edp % self.expert_data_parallel)
 
+    def rank_label(self, rank: int, short: bool = False) -> str:
+        """Where global ``rank`` sits, for per-rank views: ``dp0 cp1 tp0 pp0`` (``short``: ``d0 c1 t0 p0``), from
+        :meth:`coords`; the CP coordinate only where ``cp`` > 1 (``dp0 tp1 pp0``).  A world that does not split into
+        whole replicas has no coordinates: ``rank N``."""
+        try:
+            c = self.coords(rank)
+        except ValueError:
+            return f"rank {rank}"
+        dims = [("dp", "d", c.dp)] + ([("cp", "c", c.cp)] if self.cp > 1 else []) + [("tp", "t", c.tp), ("pp", "p", c.pp)]
+        return " ".join(f"{s if short else name}{v}" for name, s, v in dims)
+
     def ranks_of(self, dims: str, rank: int) -> tuple[int, ...]:
         """The global ranks of ``rank``'s process group over ``dims``, in megatron's order: one dimension (``"tp"``,
         ``"cp"``, ``"dp"``, ``"pp"``, or the expert grid's ``"etp"``, ``"ep"``, ``"edp"``) or several joined by

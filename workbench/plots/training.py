@@ -12,7 +12,7 @@ import io
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["TrainingFrames", "frames_from_run", "training_figure", "figure_png", "GIB"]
+__all__ = ["TrainingFrames", "frames_from_run", "training_figure", "figure_png", "GIB", "rank_tick"]
 
 GIB = float(1 << 30)
 
@@ -31,6 +31,8 @@ class TrainingFrames:
     cuda_graphs: bool = False
     #: ``parallel.device`` of the run ("cpu": there is no GPU memory to measure or predict)
     device: str | None = None
+    #: the run's :class:`workbench.layout.Layout` (its ranks' coordinates label the memory panel: ``d0 c1 t0 p0``)
+    layout: Any = None
 
 
 def _used_cuda_graphs(run) -> bool:
@@ -40,8 +42,19 @@ def _used_cuda_graphs(run) -> bool:
 
 def frames_from_run(run) -> TrainingFrames:
     cfg = getattr(run, "config", None)
+    from workbench.layout import Layout
+
     return TrainingFrames(run.steps, run.train_loss, run.evals, run.memory, cfg.train.train_iters if cfg else None,
-                          run.run_dir.name, cuda_graphs=_used_cuda_graphs(run), device=cfg.parallel.device if cfg else None)
+                          run.run_dir.name, cuda_graphs=_used_cuda_graphs(run), device=cfg.parallel.device if cfg else None,
+                          layout=Layout.of(cfg) if cfg else None)
+
+
+def rank_tick(rank: int, layout: Any) -> str:
+    """A rank's tick label in per-rank panels: ``1`` alone for one rank or no layout, else with its coordinates
+    (``1\nd0 c1 t0 p0``, :meth:`workbench.layout.Layout.rank_label`; the CP coordinate where cp > 1)."""
+    if layout is None or layout.world <= 1:
+        return str(rank)
+    return f"{rank}\n{layout.rank_label(rank, short=True)}"
 
 
 def _per_iteration(steps, column: str, how: str = "max"):
@@ -172,7 +185,8 @@ def _memory_panel(ax, frames: TrainingFrames, predicted_memory: Mapping[int, flo
     for k, (values, label, style) in enumerate(series):
         ax.bar([i - 0.4 + (k + 0.5) * w for i in x], values, w, label=label, **style)
     ax.set_xticks(x)
-    ax.set_xticklabels([str(r) for r in ranks])
+    small = {"fontsize": 8} if frames.layout is not None and frames.layout.world > 1 else {}
+    ax.set_xticklabels([rank_tick(r, frames.layout) for r in ranks], **small)
     ax.set_xlim(-0.6, len(ranks) - 0.4)
     top = max((v for values, _, _ in series for v in values if v == v), default=0.0)
     ax.set_ylim(0, (top or 1.0) * 1.35)  # headroom: the legend never covers a bar
