@@ -65,9 +65,10 @@ def test_fixed_choices_overlap_on_where_dp_and_equivalent_distopt_listed_once():
     cfg = _small("tiny")
     found = enumerate_layouts(cfg, 4)
     for lay, c in found:
-        assert c.parallel.overlap_grad_reduce == (lay.dp > 1)
-        assert c.parallel.overlap_param_gather == (lay.dp > 1 and lay.distributed_optimizer)
-        assert not (lay.dp == 1 and lay.distributed_optimizer)
+        grads = lay.dp * lay.cp > 1  # the gradient reduce and the distributed optimizer span DP x CP
+        assert c.parallel.overlap_grad_reduce == grads
+        assert c.parallel.overlap_param_gather == (grads and lay.distributed_optimizer)
+        assert not (not grads and lay.distributed_optimizer)
 
 
 def test_enumeration_count_at_scale_completes():
@@ -94,12 +95,13 @@ def test_apply_layout_keeps_the_model_and_batch():
     assert apply_layout(cfg, lay, 2).to_dict() == c.to_dict()
 
 
-def test_a_context_parallel_base_gets_candidates_without_cp():
-    """The advisor does not enumerate context parallelism yet: a base config at CP=2 gets valid candidates at CP=1
-    whose labels say the layout they run (dp counted over the whole world)."""
+def test_a_context_parallel_base_gets_candidates_with_and_without_cp():
+    """A base config at CP=2 gets valid candidates at CP 1, 2 and 4, each the layout its label says (dp counted over
+    the world left after TP x CP x PP)."""
     cfg = _small("tiny", **{"parallel.context_parallel": 2, "parallel.nproc_per_node": 2})
     found = enumerate_layouts(cfg, 4)
-    assert found
+    assert {lay.cp for lay, _ in found} == {1, 2, 4}
     for lay, c in found:
-        assert c.parallel.context_parallel == 1 and validate(c) == [], lay.label()
-        assert layout_of(c) == lay and lay.tp * lay.pp * lay.dp == 4
+        assert c.parallel.context_parallel == lay.cp and validate(c) == [], lay.label()
+        assert layout_of(c) == lay and lay.tp * lay.cp * lay.pp * lay.dp == 4
+        assert ("cp" in lay.label()) == (lay.cp > 1)

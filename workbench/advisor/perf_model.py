@@ -16,6 +16,16 @@ give every size; the profile gives every rate):
   activation (sequence parallelism: an all-gather and a reduce-scatter for each), timed by the
   profile's bus bandwidth at that size; with the kernel rule's ``tp_overlap`` the backward ones hide
   under the weight-gradient GEMMs (a fitted fraction of them).
+* **CP** (context parallelism, :mod:`workbench.backend.context_parallel`): a rank holds ``s / cp`` tokens of each
+  sequence, so its dense GEMMs, element-wise bytes and TP collectives are those of ``s / cp`` tokens, and its
+  attention is ``1 / cp`` of the causal work at ``s`` (the load-balanced split: every rank one causal ``2c x 2c``
+  block and ``cp - 1`` half blocks), at the profile's attention rate for ``s / cp``.  The ring's K/V blocks
+  (:func:`workbench.backend.context_parallel.ring_bytes`: one hop ``2 b (s/cp) h_kv d e`` bytes, ``h_kv`` the K/V
+  heads of a TP rank) travel at the profile's p2p bandwidth, each hop under one block's attention (``a = t_attn /
+  cp`` per direction's share): forward exposes ``(cp - 1) max(0, hop - a_f)``, backward ``(cp - 1) max(0, hop' -
+  a_b)`` with ``hop'`` a K/V block plus a dK/dV accumulator (fp32), plus the accumulators' last hop home, unhidden;
+  both times the fitted-to-nothing ``cp_comm_factor``.  Full recompute (and selective of core attention) runs the
+  forward ring again.
 * **recompute**: selective (the rule's ``selective``: the MLP's forward GEMMs and the bytes it drops,
   or core attention's forward) or full (one more forward of every layer, its collectives included).
 * **host**: where the rule replays no CUDA graphs, a layer's launch time (profile, by kernel path) shows
@@ -24,13 +34,14 @@ give every size; the profile gives every rate):
 Per step: 1F1B / interleaved pipelines run through :func:`workbench.schedules.simulate` with each
 stage's times (``derive().stage_layers``: the balanced split) and the p2p time of one activation as
 latency: what the slowest rank waits beyond its own work is the **bubble**.  DP's gradient
-reduce-scatter / all-reduce (and the distributed optimizer's parameter all-gather) overlaps the last
+reduce-scatter / all-reduce over DP x CP ranks (megatron's ``intra_dp_cp_group``; and the distributed
+optimizer's parameter all-gather, its shards over DP x CP) overlaps the last
 micro-batch's backward (first forward) where ``overlap_grad_reduce`` (``overlap_param_gather``) is on,
 by a fitted fraction; the optimizer step costs the profile's time per local parameter.  MFU is
 Megatron's FLOPs (``derive().flops_per_step``) over the step and the profile's peak.
 
-Every prediction carries its breakdown in seconds per step (compute, tp_comm, dp_comm, bubble,
-recompute, host, optimizer), summing to the step time.  Torch-free.
+Every prediction carries its breakdown in seconds per step (compute, tp_comm, cp_comm, dp_comm, bubble,
+recompute, host, optimizer), summing to the step time.  Torch-free (``ring_bytes`` is torch-free).
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench import kernel_rule, schedules
+from workbench.backend.context_parallel import ring_bytes
 from workbench.config import RunConfig, derive, pad_vocab_size
 from workbench.families import family_of
 
@@ -48,7 +60,7 @@ from workbench.advisor.profile import Profile
 __all__ = ["Constants", "Prediction", "Model", "flop_split", "REASONS"]
 
 #: breakdown keys, in the order a table shows them
-REASONS = ("compute", "tp_comm", "dp_comm", "bubble", "recompute", "host", "optimizer")
+REASONS = ("compute", "tp_comm", "cp_comm", "dp_comm", "bubble", "recompute", "host", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,9 @@ class Constants:
     tp_comm_factor: float = 1.0
     #: fraction of the last micro-batch's backward (first forward) under which DP's reduce (gather) hides
     dp_overlap: float = 0.8
+    #: multiplier on the CP ring's hop time (contention with the block kernels, skew between ranks); uncalibrated:
+    #: no measured CP row yet, so 1.0 and not fitted (docs/advisor.md)
+    cp_comm_factor: float = 1.0
     #: FP8 casts, by recipe: element-wise bytes per byte of the layer's GEMM inputs (activations and weights)
     fp8_cast_tensorwise: float = 1.0
     fp8_cast_rowwise: float = 1.0
@@ -147,7 +162,8 @@ class Model:
     # ---- cached pieces
     def _derive(self, cfg: RunConfig):
         p, t = cfg.parallel, cfg.train
-        key = (p.tensor_parallel, p.pipeline_parallel, p.vpp, p.world_size, t.micro_batch_size, p.pipeline_split)
+        key = (p.tensor_parallel, p.pipeline_parallel, p.vpp, p.world_size, t.micro_batch_size, p.pipeline_split,
+               p.context_parallel)
         d = self._derived.get(key)
         if d is None:
             d = self._derived[key] = derive(cfg)
@@ -172,6 +188,23 @@ class Model:
             hit = self._sim[key] = (tl.step_time, tl.busy(busiest))
         return hit[0] * scale, hit[1] * scale
 
+    def ring_seconds(self, sh: Any, cp: int, t_attn: float, inter_node: bool = False) -> tuple[float, float]:
+        """(forward, backward) seconds the CP ring adds to one layer's micro-batch beyond its attention, on a rank of
+        local shape ``sh`` (``sh.s = seq_length / cp``) whose attention takes ``t_attn`` (forward + backward = 3 x
+        forward): each of the ``cp`` steps computes one block (``t_attn / cp`` split 1:2) while the next hop travels,
+        so a step costs ``max(block, hop)``; the first block needs no hop and the dK/dV accumulators' last hop home
+        follows the last block (module docstring).  (0, 0) at cp = 1."""
+        if cp <= 1:
+            return 0.0, 0.0
+        rb = ring_bytes(sh.b, sh.s * cp, max(sh.groups // sh.tp, 1), sh.head_dim, cp, elem_bytes=sh.e)
+        hop = self.profile.collective_seconds
+        k = self.c.cp_comm_factor
+        hop_f = k * hop("p2p", rb["kv_hop"], 2, inter_node)
+        hop_b = k * hop("p2p", rb["kv_hop"] + rb["grad_hop"], 2, inter_node)
+        last = k * hop("p2p", rb["grad_hop"], 2, inter_node)
+        a_f, a_b = t_attn / 3 / cp, 2 * t_attn / 3 / cp
+        return (cp - 1) * max(0.0, hop_f - a_f), (cp - 1) * max(0.0, hop_b - a_b) + last
+
     # ---- the model
     def predict(self, cfg: RunConfig, gpus_per_node: int | None = None, simulate: bool = True) -> Prediction:
         """The layout's step time.  ``simulate``: the pipeline's bubble from the schedule simulator (exact for the
@@ -185,6 +218,9 @@ class Model:
         kp = kernel_rule.choose(cfg)
         fam = family_of(cfg)
         sh = fam.shapes.shape(cfg, d)
+        cp = max(int(p.context_parallel or 1), 1)
+        if cp > 1:  # a rank holds seq_length / cp tokens of each sequence (the planner's local shape)
+            sh = dataclasses.replace(sh, s=sh.s // cp)
         b, s, h, e = sh.b, sh.s, sh.h, sh.e
         tokens = b * s  # per micro-batch
 
@@ -219,23 +255,26 @@ class Model:
             if kp.tp_overlap:
                 t_tp_b = max(0.0, t_tp_b - c.tp_overlap * t_gemm / 3)
 
+        # the CP ring's exposed K/V traffic per layer per micro-batch
+        t_cp_f, t_cp_b = self.ring_seconds(sh, cp, t_attn, inter_node=tp * cp > per_node)
+
         # recompute, per layer per micro-batch (in backward)
         t_rc = 0.0
         if p.recompute == "full":
-            t_rc = layer_dev / 3 + t_tp_f
+            t_rc = layer_dev / 3 + t_tp_f + t_cp_f
         elif p.recompute == "selective":
             if kp.selective == "mlp":
                 mlp_flops = 2.0 * tokens * (h * sh.fc1_out + sh.ffn * h) / tp
                 kept_none = _sum(fam.shapes.layer_activation_terms(dataclasses.replace(sh, recompute="none"), kp))
                 t_rc = mlp_flops / gemm_rate + ew_factor * max(kept_none - _sum(terms), 0.0) / bw
             else:
-                t_rc = t_attn / 3
+                t_rc = t_attn / 3 + t_cp_f
 
         # host: a layer's launches show where they outlast its device time
         host_key = "graphs" if kp.cuda_graphs else ("compiled" if kp.layer == "compiled" else "stock")
         host_layer = prof.host_us_per_layer[host_key].value * 1e-6
-        dev_f = layer_dev / 3 + t_tp_f
-        dev_b = 2 * layer_dev / 3 + t_tp_b + t_rc
+        dev_f = layer_dev / 3 + t_tp_f + t_cp_f
+        dev_b = 2 * layer_dev / 3 + t_tp_b + t_cp_b + t_rc
         host_f = max(0.0, host_layer / 3 - dev_f)
         host_b = max(0.0, 2 * host_layer / 3 - dev_b)
 
@@ -259,14 +298,14 @@ class Model:
             bk = n * (dev_b + host_b) + (2 * t_head / 3 if last else 0.0) + ga
             fwd.append(f)
             bwd.append(bk)
-            parts.append({"compute": n * layer_dev + (t_head if last else 0.0) + ga, "tp_comm": n * (t_tp_f + t_tp_b),
+            parts.append({"compute": n * layer_dev + (t_head if last else 0.0) + ga, "tp_comm": n * (t_tp_f + t_tp_b), "cp_comm": n * (t_cp_f + t_cp_b),
                           "recompute": n * t_rc, "host": n * (host_f + host_b)})
         if pp == 1:
             step_pipe, busy, r_busy = micro * (fwd[0] + bwd[0]), micro * (fwd[0] + bwd[0]), 0
         else:
-            stage_node = max(per_node // max(tp * dp, 1), 1)  # stages per node (ranks: tp fastest, then dp, then pp)
+            stage_node = max(per_node // max(tp * cp * dp, 1), 1)  # stages per node (ranks: tp fastest, cp, dp, then pp)
             act = e * tokens * h / (tp if p.sequence_parallel else 1)
-            lat = prof.collective_seconds("p2p", act, 2, inter_node=stage_node < pp and tp * dp >= per_node)
+            lat = prof.collective_seconds("p2p", act, 2, inter_node=stage_node < pp and tp * cp * dp >= per_node)
             r_busy = max(range(pp), key=lambda r: fwd[r] + bwd[r])
             if simulate:
                 step_pipe, busy = self._simulate(pp, micro, vpp, fwd, bwd, lat)
@@ -277,23 +316,24 @@ class Model:
         br = {k: v * scale for k, v in parts[r_busy].items()}
         br["bubble"] = max(step_pipe - busy, 0.0)
 
-        # data parallel: gradient reduce (+ parameter gather), exposed beyond the overlap
+        # data parallel: gradient reduce (+ parameter gather) over DP x CP, exposed beyond the overlap
         t_dp = 0.0
-        if dp > 1:
-            across = tp * dp > per_node
+        dpcp = dp * cp  # megatron's gradient buffers (and the distributed optimizer's shards) span DP x CP
+        if dpcp > 1:
+            across = tp * dpcp > per_node
             grad = sh.grad_bytes * max(params_local)
             if p.distributed_optimizer:
-                t_red = prof.collective_seconds("reduce_scatter", grad, dp, across)
-                t_gat = prof.collective_seconds("all_gather", e * max(params_local), dp, across)
+                t_red = prof.collective_seconds("reduce_scatter", grad, dpcp, across)
+                t_gat = prof.collective_seconds("all_gather", e * max(params_local), dpcp, across)
             else:
-                t_red, t_gat = prof.collective_seconds("all_reduce", grad, dp, across), 0.0
+                t_red, t_gat = prof.collective_seconds("all_reduce", grad, dpcp, across), 0.0
             if p.overlap_grad_reduce:
                 t_red = max(0.0, t_red - c.dp_overlap * bwd[r_busy])
             if p.overlap_param_gather:
                 t_gat = max(0.0, t_gat - c.dp_overlap * fwd[r_busy])
             t_dp = t_red + t_gat
         br["dp_comm"] = t_dp
-        opt_params = max(params_local) / (dp if p.distributed_optimizer else 1)
+        opt_params = max(params_local) / (dpcp if p.distributed_optimizer else 1)
         br["optimizer"] = opt_params * prof.optimizer_ns_per_param.value * 1e-9 + c.step_ms * 1e-3
         step = sum(br.values())
         breakdown = {k: br.get(k, 0.0) for k in REASONS}
