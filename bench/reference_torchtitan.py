@@ -28,6 +28,13 @@ checkpointing and data loading:
   micro-batch as ``post_dataloading_process`` does (``--attn varlen`` / ``flex_flash`` also; ``--attn sdpa``:
   torchtitan's ``ScaledDotProductAttention`` module, causal without a mask, which 0.3.0's registry no longer offers
   language models: the CPU smoke's, as FlexAttention has no backward on CPU);
+- context parallelism (``Options.cp`` > 1; a variant whose config has ``parallel.context_parallel`` > 1):
+  ``ParallelismConfig(context_parallel_degree=cp, data_parallel_shard_degree=world / cp)``, so ``parallelize_llama``
+  wraps every block's inner attention with ``apply_cp_to_forward`` on the ``cp`` mesh and FSDP shards over DP x CP,
+  and each micro-batch goes through ``prepare_context_parallel_input`` (0.3.0's ``Trainer.post_dataloading_process``:
+  inputs, labels, positions and the block mask sharded, the ``headtail`` load balancer, the workbench's order too);
+  the CP ranks of a DP rank draw the same tokens; the loss is normalised by the full sequences' token count, as the
+  trainer counts it before the sharding.  Not run on a GPU yet (bench/scale_call.sh CALL=10 / 11);
 - CUDA graphs: the 0.3.0 trainer captures its forward+backward by default (``training.disable_cuda_graphs=False``,
   ``distributed/cudagraph.wrap_with_cuda_graph``); off here unless ``--cuda-graphs`` (the row records which).
 
@@ -91,6 +98,7 @@ class Options:
     reshard: str = "default"  # parallelism.fsdp_reshard_after_forward
     loss: str = "plain"  # "plain": CrossEntropyLoss on the logits; "chunked": the recipes' ChunkedLossWrapper
     pool: int = 8
+    cp: int = 1  # parallelism.context_parallel_degree (the rest of the world: FSDP's data_parallel_shard_degree)
 
 
 # --------------------------------------------------------------------------- torchtitan, imported
@@ -224,8 +232,10 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "torchtitan", preset_
                               max_norm=t.clip_grad if t.clip_grad > 0 else 1.0, dtype="float32",
                               mixed_precision_param="bfloat16" if bf16 else "float32", mixed_precision_reduce="float32",
                               disable_cuda_graphs=not opts.cuda_graphs)
-    parallelism = ParallelismConfig(data_parallel_shard_degree=world, fsdp_reshard_after_forward=opts.reshard,
-                                    spmd_backend=backend)
+    if opts.cp < 1 or world % opts.cp:
+        raise ValueError(f"context parallel degree {opts.cp} does not divide the {world} ranks")
+    parallelism = ParallelismConfig(data_parallel_shard_degree=world // opts.cp, context_parallel_degree=opts.cp,
+                                    fsdp_reshard_after_forward=opts.reshard, spmd_backend=backend)
     compile_config = CompileConfig(enable=opts.compile, components=["model", "loss"])
     ac_config = None
     if opts.ac != "none":
@@ -296,7 +306,7 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "torchtitan", preset_
         fwd_bwd_label = "cuda graph (torchtitan wrap_with_cuda_graph)"
 
     vocab = cfg.model.vocab_size
-    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank // opts.cp)  # the CP ranks of a DP rank: one batch
     pool = []
     for _ in range(opts.pool):
         x = torch.randint(0, vocab, (mbs, seq + 1), generator=g)
@@ -304,6 +314,15 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "torchtitan", preset_
     positions = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, seq).contiguous()
     masked = opts.attn in ("flex", "flex_flash", "varlen")
     batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
+    shard = None
+    if opts.cp > 1:  # Trainer.post_dataloading_process: shard inputs, labels, positions and masks over the cp mesh
+        from torchtitan.distributed.context_parallel.api import prepare_context_parallel_input
+
+        cp_mesh = parallel_dims.get_mesh("cp")
+
+        def shard(tokens, labels, extra):
+            return prepare_context_parallel_input(tokens, labels, extra, cp_mesh, device,
+                                                  parallelism.context_parallel_load_balancer, None)
     state = {"i": 0}
     losses: list[torch.Tensor] = []
     params = [p for p in model.parameters()]
@@ -322,6 +341,8 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "torchtitan", preset_
             extra: dict[str, Any] = {"positions": positions}
             if masked:
                 extra["attention_masks"] = model.get_attention_masks(positions=positions)
+            if shard is not None:
+                tokens, labels, extra = shard(tokens, labels, extra)
             loss = fwd_bwd(tokens, labels, gvt, extra).detach()
             total = loss.clone() if total is None else total.add_(loss)
         dist_utils.clip_grad_norm_(params, training.max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
@@ -349,11 +370,12 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "torchtitan", preset_
 
     out: dict[str, Any] = {
         "preset": name, "kind": kind, "yardstick": f"torchtitan {found['version']} (Llama-3, parallelize_llama: FSDP2"
-        f"{' + compile' if opts.compile else ''}{', AC ' + opts.ac if opts.ac != 'none' else ''})",
+        f"{' + compile' if opts.compile else ''}{', AC ' + opts.ac if opts.ac != 'none' else ''}"
+        f"{', CP ' + str(opts.cp) if opts.cp > 1 else ''})",
         "torchtitan_version": found["version"], "torchtitan_shims": found["shims"],
         "torchtitan_flavor": flavor,
         "tokens_per_step": d.tokens_per_step, "flops_per_step": d.flops_per_step,
-        "gpus": world, "micro_batch_size": mbs, "microbatches": k, "global_batch_size": t.global_batch_size,
+        "gpus": world, "context_parallel": opts.cp, "micro_batch_size": mbs, "microbatches": k, "global_batch_size": t.global_batch_size,
         "seq_length": seq, "precision": t.precision, "options": asdict(opts),
         "measure": asdict(measure) if hasattr(measure, "__dataclass_fields__") else dict(vars(measure)),
         "graph_breaks": int(sum(counters["graph_break"].values())),
@@ -391,13 +413,15 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "torchtitan", preset_
 
 def run_variant(v: Any, a: argparse.Namespace, opts: Options | None = None) -> dict[str, Any]:
     """``bench/train_throughput.py``'s worker entry for ``Variant(kind="torchtitan", gpus=N)``: the variant's own
-    config (``bench_config``); ``parallel.recompute: full`` in its overrides turns on torchtitan's FullAC."""
+    config (``bench_config``); ``parallel.recompute: full`` in its overrides turns on torchtitan's FullAC,
+    ``parallel.context_parallel`` its context parallelism (``Options.cp``)."""
     from bench.train_throughput import bench_config
 
     cfg = bench_config(v, a.cpu_smoke)
     if opts is None:
         opts = Options(compile=not a.cpu_smoke and not getattr(a, "no_compile_reference", False),
-                       ac="full" if cfg.parallel.recompute == "full" else "none", attn="sdpa" if a.cpu_smoke else "flex")
+                       ac="full" if cfg.parallel.recompute == "full" else "none", attn="sdpa" if a.cpu_smoke else "flex",
+                       cp=max(int(cfg.parallel.context_parallel or 1), 1))
     return train(cfg, opts, harness.protocol(a), kind=v.kind, preset_name=v.model)
 
 

@@ -46,6 +46,13 @@ tp2-te-ub                 2     tp2-te with ``parallel.te_userbuffers`` (TE user
 pp2-m8                    2     GPT-2 medium / Llama-3.2-1B, pipeline parallel 2 with 8 micro-batches (against
                                 ``pp1-m8``: the one-GPU default path, 8 micro-batches); also ``pp2-vpp2-m8``
                                 (interleaved, 2 chunks per stage) and ``pp2-m8-nograph`` (CUDA graphs off)
+workbench-<L>             1     Llama-3.2-1B at sequence ``L`` (``16k``, ``32k``: CP_LENGTHS), micro-batch 1,
+                                CP_TOKENS tokens a step: the one-GPU default path with the recompute the planner
+                                says it needs to fit (``cp_one_gpu_recompute``): the CP rows' baseline
+cp2-<L>                   2     the same sequences split over 2 GPUs: ``parallel.context_parallel: 2`` (ring
+                                attention, flash blocks), the same global batch (against ``workbench-<L>``)
+torchtitan-cp2-<L>        2     the yardstick: torchtitan 0.3.0 with ``context_parallel_degree: 2`` at the same
+                                length and batch (bench/reference_torchtitan.py; against ``workbench-<L>``)
 ========================  ====  ==============================================================
 
 Per variant: tokens/s, MFU (Megatron's formula via ``derive(cfg).flops_per_step`` over
@@ -102,6 +109,12 @@ SEQ_LENGTH = {"llama3.2-1b": 2048, "llama3.2-3b": 2048, "llama3.1-8b": 2048}
 #: models one GPU cannot train (the planner: Llama-3.1-8B's one-GPU default path needs ~146 GiB at micro-batch 1):
 #: their two-GPU layouts are compared with torchtitan on the same two GPUs at this global batch, not with one GPU
 TWO_GPU_ONLY = {"llama3.1-8b": 8}
+#: context parallelism's rows (#53): these models at these sequence lengths, micro-batch 1, CP_TOKENS tokens a step
+#: (1 or 2 sequences), CP=2 on two GPUs against the one-GPU way at that length, on this GPU (the planner's name)
+CP_MODELS = ("llama3.2-1b",)
+CP_LENGTHS = {"16k": 16384, "32k": 32768}
+CP_TOKENS = 32768
+CP_GPU = "H200-141GB"
 #: --cpu-smoke: the tiny stand-in of each model's architecture (a Llama model smokes the Llama reference)
 TINY_LLAMA = {"model.position_embedding": "rope", "model.normalization": "rmsnorm", "model.activation": "swiglu",
               "model.attention_type": "grouped", "model.num_query_groups": 2, "model.add_bias_linear": False}
@@ -238,6 +251,7 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         # PP=2 with 8 micro-batches against the one-GPU default path (CUDA graphs on) of the same global batch;
         # ideal p*m/(m+p-1) = 1.78x.  "-nograph": the same layout without CUDA graphs (what PP ran before).
         # With --microbatches 8 the default row is that baseline already.
+        rows += cp_variants([m for m in models if m in CP_MODELS])
         pp2 = {"parallel.pipeline_parallel": 2}
         for m in [m for m in models if m in ("gpt2-medium", "llama3.2-1b", "llama3.2-3b")]:
             pp_base = f"workbench/{m}" if microbatches == 8 else f"pp1-m8/{m}"
@@ -247,6 +261,36 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
                                ("pp2-m8-nograph", {**pp2, "train.cuda_graphs": False})):
                 rows.append(Variant(f"{name}/{m}", "workbench", m, gpus=2, microbatches=8, baseline=pp_base,
                                     overrides=over))
+    return rows
+
+
+def cp_one_gpu_recompute(model: str, seq: int, gpu: str = CP_GPU) -> str:
+    """The recompute the one-GPU default path needs at sequence ``seq`` (micro-batch 1) to fit ``gpu`` by the planner:
+    the first of none, selective, full that fits (full when none does: the row then shows the OOM)."""
+    from workbench.planner import predict
+
+    for mode in ("none", "selective", "full"):
+        v = Variant("probe", "workbench", model, overrides={"model.seq_length": seq, "train.micro_batch_size": 1,
+                                                            "parallel.recompute": mode})
+        if predict(bench_config(v), gpu, suggest=False).fits:
+            return mode
+    return "full"
+
+
+def cp_variants(models: list[str]) -> list[Variant]:
+    """Context parallelism's rows: per model and length of CP_LENGTHS, the one-GPU way (``workbench-<L>``), CP=2
+    (``cp2-<L>``) and torchtitan's CP=2 (``torchtitan-cp2-<L>``), each of CP_TOKENS tokens a step."""
+    rows = []
+    for m in models:
+        for tag, seq in CP_LENGTHS.items():
+            base, k = f"workbench-{tag}/{m}", max(CP_TOKENS // seq, 1)
+            at = {"model.seq_length": seq, "train.micro_batch_size": 1}
+            rows.append(Variant(base, "workbench", m, microbatches=k,
+                                overrides={**at, "parallel.recompute": cp_one_gpu_recompute(m, seq)}))
+            cp2 = {**at, "parallel.context_parallel": 2}
+            rows.append(Variant(f"cp2-{tag}/{m}", "workbench", m, gpus=2, microbatches=k, baseline=base, overrides=cp2))
+            rows.append(Variant(f"torchtitan-cp2-{tag}/{m}", "torchtitan", m, gpus=2, microbatches=k, baseline=base,
+                                overrides=cp2))
     return rows
 
 
@@ -263,11 +307,12 @@ def bench_config(v: Variant, cpu_smoke: bool = False):
         over = {"train.compile_kernels": False}
     else:
         cfg = preset(v.model)
-        mbs = MODELS[v.model]
+        mbs = int(v.overrides.get("train.micro_batch_size", MODELS[v.model]))
         over = {"model.seq_length": SEQ_LENGTH.get(v.model, 1024), "train.precision": "bf16", "parallel.device": "cuda"}
     tp = int(v.overrides.get("parallel.tensor_parallel", 1))
     pp = int(v.overrides.get("parallel.pipeline_parallel", 1))
-    dp = max(v.gpus // (tp * pp), 1)
+    cp = int(v.overrides.get("parallel.context_parallel", 1))
+    dp = max(v.gpus // (tp * pp * cp), 1)
     over.update({
         "train.micro_batch_size": mbs,
         "train.global_batch_size": mbs * dp * v.microbatches,
@@ -546,6 +591,7 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
     d = derive(cfg)
     row: dict[str, Any] = {"variant": v.name, "kind": v.kind, "model": v.model, "gpus": v.gpus,
                            "tp": cfg.parallel.tensor_parallel, "pp": cfg.parallel.pipeline_parallel,
+                           "cp": cfg.parallel.context_parallel, "recompute": cfg.parallel.recompute,
                            "dp": d.data_parallel, "micro_batch_size": cfg.train.micro_batch_size,
                            "microbatches": d.num_microbatches, "global_batch_size": cfg.train.global_batch_size,
                            "seq_length": cfg.model.seq_length, "tokens_per_step": d.tokens_per_step,
