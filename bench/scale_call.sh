@@ -15,16 +15,17 @@
 #           of 2048 tokens, micro-batch 1 (bench/train_throughput.TWO_GPU_ONLY)
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
 #           tokens a step, micro-batch 1: the one-GPU default path at that length (the recompute the planner says it
-#           needs: none on an H200 at both), CP=2 (ring attention, flash blocks) and torchtitan 0.3.0's CP=2 on the
-#           same two GPUs (bench/train_throughput.cp_variants); 10 timed steps a process (STEPS) to fit the call:
-#           estimated ~8 minutes each (3 repeats x [~65 s one GPU + ~45 s CP=2 + ~60 s torchtitan])
+#           needs: none on an H200 at both) beside CP=2 (ring attention, flash blocks): the scaling row
+#   CALL=12 / 13: CP=2 beside torchtitan 0.3.0's CP=2 on the same two GPUs at 16k / 32k (cp2's "vs ref" is torchtitan's
+#           CP row; bench/train_throughput.cp_variants).  Each CP call: 6 processes of the protocol (>= 20 timed
+#           steps), estimated 5-7 minutes (one step ~0.5-0.9 s; start and compile ~40 s a process)
 # Rows go to OUTDIR/train_throughput.jsonl (device, date, commit, versions, MFU, memory, kernel path), logs to
 # OUTDIR/logs.tgz.  Run from the repository root with .whl (and .whl/titan) carried:
 #   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT
 set -u
 out="${1:?usage: scale_call.sh OUTDIR}"
-call="${CALL:?set CALL=1 to 11}"
-case "$call" in 7|8|9) model="${MODEL:-llama3.1-8b}" ;; 10|11) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
+call="${CALL:?set CALL=1 to 13}"
+case "$call" in 7|8|9) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
 mkdir -p "$out"
 source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
@@ -36,8 +37,10 @@ bench() {  # bench LIMIT ARGS...: one protocol measurement, its log kept; the ca
   grep -E "FAILED|Error|error:" "$out/call$call.log" | head -8
 }
 case "$call" in
-  10) bench "${LIMIT:-560}" --steps "${STEPS:-10}" --variants "$(names workbench-16k cp2-16k torchtitan-cp2-16k)" ;;
-  11) bench "${LIMIT:-560}" --steps "${STEPS:-10}" --variants "$(names workbench-32k cp2-32k torchtitan-cp2-32k)" ;;
+  10) bench "${LIMIT:-570}" --variants "$(names workbench-16k cp2-16k)" ;;
+  11) bench "${LIMIT:-570}" --variants "$(names workbench-32k cp2-32k)" ;;
+  12) bench "${LIMIT:-570}" --variants "$(names cp2-16k torchtitan-cp2-16k)" ;;
+  13) bench "${LIMIT:-570}" --variants "$(names cp2-32k torchtitan-cp2-32k)" ;;
   1) bench "${LIMIT:-570}" --microbatches 4 --variants "$(names workbench dp2-distopt torchtitan)" ;;
   2) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench pp2-m8 tp2-sp)" --profile \
        --profile-variants "pp2-m8/$model,tp2-sp/$model" ;;
@@ -48,6 +51,6 @@ case "$call" in
   7) bench "${LIMIT:-570}" --variants "$(names dp2-distopt torchtitan)" ;;
   8) bench "${LIMIT:-570}" --variants "$(names tp2-sp torchtitan)" ;;
   9) bench "${LIMIT:-570}" --variants "$(names pp2-m8 torchtitan)" ;;
-  *) echo "CALL must be 1 to 11" >&2; exit 2 ;;
+  *) echo "CALL must be 1 to 13" >&2; exit 2 ;;
 esac
 cd "$out" && tar czf logs.tgz *.log && rm -f *.log

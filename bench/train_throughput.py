@@ -139,6 +139,8 @@ class Variant:
     microbatches: int = 4  # per data-parallel rank and step
     overrides: dict[str, Any] = field(default_factory=dict)  # dotted RunConfig overrides
     baseline: Optional[str] = None  # row this one is compared against (scaling), same model
+    #: the yardstick row of ``vs ref`` (``ratio_to_reference``) when it is not ``reference/<model>``
+    reference: Optional[str] = None
     env: dict[str, str] = field(default_factory=dict)  # launch environment on top of ours
     #: "no-tp-comm": a diagnostic bound, not the model's maths: the compiled layer's TP
     #: collectives are skipped, so the row shows what TP=2 would give with free communication
@@ -288,7 +290,8 @@ def cp_variants(models: list[str]) -> list[Variant]:
             rows.append(Variant(base, "workbench", m, microbatches=k,
                                 overrides={**at, "parallel.recompute": cp_one_gpu_recompute(m, seq)}))
             cp2 = {**at, "parallel.context_parallel": 2}
-            rows.append(Variant(f"cp2-{tag}/{m}", "workbench", m, gpus=2, microbatches=k, baseline=base, overrides=cp2))
+            rows.append(Variant(f"cp2-{tag}/{m}", "workbench", m, gpus=2, microbatches=k, baseline=base, overrides=cp2,
+                                reference=f"torchtitan-cp2-{tag}/{m}"))
             rows.append(Variant(f"torchtitan-cp2-{tag}/{m}", "torchtitan", m, gpus=2, microbatches=k, baseline=base,
                                 overrides=cp2))
     return rows
@@ -595,7 +598,7 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
                            "dp": d.data_parallel, "micro_batch_size": cfg.train.micro_batch_size,
                            "microbatches": d.num_microbatches, "global_batch_size": cfg.train.global_batch_size,
                            "seq_length": cfg.model.seq_length, "tokens_per_step": d.tokens_per_step,
-                           "overrides": v.overrides, "env": v.env, "bound": v.bound,
+                           "overrides": v.overrides, "env": v.env, "bound": v.bound, "reference_variant": v.reference,
                            "ok": bool(res.get("ok")), "wall_s": res.get("wall_s")}
     if not res.get("ok"):
         row["error"] = res.get("error")
@@ -666,7 +669,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if not r["ok"]:
             print(f"{r['variant']:28s} {r['gpus']:>4d}  FAILED: {str(r.get('error'))[:80]}")
             continue
-        ref = by_name.get(f"reference/{r['model']}")
+        ref = by_name.get(r.get("reference_variant") or f"reference/{r['model']}")
         vs = _range(r, ref) if ref and ref.get("ok") else None
         r["ratio_to_reference"] = vs["ratio"] if vs else None
         r["ratio_to_reference_range"] = [vs["worst"], vs["best"]] if vs else None

@@ -1,10 +1,12 @@
-"""Context parallelism's rows of bench/train_throughput.py (bench/scale_call.sh CALL=10 / 11, #53): Llama-3.2-1B at
-16k and 32k tokens, CP=2 on two GPUs and torchtitan's CP=2 against the one-GPU way at the same length (the recompute
-the planner says it needs), one global batch."""
+"""Context parallelism's rows of bench/train_throughput.py (bench/scale_call.sh CALL=10 to 13, #53): Llama-3.2-1B at
+16k and 32k tokens, CP=2 on two GPUs against the one-GPU way at the same length (the recompute the planner says it
+needs) and against torchtitan's CP=2, one global batch."""
 
 import re
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,13 +103,38 @@ def test_the_torchtitan_cp_row_asks_torchtitan_for_cp2(monkeypatch):
     assert seen["opts"].cp == 1
 
 
-def test_scale_call_10_and_11_name_planned_variants():
+def test_scale_calls_10_to_13_name_planned_variants_and_keep_the_protocol():
+    """CALL=10 / 11: the one-GPU way beside CP=2 (the scaling row); CALL=12 / 13: CP=2 beside torchtitan's CP=2
+    (cp2's yardstick row).  No call lowers the protocol's timed steps (>= 20: bench/harness.Protocol)."""
     tt = _tt()
     script = (ROOT / "bench" / "scale_call.sh").read_text()
-    planned = {v.name for v in tt.plan(["llama3.2-1b"], gpus=2, have_te=False, microbatches=4)}
-    for call, tag in (("10", "16k"), ("11", "32k")):
+    planned = {v.name: v for v in tt.plan(["llama3.2-1b"], gpus=2, have_te=False, microbatches=4)}
+    calls = {"10": ["workbench-16k", "cp2-16k"], "11": ["workbench-32k", "cp2-32k"],
+             "12": ["cp2-16k", "torchtitan-cp2-16k"], "13": ["cp2-32k", "torchtitan-cp2-32k"]}
+    for call, want in calls.items():
         line = next(x for x in script.splitlines() if x.strip().startswith(f"{call})"))
         names = re.search(r'names ([^)]*)\)', line).group(1).split()
-        assert names == [f"workbench-{tag}", f"cp2-{tag}", f"torchtitan-cp2-{tag}"]
+        assert names == want
         assert all(f"{n}/llama3.2-1b" in planned for n in names)
-    assert '10|11) model="${MODEL:-llama3.2-1b}"' in script
+        assert "--steps" not in line
+    assert '10|11|12|13) model="${MODEL:-llama3.2-1b}"' in script
+    for tag in ("16k", "32k"):
+        cp2 = planned[f"cp2-{tag}/llama3.2-1b"]
+        assert cp2.baseline == f"workbench-{tag}/llama3.2-1b" and cp2.reference == f"torchtitan-cp2-{tag}/llama3.2-1b"
+
+
+def test_a_row_is_compared_with_its_named_yardstick(capsys):
+    """print_table's "vs ref" reads the variant's own yardstick row (cp2 -> torchtitan's CP=2), with its range."""
+    tt = _tt()
+
+    def row(name, tps, ref=None):
+        return {"variant": name, "model": "llama3.2-1b", "gpus": 2, "ok": True, "tokens_per_s": tps, "mfu": 0.5,
+                "mem_peak_gib": 1.0, "reference_variant": ref,
+                "repeats": {"repeats": [tps * 0.99, tps, tps * 1.01], "median": tps, "spread": 0.02}}
+
+    rows = [row("torchtitan-cp2-32k/llama3.2-1b", 100.0), row("cp2-32k/llama3.2-1b", 150.0, "torchtitan-cp2-32k/llama3.2-1b")]
+    tt.print_table(rows)
+    assert rows[1]["ratio_to_reference"] == pytest.approx(1.5)
+    worst, best = rows[1]["ratio_to_reference_range"]
+    assert worst == pytest.approx(0.99 * 150 / (1.01 * 100)) and best == pytest.approx(1.01 * 150 / (0.99 * 100))
+    assert rows[0]["ratio_to_reference"] is None
