@@ -11,6 +11,7 @@ stack trace.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import shutil
@@ -460,6 +461,39 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=_cmd_notebook_run)
 
 
+def _cmd_export_tensorboard(args: argparse.Namespace) -> int:
+    """``workbench runs export-tensorboard RUN_DIR...``: each run's step and eval records as TensorBoard files."""
+    from workbench.run.tensorboard import ExportError, export
+
+    if args.logdir and len(args.run_dirs) > 1:
+        print("--logdir names the folder of one run; leave it out to write each run's <run_dir>/tensorboard", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("tensorboard") is None:
+        print("exporting to TensorBoard needs the tensorboard package: pip install tensorboard", file=sys.stderr)
+        return 2
+    code = 0
+    for run_dir in args.run_dirs:
+        try:
+            print(f"wrote {export(run_dir, args.logdir, replace=args.replace)}")
+        except ExportError as e:
+            print(e, file=sys.stderr)
+            code = 1
+    if code == 0:
+        print(f"open with: tensorboard --logdir {args.logdir or Path(args.run_dirs[0]).parent}")
+    return code
+
+
+def _add_runs_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("runs", help="work with finished run directories")
+    rsub = p.add_subparsers(dest="runs_cmd", required=True)
+    e = rsub.add_parser("export-tensorboard", help="write a run's logged metrics as TensorBoard event files "
+                                                   "(<run_dir>/tensorboard; what train.tensorboard writes live)")
+    e.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    e.add_argument("--logdir", help="write here instead of <run_dir>/tensorboard (one run only)")
+    e.add_argument("--replace", action="store_true", help="replace event files already in the folder")
+    e.set_defaults(func=_cmd_export_tensorboard)
+
+
 # --------------------------------------------------------------------------- the parser
 
 
@@ -489,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
                 advisor.add_cli,         # advise, calibrate
                 _add_schedule_cli,       # schedule
                 _add_run_cli,            # launch, sweep, notebook
+                _add_runs_cli,           # runs export-tensorboard
                 data.add_cli,            # preprocess, tokenizer, data
                 conversion.add_cli,      # convert
                 generation.add_cli):     # generate

@@ -214,8 +214,8 @@ class TrainConfig:
     eval_interval: int = 25  # 0 disables eval
     eval_iters: int = 4
     log_interval: int = 1
-    #: record per-micro-batch forward/backward CUDA-event timings every K steps (0 = never).
-    microbatch_timing_interval: int = 5
+    microbatch_timing_interval: int = 5  # per-micro-batch forward/backward CUDA-event timings every K steps (0 = never)
+    tensorboard: bool = False  # the logged steps' and evals' metrics as TensorBoard scalars too (workbench.run.tensorboard)
     #: torch.compile the fused element-wise pieces of each layer (GPU only).
     compile_kernels: bool = True
     #: with compile_kernels: replay each compiled layer's forward and backward as CUDA graphs

@@ -2,9 +2,10 @@
 
 :func:`field_problems` walks a config's dataclasses (``workbench.config``) by their type hints and
 checks every field alone: the type (a bool is not an integer, a string is not a number), that a
-float is finite (``.nan`` and ``.inf`` are refused everywhere), and the field's :class:`Bound` from
-:data:`BOUNDS`.  The upper bounds are beyond any real model or machine, and say so: they stop an
-absurd value (``num_layers: 1e9``) before a rule or the planner computes with it.  Rules between
+float is finite (``.nan`` and ``.inf`` are refused everywhere), the field's :class:`Bound` from
+:data:`BOUNDS`, and that a switch turned on finds the package it needs (:data:`NEEDS_PACKAGE`).  The
+upper bounds are beyond any real model or machine, and say so: they stop an absurd value
+(``num_layers: 1e9``) before a rule or the planner computes with it.  Rules between
 fields (divisibility, one field against another) are ``workbench.config.validate``'s, and a rule
 that reads a field found invalid here is skipped there: only the root problem is reported.
 
@@ -27,7 +28,7 @@ from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 from workbench.config_text import MAX_VALUES
 
-__all__ = ["Problem", "ConfigError", "Bound", "BOUNDS", "LAYERS", "ITERS", "SEQ_WHY", "bounded", "field_problems", "plain_data_problem", "LARGEST_ACCELERATOR_BYTES",
+__all__ = ["Problem", "ConfigError", "Bound", "BOUNDS", "NEEDS_PACKAGE", "LAYERS", "ITERS", "SEQ_WHY", "bounded", "field_problems", "plain_data_problem", "LARGEST_ACCELERATOR_BYTES",
            "at_defaults", "reads_bad", "touches", "module_exists"]
 
 
@@ -155,6 +156,12 @@ BOUNDS: dict[str, Bound] = {
     "checkpoint.save_interval": Bound(0, ITERS, why="a billion steps", fix="use 0 to save only at the end"),
 }
 
+#: a switch that, when on, needs a package the workbench does not install by default: path -> (module, fix); the
+#: module is looked for on disk (:func:`module_exists`), never imported
+NEEDS_PACKAGE: dict[str, tuple[str, str]] = {
+    "train.tensorboard": ("tensorboard", "pip install tensorboard (or the workbench's [tensorboard] extra), or set tensorboard: false"),
+}
+
 
 def plain_data_problem(value: Any, path: str, budget: int = MAX_VALUES) -> Problem | None:
     """A problem when ``value`` is not plain JSON data (mappings with string keys, lists, strings,
@@ -247,6 +254,8 @@ def field_problems(obj: Any, prefix: str = "", bounds_path: str | None = None) -
             problem = tp(value, where)
             if problem is None and bound is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
                 problem = bound.problem(where, value)
+            if problem is None and value is True and path in NEEDS_PACKAGE and not module_exists(NEEDS_PACKAGE[path][0]):
+                problem = Problem(where, f"needs the {NEEDS_PACKAGE[path][0]} package, which is not importable here", NEEDS_PACKAGE[path][1])
             if problem is None and where == "name" and (not value or len(value) > 200 or not value.isprintable()):
                 problem = Problem(where, f"{value!r} is not a name: 1-200 printable characters", "use a short name such as 'gpt2-small'")
             if problem is not None:

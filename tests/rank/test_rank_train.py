@@ -1,7 +1,7 @@
 """Training-rank tests: real ``torchrun ... -m workbench.rank`` jobs in CPU mode (gloo).
 
 Covers: PP=2 training through megatron's 1F1B schedule with events (run_start, step,
-microbatch, eval, checkpoint, run_end), checkpoint + resume continuing the loss curve and LR
+microbatch, eval, checkpoint, run_end) and its TensorBoard log (``train.tensorboard``), checkpoint + resume continuing the loss curve and LR
 schedule exactly, distributed-optimizer save and resume at DP=2, SIGTERM shutdown (checkpoint,
 run_end "stopped", non-zero exit), SIGUSR1 stack dumps, a hung process-group teardown that
 still ends the process, an exception in a rank (error event, non-zero exit), bad config (exit 2
@@ -64,7 +64,7 @@ def _by(events, kind, rank=None):
 @pytest.fixture(scope="module")
 def pp2_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("pp2")
-    proc = _torchrun(_cfg(**{"parallel.pipeline_parallel": 2}), run_dir, 2, 29701)
+    proc = _torchrun(_cfg(**{"parallel.pipeline_parallel": 2, "train.tensorboard": True}), run_dir, 2, 29701)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return run_dir, read_events(run_dir)
 
@@ -106,6 +106,40 @@ def test_pp2_run_writes_the_event_contract(pp2_run):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     meta = json.loads((ckpt / "iter_0000003" / "workbench.json").read_text())
     assert meta["complete"] and meta["iteration"] == 3 and meta["extra"]["consumed_samples"] == 24
+
+
+def _tensorboard_points(logdir: Path) -> dict[str, list[tuple[int, float, float]]]:
+    """Every scalar series in ``logdir`` as TensorBoard's own reader gives it: tag -> [(step, value, wall time)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {tag: [(s.step, s.value, s.wall_time) for s in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_log_holds_the_logged_steps_and_evaluations(pp2_run, tmp_path):
+    """``train.tensorboard``: the rank holding the loss (the last pipeline stage, rank 1) writes one event file into
+    <run_dir>/tensorboard, and TensorBoard's reader finds each step record's loss, LR, grad norm and throughput and each
+    eval record's loss at the same steps and times, equal to float32; an export of the run's events afterwards holds
+    the same points (one adapter for both)."""
+    import numpy as np
+
+    from workbench.run.tensorboard import export
+
+    run_dir, ev = pp2_run
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    live = _tensorboard_points(run_dir / "tensorboard")
+    steps, evals = _by(ev, "step", 1), _by(ev, "eval", 1)
+    for tag, key, records in (("train/loss", "loss", steps), ("train/lr", "lr", steps), ("train/grad_norm", "grad_norm", steps),
+                              ("perf/tokens_per_s", "tokens_per_s", steps), ("perf/step_time_s", "step_time", steps),
+                              ("eval/loss", "loss", evals), ("eval/ppl", "ppl", evals)):
+        want = [(e["iteration"], float(np.float32(e[key])), e["time"]) for e in records]
+        assert live[tag] == want, (tag, live[tag], want)
+    assert [p[0] for p in live["train/loss"]] == [1, 2, 3, 4, 5, 6] and [p[0] for p in live["eval/loss"]] == [3, 6]
+    # CPU mode leaves MFU and memory empty: no series for them
+    assert sorted(live) == sorted(["train/loss", "train/lr", "train/grad_norm", "perf/step_time_s", "perf/tokens_per_s",
+                                   "perf/tflops_per_gpu", "eval/loss", "eval/ppl"])
+    assert _tensorboard_points(export(run_dir, tmp_path / "exported")) == live
 
 
 DIST_OPT = {"parallel.distributed_optimizer": True, "train.eval_interval": 0}

@@ -13,7 +13,9 @@
 - checkpoints through :mod:`workbench.backend.checkpointing` (interval, on clean exit and
   on a graceful stop), resume from ``checkpoint.load_dir`` continuing iteration, LR
   schedule and data position (``consumed_samples``); ``checkpoint.finetune`` loads weights only;
-- events (:mod:`workbench.run.events`): run_start, step, microbatch, eval, checkpoint, error, run_end;
+- events (:mod:`workbench.run.events`): run_start, step, microbatch, eval, checkpoint, error, run_end; with
+  ``train.tensorboard`` the rank that logs also writes the step and eval records as TensorBoard scalars
+  (:mod:`workbench.run.tensorboard`, flushed at each logged step);
 - SIGTERM/SIGINT: all ranks agree to stop at the same step boundary (a non-blocking tiny
   all-reduce per step, read one step later; see ``_agree_stop``), a checkpoint is saved if
   ``checkpoint.save_on_exit``, ``run_end`` says "stopped", and the exit code is 143 / 130.
@@ -95,6 +97,7 @@ class Trainer:
         self._last_step_time = 0.0
         self._stop_pending: Optional[tuple[Any, torch.Tensor]] = None  # (work, flag) of the lagged stop agreement
         self.monitor: Any = None  # the family's per-step monitor (setup)
+        self.tensorboard: Any = None  # train.tensorboard on the rank that logs: a workbench.run.tensorboard.TensorBoardLog
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -498,11 +501,22 @@ class Trainer:
             self.events.close()
         except Exception:
             pass
+        try:
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+        except Exception:
+            pass
         for stream in () if leaving else getattr(self, "train_iters", ()):
             try:
                 stream.close()
             except Exception:
                 pass
+
+    def _tensorboard(self, rec: Any) -> None:
+        """A step or eval record into the TensorBoard log, flushed (a killed run keeps it); nothing without one."""
+        if self.tensorboard is not None:
+            self.tensorboard.write(rec)
+            self.tensorboard.flush()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -534,6 +548,10 @@ class Trainer:
                                                         **({"cp": self.coords.cp} if self.coords.cp_size > 1 else {})},
             kernel_path=self.kernel_path, kernels=self.kernel_choice, data=self.data_desc, start_iteration=self.iteration,
         ))
+        if t.tensorboard and self.is_logging_rank:  # the rank holding the loss; a resume drops the earlier points after it
+            from workbench.run.tensorboard import TensorBoardLog, tensorboard_dir
+
+            self.tensorboard = TensorBoardLog(tensorboard_dir(self.run_dir), purge_step=self.iteration + 1 if self.iteration else None)
         peak = peak_tflops(dev_name, t.precision, t.peak_tflops) if self.cuda else t.peak_tflops
         flops = self.derived.flops_per_step
         tokens = self.derived.tokens_per_step
@@ -550,13 +568,13 @@ class Trainer:
             self.last_loss = loss
             if it % t.log_interval == 0 or it == t.train_iters:
                 tflops = flops / res["step_time"] / world / 1e12
-                self.events.write(Step(
+                self._tensorboard(self.events.write(Step(
                     iteration=it, loss=loss, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
                     grad_norm=None if res["grad_norm"] is None else float(res["grad_norm"]), skipped=res["skipped"],
                     step_time=res["step_time"], tokens_per_s=tokens / res["step_time"], tflops_per_gpu=tflops,
                     mfu=(tflops / peak) if peak else None, consumed_samples=self.consumed_samples, **memory_stats(self.cuda),
                     extra={k: v for k, v in res["losses"].items() if k != self.loss_name},
-                ))
+                )))
             for rec in self.monitor.after_step(it, self.derived.num_microbatches) if self.monitor else ():
                 if self.is_logging_rank:
                     self.events.write(rec)
@@ -569,7 +587,7 @@ class Trainer:
             if t.eval_interval and it % t.eval_interval == 0:
                 ev = self.evaluate()
                 if ev is not None:
-                    self.events.write(Eval(iteration=it, loss=ev["loss"], ppl=ev["ppl"], extra=ev["metrics"]))
+                    self._tensorboard(self.events.write(Eval(iteration=it, loss=ev["loss"], ppl=ev["ppl"], extra=ev["metrics"])))
                     self._log(f"[workbench] eval @ {it}: loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
             if c.save_interval and it % c.save_interval == 0:
                 self.save()
