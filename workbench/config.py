@@ -7,8 +7,9 @@ typo must never be silently ignored), and :meth:`RunConfig.validate` reports *ev
 once, each naming the field, the rule and a fix, before any GPU process starts: first each field
 alone (type, finite, range: :mod:`workbench.config_fields`), then the rules between fields, of
 which one that reads an invalid field is skipped (only the root problem is reported).  Quantities derived from a config (padded vocab, data-parallel
-size, micro-batches, parameter counts, Megatron FLOPs) live in :func:`derive`
-so no two parts of the workbench ever compute them differently.
+size, micro-batches, parameter counts, Megatron FLOPs) live in :func:`derive` (:mod:`workbench.config_derived`)
+so no two parts of the workbench ever compute them differently; the rules between fields in
+:mod:`workbench.config_rules`.
 
 This module imports neither torch nor megatron-core: it must stay light enough
 for a notebook kernel and for a 50 ms planner loop.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
 import math
 import types
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from workbench import kernel_rule
-from workbench.config_fields import LARGEST_ACCELERATOR_BYTES, ConfigError, Problem, at_defaults, field_problems, module_exists, reads_bad
+from workbench.config_derived import (Derived, ParamCounts, apply_rank_environment, derive, layer_and_head_flops,
+                                      megatron_flops_per_step, pad_vocab_size, pipeline_stage_layers, rank_environment)
+from workbench.config_fields import ConfigError, Problem, field_problems
+from workbench.config_rules import validate
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
-from workbench.config_cp import context_parallel_problems
-from workbench.layout import Layout
-from workbench.families import FAMILIES, Supports, all_presets, family_of
+from workbench.families import FAMILIES, all_presets
 
 __all__ = [
     "ModelConfig",
@@ -46,9 +46,15 @@ __all__ = [
     "Problem",
     "ConfigError",
     "Derived",
+    "ParamCounts",
     "derive",
     "pad_vocab_size",
     "megatron_flops_per_step",
+    "layer_and_head_flops",
+    "pipeline_stage_layers",
+    "rank_environment",
+    "apply_rank_environment",
+    "validate",
     "PRESETS",
     "preset",
     "load_config",
@@ -555,334 +561,6 @@ def load_config(path: str | Path) -> RunConfig:
     except ConfigTextError as e:
         raise ConfigError([Problem(str(path), e.rule, e.fix)]) from None
     return RunConfig.from_dict(data, str(path))
-
-
-# --------------------------------------------------------------------------- derived
-
-
-def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's rule: pad to a multiple of ``divisible_by * tp`` so every TP shard is equal."""
-    multiple = max(divisible_by, 1) * max(tp, 1)
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def layer_and_head_flops(cfg: RunConfig) -> tuple[float, float]:
-    """Megatron's FLOP terms of one layer and of the output layer + loss, in units of
-    ``12 * tokens * h^2`` (the model family's ``shapes.layer_and_head_flops``)."""
-    vocab = pad_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
-    return family_of(cfg).shapes.layer_and_head_flops(cfg, vocab)
-
-
-def megatron_flops_per_step(cfg: RunConfig, batch_size: int | None = None) -> float:
-    """Model FLOPs of one training step (forward + backward), Megatron's formula.
-
-    From ``megatron/training/training.py::num_floating_point_operations``:
-    12 * B * s * L * h^2 * ((1 + g/a + s/h) * (d*a/h) + (f/h) * gate + V / (2 L h)).
-    Recompute is deliberately not counted (MFU, not hardware FLOPs).
-    """
-    m = cfg.model
-    b = batch_size if batch_size is not None else cfg.train.global_batch_size
-    layer, head = layer_and_head_flops(cfg)
-    return 12.0 * b * m.seq_length * m.hidden_size**2 * (m.num_layers * layer + head)
-
-
-def pipeline_stage_layers(cfg: RunConfig) -> tuple[int, ...]:
-    """Transformer layers held by each pipeline rank (all its virtual chunks together).
-
-    ``parallel.pipeline_split: balanced`` (without interleaving) picks the first and last
-    stages' counts (megatron's ``num_layers_in_first/last_pipeline_stage``; middle stages
-    split the rest evenly) that minimise the slowest stage's FLOPs, the output layer and
-    loss counted on the last stage.  In 1F1B every stage runs at the pace of the slowest,
-    so this is the split the ideal ``(p-1)/m`` bubble assumes.  Ties go to the even split.
-    Falls back to the even split when no other split is valid (e.g. too few layers).
-    """
-    L, pp = cfg.model.num_layers, max(cfg.parallel.pipeline_parallel, 1)
-    even = tuple([max(L // pp, 1)] * pp)
-    if pp == 1 or cfg.parallel.pipeline_split != "balanced" or cfg.parallel.vpp > 1 or L < pp:
-        return even
-    return _balanced_split(L, pp, *layer_and_head_flops(cfg)) or even
-
-
-@functools.lru_cache(maxsize=256)
-def _balanced_split(L: int, pp: int, layer: float, head: float) -> tuple[int, ...] | None:
-    """:func:`pipeline_stage_layers`' search: (first, middle stages, last) in the order first, then last,
-    ascending; the first split strictly faster than the best so far wins (None: no valid split)."""
-    k = pp - 2  # middle stages, each holding `per` layers
-
-    def slowest(first: int, per: int, last: int) -> float:
-        return max(first * layer + 0.0, per * layer + 0.0, last * layer + head) if k else max(first * layer + 0.0, last * layer + head)
-
-    best = (L // pp, L // pp, L // pp) if L % pp == 0 else None
-    best_time = slowest(*best) if best else math.inf
-    for first in range(1, L):
-        # pp == 2: the last stage takes the rest; else last = L - first - k * per, ascending as per descends
-        for per in ((0,) if k == 0 else range((L - first - 1) // k, 0, -1)):
-            t = slowest(first, per, L - first - k * per)
-            if best is None or t < best_time - 1e-9:
-                best, best_time = (first, per, L - first - k * per), t
-    return None if best is None else (best[0], *([best[1]] * k), best[2])
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    embedding: int  # word embeddings (padded vocab) + learned positions
-    per_layer: int
-    final_norm: int
-    output_layer: int  # 0 when tied
-    total: int
-
-
-@dataclass(frozen=True)
-class Derived:
-    world_size: int
-    data_parallel: int
-    padded_vocab_size: int
-    num_microbatches: int
-    tokens_per_step: int
-    stage_layers: tuple[int, ...]  # transformer layers per pipeline rank (all its virtual chunks together)
-    params: ParamCounts
-    params_per_stage: tuple[int, ...]  # unsharded (before TP) parameters held by each pipeline stage
-    flops_per_step: float
-
-
-def rank_environment(cfg: RunConfig) -> dict[str, str]:
-    """Environment variables a rank process needs before it starts CUDA (read at CUDA's start).
-
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP comm overlap (megatron's setting): with one
-    hardware queue the GPU starts kernels in launch order across streams, so a backward
-    all-reduce launched before the weight-gradient GEMMs gets its SMs and runs under them.
-    TE's userbuffers (``parallel.te_userbuffers``) need it too, and ``UB_SKIPMC=1`` (CUDA IPC instead of NVLink
-    multicast) where the launch keeps multicast off for NCCL (``NCCL_NVLS_ENABLE=0``): hosts that share their GPUs
-    disable multicast, and TE's userbuffers would otherwise create multicast objects on their own.
-    """
-    import os
-
-    p = cfg.parallel
-    env: dict[str, str] = {}
-    userbuffers = kernel_rule.choose(cfg).tp_overlap == "userbuffers"
-    if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or userbuffers):
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    if userbuffers and os.environ.get("NCCL_NVLS_ENABLE") == "0":
-        env["UB_SKIPMC"] = "1"
-    return env
-
-
-def apply_rank_environment(cfg: RunConfig) -> dict[str, str]:
-    """Set :func:`rank_environment` in this process where the launch did not set a value
-    (called first thing by a rank, before anything starts CUDA).  Returns the values in force."""
-    import os
-
-    return {k: os.environ.setdefault(k, v) for k, v in rank_environment(cfg).items()}
-
-
-def derive(cfg: RunConfig) -> Derived:
-    """Everything computed from a config, in one place. Tolerant of invalid configs (no division by zero)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    lay = Layout.of(cfg)
-    tp, pp, world, dp = lay.tp, lay.pp, lay.world, lay.dp
-    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    micro = max(t.global_batch_size // max(t.micro_batch_size * dp, 1), 1)
-    stage_layers = pipeline_stage_layers(cfg)
-    params = ParamCounts(**family_of(cfg).shapes.param_counts(cfg, vocab))
-    stages = []
-    for s in range(pp):
-        n = stage_layers[s] * params.per_layer
-        if s == 0:
-            n += params.embedding
-        if s == pp - 1:
-            n += params.final_norm + (params.output_layer if not m.tie_embeddings else (vocab * m.hidden_size if pp > 1 else 0))
-        stages.append(n)
-    return Derived(
-        world_size=world,
-        data_parallel=dp,
-        padded_vocab_size=vocab,
-        num_microbatches=micro,
-        tokens_per_step=t.global_batch_size * m.seq_length,
-        stage_layers=stage_layers,
-        params=params,
-        params_per_stage=tuple(stages),
-        flops_per_step=megatron_flops_per_step(cfg),
-    )
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def validate(cfg: RunConfig, bad: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
-    """Every rule, every problem at once. Each names the field, the rule and a fix.
-
-    First each field alone (:func:`workbench.config_fields.field_problems`: type, finite, range), then
-    the rules between fields, on a copy with every invalid field at its default.  A rule that reads an
-    invalid field (or one in ``bad``: what the caller reported already, e.g. a wrong type in a file) is
-    skipped: its premise is wrong already, so only the root problem is reported.
-    """
-    P = field_problems(cfg)
-    bad = set(bad) | {q.field for q in P}
-
-    def run(c: RunConfig) -> list[tuple[Problem, tuple[str, ...] | None]]:
-        found: list[tuple[Problem, tuple[str, ...] | None]] = []
-        _rules(c, lambda f, r, x, *reads: found.append((Problem(f, r, x), None if reads == (None,) else reads)))
-        return found
-
-    found = run(at_defaults(cfg, bad) if bad else cfg)
-    if bad and any(reads is None for _, reads in found):  # rules whose reads are not listed: kept when the same
-        try:                                                 # with other stand-ins for the invalid fields
-            again = {q for q, reads in run(at_defaults(cfg, bad, probe=True)) if reads is None}
-            found = [(q, reads) for q, reads in found if reads is not None or q in again]
-        except Exception:  # a stand-in a rule cannot take: the text check of reads_bad stays
-            pass
-    return P + [q for q, reads in found if not reads_bad(q, reads, bad)]
-
-
-def _rules(cfg: RunConfig, add: Any) -> None:
-    """The rules between fields: ``add(field, rule, fix, *reads)`` with the other fields (or sections)
-    each reads; a family's rule or the kernel rule's, whose reads are not listed, passes ``None``."""
-    m, p, t, d, c = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
-    tp, pp, vpp = p.tensor_parallel, p.pipeline_parallel, p.vpp
-    heads, groups = m.num_attention_heads, m.query_groups
-    arch = "model.arch"
-
-    # model
-    if m.arch not in FAMILIES:
-        add("model.arch", f"'{m.arch}' has no model family yet (families: {', '.join(FAMILIES)})", f"set arch to one of: {', '.join(FAMILIES)}")
-    known = m.arch in FAMILIES
-    for field_name, rule, fix in family_of(cfg).rules(cfg) if known else ():
-        add(field_name, rule, fix, None)
-    sup = family_of(cfg).supports if known else Supports()
-    if pp > 1 and not sup.pipeline:
-        add("parallel.pipeline_parallel", sup.pipeline_reason or f"the {m.arch} family has no pipeline parallelism", "set pipeline_parallel: 1", arch)
-    if vpp > 1 and not sup.interleaved:
-        add("parallel.virtual_pipeline_parallel", f"the {m.arch} family has no interleaved schedule", "leave virtual_pipeline_parallel unset", arch)
-    for fam in FAMILIES.values():  # each family's own fields, whatever the config's family (e.g. model.moe, model.num_labels)
-        for field_name, rule, fix, *reads in fam.field_rules(cfg, sup):
-            add(field_name, rule, fix, *reads)
-    if p.sequence_parallel and not sup.sequence_parallel:
-        add("parallel.sequence_parallel", f"the {m.arch} family has no sequence parallelism", "set sequence_parallel: false", arch)
-    if m.kv_channels is None and m.hidden_size % heads:
-        add("model.hidden_size", f"hidden_size {m.hidden_size} is not divisible by num_attention_heads {heads}", f"use a hidden size that is a multiple of {heads}, or set kv_channels",
-            "model.num_attention_heads", "model.kv_channels")
-    head_fields = ("model.num_attention_heads", "model.attention_type", "model.num_query_groups")
-    if m.attention_type == "grouped":
-        if not m.num_query_groups:
-            add("model.num_query_groups", "grouped attention needs num_query_groups", f"set num_query_groups to a divisor of {heads}", *head_fields)
-        elif heads % m.num_query_groups:
-            add("model.num_query_groups", f"num_attention_heads {heads} is not divisible by num_query_groups {m.num_query_groups}", "choose a divisor of the head count", *head_fields)
-    elif m.num_query_groups not in (None, groups):
-        add("model.num_query_groups", f"num_query_groups={m.num_query_groups} conflicts with attention_type '{m.attention_type}'", "set attention_type: grouped, or remove num_query_groups", *head_fields)
-    if heads % tp:  # one problem: the query groups and ffn rules would repeat it about fields the user may never have set
-        common = math.gcd(math.gcd(heads, groups), m.ffn_size)
-        ok = [str(x) for x in range(1, common + 1) if common % x == 0]
-        add("parallel.tensor_parallel", f"num_attention_heads {heads} is not divisible by tensor_parallel {tp}",
-            f"use a tensor_parallel that divides the heads{' and query groups' if groups != heads else ''}: one of {', '.join(ok)}", *head_fields)
-    elif groups % tp:
-        add("model.num_query_groups", f"query groups ({groups}) are not divisible by tensor_parallel {tp}: every TP rank needs whole KV heads",
-            f"use tensor_parallel dividing {groups}, or more query groups", "parallel.tensor_parallel", *head_fields)
-    if m.ffn_size % tp and not heads % tp:
-        add("model.ffn_hidden_size", f"ffn size {m.ffn_size} is not divisible by tensor_parallel {tp}", "pick an ffn_hidden_size that is a multiple of tensor_parallel",
-            "parallel.tensor_parallel", "model.num_attention_heads", "model.hidden_size", "model.activation")
-    if m.seq_length > m.max_position_embeddings and m.position_embedding == "learned":
-        add("model.seq_length", f"seq_length {m.seq_length} > max_position_embeddings {m.max_position_embeddings} (learned positions)",
-            f"lower seq_length or raise max_position_embeddings to >= {m.seq_length}", "model.max_position_embeddings", "model.position_embedding")
-    if m.gelu_approximate != "none" and m.activation not in ("gelu", "geglu"):
-        add("model.gelu_approximate", f"gelu_approximate applies to activations 'gelu' / 'geglu' only (activation is '{m.activation}')", "set gelu_approximate: none", "model.activation")
-    if known and m.position_embedding not in sup.positions:
-        add("model.position_embedding", f"the {m.arch} family has no '{m.position_embedding}' positions", f"use one of: {', '.join(sup.positions)}", arch)
-    if known and m.activation not in sup.activations:
-        add("model.activation", f"the {m.arch} family has no '{m.activation}' MLP", f"use one of: {', '.join(sup.activations)}", arch)
-    if m.position_embedding == "alibi" and m.attention_backend in ("te", "local"):
-        add("model.attention_backend", f"ALiBi is implemented only in the workbench SDPA attention, not '{m.attention_backend}'", "set attention_backend: sdpa (or auto)", "model.position_embedding")
-
-    # parallel
-    world, lay = p.world_size, Layout.of(cfg)
-    world_fields = ("parallel.nnodes", "parallel.nproc_per_node", "parallel.tensor_parallel", "parallel.pipeline_parallel")
-    for q in lay.problems():  # the world splits into tp x cp x pp blocks (workbench.layout)
-        add(q.field, q.rule, q.fix, *q.reads)
-    split_fields = ("model.num_layers", "parallel.virtual_pipeline_parallel", "parallel.pipeline_split")
-    if m.num_layers < pp:
-        add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is fewer than pipeline_parallel {pp} stages", f"use pipeline_parallel <= {m.num_layers}", "model.num_layers")
-    elif known and sum(pipeline_stage_layers(cfg)) != m.num_layers:
-        how = ("interleaving splits layers evenly" if vpp > 1 else
-               "pipeline_split is even" if p.pipeline_split == "even" else "no balanced split exists")
-        add("parallel.pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pipeline_parallel {pp} ({how})",
-            f"use a pipeline_parallel that divides {m.num_layers}" + ("" if vpp > 1 or p.pipeline_split == "balanced" else ", or pipeline_split: balanced"), *split_fields)
-    if p.virtual_pipeline_parallel not in (None, 1):
-        if pp < 2:
-            add("parallel.virtual_pipeline_parallel", "interleaving needs pipeline_parallel >= 2", "raise pipeline_parallel or set virtual_pipeline_parallel: null", "parallel.pipeline_parallel")
-        elif m.num_layers % (pp * vpp):
-            add("parallel.virtual_pipeline_parallel", f"num_layers {m.num_layers} is not divisible by pp*vpp = {pp * vpp}", f"choose vpp so that pp*vpp divides {m.num_layers}",
-                "parallel.pipeline_parallel", "model.num_layers")
-    if p.sequence_parallel and tp < 2:
-        add("parallel.sequence_parallel", "sequence parallelism needs tensor_parallel > 1", "set tensor_parallel >= 2 or sequence_parallel: false", "parallel.tensor_parallel")
-    if p.sequence_parallel and m.seq_length % tp:
-        add("model.seq_length", f"with sequence parallelism seq_length {m.seq_length} must be divisible by tensor_parallel {tp}", "round seq_length to a multiple of tensor_parallel",
-            "parallel.sequence_parallel", "parallel.tensor_parallel")
-    for q in context_parallel_problems(cfg, lay, family_of(cfg).supports if known else Supports()):
-        add(q.field, q.rule, q.fix, *q.reads)
-    if p.device == "cpu":
-        if world > 8:
-            add("parallel.device", f"CPU mode is for tiny models on 1-8 processes, not {world}", "use device: cuda on GPUs", "parallel.nnodes", "parallel.nproc_per_node")
-        if p.overlap_grad_reduce or p.overlap_param_gather:
-            add("parallel.overlap_grad_reduce", "communication overlap needs CUDA streams", "turn overlap off on device: cpu", "parallel.device", "parallel.overlap_param_gather")
-    if p.overlap_param_gather and not p.distributed_optimizer:
-        add("parallel.overlap_param_gather", "param-gather overlap needs the distributed optimizer", "set distributed_optimizer: true or overlap_param_gather: false", "parallel.distributed_optimizer")
-    if known:  # the weights alone of one model-parallel rank: beyond any accelerator, the model is not trainable anywhere
-        dv = derive(cfg)
-        per_rank = max(dv.params_per_stage) / tp
-        if 2 * per_rank > LARGEST_ACCELERATOR_BYTES:
-            add("model", f"{dv.params.total / 1e9:.4g}B parameters: each of the tp x pp = {tp} x {pp} model-parallel ranks would hold "
-                f"{per_rank / 1e9:.4g}B of them, {2 * per_rank / 1e9:.4g} GB of weights alone at 2 bytes each, more than any accelerator "
-                f"holds ({LARGEST_ACCELERATOR_BYTES / 1e9:.0f} GB)", "use fewer or smaller layers, or more tensor_parallel / pipeline_parallel "
-                "(`workbench plan` gives each rank's memory)", "parallel")
-
-    # train
-    dp = lay.dp if lay.divisible else None
-    batch_fields = ("train.micro_batch_size", *world_fields)
-    if dp:
-        if t.global_batch_size % (t.micro_batch_size * dp):
-            add("train.global_batch_size", f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size*dp = {t.micro_batch_size}*{dp}", f"use a multiple of {t.micro_batch_size * dp}", *batch_fields)
-        else:
-            micro = t.global_batch_size // (t.micro_batch_size * dp)
-            if vpp > 1 and pp > 1 and micro % pp:
-                add("train.global_batch_size", f"interleaved 1F1B needs the number of micro-batches ({micro}) divisible by pipeline_parallel {pp}",
-                    f"use a global batch giving a multiple of {pp} micro-batches", "parallel.virtual_pipeline_parallel", *batch_fields)
-    for field_name, rule, fix in (kernel_rule.fp8_problems(cfg) + kernel_rule.userbuffer_problems(cfg)) if known else ():
-        add(field_name, rule, fix, None)
-    if t.min_lr > t.lr:
-        add("train.min_lr", f"must be in [0, lr] (lr={t.lr}, min_lr={t.min_lr})", "lower min_lr", "train.lr")
-    decay_iters = t.lr_decay_iters or t.train_iters
-    if t.lr_warmup_iters >= decay_iters and t.lr_warmup_iters > 0:
-        add("train.lr_warmup_iters", f"must be in [0, decay iters) = [0, {decay_iters}) (megatron's LR scheduler asserts warmup < decay)",
-            f"use at most {max(decay_iters - 1, 0)} warmup iterations, or 0", "train.lr_decay_iters", "train.train_iters")
-    if t.loss_scale is not None and t.precision != "fp16":
-        add("train.loss_scale", f"loss scaling applies to fp16 only (precision is {t.precision})", "remove loss_scale or set precision: fp16", "train.precision")
-    for hook in ("forward_step", "loss_func"):
-        path = getattr(t, hook)
-        if path is not None:
-            mod = path.split(":", 1)[0] if ":" in path else path.rpartition(".")[0]
-            if not mod or (":" in path and not path.split(":", 1)[1]):
-                add(f"train.{hook}", f"'{path}' is not a dotted path to a function", "write it as 'package.module:function'")
-            elif not module_exists(mod):  # looked for on disk: nothing a config names runs during validation
-                add(f"train.{hook}", f"module '{mod}' is not importable", "put the module on PYTHONPATH (e.g. next to the notebook) or fix the path")
-    if p.device == "cpu" and t.precision == "fp16":
-        add("train.precision", "fp16 is not supported on CPU", "use bf16 or fp32 on device: cpu", "parallel.device")
-
-    # data
-    if d.source == "indexed":
-        if not d.datasets:
-            add("data.datasets", "source 'indexed' needs at least one dataset prefix", "add {prefix: /path/to/name_text_document, weight: 1}", "data.source")
-        for i, e in enumerate(d.datasets):
-            if not e.prefix:
-                add(f"data.datasets[{i}].prefix", "empty prefix", "give PREFIX of PREFIX.bin/PREFIX.idx", "data.source")
-    try:
-        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
-        if len(parts) != 3 or any(not 0 <= x < math.inf for x in parts) or not 0 < sum(parts) < math.inf:
-            raise ValueError
-    except ValueError:
-        add("data.split", f"'{d.split}' is not three non-negative numbers", "use e.g. '949,50,1'")
-
-    # checkpoint
-    if c.finetune and not c.load_dir:
-        add("checkpoint.finetune", "finetune needs load_dir", "set checkpoint.load_dir", "checkpoint.load_dir")
 
 
 # --------------------------------------------------------------------------- presets
