@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -200,3 +201,20 @@ def test_labels_must_name_every_run(two_runs):
         compare_runs([alpha, beta], "loss", labels=["only one"])
     comp = compare_runs([alpha, beta], "loss", labels=["a", "b"])
     assert sorted(c.run for c in comp.curves) == ["a", "b"]
+
+
+def test_the_family_column_is_the_familys_own_label(tmp_path):
+    """The run browser's family column comes from each family's declaration (``Family.label``), not from a list of
+    family-specific fields in the plots package: GPT names its experts, BERT its classification head; a family this
+    version does not know keeps its saved name."""
+    from workbench.families import FAMILIES
+    from workbench.plots.compare import run_summary
+
+    assert FAMILIES["gpt"].label({"arch": "gpt", "moe": {"num_experts": 8}}) == "gpt moe"
+    assert FAMILIES["gpt"].label({"arch": "gpt", "moe": {"num_experts": 1}}) == "gpt"
+    assert FAMILIES["bert"].label({"arch": "bert", "num_labels": 3}) == "bert classifier"
+    assert FAMILIES["t5"].label({"arch": "t5", "num_labels": 3, "moe": {"num_experts": 8}}) == "t5"
+
+    run = write_run(tmp_path / "other", [{"iteration": 1, "time": T0 + 1, "loss": 5.0}], cfg=config(arch="mamba", train_iters=3))
+    row = run_summary(run)
+    assert row["family"] == "mamba" and row["steps"] == "1/3"

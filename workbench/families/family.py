@@ -129,6 +129,15 @@ class Family:
     #: megatron ``TransformerConfig`` fields of this family's layers beyond the generic ones (GPT: the MoE
     #: fields, :func:`workbench.families.common.moe.transformer_fields`): (cfg, the kernel rule's choice) -> dict
     transformer_fields: Callable[[Any, Any], dict] = lambda cfg, choice: {}
+    #: what a run's saved ``model`` section makes of the family, in a word or two after its name (GPT: "moe" with
+    #: experts; BERT: "classifier" with a classification head); read from plain dicts (a run directory's
+    #: ``config.json``, any version): model section -> words, "" for the plain family
+    variant: Callable[[Mapping[str, Any]], str] = lambda model: ""
+
+    def label(self, model: Mapping[str, Any]) -> str:
+        """The family's name and :attr:`variant` of a saved ``model`` section (the run browser's family column)."""
+        extra = self.variant(model)
+        return f"{self.name} {extra}" if extra else self.name
 
     @property
     def fields(self) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from workbench.families import FAMILIES
 from workbench.run.events import Event, events_dir
 from workbench.run.nodes import LAUNCH_FILE
 from workbench.run.reader import CONFIG_FILE, RunReader, as_reader
@@ -475,11 +476,8 @@ def run_summary(source: Any) -> dict[str, Any]:
     reader.poll()
     cfg = reader.config_dict() or {}
     model, train = cfg.get("model") or {}, cfg.get("train") or {}
-    family = str(model.get("arch") or "-")
-    if int((model.get("moe") or {}).get("num_experts") or 0) > 1:
-        family += " moe"
-    if int(model.get("num_labels") or 0) > 0:
-        family += " classifier"
+    arch = str(model.get("arch") or "-")
+    family = FAMILIES[arch].label(model) if arch in FAMILIES else arch  # a family this version lacks: its name
     lay = reader.layout()
     layout = "-" if lay is None else (f"tp{lay.tp} pp{lay.pp} dp{lay.dp}" + (f" vpp{lay.vpp}" if lay.vpp > 1 else "")
                                       + (f" cp{lay.cp}" if lay.cp > 1 else ""))

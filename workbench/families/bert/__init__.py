@@ -129,4 +129,5 @@ FAMILY = Family(
     data_rules=data_rules,
     model_fields=BertFields,
     field_rules=field_rules,
+    variant=lambda model: "classifier" if int(model.get("num_labels") or 0) > 0 else "",
 )

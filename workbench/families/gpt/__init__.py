@@ -68,4 +68,5 @@ FAMILY = Family(
     model_fields=GPTFields,
     field_rules=field_rules,
     transformer_fields=transformer_fields,
+    variant=lambda model: "moe" if int((model.get("moe") or {}).get("num_experts") or 0) > 1 else "",
 )
