@@ -22,6 +22,7 @@ from typing import Any
 
 from workbench.accelerate_import import from_accelerate
 from workbench.config import ConfigError, load_config
+from workbench.datasets import check_data
 from workbench.notebook import notebook_parameters, parse_value, notebook_problem, parse_grid, run_notebook, sweep
 from workbench.launch import Run
 from workbench.schedules import SCHEDULES, ScheduleError, measured_durations, simulate, text_chart
@@ -45,8 +46,6 @@ def _config_validate(args: argparse.Namespace) -> int:
     if args.no_data:
         data_note = "data not checked (--no-data)"
     else:  # dataset files (missing, corrupt, another vocabulary) and the tokenizer, as a launch checks them
-        from workbench.data import check_data
-
         problems = check_data(cfg)
         if problems:
             print(str(ConfigError(problems, f"{args.file} (its data)")), file=sys.stderr)
@@ -517,14 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the workbench's version with megatron-core's and torch's")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_config_cli(sub)
-    from workbench import advisor, conversion, data, generation, planner
+    from workbench import advisor, conversion, data_cli, generation, planner
 
     for add in (planner.add_cli,         # plan
                 advisor.add_cli,         # advise, calibrate
                 _add_schedule_cli,       # schedule
                 _add_run_cli,            # launch, sweep, notebook
                 _add_runs_cli,           # runs export-tensorboard
-                data.add_cli,            # preprocess, tokenizer, data
+                data_cli.add_cli,        # preprocess, tokenizer, data
                 conversion.add_cli,      # convert
                 generation.add_cli):     # generate
         add(sub)

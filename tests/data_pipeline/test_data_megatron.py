@@ -9,7 +9,7 @@ import pytest
 
 from workbench.config import DatasetEntry, preset
 from workbench.data.errors import DataError
-from workbench.data.megatron import build_datasets, dataset_sizes
+from workbench.datasets import build_datasets, dataset_sizes
 from workbench.data.preprocess import preprocess
 from workbench.data.tokenizer import load_tokenizer
 
@@ -239,7 +239,7 @@ def test_split_ranges_equal_megatron_cores(split, n):
         parse_and_normalize_split,
     )
 
-    from workbench.data.megatron import split_ranges
+    from workbench.datasets import split_ranges
 
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     expected = [None if m is None else (int(round(m[0] * n)), int(round(m[1] * n))) for m in matrix]
@@ -250,7 +250,7 @@ def test_check_data_reports_problems_before_launch(tmp_path):
     import subprocess
     import sys
 
-    from workbench.data.megatron import check_data
+    from workbench.datasets import check_data
 
     _write_docs(tmp_path / "a.txt", 10, ["x", "y"], seed=8)
     preprocess([tmp_path / "a.txt"], tmp_path / "a", progress=False)
@@ -269,7 +269,7 @@ def test_check_data_reports_problems_before_launch(tmp_path):
     assert [p.field for p in check_data(good.replace(**{"data.tokenizer": "gpt2"}))] == ["data.tokenizer"]
 
     # light enough for a notebook kernel or the launcher: no torch, no megatron-core
-    code = ("import sys; from workbench.config import preset; from workbench.data import check_data; "
+    code = ("import sys; from workbench.config import preset; from workbench.datasets import check_data; "
             "assert check_data(preset('tiny')) == []; "
             "assert not [m for m in ('torch', 'megatron') if m in sys.modules]")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

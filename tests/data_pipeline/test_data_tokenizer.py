@@ -153,15 +153,16 @@ def test_directory_without_a_tokenizer_is_refused(tmp_path):
 
 
 def test_data_modules_import_light():
-    """Notebook-side rule: importing workbench.data* pulls in neither torch, megatron-core nor tokenizers."""
+    """Notebook-side rule: importing workbench.data*, the datasets of a run config and the data CLI pulls in neither
+    torch, megatron-core nor tokenizers."""
     import subprocess
     import sys
 
-    code = ("import sys, workbench.data, workbench.data.megatron, workbench.data.preprocess, workbench.data.inspect, "
-            "workbench.data.demo, workbench.data.indexed, workbench.data.tokenizer\n"
+    code = ("import sys, workbench.data, workbench.datasets, workbench.data_cli, workbench.data.preprocess, "
+            "workbench.data.inspect, workbench.data.demo, workbench.data.indexed, workbench.data.tokenizer\n"
             "heavy = [m for m in ('torch', 'megatron', 'tokenizers', 'transformers', 'numpy') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
-            "assert callable(workbench.data.add_cli) and callable(workbench.data.build_datasets)")
+            "assert callable(workbench.data_cli.add_cli) and callable(workbench.datasets.build_datasets)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 

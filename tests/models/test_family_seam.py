@@ -1,5 +1,6 @@
 """The family seam is what it says: every registered family declares its fields and answers every part's
-protocol, the declarations (workbench/families/) stand below the config and import no torch, the backend never
+protocol, the declarations (workbench/families/) stand below the config (and above the data tools, workbench/data/)
+and import no torch, the backend never
 imports a family's rank side (workbench/models/<family>/) and the models never the rank entry point
 (workbench/rank/), a family's modules are loaded by name only by the one
 generic parts mechanism, and the generic code takes the loss name and the default step from the family (a
@@ -178,6 +179,23 @@ def test_the_declarations_import_nothing_above_the_config():
     for path in sorted((WORKBENCH / "families").rglob("*.py")):
         for line, module in _imported_modules(path):
             if module.startswith("workbench") and not module.startswith(FAMILIES_MAY_IMPORT) and module != "workbench":
+                found.append(f"{path.relative_to(WORKBENCH.parent)}:{line} imports {module}")
+    assert found == []
+
+
+#: what the data tools (workbench/data/) may import of the workbench: themselves and the stdlib helper below them; a run
+#: config's datasets (workbench/datasets.py) and the data commands (workbench/data_cli.py) stand above the config
+DATA_MAY_IMPORT = ("workbench.data", "workbench.writable")
+
+
+def test_the_data_tools_stand_below_the_declarations():
+    """workbench/data/ stands below the families that read its tokenizers and index headers: it imports no family,
+    no config, no run directory code, nothing above it."""
+    found = []
+    for path in sorted((WORKBENCH / "data").rglob("*.py")):
+        for line, module in _imported_modules(path):
+            allowed = any(module == m or module.startswith(m + ".") for m in DATA_MAY_IMPORT)
+            if module.startswith("workbench") and not allowed and module != "workbench":
                 found.append(f"{path.relative_to(WORKBENCH.parent)}:{line} imports {module}")
     assert found == []
 

@@ -1,19 +1,20 @@
 """Data: tokenizers, preprocessing to Megatron indexed datasets, the embedded demo corpus, inspection.
 
+The tools on files, below the model families and the run config: nothing here knows a run config.  A run config's
+datasets (checked before a launch, built on the ranks) are :mod:`workbench.datasets`; these tools on the command line
+(``workbench preprocess``, ``tokenizer``, ``data``) are :mod:`workbench.data_cli`.
+
 Light at import time: torch / megatron-core / tokenizers load inside the functions that need them.
 
 - :mod:`workbench.data.tokenizer`  ``load_tokenizer(spec)``, ``train_tokenizer``
 - :mod:`workbench.data.preprocess` ``preprocess(inputs, output_prefix, ...)`` -> ``PREFIX.bin/.idx``
 - :mod:`workbench.data.indexed`    ``check_indexed(prefix)`` (.idx header / .bin size checks)
-- :mod:`workbench.data.megatron`   ``build_datasets(cfg, run_dir)`` -> megatron-core train/valid/test;
-  ``check_data(cfg)`` -> config Problems, light, for launchers (before torchrun)
 - :mod:`workbench.data.demo`       ``ensure_demo_dataset()`` (the embedded KJV corpus)
 - :mod:`workbench.data.inspect`    ``inspect_dataset(prefix)``, ``plot_lengths``
 """
 
 import sys
 
-from workbench.data.cli import add_cli  # noqa: F401
 from workbench.data.errors import DataError  # noqa: F401
 
 _LAZY = {
@@ -23,15 +24,12 @@ _LAZY = {
     "preprocess": "preprocess",
     "PreprocessSummary": "preprocess",
     "check_indexed": "indexed",
-    "build_datasets": "megatron",
-    "dataset_sizes": "megatron",
-    "check_data": "megatron",
     "ensure_demo_dataset": "demo",
     "inspect_dataset": "inspect",
     "plot_lengths": "inspect",
 }
 
-__all__ = ["add_cli", "DataError", *_LAZY]
+__all__ = ["DataError", *_LAZY]
 
 
 def __getattr__(name: str):
@@ -43,8 +41,6 @@ def __getattr__(name: str):
         import workbench.data.preprocess  # noqa: F401
     elif where == "indexed":
         import workbench.data.indexed  # noqa: F401
-    elif where == "megatron":
-        import workbench.data.megatron  # noqa: F401
     elif where == "demo":
         import workbench.data.demo  # noqa: F401
     elif where == "inspect":

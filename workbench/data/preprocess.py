@@ -25,7 +25,7 @@ from typing import Iterator
 from workbench.data.errors import DataError
 from workbench.data.sources import InvalidPolicy, ReadStats, SplitDocs, iter_documents, resolve_inputs, uncompressed_size
 from workbench.data.tokenizer import Tokenizer, load_tokenizer
-from workbench.run.files import dir_write_problem
+from workbench.writable import dir_write_problem
 
 __all__ = ["PreprocessSummary", "preprocess", "token_dtype", "SIDECAR_FORMAT"]
 

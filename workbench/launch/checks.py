@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from workbench.config import ConfigError, Problem, RunConfig, load_config
+from workbench.datasets import check_data
 from workbench.launch import stall
 from workbench.launch.nodes import DEFAULT_NODE_TIMEOUT
 from workbench.launch.stores import bind_problem
@@ -46,8 +47,6 @@ def launch_problems(cfg: RunConfig, *, local: bool = True) -> list[Problem]:
     """Config problems plus what this machine cannot run (checked before any process starts)."""
     problems = list(cfg.validate())
     if not problems:  # data and checkpoint paths are only worth checking for a well-formed config
-        from workbench.data import check_data
-
         problems += check_data(cfg)
         from workbench.run.checkpoint import load_problems
 

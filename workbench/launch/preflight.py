@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 from workbench.config import Problem, RunConfig
-from workbench.run.files import dir_write_problem, existing_ancestor
+from workbench.writable import dir_write_problem, existing_ancestor
 
 __all__ = ["detect_gpu_memory", "memory_problems", "path_problems", "checkpoint_bytes", "RUN_DIR_ROOM"]
 

@@ -2,7 +2,7 @@
 
 Datasets come from the config's model family (``workbench/models/<family>/data.py``): for
 GPT, ``demo``/``indexed`` are megatron-core ``GPTDataset`` s built by
-:func:`workbench.data.megatron.build_datasets` (items are dicts with ``tokens``, ``labels``,
+:func:`workbench.datasets.build_datasets` (items are dicts with ``tokens``, ``labels``,
 ``loss_mask``, ``position_ids``) and ``synthetic`` is a deterministic, learnable token stream
 for tests (never zeros), only when the config says so.
 

@@ -5,22 +5,20 @@
   :func:`atomic_output` is the same for any writer (``torch.save(x, tmp)``).
 - :func:`read_json`: a JSON file as a dict, or None when it is missing or unreadable.
 - :func:`free_port`: a TCP port that was free a moment ago (for a private rendezvous).
-- :func:`dir_write_problem`: why no file can be made in a directory (made if missing), before a long job writes there.
+
+Whether a directory can be written at all: :mod:`workbench.writable`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["atomic_output", "write_text_atomic", "write_json_atomic", "read_json", "free_port", "existing_ancestor",
-           "dir_write_problem"]
+__all__ = ["atomic_output", "write_text_atomic", "write_json_atomic", "read_json", "free_port"]
 
 
 @contextlib.contextmanager
@@ -70,33 +68,3 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def existing_ancestor(p: str | Path) -> Path:
-    """``p`` (absolute) or its nearest ancestor that exists: where a directory to be made would be made."""
-    p = Path(p).expanduser().absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-_WRITE_ERRORS = {errno.EROFS: "is on a read-only file system", errno.EACCES: "is not writable by this user",
-                 errno.EPERM: "is not writable by this user", errno.ENOSPC: "is on a full file system"}
-
-
-def dir_write_problem(d: str | Path) -> str | None:
-    """Why no file can be made in directory ``d`` (made if missing; nothing is made here but a probe file in the nearest
-    existing ancestor, removed at once), as a phrase naming the path; None when one can."""
-    d = Path(d).expanduser().absolute()
-    base = existing_ancestor(d)
-    prefix = "" if base == d else f"{d} cannot be made: "
-    if not base.is_dir():
-        return f"{prefix}{base} is a file, not a directory"
-    try:
-        fd, name = tempfile.mkstemp(prefix=".workbench-probe-", dir=base)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as e:
-        what = _WRITE_ERRORS.get(e.errno or 0)
-        return f"{prefix}{base} {what}" if what else f"{prefix}no file can be made in {base} ({e.strerror or e})"
-    return None

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from workbench.data.errors import DataError
+from workbench.datasets import check_tokenizer_fits, dataset_sizes, resolve_blend
 from workbench.models.common.seeds import mix32
 
 __all__ = ["SyntheticBertDataset", "BertSamples", "bert_dataset_config", "build_datasets", "MASKING"]
@@ -140,7 +141,6 @@ def build_megatron(cfg: Any, run_dir: Any, vocab: Any = None) -> tuple[Any, Any,
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-    from workbench.data.megatron import check_tokenizer_fits, dataset_sizes, resolve_blend
     from workbench.families.bert.vocab import check_bert_tokenizer, check_sentence_data
 
     vocab = vocab or check_bert_tokenizer(cfg.data.tokenizer)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from workbench.data.megatron import build_datasets as megatron_datasets
+from workbench.datasets import build_datasets as megatron_datasets
 from workbench.models.common.seeds import mix32
 
 __all__ = ["SyntheticGPTDataset", "build_datasets"]
@@ -58,4 +58,4 @@ def build_datasets(cfg: Any, run_dir: Any, log: Any = print) -> tuple[Any, Any, 
     # Megatron's GPTDataset can build a causal mask per sample; the attention module masks
     # causally by itself (flash path), so a mask is only needed for document-level masking.
     train, valid, _test = megatron_datasets(cfg, run_dir, create_attention_mask=bool(cfg.data.reset_attention_mask))
-    return train, valid, f"{cfg.data.source} (workbench.data.megatron)"
+    return train, valid, f"{cfg.data.source} (workbench.datasets)"

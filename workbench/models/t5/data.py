@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workbench.datasets import build_datasets as megatron_datasets
 from workbench.models.common.seeds import mix32
 from workbench.families.t5.spans import T5Vocab, check_t5_tokenizer, corrupt, input_and_target_lengths, random_spans_noise_mask
 
@@ -104,8 +105,6 @@ def build_datasets(cfg: Any, run_dir: Any, log: Any = print) -> tuple[Any, Any, 
     megatron-core GPT windows of the configured data."""
     if cfg.data.source == "synthetic":
         return SyntheticT5Dataset(cfg), SyntheticT5Dataset(cfg, offset=1), "synthetic (T5 span corruption)"
-    from workbench.data.megatron import build_datasets as megatron_datasets
-
     vocab = check_t5_tokenizer(cfg.data.tokenizer, cfg)
     raw = input_and_target_lengths(cfg.model.seq_length, cfg.data.noise_density, cfg.data.mean_noise_span_length)[0]
     window_cfg = cfg.replace(**{"model.seq_length": raw, "model.max_position_embeddings": max(raw, cfg.model.max_position_embeddings)})

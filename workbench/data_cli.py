@@ -1,4 +1,5 @@
-"""``workbench preprocess``, ``workbench tokenizer ...`` and ``workbench data ...``.
+"""``workbench preprocess``, ``workbench tokenizer ...`` and ``workbench data ...``: the data tools of
+:mod:`workbench.data` on the command line (``preprocess --config`` reads a run config's ``model.vocab_size``).
 
 Every handler returns an exit code: 0 on success, 2 with a one-line reason (file + problem + fix)
 on bad input, never a stack trace for the user's mistakes.
@@ -11,7 +12,14 @@ import errno
 import json
 import sys
 
+from workbench.config import ConfigError, load_config
+from workbench.data.demo import ensure_demo_dataset
 from workbench.data.errors import DataError
+from workbench.data.indexed import check_indexed
+from workbench.data.inspect import inspect_dataset, plot_lengths
+from workbench.data.preprocess import preprocess
+from workbench.data.sources import ReadStats, iter_documents, resolve_inputs
+from workbench.data.tokenizer import load_tokenizer, train_tokenizer, train_wordpiece
 
 __all__ = ["add_cli"]
 
@@ -25,16 +33,11 @@ def _model_vocab(args: argparse.Namespace) -> int | None:
     if getattr(args, "model_vocab_size", None):
         return args.model_vocab_size
     if getattr(args, "config", None):
-        from workbench.config import load_config
-
         return load_config(args.config).model.vocab_size
     return None
 
 
 def _preprocess(args: argparse.Namespace) -> int:
-    from workbench.config import ConfigError
-    from workbench.data.preprocess import preprocess
-
     try:
         summary = preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer, json_key=args.json_key,
                              append_eod=args.append_eod, workers=args.workers, split_docs=args.split_docs,
@@ -56,9 +59,6 @@ def _preprocess(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
-    from workbench.data.sources import ReadStats, iter_documents, resolve_inputs
-    from workbench.data.tokenizer import train_tokenizer, train_wordpiece
-
     try:
         paths = resolve_inputs(args.input)
         stats = ReadStats()
@@ -79,8 +79,6 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_info(args: argparse.Namespace) -> int:
-    from workbench.data.tokenizer import load_tokenizer
-
     try:
         tok = load_tokenizer(args.spec)
     except DataError as e:
@@ -94,8 +92,6 @@ def _tokenizer_info(args: argparse.Namespace) -> int:
 
 
 def _data_inspect(args: argparse.Namespace) -> int:
-    from workbench.data.inspect import inspect_dataset, plot_lengths
-
     try:
         report = inspect_dataset(args.prefix, tokenizer=args.tokenizer, samples=args.samples)
     except DataError as e:
@@ -114,8 +110,6 @@ def _data_inspect(args: argparse.Namespace) -> int:
 
 
 def _data_check(args: argparse.Namespace) -> int:
-    from workbench.data.indexed import check_indexed
-
     rc = 0
     for prefix in args.prefix:
         try:
@@ -128,8 +122,6 @@ def _data_check(args: argparse.Namespace) -> int:
 
 
 def _data_demo(args: argparse.Namespace) -> int:
-    from workbench.data.demo import ensure_demo_dataset
-
     try:
         prefix = ensure_demo_dataset(args.cache_dir, progress=not args.quiet)
     except DataError as e:
