@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
+from workbench.families import FAMILIES
+
 __all__ = [
     "KernelChoice",
     "choose",
@@ -271,8 +273,6 @@ def layer_blocker(cfg: Any) -> str | None:
     The model-level counterpart of ``compiled_layer.fast_path_blocker``, which checks a built layer.
     """
     m, p = cfg.model, cfg.parallel
-    from workbench.families import FAMILIES
-
     family = FAMILIES.get(m.arch)
     if family is not None and family.supports.compiled_layer_blocker:
         return family.supports.compiled_layer_blocker
@@ -339,8 +339,6 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     apex = apex_available() if apex is None else bool(apex)
     fast = fast_paths_wanted(cfg)
     blocker = layer_blocker(cfg)
-    from workbench.families import FAMILIES
-
     family = FAMILIES.get(m.arch)
     te_spec = family is None or family.supports.transformer_engine
 
@@ -547,8 +545,6 @@ def _userbuffer_rules(cfg: Any, attention: str) -> list[tuple[str, str]]:
     if attention != "te":
         out.append((f"TE's userbuffers run on Transformer Engine's layer; attention_backend resolves to {attention}",
                     "set attention_backend: te, or te_userbuffers: false"))
-    from workbench.families import FAMILIES
-
     family = FAMILIES.get(m.arch)
     if family is not None and family.supports.te_userbuffers_blocker:
         out.append((family.supports.te_userbuffers_blocker, "set te_userbuffers: false"))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workbench.config_fields import bounded
+from workbench.data.errors import DataError
 from workbench.families.bert import shapes
 from workbench.families.bert.presets import PRESETS
 from workbench.families.family import Family, Supports
@@ -100,7 +101,6 @@ def data_rules(cfg: Any) -> list[tuple[str, str, str]]:
     binary head is on, with documents of >= 2 sentences (light: tokenizer files and .idx headers)."""
     if cfg.data.source == "synthetic":
         return []
-    from workbench.data.errors import DataError
     from workbench.families.bert.vocab import check_bert_tokenizer, check_sentence_data
 
     try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from workbench.data.errors import DataError
+from workbench.data.indexed import _HEADER_BYTES, check_indexed, read_sidecar, strip_prefix
+from workbench.data.tokenizer import load_tokenizer
 
 __all__ = ["BertVocab", "check_bert_tokenizer", "check_sentence_data", "SPECIALS"]
 
@@ -52,15 +54,11 @@ class BertVocab:
 
 def check_bert_tokenizer(spec: Any) -> BertVocab:
     """Load ``spec`` and refuse a vocabulary without BERT's special tokens (:class:`DataError`)."""
-    from workbench.data.tokenizer import load_tokenizer
-
     return BertVocab(load_tokenizer(spec))
 
 
 def check_sentence_data(prefix: str, binary_head: bool) -> Any:
     """``PREFIX`` is usable for BERT: with the binary head, sentence-split with >= 2-sentence documents."""
-    from workbench.data.indexed import check_indexed, read_sidecar, strip_prefix
-
     prefix = strip_prefix(prefix)
     info = check_indexed(prefix)
     if not binary_head:
@@ -82,8 +80,6 @@ def check_sentence_data(prefix: str, binary_head: bool) -> Any:
 def sentences_per_document(prefix: str, info: Any = None) -> Any:
     """Sequences (sentences, for sentence-split data) of each document, from ``PREFIX.idx`` (numpy only)."""
     import numpy as np
-
-    from workbench.data.indexed import _HEADER_BYTES, check_indexed
 
     info = info or check_indexed(prefix)
     seqs, docs = info.sequences, info.documents + 1

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workbench.config_fields import LAYERS, SEQ_WHY, bounded
+from workbench.data.errors import DataError
 from workbench.families.family import Family, Supports
 from workbench.families.t5 import shapes
 from workbench.families.t5.presets import PRESETS
@@ -107,7 +108,6 @@ def data_rules(cfg: Any) -> list[tuple[str, str, str]]:
     """Before launch: the tokenizer has sentinels, an end-of-sequence and a padding token."""
     if cfg.data.source == "synthetic":
         return []
-    from workbench.data.errors import DataError
     from workbench.families.t5.spans import check_t5_tokenizer
 
     try:

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from workbench.data.errors import DataError
+from workbench.data.tokenizer import load_tokenizer
+
 __all__ = ["input_and_target_lengths", "random_spans_noise_mask", "corrupt", "span_problems", "check_t5_tokenizer",
            "T5Vocab", "SENTINEL"]
 
@@ -124,9 +127,6 @@ class T5Vocab:
 
 def check_t5_tokenizer(spec: Any, cfg: Any = None) -> T5Vocab:
     """The tokenizer with its sentinels, eos and pad, or a :class:`DataError` naming what is missing."""
-    from workbench.data.errors import DataError
-    from workbench.data.tokenizer import load_tokenizer
-
     tok = load_tokenizer(spec)
     sentinels = []
     while (i := tok.token_to_id(SENTINEL.format(len(sentinels)))) is not None:
