@@ -34,23 +34,20 @@ _FIRST_SELECTED = 3
 
 
 class RunBrowser:
-    """The runs under ``runs_dir`` (default: the notebooks' folder, :func:`workbench.notebook.notebook_dir`).
+    """The runs under ``runs_dir`` (a notebook passes its own folder: ``RunBrowser(notebook_dir(out_dir))``,
+    :func:`workbench.notebook.notebook_dir`).
 
     ``selected``: run directories (or names) to select at first (default: the newest three); ``metric``, ``x``,
     ``smoothing``, ``log_y``: the first view.  ``show=False`` draws nothing into the output (tests).
     """
 
-    def __init__(self, runs_dir: str | Path | None = None, *, selected: Sequence[str | Path] | None = None,
+    def __init__(self, runs_dir: str | Path, *, selected: Sequence[str | Path] | None = None,
                  metric: str = "loss", x: str = "step", smoothing: float = DEFAULT_SMOOTHING, log_y: bool = False,
                  show: bool = True):
         import ipywidgets as W
 
         from workbench.widgets.layout import column, columns, labelled
 
-        if runs_dir is None:
-            from workbench.notebook import notebook_dir
-
-            runs_dir = notebook_dir()
         self.runs_dir = Path(runs_dir)
         self._show = show
         self._batch = False
