@@ -201,10 +201,10 @@ def child(step: str, args: dict[str, Any]) -> dict[str, Any]:
         import megatron.core.dist_checkpointing  # noqa: F401
         import safetensors.torch  # noqa: F401
 
-        import workbench.backend.checkpointing  # noqa: F401
+        import workbench.checkpoint  # noqa: F401
         import workbench.backend.model  # noqa: F401
         import workbench.conversion.api  # noqa: F401
-        import workbench.conversion.dcp  # noqa: F401
+        import workbench.conversion.megatron_files  # noqa: F401
         import workbench.conversion.hf_files  # noqa: F401
         import workbench.conversion.runtime  # noqa: F401
 

@@ -1,6 +1,5 @@
 """Fixtures that test folders share.  A fixture one folder alone needs lives in that folder's
-``conftest.py`` (``backend/``: megatron-core's process groups on one CPU rank; ``checkpoints/``: a private
-copy of a checkpoint to damage; ``browser/``: JupyterLab and Chromium; ``slurm/``: a SLURM cluster).
+``conftest.py`` (``checkpoints/``: a private copy of a checkpoint to damage; ``browser/``: JupyterLab and Chromium; ``slurm/``: a SLURM cluster).
 
 Plain helpers (no fixtures) live in ``tests/support``; test files import those from there and
 never from each other.
@@ -32,6 +31,7 @@ if "torch" in sys.modules and os.environ["OMP_NUM_THREADS"] == "1":  # imported 
 
 from tests.support import free_port as _free_port
 from tests.support import hf_gpt2, write_rank_script
+from workbench.config import preset
 
 
 #: seconds the slowest test files took, each run alone (``-n 0``) on a busy 2-core machine: the order in which the
@@ -125,6 +125,20 @@ def free_port() -> int:
 def rank_script(tmp_path: Path) -> Path:
     """The launch's fake rank (``tests.support.RANK_SCRIPT``) as a script in this test's tmp dir."""
     return write_rank_script(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def dist_group():
+    """megatron-core's process groups over one CPU rank (gloo), for the tiny preset it yields (``backend/``,
+    ``checkpoints/``)."""
+    from workbench.backend import cpu_mode
+    from workbench.backend.distributed import destroy, initialize_for_tests
+
+    cfg = preset("tiny")
+    initialize_for_tests(cfg, port=_free_port())
+    yield cfg
+    destroy()
+    cpu_mode.disable()
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,8 @@ from typing import Any, Callable, Sequence
 from workbench.config import ConfigError, GenerationConfig, Problem
 from workbench.families import family_of
 from workbench.launch import local_torchrun, run_supervised
-from workbench.data.tokenizer import resolve_tokenizer
-from workbench.run.checkpoint import CheckpointInfo, checkpoint_info, special_ids, tokenizer_size  # noqa: F401
+from workbench.checkpoint import CheckpointInfo, checkpoint_info  # noqa: F401
+from workbench.data.tokenizer import resolve_tokenizer, special_ids, tokenizer_size  # noqa: F401
 from workbench.run.files import write_json_atomic
 
 __all__ = [

@@ -27,7 +27,7 @@ from workbench import generation
 from workbench.config import ConfigError, Problem, RunConfig
 from workbench.launch import detect_gpus, new_run_dir
 from workbench.data.demo import DEMO_MODELS, DEMO_MODELS_TRAINER
-from workbench.run.checkpoint import TRACKER_FILE
+from workbench.checkpoint import TRACKER_FILE
 from workbench.run.files import read_json, write_json_atomic
 from workbench.launch import Run
 from workbench.plots.tables import say

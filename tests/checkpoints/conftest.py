@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from workbench.run.checkpoint import find_checkpoint
+from workbench.checkpoint import find_checkpoint
 
 
 @pytest.fixture()

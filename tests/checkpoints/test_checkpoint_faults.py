@@ -29,8 +29,7 @@ from pathlib import Path
 import pytest
 
 from workbench.config import preset
-from workbench.run.checkpoint import TRACKER_FILE, find_checkpoint
-from workbench.run.integrity import verify_checkpoint
+from workbench.checkpoint import TRACKER_FILE, find_checkpoint, verify_checkpoint
 from workbench.run.reader import read_events
 from workbench.run.writer import OWNER_FILE, RANK0
 

@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from tests.support import ROOT
-from workbench.run.checkpoint import CheckpointError, find_checkpoint
+from workbench.checkpoint import CheckpointError, find_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -123,7 +123,7 @@ def test_verify_never_imports_its_hooks(hostile_hooks, gpt2_checkpoint):
 
 def test_a_resume_names_the_hooks_it_imports_when_they_differ(ckpt):
     from workbench.config import preset
-    from workbench.run.checkpoint import hook_note, read_checkpoint
+    from workbench.checkpoint import hook_note, read_checkpoint
 
     _, d = ckpt
     _edit_meta(d, **{"config.train.loss_func": "someone_elses.losses:weighted"})
@@ -152,7 +152,7 @@ def test_a_legacy_common_pt_runs_nothing_even_when_the_environment_allows_pickle
     import torch
 
     from workbench.conversion.runtime import load_full_state_dict, single_process_group
-    from workbench.run.integrity import file_manifest
+    from workbench.checkpoint import file_manifest
 
     _, d = ckpt
     marker = tmp_path / "pwned"
@@ -168,7 +168,7 @@ def test_a_legacy_common_pt_runs_nothing_even_when_the_environment_allows_pickle
 def test_a_file_the_checksum_list_does_not_name_is_refused(ckpt, tmp_path, capsys):
     import torch
 
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.checkpoint import verify_checkpoint
 
     root, d = ckpt
     torch.save({"args": _Payload(tmp_path / "pwned")}, d / "common.pt")
@@ -221,6 +221,6 @@ _SHAPE = ("model.num_layers", "model.hidden_size", "model.num_attention_heads", 
 
 
 def _converted_model(d):
-    from workbench.run.checkpoint import checkpoint_config, read_checkpoint
+    from workbench.checkpoint import checkpoint_config, read_checkpoint
 
     return checkpoint_config(read_checkpoint(d)).model

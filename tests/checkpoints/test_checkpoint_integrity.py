@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from workbench.run.checkpoint import CheckpointError, find_checkpoint
+from workbench.checkpoint import CheckpointError, find_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -59,8 +59,7 @@ def _cli(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def test_a_saved_checkpoint_records_its_files_and_passes(ckpt):
-    from workbench.backend.checkpointing import checkpoint_tensor_shapes
-    from workbench.run.integrity import checkpoint_damage, read_dist_metadata
+    from workbench.checkpoint import checkpoint_damage, checkpoint_tensor_shapes, read_dist_metadata
 
     root, d = ckpt
     files = json.loads((d / "workbench.json").read_text())["files"]
@@ -75,9 +74,9 @@ def test_a_saved_checkpoint_records_its_files_and_passes(ckpt):
 
 @pytest.mark.parametrize("kind", ["exec", "os.system", "dotted-name"])
 def test_hostile_metadata_never_runs_and_every_entry_point_refuses_it(ckpt, tmp_path, capsys, kind):
-    from workbench.backend.checkpointing import checkpoint_tensor_shapes
+    from workbench.checkpoint import checkpoint_tensor_shapes
     from workbench.config import load_config
-    from workbench.run.checkpoint import load_problems
+    from workbench.checkpoint import load_problems
 
     root, d = ckpt
     marker = tmp_path / "pwned"
@@ -102,7 +101,7 @@ def test_torch_readers_use_the_allow_list_inside_workbench_loads_only(ckpt, tmp_
     """The mechanism itself, under any verification: torch's reader (megatron's loads go through it)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from workbench.run.integrity import safe_dist_reading
+    from workbench.checkpoint import safe_dist_reading
 
     _, d = ckpt
     marker = tmp_path / "pwned"
@@ -119,7 +118,7 @@ def test_hostile_object_inside_the_data_file_never_runs(gpt2_checkpoint, tmp_pat
     under workbench loads they get weights_only=True."""
     from workbench.config import RunConfig
     from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict, single_process_group
-    from workbench.run.checkpoint import read_metadata
+    from workbench.checkpoint import read_metadata
 
     marker = tmp_path / "pwned"
     meta = read_metadata(gpt2_checkpoint)
@@ -151,7 +150,7 @@ def _flip(p: pathlib.Path) -> None:
     ("truncate", ".metadata", "damaged"),
 ])
 def test_damaged_checkpoint_is_named_with_the_fix(ckpt, tmp_path, capsys, damage, file, says):
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.checkpoint import verify_checkpoint
 
     root, d = ckpt
     target = d / file
@@ -172,7 +171,7 @@ def test_damaged_checkpoint_is_named_with_the_fix(ckpt, tmp_path, capsys, damage
 def test_a_checkpoint_without_its_checksum_list_is_refused_until_trusted(ckpt, tmp_path, capsys):
     """With the list removed, a corrupted data file would load unnoticed: refused everywhere (exit 2, the fix named);
     a truncated file is still named from .metadata's own index; `workbench convert trust` records the list."""
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.checkpoint import verify_checkpoint
 
     root, d = ckpt
     meta = json.loads((d / "workbench.json").read_text())
@@ -194,7 +193,7 @@ def test_a_checkpoint_without_its_checksum_list_is_refused_until_trusted(ckpt, t
 
 
 def test_trust_records_the_list_of_a_sound_copy_and_refuses_foreign_files(ckpt, capsys):
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.checkpoint import verify_checkpoint
 
     root, d = ckpt
     meta = json.loads((d / "workbench.json").read_text())
@@ -216,7 +215,7 @@ def test_trust_records_the_list_of_a_sound_copy_and_refuses_foreign_files(ckpt, 
 
 
 def test_damage_names_an_earlier_iteration_to_load(ckpt):
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.checkpoint import verify_checkpoint
 
     root, d = ckpt
     later = root / "iter_0000007"
@@ -300,8 +299,7 @@ def test_a_metadata_data_file_outside_the_checkpoint_is_refused_before_it_is_rea
     naming ``.metadata`` and the entry."""
     import dataclasses
 
-    from workbench.conversion.dcp import DcpReader
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.checkpoint import DcpReader, verify_checkpoint
 
     root, d = ckpt
     outside = tmp_path / "elsewhere" / "stolen.distcp"
@@ -324,7 +322,7 @@ def test_a_metadata_data_file_outside_the_checkpoint_is_refused_before_it_is_rea
 def test_a_checkpoint_file_that_is_a_symlink_out_of_the_checkpoint_is_refused(ckpt, tmp_path, capsys, linked):
     """A file of the checkpoint replaced by a symlink to an identical copy elsewhere (its checksum still matches):
     refused by verification and by ``convert trust``, naming the file."""
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.checkpoint import verify_checkpoint
 
     root, d = ckpt
     outside = tmp_path / "elsewhere" / linked
@@ -348,7 +346,7 @@ def test_a_checkpoint_file_that_is_a_symlink_out_of_the_checkpoint_is_refused(ck
 def test_a_checksum_list_naming_a_file_outside_the_checkpoint_is_refused_unhashed(ckpt, tmp_path, where, monkeypatch):
     """``workbench.json``'s list naming a file elsewhere: refused naming ``workbench.json`` and the entry, before
     that file is opened (hashed, or its size reported)."""
-    import workbench.run.integrity as integrity
+    import workbench.checkpoint.integrity as integrity
 
     root, d = ckpt
     secret = tmp_path / "secret.txt"
@@ -373,8 +371,7 @@ def test_a_storage_range_outside_its_data_file_is_refused_when_the_reader_opens(
     by verification and by the streaming reader as it opens (before any chunk is read)."""
     import dataclasses
 
-    from workbench.conversion.dcp import DcpReader
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.checkpoint import DcpReader, verify_checkpoint
 
     _, d = ckpt
     data = d / "__0_0.distcp"

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from tests.support import torchrun_args, free_port
 from workbench.config import preset
-from workbench.run.checkpoint import TRACKER_FILE, find_checkpoint
-from workbench.run.integrity import verify_checkpoint
+from workbench.checkpoint import TRACKER_FILE, find_checkpoint, verify_checkpoint
 from workbench.run.reader import read_events
 
 ROOT = Path(__file__).resolve().parents[2]

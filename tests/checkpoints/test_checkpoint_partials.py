@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from workbench.run.checkpoint import METADATA_FILE, _this_host, find_checkpoint, remove_stale_partials
+from workbench.checkpoint import METADATA_FILE, find_checkpoint, remove_stale_partials
+from workbench.checkpoint.tree import _this_host
 
 
 def _dead_pid() -> int:

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from tests.support import ROOT
-from workbench.run.checkpoint import find_checkpoint
+from workbench.checkpoint import find_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -81,7 +81,7 @@ def test_generate_removes_its_temp_dir_after_success_and_failure(gpt2_checkpoint
 
 def test_verification_stays_torch_free(gpt2_checkpoint):
     """Launch and generation pre-checks run it in the notebook / CLI process: no torch import."""
-    code = ("import sys; from workbench.run.integrity import verify_checkpoint; from workbench.run.checkpoint import "
+    code = ("import sys; from workbench.checkpoint import verify_checkpoint; from workbench.checkpoint import "
             f"find_checkpoint; verify_checkpoint(find_checkpoint({str(gpt2_checkpoint)!r})); print('torch' in sys.modules)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from tests.support import ROOT
-from workbench.run.checkpoint import CheckpointError, find_checkpoint
+from workbench.checkpoint import CheckpointError, find_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

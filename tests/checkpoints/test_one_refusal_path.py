@@ -87,8 +87,7 @@ def test_verify_refuses_it_before_starting_ranks(altered, gpt2_checkpoint):
 def test_the_checkpoints_of_every_family_pass(tmp_path):
     """The comparison holds for each family's checkpoint as the converter writes it (no false refusal)."""
     from workbench.conversion import hf_to_megatron, make_random_hf_model
-    from workbench.run.checkpoint import find_checkpoint
-    from workbench.run.integrity import verify_checkpoint
+    from workbench.checkpoint import find_checkpoint, verify_checkpoint
 
     for mt in ("llama", "megatron-bert", "t5", "mixtral"):
         make_random_hf_model(tmp_path / mt / "hf", mt)

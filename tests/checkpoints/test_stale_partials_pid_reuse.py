@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from workbench.run.checkpoint import _this_host, remove_stale_partials
+from workbench.checkpoint import remove_stale_partials
+from workbench.checkpoint.tree import _this_host
 
 
 @pytest.fixture()

@@ -23,7 +23,7 @@ from transformers import MegatronBertForPreTraining
 from workbench.config import RunConfig
 from workbench.conversion.api import make_random_hf_model, hf_to_megatron, megatron_to_hf, reshape, compare_hf_dirs
 from workbench.conversion.runtime import single_process_group, build_full_model
-from workbench.backend.checkpointing import load_checkpoint, read_metadata
+from workbench.checkpoint import load_checkpoint, read_metadata
 
 root = Path(sys.argv[1])
 hf = make_random_hf_model(root / "hf", "megatron-bert", hidden=60, layers=3, heads=6, vocab=999, positions=64)
@@ -97,9 +97,9 @@ def test_convert_verify_runs_bert_at_tp2(tmp_path):
     assert "tp=2 pp=1" in line and float(line.split("| = ")[1].split()[0]) < 1e-4, line
 
     # reshape to TP=2 re-pads every vocab-sized tensor (the LM head's bias too), and the export is bit-identical
-    from workbench.backend.checkpointing import checkpoint_tensor_shapes
+    from workbench.checkpoint import checkpoint_tensor_shapes
     from workbench.conversion.api import compare_hf_dirs, megatron_to_hf, reshape
-    from workbench.run.checkpoint import find_checkpoint
+    from workbench.checkpoint import find_checkpoint
 
     reshape(tmp_path / "mc", tmp_path / "mc_tp2", tp=2, pp=1)
     shapes = checkpoint_tensor_shapes(find_checkpoint(tmp_path / "mc_tp2"))

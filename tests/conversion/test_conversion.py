@@ -150,7 +150,7 @@ def test_architecture_refusals():
 def test_tp2_pp2_logits_match_hf_and_export_is_bit_identical(name, hf_models, tp2pp2, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from workbench.backend.checkpointing import read_metadata
+    from workbench.checkpoint import read_metadata
     from workbench.conversion import megatron_to_hf
     from workbench.conversion.verify import forward_logits
 
@@ -195,7 +195,7 @@ def test_vpp_chunks_keep_layer_order(hf_models, tp2pp2):
 
 def test_reshape_matches_direct_conversion(hf_models, tp2pp2, tmp_path):
     """TP=2/PP=2 -> reshape -> TP=1/PP=1 equals converting at TP=1/PP=1 directly (vocab re-padded 1280 -> 1152)."""
-    from workbench.backend.checkpointing import read_metadata
+    from workbench.checkpoint import read_metadata
     from workbench.config import ConfigError
     from workbench.conversion import hf_to_megatron, reshape
     from workbench.conversion.runtime import load_full_state_dict, single_process_group
@@ -369,7 +369,7 @@ def test_tokenizer_files_travel_with_the_checkpoint(hf_models, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from workbench.backend.checkpointing import read_metadata
+    from workbench.checkpoint import read_metadata
     from workbench.conversion import hf_to_megatron, megatron_to_hf
 
     src, _ = hf_models["gpt2"]

@@ -55,12 +55,12 @@ for name, (mt, kw) in cases.items():
 CONVERT = r'''
 import json, sys, torch
 from pathlib import Path
-from workbench.backend.checkpointing import load_checkpoint, read_metadata
+from workbench.checkpoint import load_checkpoint, read_metadata
 from workbench.conversion.api import compare_hf_dirs, hf_to_megatron, megatron_to_hf
 from workbench.conversion.runtime import build_full_model, single_process_group
 from workbench.conversion.hf import hf_adapter
 from workbench.models.parts import parts_of
-from workbench.run.checkpoint import checkpoint_config
+from workbench.checkpoint import checkpoint_config
 
 root, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
 for name, (mt, kw) in cases.items():

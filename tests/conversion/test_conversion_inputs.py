@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from workbench.run.checkpoint import find_checkpoint
+from workbench.checkpoint import find_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -156,7 +156,7 @@ def test_export_from_another_directory_refuses_a_relative_tokenizer_it_cannot_fi
 
 def test_a_save_records_a_tokenizer_path_as_an_absolute_one(source, tmp_path, monkeypatch):
     from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict, single_process_group
-    from workbench.run.checkpoint import checkpoint_config, read_checkpoint
+    from workbench.checkpoint import checkpoint_config, read_checkpoint
 
     hf, ckpt = source
     monkeypatch.chdir(hf.parent)
@@ -191,8 +191,8 @@ def test_a_disk_that_fills_up_mid_conversion_is_named_and_leaves_no_output(sourc
     output."""
     import errno
 
-    import workbench.conversion.dcp as dcp
-    from workbench.run import direct_io
+    import workbench.checkpoint.dcp as dcp
+    from workbench.checkpoint import direct_io
 
     hf, _ = source
     written = [0]

@@ -91,7 +91,7 @@ def test_smaller_tokenizer_warns_and_generation_shows_undecodable_ids(hf_dir, tm
 
 def test_decode_visible_keeps_decodable_text_exact():
     from workbench.data.tokenizer import load_tokenizer
-    from workbench.run.checkpoint import decode_visible
+    from workbench.data.tokenizer import decode_visible
 
     tok = load_tokenizer("demo")
     ids = tok.encode("In the beginning God created")

@@ -1,7 +1,7 @@
 """A conversion from a workbench checkpoint reads its data once and checks its checksums as it goes.
 
 ``reshape`` and ``megatron_to_hf`` read the source checkpoint's data file front to back, once, hashing it as they
-read (:class:`workbench.run.integrity.ChecksummedReads`), where a verification pass followed by the conversion's own
+read (:class:`workbench.checkpoint.ChecksummedReads`), where a verification pass followed by the conversion's own
 reads would read every byte twice.  A file whose checksum differs is still refused, with the message
 ``verify_checkpoint`` gives, and the conversion leaves no output behind.
 """
@@ -24,8 +24,7 @@ def _read_syscall_bytes() -> int:
 def _counting_maps(monkeypatch) -> list[int]:
     """The lengths of the ranges the checksummed reader maps (bytes read without a read() system call): every range
     it is asked for, less those it reads directly (with preadv, which /proc/self/io counts)."""
-    from workbench.run.direct_io import DirectReads
-    from workbench.run.integrity import ChecksummedReads
+    from workbench.checkpoint import ChecksummedReads, DirectReads
 
     lengths, real, direct = [], ChecksummedReads.hold, DirectReads.read
     monkeypatch.setattr(ChecksummedReads, "hold", lambda self, name, offset, length: lengths.append(length) or
@@ -48,7 +47,7 @@ def ckpts(tmp_path_factory):
 
 
 def _data_file(root):
-    from workbench.run.checkpoint import find_checkpoint
+    from workbench.checkpoint import find_checkpoint
 
     return find_checkpoint(root) / "__0_0.distcp"
 
@@ -75,7 +74,7 @@ def test_reshape_and_export_read_the_checkpoint_once(ckpts, monkeypatch):
 
 def _flip_inside_a_tensor(f):
     """Flip one byte in the middle of the largest stored chunk (its raw values: the chunk still loads)."""
-    from workbench.run.integrity import read_dist_metadata
+    from workbench.checkpoint import read_dist_metadata
 
     info = max(read_dist_metadata(f.parent).storage_data.values(), key=lambda i: i.length)
     with open(f.parent / info.relative_path, "r+b") as fh:
@@ -87,7 +86,7 @@ def _flip_inside_a_tensor(f):
 
 def _refuse_direct_reads(monkeypatch) -> list[str]:
     """Make the file system refuse O_DIRECT (tmpfs before Linux 6.6, some network file systems); the paths asked."""
-    from workbench.run.direct_io import DirectReads
+    from workbench.checkpoint import DirectReads
 
     asked: list[str] = []
     monkeypatch.setattr(DirectReads, "open", lambda self, path: asked.append(path) or None)
@@ -111,7 +110,7 @@ def test_a_tampered_data_file_is_refused_after_the_pass_and_leaves_no_output(ckp
     import shutil
 
     from workbench.conversion.api import megatron_to_hf, reshape
-    from workbench.run.checkpoint import CheckpointError, checkpoint_info
+    from workbench.checkpoint import CheckpointError, checkpoint_info
 
     from tests.support import count_direct_reads
 
@@ -163,7 +162,7 @@ def test_a_chunk_that_is_part_of_a_larger_tensor_is_saved_from_its_own_memory():
 
     import torch
 
-    from workbench.conversion.dcp import _own_storage
+    from workbench.checkpoint.dcp import _own_storage
 
     for dtype in (torch.bfloat16, torch.float32):
         big = torch.randn(64, 48).to(dtype)
@@ -191,7 +190,7 @@ def test_safetensors_shards_reach_the_disk_before_the_writer_closes(tmp_path, mo
 
     import workbench.conversion.hf_files as hf_files
     from workbench.conversion.rules import TensorInfo
-    from workbench.run.direct_io import DirectWriter
+    from workbench.checkpoint import DirectWriter
 
     if not direct:
         monkeypatch.delattr(os, "O_DIRECT", raising=False)
@@ -222,9 +221,8 @@ def test_chunks_a_conversion_wrote_are_read_back_without_a_copy(ckpts, monkeypat
 
     import torch
 
-    import workbench.run.integrity as integrity
-    from workbench.conversion.dcp import DcpReader
-    from workbench.run.direct_io import open_direct
+    import workbench.checkpoint.safe_load as safe_load
+    from workbench.checkpoint import DcpReader, open_direct
 
     _, _, _, ckpt = ckpts
     data = _data_file(ckpt)
@@ -232,8 +230,8 @@ def test_chunks_a_conversion_wrote_are_read_back_without_a_copy(ckpts, monkeypat
     if fd is None:
         pytest.skip("this file system refuses O_DIRECT: chunks are copied out of a read-only mapping instead")
     os.close(fd)
-    loads, real = [], integrity.safe_torch_load
-    monkeypatch.setattr(integrity, "safe_torch_load",
+    loads, real = [], safe_load.safe_torch_load
+    monkeypatch.setattr(safe_load, "safe_torch_load",
                         lambda f, **kw: loads.append(kw.get("map_location", "cpu")) or real(f, **kw))
     reader = DcpReader(data.parent)
     loads.clear()  # (its common state, read when it opens)
@@ -243,7 +241,7 @@ def test_chunks_a_conversion_wrote_are_read_back_without_a_copy(ckpts, monkeypat
             got[(fqn, tuple(c.offsets))] = reader.region(fqn, tuple(c.offsets), tuple(c.sizes))
     reader.finish()  # every tensor still alive: a buffer reused under one of them would show in the values below
     assert len(loads) == len(got) > 10 and set(loads) == {"meta"}, loads
-    index = integrity.read_dist_metadata(data.parent).storage_data
+    index = safe_load.read_dist_metadata(data.parent).storage_data
     for (fqn, offsets), t in got.items():  # the same chunks as torch.load reads them from the files
         info = next(i for k, i in index.items() if k.fqn == fqn and tuple(k.offset) == offsets)
         with open(data.parent / info.relative_path, "rb") as fh:

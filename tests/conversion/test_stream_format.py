@@ -1,10 +1,10 @@
 """The checkpoint a streaming conversion writes is the checkpoint megatron-core writes, read back identically.
 
 For a tiny model of every family: ``hf_to_megatron`` writes its checkpoint chunk by chunk
-(:class:`workbench.conversion.dcp.CheckpointWriter`); megatron-core loads it (``load_full_state_dict``) and saves
+(:class:`workbench.conversion.megatron_files.CheckpointWriter`); megatron-core loads it (``load_full_state_dict``) and saves
 the same weights with its own ``dist_checkpointing.save`` (``save_full_state_dict``).  Both ``.metadata`` index
 the same stored tensors (keys, global shapes, dtypes, chunks) and objects; every chunk and object holds the same
-values; and the streaming reader (:class:`workbench.conversion.dcp.CheckpointReader`) reads megatron's save as
+values; and the streaming reader (:class:`workbench.conversion.megatron_files.CheckpointReader`) reads megatron's save as
 megatron reads the streamed one.
 """
 
@@ -26,7 +26,7 @@ CASES = [("gpt2", {}), ("llama", {"tied": False}), ("megatron-bert", {"tied": Fa
 def _index(d):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from workbench.run.integrity import read_dist_metadata
+    from workbench.checkpoint import read_dist_metadata
 
     md = read_dist_metadata(d)
     out = {}
@@ -41,9 +41,10 @@ def _index(d):
 @pytest.mark.parametrize("model_type, kw", CASES, ids=[c[0] for c in CASES])
 def test_streamed_checkpoint_is_megatrons_own(model_type, kw, tmp_path):
     from workbench.conversion.api import hf_to_megatron, make_random_hf_model
-    from workbench.conversion.dcp import CheckpointReader, DcpReader, model_layout
+    from workbench.checkpoint import DcpReader
+    from workbench.conversion.megatron_files import CheckpointReader, model_layout
     from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict, single_process_group
-    from workbench.run.checkpoint import checkpoint_config, find_checkpoint, read_metadata
+    from workbench.checkpoint import checkpoint_config, find_checkpoint, read_metadata
 
     hf = make_random_hf_model(tmp_path / "hf", model_type, hidden=48, layers=2, heads=6, vocab=300, **kw)
     streamed = find_checkpoint(hf_to_megatron(hf, tmp_path / "streamed", tp=2, pp=1, dtype="fp32", device="cpu",
@@ -132,10 +133,10 @@ def _bin_shards(d, n_shards=2, per_shard=8, zip_format=True):
 
 def _counting_loads(monkeypatch):
     """[(file, mmap)] of every call to the safe torch loader (the boundary every ``.bin`` read goes through)."""
-    import workbench.run.integrity as integrity
+    import workbench.checkpoint as checkpoint
 
-    calls, real = [], integrity.safe_torch_load
-    monkeypatch.setattr(integrity, "safe_torch_load",
+    calls, real = [], checkpoint.safe_torch_load
+    monkeypatch.setattr(checkpoint, "safe_torch_load",
                         lambda f, **kw: calls.append((str(f), kw.get("mmap", False))) or real(f, **kw))
     return calls
 

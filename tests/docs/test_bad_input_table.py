@@ -30,7 +30,7 @@ def _files(work, ckpt_root):
     from workbench.cli import main
     from workbench.config import load_config, preset
     from workbench.run import writer
-    from workbench.run.checkpoint import TRACKER_FILE
+    from workbench.checkpoint import TRACKER_FILE
 
     tiny = preset("tiny").replace(**{"parallel.device": "cpu", "parallel.nproc_per_node": 1})
     tiny.save(work / "tiny.yaml")

@@ -90,7 +90,7 @@ def test_cli_generates_text_with_the_checkpoint_tokenizer(ckpt, tmp_path):
     assert [r["token_ids"] for r in results] == [o.token_ids for o in here]
     assert [r["prompt_ids"] for r in results] == [tok.encode(t) for t in TEXTS]
     # the random 1,000-token model generates ids past this 400-token tokenizer: shown as <id:N>, never as nothing
-    from workbench.run.checkpoint import decode_visible
+    from workbench.data.tokenizer import decode_visible
 
     assert results[0]["text"] == decode_visible(tok, results[0]["token_ids"])
     assert all(f"<id:{t}>" in results[0]["text"] for t in results[0]["token_ids"] if t >= tok.vocab_size)

@@ -6,7 +6,7 @@ import pytest
 
 from workbench.config import ConfigError, GenerationConfig, preset
 from workbench.generation import prepare_request
-from workbench.run.checkpoint import CheckpointInfo
+from workbench.checkpoint import CheckpointInfo
 
 
 def _info(name: str) -> CheckpointInfo:

@@ -23,7 +23,7 @@ from transformers import AutoModelForSeq2SeqLM
 from workbench.config import GenerationConfig, RunConfig
 from workbench.conversion.api import hf_to_megatron
 from workbench.conversion.runtime import single_process_group, build_full_model
-from workbench.backend.checkpointing import load_checkpoint, read_metadata
+from workbench.checkpoint import load_checkpoint, read_metadata
 from workbench.models.t5.hf import make_random_hf_model
 from workbench.models.t5.generate import T5Engine
 
@@ -102,7 +102,7 @@ def test_a_prompt_past_max_position_embeddings_is_served_as_hf_serves_it(parity)
     # the length check is the family's (relative positions: no limit), not the decoder-only sum of prompt and new tokens
     from workbench.config import GenerationConfig
     from workbench.generation import prepare_request
-    from workbench.run.checkpoint import checkpoint_info
+    from workbench.checkpoint import checkpoint_info
 
     info = checkpoint_info(parity["ckpt"])
     assert len(parity["long"]) > info.config.model.max_position_embeddings

@@ -59,7 +59,7 @@ def _cfg(model: str, path: str, steps: int, mbs: int | None = None):
 def _logits(tr, seed: int = 1234):
     """fp32 logits of the trained model on the family's fixed verification inputs (conversion's verify inputs)."""
     import torch
-    from workbench.backend.checkpointing import _unwrap
+    from workbench.checkpoint.dist import _unwrap
     from workbench.models.parts import parts_of
 
     parts = parts_of(tr.cfg)
@@ -97,7 +97,7 @@ def worker(job: dict) -> dict:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.get("port", 29561)), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    from workbench.backend import checkpointing
+    from workbench.checkpoint import dist as checkpointing
     from workbench.rank.train import Trainer
 
     if job.get("torch_adamw"):  # torch's AdamW (fused) where megatron would take TE's FusedAdam (the A/B's other side)

@@ -1,6 +1,6 @@
 """A resume whose checkpoint recorded other hooks (``train.forward_step`` / ``train.loss_func``) than the
 config's says so at launch: one line in the launcher's log and the launch notes, printed to the caller;
-the ranks import only the config's own (:func:`workbench.run.checkpoint.hook_note`).
+the ranks import only the config's own (:func:`workbench.checkpoint.hook_note`).
 
 A checkpoint with the tiny model's parameter count in one tensor (real DCP files, real ``workbench.json``)
 and the launch's fake rank (``tests.support.RANK_SCRIPT``) under the real supervisor and torchrun.
@@ -21,8 +21,7 @@ def _checkpoint(root, cfg):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from workbench.run.checkpoint import FORMAT, METADATA_FILE, TRACKER_FILE, iter_dir_name
-    from workbench.run.integrity import file_manifest
+    from workbench.checkpoint import FORMAT, METADATA_FILE, TRACKER_FILE, file_manifest, iter_dir_name
 
     d = root / iter_dir_name(3)
     d.mkdir(parents=True)

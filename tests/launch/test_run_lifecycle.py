@@ -222,12 +222,11 @@ def test_bad_data_and_checkpoint_paths_refused_before_anything_starts(rank_scrip
 def _fake_checkpoint(root: Path, cfg, *, has_optimizer: bool) -> Path:
     """A checkpoint as save_checkpoint writes it: its metadata, and a small but well-formed torch
     dist checkpoint (the pre-launch check verifies the files' index without loading tensors) holding as many
-    parameters as ``cfg``'s model (it compares the count: :mod:`workbench.run.ckpt_layout`), in one flat tensor."""
+    parameters as ``cfg``'s model (it compares the count: :mod:`workbench.checkpoint.config_check`), in one flat tensor."""
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from workbench.backend.checkpointing import FORMAT, METADATA_FILE, TRACKER_FILE, iter_dir_name
-    from workbench.run.integrity import file_manifest
+    from workbench.checkpoint import FORMAT, METADATA_FILE, TRACKER_FILE, file_manifest, iter_dir_name
 
     d = root / iter_dir_name(3)
     d.mkdir(parents=True)

@@ -33,7 +33,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWAR
 INIT = r'''
 import torch
 from workbench.rank.build import build_model
-from workbench.backend.checkpointing import save_checkpoint
+from workbench.checkpoint import save_checkpoint
 cfg = load_config(INIT_CONFIG)
 distributed.initialize(cfg)  # torchrun set the rank and store
 torch.manual_seed(cfg.train.seed)

@@ -1,5 +1,5 @@
 """The run contract: typed records, the one run-directory reader (incremental, corrupt and partial
-lines), kernel path / layout accessors, checkpoint metadata, and committed evidence runs."""
+lines), kernel path / layout accessors, and committed evidence runs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from workbench.run import checkpoint as ck
 from workbench.run.events import (
     FUSION_PREFIX, Error, Eval, Event, EventWriter, Microbatch, RunEnd, RunStart, Step, event_file, fusion_entries,
     parse_line,
@@ -128,23 +127,6 @@ def test_committed_evidence_runs_still_load(name):
     assert ms.timeline.p == 2
 
 
-def test_checkpoint_metadata_record(tmp_path):
-    d = tmp_path / "ck" / ck.iter_dir_name(3)
-    d.mkdir(parents=True)
-    (d / ck.METADATA_FILE).write_text(json.dumps({"format": ck.FORMAT, "iteration": 3, "complete": True,
-                                                  "config": {"name": "x"}, "has_optimizer": True, "source": "hf"}))
-    (tmp_path / "ck" / ck.TRACKER_FILE).write_text("3")
-    meta = ck.read_checkpoint(tmp_path / "ck")
-    assert isinstance(meta, ck.CheckpointMeta) and meta.path == d and meta.iteration == 3 and meta.has_optimizer
-    assert meta.extra == {"source": "hf"}
-    # declared fields the file lacks read as their defaults (an older checkpoint: no scheduler, no random states)
-    assert not meta.has_rng and not meta.has_scheduler
-    assert ck.read_metadata(tmp_path / "ck") == {**json.loads((d / ck.METADATA_FILE).read_text()), "tokenizer": None,
-                                                 "has_scheduler": False, "has_rng": False, "path": str(d)}
-    with pytest.raises(ck.CheckpointError, match="does not exist"):
-        ck.read_checkpoint(tmp_path / "nope")
-
-
 def test_file_helpers(tmp_path):
     write_text_atomic(tmp_path / "a.txt", "hello")
     assert (tmp_path / "a.txt").read_text() == "hello"
@@ -161,7 +143,7 @@ def test_run_contract_is_torch_free():
     import subprocess
     import sys
 
-    code = ("import sys, workbench.run, workbench.run.reader, workbench.run.events, workbench.run.checkpoint, "
-            "workbench.run.files; bad = [m for m in ('torch', 'megatron') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    code = ("import sys, workbench.run, workbench.run.reader, workbench.run.events, workbench.run.files, "
+            "workbench.run.writer, workbench.run.nodes; bad = [m for m in ('torch', 'megatron') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -359,7 +359,7 @@ def load_into(model, full_state: dict[str, torch.Tensor]) -> None:
 def count_direct_reads(monkeypatch) -> list[int]:
     """The lengths of the ranges read past the page cache from now on (``DirectReads.read``, wrapped): a test of the
     direct path skips when this stays empty (a file system that refuses O_DIRECT)."""
-    from workbench.run.direct_io import DirectReads
+    from workbench.checkpoint import DirectReads
 
     lengths: list[int] = []
     real = DirectReads.read

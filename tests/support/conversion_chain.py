@@ -81,7 +81,7 @@ def convert(ckpt: Path, work: Path, device: str, atol: float = 1e-4, new: int = 
     from workbench.generation import generate
     from workbench.families import family_of
     from workbench.models.parts import parts_of
-    from workbench.run.checkpoint import read_metadata
+    from workbench.checkpoint import read_metadata
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -487,7 +487,7 @@ def decode_outputs(engine: Any, prompts: list[list[int]], gen: Any, stop_ids: Se
     for p, (toks, reason, lps, score) in zip(prompts, decoded or [([], "length", None, None)] * len(prompts)):
         text = None
         if decode_text and engine.tokenizer is not None and decoded is not None:
-            from workbench.run.checkpoint import decode_visible
+            from workbench.data.tokenizer import decode_visible
 
             text = decode_visible(engine.tokenizer, toks)  # ids past the tokenizer show as <id:N>, not as nothing
         outs.append(GenerationOutput(prompt_ids=p, token_ids=toks, text=text, finish_reason=reason,

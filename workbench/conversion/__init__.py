@@ -3,7 +3,7 @@
 
 ``workbench convert hf-to-megatron | megatron-to-hf | reshape | legacy | inspect | verify | trust`` and the
 same as Python functions (:func:`hf_to_megatron`, :func:`megatron_to_hf`, :func:`reshape`,
-:func:`import_legacy`, :func:`checkpoint_structure`, :func:`workbench.run.integrity.record_checksums`).
+:func:`import_legacy`, :func:`checkpoint_structure`, :func:`workbench.checkpoint.record_checksums`).
 Light at import: torch, transformers and megatron-core load inside the functions that use them.
 """
 
@@ -107,7 +107,7 @@ def prepare_conversion_process() -> None:
 
 def _run(fn: Any, args: argparse.Namespace) -> int:
     prepare_conversion_process()
-    from workbench.backend.checkpointing import CheckpointError
+    from workbench.checkpoint import CheckpointError
     from workbench.config import ConfigError
     from workbench.conversion.hf import ConversionError
 
@@ -189,8 +189,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _trust(args: argparse.Namespace) -> int:
-    from workbench.run.checkpoint import find_checkpoint
-    from workbench.run.integrity import record_checksums
+    from workbench.checkpoint import find_checkpoint, record_checksums
 
     d = find_checkpoint(args.ckpt)
     files = record_checksums(d)

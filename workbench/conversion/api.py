@@ -6,12 +6,12 @@ only when complete, so an interrupted conversion never leaves an output that loo
 
 The conversions stream: a family adapter's per-tensor rules (:mod:`workbench.conversion.rules`) run one at a
 time, reading each source tensor when a rule needs it (HF: :class:`~workbench.conversion.hf_files.HFReader`;
-megatron: :class:`~workbench.conversion.dcp.CheckpointReader`) and writing each target as it is made
+megatron: :class:`~workbench.conversion.megatron_files.CheckpointReader`) and writing each target as it is made
 (:class:`~workbench.conversion.hf_files.SafetensorsWriter` shards; a megatron-core checkpoint through
-:class:`~workbench.conversion.dcp.CheckpointWriter`), so peak memory is a few copies of the largest tensor,
+:class:`~workbench.conversion.megatron_files.CheckpointWriter`), so peak memory is a few copies of the largest tensor,
 not the model.
 Output of the Megatron-side writers is a checkpoint ROOT (``iter_XXXXXXX/`` + tracker, see
-:mod:`workbench.backend.checkpointing`) plus ``workbench_config.json`` - the RunConfig it
+:mod:`workbench.checkpoint`) plus ``workbench_config.json`` - the RunConfig it
 implies, with ``checkpoint.load_dir`` pointing at it and ``finetune: true`` - and, when the
 source had one, a ``tokenizer/`` copy.
 """
@@ -225,7 +225,7 @@ def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, targets: dict[str, T
     ``tokenizer_from`` describes: where it came from, or where none was found).  ``targets``: the TP=1 state-dict
     tensors ``fill(write)`` will hand to ``write(name, tensor)`` one at a time; they must be exactly the model's
     (checked before anything is written)."""
-    from workbench.conversion.dcp import CheckpointWriter, model_layout
+    from workbench.conversion.megatron_files import CheckpointWriter, model_layout
     from workbench.conversion.runtime import single_process_group
 
     tok_ok = tokenizer is not None
@@ -331,12 +331,12 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 
 
 def _open_checkpoint(ckpt: str | Path) -> Any:
-    """The checkpoint's :class:`~workbench.run.checkpoint.CheckpointInfo`: files checked (a damaged or hostile one is a
+    """The checkpoint's :class:`~workbench.checkpoint.CheckpointInfo`: files checked (a damaged or hostile one is a
     CheckpointError naming them, before any work) but for their checksums, which the :class:`CheckpointReader` checks
-    as it reads them (:meth:`~workbench.conversion.dcp.CheckpointReader.finish`, before the output is renamed into
+    as it reads them (:meth:`~workbench.conversion.megatron_files.CheckpointReader.finish`, before the output is renamed into
     place); its config read as data (hooks it names are never imported)."""
     from workbench.config import ConfigError as _ConfigError
-    from workbench.run.checkpoint import CheckpointError, checkpoint_info
+    from workbench.checkpoint import CheckpointError, checkpoint_info
 
     try:
         return checkpoint_info(ckpt, hashes=False)
@@ -348,7 +348,7 @@ def _open_checkpoint(ckpt: str | Path) -> Any:
 
 def _hook_notes(info: Any) -> list[str]:
     """What the written config leaves out: the hooks the source checkpoint's config named (never imported here)."""
-    from workbench.run.checkpoint import recorded_hooks
+    from workbench.checkpoint import recorded_hooks
 
     hooks = recorded_hooks(info.meta.get("config"))
     if not hooks:
@@ -388,7 +388,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     The tokenizer files come from ``tokenizer`` when given, else from the checkpoint (files beside it, its recorded
     spec, its config's ``data.tokenizer``); one that does not load or has more ids than the model's vocabulary is
     refused (ConversionError), a smaller one or none at all is a warning."""
-    from workbench.conversion.dcp import CheckpointReader, model_layout
+    from workbench.conversion.megatron_files import CheckpointReader, model_layout
     from workbench.conversion.hf_files import SafetensorsWriter
     from workbench.conversion.runtime import single_process_group
 
@@ -439,8 +439,8 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
             tokenizer: str | Path | None = None) -> ConversionResult:
     """Re-target a checkpoint's parallel layout (config + vocab padding); weights only (no optimizer state).
     The tokenizer travels as in :func:`megatron_to_hf` (into ``<out>/tokenizer``)."""
-    from workbench.backend.checkpointing import vocab_keys
-    from workbench.conversion.dcp import CheckpointReader, model_layout
+    from workbench.checkpoint import vocab_keys
+    from workbench.conversion.megatron_files import CheckpointReader, model_layout
     from workbench.conversion.runtime import single_process_group
 
     info = _open_checkpoint(ckpt)
@@ -538,7 +538,7 @@ def checkpoint_structure(path: str | Path) -> dict[str, Any]:
         if not files:
             tensors = {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in load_hf_state_dict(p).items()}
         return {"kind": "hf", "path": str(p), "model_type": hf["model_type"], "tensors": tensors}
-    from workbench.backend.checkpointing import CheckpointError, checkpoint_tensor_shapes, read_metadata
+    from workbench.checkpoint import CheckpointError, checkpoint_tensor_shapes, read_metadata
 
     try:
         meta = read_metadata(p)

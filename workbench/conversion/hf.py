@@ -177,7 +177,7 @@ def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any 
 
 def load_hf_state_dict(hf_dir: str | Path) -> dict[str, Any]:
     """All tensors of a local HF checkpoint in memory: (sharded) safetensors, else (sharded) pytorch_model.bin through
-    :func:`workbench.run.integrity.safe_torch_load` (tensors only, whatever the environment says).  The conversions
+    :func:`workbench.checkpoint.safe_torch_load` (tensors only, whatever the environment says).  The conversions
     read one tensor at a time instead (:class:`workbench.conversion.hf_files.HFReader`)."""
     from workbench.conversion.hf_files import load_bin, weight_files
 

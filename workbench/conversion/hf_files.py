@@ -2,9 +2,9 @@
 
 :class:`HFReader` lists a model directory's tensors (names, shapes, dtypes) from the safetensors headers (checked
 by safetensors' ``safe_open``) and reads one tensor per call: its byte range goes from the disk straight into the
-tensor's memory past the page cache (``O_DIRECT``, :func:`workbench.run.direct_io.open_direct`);
+tensor's memory past the page cache (``O_DIRECT``, :func:`workbench.checkpoint.open_direct`);
 where the file system refuses that, the file is opened with ``safe_open`` and closed again, so the memory map (whose
-touched pages count as the process's resident memory while it is open) never holds more than that tensor.  ``pytorch_model*.bin`` files are pickles, loaded through :func:`workbench.run.integrity.safe_torch_load`
+touched pages count as the process's resident memory while it is open) never holds more than that tensor.  ``pytorch_model*.bin`` files are pickles, loaded through :func:`workbench.checkpoint.safe_torch_load`
 (tensors only, whatever the environment says); the reader holds one of them at a time, the one it read last.  A
 file in torch's zip format (every ``torch.save`` since torch 1.6) is memory-mapped: opening it reads its pickled
 index only and a tensor's bytes are read when that tensor is, so moving between files costs their indexes, not their
@@ -14,7 +14,7 @@ tensors, whatever order the tensors are asked for in.  An older (non-zip) file c
 ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``) from a plan of names, shapes
 and dtypes known up front: each shard's header is written when the shard is opened, then its tensors as they
 come, so no shard is ever held in memory.  Shards are written past the page cache where the file system allows
-(:func:`workbench.run.direct_io.open_for_writing`), each on disk when it is closed; otherwise through the cache, and
+(:func:`workbench.checkpoint.open_for_writing`), each on disk when it is closed; otherwise through the cache, and
 :meth:`SafetensorsWriter.close` waits until every shard is on disk (the shards before it go to disk in the
 background while the next is written).
 """
@@ -30,7 +30,7 @@ from typing import Any, Iterator, Mapping
 
 from workbench.conversion.errors import ConversionError
 from workbench.conversion.rules import TensorInfo, strip_module_prefix
-from workbench.run.direct_io import ALIGN, abandon, open_direct, open_for_writing, read_blocks
+from workbench.checkpoint import ALIGN, abandon, open_direct, open_for_writing, read_blocks
 
 __all__ = ["weight_files", "HFReader", "SafetensorsWriter", "SAFETENSORS_DTYPES"]
 
@@ -76,7 +76,7 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
 def load_bin(f: Path, *, mmap: bool = False) -> dict[str, Any]:
     """One ``pytorch_model*.bin``: tensors only (a pickle that names anything else is refused, naming the file);
     ``mmap``: its tensors memory-mapped, read when touched (a file in torch's zip format only)."""
-    from workbench.run.integrity import safe_torch_load
+    from workbench.checkpoint import safe_torch_load
 
     sd = safe_torch_load(str(f), source=str(f), error=ConversionError, fix=_BIN_FIX, mmap=mmap)
     if not isinstance(sd, dict):

@@ -32,9 +32,9 @@ _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
 def safe_torch_load(path: Path) -> Any:
-    """:func:`workbench.run.integrity.safe_torch_load` with only argparse.Namespace (and numpy arrays) admitted
+    """:func:`workbench.checkpoint.safe_torch_load` with only argparse.Namespace (and numpy arrays) admitted
     beyond tensors and plain data."""
-    from workbench.run.integrity import safe_torch_load as load
+    from workbench.checkpoint import safe_torch_load as load
 
     safe: list[Any] = [argparse.Namespace]
     try:

@@ -146,7 +146,7 @@ def stream_rules(rules: Sequence[Rule], read: Callable[[str], Any], write: Calla
     written (file reads, hashing and file writes run without the GIL), so reading and writing overlap as a copy's
     do; memory holds at most one more rule's sources.  Every ``read`` runs on that thread, in rule order.  The
     cyclic garbage collector waits until the last rule is written.  A rule never writes into its sources: a source
-    may be the reader's own buffer, still being hashed (:func:`workbench.conversion.dcp._load_chunk`)."""
+    may be the reader's own buffer, still being hashed (:func:`workbench.checkpoint.dcp._load_chunk`)."""
     import gc
 
     rules = list(rules)

@@ -138,7 +138,7 @@ def save_full_state_dict(root: str | Path, iteration: int, full_sd: dict[str, An
     """Write a full TP=1 state dict as a workbench checkpoint (any TP/PP can load it). Needs a process group."""
     import torch
 
-    from workbench.backend.checkpointing import save_checkpoint
+    from workbench.checkpoint import save_checkpoint
 
     model = build_full_model(cfg, dtype)
     own = _model_state(model)
@@ -157,8 +157,7 @@ def save_full_state_dict(root: str | Path, iteration: int, full_sd: dict[str, An
 
 def load_full_state_dict(path: str | Path, cfg: RunConfig | None = None, dtype: str | None = None) -> tuple[dict[str, Any], dict]:
     """(full TP=1 state dict, metadata) of a workbench checkpoint. Needs a process group."""
-    from workbench.backend.checkpointing import load_checkpoint, read_metadata
-    from workbench.run.checkpoint import checkpoint_config
+    from workbench.checkpoint import checkpoint_config, load_checkpoint, read_metadata
 
     cfg = cfg or checkpoint_config(read_metadata(path))
     model = build_full_model(cfg, dtype)

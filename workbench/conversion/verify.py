@@ -3,7 +3,7 @@
 ``forward_logits`` launches ``torchrun --nproc_per_node tp*pp -m workbench.conversion.verify`` under the
 launch supervisor (:func:`workbench.launch.run_supervised`);
 every rank builds its model chunk(s) with the workbench builder, loads the checkpoint through
-:func:`workbench.backend.checkpointing.load_checkpoint` (so the layout change is megatron's own
+:func:`workbench.checkpoint.load_checkpoint` (so the layout change is megatron's own
 resharding), and runs a forward-only pass.  Pipeline stages pass activations with gloo
 ``send``/``recv`` in virtual-stage order (stage 0 chunk 0, stage 1 chunk 0, ..., stage 0
 chunk 1, ...), which is exactly the layer order of interleaved pipelining.  The last stage
@@ -53,7 +53,7 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
         if res.returncode != 0 or not out_path.exists():
             tail = "\n".join(res.output.splitlines()[-40:])
             raise RuntimeError(f"verification run (torchrun, {world} CPU ranks) failed with exit code {res.returncode}:\n{tail}")
-        from workbench.run.integrity import safe_torch_load
+        from workbench.checkpoint import safe_torch_load
 
         return safe_torch_load(str(out_path), source=str(out_path))
 
@@ -62,7 +62,7 @@ def _family_hf(ckpt: str | Path) -> Any:
     """The checkpoint's family's HF adapter, which must make verify's inputs and reference logits."""
     from workbench.conversion.errors import ConversionError
     from workbench.models.parts import parts_of
-    from workbench.run.checkpoint import read_metadata
+    from workbench.checkpoint import read_metadata
 
     parts = parts_of(((read_metadata(ckpt).get("config") or {}).get("model") or {}).get("arch", "gpt"))
     hf = parts.hf()
@@ -80,7 +80,7 @@ def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int
     from workbench.conversion.hf import read_hf_config
     from workbench.conversion.hf_files import HFReader
     from workbench.generation import layout_problems
-    from workbench.run.checkpoint import checkpoint_info
+    from workbench.checkpoint import checkpoint_info
 
     info = checkpoint_info(ckpt)  # a damaged or hostile checkpoint is refused before torchrun starts
     problems = layout_problems(info, tp, pp, "cpu", vpp=vpp)
@@ -107,14 +107,13 @@ def _worker(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from workbench.backend.checkpointing import load_checkpoint, read_metadata
+    from workbench.checkpoint import load_checkpoint, read_metadata
     from workbench.backend.cpu_mode import tensor_cuda_is_identity
     from workbench.backend.distributed import destroy, initialize
     from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
     from workbench.conversion.runtime import model_overrides
-    from workbench.run.checkpoint import checkpoint_config
-    from workbench.run.integrity import safe_torch_load
+    from workbench.checkpoint import checkpoint_config, safe_torch_load
     from workbench.models.parts import parts_of
 
     cfg = checkpoint_config(read_metadata(args.ckpt))

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 from workbench.data.errors import DataError
 
-__all__ = ["Tokenizer", "load_tokenizer", "tokenizer_spec", "resolve_tokenizer", "train_tokenizer", "train_wordpiece", "DEMO_TOKENIZER_DIR", "DEMO_WORDPIECE_DIR",
+__all__ = ["Tokenizer", "load_tokenizer", "tokenizer_spec", "resolve_tokenizer", "tokenizer_size", "decode_visible", "special_ids", "train_tokenizer", "train_wordpiece", "DEMO_TOKENIZER_DIR", "DEMO_WORDPIECE_DIR",
            "EOD_CANDIDATES", "WORDPIECE_SPECIALS"]
 
 DEMO_TOKENIZER_DIR = Path(__file__).parent / "corpus" / "demo-tokenizer"
@@ -289,7 +289,7 @@ def load_tokenizer(spec: "str | Path | Tokenizer") -> Tokenizer:
 
 
 def tokenizer_spec(info: Any) -> Any:
-    """Where the tokenizer of a checkpoint (``info``: a :class:`workbench.run.checkpoint.CheckpointInfo`) lives:
+    """Where the tokenizer of a checkpoint (``info``: a :class:`workbench.checkpoint.CheckpointInfo`) lives:
     files next to the weights, the recorded spec, the run's data.tokenizer (None: it records none).  A recorded relative path is as the run wrote it (relative to where it was launched)."""
     for d in (info.path, info.path.parent, info.path.parent / "tokenizer"):  # conversion ships ROOT/tokenizer/
         if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
@@ -303,12 +303,54 @@ def tokenizer_spec(info: Any) -> Any:
 
 
 def resolve_tokenizer(info: Any) -> "Tokenizer | None":
-    """The tokenizer of a checkpoint (``info``: a :class:`workbench.run.checkpoint.CheckpointInfo`), or None when it
+    """The tokenizer of a checkpoint (``info``: a :class:`workbench.checkpoint.CheckpointInfo`), or None when it
     records none."""
     spec = tokenizer_spec(info)
     if spec is None:
         return None
     return load_tokenizer(spec)
+
+
+def tokenizer_size(tok: Any) -> int | None:
+    """How many ids a workbench or HF tokenizer can decode (None when unknown)."""
+    if tok is None:
+        return None
+    try:
+        return int(tok.vocab_size) if hasattr(tok, "has_eod") else len(tok)
+    except (TypeError, AttributeError):
+        return getattr(tok, "vocab_size", None)
+
+
+def decode_visible(tok: Any, ids: list[int]) -> str:
+    """Text of ``ids``; an id the tokenizer has no token for shows as ``<id:N>``, never as nothing
+    (a model whose vocabulary is larger than its tokenizer's would otherwise print empty text)."""
+    n = tokenizer_size(tok)
+    if n is None or all(i < n for i in ids):
+        return tok.decode(ids)
+    out: list[str] = []
+    run: list[int] = []
+    for i in ids:
+        if i < n:
+            run.append(i)
+            continue
+        if run:
+            out.append(tok.decode(run))
+            run = []
+        out.append(f"<id:{i}>")
+    if run:
+        out.append(tok.decode(run))
+    return "".join(out)
+
+
+def special_ids(tok: Any) -> dict[str, int | None]:
+    """EOS / BOS / PAD ids of a workbench or HF tokenizer (None when absent)."""
+    if tok is None:
+        return {"eos": None, "bos": None, "pad": None}
+    if hasattr(tok, "has_eod"):  # workbench.data.tokenizer.Tokenizer
+        eos = tok.eod if tok.has_eod else None
+        return {"eos": eos, "bos": tok.bos, "pad": tok.pad}
+    return {"eos": getattr(tok, "eos_token_id", None), "bos": getattr(tok, "bos_token_id", None),
+            "pad": getattr(tok, "pad_token_id", None)}
 
 
 def train_tokenizer(inputs: "Iterable[str] | Iterator[str]", vocab_size: int, out_dir: str | Path | None = None,

@@ -48,7 +48,7 @@ def launch_problems(cfg: RunConfig, *, local: bool = True) -> list[Problem]:
     problems = list(cfg.validate())
     if not problems:  # data and checkpoint paths are only worth checking for a well-formed config
         problems += check_data(cfg)
-        from workbench.run.checkpoint import load_problems
+        from workbench.checkpoint import load_problems
 
         problems += load_problems(cfg)
     if local and cfg.parallel.device == "cuda":

@@ -134,10 +134,10 @@ def _start(cfg: RunConfig, run_dir: Path, node_rank: int, rdzv_endpoint: str | N
 
 def hook_notes(cfg: RunConfig) -> list[str]:
     """A resume's line when the hooks its checkpoint recorded differ from the config's (which are the ones the
-    ranks import: :func:`workbench.run.checkpoint.hook_note`); none for a fresh run or agreeing hooks."""
+    ranks import: :func:`workbench.checkpoint.hook_note`); none for a fresh run or agreeing hooks."""
     if not cfg.checkpoint.load_dir:
         return []
-    from workbench.run.checkpoint import CheckpointError, hook_note, read_checkpoint
+    from workbench.checkpoint import CheckpointError, hook_note, read_checkpoint
 
     try:
         note = hook_note(cfg, read_checkpoint(cfg.checkpoint.load_dir))

@@ -29,7 +29,8 @@ from megatron.core import parallel_state
 from workbench.backend.decoding import dist_ready, pp_info
 from workbench.models.parts import parts_of
 from workbench.data.tokenizer import resolve_tokenizer
-from workbench.run.checkpoint import checkpoint_config, checkpoint_info, read_checkpoint, special_ids
+from workbench.checkpoint import checkpoint_config, checkpoint_info, read_checkpoint
+from workbench.data.tokenizer import special_ids
 from workbench.run.files import write_json_atomic
 
 __all__ = ["load_engine", "run_request", "initialize_for_generation", "main"]
@@ -51,7 +52,7 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     wanted; dist checkpoints load at any layout.  ``say``: called with a line as building and loading start.
     """
     from workbench.backend import cpu_mode
-    from workbench.backend.checkpointing import load_checkpoint
+    from workbench.checkpoint import load_checkpoint
     from workbench.rank.build import build_model
 
     meta = read_checkpoint(ckpt)

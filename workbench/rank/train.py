@@ -10,7 +10,7 @@
 - ``get_forward_backward_func()``: no-pipelining, 1F1B, or interleaved 1F1B when VPP > 1,
   over ``derive(cfg).num_microbatches`` micro-batches;
 - eval every ``train.eval_interval`` iterations (loss, perplexity) on the validation set;
-- checkpoints through :mod:`workbench.backend.checkpointing` (interval, on clean exit and
+- checkpoints through :mod:`workbench.checkpoint` (interval, on clean exit and
   on a graceful stop), resume from ``checkpoint.load_dir`` continuing iteration, LR
   schedule and data position (``consumed_samples``); ``checkpoint.finetune`` loads weights only;
 - events (:mod:`workbench.run.events`): run_start, step, microbatch, eval, checkpoint, error, run_end; with
@@ -232,12 +232,12 @@ class Trainer:
         c = self.cfg.checkpoint
         if not c.load_dir:
             return
-        from workbench.backend.checkpointing import load_checkpoint
+        from workbench.checkpoint import load_checkpoint
 
         meta = load_checkpoint(c.load_dir, self.model, optimizer=None if c.finetune else self.optimizer,
                                scheduler=None if c.finetune else self.scheduler, load_optimizer=not c.finetune,
                                fresh_heads=c.finetune, load_rng=not c.finetune)
-        from workbench.run.checkpoint import hook_note
+        from workbench.checkpoint import hook_note
 
         note = hook_note(self.cfg, meta)  # this run imported its own config's hooks, never the checkpoint's
         if note:
@@ -430,7 +430,7 @@ class Trainer:
         return {"loss": loss, "ppl": math.exp(min(loss, 80.0)), "metrics": {k: v for k, v in losses.items() if k != self.loss_name}}
 
     def save(self) -> Path:
-        from workbench.backend.checkpointing import save_checkpoint
+        from workbench.checkpoint import save_checkpoint
 
         root = Path(self.cfg.checkpoint.save_dir or (self.run_dir / "checkpoints"))
         t0 = time.time()
@@ -615,7 +615,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from workbench.config import ConfigError, load_config
     from workbench.run import writer
-    from workbench.run.checkpoint import load_problems
+    from workbench.checkpoint import load_problems
     from workbench.run.nodes import LAUNCH_FILE
 
     ap = argparse.ArgumentParser(prog="python -m workbench.rank", description="Workbench training backend (one rank; start with torchrun).")

@@ -2,7 +2,7 @@
 
 ``fill_mask(ckpt, texts, top_k)`` builds the checkpoint's model at TP=1/PP=1 on the CPU in this process
 (:func:`workbench.conversion.runtime.single_process_group`, as the converters do), loads the weights
-through :func:`workbench.backend.checkpointing.load_checkpoint`, and runs one forward over
+through :func:`workbench.checkpoint.load_checkpoint`, and runs one forward over
 ``[CLS] text [SEP]`` (right-padded, padding mask, token type 0).  Each result holds, per ``[MASK]``,
 the ``top_k`` tokens with their probabilities, the filled-in text, and the inputs and vocabulary
 logits (``[b, s, V]``, padding rows of the vocabulary cut) so they can be compared with another
@@ -56,9 +56,9 @@ def fill_mask(ckpt: str | Path, texts: Sequence[str] | str, top_k: int = 5, toke
     """(one :class:`FillMaskResult` per text, ``{"inputs": ..., "logits": [b, s, V]}``) for a BERT checkpoint."""
     import torch
 
-    from workbench.backend.checkpointing import load_checkpoint, read_metadata
+    from workbench.checkpoint import load_checkpoint, read_metadata
     from workbench.conversion.runtime import build_full_model, single_process_group
-    from workbench.run.checkpoint import checkpoint_config
+    from workbench.checkpoint import checkpoint_config
     from workbench.families.bert.vocab import check_bert_tokenizer
 
     texts = [texts] if isinstance(texts, str) else list(texts)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from workbench.run.direct_io import ALIGN, DirectReads, DirectWriter
+from workbench.checkpoint import ALIGN, DirectReads, DirectWriter
 
 
 @pytest.fixture()
@@ -70,7 +70,7 @@ def _chunks(total: int, seed: int = 0) -> list[bytes]:
 
 def _direct_writer(path, hashed: bool = False) -> DirectWriter:
     """A :class:`DirectWriter` of ``path``; the test is skipped where the file system refuses O_DIRECT writes."""
-    from workbench.run.direct_io import open_for_writing
+    from workbench.checkpoint import open_for_writing
 
     fh = open_for_writing(str(path), hashed=hashed)
     if not isinstance(fh, DirectWriter):
@@ -80,7 +80,7 @@ def _direct_writer(path, hashed: bool = False) -> DirectWriter:
 
 
 def test_a_direct_writer_s_file_is_exactly_the_bytes_written(tmp_path):
-    from workbench.run.direct_io import close_synced
+    from workbench.checkpoint import close_synced
 
     path = tmp_path / "out.bin"
     fh = _direct_writer(path)
@@ -97,7 +97,7 @@ def test_a_hashing_direct_writer_s_sha256_is_the_file_s(tmp_path, blocks):
     """Whole blocks hashed on the helper thread (more than there are buffers: each buffer reused), then the tail."""
     import hashlib
 
-    from workbench.run.direct_io import close_synced
+    from workbench.checkpoint import close_synced
 
     path = tmp_path / "out.bin"
     fh = _direct_writer(path, hashed=True)
@@ -108,7 +108,7 @@ def test_a_hashing_direct_writer_s_sha256_is_the_file_s(tmp_path, blocks):
 
 
 def test_where_direct_writes_are_refused_a_plain_file_takes_them(tmp_path, monkeypatch):
-    from workbench.run.direct_io import close_synced, open_for_writing
+    from workbench.checkpoint import close_synced, open_for_writing
 
     monkeypatch.delattr(os, "O_DIRECT", raising=False)  # a platform or file system without it
     fh = open_for_writing(str(tmp_path / "out.bin"))
@@ -121,7 +121,7 @@ def test_where_direct_writes_are_refused_a_plain_file_takes_them(tmp_path, monke
 
 
 def test_an_abandoned_direct_writer_lets_go_of_its_file(tmp_path):
-    from workbench.run.direct_io import abandon
+    from workbench.checkpoint import abandon
 
     path = tmp_path / "out.bin"
     fh = _direct_writer(path)
@@ -138,7 +138,7 @@ def test_a_failed_direct_write_is_raised_and_abandoning_the_writer_raises_nothin
     writer after it lets go of the file and raises nothing of its own."""
     import errno
 
-    from workbench.run.direct_io import abandon
+    from workbench.checkpoint import abandon
 
     path = tmp_path / "out.bin"
     fh = _direct_writer(path)

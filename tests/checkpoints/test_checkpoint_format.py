@@ -25,7 +25,7 @@ def _params(m) -> dict:
 
 
 def test_save_load_round_trip_and_metadata(dist_group, tmp_path):
-    from workbench.backend.checkpointing import FORMAT, find_checkpoint, load_checkpoint, read_metadata, save_checkpoint
+    from workbench.checkpoint import FORMAT, find_checkpoint, load_checkpoint, read_metadata, save_checkpoint
 
     cfg = dist_group
     a, b = _model(cfg, 1), _model(cfg, 2)
@@ -49,7 +49,7 @@ def test_save_load_round_trip_and_metadata(dist_group, tmp_path):
 
 
 def test_incomplete_saves_are_never_picked(dist_group, tmp_path):
-    from workbench.backend import checkpointing as C
+    import workbench.checkpoint as C
 
     cfg = dist_group
     root = tmp_path / "ck"
@@ -75,7 +75,7 @@ def test_incomplete_saves_are_never_picked(dist_group, tmp_path):
 def test_failed_save_keeps_last_good_checkpoint(dist_group, tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
 
-    from workbench.backend import checkpointing as C
+    import workbench.checkpoint as C
 
     cfg = dist_group
     root = tmp_path / "ck"
@@ -94,7 +94,7 @@ def test_failed_save_keeps_last_good_checkpoint(dist_group, tmp_path, monkeypatc
 
 
 def test_clear_errors(dist_group, tmp_path):
-    from workbench.backend import checkpointing as C
+    import workbench.checkpoint as C
 
     cfg = dist_group
     with pytest.raises(C.CheckpointError, match="does not exist"):
@@ -118,7 +118,7 @@ def test_clear_errors(dist_group, tmp_path):
 
 def test_vocab_padding_is_repadded_on_load(dist_group, tmp_path):
     """A model padded differently (e.g. another TP size) loads the real rows; new pad rows are zero."""
-    from workbench.backend import checkpointing as C
+    import workbench.checkpoint as C
     from workbench.config import derive
 
     cfg = dist_group.replace(**{"model.vocab_size": 4000, "model.make_vocab_size_divisible_by": 64})
@@ -140,7 +140,7 @@ def test_optimizer_state_round_trip(dist_group, tmp_path):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from workbench.backend import checkpointing as C
+    import workbench.checkpoint as C
     from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
 

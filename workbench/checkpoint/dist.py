@@ -1,4 +1,4 @@
-"""The one checkpoint format of the workbench: mcore dist checkpoints in an iteration tree.
+"""The one checkpoint format of the workbench, saved and loaded by the ranks: mcore dist checkpoints in an iteration tree.
 
 Layout of a checkpoint ROOT::
 
@@ -15,8 +15,8 @@ tree and the tracker file are what Megatron-LM users already know.  A save goes 
 ``workbench.json`` says ``"complete": true``, so an interrupted save never shadows
 the last good checkpoint, and :func:`find_checkpoint` never picks a partial one.
 ``"files"`` records each file's size and SHA-256; every load verifies them and reads
-``.metadata`` and the stored objects through :mod:`workbench.run.integrity` (an allow-list
-unpickler: nothing in a checkpoint can run code), so a damaged or hostile checkpoint is
+``.metadata`` and the stored objects through :mod:`workbench.checkpoint.safe_load` (an allow-list
+unpickler: nothing in a checkpoint can run code; the checks: :mod:`workbench.checkpoint.integrity`), so a damaged or hostile checkpoint is
 refused with the file named.
 
 The one layout-dependent quantity is the vocab padding (``make_vocab_size_divisible_by
@@ -39,28 +39,15 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from workbench.run.checkpoint import (  # noqa: F401  (discovery and metadata live in the torch-free run contract)
-    FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, find_checkpoint, iter_dir_name, list_checkpoints, load_problems,
-    partial_dir_name, read_checkpoint, read_metadata, remove_stale_partials,
-)
+from workbench.checkpoint.integrity import file_manifest, verify_checkpoint
+from workbench.checkpoint.meta import checkpoint_config, read_metadata
+from workbench.checkpoint.names import FORMAT, METADATA_FILE, TRACKER_FILE, CheckpointError, iter_dir_name
+from workbench.checkpoint.safe_load import safe_dist_reading
+from workbench.checkpoint.tree import find_checkpoint, partial_dir_name, remove_stale_partials
 from workbench.run.files import write_text_atomic
-from workbench.run.integrity import file_manifest, safe_dist_reading, verify_checkpoint
 
-__all__ = [
-    "CheckpointError",
-    "FORMAT",
-    "TRACKER_FILE",
-    "METADATA_FILE",
-    "iter_dir_name",
-    "save_checkpoint",
-    "load_checkpoint",
-    "find_checkpoint",
-    "read_metadata",
-    "load_problems",
-    "list_checkpoints",
-    "checkpoint_tensor_shapes",
-    "vocab_keys",
-]
+__all__ = ["save_checkpoint", "finish_save", "load_checkpoint", "checkpoint_tensor_shapes", "vocab_keys", "CheckpointSaveError",
+           "RNG_KEY", "rng_state", "set_rng_state"]
 
 #: checkpoint keys whose first dimension is the (padded) vocabulary (BERT's LM head also has a vocab-sized output bias)
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
@@ -72,7 +59,7 @@ def vocab_keys() -> tuple[str, ...]:
 
 def checkpoint_tensor_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Global shape and dtype of every tensor stored in a checkpoint (reads metadata only, after
-    :func:`~workbench.run.integrity.verify_checkpoint`; CheckpointError names a damaged file)."""
+    :func:`~workbench.checkpoint.integrity.verify_checkpoint`; CheckpointError names a damaged file)."""
     from megatron.core import dist_checkpointing
 
     d = find_checkpoint(path)
@@ -559,8 +546,6 @@ def _check_config(ckpt: Path, meta: dict, chunks: Sequence[Any]) -> None:
     if not ccfg:
         return
     try:
-        from workbench.run.checkpoint import checkpoint_config
-
         cm = checkpoint_config(meta).model
     except Exception:  # an old/foreign config: the tensor-shape check below still applies
         return

@@ -1,4 +1,4 @@
-"""The random states a training checkpoint carries (``checkpointing.rng_state`` / ``set_rng_state``), in process."""
+"""The random states a training checkpoint carries (``workbench.checkpoint.dist.rng_state`` / ``set_rng_state``), in process."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def tracker():
 
 
 def test_states_round_trip_through_a_weights_only_load(tracker, tmp_path):
-    from workbench.backend import checkpointing as ck
+    from workbench.checkpoint import dist as ck
 
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     saved = ck.rng_state(cuda=False)
@@ -35,7 +35,7 @@ def test_states_round_trip_through_a_weights_only_load(tracker, tmp_path):
 
 def test_a_stream_the_checkpoint_lacks_keeps_this_runs_seeding(tracker):
     """A checkpoint from CPU mode (no tracked streams) or another layout never wipes a stream this run uses."""
-    from workbench.backend import checkpointing as ck
+    from workbench.checkpoint import dist as ck
 
     mine = tracker.get_states()["model-parallel-rng"].clone()
     state = ck.rng_state(cuda=False)

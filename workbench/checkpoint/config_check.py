@@ -1,4 +1,7 @@
-"""Does a checkpoint's recorded config describe the tensors it stores?  Torch-free.
+"""A checkpoint's recorded config, as data, and whether it describes the tensors it stores.  Torch-free.
+
+:func:`recorded_config` turns the config ``workbench.json`` records into a ``RunConfig`` with its hooks cleared
+(:data:`HOOK_FIELDS`: reading a checkpoint never imports a module it names).
 
 ``workbench.json`` records the run's config; ``.metadata`` indexes the stored tensors with their global shapes.
 When the two disagree (a ``workbench.json`` edited, or copied from another checkpoint) every model built from the
@@ -6,7 +9,7 @@ config fails to load the tensors, in each rank, as a traceback.  :func:`config_m
 files alone: the layer count of each stacked ``encoder.layers.*`` / ``decoder.layers.*`` tensor, the word
 embedding's (padded vocabulary, hidden size), and the parameter count the config implies
 (:func:`workbench.config.derive`, the planner's) against the stored one.
-:func:`~workbench.run.integrity.verify_checkpoint` refuses a mismatch, so every command that reads a checkpoint
+:func:`~workbench.checkpoint.integrity.verify_checkpoint` refuses a mismatch, so every command that reads a checkpoint
 (inspect, convert, verify, generate, a launch that loads one) says the same thing, before any process starts.
 """
 
@@ -18,9 +21,25 @@ import re
 from pathlib import Path
 from typing import Any
 
-from workbench.run.ckpt_files import METADATA_FILE, recorded_config
+from workbench.checkpoint.names import METADATA_FILE
 
-__all__ = ["stored_shapes", "config_mismatch"]
+__all__ = ["HOOK_FIELDS", "recorded_config", "stored_shapes", "config_mismatch"]
+
+#: the config fields that name code (``train.<field>``: 'package.module:function'); a checkpoint records them as text
+HOOK_FIELDS = ("forward_step", "loss_func")
+
+
+def recorded_config(config: Any, where: Any = None) -> Any:
+    """The ``RunConfig`` of a checkpoint's recorded config dict, as data: its hooks (``train.forward_step``,
+    ``train.loss_func`` and their ``hook_kwargs``) cleared, so validating, building or converting from it never
+    imports a module the checkpoint names."""
+    from workbench.config import RunConfig
+
+    data = dict(config or {})
+    if isinstance(data.get("train"), dict):
+        data["train"] = {**data["train"], **{k: None for k in HOOK_FIELDS}, "hook_kwargs": {}}
+    return RunConfig.from_dict(data, source=None if where is None else str(where))
+
 
 _STACKED = re.compile(r"^(encoder|decoder)\.layers\.[A-Za-z_]")
 _WORD = "embedding.word_embeddings.weight"

@@ -1,37 +1,32 @@
-"""The megatron side of streaming conversion: a workbench checkpoint's tensors read and written one at a time.
+"""torch's DCP (``torch_dist``) format, read and written by hand, one tensor chunk at a time.
 
 A workbench checkpoint is a megatron-core ``torch_dist`` save: ``.metadata`` (torch's ``Metadata``: every
 stored tensor's global shape and the chunks it was written in, each chunk's byte range), the data files
-(``__0_0.distcp``, ``__0_1.distcp``: each chunk a ``torch.save`` of its own, each object a pickled list), megatron's ``metadata.json`` and the
-workbench's ``workbench.json``.  Global tensors are keyed by megatron's sharded keys (layers stacked on a
-leading axis, TE-style norm names, SwiGLU's ``fc1`` as two halves), so a checkpoint written at one TP/PP loads
-at any other: TP split/merge and PP layer placement happen when megatron-core loads it, never on disk.
+(``__0_0.distcp``, ``__0_1.distcp``: each chunk a ``torch.save`` of its own, each object a pickled list), megatron's
+``metadata.json`` and the workbench's ``workbench.json``.
 
-Which stored chunk holds which state-dict tensor is megatron's own answer: :func:`model_layout` builds the
-TP=1/PP=1 model of a config on the meta device (no memory) and reads its ``sharded_state_dict()`` (factories
-applied), so the conversion never re-implements megatron's key naming.  Then
+- :class:`DcpWriter` appends tensor chunks and objects to the data files as they come and writes ``.metadata`` when
+  it closes; ``metadata.json``, ``workbench.json`` (checksums, ``complete``) and the rename into place are the
+  caller's (:func:`workbench.checkpoint.dist.finish_save`, the save's own last step).  megatron-core's
+  ``dist_checkpointing.load`` (training, generation, verification) reads the result as it reads its own saves.
+  Chunks are saved without ``torch.save``'s zip CRC-32 (the data files' SHA-256 in the checksum list covers every
+  byte; ``torch.load`` reads such a file, as ``torch.serialization.set_crc32_options`` documents); the data files
+  are written past the page cache where the file system allows, hashed from the writers' own buffers
+  (:class:`workbench.checkpoint.direct_io.DirectWriter`).
+- :class:`DcpReader` reads a region of a stored tensor from the stored chunks that overlap it, each chunk through
+  :func:`workbench.checkpoint.safe_load.safe_torch_load` and ``.metadata`` through the allow-list unpickler; every
+  stored object and the common state are read the same way when it opens, so whatever a megatron-core load would
+  refuse is refused here too.  When it opens, every byte range ``.metadata`` indexes is checked to lie in a file
+  inside the checkpoint directory and within that file's size (:func:`workbench.checkpoint.integrity.storage_needs`),
+  before any byte is read.  The caller checks the files first (:func:`workbench.checkpoint.checkpoint_info`, with
+  ``hashes=False``); the reader checks the checksums as it reads
+  (:class:`workbench.checkpoint.checksum_reads.ChecksummedReads`: the small files when it opens, the data files as
+  their bytes go by), so each byte is read once, and :meth:`DcpReader.finish` compares them after the last read.
+  :meth:`DcpReader.position` gives the order that reads the data files front to back.
 
-- :class:`CheckpointWriter` writes each state-dict tensor's chunks as it comes, then the objects and the
-  common state as megatron writes them, ``.metadata`` and ``metadata.json``; ``workbench.json`` (checksums,
-  ``complete``) and the rename into place are :func:`workbench.backend.checkpointing.save_checkpoint`'s own
-  last step.  megatron-core's ``dist_checkpointing.load`` (training, generation, verification) reads the result
-  as it reads its own saves.  Chunks are saved without ``torch.save``'s zip CRC-32 (the data files' SHA-256 in
-  the checksum list covers every byte; ``torch.load`` reads such a file, as
-  ``torch.serialization.set_crc32_options`` documents); the data files are written past the
-  page cache where the file system allows, hashed from the writers' own buffers
-  (:class:`workbench.run.direct_io.DirectWriter`).
-- :class:`CheckpointReader` reads one state-dict tensor at a time from the stored chunks that overlap it,
-  each chunk through :func:`workbench.run.integrity.safe_torch_load` and ``.metadata`` through the allow-list
-  unpickler; every stored object and the common state are read the same way when it opens, so whatever a
-  megatron-core load would refuse is refused here too.  When it opens, every byte range ``.metadata`` indexes
-  is checked to lie in a file inside the checkpoint directory and within that file's size
-  (:func:`workbench.run.integrity.storage_needs`), before any byte is read.  The caller checks the files first
-  (:func:`workbench.run.checkpoint.checkpoint_info`, with ``hashes=False``); the reader checks the checksums as it
-  reads (:class:`workbench.run.integrity.ChecksummedReads`: the small files when it opens, the data files as their
-  bytes go by), so each byte is read once, and :meth:`CheckpointReader.finish` compares them after the last read.
-  :meth:`CheckpointReader.position` gives the order that reads the data files front to back.
-
-Peak memory of a read or a write: about two copies of the largest chunk it touches, whatever the model size.
+Which stored chunk holds which state-dict tensor of a model is the conversion's
+(:mod:`workbench.conversion.megatron_files`).  Peak memory of a read or a write: about two copies of the largest
+chunk it touches, whatever the model size.
 """
 
 from __future__ import annotations
@@ -42,17 +37,13 @@ import os
 import pickle
 import threading
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.config import RunConfig
-from workbench.conversion.rules import TensorInfo
-from workbench.run.checkpoint import CheckpointError
-from workbench.run.direct_io import abandon, close_synced, open_for_writing
+from workbench.checkpoint.direct_io import abandon, close_synced, open_for_writing
+from workbench.checkpoint.names import CheckpointError
 
-__all__ = ["Piece", "Layout", "meta_model", "model_layout", "DcpWriter", "DcpReader", "CheckpointWriter",
-           "CheckpointReader", "DATA_FILES"]
+__all__ = ["DcpWriter", "DcpReader", "DATA_FILES", "NOWHERE", "common_unique_key", "pickled_list"]
 
 #: the data files a conversion writes (as megatron-core's save with two writer threads names them): chunks go to the
 #: one with fewer bytes so far, so each holds about half and a reader hashes both at once, each on its own thread
@@ -60,116 +51,13 @@ DATA_FILES = ("__0_0.distcp", "__0_1.distcp")
 _COMMON_KEY = "common_state"
 
 
-# --------------------------------------------------------------------------- the layout of a model's tensors
-
-
-def _meta_mode() -> Any:
-    """A torch function mode that puts every tensor a factory makes on the meta device (device arguments too:
-    the CPU mode's patched factories hand torch a wrapped function, which ``torch.device('meta')`` misses)."""
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._device import _device_constructors
-
-    names = {f.__name__ for f in _device_constructors()}
-
-    class MetaMode(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            kwargs = dict(kwargs or {})
-            if getattr(func, "__name__", None) in names:
-                kwargs["device"] = "meta"
-            return func(*args, **kwargs)
-
-    return MetaMode()
-
-
-def meta_model(cfg: RunConfig, dtype: str | None = None) -> Any:
-    """The TP=1/PP=1 CPU-mode model of ``cfg`` with every parameter on the meta device (shapes, no memory); call
-    inside :func:`workbench.conversion.runtime.single_process_group`."""
-    from workbench.rank.build import build_model
-    from workbench.backend.model import transformer_config
-    from workbench.conversion.runtime import cpu_build_config, model_overrides
-
-    c = cpu_build_config(cfg, dtype)
-    config = transformer_config(c, perform_initialization=False, **model_overrides(c))
-    with _meta_mode():
-        return build_model(c, config=config)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One stored chunk of a state-dict tensor: stored tensor ``fqn`` of ``global_shape``, the chunk at ``offsets``
-    of ``sizes`` (megatron's prepended layer axis included); ``view`` = (shape, stride, storage offset) of the
-    chunk inside the state-dict tensor, None when it is the whole tensor."""
-
-    fqn: str
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    view: tuple | None
-
-
-@dataclass
-class Layout:
-    """Where each state-dict tensor of a model lives in its checkpoint: ``infos`` (shape, dtype of each TP=1
-    state-dict tensor, in the model's order), ``pieces`` (its chunks), ``objects`` (the model's stored objects:
-    unique key -> value)."""
-
-    infos: dict[str, TensorInfo]
-    pieces: dict[str, list[Piece]]
-    objects: dict[str, Any]
-
-
-def _piece(sh: Any, base: Any) -> Piece:
-    prepend = (1,) * sh.prepend_axis_num
-    view = None
-    if sh.data is not base:
-        if not base.is_contiguous():
-            raise ValueError(f"{sh.key}: a factory over a non-contiguous tensor")
-        view = (tuple(sh.data.shape), tuple(sh.data.stride()), sh.data.storage_offset() - base.storage_offset())
-    elif tuple(sh.local_shape) != tuple(base.shape):
-        raise ValueError(f"{sh.key}: local shape {sh.local_shape} of a tensor of shape {tuple(base.shape)}")
-    return Piece(sh.key, tuple(sh.global_shape), tuple(sh.global_offset), prepend + tuple(sh.local_shape), view)
-
-
-def model_layout(cfg: RunConfig, dtype: str | None = None) -> Layout:
-    """The :class:`Layout` of ``cfg``'s model as megatron-core's ``sharded_state_dict`` describes it at TP=1/PP=1
-    (factories applied; every chunk checked to cover its stored tensor exactly once).  Needs a process group."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
-    from megatron.core.dist_checkpointing.validation import determine_global_metadata, validate_sharding_integrity
-
-    model = meta_model(cfg, dtype)
-    infos: dict[str, TensorInfo] = {}
-    pieces: dict[str, list[Piece]] = {}
-    objects: dict[str, Any] = {}
-    leaves: list[Any] = []
-    for key, x in model.sharded_state_dict().items():
-        if isinstance(x, ShardedObject):
-            if is_main_replica(x.replica_id):
-                objects[x.unique_key] = x.data
-                leaves.append(x)
-            continue
-        if isinstance(x, ShardedTensorFactory):
-            base, built = x.data, x.build()
-            shs = list(built.values()) if isinstance(built, dict) else list(built) if isinstance(built, (list, tuple)) else [built]
-        elif isinstance(x, ShardedTensor):
-            base, shs = x.data, [x]
-        else:
-            raise ValueError(f"{key}: {type(x).__name__} in the model's sharded state dict")
-        if any(not isinstance(s, ShardedTensor) or s.flattened_range is not None for s in shs):
-            raise ValueError(f"{key}: not a plain sharded tensor")
-        infos[key] = TensorInfo(tuple(base.shape), base.dtype)
-        pieces[key] = [_piece(s, base) for s in shs if is_main_replica(s.replica_id)]
-        leaves += shs
-    validate_sharding_integrity(determine_global_metadata({"model": leaves})[1])
-    return Layout(infos, pieces, objects)
-
-
-def _common_unique_key() -> str:
+def common_unique_key() -> str:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return ShardedObject(_COMMON_KEY, None, (1,), (0,)).unique_key
 
 
-def _pickled_list(value: Any) -> bytes:
+def pickled_list(value: Any) -> bytes:
     """A stored object as megatron-core writes it: ``torch.save`` of the list of its values."""
     import torch
 
@@ -183,7 +71,7 @@ def _pickled_list(value: Any) -> bytes:
 
 class _HashingFile:
     """A binary file written front to back whose SHA-256 is taken as the bytes go out (no second read).  A file
-    written past the page cache (:class:`workbench.run.direct_io.DirectWriter`) hashes its own staging buffers on a
+    written past the page cache (:class:`workbench.checkpoint.direct_io.DirectWriter`) hashes its own staging buffers on a
     helper thread; otherwise a large write is hashed on a helper thread while the system call writes it (both
     without the GIL), and returns when both are done, so the caller's buffer is free again and the hash stays in
     write order."""
@@ -274,7 +162,7 @@ def _own_storage(t: Any) -> Any:
 #: bytes read instead of copying them out (:func:`_load_chunk`)
 _BLOB_ALIGN = 64
 #: the position of what no stored chunk holds (read last)
-_NOWHERE = 1 << 62
+NOWHERE = 1 << 62
 
 
 class DcpWriter:
@@ -336,7 +224,7 @@ class DcpWriter:
         self._record(MetadataIndex(fqn, torch.Size(offsets)), name, start)
 
     def object(self, fqn: str, data: bytes) -> None:
-        """Append a stored object's bytes (see :func:`_pickled_list`)."""
+        """Append a stored object's bytes (see :func:`pickled_list`)."""
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
         if fqn in self._md:
@@ -419,7 +307,7 @@ class _BufferFile(io.RawIOBase):
 
 
 def _load_chunk(held: Any, source: str) -> Any:
-    """The tensor a stored chunk (``torch.save`` bytes, :class:`workbench.run.integrity.HeldRange`) holds.  Where the
+    """The tensor a stored chunk (``torch.save`` bytes, :class:`workbench.checkpoint.checksum_reads.HeldRange`) holds.  Where the
     bytes are this process's memory, the tensor is made over them, not copied: its layout comes from a weights-only
     load onto the meta device (which reads no data and says where the data record starts); the buffer is let go
     when the tensor is freed.  Else (a read-only mapping of the file, or bytes the meta load cannot place) a
@@ -429,7 +317,7 @@ def _load_chunk(held: Any, source: str) -> Any:
     import numpy as np
     import torch
 
-    from workbench.run.integrity import safe_torch_load
+    from workbench.checkpoint.safe_load import safe_torch_load
 
     def loaded(map_location: str) -> Any:
         f = _BufferFile(held.view)
@@ -473,7 +361,9 @@ class DcpReader:
     def __init__(self, d: Path) -> None:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-        from workbench.run.integrity import ChecksummedReads, read_dist_metadata, storage_needs
+        from workbench.checkpoint.checksum_reads import ChecksummedReads
+        from workbench.checkpoint.integrity import storage_needs
+        from workbench.checkpoint.safe_load import read_dist_metadata
 
         self.dir = Path(d)
         # every small file hashed before it is parsed, the data files as they are read (finish() completes the check)
@@ -522,7 +412,7 @@ class DcpReader:
         return data
 
     def _read_common(self) -> dict[str, Any]:
-        from workbench.run.integrity import safe_torch_load
+        from workbench.checkpoint.safe_load import safe_torch_load
 
         objects = {}
         for fqn, info in self._objects.items():
@@ -533,7 +423,7 @@ class DcpReader:
         legacy = self.dir / "common.pt"
         if legacy.is_file():
             return safe_torch_load(str(legacy), source=str(legacy))
-        common = objects.get(_common_unique_key())
+        common = objects.get(common_unique_key())
         return common[0] if isinstance(common, list) and common and isinstance(common[0], dict) else {}
 
     def _chunk(self, fqn: str, info: Any) -> Any:
@@ -566,7 +456,7 @@ class DcpReader:
         """(byte offset, file) of the first stored chunk of ``fqn`` that meets the box: reading in this order reads
         each file front to back, the files side by side (each hashed on its own thread meanwhile)."""
         hits = [(info.offset, info.relative_path) for o, s, info in self._chunks.get(fqn, ()) if _overlap(o, s, offsets, sizes)]
-        return min(hits, default=(_NOWHERE, ""))
+        return min(hits, default=(NOWHERE, ""))
 
     def region(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
         """The box at ``offsets`` of ``sizes`` of stored tensor ``fqn``, in its stored dtype."""
@@ -588,122 +478,4 @@ class DcpReader:
         if covered != out.numel():
             raise CheckpointError(f"checkpoint {self.dir}: the stored chunks of {fqn!r} do not cover {tuple(offsets)} + "
                                   f"{tuple(sizes)} -> copy the checkpoint again from its source")
-        return out
-
-
-# --------------------------------------------------------------------------- state-dict tensors of a checkpoint
-
-
-class CheckpointWriter:
-    """A workbench checkpoint iteration written tensor by tensor: :meth:`write` each TP=1 state-dict tensor of
-    ``layout`` (any order), then :meth:`finish`.  Until then it lives in ``root/iter_XXXXXXX.tmp-...``."""
-
-    def __init__(self, root: str | Path, iteration: int, layout: Layout) -> None:
-        from workbench.run.checkpoint import iter_dir_name, partial_dir_name, remove_stale_partials
-
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        for line in remove_stale_partials(self.root):  # what an earlier, killed save left behind
-            print(f"[workbench] checkpoint {self.root}: {line}", flush=True)
-        self.iteration = int(iteration)
-        self.final = self.root / iter_dir_name(self.iteration)
-        self.tmp = self.root / partial_dir_name(self.final.name, "tmp")
-        self.tmp.mkdir()
-        self.layout = layout
-        self._dcp = DcpWriter(self.tmp)
-        self._written: set[str] = set()
-
-    @property
-    def bytes_written(self) -> int:
-        return self._dcp.bytes_written
-
-    def abort(self) -> None:
-        """Let go of the data file (a conversion that failed: the caller removes the directory it wrote into)."""
-        self._dcp.abort()
-
-    def write(self, key: str, t: Any) -> None:
-        info = self.layout.infos.get(key)
-        if info is None:
-            raise ValueError(f"state dict does not match the model: unexpected {key!r}")
-        if tuple(t.shape) != tuple(info.shape):
-            raise ValueError(f"{key}: shape {tuple(t.shape)} but the model wants {tuple(info.shape)}")
-        if key in self._written:
-            raise ValueError(f"{key} written twice")
-        t = t.to(info.dtype).contiguous()
-        for p in self.layout.pieces[key]:
-            chunk = t if p.view is None else t.as_strided(*p.view)
-            self._dcp.tensor(p.fqn, p.global_shape, p.offsets, chunk.reshape(p.sizes))
-        self._written.add(key)
-
-    def finish(self, cfg: RunConfig, extra: dict | None = None, tokenizer: Any = None) -> Path:
-        """The objects, the common state, ``.metadata``, ``metadata.json``, then ``workbench.json`` and the rename
-        into place (the save's own last step); the final iteration directory."""
-        from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-        from workbench.backend.checkpointing import finish_save
-
-        missing = [k for k in self.layout.infos if k not in self._written]
-        if missing:
-            raise ValueError(f"state dict does not match the model: missing {missing[:5]}")
-        for key, value in self.layout.objects.items():
-            self._dcp.object(key, _pickled_list(value))
-        common = {"workbench_extra": dict(extra or {}), "iteration": self.iteration}  # what save_checkpoint stores
-        self._dcp.object(_common_unique_key(), _pickled_list(common))
-        self._dcp.close()
-        strategy = TorchDistSaveShardedStrategy()
-        save_config(CheckpointingConfig(strategy.backend, strategy.version), str(self.tmp))
-        finish_save(self.root, self.tmp, self.final, self.iteration, [None], cfg, None, None, extra, tokenizer, False,
-                    hashed=self._dcp.hashed)
-        return self.final
-
-
-class CheckpointReader:
-    """The TP=1 state-dict tensors of a workbench checkpoint (an iteration directory, verified by the caller), one at
-    a time, each in ``layout``'s dtype (as a model of that layout holds them).  A vocabulary-sized tensor stored with
-    other padding is read whole, its rows cut or zero-filled to the model's (as a load does)."""
-
-    def __init__(self, path: str | Path, layout: Layout) -> None:
-        from workbench.backend.checkpointing import vocab_keys
-
-        self.layout = layout
-        self.dcp = DcpReader(Path(path))
-        self._vocab = set(vocab_keys())
-
-    def finish(self) -> None:
-        """After the last read: :meth:`DcpReader.finish` (the data files' checksums)."""
-        self.dcp.finish()
-
-    def close(self) -> None:
-        """:meth:`DcpReader.close`."""
-        self.dcp.close()
-
-    def position(self, key: str) -> tuple[int, str]:
-        """Where state-dict tensor ``key``'s bytes start (:meth:`DcpReader.position`): read in this order, the data
-        files are read front to back."""
-        return min((self.dcp.position(p.fqn, p.offsets, p.sizes) for p in self.layout.pieces[key]), default=(_NOWHERE, ""))
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        """The checkpoint's ``workbench_extra`` (its common state, read with the weights-only loader)."""
-        return dict(self.dcp.common.get("workbench_extra") or {})
-
-    def read(self, key: str) -> Any:
-        import torch
-
-        info, pieces = self.layout.infos[key], self.layout.pieces[key]
-        if len(pieces) == 1 and pieces[0].view is None:
-            p = pieces[0]
-            stored = self.dcp.tensors.get(p.fqn)
-            if p.fqn in self._vocab and stored is not None and tuple(stored.size) != p.global_shape:
-                t = self.dcp.region(p.fqn, (0,) * len(stored.size), tuple(stored.size))
-                out = torch.zeros(info.shape, dtype=info.dtype)
-                n = min(out.shape[0], t.shape[0])
-                out[:n] = t[:n]
-                return out
-            return self.dcp.region(p.fqn, p.offsets, p.sizes).reshape(info.shape).to(info.dtype)
-        out = torch.empty(info.shape, dtype=info.dtype)
-        for p in pieces:
-            view = out.as_strided(*p.view) if p.view is not None else out
-            view.copy_(self.dcp.region(p.fqn, p.offsets, p.sizes).reshape(view.shape))
         return out

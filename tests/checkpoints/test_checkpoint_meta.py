@@ -1,0 +1,39 @@
+"""Checkpoint metadata (``workbench.json``, :class:`workbench.checkpoint.CheckpointMeta`), read without torch, and
+the checkpoint package's torch-free import (what the notebook side and the launch checks read)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import workbench.checkpoint as ck
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_checkpoint_metadata_record(tmp_path):
+    d = tmp_path / "ck" / ck.iter_dir_name(3)
+    d.mkdir(parents=True)
+    (d / ck.METADATA_FILE).write_text(json.dumps({"format": ck.FORMAT, "iteration": 3, "complete": True,
+                                                  "config": {"name": "x"}, "has_optimizer": True, "source": "hf"}))
+    (tmp_path / "ck" / ck.TRACKER_FILE).write_text("3")
+    meta = ck.read_checkpoint(tmp_path / "ck")
+    assert isinstance(meta, ck.CheckpointMeta) and meta.path == d and meta.iteration == 3 and meta.has_optimizer
+    assert meta.extra == {"source": "hf"}
+    # declared fields the file lacks read as their defaults (an older checkpoint: no scheduler, no random states)
+    assert not meta.has_rng and not meta.has_scheduler
+    assert ck.read_metadata(tmp_path / "ck") == {**json.loads((d / ck.METADATA_FILE).read_text()), "tokenizer": None,
+                                                 "has_scheduler": False, "has_rng": False, "path": str(d)}
+    with pytest.raises(ck.CheckpointError, match="does not exist"):
+        ck.read_checkpoint(tmp_path / "nope")
+
+
+def test_checkpoint_package_is_torch_free_at_import():
+    code = ("import sys, workbench.checkpoint; bad = [m for m in ('torch', 'megatron') if m in sys.modules]; "
+            "print(bad); sys.exit(bool(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
