@@ -10,7 +10,7 @@
   step, naming the owner (so does a launch of it); the claim a killed rank 0 left is taken over with a note by the
   resume, which gives the folder back when it finishes.
 
-The fault is injected through ``WORKBENCH_FAULT`` (``workbench/backend/checkpointing.py:_fault_point``).
+The fault is injected through ``WORKBENCH_FAULT`` (``workbench/checkpoint/dist.py:_fault_point``).
 """
 
 from __future__ import annotations
