@@ -144,6 +144,20 @@ def _sum(d: dict[str, float]) -> float:
     return float(sum(d.values()))
 
 
+@dataclass(frozen=True)
+class _LayerTimes:
+    """One transformer layer's seconds per micro-batch on one rank (:meth:`Model._layer_times`)."""
+
+    device: float  # GEMMs + attention + elementwise, forward and backward
+    tp: float  # TP collectives left exposed, forward and backward
+    cp: float  # the CP ring's exposed hops, forward and backward
+    recompute: float  # rebuilt in backward
+    forward: float  # device seconds of the forward (its collectives and ring hops included)
+    backward: float  # of the backward (recompute included)
+    host_forward: float  # host launches beyond the forward's device time
+    host_backward: float
+
+
 class Model:
     """The performance model of one base config (model, global batch, sequence) on one profile.
 
@@ -209,30 +223,44 @@ class Model:
     def predict(self, cfg: RunConfig, gpus_per_node: int | None = None, simulate: bool = True) -> Prediction:
         """The layout's step time.  ``simulate``: the pipeline's bubble from the schedule simulator (exact for the
         stage times); otherwise from the closed form ``(p - 1) / (v m)`` on the slowest stage (a quick first pass)."""
-        prof, c = self.profile, self.c
-        m, p, t = cfg.model, cfg.parallel, cfg.train
-        tp, pp, vpp = p.tensor_parallel, p.pipeline_parallel, p.vpp
+        p = cfg.parallel
         per_node = gpus_per_node or p.nproc_per_node
         d = self._derive(cfg)
-        dp, micro = d.data_parallel, d.num_microbatches
         kp = kernel_rule.choose(cfg)
         fam = family_of(cfg)
         sh = fam.shapes.shape(cfg, d)
         cp = max(int(p.context_parallel or 1), 1)
         if cp > 1:  # a rank holds seq_length / cp tokens of each sequence (the planner's local shape)
             sh = dataclasses.replace(sh, s=sh.s // cp)
-        b, s, h, e = sh.b, sh.s, sh.h, sh.e
-        tokens = b * s  # per micro-batch
+        lt = self._layer_times(cfg, sh, kp, fam, cp, per_node)
+        t_head = self._head_seconds(cfg, sh, kp, fam)
+        params_local = [n / p.tensor_parallel for n in d.params_per_stage]
+        br, fwd, bwd, r_busy = self._pipeline(cfg, d, sh, lt, t_head, params_local, cp, per_node, simulate)
+        br["dp_comm"] = self._dp_seconds(cfg, sh, params_local, cp, per_node, fwd[r_busy], bwd[r_busy])
+        dpcp = d.data_parallel * cp
+        opt_params = max(params_local) / (dpcp if p.distributed_optimizer else 1)
+        br["optimizer"] = opt_params * self.profile.optimizer_ns_per_param.value * 1e-9 + self.c.step_ms * 1e-3
+        step = sum(br.values())
+        breakdown = {k: br.get(k, 0.0) for k in REASONS}
+        mfu = d.flops_per_step / step / d.world_size / (self.profile.peak_tflops * 1e12)
+        pp = p.pipeline_parallel
+        return Prediction(step_s=step, tokens_per_s=d.tokens_per_step / step, mfu=mfu, breakdown=breakdown,
+                          detail={"kernel_path": kp.describe(), "cuda_graphs": kp.cuda_graphs, "microbatches": d.num_microbatches,
+                                  "bubble_from": "simulator" if pp > 1 and simulate else "closed form" if pp > 1 else "none",
+                                  "stage_layers": list(d.stage_layers)})
 
+    def _layer_times(self, cfg: RunConfig, sh: Any, kp: Any, fam: Any, cp: int, per_node: int) -> "_LayerTimes":
+        """One transformer layer's seconds per micro-batch on one rank: GEMMs, attention, elementwise (FP8 casts),
+        TP collectives (what overlap hides), the CP ring's exposed hops, recompute, and the host's launches where
+        they outlast the device."""
+        prof, c, p = self.profile, self.c, cfg.parallel
+        tp = p.tensor_parallel
+        e, tokens, h = sh.e, sh.b * sh.s, sh.h  # tokens per micro-batch
         fl = self._flops(tp)
-        layer_dense = fl["layer_dense"] * tokens / tp
-        layer_attn = fl["layer_attn"] * tokens / tp
-        head_dense = fl["head_dense"] * tokens / tp
-        head_attn = fl["head_attn"] * tokens / tp
-
+        layer_dense, layer_attn = fl["layer_dense"] * tokens / tp, fl["layer_attn"] * tokens / tp
         gemm_rate = prof.gemm_rate(layer_dense / 3 / 4 / 1e9) * 1e12
         t_gemm = layer_dense / gemm_rate
-        t_attn = layer_attn / (prof.attention_rate(s) * 1e12) if layer_attn > 0 else 0.0
+        t_attn = layer_attn / (prof.attention_rate(sh.s) * 1e12) if layer_attn > 0 else 0.0
         terms = fam.shapes.layer_activation_terms(sh, kp)
         bw = prof.memory_gbs.value * 1e9
         ew_factor = c.ew_factor if kp.layer == "compiled" else c.ew_factor_stock
@@ -275,36 +303,48 @@ class Model:
         host_layer = prof.host_us_per_layer[host_key].value * 1e-6
         dev_f = layer_dev / 3 + t_tp_f + t_cp_f
         dev_b = 2 * layer_dev / 3 + t_tp_b + t_cp_b + t_rc
-        host_f = max(0.0, host_layer / 3 - dev_f)
-        host_b = max(0.0, 2 * host_layer / 3 - dev_b)
+        return _LayerTimes(device=layer_dev, tp=t_tp_f + t_tp_b, cp=t_cp_f + t_cp_b, recompute=t_rc,
+                           forward=dev_f, backward=dev_b, host_forward=max(0.0, host_layer / 3 - dev_f),
+                           host_backward=max(0.0, 2 * host_layer / 3 - dev_b))
 
-        # output layer and loss (last stage)
+    def _head_seconds(self, cfg: RunConfig, sh: Any, kp: Any, fam: Any) -> float:
+        """The output layer and loss per micro-batch (last stage), forward and backward."""
+        prof, c, tp = self.profile, self.c, cfg.parallel.tensor_parallel
+        e, tokens, h = sh.e, sh.b * sh.s, sh.h
+        fl = self._flops(tp)
+        head_dense, head_attn = fl["head_dense"] * tokens / tp, fl["head_attn"] * tokens / tp
+        bw = prof.memory_gbs.value * 1e9
         head_bytes = c.head_factor * fam.shapes.logits_bytes(sh, kp)[0]
         head_gemm_rate = prof.gemm_rate(head_dense / 3 / 1e9) * 1e12
         t_head = head_dense / head_gemm_rate + head_bytes / bw
         if head_attn > 0:
-            t_head += head_attn / (prof.attention_rate(s) * 1e12)
+            t_head += head_attn / (prof.attention_rate(sh.s) * 1e12)
         if tp > 1:  # the vocab-parallel loss's small all-reduces and the head's input collective
             t_head += 2 * prof.collective_seconds("all_reduce", e * tokens * h, tp) * c.tp_comm_factor
+        return t_head
 
-        # per-stage micro-batch times; grad accumulation of the stage's local parameters
-        params_local = [n / tp for n in d.params_per_stage]
+    def _pipeline(self, cfg: RunConfig, d: Any, sh: Any, lt: "_LayerTimes", t_head: float, params_local: list[float],
+                  cp: int, per_node: int, simulate: bool) -> tuple[dict[str, float], list[float], list[float], int]:
+        """Per-stage micro-batch times (grad accumulation of the stage's parameters included), the step over the
+        pipeline schedule, and the busiest stage's breakdown with the bubble; returns (breakdown, forward and
+        backward seconds per stage, the busiest stage)."""
+        prof, c, p = self.profile, self.c, cfg.parallel
+        tp, pp, vpp, dp, micro = p.tensor_parallel, p.pipeline_parallel, p.vpp, d.data_parallel, d.num_microbatches
+        bw = prof.memory_gbs.value * 1e9
         fwd, bwd, parts = [], [], []
         for r in range(pp):
             n = d.stage_layers[r]
             last = r == pp - 1
             ga = c.grad_accum_bytes * params_local[r] / bw
-            f = n * (dev_f + host_f) + (t_head / 3 if last else 0.0)
-            bk = n * (dev_b + host_b) + (2 * t_head / 3 if last else 0.0) + ga
-            fwd.append(f)
-            bwd.append(bk)
-            parts.append({"compute": n * layer_dev + (t_head if last else 0.0) + ga, "tp_comm": n * (t_tp_f + t_tp_b), "cp_comm": n * (t_cp_f + t_cp_b),
-                          "recompute": n * t_rc, "host": n * (host_f + host_b)})
+            fwd.append(n * (lt.forward + lt.host_forward) + (t_head / 3 if last else 0.0))
+            bwd.append(n * (lt.backward + lt.host_backward) + (2 * t_head / 3 if last else 0.0) + ga)
+            parts.append({"compute": n * lt.device + (t_head if last else 0.0) + ga, "tp_comm": n * lt.tp, "cp_comm": n * lt.cp,
+                          "recompute": n * lt.recompute, "host": n * (lt.host_forward + lt.host_backward)})
         if pp == 1:
             step_pipe, busy, r_busy = micro * (fwd[0] + bwd[0]), micro * (fwd[0] + bwd[0]), 0
         else:
             stage_node = max(per_node // max(tp * cp * dp, 1), 1)  # stages per node (ranks: tp fastest, cp, dp, then pp)
-            act = e * tokens * h / (tp if p.sequence_parallel else 1)
+            act = sh.e * sh.b * sh.s * sh.h / (tp if p.sequence_parallel else 1)
             lat = prof.collective_seconds("p2p", act, 2, inter_node=stage_node < pp and tp * cp * dp >= per_node)
             r_busy = max(range(pp), key=lambda r: fwd[r] + bwd[r])
             if simulate:
@@ -312,33 +352,27 @@ class Model:
             else:
                 busy = micro * (fwd[r_busy] + bwd[r_busy])
                 step_pipe = busy * (1 + schedules.closed_form_bubble_fraction(None, pp, micro, vpp)) + 2 * (pp - 1) * lat
-        scale = micro
-        br = {k: v * scale for k, v in parts[r_busy].items()}
+        br = {k: v * micro for k, v in parts[r_busy].items()}
         br["bubble"] = max(step_pipe - busy, 0.0)
+        return br, fwd, bwd, r_busy
 
-        # data parallel: gradient reduce (+ parameter gather) over DP x CP, exposed beyond the overlap
-        t_dp = 0.0
-        dpcp = dp * cp  # megatron's gradient buffers (and the distributed optimizer's shards) span DP x CP
-        if dpcp > 1:
-            across = tp * dpcp > per_node
-            grad = sh.grad_bytes * max(params_local)
-            if p.distributed_optimizer:
-                t_red = prof.collective_seconds("reduce_scatter", grad, dpcp, across)
-                t_gat = prof.collective_seconds("all_gather", e * max(params_local), dpcp, across)
-            else:
-                t_red, t_gat = prof.collective_seconds("all_reduce", grad, dpcp, across), 0.0
-            if p.overlap_grad_reduce:
-                t_red = max(0.0, t_red - c.dp_overlap * bwd[r_busy])
-            if p.overlap_param_gather:
-                t_gat = max(0.0, t_gat - c.dp_overlap * fwd[r_busy])
-            t_dp = t_red + t_gat
-        br["dp_comm"] = t_dp
-        opt_params = max(params_local) / (dpcp if p.distributed_optimizer else 1)
-        br["optimizer"] = opt_params * prof.optimizer_ns_per_param.value * 1e-9 + c.step_ms * 1e-3
-        step = sum(br.values())
-        breakdown = {k: br.get(k, 0.0) for k in REASONS}
-        mfu = d.flops_per_step / step / d.world_size / (prof.peak_tflops * 1e12)
-        return Prediction(step_s=step, tokens_per_s=d.tokens_per_step / step, mfu=mfu, breakdown=breakdown,
-                          detail={"kernel_path": kp.describe(), "cuda_graphs": kp.cuda_graphs, "microbatches": micro,
-                                  "bubble_from": "simulator" if pp > 1 and simulate else "closed form" if pp > 1 else "none",
-                                  "stage_layers": list(d.stage_layers)})
+    def _dp_seconds(self, cfg: RunConfig, sh: Any, params_local: list[float], cp: int, per_node: int,
+                    fwd_busy: float, bwd_busy: float) -> float:
+        """Data parallel: the gradient reduce (and the distributed optimizer's parameter gather) over DP x CP,
+        exposed beyond what overlaps the busiest stage's backward (forward)."""
+        prof, c, p = self.profile, self.c, cfg.parallel
+        dpcp = self._derive(cfg).data_parallel * cp  # megatron's gradient buffers (and the optimizer's shards) span DP x CP
+        if dpcp <= 1:
+            return 0.0
+        across = p.tensor_parallel * dpcp > per_node
+        grad = sh.grad_bytes * max(params_local)
+        if p.distributed_optimizer:
+            t_red = prof.collective_seconds("reduce_scatter", grad, dpcp, across)
+            t_gat = prof.collective_seconds("all_gather", sh.e * max(params_local), dpcp, across)
+        else:
+            t_red, t_gat = prof.collective_seconds("all_reduce", grad, dpcp, across), 0.0
+        if p.overlap_grad_reduce:
+            t_red = max(0.0, t_red - c.dp_overlap * bwd_busy)
+        if p.overlap_param_gather:
+            t_gat = max(0.0, t_gat - c.dp_overlap * fwd_busy)
+        return t_red + t_gat

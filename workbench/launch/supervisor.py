@@ -31,7 +31,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from workbench.config import ConfigError, load_config
 from workbench.launch import stall
@@ -116,6 +116,50 @@ def end_stalled(me, child: subprocess.Popen, verdict: stall.Stall, ndir: Path, n
     return out
 
 
+class _ProcessRecord:
+    """launch.json's process records (for Run.stop without a supervisor): every process ever seen under torchrun."""
+
+    def __init__(self, launch_json: Path, torchrun_pid: int):
+        self.launch_json, self.torchrun_pid = launch_json, torchrun_pid
+        self.recorded: dict[tuple[int, float], dict] = {}
+
+    def __call__(self, tree: list, first: bool = False) -> None:
+        new = [r for r in describe(tree, self.torchrun_pid) if (r["pid"], r["create_time"]) not in self.recorded]
+        if not new and not first:
+            return
+        self.recorded.update({(r["pid"], r["create_time"]): r for r in new})
+        meta = read_json(self.launch_json) or {}
+        meta.update(torchrun_pid=self.torchrun_pid, torchrun_create_time=create_time(self.torchrun_pid),
+                    processes=list(self.recorded.values()))
+        write_json_atomic(self.launch_json, meta)
+
+
+def _end_job(me: Any, child: subprocess.Popen, rc: int | None, verdict: "stall.Stall | None", grace: float, ndir: Path, node_rank: int,
+             launch_json: Path) -> tuple[int | None, dict]:
+    """After the watch loop: a stalled job's stacks written and its ranks killed (nothing would answer a graceful
+    stop); a job still running (stop requested, kernel gone, stalled, or hung after an error) taken down whole;
+    whatever survived torchrun (orphans re-parented to us as sub-reaper) too.  Returns torchrun's exit code and the
+    stall's record for the exit status."""
+    stall_info: dict = {}
+    if verdict is not None:
+        stacks = end_stalled(me, child, verdict, ndir, node_rank, int((read_json(launch_json) or {}).get("nproc_per_node") or 0))
+        rc = child.poll()
+        stall_info = {"stall": {**verdict.to_dict(), "stacks": str(stacks)}, "failed_message": verdict.message}
+    if rc is None:
+        stop_job(me, child, grace)
+        try:
+            rc = child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            rc = child.wait()
+    for _ in range(3):
+        left = descendants(me)
+        if not left:
+            break
+        stop(left, 1.0)
+    return rc, stall_info
+
+
 def supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error_grace: float, poll: float = 0.2, *,
                node_rank: int = 0, nnodes: int = 1, node_timeout: float = DEFAULT_NODE_TIMEOUT,
                stall_floor: float = 0.0, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT) -> int:
@@ -152,18 +196,7 @@ def supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error
     child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,  # inherits our stdout (launcher.log)
                              preexec_fn=die_with_parent(signal.SIGKILL))
     launch_json = ndir / "launch.json"
-    recorded: dict[tuple[int, float], dict] = {}
-
-    def record(tree: list, first: bool = False) -> None:
-        """launch.json's process records (for Run.stop without a supervisor): every process ever seen."""
-        new = [r for r in describe(tree, child.pid) if (r["pid"], r["create_time"]) not in recorded]
-        if not new and not first:
-            return
-        recorded.update({(r["pid"], r["create_time"]): r for r in new})
-        meta = read_json(launch_json) or {}
-        meta.update(torchrun_pid=child.pid, torchrun_create_time=create_time(child.pid), processes=list(recorded.values()))
-        write_json_atomic(launch_json, meta)
-
+    record = _ProcessRecord(launch_json, child.pid)
     reader = RunReader(run_dir)
     error_seen_at: float | None = None
     me = psutil.Process()
@@ -205,24 +238,7 @@ def supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error
             break
         time.sleep(poll)
 
-    stall_info: dict = {}
-    if verdict is not None:  # stalled: nothing would answer a graceful stop
-        stacks = end_stalled(me, child, verdict, ndir, node_rank, int((read_json(launch_json) or {}).get("nproc_per_node") or 0))
-        rc = child.poll()
-        stall_info = {"stall": {**verdict.to_dict(), "stacks": str(stacks)}, "failed_message": verdict.message}
-    if rc is None:  # stop requested, kernel gone, stalled, or hung after an error: take the whole tree down
-        stop_job(me, child, grace)
-        try:
-            rc = child.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            rc = child.wait()
-    # Whatever survived torchrun (orphans re-parented to us as sub-reaper) goes too.
-    for _ in range(3):
-        left = descendants(me)
-        if not left:
-            break
-        stop(left, 1.0)
+    rc, stall_info = _end_job(me, child, rc, verdict, grace, ndir, node_rank, launch_json)
     reason = stop_reason[0] if stop_reason else None
     status = "failed" if reason in ("failed", "stalled") else None
     info = write_exit_status(run_dir, rc, reason=reason, status=status, started=started, reader=reader,

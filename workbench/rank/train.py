@@ -101,39 +101,51 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
+        """Everything before the first step: process groups, the kernel rule's decision (made once here), the model
+        chunks, optimizer and scheduler, the schedule's callbacks, the kernel path the run reports, a resume, the
+        family's monitor and the data streams."""
         from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.transformer.module import Float16Module
 
         from workbench.backend import distributed
-        from workbench.rank import timing
-        from workbench.rank.data import MicroBatchStream, build_datasets, loader_workers
-        from workbench.rank.build import build_model
-        from workbench.backend.model import kernel_path, training_step_fields, transformer_config
+        from workbench.backend.tp_overlap import initialize_userbuffers
 
-        cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
+        cfg = self.cfg
         self.coords = distributed.initialize(cfg)
         self.device = distributed.device(cfg)
-        self.cuda = p.device == "cuda"
+        self.cuda = cfg.parallel.device == "cuda"
         self.derived = derive(cfg)
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.is_logging_rank = self.is_last_stage and self.coords.tp == 0 and self.coords.dp == 0 and self.coords.cp == 0
-
-        from workbench.backend.tp_overlap import initialize_userbuffers
-
         # the one kernel rule's decision for this process (workbench.kernel_rule.choose), what the planner assumed:
         # made once here, carried by the TransformerConfig to every builder of the model (kernel_rule.decided)
         choice = kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
         userbuffers = initialize_userbuffers(cfg, choice)  # TE's layer at TP > 1: before the model's TE linears are built
+        hooked = self._build_model(choice)
+        self._build_optimizer()
+        self._wire_schedule()
+        self._describe_kernels(choice, hooked, userbuffers)
+        self._maybe_load()
+        # the family's per-step monitor (GPT's MoE router statistics), if it has one for this config
+        monitor = parts_of(cfg).monitor()
+        self.monitor = monitor.step_monitor(cfg, [getattr(m, "module", m) for m in self.model]) if monitor else None
+        self._build_data()
+
+    def _build_model(self, choice: Any) -> int:
+        """The model chunks (one per virtual stage) on the kernel rule's ``choice``, wrapped for mixed precision and
+        megatron's DDP; returns how many parameters the workbench's gradient accumulation took over."""
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.transformer.module import Float16Module
+
+        from workbench.backend.model import training_step_fields, transformer_config
+        from workbench.rank.build import build_model
+
+        cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
         tc = transformer_config(cfg, choice, **training_step_fields(cfg, choice))
         self.tconfig = tc
-        vpp = p.vpp
         chunks = []
-        for i in range(vpp):
-            vp = i if vpp > 1 else None
+        for i in range(p.vpp):
+            vp = i if p.vpp > 1 else None
             pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
             chunks.append(build_model(cfg, pre_process=pre, post_process=post, vp_stage=vp, config=tc))
@@ -159,7 +171,15 @@ class Trainer:
         for m in self.model:
             m.broadcast_params()
         self._chunk_of = {id(m): i for i, m in enumerate(self.model)}
+        return hooked
 
+    def _build_optimizer(self) -> None:
+        """Megatron's optimizer (mixed precision, distributed over DP when asked) with the workbench's kernel paths,
+        and its LR / weight-decay scheduler."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        cfg, p, t, tc = self.cfg, self.cfg.parallel, self.cfg.train, self.tconfig
         ocfg = OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
@@ -180,18 +200,31 @@ class Trainer:
             use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
         )
 
-        # Megatron's training.py wiring of the schedule callbacks
+    def _wire_schedule(self) -> None:
+        """Megatron's training.py wiring of the schedule callbacks (loss scale, grad finalisation, no-sync), the
+        forward-backward function and the micro-batch timer."""
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from workbench.rank import timing
+
+        tc, p = self.tconfig, self.cfg.parallel
         tc.grad_scale_func = self.optimizer.scale_loss
         tc.finalize_model_grads_func = finalize_model_grads
-        if p.overlap_grad_reduce:
+        if p.overlap_grad_reduce:  # (param-gather hooks are the DDP wrapper's own in mcore 0.19)
             tc.no_sync_func = [m.no_sync for m in self.model]
             tc.no_sync_func = tc.no_sync_func[0] if len(self.model) == 1 else tc.no_sync_func
-            if p.distributed_optimizer and p.overlap_param_gather:
-                pass  # param-gather hooks are installed by the DDP wrapper itself in mcore 0.19
         self.forward_backward = get_forward_backward_func()
-
         self.timer = timing.MicrobatchTimer(cuda=self.cuda)
         timing.install()
+
+    def _describe_kernels(self, choice: Any, hooked: int, userbuffers: Optional[str]) -> None:
+        """The kernel path the run reports (run_start): the rule's choice, the optimizer, fusions, gradient
+        accumulation, the schedule, TP overlap."""
+        from workbench.backend import distributed
+        from workbench.backend.model import kernel_path
+
+        cfg, p = self.cfg, self.cfg.parallel
         self.kernel_path = kernel_path(cfg, choice)
         self.kernel_choice = choice.to_dict()
         self.kernel_path["optimizer"] = self._optimizer_path()
@@ -200,21 +233,21 @@ class Trainer:
             f"workbench on {hooked} large parameters: weight gradients into DDP's fp32 main_grad, copied at a step's "
             "first micro-batch, then added (vectorised); megatron DDP's hook (main_grad.add_) on the rest"
             if choice.grad_accumulation == "workbench" else "megatron DDP's hook (main_grad.add_)")
-        self.kernel_path["schedule"] = ("interleaved 1F1B" if vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
+        self.kernel_path["schedule"] = ("interleaved 1F1B" if p.vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
         overlap = [x for x in (self.kernel_path.get("tp_comm_overlap"), userbuffers, distributed.hardware_queue_note(cfg)) if x]
         if overlap:
             self.kernel_path["tp_comm_overlap"] = "; ".join(overlap)
 
-        self._maybe_load()
-        # the family's per-step monitor (GPT's MoE router statistics), if it has one for this config
-        monitor = parts_of(cfg).monitor()
-        self.monitor = monitor.step_monitor(cfg, [getattr(m, "module", m) for m in self.model]) if monitor else None
+    def _build_data(self) -> None:
+        """The train / validation datasets and one micro-batch stream per virtual stage."""
+        from workbench.rank.data import MicroBatchStream, build_datasets, loader_workers
 
+        cfg = self.cfg
         train_ds, valid_ds, self.data_desc = build_datasets(cfg, self.run_dir, log=self._log)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         workers = loader_workers(cfg)
         self.train_iters = [MicroBatchStream(train_ds, cfg, self.coords.dp, self.consumed_samples, self.device, workers)
-                            for _ in range(vpp)]
+                            for _ in range(cfg.parallel.vpp)]
 
     def _optimizer_path(self) -> str:
         opts = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
