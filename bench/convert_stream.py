@@ -100,7 +100,7 @@ def make_hf(shape: str, out: Path) -> dict[str, Any]:
     import torch
 
     from workbench.conversion.hf_files import SafetensorsWriter
-    from workbench.conversion.rules import TensorInfo
+    from workbench.models.common.conversion_rules import TensorInfo
 
     out.mkdir(parents=True, exist_ok=True)
     shapes = hf_tensors(shape)
@@ -206,7 +206,7 @@ def child(step: str, args: dict[str, Any]) -> dict[str, Any]:
         import workbench.conversion.api  # noqa: F401
         import workbench.conversion.megatron_files  # noqa: F401
         import workbench.conversion.hf_files  # noqa: F401
-        import workbench.conversion.runtime  # noqa: F401
+        import workbench.models.common.one_process  # noqa: F401
 
     try:
         with open("/proc/self/clear_refs", "w") as fh:

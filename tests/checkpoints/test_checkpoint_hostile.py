@@ -151,7 +151,8 @@ def test_a_legacy_common_pt_runs_nothing_even_when_the_environment_allows_pickle
     attacker also lists the file in the checksum list (which anyone can rewrite)."""
     import torch
 
-    from workbench.conversion.runtime import load_full_state_dict, single_process_group
+    from workbench.conversion.runtime import load_full_state_dict
+    from workbench.models.common.one_process import single_process_group
     from workbench.checkpoint import file_manifest
 
     _, d = ckpt

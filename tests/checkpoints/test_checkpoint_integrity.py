@@ -117,7 +117,8 @@ def test_hostile_object_inside_the_data_file_never_runs(gpt2_checkpoint, tmp_pat
     """Stored objects (the common state, _extra_state) are unpickled by torch with weights_only=False;
     under workbench loads they get weights_only=True."""
     from workbench.config import RunConfig
-    from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict, single_process_group
+    from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict
+    from workbench.models.common.one_process import single_process_group
     from workbench.checkpoint import read_metadata
 
     marker = tmp_path / "pwned"

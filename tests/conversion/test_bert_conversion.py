@@ -22,7 +22,7 @@ from pathlib import Path
 from transformers import MegatronBertForPreTraining
 from workbench.config import RunConfig
 from workbench.conversion.api import make_random_hf_model, hf_to_megatron, megatron_to_hf, reshape, compare_hf_dirs
-from workbench.conversion.runtime import single_process_group, build_full_model
+from workbench.models.common.one_process import build_full_model, single_process_group
 from workbench.checkpoint import load_checkpoint, read_metadata
 
 root = Path(sys.argv[1])
@@ -72,7 +72,8 @@ def test_post_ln_bert_is_refused_with_the_reason(tmp_path):
 
     BertForPreTraining(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                   intermediate_size=64)).save_pretrained(tmp_path / "bert")
-    from workbench.conversion.hf import ConversionError, read_hf_config
+    from workbench.conversion.hf import read_hf_config
+    from workbench.models.common.conversion_rules import ConversionError
 
     with pytest.raises(ConversionError, match="post-LN.*megatron-bert"):
         read_hf_config(tmp_path / "bert")

@@ -113,7 +113,8 @@ def test_gpt2_conv1d_qkv_is_regrouped_per_head(hf_models):
 
 def test_pytorch_bin_checkpoints_load_with_weights_only(hf_models, tmp_path):
     """Non-safetensors HF dirs (pytorch_model.bin) are read with torch.load(weights_only=True)."""
-    from workbench.conversion.hf import ConversionError, load_hf_state_dict
+    from workbench.conversion.hf import load_hf_state_dict
+    from workbench.models.common.conversion_rules import ConversionError
 
     _, gpt2 = hf_models["gpt2"]
     (tmp_path / "bin").mkdir()
@@ -129,7 +130,8 @@ def test_pytorch_bin_checkpoints_load_with_weights_only(hf_models, tmp_path):
 
 def test_architecture_refusals():
     from workbench.config import ModelConfig
-    from workbench.conversion.hf import ConversionError, infer_model_type, run_config_from_hf
+    from workbench.conversion.hf import infer_model_type, run_config_from_hf
+    from workbench.models.common.conversion_rules import ConversionError
 
     with pytest.raises(ConversionError, match="neither HF GPT-2"):
         infer_model_type(ModelConfig(position_embedding="rope", normalization="layernorm"))
@@ -198,7 +200,8 @@ def test_reshape_matches_direct_conversion(hf_models, tp2pp2, tmp_path):
     from workbench.checkpoint import read_metadata
     from workbench.config import ConfigError
     from workbench.conversion import hf_to_megatron, reshape
-    from workbench.conversion.runtime import load_full_state_dict, single_process_group
+    from workbench.conversion.runtime import load_full_state_dict
+    from workbench.models.common.one_process import single_process_group
 
     hf_dir, _ = hf_models["llama"]
     res = reshape(tp2pp2["llama"].output, tmp_path / "tp1", tp=1, pp=1)
@@ -278,7 +281,8 @@ def _write_legacy_from_gpt2(hf, root, tp: int, pp: int, version: float, with_arg
 
 def test_legacy_import_merges_tp_shards_and_pp_stages(hf_models, tmp_path):
     from workbench.conversion import hf_to_megatron, import_legacy
-    from workbench.conversion.runtime import load_full_state_dict, single_process_group
+    from workbench.conversion.runtime import load_full_state_dict
+    from workbench.models.common.one_process import single_process_group
 
     hf_dir, gpt2 = hf_models["gpt2"]
     direct = hf_to_megatron(hf_dir, tmp_path / "direct", tp=1, pp=1, device="cpu", progress=False)
@@ -299,7 +303,7 @@ def test_legacy_import_merges_tp_shards_and_pp_stages(hf_models, tmp_path):
 
 def test_legacy_refuses_unsafe_pickles(tmp_path):
     from workbench.conversion import import_legacy
-    from workbench.conversion.hf import ConversionError
+    from workbench.models.common.conversion_rules import ConversionError
 
     d = tmp_path / "evil" / "mp_rank_00"
     d.mkdir(parents=True)
@@ -319,7 +323,7 @@ class _Evil:
 def test_hf_to_megatron_refuses_before_writing(hf_models, tmp_path):
     from workbench.config import ConfigError
     from workbench.conversion import hf_to_megatron
-    from workbench.conversion.hf import ConversionError
+    from workbench.models.common.conversion_rules import ConversionError
 
     hf_dir, _ = hf_models["gpt2"]
     with pytest.raises(ConfigError, match="num_attention_heads 6 is not divisible by tensor_parallel 4"):

@@ -57,7 +57,7 @@ import json, sys, torch
 from pathlib import Path
 from workbench.checkpoint import load_checkpoint, read_metadata
 from workbench.conversion.api import compare_hf_dirs, hf_to_megatron, megatron_to_hf
-from workbench.conversion.runtime import build_full_model, single_process_group
+from workbench.models.common.one_process import build_full_model, single_process_group
 from workbench.conversion.hf import hf_adapter
 from workbench.models.parts import parts_of
 from workbench.checkpoint import checkpoint_config

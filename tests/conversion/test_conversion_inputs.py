@@ -155,7 +155,8 @@ def test_export_from_another_directory_refuses_a_relative_tokenizer_it_cannot_fi
 
 
 def test_a_save_records_a_tokenizer_path_as_an_absolute_one(source, tmp_path, monkeypatch):
-    from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict, single_process_group
+    from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict
+    from workbench.models.common.one_process import single_process_group
     from workbench.checkpoint import checkpoint_config, read_checkpoint
 
     hf, ckpt = source

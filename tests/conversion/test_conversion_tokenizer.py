@@ -41,7 +41,7 @@ def test_tokenizer_larger_than_the_model_is_refused(hf_dir, tmp_path):
     import shutil
 
     from workbench.conversion import hf_to_megatron
-    from workbench.conversion.hf import ConversionError
+    from workbench.models.common.conversion_rules import ConversionError
     from workbench.data.tokenizer import load_tokenizer
 
     src = tmp_path / "hf"

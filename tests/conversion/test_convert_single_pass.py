@@ -189,7 +189,7 @@ def test_safetensors_shards_reach_the_disk_before_the_writer_closes(tmp_path, mo
     import torch
 
     import workbench.conversion.hf_files as hf_files
-    from workbench.conversion.rules import TensorInfo
+    from workbench.models.common.conversion_rules import TensorInfo
     from workbench.checkpoint import DirectWriter
 
     if not direct:

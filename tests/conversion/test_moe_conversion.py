@@ -93,7 +93,7 @@ def test_olmoes_all_heads_qk_norms_are_refused(tmp_path):
     import json
 
     from workbench.conversion import hf_to_megatron
-    from workbench.conversion.hf import ConversionError
+    from workbench.models.common.conversion_rules import ConversionError
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "olmoe", "hidden_size": 32, "num_experts": 4}))
     with pytest.raises(ConversionError, match="OLMoE's q/k norms normalise all heads at once"):
@@ -102,7 +102,7 @@ def test_olmoes_all_heads_qk_norms_are_refused(tmp_path):
 
 def test_an_moe_the_mixtral_class_cannot_hold_is_not_exported():
     from workbench.config import preset
-    from workbench.conversion.hf import ConversionError
+    from workbench.models.common.conversion_rules import ConversionError
     from workbench.models.gpt import hf_moe
 
     with pytest.raises(ConversionError, match="router_pre_softmax false"):

@@ -108,7 +108,7 @@ def test_export_back_to_hf_is_bit_identical(qwen, converted, tmp_path):
 
 
 def _rules(model_type, sd, cfg):
-    from workbench.conversion.rules import infos_of, run_rules
+    from workbench.models.common.conversion_rules import infos_of, run_rules
     from workbench.models.gpt import hf as gpt_hf
 
     return run_rules(gpt_hf.hf_to_mcore_rules(infos_of(sd), cfg, model_type), sd)
@@ -136,7 +136,7 @@ def test_the_published_per_expert_names_give_the_same_tensors(qwen, converted):
 
 
 def test_a_q_norm_over_all_heads_is_refused_naming_the_tensor(qwen, converted):
-    from workbench.conversion.hf import ConversionError
+    from workbench.models.common.conversion_rules import ConversionError
 
     sd = dict(qwen[1].state_dict())
     sd["model.layers.0.self_attn.q_norm.weight"] = torch.ones(6 * 16)  # OLMoE's width: every head at once
@@ -159,7 +159,8 @@ def test_olmoe_is_refused_through_the_cli_with_the_reason(tmp_path):
 
 def test_a_dense_model_with_qk_norms_is_not_exported_and_other_families_refuse_them():
     from workbench.config import RunConfig, preset, validate
-    from workbench.conversion.hf import ConversionError, infer_model_type
+    from workbench.conversion.hf import infer_model_type
+    from workbench.models.common.conversion_rules import ConversionError
 
     cfg = preset("llama-small")
     cfg.model.qk_layernorm = True

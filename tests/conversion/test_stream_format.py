@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from workbench.conversion.errors import ConversionError
+from workbench.models.common.conversion_rules import ConversionError
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -43,7 +43,8 @@ def test_streamed_checkpoint_is_megatrons_own(model_type, kw, tmp_path):
     from workbench.conversion.api import hf_to_megatron, make_random_hf_model
     from workbench.checkpoint import DcpReader
     from workbench.conversion.megatron_files import CheckpointReader, model_layout
-    from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict, single_process_group
+    from workbench.conversion.runtime import load_full_state_dict, save_full_state_dict
+    from workbench.models.common.one_process import single_process_group
     from workbench.checkpoint import checkpoint_config, find_checkpoint, read_metadata
 
     hf = make_random_hf_model(tmp_path / "hf", model_type, hidden=48, layers=2, heads=6, vocab=300, **kw)
@@ -82,7 +83,7 @@ def test_safetensors_shards_written_tensor_by_tensor_are_what_safetensors_reads(
 
     import workbench.conversion.hf_files as hf_files
     from workbench.conversion.hf_files import HFReader, SafetensorsWriter
-    from workbench.conversion.rules import infos_of
+    from workbench.models.common.conversion_rules import infos_of
 
     read_directly: list[int] = []
     if direct:

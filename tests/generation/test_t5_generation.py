@@ -22,7 +22,7 @@ from pathlib import Path
 from transformers import AutoModelForSeq2SeqLM
 from workbench.config import GenerationConfig, RunConfig
 from workbench.conversion.api import hf_to_megatron
-from workbench.conversion.runtime import single_process_group, build_full_model
+from workbench.models.common.one_process import build_full_model, single_process_group
 from workbench.checkpoint import load_checkpoint, read_metadata
 from workbench.models.t5.hf import make_random_hf_model
 from workbench.models.t5.generate import T5Engine

@@ -108,7 +108,7 @@ def test_a_one_node_run_and_generation_from_it_listen_on_the_loopback_only(tmp_p
 
 
 def test_conversion_s_process_group_listens_on_the_loopback_only():
-    from workbench.conversion.runtime import single_process_group
+    from workbench.models.common.one_process import single_process_group
 
     before = set(_listeners([psutil.Process()]))
     with single_process_group():

@@ -70,7 +70,7 @@ def test_classification_model_has_the_head_the_planner_counts():
     script = r"""
 import json, torch
 from workbench.config import preset, derive
-from workbench.conversion.runtime import single_process_group, build_full_model
+from workbench.models.common.one_process import build_full_model, single_process_group
 out = []
 for over in ({}, {"model.num_labels": 3, "model.add_binary_head": False}):
     cfg = preset("bert-tiny", **over)

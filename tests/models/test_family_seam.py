@@ -1,10 +1,10 @@
 """The family seam is what it says: every registered family declares its fields and answers every part's
 protocol, the declarations (workbench/families/) stand below the config (and above the data tools, workbench/data/)
 and import no torch, the backend never
-imports a family's rank side (workbench/models/<family>/) and the models never the rank entry point
-(workbench/rank/), a family's modules are loaded by name only by the one
-generic parts mechanism, and the generic code takes the loss name and the default step from the family (a
-batch carries its run's step)."""
+imports a family's rank side (workbench/models/<family>/), the models never the rank entry point
+(workbench/rank/), and none of them the conversion tools (workbench/conversion/) that run them, a family's
+modules are loaded by name only by the one generic parts mechanism, and the generic code takes the loss name and
+the default step from the family (a batch carries its run's step)."""
 
 from __future__ import annotations
 
@@ -137,13 +137,15 @@ def test_no_backend_module_imports_a_family():
     assert [b for p in backend for b in family_imports(p)] == []
 
 
-#: the floors of the rank side, bottom up: the backend's blocks, the families' models, the rank entry point
-RANK_SIDE_FLOORS = ("workbench.backend", "workbench.models", "workbench.rank")
+#: the floors of the rank side, bottom up: the backend's blocks, the families' models, the rank entry point; then
+#: the conversion tools, which run the families' HF adapters and build their models (the rules the adapters are
+#: written in stand in workbench/models/common/)
+RANK_SIDE_FLOORS = ("workbench.backend", "workbench.models", "workbench.rank", "workbench.conversion")
 
 
 def test_the_rank_side_imports_only_down():
     """The backend imports neither the models nor the rank entry point; the models do not import the rank entry
-    point (it asks them for their parts, through workbench.models.parts)."""
+    point (it asks them for their parts, through workbench.models.parts); none of them imports conversion."""
     found = []
     for i, floor in enumerate(RANK_SIDE_FLOORS[:-1]):
         above = RANK_SIDE_FLOORS[i + 1:]

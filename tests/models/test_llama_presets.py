@@ -49,7 +49,8 @@ def test_published_llama3_rope_scaling_is_refused_not_ignored():
     """The published 3.1 / 3.2 checkpoints rescale low RoPE frequencies (rope_type llama3); the workbench
     model has plain RoPE only, so their conversion is refused (the presets are shapes for throughput)."""
     transformers = pytest.importorskip("transformers")
-    from workbench.conversion.hf import ConversionError, run_config_from_hf
+    from workbench.conversion.hf import run_config_from_hf
+    from workbench.models.common.conversion_rules import ConversionError
 
     scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}

@@ -202,7 +202,7 @@ def _require_dist(what: str) -> None:
         raise CheckpointError(
             f"{what} needs torch.distributed to be initialised (mcore dist checkpointing is collective) -> "
             "call workbench.backend.distributed.initialize(cfg) first, or use "
-            "workbench.conversion.single_process_group() for a one-process CPU group")
+            "workbench.models.common.one_process.single_process_group() for a one-process CPU group")
 
 
 @contextlib.contextmanager

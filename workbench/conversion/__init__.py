@@ -37,17 +37,13 @@ def __getattr__(name: str) -> Any:  # lazy re-exports keep `import workbench.con
 
         return getattr(api, name)
     if name == "ConversionError":
-        from workbench.conversion.hf import ConversionError
+        from workbench.models.common.conversion_rules import ConversionError
 
         return ConversionError
     if name in ("verify_against_hf",):
         from workbench.conversion import verify
 
         return getattr(verify, name)
-    if name == "single_process_group":
-        from workbench.conversion.runtime import single_process_group
-
-        return single_process_group
     raise AttributeError(name)
 
 
@@ -109,7 +105,7 @@ def _run(fn: Any, args: argparse.Namespace) -> int:
     prepare_conversion_process()
     from workbench.checkpoint import CheckpointError
     from workbench.config import ConfigError
-    from workbench.conversion.hf import ConversionError
+    from workbench.models.common.conversion_rules import ConversionError
 
     try:
         return int(fn(args) or 0)

@@ -4,8 +4,8 @@ Every writer validates the target first (a layout that cannot hold the model, a 
 vocabulary are refused before anything is written), writes into ``OUT.tmp-<pid>`` and renames it to ``OUT``
 only when complete, so an interrupted conversion never leaves an output that looks finished.
 
-The conversions stream: a family adapter's per-tensor rules (:mod:`workbench.conversion.rules`) run one at a
-time, reading each source tensor when a rule needs it (HF: :class:`~workbench.conversion.hf_files.HFReader`;
+The conversions stream: a family adapter's per-tensor rules (:mod:`workbench.models.common.conversion_rules`) run
+one at a time, reading each source tensor when a rule needs it (HF: :class:`~workbench.conversion.hf_files.HFReader`;
 megatron: :class:`~workbench.conversion.megatron_files.CheckpointReader`) and writing each target as it is made
 (:class:`~workbench.conversion.hf_files.SafetensorsWriter` shards; a megatron-core checkpoint through
 :class:`~workbench.conversion.megatron_files.CheckpointWriter`), so peak memory is a few copies of the largest tensor,
@@ -30,7 +30,6 @@ from workbench.config import ConfigError, RunConfig, derive
 from workbench.conversion.hf import (
     SUPPORTED_MODEL_TYPES,
     TOKENIZER_FILES,
-    ConversionError,
     hf_adapter,
     hf_config_dict_from_run,
     hf_to_mcore_rules,
@@ -41,8 +40,9 @@ from workbench.conversion.hf import (
     read_hf_config,
     run_config_from_hf,
 )
-from workbench.conversion.rules import Rule, TensorInfo, infos_of, pad_vocab_rows, plan_targets, stream_rules
 from workbench.families import family_for_hf
+from workbench.models.common.conversion_rules import (ConversionError, Rule, TensorInfo, infos_of, pad_vocab_rows,
+                                                      plan_targets, stream_rules)
 
 __all__ = [
     "ConversionResult",
@@ -226,7 +226,7 @@ def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, targets: dict[str, T
     tensors ``fill(write)`` will hand to ``write(name, tensor)`` one at a time; they must be exactly the model's
     (checked before anything is written)."""
     from workbench.conversion.megatron_files import CheckpointWriter, model_layout
-    from workbench.conversion.runtime import single_process_group
+    from workbench.models.common.one_process import single_process_group
 
     tok_ok = tokenizer is not None
     if tok_ok:
@@ -390,7 +390,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     refused (ConversionError), a smaller one or none at all is a warning."""
     from workbench.conversion.megatron_files import CheckpointReader, model_layout
     from workbench.conversion.hf_files import SafetensorsWriter
-    from workbench.conversion.runtime import single_process_group
+    from workbench.models.common.one_process import single_process_group
 
     info = _open_checkpoint(ckpt)
     cfg = info.config
@@ -441,7 +441,7 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     The tokenizer travels as in :func:`megatron_to_hf` (into ``<out>/tokenizer``)."""
     from workbench.checkpoint import vocab_keys
     from workbench.conversion.megatron_files import CheckpointReader, model_layout
-    from workbench.conversion.runtime import single_process_group
+    from workbench.models.common.one_process import single_process_group
 
     info = _open_checkpoint(ckpt)
     src_cfg = info.config

@@ -1,7 +1,7 @@
 """Hugging Face <-> megatron-core: configs and per-tensor conversion rules, for every model family.
 
 The model-specific parts (HF config fields, tensor names) are each family's ``hf`` adapter
-(:meth:`workbench.models.parts.FamilyParts.hf`, built from :mod:`workbench.conversion.rules`);
+(:meth:`workbench.models.parts.FamilyParts.hf`, built from :mod:`workbench.models.common.conversion_rules`);
 this module reads and writes HF directories and dispatches to the adapter of an HF ``model_type``.
 
 Pure torch: no megatron import.  The megatron side is the *full* state dict of a
@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from workbench.config import ModelConfig, RunConfig
-from workbench.conversion.errors import ConversionError
 from workbench.families import FAMILIES, Family, family_for_hf, family_of
 from workbench.families.family import HfPart
+from workbench.models.common.conversion_rules import (ConversionError, TensorInfo, infos_of, run_rules,
+                                                      strip_module_prefix)
 from workbench.models.parts import parts_of
 
 __all__ = [
-    "ConversionError",
     "SUPPORTED_MODEL_TYPES",
     "read_hf_config",
     "run_config_from_hf",
@@ -142,16 +142,14 @@ def hf_to_mcore(hf_sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: A
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
     """Map an HF state dict to the full TP=1 megatron-core state dict (vocab padded per ``derive(cfg)``):
     :func:`hf_to_mcore_rules` run on the dict."""
-    from workbench.conversion.rules import infos_of, run_rules, strip_module_prefix
-
     sd = {strip_module_prefix(k): v for k, v in hf_sd.items()}
     return run_rules(hf_to_mcore_rules(infos_of(sd), cfg, model_type), sd, dtype, progress)
 
 
 def hf_to_mcore_rules(infos: Mapping[str, Any], cfg: RunConfig, model_type: str) -> list[Any]:
-    """The per-tensor rules (:class:`workbench.conversion.rules.Rule`) mapping an HF checkpoint's tensors (``infos``:
-    name -> :class:`~workbench.conversion.rules.TensorInfo`) to the full TP=1 megatron-core state dict; a missing
-    tensor or a wrong vocabulary is a ConversionError before any data is read."""
+    """The per-tensor rules (:class:`workbench.models.common.conversion_rules.Rule`) mapping an HF checkpoint's
+    tensors (``infos``: name -> :class:`~workbench.models.common.conversion_rules.TensorInfo`) to the full TP=1
+    megatron-core state dict; a missing tensor or a wrong vocabulary is a ConversionError before any data is read."""
     return hf_adapter(model_type).hf_to_mcore_rules(infos, cfg, model_type)
 
 
@@ -167,8 +165,6 @@ def mcore_to_hf(sd: dict[str, Any], cfg: RunConfig, model_type: str, dtype: Any 
                 progress: Callable[[Iterable], Iterable] | None = None) -> dict[str, Any]:
     """Map a full TP=1 megatron-core state dict to HF names (vocab padding stripped; what HF's ``save_pretrained``
     leaves out, left out): :func:`mcore_to_hf_rules` run on the dict."""
-    from workbench.conversion.rules import infos_of, run_rules
-
     return run_rules(mcore_to_hf_rules(infos_of(sd), cfg, model_type, read=sd.__getitem__), sd, dtype, progress)
 
 
@@ -211,7 +207,6 @@ def save_hf_state_dict(sd: dict[str, Any], out_dir: Path, max_shard_size: int) -
     """Write safetensors shards (+ index when more than one) like ``save_pretrained`` does
     (:class:`workbench.conversion.hf_files.SafetensorsWriter`, tensor by tensor)."""
     from workbench.conversion.hf_files import SafetensorsWriter
-    from workbench.conversion.rules import TensorInfo
 
     writer = SafetensorsWriter(out_dir, {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in sd.items()}, max_shard_size)
     for k, t in sd.items():

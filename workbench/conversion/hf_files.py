@@ -28,9 +28,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import TensorInfo, strip_module_prefix
 from workbench.checkpoint import ALIGN, abandon, open_direct, open_for_writing, read_blocks
+from workbench.models.common.conversion_rules import ConversionError, TensorInfo, strip_module_prefix
 
 __all__ = ["weight_files", "HFReader", "SafetensorsWriter", "SAFETENSORS_DTYPES"]
 

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.config import RunConfig
-from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import pad_vocab_rows
+from workbench.models.common.conversion_rules import ConversionError, pad_vocab_rows
 
 __all__ = ["LegacyCheckpoint", "find_legacy_files", "load_legacy", "legacy_to_mcore", "safe_torch_load", "lm_tensors"]
 

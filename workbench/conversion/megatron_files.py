@@ -28,7 +28,7 @@ from typing import Any
 
 from workbench.checkpoint import NOWHERE, DcpReader, DcpWriter, common_unique_key, pickled_list
 from workbench.config import RunConfig
-from workbench.conversion.rules import TensorInfo
+from workbench.models.common.conversion_rules import TensorInfo
 
 __all__ = ["Piece", "Layout", "meta_model", "model_layout", "CheckpointWriter", "CheckpointReader"]
 
@@ -56,10 +56,10 @@ def _meta_mode() -> Any:
 
 def meta_model(cfg: RunConfig, dtype: str | None = None) -> Any:
     """The TP=1/PP=1 CPU-mode model of ``cfg`` with every parameter on the meta device (shapes, no memory); call
-    inside :func:`workbench.conversion.runtime.single_process_group`."""
+    inside :func:`workbench.models.common.one_process.single_process_group`."""
     from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
-    from workbench.conversion.runtime import cpu_build_config, model_overrides
+    from workbench.models.common.one_process import cpu_build_config, model_overrides
 
     c = cpu_build_config(cfg, dtype)
     config = transformer_config(c, perform_initialization=False, **model_overrides(c))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.launch import local_torchrun, run_supervised
+from workbench.models.common.conversion_rules import ConversionError
 from workbench.run.files import atomic_output
 
 __all__ = ["forward_logits", "verify_against_hf", "main"]
@@ -60,9 +61,8 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
 
 def _family_hf(ckpt: str | Path) -> Any:
     """The checkpoint's family's HF adapter, which must make verify's inputs and reference logits."""
-    from workbench.conversion.errors import ConversionError
-    from workbench.models.parts import parts_of
     from workbench.checkpoint import read_metadata
+    from workbench.models.parts import parts_of
 
     parts = parts_of(((read_metadata(ckpt).get("config") or {}).get("model") or {}).get("arch", "gpt"))
     hf = parts.hf()
@@ -112,7 +112,7 @@ def _worker(args: argparse.Namespace) -> None:
     from workbench.backend.distributed import destroy, initialize
     from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
-    from workbench.conversion.runtime import model_overrides
+    from workbench.models.common.one_process import model_overrides
     from workbench.checkpoint import checkpoint_config, safe_torch_load
     from workbench.models.parts import parts_of
 

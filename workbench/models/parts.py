@@ -6,9 +6,10 @@ family's rank-side package, by module name (``<package>.model``, ``.step``, ``.d
 ``.router_stats``), each imported where it is first asked for: conversion's notebook side loads the ``hf``
 adapter without megatron-core, and the rank entry point asks for a family's parts without importing them.  It
 stands on the rank side, beside the parts it loads (the declarations below never import it), and it is the one
-place that imports a part by name (:data:`PART_MODULES`).  Its callers stand above the models: the rank entry
-point (:mod:`workbench.rank`: its trainer, builder, data path and generation engine) and conversion; the parts
-stand above the backend's blocks, which import neither.
+place that imports a part by name (:data:`PART_MODULES`).  Its callers: the rank entry point
+(:mod:`workbench.rank`: its trainer, builder, data path and generation engine), the one-process model of
+:mod:`workbench.models.common.one_process` and conversion; the parts stand above the backend's blocks, which
+import neither.
 """
 
 from __future__ import annotations

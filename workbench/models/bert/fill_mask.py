@@ -1,7 +1,7 @@
 """Fill-mask with a BERT checkpoint: the most likely tokens at each ``[MASK]`` of a text.
 
 ``fill_mask(ckpt, texts, top_k)`` builds the checkpoint's model at TP=1/PP=1 on the CPU in this process
-(:func:`workbench.conversion.runtime.single_process_group`, as the converters do), loads the weights
+(:func:`workbench.models.common.one_process.single_process_group`, as the converters do), loads the weights
 through :func:`workbench.checkpoint.load_checkpoint`, and runs one forward over
 ``[CLS] text [SEP]`` (right-padded, padding mask, token type 0).  Each result holds, per ``[MASK]``,
 the ``top_k`` tokens with their probabilities, the filled-in text, and the inputs and vocabulary
@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+from workbench.models.common.one_process import build_full_model, single_process_group
 
 __all__ = ["FillMaskResult", "fill_mask", "encode_masked", "hf_mlm_logits"]
 
@@ -57,7 +59,6 @@ def fill_mask(ckpt: str | Path, texts: Sequence[str] | str, top_k: int = 5, toke
     import torch
 
     from workbench.checkpoint import load_checkpoint, read_metadata
-    from workbench.conversion.runtime import build_full_model, single_process_group
     from workbench.checkpoint import checkpoint_config
     from workbench.families.bert.vocab import check_bert_tokenizer
 

@@ -8,8 +8,8 @@ the sentence-order head (``seq_relationship``).  HF's original ``bert`` is post-
 after each residual sum and after the embeddings): no mapping of weights gives the same function,
 so it is refused (:data:`workbench.families.bert.FAMILY` ``supports.hf_refused``).
 
-The generic machinery (HF dirs, vocab padding, the per-group QKV layout) is
-:mod:`workbench.conversion.hf`.
+The generic machinery: the rule vocabulary, vocab padding and the per-group QKV layout are
+:mod:`workbench.models.common.conversion_rules`; HF dirs are the conversion tools' (:mod:`workbench.conversion.hf`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need_vocab, pad_vocab_rows,
-                                        qkv_from_mcore, qkv_to_mcore)
 from workbench.families.bert import FAMILY
+from workbench.models.common.conversion_rules import (ConversionError, Rule, TensorInfo, check_sources, copy_rule,
+                                                      need_vocab, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore)
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
            "mcore_to_hf_rules", "make_random_hf_model", "verify_inputs", "hf_logits"]

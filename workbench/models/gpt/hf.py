@@ -1,7 +1,8 @@
 """HF GPT-2 / Llama (and its MoE kin, :mod:`.hf_moe`) <-> megatron-core GPT: config fields and per-tensor conversion rules.
 
-The generic machinery (reading/writing HF dirs, vocab padding, the per-group QKV layout) is
-:mod:`workbench.conversion.hf`; this module holds what is GPT's: the HF config fields, the
+The generic machinery is below and above it: the rule vocabulary, vocab padding and the per-group QKV layout in
+:mod:`workbench.models.common.conversion_rules`, reading/writing HF dirs in the conversion tools that run this
+adapter (:mod:`workbench.conversion.hf`); this module holds what is GPT's: the HF config fields, the
 tensor names of GPT-2 (``Conv1D`` weights ``[in, out]``, ``c_attn`` = ``[q | k | v]``) and of
 Llama (rotate-half RoPE q/k, which is mcore's default), and the random demo models.
 """
@@ -12,10 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need, need_vocab, pad_vocab_rows,
-                                        qkv_from_mcore, qkv_to_mcore)
 from workbench.families.gpt import FAMILY
+from workbench.models.common.conversion_rules import (ConversionError, Rule, TensorInfo, check_sources, copy_rule,
+                                                      need, need_vocab, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore)
 from workbench.models.gpt import hf_moe
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",

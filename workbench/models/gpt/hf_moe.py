@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import Rule, copy_rule
 from workbench.families.common import moe
+from workbench.models.common.conversion_rules import ConversionError, Rule, copy_rule
 
 __all__ = ["MODEL_TYPES", "model_fields", "is_moe_layer", "experts_to_mcore_rules", "experts_from_mcore_rules",
            "hf_config_fields", "make_random_mixtral", "make_random_qwen3_moe"]

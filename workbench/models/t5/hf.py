@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
-from workbench.conversion.errors import ConversionError
-from workbench.conversion.rules import (Rule, TensorInfo, check_sources, copy_rule, need_vocab, pad_vocab_rows,
-                                        qkv_from_mcore, qkv_to_mcore)
 from workbench.families.t5 import FAMILY
+from workbench.models.common.conversion_rules import (ConversionError, Rule, TensorInfo, check_sources, copy_rule,
+                                                      need_vocab, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore)
 
 __all__ = ["HF_CLASSES", "model_fields", "infer_model_type", "hf_config_dict_from_run", "hf_to_mcore_rules",
            "mcore_to_hf_rules", "make_random_hf_model", "kv_to_mcore", "kv_from_mcore", "verify_inputs", "hf_logits"]

@@ -7,9 +7,10 @@ shapes alone (:class:`TensorInfo`, read from file headers), so a missing tensor 
 before any data is read, and every target's shape and dtype is known before it is computed (what a streaming
 writer needs for its headers).  The same rules run on a whole in-memory state dict (:func:`run_rules`, the
 adapters' ``hf_to_mcore`` / ``mcore_to_hf``) or one rule at a time over files (:func:`stream_rules`), so both
-paths give bit-identical tensors.
+paths give bit-identical tensors.  Bad input is a :class:`ConversionError`, which the conversion tools raise too.
 
-Pure torch: no megatron import.
+It stands below the adapters written in it (``workbench/models/<family>/hf.py``) and the conversion tools
+(:mod:`workbench.conversion`) that run them.  Pure torch, imported where it is used: no megatron import.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from workbench.conversion.errors import ConversionError
+__all__ = ["ConversionError", "TensorInfo", "Rule", "copy_rule", "infos_of", "need", "need_vocab", "check_sources",
+           "plan_targets", "run_rules", "stream_rules", "strip_module_prefix", "pad_vocab_rows", "qkv_to_mcore",
+           "qkv_from_mcore"]
 
-__all__ = ["TensorInfo", "Rule", "copy_rule", "infos_of", "need", "need_vocab", "check_sources", "plan_targets",
-           "run_rules", "stream_rules", "strip_module_prefix", "pad_vocab_rows", "qkv_to_mcore", "qkv_from_mcore"]
+
+class ConversionError(ValueError):
+    """Bad conversion input: the message names the file / field and the fix."""
 
 
 @dataclass(frozen=True)
