@@ -34,7 +34,7 @@ checkpointing and data loading:
   and each micro-batch goes through ``prepare_context_parallel_input`` (0.3.0's ``Trainer.post_dataloading_process``:
   inputs, labels, positions and the block mask sharded, the ``headtail`` load balancer, the workbench's order too);
   the CP ranks of a DP rank draw the same tokens; the loss is normalised by the full sequences' token count, as the
-  trainer counts it before the sharding.  Not run on a GPU yet (bench/scale_call.sh CALL=10 / 11);
+  trainer counts it before the sharding.  Not run on a GPU yet (bench/scale_call.sh CALL=12 / 13);
 - CUDA graphs: the 0.3.0 trainer captures its forward+backward by default (``training.disable_cuda_graphs=False``,
   ``distributed/cudagraph.wrap_with_cuda_graph``); off here unless ``--cuda-graphs`` (the row records which).
 

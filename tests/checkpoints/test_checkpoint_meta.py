@@ -37,3 +37,18 @@ def test_checkpoint_package_is_torch_free_at_import():
             "print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_recorded_config_reads_the_same_without_the_tensorboard_package(monkeypatch):
+    """A checkpoint of a run that logged to TensorBoard is read on a machine without the tensorboard package: its
+    recorded config clears the log (as it clears the hooks), so it validates and the checks that read it still run."""
+    import workbench.config_fields as fields
+    from workbench.checkpoint.config_check import recorded_config
+    from workbench.config import preset
+
+    data = preset("tiny", **{"train.tensorboard": True}).to_dict()
+    real = fields.module_exists
+    monkeypatch.setattr(fields, "module_exists", lambda name: False if name == "tensorboard" else real(name))
+    assert any(q.field == "train.tensorboard" for q in preset("tiny", **{"train.tensorboard": True}).validate())
+    cfg = recorded_config(data)
+    assert cfg.train.tensorboard is False and cfg.validate() == []

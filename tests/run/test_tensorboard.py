@@ -82,3 +82,14 @@ def test_an_export_does_not_import_torch(tmp_path):
             "bad = [m for m in ('torch', 'megatron') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_export_of_a_resumed_run_keeps_the_newest_record_of_each_step(tmp_path):
+    """A run killed after step 4 and resumed from its step-2 checkpoint into the same directory wrote steps 3 and 4
+    twice: the export holds each step once, the resumed attempt's (as the live log's purge step leaves it)."""
+    first = [{"iteration": i, "time": T0 + i, "loss": 8.0 / i} for i in (1, 2, 3, 4)]
+    again = [{"iteration": i, "time": T0 + 100 + i, "loss": 1.0 / i} for i in (3, 4, 5)]
+    run = write_run(tmp_path / "resumed", first + again)
+    pts = _points(export(run))
+    assert [s for s, _, _ in pts["train/loss"]] == [1, 2, 3, 4, 5]
+    assert [v for _, v, _ in pts["train/loss"]] == pytest.approx([8.0, 4.0, 1 / 3, 0.25, 0.2], rel=1e-7)

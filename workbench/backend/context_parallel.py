@@ -230,13 +230,14 @@ def _block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask):
 
 
 def _flash_ok(q, kv_padding) -> bool:
-    """Whether torch's FlashAttention-2 kernel can run the blocks: CUDA, fp16 / bf16, no padding mask, head dim a
-    multiple of 8 up to 256."""
+    """Whether torch's FlashAttention-2 kernel can run the blocks: CUDA on an Ampere or newer GPU (sm80+; older
+    GPUs refuse the kernel), fp16 / bf16, no padding mask, head dim a multiple of 8 up to 256."""
     import torch
 
     d = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and kv_padding is None and d % 8 == 0
-            and d <= 256 and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention"))
+            and d <= 256 and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention")
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
 def _flash_heads(q, k, v):

@@ -37,7 +37,9 @@ def recorded_config(config: Any, where: Any = None) -> Any:
 
     data = dict(config or {})
     if isinstance(data.get("train"), dict):
-        data["train"] = {**data["train"], **{k: None for k in HOOK_FIELDS}, "hook_kwargs": {}}
+        # the hooks (never imported by a reader) and the TensorBoard log (a package this machine may lack) cleared:
+        # neither changes what the checkpoint holds
+        data["train"] = {**data["train"], **{k: None for k in HOOK_FIELDS}, "hook_kwargs": {}, "tensorboard": False}
     return RunConfig.from_dict(data, source=None if where is None else str(where))
 
 

@@ -136,8 +136,12 @@ def logged_records(source: "str | Path | RunReader") -> list[Event]:
     if not ranks:
         return []
     rank = min(ranks)
-    mine = [r for r in reader.records(refresh=False) if r.rank == rank and r.event in TAGS]
-    return sorted(mine, key=lambda r: r.time or 0.0)
+    mine = sorted((r for r in reader.records(refresh=False) if r.rank == rank and r.event in TAGS),
+                  key=lambda r: r.time or 0.0)
+    # a run resumed into the same directory wrote its steps from the resume point again: the live log's purge step
+    # drops the earlier attempt's records from there on, so the newest record of an (event, iteration) stands
+    newest = {(r.event, r.get("iteration")): i for i, r in enumerate(mine)}
+    return [r for i, r in enumerate(mine) if newest[(r.event, r.get("iteration"))] == i]
 
 
 def _event_files(d: Path) -> list[Path]:
