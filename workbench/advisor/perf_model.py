@@ -236,8 +236,8 @@ class Model:
         t_head = self._head_seconds(cfg, sh, kp, fam)
         params_local = [n / p.tensor_parallel for n in d.params_per_stage]
         br, fwd, bwd, r_busy = self._pipeline(cfg, d, sh, lt, t_head, params_local, cp, per_node, simulate)
-        br["dp_comm"] = self._dp_seconds(cfg, sh, params_local, cp, per_node, fwd[r_busy], bwd[r_busy])
-        dpcp = d.data_parallel * cp
+        dpcp = d.data_parallel * cp  # megatron's gradient buffers (and the optimizer's shards) span DP x CP
+        br["dp_comm"] = self._dp_seconds(cfg, sh, params_local, dpcp, per_node, fwd[r_busy], bwd[r_busy])
         opt_params = max(params_local) / (dpcp if p.distributed_optimizer else 1)
         br["optimizer"] = opt_params * self.profile.optimizer_ns_per_param.value * 1e-9 + self.c.step_ms * 1e-3
         step = sum(br.values())
@@ -356,12 +356,11 @@ class Model:
         br["bubble"] = max(step_pipe - busy, 0.0)
         return br, fwd, bwd, r_busy
 
-    def _dp_seconds(self, cfg: RunConfig, sh: Any, params_local: list[float], cp: int, per_node: int,
+    def _dp_seconds(self, cfg: RunConfig, sh: Any, params_local: list[float], dpcp: int, per_node: int,
                     fwd_busy: float, bwd_busy: float) -> float:
-        """Data parallel: the gradient reduce (and the distributed optimizer's parameter gather) over DP x CP,
+        """Data parallel: the gradient reduce (and the distributed optimizer's parameter gather) over ``dpcp`` = DP x CP,
         exposed beyond what overlaps the busiest stage's backward (forward)."""
         prof, c, p = self.profile, self.c, cfg.parallel
-        dpcp = self._derive(cfg).data_parallel * cp  # megatron's gradient buffers (and the optimizer's shards) span DP x CP
         if dpcp <= 1:
             return 0.0
         across = p.tensor_parallel * dpcp > per_node

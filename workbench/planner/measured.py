@@ -16,22 +16,22 @@ def measured_peaks(run_dir: str | Path | RunReader) -> dict[int, int]:
 
     ``run_dir``: a run directory or its :class:`workbench.run.RunReader` (a ``Run``'s ``reader``).
     """
-    out: dict[int, int] = {}
-    for ev in as_reader(run_dir).records("step"):
-        if ev.mem_peak is not None and ev.rank is not None:
-            r = int(ev.rank)
-            out[r] = max(out.get(r, 0), int(ev.mem_peak))
-    return out
+    return _max_per_rank(run_dir, "mem_peak")
 
 
 def measured_reserved(run_dir: str | Path | RunReader) -> dict[int, int]:
     """Reserved bytes per rank of a run: the max ``mem_reserved`` of its ``step`` events (the
     caching allocator never returns segments during training, so the last is the peak)."""
+    return _max_per_rank(run_dir, "mem_reserved")
+
+
+def _max_per_rank(run_dir: str | Path | RunReader, field: str) -> dict[int, int]:
+    """The largest ``field`` of each rank's ``step`` events."""
     out: dict[int, int] = {}
     for ev in as_reader(run_dir).records("step"):
-        if ev.mem_reserved is not None and ev.rank is not None:
-            r = int(ev.rank)
-            out[r] = max(out.get(r, 0), int(ev.mem_reserved))
+        value = getattr(ev, field)
+        if value is not None and ev.rank is not None:
+            out[int(ev.rank)] = max(out.get(int(ev.rank), 0), int(value))
     return out
 
 
