@@ -24,6 +24,13 @@ clears the target.  Rows (JSON lines, each with device, date, git commit):
 
 ``--phases`` picks rows (``workbench-1gpu,workbench-ep2,torch-compiled``); ``--steps`` / ``--repeats`` / ``--warmup`` /
 ``--warmup-max`` the protocol; ``--smoke`` runs tiny shapes on CPU, the protocol at its smallest, to check the script.
+
+``--profile`` measures where the time goes instead (one process a side, not a ratio): ``workbench-profile`` trains
+the one-GPU model with the backend's ``Trainer`` in a one-process torchrun, ``torch-compiled`` the plain model; after
+the protocol's warm-up and timed steps each runs the torch profiler (device time by kernel and category) and cProfile
+(the host's Python time) over a few steps.  Rows go to ``--out`` with ``"measured": "profile"``::
+
+    python bench/moe_bench.py --profile --repeats 1 --out bench/results/moe_profile.jsonl
 """
 
 from __future__ import annotations
@@ -208,11 +215,41 @@ def torch_row(a: argparse.Namespace) -> dict:
     t0 = time.time()
     meas = harness.measure_steps(lambda: losses.append(float(step().detach())), cuda, a.proto)
     tokens = t.global_batch_size * s
-    return {"row": "torch-compiled", "preset": "moe-research", "ep": 1, "gpus": 1, "status": "ok",
+    return {**_profiles(step, cuda, a), "row": "torch-compiled", "preset": "moe-research", "ep": 1, "gpus": 1, "status": "ok",
             "tokens_per_s": tokens / meas["step_s"], "step_time_s": meas["step_s"], "warmup_steps": meas["warmup_steps"],
             "steady": meas["steady"], "step_times": meas["step_times"],
             "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None, "loss_first": losses[0], "loss_last": losses[-1],
             "seconds": round(time.time() - t0, 1), "data": "synthetic tokens", **_stamp(torch.cuda.get_device_name() if cuda else "cpu")}
+
+
+def _profiles(step, cuda: bool, a: argparse.Namespace) -> dict:
+    """--profile: the torch profiler's and cProfile's summaries of a few more steps (after the timed ones)."""
+    if not a.profile:
+        return {}
+    from bench.profiling import host_profile, profile_steps
+
+    return {"profile": profile_steps(step, cuda, True, top=25), "host_profile": host_profile(step, cuda, True)}
+
+
+def workbench_profile_row(a: argparse.Namespace) -> dict:
+    """The one-GPU workbench model trained in this (one-process torchrun) worker by the backend's ``Trainer``: the
+    protocol's warm-up and timed steps, then :func:`_profiles`."""
+    import torch
+
+    from workbench.rank.train import Trainer
+
+    cfg = bench_config(a)
+    cuda = torch.cuda.is_available() and not a.smoke
+    tr = Trainer(cfg, tempfile.mkdtemp(prefix="moe-prof-"))
+    tr.setup()
+    tr.cfg.train.microbatch_timing_interval = 0
+    meas = harness.measure_steps(tr.train_step, cuda, a.proto)
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    return {**_profiles(tr.train_step, cuda, a), "row": "workbench-profile", "preset": "moe-research", "ep": 1, "gpus": 1,
+            "status": "ok", "tokens_per_s": tokens / meas["step_s"], "step_time_s": meas["step_s"],
+            "warmup_steps": meas["warmup_steps"], "steady": meas["steady"], "step_times": meas["step_times"],
+            "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None, "kernels": tr.kernel_choice,
+            "kernel_path": tr.kernel_path, **_stamp(torch.cuda.get_device_name() if cuda else "cpu")}
 
 
 PHASES = ("workbench-1gpu", "workbench-ep2", "torch-compiled")
@@ -224,10 +261,13 @@ def one_repeat(a: argparse.Namespace, phase: str) -> dict:
     """One fresh process's measurement of ``phase`` (the workbench rows are fresh torchrun launches; the plain-PyTorch
     row runs this script again with ``--worker``)."""
     try:
-        if phase != "torch-compiled":
+        if phase == "workbench-profile":
+            proc = harness.torchrun(1, [str(Path(__file__).resolve()), "--worker", phase, *a.passthrough], a.timeout)
+        elif phase != "torch-compiled":
             return workbench_row(a, 2 if phase == "workbench-ep2" else 1, phase)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", phase, *a.passthrough]
-        proc = harness.run_group(cmd, a.timeout, cwd=ROOT)
+        else:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", phase, *a.passthrough]
+            proc = harness.run_group(cmd, a.timeout, cwd=ROOT)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             return {"row": phase, "status": "failed", "returncode": proc.returncode,
@@ -257,17 +297,21 @@ def main() -> int:
     harness.add_protocol_args(ap)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per process")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, the protocol at its smallest (checks the script)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the one-GPU workbench model and the plain one instead of measuring ratios (see above)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.cpu_smoke = a.smoke
     a.proto = harness.protocol(a)
     a.passthrough = [f"--steps={a.steps}", f"--repeats={a.repeats}", f"--warmup={a.warmup}", f"--warmup-max={a.warmup_max}",
-                     *(["--smoke"] if a.smoke else [])]
+                     *(["--smoke"] if a.smoke else []), *(["--profile"] if a.profile else [])]
     if a.worker:
-        print("RESULT " + json.dumps(torch_row(a)), flush=True)
+        row = workbench_profile_row(a) if a.worker == "workbench-profile" else torch_row(a)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RESULT " + json.dumps(row), flush=True)
         return 0
-    phases = [p for p in a.phases.split(",") if p]
-    unknown = set(phases) - set(PHASES)
+    phases = ["workbench-profile", "torch-compiled"] if a.profile else [p for p in a.phases.split(",") if p]
+    unknown = set(phases) - set(PHASES) - ({"workbench-profile"} if a.profile else set())
     if unknown:
         print(f"--phases: unknown {sorted(unknown)} -> {', '.join(PHASES)}", file=sys.stderr)
         return 2
@@ -282,7 +326,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as fh:
         for p in phases:
-            measured = "cpu smoke: the protocol's code at its smallest, not a measurement" if a.smoke else "protocol"
+            measured = ("cpu smoke: the protocol's code at its smallest, not a measurement" if a.smoke
+                        else "profile" if a.profile else "protocol")
             fh.write(json.dumps({**rows[p], "smoke": a.smoke, "measured": measured, "protocol": a.proto.record()}) + "\n")
     for p in phases:
         r = rows[p]
