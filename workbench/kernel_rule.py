@@ -231,6 +231,10 @@ class KernelChoice:
     #: MoE layers' experts ("" without): te_grouped (TE's grouped MLP, on TE's layer), torch_grouped (one
     #: ``grouped_mm`` per expert GEMM, :mod:`workbench.backend.moe_experts`), sequential (megatron's SequentialMLP)
     experts: Literal["", "sequential", "torch_grouped", "te_grouped"] = ""
+    #: who permutes MoE layers' tokens to their experts and back ("" without experts): "workbench" (tokens that
+    #: never leave the rank -- EP = TP = 1, dropless, torch_grouped experts, no FP8 -- gathered and summed
+    #: without atomics or host syncs, :mod:`workbench.backend.moe_dispatch`) or "megatron" (its token dispatcher)
+    moe_dispatch: Literal["", "workbench", "megatron"] = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "cuda_graphs": self.cuda_graphs}
@@ -254,6 +258,7 @@ class KernelChoice:
             layer += f" with FP8 GEMMs ({self.fp8}, {'Transformer Engine' if self.fp8_impl == 'te' else 'torch'})"
             layer += f" [{self.fp8_note}]" if self.fp8_note else ""
         experts = f", experts {self.experts}" if self.experts else ""
+        experts += f", {self.moe_dispatch}'s token dispatch" if self.moe_dispatch else ""
         return (f"attention {self.attention}, {layer}{graphs}{experts}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
                 f"optimizer {self.optimizer}")
 
@@ -405,7 +410,8 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         tp_overlap=tp_overlap, grad_accumulation="megatron" if impl == "megatron" else "workbench",
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
-        experts=_experts_slot(cfg, attention, fast),
+        experts=(experts := _experts_slot(cfg, attention, fast)),
+        moe_dispatch=_dispatch_slot(cfg, experts),
         **_fp8_slot(t.fp8, layer, attention, m.hidden_size),
     )
 
@@ -433,6 +439,17 @@ def _experts_slot(cfg: Any, attention: str, fast: bool) -> str:
     if fast and (cfg.train.precision == "bf16" or cfg.parallel.device == "cpu"):
         return "torch_grouped"
     return "sequential"
+
+
+def _dispatch_slot(cfg: Any, experts: str) -> str:
+    """Who permutes an MoE config's tokens (:attr:`KernelChoice.moe_dispatch`): the workbench's gathers where no
+    token leaves the rank and the experts are torch's grouped GEMMs; megatron's dispatcher otherwise."""
+    if not experts:
+        return ""
+    moe, p = cfg.model.moe, cfg.parallel
+    local = (max(p.expert_parallel, 1) == 1 and p.tensor_parallel == 1 and (p.expert_tensor_parallel or 1) == 1
+             and moe.capacity_factor is None and not moe.pad_to_capacity and cfg.train.fp8 == "off")
+    return "workbench" if experts == "torch_grouped" and local else "megatron"
 
 
 #: ``auto``'s choice where the compiled layer does not apply, by measurement: tokens/s of TE's layer over

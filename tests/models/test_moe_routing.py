@@ -4,7 +4,8 @@
 builder and compares megatron's ``MoELayer`` (all-to-all and all-gather dispatchers) with a loop over tokens:
 top-1 / top-2 / top-3, softmax over the chosen scores or over all experts, dropless and with a capacity (each
 expert keeps its highest-probability tokens; padded to capacity or not), shared experts.  The grouped-GEMM
-experts (the kernel rule's ``torch_grouped``) must give SequentialMLP's outputs and gradients.
+experts (the kernel rule's ``torch_grouped``, dropless through the workbench's local token dispatch) must give
+SequentialMLP's outputs and gradients through megatron's dispatcher.
 """
 
 from __future__ import annotations
@@ -50,8 +51,16 @@ def test_grouped_gemm_experts_equal_sequential_mlp(rows):
     assert len(grouped) == 3
     for r in grouped:
         assert r["experts"] == ["GroupedGemmMLP", "SequentialMLP"], r
+        local = "capacity" not in r["case"]  # a capacity drops tokens: megatron's dispatcher
+        assert r["dispatch"] == ["LocalTokenDispatcher" if local else "MoEAlltoAllTokenDispatcher", "MoEAlltoAllTokenDispatcher"], r
         assert r["grads"][0] == r["grads"][1] and r["grads"][0] > 10, r
         assert r["max_diff"] <= 1e-6 and r["grad_diff"] <= 1e-6, r
+
+
+def test_grouped_experts_can_add_their_gradients_into_main_grad_themselves(rows):
+    r = rows["grouped-main-grad-direct"]
+    assert r["weights"] == 2 * 8 and r["grads_left"] == 0, r  # moe-tiny's 8 experts: fc1 + fc2 each, no .grad left
+    assert r["max_diff"] <= 1e-6 * r["scale"], r
 
 
 def test_the_planners_parameter_count_is_the_built_models(rows):

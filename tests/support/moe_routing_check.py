@@ -113,9 +113,28 @@ def main() -> None:
             outs.append(y.detach())
             grads.append([xi.grad] + [p.grad for _, p in sorted(mlp.named_parameters()) if p.grad is not None])
         print(json.dumps({"case": name, "experts": [type(grouped.experts).__name__, type(seq.experts).__name__],
+                          "dispatch": [type(grouped.token_dispatcher).__name__, type(seq.token_dispatcher).__name__],
                           "max_diff": float((outs[0] - outs[1]).abs().max()),
                           "grad_diff": max(float((a - b).abs().max()) for a, b in zip(*grads)),
                           "grads": [len(g) for g in grads]}), flush=True)
+    # the grouped experts adding their weight gradients into main_grad themselves (main_grad_direct, as
+    # grad_accumulation.install_experts sets it under DDP): two micro-batches' sums equal autograd's .grad
+    cfg_g = _cfg(**{"train.compile_kernels": True})
+    plain, direct = layer(cfg_g).train(), layer(cfg_g).train()
+    xs = [torch.randn(cfg_g.model.seq_length, cfg_g.train.micro_batch_size, cfg_g.model.hidden_size) for _ in range(2)]
+    weights = [p for n, p in direct.experts.named_parameters() if "local_experts" in n]
+    for w in weights:
+        w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+    direct.experts.main_grad_direct = True
+    for mlp in (plain, direct):
+        for xi in xs:
+            y, _ = mlp(xi)
+            y.square().sum().backward()
+    wanted = [p.grad for n, p in plain.experts.named_parameters() if "local_experts" in n]
+    print(json.dumps({"case": "grouped-main-grad-direct", "weights": len(weights),
+                      "grads_left": sum(w.grad is not None for w in weights),
+                      "max_diff": max(float((w.main_grad - g).abs().max()) for w, g in zip(weights, wanted)),
+                      "scale": max(float(g.abs().max()) for g in wanted)}), flush=True)
     kernel_rule.allow_fast_paths_on_cpu(False)
     # the parameters the builder makes are the ones the planner counts (workbench.config.derive)
     from workbench.config import derive

@@ -77,6 +77,7 @@ from workbench.backend.tp_overlap import tp_overlap_pass
 
 __all__ = [
     "layer_module",
+    "compiling",
     "CompiledTransformerLayer",
     "dense_layer_forward",
     "fast_path_blocker",
@@ -104,6 +105,11 @@ def set_compile(enabled: bool) -> None:
     global _COMPILE
     _COMPILE = bool(enabled)
     _compiled.cache_clear()
+
+
+def compiling() -> bool:
+    """Whether the fused paths run compiled (:func:`set_compile`)."""
+    return _COMPILE
 
 
 def summary() -> dict[str, str]:

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["install", "accumulate", "MIN_NUMEL"]
+__all__ = ["install", "install_experts", "accumulate", "MIN_NUMEL"]
 
 #: the smallest parameter (elements) that gets the workbench's hook; smaller ones keep megatron's add (see above)
 MIN_NUMEL = 1 << 22
@@ -103,6 +103,25 @@ def install(ddp_chunks: Iterable[Any], min_numel: int | None = None) -> int:
             param.zero_out_wgrad = False
             param._workbench_grad_hook = param.register_post_accumulate_grad_hook(_hook)
             n += 1
+    return n
+
+
+def install_experts(ddp_chunks: Iterable[Any]) -> int:
+    """Let grouped-GEMM expert layers add their weights' gradients into ``main_grad`` themselves
+    (:attr:`workbench.backend.moe_experts.GroupedGemmMLP.main_grad_direct`: one ``foreach`` add per layer and
+    micro-batch instead of an accumulation and a DDP hook per expert weight); how many layers.  Only where DDP's
+    hook does nothing else: not with ``overlap_grad_reduce`` (the hook counts each parameter into its bucket's
+    readiness there), and not where megatron writes ``main_grad`` itself (:func:`install`'s refusal)."""
+    n = 0
+    for chunk in ddp_chunks:
+        if _megatrons_own(getattr(chunk, "config", None)) is not None or chunk.ddp_config.overlap_grad_reduce:
+            continue
+        for module in chunk.module.modules():
+            weights = [p for p in module.parameters() if p.requires_grad]
+            if hasattr(module, "main_grad_direct") and weights and all(
+                    getattr(p, "main_grad", None) is not None for p in weights):
+                module.main_grad_direct = True
+                n += 1
     return n
 
 

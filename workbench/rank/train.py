@@ -163,11 +163,12 @@ class Trainer:
         )
         self.model = [DistributedDataParallel(config=tc, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
                       for i, c in enumerate(chunks)]
-        hooked = 0
+        hooked = self._direct_experts = 0
         if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernel_rule.KernelChoice.grad_accumulation)
             from workbench.backend import grad_accumulation
 
             hooked = grad_accumulation.install(self.model)
+            self._direct_experts = grad_accumulation.install_experts(self.model)
         for m in self.model:
             m.broadcast_params()
         self._chunk_of = {id(m): i for i, m in enumerate(self.model)}
@@ -232,6 +233,8 @@ class Trainer:
         self.kernel_path["grad_accumulation"] = (
             f"workbench on {hooked} large parameters: weight gradients into DDP's fp32 main_grad, copied at a step's "
             "first micro-batch, then added (vectorised); megatron DDP's hook (main_grad.add_) on the rest"
+            + (f"; {self._direct_experts} grouped expert layers add their stacked weight gradients into main_grad in "
+               "one foreach call" if self._direct_experts else "")
             if choice.grad_accumulation == "workbench" else "megatron DDP's hook (main_grad.add_)")
         self.kernel_path["schedule"] = ("interleaved 1F1B" if p.vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
         overlap = [x for x in (self.kernel_path.get("tp_comm_overlap"), userbuffers, distributed.hardware_queue_note(cfg)) if x]

@@ -1,0 +1,65 @@
+"""The workbench's local token dispatch (``workbench.backend.moe_dispatch``) against megatron's own permutation
+(``moe_utils.permute`` / ``unpermute``, the functions its all-to-all dispatcher calls): the same permuted rows in the
+same order, the same probabilities and counts per expert, and the same combined output and gradients, on random
+top-k routing maps (fp32, CPU; the layer-level comparison with SequentialMLP runs in ``test_moe_routing.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+from workbench.backend.moe_dispatch import LocalTokenDispatcher, routing_indices
+
+
+class _Config:
+    def __init__(self, k: int) -> None:
+        self.moe_router_topk = k
+
+
+def _routing(tokens: int, experts: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g)
+    top, idx = torch.topk(logits, k, dim=-1)
+    probs = torch.zeros(tokens, experts).scatter(1, idx, torch.softmax(top, -1))
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, idx, True)
+    return probs, routing_map
+
+
+@pytest.mark.parametrize("tokens,experts,k", [(48, 8, 2), (37, 16, 4), (20, 4, 1), (64, 64, 8)])
+def test_local_dispatch_equals_megatrons_permutation(tokens, experts, k):
+    hidden = 12
+    probs, routing_map = _routing(tokens, experts, k, seed=tokens + k)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(2))
+    grad_out = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(3))
+
+    def run(local: bool):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        if local:
+            d = LocalTokenDispatcher(_Config(k))
+            px, pp = d.dispatch_preprocess(xi, routing_map, pi)
+            px, pp = d.token_dispatch(px, pp)
+            px, counts, pp = d.dispatch_postprocess(px, pp)
+            y = d.combine_postprocess(d.token_combine(d.combine_preprocess((px @ w) * pp.unsqueeze(-1))))
+        else:
+            px, pp, rows, _, _ = permute(xi, routing_map, probs=pi, num_out_tokens=tokens * k)
+            counts = routing_map.sum(0)
+            y = unpermute((px @ w) * pp.unsqueeze(-1), rows, restore_shape=xi.shape, routing_map=routing_map)
+        y.backward(grad_out)
+        return px.detach(), pp.detach(), counts, y.detach(), xi.grad, pi.grad
+
+    got, want = run(True), run(False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    for a, b in zip(got[3:], want[3:]):  # sums of k values in another order
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_each_tokens_slots_are_its_rows_and_every_row_is_used_once():
+    _, routing_map = _routing(30, 8, 3, seed=5)
+    rows, slots, flat = routing_indices(routing_map, 3)
+    assert sorted(slots.tolist()) == list(range(90))  # a permutation of the permuted rows
+    assert rows[slots].view(30, 3).eq(torch.arange(30).unsqueeze(1)).all()  # token t's slots hold token t
+    experts = flat // 30
+    assert experts.tolist() == sorted(experts.tolist())  # expert by expert
+    assert routing_map[rows, experts].all()
