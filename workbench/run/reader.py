@@ -156,11 +156,13 @@ class RunReader:
         return any(s.uses_cuda_graphs() for s in self.run_starts())
 
     def coords(self) -> dict[int, dict[str, int]]:
-        """{global rank: {tp, pp, dp}} from the ranks' ``run_start``."""
+        """{global rank: {tp, pp, dp} (and cp where context parallel > 1)}: each rank's coordinates from its
+        ``run_start``."""
         return {int(s.rank): dict(s.coords) for s in self.run_starts() if s.rank is not None and isinstance(s.coords, dict)}
 
     def layout(self) -> Layout | None:
-        """TP/PP/DP sizes: from ``run_start`` (the config the ranks ran), else from config.json."""
+        """The run's layout (TP / PP / DP / CP ... sizes): from ``run_start`` (the config the ranks ran), else from
+        config.json."""
         s = self.run_start()
         if s is not None:
             return s.layout()
