@@ -49,8 +49,8 @@ checkout without megatron-core)::
 ``--ac full``, as torchtitan's own 8B recipe checkpoints.)
 
 As a variant of ``bench/train_throughput.py``: :func:`run_variant` takes its ``Variant`` and arguments (the config
-from its ``bench_config``, so shape and global batch are the workbench rows' own; ``parallel.recompute: full`` in the
-variant's overrides turns on the per-block activation checkpointing here).
+from ``bench_config`` of :mod:`bench.variants`, so shape and global batch are the workbench rows' own;
+``parallel.recompute: full`` in the variant's overrides turns on the per-block activation checkpointing here).
 """
 
 # Wheels.  The FSDP2 yardstick above needs none: the device image's torch 2.11 and this checkout.
@@ -132,7 +132,7 @@ def bench_cfg(model: str, *, gpus: int, seq: int | None = None, micro_batch: int
 
     model = canonical(model)
     if model == "tiny-llama":
-        from bench.train_throughput import TINY_LLAMA
+        from bench.variants import TINY_LLAMA
 
         cfg = preset("tiny", **TINY_LLAMA)
     else:
@@ -403,7 +403,7 @@ def run_variant(v: Any, a: argparse.Namespace, opts: Options | None = None) -> d
     measured under the harness protocol of ``a``; ``parallel.recompute: full`` in the overrides checkpoints every
     block.  Returns what ``run_reference`` returns (step_times, warmup_s, first_loss, mem_peak, mem_reserved_peak,
     kernel_path) and the rest of :func:`train`'s dict."""
-    from bench.train_throughput import bench_config
+    from bench.variants import bench_config
 
     cfg = bench_config(v, a.cpu_smoke)
     if opts is None:

@@ -415,7 +415,7 @@ def run_variant(v: Any, a: argparse.Namespace, opts: Options | None = None) -> d
     """``bench/train_throughput.py``'s worker entry for ``Variant(kind="torchtitan", gpus=N)``: the variant's own
     config (``bench_config``); ``parallel.recompute: full`` in its overrides turns on torchtitan's FullAC,
     ``parallel.context_parallel`` its context parallelism (``Options.cp``)."""
-    from bench.train_throughput import bench_config
+    from bench.variants import bench_config
 
     cfg = bench_config(v, a.cpu_smoke)
     if opts is None:
