@@ -6,7 +6,7 @@ The repository's throughput benchmarks (``bench/results/train_throughput.jsonl``
 :func:`measured_rows` reads them and keeps the rows that measure the workbench as it trains now
 (:data:`VARIANTS`: the default path, TP / SP / PP / DP / recompute / FP8 / eager layouts; the newest
 row per device and variant), saying why each other row is left out.  :func:`row_config` rebuilds the
-config a row trained (``bench/train_throughput.py``'s ``bench_config``: the preset, its sequence,
+config a row trained (``bench/variants.py``'s ``bench_config``: the preset, its sequence,
 bf16, synthetic data, the row's batch and overrides).  Torch-free.
 """
 
@@ -75,7 +75,7 @@ def device_gpu(device: str) -> str | None:
 
 
 def row_config(row: dict[str, Any]) -> RunConfig:
-    """The config a benchmark row trained: ``bench/train_throughput.py``'s ``bench_config`` for the row's model,
+    """The config a benchmark row trained: ``bench/variants.py``'s ``bench_config`` for the row's model,
     batch, GPUs and overrides."""
     over = {"model.seq_length": int(row["seq_length"]), "train.precision": "bf16", "parallel.device": "cuda",
             "train.micro_batch_size": int(row["micro_batch_size"]), "train.global_batch_size": int(row["global_batch_size"]),
