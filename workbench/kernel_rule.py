@@ -231,9 +231,9 @@ class KernelChoice:
     #: MoE layers' experts ("" without): te_grouped (TE's grouped MLP, on TE's layer), torch_grouped (one
     #: ``grouped_mm`` per expert GEMM, :mod:`workbench.backend.moe_experts`), sequential (megatron's SequentialMLP)
     experts: Literal["", "sequential", "torch_grouped", "te_grouped"] = ""
-    #: who permutes MoE layers' tokens to their experts and back ("" without experts): "workbench" (tokens that
-    #: never leave the rank -- EP = TP = 1, dropless, torch_grouped experts, no FP8 -- gathered and summed
-    #: without atomics or host syncs, :mod:`workbench.backend.moe_dispatch`) or "megatron" (its token dispatcher)
+    #: who permutes MoE layers' tokens to their experts and back ("" without experts): "workbench" (TP = 1,
+    #: dropless, torch_grouped experts, no FP8, any EP: gathered and summed without atomics, no host sync on one
+    #: rank, one all-to-all each way at EP > 1, :mod:`workbench.backend.moe_dispatch`) or "megatron" (its dispatcher)
     moe_dispatch: Literal["", "workbench", "megatron"] = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -442,14 +442,14 @@ def _experts_slot(cfg: Any, attention: str, fast: bool) -> str:
 
 
 def _dispatch_slot(cfg: Any, experts: str) -> str:
-    """Who permutes an MoE config's tokens (:attr:`KernelChoice.moe_dispatch`): the workbench's gathers where no
-    token leaves the rank and the experts are torch's grouped GEMMs; megatron's dispatcher otherwise."""
+    """Who permutes an MoE config's tokens (:attr:`KernelChoice.moe_dispatch`): the workbench's gathers (and
+    all-to-all at EP > 1) for torch's grouped-GEMM experts without TP, dropless, without FP8; megatron's otherwise."""
     if not experts:
         return ""
     moe, p = cfg.model.moe, cfg.parallel
-    local = (max(p.expert_parallel, 1) == 1 and p.tensor_parallel == 1 and (p.expert_tensor_parallel or 1) == 1
-             and moe.capacity_factor is None and not moe.pad_to_capacity and cfg.train.fp8 == "off")
-    return "workbench" if experts == "torch_grouped" and local else "megatron"
+    ours = (p.tensor_parallel == 1 and (p.expert_tensor_parallel or 1) == 1 and moe.capacity_factor is None
+            and not moe.pad_to_capacity and cfg.train.fp8 == "off")
+    return "workbench" if experts == "torch_grouped" and ours else "megatron"
 
 
 #: ``auto``'s choice where the compiled layer does not apply, by measurement: tokens/s of TE's layer over

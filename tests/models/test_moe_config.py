@@ -121,6 +121,21 @@ def test_the_kernel_rule_names_the_experts():
         kernel_rule.allow_fast_paths_on_cpu(False)
 
 
+def test_the_kernel_rule_names_who_permutes_the_tokens():
+    gpu = preset("moe-research")
+
+    def dispatch(**over):
+        return kernel_rule.choose(gpu.replace(**over), te=False).moe_dispatch
+
+    assert kernel_rule.choose(preset("tiny")).moe_dispatch == ""
+    assert dispatch() == "workbench"
+    assert dispatch(**{"parallel.expert_parallel": 2, "parallel.nproc_per_node": 2}) == "workbench"
+    assert dispatch(**{"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True, "parallel.nproc_per_node": 2}) == "megatron"
+    assert dispatch(**{"model.moe.capacity_factor": 1.25}) == "megatron"
+    assert dispatch(**{"model.moe.grouped_gemm": False}) == "megatron"
+    assert "workbench's token dispatch" in kernel_rule.choose(gpu, te=False).describe()
+
+
 def test_cli_refuses_a_bad_moe_config_with_exit_2(tmp_path):
     bad = tmp_path / "bad.json"
     d = _tiny().to_dict()

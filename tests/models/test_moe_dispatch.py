@@ -63,3 +63,13 @@ def test_each_tokens_slots_are_its_rows_and_every_row_is_used_once():
     experts = flat // 30
     assert experts.tolist() == sorted(experts.tolist())  # expert by expert
     assert routing_map[rows, experts].all()
+
+
+def test_regrouping_orders_received_blocks_by_local_expert_then_source():
+    from workbench.backend.moe_dispatch import regroup_index
+
+    counts = torch.tensor([[2, 0, 3], [1, 4, 2]])  # [source rank, local expert]
+    labels = [(s, e) for s in range(2) for e in range(3) for _ in range(int(counts[s, e]))]  # arrival order
+    index = regroup_index(counts, int(counts.sum()))
+    assert sorted(index.tolist()) == list(range(len(labels)))
+    assert [labels[i] for i in index.tolist()] == sorted(labels, key=lambda se: (se[1], se[0]))

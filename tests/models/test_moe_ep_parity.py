@@ -9,7 +9,7 @@ copied the freshly initialised weights into its fp32 main params, so the first s
 back: each run trained on from its own random init, and EP=2's experts start from other random values than EP=1's.
 
 One 2-rank launch (``tests/support/trainer_runs.py``): ``init`` (EP=1, one step, saved), then ``ep1`` and ``ep2``
-(``parallel.expert_parallel: 2``, all-to-all dispatcher), each loading ``init``'s weights and training ``STEPS`` steps.
+(``parallel.expert_parallel: 2``: the workbench's token dispatch and its all-to-all), each loading ``init``'s weights and training ``STEPS`` steps.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def test_the_fast_paths_ran(runs):
     for name in ("ep1", "ep2"):
         kernels = runs[name].run_start().kernels
         assert kernels["experts"] == "torch_grouped" and kernels["cross_entropy"] == "compiled", (name, kernels)
+        assert kernels["moe_dispatch"] == "workbench", (name, kernels)  # gathers; at EP=2 its own all-to-all
 
 
 def test_ep2_trains_the_same_model_as_ep1(runs):
