@@ -23,28 +23,18 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-import pytest
-
-from workbench.config import preset
 from workbench.checkpoint import TRACKER_FILE, find_checkpoint, verify_checkpoint
 from workbench.run.reader import read_events
 from workbench.run.writer import OWNER_FILE, RANK0
 
-from tests.support import torchrun_args, free_port
+from tests.support import RANK_ENV, ROOT, checkpointing_run_config, torchrun_args
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+ENV = RANK_ENV
 
 
-def _cfg(**over):
-    base = {"data.source": "synthetic", "train.train_iters": 6, "train.lr_decay_iters": 6, "train.global_batch_size": 4,
-            "train.eval_interval": 0, "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 2,
-            "parallel.nproc_per_node": 2}
-    base.update(over)
-    return preset("tiny", **base)
+_cfg = checkpointing_run_config
 
 
 def _cmd(cfg, run_dir: Path) -> list[str]:

@@ -28,22 +28,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import torchrun_args
+from tests.support import RANK_ENV, ROOT, tiny_run_config, torchrun_args
 from tests.support.trainer_runs import run_trainers
 from workbench.config import preset
 from workbench.run.reader import read_events
 
-ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+ENV = RANK_ENV
 
 
 def _cfg(**over):
-    base = {"data.source": "synthetic", "train.train_iters": 6, "train.lr_decay_iters": 6, "train.global_batch_size": 8,
-            "train.eval_interval": 3, "train.eval_iters": 1, "train.microbatch_timing_interval": 2,
-            "checkpoint.save_interval": 3}
-    base.update(over)
-    return preset("tiny", **base)
+    return tiny_run_config(**{"train.global_batch_size": 8, "train.eval_interval": 3, "train.eval_iters": 1,
+                              "train.microbatch_timing_interval": 2, "checkpoint.save_interval": 3, **over})
 
 
 def _torchrun(cfg, run_dir: Path, nproc: int, port: int, timeout: int = 240, **popen):

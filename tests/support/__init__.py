@@ -8,6 +8,7 @@ tests run as subprocesses live beside this file (``compiled_layer_check.py``, ``
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import textwrap
@@ -18,6 +19,23 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository
 SUPPORT = Path(__file__).resolve().parent     # tests/support: helper scripts run as subprocesses
+#: a rank process's environment in the tests: this checkout importable, one OpenMP thread, no warnings
+RANK_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def tiny_run_config(**over):
+    """``preset("tiny")`` for a short rank run: synthetic data, 6 iterations (the LR decaying over them); ``over``:
+    the rest (dotted fields)."""
+    from workbench.config import preset
+
+    return preset("tiny", **{"data.source": "synthetic", "train.train_iters": 6, "train.lr_decay_iters": 6, **over})
+
+
+def checkpointing_run_config(**over):
+    """:func:`tiny_run_config` on two ranks, 4 samples a step, a checkpoint every 2nd step, no evaluation and no
+    micro-batch timing: the checkpoint fault tests' run."""
+    return tiny_run_config(**{"train.global_batch_size": 4, "train.eval_interval": 0, "train.microbatch_timing_interval": 0,
+                              "checkpoint.save_interval": 2, "parallel.nproc_per_node": 2, **over})
 
 
 def free_port() -> int:
