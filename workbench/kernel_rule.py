@@ -443,12 +443,13 @@ def _experts_slot(cfg: Any, attention: str, fast: bool) -> str:
 
 def _dispatch_slot(cfg: Any, experts: str) -> str:
     """Who permutes an MoE config's tokens (:attr:`KernelChoice.moe_dispatch`): the workbench's gathers (and
-    all-to-all at EP > 1) for torch's grouped-GEMM experts without TP, dropless, without FP8; megatron's otherwise."""
+    all-to-all at EP > 1) in place of megatron's all-to-all dispatcher (``model.moe.token_dispatcher: alltoall``, the
+    default) for torch's grouped-GEMM experts without TP, dropless, without FP8; megatron's otherwise."""
     if not experts:
         return ""
     moe, p = cfg.model.moe, cfg.parallel
-    ours = (p.tensor_parallel == 1 and (p.expert_tensor_parallel or 1) == 1 and moe.capacity_factor is None
-            and not moe.pad_to_capacity and cfg.train.fp8 == "off")
+    ours = (moe.token_dispatcher == "alltoall" and p.tensor_parallel == 1 and (p.expert_tensor_parallel or 1) == 1
+            and moe.capacity_factor is None and not moe.pad_to_capacity and cfg.train.fp8 == "off")
     return "workbench" if experts == "torch_grouped" and ours else "megatron"
 
 

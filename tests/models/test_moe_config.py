@@ -133,6 +133,7 @@ def test_the_kernel_rule_names_who_permutes_the_tokens():
     assert dispatch(**{"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True, "parallel.nproc_per_node": 2}) == "megatron"
     assert dispatch(**{"model.moe.capacity_factor": 1.25}) == "megatron"
     assert dispatch(**{"model.moe.grouped_gemm": False}) == "megatron"
+    assert dispatch(**{"model.moe.token_dispatcher": "allgather"}) == "megatron"  # asked for by name
     assert "workbench's token dispatch" in kernel_rule.choose(gpu, te=False).describe()
 
 

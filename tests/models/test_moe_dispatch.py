@@ -73,3 +73,23 @@ def test_regrouping_orders_received_blocks_by_local_expert_then_source():
     index = regroup_index(counts, int(counts.sum()))
     assert sorted(index.tolist()) == list(range(len(labels)))
     assert [labels[i] for i in index.tolist()] == sorted(labels, key=lambda se: (se[1], se[0]))
+
+
+def test_two_expert_parallel_ranks_equal_the_per_token_reference():
+    """``tests/support/moe_ep_dispatch_check.py``: EP=2 over gloo, one rank sending nothing to two experts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import ROOT, SUPPORT, free_port
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(SUPPORT / "moe_ep_dispatch_check.py"), str(free_port())], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = sorted((json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert rows[0]["counts"][:2] != [0, 0] and sum(rows[0]["counts"]) > 0  # rank 0's experts 0, 1 get rank 0's rows
+    for r in rows:
+        assert r["y"] <= 1e-5 * r["scale"] and r["x_grad"] <= 1e-5 and r["p_grad"] <= 1e-5, r

@@ -108,17 +108,18 @@ def install(ddp_chunks: Iterable[Any], min_numel: int | None = None) -> int:
 
 def install_experts(ddp_chunks: Iterable[Any]) -> int:
     """Let grouped-GEMM expert layers add their weights' gradients into ``main_grad`` themselves
-    (:attr:`workbench.backend.moe_experts.GroupedGemmMLP.main_grad_direct`: one ``foreach`` add per layer and
-    micro-batch instead of an accumulation and a DDP hook per expert weight); how many layers.  Only where DDP's
-    hook does nothing else: not with ``overlap_grad_reduce`` (the hook counts each parameter into its bucket's
-    readiness there), and not where megatron writes ``main_grad`` itself (:func:`install`'s refusal)."""
+    (:attr:`workbench.backend.moe_experts.GroupedGemmMLP.main_grad_direct`: one ``foreach`` call per layer and
+    micro-batch instead of DDP's add in a hook per expert weight; the hooks still run and add nothing); how many
+    layers.  Only where DDP's hook does nothing else: not with ``overlap_grad_reduce`` (the hook counts each parameter
+    into its bucket's readiness there), not where megatron writes ``main_grad`` itself (:func:`install`'s refusal),
+    and not on layers of one local expert (they run megatron's SequentialMLP)."""
     n = 0
     for chunk in ddp_chunks:
         if _megatrons_own(getattr(chunk, "config", None)) is not None or chunk.ddp_config.overlap_grad_reduce:
             continue
         for module in chunk.module.modules():
             weights = [p for p in module.parameters() if p.requires_grad]
-            if hasattr(module, "main_grad_direct") and weights and all(
+            if hasattr(module, "main_grad_direct") and getattr(module, "num_local_experts", 0) > 1 and weights and all(
                     getattr(p, "main_grad", None) is not None for p in weights):
                 module.main_grad_direct = True
                 n += 1

@@ -22,7 +22,8 @@ maths with gathers (and, with expert parallelism, the same all-to-all):
   received blocks (by source rank, then local expert) are regrouped by local expert with one gather whose backward
   is the inverse gather (megatron: a ``split`` + ``cat`` of ``EP x local experts`` chunks each way).
 
-A forward with a padding mask (rows routed to fewer than ``top_k`` experts) goes through megatron's dispatcher.
+A forward with a padding mask (rows routed to fewer than ``top_k`` experts) goes through megatron's dispatcher on one
+rank (:class:`WorkbenchMoELayer`).
 """
 
 from __future__ import annotations
@@ -64,12 +65,12 @@ class _Regroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse, index)
+        ctx.save_for_backward(inverse)
         return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        inverse, index = ctx.saved_tensors
+        (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
 
 
@@ -204,23 +205,29 @@ class LocalTokenDispatcher:
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Each token's ``top_k`` expert outputs summed, in the input's shape."""
         out = _Unpermute.apply(hidden_states, self.rows, self.slots, self.top_k)
-        self.rows = self.slots = self.regroup = self.inverse = None
+        self.rows = self.slots = self.regroup = self.inverse = self.routing_map = None
         return out.view(self.hidden_shape)
 
 
 class WorkbenchMoELayer(MoELayer):
     """megatron's ``MoELayer`` with :class:`LocalTokenDispatcher` where the kernel rule's ``moe_dispatch`` is
-    ``"workbench"`` (the config's ``workbench_kernels``); megatron's dispatcher otherwise, and for a forward with a
-    padding mask."""
+    ``"workbench"`` (the config's ``workbench_kernels``); megatron's dispatcher otherwise.  A forward with a padding
+    mask (rows routed to fewer than ``top_k`` experts) takes megatron's dispatcher on one rank and is refused under
+    expert parallelism (the EP ranks' collectives must match; the workbench's decoders pass no padding mask)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self._megatron_dispatcher = self.token_dispatcher
-        kernels = getattr(config, "workbench_kernels", None)
-        if getattr(kernels, "moe_dispatch", "") == "workbench" and self.token_dispatcher.shared_experts is None:
+        if getattr(getattr(config, "workbench_kernels", None), "moe_dispatch", "") == "workbench":
             self.token_dispatcher = LocalTokenDispatcher(config, self.token_dispatcher)
         self._local_dispatcher = self.token_dispatcher
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None, padding_mask: Any = None):  # noqa: D102
-        self.token_dispatcher = self._megatron_dispatcher if padding_mask is not None else self._local_dispatcher
+        local = self._local_dispatcher
+        if padding_mask is not None and isinstance(local, LocalTokenDispatcher):
+            if local.ep > 1:
+                raise ValueError("an MoE forward with a padding mask under expert parallelism: the workbench's token "
+                                 "dispatch needs every token routed to top_k experts")
+            local = self._megatron_dispatcher
+        self.token_dispatcher = local
         return super().forward(hidden_states, intermediate_tensors, padding_mask)

@@ -55,18 +55,21 @@ def _activate_weighted(h: torch.Tensor, probs: torch.Tensor, activation: Any, gl
 
 
 @functools.lru_cache(maxsize=None)
-def _activate_weighted_compiled():
+def _activate_weighted_compiled(dynamic: bool):
     """:func:`_activate_weighted` compiled (one fused kernel forward and one backward on CUDA, for the
-    kernel rule's compiled paths: ``compiled_layer.set_compile``)."""
-    return torch.compile(_activate_weighted, dynamic=False)
+    kernel rule's compiled paths: ``compiled_layer.set_compile``); ``dynamic``: for row counts that change every
+    micro-batch (expert parallelism: the rows a rank receives), one graph for all of them."""
+    return torch.compile(_activate_weighted, dynamic=dynamic)
 
 
 class _StackedWeights(torch.autograd.Function):
     """``torch.stack`` of the local experts' weights.  Backward with ``direct`` (the module's
     :attr:`GroupedGemmMLP.main_grad_direct`): the stacked gradient is added into each weight's ``main_grad``
-    (megatron DDP's buffer) in one ``foreach`` call and the weights get no ``.grad``, so neither autograd's
-    per-expert accumulation nor DDP's per-parameter hook runs (moe-research: 8,192 of each a step, ~45 ms of device
-    and ~160 ms of host time, ``bench/results/moe_profile.jsonl``); otherwise each weight gets its slice."""
+    (megatron DDP's buffer) with one ``torch._foreach_add_`` call and the weights get no ``.grad``: autograd's
+    accumulators and DDP's hooks still run for each expert weight, but find no gradient and add nothing.  (Over fp32
+    ``main_grad`` and bf16 gradients torch's foreach takes its per-tensor path: one add kernel per weight, as DDP's hook
+    launched, from one Python call; moe-research, one H200, ``bench/results/moe_profile.jsonl``.)  Otherwise each
+    weight gets its slice."""
 
     @staticmethod
     def forward(ctx, direct: bool, *weights: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -89,7 +92,7 @@ class GroupedGemmMLP(SequentialMLP):
     The local experts' weights are stacked per forward (a copy of the rank's expert weights, ~1-3% of an MoE
     layer's time at research scale); their gradients flow back through the stack to each expert's parameter, where
     megatron's DDP hooks collect them as for SequentialMLP -- or, with :attr:`main_grad_direct`, the stack's
-    backward adds them into DDP's ``main_grad`` itself (:class:`_StackedWeights`).  The maths is
+    backward adds them into DDP's ``main_grad`` itself in one call (:class:`_StackedWeights`).  The maths is
     :class:`megatron.core.transformer.mlp.MLP`'s unfused path (fc1 + bias, activation or GLU, times the routing
     probability, fc2, bias times the probability)."""
 
@@ -118,9 +121,11 @@ class GroupedGemmMLP(SequentialMLP):
         h = grouped_mm(x, w1, offs)
         if b1 is not None:
             h = h + torch.stack([e.linear_fc1.bias for e in experts])[which]
-        # compiled for training on the GPU (generation's shapes change every call: eager there)
+        # compiled for training on the GPU (generation's shapes change every call: eager there; so is the no-grad
+        # first forward of a full recompute, which then recomputes compiled: the same maths, rounded alike up to
+        # the fused kernel's order).  One rank: the rows are tokens x top_k, fixed; EP > 1: they vary
         compiled = x.is_cuda and torch.is_grad_enabled() and compiled_layer.compiling()
-        act = _activate_weighted_compiled() if compiled else _activate_weighted
+        act = _activate_weighted_compiled(cfg.expert_model_parallel_size > 1) if compiled else _activate_weighted
         h = act(h, permuted_probs, cfg.activation_func, cfg.gated_linear_unit, cfg.activation_func_clamp_value,
                 cfg.glu_linear_offset)
         out = grouped_mm(h, w2, offs)

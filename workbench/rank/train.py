@@ -233,8 +233,8 @@ class Trainer:
         self.kernel_path["grad_accumulation"] = (
             f"workbench on {hooked} large parameters: weight gradients into DDP's fp32 main_grad, copied at a step's "
             "first micro-batch, then added (vectorised); megatron DDP's hook (main_grad.add_) on the rest"
-            + (f"; {self._direct_experts} grouped expert layers add their stacked weight gradients into main_grad in "
-               "one foreach call" if self._direct_experts else "")
+            + (f"; {self._direct_experts} grouped expert layers add their stacked weight gradients into main_grad "
+               "themselves (one foreach call a layer and micro-batch)" if self._direct_experts else "")
             if choice.grad_accumulation == "workbench" else "megatron DDP's hook (main_grad.add_)")
         self.kernel_path["schedule"] = ("interleaved 1F1B" if p.vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
         overlap = [x for x in (self.kernel_path.get("tp_comm_overlap"), userbuffers, distributed.hardware_queue_note(cfg)) if x]

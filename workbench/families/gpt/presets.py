@@ -59,7 +59,7 @@ def _moe(name: str, layers: int, hidden: int, heads: int, groups: int, ffn: int,
 
 
 def _moe_research() -> dict[str, Any]:
-    """A research-scale MoE for one 80 GB GPU on the embedded corpus: 1.69B parameters, 0.31B active per token
+    """A research-scale MoE for one 80 GB GPU on the embedded corpus: 1.66B parameters, 0.31B active per token
     (16 layers, hidden 1024, 64 fine-grained experts of FFN 512, top-8; OLMoE's proportions at a quarter width)."""
     cfg = _moe("moe-research", 16, 1024, 16, 4, 2816, 64, 8, 512, 4096, 2048, 10000.0, 1e-5, False, z_loss=1e-3)
     cfg["model"].update(seq_length=2048)
