@@ -188,6 +188,90 @@ def _make_output_dir(out_dir: Path, output_prefix: str | Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
+def _checked_tokenizer(tokenizer: "str | Tokenizer", append_eod: bool, workers: int,
+                       model_vocab_size: int | None) -> Tokenizer:
+    """Load the tokenizer; refuse one larger than the model's vocabulary, a missing EOD, or fewer than one worker."""
+    tok = load_tokenizer(tokenizer)
+    if model_vocab_size is not None and tok.vocab_size > model_vocab_size:
+        raise DataError(f"tokenizer {tok.name}", f"vocabulary of {tok.vocab_size} tokens exceeds the model's vocab_size {model_vocab_size}",
+                        f"set model.vocab_size >= {tok.vocab_size}, or use a smaller tokenizer")
+    if append_eod and not tok.has_eod:
+        tok.eod  # raises the DataError that says what is missing
+    if workers < 1:
+        raise DataError("--workers", f"must be >= 1 (got {workers})", "use 1 for in-process tokenization")
+    return tok
+
+
+def _output_prefix(output_prefix: str | Path) -> str:
+    """The prefix without a trailing ``.bin`` / ``.idx``, with its directory made (or a DataError if unwritable)."""
+    prefix = str(output_prefix)
+    for suf in (".bin", ".idx"):
+        if prefix.endswith(suf):
+            prefix = prefix[: -len(suf)]
+    _make_output_dir(Path(prefix).parent, output_prefix)
+    return prefix
+
+
+def _encoded(docs: Iterator[str], tok: Tokenizer, append_eod: bool, dtype_name: str, split_sentences: bool,
+             workers: int) -> tuple[Iterator[list], object]:
+    """Encoded batches in input order, in-process or from ``workers`` spawned processes: (results, pool or None)."""
+    if workers == 1:
+        _worker_init(tok, append_eod, dtype_name, split_sentences)
+        return map(_encode_batch, _batches(docs)), None
+    import multiprocessing as mp
+
+    pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init,
+                                        initargs=(tok, append_eod, dtype_name, split_sentences))
+    return _ordered(pool, _batches(docs), window=4 * workers), pool
+
+
+def _add_documents(builder, results: Iterator[list], bar) -> tuple[int, int, int, int]:
+    """Append every non-empty document to ``builder``: (documents, sequences, tokens, max token id)."""
+    documents = tokens = sequences = 0
+    max_id = -1
+    for arrays in results:
+        for arr, lengths in arrays:
+            if arr.size == 0:
+                continue
+            builder.add_document(arr, lengths)
+            documents += 1
+            sequences += len(lengths)
+            tokens += int(arr.size)
+            max_id = max(max_id, int(arr.max()))
+        bar.set_postfix(docs=documents, tokens=tokens, refresh=False)
+    return documents, sequences, tokens, max_id
+
+
+def _commit(summary: PreprocessSummary, extra: dict, tmps: tuple[str, str, str], finals: tuple[str, str, str]) -> None:
+    """Write the sidecar, then move ``.bin``, sidecar and finally ``.idx`` into place (old ``.idx`` removed first)."""
+    bin_tmp, idx_tmp, side_tmp = tmps
+    bin_final, idx_final, side_final = finals
+    meta = {"format": SIDECAR_FORMAT, **summary.to_dict(), **extra, "created": time.time()}
+    Path(side_tmp).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    # Commit: the .idx goes last, so a half-finished commit never looks like a valid dataset.
+    if os.path.exists(idx_final):
+        os.remove(idx_final)
+    os.replace(bin_tmp, bin_final)
+    os.replace(side_tmp, side_final)
+    os.replace(idx_tmp, idx_final)
+
+
+def _clean_up(bar, pool, builder, tmps: tuple[str, ...]) -> None:
+    """Close the progress bar, stop a pool still running, close an unfinished builder and remove temporary files."""
+    bar.close()
+    if pool is not None:
+        pool.terminate()
+        pool.join()
+    if builder is not None:
+        try:
+            builder.data_file.close()
+        except Exception:
+            pass
+    for f in tmps:
+        if os.path.exists(f):
+            os.remove(f)
+
+
 def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Path, tokenizer: "str | Tokenizer" = "demo",
                json_key: str = "text", append_eod: bool = True, workers: int = 1, split_docs: SplitDocs = "blank-line",
                invalid_utf8: InvalidPolicy = "replace", model_vocab_size: int | None = None,
@@ -197,60 +281,31 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
     from tqdm.auto import tqdm
 
     paths = resolve_inputs(inputs)
-    tok = load_tokenizer(tokenizer)
-    if model_vocab_size is not None and tok.vocab_size > model_vocab_size:
-        raise DataError(f"tokenizer {tok.name}", f"vocabulary of {tok.vocab_size} tokens exceeds the model's vocab_size {model_vocab_size}",
-                        f"set model.vocab_size >= {tok.vocab_size}, or use a smaller tokenizer")
-    if append_eod and not tok.has_eod:
-        tok.eod  # raises the DataError that says what is missing
-    if workers < 1:
-        raise DataError("--workers", f"must be >= 1 (got {workers})", "use 1 for in-process tokenization")
-    prefix = str(output_prefix)
-    for suf in (".bin", ".idx"):
-        if prefix.endswith(suf):
-            prefix = prefix[: -len(suf)]
-    _make_output_dir(Path(prefix).parent, output_prefix)
+    tok = _checked_tokenizer(tokenizer, append_eod, workers, model_vocab_size)
+    prefix = _output_prefix(output_prefix)
 
     dtype = token_dtype(tok.vocab_size)
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    bin_final, idx_final, side_final = prefix + ".bin", prefix + ".idx", str(Path(prefix + ".workbench.json"))
-    bin_tmp, idx_tmp, side_tmp = _tmp(bin_final), _tmp(idx_final), _tmp(side_final)
-    _remove_stale_tmp(bin_final, idx_final, side_final)
+    finals = (prefix + ".bin", prefix + ".idx", str(Path(prefix + ".workbench.json")))
+    tmps = tuple(_tmp(f) for f in finals)
+    _remove_stale_tmp(*finals)
     stats = ReadStats()
     total_bytes = sum(uncompressed_size(p) for p in paths)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"preprocess {Path(prefix).name}", disable=not progress)
-    documents = tokens = sequences = 0
-    max_id = -1
     t0 = time.perf_counter()
     pool = None
     builder = None
     try:
-        builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)
+        builder = IndexedDatasetBuilder(tmps[0], dtype=dtype)
         docs = iter_documents(paths, json_key=json_key, split_docs=split_docs, stats=stats, invalid_utf8=invalid_utf8, progress=bar)
-        if workers == 1:
-            _worker_init(tok, append_eod, np.dtype(dtype).name, split_sentences)
-            results = map(_encode_batch, _batches(docs))
-        else:
-            import multiprocessing as mp
-
-            pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(tok, append_eod, np.dtype(dtype).name, split_sentences))
-            results = _ordered(pool, _batches(docs), window=4 * workers)
-        for arrays in results:
-            for arr, lengths in arrays:
-                if arr.size == 0:
-                    continue
-                builder.add_document(arr, lengths)
-                documents += 1
-                sequences += len(lengths)
-                tokens += int(arr.size)
-                max_id = max(max_id, int(arr.max()))
-            bar.set_postfix(docs=documents, tokens=tokens, refresh=False)
+        results, pool = _encoded(docs, tok, append_eod, np.dtype(dtype).name, split_sentences, workers)
+        documents, sequences, tokens, max_id = _add_documents(builder, results, bar)
         if pool is not None:
             pool.close()
             pool.join()
             pool = None
-        builder.finalize(idx_tmp)
+        builder.finalize(tmps[1])
         builder = None
         seconds = time.perf_counter() - t0
         if documents == 0:
@@ -260,26 +315,8 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
                                     invalid_utf8=stats.invalid_utf8, invalid_utf8_where=list(stats.invalid_utf8_where),
                                     empty_skipped=stats.empty_skipped, tokenizer=tok.spec(), sequences=sequences,
                                     split_sentences=split_sentences)
-        meta = {"format": SIDECAR_FORMAT, **summary.to_dict(), "append_eod": append_eod, "json_key": json_key,
-                "split_docs": split_docs, "inputs": [str(p) for p in paths], "created": time.time()}
-        Path(side_tmp).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        # Commit: the .idx goes last, so a half-finished commit never looks like a valid dataset.
-        if os.path.exists(idx_final):
-            os.remove(idx_final)
-        os.replace(bin_tmp, bin_final)
-        os.replace(side_tmp, side_final)
-        os.replace(idx_tmp, idx_final)
+        _commit(summary, {"append_eod": append_eod, "json_key": json_key, "split_docs": split_docs,
+                          "inputs": [str(p) for p in paths]}, tmps, finals)
         return summary
     finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        if builder is not None:
-            try:
-                builder.data_file.close()
-            except Exception:
-                pass
-        for f in (bin_tmp, idx_tmp, side_tmp):
-            if os.path.exists(f):
-                os.remove(f)
+        _clean_up(bar, pool, builder, tmps)
