@@ -160,6 +160,92 @@ def _end_job(me: Any, child: subprocess.Popen, rc: int | None, verdict: "stall.S
     return rc, stall_info
 
 
+def _start_node(run_dir: Path, ndir: Path, node_rank: int, nnodes: int, node_timeout: float, error_grace: float,
+                beating: threading.Event) -> "PeerWatch | None":
+    """On a multi-node run, start this node's heartbeat and return the watch on the other nodes (else None)."""
+    if nnodes <= 1:
+        return None
+    start_heartbeat(ndir, node_rank, beating)
+    return PeerWatch(run_dir, node_rank, nnodes, timeout=node_timeout, grace=error_grace)
+
+
+def _catch_stop_signals(stop_reason: list[str]) -> None:
+    """SIGTERM, SIGINT and SIGHUP record the reason ``stopped`` (once) instead of killing the supervisor."""
+
+    def on_signal(signum, _frame):
+        if not stop_reason:
+            stop_reason.append("stopped")
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, on_signal)
+
+
+def _start_torchrun(cmd: list[str]) -> subprocess.Popen:
+    """Start torchrun, which dies with us (even of a SIGKILL); its ranks die with it."""
+    # torchrun dies with us (even of a SIGKILL), and its ranks die with it (:func:`workbench.launch.ownership.guard_rank`)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{SUPERVISOR_ENV: supervisor_token()})
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,  # inherits our stdout (launcher.log)
+                            preexec_fn=die_with_parent(signal.SIGKILL))
+
+
+def _check_job(me: Any, record: "_ProcessRecord", peers: "PeerWatch | None", watch: stall.StallWatch,
+               stop_reason: list[str], node_rank: int,
+               error_seen_at: float | None) -> "tuple[dict | None, stall.Stall | None]":
+    """The once-a-second check: record processes, stop for a failed peer node, detect a stall: (peer, stall verdict)."""
+    record(descendants(me))
+    hit = peers.check() if peers is not None and not stop_reason else None
+    peer = None
+    if hit is not None:
+        stop_reason.append(hit[0])
+        peer = hit[1]
+        print(f"[supervisor] node {node_rank}: {peer['why']}: stopping this node's job", flush=True)
+    verdict = watch.check(stopped=lambda: [r for r, p in rank_processes(descendants(me)).items() if is_stopped(p)])
+    if verdict is not None and not stop_reason and error_seen_at is None:
+        print(f"[supervisor] {verdict.message}: the run is stalled; writing the ranks' stacks and ending it", flush=True)
+        stop_reason.append("stalled")
+        return peer, verdict
+    return peer, None
+
+
+def _watch_job(child: subprocess.Popen, me: Any, record: "_ProcessRecord", reader: RunReader, watch: stall.StallWatch,
+               peers: "PeerWatch | None", stop_reason: list[str], watch_pid: int, node_rank: int, error_grace: float,
+               poll: float) -> "tuple[int | None, stall.Stall | None, dict | None]":
+    """Poll the job until it exits or must be stopped: (torchrun's exit code or None, stall verdict, failed peer)."""
+    import psutil
+
+    error_seen_at: float | None = None
+    verdict: stall.Stall | None = None
+    peer: dict | None = None
+    rc: int | None = None
+    polls = 0
+    while True:
+        rc = child.poll()
+        if rc is not None:
+            break
+        if polls % 5 == 0:  # about once a second
+            hit, verdict = _check_job(me, record, peers, watch, stop_reason, node_rank, error_seen_at)
+            if hit is not None:
+                peer = hit
+            if verdict is not None:
+                break
+        polls += 1
+        if not stop_reason and watch_pid and (os.getppid() != watch_pid or not psutil.pid_exists(watch_pid)):
+            stop_reason.append("kernel-exited")
+            print(f"[supervisor] launching process {watch_pid} is gone: stopping the run", flush=True)
+        if stop_reason:
+            break
+        new_events = reader.poll()
+        watch.feed(new_events)
+        if error_seen_at is None and any(e.event == "error" for e in new_events):
+            error_seen_at = time.time()
+        if error_seen_at is not None and time.time() - error_seen_at > error_grace:
+            print(f"[supervisor] a rank reported an error {error_grace:.0f}s ago and the job did not tear down: killing it", flush=True)
+            stop_reason.append("failed")
+            break
+        time.sleep(poll)
+    return rc, verdict, peer
+
+
 def supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error_grace: float, poll: float = 0.2, *,
                node_rank: int = 0, nnodes: int = 1, node_timeout: float = DEFAULT_NODE_TIMEOUT,
                stall_floor: float = 0.0, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT) -> int:
@@ -178,65 +264,17 @@ def supervise(run_dir: Path, cmd: list[str], watch_pid: int, grace: float, error
     stop_reason: list[str] = []
     ndir = nodes.node_dir(run_dir, node_rank)
     beating = threading.Event()
-    peers = None
-    peer: dict | None = None
-    if nnodes > 1:
-        start_heartbeat(ndir, node_rank, beating)
-        peers = PeerWatch(run_dir, node_rank, nnodes, timeout=node_timeout, grace=error_grace)
-
-    def on_signal(signum, _frame):
-        if not stop_reason:
-            stop_reason.append("stopped")
-
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(s, on_signal)
-
-    # torchrun dies with us (even of a SIGKILL), and its ranks die with it (:func:`workbench.launch.ownership.guard_rank`)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{SUPERVISOR_ENV: supervisor_token()})
-    child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,  # inherits our stdout (launcher.log)
-                             preexec_fn=die_with_parent(signal.SIGKILL))
+    peers = _start_node(run_dir, ndir, node_rank, nnodes, node_timeout, error_grace, beating)
+    _catch_stop_signals(stop_reason)
+    child = _start_torchrun(cmd)
     launch_json = ndir / "launch.json"
     record = _ProcessRecord(launch_json, child.pid)
     reader = RunReader(run_dir)
-    error_seen_at: float | None = None
     me = psutil.Process()
     record([], first=True)
     watch = stall_watch(run_dir, node_rank, stall_floor, startup_timeout)
-    verdict: stall.Stall | None = None
-    rc: int | None = None
-    polls = 0
-    while True:
-        rc = child.poll()
-        if rc is not None:
-            break
-        if polls % 5 == 0:  # about once a second
-            record(descendants(me))
-            hit = peers.check() if peers is not None and not stop_reason else None
-            if hit is not None:
-                stop_reason.append(hit[0])
-                peer = hit[1]
-                print(f"[supervisor] node {node_rank}: {peer['why']}: stopping this node's job", flush=True)
-            verdict = watch.check(stopped=lambda: [r for r, p in rank_processes(descendants(me)).items() if is_stopped(p)])
-            if verdict is not None and not stop_reason and error_seen_at is None:
-                print(f"[supervisor] {verdict.message}: the run is stalled; writing the ranks' stacks and ending it", flush=True)
-                stop_reason.append("stalled")
-                break
-            verdict = None
-        polls += 1
-        if not stop_reason and watch_pid and (os.getppid() != watch_pid or not psutil.pid_exists(watch_pid)):
-            stop_reason.append("kernel-exited")
-            print(f"[supervisor] launching process {watch_pid} is gone: stopping the run", flush=True)
-        if stop_reason:
-            break
-        new_events = reader.poll()
-        watch.feed(new_events)
-        if error_seen_at is None and any(e.event == "error" for e in new_events):
-            error_seen_at = time.time()
-        if error_seen_at is not None and time.time() - error_seen_at > error_grace:
-            print(f"[supervisor] a rank reported an error {error_grace:.0f}s ago and the job did not tear down: killing it", flush=True)
-            stop_reason.append("failed")
-            break
-        time.sleep(poll)
+    rc, verdict, peer = _watch_job(child, me, record, reader, watch, peers, stop_reason, watch_pid, node_rank,
+                                   error_grace, poll)
 
     rc, stall_info = _end_job(me, child, rc, verdict, grace, ndir, node_rank, launch_json)
     reason = stop_reason[0] if stop_reason else None
