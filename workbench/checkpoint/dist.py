@@ -399,6 +399,78 @@ def _rng_layout_change(meta: dict) -> str:
     return ", ".join(changed)
 
 
+def _make_tmp_dir(root: Path, final: Path) -> Path:
+    """Rank 0 clears stale partial saves and makes a fresh temporary directory for ``final``; all ranks get its path."""
+    tmp = None
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for line in remove_stale_partials(root):  # what an earlier, killed save left behind
+            print(f"[workbench] checkpoint {root}: {line}", flush=True)
+        tmp = root / partial_dir_name(final.name, "tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    return Path(_broadcast_obj(str(tmp) if tmp else None))
+
+
+def _save_state(chunks: list, iteration: int, optimizer: Any, scheduler: Any, extra: dict[str, Any] | None,
+                rng: bool) -> dict[str, Any]:
+    """The sharded state dict to save: model, optimizer, scheduler, extra, iteration and (``rng``) random states."""
+    sharded = _model_sharded_sd(chunks)
+    if optimizer is not None:
+        sharded["optimizer"] = _optimizer_sharded_sd(optimizer, sharded)
+    if scheduler is not None:
+        sharded["scheduler"] = scheduler.state_dict()
+    sharded["workbench_extra"] = dict(extra or {})
+    sharded["iteration"] = int(iteration)
+    if rng:
+        sharded[RNG_KEY] = _rng_sharded(rng_state(_cuda_started()))
+    return sharded
+
+
+def _last_note(root: Path) -> str:
+    """What the failure message says about the last complete checkpoint under ``root`` (from the tracker file)."""
+    tracker = root / TRACKER_FILE
+    last = tracker.read_text().strip() if tracker.is_file() else None
+    return (f"the last complete checkpoint (iteration {last}) is intact and still the latest"
+            if last else "no earlier checkpoint exists")
+
+
+def _write_shards(sharded: dict[str, Any], tmp: Path, root: Path, iteration: int) -> None:
+    """Collectively write ``sharded`` into ``tmp``; a failure is a CheckpointSaveError naming the last good one."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    try:
+        _fault_point("save", iteration)
+        with _cpu_save_compat():
+            dist_checkpointing.save(sharded, str(tmp), sharded_strategy=TorchDistSaveShardedStrategy())
+        _fault_point("saved", iteration)
+    except BaseException as e:  # a full disk, a file size limit, a lost rank: said plainly, the last good one named
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):  # (torch's CheckpointException is a BaseException)
+            raise
+        note = _last_note(root)
+        cause = _root_cause(e) + _space_note(root)
+        raise CheckpointSaveError(f"{root}: saving the checkpoint of iteration {iteration} failed on rank {_rank()}: {cause} -> "
+                              f"free disk space (or raise the file size limit) and resume; " + note) from e
+
+
+def _finish_on_rank0(root: Path, tmp: Path, final: Path, iteration: int, chunks: list, cfg: Any, optimizer: Any,
+                     scheduler: Any, extra: dict[str, Any] | None, tokenizer: Any, rng: bool) -> str | None:
+    """Rank 0 commits the save (:func:`finish_save`); the failure message every rank raises, or None."""
+    failure = None
+    if _rank() == 0:
+        try:
+            finish_save(root, tmp, final, iteration, chunks, cfg, optimizer, scheduler, extra, tokenizer, rng)
+        except OSError as e:  # a full disk or a file size limit while workbench.json / the tracker is written
+            shutil.rmtree(tmp, ignore_errors=True)
+            note = _last_note(root)
+            failure = (f"{root}: saving the checkpoint of iteration {iteration} failed on rank 0 while writing its "
+                       f"{METADATA_FILE}: {type(e).__name__}: {e}{_space_note(root)} -> free disk space (or raise the file "
+                       "size limit) and resume; " + note)
+    return _broadcast_obj(failure)  # every rank fails alike (no rank left waiting at a barrier)
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -420,65 +492,15 @@ def save_checkpoint(
     ``rng``: store every rank's random states (:func:`rng_state`; a training run's, so a resume under dropout
     repeats the straight run).  Returns the final iteration directory.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
     _require_dist("save_checkpoint")
     root = Path(root)
     chunks = _chunks(model_chunks)
     final = root / iter_dir_name(iteration)
-
-    tmp = None
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for line in remove_stale_partials(root):  # what an earlier, killed save left behind
-            print(f"[workbench] checkpoint {root}: {line}", flush=True)
-        tmp = root / partial_dir_name(final.name, "tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    tmp = Path(_broadcast_obj(str(tmp) if tmp else None))
-
-    sharded = _model_sharded_sd(chunks)
-    if optimizer is not None:
-        sharded["optimizer"] = _optimizer_sharded_sd(optimizer, sharded)
-    if scheduler is not None:
-        sharded["scheduler"] = scheduler.state_dict()
-    sharded["workbench_extra"] = dict(extra or {})
-    sharded["iteration"] = int(iteration)
-    if rng:
-        sharded[RNG_KEY] = _rng_sharded(rng_state(_cuda_started()))
-
-    try:
-        _fault_point("save", iteration)
-        with _cpu_save_compat():
-            dist_checkpointing.save(sharded, str(tmp), sharded_strategy=TorchDistSaveShardedStrategy())
-        _fault_point("saved", iteration)
-    except BaseException as e:  # a full disk, a file size limit, a lost rank: said plainly, the last good one named
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):  # (torch's CheckpointException is a BaseException)
-            raise
-        tracker = root / TRACKER_FILE
-        last = tracker.read_text().strip() if tracker.is_file() else None
-        cause = _root_cause(e) + _space_note(root)
-        raise CheckpointSaveError(f"{root}: saving the checkpoint of iteration {iteration} failed on rank {_rank()}: {cause} -> "
-                              f"free disk space (or raise the file size limit) and resume; "
-                              + (f"the last complete checkpoint (iteration {last}) is intact and still the latest"
-                                 if last else "no earlier checkpoint exists")) from e
+    tmp = _make_tmp_dir(root, final)
+    sharded = _save_state(chunks, iteration, optimizer, scheduler, extra, rng)
+    _write_shards(sharded, tmp, root, iteration)
     _barrier()
-
-    failure = None
-    if _rank() == 0:
-        try:
-            finish_save(root, tmp, final, iteration, chunks, cfg, optimizer, scheduler, extra, tokenizer, rng)
-        except OSError as e:  # a full disk or a file size limit while workbench.json / the tracker is written
-            shutil.rmtree(tmp, ignore_errors=True)
-            tracker = root / TRACKER_FILE
-            last = tracker.read_text().strip() if tracker.is_file() else None
-            failure = (f"{root}: saving the checkpoint of iteration {iteration} failed on rank 0 while writing its "
-                       f"{METADATA_FILE}: {type(e).__name__}: {e}{_space_note(root)} -> free disk space (or raise the file "
-                       "size limit) and resume; " + (f"the last complete checkpoint (iteration {last}) is intact and still the latest"
-                                                     if last else "no earlier checkpoint exists"))
-    failure = _broadcast_obj(failure)  # every rank fails alike (no rank left waiting at a barrier)
+    failure = _finish_on_rank0(root, tmp, final, iteration, chunks, cfg, optimizer, scheduler, extra, tokenizer, rng)
     if failure:
         raise CheckpointSaveError(failure)
     return final
@@ -676,6 +698,55 @@ def _check_shapes(sharded: dict, ckpt_shapes: dict, ckpt: Path) -> None:
             "\n-> build the model from the checkpoint's config (workbench.json 'config'), or use a matching checkpoint")
 
 
+def _add_optimizer(sharded: dict, optimizer: Any, chunks: Sequence[Any], ckpt: Path, meta: dict, pairs: list) -> None:
+    """Ask for the optimizer state too; refused when the checkpoint has none or its vocab padding changed."""
+    if not meta.get("has_optimizer"):
+        raise CheckpointError(f"checkpoint {ckpt} holds no optimizer state -> load with load_optimizer=False (finetune)")
+    if pairs:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was saved with a different vocab padding (tensor parallel size changed); "
+            "optimizer state cannot be re-padded -> load with load_optimizer=False (finetune), "
+            "or resume at the original tensor_parallel")
+    sharded["optimizer"] = _optimizer_sharded_sd(optimizer, _model_sharded_sd(chunks), is_loading=True)
+
+
+def _add_rng(sharded: dict, meta: dict) -> str:
+    """Ask for the random states when the checkpoint has them for this layout; else why not (``meta["rng"]``)."""
+    layout = _rng_layout_change(meta)
+    if not meta.get("has_rng"):
+        return "the checkpoint holds no random states (this run's own seeding: the dropout streams restart)"
+    if layout:
+        return (f"the checkpoint's random states are per (PP, TP) rank and the layout changed ({layout}): "
+                "this run's own seeding (the dropout streams restart)")
+    sharded[RNG_KEY] = _rng_sharded(None)
+    return "not asked for"
+
+
+def _read_shards(sharded: dict, ckpt: Path, pairs: list) -> dict:
+    """Collectively read ``sharded`` from ``ckpt`` (nothing unpickled outside the allow-list)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    with safe_dist_reading():  # nothing in the checkpoint is unpickled outside the allow-list
+        return dist_checkpointing.load(sharded, str(ckpt), sharded_strategy=TorchDistLoadShardedStrategy(),
+                                       validate_access_integrity=not pairs)
+
+
+def _load_model_states(loaded: dict, chunks: Sequence[Any], pairs: list, fresh: list, own_extra: list) -> None:
+    """Load each chunk's state strictly, keeping its own re-padded vocab shards, fresh heads and absent extra state."""
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        state = loaded[key]
+        if pairs:  # these entries were loaded as whole stored tensors; the local shards were filled in place
+            own = _unwrap(chunk).state_dict(keep_vars=False)
+            for k in list(state):
+                if k in own and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape):
+                    state[k] = own[k]
+        if fresh or own_extra:
+            own = _unwrap(chunk).state_dict(keep_vars=False)
+            state.update({k: own[k] for mk, k in fresh + own_extra if mk == key and k in own})
+        _unwrap(chunk).load_state_dict(state, strict=True)
+
+
 def load_checkpoint(
     path: str | Path,
     model_chunks: Any,
@@ -695,9 +766,6 @@ def load_checkpoint(
     job's (PP, TP) layout.  Returns the metadata dict (``iteration``, ``config``, ``tokenizer``, ``extra`` -
     with tensors restored -, ``path``, ``fresh``, ``rng``: "restored" or why not).
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-
     _require_dist("load_checkpoint")
     ckpt = find_checkpoint(path)
     meta = read_metadata(ckpt)
@@ -711,41 +779,13 @@ def load_checkpoint(
     _check_shapes(sharded, ckpt_shapes, ckpt)
     pairs = _retarget_vocab_entries(sharded, ckpt_shapes, ckpt)
     want_optim = optimizer is not None and load_optimizer
-    if want_optim and not meta.get("has_optimizer"):
-        raise CheckpointError(f"checkpoint {ckpt} holds no optimizer state -> load with load_optimizer=False (finetune)")
     if want_optim:
-        if pairs:
-            raise CheckpointError(
-                f"checkpoint {ckpt} was saved with a different vocab padding (tensor parallel size changed); "
-                "optimizer state cannot be re-padded -> load with load_optimizer=False (finetune), "
-                "or resume at the original tensor_parallel")
-        sharded["optimizer"] = _optimizer_sharded_sd(optimizer, _model_sharded_sd(chunks), is_loading=True)
-    rng_note = "not asked for"
-    if load_rng:
-        layout = _rng_layout_change(meta)
-        if not meta.get("has_rng"):
-            rng_note = "the checkpoint holds no random states (this run's own seeding: the dropout streams restart)"
-        elif layout:
-            rng_note = (f"the checkpoint's random states are per (PP, TP) rank and the layout changed ({layout}): "
-                        "this run's own seeding (the dropout streams restart)")
-        else:
-            sharded[RNG_KEY] = _rng_sharded(None)
+        _add_optimizer(sharded, optimizer, chunks, ckpt, meta, pairs)
+    rng_note = _add_rng(sharded, meta) if load_rng else "not asked for"
 
-    with safe_dist_reading():  # nothing in the checkpoint is unpickled outside the allow-list
-        loaded = dist_checkpointing.load(sharded, str(ckpt), sharded_strategy=TorchDistLoadShardedStrategy(),
-                                         validate_access_integrity=not pairs)
+    loaded = _read_shards(sharded, ckpt, pairs)
     _copy_vocab_rows(pairs)
-    for key, chunk in zip(_model_keys(len(chunks)), chunks):
-        state = loaded[key]
-        if pairs:  # these entries were loaded as whole stored tensors; the local shards were filled in place
-            own = _unwrap(chunk).state_dict(keep_vars=False)
-            for k in list(state):
-                if k in own and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape):
-                    state[k] = own[k]
-        if fresh or own_extra:
-            own = _unwrap(chunk).state_dict(keep_vars=False)
-            state.update({k: own[k] for mk, k in fresh + own_extra if mk == key and k in own})
-        _unwrap(chunk).load_state_dict(state, strict=True)
+    _load_model_states(loaded, chunks, pairs, fresh, own_extra)
     if want_optim:
         with _loadable_into_torch_adam(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
