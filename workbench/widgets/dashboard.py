@@ -458,37 +458,9 @@ class Dashboard:
         return static_figures(self.run, self.predicted_memory)
 
 
-def watch(run, until_done: bool = True, *, live: bool | None = None, interval: float = 1.0,
-          timeout: float | None = None, show: bool = True, check: bool = True) -> str:
-    """Follow a run until it ends and show its plots; returns the final status.
-
-    live (default: auto): the ipywidgets dashboard updating in place; its stop and stacks
-    buttons work while this waits (the kernel's widget messages are served meanwhile).  When
-    the run ends the dashboard is replaced by a static summary and the final figures as PNG
-    outputs (:meth:`Dashboard.leave_static`), which a saved notebook keeps.
-    ``until_done=False``: show the dashboard and return at once.  Headless: a text progress
-    bar, the failure (rank + traceback) if any, then static PNG figures.  A kernel interrupt
-    (or Ctrl-C) or ``timeout`` seconds stop the run.
-
-    ``check`` (default): a run that did not finish raises :class:`RunStopped` or
-    :class:`RunFailed` after its figures are shown (one line in a notebook; "Run All" halts
-    there).  ``check=False`` returns the status instead.
-    """
-    from tqdm import tqdm
-
-    live = (not is_headless()) if live is None else live
-    dash = handle = None
-    if live:
-        from IPython.display import display
-
-        dash = Dashboard(run, interval=interval)
-        handle = display(dash.widget, display_id=True)  # replaced by the static summary when the run ends
-        if not until_done:
-            return run.status
-    end = None if timeout is None else time.time() + timeout
-    total = run.config.train.train_iters if run.config else None
-    bar = None if live else tqdm(total=total, desc=run.run_dir.name, unit="it", file=sys.stdout, mininterval=5.0,
-                                 disable=not show)
+def _follow(run, bar, end: float | None, timeout: float | None, interval: float,
+            live: bool) -> tuple[str | None, int | None]:
+    """Wait for the run to end (a timeout or an interrupt stops it): (why it was stopped here, cells queued since)."""
     why = None
     queued = None  # cells queued behind this one (live in a kernel: counted while they wait; elsewhere unknown)
     poll = None
@@ -523,7 +495,11 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
         ui.close()
         if bar is not None:
             bar.close()
-    st = run.wait(timeout=30)
+    return why, queued
+
+
+def _show_end(run, st: str, dash: "Dashboard | None", handle, show: bool) -> None:
+    """The ended run's output: the dashboard left static (or updated), or headless the status, failure and figures."""
     if dash is not None:
         dash.close()  # the polling thread first: the final update below is the last one
         if show:
@@ -536,6 +512,42 @@ def watch(run, until_done: bool = True, *, live: bool | None = None, interval: f
         if f is not None:
             print(str(f))
         show_figures(run)  # PNG outputs in a notebook; in a script, the saved files' paths (not an object's repr)
+
+
+def watch(run, until_done: bool = True, *, live: bool | None = None, interval: float = 1.0,
+          timeout: float | None = None, show: bool = True, check: bool = True) -> str:
+    """Follow a run until it ends and show its plots; returns the final status.
+
+    live (default: auto): the ipywidgets dashboard updating in place; its stop and stacks
+    buttons work while this waits (the kernel's widget messages are served meanwhile).  When
+    the run ends the dashboard is replaced by a static summary and the final figures as PNG
+    outputs (:meth:`Dashboard.leave_static`), which a saved notebook keeps.
+    ``until_done=False``: show the dashboard and return at once.  Headless: a text progress
+    bar, the failure (rank + traceback) if any, then static PNG figures.  A kernel interrupt
+    (or Ctrl-C) or ``timeout`` seconds stop the run.
+
+    ``check`` (default): a run that did not finish raises :class:`RunStopped` or
+    :class:`RunFailed` after its figures are shown (one line in a notebook; "Run All" halts
+    there).  ``check=False`` returns the status instead.
+    """
+    from tqdm import tqdm
+
+    live = (not is_headless()) if live is None else live
+    dash = handle = None
+    if live:
+        from IPython.display import display
+
+        dash = Dashboard(run, interval=interval)
+        handle = display(dash.widget, display_id=True)  # replaced by the static summary when the run ends
+        if not until_done:
+            return run.status
+    end = None if timeout is None else time.time() + timeout
+    total = run.config.train.train_iters if run.config else None
+    bar = None if live else tqdm(total=total, desc=run.run_dir.name, unit="it", file=sys.stdout, mininterval=5.0,
+                                 disable=not show)
+    why, queued = _follow(run, bar, end, timeout, interval, live)
+    st = run.wait(timeout=30)
+    _show_end(run, st, dash, handle, show)
     if why is None and dash is not None and dash.stopped_here:
         why = "the stop button"
     if check and st != "finished":
