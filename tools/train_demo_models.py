@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,18 +34,20 @@ from workbench.data.demo import DEMO_MODELS
 
 HERE = Path(__file__).resolve().parent
 
-#: name -> (preset, overrides): the tiny shapes, longer and with larger batches than a notebook's run
+#: the schedule every demo model trains with: few, large steps (a tiny model's step is host-bound on a GPU, so
+#: the step count, not the batch, sets the time); the data loader's processes per model are in RECIPES
+STEPS, BATCH = 3000, 512
+_SCHEDULE = {"train.train_iters": STEPS, "train.lr_decay_iters": STEPS, "train.micro_batch_size": BATCH,
+             "train.global_batch_size": BATCH, "train.lr": 3e-3, "train.min_lr": 1e-4, "train.lr_warmup_iters": 150,
+             "train.lr_decay_style": "cosine", "train.eval_interval": 500, "train.eval_iters": 4,
+             "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0}
+
+#: name -> (preset, overrides): the tiny shapes a notebook trains on a CPU, trained far longer.  BERT's samples are
+#: the dearest to build (megatron's masking, ~1 ms each on one core), so its loader gets most of the host's cores.
 RECIPES = {
-    "bert-tiny-kjv": ("bert-tiny", {
-        "train.train_iters": 10000, "train.lr_decay_iters": 10000, "train.micro_batch_size": 256,
-        "train.global_batch_size": 256, "train.lr": 3e-3, "train.min_lr": 1e-4, "train.lr_warmup_iters": 500,
-        "train.lr_decay_style": "cosine", "train.eval_interval": 2000, "train.eval_iters": 8,
-        "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0}),
-    "t5-tiny-kjv": ("t5-tiny", {
-        "train.train_iters": 10000, "train.lr_decay_iters": 10000, "train.micro_batch_size": 256,
-        "train.global_batch_size": 256, "train.lr": 3e-3, "train.min_lr": 1e-4, "train.lr_warmup_iters": 500,
-        "train.lr_decay_style": "cosine", "train.eval_interval": 2000, "train.eval_iters": 8,
-        "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0}),
+    "bert-tiny-kjv": ("bert-tiny", {**_SCHEDULE, "data.num_workers": 9}),
+    "t5-tiny-kjv": ("t5-tiny", {**_SCHEDULE, "data.num_workers": 3}),
+    "gpt-tiny-kjv": ("tiny", {**_SCHEDULE, "data.num_workers": 1}),
 }
 
 #: what the notebooks ask each model (07_bert's fill-mask, 08_t5's sentinels)
@@ -55,6 +59,7 @@ EXAMPLES = {
     "t5-tiny-kjv": ["In the beginning God created the <extra_id_0> and the earth.<|endoftext|>",
                     "And the LORD spake unto <extra_id_0>, saying,<|endoftext|>",
                     "Speak unto the children of <extra_id_0>, and say unto them,<|endoftext|>"],
+    "gpt-tiny-kjv": ["In the beginning", "And the LORD said unto Moses,", "Blessed are"],
 }
 
 
@@ -71,7 +76,7 @@ def _greedy(ckpt: Path, prompts: list[str]) -> list[str]:
 
 
 #: how each model is asked its examples (as its notebook asks it)
-ASK = {"bert-tiny-kjv": _fill_mask, "t5-tiny-kjv": _greedy}
+ASK = {"bert-tiny-kjv": _fill_mask, "t5-tiny-kjv": _greedy, "gpt-tiny-kjv": _greedy}
 
 
 def examples(name: str, ckpt: Path) -> list[str]:
@@ -80,7 +85,7 @@ def examples(name: str, ckpt: Path) -> list[str]:
 
 
 def launch(name: str, device: str, work: Path, steps: int | None = None, batch: int | None = None):
-    """Start the training run of demo model ``name``; returns (run, config)."""
+    """Start the training run of demo model ``name``; returns (run, preset, overrides)."""
     from workbench.config import preset
     from workbench.launch import Run
 
@@ -88,42 +93,71 @@ def launch(name: str, device: str, work: Path, steps: int | None = None, batch: 
     over = dict(over)
     if steps:
         over.update({"train.train_iters": steps, "train.lr_decay_iters": steps, "train.lr_warmup_iters": max(steps // 20, 1),
-                     "train.eval_interval": max(steps // 10, 1)})
+                     "train.eval_interval": max(steps // 6, 1)})
     if batch:
         over.update({"train.micro_batch_size": batch, "train.global_batch_size": batch})
+    if device == "cpu":
+        over.pop("data.num_workers", None)  # CPU mode builds batches in the rank itself
     cfg = preset(base, **{**over, "parallel.device": device, "parallel.nproc_per_node": 1}).replace(name=name)
     run = Run.launch(cfg, run_root=work)
     print(f"{name}: {run.run_dir}", flush=True)
     return run, base, over
 
 
-def export(name: str, run, base: str, over: dict, device: str) -> dict:
-    """Wait for ``run``; export its checkpoint here as a bf16 HF directory with ``provenance.json``."""
-    from workbench.conversion import megatron_to_hf
-    from workbench.widgets.dashboard import watch
+def wait_all(runs: dict, every: float = 30.0) -> dict[str, float]:
+    """Wait for every run, printing each one's step and steps/s every ``every`` seconds; seconds each took."""
+    t0, last, took = time.time(), 0.0, {}
+    while len(took) < len(runs):
+        for name, (run, _b, _o) in runs.items():
+            if name not in took and run.done:
+                took[name] = time.time() - t0
+                print(f"{name}: {run.status} after {took[name]:.0f} s", flush=True)
+        if time.time() - last >= every:
+            last = time.time()
+            for name, (run, _b, _o) in runs.items():
+                it, total, _eta = run.progress()
+                st = run.steps
+                rate = 1.0 / float(st["step_time"].tail(50).median()) if len(st) and st["step_time"].notna().any() else 0.0
+                print(f"[{last - t0:4.0f} s] {name}: step {it}/{total}, {rate:.1f} steps/s", flush=True)
+        time.sleep(2.0)
+    return took
 
-    watch(run, live=False, interval=10.0)
+
+def export(name: str, run, base: str, over: dict, device: str, seconds: float, out_root: Path) -> dict:
+    """Export ``run``'s checkpoint as a bf16 HF directory ``out_root/name`` with ``provenance.json``."""
+    from workbench.conversion import megatron_to_hf
+
+    if run.status != "finished":
+        raise SystemExit(f"{name}: the run {run.status}: {run.run_dir}\n{run.log_tail(0)}")
     ckpt = run.run_dir / "checkpoints"
-    out = DEMO_MODELS / name
+    out = out_root / name
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     megatron_to_hf(ckpt, out, dtype="bf16", progress=False)
     cfg = run.config
     losses = run.train_loss["loss"].astype(float)
     evals = run.evals
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
+                                                            text=True).stdout.strip()
     said = examples(name, ckpt)
-    prov = {"name": name, "preset": base, "overrides": over, "device": device, "commit": commit,
+    gpu = _gpu_name() if device == "cuda" else "cpu"
+    prov = {"name": name, "preset": base, "overrides": over, "device": gpu, "commit": commit,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "steps": int(cfg.train.train_iters),
+            "train_wall_s": round(seconds, 1),
             "final_train_loss": round(float(losses.iloc[-50:].mean()), 3),
             "final_eval_loss": round(float(evals["loss"].iloc[-1]), 3) if len(evals) else None,
             "examples": said,
             "summary": (f"the {base} preset trained {cfg.train.train_iters} steps x {cfg.train.global_batch_size} "
-                        f"sequences on the embedded corpus ({device}), loss {losses.iloc[-50:].mean():.2f}; "
-                        f"made by tools/train_demo_models.py")}
+                        f"sequences on the embedded corpus ({gpu}, {seconds / 60:.1f} min), loss "
+                        f"{losses.iloc[-50:].mean():.2f}; made by tools/train_demo_models.py")}
     (out / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")
     print(f"{name} ({prov['summary']}):", *said, sep="\n  ", flush=True)
     return prov
+
+
+def _gpu_name() -> str:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else "cuda"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", choices=sorted(RECIPES), help="train only this model (repeatable)")
     ap.add_argument("--steps", type=int, default=None, help="training steps instead of the recipe's (recorded)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step instead of the recipe's (recorded)")
+    ap.add_argument("--out", type=Path, default=DEMO_MODELS, help=f"where the models go (default: {DEMO_MODELS})")
     args = ap.parse_args(argv)
     from workbench.launch import detect_gpus
 
@@ -139,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="demo-models-") as tmp:
         runs = {name: launch(name, device, Path(tmp), args.steps, args.batch) for name in args.only or sorted(RECIPES)}
         try:
+            took = wait_all(runs)
             for name, (run, base, over) in runs.items():
-                export(name, run, base, over, device)
+                export(name, run, base, over, device, took[name], args.out)
         finally:
             for run, _base, _over in runs.values():
                 if run.is_alive():
