@@ -112,3 +112,111 @@ def test_the_kernel_rule_leaves_megatrons_graphed_te_layer_to_megatrons_hook():
     te = kernel_rule.choose(preset("tiny", **{"parallel.device": "cuda", "train.precision": "bf16",
                                           "model.attention_backend": "te", "train.cuda_graphs": True}), te=True)
     assert te.cuda_graphs_impl == "megatron" and te.grad_accumulation == "megatron"
+
+
+def _moe_ddp(precision: str, direct: bool):
+    """moe-tiny (8 grouped-GEMM experts a layer, the workbench's dispatch) under megatron DDP with fp32 main_grad;
+    ``direct``: the experts add their stacked gradients into main_grad themselves (install_experts)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from workbench.backend import grad_accumulation
+    from workbench.backend.model import transformer_config
+    from workbench.rank.build import build_model
+
+    cfg = preset("moe-tiny", **{"train.compile_kernels": True, "train.precision": precision,
+                                "model.moe.router_stats_interval": 0, "model.seq_length": 16})
+    torch.manual_seed(0)
+    tc = transformer_config(cfg)
+    model = build_model(cfg, config=tc)
+    if precision == "bf16":
+        model = Float16Module(tc, model)
+    ddp = DistributedDataParallel(config=tc, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  module=model)
+    return ddp, grad_accumulation.install_experts([ddp]) if direct else {}
+
+
+def _expert_layers(ddp):
+    from workbench.backend.moe_experts import GroupedGemmMLP
+
+    return [m for m in ddp.module.modules() if isinstance(m, GroupedGemmMLP)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["ddp", "not-strided"])
+def test_grouped_experts_add_into_main_grad_as_ddps_per_weight_hooks(dist_group, monkeypatch, precision, layout):
+    """The grouped experts' own accumulation (install_experts) sums exactly what megatron DDP's per-weight hooks
+    sum, over two micro-batches and two steps: through one strided view of DDP's buffer (megatron's layout: the
+    experts' weights one uniform distance apart, in reverse order) and, where the layout is not found, through the
+    stacked gradient cast to fp32 and one foreach add."""
+    from workbench.backend import moe_experts
+
+    kernel_rule.allow_fast_paths_on_cpu(True)
+    try:
+        if layout == "not-strided":
+            monkeypatch.setattr(moe_experts, "_strided_view", lambda mains: None)
+        stock, none = _moe_ddp(precision, direct=False)
+        ours, paths = _moe_ddp(precision, direct=True)
+        assert none == {} and paths == {"strided" if layout == "ddp" else "foreach": 2}, paths  # moe-tiny: 2 layers
+        layers = _expert_layers(ours)
+        assert len(layers) == 2 and all(m.main_grad_direct for m in layers) and not any(m.main_grad_direct for m in _expert_layers(stock))
+        for m in layers:
+            w = m.local_experts[0].linear_fc1.weight
+            assert w.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32) and w.main_grad.dtype == torch.float32
+            if layout == "ddp":  # the view is DDP's buffer itself, the experts in reverse order
+                view, flipped = m._sinks[0].view, m._sinks[0].flipped
+                assert flipped and view[-1].data_ptr() == w.main_grad.data_ptr()
+                assert view.untyped_storage().data_ptr() == ours.buffers[0].grad_data.untyped_storage().data_ptr()
+        for step_seeds in ([1, 2], [3, 4]):  # two micro-batches a step: accumulated, not assigned
+            for m in (stock, ours):
+                m.zero_grad_buffer()
+                for s in step_seeds:
+                    g = torch.Generator().manual_seed(s)
+                    toks = torch.randint(0, 4000, (2, 16), generator=g)
+                    m(toks, torch.arange(16)[None].expand(2, -1), None, labels=toks).float().mean().backward()
+            a, b = _main_grads(stock), _main_grads(ours)
+            assert a.keys() == b.keys()
+            experts = [n for n in a if "local_experts" in n]
+            assert len(experts) == 2 * 2 * 8  # 2 layers x 8 experts x (fc1, fc2)
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
+            assert all(a[n].abs().sum() > 0 for n in experts)
+        for m in layers:  # the experts' weights got no .grad: DDP's hooks found nothing to add
+            assert all(e.linear_fc1.weight.grad is None and e.linear_fc2.weight.grad is None for e in m.local_experts)
+    finally:
+        kernel_rule.allow_fast_paths_on_cpu(False)
+
+
+def test_the_strided_layout_is_found_only_where_it_holds():
+    from types import SimpleNamespace
+
+    from workbench.backend.moe_experts import _MainGradSink, _strided_view
+
+    buf = torch.zeros(200)
+    rows = [buf[10 + 30 * i:10 + 30 * i + 24].view(4, 6) for i in range(5)]  # one distance apart, gaps between
+    view, flipped = _strided_view(tuple(rows))
+    assert not flipped and all(view[i].data_ptr() == r.data_ptr() for i, r in enumerate(rows))
+    view, flipped = _strided_view(tuple(rows[::-1]))  # megatron's order: the stack's first weight highest
+    assert flipped and view[0].data_ptr() == rows[0].data_ptr()
+    assert _strided_view(tuple(rows[:2] + rows[3:])) is None  # one missing: not one distance
+    assert _strided_view(tuple(buf[i * 10:i * 10 + 24].view(4, 6) for i in range(3))) is None  # overlapping
+    assert _strided_view((rows[0], rows[1].clone(), rows[2])) is None  # another storage
+    assert _strided_view((rows[0], rows[1], buf[70:94].view(6, 4))) is None  # another shape
+    assert _strided_view(rows[:1]) is None  # one weight: nothing to stride over
+
+    for dtype in (torch.bfloat16, torch.float32):  # each path adds what main_grad.add_(grad) adds, twice
+        for mains, path in ((tuple(rows[::-1]), "strided"), (tuple(torch.zeros(4, 6) for _ in range(5)), "foreach"),
+                            (tuple(torch.zeros(4, 6, dtype=torch.float64 if i % 2 else torch.float32) for i in range(5)), "per-tensor")):
+            for m in mains:
+                m.zero_()
+            want = [torch.zeros_like(m) for m in mains]
+            weights = tuple(SimpleNamespace(main_grad=m) for m in mains)
+            sink = _MainGradSink(weights)
+            assert sink.path == path
+            for s in (1, 2):
+                grad = torch.randn(len(mains), 4, 6, generator=torch.Generator().manual_seed(s)).to(dtype)
+                sink.add(grad)
+                for w, g in zip(want, grad.unbind(0)):
+                    w.add_(g)
+            assert all(torch.equal(m, w) for m, w in zip(mains, want)), (dtype, path)
+            assert sink.current(weights) and not sink.current(weights[:-1] + (SimpleNamespace(main_grad=mains[-1].clone()),))

@@ -58,9 +58,13 @@ def test_grouped_gemm_experts_equal_sequential_mlp(rows):
 
 
 def test_grouped_experts_can_add_their_gradients_into_main_grad_themselves(rows):
-    r = rows["grouped-main-grad-direct"]
-    assert r["weights"] == 2 * 8 and r["grads_left"] == 0, r  # moe-tiny's 8 experts: fc1 + fc2 each, no .grad left
-    assert r["max_diff"] <= 1e-6 * r["scale"], r
+    # separate main_grad tensors: the stacked gradient into them with one foreach add; views of one flat buffer one
+    # distance apart in reverse order (megatron DDP's layout): one add into a strided view of it
+    for case, path in (("grouped-main-grad-direct", "foreach"), ("grouped-main-grad-direct-strided", "strided")):
+        r = rows[case]
+        assert r["path"] == path, r
+        assert r["weights"] == 2 * 8 and r["grads_left"] == 0, r  # moe-tiny's 8 experts: fc1 + fc2 each, no .grad left
+        assert r["max_diff"] <= 1e-6 * r["scale"], r
 
 
 def test_the_planners_parameter_count_is_the_built_models(rows):

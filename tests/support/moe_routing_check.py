@@ -118,23 +118,35 @@ def main() -> None:
                           "grad_diff": max(float((a - b).abs().max()) for a, b in zip(*grads)),
                           "grads": [len(g) for g in grads]}), flush=True)
     # the grouped experts adding their weight gradients into main_grad themselves (main_grad_direct, as
-    # grad_accumulation.install_experts sets it under DDP): two micro-batches' sums equal autograd's .grad
+    # grad_accumulation.install_experts sets it under DDP): two micro-batches' sums equal autograd's .grad.  main_grad
+    # as separate tensors (the foreach path) and as views of one flat buffer, the weights in reverse order with a gap
+    # after each (megatron DDP's layout, one distance apart: the strided path)
     cfg_g = _cfg(**{"train.compile_kernels": True})
-    plain, direct = layer(cfg_g).train(), layer(cfg_g).train()
     xs = [torch.randn(cfg_g.model.seq_length, cfg_g.train.micro_batch_size, cfg_g.model.hidden_size) for _ in range(2)]
-    weights = [p for n, p in direct.experts.named_parameters() if "local_experts" in n]
-    for w in weights:
-        w.main_grad = torch.zeros_like(w, dtype=torch.float32)
-    direct.experts.main_grad_direct = True
-    for mlp in (plain, direct):
-        for xi in xs:
-            y, _ = mlp(xi)
-            y.square().sum().backward()
+    plain = layer(cfg_g).train()
+    for xi in xs:
+        y, _ = plain(xi)
+        y.square().sum().backward()
     wanted = [p.grad for n, p in plain.experts.named_parameters() if "local_experts" in n]
-    print(json.dumps({"case": "grouped-main-grad-direct", "weights": len(weights),
-                      "grads_left": sum(w.grad is not None for w in weights),
-                      "max_diff": max(float((w.main_grad - g).abs().max()) for w, g in zip(weights, wanted)),
-                      "scale": max(float(g.abs().max()) for g in wanted)}), flush=True)
+    for case, flat in (("grouped-main-grad-direct", False), ("grouped-main-grad-direct-strided", True)):
+        direct = layer(cfg_g).train()
+        weights = [p for n, p in direct.experts.named_parameters() if "local_experts" in n]
+        if flat:
+            buf, at = torch.zeros(sum(w.numel() + 8 for w in weights)), 0
+            for w in reversed(weights):
+                w.main_grad, at = buf[at:at + w.numel()].view_as(w), at + w.numel() + 8
+        else:
+            for w in weights:
+                w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+        direct.experts.main_grad_direct = True
+        path = direct.experts.main_grad_path()
+        for xi in xs:
+            y, _ = direct(xi)
+            y.square().sum().backward()
+        print(json.dumps({"case": case, "weights": len(weights), "path": path,
+                          "grads_left": sum(w.grad is not None for w in weights),
+                          "max_diff": max(float((w.main_grad - g).abs().max()) for w, g in zip(weights, wanted)),
+                          "scale": max(float(g.abs().max()) for g in wanted)}), flush=True)
     kernel_rule.allow_fast_paths_on_cpu(False)
     # the parameters the builder makes are the ones the planner counts (workbench.config.derive)
     from workbench.config import derive

@@ -32,10 +32,18 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["install", "install_experts", "accumulate", "MIN_NUMEL"]
+__all__ = ["install", "install_experts", "accumulate", "MIN_NUMEL", "EXPERT_PATHS"]
 
 #: the smallest parameter (elements) that gets the workbench's hook; smaller ones keep megatron's add (see above)
 MIN_NUMEL = 1 << 22
+
+#: :func:`install_experts`'s paths, in words (:class:`workbench.backend.moe_experts._MainGradSink`)
+EXPERT_PATHS = {
+    "strided": "one add a stack into a strided view of DDP's grad buffer (the stacked gradient flipped first where "
+               "the buffer holds the experts in reverse order, as megatron's does)",
+    "foreach": "the stacked gradient cast to main_grad's dtype, one multi-tensor foreach add",
+    "per-tensor": "one foreach call of mixed dtypes, an add kernel per expert weight",
+}
 
 _KERNEL = None
 
@@ -106,14 +114,16 @@ def install(ddp_chunks: Iterable[Any], min_numel: int | None = None) -> int:
     return n
 
 
-def install_experts(ddp_chunks: Iterable[Any]) -> int:
+def install_experts(ddp_chunks: Iterable[Any]) -> dict[str, int]:
     """Let grouped-GEMM expert layers add their weights' gradients into ``main_grad`` themselves
-    (:attr:`workbench.backend.moe_experts.GroupedGemmMLP.main_grad_direct`: one ``foreach`` call per layer and
-    micro-batch instead of DDP's add in a hook per expert weight; the hooks still run and add nothing); how many
-    layers.  Only where DDP's hook does nothing else: not with ``overlap_grad_reduce`` (the hook counts each parameter
-    into its bucket's readiness there), not where megatron writes ``main_grad`` itself (:func:`install`'s refusal),
-    and not on layers of one local expert (they run megatron's SequentialMLP)."""
-    n = 0
+    (:attr:`workbench.backend.moe_experts.GroupedGemmMLP.main_grad_direct`: per layer and micro-batch one ``add_`` of
+    each stacked gradient into a strided view of DDP's buffer, instead of DDP's add in a hook per expert weight; the
+    hooks still run and add nothing); how many layers take each path (``{"strided": 16}``; the paths:
+    :class:`workbench.backend.moe_experts._MainGradSink`, laid out here once).  Only where DDP's hook does nothing
+    else: not with ``overlap_grad_reduce`` (the hook counts each parameter into its bucket's readiness there), not
+    where megatron writes ``main_grad`` itself (:func:`install`'s refusal), and not on layers of one local expert
+    (they run megatron's SequentialMLP)."""
+    paths: dict[str, int] = {}
     for chunk in ddp_chunks:
         if _megatrons_own(getattr(chunk, "config", None)) is not None or chunk.ddp_config.overlap_grad_reduce:
             continue
@@ -122,8 +132,9 @@ def install_experts(ddp_chunks: Iterable[Any]) -> int:
             if hasattr(module, "main_grad_direct") and getattr(module, "num_local_experts", 0) > 1 and weights and all(
                     getattr(p, "main_grad", None) is not None for p in weights):
                 module.main_grad_direct = True
-                n += 1
-    return n
+                path = module.main_grad_path()
+                paths[path] = paths.get(path, 0) + 1
+    return paths
 
 
 def _megatrons_own(config: Any) -> str | None:

@@ -62,27 +62,89 @@ def _activate_weighted_compiled(dynamic: bool):
     return torch.compile(_activate_weighted, dynamic=dynamic)
 
 
+def _strided_view(mains: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, bool] | None:
+    """One strided view over the ``main_grad`` tensors of a stack of weights, where they lie in one storage (megatron
+    DDP's flat grad buffer) at one uniform distance apart: ``(view, flipped)``, ``view[i]`` the ``i``-th of them in
+    storage order (``flipped``: the stack's order reversed, as megatron's buffer places parameters in reverse
+    registration order, so expert ``E-1`` lowest); None where they do not (then :class:`_MainGradSink` adds with
+    ``foreach``).  Checked on shapes, strides, dtype, device, storage and each row's address."""
+    first = mains[0]
+    if len(mains) < 2 or first.numel() == 0 or not first.is_contiguous():
+        return None
+    storage = first.untyped_storage().data_ptr()
+    if any(m.shape != first.shape or m.dtype != first.dtype or m.device != first.device or not m.is_contiguous()
+           or m.untyped_storage().data_ptr() != storage for m in mains):
+        return None
+    offsets = [m.storage_offset() for m in mains]
+    step = offsets[1] - offsets[0]
+    if abs(step) < first.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
+        return None  # overlapping, or not one uniform distance apart (padding, a bucket boundary between them)
+    flipped = step < 0
+    view = first.as_strided((len(mains), *first.shape), (abs(step), *first.stride()), min(offsets))
+    rows = view.unbind(0)
+    in_order = mains[::-1] if flipped else mains
+    if not all(r.data_ptr() == m.data_ptr() and r.shape == m.shape and r.stride() == m.stride()
+               for r, m in zip(rows, in_order)):
+        return None
+    return view, flipped
+
+
+class _MainGradSink:
+    """Where the gradient of a stack of expert weights goes: their ``main_grad`` (megatron DDP's buffer), laid out
+    once (:func:`_strided_view`) and re-laid out if any weight's ``main_grad`` is replaced.  :attr:`path`:
+
+    - ``strided``: the ``main_grad`` tensors are rows of one strided view of DDP's buffer: one ``add_`` of the
+      stacked gradient into it (one kernel; two where the buffer holds the experts in reverse order: the gradient's
+      ``flip`` first);
+    - ``foreach``: elsewhere, where the ``main_grad`` tensors share a dtype at least as wide as the gradient's: the
+      gradient cast to it once and one ``torch._foreach_add_`` of equal dtypes (torch's multi-tensor kernel);
+    - ``per-tensor``: otherwise ``torch._foreach_add_`` of mixed dtypes (one add kernel per weight).
+
+    Each adds exactly what ``main_grad.add_(grad)`` adds per weight (the same fp32 sum of the same values)."""
+
+    def __init__(self, weights: tuple[torch.Tensor, ...]) -> None:
+        self.mains = tuple(w.main_grad for w in weights)
+        laid = _strided_view(self.mains)
+        self.view, self.flipped = laid if laid is not None else (None, False)
+        dtypes = {m.dtype for m in self.mains}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else None
+        self.path = "strided" if self.view is not None else "foreach" if self.dtype is not None else "per-tensor"
+
+    def current(self, weights: tuple[torch.Tensor, ...]) -> bool:
+        """Whether the weights' ``main_grad`` are still the tensors this was laid out for."""
+        return len(weights) == len(self.mains) and all(w.main_grad is m for w, m in zip(weights, self.mains))
+
+    def add(self, grad: torch.Tensor) -> None:
+        """``main_grad += grad[i]`` for each weight ``i`` of the stack."""
+        if self.view is not None:
+            self.view.add_(grad.flip(0) if self.flipped else grad)
+        elif self.dtype is not None and torch.promote_types(self.dtype, grad.dtype) == self.dtype:
+            torch._foreach_add_(list(self.mains), list(grad.to(self.dtype).unbind(0)))
+        else:  # (a main_grad narrower than the gradient: cast first would round twice)
+            torch._foreach_add_(list(self.mains), list(grad.unbind(0)))
+
+
 class _StackedWeights(torch.autograd.Function):
-    """``torch.stack`` of the local experts' weights.  Backward with ``direct`` (the module's
-    :attr:`GroupedGemmMLP.main_grad_direct`): the stacked gradient is added into each weight's ``main_grad``
-    (megatron DDP's buffer) with one ``torch._foreach_add_`` call and the weights get no ``.grad``: autograd's
-    accumulators and DDP's hooks still run for each expert weight, but find no gradient and add nothing.  (Over fp32
-    ``main_grad`` and bf16 gradients torch's foreach takes its per-tensor path: one add kernel per weight, as DDP's hook
-    launched, from one Python call; moe-research, one H200, ``bench/results/moe_profile.jsonl``.)  Otherwise each
-    weight gets its slice."""
+    """``torch.stack`` of the local experts' weights.  Backward with a ``sink`` (the module's
+    :attr:`GroupedGemmMLP.main_grad_direct`): the stacked gradient is added into the weights' ``main_grad``
+    (megatron DDP's buffer) by :class:`_MainGradSink` -- under DDP one ``add_`` into a strided view of the buffer --
+    and the weights get no ``.grad``: autograd's accumulators and DDP's hooks still run for each expert weight, but
+    find no gradient and add nothing.  (Before, one ``torch._foreach_add_`` of fp32 ``main_grad`` and bf16 slices,
+    which torch runs per tensor: one add kernel per weight, 8,192 a step on moe-research, one H200,
+    ``bench/results/moe_profile.jsonl``.)  Without a sink each weight gets its slice."""
 
     @staticmethod
-    def forward(ctx, direct: bool, *weights: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        ctx.weights = weights if direct else None
+    def forward(ctx, sink: "_MainGradSink | None", *weights: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.sink = sink
         return torch.stack(weights)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        weights, ctx.weights = ctx.weights, None
-        if weights is None:
+        sink, ctx.sink = ctx.sink, None
+        if sink is None:
             return (None, *grad.unbind(0))
-        torch._foreach_add_([w.main_grad for w in weights], list(grad.unbind(0)))
-        return (None,) * (len(weights) + 1)
+        sink.add(grad)
+        return (None,) * (grad.shape[0] + 1)
 
 
 class GroupedGemmMLP(SequentialMLP):
@@ -92,13 +154,33 @@ class GroupedGemmMLP(SequentialMLP):
     The local experts' weights are stacked per forward (a copy of the rank's expert weights, ~1-3% of an MoE
     layer's time at research scale); their gradients flow back through the stack to each expert's parameter, where
     megatron's DDP hooks collect them as for SequentialMLP -- or, with :attr:`main_grad_direct`, the stack's
-    backward adds them into DDP's ``main_grad`` itself in one call (:class:`_StackedWeights`).  The maths is
+    backward adds them into DDP's ``main_grad`` itself (:class:`_StackedWeights`, :class:`_MainGradSink`: one add
+    into a strided view of DDP's buffer).  The maths is
     :class:`megatron.core.transformer.mlp.MLP`'s unfused path (fc1 + bias, activation or GLU, times the routing
     probability, fc2, bias times the probability)."""
 
     #: the weights' gradients go straight into megatron DDP's ``main_grad`` (set by
     #: :func:`workbench.backend.grad_accumulation.install_experts` where DDP's hooks need no ``.grad``)
     main_grad_direct = False
+    #: the fc1 and fc2 stacks' :class:`_MainGradSink` (laid out by :meth:`main_grad_path` or the first direct forward)
+    _sinks: "tuple[_MainGradSink, _MainGradSink] | None" = None
+
+    def _stacks(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        experts = self.local_experts
+        return tuple(e.linear_fc1.weight for e in experts), tuple(e.linear_fc2.weight for e in experts)
+
+    def _main_grad_sinks(self, stacks: tuple) -> "tuple[_MainGradSink, _MainGradSink]":
+        sinks = self._sinks
+        if sinks is None or not all(s.current(w) for s, w in zip(sinks, stacks)):
+            sinks = self._sinks = tuple(_MainGradSink(w) for w in stacks)
+        return sinks
+
+    def main_grad_path(self) -> str:
+        """How :attr:`main_grad_direct` adds the stacked weight gradients into ``main_grad`` (laid out now, once):
+        ``strided`` (both stacks), ``foreach`` or ``per-tensor`` (:class:`_MainGradSink`; the slower of the two
+        stacks' paths)."""
+        paths = [s.path for s in self._main_grad_sinks(self._stacks())]
+        return next(p for p in ("per-tensor", "foreach", "strided") if p in paths)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):  # noqa: D102
@@ -110,9 +192,10 @@ class GroupedGemmMLP(SequentialMLP):
         counts = torch.as_tensor(tokens_per_expert).to(device=x.device, dtype=torch.long)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         experts = self.local_experts
-        direct = self.main_grad_direct and torch.is_grad_enabled()
-        w1 = _StackedWeights.apply(direct, *(e.linear_fc1.weight for e in experts))
-        w2 = _StackedWeights.apply(direct, *(e.linear_fc2.weight for e in experts))
+        stacks = self._stacks()
+        sinks = self._main_grad_sinks(stacks) if self.main_grad_direct and torch.is_grad_enabled() else (None, None)
+        w1 = _StackedWeights.apply(sinks[0], *stacks[0])
+        w2 = _StackedWeights.apply(sinks[1], *stacks[1])
         b1 = experts[0].linear_fc1.bias
         b2 = experts[0].linear_fc2.bias
         which = None

@@ -75,6 +75,14 @@ def _versions() -> dict[str, str]:
     return out
 
 
+
+def _experts_note(paths: dict[str, int]) -> str:
+    """The kernel path's words for :func:`workbench.backend.grad_accumulation.install_experts`'s layers by path."""
+    from workbench.backend.grad_accumulation import EXPERT_PATHS
+
+    return (f"{sum(paths.values())} grouped expert layers add their stacked weight gradients into main_grad themselves ("
+            + "; ".join(f"{n}: {EXPERT_PATHS.get(k, k)}" for k, n in sorted(paths.items())) + ")")
+
 class Trainer:
     """One rank's training run. See the module docstring."""
 
@@ -163,7 +171,7 @@ class Trainer:
         )
         self.model = [DistributedDataParallel(config=tc, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
                       for i, c in enumerate(chunks)]
-        hooked = self._direct_experts = 0
+        hooked, self._direct_experts = 0, {}
         if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernel_rule.KernelChoice.grad_accumulation)
             from workbench.backend import grad_accumulation
 
@@ -233,8 +241,7 @@ class Trainer:
         self.kernel_path["grad_accumulation"] = (
             f"workbench on {hooked} large parameters: weight gradients into DDP's fp32 main_grad, copied at a step's "
             "first micro-batch, then added (vectorised); megatron DDP's hook (main_grad.add_) on the rest"
-            + (f"; {self._direct_experts} grouped expert layers add their stacked weight gradients into main_grad "
-               "themselves (one foreach call a layer and micro-batch)" if self._direct_experts else "")
+            + (f"; {_experts_note(self._direct_experts)}" if self._direct_experts else "")
             if choice.grad_accumulation == "workbench" else "megatron DDP's hook (main_grad.add_)")
         self.kernel_path["schedule"] = ("interleaved 1F1B" if p.vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
         overlap = [x for x in (self.kernel_path.get("tp_comm_overlap"), userbuffers, distributed.hardware_queue_note(cfg)) if x]
