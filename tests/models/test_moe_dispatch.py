@@ -75,6 +75,29 @@ def test_regrouping_orders_received_blocks_by_local_expert_then_source():
     assert [labels[i] for i in index.tolist()] == sorted(labels, key=lambda se: (se[1], se[0]))
 
 
+def test_the_inverse_regrouping_is_the_regroupings_argsort():
+    """``_exchange_plan``'s inverse (a scatter of an arange) is the inverse permutation, ``regroup.argsort()``."""
+    from workbench.backend.moe_dispatch import regroup_index
+
+    g = torch.Generator().manual_seed(4)
+    for ep, local in ((2, 3), (4, 8), (3, 1)):
+        counts = torch.randint(0, 5, (ep, local), generator=g)
+        counts[0, 0] = 0  # an empty block
+        regroup = regroup_index(counts, int(counts.sum()))
+        inverse = torch.empty_like(regroup).scatter_(0, regroup, torch.arange(regroup.numel()))
+        assert torch.equal(inverse, regroup.argsort()) and torch.equal(regroup[inverse], torch.arange(regroup.numel()))
+
+
+def test_one_rank_has_no_regrouping_from_the_start():
+    d = LocalTokenDispatcher(_Config(2))
+    assert d.ep == 1 and d.regroup is None and d.inverse is None  # the EP=1 path tests regroup alone
+    probs, routing_map = _routing(12, 4, 2, seed=9)
+    px, pp = d.dispatch_preprocess(torch.randn(12, 8), routing_map, probs)
+    got, counts, _ = d.dispatch_postprocess(*d.token_dispatch(px, pp))
+    assert got is px and torch.equal(counts, routing_map.sum(0))
+    assert d.combine_preprocess(got) is got
+
+
 def test_two_expert_parallel_ranks_equal_the_per_token_reference():
     """``tests/support/moe_ep_dispatch_check.py``: EP=2 over gloo, one rank sending nothing to two experts."""
     import json

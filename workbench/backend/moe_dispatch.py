@@ -136,6 +136,10 @@ class LocalTokenDispatcher:
         self.ep = int(getattr(megatron, "ep_size", 1) or 1)
         self.local = int(getattr(megatron, "num_local_experts", 0))  # (read at EP > 1 only)
         self.first_local = int(megatron.local_expert_indices[0]) if megatron is not None else 0
+        # EP > 1 with several local experts: the received rows' regrouping by local expert and its inverse (set by
+        # :meth:`_exchange_plan` each forward, cleared by :meth:`combine_postprocess`; None: no regrouping)
+        self.regroup: torch.Tensor | None = None
+        self.inverse: torch.Tensor | None = None
 
     def set_shared_experts(self, shared_experts: Any) -> None:  # noqa: D102 (the overlap is refused by the rule)
         raise ValueError("the workbench's token dispatch does not overlap shared experts")
@@ -164,14 +168,18 @@ class LocalTokenDispatcher:
         gathered = [torch.empty_like(counts) for _ in range(self.ep)]
         torch.distributed.all_gather(gathered, counts.contiguous(), group=self.ep_group)
         every = torch.stack(gathered)  # [ep, experts]: what each rank routes to each expert
-        mine = every[:, self.first_local:self.first_local + self.local]  # [ep, local]: what each rank sends here
+        local = slice(self.first_local, self.first_local + self.local)
+        mine = every[:, local]  # [ep, local]: what each rank sends here (a view, on the device)
         me = torch.distributed.get_rank(group=self.ep_group)
-        host = every.cpu()
+        host = every.cpu()  # the one host read (waits for the all-gather)
         self.send_splits = host[me].view(self.ep, self.local).sum(1).tolist()
-        self.recv_splits = host[:, self.first_local:self.first_local + self.local].sum(1).tolist()
+        self.recv_splits = host[:, local].sum(1).tolist()  # mine's host copy, by source rank
         self.tokens_per_expert = mine.sum(0)
-        self.regroup = regroup_index(mine, sum(self.recv_splits)) if self.local > 1 else None
-        if self.regroup is not None:
+        self.regroup = self.inverse = None
+        if self.local > 1:
+            self.regroup = regroup_index(mine, sum(self.recv_splits))
+            # the inverse permutation (what regroup.argsort() gives: inverse[regroup[i]] = i) in O(n), two launches
+            # (an arange and a scatter) instead of a sort
             self.inverse = torch.empty_like(self.regroup).scatter_(
                 0, self.regroup, torch.arange(self.regroup.numel(), device=self.regroup.device))
 
@@ -184,7 +192,7 @@ class LocalTokenDispatcher:
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The received tokens ordered by local expert; the local experts' token counts (on the device)."""
-        if self.ep > 1 and self.regroup is not None:
+        if self.regroup is not None:
             hidden_states = _Regroup.apply(hidden_states, self.regroup, self.inverse)
             probs = _Regroup.apply(probs, self.regroup, self.inverse)
         tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
@@ -192,7 +200,7 @@ class LocalTokenDispatcher:
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The experts' outputs back in the order they arrived in."""
-        if self.ep > 1 and self.regroup is not None:
+        if self.regroup is not None:
             hidden_states = _Regroup.apply(hidden_states, self.inverse, self.regroup)
         return hidden_states
 
