@@ -36,10 +36,10 @@ HERE = Path(__file__).resolve().parent
 
 #: the schedule every demo model trains with: few, large steps (a tiny model's step is host-bound on a GPU, so
 #: the step count, not the batch, sets the time); the data loader's processes per model are in RECIPES
-STEPS, BATCH = 3000, 512
+STEPS, BATCH = 8000, 512
 _SCHEDULE = {"train.train_iters": STEPS, "train.lr_decay_iters": STEPS, "train.micro_batch_size": BATCH,
-             "train.global_batch_size": BATCH, "train.lr": 3e-3, "train.min_lr": 1e-4, "train.lr_warmup_iters": 150,
-             "train.lr_decay_style": "cosine", "train.eval_interval": 500, "train.eval_iters": 4,
+             "train.global_batch_size": BATCH, "train.lr": 3e-3, "train.min_lr": 1e-4, "train.lr_warmup_iters": 400,
+             "train.lr_decay_style": "cosine", "train.eval_interval": 1000, "train.eval_iters": 4,
              "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0}
 
 #: name -> (preset, overrides): the tiny shapes a notebook trains on a CPU, trained far longer.  BERT's samples are
