@@ -368,26 +368,47 @@ def dense_layer_forward(
     ``hidden_masks`` given (one per sublayer, :func:`draw_hidden_masks`) where the caller draws them on another
     stream than attention's.  Zero (the default, and eval) is the dropout-free layer.
     """
-    sp = sequence_parallel
+    sp, p, masks = sequence_parallel, hidden_dropout, hidden_masks
     h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
     ctx = _self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
                           causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8, dropout=attention_dropout)
-    p, masks = hidden_dropout, hidden_masks
     x = x + _hidden_dropout(_row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp, fp8), p, masks, 0)
     if cross is not None:
-        context, context_mask, lnx_w, lnx_b, q_w, q_b, kv_w, kv_b, xproj_w, xproj_b = cross
-        h_x = _column_parallel_input(_norm(x, norm, lnx_w, lnx_b, eps_cross), tp_group, sp)
-        ctx = _cross_attention(h_x, _column_parallel_input(context, tp_group, sp), q_w, q_b, kv_w, kv_b,
-                               heads=heads, head_dim=head_dim, scale=scale, mask=context_mask, fp8=fp8,
-                               dropout=attention_dropout)
-        x = x + _hidden_dropout(_row_parallel_linear(ctx, xproj_w, xproj_b, tp_group, sp, fp8), p, masks, 1)
+        y = _cross_attention_sublayer(x, cross, norm=norm, eps=eps_cross, heads=heads, head_dim=head_dim, scale=scale,
+                                      tp_group=tp_group, sp=sp, fp8=fp8, dropout=attention_dropout)
+        x = x + _hidden_dropout(y, p, masks, 1)
     h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
-    if recompute_mlp and torch.is_grad_enabled():
-        partial = torch.utils.checkpoint.checkpoint(_mlp_partial, h_mlp, fc1_w, fc1_b, fc2_w, activation, fp8,
+    y = _mlp_sublayer(h_mlp, fc1_w, fc1_b, fc2_w, fc2_b, activation, tp_group, sp, fp8, recompute=recompute_mlp)
+    return x + _hidden_dropout(y, p, masks, -1)
+
+
+def _cross_attention_sublayer(
+    x: torch.Tensor, cross: tuple, *, norm: str, eps: float, heads: int, head_dim: int, scale: float,
+    tp_group: Optional[str], sp: bool, fp8: Optional[str], dropout: float,
+) -> torch.Tensor:
+    """T5's decoder cross-attention block of :func:`dense_layer_forward` on the residual stream ``x``: its norm,
+    :func:`_cross_attention` over the ``cross`` tuple's context and mask, and the output projection (bias
+    included); the caller applies hidden dropout and the residual add."""
+    context, context_mask, lnx_w, lnx_b, q_w, q_b, kv_w, kv_b, xproj_w, xproj_b = cross
+    h_x = _column_parallel_input(_norm(x, norm, lnx_w, lnx_b, eps), tp_group, sp)
+    ctx = _cross_attention(h_x, _column_parallel_input(context, tp_group, sp), q_w, q_b, kv_w, kv_b,
+                           heads=heads, head_dim=head_dim, scale=scale, mask=context_mask, fp8=fp8, dropout=dropout)
+    return _row_parallel_linear(ctx, xproj_w, xproj_b, tp_group, sp, fp8)
+
+
+def _mlp_sublayer(
+    h: torch.Tensor, fc1_w: torch.Tensor, fc1_b: Optional[torch.Tensor], fc2_w: torch.Tensor,
+    fc2_b: Optional[torch.Tensor], activation: str, tp_group: Optional[str], sp: bool, fp8: Optional[str], *,
+    recompute: bool,
+) -> torch.Tensor:
+    """The MLP block of :func:`dense_layer_forward` on its normed input ``h``: fc1, activation, fc2 (bias
+    included, reduced across the TP ranks); the caller applies hidden dropout and the residual add.
+    ``recompute`` (with grad enabled): only ``h`` is kept, :func:`_mlp_partial` is rebuilt in backward."""
+    if recompute and torch.is_grad_enabled():
+        partial = torch.utils.checkpoint.checkpoint(_mlp_partial, h, fc1_w, fc1_b, fc2_w, activation, fp8,
                                                     use_reentrant=False, preserve_rng_state=False)
-        return x + _hidden_dropout(_row_parallel_sum(partial, fc2_b, tp_group, sp), p, masks, -1)
-    h_mlp = _activate(fp8_linear(h_mlp, fc1_w, fc1_b, fp8), activation)
-    return x + _hidden_dropout(_row_parallel_linear(h_mlp, fc2_w, fc2_b, tp_group, sp, fp8), p, masks, -1)
+        return _row_parallel_sum(partial, fc2_b, tp_group, sp)
+    return _row_parallel_linear(_activate(fp8_linear(h, fc1_w, fc1_b, fp8), activation), fc2_w, fc2_b, tp_group, sp, fp8)
 
 
 @functools.lru_cache(maxsize=None)
