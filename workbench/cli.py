@@ -20,14 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workbench import advisor, conversion, data_cli, generation, planner
 from workbench.accelerate_import import from_accelerate
-from workbench.config import ConfigError, load_config
+from workbench.config import ConfigError, PRESETS, Problem, load_config, preset
 from workbench.datasets import check_data
 from workbench.notebook import notebook_parameters, parse_value, notebook_problem, parse_grid, run_notebook, sweep
-from workbench.launch import Run
+from workbench.launch import LaunchPlan, Run, apply_overrides, launch_checks, new_run_dir
 from workbench.schedules import SCHEDULES, ScheduleError, measured_durations, simulate, text_chart
 from workbench.launch.slurm import batch_script
 from workbench.launch.slurm import submit as slurm_submit
+from workbench.plots.schedule import gantt
+from workbench.run.tensorboard import ExportError, export
 
 # Modules that register sub-commands (in help order); "schedule" and "run" are this module's.
 
@@ -80,8 +83,6 @@ def _size(n: float) -> str:
 
 def preset_line(name: str) -> str:
     """One line about a preset: its family and its size (parameters, layers x hidden, experts)."""
-    from workbench.config import PRESETS, preset
-
     cfg = preset(name)
     m = cfg.model
     moe = getattr(m, "moe", None)
@@ -91,8 +92,6 @@ def preset_line(name: str) -> str:
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from workbench.config import PRESETS, preset
-
     if args.list:
         width = max(map(len, PRESETS))
         for name in PRESETS:
@@ -188,8 +187,6 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
             print(f"workbench schedule: --chart {path}: directory {path.absolute().parent} does not exist -> "
                   f"create it first (mkdir -p) or fix the path", file=sys.stderr)
             return 2
-        from workbench.plots.schedule import gantt
-
         fig = gantt(tl)
         fig.savefig(path, dpi=120, bbox_inches="tight")
     notes = []
@@ -243,8 +240,6 @@ def _add_schedule_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from workbench.launch import LaunchPlan, apply_overrides, launch_checks, new_run_dir
-
     try:
         cfg = apply_overrides(load_config(args.file), nproc_per_node=args.nproc_per_node, nnodes=args.nnodes)
     except ConfigError as e:
@@ -257,8 +252,6 @@ def _cmd_launch(args: argparse.Namespace) -> int:
                              node_timeout=args.node_timeout, stall_floor=args.stall_floor, startup_timeout=args.startup_timeout,
                              run_root=args.run_root, ignore_memory_plan=args.ignore_memory_plan)
     if cfg.parallel.nnodes > 1 and not (run_dir or args.slurm):
-        from workbench.config import Problem
-
         problems.append(Problem("--run-dir", f"{cfg.parallel.nnodes} nodes write into one run directory: none was given "
                                 "(a fresh name on each node would split the run)",
                                 "pass the same --run-dir on every node, on a filesystem they all share"))
@@ -462,8 +455,6 @@ def _add_run_cli(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_export_tensorboard(args: argparse.Namespace) -> int:
     """``workbench runs export-tensorboard RUN_DIR...``: each run's step and eval records as TensorBoard files."""
-    from workbench.run.tensorboard import ExportError, export
-
     if args.logdir and len(args.run_dirs) > 1:
         print("--logdir names the folder of one run; leave it out to write each run's <run_dir>/tensorboard", file=sys.stderr)
         return 2
@@ -516,8 +507,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the workbench's version with megatron-core's and torch's")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_config_cli(sub)
-    from workbench import advisor, conversion, data_cli, generation, planner
-
     for add in (planner.add_cli,         # plan
                 advisor.add_cli,         # advise, calibrate
                 _add_schedule_cli,       # schedule

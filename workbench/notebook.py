@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from workbench import generation
-from workbench.config import ConfigError, Problem, RunConfig
+from workbench.config import ConfigError, Problem, RunConfig, preset as make_preset
 from workbench.launch import detect_gpus, new_run_dir
 from workbench.data.demo import DEMO_MODELS, DEMO_MODELS_TRAINER
 from workbench.checkpoint import TRACKER_FILE
+from workbench.data.tokenizer import load_tokenizer
 from workbench.run.files import read_json, write_json_atomic
 from workbench.launch import Run
 from workbench.plots.tables import say
@@ -59,8 +60,6 @@ def quickstart_config(preset_name: str = "demo-small", *, tp: int = 1, pp: int =
     CUDA), else the backend's CPU mode (gloo) with the tiny preset.  ``ci``: the tiny preset
     on CPU with a few steps.  The global batch is rounded to a multiple of micro-batch x dp.
     """
-    from workbench.config import preset as make_preset
-
     notes = []
     gpus = detect_gpus()
     if device not in ("auto", "cuda", "cpu"):
@@ -99,8 +98,6 @@ def quickstart_config(preset_name: str = "demo-small", *, tp: int = 1, pp: int =
         notes.append(f"global batch rounded to {cfg.train.global_batch_size} (micro-batch {cfg.train.micro_batch_size} x dp {dp})")
     if cfg.data.tokenizer == "demo":
         try:
-            from workbench.data.tokenizer import load_tokenizer
-
             vocab = load_tokenizer("demo").vocab_size
             if vocab > cfg.model.vocab_size:
                 cfg = cfg.replace(**{"model.vocab_size": vocab})

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
+from workbench.config import ConfigError, RunConfig, derive
 from workbench.run.reader import RunReader, as_reader
 
 __all__ = [
@@ -469,8 +470,6 @@ def _repair_ids(raw: list[list[Op]], schedule: str, p: int, m: int, v: int) -> t
 
 def _run_layout(reader: RunReader) -> tuple[int, int, int | None]:
     """(p, v, m) of a run: from config.json (m through :func:`workbench.config.derive`), else run_start, else events."""
-    from workbench.config import ConfigError, RunConfig, derive
-
     sources = []
     cfg_path = reader.run_dir / "config.json"
     if cfg_path.is_file():

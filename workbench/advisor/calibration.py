@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from workbench import kernel_rule
 from workbench.advisor.defaults import default_profile_dicts
 from workbench.advisor.perf_model import Constants, Model
 from workbench.advisor.profile import PROFILE_DIR, Point, Profile, profile_from_dict
@@ -123,8 +124,6 @@ def format_table(table: list[dict[str, Any]]) -> str:
 def is_host_row(row: MeasuredRow) -> bool:
     """Rows that measure the compiled layer without CUDA graphs and without pipelining: they calibrate the GPU's
     host time per layer (its host CPU's, not a model constant) rather than the constants."""
-    from workbench import kernel_rule
-
     kp = kernel_rule.choose(row.config)
     return kp.layer == "compiled" and not kp.cuda_graphs and row.config.parallel.pipeline_parallel == 1
 

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from workbench.config import ConfigError, load_config
+from workbench.launch import local_torchrun, run_supervised
+from workbench.planner import gpu_spec
 
 __all__ = ["add_cli", "profile_from_raw"]
 
@@ -104,8 +106,6 @@ def _calibrate_arg_problems(args: argparse.Namespace) -> list[str]:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from workbench.advisor.profile import ProfileError, default_profile
-    from workbench.launch import local_torchrun, run_supervised
-    from workbench.planner import gpu_spec
 
     bad = _calibrate_arg_problems(args)
     if bad:

@@ -40,6 +40,9 @@ from torch import Tensor
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+from workbench.config import ConfigError
+from workbench.data.tokenizer import decode_visible
+
 
 __all__ = [
     "GenerationOutput",
@@ -487,8 +490,6 @@ def decode_outputs(engine: Any, prompts: list[list[int]], gen: Any, stop_ids: Se
     for p, (toks, reason, lps, score) in zip(prompts, decoded or [([], "length", None, None)] * len(prompts)):
         text = None
         if decode_text and engine.tokenizer is not None and decoded is not None:
-            from workbench.data.tokenizer import decode_visible
-
             text = decode_visible(engine.tokenizer, toks)  # ids past the tokenizer show as <id:N>, not as nothing
         outs.append(GenerationOutput(prompt_ids=p, token_ids=toks, text=text, finish_reason=reason,
                                      log_probs=lps, score=score))
@@ -542,8 +543,6 @@ class InferenceEngine:
         """
         problems = gen.validate()
         if problems:
-            from workbench.config import ConfigError
-
             raise ConfigError(problems)
         prompts = [list(p) for p in prompts]
         if gen.add_bos:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from workbench import kernel_rule
+
 __all__ = ["sink_weight_gradients", "tp_overlap_pass", "initialize_userbuffers", "destroy_userbuffers"]
 
 _VIEW_OPS = ("view", "_unsafe_view", "reshape", "permute", "t", "transpose")
@@ -108,8 +110,6 @@ def initialize_userbuffers(cfg: Any, kernels: Any = None) -> Optional[str]:
     TE exchanges through CUDA IPC instead of NVLink multicast.
     """
     global _UB_LIVE
-    from workbench import kernel_rule
-
     choice = kernels or kernel_rule.choose(cfg)  # kernels: the trainer's decision
     if choice.tp_overlap != "userbuffers":
         return None

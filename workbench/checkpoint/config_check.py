@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.checkpoint.names import METADATA_FILE
+from workbench.config import ConfigError, RunConfig
 
 __all__ = ["HOOK_FIELDS", "recorded_config", "stored_shapes", "config_mismatch"]
 
@@ -33,8 +34,6 @@ def recorded_config(config: Any, where: Any = None) -> Any:
     """The ``RunConfig`` of a checkpoint's recorded config dict, as data: its hooks (``train.forward_step``,
     ``train.loss_func`` and their ``hook_kwargs``) cleared, so validating, building or converting from it never
     imports a module the checkpoint names."""
-    from workbench.config import RunConfig
-
     data = dict(config or {})
     if isinstance(data.get("train"), dict):
         # the hooks (never imported by a reader) and the TensorBoard log (a package this machine may lack) cleared:
@@ -65,8 +64,6 @@ def stored_shapes(md: Any) -> dict[str, tuple[int, ...]]:
 
 def _config(d: Path) -> Any:
     """The checkpoint's config as a ``RunConfig`` (hooks cleared), None when this version cannot read it."""
-    from workbench.config import ConfigError
-
     try:
         data = json.loads((d / METADATA_FILE).read_text())
         cfg = recorded_config(data.get("config"), d)

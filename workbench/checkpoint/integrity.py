@@ -31,6 +31,7 @@ from typing import Any
 from workbench.checkpoint.config_check import config_mismatch
 from workbench.checkpoint.names import METADATA_FILE, CheckpointError, list_checkpoints
 from workbench.checkpoint.safe_load import DIST_METADATA_FILE, MetadataUnpickler
+from workbench.run.files import write_json_atomic
 
 __all__ = ["file_manifest", "checkpoint_member", "storage_needs", "checkpoint_damage", "unlisted_files",
            "verify_checkpoint", "record_checksums"]
@@ -255,8 +256,6 @@ def record_checksums(d: str | Path) -> dict[str, dict[str, Any]]:
     they are now, for a copy the caller trusts.  Refused (:class:`CheckpointError`) when ``d`` already has a list,
     when its ``.metadata`` names a class outside the allow-list or any byte range it indexes is missing, and when
     it holds a file that a megatron-core save does not write.  Returns the list written into ``workbench.json``."""
-    from workbench.run.files import write_json_atomic
-
     d = Path(d)
     meta_file = d / METADATA_FILE
     try:

@@ -28,6 +28,7 @@ from typing import Any
 from workbench.checkpoint.config_check import HOOK_FIELDS, recorded_config
 from workbench.checkpoint.names import METADATA_FILE, CheckpointError
 from workbench.checkpoint.tree import find_checkpoint
+from workbench.config import ConfigError, Problem, pad_vocab_size
 
 __all__ = ["CheckpointMeta", "CheckpointInfo", "read_checkpoint", "read_metadata", "load_problems", "checkpoint_info",
            "checkpoint_config", "recorded_hooks", "hook_note"]
@@ -136,8 +137,6 @@ def load_problems(cfg: Any, *, hashes: bool = True) -> list:
     (0 steps to train) and missing or differently sharded optimizer state.  ``hashes=False``: every check but the
     files' checksums (the backend's ranks, whose load verifies those as it reads).
     """
-    from workbench.config import ConfigError, Problem, pad_vocab_size
-
     c = cfg.checkpoint
     if not c.load_dir:
         return []
@@ -209,8 +208,6 @@ def checkpoint_info(ckpt: str | Path, *, hashes: bool = True) -> CheckpointInfo:
     """Resolve ``ckpt`` (root or iter dir) and read its ``workbench.json``; ConfigError naming ``ckpt`` if there is none.
     ``hashes=False``: every check of :func:`~workbench.checkpoint.integrity.verify_checkpoint` but the checksums, for a
     reader that checks them as it reads (:class:`~workbench.checkpoint.checksum_reads.ChecksummedReads`)."""
-    from workbench.config import ConfigError, Problem
-
     try:
         meta = read_checkpoint(ckpt)
         from workbench.checkpoint.integrity import verify_checkpoint

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from workbench.checkpoint.names import ITER_RE, METADATA_FILE, TRACKER_FILE, CheckpointError, is_complete, iter_dir_name, list_checkpoints
+from workbench.run.nodes import host_name
 
 __all__ = ["find_checkpoint", "partial_dir_name", "remove_stale_partials"]
 
@@ -136,8 +137,6 @@ _PARTIAL_RE = re.compile(r"^(iter_\d{7})\.(tmp|old)-(?:(.+)-)?(\d+)$")
 
 
 def _this_host() -> str:
-    from workbench.run.nodes import host_name
-
     return re.sub(r"[^A-Za-z0-9._-]", "_", host_name())
 
 

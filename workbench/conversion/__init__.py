@@ -4,7 +4,8 @@
 ``workbench convert hf-to-megatron | megatron-to-hf | reshape | legacy | inspect | verify | trust`` and the
 same as Python functions (:func:`hf_to_megatron`, :func:`megatron_to_hf`, :func:`reshape`,
 :func:`import_legacy`, :func:`checkpoint_structure`, :func:`workbench.checkpoint.record_checksums`).
-Light at import: torch, transformers and megatron-core load inside the functions that use them.
+Light at import: torch, transformers and megatron-core load inside the functions that use them, and so do the
+checkpoint package and the conversion modules; the CLI starts with the config and the families' declarations only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import errno
 import os
 import sys
 from typing import Any
+
+from workbench.config import ConfigError
+from workbench.families import FAMILIES
 
 __all__ = [
     "hf_to_megatron",
@@ -104,7 +108,6 @@ def prepare_conversion_process() -> None:
 def _run(fn: Any, args: argparse.Namespace) -> int:
     prepare_conversion_process()
     from workbench.checkpoint import CheckpointError
-    from workbench.config import ConfigError
     from workbench.models.common.conversion_rules import ConversionError
 
     try:
@@ -196,8 +199,6 @@ def _trust(args: argparse.Namespace) -> int:
 
 def _hf_types() -> str:
     """The HF classes ``hf-to-megatron`` reads, from every family's declaration."""
-    from workbench.families import FAMILIES
-
     return ", ".join(cls for f in FAMILIES.values() for _, cls in f.supports.hf_classes)
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from workbench.checkpoint import (CheckpointError, checkpoint_info, checkpoint_tensor_shapes, read_metadata,
+                                  recorded_hooks, vocab_keys)
 from workbench.config import ConfigError, RunConfig, derive
 from workbench.conversion.hf import (
     SUPPORTED_MODEL_TYPES,
@@ -40,9 +42,12 @@ from workbench.conversion.hf import (
     read_hf_config,
     run_config_from_hf,
 )
+from workbench.data.errors import DataError
+from workbench.data.tokenizer import load_tokenizer, tokenizer_spec
 from workbench.families import family_for_hf
 from workbench.models.common.conversion_rules import (ConversionError, Rule, TensorInfo, infos_of, pad_vocab_rows,
                                                       plan_targets, stream_rules)
+from workbench.models.common.one_process import single_process_group
 
 __all__ = [
     "ConversionResult",
@@ -199,9 +204,6 @@ def _ship_tokenizer(spec: str | Path, dst: Path, source: str) -> None:
     named tokenizer such as ``demo``, a tokenizer.json, a SentencePiece ``.model``, a directory of other files) is
     saved by the workbench's loader as files ``AutoTokenizer`` loads.  A spec that does not load is a
     :class:`ConversionError` naming it and ``source`` (where it came from)."""
-    from workbench.data.errors import DataError
-    from workbench.data.tokenizer import load_tokenizer
-
     src = Path(str(spec)).expanduser()
     dst.mkdir(parents=True, exist_ok=True)
     if _has_tokenizer_files(src):
@@ -226,7 +228,6 @@ def _write_megatron(tmp: Path, final: Path, cfg: RunConfig, targets: dict[str, T
     tensors ``fill(write)`` will hand to ``write(name, tensor)`` one at a time; they must be exactly the model's
     (checked before anything is written)."""
     from workbench.conversion.megatron_files import CheckpointWriter, model_layout
-    from workbench.models.common.one_process import single_process_group
 
     tok_ok = tokenizer is not None
     if tok_ok:
@@ -265,9 +266,6 @@ def _tokenizer_notes(tok_dir: Path | None, src: str, cfg: RunConfig, fix: str = 
         return [f"WARNING: {src}: the checkpoint records no tokenizer and data.tokenizer is "
                 f"left empty (the model has {vocab} tokens) -> copy the model's tokenizer.json (or vocab.json + "
                 f"merges.txt) into <out>/tokenizer/ and set data.tokenizer to it; until then generation needs prompt token ids"]
-    from workbench.data.errors import DataError
-    from workbench.data.tokenizer import load_tokenizer
-
     try:
         n = load_tokenizer(str(tok_dir)).vocab_size
     except DataError as e:
@@ -335,12 +333,9 @@ def _open_checkpoint(ckpt: str | Path) -> Any:
     CheckpointError naming them, before any work) but for their checksums, which the :class:`CheckpointReader` checks
     as it reads them (:meth:`~workbench.conversion.megatron_files.CheckpointReader.finish`, before the output is renamed into
     place); its config read as data (hooks it names are never imported)."""
-    from workbench.config import ConfigError as _ConfigError
-    from workbench.checkpoint import CheckpointError, checkpoint_info
-
     try:
         return checkpoint_info(ckpt, hashes=False)
-    except _ConfigError as e:
+    except ConfigError as e:
         if len(e.problems) == 1 and e.problems[0].field == "ckpt":
             raise CheckpointError(f"{e.problems[0].rule} -> {e.problems[0].fix}") from None
         raise
@@ -348,8 +343,6 @@ def _open_checkpoint(ckpt: str | Path) -> Any:
 
 def _hook_notes(info: Any) -> list[str]:
     """What the written config leaves out: the hooks the source checkpoint's config named (never imported here)."""
-    from workbench.checkpoint import recorded_hooks
-
     hooks = recorded_hooks(info.meta.get("config"))
     if not hooks:
         return []
@@ -360,8 +353,6 @@ def _hook_notes(info: Any) -> list[str]:
 
 def _checkpoint_tokenizer(info: Any, tokenizer: str | Path | None) -> tuple[Any, str]:
     """(the tokenizer spec a conversion of ``info`` ships: ``tokenizer`` if given, else the checkpoint's own; its description)."""
-    from workbench.data.tokenizer import tokenizer_spec
-
     if tokenizer is not None:
         return tokenizer, f"--tokenizer {tokenizer}"
     spec = tokenizer_spec(info)
@@ -390,7 +381,6 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int 
     refused (ConversionError), a smaller one or none at all is a warning."""
     from workbench.conversion.megatron_files import CheckpointReader, model_layout
     from workbench.conversion.hf_files import SafetensorsWriter
-    from workbench.models.common.one_process import single_process_group
 
     info = _open_checkpoint(ckpt)
     cfg = info.config
@@ -439,9 +429,7 @@ def reshape(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
             tokenizer: str | Path | None = None) -> ConversionResult:
     """Re-target a checkpoint's parallel layout (config + vocab padding); weights only (no optimizer state).
     The tokenizer travels as in :func:`megatron_to_hf` (into ``<out>/tokenizer``)."""
-    from workbench.checkpoint import vocab_keys
     from workbench.conversion.megatron_files import CheckpointReader, model_layout
-    from workbench.models.common.one_process import single_process_group
 
     info = _open_checkpoint(ckpt)
     src_cfg = info.config
@@ -538,8 +526,6 @@ def checkpoint_structure(path: str | Path) -> dict[str, Any]:
         if not files:
             tensors = {k: (tuple(v.shape), str(v.dtype).replace("torch.", "")) for k, v in load_hf_state_dict(p).items()}
         return {"kind": "hf", "path": str(p), "model_type": hf["model_type"], "tensors": tensors}
-    from workbench.checkpoint import CheckpointError, checkpoint_tensor_shapes, read_metadata
-
     try:
         meta = read_metadata(p)
     except CheckpointError as e:

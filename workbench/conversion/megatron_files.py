@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.checkpoint import NOWHERE, DcpReader, DcpWriter, common_unique_key, pickled_list
+from workbench.checkpoint import (DcpReader, DcpWriter, NOWHERE, common_unique_key, finish_save, iter_dir_name,
+                                  partial_dir_name, pickled_list, remove_stale_partials, vocab_keys)
 from workbench.config import RunConfig
 from workbench.models.common.conversion_rules import TensorInfo
+from workbench.models.common.one_process import cpu_build_config, model_overrides
 
 __all__ = ["Piece", "Layout", "meta_model", "model_layout", "CheckpointWriter", "CheckpointReader"]
 
@@ -59,7 +61,6 @@ def meta_model(cfg: RunConfig, dtype: str | None = None) -> Any:
     inside :func:`workbench.models.common.one_process.single_process_group`."""
     from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
-    from workbench.models.common.one_process import cpu_build_config, model_overrides
 
     c = cpu_build_config(cfg, dtype)
     config = transformer_config(c, perform_initialization=False, **model_overrides(c))
@@ -144,8 +145,6 @@ class CheckpointWriter:
     ``layout`` (any order), then :meth:`finish`.  Until then it lives in ``root/iter_XXXXXXX.tmp-...``."""
 
     def __init__(self, root: str | Path, iteration: int, layout: Layout) -> None:
-        from workbench.checkpoint import iter_dir_name, partial_dir_name, remove_stale_partials
-
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         for line in remove_stale_partials(self.root):  # what an earlier, killed save left behind
@@ -186,8 +185,6 @@ class CheckpointWriter:
         from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        from workbench.checkpoint import finish_save
-
         missing = [k for k in self.layout.infos if k not in self._written]
         if missing:
             raise ValueError(f"state dict does not match the model: missing {missing[:5]}")
@@ -209,8 +206,6 @@ class CheckpointReader:
     other padding is read whole, its rows cut or zero-filled to the model's (as a load does)."""
 
     def __init__(self, path: str | Path, layout: Layout) -> None:
-        from workbench.checkpoint import vocab_keys
-
         self.layout = layout
         self.dcp = DcpReader(Path(path))
         self._vocab = set(vocab_keys())

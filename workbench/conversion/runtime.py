@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from workbench.checkpoint import checkpoint_config, load_checkpoint, read_metadata, save_checkpoint
 from workbench.config import RunConfig
 from workbench.models.common.one_process import build_full_model
 
@@ -25,8 +26,6 @@ def save_full_state_dict(root: str | Path, iteration: int, full_sd: dict[str, An
                          dtype: str | None = None, tokenizer: Any = None, extra: dict | None = None) -> Path:
     """Write a full TP=1 state dict as a workbench checkpoint (any TP/PP can load it). Needs a process group."""
     import torch
-
-    from workbench.checkpoint import save_checkpoint
 
     model = build_full_model(cfg, dtype)
     own = _model_state(model)
@@ -45,8 +44,6 @@ def save_full_state_dict(root: str | Path, iteration: int, full_sd: dict[str, An
 
 def load_full_state_dict(path: str | Path, cfg: RunConfig | None = None, dtype: str | None = None) -> tuple[dict[str, Any], dict]:
     """(full TP=1 state dict, metadata) of a workbench checkpoint. Needs a process group."""
-    from workbench.checkpoint import checkpoint_config, load_checkpoint, read_metadata
-
     cfg = cfg or checkpoint_config(read_metadata(path))
     model = build_full_model(cfg, dtype)
     meta = load_checkpoint(path, [model], load_optimizer=False)

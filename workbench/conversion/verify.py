@@ -23,8 +23,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from workbench.checkpoint import checkpoint_config, checkpoint_info, load_checkpoint, read_metadata, safe_torch_load
+from workbench.config import ConfigError
+from workbench.generation import layout_problems
 from workbench.launch import local_torchrun, run_supervised
 from workbench.models.common.conversion_rules import ConversionError
+from workbench.models.common.one_process import model_overrides
+from workbench.models.parts import parts_of
 from workbench.run.files import atomic_output
 
 __all__ = ["forward_logits", "verify_against_hf", "main"]
@@ -54,16 +59,11 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
         if res.returncode != 0 or not out_path.exists():
             tail = "\n".join(res.output.splitlines()[-40:])
             raise RuntimeError(f"verification run (torchrun, {world} CPU ranks) failed with exit code {res.returncode}:\n{tail}")
-        from workbench.checkpoint import safe_torch_load
-
         return safe_torch_load(str(out_path), source=str(out_path))
 
 
 def _family_hf(ckpt: str | Path) -> Any:
     """The checkpoint's family's HF adapter, which must make verify's inputs and reference logits."""
-    from workbench.checkpoint import read_metadata
-    from workbench.models.parts import parts_of
-
     parts = parts_of(((read_metadata(ckpt).get("config") or {}).get("model") or {}).get("arch", "gpt"))
     hf = parts.hf()
     if hf is None:
@@ -76,11 +76,8 @@ def verify_against_hf(ckpt: str | Path, hf_dir: str | Path, tp: int = 1, pp: int
                       seq_length: int = 16, batch_size: int = 2, atol: float = 1e-4, seed: int = 0, ep: int = 1) -> dict[str, Any]:
     """Compare HF logits with the checkpoint's at a layout (fp32, CPU), at the positions the family compares
     (BERT: the unpadded ones). Returns max_abs_diff and ok."""
-    from workbench.config import ConfigError
     from workbench.conversion.hf import read_hf_config
     from workbench.conversion.hf_files import HFReader
-    from workbench.generation import layout_problems
-    from workbench.checkpoint import checkpoint_info
 
     info = checkpoint_info(ckpt)  # a damaged or hostile checkpoint is refused before torchrun starts
     problems = layout_problems(info, tp, pp, "cpu", vpp=vpp)
@@ -107,14 +104,10 @@ def _worker(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from workbench.checkpoint import load_checkpoint, read_metadata
     from workbench.backend.cpu_mode import tensor_cuda_is_identity
     from workbench.backend.distributed import destroy, initialize
     from workbench.rank.build import build_model
     from workbench.backend.model import transformer_config
-    from workbench.models.common.one_process import model_overrides
-    from workbench.checkpoint import checkpoint_config, safe_torch_load
-    from workbench.models.parts import parts_of
 
     cfg = checkpoint_config(read_metadata(args.ckpt))
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from workbench import kernel_rule
 from workbench.config import ConfigError, Problem, RunConfig, load_config
 from workbench.datasets import check_data
 from workbench.launch import stall
@@ -59,8 +60,6 @@ def launch_problems(cfg: RunConfig, *, local: bool = True) -> list[Problem]:
         elif cfg.parallel.nproc_per_node > gpus:
             problems.append(Problem("parallel.nproc_per_node", f"{cfg.parallel.nproc_per_node} processes per node but only {gpus} GPU(s) visible",
                                     f"use nproc_per_node <= {gpus}"))
-        from workbench import kernel_rule
-
         if kernel_rule.choose(cfg).attention == "te" and not kernel_rule.te_available():  # explicit: auto never picks an absent TE
             problems.append(Problem("model.attention_backend", f"Transformer Engine's layer is asked for but TE is not usable "
                                     f"here ({kernel_rule.te_status()[1]})", "install it (bash launch/install_te.sh), or set "

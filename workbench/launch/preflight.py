@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 from workbench.config import Problem, RunConfig
+from workbench.config_fields import LARGEST_ACCELERATOR_BYTES
 from workbench.writable import dir_write_problem, existing_ancestor
 
 __all__ = ["detect_gpu_memory", "memory_problems", "path_problems", "checkpoint_bytes", "RUN_DIR_ROOM"]
@@ -58,7 +59,6 @@ def memory_problems(cfg: RunConfig, *, local: bool, ignore_memory_plan: bool = F
     are another machine's, the most any accelerator has; [] when it fits or ``ignore_memory_plan``."""
     if cfg.parallel.device != "cuda" or ignore_memory_plan:
         return []
-    from workbench.config_fields import LARGEST_ACCELERATOR_BYTES
     from workbench.planner import GPUSpec, predict
 
     capacity = detect_gpu_memory() if local else None

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from workbench.config import derive
+
 __all__ = ["DEFAULT_STALL_FLOOR", "DEFAULT_STARTUP_TIMEOUT", "STALL_FACTOR", "Stall", "StallWatch", "startup_limit"]
 
 #: seconds without progress after a run's first step before a rank counts as stalled, at the least
@@ -95,8 +97,6 @@ def startup_limit(cfg) -> float:
     checkpoint; 3 x the first step's FLOPs per rank over :data:`STARTUP_FLOPS_PER_S` (so sequence length
     and batch count).  Rounded up to whole seconds."""
     import math
-
-    from workbench.config import derive
 
     d = derive(cfg)
     p, t = cfg.parallel, cfg.train

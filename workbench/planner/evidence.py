@@ -14,6 +14,7 @@ from typing import Iterable
 
 from workbench import planner
 from workbench.config import RunConfig
+from workbench.run.reader import as_reader
 
 __all__ = ["BAR", "EVIDENCE_DIR", "ONE_GPU_FILES", "evidence_table", "replan", "run_within_bar"]
 
@@ -69,8 +70,6 @@ def run_within_bar(run_dir, plan: planner.Plan | None = None, bar: float = BAR) 
     events (:func:`workbench.planner.measured_peaks`, :func:`~workbench.planner.measured_reserved`); predicted:
     ``plan`` or the plan of the run's own config.  Returns ``{"ok", "bar", "ranks": [...], "why"}``: ``ok`` only
     when every rank of the plan was measured and both errors are within ``bar``."""
-    from workbench.run.reader import as_reader
-
     reader = as_reader(run_dir)
     if plan is None:
         cfg = reader.config_dict()

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from workbench.families import FAMILIES
+from workbench.launch import Run
 from workbench.run.events import Event, events_dir
 from workbench.run.nodes import LAUNCH_FILE
 from workbench.run.reader import CONFIG_FILE, RunReader, as_reader
@@ -463,8 +464,6 @@ def _status(source: Any) -> str:
     if isinstance(status, str):
         return status
     try:
-        from workbench.launch import Run
-
         return Run.attach(reader_of(source).run_dir).status
     except Exception:
         return "unknown"

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from workbench.layout import Layout
+from workbench.planner import COMPONENTS, GiB
+
 __all__ = ["plan_bars", "plan_rank_layout", "COLORS"]
 
 COLORS = {
@@ -55,16 +58,12 @@ def _png(fig) -> bytes:
 def plan_rank_layout(plan: Any):
     """The :class:`workbench.layout.Layout` of a plan's ranks (its sizes, CP included): the coordinates its per-rank
     labels name (``d0 c1 t0 p0``: one source, :meth:`workbench.layout.Layout.rank_label`)."""
-    from workbench.layout import Layout
-
     lay = plan.layout
     return Layout(world=len(plan.ranks), tp=int(lay.get("tp", 1)), pp=int(lay.get("pp", 1)), cp=int(lay.get("cp", 1) or 1))
 
 
 def plan_bars(plan: Any, measured: dict[int, int] | None = None, max_bars: int = 32, ax: Any = None):
     """Stacked bars of a :class:`workbench.planner.Plan`; returns the matplotlib Figure."""
-    from workbench.planner import COMPONENTS, GiB
-
     per_rank = len(plan.ranks) <= max_bars
     if per_rank:
         where = plan_rank_layout(plan)

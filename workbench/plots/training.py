@@ -12,6 +12,8 @@ import io
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from workbench.layout import Layout
+
 __all__ = ["TrainingFrames", "frames_from_run", "training_figure", "figure_png", "GIB", "rank_tick"]
 
 GIB = float(1 << 30)
@@ -42,8 +44,6 @@ def _used_cuda_graphs(run) -> bool:
 
 def frames_from_run(run) -> TrainingFrames:
     cfg = getattr(run, "config", None)
-    from workbench.layout import Layout
-
     return TrainingFrames(run.steps, run.train_loss, run.evals, run.memory, cfg.train.train_iters if cfg else None,
                           run.run_dir.name, cuda_graphs=_used_cuda_graphs(run), device=cfg.parallel.device if cfg else None,
                           layout=Layout.of(cfg) if cfg else None)

@@ -2,6 +2,8 @@
 
 import sys
 
+from workbench.config import apply_rank_environment, load_config
+
 
 def _rank_environment(argv: list[str]) -> None:
     """Before torch or megatron can start CUDA: the environment the run's config asks for
@@ -9,8 +11,6 @@ def _rank_environment(argv: list[str]) -> None:
     ``main``, which reports it."""
     if "--config" not in argv[:-1]:
         return
-    from workbench.config import apply_rank_environment, load_config
-
     try:
         apply_rank_environment(load_config(argv[argv.index("--config") + 1]))
     except Exception:

@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from workbench.backend.context_parallel import shard_sequence
 from workbench.config import RunConfig, derive
 from workbench.models.parts import parts_of
 
@@ -57,8 +58,6 @@ def shard_batch(batch: dict[str, Any], cp_rank: int, cp: int) -> dict[str, Any]:
     explicit attention mask is refused (validation refuses per-document masks under CP; GPT's causal mask is implicit)."""
     if cp <= 1:
         return batch
-    from workbench.backend.context_parallel import shard_sequence
-
     if batch.get("attention_mask") is not None:
         raise ValueError("context parallelism: a micro-batch with an explicit attention mask (per-document masks) is not wired")
     out = dict(batch)

@@ -26,11 +26,13 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
+from workbench.backend import cpu_mode, distributed
 from workbench.backend.decoding import dist_ready, pp_info
+from workbench.checkpoint import checkpoint_config, checkpoint_info, load_checkpoint, read_checkpoint
+from workbench.config import GenerationConfig
+from workbench.data.tokenizer import resolve_tokenizer, special_ids
+from workbench.launch.stores import private_world
 from workbench.models.parts import parts_of
-from workbench.data.tokenizer import resolve_tokenizer
-from workbench.checkpoint import checkpoint_config, checkpoint_info, read_checkpoint
-from workbench.data.tokenizer import special_ids
 from workbench.run.files import write_json_atomic
 
 __all__ = ["load_engine", "run_request", "initialize_for_generation", "main"]
@@ -51,8 +53,6 @@ def load_engine(ckpt: str | Path, *, device: str | None = None, cuda_graphs: boo
     Needs model parallel initialised (``workbench.backend.distributed``) with the TP/PP
     wanted; dist checkpoints load at any layout.  ``say``: called with a line as building and loading start.
     """
-    from workbench.backend import cpu_mode
-    from workbench.checkpoint import load_checkpoint
     from workbench.rank.build import build_model
 
     meta = read_checkpoint(ckpt)
@@ -85,8 +85,6 @@ def run_request(engine: Any, request: dict[str, Any]) -> dict[str, Any]:
     ``generation`` dict or several named ones under ``runs`` ({name: generation dict}), all
     on the model loaded once.  Returns {"runs": {name: {"outputs": [...], ...}}} (one run is
     named "default")."""
-    from workbench.config import GenerationConfig
-
     if request.get("prompt_ids"):
         prompt_ids = [list(map(int, p)) for p in request["prompt_ids"]]
     else:
@@ -116,8 +114,6 @@ def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
     The checkpoint's config gives the architecture; the layout is the caller's (dist
     checkpoints load at any TP/PP).  Returns the RunConfig used.
     """
-    from workbench.backend import distributed
-
     cfg = _checkpoint_config(ckpt)
     world = int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ else 1
     if world != tp * pp:
@@ -131,8 +127,6 @@ def initialize_for_generation(ckpt: str | Path, tp: int, pp: int, device: str):
     cfg = cfg.replace(**overrides)
     if not dist_ready() and "TORCHELASTIC_RUN_ID" not in os.environ:
         # one process started without torchrun: a private 1-rank world that listens for no peers
-        from workbench.launch.stores import private_world
-
         private_world(device)
     distributed.initialize(cfg)
     return cfg
@@ -185,8 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(out, result)
     if dist_ready():
         torch.distributed.barrier()
-    from workbench.backend import distributed
-
     distributed.destroy()
     return 0
 

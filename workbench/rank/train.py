@@ -43,13 +43,21 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from workbench.backend import compiled_layer
-from workbench.backend.optimizer_paths import prepare_optimizer
 from workbench import kernel_rule
-from workbench.config import RunConfig, derive
-from workbench.run.events import Checkpoint, Error, Eval, EvalProgress, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
+from workbench.backend import compiled_layer, distributed, grad_accumulation
+from workbench.backend.attention import apply_sdpa_order
+from workbench.backend.model import kernel_path, training_step_fields, transformer_config
+from workbench.backend.optimizer_paths import prepare_optimizer
+from workbench.backend.tp_overlap import initialize_userbuffers
+from workbench.checkpoint import hook_note, load_checkpoint, load_problems, save_checkpoint
+from workbench.config import ConfigError, RunConfig, derive, load_config
 from workbench.hooks import Batch, TrainHooks, load_hooks
 from workbench.models.parts import parts_of
+from workbench.provenance import git_commit
+from workbench.run import writer
+from workbench.run.events import Checkpoint, Error, Eval, EvalProgress, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
+from workbench.run.nodes import LAUNCH_FILE
+from workbench.run.tensorboard import TensorBoardLog, tensorboard_dir
 
 __all__ = ["Trainer", "main"]
 
@@ -69,8 +77,6 @@ def _versions() -> dict[str, str]:
             out[name] = getattr(mod, "__version__", "present")
         except Exception:
             pass
-    from workbench.provenance import git_commit
-
     out["git_commit"] = git_commit()
     return out
 
@@ -114,9 +120,6 @@ class Trainer:
         family's monitor and the data streams."""
         from megatron.core import parallel_state
 
-        from workbench.backend import distributed
-        from workbench.backend.tp_overlap import initialize_userbuffers
-
         cfg = self.cfg
         self.coords = distributed.initialize(cfg)
         self.device = distributed.device(cfg)
@@ -145,7 +148,6 @@ class Trainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer.module import Float16Module
 
-        from workbench.backend.model import training_step_fields, transformer_config
         from workbench.rank.build import build_model
 
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
@@ -158,8 +160,6 @@ class Trainer:
             post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
             chunks.append(build_model(cfg, pre_process=pre, post_process=post, vp_stage=vp, config=tc))
         if self.cuda:  # the kernel rule's SDPA backend order, for this training process (kernel_rule.KernelChoice.sdpa_order)
-            from workbench.backend.attention import apply_sdpa_order
-
             apply_sdpa_order(choice.sdpa_order)
         if tc.fp16 or tc.bf16:
             chunks = [Float16Module(tc, c) for c in chunks]
@@ -173,8 +173,6 @@ class Trainer:
                       for i, c in enumerate(chunks)]
         hooked, self._direct_experts = 0, {}
         if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernel_rule.KernelChoice.grad_accumulation)
-            from workbench.backend import grad_accumulation
-
             hooked = grad_accumulation.install(self.model)
             self._direct_experts = grad_accumulation.install_experts(self.model)
         for m in self.model:
@@ -230,9 +228,6 @@ class Trainer:
     def _describe_kernels(self, choice: Any, hooked: int, userbuffers: Optional[str]) -> None:
         """The kernel path the run reports (run_start): the rule's choice, the optimizer, fusions, gradient
         accumulation, the schedule, TP overlap."""
-        from workbench.backend import distributed
-        from workbench.backend.model import kernel_path
-
         cfg, p = self.cfg, self.cfg.parallel
         self.kernel_path = kernel_path(cfg, choice)
         self.kernel_choice = choice.to_dict()
@@ -275,13 +270,9 @@ class Trainer:
         c = self.cfg.checkpoint
         if not c.load_dir:
             return
-        from workbench.checkpoint import load_checkpoint
-
         meta = load_checkpoint(c.load_dir, self.model, optimizer=None if c.finetune else self.optimizer,
                                scheduler=None if c.finetune else self.scheduler, load_optimizer=not c.finetune,
                                fresh_heads=c.finetune, load_rng=not c.finetune)
-        from workbench.checkpoint import hook_note
-
         note = hook_note(self.cfg, meta)  # this run imported its own config's hooks, never the checkpoint's
         if note:
             self._log(f"[workbench] {note}")
@@ -473,8 +464,6 @@ class Trainer:
         return {"loss": loss, "ppl": math.exp(min(loss, 80.0)), "metrics": {k: v for k, v in losses.items() if k != self.loss_name}}
 
     def save(self) -> Path:
-        from workbench.checkpoint import save_checkpoint
-
         root = Path(self.cfg.checkpoint.save_dir or (self.run_dir / "checkpoints"))
         t0 = time.time()
         path = save_checkpoint(root, self.iteration, self.model, self.cfg, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -592,8 +581,6 @@ class Trainer:
             kernel_path=self.kernel_path, kernels=self.kernel_choice, data=self.data_desc, start_iteration=self.iteration,
         ))
         if t.tensorboard and self.is_logging_rank:  # the rank holding the loss; a resume drops the earlier points after it
-            from workbench.run.tensorboard import TensorBoardLog, tensorboard_dir
-
             self.tensorboard = TensorBoardLog(tensorboard_dir(self.run_dir), purge_step=self.iteration + 1 if self.iteration else None)
         peak = peak_tflops(dev_name, t.precision, t.peak_tflops) if self.cuda else t.peak_tflops
         flops = self.derived.flops_per_step
@@ -656,11 +643,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ``checkpoint.save_dir`` another live run writes (:mod:`workbench.run.writer`)."""
     import argparse
 
-    from workbench.config import ConfigError, load_config
-    from workbench.run import writer
-    from workbench.checkpoint import load_problems
-    from workbench.run.nodes import LAUNCH_FILE
-
     ap = argparse.ArgumentParser(prog="python -m workbench.rank", description="Workbench training backend (one rank; start with torchrun).")
     ap.add_argument("--config", required=True, help="RunConfig JSON/YAML")
     ap.add_argument("--run-dir", required=True, help="run directory (events/, checkpoints/, exit_status.json)")
@@ -695,8 +677,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 def teardown(code: int, timeout_s: float = 60.0) -> int:
     """Destroy the process groups and return ``code``; if that hangs (a driver or NCCL fault:
     a finished run must still end), leave the process with ``code`` after ``timeout_s``."""
-    from workbench.backend import distributed
-
     def leave() -> None:
         print(f"[workbench] process-group teardown hung for {timeout_s:g} s; exiting with {code}", file=sys.stderr, flush=True)
         os._exit(code)

@@ -16,6 +16,7 @@ from typing import Any
 from workbench.advisor.advise import Advice, AdvisedLayout, advise
 from workbench.advisor.perf_model import REASONS
 from workbench.config import ConfigError, RunConfig
+from workbench.planner import gpu_spec
 
 __all__ = ["AdvisorWidget", "advice_table_html", "scatter_figure"]
 
@@ -122,8 +123,6 @@ class AdvisorWidget:
             b.on_click(lambda _b, i=i: self.load(i))
             self.buttons.append(b)
         self.rows_box.children = (self.table, W.VBox([W.HBox([b, W.HTML(html.escape(r.label))]) for b, r in zip(self.buttons, rows)]))
-        from workbench.planner import gpu_spec
-
         self.plot.clear_output(wait=True)
         self.figure = self.scatter(gpu_spec(a.gpu).capacity_bytes / 1024 ** 3)
         with self.plot:

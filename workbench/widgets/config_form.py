@@ -26,9 +26,12 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
+from workbench import planner
 from workbench.config import PRESETS, ConfigError, DatasetEntry, Problem, RunConfig, preset
 from workbench.kernel_rule import GPU_ONLY_FIELDS
 from workbench.families import FAMILIES
+from workbench.launch import Run
+from workbench.plots.tables import Table, plan_table
 from workbench.widgets.layout import plural
 
 __all__ = ["ConfigForm", "field_specs", "FieldSpec", "GROUP_SWITCHES"]
@@ -397,16 +400,12 @@ class ConfigForm:
             self.plan_text = "(fix the problems above to see the memory plan)"
             self.plan.value = f"<i>{self.plan_text}</i>"
             return
-        from workbench import planner
-
         try:
             pred = planner.predict(self.config)
         except Exception as e:
             self.plan_text = f"planner error: {e}"
             self.plan.value = f"<span style='color:#d62728'>{html.escape(self.plan_text)}</span>"
             return
-        from workbench.plots.tables import plan_table
-
         self.prediction = pred
         table = plan_table(pred)
         self.plan_text, self.plan.value = table.text, table.html
@@ -428,8 +427,6 @@ class ConfigForm:
 
     def launch(self, **kwargs: Any):
         """Launch the current config (``Run.launch``); shows the dashboard below the form."""
-        from workbench.launch import Run
-
         self.revalidate()
         if self.problems:
             raise ConfigError(self.problems)
@@ -456,8 +453,6 @@ class ConfigForm:
     def report(self) -> str:
         """The validity summary and memory plan: text (print, papermill's text) that a notebook shows as HTML
         (the summary line, then the plan as a table: :func:`workbench.plots.tables.plan_table`)."""
-        from workbench.plots.tables import Table
-
         if self.problems:
             head = f"{len(self.problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in self.problems)
         else:

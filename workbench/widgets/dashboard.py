@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
+from workbench import planner
+from workbench.plots.router import collapse_flags, flags_text, router_figure
+from workbench.plots.schedule import measured_overlay
 from workbench.plots.training import figure_png, frames_from_run, training_figure
 
 __all__ = ["Dashboard", "watch", "static_figures", "figure_image", "show_figures", "planner_memory", "is_headless", "RunEnded", "RunStopped", "RunFailed",
@@ -61,8 +64,6 @@ def planner_memory(cfg) -> Mapping[int, float] | float | None:
     """The memory planner's predicted peak allocated bytes per rank (``workbench.planner.predict``), if available."""
     if cfg is None:
         return None
-    from workbench import planner
-
     try:
         plan = planner.predict(cfg)
     except Exception:
@@ -353,8 +354,6 @@ class Dashboard:
             self.status.value += (f"<div><b style='color:#d62728'>no progress for {_fmt_duration(stalled)}</b>: "
                                   "if it is stuck, the stacks button shows where each rank waits</div>")
         if run.reader.has("router", refresh=False):  # an MoE run: name the experts its routers starve or flood
-            from workbench.plots.router import collapse_flags, flags_text
-
             if warn := flags_text(collapse_flags(run.reader)):
                 self.status.value += f"<div><b style='color:#d62728'>{html.escape(warn)}</b></div>"
         self.progress.max = max(total, 1)
@@ -367,8 +366,6 @@ class Dashboard:
     def _schedule_png(self) -> bytes | None:
         if not self.run.reader.has("microbatch", refresh=False):
             return None
-        from workbench.plots.schedule import measured_overlay
-
         try:  # the records the run already holds: nothing is read again
             fig, _report = measured_overlay(self.run.reader)
             return figure_png(fig)
@@ -576,8 +573,6 @@ def _figure_pngs(run, predicted_memory: Mapping[int, float] | float | None = Non
     out = [("training", figure_png(training_figure(frames_from_run(run), pred), dpi=90))]
     if run.events("microbatch"):
         try:
-            from workbench.plots.schedule import measured_overlay
-
             fig, _ = measured_overlay(run.reader)
             out.append(("schedule", figure_png(fig, dpi=90)))
         except Exception as e:
@@ -629,6 +624,4 @@ def _router_png(run, dpi: int = 80) -> bytes | None:
     """The router dashboard (:func:`workbench.plots.router.router_figure`) of a run that wrote ``router`` records."""
     if not run.reader.has("router", refresh=False):
         return None
-    from workbench.plots.router import router_figure
-
     return figure_png(router_figure(run.reader), dpi=dpi)

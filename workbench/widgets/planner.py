@@ -16,6 +16,7 @@ from typing import Any
 
 from workbench.config import ConfigError, RunConfig, derive, preset
 from workbench.planner import GPUS, GiB, Plan, PlannerAssumptions, Suggestion, gpu_spec, measured_peaks, predict
+from workbench.plots.memory import plan_bars
 
 __all__ = ["MemoryPlanner"]
 
@@ -167,7 +168,6 @@ class MemoryPlanner:
 
     def update(self) -> Plan | None:
         """Re-plan and redraw; returns the plan, or None (with ``message`` set) for an invalid layout."""
-        from workbench.plots.memory import plan_bars
         from workbench.widgets.charts import clear_figure, show_figure
 
         self.figure = None

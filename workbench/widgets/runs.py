@@ -21,8 +21,10 @@ import html
 from pathlib import Path
 from typing import Any, Sequence
 
+from workbench.launch import Run
 from workbench.plots.compare import (DEFAULT_SMOOTHING, X_AXES, Comparison, available_metrics, compare_runs, find_runs,
                                      metric_label, runs_frame)
+from workbench.plots.tables import Table, html_table, text_block
 from workbench.run.reader import RunReader
 
 __all__ = ["RunBrowser", "FIGURE_NAME"]
@@ -89,8 +91,6 @@ class RunBrowser:
 
     # ---- the runs
     def _run(self, run_dir: Path) -> Any:
-        from workbench.launch import Run
-
         key = str(run_dir)
         if key not in self._runs:
             try:
@@ -107,14 +107,10 @@ class RunBrowser:
         shown = self.table.drop(columns=["run_dir"])
         where = str(self.runs_dir)
         if len(shown):
-            from workbench.plots.tables import Table, html_table
-
             table = html_table(shown, precision=4)
             head = f"{len(shown)} run{'s' if len(shown) != 1 else ''} under {where}"
             self.runs_text = Table(f"{head}\n{table.text}", f"<b>{html.escape(head)}</b>{table.html}")
         else:
-            from workbench.plots.tables import text_block
-
             self.runs_text = text_block(f"no runs under {where} yet")
         self.runs_html.value = self.runs_text.html
         names = [d.name for d in dirs]
@@ -258,8 +254,6 @@ class RunBrowser:
             self.step.max = hi
 
     def _render_values(self, at: int | None) -> None:
-        from workbench.plots.tables import Table, html_table
-
         comp = self.comparison
         if not self.selection.value:
             self.status_text = "select one or more runs"
@@ -282,7 +276,6 @@ class RunBrowser:
     def static(self) -> list:
         """The runs table, the status line, the figure (a PNG output named :data:`FIGURE_NAME`) and the values table,
         for a saved notebook (tables as :class:`workbench.plots.tables.Table`: HTML, and text in a text export)."""
-        from workbench.plots.tables import text_block
         from workbench.widgets.dashboard import figure_image
 
         out = [self.runs_text, text_block(self.status_text), figure_image(FIGURE_NAME, self.comparison.png())]

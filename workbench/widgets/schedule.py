@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from workbench.plots.schedule import compare, gantt
 from workbench.schedules import SCHEDULES, ScheduleError, Timeline, closed_form_bubble_fraction, simulate
 
 __all__ = ["ScheduleExplorer"]
@@ -77,7 +78,6 @@ class ScheduleExplorer:
 
     def update(self) -> Timeline | None:
         """Re-simulate and redraw; returns the new timeline or None (with ``message`` set) if refused."""
-        from workbench.plots.schedule import compare, gantt
         from workbench.widgets.layout import plural
         from workbench.widgets.charts import clear_figure, show_figure
 

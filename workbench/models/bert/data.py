@@ -21,6 +21,7 @@ import torch
 
 from workbench.data.errors import DataError
 from workbench.datasets import check_tokenizer_fits, dataset_sizes, resolve_blend
+from workbench.families.bert.vocab import check_bert_tokenizer, check_sentence_data
 from workbench.models.common.seeds import mix32
 
 __all__ = ["SyntheticBertDataset", "BertSamples", "bert_dataset_config", "build_datasets", "MASKING"]
@@ -141,8 +142,6 @@ def build_megatron(cfg: Any, run_dir: Any, vocab: Any = None) -> tuple[Any, Any,
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-    from workbench.families.bert.vocab import check_bert_tokenizer, check_sentence_data
-
     vocab = vocab or check_bert_tokenizer(cfg.data.tokenizer)
     check_tokenizer_fits(cfg, vocab.tokenizer)
     prefixes, weights = resolve_blend(cfg, run_dir, vocab.tokenizer, split_sentences=True)
@@ -174,8 +173,6 @@ def build_datasets(cfg: Any, run_dir: Any, log: Any = print) -> tuple[Any, Any, 
         train = SyntheticBertDataset(m.vocab_size, m.seq_length, cfg.train.seed, tokentypes=types, binary_head=binary)
         valid = SyntheticBertDataset(m.vocab_size, m.seq_length, cfg.train.seed, offset=1, tokentypes=types, binary_head=binary)
         return train, valid, "synthetic (BERT)"
-    from workbench.families.bert.vocab import check_bert_tokenizer
-
     vocab = check_bert_tokenizer(cfg.data.tokenizer)
     train, valid, _test = build_megatron(cfg, run_dir, vocab)
     wrap = lambda ds: None if ds is None else BertSamples(ds, vocab.sep, types, binary)  # noqa: E731

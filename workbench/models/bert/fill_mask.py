@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from workbench.checkpoint import checkpoint_config, load_checkpoint, read_metadata
+from workbench.families.bert.vocab import check_bert_tokenizer
 from workbench.models.common.one_process import build_full_model, single_process_group
 
 __all__ = ["FillMaskResult", "fill_mask", "encode_masked", "hf_mlm_logits"]
@@ -57,10 +59,6 @@ def encode_masked(vocab: Any, texts: Sequence[str], max_length: int) -> dict[str
 def fill_mask(ckpt: str | Path, texts: Sequence[str] | str, top_k: int = 5, tokenizer: Any = None) -> tuple[list[FillMaskResult], dict]:
     """(one :class:`FillMaskResult` per text, ``{"inputs": ..., "logits": [b, s, V]}``) for a BERT checkpoint."""
     import torch
-
-    from workbench.checkpoint import load_checkpoint, read_metadata
-    from workbench.checkpoint import checkpoint_config
-    from workbench.families.bert.vocab import check_bert_tokenizer
 
     texts = [texts] if isinstance(texts, str) else list(texts)
     meta = read_metadata(ckpt)

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from workbench.data.demo import DEMO_CORPUS
+from workbench.families.bert.vocab import check_bert_tokenizer
 from workbench.models.common.seeds import mix32
 
 __all__ = ["TESTAMENT_LABELS", "testament_verses", "TestamentDataset", "SyntheticLabelledDataset", "build_datasets"]
@@ -40,8 +42,6 @@ _HELD_OUT = (10, 7)  # chapter index % 10 == 7 -> held out
 
 def testament_verses(min_words: int = 6) -> list[tuple[str, int, int]]:
     """Every verse of the embedded corpus of at least ``min_words`` words: ``(text, label, chapter index)``."""
-    from workbench.data.demo import DEMO_CORPUS
-
     out: list[tuple[str, int, int]] = []
     label, chapter = 0, -1
     with gzip.open(DEMO_CORPUS, "rt", encoding="utf-8") as f:
@@ -139,8 +139,6 @@ def build_datasets(cfg: Any, run_dir: Any, log: Any = print) -> tuple[Any, Any, 
         train = SyntheticLabelledDataset(m.vocab_size, m.seq_length, m.num_labels, cfg.train.seed, tokentypes=types)
         valid = SyntheticLabelledDataset(m.vocab_size, m.seq_length, m.num_labels, cfg.train.seed, offset=1, tokentypes=types)
         return train, valid, f"synthetic labelled set ({m.num_labels} vocabulary bands)"
-    from workbench.families.bert.vocab import check_bert_tokenizer
-
     vocab = check_bert_tokenizer(cfg.data.tokenizer)
     train = TestamentDataset(vocab, m.seq_length, "train", cfg.train.seed, types)
     valid = TestamentDataset(vocab, m.seq_length, "valid", cfg.train.seed, types)

@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Iterator
 
 from workbench.config import RunConfig
+from workbench.launch.stores import private_world
 from workbench.models.parts import parts_of
 from workbench.run.files import free_port
 
@@ -94,8 +95,6 @@ def _group() -> Iterator[None]:
 
     from workbench.backend import cpu_mode
     from workbench.backend.distributed import destroy, initialize_for_tests
-
-    from workbench.launch.stores import private_world
 
     saved_env = {k: os.environ.get(k) for k in _ENV_KEYS}
     was_enabled = cpu_mode.enabled()

@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from workbench import kernel_rule
 from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
+from workbench.backend.moe_experts import moe_mlp
 from workbench.config import RunConfig, derive
 from workbench.families.common import moe
 
@@ -86,8 +87,6 @@ def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec, choice: Optional[kernel_ru
                                                           moe_grouped_gemm=choice.experts == "te_grouped",
                                                           qk_layernorm=bool(cfg.model.qk_layernorm))
         return dataclasses.replace(spec, module=layer_class(choice))
-    from workbench.backend.moe_experts import moe_mlp
-
     keys = {k: v for k, v in (dense.submodules.sharded_state_dict_keys_map or {}).items() if not k.startswith("pre_mlp")}
     subs = dataclasses.replace(dense.submodules, mlp=moe_mlp(choice.experts), sharded_state_dict_keys_map=keys)
     return dataclasses.replace(dense, submodules=subs)

@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 
 from workbench.backend.decoding import (BeamSearchDecoder, GenerationOutput, GraphedDecode, KVCache, SamplingDecoder,
                                         decode_outputs)
+from workbench.config import ConfigError
 
 __all__ = ["T5Engine", "make_engine"]
 
@@ -142,8 +143,6 @@ class T5Engine:
         """Encoder inputs (token-id lists, any lengths) -> generated decoder tokens, one output per prompt."""
         problems = gen.validate()
         if problems:
-            from workbench.config import ConfigError
-
             raise ConfigError(problems)
         prompts = [list(map(int, p)) for p in prompts]
         for i, p in enumerate(prompts):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 from workbench.config import ModelConfig, RunConfig, derive
 from workbench.families.t5 import FAMILY
+from workbench.families.t5.spans import check_t5_tokenizer
 from workbench.models.common.conversion_rules import (ConversionError, Rule, TensorInfo, check_sources, copy_rule,
                                                       need_vocab, pad_vocab_rows, qkv_from_mcore, qkv_to_mcore)
 
@@ -88,8 +89,6 @@ def _tokenizer_ids(cfg: RunConfig) -> dict[str, int]:
     generation used: ``demo-t5``'s pad is 1 and EOS 0); synthetic data's are HF T5's defaults (pad 0, EOS 1)."""
     if cfg.data.source == "synthetic" or not cfg.data.tokenizer:
         return {}
-    from workbench.families.t5.spans import check_t5_tokenizer
-
     try:
         v = check_t5_tokenizer(cfg.data.tokenizer)
     except Exception:  # a tokenizer that is not here or not T5's: HF T5's defaults
