@@ -12,9 +12,12 @@ model says on the notebook's examples.  The notebooks convert it back to a workb
 (:func:`workbench.notebook.demo_checkpoint`) to show what the family does once trained; their own short
 runs show the training itself.
 
-Both models train at once on one GPU (each is far too small to fill it): about ten minutes for 10,000 steps
-of 256 sequences each.  On a 2-core CPU it takes days: 2,000 steps of 64 sequences (35 minutes here) still
-fill every mask with "the".
+The three train at once on one GPU (each is far too small to fill it); what sets their time is building the
+batches on the host (megatron's BERT masking costs 1-2 ms a sample on one core).  Measured on one H200 with 16 cores
+at 44a083c: GPT 8,000 steps x 512 in 5.0 minutes (loss 2.55: 05's prompts continue in words), T5 4,000 in 5.7
+(loss 2.03) and BERT 3,000 in 8.2 (loss 3.45) -- too short for those two: BERT filled 2 of 07's 4 masks with the
+verse's word, T5 none of 08's sentinels; both need about three times the samples, i.e. faster batches.  On a 2-core
+CPU it takes days: 2,000 steps of 64 sequences (35 minutes here) still fill every mask with "the".
 """
 
 from __future__ import annotations
@@ -47,9 +50,7 @@ def _schedule(steps: int, workers: int) -> dict:
 
 
 #: name -> (preset, overrides): the tiny shapes a notebook trains on a CPU, trained far longer, all three at once on
-#: one GPU.  A tiny model's step is short on a GPU; what sets the time is building the batches on the host's cores
-#: (measured on one H200 with 16 cores, all three running: BERT ~8 steps/s of 512 -- megatron's masking costs ~1-2 ms
-#: a sample --, T5 ~12, GPT ~28), so the step counts are chosen to end together in about six minutes.
+#: one GPU, the loader processes shared out by what each model's samples cost (see the module's docstring)
 RECIPES = {
     "bert-tiny-kjv": ("bert-tiny", _schedule(3000, 8)),
     "t5-tiny-kjv": ("t5-tiny", _schedule(4000, 4)),
