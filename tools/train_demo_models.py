@@ -1,8 +1,8 @@
-"""Train the demo models the BERT and T5 notebooks show, and export them where the notebooks load them.
+"""Train the demo models the generation, BERT and T5 notebooks show, and export them where the notebooks load them.
 
     python tools/train_demo_models.py [--device cuda|cpu] [--only bert-tiny-kjv]
 
-Each model is its family's tiny CPU preset (``bert-tiny``, ``t5-tiny``: the shapes a notebook trains on
+Each model is its family's tiny CPU preset (``tiny``, ``bert-tiny``, ``t5-tiny``: the shapes a notebook trains on
 a CPU) trained on the embedded corpus far longer than a notebook's default run, through the workbench's
 own backend (``Run.launch``, megatron-core), then exported with ``megatron_to_hf`` as a Hugging Face
 directory in bf16 (weights and tokenizer, 1-2 MB) in ``workbench/data/corpus/pretrained/``

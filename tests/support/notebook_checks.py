@@ -155,6 +155,16 @@ def _check_conversion(nb) -> None:
 
 def _check_generation(nb) -> None:
     assert "same seed, same tokens: True" in _text(_cell(nb, "same seed, same tokens"))
+    # the demo GPT continues each prompt in words (where the checkout ships it; else the notebook said how to make it
+    # and used a random GPT-2)
+    setup = _text(_cell(nb, 'demo_checkpoint("gpt-tiny-kjv"'))
+    if not _demo_shipped("gpt-tiny-kjv"):
+        assert "the demo model 'gpt-tiny-kjv' is not in this checkout" in setup and "train_demo_models.py" in setup, setup
+        return
+    greedy = _text(_cell(nb, 'print("greedy:")')).split("greedy:", 1)[1]
+    said = [ln.rsplit(" -> ", 1)[1] for ln in greedy.splitlines() if " -> " in ln]
+    words = [re.findall(r"[A-Za-z]{2,}", s) for s in said]
+    assert len(said) == 3 and all(len(w) >= 3 and len(set(w)) >= 2 and "\ufffd" not in s for w, s in zip(words, said)), greedy
 
 
 def _check_data(nb) -> None:

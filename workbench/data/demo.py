@@ -20,7 +20,7 @@ __all__ = ["CORPUS_DIR", "DEMO_CORPUS", "DEMO_MODELS", "DEMO_MODELS_TRAINER", "u
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 DEMO_CORPUS = CORPUS_DIR / "kjv.txt.gz"
-#: the demo models the BERT and T5 notebooks show, as Hugging Face directories (bf16) with provenance.json
+#: the demo models the generation, BERT and T5 notebooks show, as Hugging Face directories (bf16) with provenance.json
 DEMO_MODELS = CORPUS_DIR / "pretrained"
 #: what makes them, from the repository's root (a maintainer's tool, not shipped with the package)
 DEMO_MODELS_TRAINER = "tools/train_demo_models.py"
