@@ -1,4 +1,4 @@
-"""The grouped experts' main_grad accumulation on CUDA, moe-research's shapes (64 experts, fc1 1024x1024, fc2 512x1024,
+"""The grouped experts' main_grad accumulation on CUDA, moe-research's shapes (64 experts, fc1 1024x1024, fc2 1024x512,
 bf16 gradients, fp32 main_grad laid out as megatron DDP lays them: reverse registration order, fc1/fc2 interleaved):
 kernels launched and time per stack backward for the old path (one mixed-dtype foreach: per-tensor) against
 :class:`workbench.backend.moe_experts._MainGradSink` (strided, and its foreach fallback), and whether each sums
@@ -65,7 +65,7 @@ def timed(fn, n=20):
 
 SHAPES = {} if DEV == "cuda" else {"E": 8, "hidden": 32, "ffn": 16}
 g = torch.Generator(device=DEV).manual_seed(0)
-buf0, w1, w2 = layout(**SHAPES)
+_, w1, w2 = layout(**SHAPES)
 grads = [(torch.randn((len(w1), *w1[0].main_grad.shape), device=DEV, generator=g).bfloat16(),
           torch.randn((len(w2), *w2[0].main_grad.shape), device=DEV, generator=g).bfloat16()) for _ in range(2)]
 old = lambda ws, grad: torch._foreach_add_([w.main_grad for w in ws], list(grad.unbind(0)))

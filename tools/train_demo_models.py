@@ -12,11 +12,13 @@ model says on the notebook's examples.  The notebooks convert it back to a workb
 (:func:`workbench.notebook.demo_checkpoint`) to show what the family does once trained; their own short
 runs show the training itself.
 
-The three train at once on one GPU (each is far too small to fill it); what sets their time is building the
-batches on the host (megatron's BERT masking costs 1-2 ms a sample on one core).  Measured on one H200 with 16 cores
-at 44a083c: GPT 8,000 steps x 512 in 5.0 minutes (loss 2.55: 05's prompts continue in words), T5 4,000 in 5.7
-(loss 2.03) and BERT 3,000 in 8.2 (loss 3.45) -- too short for those two: BERT filled 2 of 07's 4 masks with the
-verse's word, T5 none of 08's sentinels; both need about three times the samples, i.e. faster batches.  On a 2-core
+What sets a demo model's time on a GPU is building its batches on the host (megatron's BERT masking costs 1-2 ms a
+sample on one core), so the models share the host's cores out by what their samples cost (:data:`RECIPES`).  The
+three at once on one H200 with 16 cores at 44a083c (GPT 8,000 steps x 512, T5 4,000 x 512, BERT 3,000 x 512): GPT
+in 5.0 minutes (loss 2.55: 05's prompts continue in words), T5 in about 5 (loss 2.03), BERT in 8.2 (loss 3.45) --
+too short for those two: BERT filled 2 of 07's 4 masks with the verse's word, T5 none of 08's sentinels.  The
+recipes since give BERT twice the updates at the same samples with most of the cores (run alone: ``--only
+bert-tiny-kjv``), T5 twice the updates too (with GPT: ``--only t5-tiny-kjv --only gpt-tiny-kjv``); not yet run.  On a 2-core
 CPU it takes days: 2,000 steps of 64 sequences (35 minutes here) still fill every mask with "the".
 """
 
@@ -91,7 +93,7 @@ def examples(name: str, ckpt: Path) -> list[str]:
     return ASK[name](ckpt, EXAMPLES[name])
 
 
-def launch(name: str, device: str, work: Path, steps: int | None = None, batch: int | None = None):
+def launch(name: str, device: str, work: Path, steps: int | None = None, batch: int | None = None, share: float = 1.0):
     """Start the training run of demo model ``name``; returns (run, preset, overrides)."""
     from workbench.config import preset
     from workbench.launch import Run
@@ -105,8 +107,8 @@ def launch(name: str, device: str, work: Path, steps: int | None = None, batch: 
         over.update({"train.micro_batch_size": batch, "train.global_batch_size": batch})
     if device == "cpu":
         over.pop("data.num_workers", None)  # CPU mode builds batches in the rank itself
-    else:  # no more loader processes than the host has cores to spare (recorded as run)
-        over["data.num_workers"] = min(over["data.num_workers"], max((os.cpu_count() or 4) - 2, 1))
+    else:  # this model's share of the loader processes the host's cores allow (recorded as run)
+        over["data.num_workers"] = max(int(over["data.num_workers"] * share), 1)
     cfg = preset(base, **{**over, "parallel.device": device, "parallel.nproc_per_node": 1}).replace(name=name)
     run = Run.launch(cfg, run_root=work)
     print(f"{name}: {run.run_dir}", flush=True)
@@ -114,8 +116,9 @@ def launch(name: str, device: str, work: Path, steps: int | None = None, batch: 
 
 
 def wait_all(runs: dict, when_done, every: float = 30.0) -> None:
-    """Wait for every run, calling ``when_done(name, seconds)`` as each ends and printing each one's step and steps/s
-    (over the last ``every`` seconds, data loading included) every ``every`` seconds."""
+    """Wait for every run, calling ``when_done(name, seconds)`` as each ends (``seconds``: launch to the run's own end,
+    from its ``exit_status.json``) and printing each one's step and steps/s (over the last ``every`` seconds, data
+    loading included) every ``every`` seconds."""
     t0 = last = time.time()
     seen = {name: 0 for name in runs}
     ended: set[str] = set()
@@ -123,8 +126,9 @@ def wait_all(runs: dict, when_done, every: float = 30.0) -> None:
         for name, (run, _b, _o) in runs.items():
             if name not in ended and run.done:
                 ended.add(name)
-                print(f"{name}: {run.status} after {time.time() - t0:.0f} s", flush=True)
-                when_done(name, time.time() - t0)
+                took = float((run.exit_status or {}).get("ended") or time.time()) - t0
+                print(f"{name}: {run.status} after {took:.0f} s", flush=True)
+                when_done(name, took)
         if time.time() - last >= every:
             dt, last = time.time() - last, time.time()
             for name, (run, _b, _o) in runs.items():
@@ -141,10 +145,10 @@ def export(name: str, run, base: str, over: dict, device: str, seconds: float, o
     if run.status != "finished":
         raise SystemExit(f"{name}: the run {run.status}: {run.run_dir}\n{run.log_tail(0)}")
     ckpt = run.run_dir / "checkpoints"
-    out = out_root / name
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    megatron_to_hf(ckpt, out, dtype="bf16", progress=False)
+    out, tmp = out_root / name, out_root / f".{name}.partial"  # the shipped model is replaced only by a whole one
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    megatron_to_hf(ckpt, tmp, dtype="bf16", progress=False)
     cfg = run.config
     losses = run.train_loss["loss"].astype(float)
     evals = run.evals
@@ -161,7 +165,9 @@ def export(name: str, run, base: str, over: dict, device: str, seconds: float, o
             "summary": (f"the {base} preset trained {cfg.train.train_iters} steps x {cfg.train.global_batch_size} "
                         f"sequences on the embedded corpus ({gpu}, {seconds / 60:.1f} min), loss "
                         f"{losses.iloc[-50:].mean():.2f}; made by tools/train_demo_models.py")}
-    (out / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")
+    (tmp / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
     print(f"{name} ({prov['summary']}):", *said, sep="\n  ", flush=True)
     return prov
 
@@ -192,9 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
             print(f"{name}: not exported: {e}", flush=True)
 
+    names = args.only or sorted(RECIPES)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 4)
+    # the loader processes of the models trained together, scaled down to the cores left beside their ranks
+    share = min(1.0, max(cores - 2 * len(names), len(names)) / sum(RECIPES[n][1]["data.num_workers"] for n in names))
+    runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="demo-models-") as tmp:
-        runs = {name: launch(name, device, Path(tmp), args.steps, args.batch) for name in args.only or sorted(RECIPES)}
-        try:
+        try:  # every run started is stopped on the way out, also when a later launch fails
+            for name in names:
+                runs[name] = launch(name, device, Path(tmp), args.steps, args.batch, share)
             wait_all(runs, when_done)
         finally:
             for run, _base, _over in runs.values():

@@ -81,13 +81,11 @@ def _versions() -> dict[str, str]:
     return out
 
 
-
 def _experts_note(paths: dict[str, int]) -> str:
     """The kernel path's words for :func:`workbench.backend.grad_accumulation.install_experts`'s layers by path."""
-    from workbench.backend.grad_accumulation import EXPERT_PATHS
-
     return (f"{sum(paths.values())} grouped expert layers add their stacked weight gradients into main_grad themselves ("
-            + "; ".join(f"{n}: {EXPERT_PATHS.get(k, k)}" for k, n in sorted(paths.items())) + ")")
+            + "; ".join(f"{n}: {grad_accumulation.EXPERT_PATHS.get(k, k)}" for k, n in sorted(paths.items())) + ")")
+
 
 class Trainer:
     """One rank's training run. See the module docstring."""
