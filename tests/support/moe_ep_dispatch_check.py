@@ -60,9 +60,12 @@ def _worker(rank: int, port: int) -> None:
     y = d.combine_postprocess(d.token_combine(d.combine_preprocess(torch.cat(outs))))
     (y * grad).sum().backward()
     want_y, want_x, want_p = _reference(rank)
-    print(json.dumps({"rank": rank, "counts": counts.tolist(), "y": float((y - want_y).abs().max()),
+    row = json.dumps({"rank": rank, "counts": counts.tolist(), "y": float((y - want_y).abs().max()),
                       "x_grad": float((x.grad - want_x).abs().max()), "p_grad": float((p.grad - want_p).abs().max()),
-                      "scale": float(want_y.abs().max())}), flush=True)
+                      "scale": float(want_y.abs().max())})
+    # one write of one line (under PIPE_BUF): the two ranks share the pipe, and print's separate writes of the text
+    # and its newline interleaved under load ('{..}{..}' on one line)
+    os.write(1, (row + "\n").encode())
     dist.destroy_process_group()
 
 
