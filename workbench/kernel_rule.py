@@ -235,6 +235,10 @@ class KernelChoice:
     #: dropless, torch_grouped experts, no FP8, any EP: gathered and summed without atomics, no host sync on one
     #: rank, one all-to-all each way at EP > 1, :mod:`workbench.backend.moe_dispatch`) or "megatron" (its dispatcher)
     moe_dispatch: Literal["", "workbench", "megatron"] = ""
+    #: who routes MoE tokens ("" without experts): "workbench" (where its dispatch runs, softmax scores with the
+    #: Switch aux loss or none: megatron's maths in one function, compiled on CUDA,
+    #: :mod:`workbench.backend.moe_router`) or "megatron" (its TopKRouter)
+    moe_router: Literal["", "workbench", "megatron"] = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "cuda_graphs": self.cuda_graphs}
@@ -259,6 +263,7 @@ class KernelChoice:
             layer += f" [{self.fp8_note}]" if self.fp8_note else ""
         experts = f", experts {self.experts}" if self.experts else ""
         experts += f", {self.moe_dispatch}'s token dispatch" if self.moe_dispatch else ""
+        experts += f", {self.moe_router}'s router" if self.moe_router else ""
         return (f"attention {self.attention}, {layer}{graphs}{experts}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
                 f"optimizer {self.optimizer}")
 
@@ -411,7 +416,8 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         experts=(experts := _experts_slot(cfg, attention, fast)),
-        moe_dispatch=_dispatch_slot(cfg, experts),
+        moe_dispatch=(dispatch := _dispatch_slot(cfg, experts)),
+        moe_router=_router_slot(cfg, dispatch),
         **_fp8_slot(t.fp8, layer, attention, m.hidden_size),
     )
 
@@ -451,6 +457,16 @@ def _dispatch_slot(cfg: Any, experts: str) -> str:
     ours = (moe.token_dispatcher == "alltoall" and p.tensor_parallel == 1 and (p.expert_tensor_parallel or 1) == 1
             and moe.capacity_factor is None and not moe.pad_to_capacity and cfg.train.fp8 == "off")
     return "workbench" if experts == "torch_grouped" and ours else "megatron"
+
+
+def _router_slot(cfg: Any, dispatch: str) -> str:
+    """Who routes an MoE config's tokens (:attr:`KernelChoice.moe_router`): the workbench's router where its token
+    dispatch runs and the load-balancing loss is the Switch one over the micro-batch (or none); megatron's
+    ``TopKRouter`` otherwise (the router itself also hands what it cannot do to megatron's code)."""
+    if not dispatch:
+        return ""
+    ours = dispatch == "workbench" and cfg.model.moe.load_balancing in ("aux_loss", "none")
+    return "workbench" if ours else "megatron"
 
 
 #: ``auto``'s choice where the compiled layer does not apply, by measurement: tokens/s of TE's layer over

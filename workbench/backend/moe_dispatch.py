@@ -28,10 +28,13 @@ rank (:class:`WorkbenchMoELayer`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from workbench.backend.moe_router import WorkbenchRouter
 
 __all__ = ["LocalTokenDispatcher", "WorkbenchMoELayer", "routing_indices", "regroup_index"]
 
@@ -127,6 +130,8 @@ class LocalTokenDispatcher:
     see the module docstring.  ``megatron``: the layer's own dispatcher, for its EP group and local experts."""
 
     shared_experts = None
+    #: the layer's :class:`workbench.backend.moe_router.WorkbenchRouter`, whose counts per expert it takes
+    router = None
 
     def __init__(self, config: Any, megatron: Any = None) -> None:
         self.config = config
@@ -154,7 +159,8 @@ class LocalTokenDispatcher:
         self.routing_map = routing_map
         x = hidden_states.view(-1, hidden_states.shape[-1])
         self.rows, self.slots, flat = routing_indices(routing_map, self.top_k)
-        counts = routing_map.sum(dim=0)
+        counts = self.router.take_counts(routing_map) if self.router is not None else None
+        counts = routing_map.sum(dim=0) if counts is None else counts  # (the workbench router counted them)
         if self.ep > 1:
             self._exchange_plan(counts)
         else:
@@ -219,15 +225,21 @@ class LocalTokenDispatcher:
 
 class WorkbenchMoELayer(MoELayer):
     """megatron's ``MoELayer`` with :class:`LocalTokenDispatcher` where the kernel rule's ``moe_dispatch`` is
-    ``"workbench"`` (the config's ``workbench_kernels``); megatron's dispatcher otherwise.  A forward with a padding
+    ``"workbench"`` (the config's ``workbench_kernels``); megatron's dispatcher otherwise; and the workbench's router
+    (:class:`workbench.backend.moe_router.WorkbenchRouter`) where its ``moe_router`` is.  A forward with a padding
     mask (rows routed to fewer than ``top_k`` experts) takes megatron's dispatcher on one rank and is refused under
     expert parallelism (the EP ranks' collectives must match; the workbench's decoders pass no padding mask)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        kernels = getattr(config, "workbench_kernels", None)
+        if getattr(kernels, "moe_router", "") == "workbench" and kwargs.get("submodules") is not None:
+            kwargs["submodules"] = dataclasses.replace(kwargs["submodules"], router=WorkbenchRouter)
         super().__init__(config, *args, **kwargs)
         self._megatron_dispatcher = self.token_dispatcher
-        if getattr(getattr(config, "workbench_kernels", None), "moe_dispatch", "") == "workbench":
+        if getattr(kernels, "moe_dispatch", "") == "workbench":
             self.token_dispatcher = LocalTokenDispatcher(config, self.token_dispatcher)
+            if isinstance(self.router, WorkbenchRouter):
+                self.token_dispatcher.router = self.router
         self._local_dispatcher = self.token_dispatcher
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None, padding_mask: Any = None):  # noqa: D102
