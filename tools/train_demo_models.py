@@ -39,11 +39,12 @@ from workbench.data.demo import DEMO_MODELS
 
 HERE = Path(__file__).resolve().parent
 
+
 def _schedule(steps: int, batch: int, workers: int) -> dict:
     """A demo model's overrides: ``steps`` of ``batch`` sequences, cosine from 3e-3, ``workers`` loader processes."""
     return {"train.train_iters": steps, "train.lr_decay_iters": steps, "train.micro_batch_size": batch,
             "train.global_batch_size": batch, "train.lr": 3e-3, "train.min_lr": 1e-4,
-            "train.lr_warmup_iters": steps // 20, "train.lr_decay_style": "cosine", "train.eval_interval": steps // 4,
+            "train.lr_warmup_iters": max(steps // 20, 1), "train.lr_decay_style": "cosine", "train.eval_interval": max(steps // 4, 1),
             "train.eval_iters": 4, "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0,
             "data.num_workers": workers}
 
@@ -98,17 +99,12 @@ def launch(name: str, device: str, work: Path, steps: int | None = None, batch: 
     from workbench.config import preset
     from workbench.launch import Run
 
-    base, over = RECIPES[name]
-    over = dict(over)
-    if steps:
-        over.update({"train.train_iters": steps, "train.lr_decay_iters": steps, "train.lr_warmup_iters": max(steps // 20, 1),
-                     "train.eval_interval": max(steps // 4, 1)})
-    if batch:
-        over.update({"train.micro_batch_size": batch, "train.global_batch_size": batch})
+    base, recipe = RECIPES[name]
+    # the recipe's schedule, with the steps / batch asked for instead (their warm-up and evaluations follow)
+    over = _schedule(steps or recipe["train.train_iters"], batch or recipe["train.global_batch_size"],
+                     max(int(recipe["data.num_workers"] * share), 1))
     if device == "cpu":
-        over.pop("data.num_workers", None)  # CPU mode builds batches in the rank itself
-    else:  # this model's share of the loader processes the host's cores allow (recorded as run)
-        over["data.num_workers"] = max(int(over["data.num_workers"] * share), 1)
+        del over["data.num_workers"]  # CPU mode builds batches in the rank itself
     cfg = preset(base, **{**over, "parallel.device": device, "parallel.nproc_per_node": 1}).replace(name=name)
     run = Run.launch(cfg, run_root=work)
     print(f"{name}: {run.run_dir}", flush=True)
