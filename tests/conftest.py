@@ -54,7 +54,7 @@ FILE_SECONDS = {
     "conversion/test_bert_conversion.py": 70, "launch/test_checkpoint_writer.py": 65,
     "generation/test_generation_parallel.py": 65, "cli/test_warning_noise.py": 65,
     "docs/test_readme_tour.py": 200, "bench/test_moe_bench_smoke.py": 120, "docs/test_readme_multi_gpu.py": 120,
-    "launch/test_startup_watch.py": 90, "generation/test_generate_progress.py": 60,
+    "launch/test_startup_watch.py": 90, "generation/test_generate_progress.py": 60, "data_pipeline/test_demo_models.py": 60,
     "backend/test_context_parallel_training.py": 200, "backend/test_context_parallel.py": 60,
 }
 

@@ -15,10 +15,9 @@ runs show the training itself.
 What sets a demo model's time on a GPU is building its batches on the host (megatron's BERT masking costs 1-2 ms a
 sample on one core), so the models share the host's cores out by what their samples cost (:data:`RECIPES`).  The
 three at once on one H200 with 16 cores at 44a083c (GPT 8,000 steps x 512, T5 4,000 x 512, BERT 3,000 x 512): GPT
-in 5.0 minutes (loss 2.55: 05's prompts continue in words), T5 in about 5 (loss 2.03), BERT in 8.2 (loss 3.45) --
-too short for those two: BERT filled 2 of 07's 4 masks with the verse's word, T5 none of 08's sentinels.  The
-recipes since give BERT twice the updates at the same samples with most of the cores (run alone: ``--only
-bert-tiny-kjv``), T5 twice the updates too (with GPT: ``--only t5-tiny-kjv --only gpt-tiny-kjv``); not yet run.  On a 2-core
+in 5.0 minutes, T5 in about 5, BERT in 8.2 (loss 3.45, 2 of 07's 4 masks).  At 6f6966e, the shipped models: BERT alone
+with 14 loaders at 20 steps/s x 256 (8,898 steps in the 460 s ``--deadline``, loss 3.04, 3 of 4 masks), then T5 and GPT
+together at 30 and 37 steps/s (10,000 x 256 in 6.0 minutes, loss 2.00; 8,000 x 512 in 4.0, loss 2.55).  On a 2-core
 CPU it takes days: 2,000 steps of 64 sequences (35 minutes here) still fill every mask with "the".
 """
 
@@ -49,15 +48,21 @@ def _schedule(steps: int, batch: int, workers: int) -> dict:
             "data.num_workers": workers}
 
 
-#: name -> (preset, overrides): the tiny shapes a notebook trains on a CPU, trained far longer.  What sets the time
+#: name -> (preset, overrides): the tiny shapes a notebook trains on a CPU (T5 wider: :data:`T5_WIDER`), trained far longer.  What sets the time
 #: on a GPU is building the batches on the host (the module's docstring has the rates), so BERT trains alone with
 #: most of a 16-core host's loader processes (``--only bert-tiny-kjv``), T5 and GPT together (``--only t5-tiny-kjv
 #: --only gpt-tiny-kjv``): each call under ten minutes.  Three and 2.5 times the steps of half the batch of the run at
 #: 44a083c for BERT and T5 (1.5 and 1.25 times the samples: a tiny model is far from its critical batch size);
 #: ``--deadline`` stops and exports what is still going, so a call that runs short still returns a model.
+#: T5 twice as wide and deep as ``t5-tiny``, four times the FFN (3.4M parameters, ~7 MB in bf16): at ``t5-tiny``'s shapes
+#: (64 wide, 2 + 2 layers) 10,000 x 256 reached loss 2.00 and filled 1 of 08's 3 sentinels with the verse's word
+#: (the model shipped at 6f6966e); the step is the loaders', so the width costs the GPU call nothing it would notice.
+T5_WIDER = {"model.hidden_size": 128, "model.ffn_hidden_size": 512, "model.num_attention_heads": 4,
+            "model.num_layers": 4, "model.decoder_num_layers": 4}
+
 RECIPES = {
     "bert-tiny-kjv": ("bert-tiny", _schedule(9000, 256, 14)),
-    "t5-tiny-kjv": ("t5-tiny", _schedule(10000, 256, 10)),
+    "t5-tiny-kjv": ("t5-tiny", {**_schedule(10000, 256, 10), **T5_WIDER}),
     "gpt-tiny-kjv": ("tiny", _schedule(8000, 512, 3)),
 }
 
@@ -102,8 +107,8 @@ def launch(name: str, device: str, work: Path, steps: int | None = None, batch: 
 
     base, recipe = RECIPES[name]
     # the recipe's schedule, with the steps / batch asked for instead (their warm-up and evaluations follow)
-    over = _schedule(steps or recipe["train.train_iters"], batch or recipe["train.global_batch_size"],
-                     max(int(recipe["data.num_workers"] * share), 1))
+    over = {**recipe, **_schedule(steps or recipe["train.train_iters"], batch or recipe["train.global_batch_size"],
+                                  max(int(recipe["data.num_workers"] * share), 1))}
     if device == "cpu":
         del over["data.num_workers"]  # CPU mode builds batches in the rank itself
     cfg = preset(base, **{**over, "parallel.device": device, "parallel.nproc_per_node": 1}).replace(name=name)
@@ -162,13 +167,15 @@ def export(name: str, run, base: str, over: dict, device: str, seconds: float, o
                                                             text=True).stdout.strip()
     said = examples(name, ckpt)
     gpu = _gpu_name() if device == "cuda" else "cpu"
+    model = [f"{k.split('.', 1)[1]} {v}" for k, v in over.items() if k.startswith("model.")]
+    shape = f" ({', '.join(model)})" if model else ""  # the recipe's own shapes, where it changes the preset's
     prov = {"name": name, "preset": base, "overrides": over, "device": gpu, "commit": commit,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "steps": int(steps),
             "train_wall_s": round(seconds, 1),
             "final_train_loss": round(float(losses.iloc[-50:].mean()), 3),
             "final_eval_loss": round(float(evals["loss"].iloc[-1]), 3) if len(evals) else None,
             "examples": said,
-            "summary": (f"the {base} preset trained {steps} of {cfg.train.train_iters} steps x {cfg.train.global_batch_size} "
+            "summary": (f"the {base} preset{shape} trained {steps} of {cfg.train.train_iters} steps x {cfg.train.global_batch_size} "
                         f"sequences on the embedded corpus ({gpu}, {seconds / 60:.1f} min), loss "
                         f"{losses.iloc[-50:].mean():.2f}; made by tools/train_demo_models.py")}
     (tmp / "provenance.json").write_text(json.dumps(prov, indent=1) + "\n")

@@ -167,6 +167,22 @@ def test_sentinel_tokenizer_and_clear_errors(tmp_path):
         check_t5_tokenizer("demo-t5", cfg)
 
 
+def test_a_prompt_with_a_sentinel_tokenizes_as_span_corruption_made_the_training_input():
+    """A prompt written with spaces round its sentinel ("created the <extra_id_0> and") is the encoder input span
+    corruption makes of the verse: the space before the sentinel went with the masked word (byte-level BPE: 'Ġheaven'),
+    so the sentinel takes no stray 'Ġ' of its own, which a model never saw in training."""
+    v = check_t5_tokenizer("demo-t5")
+    tok = v.tokenizer
+    verse = tok.encode("In the beginning God created the heaven and the earth.")
+    heaven = tok.encode(" heaven")
+    at = next(i for i in range(len(verse)) if verse[i:i + len(heaven)] == heaven)
+    mask = [at <= i < at + len(heaven) for i in range(len(verse))]
+    inp, tgt = corrupt(verse, mask, v.sentinels, v.eos)
+    prompt = tok.encode("In the beginning God created the <extra_id_0> and the earth.") + [v.eos]
+    assert prompt == inp.tolist()
+    assert tgt.tolist() == [v.sentinels[0], *heaven, v.eos]
+
+
 def test_span_rule_says_what_decoder_length_is_needed():
     cfg = preset("t5-tiny", **{"model.decoder_seq_length": 10})
     (field, rule, fix), = [p for p in span_problems(cfg)]

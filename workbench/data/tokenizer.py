@@ -207,7 +207,7 @@ def _demo_t5() -> Tokenizer:
     if not f.is_file():
         raise DataError(str(f), "the demo tokenizer is missing from this install", "reinstall the workbench (pip install -e .)")
     base = _from_tokenizer_json(f, "demo-t5")
-    base.backend.add_special_tokens([AddedToken(f"<extra_id_{i}>", special=True, normalized=False) for i in range(100)])
+    base.backend.add_special_tokens([AddedToken(f"<extra_id_{i}>", special=True, normalized=False, lstrip=True) for i in range(100)])
     return Tokenizer(base.backend, "demo-t5", eos_token=base.eos_token, bos_token=base.bos_token, pad_token=base.pad_token)
 
 
