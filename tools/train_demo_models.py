@@ -48,8 +48,8 @@ def _schedule(steps: int, batch: int, workers: int) -> dict:
             "data.num_workers": workers}
 
 
-#: name -> (preset, overrides): the tiny shapes a notebook trains on a CPU (T5 wider: :data:`T5_WIDER`), trained far longer.  What sets the time
-#: on a GPU is building the batches on the host (the module's docstring has the rates), so BERT trains alone with
+#: name -> (preset, overrides): the tiny shapes a notebook trains on a CPU (T5 wider: :data:`T5_WIDER`), trained far
+#: longer.  What sets the time on a GPU is building the batches on the host (the module's docstring has the rates), so BERT trains alone with
 #: most of a 16-core host's loader processes (``--only bert-tiny-kjv``), T5 and GPT together (``--only t5-tiny-kjv
 #: --only gpt-tiny-kjv``): each call under ten minutes.  Three and 2.5 times the steps of half the batch of the run at
 #: 44a083c for BERT and T5 (1.5 and 1.25 times the samples: a tiny model is far from its critical batch size);
