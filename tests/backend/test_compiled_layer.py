@@ -103,12 +103,15 @@ def test_trainer_steps_identical_with_fast_paths(checks):
 
 def test_compiled_layer_serves_bert_t5_and_rope_with_the_stock_maths(checks):
     """BERT (padding mask, bidirectional), T5 (relative bias, padding-masked encoder, causal decoder with
-    cross-attention; GEGLU and ReLU) and a RoPE/GQA GPT: three Trainer steps on the compiled layer (eager)
-    against megatron's own layers, same losses and gradient norms."""
+    cross-attention; GEGLU and ReLU), a RoPE/GQA GPT and an MoE GPT (a dense layer, then an MoE layer whose attention
+    half is compiled): three Trainer steps on the compiled layer (eager) against megatron's own layers, same losses and
+    gradient norms."""
     r = checks["families"]
-    assert set(r) == {"bert", "t5", "t5-padded", "t5-relu", "gpt-rope"}
+    assert set(r) == {"bert", "t5", "t5-padded", "t5-relu", "gpt-rope", "moe"}
     assert r["t5-padded"]["fast"]["losses"] != r["t5"]["fast"]["losses"]  # the padding changed what was attended
     assert r["t5"]["fast"]["layers"] == 4  # 2 encoder + 2 decoder layers
+    moe = r["moe"]["fast"]
+    assert moe["layers"] == 2 and "attention half only in the 1 MoE layers" in moe["kernel_path"]["fast_layer"], moe
     _assert_families_match(r, 1e-5)
 
 

@@ -167,6 +167,12 @@ def test_grouped_experts_add_into_main_grad_as_ddps_per_weight_hooks(dist_group,
                 view, flipped = m._sinks[0].view, m._sinks[0].flipped
                 assert flipped and view[-1].data_ptr() == w.main_grad.data_ptr()
                 assert view.untyped_storage().data_ptr() == ours.buffers[0].grad_data.untyped_storage().data_ptr()
+        reached = {id(m): 0 for m in (stock, ours)}  # autograd reaching an expert weight's accumulator
+        for m in (stock, ours):
+            for layer in _expert_layers(m):
+                for e in layer.local_experts:
+                    for w in (e.linear_fc1.weight, e.linear_fc2.weight):
+                        w.register_post_accumulate_grad_hook(lambda p, k=id(m): reached.__setitem__(k, reached[k] + 1))
         for step_seeds in ([1, 2], [3, 4]):  # two micro-batches a step: accumulated, not assigned
             for m in (stock, ours):
                 m.zero_grad_buffer()
@@ -181,6 +187,8 @@ def test_grouped_experts_add_into_main_grad_as_ddps_per_weight_hooks(dist_group,
             for name in a:
                 assert torch.equal(a[name], b[name]), name
             assert all(a[n].abs().sum() > 0 for n in experts)
+        # stock: each expert weight's accumulator (and DDP's hook) ran per micro-batch; ours: autograd never reached them
+        assert reached[id(stock)] == 2 * 2 * 2 * 2 * 8 and reached[id(ours)] == 0, reached
         for m in layers:  # the experts' weights got no .grad: DDP's hooks found nothing to add
             assert all(e.linear_fc1.weight.grad is None and e.linear_fc2.weight.grad is None for e in m.local_experts)
     finally:

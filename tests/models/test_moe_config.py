@@ -112,7 +112,10 @@ def test_the_kernel_rule_names_the_experts():
     assert kernel_rule.choose(gpu, te=False).experts == "torch_grouped"
     assert kernel_rule.choose(gpu.replace(**{"model.attention_backend": "te"}), te=True).experts == "te_grouped"
     assert kernel_rule.choose(gpu.replace(**{"model.moe.grouped_gemm": False}), te=False).experts == "sequential"
-    assert kernel_rule.choose(gpu, te=False).layer_reason.startswith("mixture of experts")
+    # the compiled layer: its attention half in the MoE layers (their MLP half megatron's), at TP = 1 only
+    assert kernel_rule.choose(gpu, te=False).layer == "compiled"
+    tp2 = gpu.replace(**{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
+    assert kernel_rule.choose(tp2, te=False).layer_reason.startswith("mixture of experts at TP > 1")
     kernel_rule.allow_fast_paths_on_cpu(True)
     try:
         assert kernel_rule.choose(cpu).experts == "sequential"  # train.compile_kernels off

@@ -314,6 +314,9 @@ FAMILY_CASES = {
     "gpt-rope": ("tiny", {"model.position_embedding": "rope", "model.rotary_percent": 0.5, "model.normalization": "rmsnorm",
                           "model.activation": "swiglu", "model.attention_type": "grouped", "model.num_query_groups": 2,
                           "model.add_bias_linear": False}),
+    # mixture of experts, every second layer (one dense, one MoE): the MoE layer's attention half compiled, its MLP
+    # half (router, dispatch, grouped experts) megatron's
+    "moe": ("moe-tiny", {"model.moe.layer_freq": 2, "model.moe.router_stats_interval": 0}),
 }
 
 

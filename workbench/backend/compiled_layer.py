@@ -59,17 +59,16 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.distributed import _functional_collectives as funcol
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from workbench import kernel_rule
-from workbench.backend.attention import SDPAttention, sdpa_mask
+from workbench.backend.attention import sdpa_mask
+from workbench.backend.layer_rules import MASK_TYPES, activation_name, eps_of, fast_path_blocker, norm_kind, softmax_scale
 from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_step, linear as fp8_linear, \
     open_step as fp8_open_step
 from workbench.backend.optimizer_paths import STATE as _STATE
@@ -369,10 +368,10 @@ def dense_layer_forward(
     stream than attention's.  Zero (the default, and eval) is the dropout-free layer.
     """
     sp, p, masks = sequence_parallel, hidden_dropout, hidden_masks
-    h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
-    ctx = _self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
-                          causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8, dropout=attention_dropout)
-    x = x + _hidden_dropout(_row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp, fp8), p, masks, 0)
+    x = attention_sublayer_forward(x, ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, mask, bias, rope, masks, norm=norm,
+                                   eps1=eps1, heads=heads, groups=groups, head_dim=head_dim, scale=scale, causal=causal,
+                                   tp_group=tp_group, sequence_parallel=sp, fp8=fp8, hidden_dropout=p,
+                                   attention_dropout=attention_dropout)
     if cross is not None:
         y = _cross_attention_sublayer(x, cross, norm=norm, eps=eps_cross, heads=heads, head_dim=head_dim, scale=scale,
                                       tp_group=tp_group, sp=sp, fp8=fp8, dropout=attention_dropout)
@@ -380,6 +379,43 @@ def dense_layer_forward(
     h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
     y = _mlp_sublayer(h_mlp, fc1_w, fc1_b, fc2_w, fc2_b, activation, tp_group, sp, fp8, recompute=recompute_mlp)
     return x + _hidden_dropout(y, p, masks, -1)
+
+
+def attention_sublayer_forward(
+    x: torch.Tensor,
+    ln1_w: torch.Tensor,
+    ln1_b: Optional[torch.Tensor],
+    qkv_w: torch.Tensor,
+    qkv_b: Optional[torch.Tensor],
+    proj_w: torch.Tensor,
+    proj_b: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    rope: Optional[torch.Tensor] = None,
+    hidden_masks: Optional[tuple] = None,
+    *,
+    norm: str,
+    eps1: float,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    scale: float,
+    causal: bool = True,
+    tp_group: Optional[str] = None,
+    sequence_parallel: bool = False,
+    fp8: Optional[str] = None,
+    hidden_dropout: float = 0.0,
+    attention_dropout: float = 0.0,
+) -> torch.Tensor:
+    """The self-attention half of :func:`dense_layer_forward` (its arguments, the same maths): ``x`` plus the
+    attention block's output (norm, QKV, SDPA, output projection with its bias, hidden dropout with the first of
+    ``hidden_masks``).  Compiled alone for a mixture-of-experts layer, whose MLP half is megatron's own."""
+    sp = sequence_parallel
+    h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
+    ctx = _self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
+                          causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8, dropout=attention_dropout)
+    return x + _hidden_dropout(_row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp, fp8), hidden_dropout,
+                               hidden_masks, 0)
 
 
 def _cross_attention_sublayer(
@@ -424,7 +460,7 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False):
     under the weight-gradient GEMMs (:func:`workbench.backend.tp_overlap.sink_weight_gradients`); inductor's peak-memory
     reordering is off for this graph so it keeps that order (it would move the GEMMs back).
     """
-    fn = {"layer": dense_layer_forward, "ce": _cross_entropy_sb}[name]
+    fn = {"layer": dense_layer_forward, "attention": attention_sublayer_forward, "ce": _cross_entropy_sb}[name]
     if not _COMPILE:
         return fn
     import torch._dynamo
@@ -473,121 +509,6 @@ def training_step():
         fp8_close_step()
 
 
-def _norm_kind(module: torch.nn.Module) -> Optional[str]:
-    from workbench.backend.norms import WorkbenchLayerNorm, WorkbenchRMSNorm
-
-    if isinstance(module, WorkbenchLayerNorm) or type(module) is torch.nn.LayerNorm:
-        return "layernorm"
-    if isinstance(module, WorkbenchRMSNorm) or type(module) is getattr(torch.nn, "RMSNorm", None):
-        return "rmsnorm"
-    return None
-
-
-def _eps(module: torch.nn.Module) -> float:
-    return float(getattr(module, "eps"))
-
-
-def _plain_mlp(mlp: torch.nn.Module) -> bool:
-    """mcore's dense MLP, or the backend's RecomputedMLP (same maths when recompute is off)."""
-    return type(mlp) is MLP or (isinstance(mlp, MLP) and type(mlp).__name__ == "RecomputedMLP")
-
-
-_MASK_TYPES = {AttnMaskType.causal: True, AttnMaskType.padding_causal: True, AttnMaskType.padding: False,
-               AttnMaskType.no_mask: False}
-
-
-def _scale(attn: torch.nn.Module) -> float:
-    """An attention module's softmax scale (its core attention's, default ``1/sqrt(d)``)."""
-    return float(getattr(attn.core_attention, "softmax_scale", None) or attn.hidden_size_per_attention_head**-0.5)
-
-
-def _attention_blocker(attn: torch.nn.Module, qkv: str) -> Optional[str]:
-    """Why a self- (``qkv="linear_qkv"``) or cross-attention (``"linear_kv"``) module is not the dense path's."""
-    kind = "cross-attention" if qkv == "linear_kv" else "QKV"
-    if type(getattr(attn, qkv, None)) is not ColumnParallelLinear or (
-            qkv == "linear_kv" and type(getattr(attn, "linear_q", None)) is not ColumnParallelLinear):
-        return f"{kind} projection is not megatron's ColumnParallelLinear"
-    if type(getattr(attn, "linear_proj", None)) is not RowParallelLinear:
-        return "output projection is not megatron's RowParallelLinear"
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attn, name, None) is not None and not isinstance(getattr(attn, name), IdentityOp):
-            return "QK layernorm"
-    if getattr(attn.config, "attention_output_gate", False):
-        return "gated attention"
-    if not isinstance(attn.core_attention, SDPAttention):  # stock DotProductAttention stays stock ('local')
-        return f"core attention {type(attn.core_attention).__name__}"
-    if attn.attn_mask_type not in _MASK_TYPES:
-        return f"attention mask type {attn.attn_mask_type.name}"
-    return None
-
-
-def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
-    """Why this layer cannot take the compiled dense path (None when it can)."""
-    c = layer.config
-    cross = not isinstance(layer.cross_attention, IdentityOp)
-    checks = [
-        ((c.num_query_groups or c.num_attention_heads) < c.tensor_model_parallel_size, "fewer KV groups than TP ranks"),
-        (c.context_parallel_size != 1, "context parallel"),
-        (c.recompute_granularity == "selective", "selective recompute of core attention"),
-        (bool(c.fp32_residual_connection), "fp32 residual connection"),
-        (getattr(c, "workbench_alibi", False), "ALiBi"),
-        (c.softmax_type != "vanilla", "non-vanilla softmax"),
-        (bool(getattr(c, "layernorm_zero_centered_gamma", False)), "zero-centred gamma"),
-        (getattr(c, "window_size", None) is not None, "sliding window"),
-        (bool(getattr(c, "cpu_offloading", False)), "CPU offloading"),
-        (bool(getattr(c, "fp8", None)) or bool(getattr(c, "fp4", None)), "fp8/fp4"),
-        (float(getattr(c, "glu_linear_offset", 0.0) or 0.0) != 0.0, "GLU offset"),
-        (getattr(c, "activation_func_clamp_value", None) is not None, "activation clamp"),
-        (bool(c.rotary_interleaved) or bool(c.apply_rope_fusion) or bool(getattr(c, "multi_latent_attention", False)),
-         "interleaved / fused / MLA rotary embedding"),
-        (float(getattr(layer.self_attention, "_yarn_concentration_factor", 1.0) or 1.0) != 1.0, "YaRN rotary scaling"),
-        (bool(getattr(c, "no_rope_freq", None)), "rotary embedding skipped on some layers (no_rope_freq)"),
-        (not _plain_mlp(layer.mlp), "MoE / non-dense MLP"),
-    ]
-    for bad, why in checks:
-        if bad:
-            return why
-    why = _attention_blocker(layer.self_attention, "linear_qkv")
-    if why is None and cross:
-        why = _attention_blocker(layer.cross_attention, "linear_kv")
-        if why is None and layer.cross_attention.attn_mask_type != AttnMaskType.padding:
-            why = "cross-attention mask type other than padding"
-        if why is None and _scale(layer.cross_attention) != _scale(layer.self_attention):
-            why = "cross-attention softmax scale differs from self-attention's"
-        if why is None and layer.cross_attention.core_attention.dropout_p != layer.self_attention.core_attention.dropout_p:
-            why = "cross-attention dropout differs from self-attention's"
-    if why is not None:
-        return why
-    if type(layer.mlp.linear_fc1) is not ColumnParallelLinear or type(layer.mlp.linear_fc2) is not RowParallelLinear:
-        return "MLP linears are not megatron's Column/RowParallelLinear"
-    norms = [_norm_kind(layer.input_layernorm), _norm_kind(layer.pre_mlp_layernorm)]
-    if cross:
-        norms.append(_norm_kind(layer.pre_cross_attn_layernorm))
-    if None in norms or len(set(norms)) != 1:
-        return "norm is not the workbench / torch LayerNorm or RMSNorm"
-    if _activation(c) is None:
-        return "activation other than GELU / GEGLU / SwiGLU / ReLU"
-    return None
-
-
-def _activation(c: Any) -> Optional[str]:
-    """'gelu' | 'gelu_tanh' | 'swiglu' | 'geglu' | 'geglu_tanh' | 'relu' for the activations the dense path
-    implements, else None."""
-    act = c.activation_func
-    gelu = None
-    if act is F.gelu:
-        gelu = "tanh" if c.bias_activation_fusion else "none"  # megatron's fused bias-GELU is tanh
-    elif isinstance(act, functools.partial) and act.func is F.gelu and not act.args:
-        gelu = act.keywords.get("approximate", "none")
-    if c.gated_linear_unit:
-        if act is F.silu:
-            return "swiglu"
-        return {"none": "geglu", "tanh": "geglu_tanh"}.get(gelu) if gelu else None
-    if act is F.relu:
-        return "relu"
-    return {"none": "gelu", "tanh": "gelu_tanh"}.get(gelu) if gelu else None
-
-
 class CompiledTransformerLayer(TransformerLayer):
     """megatron's TransformerLayer whose dense forward (+backward) is one compiled graph.
 
@@ -609,20 +530,20 @@ class CompiledTransformerLayer(TransformerLayer):
             c = self.config
             attn = self.self_attention
             self._static = dict(
-                norm=_norm_kind(self.input_layernorm),
-                eps1=_eps(self.input_layernorm),
-                eps2=_eps(self.pre_mlp_layernorm),
+                norm=norm_kind(self.input_layernorm),
+                eps1=eps_of(self.input_layernorm),
                 heads=attn.num_attention_heads_per_partition,
                 groups=attn.num_query_groups_per_partition,
                 head_dim=attn.hidden_size_per_attention_head,
-                scale=_scale(attn),
-                activation=_activation(c),
-                causal=_MASK_TYPES[attn.attn_mask_type],
-                recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)),
+                scale=softmax_scale(attn),
+                causal=MASK_TYPES[attn.attn_mask_type],
                 fp8=getattr(c, "workbench_fp8", None),
             )
+            if not self._moe:  # the dense MLP half's
+                self._static.update(eps2=eps_of(self.pre_mlp_layernorm), activation=activation_name(c),
+                                    recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)))
             if self._cross:
-                self._static["eps_cross"] = _eps(self.pre_cross_attn_layernorm)
+                self._static["eps_cross"] = eps_of(self.pre_cross_attn_layernorm)
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
             self._attention_dropout = float(attn.core_attention.dropout_p)
@@ -634,6 +555,11 @@ class CompiledTransformerLayer(TransformerLayer):
     @property
     def _cross(self) -> bool:
         return not isinstance(self.cross_attention, IdentityOp)
+
+    @property
+    def _moe(self) -> bool:
+        """A mixture-of-experts layer: only its attention half is compiled (:func:`attention_sublayer_forward`)."""
+        return bool(getattr(self, "is_moe_layer", False))
 
     _PLAIN_NONE = ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "inference_context", "packed_seq_params",
                    "sequence_len_offset", "inference_params", "padding_mask")
@@ -714,6 +640,8 @@ class CompiledTransformerLayer(TransformerLayer):
         p_attn = self._attention_dropout if self.training else 0.0
         fork = p_attn > 0 and "tp_group" in self._static and not self._static["sequence_parallel"]
         masks = draw_hidden_masks(x, p_hidden, 3 if self._cross else 2) if fork and p_hidden > 0 else None
+        if self._moe:
+            return self._moe_forward(x, kwargs, mask, rope, gemm_w, masks, fork, p_hidden, p_attn), context
         if self._cross:
             xa, lnx = self.cross_attention, self.pre_cross_attn_layernorm
             cross = (context, kwargs.get("context_mask"), lnx.weight, getattr(lnx, "bias", None), gemm_w(xa.linear_q),
@@ -741,6 +669,20 @@ class CompiledTransformerLayer(TransformerLayer):
         # pipeline parallelism frees stage outputs by swapping .data: they must not be views
         out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
         return out, context
+
+
+    def _moe_forward(self, x, kwargs, mask, rope, gemm_w, masks, fork, p_hidden, p_attn) -> torch.Tensor:
+        """A mixture-of-experts layer: the attention half compiled, then megatron's own MLP half (pre-MLP norm,
+        router, token dispatch, experts, bias-dropout-add: ``TransformerLayer._forward_mlp``)."""
+        attn, ln1 = self.self_attention, self.input_layernorm
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            h = _piece("attention")(
+                x, ln1.weight, getattr(ln1, "bias", None), gemm_w(attn.linear_qkv), attn.linear_qkv.bias,
+                gemm_w(attn.linear_proj), attn.linear_proj.bias, None if mask is None else mask.bool(),
+                kwargs.get("attention_bias"), rope[0] if isinstance(rope, tuple) else rope, masks, **self._static,
+                hidden_dropout=p_hidden, attention_dropout=p_attn)
+        self.fast_calls += 1
+        return self._forward_mlp(h)
 
 
 # --------------------------------------------------------------------------- cross entropy
@@ -791,6 +733,8 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
         compiled = [m for m in layers if isinstance(m, CompiledTransformerLayer) and m.fast_path_blocker is None]
         if compiled:
             notes["layer"] = f"compiled dense layer ({len(compiled)}/{len(layers)} layers)"
+            if moe := sum(m._moe for m in compiled):
+                notes["layer"] += f", the attention half only in the {moe} MoE layers (their MLP half megatron's)"
             if compiled[0].config.tensor_model_parallel_size > 1:
                 sp = " + sequence parallel" if compiled[0].config.sequence_parallel else ""
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
@@ -810,7 +754,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if compiled[0].hidden_dropout or compiled[0]._attention_dropout:
                 notes["layer"] += (f", dropout in the graph (hidden {compiled[0].hidden_dropout:g}, "
                                    f"attention {compiled[0]._attention_dropout:g})")
-            if compiled[0]._static["recompute_mlp"]:
+            if any(m._static.get("recompute_mlp") for m in compiled):
                 notes["layer"] += ", MLP recomputed in backward inside the graph"
             if compiled[0].config.recompute_granularity == "full":
                 notes["layer"] += ", under megatron's full recompute"

@@ -118,7 +118,7 @@ def install_experts(ddp_chunks: Iterable[Any]) -> dict[str, int]:
     """Let grouped-GEMM expert layers add their weights' gradients into ``main_grad`` themselves
     (:attr:`workbench.backend.moe_experts.GroupedGemmMLP.main_grad_direct`: per layer and micro-batch one ``add_`` of
     each stacked gradient into a strided view of DDP's buffer, instead of DDP's add in a hook per expert weight; the
-    hooks still run and add nothing); how many layers take each path (``{"strided": 16}``; the paths:
+    weights are not reached by autograd, so their accumulators and hooks do not run); how many layers take each path (``{"strided": 16}``; the paths:
     :class:`workbench.backend.moe_experts._MainGradSink`, laid out here once).  Only where DDP's hook does nothing
     else: not with ``overlap_grad_reduce`` (the hook counts each parameter into its bucket's readiness there), not
     where megatron writes ``main_grad`` itself (:func:`install`'s refusal), and not on layers of one local expert

@@ -128,13 +128,14 @@ class _StackedWeights(torch.autograd.Function):
     """``torch.stack`` of the local experts' weights.  Backward with a ``sink`` (the module's
     :attr:`GroupedGemmMLP.main_grad_direct`): the stacked gradient is added into the weights' ``main_grad``
     (megatron DDP's buffer) by :class:`_MainGradSink` -- under DDP one ``add_`` into a strided view of the buffer --
-    and the weights get no ``.grad``: autograd's accumulators and DDP's hooks still run for each expert weight, but
-    find no gradient and add nothing.  (Before, one ``torch._foreach_add_`` of fp32 ``main_grad`` and bf16 slices,
+    and the weights, passed in detached with an empty ``anchor`` leaf that keeps the stack in the graph, are not
+    reached at all: no ``.grad``, no accumulator, no DDP hook.  (Before, one ``torch._foreach_add_`` of fp32 ``main_grad`` and bf16 slices,
     which torch runs per tensor: one add kernel per weight, 8,192 a step on moe-research, one H200,
     ``bench/results/moe_profile.jsonl``.)  Without a sink each weight gets its slice."""
 
     @staticmethod
-    def forward(ctx, sink: "_MainGradSink | None", *weights: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, sink: "_MainGradSink | None", anchor: "torch.Tensor | None",  # noqa: D102
+                *weights: torch.Tensor) -> torch.Tensor:
         ctx.sink = sink
         return torch.stack(weights)
 
@@ -142,9 +143,9 @@ class _StackedWeights(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         sink, ctx.sink = ctx.sink, None
         if sink is None:
-            return (None, *grad.unbind(0))
+            return (None, None, *grad.unbind(0))
         sink.add(grad)
-        return (None,) * (grad.shape[0] + 1)
+        return (None,) * (grad.shape[0] + 2)
 
 
 class GroupedGemmMLP(SequentialMLP):
@@ -193,9 +194,17 @@ class GroupedGemmMLP(SequentialMLP):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         experts = self.local_experts
         stacks = self._stacks()
-        sinks = self._main_grad_sinks(stacks) if self.main_grad_direct and torch.is_grad_enabled() else (None, None)
-        w1 = _StackedWeights.apply(sinks[0], *stacks[0])
-        w2 = _StackedWeights.apply(sinks[1], *stacks[1])
+        if self.main_grad_direct and torch.is_grad_enabled():
+            sinks = self._main_grad_sinks(stacks)
+            # the weights enter detached: the stack's backward adds into main_grad itself, so nothing reaches their
+            # accumulators, and autograd runs neither those nor DDP's hook on each (8,192 a step on moe-research,
+            # each adding nothing); a fresh empty leaf keeps the stack in the graph
+            anchor = torch.empty(0, device=x.device, requires_grad=True)
+            w1 = _StackedWeights.apply(sinks[0], anchor, *(w.detach() for w in stacks[0]))
+            w2 = _StackedWeights.apply(sinks[1], anchor, *(w.detach() for w in stacks[1]))
+        else:
+            w1 = _StackedWeights.apply(None, None, *stacks[0])
+            w2 = _StackedWeights.apply(None, None, *stacks[1])
         b1 = experts[0].linear_fc1.bias
         b2 = experts[0].linear_fc2.bias
         which = None
