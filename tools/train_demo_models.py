@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -127,10 +128,11 @@ def wait_all(runs: dict, when_done, every: float = 30.0, deadline: float | None 
     ended: set[str] = set()
     while len(ended) < len(runs):
         if deadline is not None and time.time() - t0 >= deadline:
-            for name, (run, _b, _o) in runs.items():
-                if name not in ended and not run.done:
-                    print(f"{name}: stopped at the {deadline:.0f} s deadline, step {run.progress()[0]}", flush=True)
-                    run.stop(grace=120.0)
+            going = [(name, run) for name, (run, _b, _o) in runs.items() if name not in ended and not run.done]
+            for name, run in going:
+                print(f"{name}: stopped at the {deadline:.0f} s deadline, step {run.progress()[0]}", flush=True)
+            with ThreadPoolExecutor(max(len(going), 1)) as pool:  # all at once: none trains on while another saves
+                list(pool.map(lambda named: named[1].stop(grace=120.0), going))
             deadline = None
         for name, (run, _b, _o) in runs.items():
             if name not in ended and run.done:

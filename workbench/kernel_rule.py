@@ -276,6 +276,9 @@ CP_BLOCKER = "context parallel: ring attention's point-to-point calls break a co
 #: half (its MLP half is megatron's); megatron's MoE takes the sequence-parallel input its own way, not yet checked
 #: against the compiled half
 MOE_TP_BLOCKER = "mixture of experts at TP > 1"
+#: why an MoE model under ``train.fp8`` keeps megatron's layer: TE's layer (or megatron's FP8 experts) runs the experts'
+#: GEMMs, most of the FLOPs, in FP8; the compiled layer's FP8 covers its own GEMMs only, not the experts'
+MOE_FP8_BLOCKER = "mixture of experts with FP8 (the experts' GEMMs run FP8 on megatron's layer, not the compiled one)"
 
 
 def fast_paths_wanted(cfg: Any) -> bool:
@@ -294,8 +297,11 @@ def layer_blocker(cfg: Any) -> str | None:
         return family.supports.compiled_layer_blocker
     if int(getattr(p, "context_parallel", 1) or 1) > 1:
         return CP_BLOCKER
-    if getattr(getattr(m, "moe", None), "num_experts", 0) and p.tensor_parallel > 1:
-        return MOE_TP_BLOCKER
+    if getattr(getattr(m, "moe", None), "num_experts", 0):
+        if p.tensor_parallel > 1:
+            return MOE_TP_BLOCKER
+        if cfg.train.fp8 != "off":
+            return MOE_FP8_BLOCKER
     if getattr(m, "qk_layernorm", False):
         return "q/k layernorm (megatron's attention normalises each query / key head)"
     if m.query_groups < p.tensor_parallel:

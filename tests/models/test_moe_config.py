@@ -116,6 +116,10 @@ def test_the_kernel_rule_names_the_experts():
     assert kernel_rule.choose(gpu, te=False).layer == "compiled"
     tp2 = gpu.replace(**{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2})
     assert kernel_rule.choose(tp2, te=False).layer_reason.startswith("mixture of experts at TP > 1")
+    # under FP8 the experts' GEMMs (most of the FLOPs) run FP8 on TE's / megatron's layer: the compiled one would not
+    fp8 = gpu.replace(**{"train.fp8": "tensorwise"})
+    assert kernel_rule.choose(fp8, te=False).layer_reason.startswith("mixture of experts with FP8")
+    assert kernel_rule.choose(fp8, te=True).attention == "te"
     kernel_rule.allow_fast_paths_on_cpu(True)
     try:
         assert kernel_rule.choose(cpu).experts == "sequential"  # train.compile_kernels off
