@@ -151,13 +151,14 @@ def wait_all(runs: dict, when_done, every: float = 30.0, deadline: float | None 
 
 def export(name: str, run, base: str, over: dict, device: str, seconds: float, out_root: Path) -> dict:
     """Export ``run``'s checkpoint as a bf16 HF directory ``out_root/name`` with ``provenance.json``."""
+    from workbench.checkpoint import TRACKER_FILE
     from workbench.conversion import megatron_to_hf
 
     ckpt = run.run_dir / "checkpoints"
-    if run.status != "finished" and not (run.status == "stopped" and (ckpt / "latest_checkpointed_iteration.txt").exists()):
+    if run.status != "finished" and not (run.status == "stopped" and (ckpt / TRACKER_FILE).exists()):
         raise SystemExit(f"{name}: the run {run.status}: {run.run_dir}\n{run.log_tail(0)}")
     # the steps it trained, from the checkpoint's tracker (fewer than the recipe's when stopped at the deadline)
-    steps = int((ckpt / "latest_checkpointed_iteration.txt").read_text().strip())
+    steps = int((ckpt / TRACKER_FILE).read_text().strip())
     out, tmp = out_root / name, out_root / f".{name}.partial"  # the shipped model is replaced only by a whole one
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
