@@ -214,11 +214,13 @@ class KernelChoice:
     #: that are not multiples of 128, so the order is set only where every training length is one, and only in
     #: the training ranks (not for generation, whose lengths vary).
     sdpa_order: tuple[str, ...] = ()
-    #: who replays the layers as CUDA graphs: "torch" (the compiled layer's cudagraph trees, PP = 1), "megatron"
+    #: who replays the layers as CUDA graphs: "step" (the whole forward-backward of a training step, every layer and
+    #: micro-batch, one ``torch.cuda.CUDAGraph``: :mod:`workbench.backend.step_graph`, where
+    #: :func:`step_graph_blocker` finds nothing), "torch" (the compiled layer's cudagraph trees, PP = 1), "megatron"
     #: (megatron's CudaGraphManager, ``cuda_graph_impl: local``: TE's layer, and the compiled layer under pipeline
     #: parallelism, where it records one graph per layer and micro-batch in the schedule's order and shares one
     #: memory pool; a graph-safe RNG tracker, TE's where TE is usable), "" (none)
-    cuda_graphs_impl: Literal["", "torch", "megatron"] = ""
+    cuda_graphs_impl: Literal["", "step", "torch", "megatron"] = ""
     #: how TP > 1 hides its collectives: "compiled" (``parallel.tp_comm_overlap``: the compiled layer's backward
     #: computes weight gradients under the input-gradient collective), "userbuffers" (``parallel.te_userbuffers``:
     #: TE's layer through megatron's ``tp_comm_overlap``, GEMMs split and pipelined with the all-gather /
@@ -255,7 +257,8 @@ class KernelChoice:
 
     def describe(self) -> str:
         layer = "compiled layer" if self.layer == "compiled" else f"stock layer ({self.layer_reason})"
-        graphs = {"torch": ", CUDA graphs", "megatron": ", megatron's CUDA graphs"}.get(self.cuda_graphs_impl, "")
+        graphs = {"step": ", the step as one CUDA graph", "torch": ", CUDA graphs",
+                  "megatron": ", megatron's CUDA graphs"}.get(self.cuda_graphs_impl, "")
         if self.tp_overlap == "userbuffers":
             graphs += ", TP comm overlap in TE's userbuffers"
         if self.fp8 != "off":
@@ -333,12 +336,35 @@ def graphs_off_reason(cfg: Any) -> str | None:
     return None
 
 
-def graphs_impl(cfg: Any, layer: str) -> Literal["torch", "megatron"]:
-    """Who records a graphed layer: torch's cudagraph trees for the compiled layer without pipelining (one
-    stable path per step, parameters as static inputs); megatron's CudaGraphManager for TE's layer and for the
-    compiled layer under pipeline parallelism, where 1F1B / interleaving keep several micro-batches in flight:
-    it records one graph per layer and micro-batch in the order the schedule ran them, in one pool."""
-    return "torch" if layer == "compiled" and int(cfg.parallel.pipeline_parallel) == 1 else "megatron"
+def step_graph_blocker(cfg: Any) -> str | None:
+    """Why a compiled-layer run without pipelining does not capture its whole training step as one CUDA graph
+    (None: it does, :mod:`workbench.backend.step_graph`).  A captured step replays what the host did once: every
+    condition below is host-side work that differs between steps or that a capture cannot hold.
+
+    Why the step: BERT-base as shipped (8 micro-batches of 8 x 512) ran 81 ms of kernels in a 236 ms step on an
+    H200 with per-layer graphs (b534cf8, ``bench/results/bert_train.jsonl:12``): the host, launching the
+    trees' replays, the hooks and the schedule's Python for 96 layer calls a step, was the step."""
+    p, t = cfg.parallel, cfg.train
+    if p.world_size > 1:
+        return "more than one process (collectives inside one captured step are not proven here)"
+    if t.precision == "fp16":
+        return "fp16 (megatron's dynamic loss scale replaces its scale tensor between steps)"
+    if t.fp8 != "off":
+        return "train.fp8 (the FP8 weight copies are cast on the host's schedule once a step)"
+    if t.forward_step or t.loss_func or t.return_logits:
+        return "a custom train step (train.forward_step / loss_func / return_logits: Python a capture would freeze)"
+    return None
+
+
+def graphs_impl(cfg: Any, layer: str) -> Literal["step", "torch", "megatron"]:
+    """Who records a graphed layer: the whole step as one graph for the compiled layer without pipelining where
+    :func:`step_graph_blocker` finds nothing; else torch's cudagraph trees for the compiled layer without
+    pipelining (one stable path per step, parameters as static inputs); megatron's CudaGraphManager for TE's layer
+    and for the compiled layer under pipeline parallelism, where 1F1B / interleaving keep several micro-batches in
+    flight: it records one graph per layer and micro-batch in the order the schedule ran them, in one pool."""
+    if layer == "compiled" and int(cfg.parallel.pipeline_parallel) == 1:
+        return "torch" if step_graph_blocker(cfg) else "step"
+    return "megatron"
 
 
 def _te_graphs_off(cfg: Any, te_spec: bool) -> str:

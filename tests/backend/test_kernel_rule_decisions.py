@@ -89,7 +89,7 @@ def test_explicit_backends_are_kept_and_the_layer_says_why_not():
 
 def test_cuda_graphs_on_transformer_engines_layer_are_megatrons():
     """TE's layer is host-bound (bench/README session 14): its layers replay as megatron's CUDA graphs."""
-    assert kernel_rule.choose(GPU, te=True).cuda_graphs_impl == "torch"  # the compiled layer: cudagraph trees
+    assert kernel_rule.choose(GPU, te=True).cuda_graphs_impl == "step"  # the compiled layer, one process: the step
     te = kernel_rule.choose(GPU.replace(**{"model.attention_backend": "te"}), te=True)
     assert (te.cuda_graphs, te.cuda_graphs_impl) == (True, "megatron") and "megatron's CUDA graphs" in te.describe()
     sel = kernel_rule.choose(GPU.replace(**{"model.attention_backend": "te", "parallel.recompute": "selective"}), te=True)
@@ -118,7 +118,7 @@ def test_cuda_graphs_follow_the_layout():
         pp = kernel_rule.choose(pp_cfg, te=False)
         assert (pp.layer, pp.cuda_graphs, pp.grad_accumulation) == ("compiled", False, "workbench")
         assert pp.cuda_graphs_reason.startswith("pipeline parallel")
-    assert kernel_rule.choose(GPU, te=False).cuda_graphs_impl == "torch"
+    assert kernel_rule.choose(GPU, te=False).cuda_graphs_impl == "step"
     te_pp = kernel_rule.choose(GPU.replace(**{"parallel.pipeline_parallel": 2, "parallel.nproc_per_node": 2,
                                           "model.attention_backend": "te"}), te=True)
     assert not te_pp.cuda_graphs and te_pp.cuda_graphs_reason.startswith("pipeline parallel on TE's layer")
@@ -126,6 +126,26 @@ def test_cuda_graphs_follow_the_layout():
     assert not full.cuda_graphs and "full recompute" in full.cuda_graphs_reason
     off = kernel_rule.choose(GPU.replace(**{"train.cuda_graphs": False}), te=False)
     assert not off.cuda_graphs and off.cuda_graphs_reason == ""
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"parallel.nproc_per_node": 2}, "more than one process"),
+    ({"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2}, "more than one process"),
+    ({"train.precision": "fp16"}, "fp16"),
+    ({"train.fp8": "tensorwise"}, "train.fp8"),
+    ({"train.loss_func": "pkg.mod:fn"}, "custom train step"),
+    ({"train.return_logits": True}, "custom train step"),
+])
+def test_the_whole_step_is_one_graph_only_where_a_replay_sees_everything(fields, why):
+    """One process, bf16 / fp32, no FP8, no hooks: the step is captured whole; otherwise the compiled layers keep
+    their own graphs (cudagraph trees), and the summary names the reason."""
+    assert kernel_rule.step_graph_blocker(GPU) is None
+    assert kernel_rule.choose(GPU.replace(**{"train.precision": "fp32"}), te=False).cuda_graphs_impl == "step"
+    k = kernel_rule.choose(GPU.replace(**fields), te=False)
+    assert k.layer == "compiled" and k.cuda_graphs_impl == "torch", k.describe()
+    assert why in kernel_rule.step_graph_blocker(GPU.replace(**fields))
+    assert "the step as one CUDA graph" in kernel_rule.choose(GPU, te=False).describe()
+    assert "the step as one CUDA graph" not in k.describe()
 
 
 def test_the_choice_is_torch_free_and_serialisable():

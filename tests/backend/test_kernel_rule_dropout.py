@@ -19,7 +19,7 @@ def test_presets_at_their_defaults_train_on_the_compiled_layer(name, te):
     cfg = preset(name)
     assert cfg.parallel.device == "cuda" and cfg.train.compile_kernels  # the presets' own GPU defaults
     k = kernel_rule.choose(cfg, te=te, apex=False)
-    assert (k.attention, k.layer, k.layer_reason, k.cuda_graphs_impl) == ("sdpa", "compiled", "", "torch"), k.describe()
+    assert (k.attention, k.layer, k.layer_reason, k.cuda_graphs_impl) == ("sdpa", "compiled", "", "step"), k.describe()
 
 
 def test_bert_and_t5_presets_ship_with_dropout():

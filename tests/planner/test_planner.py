@@ -355,7 +355,7 @@ def test_kernel_path_is_the_backend_rule():
     # a pinned layer carries its graphs' owner with it
     pinned = planner.kernel_path(gpu.replace(**{"model.attention_backend": "te"}),
                                  PlannerAssumptions(transformer_engine=True, compiled_layer=True))
-    assert (pinned.layer, pinned.cuda_graphs, pinned.cuda_graphs_impl) == ("compiled", True, "torch")
+    assert (pinned.layer, pinned.cuda_graphs, pinned.cuda_graphs_impl) == ("compiled", True, "step")  # one process
     # ... and TE's layer where FP8 is asked for there, or explicitly
     for cfg in (preset("llama-small", **{"data.reset_attention_mask": True, "train.fp8": "delayed"}),
                 gpu.replace(**{"model.attention_backend": "te"})):

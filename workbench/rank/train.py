@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from workbench import kernel_rule
-from workbench.backend import compiled_layer, distributed, grad_accumulation
+from workbench.backend import compiled_layer, distributed, grad_accumulation, step_graph
 from workbench.backend.attention import apply_sdpa_order
 from workbench.backend.model import kernel_path, training_step_fields, transformer_config
 from workbench.backend.optimizer_paths import prepare_optimizer
@@ -220,6 +220,12 @@ class Trainer:
             tc.no_sync_func = [m.no_sync for m in self.model]
             tc.no_sync_func = tc.no_sync_func[0] if len(self.model) == 1 else tc.no_sync_func
         self.forward_backward = get_forward_backward_func()
+        # the whole training step as one CUDA graph where the kernel rule chose it (hooks handed to the Trainer
+        # in Python, not through the config the rule read, keep it eager: a capture would freeze their Python)
+        h = self.hooks
+        graphed = kernel_rule.decided(self.cfg, tc).cuda_graphs_impl == "step" and self.cuda
+        self.step_graph = (step_graph.StepGraph(self.forward_backward)
+                           if graphed and not (h.forward_step or h.loss_func or h.return_logits) else None)
         self.timer = timing.MicrobatchTimer(cuda=self.cuda)
         timing.install()
 
@@ -390,7 +396,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
-        sample = t.microbatch_timing_interval > 0 and (self.iteration + 1) % t.microbatch_timing_interval == 0
+        sample = (t.microbatch_timing_interval > 0 and (self.iteration + 1) % t.microbatch_timing_interval == 0
+                  and self.step_graph is None)  # a captured step records no events of its own
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -401,7 +408,7 @@ class Trainer:
         self.timer.begin_step(sample)
         # [perf hook] a new path through the CUDA-graph trees; weights fixed (FP8 copies cast once) until it ends
         with compiled_layer.training_step():
-            reports = self.forward_backward(
+            reports = (self.step_graph or self.forward_backward)(
                 forward_step_func=self._make_forward_step(train=True),
                 data_iterator=self._data_iter(self.train_iters),
                 model=self.model if len(self.model) > 1 else self.model[0],

@@ -105,7 +105,7 @@ def loss(batch: Any, output: Any) -> tuple[Any, Any, dict]:
         sop = F.cross_entropy(binary.float(), target)
         total = mlm_sum + sop * num_tokens.float()
         b = float(target.numel())
-        report[SOP_NAME] = torch.stack([sop.detach() * b, torch.tensor(b, device=sop.device)])
+        report[SOP_NAME] = torch.stack([sop.detach() * b, torch.full_like(sop.detach(), b)])  # (no host copy: capturable)
     if correct is not None:
         report[ACCURACY_NAME] = torch.stack([torch.sum(correct.reshape(-1) * mask).detach(), n.detach()])
     return total, num_tokens, report
@@ -119,7 +119,7 @@ def classification_loss(batch: Any, logits: Any) -> tuple[Any, Any, dict]:
     target = batch.extra["label"].reshape(-1).long()
     logits = logits.float()
     ce = F.cross_entropy(logits, target, reduction="sum")
-    n = torch.tensor(float(target.numel()), device=logits.device)
+    n = torch.full((), float(target.numel()), device=logits.device)  # (no host copy: capturable)
     correct = (logits.argmax(dim=-1) == target).float().sum()
     report = {LOSS_NAME: torch.stack([ce.detach().clone(), n]), CLASS_ACCURACY_NAME: torch.stack([correct.detach(), n])}
     return ce, n.to(torch.int), report

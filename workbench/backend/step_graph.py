@@ -1,0 +1,92 @@
+"""A training step's whole forward-backward as one CUDA graph (``kernel_rule.KernelChoice.cuda_graphs_impl == "step"``).
+
+Per-layer graphs still leave the host launching a step: BERT-base as shipped (8 micro-batches of 8 x 512) ran 81 ms
+of kernels in a 236 ms step on an H200 (b534cf8), the rest the host replaying 192 layer graphs through the
+cudagraph trees' bookkeeping, megatron's schedule and DDP hooks, and the eager embedding, head and loss.  Here the
+trainer's call of megatron's forward-backward function runs eagerly for the first :data:`WARMUP_STEPS` steps
+(compiling, autotuning, the NCCL communicator of megatron's one-rank gradient all-reduce), is captured once, and
+is replayed from then on: one launch for every layer, micro-batch, loss and gradient accumulation of the step.
+The optimizer step, the zeroing of the gradient buffers and the reading of the losses stay outside, on the host's
+schedule; the compiled layers inside compile without cudagraph trees (a capture cannot nest).
+
+What a replay cannot see, the kernel rule keeps off this path (:func:`workbench.kernel_rule.step_graph_blocker`):
+more than one process, fp16's loss scale, FP8's per-step weight casts, custom train-step hooks.  What it handles
+here: each step's micro-batches are read before the replay (the loader's order and prefetching unchanged) and
+copied into the captured input tensors; a micro-batch of another shape or dtype than the captured ones runs that
+step eagerly instead (counted in :attr:`StepGraph.eager_steps`).  Random numbers (dropout) come from torch's
+default CUDA generator, which a capture registers: each replay draws new ones.  Micro-batch timing is not sampled
+(the trainer's timer would record events once, at capture).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+#: eager steps before the capture: the first compiles the layers and autotunes, the second runs them compiled
+#: (a capture must find nothing left to compile: compiling synchronises)
+WARMUP_STEPS = 2
+
+Batch = dict[str, torch.Tensor]
+
+
+def _signature(batch: Batch) -> tuple:
+    return tuple((k, tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else (k, repr(v))
+                 for k, v in sorted(batch.items()))
+
+
+class StepGraph:
+    """Calls like megatron's ``forward_backward_func`` (keyword arguments, one model chunk, one data iterator)."""
+
+    def __init__(self, forward_backward: Callable[..., Any], warmup: int = WARMUP_STEPS):
+        self.forward_backward = forward_backward
+        self.warmup = warmup
+        self.calls = 0
+        #: steps run eagerly after the capture (a micro-batch unlike the captured ones)
+        self.eager_steps = 0
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self._inputs: list[Batch] = []
+        self._signature: tuple = ()
+        self._result: Any = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def __call__(self, *, data_iterator: Any, num_microbatches: int, forward_only: bool = False, **kwargs: Any) -> Any:
+        if forward_only or isinstance(data_iterator, list) or isinstance(kwargs.get("model"), list):
+            raise ValueError("StepGraph captures a training step of one model chunk (PP = 1) with one data iterator")
+        batches = [next(data_iterator) for _ in range(num_microbatches)]
+        self.calls += 1
+        signature = tuple(_signature(b) for b in batches)
+        if self.calls <= self.warmup or (self.captured and signature != self._signature):
+            self.eager_steps += self.captured
+            return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
+                                         forward_only=False, **kwargs)
+        if not self.captured:
+            self._capture(batches, signature, num_microbatches, kwargs)
+        else:
+            for held, batch in zip(self._inputs, batches):
+                for k, v in batch.items():
+                    if isinstance(v, torch.Tensor):
+                        held[k].copy_(v, non_blocking=True)
+        self.graph.replay()
+        return self._result
+
+    def _capture(self, batches: list[Batch], signature: tuple, num_microbatches: int, kwargs: dict) -> None:
+        """Record the step into a graph (nothing runs: the caller replays it for this step's numbers)."""
+        self._inputs = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in batches]
+        self._signature = signature
+        if hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
+            # the warm-up's autograd nodes remember the default stream; the capture runs on a side stream
+            torch.autograd.graph.set_override_stale_capture_stream(True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up's cached blocks: the graph's own pool holds the step from now on
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        # thread_local: the loader's pin-memory thread may touch CUDA while this thread captures
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            self._result = self.forward_backward(data_iterator=iter(self._inputs), num_microbatches=num_microbatches,
+                                                 forward_only=False, **kwargs)
+        torch.cuda.synchronize()
+        self.graph = graph
