@@ -132,6 +132,7 @@ def test_cuda_graphs_follow_the_layout():
     ({"parallel.nproc_per_node": 2}, "more than one process"),
     ({"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2}, "more than one process"),
     ({"train.precision": "fp16"}, "fp16"),
+    ({"parallel.overlap_grad_reduce": True}, "overlap_grad_reduce"),
     ({"train.fp8": "tensorwise"}, "train.fp8"),
     ({"train.loss_func": "pkg.mod:fn"}, "custom train step"),
     ({"train.return_logits": True}, "custom train step"),

@@ -48,7 +48,13 @@ def run(name: str, graphs: bool, steps: int, timeout: float) -> dict:
     return {"returncode": proc.returncode, "impl": (start.get("kernels") or {}).get("cuda_graphs_impl"),
             "cuda_graphs": (start.get("kernel_path") or {}).get("fast_cuda_graphs"),
             "losses": [e.get("loss") for e in steps_ev], "step_s": harness.median(times) if times else None,
-            "error": None if proc.returncode == 0 else proc.stderr[-3000:]}
+            "error": None if proc.returncode == 0 else _first_traceback(proc.stderr)}
+
+
+def _first_traceback(err: str) -> str:
+    """The first Python traceback of a failed rank (a failed capture's own error names only the one before it)."""
+    at = err.find("Traceback (most recent call last)")
+    return (err[at:at + 6000] if at >= 0 else "") + "\n...\n" + err[-1500:]
 
 
 def main() -> int:

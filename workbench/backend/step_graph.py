@@ -4,10 +4,10 @@ Per-layer graphs still leave the host launching a step: BERT-base as shipped (8 
 of kernels in a 236 ms step on an H200 (b534cf8), the rest the host replaying 192 layer graphs through the
 cudagraph trees' bookkeeping, megatron's schedule and DDP hooks, and the eager embedding, head and loss.  Here the
 trainer's call of megatron's forward-backward function runs eagerly for the first :data:`WARMUP_STEPS` steps
-(compiling, autotuning, the NCCL communicator of megatron's one-rank gradient all-reduce), is captured once, and
-is replayed from then on: one launch for every layer, micro-batch, loss and gradient accumulation of the step.
-The optimizer step, the zeroing of the gradient buffers and the reading of the losses stay outside, on the host's
-schedule; the compiled layers inside compile without cudagraph trees (a capture cannot nest).
+(compiling, autotuning), on the stream the capture will use, is captured once, and is replayed from then on: one
+launch for every layer, micro-batch, loss and gradient accumulation of the step.  Megatron's gradient finalisation
+(DDP's all-reduce, over one rank here), the optimizer step, the zeroing of the gradient buffers and the reading of
+the losses stay outside, eager; the compiled layers inside compile without cudagraph trees (a capture cannot nest).
 
 What a replay cannot see, the kernel rule keeps off this path (:func:`workbench.kernel_rule.step_graph_blocker`):
 more than one process, fp16's loss scale, FP8's per-step weight casts, custom train-step hooks.  What it handles
@@ -20,6 +20,7 @@ default CUDA generator, which a capture registers: each replay draws new ones.  
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,9 +40,16 @@ def _signature(batch: Batch) -> tuple:
 class StepGraph:
     """Calls like megatron's ``forward_backward_func`` (keyword arguments, one model chunk, one data iterator)."""
 
-    def __init__(self, forward_backward: Callable[..., Any], warmup: int = WARMUP_STEPS):
+    def __init__(self, forward_backward: Callable[..., Any], config: Any = None, warmup: int = WARMUP_STEPS):
         self.forward_backward = forward_backward
+        #: the model's TransformerConfig: its ``finalize_model_grads_func`` (DDP's gradient all-reduce, over one rank
+        #: here) runs after each replay, eagerly, instead of inside the graph (no collective in a capture)
+        self.config = config
         self.warmup = warmup
+        #: the warm-up, the capture and nothing else run on this stream: the lazily made per-stream state (cuBLAS
+        #: workspaces, the parameters' gradient-accumulation nodes' stream) is made before the capture, not in it
+        self.stream: Optional[torch.cuda.Stream] = None
+        self._finalize_args: Optional[tuple] = None
         self.calls = 0
         #: steps run eagerly after the capture (a micro-batch unlike the captured ones)
         self.eager_steps = 0
@@ -60,10 +68,14 @@ class StepGraph:
         batches = [next(data_iterator) for _ in range(num_microbatches)]
         self.calls += 1
         signature = tuple(_signature(b) for b in batches)
-        if self.calls <= self.warmup or (self.captured and signature != self._signature):
-            self.eager_steps += self.captured
+        if self.captured and signature != self._signature:
+            self.eager_steps += 1
             return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
                                          forward_only=False, **kwargs)
+        if self.calls <= self.warmup:
+            with self._side_stream():
+                return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
+                                             forward_only=False, **kwargs)
         if not self.captured:
             self._capture(batches, signature, num_microbatches, kwargs)
         else:
@@ -72,7 +84,21 @@ class StepGraph:
                     if isinstance(v, torch.Tensor):
                         held[k].copy_(v, non_blocking=True)
         self.graph.replay()
+        if self._finalize_args is not None:
+            self.config.finalize_model_grads_func(*self._finalize_args[0], **self._finalize_args[1])
         return self._result
+
+    @contextlib.contextmanager
+    def _side_stream(self):
+        if not torch.cuda.is_available():
+            yield
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
 
     def _capture(self, batches: list[Batch], signature: tuple, num_microbatches: int, kwargs: dict) -> None:
         """Record the step into a graph (nothing runs: the caller replays it for this step's numbers)."""
@@ -83,10 +109,19 @@ class StepGraph:
             torch.autograd.graph.set_override_stale_capture_stream(True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's cached blocks: the graph's own pool holds the step from now on
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        # thread_local: the loader's pin-memory thread may touch CUDA while this thread captures
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            self._result = self.forward_backward(data_iterator=iter(self._inputs), num_microbatches=num_microbatches,
-                                                 forward_only=False, **kwargs)
+        graph = torch.cuda.CUDAGraph()
+        finalize = getattr(self.config, "finalize_model_grads_func", None)
+        if finalize is not None:
+            def held(*args: Any, **kw: Any) -> None:  # the schedule's call, kept for after each replay
+                self._finalize_args = (args, kw)
+            self.config.finalize_model_grads_func = held
+        try:
+            # thread_local: the loader's pin-memory thread may touch CUDA while this thread captures
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                self._result = self.forward_backward(data_iterator=iter(self._inputs),
+                                                     num_microbatches=num_microbatches, forward_only=False, **kwargs)
+        finally:
+            if finalize is not None:
+                self.config.finalize_model_grads_func = finalize
         torch.cuda.synchronize()
         self.graph = graph

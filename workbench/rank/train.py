@@ -224,7 +224,7 @@ class Trainer:
         # in Python, not through the config the rule read, keep it eager: a capture would freeze their Python)
         h = self.hooks
         graphed = kernel_rule.decided(self.cfg, tc).cuda_graphs_impl == "step" and self.cuda
-        self.step_graph = (step_graph.StepGraph(self.forward_backward)
+        self.step_graph = (step_graph.StepGraph(self.forward_backward, tc)
                            if graphed and not (h.forward_step or h.loss_func or h.return_logits) else None)
         self.timer = timing.MicrobatchTimer(cuda=self.cuda)
         timing.install()
