@@ -4,7 +4,7 @@ Per-layer graphs still leave the host launching a step: BERT-base as shipped (8 
 of kernels in a 236 ms step on an H200 (b534cf8), the rest the host replaying 192 layer graphs through the
 cudagraph trees' bookkeeping, megatron's schedule and DDP hooks, and the eager embedding, head and loss.  Here the
 trainer's call of megatron's forward-backward function runs eagerly for the first :data:`WARMUP_STEPS` steps
-(compiling, autotuning), on the stream the capture will use, is captured once, and is replayed from then on: one
+(compiling, autotuning), is captured once on the process's own stream (:func:`own_stream`), and is replayed from then on: one
 launch for every layer, micro-batch, loss and gradient accumulation of the step.  Megatron's gradient finalisation
 (DDP's all-reduce, over one rank here), the optimizer step, the zeroing of the gradient buffers and the reading of
 the losses stay outside, eager; the compiled layers inside compile without cudagraph trees (a capture cannot nest).
@@ -20,7 +20,6 @@ default CUDA generator, which a capture registers: each replay draws new ones.  
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,6 +36,17 @@ def _signature(batch: Batch) -> tuple:
                  for k, v in sorted(batch.items()))
 
 
+def own_stream() -> None:
+    """Make a new stream the process's current one, for the whole run.  Call before megatron's DDP wraps the model:
+    the parameters' gradient-accumulation nodes, which DDP makes once and keeps, run their backward on the stream
+    that was current when they were made.  Made on the legacy default stream, a capture's backward would have to
+    make that stream wait on the capturing one, which CUDA refuses ("operation would make the legacy stream depend
+    on a capturing blocking stream": torch 2.11 on an H200; torch 2.14's
+    ``torch.autograd.graph.set_override_stale_capture_stream`` redirects such nodes instead).  On this stream the
+    warm-up, the capture and every replay run where those nodes do."""
+    torch.cuda.set_stream(torch.cuda.Stream())
+
+
 class StepGraph:
     """Calls like megatron's ``forward_backward_func`` (keyword arguments, one model chunk, one data iterator)."""
 
@@ -46,9 +56,6 @@ class StepGraph:
         #: here) runs after each replay, eagerly, instead of inside the graph (no collective in a capture)
         self.config = config
         self.warmup = warmup
-        #: the warm-up, the capture and nothing else run on this stream: the lazily made per-stream state (cuBLAS
-        #: workspaces, the parameters' gradient-accumulation nodes' stream) is made before the capture, not in it
-        self.stream: Optional[torch.cuda.Stream] = None
         self._finalize_args: Optional[tuple] = None
         self.calls = 0
         #: steps run eagerly after the capture (a micro-batch unlike the captured ones)
@@ -73,9 +80,8 @@ class StepGraph:
             return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
                                          forward_only=False, **kwargs)
         if self.calls <= self.warmup:
-            with self._side_stream():
-                return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
-                                             forward_only=False, **kwargs)
+            return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
+                                         forward_only=False, **kwargs)
         if not self.captured:
             self._capture(batches, signature, num_microbatches, kwargs)
         else:
@@ -87,18 +93,6 @@ class StepGraph:
         if self._finalize_args is not None:
             self.config.finalize_model_grads_func(*self._finalize_args[0], **self._finalize_args[1])
         return self._result
-
-    @contextlib.contextmanager
-    def _side_stream(self):
-        if not torch.cuda.is_available():
-            yield
-            return
-        if self.stream is None:
-            self.stream = torch.cuda.Stream()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            yield
-        torch.cuda.current_stream().wait_stream(self.stream)
 
     def _capture(self, batches: list[Batch], signature: tuple, num_microbatches: int, kwargs: dict) -> None:
         """Record the step into a graph (nothing runs: the caller replays it for this step's numbers)."""
@@ -117,7 +111,8 @@ class StepGraph:
             self.config.finalize_model_grads_func = held
         try:
             # thread_local: the loader's pin-memory thread may touch CUDA while this thread captures
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            # on the current stream (own_stream's), where the warm-up ran and the parameters' nodes run
+            with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
                 self._result = self.forward_backward(data_iterator=iter(self._inputs),
                                                      num_microbatches=num_microbatches, forward_only=False, **kwargs)
         finally:

@@ -128,6 +128,8 @@ class Trainer:
         # the one kernel rule's decision for this process (workbench.kernel_rule.choose), what the planner assumed:
         # made once here, carried by the TransformerConfig to every builder of the model (kernel_rule.decided)
         choice = kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
+        if choice.cuda_graphs_impl == "step" and self.cuda:
+            step_graph.own_stream()  # before DDP makes the parameters' gradient-accumulation nodes
         userbuffers = initialize_userbuffers(cfg, choice)  # TE's layer at TP > 1: before the model's TE linears are built
         hooked = self._build_model(choice)
         self._build_optimizer()
