@@ -224,9 +224,10 @@ class TrainConfig:
     tensorboard: bool = False  # the logged steps' and evals' metrics as TensorBoard scalars too (workbench.run.tensorboard)
     #: torch.compile the fused element-wise pieces of each layer (GPU only).
     compile_kernels: bool = True
-    #: with compile_kernels: replay each compiled layer's forward and backward as CUDA graphs
-    #: (torch.compile "reduce-overhead"), so the host no longer launches ~70 kernels per layer
-    #: and micro-batch.  GPU only; training steps only (eval and generation stay uncaptured).
+    #: with compile_kernels: replay CUDA graphs, so the host no longer launches ~70 kernels per layer and
+    #: micro-batch: one process captures its whole training step as one graph (workbench.backend.step_graph),
+    #: otherwise each compiled layer's forward and backward (torch.compile "reduce-overhead").  GPU only;
+    #: training steps only (eval and generation stay uncaptured).
     cuda_graphs: bool = True
     #: FP8 GEMMs (off = the precision above).  On the compiled layer through torch (workbench.backend.fp8):
     #: tensorwise | rowwise current scaling, delayed (the last step's maxima: a history of 1).  On Transformer Engine's layer:
