@@ -5,6 +5,7 @@ import torch
 
 from workbench import kernel_rule
 from workbench.config import preset
+from tests.support import ROOT
 
 
 def _ddp(cfg, workbench_hooks: bool, min_numel: int = 0):
@@ -228,3 +229,41 @@ def test_the_strided_layout_is_found_only_where_it_holds():
                     w.add_(g)
             assert all(torch.equal(m, w) for m, w in zip(mains, want)), (dtype, path)
             assert sink.current(weights) and not sink.current(weights[:-1] + (SimpleNamespace(main_grad=mains[-1].clone()),))
+
+
+def test_the_rows_kernel_adds_each_stacked_gradient_into_its_strided_row_in_either_order():
+    """The CUDA path of the strided sink, one Triton kernel, under Triton's interpreter (CPU): rows a stride apart with
+    gaps, the stack read in reverse for megatron's order, a row length that is no multiple of the block; the sums are
+    torch's fp32 sums of the bf16 values, and the gaps stay untouched."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from workbench.backend.moe_experts import _strided_view, add_rows
+for rows_n, shape, block in ((5, (4, 6), 16), (3, (7, 9), 32)):
+    n = shape[0] * shape[1]
+    buf = torch.full((10 + (n + 6) * rows_n,), 0.25)
+    rows = [buf[10 + (n + 6) * i:10 + (n + 6) * i + n].view(shape) for i in range(rows_n)]
+    for order in (rows, rows[::-1]):
+        view, flipped = _strided_view(tuple(order))
+        assert flipped == (order is not rows)
+        before = buf.clone()
+        want = [r.clone() for r in order]
+        for s in (1, 2):
+            g = torch.randn(rows_n, *shape, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16)
+            add_rows(view, g, flipped, block=block)
+            for w, gi in zip(want, g.unbind(0)):
+                w.add_(gi)
+        assert all(torch.equal(r, w) for r, w in zip(order, want)), (rows_n, flipped)
+        gaps = torch.ones_like(buf, dtype=torch.bool)
+        for r in rows:
+            gaps[r.storage_offset():r.storage_offset() + n] = False
+        assert torch.equal(buf[gaps], before[gaps])
+        for r in rows:
+            r.fill_(0.25)
+print("ok")
+"""
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

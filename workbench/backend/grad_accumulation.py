@@ -39,8 +39,8 @@ MIN_NUMEL = 1 << 22
 
 #: :func:`install_experts`'s paths, in words (:class:`workbench.backend.moe_experts._MainGradSink`)
 EXPERT_PATHS = {
-    "strided": "one add a stack into a strided view of DDP's grad buffer (the stacked gradient flipped first where "
-               "the buffer holds the experts in reverse order, as megatron's does)",
+    "strided": "one add a stack into a strided view of DDP's grad buffer (one Triton kernel on CUDA, reading the "
+               "stacked gradient in reverse where the buffer holds the experts in reverse order, as megatron's does)",
     "foreach": "the stacked gradient cast to main_grad's dtype, one multi-tensor foreach add",
     "per-tensor": "one foreach call of mixed dtypes, an add kernel per expert weight",
 }

@@ -89,13 +89,53 @@ def _strided_view(mains: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, bool] 
     return view, flipped
 
 
+_ROWS_KERNEL = None
+
+
+def _rows_kernel():
+    """Triton: ``acc[r] += g[r]`` (``FLIP``: ``g[rows - 1 - r]``) for each row ``r`` of a strided fp32 ``acc`` whose rows
+    are contiguous ``row_stride`` elements apart, from a contiguous ``g`` of a narrower float: the stacked gradient
+    read in reverse where DDP's buffer holds the experts in reverse order, so no flipped copy and a vectorised add
+    (torch's mixed-dtype ``add_`` into the strided view takes its unvectorised kernel, and the flip one more pass:
+    27 + 16 ms a step of ``moe-research`` on an H200, ``bench/results/moe_profile.jsonl:5``)."""
+    global _ROWS_KERNEL
+    if _ROWS_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _add_rows_into_fp32(acc_ptr, g_ptr, n, row_stride, rows, FLIP: tl.constexpr, BLOCK: tl.constexpr):
+            r = tl.program_id(1).to(tl.int64)
+            src = rows - 1 - r if FLIP else r
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            g = tl.load(g_ptr + src * n + offs, mask=mask).to(tl.float32)
+            at = acc_ptr + r * row_stride + offs
+            tl.store(at, tl.load(at, mask=mask) + g, mask=mask)
+
+        _ROWS_KERNEL = _add_rows_into_fp32
+    return _ROWS_KERNEL
+
+
+def add_rows(view: torch.Tensor, grad: torch.Tensor, flipped: bool, block: int = 4096) -> None:
+    """``view[i] += grad[i]`` (``flipped``: ``grad[len - 1 - i]``) in one launch of :func:`_rows_kernel`: ``view`` an
+    fp32 stack of contiguous rows at one stride (:func:`_strided_view`), ``grad`` contiguous of the same shape."""
+    rows, n = view.shape[0], view[0].numel()
+    _rows_kernel()[(-(-n // block), rows)](view, grad, n, view.stride(0), rows, FLIP=flipped, BLOCK=block)
+
+
+def _rows_fit(view: torch.Tensor, grad: torch.Tensor) -> bool:
+    return (view.is_cuda and view.dtype == torch.float32 and grad.dtype in (torch.bfloat16, torch.float16)
+            and grad.is_contiguous() and grad.shape == view.shape and view[0].is_contiguous())
+
+
 class _MainGradSink:
     """Where the gradient of a stack of expert weights goes: their ``main_grad`` (megatron DDP's buffer), laid out
     once (:func:`_strided_view`) and re-laid out if any weight's ``main_grad`` is replaced.  :attr:`path`:
 
-    - ``strided``: the ``main_grad`` tensors are rows of one strided view of DDP's buffer: one ``add_`` of the
-      stacked gradient into it (one kernel; two where the buffer holds the experts in reverse order: the gradient's
-      ``flip`` first);
+    - ``strided``: the ``main_grad`` tensors are rows of one strided view of DDP's buffer: one add of the stacked
+      gradient into it (on CUDA :func:`add_rows`, one Triton kernel reading the rows in reverse where the buffer holds
+      the experts in reverse order; elsewhere ``add_``, after the gradient's ``flip`` there);
     - ``foreach``: elsewhere, where the ``main_grad`` tensors share a dtype at least as wide as the gradient's: the
       gradient cast to it once and one ``torch._foreach_add_`` of equal dtypes (torch's multi-tensor kernel);
     - ``per-tensor``: otherwise ``torch._foreach_add_`` of mixed dtypes (one add kernel per weight).
@@ -116,7 +156,9 @@ class _MainGradSink:
 
     def add(self, grad: torch.Tensor) -> None:
         """``main_grad += grad[i]`` for each weight ``i`` of the stack."""
-        if self.view is not None:
+        if self.view is not None and _rows_fit(self.view, grad):
+            add_rows(self.view, grad, self.flipped)
+        elif self.view is not None:
             self.view.add_(grad.flip(0) if self.flipped else grad)
         elif self.dtype is not None and torch.promote_types(self.dtype, grad.dtype) == self.dtype:
             torch._foreach_add_(list(self.mains), list(grad.to(self.dtype).unbind(0)))
