@@ -298,9 +298,10 @@ class Model:
             else:
                 t_rc = t_attn / 3 + t_cp_f
 
-        # host: a layer's launches show where they outlast its device time
+        # host: a layer's launches show where they outlast its device time (none where the whole step replays as one
+        # graph: workbench.backend.step_graph)
         host_key = "graphs" if kp.cuda_graphs else ("compiled" if kp.layer == "compiled" else "stock")
-        host_layer = prof.host_us_per_layer[host_key].value * 1e-6
+        host_layer = 0.0 if kp.cuda_graphs_impl == "step" else prof.host_us_per_layer[host_key].value * 1e-6
         dev_f = layer_dev / 3 + t_tp_f + t_cp_f
         dev_b = 2 * layer_dev / 3 + t_tp_b + t_cp_b + t_rc
         return _LayerTimes(device=layer_dev, tp=t_tp_f + t_tp_b, cp=t_cp_f + t_cp_b, recompute=t_rc,
