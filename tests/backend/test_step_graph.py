@@ -55,3 +55,42 @@ def test_a_micro_batch_of_another_shape_or_dtype_has_another_signature():
     assert step_graph._signature(a) == step_graph._signature(next(_stream(1)))
     assert step_graph._signature(a) != step_graph._signature(b)
     assert step_graph._signature(a) != step_graph._signature({**a, "y": a["y"].double()})
+
+
+class _Chunk(torch.nn.Linear):
+    """A model chunk with DDP's gradient-buffer reset (megatron's ``zero_grad_buffer``), counted."""
+
+    def __init__(self):
+        super().__init__(2, 2)
+        self.zeroed = 0
+
+    def zero_grad_buffer(self):
+        self.zeroed += 1
+
+
+def test_a_capture_that_fails_leaves_the_run_training_eagerly_from_a_clean_step():
+    """Here the capture fails for real (no GPU); on a GPU, for anything CUDA refuses to record.  The step the capture
+    was for, and every later one, runs eagerly on its own micro-batches; the half-run backward's Python side (.grad,
+    DDP's buffer flags) is reset first, the schedule's gradient finalisation is restored, and it is said once."""
+    seen, said = [], []
+    chunk = _Chunk()
+    chunk.weight.grad = torch.ones(2, 2)
+    finalize = object()
+    config = type("Config", (), {"finalize_model_grads_func": finalize})()
+    graph = step_graph.StepGraph(_recording_schedule(seen), config, warmup=1, log=said.append)
+    it = _stream(12)
+    for _ in range(4):
+        graph(data_iterator=it, num_microbatches=3, model=chunk)
+    assert [s[0] for s in seen] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]
+    assert graph.failed and not graph.captured and graph.eager_steps == 3
+    assert chunk.weight.grad is None and chunk.zeroed == 1
+    assert config.finalize_model_grads_func is finalize
+    assert len(said) == 1 and "capture failed" in said[0] and "eagerly" in said[0]
+
+
+def test_the_note_on_a_step_unlike_the_captured_ones_names_what_differs():
+    a = [step_graph._signature(next(_stream(1)))]
+    b = [step_graph._signature(next(_stream(1, shape=(2, 4))))]
+    text = step_graph._differs(tuple(a), tuple(b))
+    assert text.startswith("micro-batch 0") and "(2, 4)" in text and "(2, 3)" in text
+    assert "2 micro-batches against 1" == step_graph._differs(tuple(a), tuple(a + a))

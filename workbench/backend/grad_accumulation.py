@@ -23,7 +23,9 @@ times, mostly on biases and norms of under a million elements, and its host-boun
 and its launch is hidden behind device work (in a host-bound step it is about break-even there).
 
 Not installed where megatron's own CUDA graphs run TE's layer (they accumulate into ``main_grad`` inside the
-graph and read the flag), nor while a CUDA graph is being captured (megatron's hook skips those too).
+graph and read the flag), and idle while megatron captures (its hook skips those too).  Inside the workbench's step
+graph (``workbench.backend.step_graph``) it runs, and is recorded with the step: each step's zeroing resets the flag
+before the replay, so the recorded copy-then-add order is each step's.
 """
 
 from __future__ import annotations
@@ -79,10 +81,15 @@ def accumulate(main_grad: torch.Tensor, grad: torch.Tensor, first: bool) -> None
         main_grad.add_(grad.view_as(main_grad))
 
 
+#: megatron's "its own CUDA graphs are capturing" (set by :func:`install`); a torch capture of the whole step
+#: (workbench.backend.step_graph) records this hook's kernels with the step instead
+_megatron_capturing: Any = None
+
+
 def _hook(param: torch.Tensor) -> None:
     grad = param.grad
-    if grad is None or getattr(param, "main_grad", None) is None or (grad.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return  # megatron's hook decides (it skips capture too)
+    if grad is None or getattr(param, "main_grad", None) is None or (_megatron_capturing is not None and _megatron_capturing()):
+        return  # megatron's hook decides (it skips its captures too)
     accumulate(param.main_grad, grad, first=not param.grad_added_to_main_grad)
     param.grad_added_to_main_grad = True  # megatron's hook now skips its own add
 
@@ -98,6 +105,10 @@ def install(ddp_chunks: Iterable[Any], min_numel: int | None = None) -> int:
     here.  A model built so that megatron writes ``main_grad`` itself (fused accumulation, delayed weight
     gradients, megatron's CUDA graphs) is refused: the kernel rule never installs the hook there.
     """
+    global _megatron_capturing
+    from megatron.core.transformer.cuda_graphs import is_graph_capturing
+
+    _megatron_capturing = is_graph_capturing
     n, least = 0, MIN_NUMEL if min_numel is None else min_numel
     for chunk in ddp_chunks:
         if (why := _megatrons_own(getattr(chunk, "config", None))) is not None:

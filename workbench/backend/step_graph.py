@@ -47,19 +47,30 @@ def own_stream() -> None:
     torch.cuda.set_stream(torch.cuda.Stream())
 
 
+def _differs(captured: tuple, now: tuple) -> str:
+    for k, (a, b) in enumerate(zip(captured, now)):
+        if a != b:
+            return f"micro-batch {k}: {[x for x in b if x not in a]} where the capture had {[x for x in a if x not in b]}"
+    return f"{len(now)} micro-batches against {len(captured)}"
+
+
 class StepGraph:
     """Calls like megatron's ``forward_backward_func`` (keyword arguments, one model chunk, one data iterator)."""
 
-    def __init__(self, forward_backward: Callable[..., Any], config: Any = None, warmup: int = WARMUP_STEPS):
+    def __init__(self, forward_backward: Callable[..., Any], config: Any = None, warmup: int = WARMUP_STEPS,
+                 log: Callable[[str], None] = print):
         self.forward_backward = forward_backward
         #: the model's TransformerConfig: its ``finalize_model_grads_func`` (DDP's gradient all-reduce, over one rank
         #: here) runs after each replay, eagerly, instead of inside the graph (no collective in a capture)
         self.config = config
         self.warmup = warmup
+        self.log = log
         self._finalize_args: Optional[tuple] = None
         self.calls = 0
-        #: steps run eagerly after the capture (a micro-batch unlike the captured ones)
+        #: steps run eagerly after the warm-up (a micro-batch unlike the captured ones, or a capture that failed)
         self.eager_steps = 0
+        #: why the capture failed ("" while it did not): every step from then on runs eagerly
+        self.failed = ""
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._inputs: list[Batch] = []
         self._signature: tuple = ()
@@ -75,15 +86,23 @@ class StepGraph:
         batches = [next(data_iterator) for _ in range(num_microbatches)]
         self.calls += 1
         signature = tuple(_signature(b) for b in batches)
-        if self.captured and signature != self._signature:
+        eager = self.calls <= self.warmup or bool(self.failed) or (self.captured and signature != self._signature)
+        if eager and self.calls > self.warmup:
+            if self.eager_steps == 0 and not self.failed:
+                self.log(f"[workbench] step graph: step {self.calls} has micro-batches unlike the captured ones "
+                         f"({_differs(self._signature, signature)}); such steps run eagerly")
             self.eager_steps += 1
-            return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
-                                         forward_only=False, **kwargs)
-        if self.calls <= self.warmup:
+        if eager:
             return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
                                          forward_only=False, **kwargs)
         if not self.captured:
-            self._capture(batches, signature, num_microbatches, kwargs)
+            try:
+                self._capture(batches, signature, num_microbatches, kwargs)
+            except Exception as e:  # (a capture records, it runs nothing: undo the Python side, train eagerly)
+                self._give_up(e, kwargs.get("model"))
+                self.eager_steps += 1
+                return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
+                                             forward_only=False, **kwargs)
         else:
             for held, batch in zip(self._inputs, batches):
                 for k, v in batch.items():
@@ -94,13 +113,29 @@ class StepGraph:
             self.config.finalize_model_grads_func(*self._finalize_args[0], **self._finalize_args[1])
         return self._result
 
+    def _give_up(self, error: Exception, model: Any) -> None:
+        """After a failed capture: nothing it recorded ran, but the backward's Python side did (DDP's hooks cleared
+        ``.grad`` and set their flags), so the gradient buffers and flags are reset as at a step's start."""
+        self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        self.graph, self._inputs, self._result, self._finalize_args = None, [], None, None
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # (an error the capture left on the stream is reported by the next call, if sticky)
+            pass
+        if model is not None:
+            for p in model.parameters():
+                p.grad = None
+            if hasattr(model, "zero_grad_buffer"):
+                model.zero_grad_buffer()
+        self.log(f"[workbench] step graph: the capture failed ({self.failed}); training goes on eagerly, without CUDA graphs")
+
     def _capture(self, batches: list[Batch], signature: tuple, num_microbatches: int, kwargs: dict) -> None:
         """Record the step into a graph (nothing runs: the caller replays it for this step's numbers)."""
         self._inputs = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in batches]
         self._signature = signature
-        if hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
-            # the warm-up's autograd nodes remember the default stream; the capture runs on a side stream
-            torch.autograd.graph.set_override_stale_capture_stream(True)
+        override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+        if override is not None:  # (torch >= 2.14) a node on another stream than the capture's joins the capture
+            override(True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's cached blocks: the graph's own pool holds the step from now on
         graph = torch.cuda.CUDAGraph()
@@ -110,13 +145,15 @@ class StepGraph:
                 self._finalize_args = (args, kw)
             self.config.finalize_model_grads_func = held
         try:
+            # on the current stream (own_stream's), where the warm-up ran and the parameters' nodes run;
             # thread_local: the loader's pin-memory thread may touch CUDA while this thread captures
-            # on the current stream (own_stream's), where the warm-up ran and the parameters' nodes run
             with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
                 self._result = self.forward_backward(data_iterator=iter(self._inputs),
                                                      num_microbatches=num_microbatches, forward_only=False, **kwargs)
         finally:
             if finalize is not None:
                 self.config.finalize_model_grads_func = finalize
+            if override is not None:
+                override(False)  # (the process-initial state)
         torch.cuda.synchronize()
         self.graph = graph

@@ -143,6 +143,8 @@ class MicroBatchStream:
     device: Optional[torch.device] = None
     #: loader processes building micro-batches ahead (0: built here, when asked for)
     workers: int = 0
+    #: micro-batches each worker keeps built ahead (torch's ``prefetch_factor``)
+    ahead: int = 2
 
     def __post_init__(self) -> None:
         d = derive(self.cfg)
@@ -158,11 +160,12 @@ class MicroBatchStream:
         if self.workers > 0:
             pin = self.device is not None and torch.device(self.device).type == "cuda"
             # fork: the workers inherit the dataset (megatron's index arrays, memory-mapped) without pickling it
-            # 2 micro-batches a worker in flight (torch's and megatron-LM's default): a worker builds one in a few
-            # ms, far ahead of a step's launches; more would only hold /dev/shm (s x s masks are MBs each)
+            # ``ahead`` micro-batches a worker in flight (2: torch's and megatron-LM's default; a worker builds one in a
+            # few ms, far ahead of a step's launches; more would only hold /dev/shm, s x s masks are MBs each), a
+            # whole step under the step graph, which reads a step's micro-batches before it replays it
             self._loader = iter(torch.utils.data.DataLoader(
                 _MicroBatches(self.dataset, self._indices), batch_size=None, sampler=_Count(), num_workers=self.workers,
-                pin_memory=pin, prefetch_factor=2, multiprocessing_context="fork", persistent_workers=True,
+                pin_memory=pin, prefetch_factor=self.ahead, multiprocessing_context="fork", persistent_workers=True,
                 worker_init_fn=_quiet_worker))
             # multiprocessing's exit handler runs finalizers with an exit priority before it terminates and joins its
             # children, which would wait for ever on these (they ignore SIGTERM)

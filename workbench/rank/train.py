@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import math
 import os
@@ -128,6 +129,11 @@ class Trainer:
         # the one kernel rule's decision for this process (workbench.kernel_rule.choose), what the planner assumed:
         # made once here, carried by the TransformerConfig to every builder of the model (kernel_rule.decided)
         choice = kernel_rule.choose(cfg, cuda_available=torch.cuda.is_available())
+        h = self.hooks
+        if choice.cuda_graphs_impl == "step" and (h.forward_step or h.loss_func or h.return_logits):
+            # hooks handed to the Trainer in Python (the rule saw the config's, which keep the step eager): a capture
+            # would freeze their Python, so the layers graph themselves, as kernel_rule.step_graph_blocker says
+            choice = dataclasses.replace(choice, cuda_graphs_impl="torch")
         if choice.cuda_graphs_impl == "step" and self.cuda:
             step_graph.own_stream()  # before DDP makes the parameters' gradient-accumulation nodes
         userbuffers = initialize_userbuffers(cfg, choice)  # TE's layer at TP > 1: before the model's TE linears are built
@@ -222,12 +228,9 @@ class Trainer:
             tc.no_sync_func = [m.no_sync for m in self.model]
             tc.no_sync_func = tc.no_sync_func[0] if len(self.model) == 1 else tc.no_sync_func
         self.forward_backward = get_forward_backward_func()
-        # the whole training step as one CUDA graph where the kernel rule chose it (hooks handed to the Trainer
-        # in Python, not through the config the rule read, keep it eager: a capture would freeze their Python)
-        h = self.hooks
+        # the whole training step as one CUDA graph where the kernel rule (setup) chose it
         graphed = kernel_rule.decided(self.cfg, tc).cuda_graphs_impl == "step" and self.cuda
-        self.step_graph = (step_graph.StepGraph(self.forward_backward, tc)
-                           if graphed and not (h.forward_step or h.loss_func or h.return_logits) else None)
+        self.step_graph = step_graph.StepGraph(self.forward_backward, tc, log=self._log) if graphed else None
         self.timer = timing.MicrobatchTimer(cuda=self.cuda)
         timing.install()
 
@@ -257,8 +260,10 @@ class Trainer:
         train_ds, valid_ds, self.data_desc = build_datasets(cfg, self.run_dir, log=self._log)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         workers = loader_workers(cfg)
-        self.train_iters = [MicroBatchStream(train_ds, cfg, self.coords.dp, self.consumed_samples, self.device, workers)
-                            for _ in range(cfg.parallel.vpp)]
+        # a replayed step reads all its micro-batches first: the loader's workers hold a whole step ahead
+        ahead = -(-self.derived.num_microbatches // max(workers, 1)) if self.step_graph is not None else 2
+        self.train_iters = [MicroBatchStream(train_ds, cfg, self.coords.dp, self.consumed_samples, self.device, workers,
+                                             ahead=max(ahead, 2)) for _ in range(cfg.parallel.vpp)]
 
     def _optimizer_path(self) -> str:
         opts = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
