@@ -29,11 +29,13 @@ rank (:class:`WorkbenchMoELayer`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from workbench.backend import compiled_layer
 from workbench.backend.moe_router import WorkbenchRouter
 
 __all__ = ["LocalTokenDispatcher", "WorkbenchMoELayer", "routing_indices", "regroup_index"]
@@ -121,8 +123,25 @@ class _Unpermute(torch.autograd.Function):
         return grad.index_select(0, rows), None, None, None
 
 
-def _sum_rows(y: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
+def _gather_sum(y: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
     return y.index_select(0, slots).view(slots.numel() // k, k, y.shape[-1]).sum(1, dtype=torch.float32).to(y.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_sum_compiled():
+    """:func:`_gather_sum` compiled: the gather, the fp32 sum and the rounding in one kernel, no ``[tokens, k,
+    hidden]`` copy in between (eagerly three kernels: moe-research's profile had the bf16 sum alone at 15 ms a step
+    on an H200, ``bench/results/moe_profile.jsonl:5``).  Row counts that change (expert parallelism: the rows a
+    rank received) make torch recompile it once as dynamic."""
+    return torch.compile(_gather_sum)
+
+
+def _sum_rows(y: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's ``k`` rows of ``y`` (``slots``: their positions, grouped by token) summed in fp32, rounded once;
+    compiled on CUDA in the kernel rule's compiled paths (``compiled_layer.compiling``)."""
+    if y.is_cuda and compiled_layer.compiling():
+        return _gather_sum_compiled()(y, slots, k)
+    return _gather_sum(y, slots, k)
 
 
 class LocalTokenDispatcher:
