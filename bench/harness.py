@@ -292,6 +292,9 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
         plan = planner.predict(cfg)
         out["planner_peak_allocated"] = int(plan.stages[0].peak_allocated)
         out["kernel_path"] = tr.kernel_path
+        if tr.step_graph is not None:  # a failed capture trains eagerly: such a row is not the step graph's
+            out["step_graph"] = {"failed": tr.step_graph.failed, "eager_steps": tr.step_graph.eager_steps,
+                                 "captured": tr.step_graph.captured}
     step_s = measured["step_s"]
     from torch._dynamo.utils import counters
 

@@ -131,8 +131,9 @@ def _gather_sum(y: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
 def _gather_sum_compiled():
     """:func:`_gather_sum` compiled: the gather, the fp32 sum and the rounding in one kernel, no ``[tokens, k,
     hidden]`` copy in between (eagerly three kernels: moe-research's profile had the bf16 sum alone at 15 ms a step
-    on an H200, ``bench/results/moe_profile.jsonl:5``).  Row counts that change (expert parallelism: the rows a
-    rank received) make torch recompile it once as dynamic."""
+    on an H200, ``bench/results/moe_profile.jsonl:5``).  Its callers always hand it ``tokens x k`` rows (at EP > 1
+    too: the un-permutation runs after the combine's all-to-all), so its shapes are fixed; the forward's inputs
+    require grad and the backward's do not: two graphs."""
     return torch.compile(_gather_sum)
 
 

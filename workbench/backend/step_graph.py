@@ -20,6 +20,8 @@ default CUDA generator, which a capture registers: each replay draws new ones.  
 
 from __future__ import annotations
 
+import gc
+import traceback
 from typing import Any, Callable, Optional
 
 import torch
@@ -71,6 +73,8 @@ class StepGraph:
         self.eager_steps = 0
         #: why the capture failed ("" while it did not): every step from then on runs eagerly
         self.failed = ""
+        #: how the last call ran: "eager" (warm-up, a fallback), "captured" (recorded, then replayed) or "replayed"
+        self.last = ""
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._inputs: list[Batch] = []
         self._signature: tuple = ()
@@ -92,18 +96,19 @@ class StepGraph:
                 self.log(f"[workbench] step graph: step {self.calls} has micro-batches unlike the captured ones "
                          f"({_differs(self._signature, signature)}); such steps run eagerly")
             self.eager_steps += 1
-        if eager:
-            return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
-                                         forward_only=False, **kwargs)
-        if not self.captured:
+        self.last = "eager" if eager else "replayed"
+        if not eager and not self.captured:
             try:
-                self._capture(batches, signature, num_microbatches, kwargs)
+                self._capture(batches, signature, num_microbatches, kwargs)  # (its inputs are these micro-batches)
+                self.last = "captured"
             except Exception as e:  # (a capture records, it runs nothing: undo the Python side, train eagerly)
                 self._give_up(e, kwargs.get("model"))
+                self.last = "eager"
                 self.eager_steps += 1
-                return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
-                                             forward_only=False, **kwargs)
-        else:
+        if self.last == "eager":  # (outside the except: its traceback would keep the failed capture's memory alive)
+            return self.forward_backward(data_iterator=iter(batches), num_microbatches=num_microbatches,
+                                         forward_only=False, **kwargs)
+        if self.last == "replayed":
             for held, batch in zip(self._inputs, batches):
                 for k, v in batch.items():
                     if isinstance(v, torch.Tensor):
@@ -118,8 +123,11 @@ class StepGraph:
         ``.grad`` and set their flags), so the gradient buffers and flags are reset as at a step's start."""
         self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         self.graph, self._inputs, self._result, self._finalize_args = None, [], None, None
+        traceback.clear_frames(error.__traceback__)  # (the frames hold the half-built step's tensors)
+        gc.collect()
         try:
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         except Exception:  # (an error the capture left on the stream is reported by the next call, if sticky)
             pass
         if model is not None:
@@ -134,17 +142,17 @@ class StepGraph:
         self._inputs = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in batches]
         self._signature = signature
         override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+        finalize = getattr(self.config, "finalize_model_grads_func", None)
         if override is not None:  # (torch >= 2.14) a node on another stream than the capture's joins the capture
             override(True)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # the warm-up's cached blocks: the graph's own pool holds the step from now on
-        graph = torch.cuda.CUDAGraph()
-        finalize = getattr(self.config, "finalize_model_grads_func", None)
-        if finalize is not None:
-            def held(*args: Any, **kw: Any) -> None:  # the schedule's call, kept for after each replay
-                self._finalize_args = (args, kw)
-            self.config.finalize_model_grads_func = held
         try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the warm-up's cached blocks: the graph's own pool holds the step from now on
+            graph = torch.cuda.CUDAGraph()
+            if finalize is not None:
+                def held(*args: Any, **kw: Any) -> None:  # the schedule's call, kept for after each replay
+                    self._finalize_args = (args, kw)
+                self.config.finalize_model_grads_func = held
             # on the current stream (own_stream's), where the warm-up ran and the parameters' nodes run;
             # thread_local: the loader's pin-memory thread may touch CUDA while this thread captures
             with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):

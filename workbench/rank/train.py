@@ -404,7 +404,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         sample = (t.microbatch_timing_interval > 0 and (self.iteration + 1) % t.microbatch_timing_interval == 0
-                  and self.step_graph is None)  # a captured step records no events of its own
+                  and (self.step_graph is None or bool(self.step_graph.failed)))  # a replay records no events
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -439,7 +439,8 @@ class Trainer:
         self._last_step_time = step_time
         self.iteration += 1
         self.consumed_samples += t.global_batch_size
-        return {"losses": losses, "grad_norm": grad_norm, "skipped": not ok, "step_time": step_time, "ops": ops}
+        return {"losses": losses, "grad_norm": grad_norm, "skipped": not ok, "step_time": step_time, "ops": ops,
+                "step_graph": self.step_graph.last if self.step_graph is not None else None}
 
     def evaluate(self) -> Optional[dict[str, float]]:
         from workbench.rank.data import MicroBatchStream
@@ -614,7 +615,8 @@ class Trainer:
                     iteration=it, loss=loss, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
                     grad_norm=None if res["grad_norm"] is None else float(res["grad_norm"]), skipped=res["skipped"],
                     step_time=res["step_time"], tokens_per_s=tokens / res["step_time"], tflops_per_gpu=tflops,
-                    mfu=(tflops / peak) if peak else None, consumed_samples=self.consumed_samples, **memory_stats(self.cuda),
+                    mfu=(tflops / peak) if peak else None, consumed_samples=self.consumed_samples,
+                    step_graph=res["step_graph"], **memory_stats(self.cuda),
                     extra={k: v for k, v in res["losses"].items() if k != self.loss_name},
                 )))
             for rec in self.monitor.after_step(it, self.derived.num_microbatches) if self.monitor else ():

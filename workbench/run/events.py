@@ -12,7 +12,7 @@ is a dataclass below (:class:`RunStart`, :class:`Step`, ...):
   kernel_path (dict: attention, norm, optimizer, ...; the fast paths as ``fast_<name>``, read
   them with :meth:`RunStart.fusions` / :meth:`RunStart.uses_cuda_graphs`), kernels, data, start_iteration.
 - ``step``: iteration, loss, lr, grad_norm, skipped, step_time, tokens_per_s, tflops_per_gpu, mfu,
-  mem_allocated, mem_reserved, mem_peak, consumed_samples.  Only ranks that hold the loss (last
+  mem_allocated, mem_reserved, mem_peak, consumed_samples, step_graph.  Only ranks that hold the loss (last
   pipeline stage) fill loss.
 - ``microbatch``: iteration, ops: list of {kind: "F"|"B", microbatch, chunk, start_ms, end_ms}
   (times relative to the step start, measured with CUDA events), sampled every K steps.
@@ -185,6 +185,9 @@ class Step(Event):
     mem_reserved: int | None = None
     mem_peak: int | None = None
     consumed_samples: int | None = None
+    #: under the whole-step CUDA graph (workbench.backend.step_graph): "eager" (a warm-up step, or a fallback),
+    #: "captured" (recorded, then replayed) or "replayed"; None without it
+    step_graph: str | None = None
 
 
 @dataclass(kw_only=True)
