@@ -173,3 +173,15 @@ def test_profile_refuses_malformed_files_with_the_field(tmp_path):
     f.write_text("{not json")
     with pytest.raises(ProfileError, match="not valid JSON"):
         load_profile(f)
+
+
+def test_one_process_replaying_its_whole_step_as_a_graph_spends_no_host_time_per_layer():
+    """Per-layer graphs still leave the host launching each layer's replay (its profiled host time per layer); one
+    process captures the whole step (kernel_rule's "step"), whose replay is one launch."""
+    cfg = base_cfg()
+    prof = synthetic()
+    prof["host_us_per_layer"]["graphs"] = _pt(0, 1e6)  # one second per graphed layer: host-bound if it counted
+    _, one = predict(cfg, Layout(1, 1, 1, 1, False, False, "none", 8), 1, profile=profile_from_dict(prof))
+    _, two = predict(cfg, Layout(1, 1, 1, 2, False, False, "none", 8), 2, profile=profile_from_dict(prof))
+    assert one.breakdown["host"] == 0
+    assert two.breakdown["host"] > 0.5 * cfg.model.num_layers  # two processes: per-layer graphs, the host's pace
