@@ -257,11 +257,12 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
     out: dict[str, Any] = {"preset": preset_name, "kind": kind, "tokens_per_step": d.tokens_per_step, "flops_per_step": d.flops_per_step}
     if kind == "reference":
         dev = "cuda" if cuda else "cpu"
-        ref = reference(cfg, device=dev, compile=cuda)
+        mode = getattr(a, "reference_compile", "default")
+        ref = reference(cfg, device=dev, compile=cuda and (mode if mode != "default" else True))
         import transformers
 
         out.update(reference_model=type(ref.model).__name__, reference_attention=getattr(ref, "attention", None),
-                   transformers=transformers.__version__)
+                   reference_compile=mode if cuda else "eager", transformers=transformers.__version__)
         ds = dataset(cfg)
         mbs, k = cfg.train.micro_batch_size, d.num_microbatches
         pool = []
@@ -270,10 +271,15 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
             pool.append({key: torch.stack([it[key] for it in items]).to(dev) for key in items[0]})
         state = {"i": 0}
 
+        first_losses = out.setdefault("first_losses", [])
+
         def step() -> float:
             i = state["i"]
             state["i"] += 1
-            return ref.step([pool[(i * k + j) % len(pool)] for j in range(k)])
+            loss = ref.step([pool[(i * k + j) % len(pool)] for j in range(k)])
+            if len(first_losses) < 5:  # the training itself, comparable across compile modes
+                first_losses.append(loss)
+            return loss
 
     else:
         from workbench import planner
@@ -440,8 +446,13 @@ def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, ove
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         res_path = fh.name
     extra = (["--cpu-smoke"] if a.cpu_smoke else []) + (["--set", json.dumps(over)] if over else []) + (["--profile"] if profile else [])
-    proc = torchrun(1, [str(Path(script).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
-                        "--steps", str(a.steps), "--warmup", str(a.warmup), "--warmup-max", str(a.warmup_max), *extra], a.timeout)
+    extra += ["--reference-compile", getattr(a, "reference_compile", "default")]
+    try:
+        proc = torchrun(1, [str(Path(script).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
+                            "--steps", str(a.steps), "--warmup", str(a.warmup), "--warmup-max", str(a.warmup_max), *extra], a.timeout)
+    except subprocess.TimeoutExpired as e:  # this repeat has no number; the row goes on with the others (its log kept)
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.output, e.stderr)]
+        proc = subprocess.CompletedProcess(e.cmd, -9, f"[timed out after {a.timeout:g} s]\n" + text[0], text[1])
     res = ({"kind": kind, "preset": preset_name, "error": (proc.stdout[-1500:] + proc.stderr[-3000:])} if proc.returncode != 0
            else json.loads(Path(res_path).read_text()))
     if getattr(a, "out", None):  # each process's result as it comes (a row cut short still has its repeats)
@@ -537,6 +548,8 @@ def parser(doc: str, *, rows: str, rows_help: str, smoke_help: str, out: str, pr
     ap.add_argument("--cpu-smoke", action="store_true", help=smoke_help)
     ap.add_argument("--profile", action="store_true",
                     help="throughput rows: torch-profiler and cProfile summaries of each side's first repeat")
+    ap.add_argument("--reference-compile", default="default", choices=("default", "reduce-overhead"),
+                    help="the HF reference's torch.compile mode (reduce-overhead: its forward and backward as CUDA graphs)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--preset", default=preset, help=argparse.SUPPRESS)
@@ -601,7 +614,7 @@ class HFReference:
     divided by their number), clip, fused AdamW on CUDA, autocast to the config's half precision over
     fp32 weights, the whole model under ``torch.compile`` (``compile``).  A subclass gives ``_loss(batch)``."""
 
-    def __init__(self, model: Any, cfg: Any, device: str = "cuda", compile: bool = True):
+    def __init__(self, model: Any, cfg: Any, device: str = "cuda", compile: "bool | str" = True):
         import torch
 
         t = cfg.train
@@ -611,7 +624,9 @@ class HFReference:
                                            weight_decay=t.weight_decay, fused=self.device.type == "cuda")
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.clip = t.clip_grad
-        self.forward = torch.compile(self.model) if compile else self.model
+        #: ``compile``: True, or a ``torch.compile`` mode ("reduce-overhead": cudagraph trees; unmeasured on GPU as of
+        #: 2026-11-29: compare its ``first_losses`` with the default mode's before quoting a row)
+        self.forward = (torch.compile(self.model, mode=compile) if isinstance(compile, str) else torch.compile(self.model)) if compile else self.model
 
     def _loss(self, b: dict[str, Any]) -> Any:
         raise NotImplementedError

@@ -6,8 +6,8 @@ bias through SDPA's additive mask; where a transformers refuses SDPA for T5, HF'
 says so: :attr:`ReferenceT5.attention`),
 the whole model under ``torch.compile``, trained like the workbench's step (:class:`bench.harness.HFReference`:
 grad accumulation over micro-batches, clip 1.0, fused AdamW, bf16 autocast over fp32 weights) on the same
-span-corruption batches.  The loss is HF's own: the token mean of the decoder's cross-entropy over its real targets
-(labels -100 elsewhere).
+span-corruption batches, without the decoder's generation cache (``use_cache=False``).  The loss is HF's own: the
+token mean of the decoder's cross-entropy over its real targets (labels -100 elsewhere).
 
 Dropout is the preset's: HF's ``dropout_rate`` is the hidden dropout; HF applies the same rate to the attention
 probabilities, so each attention module's rate is set to the preset's attention dropout (0 in the T5 presets).
@@ -68,5 +68,7 @@ class ReferenceT5(HFReference):
 
     def _loss(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = torch.where(b["loss_mask"] > 0, b["labels"], -100)  # HF's convention: -100 is ignored
+        # use_cache=False: training needs no decoder cache; left on, HF's decoder builds one every forward and
+        # torch.compile breaks the graph there (copy.deepcopy of the config: 4 breaks a step, never steady, 2026-11-29)
         return self.forward(input_ids=b["tokens"], attention_mask=b["enc_mask"], decoder_input_ids=b["dec_tokens"],
-                            labels=labels).loss
+                            labels=labels, use_cache=False).loss

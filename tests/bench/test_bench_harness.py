@@ -70,3 +70,20 @@ def test_a_timed_out_runs_output_is_kept_once():
     with pytest.raises(subprocess.TimeoutExpired) as info:
         harness.run_group([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], 2.0)
     assert info.value.output == "started\n"
+
+
+def test_a_repeat_past_its_time_is_a_row_entry_with_its_log_not_the_end_of_the_row(monkeypatch, tmp_path):
+    """A reference process that never settles (T5 at 471e8c8) ran past its limit and its exception ended the whole
+    row, losing the other repeats and the process's own output: now the repeat is an entry with ``error``."""
+    import argparse
+
+    slow = "import sys, time; print('warm-up step 1', flush=True); print('compiling', file=sys.stderr, flush=True); time.sleep(60)"
+    monkeypatch.setattr(harness, "torchrun", lambda nproc, args, timeout: harness.run_group([sys.executable, "-c", slow], timeout))
+    a = argparse.Namespace(cpu_smoke=False, steps=20, warmup=5, warmup_max=40, timeout=2.0, out=str(tmp_path / "rows.jsonl"),
+                           reference_compile="default")
+    res = harness.measure("bench/t5_bench.py", "reference", "t5-base", a)
+    assert res.get("tokens_per_s") is None
+    assert "timed out after 2 s" in res["error"] and "warm-up step 1" in res["error"] and "compiling" in res["error"]
+    assert harness.compare({"workbench": [{"tokens_per_s": 1.0}], "reference": [res]}, "workbench", "reference") is None
+    partial = (tmp_path / "rows.partial.jsonl").read_text().splitlines()
+    assert len(partial) == 1 and "timed out" in partial[0]
