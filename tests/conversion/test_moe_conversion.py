@@ -50,15 +50,26 @@ def test_the_config_is_mixtrals(converted):
     assert converted.config.model.query_groups == 2 and not converted.config.model.tie_embeddings
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(ep=2), dict(tp=2, pp=2)])
-def test_logits_match_hf_at_every_layout(layout, mixtral, converted):
-    from workbench.conversion.verify import forward_logits
+LAYOUTS = [dict(), dict(ep=2), dict(tp=2, pp=2)]
 
+
+@pytest.fixture(scope="module")
+def layout_logits(converted):
+    """The converted checkpoint's logits at every layout of :data:`LAYOUTS`, from one launch of four ranks
+    (``tests.support.verify_runs``: verify's worker once per layout; EP=1 and EP=2 with the other ranks as
+    data-parallel replicas)."""
+    from tests.support.verify_runs import forward_logits_many
+
+    return forward_logits_many([dict(ckpt=converted.output, tokens=_tokens(), **layout) for layout in LAYOUTS])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_match_hf_at_every_layout(layout, mixtral, layout_logits):
     _, hf = mixtral
     tokens = _tokens()
     with torch.no_grad():
         ref = hf(tokens).logits.float()
-    got = forward_logits(converted.output, tokens, **layout)[..., :V]
+    got = layout_logits[LAYOUTS.index(layout)][..., :V]
     assert ref.abs().max() > 0.5
     assert (got - ref).abs().max() < 1e-4, layout
 
