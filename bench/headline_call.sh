@@ -26,7 +26,8 @@ row() {  # row NAME GPU LIMIT ARGS...: one benchmark row, its log kept
   on "$gpu" timeout -k 5 "$limit" python3 "$@" > "$out/$name.log" 2>&1; say "$name rc=$?"
 }
 # a process's limit: 200 s, 320 s with PROFILE (T5's profiled HF process ran past 200 s at b534cf8)
-family() { echo "bench/$1 --rows throughput --presets $2 --timeout ${PROC_S:-$([[ -n ${PROFILE:-} ]] && echo 320 || echo 200)} --warmup-max ${WARMUP_MAX:-40} ${PROFILE:+--profile}"; }
+# REF_COMPILE=reduce-overhead: the HF yardsticks under CUDA graphs (bench/README.md: the BERT yardstick)
+family() { echo "bench/$1 --rows throughput --presets $2 --timeout ${PROC_S:-$([[ -n ${PROFILE:-} ]] && echo 320 || echo 200)} --warmup-max ${WARMUP_MAX:-40} ${PROFILE:+--profile} ${REF_COMPILE:+--reference-compile $REF_COMPILE}"; }
 if [[ $rows == *bert* && $rows == *t5* && $rows != *llama* ]] && (( ngpu > 1 )); then  # one row a GPU
   row bert 0 "${BERT_S:-540}" $(family bert_train.py bert-base) --out "$out/bert_train.jsonl" &
   row t5 1 "${T5_S:-540}" $(family t5_bench.py t5-base) --out "$out/t5_bench.jsonl" &
