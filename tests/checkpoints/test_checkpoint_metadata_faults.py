@@ -5,13 +5,19 @@
   the run ends ``failed``, the last complete checkpoint stays the latest and nothing half-written is left;
 - a resume from a checkpoint whose ``workbench.json`` names hooks (a package on the ranks' path that writes a
   marker when imported) imports only the hooks of its own config and says that they differ.
+
+One run with the full disk (a module fixture): its first test checks how it failed; the resume test tampers with a
+copy of the complete checkpoint it left (iteration 2), so no second run is trained only to have a checkpoint.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.support import RANK_ENV, ROOT, checkpointing_run_config, torchrun_args
 from workbench.checkpoint import TRACKER_FILE, find_checkpoint, verify_checkpoint
@@ -35,9 +41,16 @@ def _by(events, kind, rank=None):
     return [e for e in events if e["event"] == kind and (rank is None or e["rank"] == rank)]
 
 
-def test_a_full_disk_while_workbench_json_is_written_fails_every_rank_with_the_fix(tmp_path):
-    run_dir = tmp_path / "full"
-    proc = _run(_cfg(), run_dir, {**ENV, "WORKBENCH_FAULT": "meta:4:0:oserror=28"})
+@pytest.fixture(scope="module")
+def full_disk_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A run whose rank 0 finds the disk full while it writes iteration 4's ``workbench.json`` (the one at iteration 2
+    is written): its run directory and its torchrun.  Tests read it; they change only copies."""
+    run_dir = tmp_path_factory.mktemp("metadata-faults") / "full"
+    return run_dir, _run(_cfg(), run_dir, {**ENV, "WORKBENCH_FAULT": "meta:4:0:oserror=28"})
+
+
+def test_a_full_disk_while_workbench_json_is_written_fails_every_rank_with_the_fix(full_disk_run):
+    run_dir, proc = full_disk_run
     assert proc.returncode != 0
     assert "Traceback" not in proc.stdout
     ev = read_events(run_dir)
@@ -57,13 +70,12 @@ def test_a_full_disk_while_workbench_json_is_written_fails_every_rank_with_the_f
     verify_checkpoint(found)
 
 
-def test_a_resume_imports_only_its_own_hooks_and_says_they_differ(tmp_path):
+def test_a_resume_imports_only_its_own_hooks_and_says_they_differ(full_disk_run, tmp_path):
     import json
 
-    first = tmp_path / "first"
-    proc = _run(_cfg(**{"train.train_iters": 2, "train.lr_decay_iters": 6}), first, ENV)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    ckpts = first / "checkpoints"
+    ckpts = tmp_path / "checkpoints"  # a copy of the complete checkpoint (iteration 2) of the full-disk run
+    shutil.copytree(full_disk_run[0] / "checkpoints", ckpts)
+    assert find_checkpoint(ckpts).name == "iter_0000002"
     meta_file = find_checkpoint(ckpts) / "workbench.json"
     meta = json.loads(meta_file.read_text())
     meta["config"]["train"]["forward_step"] = "evil_hooks_pkg.steps:f"  # what a tampered checkpoint records

@@ -114,21 +114,15 @@ def test_two_nodes_train_like_one_node_and_one_run_follows_both(tmp_path, free_p
     cfg = _cfg(24)
     cfg_file = cfg.save(tmp_path / "two-nodes.json")
 
-    # the reference: one node with two processes (the same world size, DP=2)
+    # the reference: one node with two processes (the same world size, DP=2), in its own run directory and on its own
+    # rendezvous; it runs beside the two nodes (their start-up is mostly waiting: process starts, rendezvous, polls)
     ref = Run.launch(cfg.replace(**{"parallel.nnodes": 1, "parallel.nproc_per_node": 2}), tmp_path / "one-node")
-    try:
-        assert ref.wait(timeout=300) == "finished", ref.failure
-    finally:
-        if ref.is_alive():
-            ref.stop(grace=2)
-    ref_loss = dict(zip(ref.train_loss["iteration"], ref.train_loss["loss"]))
-    assert sorted(ref_loss) == list(range(1, 25))
-
     shared = tmp_path / "shared"
-    # node 1 first: it creates the shared directory and waits for node 0 at the rendezvous
-    n1 = _launch_node(cfg_file, shared, 1, free_port, tmp_path / "node1.out")
-    n0 = _launch_node(cfg_file, shared, 0, free_port, tmp_path / "node0.out")
+    n0 = n1 = None
     try:
+        # node 1 first: it creates the shared directory and waits for node 0 at the rendezvous
+        n1 = _launch_node(cfg_file, shared, 1, free_port, tmp_path / "node1.out")
+        n0 = _launch_node(cfg_file, shared, 0, free_port, tmp_path / "node0.out")
         run = _attach(shared, n0, n1)  # the notebook side, attached to the run directory both nodes write
         live: dict = {}
 
@@ -143,8 +137,13 @@ def test_two_nodes_train_like_one_node_and_one_run_follows_both(tmp_path, free_p
         assert live == {"nodes": [(0, "running", [0]), (1, "running", [1])], "alive": True}, live
         assert n1.wait(timeout=300) == 0, (tmp_path / "node1.out").read_text()[-3000:]
         assert n0.wait(timeout=60) == 0, (tmp_path / "node0.out").read_text()[-3000:]
+        assert ref.wait(timeout=300) == "finished", ref.failure
     finally:
-        _cleanup(shared, n0, n1)
+        if ref.is_alive():
+            ref.stop(grace=2)
+        _cleanup(shared, *(n for n in (n0, n1) if n is not None))
+    ref_loss = dict(zip(ref.train_loss["iteration"], ref.train_loss["loss"]))
+    assert sorted(ref_loss) == list(range(1, 25))
 
     for out in ("node0.out", "node1.out"):  # each node's terminal shows the whole job
         text = (tmp_path / out).read_text()

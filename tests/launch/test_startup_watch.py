@@ -7,6 +7,7 @@ for a file that never comes before writing any event) under the real supervisor 
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -35,13 +36,29 @@ def test_the_limit_grows_with_the_model_and_what_its_first_step_does():
 
 @pytest.mark.slow
 def test_a_rank_that_never_reaches_step_one_fails_the_run_at_the_derived_limit(tmp_path, rank_script):
+    """The launch hands its supervisor the limit derived from the config (not the 1800 s default), and the supervisor
+    fails a run at the limit it was handed.  The derived limit of any config is a minute or more
+    (``STARTUP_BASE_S``), so the run that waits it out is given a shorter one the same way (``startup_timeout=``
+    only replaces the number the launch passes on): the same supervisor, watch and message, 15 s instead of 61 s."""
     cfg = _tiny()
-    limit = startup_limit(cfg)
-    run = Run.launch(cfg, run_root=tmp_path / "runs", entry=[str(rank_script)], env={"FAKE_MODE": "partial"},
+    derived = startup_limit(cfg)
+    run = Run.launch(cfg, run_root=tmp_path / "derived", entry=[str(rank_script)], env={"FAKE_MODE": "partial"},
                      stall_floor=1)
     try:
+        sup = json.loads((run.run_dir / "launch.json").read_text())["supervisor_command"]
+        assert float(sup[sup.index("--startup-timeout") + 1]) == derived, sup  # before: the 1800 s default
+        assert run.status == "starting"
+        assert run.stop(grace=5) == "stopped"
+    finally:
+        for p in living(run_processes(run.run_dir)):
+            p.kill()
+
+    limit = 15.0
+    run = Run.launch(cfg, run_root=tmp_path / "runs", entry=[str(rank_script)], env={"FAKE_MODE": "partial"},
+                     stall_floor=1, startup_timeout=limit)
+    try:
         t0 = time.time()
-        assert run.wait(timeout=limit + 90) == "failed"  # before: the 1800 s default, so still running here
+        assert run.wait(timeout=limit + 90) == "failed"
         took = time.time() - t0
         ex = run.exit_status
         assert ex["reason"] == "stalled" and ex["stall"]["before_first_step"], ex
