@@ -54,6 +54,27 @@ def tp2pp2(hf_models, tmp_path_factory):
             for name, (d, _) in hf_models.items()}
 
 
+def _tp2pp2_tokens(hf):
+    return torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _vpp_tokens():
+    return torch.randint(0, V_GPT2, (1, 10), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.fixture(scope="module")
+def forwards(hf_models, tp2pp2):
+    """The converted checkpoints' logits from one launch of four ranks (``tests.support.verify_runs``: verify's
+    worker once per job): each model at TP=2/PP=2, and the GPT-2 one at TP=1/PP=2/VPP=2 (its other two ranks
+    data-parallel replicas)."""
+    from tests.support.verify_runs import forward_logits_many
+
+    names = list(hf_models)
+    got = forward_logits_many([dict(ckpt=tp2pp2[n].output, tokens=_tp2pp2_tokens(hf_models[n][1]), tp=2, pp=2) for n in names]
+                              + [dict(ckpt=tp2pp2["gpt2"].output, tokens=_vpp_tokens(), tp=1, pp=2, vpp=2)])
+    return {**dict(zip(names, got)), "gpt2-vpp": got[-1]}
+
+
 def _hf_logits(model, tokens):
     with torch.no_grad():
         return model(tokens).logits.float()
@@ -149,12 +170,11 @@ def test_architecture_refusals():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_tp2_pp2_logits_match_hf_and_export_is_bit_identical(name, hf_models, tp2pp2, tmp_path):
+def test_tp2_pp2_logits_match_hf_and_export_is_bit_identical(name, hf_models, tp2pp2, forwards, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from workbench.checkpoint import read_metadata
     from workbench.conversion import megatron_to_hf
-    from workbench.conversion.verify import forward_logits
 
     hf_dir, hf = hf_models[name]
     res = tp2pp2[name]
@@ -162,8 +182,8 @@ def test_tp2_pp2_logits_match_hf_and_export_is_bit_identical(name, hf_models, tp
     assert meta["config"]["parallel"]["tensor_parallel"] == 2 and meta["config"]["parallel"]["pipeline_parallel"] == 2
     assert json.loads(res.config_path.read_text())["checkpoint"]["load_dir"] == str(res.output)
 
-    tokens = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
-    got = forward_logits(res.output, tokens, tp=2, pp=2)  # 4 torchrun ranks on CPU
+    tokens = _tp2pp2_tokens(hf)
+    got = forwards[name]  # 4 torchrun ranks on CPU
     V = hf.config.vocab_size
     assert got.shape[-1] == -(-V // 256) * 256  # padded for tp=2: a multiple of 128*2 (1024 / 1280)
     ref = _hf_logits(hf, tokens)
@@ -185,13 +205,11 @@ def test_tp2_pp2_logits_match_hf_and_export_is_bit_identical(name, hf_models, tp
 
 
 @pytest.mark.slow
-def test_vpp_chunks_keep_layer_order(hf_models, tp2pp2):
+def test_vpp_chunks_keep_layer_order(hf_models, forwards):
     """The TP=2/PP=2 checkpoint loads at TP=1/PP=2/VPP=2 (interleaved chunks) and still gives HF's logits."""
-    from workbench.conversion.verify import forward_logits
-
     _, hf = hf_models["gpt2"]
-    tokens = torch.randint(0, V_GPT2, (1, 10), generator=torch.Generator().manual_seed(4))
-    got = forward_logits(tp2pp2["gpt2"].output, tokens, tp=1, pp=2, vpp=2)
+    tokens = _vpp_tokens()
+    got = forwards["gpt2-vpp"]
     assert (got[..., :V_GPT2] - _hf_logits(hf, tokens)).abs().max() < 1e-4
 
 

@@ -51,17 +51,35 @@ def converted(qwen, tmp_path_factory):
     return hf_to_megatron(qwen[0], tmp_path_factory.mktemp("mc") / "ckpt", tp=1, pp=1, device="cpu", progress=False)
 
 
+@pytest.fixture(scope="module")
+def unrenormalised(tmp_path_factory):
+    """The ``norm_topk_prob`` false model (HF dir, model) and its conversion at TP=1."""
+    from workbench.conversion import hf_to_megatron
+
+    root = tmp_path_factory.mktemp("unrenormalised")
+    hf_dir, hf = _qwen3_moe(root / "hf", norm_topk_prob=False)
+    return hf, hf_to_megatron(hf_dir, root / "ckpt", device="cpu", progress=False)
+
+
 def _tokens():
     return torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
-def _logits_match(ckpt, hf, **layout):
-    from workbench.conversion.verify import forward_logits
+@pytest.fixture(scope="module")
+def forwards(converted, unrenormalised):
+    """Both checkpoints' logits from one launch of four ranks (``tests.support.verify_runs``: verify's worker once per
+    job): the renormalising one at EP=1 (its other ranks data-parallel replicas), the other at TP=2 x EP=2."""
+    from tests.support.verify_runs import forward_logits_many
 
+    return forward_logits_many([dict(ckpt=converted.output, tokens=_tokens()),
+                                dict(ckpt=unrenormalised[1].output, tokens=_tokens(), tp=2, ep=2)])
+
+
+def _logits_match(got, hf, **layout):
     tokens = _tokens()
     with torch.no_grad():
         ref = hf(tokens).logits.float()
-    got = forward_logits(ckpt, tokens, **layout)[..., :V]
+    got = got[..., :V]
     assert ref.abs().max() > 0.5
     assert (got - ref).abs().max() < 1e-4, layout
 
@@ -77,17 +95,14 @@ def test_the_config_is_qwen3_moes_and_the_planner_counts_its_q_k_norms(qwen, con
     assert d.params.total == sum(p.numel() for p in qwen[1].parameters()) + 2 * pad_rows * 48
 
 
-def test_logits_match_hf(qwen, converted):
-    _logits_match(converted.output, qwen[1])
+def test_logits_match_hf(qwen, forwards):
+    _logits_match(forwards[0], qwen[1])
 
 
-def test_the_unrenormalised_router_converts_and_matches_at_tp2_ep2(tmp_path):
-    from workbench.conversion import hf_to_megatron
-
-    hf_dir, hf = _qwen3_moe(tmp_path / "hf", norm_topk_prob=False)
-    res = hf_to_megatron(hf_dir, tmp_path / "ckpt", device="cpu", progress=False)
+def test_the_unrenormalised_router_converts_and_matches_at_tp2_ep2(unrenormalised, forwards):
+    hf, res = unrenormalised
     assert res.config.model.moe.router_pre_softmax
-    _logits_match(res.output, hf, tp=2, ep=2)
+    _logits_match(forwards[1], hf, tp=2, ep=2)
 
 
 def test_export_back_to_hf_is_bit_identical(qwen, converted, tmp_path):

@@ -9,8 +9,8 @@ before any process group), and the custom loss hook reproducing the reference gu
 key-token-weighted loss; a long evaluation reports its progress on every rank (``eval_progress``: the supervisor's
 stall watch takes it for progress).
 
-The evaluation-progress run, the PP=2 resume and both DP=2 distributed-optimizer runs (the first and its resume) share
-one launch of two ranks (``tests.support.trainer_runs``: the backend's Trainer per run directory, in order; a resumed
+The evaluation-progress run, the PP=2 resume, both DP=2 distributed-optimizer runs (the first and its resume) and the
+demo-corpus run share one launch of two ranks (``tests.support.trainer_runs``: the backend's Trainer per run directory, in order; a resumed
 run never directly follows the run whose checkpoint it loads).
 """
 
@@ -147,8 +147,8 @@ EVERY_BATCH = "import workbench.rank.train as _train\n_train.EVAL_PROGRESS_SECON
 @pytest.fixture(scope="module")
 def two_rank_runs(pp2_run, tmp_path_factory):
     """One launch of two ranks: a run whose one evaluation takes three batches, the DP=2 distributed-optimizer run
-    (checkpoints at 3 and 6), the PP=2 run resumed from ``pp2_run``'s step-3 checkpoint, and the DP=2 run resumed from
-    its own step-3 checkpoint."""
+    (checkpoints at 3 and 6), the PP=2 run resumed from ``pp2_run``'s step-3 checkpoint, the DP=2 run resumed from
+    its own step-3 checkpoint, and a run on the demo corpus (the preset's data source)."""
     root = tmp_path_factory.mktemp("two-rank")
     no_save = {"checkpoint.save_interval": 0, "checkpoint.save_on_exit": False}
     evaluating = preset("tiny", **{"data.source": "synthetic", "train.train_iters": 2, "train.lr_decay_iters": 2,
@@ -160,7 +160,9 @@ def two_rank_runs(pp2_run, tmp_path_factory):
                   root / "pp2-resumed": _cfg(**{"parallel.pipeline_parallel": 2, "train.eval_interval": 0, **no_save,
                                                 "checkpoint.load_dir": str(pp2_run[0] / "checkpoints" / "iter_0000003")}),
                   root / "dp2-resumed": _cfg(**DIST_OPT, **no_save,
-                                             **{"checkpoint.load_dir": str(root / "dp2-first" / "checkpoints" / "iter_0000003")})},
+                                             **{"checkpoint.load_dir": str(root / "dp2-first" / "checkpoints" / "iter_0000003")}),
+                  root / "demo": preset("tiny", **{"train.train_iters": 6, "train.eval_interval": 0,
+                                                   "train.lr_warmup_iters": 1, "checkpoint.save_on_exit": False})},
                  nproc=2, timeout=600, prelude=EVERY_BATCH)
     return root
 
@@ -319,12 +321,10 @@ def test_custom_keytoken_loss_hook_reproduces_the_reference(tmp_path):
     assert res["n_logits"] == 2 and res["logits_shape"] == [2, 64, res["padded_vocab"]]
 
 
-def test_demo_corpus_trains_through_the_data_pipeline(tmp_path):
-    cfg = preset("tiny", **{"train.train_iters": 6, "train.eval_interval": 0, "train.lr_warmup_iters": 1,
-                            "checkpoint.save_on_exit": False})
-    proc = _torchrun(cfg, tmp_path / "demo", 1, 29706)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    ev = read_events(tmp_path / "demo")
+def test_demo_corpus_trains_through_the_data_pipeline(two_rank_runs):
+    """The tiny preset's own data source (the demo corpus through megatron-core's datasets) trains: run at DP=2 in
+    ``two_rank_runs``' launch."""
+    ev = read_events(two_rank_runs / "demo")
     assert _by(ev, "run_start", 0)[0]["data"].startswith("demo")
     losses = [e["loss"] for e in _by(ev, "step", 0)]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.05, losses

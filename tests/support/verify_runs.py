@@ -1,0 +1,75 @@
+"""Several checkpoint forwards in one launch: each rank runs ``workbench.conversion.verify``'s worker once per job.
+
+``workbench.conversion.verify.forward_logits`` starts a supervised torchrun for every forward; most of its wall time
+on the CPU machine is starting the ranks and importing torch and megatron-core in each (~5-7 s of CPU a process),
+against well under a second for a tiny model's forward.  Tests that compare several checkpoints or layouts start the
+ranks once here: every job is the verify module's own ``main`` (the same worker ``forward_logits`` launches: build
+the chunks at the job's layout, load the checkpoint through megatron's resharding, forward, gather the logits), with
+its own checkpoint, inputs and layout; between jobs megatron's model-parallel state is torn down and built again for
+the next job's layout (the default process group is kept, as :mod:`tests.support.trainer_runs` does for training).
+
+The launch's world is the largest job's ``tp x pp x ep``; a job with a smaller model-parallel layout runs with the
+remaining ranks as data-parallel replicas (the model layout under test is the job's; only rank 0 of its data-parallel
+group writes the logits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from workbench.launch.stores import MODULE as TORCHRUN_MODULE, one_node_args
+
+__all__ = ["forward_logits_many"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DRIVER = r"""
+import json, sys
+from megatron.core import parallel_state
+from workbench.backend import distributed
+import workbench.conversion.verify as verify
+destroy = distributed.destroy
+distributed.destroy = parallel_state.destroy_model_parallel  # the worker's teardown: keep the default group
+for argv in json.loads(open(sys.argv[1]).read()):
+    verify.main(argv)
+destroy()
+"""
+
+
+def forward_logits_many(jobs: list[dict[str, Any]], timeout: int = 600) -> list[Any]:
+    """Logits (fp32, ``[b, s, padded_vocab]``) of each job, in order: a job is a dict of ``ckpt``, ``tokens`` (ids
+    ``[b, s]`` or the family's dict of inputs) and optional ``tp``, ``pp``, ``vpp``, ``ep`` (as ``forward_logits``)."""
+    import torch
+
+    from workbench.checkpoint import safe_torch_load
+
+    world = max(j.get("tp", 1) * j.get("pp", 1) * max(j.get("ep", 1), 1) for j in jobs)
+    with tempfile.TemporaryDirectory(prefix="wb-verify-many-") as td:
+        argvs, outs = [], []
+        for i, j in enumerate(jobs):
+            mp = j.get("tp", 1) * j.get("pp", 1) * max(j.get("ep", 1), 1)
+            assert world % mp == 0, (world, j)
+            tokens = j["tokens"]
+            inputs = dict(tokens) if isinstance(tokens, dict) else {"tokens": tokens}
+            tok, out = Path(td) / f"inputs-{i}.pt", Path(td) / f"logits-{i}.pt"
+            torch.save({k: v.cpu() for k, v in inputs.items()}, tok)
+            vpp = j.get("vpp")
+            argvs.append(["--ckpt", str(j["ckpt"]), "--tokens", str(tok), "--out", str(out), "--tp", str(j.get("tp", 1)),
+                          "--pp", str(j.get("pp", 1)), "--ep", str(max(j.get("ep", 1), 1))]
+                         + (["--vpp", str(vpp)] if vpp and vpp > 1 else []))
+            outs.append(out)
+        (Path(td) / "jobs.json").write_text(json.dumps(argvs))
+        (Path(td) / "driver.py").write_text(DRIVER)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+               "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", TORCHRUN_MODULE, *one_node_args(), "--nproc-per-node", str(world),
+               str(Path(td) / "driver.py"), str(Path(td) / "jobs.json")]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        return [safe_torch_load(str(o), source=str(o)) for o in outs]
