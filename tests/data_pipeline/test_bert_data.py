@@ -2,7 +2,11 @@
 BERTMaskedWordPieceDataset on it (masking statistics: 15% of the tokens, 80/10/10 replacement,
 sentence order 50/50), ``workbench data inspect`` on sentence-split files, and bad input refused with
 exit 2 naming the file and the fix.  The dataset is built in a subprocess (megatron-core needs a
-process group to build its sample index)."""
+process group to build its sample index).
+
+The bad-input test runs its ``workbench`` commands in this process (``workbench.cli.main``, the code
+``python -m workbench.cli`` runs) and one ``workbench launch --dry-run`` as a real subprocess, so the exit
+status and message a shell sees are checked too (each CLI process spends seconds importing)."""
 
 from __future__ import annotations
 
@@ -69,12 +73,25 @@ def test_masking_statistics_of_the_megatron_bert_dataset(tmp_path):
     assert r["specials_masked"] == 0
 
 
-def _cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "workbench.cli", *map(str, args)], cwd=cwd, env=ENV, capture_output=True,
+def _cli_process(*args):
+    """``workbench ARGS`` as a shell runs it: a fresh process, its exit status and output."""
+    return subprocess.run([sys.executable, "-m", "workbench.cli", *map(str, args)], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=180)
 
 
-def test_bad_input_exits_2_naming_the_file_and_the_fix(tmp_path):
+def test_bad_input_exits_2_naming_the_file_and_the_fix(tmp_path, capsys):
+    def _cli(*args):
+        """``workbench ARGS`` in this process (``workbench.cli.main``): its exit code and captured output."""
+        from workbench.cli import main
+
+        capsys.readouterr()
+        try:
+            code = main(list(map(str, args)))
+        except SystemExit as e:  # argparse, or a command that exits
+            code = e.code if isinstance(e.code, int) else 1
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
     text = tmp_path / "docs.txt"
     text.write_text("One short document. It has two sentences.\n\nAnother one here. With a second sentence!\n")
     # one sequence per document (no --split-sentences): refused for the binary head
@@ -89,14 +106,15 @@ def test_bad_input_exits_2_naming_the_file_and_the_fix(tmp_path):
 
     from workbench.config import preset
 
-    def launch_check(**over):
+    def launch_check(run=_cli, **over):
         cfg = preset("bert-tiny", **{"data.split": "100,0,0", "train.eval_interval": 0, **over})
         path = cfg.save(tmp_path / f"cfg{len(list(tmp_path.glob('cfg*')))}.json")
-        return _cli("launch", path, "--dry-run")
+        return run("launch", path, "--dry-run")
 
     r = launch_check(**{"data.source": "indexed", "data.datasets": [{"prefix": str(tmp_path / "whole_text"), "weight": 1.0}]})
     assert r.returncode == 2
-    r = launch_check(**{"data.source": "indexed", "data.datasets": [{"prefix": str(tmp_path / "whole"), "weight": 1.0}]})
+    # the same check as a shell sees it: a real process, its exit status 2 and the message on stderr
+    r = launch_check(_cli_process, **{"data.source": "indexed", "data.datasets": [{"prefix": str(tmp_path / "whole"), "weight": 1.0}]})
     assert r.returncode == 2 and "whole" in r.stderr and "--split-sentences" in r.stderr, r.stderr
     # a vocabulary without [CLS]/[SEP]/[MASK]: the byte-level demo BPE, given as a path
     bpe = ROOT / "workbench" / "data" / "corpus" / "demo-tokenizer"

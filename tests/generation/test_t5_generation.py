@@ -27,67 +27,83 @@ from workbench.checkpoint import load_checkpoint, read_metadata
 from workbench.models.t5.hf import make_random_hf_model
 from workbench.models.t5.generate import T5Engine
 
-root, ff = Path(sys.argv[1]), sys.argv[2]
-hf = make_random_hf_model(root / "hf", "t5", hidden=48, layers=3, decoder_layers=3, heads=6, d_kv=10, vocab=211,
-                          feed_forward_proj=ff, seed=3)
-hf_to_megatron(hf, root / "mc", tp=1, pp=1, dtype="fp32", device="cpu", progress=False)
-prompts = [[5, 17, 88, 3, 140, 61, 9, 1], [44, 12, 1], [7, 7, 100, 200, 31, 1]]
-ref = AutoModelForSeq2SeqLM.from_pretrained(hf).eval()
-S = max(map(len, prompts))
-ids = torch.tensor([p + [0] * (S - len(p)) for p in prompts])
-am = torch.tensor([[1] * len(p) + [0] * (S - len(p)) for p in prompts])
-runs = {"greedy": dict(greedy=True, max_new_tokens=12),
-        "beam": dict(num_beams=3, length_penalty=1.3, max_new_tokens=10),
-        "beam_early": dict(num_beams=4, length_penalty=0.7, max_new_tokens=9)}
-out = {"hf": {}, "wb": {}}
-for name, kw in runs.items():
-    hk = dict(max_new_tokens=kw["max_new_tokens"], eos_token_id=1, pad_token_id=0, decoder_start_token_id=0)
-    if kw.get("num_beams"):
-        hk.update(num_beams=kw["num_beams"], length_penalty=kw["length_penalty"], do_sample=False,
-                  early_stopping=name == "beam_early")
-    else:
-        hk.update(do_sample=False)
-    with torch.no_grad():
-        seqs = ref.generate(input_ids=ids, attention_mask=am, **hk)
-    res = []
-    for row in seqs[:, 1:].tolist():
-        cut = row.index(1) + 1 if 1 in row else len(row)
-        res.append(row[:cut])
-    out["hf"][name] = res
-# a prompt longer than max_position_embeddings (512 here): T5's relative positions have no table to run past
-long = [(i * 7) % 200 + 2 for i in range(600)] + [1]
-with torch.no_grad():
-    seq = ref.generate(input_ids=torch.tensor([long]), max_new_tokens=6, eos_token_id=1, pad_token_id=0,
-                       decoder_start_token_id=0, do_sample=False)[0, 1:].tolist()
-out["long_hf"] = seq[: seq.index(1) + 1] if 1 in seq else seq
-meta = read_metadata(root / "mc")
-cfg = RunConfig.from_dict(meta["config"])
-with single_process_group():
-    model = build_full_model(cfg, "fp32")
-    load_checkpoint(meta["path"], [model], load_optimizer=False)
-    eng = T5Engine(model, vocab_size=211, eos_id=1, pad_id=0)
+
+def parity(root, ff):
+    hf = make_random_hf_model(root / "hf", "t5", hidden=48, layers=3, decoder_layers=3, heads=6, d_kv=10, vocab=211,
+                              feed_forward_proj=ff, seed=3)
+    hf_to_megatron(hf, root / "mc", tp=1, pp=1, dtype="fp32", device="cpu", progress=False)
+    prompts = [[5, 17, 88, 3, 140, 61, 9, 1], [44, 12, 1], [7, 7, 100, 200, 31, 1]]
+    ref = AutoModelForSeq2SeqLM.from_pretrained(hf).eval()
+    S = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (S - len(p)) for p in prompts])
+    am = torch.tensor([[1] * len(p) + [0] * (S - len(p)) for p in prompts])
+    runs = {"greedy": dict(greedy=True, max_new_tokens=12),
+            "beam": dict(num_beams=3, length_penalty=1.3, max_new_tokens=10),
+            "beam_early": dict(num_beams=4, length_penalty=0.7, max_new_tokens=9)}
+    out = {"hf": {}, "wb": {}}
     for name, kw in runs.items():
-        outs = eng.generate(prompts, GenerationConfig(**kw), early_stopping=name == "beam_early")
-        out["wb"][name] = [o.token_ids for o in outs]
-    sampled = eng.generate(prompts, GenerationConfig(top_k=5, temperature=0.8, max_new_tokens=6, seed=7))
-    again = eng.generate(prompts, GenerationConfig(top_k=5, temperature=0.8, max_new_tokens=6, seed=7))
-    out["long_wb"] = eng.generate([long], GenerationConfig(greedy=True, max_new_tokens=6))[0].token_ids
-    out["sampled"] = [o.token_ids for o in sampled]
-    out["sampled_again"] = [o.token_ids for o in again]
-out["ckpt"] = str(root / "mc")
-out["prompts"] = prompts
-out["long"] = long
-print(json.dumps(out))
+        hk = dict(max_new_tokens=kw["max_new_tokens"], eos_token_id=1, pad_token_id=0, decoder_start_token_id=0)
+        if kw.get("num_beams"):
+            hk.update(num_beams=kw["num_beams"], length_penalty=kw["length_penalty"], do_sample=False,
+                      early_stopping=name == "beam_early")
+        else:
+            hk.update(do_sample=False)
+        with torch.no_grad():
+            seqs = ref.generate(input_ids=ids, attention_mask=am, **hk)
+        res = []
+        for row in seqs[:, 1:].tolist():
+            cut = row.index(1) + 1 if 1 in row else len(row)
+            res.append(row[:cut])
+        out["hf"][name] = res
+    # a prompt longer than max_position_embeddings (512 here): T5's relative positions have no table to run past
+    long = [(i * 7) % 200 + 2 for i in range(600)] + [1]
+    with torch.no_grad():
+        seq = ref.generate(input_ids=torch.tensor([long]), max_new_tokens=6, eos_token_id=1, pad_token_id=0,
+                           decoder_start_token_id=0, do_sample=False)[0, 1:].tolist()
+    out["long_hf"] = seq[: seq.index(1) + 1] if 1 in seq else seq
+    meta = read_metadata(root / "mc")
+    cfg = RunConfig.from_dict(meta["config"])
+    with single_process_group():
+        model = build_full_model(cfg, "fp32")
+        load_checkpoint(meta["path"], [model], load_optimizer=False)
+        eng = T5Engine(model, vocab_size=211, eos_id=1, pad_id=0)
+        for name, kw in runs.items():
+            outs = eng.generate(prompts, GenerationConfig(**kw), early_stopping=name == "beam_early")
+            out["wb"][name] = [o.token_ids for o in outs]
+        sampled = eng.generate(prompts, GenerationConfig(top_k=5, temperature=0.8, max_new_tokens=6, seed=7))
+        again = eng.generate(prompts, GenerationConfig(top_k=5, temperature=0.8, max_new_tokens=6, seed=7))
+        out["long_wb"] = eng.generate([long], GenerationConfig(greedy=True, max_new_tokens=6))[0].token_ids
+        out["sampled"] = [o.token_ids for o in sampled]
+        out["sampled_again"] = [o.token_ids for o in again]
+    out["ckpt"] = str(root / "mc")
+    out["prompts"] = prompts
+    out["long"] = long
+    return out
+
+
+# both MLP layouts in one process (one start and import of torch, transformers and megatron-core)
+print(json.dumps({ff: parity(Path(sys.argv[1]) / ff, ff) for ff in sys.argv[2:]}))
 '''
 
 
-@pytest.fixture(scope="module", params=["relu", "gated-gelu"])
-def parity(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"t5gen-{request.param}")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(root), request.param], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=400)
+FEED_FORWARD = ["relu", "gated-gelu"]
+
+
+@pytest.fixture(scope="module")
+def parities(tmp_path_factory):
+    """Each MLP layout's results (``SCRIPT``'s ``parity``), both computed in one process."""
+    root = tmp_path_factory.mktemp("t5gen")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(root), *FEED_FORWARD], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(out) == sorted(FEED_FORWARD)
+    return out
+
+
+@pytest.fixture(scope="module", params=FEED_FORWARD)
+def parity(request, parities):
+    return parities[request.param]
 
 
 def test_greedy_and_beam_search_match_hf_generate(parity):
