@@ -447,19 +447,21 @@ def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, ove
         res_path = fh.name
     extra = (["--cpu-smoke"] if a.cpu_smoke else []) + (["--set", json.dumps(over)] if over else []) + (["--profile"] if profile else [])
     extra += ["--reference-compile", getattr(a, "reference_compile", "default")]
+    why = ""
     try:
         proc = torchrun(1, [str(Path(script).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
                             "--steps", str(a.steps), "--warmup", str(a.warmup), "--warmup-max", str(a.warmup_max), *extra], a.timeout)
     except subprocess.TimeoutExpired as e:  # this repeat has no number; the row goes on with the others (its log kept)
         text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.output, e.stderr)]
-        proc = subprocess.CompletedProcess(e.cmd, -9, f"[timed out after {a.timeout:g} s]\n" + text[0], text[1])
-    res = ({"kind": kind, "preset": preset_name, "error": (proc.stdout[-1500:] + proc.stderr[-3000:])} if proc.returncode != 0
+        proc, why = subprocess.CompletedProcess(e.cmd, -9, text[0], text[1]), f"[timed out after {a.timeout:g} s]\n"
+    res = ({"kind": kind, "preset": preset_name, "error": why + proc.stdout[-1500:] + proc.stderr[-3000:]} if proc.returncode != 0
            else json.loads(Path(res_path).read_text()))
     if getattr(a, "out", None):  # each process's result as it comes (a row cut short still has its repeats)
         with open(Path(a.out).with_suffix(".partial.jsonl"), "a") as fh:
             fh.write(json.dumps({"kind": kind, "preset": preset_name, "over": over, "commit": os.environ.get("GIT_COMMIT"),
                                  **{k: res.get(k) for k in ("tokens_per_s", "step_s", "warmup_steps", "steady", "mfu", "device", "error",
-                                                                 "step_times", "warmup_times", "profile", "host_profile")}}) + "\n")
+                                                                 "step_times", "warmup_times", "profile", "host_profile",
+                                                                 "reference_compile", "first_losses")}}) + "\n")
     return res
 
 
@@ -624,8 +626,15 @@ class HFReference:
                                            weight_decay=t.weight_decay, fused=self.device.type == "cuda")
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.clip = t.clip_grad
-        #: ``compile``: True, or a ``torch.compile`` mode ("reduce-overhead": cudagraph trees; unmeasured on GPU as of
-        #: 2026-11-29: compare its ``first_losses`` with the default mode's before quoting a row)
+        #: ``compile``: True, or a ``torch.compile`` mode.  "reduce-overhead" (cudagraph trees; unmeasured on GPU as of
+        #: 2026-11-29: compare its ``first_losses`` with the default mode's before quoting a row): the gradients are
+        #: allocated once and zeroed in place, so a graph's output never becomes a ``.grad`` that the next micro-batch's
+        #: replay overwrites (torch refuses, or accumulates wrongly, when ``.grad`` is allocated during a capture)
+        self.graphed = compile == "reduce-overhead"
+        if self.graphed:
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         self.forward = (torch.compile(self.model, mode=compile) if isinstance(compile, str) else torch.compile(self.model)) if compile else self.model
 
     def _loss(self, b: dict[str, Any]) -> Any:
@@ -635,7 +644,7 @@ class HFReference:
         """One optimizer step over ``microbatches``; the mean loss."""
         import torch
 
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.graphed)
         total = 0.0
         for b in microbatches:
             with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):

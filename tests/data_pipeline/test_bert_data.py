@@ -85,11 +85,14 @@ def test_bad_input_exits_2_naming_the_file_and_the_fix(tmp_path, capsys):
         from workbench.cli import main
 
         capsys.readouterr()
+        message = ""
         try:
             code = main(list(map(str, args)))
-        except SystemExit as e:  # argparse, or a command that exits
-            code = e.code if isinstance(e.code, int) else 1
+        except SystemExit as e:  # argparse, or a command that exits; as the interpreter would: None is 0, a message 1
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+            message = "" if e.code is None or isinstance(e.code, int) else f"{e.code}\n"
         out, err = capsys.readouterr()
+        err += message
         return subprocess.CompletedProcess(args, code, out, err)
 
     text = tmp_path / "docs.txt"

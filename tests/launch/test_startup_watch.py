@@ -35,7 +35,7 @@ def test_the_limit_grows_with_the_model_and_what_its_first_step_does():
 
 
 @pytest.mark.slow
-def test_a_rank_that_never_reaches_step_one_fails_the_run_at_the_derived_limit(tmp_path, rank_script):
+def test_a_rank_that_never_reaches_step_one_fails_the_run_at_the_limit_its_launch_hands_over(tmp_path, rank_script):
     """The launch hands its supervisor the limit derived from the config (not the 1800 s default), and the supervisor
     fails a run at the limit it was handed.  The derived limit of any config is a minute or more
     (``STARTUP_BASE_S``), so the run that waits it out is given a shorter one the same way (``startup_timeout=``

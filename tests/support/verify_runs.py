@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from workbench.launch.stores import MODULE as TORCHRUN_MODULE, one_node_args
+from workbench.launch import local_torchrun, run_supervised
 
 __all__ = ["forward_logits_many"]
 
@@ -68,8 +66,8 @@ def forward_logits_many(jobs: list[dict[str, Any]], timeout: int = 600) -> list[
         (Path(td) / "driver.py").write_text(DRIVER)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", TORCHRUN_MODULE, *one_node_args(), "--nproc-per-node", str(world),
-               str(Path(td) / "driver.py"), str(Path(td) / "jobs.json")]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        cmd = [*local_torchrun(world), str(Path(td) / "driver.py"), str(Path(td) / "jobs.json")]
+        # under the supervisor, as forward_logits launches: a timed-out or killed launch leaves no rank behind
+        res = run_supervised(cmd, Path(td) / "run", env=env, timeout=timeout)
+        assert res.returncode == 0, "\n".join(res.output.splitlines()[-60:])
         return [safe_torch_load(str(o), source=str(o)) for o in outs]
