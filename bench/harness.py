@@ -244,7 +244,7 @@ def settings(cfg: Any) -> dict[str, Any]:
 def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *,
                  reference: Callable[..., Any], dataset: Callable[[Any], Any], tmp_prefix: str) -> dict[str, Any]:
     """One training measurement in this (torchrun) process: ``kind`` "reference" trains
-    ``reference(cfg, device=, compile=)`` (a :class:`HFReference`) on 8 micro-batches of ``dataset(cfg)``
+    ``reference(cfg, device=, compile=, mode=)`` (a :class:`HFReference`) on 8 micro-batches of ``dataset(cfg)``
     cycled; anything else trains the workbench's ``Trainer`` and adds the planner's rank-0 peak.
     Measured by :func:`measure_steps` under :func:`protocol` ``(a)`` (warm-up until steady, then the timed
     steps): step times, median step, the warm-up record, tokens/s, peak memory and (GPU) MFU."""
@@ -258,7 +258,7 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
     if kind == "reference":
         dev = "cuda" if cuda else "cpu"
         mode = getattr(a, "reference_compile", "default")
-        ref = reference(cfg, device=dev, compile=cuda and (mode if mode != "default" else True))
+        ref = reference(cfg, device=dev, compile=cuda, mode=None if mode == "default" else mode)
         import transformers
 
         out.update(reference_model=type(ref.model).__name__, reference_attention=getattr(ref, "attention", None),
@@ -446,7 +446,8 @@ def measure(script: str, kind: str, preset_name: str, a: argparse.Namespace, ove
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         res_path = fh.name
     extra = (["--cpu-smoke"] if a.cpu_smoke else []) + (["--set", json.dumps(over)] if over else []) + (["--profile"] if profile else [])
-    extra += ["--reference-compile", getattr(a, "reference_compile", "default")]
+    if kind == "reference":  # the HF yardstick's compile mode (the workbench's own workers take none)
+        extra += ["--reference-compile", getattr(a, "reference_compile", "default")]
     why = ""
     try:
         proc = torchrun(1, [str(Path(script).resolve()), "--worker", kind, "--preset", preset_name, "--result", res_path,
@@ -616,7 +617,7 @@ class HFReference:
     divided by their number), clip, fused AdamW on CUDA, autocast to the config's half precision over
     fp32 weights, the whole model under ``torch.compile`` (``compile``).  A subclass gives ``_loss(batch)``."""
 
-    def __init__(self, model: Any, cfg: Any, device: str = "cuda", compile: "bool | str" = True):
+    def __init__(self, model: Any, cfg: Any, device: str = "cuda", compile: bool = True, mode: str | None = None):
         import torch
 
         t = cfg.train
@@ -626,16 +627,16 @@ class HFReference:
                                            weight_decay=t.weight_decay, fused=self.device.type == "cuda")
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.clip = t.clip_grad
-        #: ``compile``: True, or a ``torch.compile`` mode.  "reduce-overhead" (cudagraph trees; unmeasured on GPU as of
-        #: 2026-11-29: compare its ``first_losses`` with the default mode's before quoting a row): the gradients are
+        #: ``mode``: the ``torch.compile`` mode (None: the default).  "reduce-overhead" (cudagraph trees; unmeasured
+        #: on GPU as of 2026-11-29: compare its ``first_losses`` with the default mode's before quoting a row): the gradients are
         #: allocated once and zeroed in place, so a graph's output never becomes a ``.grad`` that the next micro-batch's
         #: replay overwrites (torch refuses, or accumulates wrongly, when ``.grad`` is allocated during a capture)
-        self.graphed = compile == "reduce-overhead"
+        self.graphed = compile and mode == "reduce-overhead"
         if self.graphed:
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        self.forward = (torch.compile(self.model, mode=compile) if isinstance(compile, str) else torch.compile(self.model)) if compile else self.model
+        self.forward = torch.compile(self.model, mode=mode) if compile else self.model
 
     def _loss(self, b: dict[str, Any]) -> Any:
         raise NotImplementedError

@@ -38,13 +38,13 @@ def hf_bert_config(cfg: Any):
 
 
 class ReferenceBert(HFReference):
-    def __init__(self, cfg: Any, device: str = "cuda", compile: bool = True):
+    def __init__(self, cfg: Any, device: str = "cuda", compile: bool = True, mode: str | None = None):
         from transformers import BertForPreTraining
 
         model = BertForPreTraining(hf_bert_config(cfg))
         #: the attention HF's BERT runs on here
         self.attention = model.config._attn_implementation
-        super().__init__(model, cfg, device, compile)
+        super().__init__(model, cfg, device, compile, mode)
 
     def _loss(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = torch.where(b["loss_mask"] > 0, b["labels"], -100)  # HF's convention: -100 is ignored

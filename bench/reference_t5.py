@@ -60,11 +60,11 @@ def build_hf_t5(cfg: Any, device: str) -> Any:
 
 
 class ReferenceT5(HFReference):
-    def __init__(self, cfg: Any, device: str = "cuda", compile: bool = True):
+    def __init__(self, cfg: Any, device: str = "cuda", compile: bool = True, mode: str | None = None):
         model = build_hf_t5(cfg, device)
         #: the attention HF's T5 runs on here: "sdpa", or "eager (...why)"
         self.attention = model.workbench_attention
-        super().__init__(model, cfg, device, compile)
+        super().__init__(model, cfg, device, compile, mode)
 
     def _loss(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = torch.where(b["loss_mask"] > 0, b["labels"], -100)  # HF's convention: -100 is ignored

@@ -25,6 +25,7 @@ import pytest
 
 from tests.support import ROOT
 from workbench.checkpoint import CheckpointError, find_checkpoint
+from tests.support.cli import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -62,14 +63,6 @@ def hostile_hooks(ckpt, tmp_path, monkeypatch):
     return root, d, marker
 
 
-def _cli(argv, capsys) -> tuple[int, str]:
-    from workbench.cli import main
-
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
-
-
 def test_the_marker_runs_when_imported(hostile_hooks):
     """The payload is live: importing what the checkpoint names does write the marker (so its absence below means
     that nothing imported it)."""
@@ -85,7 +78,7 @@ def test_generating_from_a_checkpoint_never_imports_its_hooks(hostile_hooks, cap
     from workbench.generation import generate
 
     root, _, marker = hostile_hooks
-    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu", "--max-new-tokens", "1"], capsys)
+    rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu", "--max-new-tokens", "1"], capsys)
     assert rc == 0, out
     res = generate(root, ["the cat"], max_new_tokens=1, greedy=True, device="cpu")  # Python API, its rank process too
     assert len(res[0].token_ids) == 1
@@ -97,14 +90,14 @@ def test_converting_inspecting_and_prechecking_never_import_its_hooks(hostile_ho
     from workbench.launch import launch_problems
 
     root, d, marker = hostile_hooks
-    rc, out = _cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs", "--tp", "1", "--pp", "1"], capsys)
+    rc, out = run_cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs", "--tp", "1", "--pp", "1"], capsys)
     assert rc == 0, out
     assert "evil_hooks_pkg.steps:f" in out and "never imports" in out  # said, and left out of the written config
     written = json.loads((tmp_path / "rs" / "workbench_config.json").read_text())["train"]
     assert written["forward_step"] is None and written["loss_func"] is None
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
     assert rc == 0, out
-    rc, out = _cli(["convert", "inspect", root], capsys)
+    rc, out = run_cli(["convert", "inspect", root], capsys)
     assert rc == 0, out
     cfg = preset("tiny", **{"checkpoint.load_dir": str(root), "checkpoint.finetune": True, "parallel.device": "cpu"})
     launch_problems(cfg)  # the launch pre-check reads the checkpoint's config too
@@ -176,9 +169,9 @@ def test_a_file_the_checksum_list_does_not_name_is_refused(ckpt, tmp_path, capsy
     with pytest.raises(CheckpointError, match="does not name") as e:
         verify_checkpoint(d)
     assert str(d / "common.pt") in str(e.value) and "remove it" in str(e.value)
-    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
+    rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
     assert rc == 2 and str(d / "common.pt") in out, out
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
     assert rc == 2 and str(d / "common.pt") in out, out
     assert not (tmp_path / "pwned").exists()
 
@@ -195,7 +188,7 @@ def test_the_newest_checkpoint_with_an_unreadable_workbench_json_is_refused_not_
         find_checkpoint(root)
     msg = str(e.value)
     assert str(newer / "workbench.json") in msg and "JSONDecodeError" in msg and f"point at {d}" in msg, msg
-    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
+    rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
     assert rc == 2 and str(newer / "workbench.json") in out, out
     assert find_checkpoint(d) == d  # the older one, asked for explicitly, still loads
 

@@ -18,6 +18,7 @@ import tempfile
 import pytest
 
 from workbench.checkpoint import CheckpointError, find_checkpoint
+from tests.support.cli import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -50,14 +51,6 @@ def _poison_metadata(d: pathlib.Path, payload: _Payload) -> pathlib.Path:
     return d / ".metadata"
 
 
-def _cli(argv: list[str], capsys) -> tuple[int, str]:
-    from workbench.cli import main
-
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
-
-
 def test_a_saved_checkpoint_records_its_files_and_passes(ckpt):
     from workbench.checkpoint import checkpoint_damage, checkpoint_tensor_shapes, read_dist_metadata
 
@@ -82,12 +75,12 @@ def test_hostile_metadata_never_runs_and_every_entry_point_refuses_it(ckpt, tmp_
     marker = tmp_path / "pwned"
     meta = _poison_metadata(d, _payloads(marker)[kind])
 
-    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
+    rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
     assert rc == 2 and str(meta) in out and "trust" in out, out
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
     assert rc == 2 and str(meta) in out, out
     assert not (tmp_path / "hf").exists()
-    rc, out = _cli(["convert", "inspect", root], capsys)
+    rc, out = run_cli(["convert", "inspect", root], capsys)
     assert rc == 2 and str(meta) in out, out
     with pytest.raises(CheckpointError, match="never holds"):
         checkpoint_tensor_shapes(root)
@@ -160,12 +153,12 @@ def test_damaged_checkpoint_is_named_with_the_fix(ckpt, tmp_path, capsys, damage
         verify_checkpoint(d)
     assert str(target) in str(e.value) and says in str(e.value) and " -> " in str(e.value)
 
-    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
+    rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
     assert rc == 2 and str(target) in out and "copy the checkpoint again" in out, out
     assert "Traceback" not in out
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
     assert rc == 2 and str(target) in out, out
-    rc, out = _cli(["convert", "inspect", root], capsys)
+    rc, out = run_cli(["convert", "inspect", root], capsys)
     assert rc != 0 and str(target) in out and says in out, out
 
 
@@ -182,14 +175,14 @@ def test_a_checkpoint_without_its_checksum_list_is_refused_until_trusted(ckpt, t
     with pytest.raises(CheckpointError, match="records no checksums") as e:
         verify_checkpoint(d)
     assert f"workbench convert trust --ckpt {d}" in str(e.value)
-    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
+    rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capsys)
     assert rc == 2 and "records no checksums" in out and "Traceback" not in out, out
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
     assert rc == 2 and "records no checksums" in out, out
     _truncate(d / "__0_0.distcp")
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp is truncated"):
         verify_checkpoint(d)
-    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    rc, out = run_cli(["convert", "trust", "--ckpt", root], capsys)
     assert rc == 2 and "truncated" in out, out  # a damaged copy is not trusted
 
 
@@ -201,17 +194,17 @@ def test_trust_records_the_list_of_a_sound_copy_and_refuses_foreign_files(ckpt, 
     saved = meta.pop("files")
     (d / "workbench.json").write_text(json.dumps(meta))
     (d / "common.pt").write_bytes(b"not from a save")
-    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    rc, out = run_cli(["convert", "trust", "--ckpt", root], capsys)
     assert rc == 2 and str(d / "common.pt") in out and "never writes" in out, out
     os.remove(d / "common.pt")
-    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    rc, out = run_cli(["convert", "trust", "--ckpt", root], capsys)
     assert rc == 0 and f"recorded the checksums of {len(saved)} files" in out, out
     assert json.loads((d / "workbench.json").read_text())["files"] == saved
     verify_checkpoint(d)
     _flip(d / "__0_0.distcp")
     with pytest.raises(CheckpointError, match="does not match its checksum"):
         verify_checkpoint(d)
-    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    rc, out = run_cli(["convert", "trust", "--ckpt", root], capsys)
     assert rc == 2 and "already records its checksums" in out, out
 
 
@@ -258,12 +251,12 @@ def test_generate_refuses_a_layout_before_any_process_starts(ckpt, tmp_path, cap
     private = tmp_path / "tmp"
     private.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(private))  # where generate's work dir would appear
-    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--tp", "3", "--device", "cpu"], capsys)
+    rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--tp", "3", "--device", "cpu"], capsys)
     assert rc == 2 and "tp: num_attention_heads 4 is not divisible by tensor_parallel 3" in out and "--tp" in out, out
-    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--pp", "5", "--device", "cpu"], capsys)
+    rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--pp", "5", "--device", "cpu"], capsys)
     assert rc == 2 and "pp: num_layers 2 is fewer than pipeline_parallel 5" in out, out
     if torch.cuda.device_count() == 0:
-        rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cuda"], capsys)
+        rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cuda"], capsys)
         assert rc == 2 and "device: is 'cuda' but no CUDA GPU" in out and "--device cpu" in out, out
     assert list(private.iterdir()) == []  # nothing was launched: no work dir was even made
 
@@ -314,7 +307,7 @@ def test_a_metadata_data_file_outside_the_checkpoint_is_refused_before_it_is_rea
             check(d)
         msg = str(e.value)
         assert str(meta) in msg and repr(name) in msg and "outside checkpoint" in msg and " -> " in msg, msg
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf"], capsys)
     assert rc == 2 and str(meta) in out and repr(name) in out and "Traceback" not in out, out
     assert not (tmp_path / "hf").exists()
 
@@ -333,12 +326,12 @@ def test_a_checkpoint_file_that_is_a_symlink_out_of_the_checkpoint_is_refused(ck
     with pytest.raises(CheckpointError) as e:
         verify_checkpoint(d)
     assert repr(linked) in str(e.value) and f"resolves to {outside}" in str(e.value), str(e.value)
-    rc, out = _cli(["convert", "inspect", root], capsys)
+    rc, out = run_cli(["convert", "inspect", root], capsys)
     assert rc == 2 and repr(linked) in out and "outside checkpoint" in out, out
     meta = json.loads((d / "workbench.json").read_text())
     del meta["files"]
     (d / "workbench.json").write_text(json.dumps(meta))
-    rc, out = _cli(["convert", "trust", "--ckpt", root], capsys)
+    rc, out = run_cli(["convert", "trust", "--ckpt", root], capsys)
     assert rc == 2 and repr(linked) in out and "outside checkpoint" in out, out
     assert "files" not in json.loads((d / "workbench.json").read_text())
 

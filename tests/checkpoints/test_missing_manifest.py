@@ -22,16 +22,9 @@ import pytest
 
 from tests.support import ROOT
 from workbench.checkpoint import CheckpointError, find_checkpoint
+from tests.support.cli import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def _cli(argv, cap) -> tuple[int, str]:
-    from workbench.cli import main
-
-    rc = main([str(a) for a in argv])
-    out = cap.readouterr()
-    return rc, out.out + out.err
 
 
 @pytest.fixture(params=["tracker-names-it", "tracker-older", "folder-deleted"])
@@ -66,16 +59,16 @@ def test_find_checkpoint_refuses_instead_of_falling_back(newest_without_manifest
 def test_every_reader_exits_2_naming_the_missing_manifest(newest_without_manifest, gpt2_checkpoint, tmp_path, capfd):
     root, d, newer = newest_without_manifest
     want = f"{newer / 'workbench.json'} is missing"
-    rc, out = _cli(["convert", "inspect", root], capfd)
+    rc, out = run_cli(["convert", "inspect", root], capfd)
     assert rc == 2 and want in out and "iteration: 0" not in out, out
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf", "--quiet"], capfd)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf", "--quiet"], capfd)
     assert rc == 2 and want in out and not (tmp_path / "hf").exists(), out
-    rc, out = _cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs", "--tp", "1", "--pp", "1"], capfd)
+    rc, out = run_cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs", "--tp", "1", "--pp", "1"], capfd)
     assert rc == 2 and want in out and not (tmp_path / "rs").exists(), out
-    rc, out = _cli(["convert", "verify", "--ckpt", root, "--hf", gpt2_checkpoint.parent / "hf", "--seq-length", "8",
+    rc, out = run_cli(["convert", "verify", "--ckpt", root, "--hf", gpt2_checkpoint.parent / "hf", "--seq-length", "8",
                     "--batch-size", "1"], capfd)
     assert rc == 2 and want in out and "Traceback" not in out, out
-    rc, out = _cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capfd)
+    rc, out = run_cli(["generate", "--ckpt", root, "--prompt", "hello", "--device", "cpu"], capfd)
     assert rc == 2 and want in out and "Traceback" not in out, out
 
 
@@ -136,6 +129,6 @@ def test_a_legacy_megatron_lm_tracker_naming_a_deleted_iteration_is_refused(tmp_
                        ("oops", f"{tracker} holds 'oops', not an iteration number or 'release'"),
                        ("\u00b2", f"{tracker} holds '\u00b2', not an iteration number or 'release'")):  # isdigit() takes it
         tracker.write_text(text)
-        rc, out = _cli(["convert", "legacy", "--load", root, "--out", tmp_path / "out"], capfd)
+        rc, out = run_cli(["convert", "legacy", "--load", root, "--out", tmp_path / "out"], capfd)
         assert rc == 2 and says in out and "Traceback" not in out, out
         assert not (tmp_path / "out").exists()

@@ -16,16 +16,9 @@ import sys
 import pytest
 
 from tests.support import ROOT
+from tests.support.cli import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def _cli(argv, capsys) -> tuple[int, str]:
-    from workbench.cli import main
-
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
 
 
 def _message(out: str, d) -> str:
@@ -64,7 +57,7 @@ def test_every_command_refuses_it_with_exit_2_and_the_same_message(altered, tmp_
     runs["launch"] = ["launch", tmp_path / "resume.json", "--run-dir", tmp_path / "run"]  # the real launch, not a dry run
     messages = {}
     for name, argv in runs.items():
-        rc, out = _cli(argv, capsys)
+        rc, out = run_cli(argv, capsys)
         assert rc == 2, (name, out)
         assert "Traceback" not in out and "rank" not in out.lower(), (name, out)
         messages[name] = _message(out, d)

@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from workbench.checkpoint import find_checkpoint
+from tests.support.cli import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -40,21 +41,13 @@ def trained_like(source, tmp_path):
     return root, d
 
 
-def _cli(argv, capsys) -> tuple[int, str]:
-    from workbench.cli import main
-
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
-
-
 def test_verify_refuses_a_layout_the_model_cannot_take_before_starting_ranks(source, capsys):
     hf, ckpt = source
-    rc, out = _cli(["convert", "verify", "--ckpt", ckpt, "--hf", hf, "--tp", "3"], capsys)
+    rc, out = run_cli(["convert", "verify", "--ckpt", ckpt, "--hf", hf, "--tp", "3"], capsys)
     assert rc == 2, out
     assert "tp: num_attention_heads 4 is not divisible by tensor_parallel 3" in out and "--tp" in out, out
     assert "Traceback" not in out and "torch.distributed.run" not in out and "rank" not in out.lower(), out
-    rc, out = _cli(["convert", "verify", "--ckpt", ckpt, "--hf", hf, "--pp", "5"], capsys)
+    rc, out = run_cli(["convert", "verify", "--ckpt", ckpt, "--hf", hf, "--pp", "5"], capsys)
     assert rc == 2 and "pp: num_layers 2 is fewer than pipeline_parallel 5" in out, out
 
 
@@ -76,7 +69,7 @@ def test_verify_refuses_a_hostile_pytorch_model_bin_naming_it(source, tmp_path, 
     marker = tmp_path / "pwned"
     torch.save({"transformer.wte.weight": _Payload(marker)}, evil / "pytorch_model.bin")
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # the environment asks for full unpickling
-    rc, out = _cli(["convert", "verify", "--ckpt", ckpt, "--hf", evil], capsys)
+    rc, out = run_cli(["convert", "verify", "--ckpt", ckpt, "--hf", evil], capsys)
     assert rc == 2, out
     assert str(evil / "pytorch_model.bin") in out and "holds more than tensors" in out and "safetensors" in out, out
     assert "Traceback" not in out
@@ -100,7 +93,7 @@ def test_verify_refuses_an_index_naming_weights_outside_the_model_directory(sour
     torch.save(sd, outside)
     name = "../elsewhere/pytorch_model.bin" if how == "dotdot" else str(outside)
     (model / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {k: name for k in sd}}))
-    rc, out = _cli(["convert", "verify", "--ckpt", ckpt, "--hf", model], capsys)
+    rc, out = run_cli(["convert", "verify", "--ckpt", ckpt, "--hf", model], capsys)
     assert rc == 2 and str(model / "pytorch_model.bin.index.json") in out and repr(name) in out, out
     assert "Traceback" not in out
 
@@ -126,7 +119,7 @@ def test_reshape_of_a_checkpoint_without_a_tokenizer_names_the_checkpoint(traine
     meta["tokenizer"] = None
     meta["config"]["data"]["tokenizer"] = ""
     (d / "workbench.json").write_text(json.dumps(meta))
-    rc, out = _cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs", "--tp", "1", "--pp", "1"], capsys)
+    rc, out = run_cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs", "--tp", "1", "--pp", "1"], capsys)
     assert rc == 0, out
     assert "None" not in out and f"checkpoint {d} names no tokenizer" in out, out
 
@@ -137,20 +130,20 @@ def test_export_from_another_directory_refuses_a_relative_tokenizer_it_cannot_fi
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf1"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf1"], capsys)
     assert rc == 2, out
     assert "'tok'" in out and "relative" in out and str(elsewhere) in out and "--tokenizer" in out, out
     assert not (tmp_path / "hf1").exists()
-    rc, out = _cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs", "--tp", "1", "--pp", "1"], capsys)
+    rc, out = run_cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs", "--tp", "1", "--pp", "1"], capsys)
     assert rc == 2 and "'tok'" in out, out
     # the fix the message names: --tokenizer, or the directory the run was launched from
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf2", "--tokenizer",
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf2", "--tokenizer",
                     tmp_path / "launch" / "tok"], capsys)
     assert rc == 0 and (tmp_path / "hf2" / "tokenizer.json").is_file(), out
     monkeypatch.chdir(tmp_path / "launch")
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf3"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", tmp_path / "hf3"], capsys)
     assert rc == 0 and (tmp_path / "hf3" / "tokenizer.json").is_file(), out
-    rc, out = _cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs2", "--tp", "1", "--pp", "1"], capsys)
+    rc, out = run_cli(["convert", "reshape", "--ckpt", root, "--out", tmp_path / "rs2", "--tp", "1", "--pp", "1"], capsys)
     assert rc == 0 and (tmp_path / "rs2" / "tokenizer" / "tokenizer.json").is_file(), out
 
 
@@ -180,7 +173,7 @@ def test_an_output_disk_too_small_is_refused_before_anything_is_written(source, 
     monkeypatch.setattr(api.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
     for argv in (["hf-to-megatron", "--hf", hf], ["megatron-to-hf", "--ckpt", ckpt], ["reshape", "--ckpt", ckpt, "--tp", "1", "--pp", "1"]):
         out_dir = tmp_path / argv[0]
-        rc, out = _cli(["convert", *argv, "--out", out_dir], capsys)
+        rc, out = run_cli(["convert", *argv, "--out", out_dir], capsys)
         assert rc == 2, out
         assert f"--out {out_dir}: 0.00 GB free on its file system, the output takes" in out and "larger disk" in out, out
         assert not out_dir.exists() and not list(tmp_path.glob(f"{argv[0]}.tmp-*")), argv
@@ -215,7 +208,7 @@ def test_a_disk_that_fills_up_mid_conversion_is_named_and_leaves_no_output(sourc
     real = direct_io.open_for_writing
     monkeypatch.setattr(dcp, "open_for_writing", lambda path, hashed=False: Filling(real(path, hashed)))
     out_dir = tmp_path / "out"
-    rc, out = _cli(["convert", "hf-to-megatron", "--hf", hf, "--out", out_dir], capsys)
+    rc, out = run_cli(["convert", "hf-to-megatron", "--hf", hf, "--out", out_dir], capsys)
     assert rc == 1, out
     assert "No space left on device" in out and "free space on that file system" in out, out
     assert "unexpected pos" not in out and "Traceback" not in out, out

@@ -16,18 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
+from tests.support.cli import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 MARKER = ".workbench-convert.json"
-
-
-def _cli(argv, capsys) -> tuple[int, str]:
-    from workbench.cli import main
-
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
 
 
 def _tree(d: Path) -> dict[str, tuple[int, int]]:
@@ -56,7 +49,7 @@ def test_force_never_replaces_a_folder_that_no_conversion_wrote(root, tmp_path, 
     (mine / "notes.txt").write_text("my notes")
     (mine / "sub" / "code.py").write_text("print('mine')\n")
     before = _tree(mine)
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", mine, "--force", "--quiet"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", mine, "--force", "--quiet"], capsys)
     assert rc == 2, out
     assert f"--out {mine} holds files that no conversion wrote" in out and MARKER in out and "choose a new directory" in out, out
     assert "Traceback" not in out
@@ -65,11 +58,11 @@ def test_force_never_replaces_a_folder_that_no_conversion_wrote(root, tmp_path, 
 
 def test_force_replaces_an_earlier_conversion_output(root, tmp_path, capsys):
     out_dir = tmp_path / "hf"
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", out_dir, "--quiet"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", out_dir, "--quiet"], capsys)
     assert rc == 0, out
     assert (out_dir / MARKER).is_file() and (out_dir / "config.json").is_file()
     (out_dir / "stale.txt").write_text("left from the first export")
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", out_dir, "--force", "--quiet"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", out_dir, "--force", "--quiet"], capsys)
     assert rc == 0, out
     assert (out_dir / MARKER).is_file() and not (out_dir / "stale.txt").exists()
 
@@ -94,7 +87,7 @@ def test_reshape_never_replaces_an_input_a_folder_holding_it_or_one_inside_it(ro
                  "parent": (root, holder),  # a folder holding the input
                  "iter-dir-given": (root / "iter_0000005", root)}[where]  # the root of the iteration given
     before = _tree(holder)
-    rc, text = _cli(["convert", "reshape", "--ckpt", ckpt, "--out", out, "--tp", "1", "--pp", "1", "--force"], capsys)
+    rc, text = run_cli(["convert", "reshape", "--ckpt", ckpt, "--out", out, "--tp", "1", "--pp", "1", "--force"], capsys)
     assert rc == 2, text
     said = {"iteration": f"--out {out} lies inside the input --ckpt {root}",
             "parent": f"--out {out} holds the input --ckpt {root}",
@@ -108,20 +101,20 @@ def test_hf_to_megatron_never_writes_into_its_hf_directory(gpt2_checkpoint, tmp_
     shutil.copytree(gpt2_checkpoint.parent / "hf", hf)
     before = _tree(hf)
     for out in (hf, hf / "mcore"):
-        rc, text = _cli(["convert", "hf-to-megatron", "--hf", hf, "--out", out, "--force", "--quiet"], capsys)
+        rc, text = run_cli(["convert", "hf-to-megatron", "--hf", hf, "--out", out, "--force", "--quiet"], capsys)
         assert rc == 2 and f"--out {out}" in text and f"the input --hf {hf}" in text, text
     assert _tree(hf) == before
 
 
 def test_force_never_replaces_a_symbolic_links_target(root, tmp_path, capsys):
     target = tmp_path / "earlier-export"
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", target, "--quiet"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", target, "--quiet"], capsys)
     assert rc == 0, out
     (target / "notes.txt").write_text("added by hand")
     link = tmp_path / "link"
     link.symlink_to(target)
     before = _tree(target)
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", link, "--force", "--quiet"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", link, "--force", "--quiet"], capsys)
     assert rc == 2, out
     assert f"--out {link} is a symbolic link to {target}" in out and "never replaces a link's target" in out, out
     assert _tree(target) == before and link.is_symlink()
@@ -131,7 +124,7 @@ def test_an_out_that_is_a_file_is_refused(root, tmp_path, capsys):
     f = tmp_path / "model.bin"
     f.write_bytes(b"keep")
     for extra in ([], ["--force"]):
-        rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", f, "--quiet", *extra], capsys)
+        rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", root, "--out", f, "--quiet", *extra], capsys)
         assert rc == 2 and f"--out {f} is a file" in out and "Traceback" not in out, out
     assert f.read_bytes() == b"keep"
 
@@ -144,7 +137,7 @@ def test_an_export_into_the_run_directory_given_as_ckpt_is_written(root, tmp_pat
     (run / "events").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"checkpoint": {"save_dir": None}}))
     shutil.move(str(root), run / "checkpoints")
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", run, "--out", run / "hf", "--quiet"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", run, "--out", run / "hf", "--quiet"], capsys)
     assert rc == 0 and (run / "hf" / "config.json").is_file(), out
-    rc, out = _cli(["convert", "megatron-to-hf", "--ckpt", run, "--out", run / "checkpoints" / "hf", "--quiet"], capsys)
+    rc, out = run_cli(["convert", "megatron-to-hf", "--ckpt", run, "--out", run / "checkpoints" / "hf", "--quiet"], capsys)
     assert rc == 2 and f"lies inside the input --ckpt {run / 'checkpoints'}" in out, out

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import cli_process
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -81,19 +83,7 @@ def _cli_process(*args):
 
 def test_bad_input_exits_2_naming_the_file_and_the_fix(tmp_path, capsys):
     def _cli(*args):
-        """``workbench ARGS`` in this process (``workbench.cli.main``): its exit code and captured output."""
-        from workbench.cli import main
-
-        capsys.readouterr()
-        message = ""
-        try:
-            code = main(list(map(str, args)))
-        except SystemExit as e:  # argparse, or a command that exits; as the interpreter would: None is 0, a message 1
-            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-            message = "" if e.code is None or isinstance(e.code, int) else f"{e.code}\n"
-        out, err = capsys.readouterr()
-        err += message
-        return subprocess.CompletedProcess(args, code, out, err)
+        return cli_process(args, capsys)
 
     text = tmp_path / "docs.txt"
     text.write_text("One short document. It has two sentences.\n\nAnother one here. With a second sentence!\n")

@@ -6,15 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.cli import run_cli
+
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def _cli(argv, capsys) -> tuple[int, str]:
-    from workbench.cli import main
-
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
 
 
 @pytest.mark.parametrize("line, said", [
@@ -27,7 +21,7 @@ def _cli(argv, capsys) -> tuple[int, str]:
 def test_a_jsonl_line_without_prompt_text_exits_2_before_any_rank(gpt2_checkpoint, tmp_path, capsys, line, said):
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"prompt": "the cat"}\n' + line + "\n")
-    rc, out = _cli(["generate", "--ckpt", gpt2_checkpoint, "--prompts-file", f, "--device", "cpu", "--max-new-tokens", "1",
+    rc, out = run_cli(["generate", "--ckpt", gpt2_checkpoint, "--prompts-file", f, "--device", "cpu", "--max-new-tokens", "1",
                     "--work-dir", tmp_path / "work"], capsys)
     assert rc == 2, out
     assert said in out and "Traceback" not in out, out

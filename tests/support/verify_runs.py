@@ -16,7 +16,6 @@ group writes the logits).
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ from workbench.launch import local_torchrun, run_supervised
 
 __all__ = ["forward_logits_many"]
 
-ROOT = Path(__file__).resolve().parents[2]
 
 DRIVER = r"""
 import json, sys
@@ -47,25 +45,22 @@ def forward_logits_many(jobs: list[dict[str, Any]], timeout: int = 600) -> list[
 
     from workbench.checkpoint import safe_torch_load
 
-    world = max(j.get("tp", 1) * j.get("pp", 1) * max(j.get("ep", 1), 1) for j in jobs)
+    from workbench.conversion.verify import worker_argv, worker_env, worker_world
+
+    world = max(worker_world(j.get("tp", 1), j.get("pp", 1), j.get("ep", 1)) for j in jobs)
     with tempfile.TemporaryDirectory(prefix="wb-verify-many-") as td:
         argvs, outs = [], []
         for i, j in enumerate(jobs):
-            mp = j.get("tp", 1) * j.get("pp", 1) * max(j.get("ep", 1), 1)
-            assert world % mp == 0, (world, j)
+            assert world % worker_world(j.get("tp", 1), j.get("pp", 1), j.get("ep", 1)) == 0, (world, j)
             tokens = j["tokens"]
             inputs = dict(tokens) if isinstance(tokens, dict) else {"tokens": tokens}
             tok, out = Path(td) / f"inputs-{i}.pt", Path(td) / f"logits-{i}.pt"
             torch.save({k: v.cpu() for k, v in inputs.items()}, tok)
-            vpp = j.get("vpp")
-            argvs.append(["--ckpt", str(j["ckpt"]), "--tokens", str(tok), "--out", str(out), "--tp", str(j.get("tp", 1)),
-                          "--pp", str(j.get("pp", 1)), "--ep", str(max(j.get("ep", 1), 1))]
-                         + (["--vpp", str(vpp)] if vpp and vpp > 1 else []))
+            argvs.append(worker_argv(j["ckpt"], tok, out, j.get("tp", 1), j.get("pp", 1), j.get("vpp"), j.get("ep", 1)))
             outs.append(out)
         (Path(td) / "jobs.json").write_text(json.dumps(argvs))
         (Path(td) / "driver.py").write_text(DRIVER)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "PYTHONUNBUFFERED": "1"}
+        env = {**worker_env(), "PYTHONWARNINGS": "ignore"}
         cmd = [*local_torchrun(world), str(Path(td) / "driver.py"), str(Path(td) / "jobs.json")]
         # under the supervisor, as forward_logits launches: a timed-out or killed launch leaves no rank behind
         res = run_supervised(cmd, Path(td) / "run", env=env, timeout=timeout)

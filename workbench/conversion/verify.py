@@ -32,7 +32,26 @@ from workbench.models.common.one_process import model_overrides
 from workbench.models.parts import parts_of
 from workbench.run.files import atomic_output
 
-__all__ = ["forward_logits", "verify_against_hf", "main"]
+__all__ = ["forward_logits", "verify_against_hf", "main", "worker_argv", "worker_env", "worker_world"]
+
+
+def worker_world(tp: int = 1, pp: int = 1, ep: int = 1) -> int:
+    """Ranks a forward at this layout needs: ``tp x pp x ep`` (an MoE model's expert ranks are data-parallel ones)."""
+    return tp * pp * max(ep, 1)
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of this module's worker ranks: one OpenMP thread, unbuffered, this checkout importable."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def worker_argv(ckpt: str | Path, tokens_path: str | Path, out_path: str | Path, tp: int = 1, pp: int = 1,
+                vpp: int | None = None, ep: int = 1) -> list[str]:
+    """The arguments of this module's worker (:func:`main`) for one forward: the one place they are spelled."""
+    return (["--ckpt", str(ckpt), "--tokens", str(tokens_path), "--out", str(out_path), "--tp", str(tp), "--pp", str(pp),
+             "--ep", str(max(ep, 1))] + (["--vpp", str(vpp)] if vpp and vpp > 1 else []))
 
 
 def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp: int | None = None,
@@ -44,16 +63,14 @@ def forward_logits(ckpt: str | Path, tokens: Any, tp: int = 1, pp: int = 1, vpp:
     (its ranks are data-parallel ones: world ``tp x pp x ep``)."""
     import torch
 
-    world = tp * pp * max(ep, 1)
+    world = worker_world(tp, pp, ep)
     inputs = dict(tokens) if isinstance(tokens, dict) else {"tokens": tokens}
     with tempfile.TemporaryDirectory(prefix="wb-verify-") as td:
         tok_path, out_path = Path(td) / "inputs.pt", Path(td) / "logits.pt"
         torch.save({k: v.cpu() for k, v in inputs.items()}, tok_path)
         cmd = [*local_torchrun(world),  # one node: its stores on the loopback only
-               "-m", "workbench.conversion.verify", "--ckpt", str(ckpt), "--tokens", str(tok_path), "--out", str(out_path),
-               "--tp", str(tp), "--pp", str(pp), "--ep", str(max(ep, 1))] + (["--vpp", str(vpp)] if vpp and vpp > 1 else [])
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + [p for p in [env.get("PYTHONPATH")] if p])
+               "-m", "workbench.conversion.verify", *worker_argv(ckpt, tok_path, out_path, tp, pp, vpp, ep)]
+        env = worker_env()
         # the one launch path: under the supervisor, so a killed caller leaves no rank behind
         res = run_supervised(cmd, Path(td) / "run", env=env, timeout=timeout_s)
         if res.returncode != 0 or not out_path.exists():
