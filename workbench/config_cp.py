@@ -59,7 +59,4 @@ def context_parallel_problems(cfg: Any, lay: Layout, supports: Any) -> list[Layo
         add("train.loss_func", "a custom loss under context parallelism sees one rank's slice of each sequence, and the "
             "schedule scales a (loss, report) pair by cp: its token weighting over the CP group is not wired",
             "remove train.loss_func (the family's token-mean loss is wired), or set context_parallel: 1", CPF)
-    if getattr(getattr(m, "moe", None), "num_experts", 0):
-        add(CPF, "mixture of experts under context parallelism is not wired yet (expert grid and router statistics over "
-            "CP)", "set context_parallel: 1, or a dense model (moe.num_experts: 0)", "model.moe.num_experts")
     return out

@@ -61,13 +61,20 @@ def test_cp_follows_the_validators_rules_not_its_own():
     assert cp_sizes(cfg, 4) == [1] and "model.seq_length" in cp_refusal(cfg, 4)
 
 
-@pytest.mark.parametrize("name, why", [("bert-tiny", "GPT (causal) only"), ("t5-tiny", "GPT (causal) only"),
-                                       ("moe-tiny", "mixture of experts")])
-def test_cp_is_refused_for_bert_t5_and_moe_with_the_reason(name, why):
+@pytest.mark.parametrize("name, why", [("bert-tiny", "GPT (causal) only"), ("t5-tiny", "GPT (causal) only")])
+def test_cp_is_refused_for_bert_and_t5_with_the_reason(name, why):
     cfg = _small(name)
     assert {lay.cp for lay, _ in enumerate_layouts(cfg, 2, fp8=False)} == {1}
     reason = cp_refusal(cfg, 2)
     assert reason and why in reason and "parallel.context_parallel" in reason
+
+
+def test_an_moe_model_gets_cp_layouts_that_validate():
+    """MoE under CP is wired (tests/backend/test_context_parallel_training.py): its layouts list CP = 2, each valid."""
+    cfg = _small("moe-tiny")
+    found = enumerate_layouts(cfg, 2, fp8=False)
+    assert 2 in {lay.cp for lay, _ in found} and cp_refusal(cfg, 2) is None
+    assert all(validate(c) == [] for _, c in found)
 
 
 def test_the_advice_says_whether_cp_is_listed():

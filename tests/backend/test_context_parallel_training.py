@@ -9,6 +9,10 @@ token count) or a contiguous (not load-balanced) split of the sequence gives dif
 step's loss and gradient norm, and the weights and gradients after the last step, must match the one-process run.
 The CP=2 run's step-2 checkpoint resumes at CP=2 and at CP=1 and repeats its steps 3-4.  On four ranks, DP=2 x CP=2
 matches DP=2, TP=2 + SP x CP=2 matches TP=2 + SP and PP=2 x CP=2 matches PP=2 (each step's loss and gradient norm).
+A mixture-of-experts GPT (``moe-tiny``: 8 experts, top-2, load-balancing and z-losses, the workbench's token dispatch
+and grouped experts) trains at CP=2 as in one process, and DP=2 x EP=2 x CP=2 on four ranks as DP=2 from the same
+initial checkpoint (expert parallelism initialises the experts from other random streams): losses, gradient norms, the
+tokens each expert received (the router records, summed over every rank) and the per-layer balancing losses.
 
 One launch per world size (``tests.support.trainer_runs``); a prelude in every rank masks the synthetic samples'
 heads and dumps rank 0's weights and DDP main gradients after each run.
@@ -32,6 +36,10 @@ def _masked(self, idx):
     out["loss_mask"][: 8 + 8 * (int(idx) % 3)] = 0.0  # uneven loss tokens across the CP ranks' halves
     return out
 _gpt_data.SyntheticGPTDataset.__getitem__ = _masked
+from workbench import kernel_rule
+from workbench.backend import compiled_layer
+kernel_rule.allow_fast_paths_on_cpu(True)  # for the MoE runs (train.compile_kernels): the workbench's MoE path, eager
+compiled_layer.set_compile(False)
 _run = Trainer.run
 def _dump(self):
     code = _run(self)
@@ -51,6 +59,10 @@ LLAMA = {"model.position_embedding": "rope", "model.normalization": "rmsnorm", "
 GPT2 = {"model.position_embedding": "learned"}
 
 
+#: the MoE runs: the preset's shape with the balancing loss on, router records every step, the fast paths (eager)
+MOE = {"model.moe.aux_loss_coeff": 1e-2, "model.moe.router_stats_interval": 1, "train.compile_kernels": True}
+
+
 def _cfg(shape: dict, **over):
     base = {"data.source": "synthetic", "train.train_iters": STEPS, "train.lr_decay_iters": STEPS, "train.lr_warmup_iters": 0,
             "train.global_batch_size": 4, "train.micro_batch_size": 2, "train.lr": 3e-3, "train.eval_interval": 0,
@@ -58,7 +70,7 @@ def _cfg(shape: dict, **over):
             "checkpoint.save_on_exit": False, "model.num_layers": 2, "model.seq_length": 64}
     base.update(shape)
     base.update(over)
-    return preset("tiny", **base)
+    return preset("moe-tiny" if shape is MOE else "tiny", **base)
 
 
 CP2 = {"parallel.context_parallel": 2}
@@ -75,15 +87,19 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
     save2 = {"checkpoint.save_interval": 2}
     at2 = str(root / "llama_cp2" / "checkpoints" / "iter_0000002")
+    moe_init = {"train.train_iters": 1, "train.lr_decay_iters": 1, "checkpoint.save_on_exit": True}
+    from_init = {"checkpoint.load_dir": str(root / "moe_init" / "checkpoints"), "checkpoint.finetune": True}
     run_trainers({root / "llama_cp2": _cfg(LLAMA, **CP2, **save2), root / "gpt2_cp2": _cfg(GPT2, **CP2),
                   root / "llama_cp2_resumed": _cfg(LLAMA, **CP2, **{"checkpoint.load_dir": at2}),
                   root / "llama_dp2": _cfg(LLAMA, **DP2), root / "llama_tp2sp": _cfg(LLAMA, **TP2SP),
-                  root / "llama_pp2": _cfg(LLAMA, **PP2)},
+                  root / "llama_pp2": _cfg(LLAMA, **PP2), root / "moe_cp2": _cfg(MOE, **CP2),
+                  root / "moe_init": _cfg(MOE, **moe_init), root / "moe_dp2": _cfg(MOE, **DP2, **from_init)},
                  nproc=2, prelude=PRELUDE, timeout=480)
     run_trainers({root / "llama_dp2_cp2": _cfg(LLAMA, **CP2, **DP2), root / "llama_tp2sp_cp2": _cfg(LLAMA, **CP2, **TP2SP),
-                  root / "llama_pp2_cp2": _cfg(LLAMA, **CP2, **PP2)},
+                  root / "llama_pp2_cp2": _cfg(LLAMA, **CP2, **PP2),
+                  root / "moe_dp2_ep2_cp2": _cfg(MOE, **CP2, **DP2, **from_init, **{"parallel.expert_parallel": 2})},
                  nproc=4, prelude=PRELUDE, timeout=600)
-    run_trainers({root / "llama_cp1": _cfg(LLAMA), root / "gpt2_cp1": _cfg(GPT2),
+    run_trainers({root / "llama_cp1": _cfg(LLAMA), root / "gpt2_cp1": _cfg(GPT2), root / "moe_cp1": _cfg(MOE),
                   root / "llama_cp1_from_cp2": _cfg(LLAMA, **{"checkpoint.load_dir": at2})}, nproc=1, prelude=PRELUDE)
     out = {p.name: (read_events(p), torch.load(p / "state.pt")) for p in root.iterdir() if (p / "state.pt").exists()}
     out["_root"] = root
@@ -114,6 +130,34 @@ def test_cp2_trains_as_one_process(runs, shape):
         assert torch.allclose(w, rw, rtol=0, atol=1e-4), (shape, name, (w - rw).abs().max().item())
         scale = rg.abs().max().item() + 1e-12
         assert (gr - rg).abs().max().item() <= 1e-3 * scale, (shape, name, (gr - rg).abs().max().item(), scale)
+
+
+@pytest.mark.parametrize("layout, ref", [("moe_cp2", "moe_cp1"), ("moe_dp2_ep2_cp2", "moe_dp2")])
+def test_moe_trains_under_cp_as_without(runs, layout, ref):
+    """MoE under CP: each CP rank routes its own chunks' tokens; megatron's router reduces the balancing loss's
+    token counts over TP x CP, the experts' gradients are reduced over the expert data-parallel group (which holds
+    the CP ranks), and the router records sum every rank's counts, so the step, the loss and what the dashboard's
+    router view shows are the run without CP's."""
+    from workbench.run.reader import RunReader
+
+    (ref_ev, _), (got_ev, _) = runs[ref], runs[layout]
+    r, g = _steps(ref_ev), _steps(got_ev)
+    assert sorted(g) == sorted(r) == list(range(1, STEPS + 1))
+    start = next(e for e in got_ev if e["event"] == "run_start")
+    assert start["config"]["parallel"]["context_parallel"] == 2 and "ring attention" in start["kernel_path"]["attention"]
+    assert start["kernels"]["moe_dispatch"] == "workbench" and start["kernels"]["experts"] == "torch_grouped", start["kernels"]
+    for it in r:
+        print(f"{layout} step {it}: loss {ref} {r[it]['loss']:.7f} {layout} {g[it]['loss']:.7f}; "
+              f"grad norm {r[it]['grad_norm']:.7f} {g[it]['grad_norm']:.7f}")
+        assert g[it]["loss"] == pytest.approx(r[it]["loss"], rel=2e-6), (layout, it)
+        assert g[it]["grad_norm"] == pytest.approx(r[it]["grad_norm"], rel=1e-4), (layout, it)
+    want, got = RunReader(runs["_root"] / ref).router(), RunReader(runs["_root"] / layout).router()
+    assert [x.iteration for x in got] == [x.iteration for x in want] == list(range(1, STEPS + 1))
+    for a, b in zip(want, got):
+        assert b.tokens_per_expert == a.tokens_per_expert and b.assignments == a.assignments, (layout, a.iteration)
+        assert all(sum(c) == 4 * 64 * 2 for c in b.tokens_per_expert), b  # every token of the step, top-2 (dropless)
+        assert b.load_balancing_loss == pytest.approx(a.load_balancing_loss, rel=1e-5), (layout, a.iteration)
+        assert b.z_loss == pytest.approx(a.z_loss, rel=1e-5), (layout, a.iteration)
 
 
 def _problems(**over):

@@ -17,7 +17,7 @@ ranks of one node: the ring's K/V blocks travel every layer, and its cost model 
 
 Context parallelism is enumerated where the config allows it: :func:`cp_sizes` asks
 :func:`workbench.config_cp.context_parallel_problems` (the validator's own CP rules: the family's
-``Supports.context_parallel``, the sequence divisible by 2*CP [*TP under SP], no MoE, ...) and
+``Supports.context_parallel``, the sequence divisible by 2*CP [*TP under SP], ...) and
 :func:`cp_refusal` says why a config gets none.  DP counts over the world left after TP x CP x PP; the
 distributed optimizer and the gradient reduce span DP x CP (megatron's ``intra_dp_cp_group``), so both are
 choices wherever DP x CP > 1.
@@ -163,7 +163,7 @@ def cp_sizes(cfg: RunConfig, gpus: int, nodes: int = 1, tp: int = 1, sp: bool = 
 
 def cp_refusal(cfg: RunConfig, gpus: int, nodes: int = 1) -> str | None:
     """Why no context-parallel layout is listed for ``cfg`` on ``gpus`` GPUs (None when some is): the config's CP
-    rules at CP = 2 (the family, the sequence, MoE, ... each with its field), or a node of one GPU."""
+    rules at CP = 2 (the family, the sequence, ... each with its field), or a node of one GPU."""
     if gpus // nodes < 2:
         return "one GPU per node: the ring stays inside a node"
     if any(len(cp_sizes(cfg, gpus, nodes, tp, sp)) > 1 for tp in _divisors(gpus // nodes) for sp in {False, tp > 1}):
