@@ -1,8 +1,8 @@
 """The rules of context parallelism (``parallel.context_parallel`` > 1) between a config's fields.
 
-What :mod:`workbench.backend.context_parallel` wires: a causal model of a family that supports it
-(:attr:`workbench.families.Supports.context_parallel`), on the workbench SDPA attention's K/V ring, over sequences
-split into 2*cp load-balanced chunks.  :func:`workbench.config.validate` reports each problem with its field and
+What :mod:`workbench.backend.context_parallel` wires: a model of a family that supports it
+(:attr:`workbench.families.Supports.context_parallel`: GPT causal, BERT bidirectional with its key-padding mask), on
+the workbench SDPA attention's K/V ring, over sequences split into 2*cp load-balanced chunks.  :func:`workbench.config.validate` reports each problem with its field and
 fix (exit 2 before any process starts).  Torch-free.
 """
 
@@ -30,8 +30,12 @@ def context_parallel_problems(cfg: Any, lay: Layout, supports: Any) -> list[Layo
         out.append(LayoutProblem(field, rule, fix, reads))
 
     if not supports.context_parallel:
-        add(CPF, f"context parallelism is wired for GPT (causal) only, not the {m.arch} family yet",
-            "set context_parallel: 1", "model.arch")
+        add(CPF, f"context parallelism is wired for self-attention over one sequence (GPT causal, BERT with its padding "
+            f"mask), not the {m.arch} family yet", "set context_parallel: 1", "model.arch")
+    if int(getattr(m, "num_labels", 0) or 0) > 0:
+        add(CPF, "sequence classification under context parallelism: the pooled first token is on CP rank 0 only and "
+            "the per-sample classification loss is not weighted over the CP group (not wired)",
+            "fine-tune with context_parallel: 1 (pretraining under CP is wired)", "model.num_labels")
     unit = 2 * cp * (tp if p.sequence_parallel else 1)
     if m.seq_length % unit:
         how = (f"2*context_parallel*tensor_parallel = {unit} (sequence parallelism)" if p.sequence_parallel

@@ -61,24 +61,29 @@ def test_cp_follows_the_validators_rules_not_its_own():
     assert cp_sizes(cfg, 4) == [1] and "model.seq_length" in cp_refusal(cfg, 4)
 
 
-@pytest.mark.parametrize("name, why", [("bert-tiny", "GPT (causal) only"), ("t5-tiny", "GPT (causal) only")])
-def test_cp_is_refused_for_bert_and_t5_with_the_reason(name, why):
-    cfg = _small(name)
+def test_cp_is_refused_for_t5_with_the_reason():
+    cfg = _small("t5-tiny")
     assert {lay.cp for lay, _ in enumerate_layouts(cfg, 2, fp8=False)} == {1}
     reason = cp_refusal(cfg, 2)
-    assert reason and why in reason and "parallel.context_parallel" in reason
+    assert reason and "not the t5 family" in reason and "parallel.context_parallel" in reason
 
 
-def test_an_moe_model_gets_cp_layouts_that_validate():
-    """MoE under CP is wired (tests/backend/test_context_parallel_training.py): its layouts list CP = 2, each valid."""
-    cfg = _small("moe-tiny")
+@pytest.mark.parametrize("name", ["moe-tiny", "bert-tiny"])
+def test_moe_and_bert_get_cp_layouts_that_validate(name):
+    """MoE and BERT under CP are wired (tests/backend/test_context_parallel_training.py): their layouts list CP = 2,
+    each valid; a BERT with attention dropout gets none, and the reason names the field."""
+    cfg = _small(name)
     found = enumerate_layouts(cfg, 2, fp8=False)
     assert 2 in {lay.cp for lay, _ in found} and cp_refusal(cfg, 2) is None
     assert all(validate(c) == [] for _, c in found)
+    if name == "bert-tiny":
+        dropped = _small(name, **{"model.attention_dropout": 0.1})
+        assert {lay.cp for lay, _ in enumerate_layouts(dropped, 2, fp8=False)} == {1}
+        assert "model.attention_dropout" in cp_refusal(dropped, 2)
 
 
 def test_the_advice_says_whether_cp_is_listed():
-    adv = advise(_small("bert-tiny"), 2, gpu="H200-141GB", top=3, fp8=False)
+    adv = advise(_small("t5-tiny"), 2, gpu="H200-141GB", top=3, fp8=False)
     assert any(n.startswith("no context-parallel layout listed: parallel.context_parallel") for n in adv.notes), adv.notes
     adv = advise(_small("tiny"), 2, gpu="H200-141GB", top=3, fp8=False)
     assert any("context-parallel layouts listed" in n and "not calibrated" in n for n in adv.notes), adv.notes

@@ -13,6 +13,10 @@ A mixture-of-experts GPT (``moe-tiny``: 8 experts, top-2, load-balancing and z-l
 and grouped experts) trains at CP=2 as in one process, and DP=2 x EP=2 x CP=2 on four ranks as DP=2 from the same
 initial checkpoint (expert parallelism initialises the experts from other random streams): losses, gradient norms, the
 tokens each expert received (the router records, summed over every rank) and the per-layer balancing losses.
+BERT (``bert-tiny`` without dropout: bidirectional attention under its key-padding mask, learned positions, the
+masked-LM head on the masked positions and the sentence-order head on the pooled first token, which only CP rank 0
+holds) trains at CP=2 as in one process and at TP=2 + SP x CP=2 as at TP=2 + SP: every step's loss, sentence-order
+loss and gradient norm, and the evaluations.
 
 One launch per world size (``tests.support.trainer_runs``); a prelude in every rank masks the synthetic samples'
 heads and dumps rank 0's weights and DDP main gradients after each run.
@@ -61,6 +65,8 @@ GPT2 = {"model.position_embedding": "learned"}
 
 #: the MoE runs: the preset's shape with the balancing loss on, router records every step, the fast paths (eager)
 MOE = {"model.moe.aux_loss_coeff": 1e-2, "model.moe.router_stats_interval": 1, "train.compile_kernels": True}
+#: the BERT runs: no dropout (each CP rank would draw its own masks), an evaluation every 2 steps
+BERT = {"model.attention_dropout": 0.0, "model.hidden_dropout": 0.0, "train.eval_interval": 2, "train.eval_iters": 1}
 
 
 def _cfg(shape: dict, **over):
@@ -70,7 +76,7 @@ def _cfg(shape: dict, **over):
             "checkpoint.save_on_exit": False, "model.num_layers": 2, "model.seq_length": 64}
     base.update(shape)
     base.update(over)
-    return preset("moe-tiny" if shape is MOE else "tiny", **base)
+    return preset({id(MOE): "moe-tiny", id(BERT): "bert-tiny"}.get(id(shape), "tiny"), **base)
 
 
 CP2 = {"parallel.context_parallel": 2}
@@ -93,13 +99,16 @@ def runs(tmp_path_factory):
                   root / "llama_cp2_resumed": _cfg(LLAMA, **CP2, **{"checkpoint.load_dir": at2}),
                   root / "llama_dp2": _cfg(LLAMA, **DP2), root / "llama_tp2sp": _cfg(LLAMA, **TP2SP),
                   root / "llama_pp2": _cfg(LLAMA, **PP2), root / "moe_cp2": _cfg(MOE, **CP2),
-                  root / "moe_init": _cfg(MOE, **moe_init), root / "moe_dp2": _cfg(MOE, **DP2, **from_init)},
+                  root / "moe_init": _cfg(MOE, **moe_init), root / "moe_dp2": _cfg(MOE, **DP2, **from_init),
+                  root / "bert_cp2": _cfg(BERT, **CP2), root / "bert_tp2sp": _cfg(BERT, **TP2SP)},
                  nproc=2, prelude=PRELUDE, timeout=480)
     run_trainers({root / "llama_dp2_cp2": _cfg(LLAMA, **CP2, **DP2), root / "llama_tp2sp_cp2": _cfg(LLAMA, **CP2, **TP2SP),
                   root / "llama_pp2_cp2": _cfg(LLAMA, **CP2, **PP2),
-                  root / "moe_dp2_ep2_cp2": _cfg(MOE, **CP2, **DP2, **from_init, **{"parallel.expert_parallel": 2})},
+                  root / "moe_dp2_ep2_cp2": _cfg(MOE, **CP2, **DP2, **from_init, **{"parallel.expert_parallel": 2}),
+                  root / "bert_tp2sp_cp2": _cfg(BERT, **CP2, **TP2SP)},
                  nproc=4, prelude=PRELUDE, timeout=600)
     run_trainers({root / "llama_cp1": _cfg(LLAMA), root / "gpt2_cp1": _cfg(GPT2), root / "moe_cp1": _cfg(MOE),
+                  root / "bert_cp1": _cfg(BERT),
                   root / "llama_cp1_from_cp2": _cfg(LLAMA, **{"checkpoint.load_dir": at2})}, nproc=1, prelude=PRELUDE)
     out = {p.name: (read_events(p), torch.load(p / "state.pt")) for p in root.iterdir() if (p / "state.pt").exists()}
     out["_root"] = root
@@ -160,6 +169,30 @@ def test_moe_trains_under_cp_as_without(runs, layout, ref):
         assert b.z_loss == pytest.approx(a.z_loss, rel=1e-5), (layout, a.iteration)
 
 
+@pytest.mark.parametrize("layout, ref", [("bert_cp2", "bert_cp1"), ("bert_tp2sp_cp2", "bert_tp2sp")])
+def test_bert_trains_under_cp_as_without(runs, layout, ref):
+    """BERT under CP: the ring attends in both directions under the key-padding mask (padded tails fall on either CP
+    rank), each token keeps its learned position, and the sentence-order loss counts once (CP rank 0 holds the pooled
+    first token), weighted by the whole sequence's masked tokens."""
+    (ref_ev, _), (got_ev, _) = runs[ref], runs[layout]
+    r, g = _steps(ref_ev), _steps(got_ev)
+    assert sorted(g) == sorted(r) == list(range(1, STEPS + 1))
+    start = next(e for e in got_ev if e["event"] == "run_start")
+    assert start["config"]["parallel"]["context_parallel"] == 2 and "ring attention" in start["kernel_path"]["attention"]
+    for it in r:
+        print(f"{layout} step {it}: loss {ref} {r[it]['loss']:.7f} {layout} {g[it]['loss']:.7f}; "
+              f"sop {r[it]['sop loss']:.7f} {g[it]['sop loss']:.7f}; grad norm {r[it]['grad_norm']:.7f} {g[it]['grad_norm']:.7f}")
+        assert g[it]["loss"] == pytest.approx(r[it]["loss"], rel=2e-6), (layout, it)
+        assert g[it]["sop loss"] == pytest.approx(r[it]["sop loss"], rel=2e-6), (layout, it)
+        assert g[it]["grad_norm"] == pytest.approx(r[it]["grad_norm"], rel=1e-4), (layout, it)
+    evals = lambda ev: {e["iteration"]: e for e in ev if e["event"] == "eval" and e["rank"] == 0}  # noqa: E731
+    want, got = evals(ref_ev), evals(got_ev)
+    assert sorted(got) == sorted(want) == [2, 4]
+    for it, e in want.items():
+        for key in ("loss", "sop loss", "mlm accuracy"):
+            assert got[it][key] == pytest.approx(e[key], rel=2e-6, abs=1e-7), (layout, it, key)
+
+
 def _problems(**over):
     return {(q.field, q.rule, q.fix) for q in validate(preset("tiny", **{"parallel.nproc_per_node": 2, **over}))}
 
@@ -180,8 +213,14 @@ def test_cp_config_rules():
     assert any(f == "train.loss_func" and "context_parallel: 1" in fix for f, _, fix in hook)
     world = _problems(**{"parallel.context_parallel": 2, "parallel.nproc_per_node": 3})
     assert any(f == "parallel.nproc_per_node" and "tp*cp*pp = 2" in r for f, r, _ in world)
-    bert = {(q.field, q.rule) for q in validate(preset("bert-tiny", **{"parallel.nproc_per_node": 2, **CP2}))}
-    assert any(f == "parallel.context_parallel" and "GPT" in r for f, r in bert)
+    t5 = {(q.field, q.rule) for q in validate(preset("t5-tiny", **{"parallel.nproc_per_node": 2, **CP2}))}
+    assert any(f == "parallel.context_parallel" and "not the t5 family" in r for f, r in t5)
+    bert = {(q.field, q.rule, q.fix) for q in validate(preset("bert-tiny", **{"parallel.nproc_per_node": 2, **CP2, **BERT}))}
+    assert bert == set(), bert
+    cls = {(q.field, q.rule, q.fix) for q in validate(preset("bert-tiny", **{"parallel.nproc_per_node": 2, **CP2, **BERT,
+                                                                             "model.num_labels": 2}))}
+    assert any(f == "parallel.context_parallel" and "sequence classification" in r and "context_parallel: 1" in fix
+               for f, r, fix in cls), cls
 
 
 def test_cp_kernel_rule_keeps_the_stock_layer_and_no_graphs():

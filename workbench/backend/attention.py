@@ -22,8 +22,9 @@ attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=Non
 ``forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
 packed_seq_params=None)`` with q/k/v ``[s, b, heads, head_dim]`` and output ``[sq, b, hp]``.
 Packed sequences (THD) need Transformer Engine and are refused with a clear message.
-Context parallelism (``context_parallel_size > 1``): causal attention of this rank's load-balanced shard against the
-whole sequence by ring attention over megatron's CP group (:func:`workbench.backend.context_parallel.ring_attention`).
+Context parallelism (``context_parallel_size > 1``): attention of this rank's load-balanced shard against the whole
+sequence by ring attention over megatron's CP group (:func:`workbench.backend.context_parallel.ring_attention`):
+causal (GPT), or bidirectional with BERT's key-padding mask.
 """
 
 from __future__ import annotations
@@ -231,17 +232,26 @@ class SDPAttention(MegatronModule):
 
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
               mask_type: AttnMaskType, additive: Optional[torch.Tensor], sq: int, b: int) -> torch.Tensor:
-        """Context parallel: this rank's queries against the whole sequence by ring attention (GPT causal)."""
+        """Context parallel: this rank's queries against the whole sequence by ring attention: GPT's implicit causal
+        mask, or BERT's key-padding mask (``padding``: ``[b, 1, 1, s_local]``, True = padded, the keys of this rank's
+        chunks; the ring gathers every rank's once)."""
         from workbench.backend.context_parallel import ring_attention
 
         if additive is not None:
             raise NotImplementedError("context parallelism: the ring attention takes no additive bias (ALiBi, attention_bias)")
-        if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+        kv_padding = None
+        if mask_type == AttnMaskType.padding and attention_mask is not None:
+            if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or attention_mask.shape[2] != 1:
+                raise NotImplementedError(f"context parallelism: a padding mask of shape {tuple(attention_mask.shape)}; "
+                                          "the ring takes a key-padding mask [b, 1, 1, s_local]")
+            kv_padding = attention_mask.reshape(b, -1).bool()
+        elif mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise NotImplementedError(f"context parallelism: attention mask type {mask_type.name} is not wired "
-                                      "(GPT's implicit causal mask only)")
-        if attention_mask is not None and mask_type != AttnMaskType.no_mask:
+                                      "(GPT's implicit causal mask, BERT's key padding)")
+        elif attention_mask is not None and mask_type != AttnMaskType.no_mask:
             raise NotImplementedError("context parallelism: an explicit attention mask (per-document masks) is not wired; "
                                       "GPT's causal mask is implicit")
-        out = ring_attention(q, k, v, self.cp_group, causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale)
+        out = ring_attention(q, k, v, self.cp_group, causal=mask_type == AttnMaskType.causal, scale=self.softmax_scale,
+                             kv_padding=kv_padding)
         # [b, h, sq, d] -> [sq, b, h*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

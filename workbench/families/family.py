@@ -79,8 +79,8 @@ class Supports:
     moe: bool = False
     #: whether ``model.qk_layernorm`` (a norm of each query and key head) builds
     qk_layernorm: bool = False
-    #: whether ``parallel.context_parallel`` > 1 trains (a causal model on the workbench attention's K/V ring,
-    #: :mod:`workbench.backend.context_parallel`)
+    #: whether ``parallel.context_parallel`` > 1 trains (on the workbench attention's K/V ring,
+    #: :mod:`workbench.backend.context_parallel`: causal, or bidirectional with a key-padding mask)
     context_parallel: bool = False
 
     @property

@@ -50,9 +50,10 @@ def microbatch_indices(iteration: int, microbatch: int, gbs: int, mbs: int, dp: 
     return list(range(base, base + mbs))
 
 
-def shard_batch(batch: dict[str, Any], cp_rank: int, cp: int) -> dict[str, Any]:
+def shard_batch(batch: dict[str, Any], cp_rank: int, cp: int, keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """Context parallelism: this CP rank's load-balanced slice (:func:`workbench.backend.context_parallel.shard_sequence`:
-    chunks ``r`` and ``2cp-1-r`` of ``2cp``) of the per-token keys (:data:`SEQUENCE_KEYS`, ``[b, s]``) along the sequence.
+    chunks ``r`` and ``2cp-1-r`` of ``2cp``) of the per-token keys (:data:`SEQUENCE_KEYS` and the family's own
+    ``keys``, e.g. BERT's padding mask and token types; each ``[b, s]``) along the sequence.
     Every rank of a CP group reads the same samples (its data-parallel rank excludes CP); position ids are cut like the
     tokens, so learned positions see each token's own position (RoPE slices its table the same way in megatron).  An
     explicit attention mask is refused (validation refuses per-document masks under CP; GPT's causal mask is implicit)."""
@@ -61,7 +62,7 @@ def shard_batch(batch: dict[str, Any], cp_rank: int, cp: int) -> dict[str, Any]:
     if batch.get("attention_mask") is not None:
         raise ValueError("context parallelism: a micro-batch with an explicit attention mask (per-document masks) is not wired")
     out = dict(batch)
-    for key in SEQUENCE_KEYS:
+    for key in SEQUENCE_KEYS + tuple(keys):
         x = out.get(key)
         if x is not None and x.dim() >= 2:
             out[key] = shard_sequence(x, cp_rank, cp, seq_dim=1)

@@ -141,6 +141,20 @@ class WorkbenchBertModel(BertModel):
         binary = self.binary_head(self.pooler(hidden, 0)) if self.binary_head is not None else None
         return self.masked_lm_losses(hidden, lm_labels, loss_mask), binary
 
+    def bert_position_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """megatron's positions ``0 .. s-1``; under context parallelism the positions of this CP rank's chunks of the
+        whole sequence (``r`` and ``2cp-1-r``: :func:`workbench.backend.context_parallel.shard_positions`, as the
+        trainer cut the tokens), so each token keeps its own learned position embedding."""
+        cp = int(self.config.context_parallel_size or 1)
+        if cp <= 1:
+            return super().bert_position_ids(token_ids)
+        from megatron.core import parallel_state
+
+        from workbench.backend.context_parallel import shard_positions
+
+        pos = shard_positions(token_ids.size(1) * cp, parallel_state.get_context_parallel_rank(), cp, device=token_ids.device)
+        return pos.unsqueeze(0).expand_as(token_ids)
+
     def masked_lm_losses(self, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """Per-token masked-LM losses ``[b, s]`` from the final hidden states ``[s, b, h]``, the head run only on
         the masked positions (``loss_mask`` 1), 0 elsewhere (where the loss mask drops them in any case).

@@ -16,6 +16,12 @@ schedule divides ``loss_sum`` by ``num_tokens``, giving ``MLM token mean + sente
 in eval, ``mlm accuracy`` as ``[sum, count]`` pairs that the trainer averages over micro-batches
 and data-parallel ranks.  A ``train.loss_func`` hook receives the same tuple as ``losses``.
 
+Context parallelism (``parallel.context_parallel`` > 1): the trainer cuts :data:`SEQUENCE_KEYS` (with the tokens,
+labels and loss mask) into each CP rank's load-balanced chunks.  The pooled first token, and so the sentence-order
+logits, exist on CP rank 0 only (the rank holding chunk 0): its sentence-order loss counts once, weighted by the
+masked tokens of the whole sequence (what the trainer divides by), and the other CP ranks add none to the loss or
+the report.
+
 Labelled batches (``extra["label"]``; ``model.num_labels`` > 0, :mod:`.finetune`): the forward step
 returns the class logits and the loss is their cross entropy per sample (under the same
 ``lm loss`` key, the trainer's main loss) with ``accuracy`` in the report.
@@ -26,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["forward_step", "loss", "classification_loss", "logits_forward", "masked_accuracy", "LOSS_NAME", "SOP_NAME", "ACCURACY_NAME",
-           "CLASS_ACCURACY_NAME"]
+           "CLASS_ACCURACY_NAME", "SEQUENCE_KEYS"]
 
 #: the key the reported (masked-LM) loss goes under
 LOSS_NAME = "lm loss"
@@ -34,6 +40,9 @@ SOP_NAME = "sop loss"
 ACCURACY_NAME = "mlm accuracy"
 #: sequence classification's accuracy (train steps and eval)
 CLASS_ACCURACY_NAME = "accuracy"
+#: BERT's own per-token keys ``[b, s]`` besides tokens, labels and loss mask: cut along the sequence under context
+#: parallelism (``workbench.rank.data.shard_batch``)
+SEQUENCE_KEYS = ("padding_mask", "tokentype_ids")
 
 
 def masked_accuracy(logits: Any, labels: Any) -> Any:
@@ -103,12 +112,29 @@ def loss(batch: Any, output: Any) -> tuple[Any, Any, dict]:
     if binary is not None:
         target = batch.extra["is_random"].reshape(-1).long()
         sop = F.cross_entropy(binary.float(), target)
-        total = mlm_sum + sop * num_tokens.float()
-        b = float(target.numel())
+        weight, b = _sop_weight(num_tokens, float(target.numel()))
+        total = mlm_sum + sop * weight
         report[SOP_NAME] = torch.stack([sop.detach() * b, torch.full_like(sop.detach(), b)])  # (no host copy: capturable)
     if correct is not None:
         report[ACCURACY_NAME] = torch.stack([torch.sum(correct.reshape(-1) * mask).detach(), n.detach()])
     return total, num_tokens, report
+
+
+def _sop_weight(num_tokens: Any, samples: float) -> tuple[Any, float]:
+    """(the sentence-order loss's weight in the summed loss, the samples it reports): the micro-batch's masked tokens
+    and samples; under context parallelism the whole sequence's masked tokens (summed over the CP group, as the
+    trainer sums the divisor) on CP rank 0, which holds the pooled first token, and nothing on the other CP ranks."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() <= 1:
+        return num_tokens.float(), samples
+    import torch.distributed as dist
+
+    whole = num_tokens.detach().float().clone()
+    dist.all_reduce(whole, group=parallel_state.get_context_parallel_group())
+    if parallel_state.get_context_parallel_rank() == 0:
+        return whole, samples
+    return whole * 0.0, 0.0
 
 
 def classification_loss(batch: Any, logits: Any) -> tuple[Any, Any, dict]:
