@@ -80,7 +80,7 @@ class Layout:
     ep: int = 1
     #: expert tensor-parallel size (``expert_tensor_parallel_size``); None on input: the tensor-parallel size
     etp: int | None = None
-    #: context-parallel size: each sequence split over this many ranks (``context_parallel_size``; GPT causal on the
+    #: context-parallel size: each sequence split over this many ranks (``context_parallel_size``; GPT and BERT on the
     #: workbench SDPA attention's ring, :mod:`workbench.backend.context_parallel`)
     cp: int = 1
     #: nodes of the launch (``parallel.nnodes``)

@@ -173,8 +173,9 @@ def test_moe_trains_under_cp_as_without(runs, layout, ref):
 def test_bert_trains_under_cp_as_without(runs, layout, ref):
     """BERT under CP: the ring attends in both directions under the key-padding mask (padded tails fall on either CP
     rank), each token keeps its learned position, and the sentence-order loss counts once (CP rank 0 holds the pooled
-    first token), weighted by the whole sequence's masked tokens."""
-    (ref_ev, _), (got_ev, _) = runs[ref], runs[layout]
+    first token), weighted by the whole sequence's masked tokens: every weight and gradient after the last step (rank
+    0's, the same TP shard on both sides), the sentence-order head's among them, is the run without CP's."""
+    (ref_ev, ref_state), (got_ev, got_state) = runs[ref], runs[layout]
     r, g = _steps(ref_ev), _steps(got_ev)
     assert sorted(g) == sorted(r) == list(range(1, STEPS + 1))
     start = next(e for e in got_ev if e["event"] == "run_start")
@@ -191,6 +192,12 @@ def test_bert_trains_under_cp_as_without(runs, layout, ref):
     for it, e in want.items():
         for key in ("loss", "sop loss", "mlm accuracy"):
             assert got[it][key] == pytest.approx(e[key], rel=2e-6, abs=1e-7), (layout, it, key)
+    assert set(got_state["grads"]) == set(ref_state["grads"]) and any("binary_head" in n for n in ref_state["grads"])
+    for name, rg in ref_state["grads"].items():
+        gr, w, rw = got_state["grads"][name], got_state["weights"][name], ref_state["weights"][name]
+        assert torch.allclose(w, rw, rtol=0, atol=1e-4), (layout, name, (w - rw).abs().max().item())
+        scale = rg.abs().max().item() + 1e-12
+        assert (gr - rg).abs().max().item() <= 1e-3 * scale, (layout, name, (gr - rg).abs().max().item(), scale)
 
 
 def _problems(**over):

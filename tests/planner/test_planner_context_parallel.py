@@ -65,3 +65,19 @@ def test_the_flash_block_kernel_keeps_no_scores():
     flash, math_ = planner.ring_buffers(local, 2, flash=True), planner.ring_buffers(local, 2)
     assert flash < math_ / 100
     assert planner.predict(cfg, "H200-141GB", suggest=False).fits
+
+
+def test_bert_under_cp_is_planned_on_the_math_block_kernel():
+    """BERT's attention takes a key-padding mask, which the flash block kernel cannot: its ring runs the math kernel
+    (``context_parallel._flash_ok``), so the plan keeps the block scores (``Supports.key_padding``)."""
+    import dataclasses
+
+    cfg = preset("bert-large", **{"parallel.context_parallel": 2, "parallel.nproc_per_node": 2, "parallel.device": "cuda",
+                                  "train.precision": "bf16", "model.attention_dropout": 0.0, "model.seq_length": 512,
+                                  "train.micro_batch_size": 1, "train.global_batch_size": 2})
+    sh = dataclasses.replace(family_of(cfg).shapes.shape(cfg, derive(cfg)), s=256)
+    assert sh.e == 2 and sh.head_dim % 8 == 0  # what the flash kernel needs, but for the mask
+    assert not planner.ring_flash(cfg, sh)
+    gpt = preset("gpt2-medium", **{"parallel.context_parallel": 2, "parallel.nproc_per_node": 2, "parallel.device": "cuda",
+                                   "train.precision": "bf16"})
+    assert planner.ring_flash(gpt, family_of(gpt).shapes.shape(gpt, derive(gpt)))  # the same GPU, causal: flash

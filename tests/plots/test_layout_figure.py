@@ -47,7 +47,13 @@ def _boxes(fig):
     faces = {key(p.get_x() + p.get_width() / 2, p.get_y() - 0.1): mcolors.to_hex(p.get_facecolor())
              for p in top.patches if p.get_fill()}
     assert set(names) == set(labels) == set(faces), (names, labels, faces)
-    return [(int(names[k][1:]), labels[k], faces[k]) for k in names]
+    return [(int(names[k][1:]), labels[k], faces[k], k) for k in names]
+
+
+def _frames(fig):
+    """(row, first box x, last box x) of each replica frame (the unfilled rectangles)."""
+    return [(round(p.get_y() - 0.04), round(p.get_x() - 0.02), round(p.get_x() - 0.02 + p.get_width() + 0.04) - 1)
+            for p in fig.axes[0].patches if not p.get_fill()]
 
 
 @pytest.mark.parametrize("over", [
@@ -60,11 +66,19 @@ def test_every_rank_is_drawn_once_with_its_coordinates_and_cp_colour(over):
     lay = Layout.of(cfg)
     fig = layout_figure(cfg)
     boxes = _boxes(fig)
-    assert sorted(r for r, _, _ in boxes) == list(range(lay.world))
-    for r, label, face in boxes:
+    assert sorted(r for r, _, _, _ in boxes) == list(range(lay.world))
+    where = {}
+    for r, label, face, (x, row) in boxes:
         c = lay.coords(r)
         assert label == lay.rank_label(r, short=True), (r, label)
         assert face == mcolors.to_hex(PALETTE[(c.cp if lay.cp > 1 else c.dp) % len(PALETTE)]), (r, face)
+        assert row == lay.pp - 1 - c.pp, (r, row)  # its stage's row, stage 0 on top
+        where[(row, int(x - 0.5))] = c
+    frames = _frames(fig)
+    assert len(frames) == lay.pp * lay.dp
+    for row, a, b in frames:  # a frame holds one data-parallel replica of the stage: tp x cp ranks, one dp
+        inside = [where[(row, x)] for x in range(a, b + 1)]
+        assert len(inside) == lay.tp * lay.cp and len({c.dp for c in inside}) == 1, (row, a, b, inside)
     seq = fig.axes[1]
     chunks = sorted((round(p.get_x()), round(p.get_x() + p.get_width()), mcolors.to_hex(p.get_facecolor())) for p in seq.patches)
     want = [(a, b, mcolors.to_hex(PALETTE[r])) for a, b, r in sequence_owners(cfg.model.seq_length, lay.cp)]
@@ -78,7 +92,7 @@ def test_a_large_world_shows_one_replica_of_each_stage():
     lay = Layout.of(cfg)
     assert lay.world == 128
     fig = layout_figure(cfg)
-    ranks = sorted(r for r, _, _ in _boxes(fig))
+    ranks = sorted(r for r, _, _, _ in _boxes(fig))
     assert ranks == list(range(8)) + list(range(64, 72))  # the first replica (tp 8) of stage 0 and of stage 1
     assert "one replica of each stage shown (64 ranks a stage)" in fig.axes[0].get_title()
 

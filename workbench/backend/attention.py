@@ -240,7 +240,9 @@ class SDPAttention(MegatronModule):
         if additive is not None:
             raise NotImplementedError("context parallelism: the ring attention takes no additive bias (ALiBi, attention_bias)")
         kv_padding = None
-        if mask_type == AttnMaskType.padding and attention_mask is not None:
+        if mask_type == AttnMaskType.padding and attention_mask is None:
+            raise NotImplementedError("context parallelism: a padding mask type without its mask")
+        if mask_type == AttnMaskType.padding:
             if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or attention_mask.shape[2] != 1:
                 raise NotImplementedError(f"context parallelism: a padding mask of shape {tuple(attention_mask.shape)}; "
                                           "the ring takes a key-padding mask [b, 1, 1, s_local]")

@@ -64,8 +64,8 @@ on this TP rank, ``d`` = head dim, ``e`` = bytes per element of K/V, 2 for bf16;
 compute; the step is communication-bound when ``2 * s_local * h_kv * d * e / link_bandwidth`` exceeds one half
 block's attention time.
 
-Wired into GPT training (``parallel.context_parallel``, see docs/context_parallel.md): the workbench SDPA attention
-calls :func:`ring_attention` over megatron's CP group, the trainer shards each micro-batch with :func:`shard_sequence`
+Wired into GPT (causal, MoE included) and BERT (bidirectional, ``kv_padding``) training (``parallel.context_parallel``,
+see docs/context_parallel.md): the workbench SDPA attention calls :func:`ring_attention` over megatron's CP group, the trainer shards each micro-batch with :func:`shard_sequence`
 (:func:`workbench.rank.data.shard_batch`); the compiled layer still refuses ``context_parallel_size != 1``.
 """
 

@@ -82,6 +82,9 @@ class Supports:
     #: whether ``parallel.context_parallel`` > 1 trains (on the workbench attention's K/V ring,
     #: :mod:`workbench.backend.context_parallel`: causal, or bidirectional with a key-padding mask)
     context_parallel: bool = False
+    #: whether the family's self-attention takes a key-padding mask (BERT): under context parallelism the ring's
+    #: blocks then run the math kernel (the flash block kernel takes no mask; ``context_parallel._flash_ok``)
+    key_padding: bool = False
 
     @property
     def hf_model_types(self) -> tuple[str, ...]:

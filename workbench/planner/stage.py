@@ -410,9 +410,11 @@ def stages_of(cfg: RunConfig, kp: KernelPath, a: PlannerAssumptions, micro_batch
 def ring_flash(cfg: RunConfig, sh: Any) -> bool:
     """Whether the ring attention's blocks run the flash kernel (``impl='auto'``'s rule,
     :func:`workbench.backend.context_parallel.ring_attention`): CUDA, 16-bit activations, a head dim that is a
-    multiple of 8 up to 256 (GPT's causal mask: no padding mask), on an Ampere or newer GPU: every catalogue GPU
-    (:data:`workbench.planner.GPUS`); a pre-Ampere GPU runs the math kernel, whose block scores this plan leaves out."""
-    return cfg.parallel.device == "cuda" and sh.e == 2 and sh.head_dim % 8 == 0 and sh.head_dim <= 256
+    multiple of 8 up to 256, no key-padding mask (a family whose attention takes one, BERT, runs the math kernel:
+    ``Supports.key_padding``), on an Ampere or newer GPU: every catalogue GPU (:data:`workbench.planner.GPUS`); a
+    pre-Ampere GPU runs the math kernel, whose block scores this plan leaves out."""
+    return (cfg.parallel.device == "cuda" and sh.e == 2 and sh.head_dim % 8 == 0 and sh.head_dim <= 256
+            and not family_of(cfg).supports.key_padding)
 
 
 def ring_buffers(sh: Any, cp: int, flash: bool = False) -> float:

@@ -365,8 +365,8 @@ class Trainer:
             chunk = self._chunk_of.get(id(model), 0)
             mb = counters[chunk]
             counters[chunk] += 1
-            # CP: this rank's sequence slice (the family's step names its own per-token keys)
-            batch = self._to_batch(shard_batch(next(data_iterator), cp_rank, cp, getattr(step, "SEQUENCE_KEYS", ())))
+            # CP: this rank's sequence slice (a family's step may name its own per-token keys: PER_TOKEN_KEYS)
+            batch = self._to_batch(shard_batch(next(data_iterator), cp_rank, cp, getattr(step, "PER_TOKEN_KEYS", ())))
             op = timer.forward_start(mb, chunk) if timer is not None else None
             if fwd is step.forward_step:
                 out = fwd(batch, model, return_logits=return_logits)

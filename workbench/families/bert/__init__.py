@@ -121,7 +121,7 @@ FAMILY = Family(
     name="bert",
     title="BERT (encoder-only: masked LM + sentence order)",
     supports=Supports(pipeline=True, interleaved=True, sequence_parallel=True, generation=False, classification=True,
-                      context_parallel=True, hf_classes=(("megatron-bert", "MegatronBertForPreTraining"),),
+                      context_parallel=True, key_padding=True, hf_classes=(("megatron-bert", "MegatronBertForPreTraining"),),
                       hf_refused=(("bert", _POST_LN),)),
     shapes=shapes,
     presets=PRESETS,

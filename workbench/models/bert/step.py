@@ -16,7 +16,7 @@ schedule divides ``loss_sum`` by ``num_tokens``, giving ``MLM token mean + sente
 in eval, ``mlm accuracy`` as ``[sum, count]`` pairs that the trainer averages over micro-batches
 and data-parallel ranks.  A ``train.loss_func`` hook receives the same tuple as ``losses``.
 
-Context parallelism (``parallel.context_parallel`` > 1): the trainer cuts :data:`SEQUENCE_KEYS` (with the tokens,
+Context parallelism (``parallel.context_parallel`` > 1): the trainer cuts :data:`PER_TOKEN_KEYS` (with the tokens,
 labels and loss mask) into each CP rank's load-balanced chunks.  The pooled first token, and so the sentence-order
 logits, exist on CP rank 0 only (the rank holding chunk 0): its sentence-order loss counts once, weighted by the
 masked tokens of the whole sequence (what the trainer divides by), and the other CP ranks add none to the loss or
@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["forward_step", "loss", "classification_loss", "logits_forward", "masked_accuracy", "LOSS_NAME", "SOP_NAME", "ACCURACY_NAME",
-           "CLASS_ACCURACY_NAME", "SEQUENCE_KEYS"]
+           "CLASS_ACCURACY_NAME", "PER_TOKEN_KEYS"]
 
 #: the key the reported (masked-LM) loss goes under
 LOSS_NAME = "lm loss"
@@ -42,7 +42,7 @@ ACCURACY_NAME = "mlm accuracy"
 CLASS_ACCURACY_NAME = "accuracy"
 #: BERT's own per-token keys ``[b, s]`` besides tokens, labels and loss mask: cut along the sequence under context
 #: parallelism (``workbench.rank.data.shard_batch``)
-SEQUENCE_KEYS = ("padding_mask", "tokentype_ids")
+PER_TOKEN_KEYS = ("padding_mask", "tokentype_ids")
 
 
 def masked_accuracy(logits: Any, labels: Any) -> Any:
@@ -106,7 +106,7 @@ def loss(batch: Any, output: Any) -> tuple[Any, Any, dict]:
     mask = batch.loss_mask.reshape(-1).float()
     mlm_sum = torch.sum(lm_losses.reshape(-1).float() * mask)
     n = mask.sum()
-    num_tokens = n.clamp(min=1).to(torch.int)
+    num_tokens = n.to(torch.int)  # megatron's schedule clamps the divisor at 1 (after the CP sum under CP)
     report = {LOSS_NAME: torch.stack([mlm_sum.detach().clone(), n.detach()])}
     total = mlm_sum
     if binary is not None:
@@ -127,11 +127,12 @@ def _sop_weight(num_tokens: Any, samples: float) -> tuple[Any, float]:
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() <= 1:
-        return num_tokens.float(), samples
+        return num_tokens.float().clamp(min=1), samples
     import torch.distributed as dist
 
     whole = num_tokens.detach().float().clone()
     dist.all_reduce(whole, group=parallel_state.get_context_parallel_group())
+    whole = whole.clamp(min=1)  # as megatron's schedule clamps the CP-summed divisor
     if parallel_state.get_context_parallel_rank() == 0:
         return whole, samples
     return whole * 0.0, 0.0
