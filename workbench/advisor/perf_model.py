@@ -19,7 +19,8 @@ give every size; the profile gives every rate):
 * **CP** (context parallelism, :mod:`workbench.backend.context_parallel`): a rank holds ``s / cp`` tokens of each
   sequence, so its dense GEMMs, element-wise bytes and TP collectives are those of ``s / cp`` tokens, and its
   attention is ``1 / cp`` of the causal work at ``s`` (the load-balanced split: every rank one causal ``2c x 2c``
-  block and ``cp - 1`` half blocks), at the profile's attention rate for ``s / cp``.  The ring's K/V blocks
+  block and ``cp - 1`` half blocks; BERT's bidirectional work splits the same way), at the profile's attention rate
+  for ``s / cp`` (BERT's ring runs the math block kernel, slower than that rate: one more reason CP is uncalibrated).  The ring's K/V blocks
   (:func:`workbench.backend.context_parallel.ring_bytes`: one hop ``2 b (s/cp) h_kv d e`` bytes, ``h_kv`` the K/V
   heads of a TP rank) travel at the profile's p2p bandwidth, each hop under one block's attention (``a = t_attn /
   cp`` per direction's share): forward exposes ``(cp - 1) max(0, hop - a_f)``, backward ``(cp - 1) max(0, hop' -
