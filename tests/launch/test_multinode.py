@@ -81,20 +81,22 @@ def _steps_of_both(run: Run, n: int) -> bool:
 
 
 def _node1_processes(run_dir: Path, roles=("supervisor", "torchrun", "rank", "child")) -> list[psutil.Process] | None:
-    """Node 1's processes of these roles, from its own launch.json; None until its rank is recorded."""
+    """Node 1's living processes of these roles, from its own launch.json; None until its supervisor, torchrun and a
+    rank are recorded and alive."""
     meta = json.loads((run_dir / "nodes" / "node-1" / "launch.json").read_text())
     records = [{"pid": meta["supervisor_pid"], "role": "supervisor"}, *meta.get("processes", [])]
     if not any(r["role"] == "rank" for r in records):
         return None
-    procs = []
+    procs, alive = [], set()
     for r in records:
         if r["role"] in roles:
             try:
                 procs.append(psutil.Process(r["pid"]))
-            except psutil.NoSuchProcess:  # a recorded child that has already ended (the record stays): nothing to freeze
-                if r["role"] != "child":
-                    raise
-    return procs
+                alive.add(r["role"])
+            except psutil.NoSuchProcess:  # a recorded process that has already ended (the record stays; torchrun's
+                continue                  # short-lived children count as "rank" too): nothing to freeze
+    # None (asked again) until the node's supervisor, torchrun and a rank are recorded and alive
+    return procs if {"supervisor", "torchrun", "rank"} & set(roles) <= alive else None
 
 
 def _cleanup(run_dir: Path, *clis: subprocess.Popen) -> None:
