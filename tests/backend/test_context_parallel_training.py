@@ -121,26 +121,40 @@ def _steps(events):
     return {e["iteration"]: e for e in events if e["event"] == "step" and e.get("loss") is not None}
 
 
+#: relative tolerance of each per-step record against its reference run
+STEP_RTOL = {"loss": 2e-6, "sop loss": 2e-6, "grad_norm": 1e-4}
+
+
+def _same_steps(ref_ev, got_ev, name, keys=("loss", "grad_norm"), steps=range(1, STEPS + 1)):
+    """The ``steps`` (each one of a full reference run) of ``got_ev``'s run match ``ref_ev``'s: each of ``keys``
+    within its :data:`STEP_RTOL`."""
+    r, g = _steps(ref_ev), _steps(got_ev)
+    assert sorted(g) == list(steps) and sorted(r) == list(range(1, STEPS + 1)), (name, sorted(g), sorted(r))
+    for it in steps:
+        print(f"{name} step {it}: " + "; ".join(f"{k} ref {r[it][k]:.7f} got {g[it][k]:.7f}" for k in keys))
+        for k in keys:
+            assert g[it][k] == pytest.approx(r[it][k], rel=STEP_RTOL[k]), (name, it, k)
+
+
+def _same_state(ref, got, name, atol=1e-4, grad_rtol=1e-3):
+    """Rank 0's weights and gradients after the last step (``state.pt``) match the reference's: the same parameters,
+    each weight within ``atol``, each gradient within ``grad_rtol`` of the reference gradient's largest entry."""
+    assert set(got["weights"]) == set(ref["weights"]) and set(got["grads"]) == set(ref["grads"]), name
+    for n, rg in ref["grads"].items():
+        w, rw, gr = got["weights"][n], ref["weights"][n], got["grads"][n]
+        assert torch.allclose(w, rw, rtol=0, atol=atol), (name, n, (w - rw).abs().max().item())
+        scale = rg.abs().max().item() + 1e-12
+        assert (gr - rg).abs().max().item() <= grad_rtol * scale, (name, n, (gr - rg).abs().max().item(), scale)
+
+
 @pytest.mark.parametrize("shape", ["llama", "gpt2"])
 def test_cp2_trains_as_one_process(runs, shape):
     (ref_ev, ref), (got_ev, got) = runs[f"{shape}_cp1"], runs[f"{shape}_cp2"]
-    r, g = _steps(ref_ev), _steps(got_ev)
-    assert sorted(g) == sorted(r) == list(range(1, STEPS + 1))
+    _same_steps(ref_ev, got_ev, shape)
     start = next(e for e in got_ev if e["event"] == "run_start")
     assert start["config"]["parallel"]["context_parallel"] == 2 and start["coords"]["cp"] in (0, 1)
     assert "ring attention" in start["kernel_path"]["attention"] and start["kernels"]["layer"] == "stock"
-    for it in r:
-        print(f"{shape} step {it}: loss cp1 {r[it]['loss']:.7f} cp2 {g[it]['loss']:.7f}; "
-              f"grad norm cp1 {r[it]['grad_norm']:.7f} cp2 {g[it]['grad_norm']:.7f}")
-        assert g[it]["loss"] == pytest.approx(r[it]["loss"], rel=2e-6), (shape, it)
-        assert g[it]["grad_norm"] == pytest.approx(r[it]["grad_norm"], rel=1e-4), (shape, it)
-    assert set(got["weights"]) == set(ref["weights"])
-    for name in ref["weights"]:
-        w, rw = got["weights"][name], ref["weights"][name]
-        gr, rg = got["grads"][name], ref["grads"][name]
-        assert torch.allclose(w, rw, rtol=0, atol=1e-4), (shape, name, (w - rw).abs().max().item())
-        scale = rg.abs().max().item() + 1e-12
-        assert (gr - rg).abs().max().item() <= 1e-3 * scale, (shape, name, (gr - rg).abs().max().item(), scale)
+    _same_state(ref, got, shape)
 
 
 @pytest.mark.parametrize("layout, ref", [("moe_cp2", "moe_cp1"), ("moe_dp2_ep2_cp2", "moe_dp2")])
@@ -152,16 +166,10 @@ def test_moe_trains_under_cp_as_without(runs, layout, ref):
     from workbench.run.reader import RunReader
 
     (ref_ev, _), (got_ev, _) = runs[ref], runs[layout]
-    r, g = _steps(ref_ev), _steps(got_ev)
-    assert sorted(g) == sorted(r) == list(range(1, STEPS + 1))
+    _same_steps(ref_ev, got_ev, layout)
     start = next(e for e in got_ev if e["event"] == "run_start")
     assert start["config"]["parallel"]["context_parallel"] == 2 and "ring attention" in start["kernel_path"]["attention"]
     assert start["kernels"]["moe_dispatch"] == "workbench" and start["kernels"]["experts"] == "torch_grouped", start["kernels"]
-    for it in r:
-        print(f"{layout} step {it}: loss {ref} {r[it]['loss']:.7f} {layout} {g[it]['loss']:.7f}; "
-              f"grad norm {r[it]['grad_norm']:.7f} {g[it]['grad_norm']:.7f}")
-        assert g[it]["loss"] == pytest.approx(r[it]["loss"], rel=2e-6), (layout, it)
-        assert g[it]["grad_norm"] == pytest.approx(r[it]["grad_norm"], rel=1e-4), (layout, it)
     want, got = RunReader(runs["_root"] / ref).router(), RunReader(runs["_root"] / layout).router()
     assert [x.iteration for x in got] == [x.iteration for x in want] == list(range(1, STEPS + 1))
     for a, b in zip(want, got):
@@ -179,30 +187,18 @@ def test_bert_trains_under_cp_as_without(runs, layout, ref):
     first token), weighted by the whole sequence's masked tokens: every weight and gradient after the last step (rank
     0's, the same TP shard on both sides), the sentence-order head's among them, is the run without CP's."""
     (ref_ev, ref_state), (got_ev, got_state) = runs[ref], runs[layout]
-    r, g = _steps(ref_ev), _steps(got_ev)
-    assert sorted(g) == sorted(r) == list(range(1, STEPS + 1))
+    _same_steps(ref_ev, got_ev, layout, keys=("loss", "sop loss", "grad_norm"))
     start = next(e for e in got_ev if e["event"] == "run_start")
     assert start["config"]["parallel"]["context_parallel"] == 2 and "ring attention" in start["kernel_path"]["attention"]
-    for it in r:
-        print(f"{layout} step {it}: loss {ref} {r[it]['loss']:.7f} {layout} {g[it]['loss']:.7f}; "
-              f"sop {r[it]['sop loss']:.7f} {g[it]['sop loss']:.7f}; grad norm {r[it]['grad_norm']:.7f} {g[it]['grad_norm']:.7f}")
-        assert g[it]["loss"] == pytest.approx(r[it]["loss"], rel=2e-6), (layout, it)
-        assert g[it]["sop loss"] == pytest.approx(r[it]["sop loss"], rel=2e-6), (layout, it)
-        assert g[it]["grad_norm"] == pytest.approx(r[it]["grad_norm"], rel=1e-4), (layout, it)
     evals = lambda ev: {e["iteration"]: e for e in ev if e["event"] == "eval" and e.get("loss") is not None}  # noqa: E731
     want, got = evals(ref_ev), evals(got_ev)
     assert sorted(got) == sorted(want) == [2, 4]
     for it, e in want.items():
         for key in ("loss", "sop loss", "mlm accuracy"):
             assert got[it][key] == pytest.approx(e[key], rel=2e-6, abs=1e-7), (layout, it, key)
-    assert set(got_state["grads"]) == set(ref_state["grads"])
     # rank 0 holds the heads but at PP = 2 (its first stage: the embeddings and positions)
     assert any("binary_head" in n for n in ref_state["grads"]) == ("pp2" not in layout)
-    for name, rg in ref_state["grads"].items():
-        gr, w, rw = got_state["grads"][name], got_state["weights"][name], ref_state["weights"][name]
-        assert torch.allclose(w, rw, rtol=0, atol=1e-4), (layout, name, (w - rw).abs().max().item())
-        scale = rg.abs().max().item() + 1e-12
-        assert (gr - rg).abs().max().item() <= 1e-3 * scale, (layout, name, (gr - rg).abs().max().item(), scale)
+    _same_state(ref_state, got_state, layout)
 
 
 def _problems(**over):
@@ -253,11 +249,7 @@ def test_cp_kernel_rule_keeps_the_stock_layer_and_no_graphs():
 def test_a_cp2_checkpoint_resumes_at_cp2_and_cp1(runs, resumed):
     """CP=2's step-2 checkpoint (every CP rank holds the whole model) resumes at CP=2 and at CP=1: steps 3-4 as the
     straight CP=2 run's."""
-    straight, got = _steps(runs["llama_cp2"][0]), _steps(runs[resumed][0])
-    assert sorted(got) == [3, 4]
-    for it, e in got.items():
-        assert e["loss"] == pytest.approx(straight[it]["loss"], rel=2e-6), (resumed, it)
-        assert e["grad_norm"] == pytest.approx(straight[it]["grad_norm"], rel=1e-4), (resumed, it)
+    _same_steps(runs["llama_cp2"][0], runs[resumed][0], resumed, steps=[3, 4])
 
 
 @pytest.mark.parametrize("layout, ref", [("llama_dp2_cp2", "llama_dp2"), ("llama_tp2sp_cp2", "llama_tp2sp"),
@@ -266,13 +258,7 @@ def test_cp2_with_dp2_tp2_or_pp2_trains_as_without_cp(runs, layout, ref):
     """Four ranks: DP=2 x CP=2 (the CP group reads one DP rank's samples; DDP averages over DP x CP) against DP=2,
     TP=2 + SP x CP=2 (the ring on each TP rank's heads) against TP=2 + SP, and PP=2 x CP=2 (the stages exchange
     seq_length / cp tokens) against PP=2."""
-    r, g = _steps(runs[ref][0]), _steps(runs[layout][0])
-    assert sorted(g) == sorted(r) == list(range(1, STEPS + 1))
-    for it in r:
-        print(f"{layout} step {it}: loss {ref} {r[it]['loss']:.7f} {layout} {g[it]['loss']:.7f}; "
-              f"grad norm {r[it]['grad_norm']:.7f} {g[it]['grad_norm']:.7f}")
-        assert g[it]["loss"] == pytest.approx(r[it]["loss"], rel=2e-6), (layout, it)
-        assert g[it]["grad_norm"] == pytest.approx(r[it]["grad_norm"], rel=1e-4), (layout, it)
+    _same_steps(runs[ref][0], runs[layout][0], layout)
 
 
 def test_generation_loads_a_cp2_checkpoint_without_cp(runs):

@@ -29,6 +29,7 @@ import pytest
 
 from workbench.config import preset
 from workbench.launch import Run
+from workbench.launch.processes import rank_processes
 
 from tests.support import ROOT, living, run_processes, wait_until
 
@@ -183,7 +184,10 @@ def test_a_rank_killed_on_node_1_stops_node_0_and_is_reported(tmp_path, free_por
     try:
         run = _attach(shared, n0, n1)
         wait_until(lambda: _steps_of_both(run, 2), 300, "both nodes training", poll=0.3)
-        rank = wait_until(lambda: _node1_processes(shared, ("rank",)), 20, "node 1's rank in its launch.json")[0]
+        # the 'rank' records include torchrun's short-lived children: keep the training rank among them
+        ranks = wait_until(lambda: rank_processes(_node1_processes(shared, ("rank",)) or ()), 20,
+                           "node 1's rank in its launch.json")
+        rank = next(iter(ranks.values()))
         assert "workbench.rank" in " ".join(rank.cmdline()) and rank.environ()["RANK"] == "1"
         rank.send_signal(signal.SIGKILL)  # what the kernel's OOM killer does
         t0 = time.time()

@@ -54,9 +54,10 @@ def layout_figure(cfg: Any, figsize: tuple[float, float] | None = None):
     fig = Figure(figsize=figsize or (min(width, 16.0), 2.6 + 0.9 * lay.pp))
     top, bottom = fig.subplots(2, 1, gridspec_kw={"height_ratios": [max(lay.pp, 1) + 0.6, 1.1]})
 
-    # the rank grid: a row per stage, the ranks of the stage in megatron's order (tp fastest, then cp, then dp)
+    # the rank grid: a row per stage, the ranks of the stage in megatron's order (tp fastest, then cp, then dp); pp is
+    # the outermost dimension of that order, so stage pp holds the contiguous ranks pp*per_stage .. (pp+1)*per_stage-1
     for pp in range(lay.pp):
-        ranks = [r for r in range(lay.world) if lay.coords(r).pp == pp][:shown]
+        ranks = range(pp * per_stage, pp * per_stage + shown)
         y = lay.pp - 1 - pp
         for i, r in enumerate(ranks):
             c = lay.coords(r)
