@@ -271,8 +271,9 @@ class KernelChoice:
                 f"optimizer {self.optimizer}")
 
 
-#: why context parallelism keeps the stock layer (the workbench SDPA attention, its ring) and CUDA graphs off
-CP_BLOCKER = "context parallel: ring attention's point-to-point calls break a compiled graph"
+#: why context parallelism keeps CUDA graphs off: the compiled layer runs the ring attention eagerly between its
+#: compiled pieces (``compiled_layer._ring_context``), and its point-to-point exchanges are not captured
+CP_BLOCKER = "context parallel: the ring attention's point-to-point exchanges run eagerly between the compiled pieces"
 
 
 #: why a mixture-of-experts layer at TP > 1 keeps megatron's layer: at TP = 1 the compiled layer serves its attention
@@ -298,8 +299,6 @@ def layer_blocker(cfg: Any) -> str | None:
     family = FAMILIES.get(m.arch)
     if family is not None and family.supports.compiled_layer_blocker:
         return family.supports.compiled_layer_blocker
-    if int(getattr(p, "context_parallel", 1) or 1) > 1:
-        return CP_BLOCKER
     if getattr(getattr(m, "moe", None), "num_experts", 0):
         if p.tensor_parallel > 1:
             return MOE_TP_BLOCKER
@@ -405,9 +404,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     else:
         attention = m.attention_backend
 
-    if cp > 1 and attention == "sdpa":
-        reason = CP_BLOCKER
-    elif not t.compile_kernels:
+    if not t.compile_kernels:
         reason = "train.compile_kernels is off"
     elif not fast:
         reason = "fast paths are GPU-only (parallel.device: cpu)"

@@ -87,6 +87,8 @@ DP2 = {"train.micro_batch_size": 1}
 TP2SP = {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True}
 #: PP=2 (1F1B over 2 micro-batches; its second stage is seeded apart, so its reference is PP=2 without CP)
 PP2 = {"parallel.pipeline_parallel": 2}
+#: the compiled dense layer (eager here: set_compile(False)), its self-attention the ring between its pieces
+FAST = {"train.compile_kernels": True}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +104,8 @@ def runs(tmp_path_factory):
                   root / "llama_pp2": _cfg(LLAMA, **PP2), root / "moe_cp2": _cfg(MOE, **CP2),
                   root / "moe_init": _cfg(MOE, **moe_init), root / "moe_dp2": _cfg(MOE, **DP2, **from_init),
                   root / "bert_cp2": _cfg(BERT, **CP2), root / "bert_tp2sp": _cfg(BERT, **TP2SP),
-                  root / "bert_pp2": _cfg(BERT, **PP2)},
+                  root / "bert_pp2": _cfg(BERT, **PP2), root / "llama_cp2_fast": _cfg(LLAMA, **CP2, **FAST),
+                  root / "bert_cp2_fast": _cfg(BERT, **CP2, **FAST)},
                  nproc=2, prelude=PRELUDE, timeout=480)
     run_trainers({root / "llama_dp2_cp2": _cfg(LLAMA, **CP2, **DP2), root / "llama_tp2sp_cp2": _cfg(LLAMA, **CP2, **TP2SP),
                   root / "llama_pp2_cp2": _cfg(LLAMA, **CP2, **PP2),
@@ -110,7 +113,8 @@ def runs(tmp_path_factory):
                   root / "bert_tp2sp_cp2": _cfg(BERT, **CP2, **TP2SP), root / "bert_pp2_cp2": _cfg(BERT, **CP2, **PP2)},
                  nproc=4, prelude=PRELUDE, timeout=600)
     run_trainers({root / "llama_cp1": _cfg(LLAMA), root / "gpt2_cp1": _cfg(GPT2), root / "moe_cp1": _cfg(MOE),
-                  root / "bert_cp1": _cfg(BERT),
+                  root / "bert_cp1": _cfg(BERT), root / "llama_cp1_fast": _cfg(LLAMA, **FAST),
+                  root / "bert_cp1_fast": _cfg(BERT, **FAST),
                   root / "llama_cp1_from_cp2": _cfg(LLAMA, **{"checkpoint.load_dir": at2})}, nproc=1, prelude=PRELUDE)
     out = {p.name: (read_events(p), torch.load(p / "state.pt")) for p in root.iterdir() if (p / "state.pt").exists()}
     out["_root"] = root
@@ -155,6 +159,22 @@ def test_cp2_trains_as_one_process(runs, shape):
     assert start["config"]["parallel"]["context_parallel"] == 2 and start["coords"]["cp"] in (0, 1)
     assert "ring attention" in start["kernel_path"]["attention"] and start["kernels"]["layer"] == "stock"
     _same_state(ref, got, shape)
+
+
+@pytest.mark.parametrize("shape", ["llama", "bert"])
+def test_cp2_on_the_compiled_layer_trains_as_one_process(runs, shape):
+    """The compiled dense layer at CP=2 (the ring between its pieces: Llama's causal GQA, BERT's key padding) trains
+    as the compiled layer in one process: every step, every weight and gradient."""
+    (ref_ev, ref), (got_ev, got) = runs[f"{shape}_cp1_fast"], runs[f"{shape}_cp2_fast"]
+    keys = ("loss", "sop loss", "grad_norm") if shape == "bert" else ("loss", "grad_norm")
+    _same_steps(ref_ev, got_ev, f"{shape} compiled layer", keys=keys)
+    for ev in (ref_ev, got_ev):
+        start = next(e for e in ev if e["event"] == "run_start")
+        assert start["kernels"]["layer"] == "compiled", start["kernels"]
+    start = next(e for e in got_ev if e["event"] == "run_start")
+    assert "eagerly between the compiled layer's pieces" in start["kernel_path"]["attention"], start["kernel_path"]
+    assert not start["kernels"]["cuda_graphs"]
+    _same_state(ref, got, f"{shape} compiled layer")
 
 
 @pytest.mark.parametrize("layout, ref", [("moe_cp2", "moe_cp1"), ("moe_dp2_ep2_cp2", "moe_dp2")])
@@ -231,7 +251,7 @@ def test_cp_config_rules():
                for f, r, fix in cls), cls
 
 
-def test_cp_kernel_rule_keeps_the_stock_layer_and_no_graphs():
+def test_cp_kernel_rule_takes_the_compiled_layer_without_graphs():
     from workbench import kernel_rule
 
     kernel_rule.allow_fast_paths_on_cpu(True)
@@ -240,9 +260,9 @@ def test_cp_kernel_rule_keeps_the_stock_layer_and_no_graphs():
         choice = kernel_rule.choose(cfg, te=True, cuda_available=True)
     finally:
         kernel_rule.allow_fast_paths_on_cpu(False)
-    assert choice.attention == "sdpa" and choice.layer == "stock"
-    assert choice.layer_reason == kernel_rule.CP_BLOCKER and "point-to-point" in choice.layer_reason
+    assert choice.attention == "sdpa" and choice.layer == "compiled" and choice.layer_reason == ""
     assert not choice.cuda_graphs and choice.cuda_graphs_reason == kernel_rule.CP_BLOCKER
+    assert "point-to-point" in choice.cuda_graphs_reason
 
 
 @pytest.mark.parametrize("resumed", ["llama_cp2_resumed", "llama_cp1_from_cp2"])

@@ -257,18 +257,52 @@ def _rotate(t: torch.Tensor, freqs: Optional[torch.Tensor]) -> torch.Tensor:
     return t if freqs is None else _apply_rotary_pos_emb_bshd(t, freqs)
 
 
+@torch.compiler.disable
+def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Context parallelism's attention inside the compiled layer: this CP rank's ``[s_local, b, n, d]`` queries against
+    the whole sequence's keys and values (``[s_local, b, n_kv, d]`` each), by
+    :func:`workbench.backend.context_parallel.ring_attention` over megatron's CP group, as the stock layer's
+    :class:`workbench.backend.attention.SDPAttention` runs it: GPT's implicit causal mask, or BERT's key padding
+    (``mask [b, 1, 1, s_local]``, True = padded).  Returns the context ``[s_local, b, n * d]``.
+
+    Outside the compiled graph (``torch.compiler.disable``: a graph break): the ring's point-to-point exchanges and
+    its autograd function run eagerly between the layer's compiled pieces (norm, QKV and rotary before; output
+    projection, residual and MLP after), whose backward graphs surround the ring's own backward."""
+    from megatron.core import parallel_state
+
+    from workbench.backend.context_parallel import ring_attention
+
+    sq, b = q.shape[0], q.shape[1]
+    kv_padding = None
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+            raise NotImplementedError(f"context parallelism: a mask of shape {tuple(mask.shape)}; the ring takes a "
+                                      "key-padding mask [b, 1, 1, s_local]")
+        kv_padding = mask.reshape(b, -1)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    out = ring_attention(q, k, v, parallel_state.get_context_parallel_group(), causal=causal, scale=scale,
+                         kv_padding=kv_padding)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
 def _self_attention(
     h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], *, heads: int, groups: int, head_dim: int,
     scale: float, causal: bool, mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], rope: Optional[torch.Tensor],
-    fp8: Optional[str] = None, dropout: float = 0.0,
+    fp8: Optional[str] = None, dropout: float = 0.0, cp: bool = False,
 ) -> torch.Tensor:
-    """Fused QKV GEMM in megatron's layout (per KV group ``[q_1..q_{n/g}, k, v]``), then :func:`_sdpa`."""
+    """Fused QKV GEMM in megatron's layout (per KV group ``[q_1..q_{n/g}, k, v]``), then :func:`_sdpa`, or under
+    context parallelism (``cp``) :func:`_ring_context` over the CP group."""
     s, b, _ = h.shape
     per_group = heads // groups
     qkv = fp8_linear(h, qkv_w, qkv_b, fp8).view(s, b, groups, (per_group + 2) * head_dim)
     q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
     q = _rotate(q.reshape(s, b, heads, head_dim), rope)
     k = _rotate(k, rope)
+    if cp:  # the ring takes K/V per group (GQA) and gathers no more than it needs
+        if bias is not None:
+            raise NotImplementedError("context parallelism: the ring attention takes no additive bias (attention_bias)")
+        return _ring_context(q, k, v, scale, causal, mask)
     if per_group > 1:
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
@@ -338,6 +372,7 @@ def dense_layer_forward(
     fp8: Optional[str] = None,
     hidden_dropout: float = 0.0,
     attention_dropout: float = 0.0,
+    cp: bool = False,
 ) -> torch.Tensor:
     """One pre-norm transformer layer on ``[s, b, h]``, with megatron's exact layouts and maths.
 
@@ -366,12 +401,16 @@ def dense_layer_forward(
     its residual add (megatron's bias-dropout-add), in megatron's order, from the current RNG stream; or the
     ``hidden_masks`` given (one per sublayer, :func:`draw_hidden_masks`) where the caller draws them on another
     stream than attention's.  Zero (the default, and eval) is the dropout-free layer.
+
+    ``cp`` (``parallel.context_parallel`` > 1): ``x`` is this CP rank's load-balanced sequence shard and
+    self-attention runs the ring over the CP group (:func:`_ring_context`, outside the graph); no attention bias,
+    no cross-attention, no attention dropout (the config refuses them under CP).
     """
     sp, p, masks = sequence_parallel, hidden_dropout, hidden_masks
     x = attention_sublayer_forward(x, ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, mask, bias, rope, masks, norm=norm,
                                    eps1=eps1, heads=heads, groups=groups, head_dim=head_dim, scale=scale, causal=causal,
                                    tp_group=tp_group, sequence_parallel=sp, fp8=fp8, hidden_dropout=p,
-                                   attention_dropout=attention_dropout)
+                                   attention_dropout=attention_dropout, cp=cp)
     if cross is not None:
         y = _cross_attention_sublayer(x, cross, norm=norm, eps=eps_cross, heads=heads, head_dim=head_dim, scale=scale,
                                       tp_group=tp_group, sp=sp, fp8=fp8, dropout=attention_dropout)
@@ -406,6 +445,7 @@ def attention_sublayer_forward(
     fp8: Optional[str] = None,
     hidden_dropout: float = 0.0,
     attention_dropout: float = 0.0,
+    cp: bool = False,
 ) -> torch.Tensor:
     """The self-attention half of :func:`dense_layer_forward` (its arguments, the same maths): ``x`` plus the
     attention block's output (norm, QKV, SDPA, output projection with its bias, hidden dropout with the first of
@@ -413,7 +453,7 @@ def attention_sublayer_forward(
     sp = sequence_parallel
     h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
     ctx = _self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
-                          causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8, dropout=attention_dropout)
+                          causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8, dropout=attention_dropout, cp=cp)
     return x + _hidden_dropout(_row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp, fp8), hidden_dropout,
                                hidden_masks, 0)
 
@@ -544,6 +584,8 @@ class CompiledTransformerLayer(TransformerLayer):
                                     recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)))
             if self._cross:
                 self._static["eps_cross"] = eps_of(self.pre_cross_attn_layernorm)
+            if c.context_parallel_size > 1:  # the ring between the layer's compiled pieces
+                self._static["cp"] = True
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
             self._attention_dropout = float(attn.core_attention.dropout_p)

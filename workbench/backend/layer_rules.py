@@ -78,7 +78,7 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
     moe = bool(getattr(layer, "is_moe_layer", False))
     checks = [
         ((c.num_query_groups or c.num_attention_heads) < c.tensor_model_parallel_size, "fewer KV groups than TP ranks"),
-        (c.context_parallel_size != 1, "context parallel"),
+        (c.context_parallel_size != 1 and cross, "context parallel with cross-attention"),
         (c.recompute_granularity == "selective", "selective recompute of core attention"),
         (bool(c.fp32_residual_connection), "fp32 residual connection"),
         (getattr(c, "workbench_alibi", False), "ALiBi"),

@@ -329,7 +329,8 @@ def kernel_path(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoice] = No
     cp = int(getattr(cfg.parallel, "context_parallel", 1) or 1)
     if cp > 1 and impl == "sdpa":
         attn += (f"; context parallel {cp}: ring attention over the CP group (K/V blocks by batch_isend_irecv, "
-                 "load-balanced sequence shards, workbench.backend.context_parallel)")
+                 "load-balanced sequence shards, workbench.backend.context_parallel)"
+                 + (", eagerly between the compiled layer's pieces" if choice.layer == "compiled" else ""))
     if choice.sdpa_order:
         attn += f"; SDPA backends {' > '.join(choice.sdpa_order)} on Hopper+ (Transformer Engine's cuDNN would demote cuDNN)"
     norm = _NORM_NAMES[choice.norm].format("RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
