@@ -23,7 +23,7 @@ lgpu=1 half=$(( $(nproc) / 2 ))
 on() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu taskset -c "$(( gpu * half ))-$(( gpu * half + half - 1 ))" "$@"; }
 row() {  # row NAME GPU LIMIT ARGS...: one benchmark row, its log kept
   local name=$1 gpu=$2 limit=$3; shift 3
-  on "$gpu" timeout -k 5 "$limit" python3 "$@" > "$out/$name.log" 2>&1; say "$name rc=$?"
+  on "$gpu" timeout -k 20 "$limit" python3 "$@" > "$out/$name.log" 2>&1; say "$name rc=$?"
 }
 # a process's limit: 200 s, 320 s with PROFILE (T5's profiled HF process ran past 200 s at b534cf8)
 # REF_COMPILE=reduce-overhead: the HF yardsticks under CUDA graphs (bench/README.md: the BERT yardstick)

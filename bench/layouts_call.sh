@@ -18,7 +18,7 @@ t0=$(date +%s)
 bench() {  # bench NAME TIMEOUT MODELS VARIANTS [EXTRA ARGS]
   # each variant has its own limit (the harness ends its process group); the phase's limit is the backstop, and
   # whatever a killed phase left on the GPUs is ended before the next one (it held 21 GiB once: the next OOMed)
-  timeout -k 5 "$2" python3 bench/train_throughput.py --quick --no-stream-cost --models "$3" --variants "$4" "${@:5}" \
+  timeout -k 20 "$2" python3 bench/train_throughput.py --quick --no-stream-cost --models "$3" --variants "$4" "${@:5}" \
     --variant-timeout "${VARIANT_TIMEOUT:-150}" --out "$out/train_throughput.jsonl" > "$out/bench_$1.log" 2>&1
   echo "bench $1 rc=$? after $(( $(date +%s) - t0 ))s"; grep -A30 "^device:" "$out/bench_$1.log" | head -30
   grep -E "FAILED|Error|error:" "$out/bench_$1.log" | head -8

@@ -72,6 +72,15 @@ def bench_config(a: argparse.Namespace, ep: int = 1):
     return preset("moe-research", **over).check()
 
 
+def gpu_check(name: str) -> list[dict]:
+    """:func:`harness.gpu_strangers` before a repeat, with a warning when an earlier process still holds a GPU."""
+    strangers = harness.gpu_strangers()
+    if strangers:
+        print(f"[bench] WARNING: {len(strangers)} processes already on the GPUs before {name} "
+              f"(pid, MiB: {[(s['pid'], s['used_mib']) for s in strangers]}); this repeat shares them", file=sys.stderr, flush=True)
+    return strangers
+
+
 def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
     cfg = bench_config(a, ep)
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as td:
@@ -82,6 +91,7 @@ def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
                "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
         t0 = time.time()
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}
+        strangers = gpu_check(name)
         proc = harness.run_group(cmd, a.timeout, cwd=ROOT, env=env)  # a timeout ends the ranks too
         reader = RunReader(run_dir)
         steps = sorted((r for r in reader.records("step") if r.loss is not None), key=lambda r: r.iteration)
@@ -92,7 +102,7 @@ def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
                 rows.append(r)
         start = reader.run_start()
         out = {"row": name, "preset": "moe-research", "ep": ep, "gpus": ep, "seconds": round(time.time() - t0, 1),
-               "returncode": proc.returncode, **_stamp(start.device if start else "?")}
+               "returncode": proc.returncode, "gpu_strangers": strangers, **_stamp(start.device if start else "?")}
         if proc.returncode != 0:
             return {**out, "status": "failed", "log_tail": (proc.stdout + proc.stderr)[-4000:]}
         try:
@@ -261,18 +271,19 @@ def one_repeat(a: argparse.Namespace, phase: str) -> dict:
     """One fresh process's measurement of ``phase`` (the workbench rows are fresh torchrun launches; the plain-PyTorch
     row runs this script again with ``--worker``)."""
     try:
+        if phase != "workbench-profile" and phase != "torch-compiled":
+            return workbench_row(a, 2 if phase == "workbench-ep2" else 1, phase)
+        strangers = gpu_check(phase)
         if phase == "workbench-profile":
             proc = harness.torchrun(1, [str(Path(__file__).resolve()), "--worker", phase, *a.passthrough], a.timeout)
-        elif phase != "torch-compiled":
-            return workbench_row(a, 2 if phase == "workbench-ep2" else 1, phase)
         else:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", phase, *a.passthrough]
             proc = harness.run_group(cmd, a.timeout, cwd=ROOT)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
-            return {"row": phase, "status": "failed", "returncode": proc.returncode,
+            return {"row": phase, "status": "failed", "returncode": proc.returncode, "gpu_strangers": strangers,
                     "log_tail": (proc.stdout + proc.stderr)[-4000:], **_stamp("?")}
-        return json.loads(lines[-1][len("RESULT "):])
+        return {**json.loads(lines[-1][len("RESULT "):]), "gpu_strangers": strangers}
     except Exception as e:  # one failed repeat must not lose the others
         return {"row": phase, "status": "failed", "error": repr(e), **_stamp("?")}
 
@@ -287,7 +298,7 @@ def merged(phase: str, reps: list[dict]) -> dict:
     row = dict(next(r for r in ok if r["tokens_per_s"] == harness.median(tps)))
     row.pop("step_times", None)
     return {**row, "tokens_per_s": harness.median(tps), "repeats": harness.side(tps),
-            "repeat_rows": [{k: r.get(k) for k in ("tokens_per_s", "warmup_steps", "steady", "repeat_wall_s")} for r in ok]}
+            "repeat_rows": [{k: r.get(k) for k in ("tokens_per_s", "warmup_steps", "steady", "repeat_wall_s", "gpu_strangers")} for r in ok]}
 
 
 def main() -> int:

@@ -31,7 +31,7 @@ source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
 names() { local v out=""; for v in "$@"; do out+="${out:+,}$v/$model"; done; echo "$out"; }  # full names: no other model
 bench() {  # bench LIMIT ARGS...: one protocol measurement, its log kept; the call's limit is the backstop
-  timeout -k 5 "$1" python3 bench/train_throughput.py --models "$model" --no-stream-cost \
+  timeout -k 20 "$1" python3 bench/train_throughput.py --models "$model" --no-stream-cost \
     --variant-timeout "${VARIANT_TIMEOUT:-200}" --out "$out/train_throughput.jsonl" "${@:2}" > "$out/call$call.log" 2>&1
   echo "call $call rc=$? after $(( $(date +%s) - t0 ))s"; grep -A30 "^device:" "$out/call$call.log" | head -30
   grep -E "FAILED|Error|error:" "$out/call$call.log" | head -8

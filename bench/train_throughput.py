@@ -500,6 +500,11 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
         env.update(v.env)
         # a rank still running near the variant's limit writes its Python stacks (a hang says where it is)
         env["WORKBENCH_BENCH_STACKS_AFTER"] = str(max(a.variant_timeout - 20.0, 1.0))
+        strangers = harness.gpu_strangers()  # an earlier call's orphan on the GPUs would share this repeat's
+        if strangers:
+            print(f"[bench] WARNING: {len(strangers)} processes already on the GPUs before {v.name} "
+                  f"(pid, MiB: {[(s['pid'], s['used_mib']) for s in strangers]}); this repeat shares them",
+                  file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
             proc = harness.run_group(cmd, a.variant_timeout, env=env, cwd=ROOT)  # a timeout ends its workers too
@@ -516,6 +521,7 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
         if not res.get("ok"):
             res["log_tail"] = tail
         res["wall_s"] = round(wall, 1)
+        res["gpu_strangers"] = strangers  # always stored: [] says the GPUs were checked and found clean
         return res
 
 
@@ -531,6 +537,8 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
                            "seq_length": cfg.model.seq_length, "tokens_per_step": d.tokens_per_step,
                            "overrides": v.overrides, "env": v.env, "bound": v.bound, "reference_variant": v.reference,
                            "ok": bool(res.get("ok")), "wall_s": res.get("wall_s")}
+    if "gpu_strangers" in res:  # processes already on the GPUs when the repeat started ([]: checked, none)
+        row["gpu_strangers"] = res["gpu_strangers"]
     if not res.get("ok"):
         row["error"] = res.get("error")
         row["log_tail"] = res.get("log_tail")
@@ -566,7 +574,8 @@ def merge_repeats(rs: list[dict[str, Any]]) -> dict[str, Any]:
     """One variant's row from its repeats (the protocol): the median repeat's row, with every repeat's tokens/s,
     their median and spread (``repeats``), each repeat's brief (``repeat_rows``), and the first repeat's profile
     and event-stream cost (only it measures them).  A failed repeat fails the row (its error kept)."""
-    brief = [{k: r.get(k) for k in ("repeat", "ok", "tokens_per_s", "step_s", "warmup_steps", "steady", "wall_s", "mem_peak_gib", "error")}
+    brief = [{k: r.get(k) for k in ("repeat", "ok", "tokens_per_s", "step_s", "warmup_steps", "steady", "wall_s", "mem_peak_gib", "error",
+                                     "gpu_strangers")}
              for r in rs]
     ok = [r for r in rs if r["ok"]]
     if len(ok) < len(rs):

@@ -87,3 +87,149 @@ def test_a_repeat_past_its_time_is_a_row_entry_with_its_log_not_the_end_of_the_r
     assert harness.compare({"workbench": [{"tokens_per_s": 1.0}], "reference": [res]}, "workbench", "reference") is None
     partial = (tmp_path / "rows.partial.jsonl").read_text().splitlines()
     assert len(partial) == 1 and "timed out" in partial[0]
+
+
+# --------------------------------------------------------------------------- the caller itself is ended
+
+# a launcher that stops its worker on SIGTERM, as torchrun does (its SIGTERM handler is set before the worker starts;
+# the file WB_READY names is written once both are in place)
+_FORWARDING_LAUNCHER = ("import os, signal, subprocess, sys, time\n"
+                        "w = None\n"
+                        "def stop(*_):\n"
+                        "    if w is not None:\n"
+                        "        w.kill(); w.wait()\n"
+                        "    os._exit(143)\n"
+                        "signal.signal(signal.SIGTERM, stop)\n"
+                        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)  # wb-orphan-probe'], "
+                        "start_new_session=True)\n"
+                        "open(os.environ['WB_READY'], 'w').close()\n"
+                        "time.sleep(120)  # wb-orphan-probe launcher\n")
+
+# the benchmark script's stand-in: run_group on a launcher whose code comes from the environment (so this parent's
+# own command line does not name the probe)
+_PARENT = ("import os, sys; sys.path.insert(0, os.environ['WB_ROOT']); from bench import harness; "
+           "harness.run_group([sys.executable, '-c', os.environ['WB_LAUNCHER_CODE']], 120)")
+
+_WORKER_ARGV = [b"-c", b"import time; time.sleep(120)  # wb-orphan-probe"]
+
+
+def _worker_pids() -> list[int]:
+    """The live probe workers (not the launchers, whose code merely names them)."""
+    out = []
+    for pid in _probe_pids():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:3] == _WORKER_ARGV and _alive(pid):
+            out.append(pid)
+    return out
+
+
+def _start_parent(launcher: str, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    ready = tmp_path / "ready"
+    env = {**os.environ, "WB_ROOT": str(harness.ROOT), "WB_LAUNCHER_CODE": launcher, "WB_READY": str(ready)}
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return parent, ready
+
+
+def _wait_for(cond, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return bool(cond())
+
+
+def _end_all(parent: subprocess.Popen, known: set[int]) -> None:
+    """Whatever a test started and is still there: the parent, and every probe (launchers and workers)."""
+    import signal
+
+    if parent.poll() is None:
+        parent.kill()
+    parent.wait(timeout=10)
+    for pid in known | set(_probe_pids()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def test_a_sigterm_to_the_caller_ends_the_launcher_and_its_worker(tmp_path):
+    """``timeout -k 5 530 python3 bench/train_throughput.py`` SIGTERMs the benchmark at a device call's limit: its
+    default action ended the script at once, run_group's cleanup never ran, and torchrun (in a session of its own)
+    and its ranks outlived the call, one holding 74 GiB of a GPU through the next call's measurements."""
+    import signal
+
+    parent, _ = _start_parent(_LAUNCHER, tmp_path)
+    known: set[int] = set()
+    try:
+        assert _wait_for(lambda: _worker_pids(), 30), "the probe worker never started"
+        known = set(_probe_pids())
+        parent.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        parent.wait(timeout=15)
+        assert time.monotonic() - start < 15
+        assert parent.returncode in (143, -signal.SIGTERM), parent.stderr.read()
+        assert _wait_for(lambda: not [p for p in _probe_pids() if _alive(p)], 10), \
+            f"left alive: {[p for p in _probe_pids() if _alive(p)]}"
+    finally:
+        _end_all(parent, known)
+
+
+def test_a_sigkilled_caller_takes_the_launcher_down_and_the_launcher_its_worker(tmp_path):
+    """No handler runs on SIGKILL: the launcher is started with PR_SET_PDEATHSIG = SIGTERM, so it gets SIGTERM when its
+    caller dies, and (as torchrun does) stops its worker."""
+    import signal
+
+    parent, ready = _start_parent(_FORWARDING_LAUNCHER, tmp_path)
+    known: set[int] = set()
+    try:
+        assert _wait_for(lambda: ready.exists() and _worker_pids(), 30), "the probe worker never started"
+        known = set(_probe_pids())
+        parent.kill()
+        parent.wait(timeout=10)
+        assert _wait_for(lambda: not [p for p in _probe_pids() if _alive(p)], 10), \
+            f"left alive: {[p for p in _probe_pids() if _alive(p)]}"
+    finally:
+        _end_all(parent, known)
+
+
+def test_run_group_gives_the_child_the_supervisor_token_and_restores_sigterm():
+    """The ranks' guard (workbench.launch.ownership.guard_rank) takes this process's token as a live supervisor; the
+    SIGTERM handler is run_group's only while it runs."""
+    import signal
+
+    from workbench.launch.ownership import SUPERVISOR_ENV, _token_alive
+
+    before = signal.getsignal(signal.SIGTERM)
+    done = harness.run_group([sys.executable, "-c", f"import os; print(os.environ[{SUPERVISOR_ENV!r}])"], 30.0)
+    token = done.stdout.strip()
+    assert token.startswith(f"{os.getpid()}:") and _token_alive(token)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_gpu_strangers_is_empty_without_nvidia_smi(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi on it
+    assert harness.gpu_strangers() == []
+
+
+def test_gpu_strangers_are_the_gpu_processes_not_this_one_nor_its_descendants(monkeypatch, tmp_path):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\necho '123, 500'\necho '{os.getpid()}, 10'\necho '456, [N/A]'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert harness.gpu_strangers() == [{"pid": 123, "used_mib": 500}, {"pid": 456, "used_mib": None}]
+    fake.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    assert harness.gpu_strangers() == []
+
+
+def test_gpu_strangers_on_this_machine_is_a_list():
+    """On a CPU machine (no nvidia-smi) it is empty; it never raises."""
+    import shutil
+
+    got = harness.gpu_strangers()
+    assert isinstance(got, list)
+    if shutil.which("nvidia-smi") is None:
+        assert got == []
