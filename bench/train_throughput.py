@@ -359,11 +359,16 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     if v.bound == "no-tp-comm":
         _skip_tp_collectives()
     run_dir = Path(tempfile.mkdtemp(prefix="wb-bench-"))
+    t0 = time.perf_counter()
     tr = Trainer(cfg, run_dir)
     tr.setup()
+    setup_s = time.perf_counter() - t0  # process groups, model build and init, DDP, optimizer, data
     t = tr.cfg.train
     t.microbatch_timing_interval = 0  # the timed steps: no micro-batch timing, no events
+    t0 = time.perf_counter()
     first = tr.train_step()
+    harness.sync(cuda)
+    first_step_s = time.perf_counter() - t0  # compiles (cold or from the on-disk cache), first allocations
     measured = harness.measure_steps(tr.train_step, cuda, harness.protocol(a),
                                      before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
     mem_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
@@ -414,6 +419,8 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     return {
         **measured,
         "first_loss": losses.get("lm loss"),
+        "setup_s": round(setup_s, 3),
+        "first_step_s": round(first_step_s, 3),
         "mem_peak": mem_peak,
         # CUDA-graph replays allocate nothing: their pool shows up as reserved, not allocated
         "mem_reserved_peak": int(torch.cuda.max_memory_reserved()) if cuda else None,
@@ -557,6 +564,8 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
         "warmup_s": res.get("warmup_s"),
         "warmup_steps": res.get("warmup_steps"),
         "steady": res.get("steady"),
+        "setup_s": res.get("setup_s"),  # where a repeat's wall time goes besides its steps (workbench variants)
+        "first_step_s": res.get("first_step_s"),
         "first_loss": res.get("first_loss"),
         "kernel_path": res.get("kernel_path"),
         "kernels": res.get("kernels"),

@@ -43,6 +43,9 @@ def test_cpu_smoke_writes_one_row_per_variant(tmp_path):
     assert math.isclose(wb["ratio_to_reference"], wb["tokens_per_s"] / ref["tokens_per_s"])
     assert wb["ratio_to_reference_range"] == [wb["ratio_to_reference"]] * 2
     assert wb["kernel_path"]["schedule"] == "no pipelining"
+    # where a repeat's wall time goes besides its steps; the GPUs were checked for strangers (none on CPU)
+    assert 0 < wb["setup_s"] < wb["wall_s"] and 0 < wb["first_step_s"] < wb["wall_s"], wb
+    assert wb["gpu_strangers"] == [] and wb["repeat_rows"][0]["gpu_strangers"] == []
     cost = wb["stream_cost"]
     assert cost["step_s_bare"] > 0 and cost["n"] == 3 and cost["loop_s_2n"] > 0 and cost["loop_s_n"] > 0
     assert math.isclose(cost["step_s_loop_events_timing_every_step"], (cost["loop_s_2n"] - cost["loop_s_n"]) / 3)
