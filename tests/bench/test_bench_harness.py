@@ -1,4 +1,4 @@
-"""bench/harness.run_group: a timed-out launch ends every process it started, also those in sessions of their own
+"""bench/processes.run_group (harness.run_group): a timed-out launch ends every process it started, also those in sessions of their own
 (torchrun's workers are), so the next benchmark variant finds the GPU free."""
 
 import os
