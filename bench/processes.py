@@ -78,7 +78,10 @@ def run_group(cmd: list[str], timeout: float, **kw: Any) -> subprocess.Completed
     - SIGKILL: the child is started with ``PR_SET_PDEATHSIG = SIGTERM``
       (:func:`workbench.launch.ownership.die_with_parent`): torchrun gets SIGTERM when this process dies and stops
       its ranks itself; and ``WORKBENCH_SUPERVISOR`` (this process's token) in its environment makes every rank
-      that imports ``workbench`` die with torchrun (:func:`workbench.launch.ownership.guard_rank`)."""
+      that imports ``workbench`` die with torchrun (:func:`workbench.launch.ownership.guard_rank`).
+
+    One caller at a time per process: the cleanup ends every process below this one that was not there when it
+    started, and the subreaper setting is the process's (the benchmarks launch one variant at a time)."""
     _subreaper(True)
     try:
         with _SigtermGuard() as guard:
@@ -201,33 +204,48 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _visible_uuids(exe: str) -> set[str] | None:
+    """The UUIDs of the GPUs this process's ``CUDA_VISIBLE_DEVICES`` names (indices or UUIDs); None: every GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return None
+    done = subprocess.run([exe, "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True,
+                          timeout=10)
+    by_index = dict(tuple(f.strip() for f in line.split(",", 1)) for line in done.stdout.splitlines() if "," in line)
+    names = [v.strip() for v in visible.split(",") if v.strip()]
+    return {by_index.get(n, n) for n in names}
+
+
 def gpu_strangers() -> list[dict[str, Any]]:
-    """The processes that hold a GPU and are neither this process nor one of its descendants, as ``nvidia-smi
-    --query-compute-apps`` lists them: ``[{"pid": int, "used_mib": int | None}]`` (None where nvidia-smi says
-    ``[N/A]``).  A benchmark checks before each repeat: a process an earlier, killed call left behind (an orphaned
-    rank held 74 GiB of a GPU through the next call's measurements) makes the repeat share the GPU.  ``[]`` where
-    nvidia-smi is missing or fails (CPU machines); never raises."""
+    """The processes that hold one of this process's GPUs (its ``CUDA_VISIBLE_DEVICES``, else every GPU) and are
+    neither this process nor one of its descendants, as ``nvidia-smi --query-compute-apps`` lists them:
+    ``[{"pid": int, "used_mib": int | None}]`` (None where nvidia-smi says ``[N/A]``).  A benchmark checks before
+    each repeat: a process an earlier, killed call left behind (an orphaned rank held 74 GiB of a GPU through the
+    next call's measurements) makes the repeat share the GPU; rows running side by side on other GPUs
+    (bench/headline_call.sh) are not strangers.  ``[]`` where nvidia-smi is missing or fails (CPU machines); never
+    raises."""
     import shutil
 
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return []
     try:
-        done = subprocess.run([exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        done = subprocess.run([exe, "--query-compute-apps=gpu_uuid,pid,used_memory", "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, timeout=10)
         if done.returncode != 0:
             return []
+        mine = _visible_uuids(exe)
         ours = {os.getpid(), *_descendants(os.getpid())}
         out = []
         for line in done.stdout.splitlines():
             parts = [f.strip() for f in line.split(",")]
-            if len(parts) < 2 or not parts[0].isdigit():
+            if len(parts) < 3 or not parts[1].isdigit():
                 continue
-            pid = int(parts[0])
-            if pid in ours:
+            pid = int(parts[1])
+            if pid in ours or (mine is not None and parts[0] not in mine):
                 continue
             try:
-                used: int | None = int(float(parts[1]))
+                used: int | None = int(float(parts[2]))
             except ValueError:
                 used = None
             out.append({"pid": pid, "used_mib": used})

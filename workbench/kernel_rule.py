@@ -588,7 +588,8 @@ def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
             "model.ffn_hidden_size (per TP rank)": m.ffn_size // tp,
             "model.kv_channels x heads (per TP rank)": kv * m.num_attention_heads // tp,
             "QKV width kv_channels x (heads + 2 x query groups) (per TP rank)": kv * (m.num_attention_heads + 2 * groups) // tp,
-            "model.seq_length x train.micro_batch_size (tokens per GEMM)": m.seq_length * t.micro_batch_size,
+            "model.seq_length / parallel.context_parallel x train.micro_batch_size (tokens per GEMM)":
+                m.seq_length // max(1, int(getattr(p, "context_parallel", 1) or 1)) * t.micro_batch_size,
             "decoder sequence length x train.micro_batch_size (tokens per decoder GEMM)": m.decoder_seq * t.micro_batch_size}
     bad = [f"{name} = {v}" for name, v in dims.items() if v % 16]
     if bad:

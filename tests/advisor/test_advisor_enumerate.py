@@ -40,12 +40,14 @@ def test_brute_force_finds_no_valid_layout_the_enumeration_misses(name):
     cfg = _small(name, **{"model.num_layers": 4})
     listed = {lay for lay, _ in enumerate_layouts(cfg, 4)}
     seen_valid = 0
-    for tp, pp, vpp, sp, dopt, rc, mbs, fp8 in itertools.product(
-            range(1, 5), range(1, 5), (None, 2, 3, 4), (False, True), (False, True), ("none", "selective", "full"),
-            range(1, 9), fp8_recipes()):
-        p = dataclasses.replace(cfg.parallel, tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline_parallel=vpp,
-                                sequence_parallel=sp, distributed_optimizer=dopt, recompute=rc, nproc_per_node=4,
-                                overlap_grad_reduce=False, overlap_param_gather=False)
+    for tp, pp, cp, vpp, sp, dopt, rc, mbs, fp8 in itertools.product(
+            range(1, 5), range(1, 5), (1, 2, 3, 4), (None, 2, 3, 4), (False, True), (False, True),
+            ("none", "selective", "full"), range(1, 9), fp8_recipes()):
+        if tp * pp * cp > 4:  # more model-parallel ranks than GPUs: the validator refuses it first
+            continue
+        p = dataclasses.replace(cfg.parallel, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
+                                virtual_pipeline_parallel=vpp, sequence_parallel=sp, distributed_optimizer=dopt,
+                                recompute=rc, nproc_per_node=4, overlap_grad_reduce=False, overlap_param_gather=False)
         c = dataclasses.replace(cfg, parallel=p, train=dataclasses.replace(cfg.train, micro_batch_size=mbs, fp8=fp8))
         if validate(c):
             continue
@@ -75,7 +77,7 @@ def test_enumeration_count_at_scale_completes():
     """Llama-3.1-8B, global batch 128, 8 GPUs: a few thousand layouts (the advisor's speed case)."""
     cfg = preset("llama3.1-8b", **{"train.global_batch_size": 128})
     found = enumerate_layouts(cfg, 8)
-    assert 3000 < len(found) < 8000
+    assert 3000 < len(found) < 12000  # 10,848 since FP8 runs under CP (the compiled layer serves it)
     assert all(lay.tp <= 8 and lay.gpus == 8 for lay, _ in found)
 
 

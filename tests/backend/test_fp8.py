@@ -217,6 +217,9 @@ def test_the_plan_counts_transformer_engines_fp8_weight_copies_too():
     ({"parallel.device": "cpu"}, "GPU-only"),
     ({"model.hidden_size": 72, "model.num_attention_heads": 4}, "model.hidden_size = 72"),
     ({"model.seq_length": 60, "train.micro_batch_size": 1}, "tokens per GEMM) = 60"),
+    # context parallel: each rank's GEMMs see seq_length / cp tokens (the compiled layer serves CP)
+    ({"model.seq_length": 48, "train.micro_batch_size": 1, "parallel.context_parallel": 2, "parallel.nproc_per_node": 2},
+     "tokens per GEMM) = 24"),
     # multi-query attention: q is 80 wide but the fused QKV GEMM writes 80 + 2 x 20 columns
     ({"model.hidden_size": 80, "model.num_attention_heads": 4, "model.kv_channels": 20, "model.attention_type": "multiquery",
       "model.ffn_hidden_size": 128}, "(per TP rank) = 120"),

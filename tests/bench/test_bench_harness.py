@@ -11,9 +11,12 @@ import pytest
 
 from bench import harness
 
+#: this session's probe marker: another pytest session's probes on the machine are neither seen nor killed here
+_PROBE = f"wb-orphan-probe-{os.getpid()}"
+
 # a launcher (like torchrun) whose worker runs in a session of its own and outlives a SIGKILL of the launcher
 _LAUNCHER = ("import subprocess, sys, time; "
-             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)  # wb-orphan-probe'], "
+             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)  # " + _PROBE + "'], "
              "start_new_session=True); print(w.pid, flush=True); time.sleep(120)")
 
 
@@ -21,7 +24,7 @@ def _probe_pids() -> list[int]:
     out = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if b"wb-orphan-probe" in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
+            if _PROBE.encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
                 out.append(int(cmdline.parent.name))
         except OSError:
             pass
@@ -100,17 +103,17 @@ _FORWARDING_LAUNCHER = ("import os, signal, subprocess, sys, time\n"
                         "        w.kill(); w.wait()\n"
                         "    os._exit(143)\n"
                         "signal.signal(signal.SIGTERM, stop)\n"
-                        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)  # wb-orphan-probe'], "
+                        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)  # " + _PROBE + "'], "
                         "start_new_session=True)\n"
                         "open(os.environ['WB_READY'], 'w').close()\n"
-                        "time.sleep(120)  # wb-orphan-probe launcher\n")
+                        "time.sleep(120)  # " + _PROBE + " launcher\n")
 
 # the benchmark script's stand-in: run_group on a launcher whose code comes from the environment (so this parent's
 # own command line does not name the probe)
 _PARENT = ("import os, sys; sys.path.insert(0, os.environ['WB_ROOT']); from bench import harness; "
            "harness.run_group([sys.executable, '-c', os.environ['WB_LAUNCHER_CODE']], 120)")
 
-_WORKER_ARGV = [b"-c", b"import time; time.sleep(120)  # wb-orphan-probe"]
+_WORKER_ARGV = [b"-c", f"import time; time.sleep(120)  # {_PROBE}".encode()]
 
 
 def _worker_pids() -> list[int]:
@@ -215,12 +218,21 @@ def test_gpu_strangers_is_empty_without_nvidia_smi(monkeypatch, tmp_path):
     assert harness.gpu_strangers() == []
 
 
-def test_gpu_strangers_are_the_gpu_processes_not_this_one_nor_its_descendants(monkeypatch, tmp_path):
+def test_gpu_strangers_are_the_processes_on_this_processs_gpus_not_this_one_nor_its_descendants(monkeypatch, tmp_path):
     fake = tmp_path / "nvidia-smi"
-    fake.write_text(f"#!/bin/sh\necho '123, 500'\necho '{os.getpid()}, 10'\necho '456, [N/A]'\n")
+    fake.write_text("#!/bin/sh\n"
+                    'case "$1" in --query-gpu=*) echo "0, GPU-a"; echo "1, GPU-b"; exit 0;; esac\n'
+                    f"echo 'GPU-a, 123, 500'\necho 'GPU-b, 789, 100'\necho 'GPU-a, {os.getpid()}, 10'\n"
+                    "echo 'GPU-a, 456, [N/A]'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
-    assert harness.gpu_strangers() == [{"pid": 123, "used_mib": 500}, {"pid": 456, "used_mib": None}]
+    a, b = {"pid": 123, "used_mib": 500}, {"pid": 456, "used_mib": None}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # every GPU is this process's
+    assert harness.gpu_strangers() == [a, {"pid": 789, "used_mib": 100}, b]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # a row beside another on GPU 1 (bench/headline_call.sh)
+    assert harness.gpu_strangers() == [a, b]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-b")
+    assert harness.gpu_strangers() == [{"pid": 789, "used_mib": 100}]
     fake.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     assert harness.gpu_strangers() == []
 

@@ -1,30 +1,6 @@
 # Source on the device machine, from the repository root:  source tests/gpu_proofs/device_env.sh || exit 1
-# A GPU process an earlier call of this warm lease left behind (a call killed at its limit: its torchrun ranks
-# outlived it, one held 74 GiB of a GPU through the next call's measurements) is ended before anything else.
-# Only processes of this machine (/proc) that are neither this shell nor one of its ancestors; silent without nvidia-smi.
-if command -v nvidia-smi >/dev/null 2>&1; then
-  _wb_gpu_pids=""
-  _wb_gpu_list=""
-  _wb_keep=" $$ "
-  _wb_p=$$
-  while [[ -r /proc/$_wb_p/status ]]; do  # this shell's ancestors: never ended here
-    _wb_p=$(awk '/^PPid:/ {print $2}' /proc/$_wb_p/status 2>/dev/null)
-    [[ -z "$_wb_p" || "$_wb_p" == 0 ]] && break
-    _wb_keep+="$_wb_p "
-  done
-  while IFS=, read -r _wb_pid _wb_mib; do
-    _wb_pid="${_wb_pid//[[:space:]]/}"; _wb_mib="${_wb_mib//[[:space:]]/}"
-    [[ "$_wb_pid" =~ ^[0-9]+$ && -d /proc/$_wb_pid && "$_wb_keep" != *" $_wb_pid "* ]] || continue
-    _wb_gpu_pids+="$_wb_pid "
-    _wb_gpu_list+="${_wb_gpu_list:+, }pid $_wb_pid (${_wb_mib} MiB: $(tr '\0' ' ' < /proc/$_wb_pid/cmdline 2>/dev/null | cut -c1-80))"
-  done < <(timeout 10 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null)
-  if [[ -n "$_wb_gpu_pids" ]]; then
-    echo "[device_env] ending $(echo $_wb_gpu_pids | wc -w) process(es) an earlier call left on the GPUs: $_wb_gpu_list"
-    kill -9 $_wb_gpu_pids 2>/dev/null
-    sleep 2
-  fi
-  unset _wb_gpu_pids _wb_gpu_list _wb_keep _wb_p _wb_pid _wb_mib
-fi
+# what an earlier call of this warm lease left on the GPUs is ended first (see the file)
+source "$(dirname "${BASH_SOURCE[0]}")/end_leftovers.sh"
 # The device's python3 has torch and jupyter but no megatron-core: install the carried wheel
 # (.whl/, see bench/README.md) into /tmp/site; the notebook extras in .whl/extra only where the
 # image lacks the distribution, so nothing of the image's own stack is shadowed.

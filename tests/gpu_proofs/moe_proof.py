@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from workbench.config import preset  # noqa: E402
-from workbench.launch.ownership import die_with_parent  # noqa: E402
+from workbench.launch.ownership import SUPERVISOR_ENV, die_with_parent, supervisor_token  # noqa: E402
 from workbench.provenance import git_commit  # noqa: E402
 from workbench.run.reader import RunReader  # noqa: E402
 
@@ -66,7 +66,8 @@ def _start(cfg, run_dir: Path, nproc: int, port: int, gpus: str | None = None) -
     cfg.save(run_dir / "config.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
            "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2",
+           SUPERVISOR_ENV: supervisor_token()}  # the ranks die with torchrun (guard_rank), torchrun with this script
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     with open(run_dir / "torchrun.log", "w") as log:  # torchrun dies with this script (a killed call leaves no ranks)
@@ -74,10 +75,11 @@ def _start(cfg, run_dir: Path, nproc: int, port: int, gpus: str | None = None) -
                                 preexec_fn=die_with_parent(signal.SIGTERM))
 
 
-def _finish(proc: subprocess.Popen, run_dir: Path, timeout: float) -> tuple[int, str]:
-    """(return code, the log's tail); a run past ``timeout`` is ended (torchrun stops its ranks on SIGTERM)."""
+def _finish(proc: subprocess.Popen, run_dir: Path, deadline: float) -> tuple[int, str]:
+    """(return code, the log's tail); a run still going at ``deadline`` (``time.monotonic()``) is ended (torchrun
+    stops its ranks on SIGTERM; SIGKILL 30 s later) and its code is 124."""
     try:
-        rc = proc.wait(timeout=timeout)
+        rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
     except subprocess.TimeoutExpired:
         proc.terminate()
         try:
@@ -85,12 +87,12 @@ def _finish(proc: subprocess.Popen, run_dir: Path, timeout: float) -> tuple[int,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        rc = -9
+        rc = 124
     return rc, (run_dir / "torchrun.log").read_text(errors="replace")[-4000:]
 
 
 def _train(cfg, run_dir: Path, nproc: int, port: int, timeout: float) -> tuple[int, str]:
-    return _finish(_start(cfg, run_dir, nproc, port), run_dir, timeout)
+    return _finish(_start(cfg, run_dir, nproc, port), run_dir, time.monotonic() + timeout)
 
 
 def compare(ref: list[float], got: list[float]) -> dict:
@@ -128,16 +130,25 @@ def parity(a: argparse.Namespace, work: Path) -> dict:
         return {"phase": "parity", "status": "failed", "stage": "init", "log_tail": tail}
     load = {"checkpoint.load_dir": str(init / "checkpoints"), "checkpoint.finetune": True, "checkpoint.save_on_exit": False}
     out: dict = {"phase": "parity", "steps": a.steps}
-    t0 = time.time()  # the one-GPU run and its repeat side by side, one GPU each (on CPU: one after the other)
+    # the one-GPU run and its repeat side by side, on GPUs 0 and 1 of this machine (on CPU: one after the other)
     side = [("1gpu", 29711, "0"), ("1gpu-repeat", 29713, "1")]
     if a.device == "cpu":
         for name, port, _ in side:
+            t0 = time.time()
             rc, tail = _train(config(a.device, a.steps, 1, **load), work / name, 1, port, a.timeout)
             out[name] = _record(name, work, rc, tail, time.time() - t0)
     else:
-        procs = {name: _start(config(a.device, a.steps, 1, **load), work / name, 1, port, gpus) for name, port, gpus in side}
+        t0, deadline = time.time(), time.monotonic() + a.timeout
+        procs: dict[str, subprocess.Popen] = {}
+        try:
+            for name, port, gpus in side:
+                procs[name] = _start(config(a.device, a.steps, 1, **load), work / name, 1, port, gpus)
+        except BaseException:
+            for proc in procs.values():
+                proc.kill()
+            raise
         for name, proc in procs.items():
-            rc, tail = _finish(proc, work / name, a.timeout)
+            rc, tail = _finish(proc, work / name, deadline)
             out[name] = _record(name, work, rc, tail, time.time() - t0)
     t0 = time.time()
     rc, tail = _train(config(a.device, a.steps, 2, **load), work / "ep2", 2, 29712, a.timeout)

@@ -123,9 +123,11 @@ def format_table(table: list[dict[str, Any]]) -> str:
 
 def is_host_row(row: MeasuredRow) -> bool:
     """Rows that measure the compiled layer without CUDA graphs and without pipelining: they calibrate the GPU's
-    host time per layer (its host CPU's, not a model constant) rather than the constants."""
+    host time per layer (its host CPU's, not a model constant) rather than the constants.  Not context parallel
+    rows: their layer is compiled pieces around an eager ring, whose time is the ring's, not the launches'."""
     kp = kernel_rule.choose(row.config)
-    return kp.layer == "compiled" and not kp.cuda_graphs and row.config.parallel.pipeline_parallel == 1
+    return (kp.layer == "compiled" and not kp.cuda_graphs and row.config.parallel.pipeline_parallel == 1
+            and int(getattr(row.config.parallel, "context_parallel", 1) or 1) == 1)
 
 
 def solve_host(rows: list[MeasuredRow], profile: Profile, constants: Constants) -> Profile:

@@ -275,6 +275,8 @@ def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     sq, b = q.shape[0], q.shape[1]
     kv_padding = None
+    if mask is not None and causal:  # as SDPAttention._ring: no family sends both
+        raise NotImplementedError("context parallelism: a causal layer with a padding mask (padding_causal) is not wired")
     if mask is not None:
         if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
             raise NotImplementedError(f"context parallelism: a mask of shape {tuple(mask.shape)}; the ring takes a "

@@ -66,7 +66,8 @@ block's attention time.
 
 Wired into GPT (causal, MoE included) and BERT (bidirectional, ``kv_padding``) training (``parallel.context_parallel``,
 see docs/context_parallel.md): the workbench SDPA attention calls :func:`ring_attention` over megatron's CP group, the trainer shards each micro-batch with :func:`shard_sequence`
-(:func:`workbench.rank.data.shard_batch`); the compiled layer still refuses ``context_parallel_size != 1``.
+(:func:`workbench.rank.data.shard_batch`); the compiled layer calls it between its compiled pieces
+(``workbench.backend.compiled_layer._ring_context``).
 """
 
 from __future__ import annotations
