@@ -320,7 +320,7 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
 
 # --------------------------------------------------------------------------- launcher side
 
-from bench.processes import gpu_strangers, run_group  # noqa: E402,F401  (the scripts call them as harness.*)
+from bench.processes import check_gpus, gpu_strangers, run_group  # noqa: E402,F401  (the scripts call them as harness.*)
 
 
 def torchrun(nproc: int, args: list[str], timeout: float) -> subprocess.CompletedProcess:

@@ -72,15 +72,6 @@ def bench_config(a: argparse.Namespace, ep: int = 1):
     return preset("moe-research", **over).check()
 
 
-def gpu_check(name: str) -> list[dict]:
-    """:func:`harness.gpu_strangers` before a repeat, with a warning when an earlier process still holds a GPU."""
-    strangers = harness.gpu_strangers()
-    if strangers:
-        print(f"[bench] WARNING: {len(strangers)} processes already on the GPUs before {name} "
-              f"(pid, MiB: {[(s['pid'], s['used_mib']) for s in strangers]}); this repeat shares them", file=sys.stderr, flush=True)
-    return strangers
-
-
 def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
     cfg = bench_config(a, ep)
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as td:
@@ -91,7 +82,7 @@ def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
                "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
         t0 = time.time()
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}
-        strangers = gpu_check(name)
+        strangers = harness.check_gpus(name)
         proc = harness.run_group(cmd, a.timeout, cwd=ROOT, env=env)  # a timeout ends the ranks too
         reader = RunReader(run_dir)
         steps = sorted((r for r in reader.records("step") if r.loss is not None), key=lambda r: r.iteration)
@@ -273,7 +264,7 @@ def one_repeat(a: argparse.Namespace, phase: str) -> dict:
     try:
         if phase != "workbench-profile" and phase != "torch-compiled":
             return workbench_row(a, 2 if phase == "workbench-ep2" else 1, phase)
-        strangers = gpu_check(phase)
+        strangers = harness.check_gpus(phase)
         if phase == "workbench-profile":
             proc = harness.torchrun(1, [str(Path(__file__).resolve()), "--worker", phase, *a.passthrough], a.timeout)
         else:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_group", "gpu_strangers", "TERMINATED_GRACE"]
+__all__ = ["run_group", "gpu_strangers", "check_gpus", "TERMINATED_GRACE"]
 
 
 class _Terminated(SystemExit):
@@ -252,3 +252,15 @@ def gpu_strangers() -> list[dict[str, Any]]:
         return out
     except Exception:  # noqa: BLE001  (a check, never the reason a benchmark fails)
         return []
+
+
+def check_gpus(name: str) -> list[dict[str, Any]]:
+    """:func:`gpu_strangers` before the repeat ``name``, with a warning on stderr when any process shares its GPUs."""
+    import sys
+
+    strangers = gpu_strangers()
+    if strangers:
+        print(f"[bench] WARNING: {len(strangers)} processes already on the GPUs before {name} "
+              f"(pid, MiB: {[(s['pid'], s['used_mib']) for s in strangers]}); this repeat shares them",
+              file=sys.stderr, flush=True)
+    return strangers

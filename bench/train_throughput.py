@@ -507,11 +507,7 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
         env.update(v.env)
         # a rank still running near the variant's limit writes its Python stacks (a hang says where it is)
         env["WORKBENCH_BENCH_STACKS_AFTER"] = str(max(a.variant_timeout - 20.0, 1.0))
-        strangers = harness.gpu_strangers()  # an earlier call's orphan on the GPUs would share this repeat's
-        if strangers:
-            print(f"[bench] WARNING: {len(strangers)} processes already on the GPUs before {v.name} "
-                  f"(pid, MiB: {[(s['pid'], s['used_mib']) for s in strangers]}); this repeat shares them",
-                  file=sys.stderr, flush=True)
+        strangers = harness.check_gpus(v.name)  # an earlier call's orphan on the GPUs would share this repeat's
         t0 = time.perf_counter()
         try:
             proc = harness.run_group(cmd, a.variant_timeout, env=env, cwd=ROOT)  # a timeout ends its workers too

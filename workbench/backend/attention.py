@@ -235,7 +235,7 @@ class SDPAttention(MegatronModule):
         """Context parallel: this rank's queries against the whole sequence by ring attention: GPT's implicit causal
         mask, or BERT's key-padding mask (``padding``: ``[b, 1, 1, s_local]``, True = padded, the keys of this rank's
         chunks; the ring gathers every rank's once)."""
-        from workbench.backend.context_parallel import ring_attention
+        from workbench.backend.context_parallel import key_padding, ring_attention
 
         if additive is not None:
             raise NotImplementedError("context parallelism: the ring attention takes no additive bias (ALiBi, attention_bias)")
@@ -243,10 +243,7 @@ class SDPAttention(MegatronModule):
         if mask_type == AttnMaskType.padding and attention_mask is None:
             raise NotImplementedError("context parallelism: a padding mask type without its mask")
         if mask_type == AttnMaskType.padding:
-            if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or attention_mask.shape[2] != 1:
-                raise NotImplementedError(f"context parallelism: a padding mask of shape {tuple(attention_mask.shape)}; "
-                                          "the ring takes a key-padding mask [b, 1, 1, s_local]")
-            kv_padding = attention_mask.reshape(b, -1).bool()
+            kv_padding = key_padding(attention_mask, b)
         elif mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise NotImplementedError(f"context parallelism: attention mask type {mask_type.name} is not wired "
                                       "(GPT's implicit causal mask, BERT's key padding)")

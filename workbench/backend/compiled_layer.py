@@ -271,17 +271,14 @@ def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     projection, residual and MLP after), whose backward graphs surround the ring's own backward."""
     from megatron.core import parallel_state
 
-    from workbench.backend.context_parallel import ring_attention
+    from workbench.backend.context_parallel import key_padding, ring_attention
 
     sq, b = q.shape[0], q.shape[1]
     kv_padding = None
     if mask is not None and causal:  # as SDPAttention._ring: no family sends both
         raise NotImplementedError("context parallelism: a causal layer with a padding mask (padding_causal) is not wired")
     if mask is not None:
-        if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
-            raise NotImplementedError(f"context parallelism: a mask of shape {tuple(mask.shape)}; the ring takes a "
-                                      "key-padding mask [b, 1, 1, s_local]")
-        kv_padding = mask.reshape(b, -1)
+        kv_padding = key_padding(mask, b)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
     out = ring_attention(q, k, v, parallel_state.get_context_parallel_group(), causal=causal, scale=scale,
                          kv_padding=kv_padding)

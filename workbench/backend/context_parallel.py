@@ -230,6 +230,15 @@ def _block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask):
     return dq, dk, dv
 
 
+def key_padding(mask, b: int):
+    """Megatron's key-padding mask ``[b, 1, 1, s_local]`` (True = a padded key; BERT) as the ``kv_padding
+    [b, s_local]`` :func:`ring_attention` takes; any other mask shape is refused."""
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        raise NotImplementedError(f"context parallelism: a padding mask of shape {tuple(mask.shape)}; "
+                                  "the ring takes a key-padding mask [b, 1, 1, s_local]")
+    return mask.reshape(b, -1).bool()
+
+
 def _flash_ok(q, kv_padding) -> bool:
     """Whether torch's FlashAttention-2 kernel can run the blocks: CUDA on an Ampere or newer GPU (sm80+; older
     GPUs refuse the kernel), fp16 / bf16, no padding mask, head dim a multiple of 8 up to 256."""
