@@ -162,6 +162,12 @@ class ParallelConfig:
     virtual_pipeline_parallel: int | None = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    #: the share (0 to 1) of the distributed optimizer's fp32 master weights and Adam moments kept in host memory and
+    #: stepped by the CPU (megatron's ``optimizer_cpu_offload`` / ``optimizer_offload_fraction``: its
+    #: HybridDeviceOptimizer, on the precision-aware optimizer path, host <-> device copies overlapped).  0: off.
+    #: Frees up to 12 bytes per sharded parameter on the GPU for a host-side step each iteration (the planner counts
+    #: both; the advisor offers it where a layout does not fit without it).
+    optimizer_cpu_offload: float = 0.0
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_num_layers: int = 1  # full recompute: layers per checkpointed block
     #: layers per pipeline stage. "balanced": the output layer and loss count as the layers

@@ -158,6 +158,7 @@ def _parallel_rules(cfg: Any, add: Add) -> None:
             add("parallel.device", f"CPU mode is for tiny models on 1-8 processes, not {world}", "use device: cuda on GPUs", "parallel.nnodes", "parallel.nproc_per_node")
         if p.overlap_grad_reduce or p.overlap_param_gather:
             add("parallel.overlap_grad_reduce", "communication overlap needs CUDA streams", "turn overlap off on device: cpu", "parallel.device", "parallel.overlap_param_gather")
+    _offload_rules(p, add)
     if p.overlap_param_gather and not p.distributed_optimizer:
         add("parallel.overlap_param_gather", "param-gather overlap needs the distributed optimizer", "set distributed_optimizer: true or overlap_param_gather: false", "parallel.distributed_optimizer")
     if known:  # the weights alone of one model-parallel rank: beyond any accelerator, the model is not trainable anywhere
@@ -168,6 +169,22 @@ def _parallel_rules(cfg: Any, add: Add) -> None:
                 f"{per_rank / 1e9:.4g}B of them, {2 * per_rank / 1e9:.4g} GB of weights alone at 2 bytes each, more than any accelerator "
                 f"holds ({LARGEST_ACCELERATOR_BYTES / 1e9:.0f} GB)", "use fewer or smaller layers, or more tensor_parallel / pipeline_parallel "
                 "(`workbench plan` gives each rank's memory)", "parallel")
+
+
+def _offload_rules(p: Any, add: Add) -> None:
+    """``parallel.optimizer_cpu_offload``: a fraction; megatron offloads the distributed optimizer's state, from GPUs."""
+    f = p.optimizer_cpu_offload
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+        add("parallel.optimizer_cpu_offload", f"must be a fraction from 0 to 1 (got {f!r})", "e.g. 1.0 (all of the optimizer state in host memory) or 0 (off)")
+        return
+    if f == 0:
+        return
+    if not p.distributed_optimizer:
+        add("parallel.optimizer_cpu_offload", "offload moves the distributed optimizer's state (megatron's HybridDeviceOptimizer runs under it)",
+            "set distributed_optimizer: true, or optimizer_cpu_offload: 0", "parallel.distributed_optimizer")
+    if p.device == "cpu":
+        add("parallel.optimizer_cpu_offload", "CPU mode already keeps the optimizer in host memory (offload copies between GPU and host)",
+            "set optimizer_cpu_offload: 0 on device: cpu", "parallel.device")
 
 
 def _train_rules(cfg: Any, add: Add) -> None:

@@ -348,6 +348,8 @@ def step_graph_blocker(cfg: Any) -> str | None:
         return "more than one process (collectives inside one captured step are not proven here)"
     if p.overlap_grad_reduce or p.overlap_param_gather:
         return "parallel.overlap_grad_reduce / overlap_param_gather (megatron's bucket collectives start inside the backward)"
+    if p.optimizer_cpu_offload:
+        return "parallel.optimizer_cpu_offload (the optimizer steps on the host: a capture cannot hold it)"
     if t.precision == "fp16":
         return "fp16 (megatron's dynamic loss scale replaces its scale tensor between steps)"
     if t.fp8 != "off":

@@ -6,8 +6,10 @@ planner, ``workbench plan``, is), enumerates every valid layout (:mod:`workbench
 time (:mod:`workbench.advisor.perf_model`; a closed-form bubble first, then the schedule simulator for
 the leading layouts), and asks the memory planner (:func:`workbench.planner.predict`: reserved + CUDA
 context + NCCL on every rank) whether each fits, in order of predicted speed until ``top`` layouts
-that fit are found (``top=None``: every layout).  Rows are sorted by predicted tokens/s; the rank is
-among layouts that fit.
+that fit are found (``top=None``: every layout).  Each evaluated layout that does not fit is tried again with
+optimizer CPU offload (the distributed optimizer's state in host memory, ``parallel.optimizer_cpu_offload: 1.0``):
+slower than the layout itself, so only an out-of-memory layout's offloaded form can rank among those shown.  Rows
+are sorted by predicted tokens/s; the rank is among layouts that fit.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench import planner
-from workbench.config import ConfigError, Problem, RunConfig
+from workbench.config import ConfigError, Problem, RunConfig, validate
 from workbench.families.common.moe import is_moe
 
-from workbench.advisor.enumerate import Layout, cp_refusal, enumerate_layouts, layout_of
+from workbench.advisor.enumerate import Layout, apply_layout, cp_refusal, enumerate_layouts, layout_of
 from workbench.advisor.perf_model import REASONS, Model, Prediction
 from workbench.advisor.profile import Profile, ProfileError, default_profile
 from workbench.advisor.rows import fp8_measured_faster
@@ -154,7 +156,19 @@ def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, to
         if r.fits:
             fitting += 1
             r.rank = fitting
-    shown = [r for r in rows if r.fits is not None] if top is not None else rows
+    offloaded, tried = _offloaded(cfg, rows, model, spec, per_node, nodes)
+    evaluated += tried
+    if offloaded:
+        notes.append(f"{len(offloaded)} layouts fit only with optimizer CPU offload (parallel.optimizer_cpu_offload: 1.0): its host "
+                     "time per parameter is assumed, not measured (docs/advisor.md)")
+        rows = sorted(rows + offloaded, key=key)
+        fitting = 0
+        for r in rows:
+            r.rank = None
+            if r.fits:
+                fitting += 1
+                r.rank = fitting
+    shown = [r for r in rows if r.fits is not None and (r.rank or 0) <= top] if top is not None else rows
     if not layouts:
         notes.append("no valid layout: the global batch, layer count or heads admit none on this many GPUs")
     elif fitting == 0:
@@ -163,6 +177,28 @@ def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, to
             "estimates": ", ".join(profile.estimates()[:6]) + (" ..." if len(profile.estimates()) > 6 else "")}
     return Advice(cfg.name, gpus, nodes, spec.name, info, shown, len(layouts), evaluated, time.perf_counter() - t0, notes,
                   cpu_seconds=time.process_time() - c0)
+
+
+def _offloaded(cfg: RunConfig, rows: list[AdvisedLayout], model: Model, spec: Any, per_node: int,
+               nodes: int) -> tuple[list[AdvisedLayout], int]:
+    """The optimizer-CPU-offload forms (distributed optimizer, ``offload`` 1.0) of the evaluated layouts that do not fit,
+    planned, and predicted where they fit; those that fit, and how many were tried."""
+    out, seen = [], set()
+    for r in rows:
+        if r.fits is not False or r.layout.offload:
+            continue
+        lay = dataclasses.replace(r.layout, distributed_optimizer=True, offload=1.0)
+        if lay in seen:
+            continue
+        seen.add(lay)
+        c = apply_layout(cfg, lay, per_node, nodes)
+        if validate(c):
+            continue
+        plan = planner.predict(c, spec, suggest=False)
+        if plan.fits:
+            pred = model.predict(c, per_node, simulate=lay.pp > 1)
+            out.append(AdvisedLayout(lay, lay.overrides(per_node, nodes), pred, True, plan.worst.total / GiB))
+    return out, len(seen)
 
 
 def _cp_note(cfg: RunConfig, gpus: int, nodes: int, layouts: list) -> str:

@@ -65,6 +65,9 @@ class Layout:
     fp8: str = "off"
     #: context-parallel size (each sequence split over this many ranks; 1: none)
     cp: int = 1
+    #: ``parallel.optimizer_cpu_offload``: the share of the distributed optimizer's state in host memory (0: none).
+    #: Not enumerated: :func:`workbench.advisor.advise` tries 1.0 where a distributed-optimizer layout does not fit.
+    offload: float = 0.0
 
     @property
     def gpus(self) -> int:
@@ -87,6 +90,8 @@ class Layout:
         parts.append(f"mbs{self.micro_batch_size}")
         if self.fp8 != "off":
             parts.append(f"fp8:{self.fp8}")
+        if self.offload:
+            parts.append("offload" if self.offload == 1 else f"offload{self.offload:g}")
         return " ".join(parts)
 
     def overrides(self, gpus_per_node: int, nodes: int = 1) -> dict[str, Any]:
@@ -105,6 +110,7 @@ class Layout:
             "parallel.device": "cuda",
             "parallel.overlap_grad_reduce": dp_overlap,
             "parallel.overlap_param_gather": dp_overlap and self.distributed_optimizer,
+            "parallel.optimizer_cpu_offload": self.offload,
             "train.micro_batch_size": self.micro_batch_size,
             "train.fp8": self.fp8,
         }
@@ -118,7 +124,7 @@ def layout_of(cfg: RunConfig) -> Layout:
     p, t = cfg.parallel, cfg.train
     lay = ParallelLayout.of(cfg)
     return Layout(p.tensor_parallel, p.pipeline_parallel, p.vpp, lay.dp, bool(p.sequence_parallel),
-                  bool(p.distributed_optimizer), p.recompute, t.micro_batch_size, t.fp8, lay.cp)
+                  bool(p.distributed_optimizer), p.recompute, t.micro_batch_size, t.fp8, lay.cp, float(p.optimizer_cpu_offload))
 
 
 def apply_layout(cfg: RunConfig, layout: Layout, gpus_per_node: int, nodes: int = 1) -> RunConfig:
@@ -130,7 +136,7 @@ def apply_layout(cfg: RunConfig, layout: Layout, gpus_per_node: int, nodes: int 
         virtual_pipeline_parallel=layout.vpp if layout.vpp > 1 else None, sequence_parallel=layout.sp,
         distributed_optimizer=layout.distributed_optimizer, recompute=layout.recompute, nnodes=nodes,
         nproc_per_node=gpus_per_node, device="cuda", overlap_grad_reduce=grads,
-        overlap_param_gather=grads and layout.distributed_optimizer)
+        overlap_param_gather=grads and layout.distributed_optimizer, optimizer_cpu_offload=layout.offload)
     t = dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch_size, fp8=layout.fp8)
     return dataclasses.replace(cfg, parallel=p, train=t)
 

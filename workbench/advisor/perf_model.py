@@ -38,7 +38,8 @@ latency: what the slowest rank waits beyond its own work is the **bubble**.  DP'
 reduce-scatter / all-reduce over DP x CP ranks (megatron's ``intra_dp_cp_group``; and the distributed
 optimizer's parameter all-gather, its shards over DP x CP) overlaps the last
 micro-batch's backward (first forward) where ``overlap_grad_reduce`` (``overlap_param_gather``) is on,
-by a fitted fraction; the optimizer step costs the profile's time per local parameter.  MFU is
+by a fitted fraction; the optimizer step costs the profile's time per local parameter (optimizer CPU offload: the
+offloaded share at the assumed host time per parameter, ``Constants.offload_ns_per_param``).  MFU is
 Megatron's FLOPs (``derive().flops_per_step``) over the step and the profile's peak.
 
 Every prediction carries its breakdown in seconds per step (compute, tp_comm, cp_comm, dp_comm, bubble,
@@ -85,6 +86,11 @@ class Constants:
     #: multiplier on the CP ring's hop time (contention with the block kernels, skew between ranks); uncalibrated:
     #: no measured CP row yet, so 1.0 and not fitted (docs/advisor.md)
     cp_comm_factor: float = 1.0
+    #: optimizer CPU offload: host time per offloaded parameter of the shard, nanoseconds (the CPU's fused AdamW plus
+    #: the gradient's copy to the host and the parameter's back, 8 bytes over PCIe, partly overlapped); assumed, not
+    #: fitted: no measured offload row yet.  Torch's fused CPU AdamW measured 0.7 ns per parameter on one core of
+    #: the project's CPU machine (memory-bound: 0.6 on two); the copies add ~0.3 at ~25 GB/s.
+    offload_ns_per_param: float = 1.0
     #: FP8 casts, by recipe: element-wise bytes per byte of the layer's GEMM inputs (activations and weights)
     fp8_cast_tensorwise: float = 1.0
     fp8_cast_rowwise: float = 1.0
@@ -240,7 +246,9 @@ class Model:
         dpcp = d.data_parallel * cp  # megatron's gradient buffers (and the optimizer's shards) span DP x CP
         br["dp_comm"] = self._dp_seconds(cfg, sh, params_local, dpcp, per_node, fwd[r_busy], bwd[r_busy])
         opt_params = max(params_local) / (dpcp if p.distributed_optimizer else 1)
-        br["optimizer"] = opt_params * self.profile.optimizer_ns_per_param.value * 1e-9 + self.c.step_ms * 1e-3
+        off = float(p.optimizer_cpu_offload or 0.0)  # that share of the shard steps on the host (optimizer CPU offload)
+        ns = (1 - off) * self.profile.optimizer_ns_per_param.value + off * self.c.offload_ns_per_param
+        br["optimizer"] = opt_params * ns * 1e-9 + self.c.step_ms * 1e-3
         step = sum(br.values())
         breakdown = {k: br.get(k, 0.0) for k in REASONS}
         mfu = d.flops_per_step / step / d.world_size / (self.profile.peak_tflops * 1e12)

@@ -5,22 +5,45 @@ round trip per tensor: hundreds of device syncs a step) and ``local_multi_tensor
 :func:`install_multi_tensor_fallbacks` replaces them with ``torch._foreach_norm`` / ``_foreach_mul_`` /
 ``_foreach_copy_`` (a handful of multi-tensor kernels, no syncs); :func:`use_fused_adam` switches torch's AdamW under
 megatron's optimizer to its fused CUDA kernel (the same AdamW update).  What was switched on is recorded in
-:data:`STATE` (the fast paths' summary, ``compiled_layer.summary()``).
+:data:`STATE` (the fast paths' summary, ``compiled_layer.summary()``).  :func:`offload_fields`: megatron's optimizer
+CPU offload for ``parallel.optimizer_cpu_offload``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from workbench import kernel_rule
 
-__all__ = ["STATE", "foreach_l2_norm", "foreach_scale", "install_multi_tensor_fallbacks", "use_fused_adam",
+__all__ = ["STATE", "offload_fields", "offload_threads", "foreach_l2_norm", "foreach_scale", "install_multi_tensor_fallbacks", "use_fused_adam",
            "prepare_optimizer"]
 
 #: What was switched on in this process (shared with ``compiled_layer.summary()``).
 STATE: dict[str, str] = {}
+
+
+def offload_fields(p: Any) -> dict[str, Any]:
+    """megatron ``OptimizerConfig`` fields for ``parallel.optimizer_cpu_offload`` (``p``: the parallel config): its
+    HybridDeviceOptimizer (CPU AdamW for that share of the distributed optimizer's shard, the GPU's for the rest),
+    which megatron runs on the precision-aware optimizer path (Megatron-LM's own argument check requires both), with
+    the gradients' copies to the host and the parameters' back overlapped with the step; none when off."""
+    f = float(p.optimizer_cpu_offload or 0.0)
+    if f <= 0:
+        return {}
+    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": f, "use_precision_aware_optimizer": True,
+            "overlap_cpu_optimizer_d2h_h2d": True}
+
+
+def offload_threads() -> int:
+    """Under optimizer CPU offload: give the host's AdamW this rank's share of the cores it may run on (torchrun sets
+    ``OMP_NUM_THREADS=1`` for a launch of several ranks, which would leave the host step on one core); returns it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = max(1, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1))
+    torch.set_num_threads(n)
+    return n
 
 
 def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list, per_tensor: bool, *args: Any):

@@ -68,6 +68,9 @@ def _suggestions(cfg: RunConfig, gpu: GPUSpec, a: PlannerAssumptions, worst: int
         cands.append(("full recompute (1 layer per block; ~20% slower)", {"parallel.recompute": "full", "parallel.recompute_num_layers": 1}))
     if d.data_parallel > 1 and not p.distributed_optimizer:
         cands.append(("distributed optimizer (shard master weights + Adam over DP)", {"parallel.distributed_optimizer": True}))
+    if p.device == "cuda" and p.optimizer_cpu_offload < 1:  # the validator refuses it without the distributed optimizer
+        ov: dict[str, Any] = {"parallel.optimizer_cpu_offload": 1.0, "parallel.distributed_optimizer": True}
+        cands.append(("optimizer CPU offload (master weights + Adam in host memory, stepped by the CPU; slower steps)", ov))
     if t.precision == "bf16" and t.grad_reduce_in_fp32:
         cands.append(("reduce gradients in bf16 (grad_reduce_in_fp32: false)", {"train.grad_reduce_in_fp32": False}))
     for tp in (2, 4, 8):

@@ -153,8 +153,10 @@ def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moment
       segment sizes around the kept activations (2 MiB steps above 10 MiB; 1-10 MiB requests
       in 20 MiB segments, which matters for small models: demo-small's [4096, 384] tensors).
     """
+    # (no moments on the device, as under full optimizer CPU offload: nothing is carved out, nothing strands)
+    stranded = max(0.0, largest - moments) if moments > 0 else 0.0
     terms = {"default_pool": float(_round_up(default_alloc, _SEGMENT)),
-             "stranded_by_adam_state": float(_round_up(max(0.0, largest - moments), _SEGMENT))}
+             "stranded_by_adam_state": float(_round_up(stranded, _SEGMENT))}
     if graph_pool:
         terms["cuda_graph_pool"] = float(_round_up(graph_pool, _SEGMENT))
     return terms
@@ -162,7 +164,8 @@ def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moment
 
 @dataclass
 class _Static:
-    """The stage's static state on one rank (bytes); ``shard``: the parameters whose optimizer state it keeps."""
+    """The stage's static state on one rank (bytes on the device); ``shard``: the parameters whose optimizer state it
+    keeps; ``host``: what optimizer CPU offload keeps in host memory instead."""
 
     weights: float
     grads: float
@@ -170,6 +173,7 @@ class _Static:
     moments: float
     shard: float
     fp8_weight_copies: float
+    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -185,8 +189,13 @@ def _static_state(sh: Any, kp: KernelPath, params: dict[str, int], cp: int) -> _
     Pe = params.get("experts", 0)  # MoE: the rank's expert parameters, sharded over the expert data-parallel group
     # the dense buffers (and so the distributed optimizer's shards) span DP x CP (megatron's intra_dp_cp_group)
     shard = (math.ceil((P - Pe) / (sh.dp * cp)) + math.ceil(Pe / getattr(sh, "edp", 1))) if sh.dist_opt else P
-    return _Static(weights=P * sh.w + fp8_weight_copies, grads=P * sh.grad_bytes, master=4 * shard if sh.mixed else 0,
-                   moments=8 * shard, shard=shard, fp8_weight_copies=fp8_weight_copies)
+    # optimizer CPU offload (megatron's HybridDeviceOptimizer, the precision-aware path): the offloaded share of the
+    # shard keeps its fp32 parameter copy, its gradient copy (pinned) and Adam's moments in host memory (16 bytes
+    # each); the rest keeps its fp32 copy and moments on the device as the distributed optimizer does
+    on_device = 1.0 - sh.offload
+    return _Static(weights=P * sh.w + fp8_weight_copies, grads=P * sh.grad_bytes,
+                   master=4 * shard * on_device if sh.mixed else 0, moments=8 * shard * on_device, shard=shard,
+                   fp8_weight_copies=fp8_weight_copies, host=16 * shard * sh.offload)
 
 
 @dataclass
@@ -289,7 +298,7 @@ def _optimizer_temporaries(sh: Any, kp: KernelPath, shard: float, r: int) -> flo
         step_tmp += 2 * 4 * min(largest, shard)
     if sh.mixed and sh.grad_bytes < 4:
         step_tmp += 4 * shard  # main_grad.float() copies handed to the fp32 master params
-    return step_tmp
+    return step_tmp * (1.0 - sh.offload)  # the offloaded share steps on the host
 
 
 def _peak(st: _Static, kept: _Kept, tr: _Transients, kp: KernelPath, a: PlannerAssumptions, sh: Any,
@@ -384,6 +393,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
         "logits_kept": int(tr.logits_kept), "backward_transient": int(tr.backward),
         "recompute_block": int(kept.recompute_block), "optimizer_step_transient": int(step_tmp),
         "global_buffer": int(tr.gbuf), "fp8_weight_copies": int(st.fp8_weight_copies), "communicators": groups,
+        "optimizer_host_bytes": int(st.host),
     }
     return StagePlan(
         pp_rank=r, layers=kept.layers, params=params["total"], inflight_microbatches=kept.inflight,

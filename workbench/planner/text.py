@@ -64,6 +64,10 @@ def notes_after(plan: Any) -> list[str]:
                        f"them as ~0, so activ is only what runs outside the graphs")
     if lay.get("recompute") == "selective":
         out.append(f"selective recompute here means: {SELECTIVE_MEANS.get(kp.selective, kp.selective)}")
+    host = [plan.stages[r.pp_rank].detail.get("optimizer_host_bytes", 0) for r in plan.ranks]
+    if any(host):
+        out.append(f"optimizer CPU offload: host memory (RAM) {max(host) / GiB:.2f} GiB on the fullest rank, {sum(host) / GiB:.2f} GiB "
+                   "over all ranks (fp32 parameter copies, pinned gradient copies and Adam's moments of the offloaded share)")
     mg = plan.megatron
     out.append(f"megatron theoretical formula ({mg.formula}, first stage only): {mg.total / GiB:.2f} GiB "
                f"(weights+optimizer {mg.weight_and_optimizer / GiB:.2f}, activations {mg.activation / GiB:.2f})")

@@ -48,7 +48,7 @@ from workbench import kernel_rule
 from workbench.backend import compiled_layer, distributed, grad_accumulation, step_graph
 from workbench.backend.attention import apply_sdpa_order
 from workbench.backend.model import kernel_path, training_step_fields, transformer_config
-from workbench.backend.optimizer_paths import prepare_optimizer
+from workbench.backend.optimizer_paths import offload_fields, offload_threads, prepare_optimizer
 from workbench.backend.tp_overlap import initialize_userbuffers
 from workbench.checkpoint import hook_note, load_checkpoint, load_problems, save_checkpoint
 from workbench.config import ConfigError, RunConfig, derive, load_config
@@ -193,12 +193,14 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         cfg, p, t, tc = self.cfg, self.cfg.parallel, self.cfg.train, self.tconfig
+        offload = offload_fields(p)  # parallel.optimizer_cpu_offload (the validator allows it on CUDA only)
+        self._offload_threads = offload_threads() if offload else 0
         ocfg = OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
             clip_grad=t.clip_grad, bf16=tc.bf16, fp16=tc.fp16, params_dtype=tc.params_dtype,
             loss_scale=t.loss_scale, initial_loss_scale=2.0 ** 16,
-            use_distributed_optimizer=p.distributed_optimizer,
+            use_distributed_optimizer=p.distributed_optimizer, **offload,
         )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
         # [perf hook] compiled cross-entropy, foreach multi-tensor ops, fused AdamW (no-ops unless
@@ -275,6 +277,9 @@ class Trainer:
             d = inner.defaults if hasattr(inner, "defaults") else {}
             mode = "fused" if d.get("fused") else ("foreach" if d.get("foreach") or (d.get("foreach") is None and self.cuda) else "for-loop")
             names.append(f"{type(inner).__module__}.{type(inner).__name__} ({mode}); {type(o).__name__}")
+        if self._offload_threads:
+            names.append(f"optimizer CPU offload: {self.cfg.parallel.optimizer_cpu_offload:g} of the shard stepped by the host "
+                         f"on {self._offload_threads} threads")
         return "; ".join(names) or type(self.optimizer).__name__
 
     def _maybe_load(self) -> None:

@@ -100,6 +100,7 @@ class Shape:
     dist_opt: bool
     max_pos: int
     relu: bool = False  # ReLU keeps only its output (fc2's input), not its input
+    offload: float = 0.0  # parallel.optimizer_cpu_offload: the share of the optimizer's shard kept in host memory
     # mixture of experts (workbench.families.common.moe_shapes.shape_fields): share of MoE layers, experts, EP / ETP /
     # expert DP, top_k, a routed expert's and all shared experts' FFN sizes, capacity factor (0: dropless)
     moe_frac: float = 0.0
@@ -127,7 +128,7 @@ def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
         rope=m.position_embedding == "rope", learned_pos=m.position_embedding == "learned", tied=m.tie_embeddings,
         hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0, recompute=p.recompute,
         recompute_num_layers=p.recompute_num_layers, dist_opt=p.distributed_optimizer, max_pos=m.max_position_embeddings,
-        relu=m.activation == "relu", **moe_shapes.shape_fields(cfg),
+        relu=m.activation == "relu", offload=float(p.optimizer_cpu_offload or 0.0), **moe_shapes.shape_fields(cfg),
     )
 
 

@@ -1,0 +1,125 @@
+"""Optimizer CPU offload (`parallel.optimizer_cpu_offload`) as a layout: the validator's rules (exit 2 naming the
+field), megatron's optimizer fields, the planner's device and host bytes, the advisor's offloaded candidates and the
+whole-step CUDA graph's refusal.  The run itself needs GPUs (megatron's HybridDeviceOptimizer copies over CUDA
+streams): not trained here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from workbench import kernel_rule, planner
+from workbench.advisor import advise, format_advice
+from workbench.advisor.enumerate import apply_layout, layout_of
+from workbench.cli import main
+from workbench.config import preset
+
+GiB = 2**30
+EIGHT_B = {"parallel.nproc_per_node": 2, "parallel.distributed_optimizer": True, "train.micro_batch_size": 1,
+           "train.global_batch_size": 16, "parallel.recompute": "full"}
+
+
+def _problems(cfg) -> dict[str, str]:
+    return {q.field: q.rule for q in cfg.validate()}
+
+
+def test_the_validator_names_the_field_and_the_fix(tmp_path, capsys):
+    gpu = preset("llama3.1-8b", **{"parallel.nproc_per_node": 2})
+    assert "parallel.optimizer_cpu_offload" in _problems(gpu.replace(**{"parallel.optimizer_cpu_offload": 1.0}))  # no dist-opt
+    assert "fraction" in _problems(gpu.replace(**{"parallel.optimizer_cpu_offload": 1.5,
+                                                  "parallel.distributed_optimizer": True}))["parallel.optimizer_cpu_offload"]
+    ok = gpu.replace(**{"parallel.optimizer_cpu_offload": 0.5, "parallel.distributed_optimizer": True})
+    assert _problems(ok) == {}
+    cpu = preset("tiny", **{"parallel.distributed_optimizer": True, "parallel.optimizer_cpu_offload": 1.0})
+    assert "CPU mode" in _problems(cpu)["parallel.optimizer_cpu_offload"]
+    path = cpu.save(tmp_path / "cpu.json")
+    assert main(["plan", str(path)]) == 2
+    assert "parallel.optimizer_cpu_offload" in capsys.readouterr().err
+
+
+def test_megatron_gets_its_offload_fields():
+    from megatron.core.optimizer import OptimizerConfig
+
+    from workbench.backend.optimizer_paths import offload_fields
+
+    on = preset("llama3.1-8b", **EIGHT_B, **{"parallel.optimizer_cpu_offload": 0.75}).parallel
+    ocfg = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True, **offload_fields(on))
+    assert ocfg.optimizer_cpu_offload and ocfg.optimizer_offload_fraction == 0.75
+    assert ocfg.use_precision_aware_optimizer and ocfg.overlap_cpu_optimizer_d2h_h2d
+    assert offload_fields(dataclasses.replace(on, optimizer_cpu_offload=0.0)) == {}
+
+
+def test_the_host_step_gets_the_ranks_share_of_the_cores(monkeypatch):
+    import os
+
+    import torch
+
+    from workbench.backend.optimizer_paths import offload_threads
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert offload_threads() == cores == torch.get_num_threads()
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # more ranks than cores: one each
+        assert offload_threads() == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_planner_moves_master_weights_and_moments_to_the_host():
+    base = preset("llama3.1-8b", **EIGHT_B)
+    plans = {f: planner.predict(base.replace(**{"parallel.optimizer_cpu_offload": f}), "H100-80GB") for f in (0.0, 0.5, 1.0)}
+    st = {f: p.worst for f, p in plans.items()}
+    shard_state = st[0.0].components["master_weights"] + st[0.0].components["optimizer_moments"]  # 12 bytes a shard parameter
+    for f in (0.5, 1.0):
+        device_state = st[f].components["master_weights"] + st[f].components["optimizer_moments"]
+        assert device_state == pytest.approx((1 - f) * shard_state, rel=1e-6)
+        assert st[f].detail["optimizer_host_bytes"] == pytest.approx(f * shard_state * 16 / 12, rel=1e-6)
+        for k in ("weights", "gradients", "activations"):  # what stays on the GPU
+            assert st[f].components[k] == st[0.0].components[k]
+    assert st[0.0].detail["optimizer_host_bytes"] == 0
+    assert not plans[0.0].fits and plans[1.0].fits  # 8B at DP=2 on 80 GB: the optimizer state is what does not fit
+    offload = [s for s in plans[0.0].suggestions if "optimizer_cpu_offload" in json.dumps(s.overrides)]
+    assert offload and offload[0].fits
+    text = planner.format_plan(plans[1.0])
+    assert "optimizer CPU offload: host memory" in text and f"{st[1.0].detail['optimizer_host_bytes'] / GiB:.2f} GiB" in text
+    assert "optimizer CPU offload" not in planner.format_plan(plans[0.0]).split("fits:")[0]
+
+
+def test_the_whole_step_graph_is_refused_under_offload():
+    one = preset("gpt2-small", **{"parallel.distributed_optimizer": True})
+    assert kernel_rule.step_graph_blocker(one) is None
+    assert "optimizer_cpu_offload" in kernel_rule.step_graph_blocker(one.replace(**{"parallel.optimizer_cpu_offload": 1.0}))
+
+
+def test_the_advisor_offers_offload_where_nothing_else_fits():
+    cfg = preset("llama3.1-8b", **{"train.global_batch_size": 16})
+    advice = advise(cfg, 1, gpu="H100-80GB", top=3)  # one 80 GB GPU: no layout fits without offload
+    best = advice.best
+    assert best is not None and best.layout.offload == 1.0 and best.layout.distributed_optimizer and best.rank == 1
+    assert "offload" in best.label and "optimizer CPU offload" in " ".join(advice.notes)
+    c = apply_layout(cfg, best.layout, 1)
+    assert cfg.replace(**best.overrides).to_dict() == c.to_dict() and layout_of(c) == best.layout
+    assert planner.predict(c, "H100-80GB", suggest=False).fits
+    # the offloaded step costs the host's time per parameter of the shard (its own row's optimizer time is the larger)
+    plain = dataclasses.replace(best.layout, offload=0.0)
+    from workbench.advisor.perf_model import Model
+    from workbench.advisor.profile import default_profile
+
+    model = Model(cfg, default_profile("H100-80GB"))
+    t_off = model.predict(c, 1).breakdown["optimizer"]
+    t_on = model.predict(apply_layout(cfg, plain, 1), 1).breakdown["optimizer"]
+    assert t_off > t_on
+    assert "offload" in format_advice(advice)
+
+
+def test_the_advisor_keeps_offload_out_where_layouts_fit_without_it():
+    cfg = preset("llama3.1-8b", **{"train.global_batch_size": 16})
+    advice = advise(cfg, 1, gpu="H200-141GB", top=3)
+    assert advice.best is not None and advice.best.layout.offload == 0.0
+    speeds = [r.prediction.tokens_per_s for r in advice.rows]
+    assert speeds == sorted(speeds, reverse=True)
+    assert [r.rank for r in advice.rows if r.fits] == list(range(1, len(advice.fitting()) + 1))
