@@ -13,6 +13,8 @@
 #   CALL=7 / 8 / 9: Llama-3.1-8B (MODEL defaults to llama3.1-8b; one GPU cannot hold it): DP=2 + distributed optimizer,
 #           TP=2 + SP, PP=2 (1F1B, 8 micro-batches), each beside torchtitan 0.3.0 on the same two GPUs, global batch 8
 #           of 2048 tokens, micro-batch 1 (bench/train_throughput.TWO_GPU_ONLY)
+#   CALL=14: Llama-3.1-8B DP=2 + distributed optimizer beside the same with optimizer CPU offload
+#           (parallel.optimizer_cpu_offload: 1.0, what two 80 GB cards need): the host step's cost, first losses alike
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
 #           tokens a step, micro-batch 1: the one-GPU default path at that length (the recompute the planner says it
 #           needs: none on an H200 at both) beside CP=2 (ring attention, flash blocks): the scaling row
@@ -24,8 +26,8 @@
 #   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT
 set -u
 out="${1:?usage: scale_call.sh OUTDIR}"
-call="${CALL:?set CALL=1 to 13}"
-case "$call" in 7|8|9) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
+call="${CALL:?set CALL=1 to 14}"
+case "$call" in 7|8|9|14) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
 mkdir -p "$out"
 source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
@@ -51,6 +53,7 @@ case "$call" in
   7) bench "${LIMIT:-570}" --variants "$(names dp2-distopt torchtitan)" ;;
   8) bench "${LIMIT:-570}" --variants "$(names tp2-sp torchtitan)" ;;
   9) bench "${LIMIT:-570}" --variants "$(names pp2-m8 torchtitan)" ;;
-  *) echo "CALL must be 1 to 13" >&2; exit 2 ;;
+  14) bench "${LIMIT:-570}" --variants "$(names dp2-distopt dp2-distopt-offload)" ;;
+  *) echo "CALL must be 1 to 14" >&2; exit 2 ;;
 esac
 cd "$out" && tar czf logs.tgz *.log && rm -f *.log

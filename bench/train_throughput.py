@@ -170,9 +170,12 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             gb, titan = TWO_GPU_ONLY[m], f"torchtitan/{m}"
             m_dp = gb // (2 * MODELS[m])  # micro-batches a rank when both ranks hold data
             assert 2 * m_dp == 8, "the TP and PP rows of a two-GPU-only model are named for 8 micro-batches"
-            rows.append(Variant(f"dp2-distopt/{m}", "workbench", m, gpus=2, microbatches=m_dp, baseline=titan,
-                                overrides={"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
-                                           "parallel.overlap_param_gather": True}))
+            dopt = {"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
+                    "parallel.overlap_param_gather": True}
+            rows.append(Variant(f"dp2-distopt/{m}", "workbench", m, gpus=2, microbatches=m_dp, baseline=titan, overrides=dopt))
+            # optimizer CPU offload (what 80 GB cards need for this layout): its cost, over the same layout without it
+            rows.append(Variant(f"dp2-distopt-offload/{m}", "workbench", m, gpus=2, microbatches=m_dp,
+                                baseline=f"dp2-distopt/{m}", overrides={**dopt, "parallel.optimizer_cpu_offload": 1.0}))
             for name, over in (("tp2-sp", {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True}),
                                ("pp2-m8", {"parallel.pipeline_parallel": 2})):
                 rows.append(Variant(f"{name}/{m}", "workbench", m, gpus=2, microbatches=2 * m_dp, baseline=titan,

@@ -65,3 +65,18 @@ def test_a_workbench_row_against_torchtitan_meets_its_target_only_on_its_worst_p
         tt.add_scaling(rows, [v["torchtitan/llama3.1-8b"], v["tp2-sp/llama3.1-8b"]])
         assert rows[1]["meets_target"] is met, (reps, mfu)
         assert "torchtitan" in rows[1]["target"]
+
+
+def test_the_offload_row_is_dp2_distopt_with_the_optimizer_on_the_host_and_fits_where_it_does_not():
+    """CALL=14: the same DP=2 + distributed optimizer with optimizer CPU offload, scaled over it (its cost); by the
+    planner it fits an 80 GB card where the layout without it does not (why the layout exists)."""
+    tt = _tt()
+    from workbench.planner import predict
+
+    by_name = {v.name: v for v in tt.plan(["llama3.1-8b"], gpus=2, have_te=False, microbatches=4)}
+    off, plain = by_name["dp2-distopt-offload/llama3.1-8b"], by_name["dp2-distopt/llama3.1-8b"]
+    c_off, c_plain = tt.bench_config(off), tt.bench_config(plain)
+    assert c_off.validate() == [] and off.baseline == plain.name and off.gpus == 2
+    assert c_off.parallel.optimizer_cpu_offload == 1.0 and c_plain.parallel.optimizer_cpu_offload == 0.0
+    assert c_off.replace(**{"parallel.optimizer_cpu_offload": 0.0}).to_dict() == c_plain.to_dict()
+    assert predict(c_off, "H100-80GB").fits and not predict(c_plain, "H100-80GB").fits

@@ -110,6 +110,8 @@ TWO_GPU_ALL: dict[str, tuple[int, str, dict]] = {
     "g2s-pp2": (2, "gpt2-small", {"train.micro_batch_size": 8, **PP2}),
     "g2m-pp2-vpp2": (2, "gpt2-medium", {"train.micro_batch_size": 4, **PP2, **VPP2}),
     "g2s-dp2-distopt": (2, "gpt2-small", {"train.micro_batch_size": 8, **DISTOPT}),
+    # optimizer CPU offload: master weights and moments leave the GPU (the planner's host bytes are not measured here)
+    "g2s-dp2-distopt-offload": (2, "gpt2-small", {"train.micro_batch_size": 8, **DISTOPT, "parallel.optimizer_cpu_offload": 1.0}),
     "llama-gqa-tp2-sp": (2, "llama-small", {**GQA_SMALL, "train.micro_batch_size": 4, **TP2, **SP}),
     "llama-gqa-pp2": (2, "llama-small", {**GQA_SMALL, "train.micro_batch_size": 4, **PP2}),
     "bert-base-tp2-sp": (2, "bert-base", {"train.micro_batch_size": 8, **NO_DROPOUT, **TP2, **SP}),
