@@ -51,6 +51,23 @@ def test_widget_headless_oom_then_apply_suggestion_fits():
     assert "fits on every rank" in w.status.value
 
 
+def test_the_offload_suggestion_applies_through_the_widget():
+    """Llama-3.1-8B at DP=2 on 80 GB: the optimizer state is what does not fit; applying the offload suggestion sets
+    the widget's own control (not only the distributed optimizer), the plan fits and says what the host holds."""
+    from workbench.widgets.planner import MemoryPlanner
+
+    cfg = preset("llama3.1-8b", **{"parallel.nproc_per_node": 2, "parallel.distributed_optimizer": True,
+                                   "train.micro_batch_size": 1, "train.global_batch_size": 16, "parallel.recompute": "full"})
+    w = MemoryPlanner(cfg, gpu="H100", show=False)
+    assert w.plan.fits is False and w.offload.value == 0 and "host memory" not in w.status.value
+    i = next(i for i, s in enumerate(w.plan.suggestions) if "offload" in s.text)
+    w.apply(i)
+    assert w.offload.value == 1.0 and w.config.parallel.optimizer_cpu_offload == 1.0 and w.plan.fits is True
+    assert "host memory (optimizer CPU offload)" in w.status.value
+    w.set(offload=0.0)
+    assert w.plan.fits is False and w.config.parallel.optimizer_cpu_offload == 0.0
+
+
 def test_widget_controls_move_the_plan():
     from workbench.widgets.planner import MemoryPlanner
 

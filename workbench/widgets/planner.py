@@ -68,6 +68,9 @@ class MemoryPlanner:
         self.sp = W.Checkbox(value=p.sequence_parallel, description="sequence parallel", indent=False, layout=box(kernel_box))
         self.dist_opt = W.Checkbox(value=p.distributed_optimizer, description="distributed optimizer", indent=False,
                                    layout=box(kernel_box))
+        self.offload = W.BoundedFloatText(value=p.optimizer_cpu_offload, min=0.0, max=1.0, step=0.25, description="CPU offload",
+                                          tooltip="parallel.optimizer_cpu_offload: the share of the distributed optimizer's "
+                                                  "state in host memory (0: none)", style=kernel_st, layout=box(kernel_box))
         self.recompute = W.Dropdown(options=["none", "selective", "full"], value=p.recompute, description="recompute",
                                     style=kernel_st, layout=box(kernel_box))
         self.precision = W.Dropdown(options=["bf16", "fp16", "fp32"], value=t.precision, description="precision",
@@ -89,13 +92,14 @@ class MemoryPlanner:
         self._show = show
         self._batch = False
         self.controls = (self.tp, self.pp, self.vpp, self.dp, self.micro_batch, self.microbatches, self.seq_length,
-                         self.sp, self.dist_opt, self.recompute, self.precision, self.attention, self.gpu, self.custom_gib)
+                         self.sp, self.dist_opt, self.offload, self.recompute, self.precision, self.attention, self.gpu,
+                         self.custom_gib)
         for w in self.controls:
             w.observe(self._on_change, names="value")
         self.ui = W.VBox([
             columns(W, [column(W, [self.tp, self.pp, self.vpp, self.dp]),
                         column(W, [self.micro_batch, self.microbatches, self.seq_length]),
-                        column(W, [self.recompute, self.precision, self.attention, self.sp, self.dist_opt]),
+                        column(W, [self.recompute, self.precision, self.attention, self.sp, self.dist_opt, self.offload]),
                         column(W, [self.gpu, self.custom_gib])]),
             self.status,
             self.suggestions_box,
@@ -110,7 +114,7 @@ class MemoryPlanner:
         try:
             for k, val in values.items():
                 if k not in {"tp", "pp", "vpp", "dp", "micro_batch", "microbatches", "seq_length", "sp", "dist_opt",
-                             "recompute", "precision", "attention", "gpu", "custom_gib"}:
+                             "offload", "recompute", "precision", "attention", "gpu", "custom_gib"}:
                     raise ValueError(f"unknown control {k!r}")
                 getattr(self, k).value = val
         finally:
@@ -126,7 +130,8 @@ class MemoryPlanner:
         d = derive(cfg)
         self.set(tp=cfg.parallel.tensor_parallel, pp=cfg.parallel.pipeline_parallel, vpp=cfg.parallel.vpp, dp=d.data_parallel,
                  micro_batch=cfg.train.micro_batch_size, microbatches=d.num_microbatches, sp=cfg.parallel.sequence_parallel,
-                 dist_opt=cfg.parallel.distributed_optimizer, recompute=cfg.parallel.recompute)
+                 dist_opt=cfg.parallel.distributed_optimizer, offload=cfg.parallel.optimizer_cpu_offload,
+                 recompute=cfg.parallel.recompute)
         if cfg.train.grad_reduce_in_fp32 != self.base.train.grad_reduce_in_fp32:
             self.base = self.base.replace(**{"train.grad_reduce_in_fp32": cfg.train.grad_reduce_in_fp32})
             self.update()
@@ -155,6 +160,7 @@ class MemoryPlanner:
             "parallel.virtual_pipeline_parallel": vpp if vpp > 1 else None,
             "parallel.nnodes": nnodes, "parallel.nproc_per_node": world // nnodes,
             "parallel.sequence_parallel": bool(self.sp.value), "parallel.distributed_optimizer": bool(self.dist_opt.value),
+            "parallel.optimizer_cpu_offload": float(self.offload.value),
             "parallel.recompute": self.recompute.value, "train.precision": self.precision.value,
             "train.micro_batch_size": mbs, "train.global_batch_size": mbs * dp * m,
             "model.seq_length": self.seq_length.value,
@@ -192,7 +198,9 @@ class MemoryPlanner:
             f"{verdict} &middot; worst: stage {worst.pp_rank}, {worst.total / GiB:.2f} GiB "
             f"({worst.peak_allocated / GiB:.2f} allocated at the {worst.peak_phase.replace('_', ' ')}) of "
             f"{plan.gpu.capacity_bytes / GiB:.1f} GiB &middot; largest micro-batch that fits: <b>{plan.largest_micro_batch}</b>"
-            f" &middot; megatron's formula (first stage): {plan.megatron.total / GiB:.2f} GiB")
+            f" &middot; megatron's formula (first stage): {plan.megatron.total / GiB:.2f} GiB"
+            + (f" &middot; host memory (optimizer CPU offload): {host / GiB:.2f} GiB on the fullest rank"
+               if (host := max(st.detail.get("optimizer_host_bytes", 0) for st in plan.stages)) else ""))
         self._render_suggestions()
         self.figure = plan_bars(plan, measured=self.measured)
         if self._show:  # one state update replaces the old chart (widgets/charts.py says why not `with out`)
