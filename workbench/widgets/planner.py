@@ -68,7 +68,7 @@ class MemoryPlanner:
         self.sp = W.Checkbox(value=p.sequence_parallel, description="sequence parallel", indent=False, layout=box(kernel_box))
         self.dist_opt = W.Checkbox(value=p.distributed_optimizer, description="distributed optimizer", indent=False,
                                    layout=box(kernel_box))
-        self.offload = W.BoundedFloatText(value=p.optimizer_cpu_offload, min=0.0, max=1.0, step=0.25, description="CPU offload",
+        self.offload = W.BoundedFloatText(value=p.optimizer_cpu_offload, min=0.0, max=1.0, step=0.25, description="offload",
                                           tooltip="parallel.optimizer_cpu_offload: the share of the distributed optimizer's "
                                                   "state in host memory (0: none)", style=kernel_st, layout=box(kernel_box))
         self.recompute = W.Dropdown(options=["none", "selective", "full"], value=p.recompute, description="recompute",
