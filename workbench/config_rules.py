@@ -158,7 +158,7 @@ def _parallel_rules(cfg: Any, add: Add) -> None:
             add("parallel.device", f"CPU mode is for tiny models on 1-8 processes, not {world}", "use device: cuda on GPUs", "parallel.nnodes", "parallel.nproc_per_node")
         if p.overlap_grad_reduce or p.overlap_param_gather:
             add("parallel.overlap_grad_reduce", "communication overlap needs CUDA streams", "turn overlap off on device: cpu", "parallel.device", "parallel.overlap_param_gather")
-    _offload_rules(p, add)
+    _offload_rules(p, cfg.train, add)
     if p.overlap_param_gather and not p.distributed_optimizer:
         add("parallel.overlap_param_gather", "param-gather overlap needs the distributed optimizer", "set distributed_optimizer: true or overlap_param_gather: false", "parallel.distributed_optimizer")
     if known:  # the weights alone of one model-parallel rank: beyond any accelerator, the model is not trainable anywhere
@@ -171,8 +171,9 @@ def _parallel_rules(cfg: Any, add: Add) -> None:
                 "(`workbench plan` gives each rank's memory)", "parallel")
 
 
-def _offload_rules(p: Any, add: Add) -> None:
-    """``parallel.optimizer_cpu_offload``: a fraction; megatron offloads the distributed optimizer's state, from GPUs."""
+def _offload_rules(p: Any, t: Any, add: Add) -> None:
+    """``parallel.optimizer_cpu_offload``: a fraction; megatron offloads the distributed optimizer's state, from GPUs, of
+    bf16 / fp16 training."""
     f = p.optimizer_cpu_offload
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
         add("parallel.optimizer_cpu_offload", f"must be a fraction from 0 to 1 (got {f!r})", "e.g. 1.0 (all of the optimizer state in host memory) or 0 (off)")
@@ -185,6 +186,10 @@ def _offload_rules(p: Any, add: Add) -> None:
     if p.device == "cpu":
         add("parallel.optimizer_cpu_offload", "CPU mode already keeps the optimizer in host memory (offload copies between GPU and host)",
             "set optimizer_cpu_offload: 0 on device: cpu", "parallel.device")
+    if t.precision == "fp32":
+        add("parallel.optimizer_cpu_offload", "megatron-core 0.19's offload keeps fp32 copies of bf16 / fp16 weights: with fp32 weights "
+            "there are none, and restoring its state on a resume fails (HybridDeviceOptimizer._update_fp32_params_by_new_state)",
+            "train in bf16 (train.precision: bf16), or set optimizer_cpu_offload: 0", "train.precision")
 
 
 def _train_rules(cfg: Any, add: Add) -> None:

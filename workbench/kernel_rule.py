@@ -67,7 +67,8 @@ _FAST_ON_CPU = False
 #: compiled layer, its CUDA graphs and its TP overlap (:func:`fast_paths_wanted`), and validation refuses
 #: FP8, TE's userbuffers and communication overlap.  The config form shows them only on ``device: cuda``.
 GPU_ONLY_FIELDS = ("train.compile_kernels", "train.cuda_graphs", "train.fp8", "parallel.tp_comm_overlap",
-                   "parallel.te_userbuffers", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather")
+                   "parallel.te_userbuffers", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
+                   "parallel.optimizer_cpu_offload")
 
 
 def allow_fast_paths_on_cpu(enabled: bool = True) -> None:

@@ -20,6 +20,8 @@ Phase ``a`` (parity and resume; every run a real ``torchrun -m workbench.rank`` 
 - ``resume``: the TP=2 and PP=2 GPT runs (and BERT's TP=2+SP and PP=2) save at step 25; each checkpoint
   resumes at TP=1 (one GPU), at DP=2 and at its own layout; steps 26-50 against the run that never
   stopped: within the parity bar across layouts, within 1e-3 (absolute) at the same layout.
+- optimizer CPU offload (``gpt-dp2-offload``: DP=2, the distributed optimizer's state on the host): parity with one
+  GPU, and its checkpoint resumed with offload and at TP=1 without it (GPUs only: the CPU self-check skips them).
 
 Phase ``b`` (conversion, then the planner):
 
@@ -64,6 +66,7 @@ SAME_LAYOUT_ABS = 1e-3  # a resume at the layout that saved: |loss - straight lo
 TP2, SP, PP2, VPP2 = ({"parallel.tensor_parallel": 2}, {"parallel.sequence_parallel": True},
                       {"parallel.pipeline_parallel": 2}, {"parallel.virtual_pipeline_parallel": 2})
 DISTOPT = {"parallel.distributed_optimizer": True}
+OFFLOAD = {**DISTOPT, "parallel.optimizer_cpu_offload": 1.0}  # GPUs only (megatron's HybridDeviceOptimizer)
 
 # family -> (preset, model shape on GPUs); every family at ~10-20 s of training per run on an H100
 FAMILIES: dict[str, tuple[str, dict]] = {
@@ -104,6 +107,7 @@ LAYOUTS: dict[str, tuple[str, int, dict]] = {
     "bert-tp2-sp": ("bert", 2, {**TP2, **SP}), "bert-pp2": ("bert", 2, PP2), "bert-pp2-vpp2": ("bert", 2, {**PP2, **VPP2}),
     "bert-dp2": ("bert", 2, {}),
     "t5-tp2": ("t5", 2, TP2), "t5-dp2-distopt": ("t5", 2, DISTOPT),
+    "gpt-dp2-offload": ("gpt", 2, OFFLOAD),
 }
 # resume: name -> (the parity run that saved at half-way, GPUs, layout of the resumed run)
 RESUMES: dict[str, tuple[str, int, dict]] = {
@@ -113,7 +117,10 @@ RESUMES: dict[str, tuple[str, int, dict]] = {
     "resume-gpt-pp2-at-dp2": ("gpt-pp2", 2, {}),
     "resume-bert-tp2-sp-at-dp2": ("bert-tp2-sp", 2, {}), "resume-bert-tp2-sp-at-tp1": ("bert-tp2-sp", 1, {}),
     "resume-bert-pp2-at-dp2": ("bert-pp2", 2, {}),
+    "resume-gpt-offload-at-offload": ("gpt-dp2-offload", 2, OFFLOAD), "resume-gpt-offload-at-tp1": ("gpt-dp2-offload", 1, {}),
 }
+#: cases the CPU self-check skips (optimizer CPU offload moves state between a GPU and the host)
+GPU_ONLY = ("gpt-dp2-offload", "resume-gpt-offload")
 # conversion: name -> (family, layout of the training run); 4 GPUs: GPT and Llama at TP=2 x PP=2 instead
 CONVERSIONS_2: dict[str, tuple[str, dict]] = {
     "convert-gpt-tp2": ("gpt", TP2), "convert-gpt-pp2": ("gpt", PP2), "convert-llama-tp2": ("llama", {**TP2, **SP}),
@@ -401,6 +408,9 @@ def phase_a(args: argparse.Namespace, work: Path, log: Callable) -> tuple[list[l
     me = str(Path(__file__).resolve())
     layouts = select(list(LAYOUTS), args.only)
     resumes = select(list(RESUMES), args.only)
+    if tiny:
+        layouts = [n for n in layouts if not n.startswith(GPU_ONLY)]
+        resumes = [r for r in resumes if not r.startswith(GPU_ONLY)]
     repeat = select(["gpt-repeat"], args.only) if not tiny else []
     for r in resumes:  # a resume needs the run that saved
         if RESUMES[r][0] not in layouts:

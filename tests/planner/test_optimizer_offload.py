@@ -22,7 +22,10 @@ EIGHT_B = {"parallel.nproc_per_node": 2, "parallel.distributed_optimizer": True,
 
 
 def _problems(cfg) -> dict[str, str]:
-    return {q.field: q.rule for q in cfg.validate()}
+    out: dict[str, str] = {}
+    for q in cfg.validate():
+        out[q.field] = f"{out[q.field]} | {q.rule}" if q.field in out else q.rule
+    return out
 
 
 def test_the_validator_names_the_field_and_the_fix(tmp_path, capsys):
@@ -34,6 +37,8 @@ def test_the_validator_names_the_field_and_the_fix(tmp_path, capsys):
     assert _problems(ok) == {}
     cpu = preset("tiny", **{"parallel.distributed_optimizer": True, "parallel.optimizer_cpu_offload": 1.0})
     assert "CPU mode" in _problems(cpu)["parallel.optimizer_cpu_offload"]
+    fp32 = ok.replace(**{"train.precision": "fp32"})  # megatron's offload keeps fp32 copies of 16-bit weights only
+    assert "fp32" in _problems(fp32)["parallel.optimizer_cpu_offload"]
     path = cpu.save(tmp_path / "cpu.json")
     assert main(["plan", str(path)]) == 2
     assert "parallel.optimizer_cpu_offload" in capsys.readouterr().err
@@ -123,3 +128,34 @@ def test_the_advisor_keeps_offload_out_where_layouts_fit_without_it():
     speeds = [r.prediction.tokens_per_s for r in advice.rows]
     assert speeds == sorted(speeds, reverse=True)
     assert [r.rank for r in advice.rows if r.fits] == list(range(1, len(advice.fitting()) + 1))
+
+
+def test_no_offloaded_row_repeats_a_layout_that_fits_without_it():
+    """Two nodes of 8 H100s, Llama-3.1-8B: layouts without the distributed optimizer run out of memory where their
+    distributed-optimizer twins fit; their offloaded forms would be those twins, slower, and are not listed.  The
+    planner's count of layouts stays within the valid ones (offloaded forms are counted apart)."""
+    cfg = preset("llama3.1-8b", **{"train.global_batch_size": 512})
+    advice = advise(cfg, 16, gpu="H100-80GB", nodes=2, top=20)
+    fitting = {r.layout for r in advice.rows if r.fits}
+    for r in advice.rows:
+        if r.layout.offload:
+            assert dataclasses.replace(r.layout, offload=0.0) not in fitting, r.label
+    assert advice.memory_evaluated <= advice.valid_layouts
+    one = advise(preset("llama3.1-8b", **{"train.global_batch_size": 16}), 1, gpu="H100-80GB", top=3)
+    assert one.memory_evaluated <= one.valid_layouts and one.offload_evaluated > 0
+    assert [r.rank for r in one.rows if r.fits] == [1, 2, 3]
+    shown_off = sum(1 for r in one.rows if r.fits and r.layout.offload)
+    assert any(n.startswith(f"{shown_off} of the layouts shown fit only with optimizer CPU offload") for n in one.notes)
+
+
+def test_the_offloads_copies_back_and_its_start_up_peak_are_planned():
+    """The copies back into bf16 weights convert on the GPU (an fp32 temporary of a parameter, two with bf16
+    gradients); megatron's two builds of the offloading optimizer hold more host memory at start-up than the steady
+    state; fp32 gradients (grad_reduce_in_fp32) need no gradient conversion."""
+    base = preset("llama3.1-8b", **EIGHT_B, **{"parallel.optimizer_cpu_offload": 1.0})
+    fp32_grads = planner.predict(base.replace(**{"train.grad_reduce_in_fp32": True}), "H100-80GB").worst
+    bf16_grads = planner.predict(base.replace(**{"train.grad_reduce_in_fp32": False}), "H100-80GB").worst
+    t32, t16 = fp32_grads.detail["optimizer_step_transient"], bf16_grads.detail["optimizer_step_transient"]
+    assert t32 > 0 and t16 == pytest.approx(2 * t32, rel=1e-6)
+    assert fp32_grads.detail["optimizer_host_startup_bytes"] > fp32_grads.detail["optimizer_host_bytes"] > 0
+    assert "while the optimizer is built" in planner.format_plan(planner.predict(base, "H100-80GB"))

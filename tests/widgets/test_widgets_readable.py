@@ -292,7 +292,8 @@ def test_gpu_only_fields_change_nothing_on_cpu_or_are_refused_there():
     for name in GPU_ONLY_FIELDS:
         section, key = name.split(".")
         default = getattr(getattr(cpu, section), key)
-        flipped = cpu.replace(**{name: ("tensorwise" if name == "train.fp8" else not default)})
+        on = "tensorwise" if name == "train.fp8" else 1.0 if isinstance(default, float) else not default
+        flipped = cpu.replace(**{name: on})
         refused = [p.field for p in flipped.validate()]
         if name in refused or any(f in refused for f in GPU_ONLY_FIELDS):
             continue

@@ -67,6 +67,7 @@ class Advice:
     seconds: float  # wall time
     notes: list[str] = field(default_factory=list)
     cpu_seconds: float = 0.0  # this process's CPU time (what the work costs on a machine shared with others)
+    offload_evaluated: int = 0  # offloaded forms of out-of-memory layouts the planner was asked about (besides those)
 
     @property
     def best(self) -> AdvisedLayout | None:
@@ -78,7 +79,8 @@ class Advice:
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config_name, "gpus": self.gpus, "nodes": self.nodes, "gpu": self.gpu, "profile": self.profile,
-                "valid_layouts": self.valid_layouts, "memory_evaluated": self.memory_evaluated, "seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
+                "valid_layouts": self.valid_layouts, "memory_evaluated": self.memory_evaluated,
+                "offload_evaluated": self.offload_evaluated, "seconds": self.seconds, "cpu_seconds": self.cpu_seconds,
                 "notes": self.notes, "rows": [r.to_dict() for r in self.rows]}
 
 
@@ -157,10 +159,7 @@ def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, to
             fitting += 1
             r.rank = fitting
     offloaded, tried = _offloaded(cfg, rows, model, spec, per_node, nodes)
-    evaluated += tried
     if offloaded:
-        notes.append(f"{len(offloaded)} layouts fit only with optimizer CPU offload (parallel.optimizer_cpu_offload: 1.0): its host "
-                     "time per parameter is assumed, not measured (docs/advisor.md)")
         rows = sorted(rows + offloaded, key=key)
         fitting = 0
         for r in rows:
@@ -168,7 +167,16 @@ def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, to
             if r.fits:
                 fitting += 1
                 r.rank = fitting
-    shown = [r for r in rows if r.fits is not None and (r.rank or 0) <= top] if top is not None else rows
+    if top is not None:  # the ranked rows up to ``top`` and the out-of-memory ones faster than the last of them
+        last = max((i for i, r in enumerate(rows) if r.rank is not None and r.rank <= top), default=len(rows) - 1)
+        shown = [r for r in rows[:last + 1] if r.fits is not None]
+    else:
+        shown = rows
+    n_off = sum(1 for r in shown if r.layout.offload and r.fits)
+    if n_off:
+        notes.append(f"{n_off} of the layouts shown fit only with optimizer CPU offload (parallel.optimizer_cpu_offload: 1.0; "
+                     f"{tried} offloaded forms of out-of-memory layouts planned): its host time per parameter is assumed, "
+                     "not measured (docs/advisor.md)")
     if not layouts:
         notes.append("no valid layout: the global batch, layer count or heads admit none on this many GPUs")
     elif fitting == 0:
@@ -176,29 +184,33 @@ def advise(cfg: RunConfig, gpus: int, gpu: str = "H100-80GB", nodes: int = 1, to
     info = {"device": profile.device, "gpu": profile.gpu, "date": profile.date, "git_commit": profile.git_commit,
             "estimates": ", ".join(profile.estimates()[:6]) + (" ..." if len(profile.estimates()) > 6 else "")}
     return Advice(cfg.name, gpus, nodes, spec.name, info, shown, len(layouts), evaluated, time.perf_counter() - t0, notes,
-                  cpu_seconds=time.process_time() - c0)
+                  cpu_seconds=time.process_time() - c0, offload_evaluated=tried)
 
 
 def _offloaded(cfg: RunConfig, rows: list[AdvisedLayout], model: Model, spec: Any, per_node: int,
                nodes: int) -> tuple[list[AdvisedLayout], int]:
     """The optimizer-CPU-offload forms (distributed optimizer, ``offload`` 1.0) of the evaluated layouts that do not fit,
-    planned, and predicted where they fit; those that fit, and how many were tried."""
-    out, seen = [], set()
+    planned, and predicted (with the schedule simulator where their own layout had it) where they fit; those that fit,
+    and how many the planner was asked about.  A form whose twin without offload fits is skipped: the same layout,
+    slower."""
+    fits = {r.layout for r in rows if r.fits}
+    out, seen, planned = [], set(), 0
     for r in rows:
         if r.fits is not False or r.layout.offload:
             continue
         lay = dataclasses.replace(r.layout, distributed_optimizer=True, offload=1.0)
-        if lay in seen:
+        if lay in seen or dataclasses.replace(lay, offload=0.0) in fits:
             continue
         seen.add(lay)
         c = apply_layout(cfg, lay, per_node, nodes)
         if validate(c):
             continue
+        planned += 1
         plan = planner.predict(c, spec, suggest=False)
         if plan.fits:
-            pred = model.predict(c, per_node, simulate=lay.pp > 1)
+            pred = model.predict(c, per_node, simulate=r.prediction.detail.get("bubble_from") == "simulator")
             out.append(AdvisedLayout(lay, lay.overrides(per_node, nodes), pred, True, plan.worst.total / GiB))
-    return out, len(seen)
+    return out, planned
 
 
 def _cp_note(cfg: RunConfig, gpus: int, nodes: int, layouts: list) -> str:

@@ -66,7 +66,8 @@ class Layout:
     #: context-parallel size (each sequence split over this many ranks; 1: none)
     cp: int = 1
     #: ``parallel.optimizer_cpu_offload``: the share of the distributed optimizer's state in host memory (0: none).
-    #: Not enumerated: :func:`workbench.advisor.advise` tries 1.0 where a distributed-optimizer layout does not fit.
+    #: Not enumerated: :func:`workbench.advisor.advise` tries 1.0 (with the distributed optimizer) for each evaluated
+    #: layout that does not fit.
     offload: float = 0.0
 
     @property

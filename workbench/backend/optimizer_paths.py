@@ -18,7 +18,7 @@ import torch
 
 from workbench import kernel_rule
 
-__all__ = ["STATE", "offload_fields", "offload_threads", "foreach_l2_norm", "foreach_scale", "install_multi_tensor_fallbacks", "use_fused_adam",
+__all__ = ["STATE", "offload_fields", "offload_threads", "release_offload_startup", "foreach_l2_norm", "foreach_scale", "install_multi_tensor_fallbacks", "use_fused_adam",
            "prepare_optimizer"]
 
 #: What was switched on in this process (shared with ``compiled_layer.summary()``).
@@ -35,6 +35,19 @@ def offload_fields(p: Any) -> dict[str, Any]:
         return {}
     return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": f, "use_precision_aware_optimizer": True,
             "overlap_cpu_optimizer_d2h_h2d": True}
+
+
+def release_offload_startup() -> None:
+    """After megatron built the offloading optimizer: free what its first build held (megatron 0.19 builds a
+    HybridDeviceOptimizer over all the rank's parameters, then the distributed optimizer builds another over its
+    shard; the first's fp32 copies live on in reference cycles until a collection) and the pinned host blocks torch's
+    caching host allocator keeps from both builds' bf16 staging copies."""
+    import gc
+
+    gc.collect()
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
 
 
 def offload_threads() -> int:

@@ -257,18 +257,39 @@ def _optimizer_sharded_sd(optimizer: Any, model_sd: dict, is_loading: bool = Fal
     """
     if is_loading:
         for opt in _distributed_optimizers_on_torch_adam(optimizer):
-            _zero_adam_state(opt.optimizer)
+            if not _offloaded(opt):
+                _zero_adam_state(opt.optimizer)
+        for opt in _distributed_optimizers(optimizer):
+            if _offloaded(opt) and not opt.optimizer.state:
+                # optimizer CPU offload: megatron's HybridDeviceOptimizer makes its state (fp32 copies, moments, steps)
+                # by a dummy step, which its own load_state_dict takes only after state_dict() has read the empty
+                # state; the weights (and random states) that step moves are the checkpoint's again after the load
+                opt.optimizer.dummy_step()
     return optimizer.sharded_state_dict(model_sd, is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+
+
+def _distributed_optimizers(optimizer: Any) -> list:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(o, distrib_optimizer.DistributedOptimizer)]
+
+
+def _offloaded(opt: Any) -> bool:
+    """Whether a DistributedOptimizer steps through megatron's HybridDeviceOptimizer (``parallel.optimizer_cpu_offload``)."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    return isinstance(opt.optimizer, HybridDeviceOptimizer)
 
 
 def _distributed_optimizers_on_torch_adam(optimizer: Any) -> list:
     """The DistributedOptimizers under ``optimizer`` whose inner optimizer is torch's Adam, i.e.
-    when megatron found neither TE nor apex (their fused Adam keeps no per-parameter step)."""
+    when megatron found neither TE nor apex (their fused Adam keeps no per-parameter step); an offloaded one's
+    HybridDeviceOptimizer steps torch AdamWs too."""
     from megatron.core.optimizer import distrib_optimizer
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return []
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(o, distrib_optimizer.DistributedOptimizer)]
+    return _distributed_optimizers(optimizer)
 
 
 @contextlib.contextmanager
@@ -295,7 +316,9 @@ def _loadable_into_torch_adam(optimizer: Any):
             del opt._set_main_param_and_optimizer_states  # back to the class's method
             for st in opt.optimizer.state.values():
                 if torch.is_tensor(st.get("step")):
-                    st["step"] = st["step"].clone()
+                    # offloaded: the step lives where its AdamW runs (fused: beside the moments, host or GPU)
+                    where = st["exp_avg"].device if _offloaded(opt) and torch.is_tensor(st.get("exp_avg")) else st["step"].device
+                    st["step"] = st["step"].clone().to(where)
 
 
 def _zero_adam_state(inner: Any) -> None:

@@ -144,5 +144,5 @@ def predict(cfg: RunConfig, gpu: str | int | GPUSpec | None = None, assumptions:
         layout={"world_size": d.world_size, "tp": p.tensor_parallel, "pp": p.pipeline_parallel, "dp": d.data_parallel,
                 "cp": max(int(getattr(p, "context_parallel", 1) or 1), 1),
                 "vpp": p.vpp, "micro_batch_size": cfg.train.micro_batch_size, "num_microbatches": d.num_microbatches,
-                "device": p.device, "recompute": p.recompute},
+                "device": p.device, "recompute": p.recompute, "nnodes": p.nnodes},
     )

@@ -174,6 +174,7 @@ class _Static:
     shard: float
     fp8_weight_copies: float
     host: float = 0.0
+    host_startup: float = 0.0
 
     @property
     def total(self) -> float:
@@ -195,7 +196,11 @@ def _static_state(sh: Any, kp: KernelPath, params: dict[str, int], cp: int) -> _
     on_device = 1.0 - sh.offload
     return _Static(weights=P * sh.w + fp8_weight_copies, grads=P * sh.grad_bytes,
                    master=4 * shard * on_device if sh.mixed else 0, moments=8 * shard * on_device, shard=shard,
-                   fp8_weight_copies=fp8_weight_copies, host=16 * shard * sh.offload)
+                   fp8_weight_copies=fp8_weight_copies, host=16 * shard * sh.offload,
+                   # megatron builds the offloading optimizer twice, first over all the rank's parameters, then over
+                   # the shard: each build's offloaded share as fp32 copies (4 bytes) and pinned bf16 staging (2), both
+                   # alive until the rank releases the first (moments and gradient copies come with the first step)
+                   host_startup=6 * (P + shard) * sh.offload)
 
 
 @dataclass
@@ -289,16 +294,20 @@ def _transients(sh: Any, kp: KernelPath, a: PlannerAssumptions, r: int, S: Any, 
 def _optimizer_temporaries(sh: Any, kp: KernelPath, shard: float, r: int) -> float:
     """Bytes the optimizer step allocates beside the static state (by the AdamW kernel; the fp32 grad copies)."""
     step_tmp = 0.0
+    h, t = sh.h, sh.tp
+    largest = min(max(sh.vocab * h / t if r in (0, sh.pp - 1) else 0, h * sh.fc1_out / t, sh.ffn * h / t), shard)
     if kp.optimizer == "foreach":
         step_tmp += 4 * shard  # sqrt(exp_avg_sq) materialised by _multi_tensor_adam
     elif kp.optimizer == "for-loop":
-        # _single_tensor_adam: sqrt(v) and its quotient for one tensor at a time: the largest one
-        h, t = sh.h, sh.tp
-        largest = max(sh.vocab * h / t if r in (0, sh.pp - 1) else 0, h * sh.fc1_out / t, sh.ffn * h / t)
-        step_tmp += 2 * 4 * min(largest, shard)
+        step_tmp += 2 * 4 * largest  # _single_tensor_adam: sqrt(v) and its quotient for one tensor at a time
     if sh.mixed and sh.grad_bytes < 4:
         step_tmp += 4 * shard  # main_grad.float() copies handed to the fp32 master params
-    return step_tmp * (1.0 - sh.offload)  # the offloaded share steps on the host
+    step_tmp *= 1.0 - sh.offload  # the offloaded share steps on the host
+    if sh.offload and sh.mixed:
+        # the host's updated fp32 parameter goes back into the bf16 weight (and, with bf16 gradients, each gradient to
+        # the host as fp32): torch converts on the GPU, an fp32 temporary of one parameter at a time on a copy stream
+        step_tmp += 4 * largest * (2 if sh.grad_bytes < 4 else 1)
+    return step_tmp
 
 
 def _peak(st: _Static, kept: _Kept, tr: _Transients, kp: KernelPath, a: PlannerAssumptions, sh: Any,
@@ -393,7 +402,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
         "logits_kept": int(tr.logits_kept), "backward_transient": int(tr.backward),
         "recompute_block": int(kept.recompute_block), "optimizer_step_transient": int(step_tmp),
         "global_buffer": int(tr.gbuf), "fp8_weight_copies": int(st.fp8_weight_copies), "communicators": groups,
-        "optimizer_host_bytes": int(st.host),
+        "optimizer_host_bytes": int(st.host), "optimizer_host_startup_bytes": int(st.host_startup),
     }
     return StagePlan(
         pp_rank=r, layers=kept.layers, params=params["total"], inflight_microbatches=kept.inflight,

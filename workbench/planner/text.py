@@ -66,8 +66,12 @@ def notes_after(plan: Any) -> list[str]:
         out.append(f"selective recompute here means: {SELECTIVE_MEANS.get(kp.selective, kp.selective)}")
     host = [plan.stages[r.pp_rank].detail.get("optimizer_host_bytes", 0) for r in plan.ranks]
     if any(host):
-        out.append(f"optimizer CPU offload: host memory (RAM) {max(host) / GiB:.2f} GiB on the fullest rank, {sum(host) / GiB:.2f} GiB "
-                   "over all ranks (fp32 parameter copies, pinned gradient copies and Adam's moments of the offloaded share)")
+        per_node = max(1, len(plan.ranks) // max(1, int(lay.get("nnodes", 1))))
+        start = max(st.detail.get("optimizer_host_startup_bytes", 0) for st in plan.stages)
+        out.append(f"optimizer CPU offload: host memory (RAM) {max(host) / GiB:.2f} GiB on the fullest rank, up to "
+                   f"{max(host) * per_node / GiB:.2f} GiB for a node's {per_node} ranks (fp32 parameter copies, pinned gradient "
+                   f"copies and Adam's moments of the offloaded share); {start / GiB:.2f} GiB a rank while the optimizer is "
+                   "built (megatron builds it twice, first over all the rank's parameters)")
     mg = plan.megatron
     out.append(f"megatron theoretical formula ({mg.formula}, first stage only): {mg.total / GiB:.2f} GiB "
                f"(weights+optimizer {mg.weight_and_optimizer / GiB:.2f}, activations {mg.activation / GiB:.2f})")

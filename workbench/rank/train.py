@@ -48,7 +48,7 @@ from workbench import kernel_rule
 from workbench.backend import compiled_layer, distributed, grad_accumulation, step_graph
 from workbench.backend.attention import apply_sdpa_order
 from workbench.backend.model import kernel_path, training_step_fields, transformer_config
-from workbench.backend.optimizer_paths import offload_fields, offload_threads, prepare_optimizer
+from workbench.backend.optimizer_paths import offload_fields, offload_threads, prepare_optimizer, release_offload_startup
 from workbench.backend.tp_overlap import initialize_userbuffers
 from workbench.checkpoint import hook_note, load_checkpoint, load_problems, save_checkpoint
 from workbench.config import ConfigError, RunConfig, derive, load_config
@@ -203,6 +203,8 @@ class Trainer:
             use_distributed_optimizer=p.distributed_optimizer, **offload,
         )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
+        if offload:
+            release_offload_startup()
         # [perf hook] compiled cross-entropy, foreach multi-tensor ops, fused AdamW (no-ops unless
         # train.compile_kernels on CUDA): workbench.backend.compiled_layer, workbench.backend.optimizer_paths
         compiled_layer.prepare_model(self.model, cfg)
