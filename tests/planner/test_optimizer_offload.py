@@ -132,14 +132,21 @@ def test_the_advisor_keeps_offload_out_where_layouts_fit_without_it():
 
 def test_no_offloaded_row_repeats_a_layout_that_fits_without_it():
     """Two nodes of 8 H100s, Llama-3.1-8B: layouts without the distributed optimizer run out of memory where their
-    distributed-optimizer twins fit; their offloaded forms would be those twins, slower, and are not listed.  The
-    planner's count of layouts stays within the valid ones (offloaded forms are counted apart)."""
+    distributed-optimizer twins fit; their offloaded forms would be those twins, slower, and are not even planned.
+    The planner's count of layouts stays within the valid ones (offloaded forms are counted apart)."""
+    from workbench.advisor.advise import _offloaded
+    from workbench.advisor.perf_model import Model
+    from workbench.advisor.profile import default_profile
+
     cfg = preset("llama3.1-8b", **{"train.global_batch_size": 512})
     advice = advise(cfg, 16, gpu="H100-80GB", nodes=2, top=20)
     fitting = {r.layout for r in advice.rows if r.fits}
-    for r in advice.rows:
-        if r.layout.offload:
-            assert dataclasses.replace(r.layout, offload=0.0) not in fitting, r.label
+    oom = [r for r in advice.rows if r.fits is False]
+    twin_fits = [r for r in oom if dataclasses.replace(r.layout, distributed_optimizer=True) in fitting]
+    assert twin_fits  # the case this test is about occurs here
+    out, planned = _offloaded(cfg, advice.rows, Model(cfg, default_profile("H100-80GB")), planner.gpu_spec("H100-80GB"), 8, 2)
+    assert planned <= len(oom) - len(twin_fits)
+    assert not [o.label for o in out if dataclasses.replace(o.layout, offload=0.0) in fitting]
     assert advice.memory_evaluated <= advice.valid_layouts
     one = advise(preset("llama3.1-8b", **{"train.global_batch_size": 16}), 1, gpu="H100-80GB", top=3)
     assert one.memory_evaluated <= one.valid_layouts and one.offload_evaluated > 0
@@ -150,8 +157,8 @@ def test_no_offloaded_row_repeats_a_layout_that_fits_without_it():
 
 def test_the_offloads_copies_back_and_its_start_up_peak_are_planned():
     """The copies back into bf16 weights convert on the GPU (an fp32 temporary of a parameter, two with bf16
-    gradients); megatron's two builds of the offloading optimizer hold more host memory at start-up than the steady
-    state; fp32 gradients (grad_reduce_in_fp32) need no gradient conversion."""
+    gradients: fp32 gradients need no conversion); at DP = 2 megatron's two builds of the offloading optimizer (the
+    first over all the rank's parameters) hold more host memory at start-up than the steady state."""
     base = preset("llama3.1-8b", **EIGHT_B, **{"parallel.optimizer_cpu_offload": 1.0})
     fp32_grads = planner.predict(base.replace(**{"train.grad_reduce_in_fp32": True}), "H100-80GB").worst
     bf16_grads = planner.predict(base.replace(**{"train.grad_reduce_in_fp32": False}), "H100-80GB").worst
@@ -159,3 +166,32 @@ def test_the_offloads_copies_back_and_its_start_up_peak_are_planned():
     assert t32 > 0 and t16 == pytest.approx(2 * t32, rel=1e-6)
     assert fp32_grads.detail["optimizer_host_startup_bytes"] > fp32_grads.detail["optimizer_host_bytes"] > 0
     assert "while the optimizer is built" in planner.format_plan(planner.predict(base, "H100-80GB"))
+
+
+def test_an_offloading_optimizers_param_groups_save_as_plain_data():
+    """megatron's HybridDeviceOptimizer (a torch Optimizer) keeps its sub-optimizers' classes among its defaults, so in
+    every param group of its state dict, which the distributed optimizer stores as common state: the workbench's
+    loader (weights_only) refuses such a checkpoint unless the save drops them; the rest of each group is kept."""
+    import io
+
+    import torch
+
+    from workbench.checkpoint.dist import plain_param_groups
+    from workbench.checkpoint.names import CheckpointError
+    from workbench.checkpoint.safe_load import safe_torch_load
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    hybrid_like = torch.optim.Optimizer([p], defaults={"lr": 1e-3, "offload_fraction": 1.0,
+                                                       "cpu_optimizer_cls": torch.optim.AdamW, "gpu_optimizer_cls": torch.optim.AdamW})
+    sd = {"optimizer": {"optimizer": {"param_groups": hybrid_like.state_dict()["param_groups"]}}, "param_state": {}}
+
+    def reload(obj):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return safe_torch_load(buf, source="common state")
+
+    with pytest.raises(CheckpointError, match="more than tensors"):
+        reload(sd)
+    group = reload(plain_param_groups(sd))["optimizer"]["optimizer"]["param_groups"][0]
+    assert group == {"lr": 1e-3, "offload_fraction": 1.0, "params": [0]}

@@ -262,10 +262,61 @@ def _optimizer_sharded_sd(optimizer: Any, model_sd: dict, is_loading: bool = Fal
         for opt in _distributed_optimizers(optimizer):
             if _offloaded(opt) and not opt.optimizer.state:
                 # optimizer CPU offload: megatron's HybridDeviceOptimizer makes its state (fp32 copies, moments, steps)
-                # by a dummy step, which its own load_state_dict takes only after state_dict() has read the empty
-                # state; the weights (and random states) that step moves are the checkpoint's again after the load
+                # by a dummy step; without TE, state_dict() reads every parameter's step before megatron's own
+                # load_state_dict would take that step.  The weights it moves are the checkpoint's again after the
+                # load (the random states too where the checkpoint restores them)
                 opt.optimizer.dummy_step()
-    return optimizer.sharded_state_dict(model_sd, is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    sd = optimizer.sharded_state_dict(model_sd, is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    return sd if is_loading else plain_param_groups(sd)
+
+
+def plain_param_groups(sd: Any) -> Any:
+    """``sd`` with every optimizer param group's class-valued entries dropped (in place; returned).
+
+    megatron's HybridDeviceOptimizer (optimizer CPU offload) keeps its sub-optimizers' classes
+    (``cpu_optimizer_cls``, ``gpu_optimizer_cls``) in every param group, and the distributed optimizer's
+    'fully_reshardable' state stores the groups as common state: a checkpoint the workbench's loader
+    (tensors and plain data only) would refuse.  Nothing reads them back (the optimizer keeps its classes)."""
+    if isinstance(sd, dict):
+        groups = sd.get("param_groups")
+        if isinstance(groups, list):
+            for g in groups:
+                if isinstance(g, dict):
+                    for k in [k for k, v in g.items() if isinstance(v, type)]:
+                        del g[k]
+        for v in sd.values():
+            if isinstance(v, (dict, list)):
+                plain_param_groups(v)
+    elif isinstance(sd, list):
+        for v in sd:
+            plain_param_groups(v)
+    return sd
+
+
+def _settle_offloaded(optimizer: Any) -> None:
+    """After loading into an offloading optimizer (megatron's HybridDeviceOptimizer): each sub-optimizer's moments and
+    step as compact tensors on its parameter's device.  megatron's load leaves them as views of its full-size restore
+    buffers (keeping those alive) and, without TE, moves a partly offloaded optimizer's GPU share to the host
+    (``_move_new_state_to_right_device`` takes torch's AdamW for the CPU class); then the restore buffers go."""
+    import gc
+
+    import torch
+
+    settled = False
+    for opt in _distributed_optimizers(optimizer):
+        if not _offloaded(opt):
+            continue
+        for sub in opt.optimizer.sub_optimizers:
+            for p, st in sub.state.items():
+                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"):
+                    if torch.is_tensor(st.get(k)):
+                        st[k] = st[k].to(p.device, copy=True)
+        settled = True
+    if settled:
+        gc.collect()
+        from workbench.backend.optimizer_paths import release_offload_startup
+
+        release_offload_startup()
 
 
 def _distributed_optimizers(optimizer: Any) -> list:
@@ -316,9 +367,7 @@ def _loadable_into_torch_adam(optimizer: Any):
             del opt._set_main_param_and_optimizer_states  # back to the class's method
             for st in opt.optimizer.state.values():
                 if torch.is_tensor(st.get("step")):
-                    # offloaded: the step lives where its AdamW runs (fused: beside the moments, host or GPU)
-                    where = st["exp_avg"].device if _offloaded(opt) and torch.is_tensor(st.get("exp_avg")) else st["step"].device
-                    st["step"] = st["step"].clone().to(where)
+                    st["step"] = st["step"].clone()  # (an offloaded one's then goes beside its parameter: _settle_offloaded)
 
 
 def _zero_adam_state(inner: Any) -> None:
@@ -812,6 +861,7 @@ def load_checkpoint(
     if want_optim:
         with _loadable_into_torch_adam(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
+        _settle_offloaded(optimizer)
     if scheduler is not None and "scheduler" in loaded and load_optimizer:
         scheduler.load_state_dict(loaded["scheduler"])
     meta["extra"] = loaded.get("workbench_extra", meta.get("extra") or {})

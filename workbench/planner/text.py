@@ -70,8 +70,10 @@ def notes_after(plan: Any) -> list[str]:
         start = max(st.detail.get("optimizer_host_startup_bytes", 0) for st in plan.stages)
         out.append(f"optimizer CPU offload: host memory (RAM) {max(host) / GiB:.2f} GiB on the fullest rank, up to "
                    f"{max(host) * per_node / GiB:.2f} GiB for a node's {per_node} ranks (fp32 parameter copies, pinned gradient "
-                   f"copies and Adam's moments of the offloaded share); {start / GiB:.2f} GiB a rank while the optimizer is "
-                   "built (megatron builds it twice, first over all the rank's parameters)")
+                   f"copies and Adam's moments of the offloaded share); {start / GiB:.2f} GiB a rank ({start * per_node / GiB:.2f} "
+                   "a node) while the optimizer is built (megatron builds it twice, first over all the rank's parameters); "
+                   "a checkpoint's save or load adds 12 bytes a parameter of the rank (the distributed optimizer's "
+                   "reshardable state in full)")
     mg = plan.megatron
     out.append(f"megatron theoretical formula ({mg.formula}, first stage only): {mg.total / GiB:.2f} GiB "
                f"(weights+optimizer {mg.weight_and_optimizer / GiB:.2f}, activations {mg.activation / GiB:.2f})")
