@@ -534,6 +534,9 @@ def run_cli(argv: list[str] | None, ap: argparse.ArgumentParser, settings: Any, 
             Path(a.result).write_text(json.dumps(res))
         import torch.distributed as dist
 
+        # every rank done with the group before any tears it down: a rank that destroyed its gloo pairs while a peer
+        # still used them aborted once in CI ("terminate called without an active exception", SIGABRT, dea880c)
+        dist.barrier()
         dist.destroy_process_group()
         return 0
     try:
