@@ -18,8 +18,8 @@ import torch
 
 from workbench import kernel_rule
 
-__all__ = ["STATE", "offload_fields", "offload_threads", "release_offload_startup", "foreach_l2_norm", "foreach_scale", "install_multi_tensor_fallbacks", "use_fused_adam",
-           "prepare_optimizer"]
+__all__ = ["STATE", "offload_fields", "offload_threads", "release_offload_startup", "foreach_l2_norm", "foreach_scale",
+           "install_multi_tensor_fallbacks", "use_fused_adam", "prepare_optimizer"]
 
 #: What was switched on in this process (shared with ``compiled_layer.summary()``).
 STATE: dict[str, str] = {}

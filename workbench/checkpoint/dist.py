@@ -298,8 +298,6 @@ def _settle_offloaded(optimizer: Any) -> None:
     step as compact tensors on its parameter's device.  megatron's load leaves them as views of its full-size restore
     buffers (keeping those alive) and, without TE, moves a partly offloaded optimizer's GPU share to the host
     (``_move_new_state_to_right_device`` takes torch's AdamW for the CPU class); then the restore buffers go."""
-    import gc
-
     import torch
 
     settled = False
@@ -312,8 +310,7 @@ def _settle_offloaded(optimizer: Any) -> None:
                     if torch.is_tensor(st.get(k)):
                         st[k] = st[k].to(p.device, copy=True)
         settled = True
-    if settled:
-        gc.collect()
+    if settled:  # the restore buffers and megatron's first build go with one collection (and the pinned host cache)
         from workbench.backend.optimizer_paths import release_offload_startup
 
         release_offload_startup()
