@@ -21,7 +21,8 @@ Phase ``a`` (parity and resume; every run a real ``torchrun -m workbench.rank`` 
   resumes at TP=1 (one GPU), at DP=2 and at its own layout; steps 26-50 against the run that never
   stopped: within the parity bar across layouts, within 1e-3 (absolute) at the same layout.
 - optimizer CPU offload (``gpt-dp2-offload``: DP=2, the distributed optimizer's state on the host): parity with one
-  GPU, and its checkpoint resumed with offload and at TP=1 without it (GPUs only: the CPU self-check skips them).
+  GPU, and its checkpoint resumed with offload and on one GPU without it (the distributed optimizer kept: a checkpoint
+  saved with it resumes only with it) (GPUs only: the CPU self-check skips them).
 
 Phase ``b`` (conversion, then the planner):
 
@@ -117,7 +118,7 @@ RESUMES: dict[str, tuple[str, int, dict]] = {
     "resume-gpt-pp2-at-dp2": ("gpt-pp2", 2, {}),
     "resume-bert-tp2-sp-at-dp2": ("bert-tp2-sp", 2, {}), "resume-bert-tp2-sp-at-tp1": ("bert-tp2-sp", 1, {}),
     "resume-bert-pp2-at-dp2": ("bert-pp2", 2, {}),
-    "resume-gpt-offload-at-offload": ("gpt-dp2-offload", 2, OFFLOAD), "resume-gpt-offload-at-tp1": ("gpt-dp2-offload", 1, {}),
+    "resume-gpt-offload-at-offload": ("gpt-dp2-offload", 2, OFFLOAD), "resume-gpt-offload-at-tp1": ("gpt-dp2-offload", 1, DISTOPT),
 }
 #: cases the CPU self-check skips (optimizer CPU offload moves state between a GPU and the host)
 GPU_ONLY = ("gpt-dp2-offload", "resume-gpt-offload")
