@@ -449,8 +449,9 @@ def _libraries() -> dict[str, Any]:
     if torch.cuda.is_available():  # the backend torch's SDPA takes for a causal bf16 call of this process
         q = torch.zeros(1, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
         sdpa = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}.get(int(torch._fused_sdp_choice(q, q, q, is_causal=True)))
+    cp = sys.modules.get("workbench.backend.context_parallel")  # the ring's block kernel, where the ring ran
     return {"transformer_engine_imported": sys.modules.get("transformer_engine.pytorch") is not None, "cudnn": cudnn,
-            "sdpa_causal_bf16": sdpa}
+            "sdpa_causal_bf16": sdpa, "ring_blocks": cp.ring_block_kernels() if cp is not None else {}}
 
 
 def worker(a: argparse.Namespace) -> int:

@@ -126,7 +126,8 @@ def _cuda_cases() -> dict:
     shape = (2, 8, 4096, 64)
     cases: dict = {}
     for causal in (True, False):
-        for impl in ("flash", "math"):
+        # cuDNN's kernel where it runs (Hopper or newer)
+        for impl in ("flash", "math") + (("cudnn",) if torch.cuda.get_device_capability(0) >= (9, 0) else ()):
             cases[f"{'causal' if causal else 'bidirectional'}/gqa/bf16/{impl}"] = dict(
                 causal=causal, h_kv=2, dtype=torch.bfloat16, shape=shape, impl=impl)
     cases["causal/mha/fp32/math"] = dict(causal=True, h_kv=8, dtype=torch.float32, shape=shape, impl="math")
@@ -344,8 +345,10 @@ def test_bad_shapes_and_kernels_are_refused():
         ring_attention(q[0], q[0], q[0], None, causal=True)
     with pytest.raises(ValueError, match="'flash' needs CUDA tensors in fp16 / bf16"):
         ring_attention(q, q, q, None, causal=True, impl="flash")
-    with pytest.raises(ValueError, match="use 'auto', 'math' or 'flash'"):
+    with pytest.raises(ValueError, match="'cudnn' needs what 'flash' needs"):
         ring_attention(q, q, q, None, causal=True, impl="cudnn")
+    with pytest.raises(ValueError, match="use 'auto', 'math', 'flash' or 'cudnn'"):
+        ring_attention(q, q, q, None, causal=True, impl="fa3")
 
 
 def test_ring_bytes():
@@ -371,15 +374,16 @@ def _gpus() -> int:
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs (NCCL)")
 def test_cuda_cp2_flash_blocks_match_math_and_reference():
-    """CP=2 over NCCL at s=4096 (b=2, h=8, h_kv=2, d=64): torch's flash block kernel and the math one both match
-    whole-sequence SDPA in float64 within bf16 rounding, with gradients; the fp32 math path within fp32's
-    (errors relative to the reference's largest magnitude)."""
+    """CP=2 over NCCL at s=4096 (b=2, h=8, h_kv=2, d=64): torch's flash block kernel, cuDNN's (on Hopper) and the
+    math one all match whole-sequence SDPA in float64 within bf16 rounding, with gradients; the fp32 math path within
+    fp32's (errors relative to the reference's largest magnitude)."""
     r = _world(2, cuda=True)
     for case, errs in r.items():
         print(case, {k: f"{v:.2e}" for k, v in errs.items()})
     assert max(r["causal/mha/fp32/math"].values()) < 1e-5, r["causal/mha/fp32/math"]
     for causal in ("causal", "bidirectional"):
         flash, math_ = r[f"{causal}/gqa/bf16/flash"], r[f"{causal}/gqa/bf16/math"]
+        cudnn = r.get(f"{causal}/gqa/bf16/cudnn", flash)
         for name in ("out", "dq", "dk", "dv"):
-            assert flash[name] < 0.02 and math_[name] < 0.02, (causal, flash, math_)
+            assert flash[name] < 0.02 and math_[name] < 0.02 and cudnn[name] < 0.02, (causal, flash, math_, cudnn)
     assert max(r["bidirectional/padded/bf16/auto"].values()) < 0.02, r["bidirectional/padded/bf16/auto"]

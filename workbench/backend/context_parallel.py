@@ -49,7 +49,12 @@ any device and dtype; the reference).  ``impl="flash"`` runs each block through 
 bf16, no padding mask; K/V heads repeated per query group for the kernel, their gradients summed back), so no score
 matrix is kept; its backward gets the merged output and log-sum-exp, which makes each block's gradient exact.  The
 flash path passed its two-GPU check on H200 (``test_cuda_cp2_flash_blocks_match_math_and_reference``, scale call 9 at
-9810c0f); ``impl="auto"`` takes flash where it runs (CUDA, fp16 / bf16, no padding mask) and math elsewhere.  Dropout inside attention, ALiBi and other additive biases, and packed
+9810c0f).  ``impl="cudnn"`` runs them through cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``
+and its backward, the same contract; Hopper or newer, head dim up to 128): the kernel torch's SDPA takes on one Hopper
+GPU, faster there than flash (the kernel rule's ``SDPA_CUDNN_FIRST`` note).  ``impl="auto"`` takes cuDNN where it runs
+and a one-time probe per device, dtype and head dim finds it equal to flash (forward and backward of a diagonal and a
+rectangular block; :func:`ring_block_kernels` says what was chosen and why), else flash where it runs (CUDA, fp16 /
+bf16, no padding mask), else math.  Dropout inside attention, ALiBi and other additive biases, and packed
 sequences (THD) are not supported.
 
 **Communication volume** per CP rank, per attention layer, per micro-batch (``s_local = s / cp``; ``h_kv`` = K/V heads
@@ -77,7 +82,7 @@ from typing import Any, Optional, Sequence
 
 __all__ = [
     "load_balanced_chunks", "shard_sequence", "shard_positions", "unshard", "gather_sequence", "ring_attention",
-    "ring_bytes", "step_plan",
+    "ring_bytes", "ring_block_kernels", "step_plan",
 ]
 
 
@@ -289,6 +294,90 @@ def _flash_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask
     return dq, dk, dv
 
 
+def _cudnn_ok(q, kv_padding) -> bool:
+    """Whether cuDNN's fused attention can run the blocks: what flash needs, a head dim up to 128, a Hopper or newer
+    GPU and torch's cuDNN SDPA enabled (on Hopper torch's SDPA prefers it to flash: the kernel rule's
+    ``SDPA_CUDNN_FIRST`` note has the H100 timings)."""
+    import torch
+
+    return (_flash_ok(q, kv_padding) and q.shape[-1] <= 128 and torch.cuda.get_device_capability(q.device) >= (9, 0)
+            and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled())
+
+
+def _cudnn_block_forward(q, k, v, scale: float, diag: bool, kmask, aux: dict):
+    import torch
+
+    b, hk, g, sq, d = q.shape
+    q4, k4, v4 = _flash_heads(q, k, v)
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, diag, False, scale=scale)
+    if not aux:  # its backward takes these back (empty / unused without dropout and varlen); the lse's own shape
+        aux.update(cum_seq_q=res[2], cum_seq_k=res[3], philox_seed=res[6], philox_offset=res[7],
+                   lse_tail=tuple(res[1].shape[3:]))
+    return res[0].float().view(b, hk, g, sq, d), res[1].float().reshape(b, hk, g, sq)
+
+
+def _cudnn_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask, aux: dict):
+    import torch
+
+    b, hk, g, sq, d = q.shape
+    sk = k.shape[2]
+    q4, k4, v4 = _flash_heads(q, k, v)
+    do4 = do.reshape(b, hk * g, sq, d).contiguous()
+    out4 = out.reshape(b, hk * g, sq, d).contiguous()
+    lse4 = lse.reshape(b, hk * g, sq, *aux["lse_tail"]).contiguous()
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do4, q4, k4, v4, out4, lse4, aux["philox_seed"], aux["philox_offset"], None, aux["cum_seq_q"],
+        aux["cum_seq_k"], sq, sk, 0.0, diag, scale=scale)
+    dq = dq.float().view(b, hk, g, sq, d)
+    dk = dk.float().view(b, hk, g, sk, d).sum(2)
+    dv = dv.float().view(b, hk, g, sk, d).sum(2)
+    return dq, dk, dv
+
+
+#: the block kernel each ``(device, dtype, head dim)`` of this process settled on under ``impl="auto"``, and why
+#: (:func:`ring_block_kernels`)
+_AUTO: dict[tuple, tuple[str, str]] = {}
+
+
+def _probe_cudnn(q) -> tuple[str, str]:
+    """``impl="auto"`` on a GPU where cuDNN may run: one small causal block (and a rectangular one) through cuDNN's
+    kernel and flash's, forward and backward; cuDNN when it runs and agrees within bf16 rounding, else flash (the
+    reason kept)."""
+    import torch
+
+    key = (str(q.device), str(q.dtype), int(q.shape[-1]))
+    if key in _AUTO:
+        return _AUTO[key]
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    d = q.shape[-1]
+    worst = 0.0
+    try:
+        for diag, sq, sk in ((True, 256, 256), (False, 128, 256)):
+            qq = torch.randn(1, 2, 2, sq, d, device=q.device, dtype=q.dtype, generator=gen)
+            kk, vv = (torch.randn(1, 2, sk, d, device=q.device, dtype=q.dtype, generator=gen) for _ in range(2))
+            do = torch.randn(1, 2, 2, sq, d, device=q.device, dtype=q.dtype, generator=gen)
+            got, want = [], []
+            for fwd, bwd, into in ((_cudnn_block_forward, _cudnn_block_backward, got),
+                                   (_flash_block_forward, _flash_block_backward, want)):
+                aux: dict = {}
+                o, lse = fwd(qq, kk, vv, 0.125, diag, None, aux)
+                into += [o, *bwd(do, qq, kk, vv, o.to(q.dtype), lse, 0.125, diag, None, aux)]
+            for a, b in zip(got, want):
+                worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)))
+    except Exception as e:  # noqa: BLE001 -- any refusal of the cuDNN op means flash
+        _AUTO[key] = ("flash", f"cuDNN attention refused: {type(e).__name__}: {str(e)[:160]}")
+        return _AUTO[key]
+    _AUTO[key] = (("cudnn", f"matches flash ({worst:.1e})") if worst < 2e-2
+                  else ("flash", f"cuDNN attention differs from flash by {worst:.1e}"))
+    return _AUTO[key]
+
+
+def ring_block_kernels() -> dict[str, str]:
+    """What ``impl="auto"`` chose in this process per ``device/dtype/head dim`` (``"cudnn: matches flash (..)"``);
+    empty when the ring has not run on a GPU where cuDNN could."""
+    return {"/".join(map(str, k)): f"{v[0]}: {v[1]}" for k, v in _AUTO.items()}
+
+
 def _merge(out, lse, blk_out, blk_lse):
     """Merge a block's (out, lse) into the running (out, lse) in place-free fp32 (-inf safe)."""
     import torch
@@ -331,11 +420,13 @@ class _Ring:
         return recv
 
 
-def _kernels(flash: bool, aux: dict):
-    """(block forward, block backward) of the chosen kernel, with the same signatures."""
-    if not flash:
+def _kernels(kernel: str, aux: dict):
+    """(block forward, block backward) of the chosen kernel (``math``, ``flash``, ``cudnn``), same signatures."""
+    if kernel == "math":
         return _block_forward, _block_backward
-    return (lambda *a: _flash_block_forward(*a, aux)), (lambda *a: _flash_block_backward(*a, aux))
+    fwd, bwd = {"flash": (_flash_block_forward, _flash_block_backward),
+                "cudnn": (_cudnn_block_forward, _cudnn_block_backward)}[kernel]
+    return (lambda *a: fwd(*a, aux)), (lambda *a: bwd(*a, aux))
 
 
 def _ring_forward(q, k, v, kmasks, ring, rank: int, cp: int, causal: bool, scale: float, plan, block_forward):
@@ -397,18 +488,18 @@ def _autograd_function():
 
     class RingAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, kmasks, group, causal, scale, plan, flash):
+        def forward(ctx, q, k, v, kmasks, group, causal, scale, plan, kernel):
             b, h, s, d = q.shape
             hk = k.shape[1]
             qg = q.reshape(b, hk, h // hk, s, d)
             ring = _Ring(group) if group is not None else None
             rank, cp = (ring.rank, ring.size) if ring is not None else (0, 1)
             aux: dict = {}
-            out, lse = _ring_forward(qg, k, v, kmasks, ring, rank, cp, causal, scale, plan, _kernels(flash, aux)[0])
+            out, lse = _ring_forward(qg, k, v, kmasks, ring, rank, cp, causal, scale, plan, _kernels(kernel, aux)[0])
             out = out.to(q.dtype)
             ctx.save_for_backward(q, k, v, out, lse)
             ctx.kmasks, ctx.ring, ctx.rank, ctx.cp = kmasks, ring, rank, cp
-            ctx.causal, ctx.scale, ctx.plan, ctx.flash, ctx.aux = causal, scale, plan, flash, aux
+            ctx.causal, ctx.scale, ctx.plan, ctx.kernel, ctx.aux = causal, scale, plan, kernel, aux
             return out.reshape(b, h, s, d)
 
         @staticmethod
@@ -419,7 +510,7 @@ def _autograd_function():
             qg = q.reshape(b, hk, h // hk, s, d)
             dog = dout.to(q.dtype).reshape(b, hk, h // hk, s, d)
             dq, dkv = _ring_backward(dog, qg, k, v, out, lse, ctx.kmasks, ctx.ring, ctx.rank, ctx.cp, ctx.causal,
-                                     ctx.scale, ctx.plan, _kernels(ctx.flash, ctx.aux)[1])
+                                     ctx.scale, ctx.plan, _kernels(ctx.kernel, ctx.aux)[1])
             return (dq.reshape(b, h, s, d).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                     None, None, None, None, None, None)
 
@@ -427,6 +518,26 @@ def _autograd_function():
 
 
 _FUNCTION: Any = None
+
+
+def _block_kernel(impl: str, q, kv_padding) -> str:
+    """The block kernel for ``impl`` (:func:`ring_attention`); ``auto``: cuDNN where it runs and its probe agrees
+    with flash (:func:`_probe_cudnn`), else flash where it runs, else math."""
+    if impl == "math":
+        return "math"
+    flash = _flash_ok(q, kv_padding)
+    if impl == "flash" and not flash:
+        raise ValueError("ring_attention impl 'flash' needs CUDA tensors in fp16 / bf16, a head dim that is a multiple "
+                         "of 8 up to 256 and no kv_padding; impl='math' runs everywhere")
+    cudnn = _cudnn_ok(q, kv_padding)
+    if impl == "cudnn" and not cudnn:
+        raise ValueError("ring_attention impl 'cudnn' needs what 'flash' needs, a head dim up to 128, a Hopper or "
+                         "newer GPU and torch's cuDNN SDPA enabled; impl='flash' or 'math' otherwise")
+    if impl != "auto":
+        return impl
+    if cudnn:
+        return _probe_cudnn(q)[0]
+    return "flash" if flash else "math"
 
 
 def ring_attention(q, k, v, group, causal: bool, scale: Optional[float] = None, kv_padding=None, impl: str = "auto",
@@ -439,16 +550,17 @@ def ring_attention(q, k, v, group, causal: bool, scale: Optional[float] = None, 
     ``enable_gqa=True``) sharded the same way.  ``group``: the CP process group (None, or a group of one: plain local
     attention).  ``scale``: default ``1 / sqrt(d)``.  ``kv_padding``: optional ``[b, s_local]`` bool, True = a padded
     key (BERT); it is all-gathered once per call.  ``impl``: the block kernel, ``"math"`` (plain PyTorch, any device and
-    dtype), ``"flash"`` (torch's FlashAttention-2 op: CUDA, fp16 / bf16, no ``kv_padding``) or ``"auto"`` (flash where
-    it runs, math elsewhere).  fp32, bf16 and fp16 inputs; the
+    dtype), ``"flash"`` (torch's FlashAttention-2 op: CUDA, fp16 / bf16, no ``kv_padding``), ``"cudnn"`` (cuDNN's
+    fused attention: what flash needs, Hopper or newer, head dim up to 128) or ``"auto"`` (cuDNN where it runs and
+    agrees with flash, else flash where it runs, else math: :func:`_block_kernel`).  fp32, bf16 and fp16 inputs; the
     merge and the gradient accumulation run in fp32.  Differentiable in q, k, v.
     """
     import torch
     import torch.distributed as dist
 
     global _FUNCTION
-    if impl not in ("auto", "math", "flash"):
-        raise ValueError(f"ring_attention impl {impl!r}: use 'auto', 'math' or 'flash'")
+    if impl not in ("auto", "math", "flash", "cudnn"):
+        raise ValueError(f"ring_attention impl {impl!r}: use 'auto', 'math', 'flash' or 'cudnn'")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("ring_attention takes q/k/v as [b, heads, s_local, head_dim] (SDPA's layout); "
                          "permute megatron's [s, b, heads, d] with .permute(1, 2, 0, 3)")
@@ -475,11 +587,8 @@ def ring_attention(q, k, v, group, causal: bool, scale: Optional[float] = None, 
             parts = [torch.empty((b, s), dtype=torch.uint8, device=q.device) for _ in range(cp)]
             dist.all_gather(parts, kv_padding.to(torch.uint8).contiguous(), group=group)
             kmasks = [p.bool() for p in parts]
-    flash = impl != "math" and _flash_ok(q, kv_padding)  # auto: flash where it runs (checked on two H200s), else math
-    if impl == "flash" and not flash:
-        raise ValueError("ring_attention impl 'flash' needs CUDA tensors in fp16 / bf16, a head dim that is a multiple "
-                         "of 8 up to 256 and no kv_padding; impl='math' runs everywhere")
+    kernel = _block_kernel(impl, q, kv_padding)
     if _FUNCTION is None:
         _FUNCTION = _autograd_function()
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return _FUNCTION.apply(q, k, v, kmasks, group, bool(causal), scale, _plan or step_plan, flash)
+    return _FUNCTION.apply(q, k, v, kmasks, group, bool(causal), scale, _plan or step_plan, kernel)
