@@ -36,15 +36,28 @@ def sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
+#: a step at least this long prints a progress line (stderr), so a row cut by its timeout shows in its log how far it
+#: got and what each step cost (fast steps stay quiet)
+PROGRESS_MIN_S = 1.0
+
+
+def progress(phase: str, i: int, n: int | None, seconds: float) -> None:
+    """``[harness] <phase> step i[/n]: <s> s`` on stderr for a slow step (:data:`PROGRESS_MIN_S`)."""
+    if seconds >= PROGRESS_MIN_S:
+        print(f"[harness] {phase} step {i}{f'/{n}' if n else ''}: {seconds:.2f} s", file=sys.stderr, flush=True)
+
+
 def time_steps(step: Callable[[], Any], n: int, cuda: bool, clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Seconds of each of ``n`` calls of ``step``, the device synchronised before and after each."""
+    """Seconds of each of ``n`` calls of ``step``, the device synchronised before and after each (slow ones said:
+    :func:`progress`)."""
     out = []
-    for _ in range(n):
+    for i in range(n):
         sync(cuda)
         t0 = clock()
         step()
         sync(cuda)
         out.append(clock() - t0)
+        progress("timed", i + 1, n, out[-1])
     return out
 
 
@@ -107,6 +120,7 @@ def warm_up(step: Callable[[], Any], cuda: bool, p: Protocol, clock: Callable[[]
         step()
         sync(cuda)
         times.append(clock() - s)
+        progress("warm-up", len(times), None, times[-1])
         if len(times) >= p.warmup_min and settled(times, p.window, p.tolerance):
             steady = True
             break

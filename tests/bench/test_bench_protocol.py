@@ -68,6 +68,15 @@ def test_the_warm_up_is_bounded_in_seconds_too():
     assert not res["steady"] and res["warmup_s"] >= 10.0 and res["warmup_steps"] < 10
 
 
+def test_slow_steps_say_their_time_so_a_cut_row_shows_how_far_it_got(capsys):
+    p = harness.Protocol(steps=3, warmup_min=2, warmup_max=2, window=2, tolerance=0.03)
+    t = Planted([40.0, 0.5, 7.25, 0.25, 12.0])  # warm-up: a 40 s compile, a fast step; timed: slow, fast, slow
+    harness.measure_steps(t.step, False, p, clock=t.clock)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["[harness] warm-up step 1: 40.00 s", "[harness] timed step 1/3: 7.25 s",
+                     "[harness] timed step 3/3: 12.00 s"]
+
+
 def test_repeats_run_interleaved_in_order():
     order = []
     sides = {name: (lambda i, name=name: order.append((name, i)) or {"tokens_per_s": 1.0}) for name in ("A", "B")}
