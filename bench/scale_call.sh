@@ -14,10 +14,12 @@
 #           TP=2 + SP, PP=2 (1F1B, 8 micro-batches), each beside torchtitan 0.3.0 on the same two GPUs, global batch 8
 #           of 2048 tokens, micro-batch 1 (bench/train_throughput.TWO_GPU_ONLY)
 #   CALL=14: Llama-3.1-8B DP=2 + distributed optimizer beside the same with optimizer CPU offload
-#           (parallel.optimizer_cpu_offload: 1.0, what two 80 GB cards need): the host step's cost, first losses alike
+#           (parallel.optimizer_cpu_offload: 1.0, what two 80 GB cards need): the host step's cost, first losses alike.
+#           At 8B a step takes seconds on the host (03d8d5e: 20 timed steps did not end in 200 s): MODEL=llama3.2-3b
+#           measures the same pair within one call (VARIANT_TIMEOUT=240)
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
 #           tokens a step, micro-batch 1: the one-GPU default path at that length (the recompute the planner says it
-#           needs: none on an H200 at both) beside CP=2 (ring attention, flash blocks): the scaling row
+#           needs: none on an H200 at both) beside CP=2 (ring attention; cuDNN blocks where they run): the scaling row
 #   CALL=12 / 13: CP=2 beside torchtitan 0.3.0's CP=2 on the same two GPUs at 16k / 32k (cp2's "vs ref" is torchtitan's
 #           CP row; bench/train_throughput.cp_variants).  Each CP call: 6 processes of the protocol (>= 20 timed
 #           steps), estimated 5-7 minutes (one step ~0.5-0.9 s; start and compile ~40 s a process)

@@ -163,9 +163,13 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
                 rows.append(Variant(f"torchtitan/{m}", "torchtitan", m, gpus=2, microbatches=microbatches, baseline=base))
             rows.append(Variant(f"dp2/{m}", "workbench", m, gpus=2, microbatches=microbatches, baseline=base,
                                 overrides={"parallel.overlap_grad_reduce": True}))
+            dopt = {"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
+                    "parallel.overlap_param_gather": True}
             rows.append(Variant(f"dp2-distopt/{m}", "workbench", m, gpus=2, microbatches=microbatches, baseline=base,
-                                overrides={"parallel.distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
-                                           "parallel.overlap_param_gather": True}))
+                                overrides=dopt))
+            if is_llama(m):  # the host step's cost where a protocol row of it fits one call (8B: ~6 s a step)
+                rows.append(Variant(f"dp2-distopt-offload/{m}", "workbench", m, gpus=2, microbatches=microbatches,
+                                    baseline=f"dp2-distopt/{m}", overrides={**dopt, "parallel.optimizer_cpu_offload": 1.0}))
         for m in [m for m in models if m in TWO_GPU_ONLY]:  # every layout at one global batch, against torchtitan
             gb, titan = TWO_GPU_ONLY[m], f"torchtitan/{m}"
             m_dp = gb // (2 * MODELS[m])  # micro-batches a rank when both ranks hold data

@@ -80,3 +80,8 @@ def test_the_offload_row_is_dp2_distopt_with_the_optimizer_on_the_host_and_fits_
     assert c_off.parallel.optimizer_cpu_offload == 1.0 and c_plain.parallel.optimizer_cpu_offload == 0.0
     assert c_off.replace(**{"parallel.optimizer_cpu_offload": 0.0}).to_dict() == c_plain.to_dict()
     assert predict(c_off, "H100-80GB").fits and not predict(c_plain, "H100-80GB").fits
+    # 3B (one GPU's model too): the same pair, scaled over its DP=2 row (the host step's cost within one call)
+    by_name = {v.name: v for v in tt.plan(["llama3.2-3b"], gpus=2, have_te=False, microbatches=4)}
+    off, plain = by_name["dp2-distopt-offload/llama3.2-3b"], by_name["dp2-distopt/llama3.2-3b"]
+    assert off.baseline == plain.name and tt.bench_config(off).replace(
+        **{"parallel.optimizer_cpu_offload": 0.0}).to_dict() == tt.bench_config(plain).to_dict()
