@@ -519,11 +519,11 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
         t0 = time.perf_counter()
         try:
             proc = harness.run_group(cmd, a.variant_timeout, env=env, cwd=ROOT)  # a timeout ends its workers too
-            rc = proc.returncode
-            tail = (proc.stdout + proc.stderr)[-3000:]
+            rc, log = proc.returncode, proc.stdout + proc.stderr
+            tail = log[-3000:]
         except subprocess.TimeoutExpired as e:  # the output so far, with the ranks' stacks dumped before the limit
-            rc = 124
-            tail = f"timed out after {a.variant_timeout}s\n" + ((e.output or "") + (e.stderr or ""))[-6000:]
+            rc, log = 124, (e.output or "") + (e.stderr or "")
+            tail = f"timed out after {a.variant_timeout}s\n" + log[-6000:]
         wall = time.perf_counter() - t0
         if result.exists():
             res = json.loads(result.read_text())
@@ -531,6 +531,8 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
             res = {"ok": False, "error": f"worker exited {rc} without a result"}
         if not res.get("ok"):
             res["log_tail"] = tail
+            # the slow steps' times (harness.progress) from the whole log: the stacks dumped at the end bury them
+            res["progress"] = [ln for ln in log.splitlines() if ln.startswith("[harness] ")][-40:]
         res["wall_s"] = round(wall, 1)
         res["gpu_strangers"] = strangers  # always stored: [] says the GPUs were checked and found clean
         return res

@@ -132,6 +132,7 @@ def _cuda_cases() -> dict:
                 causal=causal, h_kv=2, dtype=torch.bfloat16, shape=shape, impl=impl)
     cases["causal/mha/fp32/math"] = dict(causal=True, h_kv=8, dtype=torch.float32, shape=shape, impl="math")
     cases["bidirectional/padded/bf16/auto"] = dict(causal=False, h_kv=2, dtype=torch.bfloat16, shape=shape, padded=True)
+    cases["causal/gqa/bf16/auto"] = dict(causal=True, h_kv=2, dtype=torch.bfloat16, shape=shape)
     return {name: dict(case, relative=True) for name, case in cases.items()}
 
 
@@ -149,6 +150,11 @@ def _worker(rank: int, world: int, port: int, queue, cuda: bool = False) -> None
             group = dist.new_group(list(range(world)))  # a group of its own, as a CP group would be
             cases = ({n: dict(c, device=f"cuda:{rank}") for n, c in _cuda_cases().items()} if cuda else _cases(world))
             res = {name: _ring_case(group, rank, world, **case) for name, case in cases.items()}
+            if cuda:  # what the ring ran per dtype / head dim / impl (the device dropped: ranks differ in it)
+                from workbench.backend.context_parallel import ring_block_kernels
+
+                res["ring_blocks"] = sorted({k.split("/", 1)[1] + "=" + v.split(":")[0]
+                                             for k, v in ring_block_kernels().items()})
             if world == 4 and not cuda:  # TP=2 x CP=2: CP groups of non-neighbouring ranks, in megatron's order
                 from workbench.layout import Layout
 
@@ -379,7 +385,7 @@ def test_cuda_cp2_flash_blocks_match_math_and_reference():
     fp32's (errors relative to the reference's largest magnitude)."""
     r = _world(2, cuda=True)
     for case, errs in r.items():
-        print(case, {k: f"{v:.2e}" for k, v in errs.items()})
+        print(case, {k: f"{v:.2e}" for k, v in errs.items()} if isinstance(errs, dict) else errs)
     assert max(r["causal/mha/fp32/math"].values()) < 1e-5, r["causal/mha/fp32/math"]
     for causal in ("causal", "bidirectional"):
         flash, math_ = r[f"{causal}/gqa/bf16/flash"], r[f"{causal}/gqa/bf16/math"]
@@ -387,3 +393,8 @@ def test_cuda_cp2_flash_blocks_match_math_and_reference():
         for name in ("out", "dq", "dk", "dv"):
             assert flash[name] < 0.02 and math_[name] < 0.02 and cudnn[name] < 0.02, (causal, flash, math_, cudnn)
     assert max(r["bidirectional/padded/bf16/auto"].values()) < 0.02, r["bidirectional/padded/bf16/auto"]
+    assert max(r["causal/gqa/bf16/auto"].values()) < 0.02, r["causal/gqa/bf16/auto"]
+    import torch
+
+    hopper = torch.cuda.get_device_capability(0) >= (9, 0)  # auto takes cuDNN there (its probe agreeing with flash)
+    assert f"torch.bfloat16/64/auto={'cudnn' if hopper else 'flash'}" in r["ring_blocks"], r["ring_blocks"]

@@ -85,3 +85,26 @@ def test_the_offload_row_is_dp2_distopt_with_the_optimizer_on_the_host_and_fits_
     off, plain = by_name["dp2-distopt-offload/llama3.2-3b"], by_name["dp2-distopt/llama3.2-3b"]
     assert off.baseline == plain.name and tt.bench_config(off).replace(
         **{"parallel.optimizer_cpu_offload": 0.0}).to_dict() == tt.bench_config(plain).to_dict()
+
+
+def test_a_variant_cut_by_its_timeout_keeps_its_slow_steps_times(monkeypatch):
+    """The ranks' stacks dumped before the limit fill the log's tail: the row keeps the harness's progress lines from
+    the whole log (how far the run got, what each slow step cost).  The process boundary (torchrun) is planted."""
+    import argparse
+    import subprocess
+
+    tt = _tt()
+    steps = [f"[harness] warm-up step {i}: {6 + i / 10:.2f} s" for i in range(1, 8)]
+    stacks = "\n".join(f'  File "/x/y.py", line {i} in wait' for i in range(2000))  # far more than the tail keeps
+
+    def timed_out(cmd, timeout, **kw):
+        raise subprocess.TimeoutExpired(cmd, timeout, output="W1130 torchrun\n" + "\n".join(steps) + "\n",
+                                        stderr="Thread 0x7f (most recent call first):\n" + stacks)
+
+    monkeypatch.setattr(tt.harness, "run_group", timed_out)
+    monkeypatch.setattr(tt.harness, "check_gpus", lambda name: [])
+    v = {x.name: x for x in tt.plan(["llama3.2-3b"], gpus=2, have_te=False, microbatches=4)}["dp2-distopt-offload/llama3.2-3b"]
+    res = tt._launch(v, argparse.Namespace(variant_timeout=200.0, cpu_smoke=False), [])
+    assert not res["ok"] and res["error"] == "worker exited 124 without a result"
+    assert res["log_tail"].startswith("timed out after 200.0s") and "warm-up step" not in res["log_tail"]
+    assert res["progress"] == steps and res["gpu_strangers"] == []

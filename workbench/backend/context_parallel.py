@@ -51,9 +51,9 @@ matrix is kept; its backward gets the merged output and log-sum-exp, which makes
 flash path passed its two-GPU check on H200 (``test_cuda_cp2_flash_blocks_match_math_and_reference``, scale call 9 at
 9810c0f).  ``impl="cudnn"`` runs them through cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``
 and its backward, the same contract; Hopper or newer, head dim up to 128): the kernel torch's SDPA takes on one Hopper
-GPU, faster there than flash (the kernel rule's ``SDPA_CUDNN_FIRST`` note).  ``impl="auto"`` takes cuDNN where it runs
-and a one-time probe per device, dtype and head dim finds it equal to flash (forward and backward of a diagonal and a
-rectangular block; :func:`ring_block_kernels` says what was chosen and why), else flash where it runs (CUDA, fp16 /
+GPU, faster there than flash (the kernel rule's ``KernelChoice.sdpa_order`` note).  ``impl="auto"`` takes cuDNN where it runs
+and a one-time probe per device, dtype and head dim finds it equal to flash (forward with the log-sum-exp and
+backward of a diagonal and a rectangular block; :func:`ring_block_kernels` says what ran and why), else flash where it runs (CUDA, fp16 /
 bf16, no padding mask), else math.  Dropout inside attention, ALiBi and other additive biases, and packed
 sequences (THD) are not supported.
 
@@ -296,12 +296,15 @@ def _flash_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask
 
 def _cudnn_ok(q, kv_padding) -> bool:
     """Whether cuDNN's fused attention can run the blocks: what flash needs, a head dim up to 128, a Hopper or newer
-    GPU and torch's cuDNN SDPA enabled (on Hopper torch's SDPA prefers it to flash: the kernel rule's
-    ``SDPA_CUDNN_FIRST`` note has the H100 timings)."""
+    GPU, torch's cuDNN SDPA enabled, and either cuDNN 9.15.1 or newer or block lengths that are multiples of 128 (the
+    local shard a multiple of 256: its halves are blocks too).  Torch's SDPA prefers cuDNN on Hopper from 9.15.1,
+    whose fix concerns other lengths (the kernel rule's ``KernelChoice.sdpa_order`` note has the H100 timings)."""
     import torch
 
-    return (_flash_ok(q, kv_padding) and q.shape[-1] <= 128 and torch.cuda.get_device_capability(q.device) >= (9, 0)
-            and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled())
+    if not (_flash_ok(q, kv_padding) and q.shape[-1] <= 128 and torch.cuda.get_device_capability(q.device) >= (9, 0)
+            and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()):
+        return False
+    return (torch.backends.cudnn.version() or 0) >= 91501 or q.shape[-2] % 256 == 0
 
 
 def _cudnn_block_forward(q, k, v, scale: float, diag: bool, kmask, aux: dict):
@@ -334,48 +337,50 @@ def _cudnn_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask
     return dq, dk, dv
 
 
-#: the block kernel each ``(device, dtype, head dim)`` of this process settled on under ``impl="auto"``, and why
-#: (:func:`ring_block_kernels`)
-_AUTO: dict[tuple, tuple[str, str]] = {}
+#: the block kernel each ``(device, dtype, head dim, impl)`` of this process ran, and why (:func:`ring_block_kernels`)
+_DECIDED: dict[tuple, tuple[str, str]] = {}
+#: :func:`_probe_cudnn`'s verdict per ``(device, dtype, head dim)``: probed once a process
+_PROBED: dict[tuple, tuple[str, str]] = {}
 
 
 def _probe_cudnn(q) -> tuple[str, str]:
-    """``impl="auto"`` on a GPU where cuDNN may run: one small causal block (and a rectangular one) through cuDNN's
-    kernel and flash's, forward and backward; cuDNN when it runs and agrees within bf16 rounding, else flash (the
-    reason kept)."""
+    """``impl="auto"`` on a GPU where cuDNN may run: one small causal block and a rectangular one through flash's
+    kernel and cuDNN's, forward (output and log-sum-exp) and backward; cuDNN when it runs and agrees within bf16
+    rounding, else flash (the reason kept)."""
     import torch
 
     key = (str(q.device), str(q.dtype), int(q.shape[-1]))
-    if key in _AUTO:
-        return _AUTO[key]
+    if key in _PROBED:
+        return _PROBED[key]
     gen = torch.Generator(device=q.device).manual_seed(0)
-    d = q.shape[-1]
-    worst = 0.0
-    try:
-        for diag, sq, sk in ((True, 256, 256), (False, 128, 256)):
-            qq = torch.randn(1, 2, 2, sq, d, device=q.device, dtype=q.dtype, generator=gen)
-            kk, vv = (torch.randn(1, 2, sk, d, device=q.device, dtype=q.dtype, generator=gen) for _ in range(2))
-            do = torch.randn(1, 2, 2, sq, d, device=q.device, dtype=q.dtype, generator=gen)
-            got, want = [], []
-            for fwd, bwd, into in ((_cudnn_block_forward, _cudnn_block_backward, got),
-                                   (_flash_block_forward, _flash_block_backward, want)):
-                aux: dict = {}
-                o, lse = fwd(qq, kk, vv, 0.125, diag, None, aux)
-                into += [o, *bwd(do, qq, kk, vv, o.to(q.dtype), lse, 0.125, diag, None, aux)]
-            for a, b in zip(got, want):
-                worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)))
-    except Exception as e:  # noqa: BLE001 -- any refusal of the cuDNN op means flash
-        _AUTO[key] = ("flash", f"cuDNN attention refused: {type(e).__name__}: {str(e)[:160]}")
-        return _AUTO[key]
-    _AUTO[key] = (("cudnn", f"matches flash ({worst:.1e})") if worst < 2e-2
-                  else ("flash", f"cuDNN attention differs from flash by {worst:.1e}"))
-    return _AUTO[key]
+    d, worst = q.shape[-1], 0.0
+    for diag, sq, sk in ((True, 256, 256), (False, 128, 256)):
+        qq = torch.randn(1, 2, 2, sq, d, device=q.device, dtype=q.dtype, generator=gen)
+        kk, vv = (torch.randn(1, 2, sk, d, device=q.device, dtype=q.dtype, generator=gen) for _ in range(2))
+        do = torch.randn(1, 2, 2, sq, d, device=q.device, dtype=q.dtype, generator=gen)
+
+        def run(fwd, bwd):
+            aux: dict = {}
+            o, lse = fwd(qq, kk, vv, 0.125, diag, None, aux)
+            return [o, lse, *bwd(do, qq, kk, vv, o.to(q.dtype), lse, 0.125, diag, None, aux)]
+
+        want = run(_flash_block_forward, _flash_block_backward)
+        try:
+            got = run(_cudnn_block_forward, _cudnn_block_backward)
+        except Exception as e:  # noqa: BLE001 -- any refusal of the cuDNN op means flash
+            _PROBED[key] = ("flash", f"cuDNN attention refused: {type(e).__name__}: {str(e)[:160]}")
+            return _PROBED[key]
+        for a, b in zip(got, want):
+            worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)))
+    _PROBED[key] = (("cudnn", f"matches flash ({worst:.1e})") if worst < 2e-2
+                    else ("flash", f"cuDNN attention differs from flash by {worst:.1e}"))
+    return _PROBED[key]
 
 
 def ring_block_kernels() -> dict[str, str]:
-    """What ``impl="auto"`` chose in this process per ``device/dtype/head dim`` (``"cudnn: matches flash (..)"``);
-    empty when the ring has not run on a GPU where cuDNN could."""
-    return {"/".join(map(str, k)): f"{v[0]}: {v[1]}" for k, v in _AUTO.items()}
+    """The block kernel the ring ran in this process per ``device/dtype/head dim/impl`` and why (``"cudnn: matches
+    flash (3.1e-03)"``, ``"flash: cuDNN not eligible ..."``, ``"math: ..."``); empty when the ring has not run."""
+    return {"/".join(map(str, k)): f"{v[0]}: {v[1]}" for k, v in _DECIDED.items()}
 
 
 def _merge(out, lse, blk_out, blk_lse):
@@ -521,23 +526,28 @@ _FUNCTION: Any = None
 
 
 def _block_kernel(impl: str, q, kv_padding) -> str:
-    """The block kernel for ``impl`` (:func:`ring_attention`); ``auto``: cuDNN where it runs and its probe agrees
-    with flash (:func:`_probe_cudnn`), else flash where it runs, else math."""
-    if impl == "math":
-        return "math"
-    flash = _flash_ok(q, kv_padding)
+    """The block kernel for ``impl`` (:func:`ring_attention`), recorded with its reason (:func:`ring_block_kernels`);
+    ``auto``: cuDNN where it runs and its probe agrees with flash (:func:`_probe_cudnn`), else flash where it runs,
+    else math."""
+    flash = impl != "math" and _flash_ok(q, kv_padding)
     if impl == "flash" and not flash:
         raise ValueError("ring_attention impl 'flash' needs CUDA tensors in fp16 / bf16, a head dim that is a multiple "
                          "of 8 up to 256 and no kv_padding; impl='math' runs everywhere")
-    cudnn = _cudnn_ok(q, kv_padding)
+    cudnn = flash and _cudnn_ok(q, kv_padding)
     if impl == "cudnn" and not cudnn:
         raise ValueError("ring_attention impl 'cudnn' needs what 'flash' needs, a head dim up to 128, a Hopper or "
-                         "newer GPU and torch's cuDNN SDPA enabled; impl='flash' or 'math' otherwise")
+                         "newer GPU, torch's cuDNN SDPA enabled and cuDNN >= 9.15.1 or a local shard a multiple of "
+                         "256 long; impl='flash' or 'math' otherwise")
     if impl != "auto":
-        return impl
-    if cudnn:
-        return _probe_cudnn(q)[0]
-    return "flash" if flash else "math"
+        kernel, why = impl, "asked for"
+    elif cudnn:
+        kernel, why = _probe_cudnn(q)
+    elif flash:
+        kernel, why = "flash", "cuDNN not eligible (head dim, GPU, cuDNN version or shard length)"
+    else:
+        kernel, why = "math", "flash not eligible (CPU, fp32, head dim or a padding mask)"
+    _DECIDED[(str(q.device), str(q.dtype), int(q.shape[-1]), impl)] = (kernel, why)
+    return kernel
 
 
 def ring_attention(q, k, v, group, causal: bool, scale: Optional[float] = None, kv_padding=None, impl: str = "auto",

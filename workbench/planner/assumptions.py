@@ -39,6 +39,11 @@ class PlannerAssumptions:
     Reserved memory (what the caching allocator holds: ``max_memory_reserved``) is modelled term
     by term, not as a fraction: see :func:`workbench.planner.stage._reserved_terms`.
 
+    * ``offload_lasting_bytes``: under optimizer CPU offload, the small allocations the first step leaves
+      behind (64 MiB in 4 blocks, measured: GPT-2 small, DP=2, full offload on two H200s,
+      ``evidence/planner_2gpu.jsonl``); created in a freed logits block, they strand the rest of it as
+      Adam's moments do without offload.
+
     Kernel paths (None = what the backend picks on this machine, see :func:`kernel_path`):
     ``transformer_engine`` (TE installed where training runs), ``compiled_layer`` (the
     performance helper's compiled dense layer), ``optimizer`` ('foreach' torch AdamW keeps
@@ -51,6 +56,7 @@ class PlannerAssumptions:
     backward_overlap: float = 0.5
     cuda_context_bytes: int = 512 * MiB
     nccl_bytes_per_group: int = 192 * MiB
+    offload_lasting_bytes: int = 64 * MiB
     transformer_engine: bool | None = None
     compiled_layer: bool | None = None
     optimizer: Literal["auto", "foreach", "fused", "for-loop"] = "auto"

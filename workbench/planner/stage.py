@@ -141,8 +141,9 @@ def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moment
       transient buffer (the logits: bf16 with the compiled cross-entropy, the fp32 up-cast
       with megatron's), they split that block and the next step needs a new segment of its
       size: ``largest - moments`` stays reserved and unusable (GPT-2 small on one H100:
-      2.2 GiB with megatron's cross-entropy, 0.6 GiB with the compiled one, measured).  Under full
-      optimizer CPU offload the step's small lasting allocations do the same (see the code).
+      2.2 GiB with megatron's cross-entropy, 0.6 GiB with the compiled one, measured).  Under
+      optimizer CPU offload the step's small lasting allocations join them
+      (``PlannerAssumptions.offload_lasting_bytes``).
     * ``cuda_graph_pool``: the cudagraph trees' private pool: the graphed layers' kept tensors
       of one step plus one layer's backward working set (what the warm-up and recording
       allocated there) and the inputs the trees copy in; replays reuse it.  It adds to the
@@ -154,10 +155,9 @@ def _reserved_terms(sh: Any, a: PlannerAssumptions, default_alloc: float, moment
       segment sizes around the kept activations (2 MiB steps above 10 MiB; 1-10 MiB requests
       in 20 MiB segments, which matters for small models: demo-small's [4096, 384] tensors).
     """
-    # Full optimizer CPU offload keeps no moments on the device, yet the step's small lasting allocations (64 MiB in 4
-    # blocks, measured: GPT-2 small, DP=2 on two H200s, evidence/planner_2gpu.jsonl) land in a freed logits block and
-    # strand the rest of it the same way: the cuBLAS workspace's size stands for them.
-    late = moments if moments > 0 else (a.cublas_workspace_bytes if getattr(sh, "offload", 0) else 0.0)
+    # Under optimizer CPU offload the step's small lasting allocations land there too (``a.offload_lasting_bytes``):
+    # with full offload (no moments on the device) they alone strand the rest of the block.
+    late = moments + (a.offload_lasting_bytes if sh.offload else 0.0)
     stranded = max(0.0, largest - late) if late > 0 else 0.0
     terms = {"default_pool": float(_round_up(default_alloc, _SEGMENT)),
              "stranded_by_adam_state": float(_round_up(stranded, _SEGMENT))}

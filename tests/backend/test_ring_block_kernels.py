@@ -1,0 +1,111 @@
+"""How ring attention picks its block kernel (workbench.backend.context_parallel._block_kernel): ``auto`` takes cuDNN's
+fused attention only where its one-time probe finds it equal to flash's, and records what ran and why.
+
+The kernels themselves need a Hopper GPU (tests/backend/test_context_parallel.py's two-GPU test runs them); here the
+two CUDA kernels are replaced by the math kernel (a true boundary: the aten ops exist only on CUDA), planted to agree,
+to differ or to refuse, so the probe's verdicts, its per-process cache, the record and the kernel's way through the
+autograd function are what is tested.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from workbench.backend import context_parallel as cpm  # noqa: E402
+
+
+def _kernel(calls: list, name: str, scale: float = 1.0, refuse: bool = False):
+    """A (forward, backward) pair with the CUDA kernels' signature, computed by the math kernel; ``scale`` skews its
+    output, ``refuse`` makes the forward raise as an op without an execution plan would."""
+
+    def fwd(q, k, v, s, diag, kmask, aux):
+        calls.append(name)
+        if refuse:
+            raise RuntimeError("cuDNN Frontend error: no execution plan")
+        out, lse = cpm._block_forward(q, k, v, s, diag, kmask)
+        return out * scale, lse
+
+    def bwd(do, q, k, v, out, lse, s, diag, kmask, aux):
+        return cpm._block_backward(do, q, k, v, out, lse, s, diag, kmask)
+
+    return fwd, bwd
+
+
+@pytest.fixture
+def planted(monkeypatch):
+    """Fresh records, both CUDA kernels eligible; returns a function planting the cuDNN kernel's behaviour."""
+    calls: list = []
+    monkeypatch.setattr(cpm, "_PROBED", {})
+    monkeypatch.setattr(cpm, "_DECIDED", {})
+    monkeypatch.setattr(cpm, "_flash_ok", lambda q, pad: pad is None)
+    monkeypatch.setattr(cpm, "_cudnn_ok", lambda q, pad: pad is None)
+    fwd, bwd = _kernel(calls, "flash")
+    monkeypatch.setattr(cpm, "_flash_block_forward", fwd)
+    monkeypatch.setattr(cpm, "_flash_block_backward", bwd)
+
+    def plant(**kw):
+        f, b = _kernel(calls, "cudnn", **kw)
+        monkeypatch.setattr(cpm, "_cudnn_block_forward", f)
+        monkeypatch.setattr(cpm, "_cudnn_block_backward", b)
+        return calls
+
+    return plant
+
+
+def test_auto_takes_cudnn_only_where_the_probe_finds_it_equal_to_flash(planted):
+    q = torch.zeros(1, 4, 64, 32)
+    planted()
+    assert cpm._block_kernel("auto", q, None) == "cudnn"
+    planted(scale=1.1)  # a kernel that is 10% off: the probe's verdict is cached, so a new dtype probes again
+    assert cpm._block_kernel("auto", q.double(), None) == "flash"
+    planted(refuse=True)
+    assert cpm._block_kernel("auto", q.half().float()[..., :16], None) == "flash"
+    record = cpm.ring_block_kernels()
+    assert record["cpu/torch.float32/32/auto"].startswith("cudnn: matches flash")
+    assert record["cpu/torch.float64/32/auto"].startswith("flash: cuDNN attention differs from flash by")
+    assert record["cpu/torch.float32/16/auto"].startswith("flash: cuDNN attention refused: RuntimeError")
+
+
+def test_the_probe_runs_once_a_process_per_device_dtype_and_head_dim(planted):
+    calls = planted()
+    q = torch.zeros(1, 4, 64, 32)
+    cpm._block_kernel("auto", q, None)
+    probed = len(calls)
+    assert probed == 4  # a diagonal and a rectangular block through each kernel
+    for _ in range(3):
+        assert cpm._block_kernel("auto", q, None) == "cudnn"
+    assert len(calls) == probed
+
+
+def test_a_padding_mask_or_an_explicit_impl_skips_the_probe_and_says_so(planted):
+    calls = planted()
+    q = torch.zeros(2, 4, 64, 32)
+    pad = torch.zeros(2, 64, dtype=torch.bool)
+    assert cpm._block_kernel("auto", q, pad) == "math"
+    assert cpm._block_kernel("flash", q, None) == "flash"
+    assert calls == []
+    record = cpm.ring_block_kernels()
+    assert record["cpu/torch.float32/32/auto"].startswith("math: flash not eligible")
+    assert record["cpu/torch.float32/32/flash"] == "flash: asked for"
+
+
+def test_the_chosen_kernel_is_the_one_the_ring_runs_forward_and_backward(planted):
+    """One process (no group): ring_attention under ``auto`` runs the planted cuDNN kernel (after its probe) and
+    still equals whole-sequence SDPA, gradients included (the ring merges and accumulates in fp32)."""
+    calls = planted()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 64, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 64, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = cpm.ring_attention(q, k, v, None, causal=True)
+    assert calls[-1] == "cudnn" and calls.count("cudnn") == 3  # two probe blocks, then the ring's one block
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref.sum().backward()
+    assert torch.allclose(out, ref, atol=1e-5)
+    for got, t in zip(grads, (q, k, v)):
+        assert torch.allclose(got, t.grad, atol=1e-5)
