@@ -109,3 +109,20 @@ def test_the_chosen_kernel_is_the_one_the_ring_runs_forward_and_backward(planted
     assert torch.allclose(out, ref, atol=1e-5)
     for got, t in zip(grads, (q, k, v)):
         assert torch.allclose(got, t.grad, atol=1e-5)
+
+
+def test_the_fused_kernels_layout_round_trips_the_ring_s_grouped_heads():
+    """The fused kernels see ``[b, h, s, d]`` with each K/V head repeated for its query group (SDPA's enable_gqa
+    order: query head j reads K/V head j // g); their dK/dV come back summed over the group."""
+    b, hk, g, s, d = 2, 2, 3, 8, 4
+    q = torch.randn(b, hk, g, s, d)
+    k, v = torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
+    lse = torch.randn(b, hk, g, s)
+    do4, q4, k4, v4, out4, lse4 = cpm._kernel_inputs(q + 1, q, k, v, q - 1, lse, (1,))
+    assert q4.shape == (b, hk * g, s, d) and torch.equal(q4.view(b, hk, g, s, d), q)
+    assert torch.equal(do4, (q + 1).reshape(q4.shape)) and torch.equal(out4, (q - 1).reshape(q4.shape))
+    assert lse4.shape == (b, hk * g, s, 1) and torch.equal(lse4.view(b, hk, g, s), lse)
+    for j in range(hk * g):
+        assert torch.equal(k4[:, j], k[:, j // g]) and torch.equal(v4[:, j], v[:, j // g])
+    dq, dk, dv = cpm._grouped_grads(q, k, q4, k4, 2 * v4)
+    assert torch.equal(dq, q) and torch.allclose(dk, g * k) and torch.allclose(dv, 2 * g * v)

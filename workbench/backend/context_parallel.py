@@ -265,6 +265,24 @@ def _flash_heads(q, k, v):
     return q4, k.contiguous(), v.contiguous()
 
 
+def _kernel_inputs(do, q, k, v, out, lse, lse_tail: tuple = ()):
+    """A fused kernel's backward inputs from the ring's grouped layout: ``[b, h, s, d]`` (K/V heads repeated per
+    group), the log-sum-exp in the kernel's own shape (``lse_tail``: cuDNN's trailing 1)."""
+    b, hk, g, sq, d = q.shape
+    q4, k4, v4 = _flash_heads(q, k, v)
+    flat = (b, hk * g, sq, d)
+    return do.reshape(flat).contiguous(), q4, k4, v4, out.reshape(flat).contiguous(), \
+        lse.reshape(b, hk * g, sq, *lse_tail).contiguous()
+
+
+def _grouped_grads(q, k, dq, dk, dv):
+    """A fused kernel's ``dq, dk, dv`` back in the ring's grouped fp32 layout (dK/dV summed over each query group)."""
+    b, hk, g, sq, d = q.shape
+    sk = k.shape[2]
+    return (dq.float().view(b, hk, g, sq, d), dk.float().view(b, hk, g, sk, d).sum(2),
+            dv.float().view(b, hk, g, sk, d).sum(2))
+
+
 def _flash_block_forward(q, k, v, scale: float, diag: bool, kmask, aux: dict):
     import torch
 
@@ -279,19 +297,11 @@ def _flash_block_forward(q, k, v, scale: float, diag: bool, kmask, aux: dict):
 def _flash_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask, aux: dict):
     import torch
 
-    b, hk, g, sq, d = q.shape
-    sk = k.shape[2]
-    q4, k4, v4 = _flash_heads(q, k, v)
-    do4 = do.reshape(b, hk * g, sq, d).contiguous()
-    out4 = out.reshape(b, hk * g, sq, d).contiguous()
-    lse4 = lse.reshape(b, hk * g, sq).contiguous()
+    do4, q4, k4, v4, out4, lse4 = _kernel_inputs(do, q, k, v, out, lse)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        do4, q4, k4, v4, out4, lse4, aux["cum_seq_q"], aux["cum_seq_k"], sq, sk, 0.0, diag, aux["philox_seed"],
-        aux["philox_offset"], scale=scale)
-    dq = dq.float().view(b, hk, g, sq, d)
-    dk = dk.float().view(b, hk, g, sk, d).sum(2)
-    dv = dv.float().view(b, hk, g, sk, d).sum(2)
-    return dq, dk, dv
+        do4, q4, k4, v4, out4, lse4, aux["cum_seq_q"], aux["cum_seq_k"], q.shape[3], k.shape[2], 0.0, diag,
+        aux["philox_seed"], aux["philox_offset"], scale=scale)
+    return _grouped_grads(q, k, dq, dk, dv)
 
 
 def _cudnn_ok(q, kv_padding) -> bool:
@@ -322,19 +332,11 @@ def _cudnn_block_forward(q, k, v, scale: float, diag: bool, kmask, aux: dict):
 def _cudnn_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask, aux: dict):
     import torch
 
-    b, hk, g, sq, d = q.shape
-    sk = k.shape[2]
-    q4, k4, v4 = _flash_heads(q, k, v)
-    do4 = do.reshape(b, hk * g, sq, d).contiguous()
-    out4 = out.reshape(b, hk * g, sq, d).contiguous()
-    lse4 = lse.reshape(b, hk * g, sq, *aux["lse_tail"]).contiguous()
+    do4, q4, k4, v4, out4, lse4 = _kernel_inputs(do, q, k, v, out, lse, aux["lse_tail"])
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         do4, q4, k4, v4, out4, lse4, aux["philox_seed"], aux["philox_offset"], None, aux["cum_seq_q"],
-        aux["cum_seq_k"], sq, sk, 0.0, diag, scale=scale)
-    dq = dq.float().view(b, hk, g, sq, d)
-    dk = dk.float().view(b, hk, g, sk, d).sum(2)
-    dv = dv.float().view(b, hk, g, sk, d).sum(2)
-    return dq, dk, dv
+        aux["cum_seq_k"], q.shape[3], k.shape[2], 0.0, diag, scale=scale)
+    return _grouped_grads(q, k, dq, dk, dv)
 
 
 #: the block kernel each ``(device, dtype, head dim, impl)`` of this process ran, and why (:func:`ring_block_kernels`)
