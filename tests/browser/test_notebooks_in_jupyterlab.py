@@ -28,6 +28,7 @@ TEXT_REPR = re.compile(r"^\s*(<?workbench\.|ConfigForm\(|Dashboard\(|MemoryPlann
                        r"(VBox|HBox|Box|Tab|Accordion|Button|IntProgress|Image|HTML|Output|IntSlider)\()")
 
 OUTPUTS_JS = """() => {
+  const MIME = '%s';
   const nb = window.jupyterapp.shell.currentWidget.content;
   const out = [];
   nb.widgets.forEach((cell, ci) => {
@@ -38,7 +39,7 @@ OUTPUTS_JS = """() => {
       const child = children[oi];
       const node = child ? child.querySelector(':scope > .jp-OutputArea-output') : null;
       out.push({cell: ci, type: o.output_type, ename: o.ename || null, evalue: o.evalue || null,
-                widget: !!(o.data && o.data['%s']),
+                widget: !!(o.data && o.data[MIME]), model_id: o.data && o.data[MIME] ? o.data[MIME].model_id : null,
                 rendered: !!(node && node.querySelector('.jupyter-widgets')),
                 text: node ? node.innerText.slice(0, 400) : ''});
     });
@@ -55,6 +56,25 @@ CELLS_JS = """() => {
           running: code.filter(c => (c.promptNode?.textContent || '').includes('*')).length};
 }"""
 
+
+# Why a widget output is not drawn: whether the page's widget manager holds the view's model, whether the kernel still
+# has its comm open, how many models each side holds, and whether the manager finished restoring from the kernel (before
+# it has, a view whose model it lacks waits silently: "Loading widget..."; after, it says "model not found").
+UNDRAWN_JS = """async (ids) => {
+  const panel = window.jupyterapp.shell.currentWidget;
+  let manager = null;
+  for (const cell of panel.content.widgets) {
+    if (cell.model.type !== 'code') continue;
+    for (const area of cell.outputArea.widgets) for (const w of (area.widgets || [])) if (w._manager) manager = w._manager;
+  }
+  const m = manager ? await manager.promise : null;
+  const kernel = panel.sessionContext.session?.kernel;
+  let comms = null;
+  try { comms = kernel ? (await kernel.requestCommInfo({target_name: 'jupyter.widget'})).content.comms || {} : null; } catch (e) {}
+  return {manager_models: m ? Object.keys(m._models).length : null, kernel_comms: comms ? Object.keys(comms).length : null,
+          manager_restored: m ? m.restoredStatus : null,
+          views: ids.map(id => ({model_id: id, in_manager: m ? id in m._models : null, in_kernel: comms ? id in comms : null}))};
+}"""
 
 class Notebook:
     """One notebook open in a JupyterLab page; screenshots numbered by step."""
@@ -136,8 +156,15 @@ class Notebook:
             outs = self.outputs()
             pending = [o for o in outs if o["widget"] and not o["rendered"] and "Error displaying widget" not in o["text"]]
             if not pending or time.time() > end:
-                return outs
+                break
             time.sleep(0.5)
+        undrawn = [o for o in outs if o["widget"] and (not o["rendered"] or "Error displaying widget" in o["text"])]
+        if undrawn:  # say why, in the output the assertion prints: a view whose model never reached the page differs from a late one
+            why = self.page.evaluate(UNDRAWN_JS, [o["model_id"] for o in undrawn])
+            print(f"[browser] {self.name}: widget views not drawn: {why}", flush=True)
+            for o, view in zip(undrawn, why["views"]):
+                o["why"] = {**view, **{k: v for k, v in why.items() if k != "views"}}
+        return outs
 
     def check_all_ran(self) -> list[dict]:
         """Every code cell ran, none failed, every widget is drawn as a widget; returns the outputs."""

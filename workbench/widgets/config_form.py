@@ -167,9 +167,16 @@ class ConfigForm:
         self.preset.observe(self._on_preset, names="value")
         rows: dict[str, list] = {s: [] for s in ("run", *SECTIONS)}
         grouped: dict[str, list] = {}
+        # Every widget is a kernel-to-browser message when the form is shown (and each style or layout object one
+        # more); the kernel's IOPub socket silently drops what a slow browser has not read past ZMQ's 1000-message
+        # high-water mark.  So the fields share their style and layout objects and start at the config's values
+        # (no update per field after): the form arrives as ~4 messages a field, well under that mark.
+        self._shared: dict[Any, Any] = {}
+        values = self.config.to_dict()
+        msg_layout = W.Layout(width="auto")
         for spec in self.specs.values():
-            w = self._make_widget(spec)
-            msg = W.HTML(layout=W.Layout(width="auto"))
+            w = self._make_widget(spec, self._to_widget(spec, _get(values, spec.name)))
+            msg = self._share_style(W.HTML(layout=msg_layout, **self._style_of(W.HTML)))
             self.fields[spec.name], self.messages[spec.name] = w, msg
             w.observe(self._on_change, names="value")
             section = spec.name.split(".")[0] if "." in spec.name else "run"
@@ -206,29 +213,47 @@ class ConfigForm:
         self.load(self.config)
 
     # ---- widgets
-    def _make_widget(self, spec: FieldSpec):
+    def _style_of(self, cls) -> dict:
+        """``style=`` for a new widget of ``cls``: the one style object its kind shares, once it exists."""
+        return {"style": self._shared[cls]} if cls in self._shared else {}
+
+    def _share_style(self, w):
+        """Keep the first widget of a kind's style object for the rest of that kind (:meth:`_style_of`)."""
+        self._shared.setdefault(type(w), w.style)
+        return w
+
+    def _layout(self, height: str | None = None):
+        """The fields' one layout object (per textarea height): one description column for every field, fitting
+        the longest name (make_vocab_size_divisible_by); the first field of each kind sets the shared style."""
         W = self._W
         from workbench.widgets.layout import labelled
 
+        if ("layout", height) not in self._shared:
+            style, layout = labelled(W, [s.split(".")[-1] for s in self.specs], 230)
+            self._shared["description_style"] = style
+            self._shared[("layout", height)] = (layout if height is None
+                                                else W.Layout(width=layout.width, flex=layout.flex, height=height))
+        return self._shared[("layout", height)]
+
+    def _make_widget(self, spec: FieldSpec, value: Any):
+        """The field's widget, showing ``value`` (shared style and layout objects: see the constructor)."""
+        W = self._W
         label = spec.name.split(".")[-1]
-        # one description column for every field: fits the longest name (make_vocab_size_divisible_by)
-        style, layout = labelled(W, [s.split(".")[-1] for s in self.specs], 230)
+        layout = self._layout({"datasets": "70px", "json": "160px"}.get(spec.kind))  # json: a nested section, wrapped
         if spec.kind == "bool":
-            return W.Checkbox(description=label, style=style, layout=layout, indent=True)
-        if spec.kind == "choice":
-            return W.Dropdown(options=list(spec.options), description=label, style=style, layout=layout)
-        if spec.kind == "int":
-            return W.IntText(description=label, style=style, layout=layout)
-        if spec.kind == "float":
-            return W.FloatText(description=label, style=style, layout=layout)
-        if spec.kind == "datasets":
-            return W.Textarea(description=label, placeholder="one per line: PREFIX [WEIGHT]", style=style,
-                              layout=W.Layout(width=layout.width, flex=layout.flex, height="70px"))
-        if spec.kind == "json":  # a nested section (e.g. model.moe): one key a line, wrapped, never clipped
-            return W.Textarea(description=label, style=style, layout=W.Layout(width=layout.width, flex=layout.flex,
-                                                                             height="160px"))
-        placeholder = "none" if spec.kind.startswith("optional") else ""
-        return W.Text(description=label, placeholder=placeholder, style=style, layout=layout)
+            cls, kw = W.Checkbox, {"indent": True}
+        elif spec.kind == "choice":
+            cls, kw = W.Dropdown, {"options": list(spec.options)}
+        elif spec.kind == "int":
+            cls, kw = W.IntText, {}
+        elif spec.kind == "float":
+            cls, kw = W.FloatText, {}
+        elif spec.kind in ("datasets", "json"):
+            cls, kw = W.Textarea, {"placeholder": "one per line: PREFIX [WEIGHT]"} if spec.kind == "datasets" else {}
+        else:
+            cls, kw = W.Text, {"placeholder": "none" if spec.kind.startswith("optional") else ""}
+        style = self._style_of(cls) or {"style": self._shared["description_style"]}
+        return self._share_style(cls(description=label, value=value, layout=layout, **style, **kw))
 
     def _to_widget(self, spec: FieldSpec, value: Any) -> Any:
         if spec.kind == "datasets":
@@ -371,11 +396,11 @@ class ConfigForm:
     def _show_applicable_fields(self, by_field: dict[str, list[Problem]]) -> None:
         """Show the fields that apply (and any field with a problem); the summary names the family."""
         for name, row in self.rows.items():
-            row.layout.display = "" if self.applies(name) or by_field.get(name) else "none"
+            row.layout.display = None if self.applies(name) or by_field.get(name) else "none"  # None: shown, as created
         for group, box in self.groups.items():  # a group with nothing to show is hidden whole
             members = [n for n in self.rows if _group(n) == group]
             shown = any(self.rows[n].layout.display != "none" for n in members)
-            box.layout.display = "" if shown else "none"
+            box.layout.display = None if shown else "none"
             if any(by_field.get(n) for n in members):
                 box.selected_index = 0  # a problem inside: open it
         fam = FAMILIES.get(self.fields["model.arch"].value)
