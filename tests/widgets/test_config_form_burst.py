@@ -40,8 +40,10 @@ def test_the_quickstart_form_arrives_in_a_burst_well_under_iopubs_limit(sent):
     cfg, _note = quickstart_config("demo-small", tp=1, pp=1, steps=6)
     form = ConfigForm(cfg=cfg)
     total = sent["comm_open"] + sent["comm_msg"]
-    assert total < 0.6 * ZMQ_HWM, dict(sent)
-    assert total < 5 * len(form.fields), dict(sent)  # widget, its message line, its row (+ the row's layout)
+    # a field costs ~4.5 messages (its widget, its message line, its row and the row's layout): a form that grows
+    # past 0.8 of the mark needs fewer per field (e.g. rows created hidden), not a higher bar here
+    assert total < 0.8 * ZMQ_HWM, dict(sent)
+    assert total < 5 * len(form.fields), dict(sent)
     assert sent["comm_msg"] < len(form.fields) / 2  # the fields start at the config's values: few updates after
     # what the form shows is still the config, and each row hides on its own
     assert RunConfig.from_dict(form.config.to_dict()).to_dict() == cfg.to_dict()

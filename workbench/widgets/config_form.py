@@ -172,6 +172,11 @@ class ConfigForm:
         # high-water mark.  So the fields share their style and layout objects and start at the config's values
         # (no update per field after): the form arrives as ~4 messages a field, well under that mark.
         self._shared: dict[Any, Any] = {}
+        from workbench.widgets.layout import labelled
+
+        # one description column for every field, fitting the longest name (make_vocab_size_divisible_by)
+        self._shared["description_style"], self._shared[("layout", None)] = labelled(
+            W, [s.split(".")[-1] for s in self.specs], 230)
         values = self.config.to_dict()
         msg_layout = W.Layout(width="auto")
         for spec in self.specs.values():
@@ -223,16 +228,10 @@ class ConfigForm:
         return w
 
     def _layout(self, height: str | None = None):
-        """The fields' one layout object (per textarea height): one description column for every field, fitting
-        the longest name (make_vocab_size_divisible_by); the first field of each kind sets the shared style."""
-        W = self._W
-        from workbench.widgets.layout import labelled
-
+        """The fields' one layout object (per textarea height)."""
         if ("layout", height) not in self._shared:
-            style, layout = labelled(W, [s.split(".")[-1] for s in self.specs], 230)
-            self._shared["description_style"] = style
-            self._shared[("layout", height)] = (layout if height is None
-                                                else W.Layout(width=layout.width, flex=layout.flex, height=height))
+            base = self._shared[("layout", None)]
+            self._shared[("layout", height)] = self._W.Layout(width=base.width, flex=base.flex, height=height)
         return self._shared[("layout", height)]
 
     def _make_widget(self, spec: FieldSpec, value: Any):
