@@ -15,15 +15,15 @@
 #           of 2048 tokens, micro-batch 1 (bench/train_throughput.TWO_GPU_ONLY)
 #   CALL=14: Llama-3.1-8B DP=2 + distributed optimizer beside the same with optimizer CPU offload
 #           (parallel.optimizer_cpu_offload: 1.0, what two 80 GB cards need): the host step's cost, first losses alike.
-#           At 8B a step takes seconds on the host (03d8d5e: 20 timed steps did not end in 200 s): MODEL=llama3.2-3b
-#           measures the same pair within one call (VARIANT_TIMEOUT=240)
+#           At 8B a step takes seconds on the host (03d8d5e: 20 timed steps did not end in 200 s); at 3B an offloaded
+#           process takes 150-190 s (2ec4a94: 2 repeats a side in 545 s); MODEL=llama3.2-1b fits one call
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
 #           tokens a step, micro-batch 1: the one-GPU default path at that length (the recompute the planner says it
 #           needs: none on an H200 at both) beside CP=2 (ring attention; cuDNN blocks where they run): the scaling row
 #           (CALL=11: CP=2's first repeat profiled: where its step goes against one GPU's)
 #   CALL=12 / 13: CP=2 beside torchtitan 0.3.0's CP=2 on the same two GPUs at 16k / 32k (cp2's "vs ref" is torchtitan's
 #           CP row; bench/train_throughput.cp_variants).  Each CP call: 6 processes of the protocol (>= 20 timed
-#           steps), estimated 5-7 minutes (one step ~0.5-0.9 s; start and compile ~40 s a process)
+#           steps): 60-85 s a process at 2ec4a94, ~450 s a call (CALL=11's profiled repeat: ~570 s; keep LIMIT at 570)
 # Rows go to OUTDIR/train_throughput.jsonl (device, date, commit, versions, MFU, memory, kernel path), logs to
 # OUTDIR/logs.tgz.  Run from the repository root with .whl (and .whl/titan) carried:
 #   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT

@@ -441,8 +441,7 @@ def _ring_forward(q, k, v, kmasks, ring, rank: int, cp: int, causal: bool, scale
     import torch
 
     b, hk, g, s, d = q.shape
-    out = torch.zeros(b, hk, g, s, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, hk, g, s), float("-inf"), dtype=torch.float32, device=q.device)
+    out = lse = None
     kv = torch.stack([k, v])
     for i in range(cp):
         pending = ring.start(kv) if i + 1 < cp else None
@@ -450,11 +449,17 @@ def _ring_forward(q, k, v, kmasks, ring, rank: int, cp: int, causal: bool, scale
         qp, kvp, diag = plan(rank, src, cp, causal)
         km = None if kmasks is None else _part(kmasks[src], kvp, 1)
         blk_out, blk_lse = block_forward(_part(q, qp, 3), _part(kv[0], kvp, 2), _part(kv[1], kvp, 2), scale, diag, km)
-        if qp == "all":
-            out, lse = _merge(out, lse, blk_out, blk_lse)
-        else:  # half the queries: merge into that half of the buffers (no autograd here)
-            idx = slice(0, s // 2) if qp == "first" else slice(s // 2, s)
-            out[..., idx, :], lse[..., idx] = _merge(out[..., idx, :], lse[..., idx], blk_out, blk_lse)
+        if out is None and qp == "all":  # the first block over every query is the running result as it stands:
+            out, lse = blk_out, blk_lse  # merged into zeros and -inf it gives the same numbers, at 3 fp32 passes
+        else:
+            if out is None:
+                out = torch.zeros(b, hk, g, s, d, dtype=torch.float32, device=q.device)
+                lse = torch.full((b, hk, g, s), float("-inf"), dtype=torch.float32, device=q.device)
+            if qp == "all":
+                out, lse = _merge(out, lse, blk_out, blk_lse)
+            else:  # half the queries: merge into that half of the buffers (no autograd here)
+                idx = slice(0, s // 2) if qp == "first" else slice(s // 2, s)
+                out[..., idx, :], lse[..., idx] = _merge(out[..., idx, :], lse[..., idx], blk_out, blk_lse)
         if pending is not None:
             kv = _Ring.wait(pending)
     return out, lse
@@ -464,7 +469,7 @@ def _ring_backward(do, q, k, v, out, lse, kmasks, ring, rank: int, cp: int, caus
                    block_backward):
     import torch
 
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = None  # the first block over every query starts the sum (no zeros to add it to)
     kv = torch.stack([k, v])
     dkv_pending = None
     for i in range(cp):
@@ -474,13 +479,17 @@ def _ring_backward(do, q, k, v, out, lse, kmasks, ring, rank: int, cp: int, caus
         km = None if kmasks is None else _part(kmasks[src], kvp, 1)
         bq, bk, bv = block_backward(_part(do, qp, 3), _part(q, qp, 3), _part(kv[0], kvp, 2), _part(kv[1], kvp, 2),
                                     _part(out, qp, 3), _part(lse, qp, 3), scale, diag, km)
-        if qp == "all":
-            dq += bq
+        if dq is None and qp == "all":
+            dq = bq  # fp32, the block kernel's own new tensor
         else:
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq is None else dq
             _part(dq, qp, 3).add_(bq)
-        blk = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-        _part(blk[0], kvp, 2).copy_(bk)
-        _part(blk[1], kvp, 2).copy_(bv)
+        if kvp == "all":  # the whole block's gradients, one copy (no zeros to fill)
+            blk = torch.stack([bk, bv]).float()
+        else:
+            blk = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+            _part(blk[0], kvp, 2).copy_(bk)
+            _part(blk[1], kvp, 2).copy_(bv)
         dkv = blk if dkv_pending is None else _Ring.wait(dkv_pending) + blk  # the accumulator of src's K/V
         if cp == 1:
             return dq, dkv

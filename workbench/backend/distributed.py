@@ -23,7 +23,7 @@ from workbench.backend import cpu_mode
 from workbench.config import RunConfig, apply_rank_environment, derive, rank_environment
 from workbench.layout import Layout
 
-__all__ = ["Coords", "initialize", "initialize_for_tests", "coords", "destroy", "device"]
+__all__ = ["Coords", "allocator_note", "initialize", "initialize_for_tests", "coords", "destroy", "device"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,8 @@ def hardware_queue_note(cfg: RunConfig) -> Optional[str]:
     """Apply :func:`workbench.config.rank_environment` if CUDA has not started yet (the backend's
     entry point sets it before importing torch; in-process API users get it here) and say
     what is in force, for the run's kernel path.  None when the config does not ask for it.
-    Idempotent: :func:`initialize` calls it before CUDA starts, the Trainer again for the note."""
+    Idempotent: :func:`initialize` applies the whole environment before CUDA starts, the Trainer calls this for the
+    note."""
     wanted = rank_environment(cfg).get("CUDA_DEVICE_MAX_CONNECTIONS")
     if wanted is None:
         return None
@@ -131,13 +132,28 @@ def hardware_queue_note(cfg: RunConfig) -> Optional[str]:
     return f"CUDA_DEVICE_MAX_CONNECTIONS={have}" + ("" if have == wanted else " (set by the launch; kept)")
 
 
+def allocator_note(cfg: RunConfig) -> Optional[str]:
+    """The CUDA caching allocator's settings in force, for the run's kernel path: ``PYTORCH_CUDA_ALLOC_CONF`` as
+    :func:`workbench.config.rank_environment` asks for it (expert parallelism: expandable segments) or as the
+    launch set it; None when neither sets it."""
+    wanted = rank_environment(cfg).get("PYTORCH_CUDA_ALLOC_CONF")
+    have = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if have is None:
+        return None if wanted is None else "PYTORCH_CUDA_ALLOC_CONF not set before CUDA started (default allocator)"
+    if wanted is None:
+        return f"PYTORCH_CUDA_ALLOC_CONF={have} (set by the launch)"
+    why = "expert parallelism: the dispatched token buffers change size every step"
+    return f"PYTORCH_CUDA_ALLOC_CONF={have} ({why})" if have == wanted else f"PYTORCH_CUDA_ALLOC_CONF={have} (set by the launch; kept)"
+
+
 def initialize(cfg: RunConfig, timeout_s: float = 600.0) -> Coords:
     """Initialise from torchrun's environment. Safe to call once per process."""
     if cfg.parallel.device == "cpu":
         cpu_mode.enable()
         backend = "gloo"
     else:
-        hardware_queue_note(cfg)  # applies it before is_available(), which may start CUDA
+        if not torch.cuda.is_initialized():  # before is_available(), which may start CUDA (in-process API users)
+            apply_rank_environment(cfg)
         if not torch.cuda.is_available():
             raise RuntimeError("parallel.device is 'cuda' but no GPU is visible; set parallel.device: cpu for CPU mode")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -255,6 +255,9 @@ class Trainer:
         overlap = [x for x in (self.kernel_path.get("tp_comm_overlap"), userbuffers, distributed.hardware_queue_note(cfg)) if x]
         if overlap:
             self.kernel_path["tp_comm_overlap"] = "; ".join(overlap)
+        allocator = distributed.allocator_note(cfg) if p.device == "cuda" else None
+        if allocator:
+            self.kernel_path["allocator"] = allocator
 
     def _build_data(self) -> None:
         """The train / validation datasets and one micro-batch stream per virtual stage."""

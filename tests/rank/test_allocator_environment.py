@@ -1,0 +1,44 @@
+"""Expert parallelism runs its ranks with the CUDA caching allocator's expandable segments (the dispatched token
+buffers change size every step; the default allocator fragments: ``workbench.config.rank_environment``): the
+backend's entry point sets it before importing torch, a launch's own value is kept and said so in the kernel path,
+nothing is set without EP or on CPU."""
+
+from __future__ import annotations
+
+import os
+
+from workbench.config import preset, rank_environment
+
+EXPANDABLE = "expandable_segments:True"
+
+
+def _ep2(**over):
+    return preset("moe-research", **{"parallel.expert_parallel": 2, "parallel.nproc_per_node": 2, **over})
+
+
+def test_expert_parallel_runs_ask_for_expandable_segments():
+    assert rank_environment(_ep2()) == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_environment(preset("moe-research"))  # EP = 1: one buffer size
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_environment(preset("gpt2-small"))
+    assert rank_environment(_ep2(**{"parallel.device": "cpu"})) == {}
+
+
+def test_the_entry_point_sets_it_before_cuda_and_the_kernel_path_says_what_is_in_force(monkeypatch, tmp_path):
+    from workbench.backend import distributed
+    from workbench.rank import __main__ as entry
+
+    cfg, path = _ep2(), tmp_path / "run.json"
+    cfg.save(path)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert distributed.allocator_note(cfg) == "PYTORCH_CUDA_ALLOC_CONF not set before CUDA started (default allocator)"
+    entry._rank_environment(["--config", str(path), "--run-dir", str(tmp_path)])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == EXPANDABLE
+    assert distributed.allocator_note(cfg).startswith(f"PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE} (expert parallelism")
+    # a launch's own allocator settings win, and the note says whose they are
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    entry._rank_environment(["--config", str(path), "--run-dir", str(tmp_path)])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert distributed.allocator_note(cfg) == "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 (set by the launch; kept)"
+    assert distributed.allocator_note(preset("gpt2-small")) == "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 (set by the launch)"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert distributed.allocator_note(preset("gpt2-small")) is None
