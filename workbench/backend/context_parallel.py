@@ -53,8 +53,10 @@ flash path passed its two-GPU check on H200 (``test_cuda_cp2_flash_blocks_match_
 and its backward, the same contract; Hopper or newer, head dim up to 128): the kernel torch's SDPA takes on one Hopper
 GPU, faster there than flash (the kernel rule's ``KernelChoice.sdpa_order`` note).  ``impl="auto"`` takes cuDNN where it runs
 and a one-time probe per device, dtype and head dim finds it equal to flash (forward with the log-sum-exp and
-backward of a diagonal and a rectangular block; :func:`ring_block_kernels` says what ran and why), else flash where it runs (CUDA, fp16 /
-bf16, no padding mask), else math.  Dropout inside attention, ALiBi and other additive biases, and packed
+backward of a diagonal and a rectangular block of grouped queries; :func:`ring_block_kernels` says what ran and why):
+first reading the K/V heads itself (``cudnn-gqa``: cuDNN takes fewer K/V heads than query heads, so no per-group
+copies of K/V and no fp32 dK/dV per query head to sum), else on K/V expanded per group (``cudnn``); else flash where
+it runs (CUDA, fp16 / bf16, no padding mask), else math.  Dropout inside attention, ALiBi and other additive biases, and packed
 sequences (THD) are not supported.
 
 **Communication volume** per CP rank, per attention layer, per micro-batch (``s_local = s / cp``; ``h_kv`` = K/V heads
@@ -255,30 +257,34 @@ def _flash_ok(q, kv_padding) -> bool:
             and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
-def _flash_heads(q, k, v):
+def _flash_heads(q, k, v, expand: bool = True):
     """Grouped ``q [b, hk, g, s, d]`` and ``k/v [b, hk, s, d]`` as the kernel's ``[b, h, s, d]`` (K/V heads repeated
-    per group, SDPA's ``enable_gqa`` order)."""
+    per group, SDPA's ``enable_gqa`` order; ``expand=False``: K/V as they are, for a kernel that reads K/V head
+    ``j // g`` for query head ``j`` itself)."""
     b, hk, g, sq, d = q.shape
     q4 = q.reshape(b, hk * g, sq, d).contiguous()
-    if g > 1:
+    if g > 1 and expand:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     return q4, k.contiguous(), v.contiguous()
 
 
-def _kernel_inputs(do, q, k, v, out, lse, lse_tail: tuple = ()):
+def _kernel_inputs(do, q, k, v, out, lse, lse_tail: tuple = (), expand: bool = True):
     """A fused kernel's backward inputs from the ring's grouped layout: ``[b, h, s, d]`` (K/V heads repeated per
-    group), the log-sum-exp in the kernel's own shape (``lse_tail``: cuDNN's trailing 1)."""
+    group unless ``expand=False``), the log-sum-exp in the kernel's own shape (``lse_tail``: cuDNN's trailing 1)."""
     b, hk, g, sq, d = q.shape
-    q4, k4, v4 = _flash_heads(q, k, v)
+    q4, k4, v4 = _flash_heads(q, k, v, expand)
     flat = (b, hk * g, sq, d)
     return do.reshape(flat).contiguous(), q4, k4, v4, out.reshape(flat).contiguous(), \
         lse.reshape(b, hk * g, sq, *lse_tail).contiguous()
 
 
 def _grouped_grads(q, k, dq, dk, dv):
-    """A fused kernel's ``dq, dk, dv`` back in the ring's grouped fp32 layout (dK/dV summed over each query group)."""
+    """A fused kernel's ``dq, dk, dv`` back in the ring's grouped fp32 layout (dK/dV summed over each query group
+    where the kernel saw K/V expanded; as they are where it read the K/V heads itself)."""
     b, hk, g, sq, d = q.shape
     sk = k.shape[2]
+    if dk.shape[1] == hk:
+        return dq.float().view(b, hk, g, sq, d), dk.float(), dv.float()
     return (dq.float().view(b, hk, g, sq, d), dk.float().view(b, hk, g, sk, d).sum(2),
             dv.float().view(b, hk, g, sk, d).sum(2))
 
@@ -317,11 +323,13 @@ def _cudnn_ok(q, kv_padding) -> bool:
     return (torch.backends.cudnn.version() or 0) >= 91501 or q.shape[-2] % 256 == 0
 
 
-def _cudnn_block_forward(q, k, v, scale: float, diag: bool, kmask, aux: dict):
+def _cudnn_block_forward(q, k, v, scale: float, diag: bool, kmask, aux: dict, gqa: bool = False):
+    """``gqa``: K/V heads as they are (cuDNN reads K/V head ``j // g`` for query head ``j``; no copies of K/V per
+    group, dK/dV come back summed), else expanded per group as for flash."""
     import torch
 
     b, hk, g, sq, d = q.shape
-    q4, k4, v4 = _flash_heads(q, k, v)
+    q4, k4, v4 = _flash_heads(q, k, v, expand=not gqa)
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, diag, False, scale=scale)
     if not aux:  # its backward takes these back (empty / unused without dropout and varlen); the lse's own shape
         aux.update(cum_seq_q=res[2], cum_seq_k=res[3], philox_seed=res[6], philox_offset=res[7],
@@ -329,10 +337,10 @@ def _cudnn_block_forward(q, k, v, scale: float, diag: bool, kmask, aux: dict):
     return res[0].float().view(b, hk, g, sq, d), res[1].float().reshape(b, hk, g, sq)
 
 
-def _cudnn_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask, aux: dict):
+def _cudnn_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask, aux: dict, gqa: bool = False):
     import torch
 
-    do4, q4, k4, v4, out4, lse4 = _kernel_inputs(do, q, k, v, out, lse, aux["lse_tail"])
+    do4, q4, k4, v4, out4, lse4 = _kernel_inputs(do, q, k, v, out, lse, aux["lse_tail"], expand=not gqa)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         do4, q4, k4, v4, out4, lse4, aux["philox_seed"], aux["philox_offset"], None, aux["cum_seq_q"],
         aux["cum_seq_k"], q.shape[3], k.shape[2], 0.0, diag, scale=scale)
@@ -346,36 +354,44 @@ _PROBED: dict[tuple, tuple[str, str]] = {}
 
 
 def _probe_cudnn(q) -> tuple[str, str]:
-    """``impl="auto"`` on a GPU where cuDNN may run: one small causal block and a rectangular one through flash's
-    kernel and cuDNN's, forward (output and log-sum-exp) and backward; cuDNN when it runs and agrees within bf16
-    rounding, else flash (the reason kept)."""
+    """``impl="auto"`` on a GPU where cuDNN may run: one small causal block and a rectangular one, grouped queries (two
+    per K/V head), through flash's kernel and cuDNN's, forward (output and log-sum-exp) and backward.  cuDNN reading
+    the K/V heads itself (``cudnn-gqa``) where it runs and agrees with flash within bf16 rounding, else cuDNN on K/V
+    expanded per group (``cudnn``), else flash; the reason kept."""
     import torch
 
     key = (str(q.device), str(q.dtype), int(q.shape[-1]))
     if key in _PROBED:
         return _PROBED[key]
     gen = torch.Generator(device=q.device).manual_seed(0)
-    d, worst = q.shape[-1], 0.0
+    d, cases = q.shape[-1], []
     for diag, sq, sk in ((True, 256, 256), (False, 128, 256)):
         qq = torch.randn(1, 2, 2, sq, d, device=q.device, dtype=q.dtype, generator=gen)
         kk, vv = (torch.randn(1, 2, sk, d, device=q.device, dtype=q.dtype, generator=gen) for _ in range(2))
         do = torch.randn(1, 2, 2, sq, d, device=q.device, dtype=q.dtype, generator=gen)
+        cases.append((diag, qq, kk, vv, do))
 
-        def run(fwd, bwd):
+    def run(fwd, bwd, **kw):
+        outs = []
+        for diag, qq, kk, vv, do in cases:
             aux: dict = {}
-            o, lse = fwd(qq, kk, vv, 0.125, diag, None, aux)
-            return [o, lse, *bwd(do, qq, kk, vv, o.to(q.dtype), lse, 0.125, diag, None, aux)]
+            o, lse = fwd(qq, kk, vv, 0.125, diag, None, aux, **kw)
+            outs += [o, lse, *bwd(do, qq, kk, vv, o.to(q.dtype), lse, 0.125, diag, None, aux, **kw)]
+        return outs
 
-        want = run(_flash_block_forward, _flash_block_backward)
+    want, notes = run(_flash_block_forward, _flash_block_backward), []
+    for name, gqa in (("cudnn-gqa", True), ("cudnn", False)):
         try:
-            got = run(_cudnn_block_forward, _cudnn_block_backward)
-        except Exception as e:  # noqa: BLE001 -- any refusal of the cuDNN op means flash
-            _PROBED[key] = ("flash", f"cuDNN attention refused: {type(e).__name__}: {str(e)[:160]}")
+            got = run(_cudnn_block_forward, _cudnn_block_backward, gqa=gqa)
+        except Exception as e:  # noqa: BLE001 -- any refusal of the cuDNN op: the next candidate
+            notes.append(f"{name}: cuDNN attention refused: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(got, want))
+        if worst < 2e-2:
+            _PROBED[key] = (name, "; ".join([f"matches flash ({worst:.1e})", *notes]))
             return _PROBED[key]
-        for a, b in zip(got, want):
-            worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)))
-    _PROBED[key] = (("cudnn", f"matches flash ({worst:.1e})") if worst < 2e-2
-                    else ("flash", f"cuDNN attention differs from flash by {worst:.1e}"))
+        notes.append(f"{name}: cuDNN attention differs from flash by {worst:.1e}")
+    _PROBED[key] = ("flash", "; ".join(notes))
     return _PROBED[key]
 
 
@@ -428,12 +444,14 @@ class _Ring:
 
 
 def _kernels(kernel: str, aux: dict):
-    """(block forward, block backward) of the chosen kernel (``math``, ``flash``, ``cudnn``), same signatures."""
+    """(block forward, block backward) of the chosen kernel (``math``, ``flash``, ``cudnn``, ``cudnn-gqa``), same
+    signatures."""
     if kernel == "math":
         return _block_forward, _block_backward
-    fwd, bwd = {"flash": (_flash_block_forward, _flash_block_backward),
-                "cudnn": (_cudnn_block_forward, _cudnn_block_backward)}[kernel]
-    return (lambda *a: fwd(*a, aux)), (lambda *a: bwd(*a, aux))
+    if kernel == "flash":
+        return (lambda *a: _flash_block_forward(*a, aux)), (lambda *a: _flash_block_backward(*a, aux))
+    gqa = kernel == "cudnn-gqa"
+    return (lambda *a: _cudnn_block_forward(*a, aux, gqa=gqa)), (lambda *a: _cudnn_block_backward(*a, aux, gqa=gqa))
 
 
 def _ring_forward(q, k, v, kmasks, ring, rank: int, cp: int, causal: bool, scale: float, plan, block_forward):
@@ -545,8 +563,8 @@ def _block_kernel(impl: str, q, kv_padding) -> str:
         raise ValueError("ring_attention impl 'flash' needs CUDA tensors in fp16 / bf16, a head dim that is a multiple "
                          "of 8 up to 256 and no kv_padding; impl='math' runs everywhere")
     cudnn = flash and _cudnn_ok(q, kv_padding)
-    if impl == "cudnn" and not cudnn:
-        raise ValueError("ring_attention impl 'cudnn' needs what 'flash' needs, a head dim up to 128, a Hopper or "
+    if impl in ("cudnn", "cudnn-gqa") and not cudnn:
+        raise ValueError(f"ring_attention impl {impl!r} needs what 'flash' needs, a head dim up to 128, a Hopper or "
                          "newer GPU, torch's cuDNN SDPA enabled and cuDNN >= 9.15.1 or a local shard a multiple of "
                          "256 long; impl='flash' or 'math' otherwise")
     if impl != "auto":
@@ -572,16 +590,17 @@ def ring_attention(q, k, v, group, causal: bool, scale: Optional[float] = None, 
     attention).  ``scale``: default ``1 / sqrt(d)``.  ``kv_padding``: optional ``[b, s_local]`` bool, True = a padded
     key (BERT); it is all-gathered once per call.  ``impl``: the block kernel, ``"math"`` (plain PyTorch, any device and
     dtype), ``"flash"`` (torch's FlashAttention-2 op: CUDA, fp16 / bf16, no ``kv_padding``), ``"cudnn"`` (cuDNN's
-    fused attention: what flash needs, Hopper or newer, head dim up to 128) or ``"auto"`` (cuDNN where it runs and
-    agrees with flash, else flash where it runs, else math: :func:`_block_kernel`).  fp32, bf16 and fp16 inputs; the
+    fused attention on K/V expanded per query group: what flash needs, Hopper or newer, head dim up to 128),
+    ``"cudnn-gqa"`` (the same reading the K/V heads itself) or ``"auto"`` (cuDNN where it runs and agrees with flash,
+    grouped first, else flash where it runs, else math: :func:`_block_kernel`).  fp32, bf16 and fp16 inputs; the
     merge and the gradient accumulation run in fp32.  Differentiable in q, k, v.
     """
     import torch
     import torch.distributed as dist
 
     global _FUNCTION
-    if impl not in ("auto", "math", "flash", "cudnn"):
-        raise ValueError(f"ring_attention impl {impl!r}: use 'auto', 'math', 'flash' or 'cudnn'")
+    if impl not in ("auto", "math", "flash", "cudnn", "cudnn-gqa"):
+        raise ValueError(f"ring_attention impl {impl!r}: use 'auto', 'math', 'flash', 'cudnn' or 'cudnn-gqa'")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("ring_attention takes q/k/v as [b, heads, s_local, head_dim] (SDPA's layout); "
                          "permute megatron's [s, b, heads, d] with .permute(1, 2, 0, 3)")
