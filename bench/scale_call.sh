@@ -20,7 +20,7 @@
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
 #           tokens a step, micro-batch 1: the one-GPU default path at that length (the recompute the planner says it
 #           needs: none on an H200 at both) beside CP=2 (ring attention; cuDNN blocks where they run): the scaling row
-#           (CALL=11: CP=2's first repeat profiled: where its step goes against one GPU's)
+#           (CALL=11: CP=2's first repeat profiled: where its step goes against one GPU's; PROFILE=0: not profiled)
 #   CALL=12 / 13: CP=2 beside torchtitan 0.3.0's CP=2 on the same two GPUs at 16k / 32k (cp2's "vs ref" is torchtitan's
 #           CP row; bench/train_throughput.cp_variants).  Each CP call: 6 processes of the protocol (>= 20 timed
 #           steps): 60-85 s a process at 2ec4a94, ~450 s a call (CALL=11's profiled repeat: ~570 s; keep LIMIT at 570)
@@ -43,7 +43,8 @@ bench() {  # bench LIMIT ARGS...: one protocol measurement, its log kept; the ca
 }
 case "$call" in
   10) bench "${LIMIT:-570}" --variants "$(names workbench-16k cp2-16k)" ;;
-  11) bench "${LIMIT:-570}" --variants "$(names workbench-32k cp2-32k)" --profile --profile-variants "cp2-32k/$model" ;;
+  11) if [ "${PROFILE:-1}" = 0 ]; then bench "${LIMIT:-570}" --variants "$(names workbench-32k cp2-32k)"
+      else bench "${LIMIT:-570}" --variants "$(names workbench-32k cp2-32k)" --profile --profile-variants "cp2-32k/$model"; fi ;;
   12) bench "${LIMIT:-570}" --variants "$(names cp2-16k torchtitan-cp2-16k)" ;;
   13) bench "${LIMIT:-570}" --variants "$(names cp2-32k torchtitan-cp2-32k)" ;;
   1) bench "${LIMIT:-570}" --microbatches 4 --variants "$(names workbench dp2-distopt torchtitan)" ;;
