@@ -120,7 +120,8 @@ def rank_environment(cfg: Any) -> dict[str, str]:
     experts receive change in number every step, so every dispatched buffer changes size, and the default caching
     allocator fragments (``moe-research`` at EP=2 on two H200s: 47.5 GiB reserved over a 34.6 GiB allocated peak,
     against 49.5 over 49.1 at EP=1, ``evidence/moe_proof.jsonl``); expandable segments grow one mapping instead
-    (PyTorch's advice for changing allocation sizes).  A value the launch sets is kept.
+    (PyTorch's advice for changing allocation sizes).  A value the launch sets is kept.  (Expandable segments with
+    CUDA graphs need ``NCCL_GRAPH_REGISTER=0``, pytorch#158029; MoE runs no CUDA graphs: ``kernel_rule``.)
     """
     import os
 

@@ -170,7 +170,7 @@ def planner_rows(a: argparse.Namespace, work: Path) -> list[dict]:
     spec.loader.exec_module(pm)
     rows = []
     for name, ep, port in (("moe-research-ep1", 1, 29720), ("moe-research-ep2", 2, 29721)):
-        cfg = config(a.device, 4, ep, **{"checkpoint.save_on_exit": False})
+        cfg = config(a.device, a.planner_steps, ep, **{"checkpoint.save_on_exit": False})
         t0 = time.time()
         proc = pm.launch(name, cfg, ep, work, port, None)
         try:
@@ -194,6 +194,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "evidence" / "moe_proof.jsonl"))
     ap.add_argument("--phases", default="parity,planner")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--planner-steps", type=int, default=30,
+                    help="steps of the planner phase's runs: the routers specialise, the busiest EP rank's peak with them")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per training job")
     a = ap.parse_args()

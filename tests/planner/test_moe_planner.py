@@ -117,5 +117,7 @@ def test_moe_plan_within_5_percent_of_the_measured_ranks_at_ep1_and_ep2():
         rk = replan(rec).ranks[rec["rank"]]
         ep = rec["run_config"]["parallel"]["expert_parallel"]
         assert abs(rk.peak_allocated / rec["measured_allocated"] - 1) <= BAR, (rec["config"], rec["rank"], rec["git_commit"])
-        if ep == 1 or "expandable_segments" in str(rec["kernel_path"].get("allocator", "")):
+        # the direction that runs out of memory: no measured rank (the busiest EP rank among them) above its plan
+        assert rk.peak_allocated >= 0.99 * rec["measured_allocated"], (rec["config"], rec["rank"], "under-planned")
+        if ep == 1 or "expandable_segments:True" in str(rec["kernel_path"].get("allocator", "")):
             assert abs(rk.peak_reserved / rec["measured_reserved"] - 1) <= BAR, (rec["config"], rec["rank"], "reserved")

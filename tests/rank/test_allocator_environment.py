@@ -42,3 +42,31 @@ def test_the_entry_point_sets_it_before_cuda_and_the_kernel_path_says_what_is_in
     assert distributed.allocator_note(preset("gpt2-small")) == "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 (set by the launch)"
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert distributed.allocator_note(preset("gpt2-small")) is None
+
+
+def test_once_cuda_has_started_the_allocator_is_set_at_run_time_and_the_note_tells_the_truth(monkeypatch):
+    """An in-process caller that started CUDA before ``initialize``: the environment variable is read too late, so the
+    settings go through torch's run-time setter (the boundary: no GPU here) and the note says so only if it took
+    them; a queue note never sets the allocator's variable behind its back."""
+    import torch
+
+    from workbench.backend import distributed
+
+    cfg = _ep2(**{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 4})
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert distributed.hardware_queue_note(cfg) == "CUDA_DEVICE_MAX_CONNECTIONS=1"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    taken: list = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", taken.append)
+    distributed._apply_environment(cfg)
+    assert taken == [EXPANDABLE] and distributed.allocator_note(cfg).startswith(f"PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}")
+
+    def refuse(conf):
+        raise RuntimeError("not supported")
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
+    distributed._apply_environment(cfg)
+    assert distributed.allocator_note(cfg) == "PYTORCH_CUDA_ALLOC_CONF not set before CUDA started (default allocator)"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from workbench.backend import cpu_mode
-from workbench.config import RunConfig, apply_rank_environment, derive, rank_environment
+from workbench.config import RunConfig, derive, rank_environment
 from workbench.layout import Layout
 
 __all__ = ["Coords", "allocator_note", "initialize", "initialize_for_tests", "coords", "destroy", "device"]
@@ -117,19 +117,39 @@ def _init_parallel_state(cfg: RunConfig) -> Coords:
 
 
 def hardware_queue_note(cfg: RunConfig) -> Optional[str]:
-    """Apply :func:`workbench.config.rank_environment` if CUDA has not started yet (the backend's
-    entry point sets it before importing torch; in-process API users get it here) and say
-    what is in force, for the run's kernel path.  None when the config does not ask for it.
-    Idempotent: :func:`initialize` applies the whole environment before CUDA starts, the Trainer calls this for the
-    note."""
+    """Set ``CUDA_DEVICE_MAX_CONNECTIONS`` as :func:`workbench.config.rank_environment` asks if CUDA has not started
+    yet (the backend's entry point sets it before importing torch; :func:`initialize` for in-process API users) and
+    say what is in force, for the run's kernel path.  None when the config does not ask for it.  Idempotent."""
     wanted = rank_environment(cfg).get("CUDA_DEVICE_MAX_CONNECTIONS")
     if wanted is None:
         return None
     have = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if have is None and torch.cuda.is_initialized():
         return "CUDA_DEVICE_MAX_CONNECTIONS not set before CUDA started (default queues)"
-    have = apply_rank_environment(cfg)["CUDA_DEVICE_MAX_CONNECTIONS"]
+    have = os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", wanted)
     return f"CUDA_DEVICE_MAX_CONNECTIONS={have}" + ("" if have == wanted else " (set by the launch; kept)")
+
+
+#: rank-environment keys read after CUDA starts (TE reads ``UB_SKIPMC`` when it sets up userbuffers): set even then
+_READ_LATE = ("UB_SKIPMC",)
+
+
+def _apply_environment(cfg: RunConfig) -> None:
+    """:func:`workbench.config.rank_environment` in this process (a launch's own values kept): all of it before CUDA
+    starts; once CUDA has started (an in-process caller that used it first), the keys read later, and the allocator's
+    settings through torch at run time (they apply to the segments it maps from then on)."""
+    env = rank_environment(cfg)
+    started = torch.cuda.is_initialized()
+    for key, value in env.items():
+        if not started or key in _READ_LATE:
+            os.environ.setdefault(key, value)
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
+    if started and conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        try:
+            torch.cuda.memory._set_allocator_settings(conf)
+        except (AttributeError, RuntimeError):
+            return  # the note says the default allocator runs
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
 
 
 def allocator_note(cfg: RunConfig) -> Optional[str]:
@@ -152,8 +172,7 @@ def initialize(cfg: RunConfig, timeout_s: float = 600.0) -> Coords:
         cpu_mode.enable()
         backend = "gloo"
     else:
-        if not torch.cuda.is_initialized():  # before is_available(), which may start CUDA (in-process API users)
-            apply_rank_environment(cfg)
+        _apply_environment(cfg)  # before is_available(), which may start CUDA (in-process API users)
         if not torch.cuda.is_available():
             raise RuntimeError("parallel.device is 'cuda' but no GPU is visible; set parallel.device: cpu for CPU mode")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

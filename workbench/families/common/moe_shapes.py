@@ -35,9 +35,11 @@ __all__ = ["DROPLESS_IMBALANCE", "layer_params", "mlp_flops", "shape_fields", "s
            "apply_activation_terms", "backward_transient", "routed_tokens"]
 
 #: the busiest EP rank's routed tokens over the balanced share, assumed for dropless routing at EP > 1: measured,
-#: ``moe-research`` (64 experts, top-8, aux-loss balanced) at EP=2 on two H200s, the allocated peaks over 10 steps
-#: (34.6 / 33.5 GiB, ``evidence/moe_proof.jsonl``, phase planner) are those of 1.11 / 1.02 times the balanced share
-#: summed over the layers (a layer's busy rank is not every layer's); 1.25 over-planned the busier rank by 4.8%
+#: ``moe-research`` (64 experts, top-8, aux-loss balanced) at EP=2 on two H200s, the allocated peaks of its first 4
+#: steps from initialisation (34.6 / 33.5 GiB, ``evidence/moe_proof.jsonl``, phase planner) are those of 1.11 / 1.02
+#: times the balanced share summed over the layers (a layer's busy rank is not every layer's); 1.25 over-planned the
+#: busier rank by 4.8%.  A router that has specialised may be less even: the planner test holds the busiest measured
+#: rank to never more than 1% under its plan, and the proof now trains 30 steps before it measures
 DROPLESS_IMBALANCE = 1.12
 
 
