@@ -306,6 +306,8 @@ def layer_blocker(cfg: Any) -> str | None:
         if cfg.train.fp8 != "off":
             return MOE_FP8_BLOCKER
     if getattr(m, "qk_layernorm", False):
+        if getattr(m, "qk_norm_scope", "head") == "all_heads":
+            return "q/k RMSNorms over all heads (qk_norm_scope all_heads: megatron's attention with the workbench's norms)"
         return "q/k layernorm (megatron's attention normalises each query / key head)"
     if m.query_groups < p.tensor_parallel:
         return "fewer KV groups than TP ranks"

@@ -1,7 +1,8 @@
 """HF Mixtral <-> megatron-core MoE conversion on a random model with odd shapes (6 heads, 2 KV groups, 4 experts of
 FFN 40, vocab 1100, untied): logits against HF's own class at EP=1, EP=2 and TP=2 x PP=2, the export back to HF
-bit-identical, greedy generation from the converted checkpoint equal to HF's greedy tokens, and the HF MoE type
-the workbench model cannot hold (OLMoE) refused with the reason (Qwen3-MoE: test_moe_qk_norm_conversion.py)."""
+bit-identical, greedy generation from the converted checkpoint equal to HF's greedy tokens, and an OLMoE the
+workbench model cannot hold (clip_qkv) refused with the reason (Qwen3-MoE: test_moe_qk_norm_conversion.py; OLMoE:
+test_olmoe_conversion.py)."""
 
 from __future__ import annotations
 
@@ -100,14 +101,17 @@ def test_greedy_generation_equals_hf_greedy(mixtral, converted):
     assert outs[0].token_ids == ref[0, len(prompt):].tolist()
 
 
-def test_olmoes_all_heads_qk_norms_are_refused(tmp_path):
+def test_olmoe_with_clip_qkv_is_refused(tmp_path):
+    """OLMoE converts (test_olmoe_conversion.py) except what megatron's attention cannot hold: a clamp of q, k, v."""
     import json
 
     from workbench.conversion import hf_to_megatron
     from workbench.models.common.conversion_rules import ConversionError
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "olmoe", "hidden_size": 32, "num_experts": 4}))
-    with pytest.raises(ConversionError, match="OLMoE's q/k norms normalise all heads at once"):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "olmoe", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 16,
+        "vocab_size": 64, "max_position_embeddings": 32, "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0}))
+    with pytest.raises(ConversionError, match="clip_qkv 8.0 -> megatron-core's attention does not clamp"):
         hf_to_megatron(tmp_path, tmp_path / "out", device="cpu", progress=False)
 
 

@@ -2,8 +2,8 @@
 4 experts of FFN 40, vocab 1100, untied): the per-head q/k norms land in megatron's ``qk_layernorm``, logits match
 HF's own class (``norm_topk_prob`` true at EP=1, false at TP=2 x EP=2), the export back to HF is
 bit-identical, the published per-expert tensor names give the same tensors as transformers 5's fused ones, and what
-megatron-core cannot hold (OLMoE's all-heads q/k norms, a q/k norm of the wrong width, a dense q/k-norm model's
-export, q/k norms on a family without them) is refused with the reason."""
+megatron-core cannot hold (a q/k norm of the wrong width, e.g. OLMoE's all-heads one in a Qwen3-MoE checkpoint, a
+dense q/k-norm model's export, q/k norms on a family without them) is refused with the reason."""
 
 from __future__ import annotations
 
@@ -159,7 +159,9 @@ def test_a_q_norm_over_all_heads_is_refused_naming_the_tensor(qwen, converted):
         _rules("qwen3_moe", sd, converted.config)
 
 
-def test_olmoe_is_refused_through_the_cli_with_the_reason(tmp_path):
+def test_an_incomplete_olmoe_config_is_refused_through_the_cli_with_the_reason(tmp_path):
+    """OLMoE converts (its all-heads q/k norms: test_olmoe_conversion.py); a config.json without its shapes is refused
+    naming them, exit 2, no traceback."""
     import subprocess
 
     (tmp_path / "hf").mkdir()
@@ -168,7 +170,7 @@ def test_olmoe_is_refused_through_the_cli_with_the_reason(tmp_path):
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     err = proc.stderr + proc.stdout
-    assert "'olmoe' is refused" in err and "all heads at once" in err and "normalises each head" in err, err
+    assert "OLMoE config without num_attention_heads" in err and "complete OlmoeConfig" in err, err
     assert "config.json" in err and "Traceback" not in err and not (tmp_path / "out").exists(), err
 
 

@@ -29,7 +29,9 @@ def param_counts(cfg: Any, padded_vocab: int) -> dict[str, int]:
     norm = (2 * h) if m.normalization == "layernorm" else h
     qkv_out = d * (a + 2 * g)
     attn = h * qkv_out + (qkv_out if bias else 0) + a * d * h + (h if bias else 0)
-    if getattr(m, "qk_layernorm", False):  # per-head q and k norms (head_dim wide each)
+    if getattr(m, "qk_layernorm", False) and getattr(m, "qk_norm_scope", "head") == "all_heads":
+        attn += (a + g) * d  # RMSNorms over all query heads and all KV heads (OLMoE's)
+    elif getattr(m, "qk_layernorm", False):  # per-head q and k norms (head_dim wide each)
         attn += 2 * d * (2 if m.normalization == "layernorm" else 1)
     fc1_out = 2 * f if m.activation == "swiglu" else f
     mlp = h * fc1_out + (fc1_out if bias else 0) + f * h + (h if bias else 0)

@@ -42,16 +42,16 @@ def _llama3(layers: int, hidden: int, heads: int, ffn: int, tied: bool, name: st
 
 def _moe(name: str, layers: int, hidden: int, heads: int, groups: int, ffn: int, experts: int, top_k: int, expert_ffn: int,
          vocab: int, max_pos: int, rope_base: float, eps: float, pre_softmax: bool, kv: int | None = None,
-         z_loss: float = 0.0, qk: bool = False) -> dict[str, Any]:
+         z_loss: float = 0.0, qk: bool = False, qk_scope: str = "head") -> dict[str, Any]:
     """A Llama-shaped MoE decoder (RoPE, RMSNorm, SwiGLU experts, no biases, untied output layer), MoE on every layer;
-    ``qk``: per-head q/k norms (``qk_layernorm``)."""
+    ``qk``: q/k norms (``qk_layernorm``), per head or over all heads at once (``qk_scope``: ``qk_norm_scope``)."""
     return {
         "name": name,
         "model": dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, attention_type="grouped" if groups != heads else "multihead",
                       num_query_groups=groups if groups != heads else None, kv_channels=kv, ffn_hidden_size=ffn, vocab_size=vocab,
                       max_position_embeddings=max_pos, seq_length=min(4096, max_pos), position_embedding="rope", rotary_base=rope_base,
                       normalization="rmsnorm", norm_epsilon=eps, activation="swiglu", add_bias_linear=False, tie_embeddings=False,
-                      hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=qk,
+                      hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=qk, qk_norm_scope=qk_scope,
                       moe=dict(num_experts=experts, top_k=top_k, ffn_hidden_size=expert_ffn, router_pre_softmax=pre_softmax,
                                aux_loss_coeff=0.01, z_loss_coeff=z_loss)),
         "train": dict(micro_batch_size=1, global_batch_size=64, train_iters=1000, lr=3e-4, min_lr=3e-5, lr_warmup_iters=100),
@@ -91,11 +91,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": dict(source="demo"),
     },
     "moe-research": _moe_research(),
-    # published shapes (plan them; Qwen3-MoE's per-head q/k norms are qk_layernorm; OLMoE's span all heads, which
-    # megatron-core has not: its preset has none)
+    # published shapes (plan them; Qwen3-MoE's per-head q/k norms are qk_layernorm; OLMoE's span all heads:
+    # qk_norm_scope all_heads)
     "mixtral-8x7b": _moe("mixtral-8x7b", 32, 4096, 32, 8, 14336, 8, 2, 14336, 32000, 32768, 1e6, 1e-5, False),
     "qwen3-30b-a3b": _moe("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 128, 8, 768, 151936, 40960, 1e6, 1e-6, False, kv=128, qk=True),
-    "olmoe-1b-7b": _moe("olmoe-1b-7b", 16, 2048, 16, 16, 1024, 64, 8, 1024, 50304, 4096, 10000.0, 1e-5, True, z_loss=1e-3),
+    "olmoe-1b-7b": _moe("olmoe-1b-7b", 16, 2048, 16, 16, 1024, 64, 8, 1024, 50304, 4096, 10000.0, 1e-5, True, z_loss=1e-3,
+                        qk=True, qk_scope="all_heads"),
     "demo-small": _demo_small(),
     "gpt2-small": _gpt2(12, 768, 12, "gpt2-small"),
     "gpt2-medium": _gpt2(24, 1024, 16, "gpt2-medium"),

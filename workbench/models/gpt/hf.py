@@ -40,7 +40,7 @@ def _rope_theta(hf: dict) -> float:
 def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
     """Fill the RunConfig ``model`` section ``m`` (a dict) from an HF GPT-2 / Llama config."""
     mt = hf.get("model_type")
-    m["qk_layernorm"] = False  # Qwen3-MoE's per-head q/k norms turn it on (hf_moe)
+    m["qk_layernorm"], m["qk_norm_scope"] = False, "head"  # Qwen3-MoE's per-head / OLMoE's all-heads q/k norms (hf_moe)
     if mt == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         if act not in _GELU_TANH | {"gelu"}:
@@ -59,7 +59,7 @@ def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
             hidden_dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)), init_method_std=float(hf.get("initializer_range", 0.02)),
         )
-    elif mt in ("llama", *hf_moe.MODEL_TYPES):  # Mixtral, Qwen3-MoE: Llama's decoder with MoE MLPs (hf_moe)
+    elif mt in ("llama", *hf_moe.MODEL_TYPES):  # Mixtral, Qwen3-MoE, OLMoE: Llama's decoder with MoE MLPs (hf_moe)
         if mt in hf_moe.MODEL_TYPES:
             hf_moe.model_fields(hf, m)
         if hf.get("hidden_act", "silu") != "silu":
@@ -100,9 +100,9 @@ def infer_model_type(m: ModelConfig) -> str:
             raise ConversionError("model.rotary_percent < 1 has no HF Llama equivalent")
         if m.qk_layernorm:
             if not m.moe.num_experts:
-                raise ConversionError("model.qk_layernorm on a dense model: HF Qwen3 (dense) export is not mapped -> "
-                                      "export a model with experts (Qwen3-MoE) or set qk_layernorm: false (Llama)")
-            return "qwen3_moe"
+                raise ConversionError("model.qk_layernorm on a dense model: HF Qwen3 / OLMo 2 (dense) export is not mapped -> "
+                                      "export a model with experts (Qwen3-MoE, OLMoE) or set qk_layernorm: false (Llama)")
+            return "olmoe" if m.qk_norm_scope == "all_heads" else "qwen3_moe"
         return "mixtral" if m.moe.num_experts else "llama"
     raise ConversionError(
         f"model (position_embedding={m.position_embedding}, normalization={m.normalization}, activation={m.activation}) "
@@ -157,15 +157,17 @@ def _transpose(t: Any) -> Any:
     return t.t()
 
 
-def _qk_norm_rules(infos: Mapping[str, TensorInfo], s: str, o: str, d: int, src: str) -> list[Rule]:
-    """Qwen3's per-head q/k norms (``self_attn.q_norm`` / ``k_norm``, head_dim wide) -> megatron's ``q_layernorm`` /
-    ``k_layernorm``; a norm of another width (OLMoE's span all heads) is refused."""
+def _qk_norm_rules(infos: Mapping[str, TensorInfo], s: str, o: str, m: ModelConfig, src: str) -> list[Rule]:
+    """The q/k norms (``self_attn.q_norm`` / ``k_norm``) -> megatron's ``q_layernorm`` / ``k_layernorm``: Qwen3's per
+    head (head_dim wide), OLMoE's over all heads (``qk_norm_scope: all_heads``: all query heads' / all KV heads'
+    width, in megatron's head order, which is HF's); a norm of another width is refused."""
     rules = []
-    for n in "qk":
+    scope = "each head (head_dim)" if m.qk_norm_scope == "head" else "all heads at once (qk_norm_scope all_heads)"
+    for n, width in zip("qk", hf_moe.qk_norm_widths(m)):
         info = need(infos, s + f"{n}_norm.weight", src)
-        if tuple(info.shape) != (d,):
-            raise ConversionError(f"{src}: {s}{n}_norm.weight has shape {tuple(info.shape)}, not ({d},) (head_dim) -> "
-                                  "only per-head q/k norms convert (megatron-core's qk_layernorm normalises each head)")
+        if tuple(info.shape) != (width,):
+            raise ConversionError(f"{src}: {s}{n}_norm.weight has shape {tuple(info.shape)}, not ({width},) -> "
+                                  f"this model type's q/k norms normalise {scope}; a norm of another width has no mapping")
         rules.append(copy_rule(o + f"{n}_layernorm.weight", s + f"{n}_norm.weight"))
     return rules
 
@@ -218,7 +220,7 @@ def hf_to_mcore_rules(infos: Mapping[str, TensorInfo], cfg: RunConfig, model_typ
                       copy_rule(o + "self_attention.linear_proj.weight", s + "self_attn.o_proj.weight"),
                       copy_rule(o + "pre_mlp_layernorm.weight", s + "post_attention_layernorm.weight")]
             if m.qk_layernorm:
-                rules += _qk_norm_rules(infos, s + "self_attn.", o + "self_attention.", d, src)
+                rules += _qk_norm_rules(infos, s + "self_attn.", o + "self_attention.", m, src)
             if hf_moe.is_moe_layer(cfg, i):
                 rules += hf_moe.experts_to_mcore_rules(infos, s, o, cfg)
             else:
@@ -329,8 +331,10 @@ def make_random_hf_model(out: str | Path, model_type: str = "gpt2", hidden: int 
         model = hf_moe.make_random_mixtral(hidden, layers, heads, kv_heads, vocab, positions, bool(tied))
     elif model_type == "qwen3_moe":
         model = hf_moe.make_random_qwen3_moe(hidden, layers, heads, kv_heads, vocab, positions, bool(tied))
+    elif model_type == "olmoe":
+        model = hf_moe.make_random_olmoe(hidden, layers, heads, kv_heads, vocab, positions, bool(tied))
     else:
-        raise ConversionError(f"model_type {model_type!r} -> gpt2, llama, mixtral or qwen3_moe")
+        raise ConversionError(f"model_type {model_type!r} -> gpt2, llama, mixtral, qwen3_moe or olmoe")
     out = Path(out)
     model.save_pretrained(out)
     return out

@@ -14,8 +14,13 @@ without.
 
 Qwen3-MoE also normalises each query and key head (``self_attn.q_norm`` / ``k_norm``, head_dim wide, before RoPE):
 megatron's ``qk_layernorm`` (``model.qk_layernorm``; ``self_attention.q_layernorm`` / ``k_layernorm``), and sizes
-its experts by ``moe_intermediate_size`` and its heads by ``head_dim``.  OLMoE is refused (GPT's
-``Supports.hf_refused``): its q/k norms span all heads at once, which megatron's per-head norm cannot express.
+its experts by ``moe_intermediate_size`` and its heads by ``head_dim``.  OLMoE's q/k norms span all heads at once
+(``q_norm`` over the whole query projection, hidden = num_heads x head_dim wide; ``k_norm`` over the whole key
+projection, num_kv_heads x head_dim): ``qk_layernorm`` with ``model.qk_norm_scope: all_heads``
+(:mod:`workbench.backend.qk_norms`), the weights copied as they are (megatron's query heads are HF's, in order).  Its
+router is Qwen3-MoE's (softmax over all experts, top-k, renormalised where ``norm_topk_prob``), its experts are sized
+by ``intermediate_size``, its heads are hidden / heads wide; ``clip_qkv`` (a clamp of q, k, v) and linear biases
+have no megatron equivalent and are refused.
 """
 
 from __future__ import annotations
@@ -26,15 +31,18 @@ from workbench.families.common import moe
 from workbench.models.common.conversion_rules import ConversionError, Rule, copy_rule
 
 __all__ = ["MODEL_TYPES", "model_fields", "is_moe_layer", "experts_to_mcore_rules", "experts_from_mcore_rules",
-           "hf_config_fields", "make_random_mixtral", "make_random_qwen3_moe"]
+           "hf_config_fields", "make_random_mixtral", "make_random_qwen3_moe", "make_random_olmoe", "qk_norm_widths"]
 
-MODEL_TYPES = ("mixtral", "qwen3_moe")
+MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe")
 
 
 def model_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
-    """The MoE part of a Mixtral / Qwen3-MoE config (the Llama part is filled by the caller)."""
+    """The MoE part of a Mixtral / Qwen3-MoE / OLMoE config (the Llama part is filled by the caller)."""
     if hf.get("model_type") == "qwen3_moe":
         _qwen3_moe_fields(hf, m)
+        return
+    if hf.get("model_type") == "olmoe":
+        _olmoe_fields(hf, m)
         return
     if hf.get("sliding_window"):
         raise ConversionError(f"config.json: sliding_window {hf['sliding_window']} -> the workbench model attends to the "
@@ -59,6 +67,39 @@ def _qwen3_moe_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
                     ffn_hidden_size=int(hf["moe_intermediate_size"]), router_pre_softmax=not hf.get("norm_topk_prob", False),
                     aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)))
     m["qk_layernorm"] = True
+
+
+_OLMOE_NEEDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+                "max_position_embeddings", "num_experts", "num_experts_per_tok")
+
+
+def _olmoe_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
+    missing = [k for k in _OLMOE_NEEDS if hf.get(k) is None and not (k == "num_experts" and hf.get("num_local_experts"))]
+    if missing:
+        raise ConversionError(f"config.json: OLMoE config without {', '.join(missing)} -> a complete OlmoeConfig "
+                              "(save the model with save_pretrained)")
+    if hf.get("clip_qkv") is not None:
+        raise ConversionError(f"config.json: clip_qkv {hf['clip_qkv']} -> megatron-core's attention does not clamp q, k and v; "
+                              "only OLMoE configs with clip_qkv null convert")
+    if hf.get("attention_bias"):
+        raise ConversionError("config.json: attention_bias true -> OLMoE's experts have no biases and the workbench model has "
+                              "one add_bias_linear switch; only OLMoE configs with attention_bias false convert")
+    h, a = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    if h % a or int(hf.get("head_dim") or h // a) * a != h:
+        raise ConversionError(f"config.json: hidden_size {h} is not num_attention_heads {a} x head_dim -> OLMoE's q_norm "
+                              "is hidden_size wide over all heads; only configs with head_dim = hidden_size / heads convert")
+    m["moe"] = dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
+                    ffn_hidden_size=int(hf["intermediate_size"]), router_pre_softmax=not hf.get("norm_topk_prob", False),
+                    aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.01)))
+    m["qk_layernorm"], m["qk_norm_scope"] = True, "all_heads"
+
+
+def qk_norm_widths(m: Any) -> tuple[int, int]:
+    """The q and k norms' widths of model section ``m``: head_dim each (per-head, Qwen3's), or all query heads' and all
+    KV heads' (``qk_norm_scope: all_heads``, OLMoE's)."""
+    if getattr(m, "qk_norm_scope", "head") == "all_heads":
+        return m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
+    return m.head_dim, m.head_dim
 
 
 def is_moe_layer(cfg: Any, i: int) -> bool:
@@ -114,13 +155,15 @@ def _stack(*ts: Any) -> Any:
 
 
 def hf_config_fields(cfg: Any, model_type: str = "mixtral") -> dict[str, Any]:
-    """The Mixtral / Qwen3-MoE fields of an exported ``config.json`` (over the Llama ones)."""
+    """The Mixtral / Qwen3-MoE / OLMoE fields of an exported ``config.json`` (over the Llama ones)."""
     m = cfg.model
     mo = m.moe
+    if model_type == "olmoe":
+        return _olmoe_config_fields(cfg)
     if model_type == "qwen3_moe":
-        if mo.shared_experts or mo.layer_freq != 1 or not m.qk_layernorm:
+        if mo.shared_experts or mo.layer_freq != 1 or not m.qk_layernorm or m.qk_norm_scope != "head":
             raise ConversionError("model: HF Qwen3-MoE routes every layer, has no shared experts and normalises q/k per head "
-                                  "-> shared_experts 0, layer_freq 1, qk_layernorm true export to Qwen3-MoE")
+                                  "-> shared_experts 0, layer_freq 1, qk_layernorm true, qk_norm_scope head export to Qwen3-MoE")
         return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": mo.num_experts,
                 "num_experts_per_tok": mo.top_k, "moe_intermediate_size": moe.expert_ffn(cfg),
                 "norm_topk_prob": not mo.router_pre_softmax, "router_aux_loss_coef": mo.aux_loss_coeff,
@@ -133,6 +176,21 @@ def hf_config_fields(cfg: Any, model_type: str = "mixtral") -> dict[str, Any]:
     return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": mo.num_experts,
             "num_experts_per_tok": mo.top_k, "intermediate_size": moe.expert_ffn(cfg), "router_aux_loss_coef": mo.aux_loss_coeff,
             "sliding_window": None, "output_router_logits": False}
+
+
+def _olmoe_config_fields(cfg: Any) -> dict[str, Any]:
+    m, mo = cfg.model, cfg.model.moe
+    if mo.shared_experts or mo.layer_freq != 1 or not m.qk_layernorm or m.qk_norm_scope != "all_heads" or m.add_bias_linear:
+        raise ConversionError("model: HF OLMoE routes every layer, has no shared experts and no biases and normalises q/k "
+                              "over all heads -> shared_experts 0, layer_freq 1, add_bias_linear false, qk_layernorm true, "
+                              "qk_norm_scope all_heads export to OLMoE")
+    if m.head_dim * m.num_attention_heads != m.hidden_size:
+        raise ConversionError(f"model.kv_channels {m.kv_channels}: HF OLMoE's heads are hidden_size / num_attention_heads "
+                              "wide -> kv_channels null (or hidden_size / num_attention_heads) exports to OLMoE")
+    return {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "num_experts": mo.num_experts,
+            "num_experts_per_tok": mo.top_k, "intermediate_size": moe.expert_ffn(cfg),
+            "norm_topk_prob": not mo.router_pre_softmax, "router_aux_loss_coef": mo.aux_loss_coeff, "clip_qkv": None,
+            "output_router_logits": False}
 
 
 def make_random_mixtral(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, positions: int, tied: bool,
@@ -160,3 +218,16 @@ def make_random_qwen3_moe(hidden: int, layers: int, heads: int, kv_heads: int, v
                                               num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
                                               vocab_size=vocab, max_position_embeddings=positions, tie_word_embeddings=tied,
                                               bos_token_id=1, eos_token_id=2))
+
+
+def make_random_olmoe(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, positions: int, tied: bool,
+                      experts: int = 4, top_k: int = 2, ffn: int | None = None, norm_topk_prob: bool = False) -> Any:
+    """A small randomly initialised HF OLMoE (tests, demos): q/k norms over all heads, ``norm_topk_prob`` false as
+    the published OLMoE-1B-7B."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return OlmoeForCausalLM(OlmoeConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                        num_key_value_heads=kv_heads, intermediate_size=ffn or hidden, num_experts=experts,
+                                        num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob, vocab_size=vocab,
+                                        max_position_embeddings=positions, tie_word_embeddings=tied, pad_token_id=0,
+                                        bos_token_id=1, eos_token_id=2))

@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from workbench import kernel_rule
 from workbench.backend.model import layer_class, norm_module, self_attention_layer_spec, transformer_config
 from workbench.backend.moe_experts import moe_mlp
+from workbench.backend.qk_norms import AllHeadsKNorm, AllHeadsQNorm
 from workbench.config import RunConfig, derive
 from workbench.families.common import moe
 
@@ -51,28 +52,38 @@ if not any(isinstance(f, _DropGPTDeprecation) for f in _gpt_logger.filters):
 def layer_spec(cfg: RunConfig, choice: Optional[kernel_rule.KernelChoice] = None) -> ModuleSpec:
     """The transformer-layer spec: TE's GPT spec when the rule picks TE, megatron's local spec for
     ``attention_backend: local``, else the workbench's causal self-attention layer
-    (:func:`workbench.backend.model.self_attention_layer_spec`); per-head q/k norms where ``model.qk_layernorm``.
+    (:func:`workbench.backend.model.self_attention_layer_spec`); q/k norms where ``model.qk_layernorm`` (per head, or
+    over all heads at once where ``model.qk_norm_scope`` is ``all_heads``).
     ``choice``: the kernel rule's decision the model is built with (default: :func:`workbench.kernel_rule.choose`)."""
     choice = choice or kernel_rule.choose(cfg)
     qk = bool(cfg.model.qk_layernorm)
     if choice.attention == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return dataclasses.replace(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk), module=layer_class(choice))  # graphed for training where the rule says
+        spec = dataclasses.replace(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk), module=layer_class(choice))  # graphed for training where the rule says
+        return _all_heads_qk_norms(cfg, spec)
     if choice.norm == "torch":
         # the stock spec as-is (torch norms) when the user asked for stock behaviour
-        return get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm",
-                                        qk_layernorm=qk)
+        return _all_heads_qk_norms(cfg, get_gpt_layer_local_spec(
+            normalization="RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm", qk_layernorm=qk))
     spec = self_attention_layer_spec(cfg, choice, AttnMaskType.causal)
-    return _with_qk_norms(spec, norm_module(cfg, choice)) if qk else spec
+    return _all_heads_qk_norms(cfg, _with_qk_norms(spec, norm_module(cfg, choice), norm_module(cfg, choice))) if qk else spec
 
 
-def _with_qk_norms(spec: ModuleSpec, norm: type) -> ModuleSpec:
-    """``spec`` with ``norm`` as its attention's per-head q and k norms (``self_attention.q_layernorm`` /
+def _with_qk_norms(spec: ModuleSpec, q_norm: type, k_norm: type) -> ModuleSpec:
+    """``spec`` with ``q_norm`` / ``k_norm`` as its attention's q and k norms (``self_attention.q_layernorm`` /
     ``k_layernorm``, megatron's ``qk_layernorm``)."""
     attn = spec.submodules.self_attention
-    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, q_layernorm=norm, k_layernorm=norm))
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, q_layernorm=q_norm, k_layernorm=k_norm))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
+
+
+def _all_heads_qk_norms(cfg: RunConfig, spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with q/k RMSNorms over all heads at once (:mod:`workbench.backend.qk_norms`, OLMoE's) where
+    ``model.qk_norm_scope`` is ``all_heads``; as it is otherwise (megatron's per-head norms)."""
+    if not (cfg.model.qk_layernorm and cfg.model.qk_norm_scope == "all_heads"):
+        return spec
+    return _with_qk_norms(spec, AllHeadsQNorm, AllHeadsKNorm)
 
 
 def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec, choice: Optional[kernel_rule.KernelChoice] = None) -> ModuleSpec:
@@ -86,7 +97,7 @@ def moe_layer_spec(cfg: RunConfig, dense: ModuleSpec, choice: Optional[kernel_ru
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.model.moe.num_experts,
                                                           moe_grouped_gemm=choice.experts == "te_grouped",
                                                           qk_layernorm=bool(cfg.model.qk_layernorm))
-        return dataclasses.replace(spec, module=layer_class(choice))
+        return _all_heads_qk_norms(cfg, dataclasses.replace(spec, module=layer_class(choice)))
     keys = {k: v for k, v in (dense.submodules.sharded_state_dict_keys_map or {}).items() if not k.startswith("pre_mlp")}
     subs = dataclasses.replace(dense.submodules, mlp=moe_mlp(choice.experts), sharded_state_dict_keys_map=keys)
     return dataclasses.replace(dense, submodules=subs)
