@@ -81,9 +81,26 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         others = torch.ones(HEADS * D, dtype=torch.bool)
         others[mine] = False
         assert not q.weight.grad[others].any()  # this rank's heads' slice only
-        grad = q.weight.grad.clone()
-        dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())  # megatron's sum over TP
-        assert torch.allclose(grad, wr.grad, atol=1e-5)
+        # megatron's own sum over TP (finalize_model_grads), which picks the parameter by its name and qk_layernorm
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+        layer = torch.nn.Module()
+        layer.self_attention = torch.nn.Module()
+        layer.self_attention.q_layernorm = q
+        layer.ddp_config = DistributedDataParallelConfig()
+        cfg = _config(world)
+        cfg.qk_layernorm = True  # as the workbench's transformer config sets it (families/gpt transformer_fields)
+        _allreduce_non_tensor_model_parallel_grads([layer], cfg)
+        assert torch.allclose(q.weight.grad, wr.grad, atol=1e-5)  # every rank: the whole gradient, once
+        gathered = [torch.empty_like(q.weight.grad) for _ in range(world)]
+        dist.all_gather(gathered, q.weight.grad, group=parallel_state.get_tensor_model_parallel_group())
+        assert all(torch.equal(t, gathered[0]) for t in gathered)  # the same bits: the TP copies stay one weight
+        q.weight.grad = None
+        (q(xl) * g[:, :, local]).sum().backward()
+        cfg.qk_layernorm = False  # without qk_layernorm megatron leaves it alone: the slice-only gradient stays
+        _allreduce_non_tensor_model_parallel_grads([layer], cfg)
+        assert not q.weight.grad[others].any()
         from megatron.core.transformer.utils import sharded_state_dict_default
 
         sh = sharded_state_dict_default(q, prefix="layer.q_layernorm.")["layer.q_layernorm.weight"]

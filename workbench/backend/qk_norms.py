@@ -85,8 +85,8 @@ class AllHeadsRMSNorm(torch.nn.Module):
             raise ValueError(f"{self.role} norm over all heads: input {tuple(shape)}, expected [..., {self.local_heads}, {self.head_dim}]")
         flat = x.reshape(*shape[:-2], shape[-2] * shape[-1])
         group, tp, rank = _tp_group()
-        if tp == 1:
-            return F.rms_norm(flat, (self.full_width,), self.weight, self.eps).view(shape)
+        if tp == 1:  # normalised in fp32, cast, then weighted (HF's OlmoeRMSNorm's two roundings, as at TP > 1)
+            return (F.rms_norm(flat.float(), (self.full_width,), eps=self.eps).to(x.dtype) * self.weight).view(shape)
         width = self.local_heads * self.head_dim
         xf = flat.float()
         ss = _AllReduceSum.apply(xf.pow(2).sum(-1, keepdim=True), group)

@@ -70,7 +70,7 @@ def _qwen3_moe_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
 
 
 _OLMOE_NEEDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
-                "max_position_embeddings", "num_experts", "num_experts_per_tok")
+                "max_position_embeddings", "num_experts", "num_experts_per_tok", "rms_norm_eps")
 
 
 def _olmoe_fields(hf: dict[str, Any], m: dict[str, Any]) -> None:
