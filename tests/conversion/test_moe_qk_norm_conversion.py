@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from tests.support.hf_moe_models import spread
+
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 V = 1100
@@ -27,15 +29,7 @@ def _qwen3_moe(root, norm_topk_prob: bool):
         intermediate_size=64, moe_intermediate_size=40, num_experts=4, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
         vocab_size=V, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=5000.0, rms_norm_eps=1e-6,
         bos_token_id=1, eos_token_id=2))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-            if name.endswith("mlp.gate.weight"):  # the routers: spread the logits so top-2 is far from ties
-                p.mul_(10.0)
-            if name.endswith("_norm.weight"):  # q/k norms far from ones, so a missing norm shows
-                p.add_(0.5 * torch.randn(p.shape, generator=g))
-    model.eval().save_pretrained(root)
+    spread(model).save_pretrained(root)
     return root, model
 
 

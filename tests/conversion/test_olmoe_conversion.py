@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from tests.support.hf_moe_models import spread
+
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 V, H, HEADS, KV, D = 1100, 48, 6, 2, 8
@@ -34,18 +36,7 @@ def _olmoe(root, norm_topk_prob: bool):
 
     torch.manual_seed(0)
     model = OlmoeForCausalLM(_olmoe_config(norm_topk_prob=norm_topk_prob))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-            if name.endswith("mlp.gate.weight"):  # the routers: spread the logits so top-2 is far from ties
-                p.mul_(10.0)
-            if name.endswith("_norm.weight"):  # q/k norms far from ones, so a missing norm shows
-                p.add_(0.5 * torch.randn(p.shape, generator=g))
-            if name.endswith(("q_proj.weight", "k_proj.weight")):  # heads of unequal scale: per-head != all-heads
-                heads = p.shape[0] // D
-                p.mul_(torch.linspace(0.3, 3.0, heads).repeat_interleave(D)[:, None])
-    model.eval().save_pretrained(root)
+    spread(model, head_dim=D).save_pretrained(root)
     return root, model
 
 
