@@ -110,7 +110,7 @@ def test_olmoe_with_clip_qkv_is_refused(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "olmoe", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 16,
-        "vocab_size": 64, "max_position_embeddings": 32, "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0}))
+        "vocab_size": 64, "max_position_embeddings": 32, "num_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "clip_qkv": 8.0}))
     with pytest.raises(ConversionError, match="clip_qkv 8.0 -> megatron-core's attention does not clamp"):
         hf_to_megatron(tmp_path, tmp_path / "out", device="cpu", progress=False)
 
