@@ -139,7 +139,7 @@ def test_the_fused_kernels_layout_round_trips_the_ring_s_grouped_heads():
     assert lse4.shape == (b, hk * g, s, 1) and torch.equal(lse4.view(b, hk, g, s), lse)
     for j in range(hk * g):
         assert torch.equal(k4[:, j], k[:, j // g]) and torch.equal(v4[:, j], v[:, j // g])
-    dq, dk, dv = cpm._grouped_grads(q, k, q4, k4, 2 * v4)
+    dq, dk, dv = cpm._grouped_grads(q, k, q4, k4, 2 * v4, expand=True)
     assert torch.equal(dq, q) and torch.allclose(dk, g * k) and torch.allclose(dv, 2 * g * v)
 
 
@@ -151,5 +151,5 @@ def test_cudnn_reading_the_grouped_heads_gets_kv_as_they_are_and_gives_their_gra
     k, v = torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
     do4, q4, k4, v4, out4, lse4 = cpm._kernel_inputs(q + 1, q, k, v, q - 1, torch.randn(b, hk, g, s), (1,), expand=False)
     assert torch.equal(q4.view(b, hk, g, s, d), q) and torch.equal(k4, k) and torch.equal(v4, v)
-    dq, dk, dv = cpm._grouped_grads(q, k, q4, 2 * k4, 3 * v4)
+    dq, dk, dv = cpm._grouped_grads(q, k, q4, 2 * k4, 3 * v4, expand=False)
     assert torch.equal(dq, q) and torch.equal(dk, 2 * k) and torch.equal(dv, 3 * v)

@@ -8,13 +8,10 @@ another width, the scope without the norms or at more TP ranks than KV groups) i
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 import torch
 
-from tests.support.hf_moe_models import spread
+from tests.support import hf_moe_models as moe
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
@@ -34,10 +31,7 @@ def _olmoe_config(**kw):
 def _olmoe(root, norm_topk_prob: bool):
     from transformers import OlmoeForCausalLM
 
-    torch.manual_seed(0)
-    model = OlmoeForCausalLM(_olmoe_config(norm_topk_prob=norm_topk_prob))
-    spread(model, head_dim=D).save_pretrained(root)
-    return root, model
+    return moe.save_random(OlmoeForCausalLM, _olmoe_config(norm_topk_prob=norm_topk_prob), root, head_dim=D)
 
 
 @pytest.fixture(scope="module")
@@ -47,45 +41,22 @@ def olmoe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(olmoe, tmp_path_factory):
-    from workbench.conversion import hf_to_megatron
-
-    return hf_to_megatron(olmoe[0], tmp_path_factory.mktemp("mc") / "ckpt", tp=1, pp=1, device="cpu", progress=False)
+    return moe.convert(olmoe[0], tmp_path_factory.mktemp("mc") / "ckpt", tp=1, pp=1)
 
 
 @pytest.fixture(scope="module")
 def renormalised(tmp_path_factory):
     """The ``norm_topk_prob`` true model (HF model) and its conversion at TP=1."""
-    from workbench.conversion import hf_to_megatron
-
     root = tmp_path_factory.mktemp("renormalised")
     hf_dir, hf = _olmoe(root / "hf", norm_topk_prob=True)
-    return hf, hf_to_megatron(hf_dir, root / "ckpt", device="cpu", progress=False)
-
-
-def _tokens():
-    return torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
+    return hf, moe.convert(hf_dir, root / "ckpt")
 
 
 @pytest.fixture(scope="module")
 def forwards(converted, renormalised):
-    """Both checkpoints' logits from one launch of four ranks: the published router at EP=1 (its other ranks
-    data-parallel replicas), the renormalising one at TP=2 x EP=2."""
-    from tests.support.verify_runs import forward_logits_many
-
-    return forward_logits_many([dict(ckpt=converted.output, tokens=_tokens()),
-                                dict(ckpt=renormalised[1].output, tokens=_tokens(), tp=2, ep=2)])
-
-
-def _hf_logits(hf):
-    with torch.no_grad():
-        return hf(_tokens()).logits.float()
-
-
-def _logits_match(got, hf, **layout):
-    ref = _hf_logits(hf)
-    got = got[..., :V]
-    assert ref.abs().max() > 0.5
-    assert (got - ref).abs().max() < 1e-4, layout
+    """Both checkpoints' logits from one launch of four ranks: the published router at EP=1, the renormalising one
+    at TP=2 x EP=2."""
+    return moe.forwards(converted.output, renormalised[1].output, V)
 
 
 def test_the_config_is_olmoes_and_the_planner_counts_its_q_k_norms(olmoe, converted):
@@ -102,13 +73,13 @@ def test_the_config_is_olmoes_and_the_planner_counts_its_q_k_norms(olmoe, conver
 
 
 def test_logits_match_hf(olmoe, forwards):
-    _logits_match(forwards[0], olmoe[1])
+    moe.assert_logits_match(forwards[0], olmoe[1], V)
 
 
 def test_the_renormalised_router_matches_at_tp2_ep2(renormalised, forwards):
     hf, res = renormalised
     assert not res.config.model.moe.router_pre_softmax
-    _logits_match(forwards[1], hf, tp=2, ep=2)
+    moe.assert_logits_match(forwards[1], hf, V, tp=2, ep=2)
 
 
 def test_a_per_head_norm_would_not_match(olmoe, forwards):
@@ -127,81 +98,46 @@ def test_a_per_head_norm_would_not_match(olmoe, forwards):
     try:
         for n in norms:
             n.forward = per_head.__get__(n, modeling_olmoe.OlmoeRMSNorm)
-        wrong = _hf_logits(hf)
+        wrong = moe.hf_logits(hf, V)
     finally:
         for n in norms:
             del n.forward
     assert (wrong - forwards[0][..., :V]).abs().max() > 1e-2
-    assert (wrong - _hf_logits(hf)).abs().max() > 1e-2
+    assert (wrong - moe.hf_logits(hf, V)).abs().max() > 1e-2
 
 
 def test_export_back_to_hf_is_bit_identical(olmoe, converted, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from workbench.conversion import megatron_to_hf
-
-    _, hf = olmoe
-    megatron_to_hf(converted.output, tmp_path / "back", progress=False)
-    cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    cfg, back = moe.export_back(converted.output, tmp_path / "back")
     assert (cfg["model_type"], cfg["num_experts"], cfg["norm_topk_prob"], cfg["intermediate_size"]) == ("olmoe", 4, False, 40)
     assert cfg["clip_qkv"] is None
-    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
     assert type(back).__name__ == "OlmoeForCausalLM"
-    a, b = hf.state_dict(), back.state_dict()
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
-def _rules(sd, cfg):
-    from workbench.models.common.conversion_rules import infos_of, run_rules
-    from workbench.models.gpt import hf as gpt_hf
-
-    return run_rules(gpt_hf.hf_to_mcore_rules(infos_of(sd), cfg, "olmoe"), sd)
+    moe.assert_same_tensors(olmoe[1].state_dict(), back.state_dict())
 
 
 def test_the_published_per_expert_names_give_the_same_tensors(olmoe, converted):
     """allenai/OLMoE-1B-7B's files name each expert (``mlp.experts.<e>.gate_proj / up_proj / down_proj``)."""
     sd = dict(olmoe[1].state_dict())
-    old = {}
-    for k, v in sd.items():
-        if k.endswith("mlp.experts.gate_up_proj"):
-            p = k[: -len("gate_up_proj")]
-            for e in range(v.shape[0]):
-                old[f"{p}{e}.gate_proj.weight"], old[f"{p}{e}.up_proj.weight"] = v[e].chunk(2, dim=0)
-        elif k.endswith("mlp.experts.down_proj"):
-            p = k[: -len("down_proj")]
-            for e in range(v.shape[0]):
-                old[f"{p}{e}.down_proj.weight"] = v[e]
-        else:
-            old[k] = v
-    fused, per_expert = _rules(sd, converted.config), _rules(old, converted.config)
-    assert fused.keys() == per_expert.keys() and fused["decoder.layers.1.self_attention.q_layernorm.weight"].shape == (H,)
-    for k in fused:
-        assert torch.equal(fused[k], per_expert[k]), k
+    fused = moe.rules("olmoe", sd, converted.config)
+    per_expert = moe.rules("olmoe", moe.per_expert_names(sd), converted.config)
+    assert fused["decoder.layers.1.self_attention.q_layernorm.weight"].shape == (H,)
+    moe.assert_same_tensors(fused, per_expert)
 
 
 def test_a_per_head_q_norm_in_an_olmoe_checkpoint_is_refused_naming_the_tensor(olmoe, converted):
     from workbench.models.common.conversion_rules import ConversionError
 
     sd = dict(olmoe[1].state_dict())
-    assert _rules(sd, converted.config)["decoder.layers.1.self_attention.k_layernorm.weight"].shape == (KV * D,)
+    k_norm = moe.rules("olmoe", sd, converted.config)["decoder.layers.1.self_attention.k_layernorm.weight"]
+    assert k_norm.shape == (KV * D,)
     sd["model.layers.0.self_attn.q_norm.weight"] = torch.ones(D)  # Qwen3's width: one head
     with pytest.raises(ConversionError, match=r"layers\.0\.self_attn\.q_norm\.weight has shape \(8,\), not \(48,\)"):
-        _rules(sd, converted.config)
+        moe.rules("olmoe", sd, converted.config)
 
 
 @pytest.mark.parametrize("field, value, says", [("clip_qkv", 8.0, "clip_qkv 8.0"), ("attention_bias", True, "attention_bias true")])
 def test_what_megatron_cannot_hold_is_refused_through_the_cli(tmp_path, field, value, says):
-    import subprocess
-
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(_olmoe_config(**{field: value}).to_json_string())
-    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "convert", "hf-to-megatron", "--hf", str(tmp_path / "hf"),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    err = proc.stderr + proc.stdout
-    assert says in err and "Traceback" not in err and not (tmp_path / "out").exists(), err
+    err = moe.refused_through_cli(tmp_path, _olmoe_config(**{field: value}).to_json_string())
+    assert says in err, err
 
 
 def test_the_scope_is_validated_and_exports_only_as_olmoe():

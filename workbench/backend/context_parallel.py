@@ -278,12 +278,13 @@ def _kernel_inputs(do, q, k, v, out, lse, lse_tail: tuple = (), expand: bool = T
         lse.reshape(b, hk * g, sq, *lse_tail).contiguous()
 
 
-def _grouped_grads(q, k, dq, dk, dv):
+def _grouped_grads(q, k, dq, dk, dv, expand: bool):
     """A fused kernel's ``dq, dk, dv`` back in the ring's grouped fp32 layout (dK/dV summed over each query group
-    where the kernel saw K/V expanded; as they are where it read the K/V heads itself)."""
+    where the kernel saw K/V expanded, as :func:`_flash_heads` with ``expand``; as they are where it read the K/V
+    heads itself)."""
     b, hk, g, sq, d = q.shape
     sk = k.shape[2]
-    if dk.shape[1] == hk:
+    if g == 1 or not expand:
         return dq.float().view(b, hk, g, sq, d), dk.float(), dv.float()
     return (dq.float().view(b, hk, g, sq, d), dk.float().view(b, hk, g, sk, d).sum(2),
             dv.float().view(b, hk, g, sk, d).sum(2))
@@ -307,7 +308,7 @@ def _flash_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         do4, q4, k4, v4, out4, lse4, aux["cum_seq_q"], aux["cum_seq_k"], q.shape[3], k.shape[2], 0.0, diag,
         aux["philox_seed"], aux["philox_offset"], scale=scale)
-    return _grouped_grads(q, k, dq, dk, dv)
+    return _grouped_grads(q, k, dq, dk, dv, expand=True)
 
 
 def _cudnn_ok(q, kv_padding) -> bool:
@@ -344,7 +345,7 @@ def _cudnn_block_backward(do, q, k, v, out, lse, scale: float, diag: bool, kmask
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         do4, q4, k4, v4, out4, lse4, aux["philox_seed"], aux["philox_offset"], None, aux["cum_seq_q"],
         aux["cum_seq_k"], q.shape[3], k.shape[2], 0.0, diag, scale=scale)
-    return _grouped_grads(q, k, dq, dk, dv)
+    return _grouped_grads(q, k, dq, dk, dv, expand=not gqa)
 
 
 #: the block kernel each ``(device, dtype, head dim, impl)`` of this process ran, and why (:func:`ring_block_kernels`)

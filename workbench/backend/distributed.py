@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from workbench.backend import cpu_mode
-from workbench.config import RunConfig, derive, rank_environment
+from workbench.config import RunConfig, apply_rank_environment, derive, rank_environment
 from workbench.layout import Layout
 
 __all__ = ["Coords", "allocator_note", "initialize", "initialize_for_tests", "coords", "destroy", "device"]
@@ -123,11 +123,23 @@ def hardware_queue_note(cfg: RunConfig) -> Optional[str]:
     wanted = rank_environment(cfg).get("CUDA_DEVICE_MAX_CONNECTIONS")
     if wanted is None:
         return None
-    have = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if have is None and torch.cuda.is_initialized():
-        return "CUDA_DEVICE_MAX_CONNECTIONS not set before CUDA started (default queues)"
-    have = os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", wanted)
-    return f"CUDA_DEVICE_MAX_CONNECTIONS={have}" + ("" if have == wanted else " (set by the launch; kept)")
+    if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not torch.cuda.is_initialized():
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = wanted
+    return _env_note("CUDA_DEVICE_MAX_CONNECTIONS", wanted, default="default queues")
+
+
+def _env_note(key: str, wanted: Optional[str], default: str, why: Optional[str] = None) -> Optional[str]:
+    """What the environment's ``key`` holds against the value ``wanted`` of :func:`workbench.config.rank_environment`
+    (None: not asked for): unset though wanted (``default``: what runs instead), as wanted (``why``, if given, said
+    after it), or the launch's own value (kept over a wanted one); None when neither sets it."""
+    have = os.environ.get(key)
+    if have is None:
+        return None if wanted is None else f"{key} not set before CUDA started ({default})"
+    if wanted is None:
+        return f"{key}={have} (set by the launch)"
+    if have != wanted:
+        return f"{key}={have} (set by the launch; kept)"
+    return f"{key}={have}" + (f" ({why})" if why else "")
 
 
 #: rank-environment keys read after CUDA starts (TE reads ``UB_SKIPMC`` when it sets up userbuffers): set even then
@@ -138,13 +150,15 @@ def _apply_environment(cfg: RunConfig) -> None:
     """:func:`workbench.config.rank_environment` in this process (a launch's own values kept): all of it before CUDA
     starts; once CUDA has started (an in-process caller that used it first), the keys read later, and the allocator's
     settings through torch at run time (they apply to the segments it maps from then on)."""
+    if not torch.cuda.is_initialized():
+        apply_rank_environment(cfg)
+        return
     env = rank_environment(cfg)
-    started = torch.cuda.is_initialized()
     for key, value in env.items():
-        if not started or key in _READ_LATE:
+        if key in _READ_LATE:
             os.environ.setdefault(key, value)
     conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
-    if started and conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+    if conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         try:
             torch.cuda.memory._set_allocator_settings(conf)
         except (AttributeError, RuntimeError):
@@ -156,14 +170,9 @@ def allocator_note(cfg: RunConfig) -> Optional[str]:
     """The CUDA caching allocator's settings in force, for the run's kernel path: ``PYTORCH_CUDA_ALLOC_CONF`` as
     :func:`workbench.config.rank_environment` asks for it (expert parallelism: expandable segments) or as the
     launch set it; None when neither sets it."""
-    wanted = rank_environment(cfg).get("PYTORCH_CUDA_ALLOC_CONF")
-    have = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    if have is None:
-        return None if wanted is None else "PYTORCH_CUDA_ALLOC_CONF not set before CUDA started (default allocator)"
-    if wanted is None:
-        return f"PYTORCH_CUDA_ALLOC_CONF={have} (set by the launch)"
-    why = "expert parallelism: the dispatched token buffers change size every step"
-    return f"PYTORCH_CUDA_ALLOC_CONF={have} ({why})" if have == wanted else f"PYTORCH_CUDA_ALLOC_CONF={have} (set by the launch; kept)"
+    return _env_note("PYTORCH_CUDA_ALLOC_CONF", rank_environment(cfg).get("PYTORCH_CUDA_ALLOC_CONF"),
+                     default="default allocator",
+                     why="expert parallelism: the dispatched token buffers change size every step")
 
 
 def initialize(cfg: RunConfig, timeout_s: float = 600.0) -> Coords:
