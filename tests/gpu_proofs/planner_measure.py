@@ -101,6 +101,7 @@ GQA_SMALL = {"model.num_layers": 12, "model.hidden_size": 768, "model.num_attent
 TP2, SP = {"parallel.tensor_parallel": 2}, {"parallel.sequence_parallel": True}
 PP2, VPP2 = {"parallel.pipeline_parallel": 2}, {"parallel.virtual_pipeline_parallel": 2}
 DISTOPT = {"parallel.distributed_optimizer": True}
+CP2 = {"parallel.context_parallel": 2}
 TWO_GPU_ALL: dict[str, tuple[int, str, dict]] = {
     # the rows found low on reserved, first (eager, as measured there)
     "g2s-tp2-eager": (2, "gpt2-small", {"train.micro_batch_size": 4, **TP2, **OFF}),
@@ -123,6 +124,11 @@ TWO_GPU_ALL: dict[str, tuple[int, str, dict]] = {
     # Llama-3.2-1B at its preset batch (micro-batch 4, sequence 2048)
     "llama1b-tp2": (2, "llama3.2-1b", {**TP2}),
     "llama1b-pp2": (2, "llama3.2-1b", {**PP2}),
+    # context parallelism: the CP rows' shape (bench/train_throughput.cp_variants), 32k tokens a step, micro-batch 1
+    "llama1b-cp2-16k": (2, "llama3.2-1b", {**CP2, "model.seq_length": 16384, "train.micro_batch_size": 1,
+                                           "train.global_batch_size": 2}),
+    "llama1b-cp2-32k": (2, "llama3.2-1b", {**CP2, "model.seq_length": 32768, "train.micro_batch_size": 1,
+                                           "train.global_batch_size": 1}),
 }
 
 # One GPU, in priority order (the deadline drops the tail): name -> (preset, overrides).
@@ -205,7 +211,8 @@ def make_config(name: str, device: str = "cuda", tiny: bool = False):
             ov.update({"model.ffn_hidden_size": 128, "model.rotary_base": 10000.0})
         micro = micro or 2
     mbs = ov.get("train.micro_batch_size", preset(base).train.micro_batch_size)
-    dp = gpus // (ov.get("parallel.tensor_parallel", 1) * ov.get("parallel.pipeline_parallel", 1))
+    dp = gpus // (ov.get("parallel.tensor_parallel", 1) * ov.get("parallel.pipeline_parallel", 1)
+                  * ov.get("parallel.context_parallel", 1))
     ov.update({"parallel.nproc_per_node": gpus})
     if micro is not None:
         ov["train.global_batch_size"] = mbs * dp * micro

@@ -14,7 +14,8 @@ Phase ``a`` (parity and resume; every run a real ``torchrun -m workbench.rank`` 
   loaded with ``checkpoint.finetune`` by a one-GPU reference and by every two-GPU layout; 50 steps,
   dropout 0, synthetic data; max relative per-step loss difference against the reference <= 2%:
   GPT-2 (TP=2, TP=2+SP, PP=2, PP=2 x VPP=2, DP=2 + distributed optimizer), Llama with GQA (TP=2+SP,
-  PP=2), BERT (TP=2+SP, PP=2 1F1B and interleaved, DP=2; eval loss and masked-token accuracy at steps
+  PP=2; and at 8k tokens a sequence, CP=2: ``llama-8k-cp2``), BERT (TP=2+SP, PP=2 1F1B and interleaved,
+  DP=2; eval loss and masked-token accuracy at steps
   25 and 50 within the same bar), T5 (TP=2, DP=2 + distributed optimizer; eval loss within the bar).
   ``gpt-repeat`` runs the one-GPU reference again: the noise floor of bf16 training on this GPU.
 - ``resume``: the TP=2 and PP=2 GPT runs (and BERT's TP=2+SP and PP=2) save at step 25; each checkpoint
@@ -67,6 +68,7 @@ SAME_LAYOUT_ABS = 1e-3  # a resume at the layout that saved: |loss - straight lo
 TP2, SP, PP2, VPP2 = ({"parallel.tensor_parallel": 2}, {"parallel.sequence_parallel": True},
                       {"parallel.pipeline_parallel": 2}, {"parallel.virtual_pipeline_parallel": 2})
 DISTOPT = {"parallel.distributed_optimizer": True}
+CP2 = {"parallel.context_parallel": 2}  # ring attention over the sequence, load-balanced chunks
 OFFLOAD = {**DISTOPT, "parallel.optimizer_cpu_offload": 1.0}  # GPUs only (megatron's HybridDeviceOptimizer)
 
 # family -> (preset, model shape on GPUs); every family at ~10-20 s of training per run on an H100
@@ -77,6 +79,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("llama-small", {"model.num_layers": 8, "model.hidden_size": 512, "model.num_attention_heads": 8,
                               "model.num_query_groups": 2, "model.ffn_hidden_size": 1408, "model.vocab_size": 8192,
                               "model.seq_length": 512, "model.max_position_embeddings": 512, "train.micro_batch_size": 4}),
+    # the same Llama at a long sequence, one sequence a micro-batch: context parallelism's parity
+    "llama-8k": ("llama-small", {"model.num_layers": 8, "model.hidden_size": 512, "model.num_attention_heads": 8,
+                                 "model.num_query_groups": 2, "model.ffn_hidden_size": 1408, "model.vocab_size": 8192,
+                                 "model.seq_length": 8192, "model.max_position_embeddings": 8192,
+                                 "train.micro_batch_size": 1}),
     "bert": ("bert-base", {"model.num_layers": 8, "model.hidden_size": 512, "model.num_attention_heads": 8,
                            "model.vocab_size": 8192, "model.seq_length": 256, "model.max_position_embeddings": 256,
                            "train.micro_batch_size": 8}),
@@ -92,6 +99,9 @@ TINY: dict[str, dict] = {
     "llama": {"model.num_layers": 4, "model.hidden_size": 64, "model.num_attention_heads": 4, "model.num_query_groups": 2,
               "model.ffn_hidden_size": 176, "model.vocab_size": 4096, "model.seq_length": 64,
               "model.max_position_embeddings": 64, "train.micro_batch_size": 2},
+    "llama-8k": {"model.num_layers": 4, "model.hidden_size": 64, "model.num_attention_heads": 4, "model.num_query_groups": 2,
+                 "model.ffn_hidden_size": 176, "model.vocab_size": 4096, "model.seq_length": 256,
+                 "model.max_position_embeddings": 256, "train.micro_batch_size": 1},
     "bert": {"model.num_layers": 4, "model.hidden_size": 64, "model.num_attention_heads": 4, "model.vocab_size": 4096,
              "model.seq_length": 64, "model.max_position_embeddings": 64, "train.micro_batch_size": 2},
     "t5": {"model.num_layers": 2, "model.decoder_num_layers": 2, "model.hidden_size": 64, "model.num_attention_heads": 4,
@@ -105,6 +115,7 @@ LAYOUTS: dict[str, tuple[str, int, dict]] = {
     "gpt-tp2": ("gpt", 2, TP2), "gpt-tp2-sp": ("gpt", 2, {**TP2, **SP}), "gpt-pp2": ("gpt", 2, PP2),
     "gpt-pp2-vpp2": ("gpt", 2, {**PP2, **VPP2}), "gpt-dp2-distopt": ("gpt", 2, DISTOPT),
     "llama-tp2-sp": ("llama", 2, {**TP2, **SP}), "llama-pp2": ("llama", 2, PP2),
+    "llama-8k-cp2": ("llama-8k", 2, CP2),
     "bert-tp2-sp": ("bert", 2, {**TP2, **SP}), "bert-pp2": ("bert", 2, PP2), "bert-pp2-vpp2": ("bert", 2, {**PP2, **VPP2}),
     "bert-dp2": ("bert", 2, {}),
     "t5-tp2": ("t5", 2, TP2), "t5-dp2-distopt": ("t5", 2, DISTOPT),
