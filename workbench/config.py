@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from workbench.config_derived import (Derived, ParamCounts, apply_rank_environment, derive, layer_and_head_flops,
-                                      megatron_flops_per_step, pad_vocab_size, pipeline_stage_layers, rank_environment)
+from workbench.config_derived import (Derived, ParamCounts, allocator_reason, apply_rank_environment, derive,
+                                      layer_and_head_flops, megatron_flops_per_step, pad_vocab_size,
+                                      pipeline_stage_layers, rank_environment)
 from workbench.config_fields import ConfigError, Problem, field_problems
 from workbench.config_rules import validate
 from workbench.config_text import ConfigTextError, parse_json, parse_yaml, read_config_file
@@ -53,6 +54,7 @@ __all__ = [
     "layer_and_head_flops",
     "pipeline_stage_layers",
     "rank_environment",
+    "allocator_reason",
     "apply_rank_environment",
     "validate",
     "PRESETS",

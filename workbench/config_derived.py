@@ -116,12 +116,8 @@ def rank_environment(cfg: Any) -> dict[str, str]:
     multicast) where the launch keeps multicast off for NCCL (``NCCL_NVLS_ENABLE=0``): hosts that share their GPUs
     disable multicast, and TE's userbuffers would otherwise create multicast objects on their own.
 
-    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` with expert parallelism (EP > 1): the tokens a rank's
-    experts receive change in number every step, so every dispatched buffer changes size, and the default caching
-    allocator fragments (``moe-research`` at EP=2 on two H200s: 47.5 GiB reserved over a 34.6 GiB allocated peak,
-    against 49.5 over 49.1 at EP=1, ``evidence/moe_proof.jsonl``); expandable segments grow one mapping instead
-    (PyTorch's advice for changing allocation sizes).  A value the launch sets is kept.  (Expandable segments with
-    CUDA graphs need ``NCCL_GRAPH_REGISTER=0``, pytorch#158029; MoE runs no CUDA graphs: ``kernel_rule``.)
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where :func:`allocator_reason` names one.  A value the
+    launch sets is kept.
     """
     import os
 
@@ -132,9 +128,32 @@ def rank_environment(cfg: Any) -> dict[str, str]:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if userbuffers and os.environ.get("NCCL_NVLS_ENABLE") == "0":
         env["UB_SKIPMC"] = "1"
-    if p.device == "cuda" and p.expert_parallel > 1:
+    if allocator_reason(cfg):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return env
+
+
+def allocator_reason(cfg: Any) -> str:
+    """Why a run's ranks need the CUDA allocator's expandable segments ("" where they do not): the default caching
+    allocator fragments where a step's buffers change size, and expandable segments grow one mapping instead
+    (PyTorch's advice for changing allocation sizes).  (With CUDA graphs they need ``NCCL_GRAPH_REGISTER=0``,
+    pytorch#158029; neither layout below runs CUDA graphs: ``kernel_rule``.)
+
+    - Expert parallelism (EP > 1): the tokens a rank's experts receive change in number every step
+      (``moe-research`` at EP=2 on two H200s: 47.5 GiB reserved over a 34.6 GiB allocated peak, against 49.5 over
+      49.1 at EP=1; ``evidence/moe_proof.jsonl``).
+    - Context parallelism (CP > 1): the ring's K/V blocks and fp32 gradient accumulators come whole and in halves
+      (the load-balanced chunks) and travel between ranks (Llama-3.2-1B at 32k, CP=2 on two H200s: 54.3 GiB reserved
+      over a 49.5 GiB allocated peak, 50.3 with expandable segments; ``evidence/planner_2gpu.jsonl``).
+    """
+    p = cfg.parallel
+    if p.device != "cuda":
+        return ""
+    if p.expert_parallel > 1:
+        return "expert parallelism: the dispatched token buffers change size every step"
+    if getattr(p, "context_parallel", 1) > 1:
+        return "context parallelism: the ring's blocks come whole and in halves and travel between ranks"
+    return ""
 
 
 def apply_rank_environment(cfg: Any) -> dict[str, str]:

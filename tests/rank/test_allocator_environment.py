@@ -1,5 +1,6 @@
-"""Expert parallelism runs its ranks with the CUDA caching allocator's expandable segments (the dispatched token
-buffers change size every step; the default allocator fragments: ``workbench.config.rank_environment``): the
+"""Expert and context parallelism run their ranks with the CUDA caching allocator's expandable segments (the
+dispatched token buffers, the ring's blocks change size; the default allocator fragments:
+``workbench.config.rank_environment``): the
 backend's entry point sets it before importing torch, a launch's own value is kept and said so in the kernel path,
 nothing is set without EP or on CPU."""
 
@@ -21,6 +22,21 @@ def test_expert_parallel_runs_ask_for_expandable_segments():
     assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_environment(preset("moe-research"))  # EP = 1: one buffer size
     assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_environment(preset("gpt2-small"))
     assert rank_environment(_ep2(**{"parallel.device": "cpu"})) == {}
+
+
+def test_context_parallel_runs_ask_for_it_too_and_say_why(monkeypatch):
+    from workbench.backend import distributed
+
+    def cp2(**over):
+        return preset("llama3.2-1b", **{"parallel.context_parallel": 2, "parallel.nproc_per_node": 2,
+                                        "model.seq_length": 16384, "train.micro_batch_size": 1,
+                                        "train.global_batch_size": 2, **over})
+
+    assert rank_environment(cp2()) == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
+    assert rank_environment(cp2(**{"parallel.device": "cpu"})) == {}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE)
+    assert distributed.allocator_note(cp2()) == (f"PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE} (context parallelism: the ring's "
+                                                 "blocks come whole and in halves and travel between ranks)")
 
 
 def test_the_entry_point_sets_it_before_cuda_and_the_kernel_path_says_what_is_in_force(monkeypatch, tmp_path):

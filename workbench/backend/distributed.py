@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from workbench.backend import cpu_mode
-from workbench.config import RunConfig, apply_rank_environment, derive, rank_environment
+from workbench.config import RunConfig, allocator_reason, apply_rank_environment, derive, rank_environment
 from workbench.layout import Layout
 
 __all__ = ["Coords", "allocator_note", "initialize", "initialize_for_tests", "coords", "destroy", "device"]
@@ -168,11 +168,10 @@ def _apply_environment(cfg: RunConfig) -> None:
 
 def allocator_note(cfg: RunConfig) -> Optional[str]:
     """The CUDA caching allocator's settings in force, for the run's kernel path: ``PYTORCH_CUDA_ALLOC_CONF`` as
-    :func:`workbench.config.rank_environment` asks for it (expert parallelism: expandable segments) or as the
+    :func:`workbench.config.rank_environment` asks for it (:func:`workbench.config.allocator_reason`) or as the
     launch set it; None when neither sets it."""
     return _env_note("PYTORCH_CUDA_ALLOC_CONF", rank_environment(cfg).get("PYTORCH_CUDA_ALLOC_CONF"),
-                     default="default allocator",
-                     why="expert parallelism: the dispatched token buffers change size every step")
+                     default="default allocator", why=allocator_reason(cfg))
 
 
 def initialize(cfg: RunConfig, timeout_s: float = 600.0) -> Coords:

@@ -223,12 +223,16 @@ class _Kept:
     recompute_block: float  # full recompute: one block's activations rebuilt during its backward
 
 
-def _kept(sh: Any, d: Derived, kp: KernelPath, r: int, S: Any) -> _Kept:
-    """The activations stage ``r`` keeps: every in-flight chunk's layers (one input per block under full recompute)."""
+def _kept(sh: Any, d: Derived, kp: KernelPath, r: int, S: Any, cp: int = 1) -> _Kept:
+    """The activations stage ``r`` keeps: every in-flight chunk's layers (one input per block under full recompute).
+    Context parallel (``cp`` > 1): a layer also keeps the ring attention's own copy of its output (saved for its
+    backward, ``b x h/tp x s_local x d`` in the activation dtype) beside the projection's input."""
     e, tok, h = sh.e, sh.s * sh.b, sh.h
     tsp = sh.tp if sh.sp else 1
     layers = d.stage_layers[r]
-    layer_terms = S.layer_activation_terms(sh, kp)
+    layer_terms = dict(S.layer_activation_terms(sh, kp))
+    if cp > 1:
+        layer_terms["ring_output"] = e * tok * (sh.heads / sh.tp) * sh.head_dim
     layer = float(sum(layer_terms.values()))
     chunks, inflight = _inflight(sh, r)
     per_chunk_layers = max(layers // sh.vpp, 1)
@@ -385,7 +389,7 @@ def _stage(sh: Any, d: Derived, kp: KernelPath, a: PlannerAssumptions, r: int,
     sequence, ``seq_length / cp``) and its ``shapes`` module; ``cp``: the context-parallel size (its ring's buffers;
     ``ring_flash``: its blocks run the flash kernel)."""
     st = _static_state(sh, kp, params, cp)
-    kept = _kept(sh, d, kp, r, S)
+    kept = _kept(sh, d, kp, r, S, cp)
     tr = _transients(sh, kp, a, r, S, kept, cp, ring_flash)
     step_tmp = _optimizer_temporaries(sh, kp, st.shard, r)
     phases, phase, components, layers_kept = _peak(st, kept, tr, kp, a, sh, step_tmp)
