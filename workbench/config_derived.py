@@ -18,7 +18,7 @@ from workbench.families import family_of
 from workbench.layout import Layout
 
 __all__ = ["ParamCounts", "Derived", "derive", "pad_vocab_size", "layer_and_head_flops", "megatron_flops_per_step",
-           "pipeline_stage_layers", "rank_environment", "apply_rank_environment"]
+           "pipeline_stage_layers", "rank_environment", "allocator_reason", "apply_rank_environment"]
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -140,8 +140,8 @@ def allocator_reason(cfg: Any) -> str:
     pytorch#158029; neither layout below runs CUDA graphs: ``kernel_rule``.)
 
     - Expert parallelism (EP > 1): the tokens a rank's experts receive change in number every step
-      (``moe-research`` at EP=2 on two H200s: 47.5 GiB reserved over a 34.6 GiB allocated peak, against 49.5 over
-      49.1 at EP=1; ``evidence/moe_proof.jsonl``).
+      (``moe-research`` at EP=2 on two H200s: 44.2 GiB reserved over a 32.2 GiB allocated peak, against 46.1 over
+      45.7 at EP=1; ``evidence/moe_proof.jsonl``).
     - Context parallelism (CP > 1): the ring's K/V blocks and fp32 gradient accumulators come whole and in halves
       (the load-balanced chunks) and travel between ranks (Llama-3.2-1B at 32k, CP=2 on two H200s: 54.3 GiB reserved
       over a 49.5 GiB allocated peak, 50.3 with expandable segments; ``evidence/planner_2gpu.jsonl``).

@@ -14,7 +14,7 @@ One device call on two GPUs (``nvidia-h100-x2``; about 6-8 minutes)::
   repeat against ``1gpu``, the step of each, the mean signed difference over the last half, the router's
   coefficient of variation per layer of each run.  About 6 minutes on two H200s (``--phases parity``; the planner
   phase in a call of its own).
-- ``planner``: ``moe-research`` at EP=1 on one GPU and EP=2 on two, 4 steps each through
+- ``planner``: ``moe-research`` at EP=1 on one GPU and EP=2 on two, 30 steps each (``--planner-steps``) through
   ``tests/gpu_proofs/planner_measure.py``'s rank entry (the backend's Trainer with the allocator's peaks recorded per rank):
   one row per rank with measured and predicted peak allocated and reserved, the errors in percent (target within 5%).
 

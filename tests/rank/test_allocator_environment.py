@@ -2,7 +2,7 @@
 dispatched token buffers, the ring's blocks change size; the default allocator fragments:
 ``workbench.config.rank_environment``): the
 backend's entry point sets it before importing torch, a launch's own value is kept and said so in the kernel path,
-nothing is set without EP or on CPU."""
+nothing is set without EP or CP, or on CPU."""
 
 from __future__ import annotations
 
