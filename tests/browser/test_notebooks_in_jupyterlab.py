@@ -5,7 +5,9 @@ own "run all" command, and asserts on the page: every widget output is drawn as 
 "Error displaying widget", no text repr), no cell failed, the browser console logged no error;
 then it uses the widgets: the config form's validation and launch button, the dashboard's
 progress, loss plot, stacks and stop buttons during a CPU-mode run, the memory planner's numbers
-and chart.  A screenshot of every step goes to ``<artefacts>/screenshots``.
+and chart.  A screenshot of every step goes to ``<artefacts>/screenshots``.  03 (the pipeline schedules: its
+explorer's chart drawn, the notebook's charts there) is checked on its one Run All in CI, with its defaults, in
+``test_widgets_reopened_browser.py`` (``_shows_live`` in ``test_notebook_runs_browser.py``).
 """
 
 from __future__ import annotations
@@ -363,23 +365,6 @@ def test_memory_planner_numbers_and_chart(browser, lab, artefacts):
             time.sleep(0.3)
         assert planner.locator(".widget-output img").count() == 0, "the previous chart stayed on an invalid layout"
         nb.shot("invalid-tp")
-        assert not nb.console, nb.console
-    finally:
-        nb.shot("end")
-        nb.close()
-
-
-def test_pipeline_schedules_notebook(browser, lab, artefacts):
-    nb = Notebook(browser, lab, artefacts, "03_pipeline_schedules", {"ci": True})
-    try:
-        took = nb.run_all(240)
-        nb.shot("ran-all")
-        nb.check_all_ran()
-        print(f"03_pipeline_schedules ran in {took:.0f}s")
-        explorer = nb.page.locator(".jp-CodeCell", has=nb.page.locator("label.widget-label:text-is('p (stages)')")).last
-        explorer.locator(".widget-output img").first.wait_for()
-        assert nb.page.locator(".jp-OutputArea-output img").count() >= 5  # the charts of the notebook
-        nb.shot("explorer")
         assert not nb.console, nb.console
     finally:
         nb.shot("end")

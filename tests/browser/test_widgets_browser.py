@@ -15,7 +15,9 @@ a screenshot of each step in ``<artefacts>/screenshots``.
 
 The notebook pages here are scratch notebooks: the cells a test needs, some copied verbatim from the
 repository's notebooks (the cells that show a plan), so a notebook that went back to printing the text
-table fails here.
+table fails here.  The tests that each show a few widgets share one scratch page (``shared``: one kernel and
+one page load for all of them, each test's cells a group of their own that only that test reads and drives);
+02 runs whole on a page of its own.
 """
 
 from __future__ import annotations
@@ -197,6 +199,58 @@ def scratch(browser, lab, artefacts):
             p.close()
 
 
+def _shared_groups(run_root: Path) -> list[tuple[str, list[str]]]:
+    """The cells of the one-widget tests below, each test's cells a contiguous group (its own variables, so no group's
+    widget is another's): (the test's name, its cells)."""
+    def form(var: str) -> str:
+        return ("from workbench.config import preset\nfrom workbench.widgets.config_form import ConfigForm\n"
+                f"{var} = ConfigForm(preset('tiny', **{{'parallel.device': 'cpu'}}))\n{var}")
+
+    return [
+        ("plan_cells", [c for name, setup, needle in PLAN_CELLS for c in (setup, _notebook_cell(name, needle))]),
+        ("planner_inputs", [PLANNER]),
+        ("form_explorer_inputs", [form("form_inputs"), "from workbench.widgets.schedule import ScheduleExplorer\n"
+                                                       "ex_inputs = ScheduleExplorer(p=4, m=8, v=2)\nex_inputs"]),
+        ("explorer_race", ["from workbench.widgets.schedule import ScheduleExplorer\n"
+                           "ex_race = ScheduleExplorer(p=4, m=8, v=2, schedule='interleaved')\nex_race"]),
+        ("dashboard", [f"RUN_ROOT = {str(run_root)!r}\n" + DASHBOARD, DASHBOARD_FIGURE,
+                       "from workbench.widgets.config_form import ConfigForm\n"
+                       "form_dash = ConfigForm(cfg)\nprint(form_dash.report().splitlines()[0])"]),
+        ("form_fields", [form("form_fields")]),
+        ("moe_group_say", [form("form_moe"), "from workbench.config import ConfigError\nfrom workbench.notebook import say\n"
+                           "try:\n    preset('t5-tiny', **{'parallel.pipeline_parallel': 2, 'parallel.nproc_per_node': 2}).check()\n"
+                           "except ConfigError as e:\n    say(e, e)"]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def shared(browser, lab, artefacts):
+    """One scratch page (one kernel, one page load) for the tests that each show a few widgets: every test's cells
+    (:func:`_shared_groups`) run once through "Run All"; a test reads and drives only the outputs of its own cells.
+    ``(page, {test name: the index of its first code cell})``."""
+    import shutil
+
+    root = artefacts / "widgets-dashboard-runs"
+    shutil.rmtree(root, ignore_errors=True)
+    cells, at = [], {}
+    for name, group in _shared_groups(root):
+        at[name] = len(cells)
+        cells += group
+    page = None
+    try:
+        page = Scratch(browser, lab, artefacts, "shared", cells)
+        page.run_all(300)
+        yield page, at
+    finally:
+        try:
+            if page is not None:
+                page.shot("end")
+        finally:
+            if page is not None:
+                page.close()
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def _notebook_cell(name: str, needle: str) -> str:
     """The source of the one code cell of notebooks/<name>.ipynb that contains ``needle``."""
     nb = json.loads((NOTEBOOKS / f"{name}.ipynb").read_text())
@@ -248,20 +302,25 @@ def test_memory_planner_notebook_tables_are_one_line_per_row(browser, lab, artef
     assert not page.console, page.console
 
 
-@pytest.mark.parametrize("name, setup, needle", [
+#: the notebooks whose cell shows a memory plan: (notebook, the set-up that cell needs, a text only that cell holds)
+PLAN_CELLS = [
     ("01_quickstart", "from workbench.config import preset\nfrom workbench.widgets.config_form import ConfigForm\n"
                       "form = ConfigForm(preset('tiny', **{'parallel.device': 'cpu'}))", "form.report()"),
     ("07_bert", "from workbench.config import preset\ncfg = preset('bert-tiny', **{'parallel.device': 'cpu'})", "plan_table("),
     ("08_t5", "from workbench.config import preset\ncfg = preset('t5-tiny', **{'parallel.device': 'cpu'})", "plan_table("),
-])
-def test_notebook_plan_cells_show_a_table(scratch, name, setup, needle):
-    """The cell of 01, 07 and 08 that shows a memory plan (copied from the notebook): an HTML table, one line per row."""
-    page = scratch(f"{name}_plan", [setup, _notebook_cell(name, needle)])
-    page.run_all(120)
-    out = page.outputs(1)
-    assert out.count() >= 1 and not out.locator("pre", has_text="(GiB)").count(), f"{name}: the plan printed as text"
-    _tables_readable(page.page, page.cell(1), name)
-    page.shot("plan", out.first)
+]
+
+
+def test_notebook_plan_cells_show_a_table(shared):
+    """The cell of 01, 07 and 08 that shows a memory plan (copied from the notebook): an HTML table, one line per row.
+    Each after its own set-up on the shared page (its group: set-up, plan cell, set-up, plan cell, ...)."""
+    page, at = shared
+    for k, (name, _, _) in enumerate(PLAN_CELLS):
+        i = at["plan_cells"] + 2 * k + 1
+        out = page.outputs(i)
+        assert out.count() >= 1 and not out.locator("pre", has_text="(GiB)").count(), f"{name}: the plan printed as text"
+        _tables_readable(page.page, page.cell(i), name)
+        page.shot(f"{name}-plan", out.first)
 
 
 # --------------------------------------------------------------------------- item: clipped inputs
@@ -273,10 +332,9 @@ PLANNER = ("from workbench.config import preset\nfrom workbench.widgets.planner 
            "w = MemoryPlanner(big, gpu='A100-40GB')\nw")
 
 
-def test_memory_planner_inputs_are_never_clipped(scratch):
-    page = scratch("planner_inputs", [PLANNER])
-    page.run_all(120)
-    ui = page.outputs(0).first
+def test_memory_planner_inputs_are_never_clipped(shared):
+    page, at = shared
+    ui = page.outputs(at["planner_inputs"]).first
     ui.locator(".widget-output img").first.wait_for()
     _not_clipped(page.page, ui, "planner")
     page.shot("planner", ui)
@@ -297,20 +355,16 @@ def test_memory_planner_inputs_are_never_clipped(scratch):
     page.shot("planner-edited", ui)
 
 
-def test_config_form_and_schedule_explorer_inputs_are_never_clipped(scratch):
-    page = scratch("form_explorer_inputs", [
-        "from workbench.config import preset\nfrom workbench.widgets.config_form import ConfigForm\n"
-        "form = ConfigForm(preset('tiny', **{'parallel.device': 'cpu'}))\nform",
-        "from workbench.widgets.schedule import ScheduleExplorer\nex = ScheduleExplorer(p=4, m=8, v=2)\nex"])
-    page.run_all(120)
-    form = page.outputs(0).first
+def test_config_form_and_schedule_explorer_inputs_are_never_clipped(shared):
+    page, at = shared
+    form = page.outputs(at["form_explorer_inputs"]).first
     for tab in ("model", "parallel", "train", "data", "checkpoint"):
         form.locator(".lm-TabBar-tab", has_text=re.compile(rf"^\s*{tab}\s*$")).first.click()
         time.sleep(0.3)
         _not_clipped(page.page, form, f"config form, {tab} tab")
     _tables_readable(page.page, form, "config form's memory plan")
     page.shot("config-form", form)
-    explorer = page.outputs(1).first
+    explorer = page.outputs(at["form_explorer_inputs"] + 1).first
     _not_clipped(page.page, explorer, "schedule explorer")
     page.shot("schedule-explorer", explorer)
 
@@ -326,14 +380,12 @@ def _set_slider(page, scope, label: str, value: int) -> None:
     page.keyboard.press("Enter")
 
 
-def test_schedule_explorer_never_leaves_a_chart_under_a_refusal(scratch):
+def test_schedule_explorer_never_leaves_a_chart_under_a_refusal(shared):
     """Two changes within ~0.1 s, the second refused (p=2 then m=9, interleaved): the chart goes; back to a
     valid layout, one chart comes back."""
-    page = scratch("explorer_race", ["from workbench.widgets.schedule import ScheduleExplorer\n"
-                                     "ex = ScheduleExplorer(p=4, m=8, v=2, schedule='interleaved')\nex"])
-    page.run_all(120)
+    page, at = shared
     pg = page.page
-    ui = page.outputs(0).first
+    ui = page.outputs(at["explorer_race"]).first
     status, charts = ui.locator(".widget-html").first, ui.locator(".widget-output img")
     charts.first.wait_for()
     stale = []
@@ -398,42 +450,34 @@ print("MEMORY_TEXT", [t.get_text() for t in memory.texts], "BARS", len(memory.pa
 """
 
 
-def test_dashboard_status_charts_and_wording(scratch, artefacts):
-    root = artefacts / "widgets-dashboard-runs"
-    page = scratch("dashboard", [f"RUN_ROOT = {str(root)!r}\n" + DASHBOARD, DASHBOARD_FIGURE,
-                                 "from workbench.widgets.config_form import ConfigForm\n"
-                                 "form = ConfigForm(cfg)\nprint(form.report().splitlines()[0])"])
-    try:
-        page.run_all(120)
-        pg, dash = page.page, page.outputs(0).first
-        status = dash.locator(".widget-html").first
-        stop = dash.locator("button", has_text="stop")
-        text = status.inner_text()
-        assert re.search(r"running\s+iteration 40/1000", text), text
-        assert "very-long-run-directory-name" in text and "\n" not in text.strip(), text
-        sb, bb = status.bounding_box(), stop.bounding_box()
-        line = status.evaluate("el => parseFloat(getComputedStyle(el.querySelector('div') || el).lineHeight) || 20")
-        assert sb["height"] <= 1.6 * max(line, bb["height"]), f"the status line wraps: {sb['height']}px"
-        assert sb["x"] + sb["width"] <= bb["x"] + 1, "the status line runs under the stop button"
-        visible = status.evaluate("""el => {  // the iteration is inside the status box, not cut off
-            const r = document.createRange(), w = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
-            let n; while ((n = w.nextNode())) { if (n.textContent.includes('iteration')) { r.selectNodeContents(n); break; } }
-            const b = r.getBoundingClientRect(), o = el.getBoundingClientRect();
-            return b.width > 0 && b.right <= o.right + 1; }""")
-        assert visible, "the iteration count is cut off"
-        _not_clipped(pg, dash, "dashboard")
-        page.shot("dashboard", dash)
-        printed = page.outputs(1).first.inner_text()
-        xmax = float(re.search(r"LOSS_XMAX (\S+)", printed).group(1))
-        assert xmax < 100, f"the loss axis spans {xmax} iterations for a run 40 iterations in"
-        assert "['no GPU memory on CPU'] BARS 0" in printed, printed
-        wording = page.outputs(2).first.inner_text()
-        assert "1 micro-batch per step" in wording and "micro-batches" not in wording, wording
-        assert not page.console, page.console
-    finally:
-        import shutil
-
-        shutil.rmtree(root, ignore_errors=True)
+def test_dashboard_status_charts_and_wording(shared):
+    page, at = shared
+    i = at["dashboard"]
+    pg, dash = page.page, page.outputs(i).first
+    status = dash.locator(".widget-html").first
+    stop = dash.locator("button", has_text="stop")
+    text = status.inner_text()
+    assert re.search(r"running\s+iteration 40/1000", text), text
+    assert "very-long-run-directory-name" in text and "\n" not in text.strip(), text
+    sb, bb = status.bounding_box(), stop.bounding_box()
+    line = status.evaluate("el => parseFloat(getComputedStyle(el.querySelector('div') || el).lineHeight) || 20")
+    assert sb["height"] <= 1.6 * max(line, bb["height"]), f"the status line wraps: {sb['height']}px"
+    assert sb["x"] + sb["width"] <= bb["x"] + 1, "the status line runs under the stop button"
+    visible = status.evaluate("""el => {  // the iteration is inside the status box, not cut off
+        const r = document.createRange(), w = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+        let n; while ((n = w.nextNode())) { if (n.textContent.includes('iteration')) { r.selectNodeContents(n); break; } }
+        const b = r.getBoundingClientRect(), o = el.getBoundingClientRect();
+        return b.width > 0 && b.right <= o.right + 1; }""")
+    assert visible, "the iteration count is cut off"
+    _not_clipped(pg, dash, "dashboard")
+    page.shot("dashboard", dash)
+    printed = page.outputs(i + 1).first.inner_text()
+    xmax = float(re.search(r"LOSS_XMAX (\S+)", printed).group(1))
+    assert xmax < 100, f"the loss axis spans {xmax} iterations for a run 40 iterations in"
+    assert "['no GPU memory on CPU'] BARS 0" in printed, printed
+    wording = page.outputs(i + 2).first.inner_text()
+    assert "1 micro-batch per step" in wording and "micro-batches" not in wording, wording
+    assert not page.console, page.console
 
 
 # --------------------------------------------------------------------------- item: config form fields
@@ -457,11 +501,9 @@ def _wait_visible(locator, visible: bool, what: str, timeout: float = 20) -> Non
     assert locator.is_visible() == visible, f"{what} should be {'shown' if visible else 'hidden'}"
 
 
-def test_config_form_shows_each_family_and_devices_fields(scratch):
-    page = scratch("form_fields", ["from workbench.config import preset\nfrom workbench.widgets.config_form import ConfigForm\n"
-                                   "form = ConfigForm(preset('tiny', **{'parallel.device': 'cpu'}))\nform"])
-    page.run_all(120)
-    form = page.outputs(0).first
+def test_config_form_shows_each_family_and_devices_fields(shared):
+    page, at = shared
+    form = page.outputs(at["form_fields"]).first
     t5_only = ("decoder_num_layers", "decoder_seq_length", "relative_attention_num_buckets", "relative_attention_max_distance")
     _tab(form, "model")
     assert _field(form, "num_layers").is_visible()
@@ -522,18 +564,12 @@ BREAKS_JS = """(root) => {
 }"""
 
 
-def test_moe_settings_are_an_optional_group_and_messages_wrap_between_words(scratch):
+def test_moe_settings_are_an_optional_group_and_messages_wrap_between_words(shared):
     """The config form's MoE settings: a collapsed group labelled optional on a dense GPT config, its switch alone in
     it until it is set, every field a widget, gone for BERT; and a long message shown with ``say`` wraps between
     words where JupyterLab's own ``pre`` would cut words ("di/vides")."""
-    page = scratch("moe_group_say", [
-        "from workbench.config import preset\nfrom workbench.widgets.config_form import ConfigForm\n"
-        "form = ConfigForm(preset('tiny', **{'parallel.device': 'cpu'}))\nform",
-        "from workbench.config import ConfigError\nfrom workbench.notebook import say\n"
-        "try:\n    preset('t5-tiny', **{'parallel.pipeline_parallel': 2, 'parallel.nproc_per_node': 2}).check()\n"
-        "except ConfigError as e:\n    say(e, e)"])
-    page.run_all(120)
-    form = page.outputs(0).first
+    page, at = shared
+    form = page.outputs(at["moe_group_say"]).first
     _tab(form, "model")
     group = form.locator(".lm-AccordionPanel-title, .jupyter-widget-Collapse-header, .p-Collapse-header",
                          has_text="mixture of experts (optional").first
@@ -554,7 +590,7 @@ def test_moe_settings_are_an_optional_group_and_messages_wrap_between_words(scra
     _wait_visible(_field(form, "top_k"), False, "dense again: top_k")
     _field(form, "arch").locator("select").select_option("bert")
     _wait_visible(group, False, "BERT: the MoE group")
-    message = page.outputs(1).first
+    message = page.outputs(at["moe_group_say"] + 1).first
     found = page.page.evaluate(BREAKS_JS, message.element_handle())
     assert found["styles"] and set(found["styles"]) == {"normal"}, found["styles"]
     assert found["breaks"] > 0, "the message should be long enough to wrap at 1050 px"

@@ -1,8 +1,9 @@
 """Saved and reopened (a fresh page, a new kernel), the interactive widgets keep what they showed (issue #55).
 
-Run All on a copy of the notebook, save, reopen: every cell whose saved outputs hold a widget shows it again as a
-static snapshot (the planner's and the explorer's chart as an <img>, their status line) and nowhere says
-"Error displaying widget" / "model not found".  Interactivity needs a kernel and is not checked.
+Run All on a copy of the notebook with its defaults -- CI's one such run of 02 and 03, with every check of
+``test_notebook_runs_browser.py`` (``REOPENED`` there) -- save, reopen: every cell whose saved outputs hold a widget
+shows it again as a static snapshot (the planner's and the explorer's chart as an <img>, their status line) and
+nowhere says "Error displaying widget" / "model not found".  Interactivity needs a kernel and is not checked.
 Set-up in conftest.py; the reopening helpers are ``test_notebook_runs_browser.py``'s.
 """
 
@@ -12,12 +13,10 @@ import os
 
 import pytest
 
-from tests.browser.test_notebook_runs_browser import WIDGET_MIME, _close, _reopen, _saved
-from tests.browser.test_notebooks_in_jupyterlab import Notebook
+from tests.browser.test_notebook_runs_browser import REOPENED, WIDGET_MIME, _close, _reopen, \
+    runs_with_its_defaults_and_keeps_its_figures
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    os.environ.get("WORKBENCH_STOCK_JUPYTERLAB") == "1",
-    reason="a stock JupyterLab saves no widget state: its reopened widgets say 'model not found' (docs/notebooks.md)")]
+pytestmark = pytest.mark.slow
 
 #: notebook -> (label of a control of its interactive widget, text its status line shows)
 WIDGETS = {"02_memory_planner": ("micro-batch size", "worst"), "03_pipeline_schedules": ("p (stages)", "bubble")}
@@ -25,16 +24,12 @@ WIDGETS = {"02_memory_planner": ("micro-batch size", "worst"), "03_pipeline_sche
 
 @pytest.mark.parametrize("name", list(WIDGETS))
 def test_widgets_keep_what_they_showed_when_reopened(browser, lab, artefacts, name):
+    assert set(WIDGETS) == set(REOPENED)  # the notebooks test_notebook_runs_browser.py leaves to this file
     label, status = WIDGETS[name]
-    nb = Notebook(browser, lab, artefacts, name, {"ci": True})
-    try:
-        took = nb.run_all(300)
-        nb.check_all_ran()
-        nb.shot("ran-all")
-        print(f"{name} ran in {took:.0f}s")
-    finally:
-        nb.close()  # saves the copy
-    saved = _saved(lab, name)
+    saved = runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name)  # Run All, saved, its checks
+    if os.environ.get("WORKBENCH_STOCK_JUPYTERLAB") == "1":
+        pytest.skip("ran with its defaults and passed; a stock JupyterLab saves no widget state: its reopened widgets "
+                    "say 'model not found' (docs/notebooks.md)")
     widget_cells = [i for i, c in enumerate(saved.cells) if c.cell_type == "code"
                     and any(WIDGET_MIME in o.get("data", {}) for o in c.get("outputs", []))]
     assert widget_cells, f"{name}: no widget output saved"
