@@ -17,6 +17,10 @@
 #           (parallel.optimizer_cpu_offload: 1.0, what two 80 GB cards need): the host step's cost, first losses alike.
 #           At 8B a step takes seconds on the host (03d8d5e: 20 timed steps did not end in 200 s); at 3B an offloaded
 #           process takes 150-190 s (2ec4a94: 2 repeats a side in 545 s); MODEL=llama3.2-1b fits one call
+#   CALL=15 / 16: async TP (parallel.async_tp, #50: TP collectives hidden), Llama-3.2-3B, 8 micro-batches: TP=2 + SP
+#           without CUDA graphs beside the same with async TP (its own effect: async TP runs no graphs), or the
+#           one-GPU default path beside TP=2 + SP with async TP (the scaling row); CALL=17: Llama-3.1-8B TP=2 + SP with
+#           async TP beside torchtitan 0.3.0 (as CALL=8).  A 3B TP process ~50-80 s: ~450 s a call
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
 #           tokens a step, micro-batch 1: the one-GPU default path at that length (the recompute the planner says it
 #           needs: none on an H200 at both) beside CP=2 (ring attention; cuDNN blocks where they run): the scaling row
@@ -29,8 +33,8 @@
 #   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT
 set -u
 out="${1:?usage: scale_call.sh OUTDIR}"
-call="${CALL:?set CALL=1 to 14}"
-case "$call" in 7|8|9|14) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
+call="${CALL:?set CALL=1 to 17}"
+case "$call" in 7|8|9|14|17) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
 mkdir -p "$out"
 source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
@@ -58,6 +62,9 @@ case "$call" in
   8) bench "${LIMIT:-570}" --variants "$(names tp2-sp torchtitan)" ;;
   9) bench "${LIMIT:-570}" --variants "$(names pp2-m8 torchtitan)" ;;
   14) bench "${LIMIT:-570}" --variants "$(names dp2-distopt dp2-distopt-offload)" ;;
-  *) echo "CALL must be 1 to 14" >&2; exit 2 ;;
+  15) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-sp-nograph tp2-sp-async)" ;;
+  16) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench tp2-sp-async)" ;;
+  17) bench "${LIMIT:-570}" --variants "$(names tp2-sp-async torchtitan)" ;;
+  *) echo "CALL must be 1 to 17" >&2; exit 2 ;;
 esac
 cd "$out" && tar czf logs.tgz *.log && rm -f *.log

@@ -38,7 +38,9 @@ tp2/gpt2-large            2     GPT-2 large (and Llama-3.2-3B when listed), tens
 tp2-8queues               2     tp2 launched with ``CUDA_DEVICE_MAX_CONNECTIONS=8`` (the backend's 1 is not applied)
 tp2-no-overlap            2     tp2 with ``parallel.tp_comm_overlap: false`` (backward collectives exposed)
 tp2-nograph               2     tp2 without CUDA graphs
-tp2-sp                    2     tp2 plus sequence parallelism (also ``-no-overlap``)
+tp2-sp                    2     tp2 plus sequence parallelism (also ``-no-overlap``, ``-nograph``)
+tp2-sp-async              2     tp2-sp with ``parallel.async_tp`` (inductor's micro-pipelined TP over symmetric memory;
+                                no CUDA graphs: against ``-nograph`` for its own effect)
 tp2-bound                 2     diagnostic, not the maths: tp2 with its TP all-reduces skipped
 tp2-te                    2     TE's layer at TP=2 with sequence parallelism (only when TE is importable)
 tp2-te-ub                 2     tp2-te with ``parallel.te_userbuffers`` (TE userbuffers, ``UB_SKIPMC=1``); also
@@ -180,7 +182,8 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             # optimizer CPU offload (what 80 GB cards need for this layout): its cost, over the same layout without it
             rows.append(Variant(f"dp2-distopt-offload/{m}", "workbench", m, gpus=2, microbatches=m_dp,
                                 baseline=f"dp2-distopt/{m}", overrides={**dopt, "parallel.optimizer_cpu_offload": 1.0}))
-            for name, over in (("tp2-sp", {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True}),
+            tp_sp = {"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True}
+            for name, over in (("tp2-sp", tp_sp), ("tp2-sp-async", {**tp_sp, "parallel.async_tp": True}),
                                ("pp2-m8", {"parallel.pipeline_parallel": 2})):
                 rows.append(Variant(f"{name}/{m}", "workbench", m, gpus=2, microbatches=2 * m_dp, baseline=titan,
                                     overrides=over))
@@ -199,6 +202,8 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             "tp2-nograph": ({"train.cuda_graphs": False}, {}, None),
             "tp2-sp": ({"parallel.sequence_parallel": True}, {}, None),
             "tp2-sp-no-overlap": ({"parallel.sequence_parallel": True, **no_overlap}, {}, None),
+            "tp2-sp-nograph": ({"parallel.sequence_parallel": True, "train.cuda_graphs": False}, {}, None),
+            "tp2-sp-async": ({"parallel.sequence_parallel": True, "parallel.async_tp": True}, {}, None),
             "tp2-bound": ({}, {}, "no-tp-comm"),
             # NCCL picked its low-latency protocol (RING_LL, ~105 GB/s) for the 21 MB all-reduces of GPT-2 large on
             # 2 H100s: these rows exclude it

@@ -49,6 +49,7 @@ __all__ = [
     "allow_fast_paths_on_cpu",
     "fp8_problems",
     "userbuffer_problems",
+    "async_tp_problems",
     "FP8_RECIPES",
     "SDPA_CUDNN_FIRST",
     "SELECTIVE_RECOMPUTE",
@@ -67,8 +68,8 @@ _FAST_ON_CPU = False
 #: compiled layer, its CUDA graphs and its TP overlap (:func:`fast_paths_wanted`), and validation refuses
 #: FP8, TE's userbuffers and communication overlap.  The config form shows them only on ``device: cuda``.
 GPU_ONLY_FIELDS = ("train.compile_kernels", "train.cuda_graphs", "train.fp8", "parallel.tp_comm_overlap",
-                   "parallel.te_userbuffers", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
-                   "parallel.optimizer_cpu_offload")
+                   "parallel.te_userbuffers", "parallel.async_tp", "parallel.overlap_grad_reduce",
+                   "parallel.overlap_param_gather", "parallel.optimizer_cpu_offload")
 
 
 def allow_fast_paths_on_cpu(enabled: bool = True) -> None:
@@ -227,6 +228,9 @@ class KernelChoice:
     #: TE's layer through megatron's ``tp_comm_overlap``, GEMMs split and pipelined with the all-gather /
     #: reduce-scatter in TE's userbuffers), "" (none: TP = 1, or the layer's collectives are exposed)
     tp_overlap: Literal["", "compiled", "userbuffers"] = ""
+    #: ``parallel.async_tp``: the compiled layer's sequence-parallel all-gathers / reduce-scatters micro-pipelined
+    #: with their GEMMs (inductor's ``_micro_pipeline_tp`` over symmetric memory; :func:`async_tp_problems`)
+    async_tp: bool = False
     #: who adds each micro-batch's weight gradients into megatron DDP's fp32 main_grad: "workbench" (a copy for
     #: the step's first, a vectorised add after: workbench.backend.grad_accumulation) or "megatron" (its DDP hook's
     #: add_; where megatron's own CUDA graphs accumulate inside the graph)
@@ -275,6 +279,8 @@ class KernelChoice:
 #: why context parallelism keeps CUDA graphs off: the compiled layer runs the ring attention eagerly between its
 #: compiled pieces (``compiled_layer._ring_context``), and its point-to-point exchanges are not captured
 CP_BLOCKER = "context parallel: the ring attention's point-to-point exchanges run eagerly between the compiled pieces"
+#: why ``parallel.async_tp`` runs without CUDA graphs
+ASYNC_TP_BLOCKER = "async TP: the symmetric-memory kernels' capture is unproven here (parallel.async_tp)"
 
 
 #: why a mixture-of-experts layer at TP > 1 keeps megatron's layer: at TP = 1 the compiled layer serves its attention
@@ -442,6 +448,9 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
             "" if cuda and cuda_available else "no GPU")
     if t.cuda_graphs and cp > 1:
         graphs_reason = CP_BLOCKER
+    async_tp = bool(p.async_tp) and layer == "compiled" and not _async_tp_rules(cfg)
+    if t.cuda_graphs and async_tp and graphed_layer and not graphs_reason:
+        graphs_reason = ASYNC_TP_BLOCKER
     graphs = bool(t.cuda_graphs) and graphed_layer and not graphs_reason
     impl = graphs_impl(cfg, layer) if graphs else ""
     tp_overlap = ""
@@ -454,7 +463,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         cross_entropy="compiled" if fast and p.tensor_parallel == 1 else "vocab_parallel",
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
         cuda_graphs_reason=graphs_reason, cuda_graphs_impl=impl, transformer_engine=te,
-        tp_overlap=tp_overlap, grad_accumulation="megatron" if impl == "megatron" else "workbench",
+        tp_overlap=tp_overlap, async_tp=async_tp, grad_accumulation="megatron" if impl == "megatron" else "workbench",
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         experts=(experts := _experts_slot(cfg, attention, fast)),
@@ -628,6 +637,42 @@ def _userbuffer_rules(cfg: Any, attention: str) -> list[tuple[str, str]]:
     if _te_version() < (2, 7):
         out.append(("TE's userbuffers need transformer-engine >= 2.7 (its UserBufferQuantizationMode)",
                     "bash launch/install_te.sh (2.20.2), or te_userbuffers: false"))
+    return out
+
+
+def _async_tp_rules(cfg: Any) -> list[tuple[str, str]]:
+    """``(rule, fix)`` for each reason ``parallel.async_tp`` cannot run with this config (:func:`choose` and
+    :func:`async_tp_problems` share it); the layer itself is judged by :func:`choose`."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    out = []
+    if p.tensor_parallel < 2:
+        out.append(("async TP pipelines tensor-parallel collectives; tensor_parallel is 1",
+                    "set tensor_parallel >= 2, or async_tp: false"))
+    if not p.sequence_parallel:
+        out.append(("async TP splits sequence parallelism's all-gather / reduce-scatter with their GEMMs",
+                    "set sequence_parallel: true, or async_tp: false"))
+    if p.device != "cuda":
+        out.append(("async TP runs on symmetric GPU memory", "set async_tp: false on device: cpu"))
+    if t.fp8 != "off":
+        out.append(("async TP with FP8 GEMMs is not supported here", "set fp8: off, or async_tp: false"))
+    if not t.compile_kernels:
+        out.append(("async TP is a pass of the compiled layer's graph (train.compile_kernels is off)",
+                    "set compile_kernels: true, or async_tp: false"))
+    return out
+
+
+def async_tp_problems(cfg: Any) -> list[tuple[str, str, str]]:
+    """``(field, rule, fix)`` where ``parallel.async_tp`` cannot run (config validation calls it): TP > 1, sequence
+    parallelism, CUDA, bf16 or fp32 GEMMs, the compiled layer; a layer the kernel rule keeps stock (attention
+    backend, family) is refused too, with that reason."""
+    if not cfg.parallel.async_tp:
+        return []
+    out = [("parallel.async_tp", rule, fix) for rule, fix in _async_tp_rules(cfg)]
+    if not out:
+        k = choose(cfg)
+        if k.layer != "compiled":
+            out.append(("parallel.async_tp", f"async TP runs on the compiled layer; this run's layer is stock "
+                        f"({k.layer_reason})", "set async_tp: false"))
     return out
 
 

@@ -35,11 +35,18 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks(tp2):
         assert_tp2_matches_stock(r[name], rel=1e-5, passes=2 if name == "gpt+full" else 1)
 
 
-def test_tp_backward_collectives_run_under_the_weight_gradient_gemms():
+@pytest.fixture(scope="module")
+def tp2_order() -> dict:
+    """Inductor's generated code of one rank of the TP=2 layer, per case (one process, a fake group of two ranks: the
+    module docstring)."""
+    return run_check("tp2-order", port=free_port())
+
+
+def test_tp_backward_collectives_run_under_the_weight_gradient_gemms(tp2_order):
     """parallel.tp_comm_overlap, on inductor's generated backward of the TP=2 layer: each
     input-gradient all-reduce (reduce-scatter under SP) has two weight-gradient GEMMs between
     its start and its wait; without the overlap every collective is waited on at once."""
-    r = run_check("tp2-order", port=free_port())  # one process, a fake group of two ranks (the module docstring)
+    r = tp2_order
     # backward collectives: TP = [all-reduce dgrad fc1, all-reduce dgrad qkv];
     # SP = [all-gather grad, reduce-scatter dgrad fc1, all-gather grad, reduce-scatter dgrad qkv]
     expected_on = {False: [2, 2], True: [0, 2, 0, 2]}
@@ -54,6 +61,22 @@ def test_tp_backward_collectives_run_under_the_weight_gradient_gemms():
     on, off = r["overlap=True,sp=False,fp8=tensorwise"], r["overlap=False,sp=False,fp8=tensorwise"]
     assert sum(gemms_in_flight(on)) >= 1 and gemms_in_flight(off) == [0, 0], (on, off)
     assert on.count("mm") == off.count("mm") == 8, (on, off)
+
+
+def test_async_tp_fuses_every_sequence_parallel_collective_with_its_gemm(tp2_order):
+    """parallel.async_tp: inductor's micro-pipeline TP pass replaces the SP layer's collectives by symmetric-memory ops
+    that split each with its GEMM.  Without biases (Llama): all of them, forward (QKV and fc1's all-gather, the
+    projection's and fc2's reduce-scatter) and backward (the mirror image); with biases (GPT-2) the forward's
+    all-gathers stay (their GEMM is an addmm, which the pass does not match).  Off: the plain collectives."""
+    on, biased, off = (tp2_order[f"async_tp={a},bias={b}"] for a, b in ((True, False), (True, True), (False, False)))
+    fused = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "fused_all_gather_matmul": 2,
+             "fused_matmul_reduce_scatter": 2}
+    plain = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "fused_all_gather_matmul": 0,
+             "fused_matmul_reduce_scatter": 0}
+    assert on == {"forward": fused, "backward": fused}, on
+    assert off == {"forward": plain, "backward": plain}, off
+    assert biased["backward"] == fused and biased["forward"] == {**fused, "all_gather_into_tensor": 2,
+                                                                 "fused_all_gather_matmul": 0}, biased
 
 
 @pytest.mark.slow

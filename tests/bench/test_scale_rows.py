@@ -108,3 +108,29 @@ def test_a_variant_cut_by_its_timeout_keeps_its_slow_steps_times(monkeypatch):
     assert not res["ok"] and res["error"] == "worker exited 124 without a result"
     assert res["log_tail"].startswith("timed out after 200.0s") and "warm-up step" not in res["log_tail"]
     assert res["progress"] == steps and res["gpu_strangers"] == []
+
+
+def test_async_tp_rows_are_tp2_sp_with_async_tp_and_the_calls_name_planned_variants():
+    """parallel.async_tp's rows (#50): at 3B beside TP=2 + SP without CUDA graphs (async TP runs none: its own
+    effect) and beside the one-GPU default path (CALL=15 / 16); at 8B beside torchtitan (CALL=17).  Each validates
+    and differs from its neighbour only where it says."""
+    import re
+
+    tt = _tt()
+    three = {v.name: v for v in tt.plan(["llama3.2-3b"], gpus=2, have_te=False, microbatches=8)}
+    eight = {v.name: v for v in tt.plan(["llama3.1-8b"], gpus=2, have_te=False, microbatches=4)}
+    a3, g3 = (tt.bench_config(three[f"{n}/llama3.2-3b"]) for n in ("tp2-sp-async", "tp2-sp-nograph"))
+    a8 = tt.bench_config(eight["tp2-sp-async/llama3.1-8b"])
+    for cfg in (a3, g3, a8):
+        assert cfg.validate() == [] and cfg.parallel.tensor_parallel == 2 and cfg.parallel.sequence_parallel
+    assert a3.parallel.async_tp and a8.parallel.async_tp and not g3.parallel.async_tp and not g3.train.cuda_graphs
+    assert eight["tp2-sp-async/llama3.1-8b"].baseline == "torchtitan/llama3.1-8b"
+    script = (ROOT / "bench" / "scale_call.sh").read_text()
+    calls = {"15": (["tp2-sp-nograph", "tp2-sp-async"], three, "llama3.2-3b"),
+             "16": (["workbench", "tp2-sp-async"], three, "llama3.2-3b"),
+             "17": (["tp2-sp-async", "torchtitan"], eight, "llama3.1-8b")}
+    for call, (want, planned, model) in calls.items():
+        line = next(x for x in script.splitlines() if x.strip().startswith(f"{call})"))
+        assert re.search(r'names ([^)]*)\)', line).group(1).split() == want
+        assert all(f"{n}/{model}" in planned for n in want) and "--steps" not in line
+    assert '7|8|9|14|17) model="${MODEL:-llama3.1-8b}"' in script

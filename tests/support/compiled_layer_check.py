@@ -191,15 +191,11 @@ def check_tp2() -> dict:
 def check_tp2_order() -> dict:
     """One process under a fake two-rank process group (or under torchrun on two gloo ranks): the order of GEMMs and
     collectives in inductor's generated backward of the TP=2 layer, with ``tp_overlap`` on and off, with and
-    without SP.  Per case a list of "mm" / "start" / "wait" in code order."""
-    import re
-
+    without SP (per case a list of "mm" / "start" / "wait" in code order); with ``async_tp`` on and off, the
+    collectives and fused symmetric-memory ops the forward's and the backward's code call."""
     import torch.distributed as dist
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor
-    from torch._inductor.utils import run_and_get_code
-
-    from workbench.backend import compiled_layer
 
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # under torchrun (which sets it): two gloo ranks
         dist.init_process_group("gloo")
@@ -214,35 +210,82 @@ def check_tp2_order() -> dict:
     # (the overlap on and off differ only in their order) and ranks under torchrun compile each kernel once
     inductor.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
-    h, heads, s, b, tp = 64, 4, 16, 2, 2
-    kinds = [("mm", re.compile(r"extern_kernels\.mm\(|_scaled_mm(\.default)?\(")),
-             ("start", re.compile(r"_c10d_functional\.(all_reduce_?|reduce_scatter_tensor|all_gather_into_tensor)\.default\(")),
-             ("wait", re.compile(r"_c10d_functional\.wait_tensor\.default\("))]
     out = {}
     cases = [(overlap, sp, None) for overlap in (True, False) for sp in (False, True)]
     cases += [(overlap, False, "tensorwise") for overlap in (True, False)]  # FP8 wgrad GEMMs are _scaled_mm
     for overlap, sp, fp8 in cases:
-        compiled_layer._compiled.cache_clear()
-        g = torch.Generator().manual_seed(0)
-
-        def p(*shape):
-            return torch.randn(*shape, generator=g).requires_grad_()
-
-        args = [p(s // tp if sp else s, b, h), p(h), p(h), p(3 * h // tp, h), p(3 * h // tp), p(h, h // tp), p(h),
-                p(h), p(h), p(4 * h // tp, h), p(4 * h // tp), p(h, 4 * h // tp), p(h)]
-        fn = compiled_layer._compiled("layer", False, overlap)
-        kw = dict(norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads // tp, groups=heads // tp, head_dim=h // heads,
-                  scale=0.25, activation="gelu", tp_group=dist.group.WORLD.group_name, sequence_parallel=sp, fp8=fp8)
-        _, codes = run_and_get_code(lambda: fn(*args, **kw).sum().backward())
-        backward = next(c for c in codes if "tangents_1" in c.split("def call", 1)[-1].split("\n", 2)[1])
-        body = backward.split("def call", 1)[1]
-        events = []
-        for line in body.splitlines():
-            for kind, pattern in kinds:
-                if pattern.search(line):
-                    events.append(kind)
-        out[f"overlap={overlap},sp={sp}" + (f",fp8={fp8}" if fp8 else "")] = events
+        out[f"overlap={overlap},sp={sp}" + (f",fp8={fp8}" if fp8 else "")] = _tp2_code(overlap, sp, fp8)[1]
+    # parallel.async_tp: the forward's and the backward's code (the symmetric-memory ops replace the collectives)
+    for async_tp, bias in ((True, False), (True, True), (False, False)):
+        fwd, bwd = _tp2_code(False, True, None, async_tp=async_tp, bias=bias, events=False)
+        out[f"async_tp={async_tp},bias={bias}"] = {"forward": _collective_calls(fwd), "backward": _collective_calls(bwd)}
     return out
+
+
+def _collective_calls(code: str) -> dict:
+    """How many times the generated code calls each TP collective and each fused symmetric-memory op."""
+    import re
+
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor", "fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+    return {n: len(re.findall(rf"\.{n}\.default\(", code)) for n in names}
+
+
+def _tp2_code(overlap: bool, sp: bool, fp8, async_tp: bool = False, bias: bool = True, events: bool = True):
+    """Inductor's generated (forward, backward) code of one rank of the TP=2 layer (backward as "mm" / "start" / "wait"
+    events with ``events``; ``bias``: the linear layers' and norms' biases, as GPT-2's, else none, as Llama's).  ``async_tp``: under torch's symmetric-memory test mode (no GPU: its ops run their
+    reference implementations, registered here for CPU tensors; what is checked is the code inductor generates)."""
+    import contextlib
+    import re
+
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+
+    from workbench.backend import compiled_layer
+
+    h, heads, s, b, tp = 64, 4, 16, 2, 2
+    kinds = [("mm", re.compile(r"extern_kernels\.mm\(|_scaled_mm(\.default)?\(")),
+             ("start", re.compile(r"_c10d_functional\.(all_reduce_?|reduce_scatter_tensor|all_gather_into_tensor)\.default\(")),
+             ("wait", re.compile(r"_c10d_functional\.wait_tensor\.default\("))]
+    compiled_layer._compiled.cache_clear()
+    g = torch.Generator().manual_seed(0)
+
+    def p(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
+
+    def pb(*shape):
+        return p(*shape) if bias else None
+
+    args = [p(s // tp if sp else s, b, h), p(h), pb(h), p(3 * h // tp, h), pb(3 * h // tp), p(h, h // tp), pb(h),
+            p(h), pb(h), p(4 * h // tp, h), pb(4 * h // tp), p(h, 4 * h // tp), pb(h)]
+    fn = compiled_layer._compiled("layer", False, overlap, async_tp)
+    kw = dict(norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads // tp, groups=heads // tp, head_dim=h // heads,
+              scale=0.25, activation="gelu", tp_group=dist.group.WORLD.group_name, sequence_parallel=sp, fp8=fp8)
+    with _symm_mem_test_mode() if async_tp else contextlib.nullcontext():
+        _, codes = run_and_get_code(lambda: fn(*args, **kw).sum().backward())
+    backward = next(c for c in codes if "tangents_1" in c.split("def call", 1)[-1].split("\n", 2)[1])
+    forward = next(c for c in codes if c is not backward)
+    if not events:
+        return forward, backward
+    found = []
+    for line in backward.split("def call", 1)[1].splitlines():
+        for kind, pattern in kinds:
+            if pattern.search(line):
+                found.append(kind)
+    return forward, found
+
+
+@contextlib.contextmanager
+def _symm_mem_test_mode():
+    """torch's symmetric-memory test mode, with its ops' reference implementations registered for CPU tensors (they
+    have CUDA kernels only)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    for op, ref in (("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback),
+                    ("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback)):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"symm_mem::{op}", "CPU"):
+            torch.library.impl(f"symm_mem::{op}", "CPU")(ref)
+    with symm_mem._test_mode():
+        yield
 
 
 def _graph_breaks() -> int:

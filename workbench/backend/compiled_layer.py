@@ -79,6 +79,7 @@ __all__ = [
     "compiling",
     "CompiledTransformerLayer",
     "dense_layer_forward",
+    "enable_async_tp",
     "fast_path_blocker",
     "prepare_model",
     "step_begin",
@@ -143,18 +144,25 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited.  Traced, the collective already carries its one ``wait_tensor``; a
+    second one would stand between an all-gather and its GEMM and hide the pair from inductor's micro-pipeline TP
+    pass (``parallel.async_tp``).  Eagerly it is an ``AsyncCollectiveTensor``: waited here."""
+    return t if torch.compiler.is_compiling() else funcol.wait_tensor(t)
+
+
 def _all_gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     """All-gather along dim 0 (the sequence), waited."""
-    return funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))
+    return _waited(_all_gather(x.contiguous(), 0, group))
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     """Sum-reduce-scatter along dim 0 (the sequence), waited."""
-    return funcol.wait_tensor(_reduce_scatter(x.contiguous(), "sum", 0, group))
+    return _waited(_reduce_scatter(x.contiguous(), "sum", 0, group))
 
 
 def _all_reduce_sum(x: torch.Tensor, group: str) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+    return _waited(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
 class _EnterTensorParallel(torch.autograd.Function):
@@ -487,7 +495,7 @@ def _mlp_sublayer(
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False):
+def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_tp: bool = False):
     """The compiled piece ``name``; ``graphs``: replayed as CUDA graphs (cudagraph trees).
 
     With graphs, each call site in a step (layer i, micro-batch j, forward or backward) becomes
@@ -498,6 +506,10 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False):
     ``tp_overlap`` (``parallel.tp_comm_overlap`` at TP > 1): the backward's collectives run
     under the weight-gradient GEMMs (:func:`workbench.backend.tp_overlap.sink_weight_gradients`); inductor's peak-memory
     reordering is off for this graph so it keeps that order (it would move the GEMMs back).
+
+    ``async_tp`` (``parallel.async_tp``): inductor's micro-pipeline TP pass turns each sequence-parallel all-gather
+    and its GEMM, and each GEMM and its reduce-scatter, into one ``symm_mem`` op that splits them per rank and
+    pipelines the pieces (the TP group's symmetric memory: :func:`enable_async_tp`).
     """
     fn = {"layer": dense_layer_forward, "attention": attention_sublayer_forward, "ce": _cross_entropy_sb}[name]
     if not _COMPILE:
@@ -511,6 +523,8 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False):
     options: dict[str, Any] = {"triton.cudagraphs": True} if graphs else {}  # = mode="reduce-overhead"
     if tp_overlap:
         options.update({"reorder_for_peak_memory": False, "post_grad_custom_post_pass": tp_overlap_pass()})
+    if async_tp:
+        options["_micro_pipeline_tp"] = True
     return torch.compile(fn, dynamic=False, options=options or None)
 
 
@@ -518,9 +532,23 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False):
 _GRAPHS = False
 
 
-def _piece(name: str, tp_overlap: bool = False):
+def _piece(name: str, tp_overlap: bool = False, async_tp: bool = False):
     """The compiled piece for this call: graph-replayed in training (grad on), plain otherwise."""
-    return _compiled(name, _GRAPHS and torch.is_grad_enabled(), tp_overlap)
+    return _compiled(name, _GRAPHS and torch.is_grad_enabled(), tp_overlap, async_tp)
+
+
+def enable_async_tp(group_name: str) -> None:
+    """Symmetric memory for the TP group ``group_name`` (what inductor's micro-pipeline TP pass asks for before it
+    fuses a collective with its GEMM); idempotent.  NVLink multicast is never asked for (the fused ops copy through
+    the copy engines; hosts that share GPUs keep ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``)."""
+    import warnings
+
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if not symm_mem.is_symm_mem_enabled_for_group(group_name):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch >= 2.12 deprecates the call; 2.11 needs it
+            symm_mem.enable_symm_mem_for_group(group_name)
 
 
 def graphs_wanted(cfg: Any, config: Any = None) -> bool:
@@ -591,6 +619,12 @@ class CompiledTransformerLayer(TransformerLayer):
         #: parallel.tp_comm_overlap: backward collectives under the weight-gradient GEMMs
         self.tp_overlap = self.fast_path_blocker is None and "tp_group" in self._static \
             and bool(getattr(self.config, "workbench_tp_comm_overlap", False))
+        #: parallel.async_tp: the SP all-gathers / reduce-scatters micro-pipelined with their GEMMs
+        kernels = getattr(self.config, "workbench_kernels", None)
+        self.async_tp = self.fast_path_blocker is None and bool(self._static.get("sequence_parallel")) \
+            and bool(getattr(kernels, "async_tp", False))
+        if self.async_tp:
+            enable_async_tp(self._static["tp_group"])
         self.fast_calls = 0  # observable: how many forwards took the compiled path
 
     @property
@@ -689,7 +723,7 @@ class CompiledTransformerLayer(TransformerLayer):
                      xa.linear_q.bias, gemm_w(xa.linear_kv), xa.linear_kv.bias, gemm_w(xa.linear_proj),
                      xa.linear_proj.bias)
         with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
-            out = _piece("layer", self.tp_overlap)(
+            out = _piece("layer", self.tp_overlap, self.async_tp)(
                 x,
                 ln1.weight, getattr(ln1, "bias", None),
                 gemm_w(attn.linear_qkv), attn.linear_qkv.bias,
@@ -779,6 +813,8 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             if compiled[0].config.tensor_model_parallel_size > 1:
                 sp = " + sequence parallel" if compiled[0].config.sequence_parallel else ""
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
+                if compiled[0].async_tp:
+                    notes["layer"] += ", its all-gathers / reduce-scatters micro-pipelined with their GEMMs (async TP)"
                 if compiled[0].tp_overlap:
                     notes["layer"] += ", backward collectives under the weight-gradient GEMMs"
                     if compiled[0]._static["fp8"]:
