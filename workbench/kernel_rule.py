@@ -612,17 +612,24 @@ def fp8_problems(cfg: Any) -> list[tuple[str, str, str]]:
     return out
 
 
+def _tp_sp_rules(cfg: Any, field: str, tp_rule: str, sp_rule: str) -> list[tuple[str, str]]:
+    """``(rule, fix)`` where a TP-overlap field (``parallel.<field>``) lacks what it overlaps: TP > 1, and
+    sequence parallelism's all-gather / reduce-scatter."""
+    out = []
+    if cfg.parallel.tensor_parallel < 2:
+        out.append((f"{tp_rule}; tensor_parallel is 1", f"set tensor_parallel >= 2, or {field}: false"))
+    if not cfg.parallel.sequence_parallel:
+        out.append((sp_rule, f"set sequence_parallel: true, or {field}: false"))
+    return out
+
+
 def _userbuffer_rules(cfg: Any, attention: str) -> list[tuple[str, str]]:
     """``(rule, fix)`` for each reason ``parallel.te_userbuffers`` cannot run with this config on ``attention``
     (the one predicate :func:`choose` and :func:`userbuffer_problems` share)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    out = []
-    if p.tensor_parallel < 2:
-        out.append(("TE's userbuffers overlap tensor-parallel communication; tensor_parallel is 1",
-                    "set tensor_parallel >= 2, or te_userbuffers: false"))
-    if not p.sequence_parallel:
-        out.append(("TE's userbuffers overlap sequence parallelism's all-gather / reduce-scatter (megatron refuses "
-                    "tp_comm_overlap without it)", "set sequence_parallel: true, or te_userbuffers: false"))
+    out = _tp_sp_rules(cfg, "te_userbuffers", "TE's userbuffers overlap tensor-parallel communication",
+                       "TE's userbuffers overlap sequence parallelism's all-gather / reduce-scatter (megatron refuses "
+                       "tp_comm_overlap without it)")
     if p.device != "cuda":
         out.append(("TE's userbuffers need GPUs", "set te_userbuffers: false on device: cpu"))
     if t.precision == "fp32":
@@ -643,14 +650,9 @@ def _userbuffer_rules(cfg: Any, attention: str) -> list[tuple[str, str]]:
 def _async_tp_rules(cfg: Any) -> list[tuple[str, str]]:
     """``(rule, fix)`` for each reason ``parallel.async_tp`` cannot run with this config (:func:`choose` and
     :func:`async_tp_problems` share it); the layer itself is judged by :func:`choose`."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    out = []
-    if p.tensor_parallel < 2:
-        out.append(("async TP pipelines tensor-parallel collectives; tensor_parallel is 1",
-                    "set tensor_parallel >= 2, or async_tp: false"))
-    if not p.sequence_parallel:
-        out.append(("async TP splits sequence parallelism's all-gather / reduce-scatter with their GEMMs",
-                    "set sequence_parallel: true, or async_tp: false"))
+    p, t = cfg.parallel, cfg.train
+    out = _tp_sp_rules(cfg, "async_tp", "async TP pipelines tensor-parallel collectives",
+                       "async TP splits sequence parallelism's all-gather / reduce-scatter with their GEMMs")
     if p.device != "cuda":
         out.append(("async TP runs on symmetric GPU memory", "set async_tp: false on device: cpu"))
     if t.fp8 != "off":
