@@ -111,7 +111,8 @@ def rank_environment(cfg: Any) -> dict[str, str]:
 
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with TP comm overlap (megatron's setting): with one
     hardware queue the GPU starts kernels in launch order across streams, so a backward
-    all-reduce launched before the weight-gradient GEMMs gets its SMs and runs under them.
+    all-reduce launched before the weight-gradient GEMMs gets its SMs and runs under them.  Not under
+    ``parallel.async_tp``: its fused ops pipeline their pieces over side streams themselves.
     TE's userbuffers (``parallel.te_userbuffers``) need it too, and ``UB_SKIPMC=1`` (CUDA IPC instead of NVLink
     multicast) where the launch keeps multicast off for NCCL (``NCCL_NVLS_ENABLE=0``): hosts that share their GPUs
     disable multicast, and TE's userbuffers would otherwise create multicast objects on their own.
@@ -123,8 +124,9 @@ def rank_environment(cfg: Any) -> dict[str, str]:
 
     p = cfg.parallel
     env: dict[str, str] = {}
-    userbuffers = kernel_rule.choose(cfg).tp_overlap == "userbuffers"
-    if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or userbuffers):
+    k = kernel_rule.choose(cfg)
+    userbuffers = k.tp_overlap == "userbuffers"
+    if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or userbuffers) and not k.async_tp:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if userbuffers and os.environ.get("NCCL_NVLS_ENABLE") == "0":
         env["UB_SKIPMC"] = "1"

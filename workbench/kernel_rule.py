@@ -223,8 +223,8 @@ class KernelChoice:
     #: parallelism, where it records one graph per layer and micro-batch in the schedule's order and shares one
     #: memory pool; a graph-safe RNG tracker, TE's where TE is usable), "" (none)
     cuda_graphs_impl: Literal["", "step", "torch", "megatron"] = ""
-    #: how TP > 1 hides its collectives: "compiled" (``parallel.tp_comm_overlap``: the compiled layer's backward
-    #: computes weight gradients under the input-gradient collective), "userbuffers" (``parallel.te_userbuffers``:
+    #: how TP > 1 hides its collectives: "compiled" (``parallel.tp_comm_overlap``, not under ``async_tp``: the
+    #: compiled layer's backward computes weight gradients under the input-gradient collective), "userbuffers" (``parallel.te_userbuffers``:
     #: TE's layer through megatron's ``tp_comm_overlap``, GEMMs split and pipelined with the all-gather /
     #: reduce-scatter in TE's userbuffers), "" (none: TP = 1, or the layer's collectives are exposed)
     tp_overlap: Literal["", "compiled", "userbuffers"] = ""
@@ -454,8 +454,8 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     graphs = bool(t.cuda_graphs) and graphed_layer and not graphs_reason
     impl = graphs_impl(cfg, layer) if graphs else ""
     tp_overlap = ""
-    if p.tensor_parallel > 1 and layer == "compiled" and p.tp_comm_overlap:
-        tp_overlap = "compiled"
+    if p.tensor_parallel > 1 and layer == "compiled" and p.tp_comm_overlap and not async_tp:
+        tp_overlap = "compiled"  # (async TP leaves the backward no plain collective to move GEMMs under)
     elif p.te_userbuffers and not _userbuffer_rules(cfg, attention):
         tp_overlap = "userbuffers"
     return KernelChoice(

@@ -9,7 +9,7 @@ import pytest
 
 from workbench import kernel_rule
 from workbench.cli import main
-from workbench.config import preset
+from workbench.config import preset, rank_environment
 
 #: Llama-3.2-1B at TP=2 + SP on the compiled layer: what async TP needs
 ASYNC = preset("llama3.2-1b", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2,
@@ -20,8 +20,12 @@ def test_async_tp_is_chosen_only_where_asked_and_turns_cuda_graphs_off():
     k = kernel_rule.choose(ASYNC, te=False)
     assert k.async_tp and k.layer == "compiled" and not k.cuda_graphs_impl
     assert k.cuda_graphs_reason == kernel_rule.ASYNC_TP_BLOCKER
+    # its fused ops leave no plain collective for tp_comm_overlap's pass, and pipeline over side streams themselves
+    assert k.tp_overlap == "" and "CUDA_DEVICE_MAX_CONNECTIONS" not in rank_environment(ASYNC)
     plain = kernel_rule.choose(ASYNC.replace(**{"parallel.async_tp": False}), te=False)
     assert not plain.async_tp and plain.cuda_graphs_reason != kernel_rule.ASYNC_TP_BLOCKER
+    assert plain.tp_overlap == "compiled" and rank_environment(ASYNC.replace(**{"parallel.async_tp": False})) == {
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert ASYNC.validate() == []
 
 
