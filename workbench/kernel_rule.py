@@ -224,7 +224,8 @@ class KernelChoice:
     #: memory pool; a graph-safe RNG tracker, TE's where TE is usable), "" (none)
     cuda_graphs_impl: Literal["", "step", "torch", "megatron"] = ""
     #: how TP > 1 hides its collectives: "compiled" (``parallel.tp_comm_overlap``, not under ``async_tp``: the
-    #: compiled layer's backward computes weight gradients under the input-gradient collective), "userbuffers" (``parallel.te_userbuffers``:
+    #: compiled layer's backward computes weight gradients under the input-gradient collective), "userbuffers"
+    #: (``parallel.te_userbuffers``:
     #: TE's layer through megatron's ``tp_comm_overlap``, GEMMs split and pipelined with the all-gather /
     #: reduce-scatter in TE's userbuffers), "" (none: TP = 1, or the layer's collectives are exposed)
     tp_overlap: Literal["", "compiled", "userbuffers"] = ""
@@ -449,7 +450,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     if t.cuda_graphs and cp > 1:
         graphs_reason = CP_BLOCKER
     async_tp = bool(p.async_tp) and layer == "compiled" and not _async_tp_rules(cfg)
-    if t.cuda_graphs and async_tp and graphed_layer and not graphs_reason:
+    if t.cuda_graphs and async_tp and not graphs_reason:
         graphs_reason = ASYNC_TP_BLOCKER
     graphs = bool(t.cuda_graphs) and graphed_layer and not graphs_reason
     impl = graphs_impl(cfg, layer) if graphs else ""

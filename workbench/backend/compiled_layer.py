@@ -619,10 +619,10 @@ class CompiledTransformerLayer(TransformerLayer):
         #: parallel.tp_comm_overlap: backward collectives under the weight-gradient GEMMs
         self.tp_overlap = self.fast_path_blocker is None and "tp_group" in self._static \
             and bool(getattr(self.config, "workbench_tp_comm_overlap", False))
-        #: parallel.async_tp: the SP all-gathers / reduce-scatters micro-pipelined with their GEMMs
-        kernels = getattr(self.config, "workbench_kernels", None)
-        self.async_tp = self.fast_path_blocker is None and bool(self._static.get("sequence_parallel")) \
-            and bool(getattr(kernels, "async_tp", False))
+        #: parallel.async_tp (the kernel rule's choice: TP > 1 with SP): the SP all-gathers / reduce-scatters
+        #: micro-pipelined with their GEMMs
+        self.async_tp = self.fast_path_blocker is None and "tp_group" in self._static \
+            and bool(getattr(getattr(self.config, "workbench_kernels", None), "async_tp", False))
         if self.async_tp:
             enable_async_tp(self._static["tp_group"])
         self.fast_calls = 0  # observable: how many forwards took the compiled path
