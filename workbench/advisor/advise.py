@@ -217,8 +217,8 @@ def _cp_note(cfg: RunConfig, gpus: int, nodes: int, layouts: list) -> str:
     """What the listing says about context parallelism: listed (their ring's cost uncalibrated) or why not."""
     n = sum(1 for lay, _ in layouts if lay.cp > 1)
     if n:
-        return (f"{n} context-parallel layouts listed (CP's ring time is modelled, not calibrated: no measured CP row "
-                "yet, docs/advisor.md)")
+        return (f"{n} context-parallel layouts listed (CP's ring time is modelled with an unfitted factor 1.0; the "
+                "measured CP rows join the fit: docs/advisor.md)")
     why = cp_refusal(cfg, gpus, nodes)
     return f"no context-parallel layout listed: {why or 'none the validator accepts'}"
 

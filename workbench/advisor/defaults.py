@@ -35,7 +35,7 @@ SOURCES = {
                   "attention": [f"{TT}:30", f"{TT}:148"],
                   "optimizer": [f"{TT}:30", f"{CALL1}:5", f"{TT}:148"],
                   "fp8": (f"{FP8}:2", f"{FP8}:3"), "tp_comm": f"{CALL1}:6"},
-    "H200-141GB": {"gemm": [f"{TT}:89", f"{TT}:117"], "attention": [f"{TT}:89"],
+    "H200-141GB": {"gemm": [f"{TT}:89", f"{TT}:117"], "attention": [f"{TT}:89", f"{TT}:202"],
                    "optimizer": [f"{TT}:89", f"{TT}:117"], "probe": [f"{PROBE}:{i}" for i in range(1, 9)]},
 }
 DEVICE = {"H100-80GB": "NVIDIA H100 80GB HBM3", "H200-141GB": "NVIDIA H200"}

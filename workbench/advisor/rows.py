@@ -33,7 +33,8 @@ ONLY = {"train_throughput_te_present.jsonl": ("workbench-fp8-",)}  # with TE imp
 VARIANTS = ("workbench", "workbench-nograph", "workbench-eager", "recompute-selective", "recompute-full",
             "workbench-fp8-tensorwise", "workbench-fp8-rowwise", "workbench-fp8-delayed",
             "dp2", "dp2-distopt", "tp2", "tp2-sp", "tp2-no-overlap", "tp2-sp-no-overlap", "tp2-nograph",
-            "pp1-m8", "pp2-m8", "pp2-vpp2-m8", "pp2-m8-nograph", "advisor")
+            "pp1-m8", "pp2-m8", "pp2-vpp2-m8", "pp2-m8-nograph", "advisor",
+            "workbench-16k", "workbench-32k", "cp2-16k", "cp2-32k")
 
 #: rows measured while something else held the GPUs: (file name, line) -> why
 CONTAMINATED = {
