@@ -29,7 +29,17 @@ VARIANTS = {
     "bf16-swiglu-gqa-nobias": {"train.precision": "bf16", "model.activation": "swiglu", "model.attention_type": "grouped",
                                "model.num_query_groups": 2, "model.add_bias_linear": False, "model.vocab_size": 64},
     "bf16-full-recompute": {"train.precision": "bf16", "parallel.recompute": "full", "parallel.recompute_num_layers": 2},
+    # megatron's per-head q/k norms: their stats, and the normed q, k attention keeps without RoPE
+    "bf16-qk-norm-gqa": {"train.precision": "bf16", "model.qk_layernorm": True, "model.attention_type": "grouped",
+                         "model.num_query_groups": 2, "model.vocab_size": 64},
+    "bf16-rope-qk-norm": {"train.precision": "bf16", "model.qk_layernorm": True, "model.position_embedding": "rope",
+                          "model.vocab_size": 64},
 }
+#: OLMoE's q/k RMSNorms over all heads, against the same model without them: CPU's RMSNorm upcasts unlike CUDA's (the
+#: whole model is off), so the planner's q/k terms are held to the measured difference the norms make
+_RMS = {"train.precision": "bf16", "model.normalization": "rmsnorm", "model.position_embedding": "rope",
+        "model.attention_type": "grouped", "model.num_query_groups": 2, "model.vocab_size": 64}
+PAIR = {"rmsnorm-gqa": _RMS, "rmsnorm-gqa-qk-all-heads": {**_RMS, "model.qk_layernorm": True, "model.qk_norm_scope": "all_heads"}}
 
 
 def _probe(variants: dict[str, dict], port: int) -> dict[str, dict]:
@@ -90,7 +100,7 @@ def measured():
 
     root = Path(__file__).resolve().parents[2]
     port = free_port()  # other test runs may share this machine
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(VARIANTS), str(port)], cwd=root,
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps({**VARIANTS, **PAIR}), str(port)], cwd=root,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
@@ -103,6 +113,15 @@ def test_kept_activations_match_megatron_model(measured, variant):
     r = measured[variant]
     err = (r["predicted_kept"] - r["measured_kept"]) / r["measured_kept"]
     assert abs(err) < 0.03, (variant, r, f"{100 * err:.1f}%")
+
+
+@pytest.mark.slow
+def test_all_heads_qk_norm_terms_match_what_the_norms_keep(measured):
+    """The all-heads q/k norms keep an fp32 copy, the normed bf16 tensor and a per-token rstd for q and for k: the
+    planner's terms equal the bytes the norms add to the same model (exactly, on this shape)."""
+    base, qk = measured["rmsnorm-gqa"], measured["rmsnorm-gqa-qk-all-heads"]
+    added = qk["measured_kept"] - base["measured_kept"]
+    assert added > 0 and qk["predicted_kept"] - base["predicted_kept"] == pytest.approx(added, rel=0.02), (base, qk)
 
 
 @pytest.mark.slow

@@ -102,6 +102,7 @@ class Shape:
     dist_opt: bool
     max_pos: int
     relu: bool = False  # ReLU keeps only its output (fc2's input), not its input
+    qk_norm: str = ""  # model.qk_layernorm: "head" (megatron's per-head norms), "all_heads" (OLMoE's), "" (none)
     offload: float = 0.0  # parallel.optimizer_cpu_offload: the share of the optimizer's shard kept in host memory
     # mixture of experts (workbench.families.common.moe_shapes.shape_fields): share of MoE layers, experts, EP / ETP /
     # expert DP, top_k, a routed expert's and all shared experts' FFN sizes, capacity factor (0: dropless)
@@ -130,7 +131,8 @@ def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
         rope=m.position_embedding == "rope", learned_pos=m.position_embedding == "learned", tied=m.tie_embeddings,
         hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0, recompute=p.recompute,
         recompute_num_layers=p.recompute_num_layers, dist_opt=p.distributed_optimizer, max_pos=m.max_position_embeddings,
-        relu=m.activation == "relu", offload=float(p.optimizer_cpu_offload or 0.0), **moe_shapes.shape_fields(cfg),
+        relu=m.activation == "relu",
+        qk_norm=(getattr(m, "qk_norm_scope", "head") if getattr(m, "qk_layernorm", False) else ""), offload=float(p.optimizer_cpu_offload or 0.0), **moe_shapes.shape_fields(cfg),
     )
 
 
@@ -200,6 +202,12 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
                               silu(gate), x_lin copy; compiled layer: x1)
     dropout_masks             hidden dropout (1 byte, when p > 0)             sbh / t_sp each
     norm_stats                mean / rstd (fp32)                              4-8 sb / t_sp each
+    qk_norm_stats             per-head q/k norms: mean / rstd per head        4-8 sb(a+g) / t
+    qk_norm_output            per-head q/k norms without RoPE: normed q, k     e sb(a+g)d / t
+                              (RoPE's rotated copies replace them)
+    qk_norm_all_heads         all-heads q/k RMSNorms (OLMoE's): the fp32      (4+e) sb(a+g)d / t
+                              copy rms_norm keeps, the normed bf16 the          + 8 sb
+                              weight's product keeps, rstd per token
     ========================  ============================================  =========
 
     ``t_sp`` is ``t`` with sequence parallelism, else 1.  Selective recompute drops the MLP
@@ -240,6 +248,14 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
     if sh.hidden_dropout:
         terms["dropout_masks"] = 2 * tok * h / tsp
     terms["norm_stats"] = 2 * (8 if sh.layernorm else 4) * tok / tsp
+    if sh.qk_norm == "head":  # megatron's q/k norms over each head: the norm's input is the QKV output's view
+        terms["qk_norm_stats"] = (8 if sh.layernorm else 4) * tok * (a_loc + g_loc)
+        if not sh.rope:  # attention keeps the normed q, k (with RoPE it keeps the rotated copies instead)
+            terms["qk_norm_output"] = e * tok * (a_loc + g_loc) * d
+    elif sh.qk_norm == "all_heads":  # workbench.backend.qk_norms: rms_norm over an fp32 copy, then the weight
+        terms["qk_norm_all_heads"] = (4 + e) * tok * (a_loc + g_loc) * d + 2 * 4 * tok
+        if not sh.rope:
+            terms["qk_norm_output"] = e * tok * (a_loc + g_loc) * d
     if sh.moe_frac:  # MoE layers' router, dispatched tokens, experts (workbench.families.common.moe_shapes)
         moe_shapes.apply_activation_terms(terms, sh, kp)
 
