@@ -55,6 +55,8 @@ cp2-<L>                   2     the same sequences split over 2 GPUs: ``parallel
                                 attention, flash blocks), the same global batch (against ``workbench-<L>``)
 torchtitan-cp2-<L>        2     the yardstick: torchtitan 0.3.0 with ``context_parallel_degree: 2`` at the same
                                 length and batch (bench/reference_torchtitan.py; against ``workbench-<L>``)
+cp2-te-<L>                2     ``cp2-<L>`` through megatron-core's CP in TE's attention (``attention_backend: te``;
+                                only when TE is importable; against ``workbench-<L>``, reference ``cp2-<L>``)
 ========================  ====  ==============================================================
 
 Per variant: tokens/s, MFU (Megatron's formula via ``derive(cfg).flops_per_step`` over
@@ -230,7 +232,7 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
         # PP=2 with 8 micro-batches against the one-GPU default path (CUDA graphs on) of the same global batch;
         # ideal p*m/(m+p-1) = 1.78x.  "-nograph": the same layout without CUDA graphs (what PP ran before).
         # With --microbatches 8 the default row is that baseline already.
-        rows += cp_variants([m for m in models if m in CP_MODELS])
+        rows += cp_variants([m for m in models if m in CP_MODELS], have_te)
         pp2 = {"parallel.pipeline_parallel": 2}
         for m in [m for m in models if m in ("gpt2-medium", "llama3.2-1b", "llama3.2-3b")]:
             pp_base = f"workbench/{m}" if microbatches == 8 else f"pp1-m8/{m}"
@@ -256,9 +258,10 @@ def cp_one_gpu_recompute(model: str, seq: int, gpu: str = CP_GPU) -> str:
     return "full"
 
 
-def cp_variants(models: list[str]) -> list[Variant]:
+def cp_variants(models: list[str], have_te: bool = False) -> list[Variant]:
     """Context parallelism's rows: per model and length of CP_LENGTHS, the one-GPU way (``workbench-<L>``), CP=2
-    (``cp2-<L>``) and torchtitan's CP=2 (``torchtitan-cp2-<L>``), each of CP_TOKENS tokens a step."""
+    (``cp2-<L>``) and torchtitan's CP=2 (``torchtitan-cp2-<L>``), each of CP_TOKENS tokens a step; with TE
+    importable, CP=2 through megatron-core's CP in TE's attention (``cp2-te-<L>``, against the same one-GPU row)."""
     rows = []
     for m in models:
         for tag, seq in CP_LENGTHS.items():
@@ -271,6 +274,9 @@ def cp_variants(models: list[str]) -> list[Variant]:
                                 reference=f"torchtitan-cp2-{tag}/{m}"))
             rows.append(Variant(f"torchtitan-cp2-{tag}/{m}", "torchtitan", m, gpus=2, microbatches=k, baseline=base,
                                 overrides=cp2))
+            if have_te:
+                rows.append(Variant(f"cp2-te-{tag}/{m}", "workbench", m, gpus=2, microbatches=k, baseline=base,
+                                    overrides={**cp2, "model.attention_backend": "te"}, reference=f"cp2-{tag}/{m}"))
     return rows
 
 

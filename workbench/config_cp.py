@@ -2,7 +2,9 @@
 
 What :mod:`workbench.backend.context_parallel` wires: a model of a family that supports it
 (:attr:`workbench.families.Supports.context_parallel`: GPT causal, BERT bidirectional with its key-padding mask), on
-the workbench SDPA attention's K/V ring, over sequences split into 2*cp load-balanced chunks.  :func:`workbench.config.validate` reports each problem with its field and
+the workbench SDPA attention's K/V ring, over sequences split into 2*cp load-balanced chunks; with
+``attention_backend: te``, megatron-core's own context parallelism in Transformer Engine's attention (its ``p2p``
+ring, the same load-balanced chunks), for families without a key-padding mask.  :func:`workbench.config.validate` reports each problem with its field and
 fix (exit 2 before any process starts).  Torch-free.
 """
 
@@ -47,10 +49,14 @@ def context_parallel_problems(cfg: Any, lay: Layout, supports: Any) -> list[Layo
     if m.attention_dropout > 0:
         add("model.attention_dropout", f"attention dropout {m.attention_dropout} under context parallelism: the ring "
             "attention has no dropout", "set attention_dropout: 0, or context_parallel: 1", CPF)
-    if m.attention_backend in ("te", "local"):
-        add("model.attention_backend", f"context parallelism runs on the workbench SDPA attention's ring, not "
-            f"'{m.attention_backend}' (megatron's own context parallelism through Transformer Engine is for later)",
-            "set attention_backend: sdpa (or auto)", CPF)
+    if m.attention_backend == "local":
+        add("model.attention_backend", "context parallelism runs on the workbench SDPA attention's ring or (attention_backend "
+            "te) megatron-core's through Transformer Engine, not megatron's unfused local attention",
+            "set attention_backend: auto, sdpa or te", CPF)
+    elif m.attention_backend == "te" and supports.key_padding:
+        add("model.attention_backend", f"the {m.arch} family's padding mask under Transformer Engine's context "
+            "parallelism: TE's CP attention takes padded sequences only packed (THD), which is not wired",
+            "set attention_backend: auto or sdpa (the workbench ring takes the padding mask)", CPF)
     if m.position_embedding == "alibi":
         add("model.position_embedding", "ALiBi under context parallelism: the ring attention takes no additive bias",
             "use rope or learned positions, or context_parallel: 1", CPF)

@@ -243,6 +243,10 @@ class KernelChoice:
     #: dropless, torch_grouped experts, no FP8, any EP: gathered and summed without atomics, no host sync on one
     #: rank, one all-to-all each way at EP > 1, :mod:`workbench.backend.moe_dispatch`) or "megatron" (its dispatcher)
     moe_dispatch: Literal["", "workbench", "megatron"] = ""
+    #: whose context parallelism runs at ``parallel.context_parallel`` > 1 ("" at 1): "ring" (the workbench's K/V ring
+    #: over SDPA blocks, :mod:`workbench.backend.context_parallel`) or "te" (megatron-core's, in Transformer Engine's
+    #: attention: ``attention_backend: te``, its ``p2p`` ring over the same load-balanced chunks)
+    context_parallel: Literal["", "ring", "te"] = ""
     #: who routes MoE tokens ("" without experts): "workbench" (where its dispatch runs, softmax scores with the
     #: Switch aux loss or none: megatron's maths in one function, compiled on CUDA,
     #: :mod:`workbench.backend.moe_router`) or "megatron" (its TopKRouter)
@@ -273,13 +277,17 @@ class KernelChoice:
         experts = f", experts {self.experts}" if self.experts else ""
         experts += f", {self.moe_dispatch}'s token dispatch" if self.moe_dispatch else ""
         experts += f", {self.moe_router}'s router" if self.moe_router else ""
+        experts += {"ring": ", context parallel on the workbench ring",
+                    "te": ", context parallel in Transformer Engine (megatron-core's)"}.get(self.context_parallel, "")
         return (f"attention {self.attention}, {layer}{graphs}{experts}, norm {self.norm}, cross-entropy {self.cross_entropy}, "
                 f"optimizer {self.optimizer}")
 
 
 #: why context parallelism keeps CUDA graphs off: the compiled layer runs the ring attention eagerly between its
-#: compiled pieces (``compiled_layer._ring_context``), and its point-to-point exchanges are not captured
-CP_BLOCKER = "context parallel: the ring attention's point-to-point exchanges run eagerly between the compiled pieces"
+#: compiled pieces (``compiled_layer._ring_context``), and its point-to-point exchanges are not captured; TE's ring
+#: (``attention_backend: te``) under megatron's CUDA graphs is not verified here
+CP_BLOCKER = ("context parallel: the ring attention's point-to-point exchanges run eagerly between the compiled pieces "
+              "(and TE's ring is not graphed here)")
 #: why ``parallel.async_tp`` runs without CUDA graphs
 ASYNC_TP_BLOCKER = "async TP: the symmetric-memory kernels' capture is unproven here (parallel.async_tp)"
 
@@ -404,7 +412,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     te_spec = family is None or family.supports.transformer_engine
 
     te_graphs_off = _te_graphs_off(cfg, te_spec)
-    cp = int(getattr(p, "context_parallel", 1) or 1)  # context parallel: the workbench SDPA attention's ring (validation refuses te / local)
+    cp = int(getattr(p, "context_parallel", 1) or 1)  # context parallel: the workbench ring, or TE's (attention te)
     if m.attention_backend == "auto":
         if fast and blocker is None:
             attention = "sdpa"  # the compiled layer: 1.9x TE's stock layer on GPT-2 medium (H200)
@@ -470,6 +478,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         experts=(experts := _experts_slot(cfg, attention, fast)),
         moe_dispatch=(dispatch := _dispatch_slot(cfg, experts)),
         moe_router=_router_slot(cfg, dispatch),
+        context_parallel=("te" if attention == "te" else "ring") if cp > 1 else "",
         **_fp8_slot(t.fp8, layer, attention, m.hidden_size),
     )
 

@@ -240,11 +240,12 @@ def test_cp_config_rules():
     sp = _problems(**{"parallel.context_parallel": 2, "parallel.nproc_per_node": 4, "parallel.tensor_parallel": 2,
                       "parallel.sequence_parallel": True, "model.seq_length": 68})
     assert any(f == "model.seq_length" and "= 8 (sequence parallelism)" in r for f, r, _ in sp)
-    fields = {f for f, _, _ in _problems(**CP2, **{"model.attention_dropout": 0.1, "model.attention_backend": "te",
+    fields = {f for f, _, _ in _problems(**CP2, **{"model.attention_dropout": 0.1, "model.attention_backend": "local",
                                                    "data.reset_attention_mask": True})}
     assert {"model.attention_dropout", "model.attention_backend", "data.reset_attention_mask"} <= fields
-    (te,) = [(r, fix) for f, r, fix in _problems(**CP2, **{"model.attention_backend": "te"}) if f == "model.attention_backend"]
-    assert "Transformer Engine is for later" in te[0] and "sdpa" in te[1]
+    (local,) = [(r, fix) for f, r, fix in _problems(**CP2, **{"model.attention_backend": "local"})
+                if f == "model.attention_backend"]
+    assert "unfused local attention" in local[0] and "sdpa" in local[1]  # te: tests/backend/test_context_parallel_te.py
     hook = _problems(**CP2, **{"train.loss_func": "tests.support.hooks:loss"})
     assert any(f == "train.loss_func" and "context_parallel: 1" in fix for f, _, fix in hook)
     world = _problems(**{"parallel.context_parallel": 2, "parallel.nproc_per_node": 3})

@@ -77,7 +77,8 @@ P = "parallel."
     ("tiny", {P + "context_parallel": 2, P + "nproc_per_node": 2, "model.seq_length": 66}, "model.seq_length", "not divisible by 2*context_parallel"),
     ("tiny", {P + "context_parallel": 2, P + "nproc_per_node": 3}, "parallel.nproc_per_node", "not divisible by tp*cp*pp"),
     ("t5-tiny", {P + "context_parallel": 2, P + "nproc_per_node": 2}, "parallel.context_parallel", "not the t5 family"),
-    ("tiny", {P + "context_parallel": 2, P + "nproc_per_node": 2, "model.attention_backend": "te"}, "model.attention_backend", "Transformer Engine is for later"),
+    ("tiny", {P + "context_parallel": 2, P + "nproc_per_node": 2, "model.attention_backend": "local"}, "model.attention_backend", "not megatron's unfused local attention"),
+    ("bert-tiny", {P + "context_parallel": 2, P + "nproc_per_node": 2, "model.attention_backend": "te"}, "model.attention_backend", "padding mask under Transformer Engine's context parallelism"),
 ])
 def test_each_documented_rule_is_enforced(name, overrides, field, says):
     found = rules(name, **overrides)

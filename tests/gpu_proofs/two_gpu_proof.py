@@ -14,7 +14,8 @@ Phase ``a`` (parity and resume; every run a real ``torchrun -m workbench.rank`` 
   loaded with ``checkpoint.finetune`` by a one-GPU reference and by every two-GPU layout; 50 steps,
   dropout 0, synthetic data; max relative per-step loss difference against the reference <= 2%:
   GPT-2 (TP=2, TP=2+SP, PP=2, PP=2 x VPP=2, DP=2 + distributed optimizer), Llama with GQA (TP=2+SP,
-  PP=2; and at 8k tokens a sequence, CP=2: ``llama-8k-cp2``), BERT (TP=2+SP, PP=2 1F1B and interleaved,
+  PP=2; and at 8k tokens a sequence, CP=2: ``llama-8k-cp2`` on the workbench ring, ``llama-8k-cp2-te`` through
+  megatron-core's CP in Transformer Engine's attention where TE is importable), BERT (TP=2+SP, PP=2 1F1B and interleaved,
   DP=2; eval loss and masked-token accuracy at steps
   25 and 50 within the same bar), T5 (TP=2, DP=2 + distributed optimizer; eval loss within the bar).
   ``gpt-repeat`` runs the one-GPU reference again: the noise floor of bf16 training on this GPU.
@@ -115,7 +116,7 @@ LAYOUTS: dict[str, tuple[str, int, dict]] = {
     "gpt-tp2": ("gpt", 2, TP2), "gpt-tp2-sp": ("gpt", 2, {**TP2, **SP}), "gpt-pp2": ("gpt", 2, PP2),
     "gpt-pp2-vpp2": ("gpt", 2, {**PP2, **VPP2}), "gpt-dp2-distopt": ("gpt", 2, DISTOPT),
     "llama-tp2-sp": ("llama", 2, {**TP2, **SP}), "llama-pp2": ("llama", 2, PP2),
-    "llama-8k-cp2": ("llama-8k", 2, CP2),
+    "llama-8k-cp2": ("llama-8k", 2, CP2), "llama-8k-cp2-te": ("llama-8k", 2, {**CP2, "model.attention_backend": "te"}),
     "bert-tp2-sp": ("bert", 2, {**TP2, **SP}), "bert-pp2": ("bert", 2, PP2), "bert-pp2-vpp2": ("bert", 2, {**PP2, **VPP2}),
     "bert-dp2": ("bert", 2, {}),
     "t5-tp2": ("t5", 2, TP2), "t5-dp2-distopt": ("t5", 2, DISTOPT),
@@ -133,6 +134,8 @@ RESUMES: dict[str, tuple[str, int, dict]] = {
 }
 #: cases the CPU self-check skips (optimizer CPU offload moves state between a GPU and the host)
 GPU_ONLY = ("gpt-dp2-offload", "resume-gpt-offload")
+#: cases that need Transformer Engine: skipped, and said so, where it is not importable
+TE_ONLY = ("llama-8k-cp2-te",)
 # conversion: name -> (family, layout of the training run); 4 GPUs: GPT and Llama at TP=2 x PP=2 instead
 CONVERSIONS_2: dict[str, tuple[str, dict]] = {
     "convert-gpt-tp2": ("gpt", TP2), "convert-gpt-pp2": ("gpt", PP2), "convert-llama-tp2": ("llama", {**TP2, **SP}),
@@ -423,6 +426,12 @@ def phase_a(args: argparse.Namespace, work: Path, log: Callable) -> tuple[list[l
     if tiny:
         layouts = [n for n in layouts if not n.startswith(GPU_ONLY)]
         resumes = [r for r in resumes if not r.startswith(GPU_ONLY)]
+    from workbench.kernel_rule import te_available
+
+    if tiny or not te_available():
+        if [n for n in layouts if n in TE_ONLY]:
+            log(f"skipped (Transformer Engine not importable{' on CPU' if tiny else ''}): {', '.join(TE_ONLY)}")
+        layouts = [n for n in layouts if n not in TE_ONLY]
     repeat = select(["gpt-repeat"], args.only) if not tiny else []
     for r in resumes:  # a resume needs the run that saved
         if RESUMES[r][0] not in layouts:

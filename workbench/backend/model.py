@@ -327,10 +327,13 @@ def kernel_path(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoice] = No
         "local": "megatron-core DotProductAttention (unfused)",
     }[impl]
     cp = int(getattr(cfg.parallel, "context_parallel", 1) or 1)
-    if cp > 1 and impl == "sdpa":
+    if choice.context_parallel == "ring":
         attn += (f"; context parallel {cp}: ring attention over the CP group (K/V blocks by batch_isend_irecv, "
                  "load-balanced sequence shards, workbench.backend.context_parallel)"
                  + (", eagerly between the compiled layer's pieces" if choice.layer == "compiled" else ""))
+    elif choice.context_parallel == "te":
+        attn += (f"; context parallel {cp}: megatron-core's, in Transformer Engine's attention (its p2p K/V ring, "
+                 "load-balanced sequence shards)")
     if choice.sdpa_order:
         attn += f"; SDPA backends {' > '.join(choice.sdpa_order)} on Hopper+ (Transformer Engine's cuDNN would demote cuDNN)"
     norm = _NORM_NAMES[choice.norm].format("RMSNorm" if cfg.model.normalization == "rmsnorm" else "LayerNorm")
