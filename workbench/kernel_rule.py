@@ -271,6 +271,8 @@ class KernelChoice:
                   "megatron": ", megatron's CUDA graphs"}.get(self.cuda_graphs_impl, "")
         if self.tp_overlap == "userbuffers":
             graphs += ", TP comm overlap in TE's userbuffers"
+        if self.async_tp:
+            graphs += f", async TP [{ASYNC_TP_MEASURED}]"
         if self.fp8 != "off":
             layer += f" with FP8 GEMMs ({self.fp8}, {'Transformer Engine' if self.fp8_impl == 'te' else 'torch'})"
             layer += f" [{self.fp8_note}]" if self.fp8_note else ""
@@ -288,6 +290,9 @@ class KernelChoice:
 #: (``attention_backend: te``) under megatron's CUDA graphs is not verified here
 CP_BLOCKER = ("context parallel: the ring attention's point-to-point exchanges run eagerly between the compiled pieces "
               "(and TE's ring is not graphed here)")
+#: what async TP measured (Llama-3.2-3B, TP=2 + SP, 2 H200s, aedb434: docs/performance.md)
+ASYNC_TP_MEASURED = ("measured 0.53-0.58x TP=2 + SP without it on 2 H200s without NVLink multicast: symmetric-memory "
+                     "barriers between each GEMM's pieces")
 #: why ``parallel.async_tp`` runs without CUDA graphs
 ASYNC_TP_BLOCKER = "async TP: the symmetric-memory kernels' capture is unproven here (parallel.async_tp)"
 

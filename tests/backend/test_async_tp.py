@@ -24,6 +24,8 @@ def test_async_tp_is_chosen_only_where_asked_and_turns_cuda_graphs_off():
     assert k.tp_overlap == "" and "CUDA_DEVICE_MAX_CONNECTIONS" not in rank_environment(ASYNC)
     plain = kernel_rule.choose(ASYNC.replace(**{"parallel.async_tp": False}), te=False)
     assert not plain.async_tp and plain.cuda_graphs_reason != kernel_rule.ASYNC_TP_BLOCKER
+    # the kernel path carries what async TP measured; the plain path does not
+    assert kernel_rule.ASYNC_TP_MEASURED in k.describe() and "async TP" not in plain.describe()
     assert plain.tp_overlap == "compiled" and rank_environment(ASYNC.replace(**{"parallel.async_tp": False})) == {
         "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert ASYNC.validate() == []
