@@ -2,7 +2,8 @@
 its residual add) and attention dropout (on the attention probabilities), with megatron's masks.
 
 Each check runs in a subprocess (tests/support/dropout_check.py: megatron's parallel state is process-global); the
-one-process checks share one (the ``one_process`` fixture), the TP=2 check has its two ranks.
+one-process checks and the resume's three Trainer runs share one (the ``one_process_runs`` fixture,
+tests/support/dropout_one_process.py), the TP=2 check has its two ranks.
 Stock and compiled layers run eagerly on the CPU with the same weights and the random generators seeded alike, so
 they draw the same masks only if the compiled layer drops what megatron drops, where it drops it, in the same
 order, from the same stream: equal losses and gradients are the proof; the dropout-free (eval) loss differing
@@ -25,10 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECK = SUPPORT / "dropout_check.py"
 
 
-def _run(what: str, nproc: int = 1, timeout: int = 900, **env: str) -> dict:
-    cmd = [sys.executable, str(CHECK), what] if nproc == 1 else [
-        sys.executable, *torchrun_args(str(nproc)),
-        str(CHECK), what]
+def _run(cmd: list[str], timeout: int = 900, **env: str) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "CHECK_PORT": str(free_port()), **env})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -36,11 +34,35 @@ def _run(what: str, nproc: int = 1, timeout: int = 900, **env: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+#: the resume check's runs: six steps straight, three steps with a checkpoint, the resume of those to step six
+RESUME = ("straight", "first", "resumed")
+
+
 @pytest.fixture(scope="module")
-def one_process() -> dict:
-    """``dropout_check.py one-process``: the layer, the statistics (eager and compiled), full recompute (compiled)
-    and the families, one after another in one process (each from empty dynamo caches and parallel state)."""
-    return _run("one-process", timeout=1800)
+def one_process_runs(tmp_path_factory):
+    """``dropout_check.py one-process`` (the layer, the statistics (eager and compiled), full recompute (compiled) and
+    the families, one after another, each from empty dynamo caches and parallel state), then the :data:`RESUME` runs
+    on the compiled layer under dropout, in one process: (its JSON result, the runs' root)."""
+    from workbench.config import preset
+
+    root = tmp_path_factory.mktemp("dropout-resume")
+    straight = preset("tiny", **{"data.source": "synthetic", "train.train_iters": 6, "train.lr_decay_iters": 6,
+                                 "train.global_batch_size": 8, "train.eval_interval": 0, "train.compile_kernels": True,
+                                 "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0,
+                                 "checkpoint.save_on_exit": False, "model.hidden_dropout": 0.1, "model.attention_dropout": 0.1})
+    configs = {"straight": straight,
+               "first": straight.replace(**{"train.train_iters": 3, "checkpoint.save_on_exit": True}),
+               "resumed": straight.replace(**{"checkpoint.load_dir": str(root / "first" / "checkpoints")})}
+    for name in RESUME:
+        (root / name).mkdir()
+        configs[name].save(root / name / "config.json")
+    return _run([sys.executable, str(SUPPORT / "dropout_one_process.py"), *(str(root / n) for n in RESUME)],
+                timeout=1800), root
+
+
+@pytest.fixture(scope="module")
+def one_process(one_process_runs) -> dict:
+    return one_process_runs[0]
 
 
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -111,7 +133,7 @@ def test_tensor_parallel_dropout_follows_megatrons_streams():
     default stream shared by the ranks holding the same activations (drawn before the forked graph); under SP the
     whole layer on the TP stream (megatron's block forks).  Same losses and gradients as megatron's layers, the
     same loss on both ranks; the fork changed the masks."""
-    r = _run("tp2", nproc=2)
+    r = _run([sys.executable, *torchrun_args(2), str(CHECK), "tp2"])
     for name, case in r.items():
         assert case["blockers"] == [None] * 4 and case["fast_calls"] == 8, (name, case)
         assert case["loss_diff_max"] == 0.0 and case["grad_rel_max"] < 1e-6, (name, case)
@@ -120,28 +142,17 @@ def test_tensor_parallel_dropout_follows_megatrons_streams():
             assert case["loss_stock_no_fork"] != case["loss_stock"], (name, case)
 
 
-def test_a_resume_on_the_compiled_layer_under_dropout_repeats_the_straight_run(tmp_path):
+def test_a_resume_on_the_compiled_layer_under_dropout_repeats_the_straight_run(one_process_runs):
     """The compiled layer draws its masks from the generator whose state training checkpoints carry: a run resumed
     at step 3 repeats the straight run's losses bit for bit (CPU mode: the compiled layer eagerly, CPU generator)."""
-    from workbench.config import preset
     from workbench.run.reader import read_events
 
-    from tests.support.trainer_runs import run_trainers
-
-    straight = preset("tiny", **{"data.source": "synthetic", "train.train_iters": 6, "train.lr_decay_iters": 6,
-                                 "train.global_batch_size": 8, "train.eval_interval": 0, "train.compile_kernels": True,
-                                 "train.microbatch_timing_interval": 0, "checkpoint.save_interval": 0,
-                                 "checkpoint.save_on_exit": False, "model.hidden_dropout": 0.1, "model.attention_dropout": 0.1})
-    runs = {tmp_path / "straight": straight,
-            tmp_path / "first": straight.replace(**{"train.train_iters": 3, "checkpoint.save_on_exit": True}),
-            tmp_path / "resumed": straight.replace(**{"checkpoint.load_dir": str(tmp_path / "first" / "checkpoints")})}
-    run_trainers(runs, nproc=1, timeout=600,
-                 prelude="from workbench.backend import compiled_layer; compiled_layer.allow_on_cpu(True); compiled_layer.set_compile(False)")
+    root = one_process_runs[1]
 
     def losses(run):
-        return {e["iteration"]: e["loss"] for e in read_events(tmp_path / run) if e["event"] == "step"}
+        return {e["iteration"]: e["loss"] for e in read_events(root / run) if e["event"] == "step"}
 
-    start = next(e for e in read_events(tmp_path / "resumed") if e["event"] == "run_start")
+    start = next(e for e in read_events(root / "resumed") if e["event"] == "run_start")
     assert "dropout in the graph" in start["kernel_path"]["fast_layer"], start["kernel_path"]
     ref, got = losses("straight"), losses("resumed")
     assert sorted(got) == [4, 5, 6] and got == {i: ref[i] for i in got}

@@ -18,7 +18,8 @@ COMPILED_CASES = ("gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full")
 @pytest.fixture(scope="module")
 def tp2() -> dict:
     """One torchrun of two gloo ranks: every case eagerly, then :data:`COMPILED_CASES` under torch.compile in the same
-    ranks (``"compile:<case>"``; their graph breaks counted from the start of that phase)."""
+    ranks (``"compile:<case>"``; their graph breaks counted from the start of that phase).  At ``tp2_order``'s sequence
+    length (``TP2_SEQ``): built first, its compiled kernels are most of those ``tp2_order`` then needs."""
     return tp2_check(CHECK_THEN_COMPILE=",".join(COMPILED_CASES))
 
 

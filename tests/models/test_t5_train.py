@@ -108,21 +108,30 @@ def test_resume_repeats_the_straight_run_exactly(runs):
         assert e["lr"] == ref[it]["lr"] and e["consumed_samples"] == ref[it]["consumed_samples"]
 
 
-def test_pipeline_parallel_is_refused_with_the_reason(tmp_path):
-    """The rank entry point (``python -m workbench.rank``, as torchrun starts it) refuses a two-rank PP=2 T5 config
-    before any step, exit 2 with the reason: one plain process, as ``rank/test_rank_train.py``'s bad-config test
-    runs it (the refusal is the config check at the top of the rank's ``main``, before any process group, so a
-    torchrun of two ranks would only print it twice)."""
+def test_pipeline_parallel_is_refused_with_the_reason(tmp_path, capfd):
+    """The rank's entry point (``workbench.rank.train.main``: what ``python -m workbench.rank`` runs under torchrun)
+    refuses a two-rank PP=2 T5 config before any step, exit code 2 with megatron-core's reason.  Called in this process:
+    the refusal is the config check at the top of ``main``, before any process group or model (a subprocess would only
+    add the imports; ``rank/test_rank_train.py``'s bad-config test runs ``python -m workbench.rank`` itself)."""
+    import faulthandler
+    import signal
+
+    from workbench.rank.train import main
+
     run_dir = tmp_path / "pp2"
     run_dir.mkdir()
     cfg = _cfg(**{"parallel.pipeline_parallel": 2})
     cfg.parallel.nproc_per_node = 2
     cfg.save(run_dir / "config.json")
-    proc = subprocess.run([PY, "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    err = proc.stdout + proc.stderr
+    try:
+        code = main(["--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)])
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)  # main's stack dump on SIGUSR1 is a rank's, not this test process's
+    out = capfd.readouterr()
+    err = out.out + out.err
+    assert code == 2, err[-3000:]
     assert "parallel.pipeline_parallel" in err and "removed in megatron-core 0.14" in err and "tensor_parallel" in err
+    assert not (run_dir / "events").exists()
 
 
 def test_workbench_generate_cli_on_the_trained_checkpoint(runs):

@@ -11,7 +11,8 @@ stall watch takes it for progress).
 
 The evaluation-progress run, the PP=2 resume, both DP=2 distributed-optimizer runs (the first and its resume) and the
 demo-corpus run share one launch of two ranks (``tests.support.trainer_runs``: the backend's Trainer per run directory, in order; a resumed
-run never directly follows the run whose checkpoint it loads).
+run never directly follows the run whose checkpoint it loads).  The loss hook's check and the hung teardown share one
+plain process (the teardown last: it ends the process).
 """
 
 from __future__ import annotations
@@ -225,27 +226,6 @@ def test_sigterm_stops_cleanly_with_checkpoint(tmp_path):
     assert not _by(ev, "error")
 
 
-def test_a_hung_teardown_still_ends_the_process_with_the_runs_code():
-    """A finished rank whose process-group teardown never returns (seen with NCCL under CUDA
-    graphs) leaves after the guard's timeout with the run's exit code; a teardown that returns
-    hands the code back."""
-    script = textwrap.dedent("""
-        import sys, time
-        from workbench.backend import distributed
-        from workbench.rank import train
-        distributed.destroy = lambda: None
-        assert train.teardown(5, timeout_s=30) == 5
-        distributed.destroy = lambda: time.sleep(300)
-        train.teardown(7, timeout_s=1)
-        sys.exit(0)  # not reached
-    """)
-    t0 = time.time()
-    proc = subprocess.run([PY, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 7, proc.stderr[-3000:]
-    assert "teardown hung for 1 s; exiting with 7" in proc.stderr
-    assert time.time() - t0 < 120
-
-
 def test_exception_in_a_rank_is_an_error_event_and_nonzero_exit(tmp_path):
     # math.sqrt as a loss hook raises TypeError inside the schedule on the last stage
     cfg = _cfg(**{"train.loss_func": "math:sqrt", "train.train_iters": 3, "train.lr_decay_iters": 3, "train.lr_warmup_iters": 1})
@@ -309,16 +289,52 @@ print(json.dumps({"reported": res["losses"]["lm loss"], "expected": sum(expected
 '''
 
 
-def test_custom_keytoken_loss_hook_reproduces_the_reference(tmp_path):
-    env = {**ENV, "RUN_DIR": str(tmp_path / "hook")}
-    proc = subprocess.run([PY, "-c", textwrap.dedent(HOOK_SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    res = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
+#: after the hook's check, in the same process: a finished rank whose process-group teardown never returns (seen with
+#: NCCL under CUDA graphs) leaves after the guard's timeout with the run's exit code; a teardown that returns hands the
+#: code back
+TEARDOWN_SCRIPT = r'''
+import sys, time
+from workbench.backend import distributed
+from workbench.rank import train
+distributed.destroy = lambda: None
+assert train.teardown(5, timeout_s=30) == 5
+distributed.destroy = lambda: time.sleep(300)
+train.teardown(7, timeout_s=1)
+sys.exit(0)  # not reached
+'''
+
+
+@pytest.fixture(scope="module")
+def hook_then_teardown(tmp_path_factory):
+    """One plain process (one start and one set of imports for both checks): :data:`HOOK_SCRIPT`, then
+    :data:`TEARDOWN_SCRIPT`: (the process, its wall seconds)."""
+    env = {**ENV, "RUN_DIR": str(tmp_path_factory.mktemp("hook") / "hook")}
+    t0 = time.time()
+    # unbuffered: the hook's line is out before the guard's os._exit
+    proc = subprocess.run([PY, "-u", "-c", textwrap.dedent(HOOK_SCRIPT) + TEARDOWN_SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    return proc, time.time() - t0
+
+
+def test_custom_keytoken_loss_hook_reproduces_the_reference(hook_then_teardown):
+    proc, _ = hook_then_teardown
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(lines[-1])
     assert res["weights"] >= 3  # the chosen key tokens occur, so the weighting matters
     assert abs(res["reported"] - res["expected"]) < 1e-5 * res["expected"], res
     assert abs(res["expected"] - res["plain"]) > 1e-3  # and differs from the plain mean loss
     # return_logits: one [b, s, padded vocab] logits tensor per micro-batch, kept on the last stage
     assert res["n_logits"] == 2 and res["logits_shape"] == [2, 64, res["padded_vocab"]]
+
+
+def test_a_hung_teardown_still_ends_the_process_with_the_runs_code(hook_then_teardown):
+    """:data:`TEARDOWN_SCRIPT` (after the hook's check): the process leaves with the run's code 7 after the guard's
+    1 s, not after the 300 s the teardown would hang."""
+    proc, seconds = hook_then_teardown
+    assert proc.returncode == 7, proc.stderr[-3000:]
+    assert "teardown hung for 1 s; exiting with 7" in proc.stderr
+    assert seconds < 120
 
 
 def test_demo_corpus_trains_through_the_data_pipeline(two_rank_runs):
