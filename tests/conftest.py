@@ -38,7 +38,7 @@ from workbench.config import preset
 #: workers take files (longest first; every other file after these, in collection order).  A stale or missing number
 #: only changes that order, never what runs.  Refresh from a serial run's ``--junitxml`` (each file's testcase times).
 FILE_SECONDS = {
-    "browser/test_long_notebook_runs_browser.py": 650, "browser/test_notebook_runs_browser.py": 500,
+    "browser/test_long_notebook_runs_browser.py": 450, "browser/test_notebook_runs_browser.py": 300,
     "backend/test_compiled_layer_compile.py": 450,
     "notebooks/test_notebooks.py": 210,
     "backend/test_compiled_layer.py": 250, "backend/test_compiled_layer_tp.py": 200, "launch/test_multinode.py": 170,

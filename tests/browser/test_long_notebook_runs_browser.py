@@ -12,5 +12,5 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("name", [n for n in LONG if n in BROWSER_RUNS])
-def test_long_notebook_runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name):
-    runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name)
+def test_long_notebook_runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name):
+    runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name)

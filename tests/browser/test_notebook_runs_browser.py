@@ -50,6 +50,23 @@ OUTPUT_TEXT_JS = """() => window.jupyterapp.shell.currentWidget.content.widgets.
 IMAGES_JS = """() => Array.from(document.querySelectorAll('.jp-RenderedImage img')).map(
   i => ({natural: i.naturalWidth, shown: i.getBoundingClientRect().width}))"""
 
+# a reopened notebook's page: its kernel started, or JupyterLab asking which to start
+REOPENED_JS = """() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'
+  || Array.from(document.querySelectorAll('.jp-Dialog button')).some(b => b.innerText.trim() === 'Select')"""
+
+# every widget output of the notebook on the page is drawn or says why not: none is missing or still "Loading widget..."
+# (ipywidgets' renderer, until its model is found or the manager knows it will not be)
+SETTLED_JS = """() => window.jupyterapp.shell.currentWidget.content.widgets.every(cell => {
+  if (cell.model.type !== 'code') return true;
+  const children = Array.from(cell.outputArea.node.children);
+  return cell.model.outputs.toJSON().every((o, i) => {
+    const view = o.data && o.data['%s'];
+    if (!view || view.model_id === '') return true;
+    const node = children[i] && children[i].querySelector(':scope > .jp-OutputArea-output');
+    return !!node && !node.textContent.includes('Loading widget...');
+  });
+})""" % WIDGET_MIME
+
 
 def _code_outputs(nb: Notebook) -> dict[int, list[dict]]:
     """Outputs by code-cell index (the page's cell index), from the page."""
@@ -115,20 +132,31 @@ def _shows_live(nb: Notebook) -> None:
 
 
 def _reopen(browser, lab, artefacts: Path, name: str):
-    """The saved copy opened again in a fresh page (a new kernel: no widget model survives)."""
+    """The saved copy opened again in a fresh page (a new kernel: no widget model survives), once every widget output
+    has found its model (drawn) or said it cannot ("Error displaying widget"), or after a minute."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page = browser.new_page(viewport={"width": 1500, "height": 1100})
     page.set_default_timeout(60_000)
     console: list[str] = []
     page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
     page.goto(f"{lab['url']}/lab/workspaces/{name}-reopened/tree/{name}.ipynb?reset&token={lab['token']}")
-    page.wait_for_selector(".jp-Notebook", timeout=120_000)
-    try:
-        page.locator(".jp-Dialog button", has_text="Select").click(timeout=3_000)
-    except Exception:
-        pass
+    page.wait_for_function(REOPENED_JS, timeout=120_000)
+    if page.locator(".jp-Dialog button", has_text="Select").count():
+        page.locator(".jp-Dialog button", has_text="Select").click()
     page.wait_for_function("() => window.jupyterapp?.shell?.currentWidget?.content?.widgets?.length > 0", timeout=60_000)
-    time.sleep(3.0)  # widget outputs try to find their models
+    try:
+        page.wait_for_function(SETTLED_JS, timeout=60_000, polling=250)
+    except PlaywrightTimeout:  # the checks that follow say which
+        print(f"[browser] {name} reopened: widget outputs still loading after a minute")
     return page, console
+
+
+def within(seconds: float, ok) -> None:
+    """Wait until ``ok()`` holds or ``seconds`` pass; the assertion that follows says which."""
+    end = time.time() + seconds
+    while not ok() and time.time() < end:
+        time.sleep(0.25)
 
 
 def _close(page, lab) -> None:
@@ -165,16 +193,17 @@ REOPENED = ("02_memory_planner", "03_pipeline_schedules")
 
 
 @pytest.mark.parametrize("name", [n for n in BROWSER_RUNS if n not in LONG + REOPENED])
-def test_notebook_runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name):
-    runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name)
+def test_notebook_runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name):
+    runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name)
 
 
-def runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name: str):
+def runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name: str):
     """Run All with the notebook's defaults, its checks on the page and on the saved copy, then reopened; the saved
     copy (``nbformat``)."""
     from nbconvert import HTMLExporter
 
-    nb = Notebook(browser, lab, artefacts, name, {})
+    lab = lab_page.lab
+    nb = Notebook(lab_page, artefacts, name, {})
     try:
         took = nb.run_all(RUN_ALL_SECONDS.get(name, 300))
         nb.shot("ran-all")
@@ -214,24 +243,27 @@ def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells:
         cells = page.locator(".jp-Notebook .jp-Cell")
         for k, i in enumerate(watch_cells):
             cell = cells.nth(i)
+            imgs = cell.locator(".jp-OutputArea-output img")
+            within(30, lambda: imgs.count() >= len(shown[i]))
             cell.scroll_into_view_if_needed()
             page.screenshot(path=str(artefacts / "screenshots" / f"{name}-{nb.step + 1 + k:02d}-reopened-cell-{i}.png"))
             # every figure it saved (the router dashboard of an MoE run too), drawn again
-            assert cell.locator(".jp-OutputArea-output img").count() >= len(shown[i]), f"{name}: reopened cell {i}: {shown[i]}"
+            assert imgs.count() >= len(shown[i]), f"{name}: reopened cell {i}: {shown[i]}"
             assert "Error displaying widget" not in cell.inner_text(), f"{name}: reopened cell {i}: {cell.inner_text()[:500]}"
     finally:
         _close(page, lab)
     assert html.count("data:image/png") >= len(watch_cells)
 
 
-def test_stop_during_run_all_halts_the_notebook(browser, lab, artefacts):
+def test_stop_during_run_all_halts_the_notebook(lab_page, browser, artefacts):
     """01 with a long run: "Run All", then stop from the dashboard while it trains; saved and reopened, the watching
     cell keeps the figures of the run up to the stop."""
     from nbconvert import HTMLExporter
     from playwright.sync_api import expect
 
     out = artefacts / "stop-out"
-    nb = Notebook(browser, lab, artefacts, "01_quickstart", {"steps": 5000, "out_dir": str(out)})
+    lab = lab_page.lab
+    nb = Notebook(lab_page, artefacts, "01_quickstart", {"steps": 5000, "out_dir": str(out)})
     page = nb.page
     try:
         nb.command("notebook:run-all-cells")

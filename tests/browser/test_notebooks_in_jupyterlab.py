@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -49,6 +48,9 @@ OUTPUTS_JS = """() => {
   return out;
 }""" % WIDGET_MIME
 
+#: an idle kernel and no cell running or queued in this many polls in a row, this many seconds apart: the cells ended
+QUIET_POLLS, POLL_SECONDS = 6, 0.25
+
 CELLS_JS = """() => {
   const nb = window.jupyterapp.shell.currentWidget.content;
   const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel;
@@ -79,12 +81,13 @@ UNDRAWN_JS = """async (ids) => {
 }"""
 
 class Notebook:
-    """One notebook open in a JupyterLab page; screenshots numbered by step."""
+    """One notebook open in the worker's JupyterLab page (``lab_page``); screenshots numbered by step."""
 
-    def __init__(self, browser, lab, artefacts: Path, name: str, parameters: dict, extra_cells: list[str] = ()):
+    def __init__(self, lab_page, artefacts: Path, name: str, parameters: dict, extra_cells: list[str] = ()):
         import nbformat
 
-        self.name, self.artefacts, self.step, self.lab = name, artefacts, 0, lab
+        lab = lab_page.lab
+        self.name, self.artefacts, self.step, self.app = name, artefacts, 0, lab_page
         nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
         at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", []))
         injected = "# Parameters injected by the browser test (as papermill does)\n" + "".join(
@@ -98,24 +101,14 @@ class Notebook:
         for d in ("evidence",):  # 03 reads the committed GPU runs from ../evidence or ./evidence
             if not (lab["root"] / d).exists():
                 (lab["root"] / d).symlink_to(ROOT / d)
-        self.console: list[str] = []
-        self.page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        self.page.set_default_timeout(60_000)
-        self.page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
-        # a workspace of its own (?reset): no tab of an earlier test is restored beside it
-        self.page.goto(f"{lab['url']}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={lab['token']}")
-        self.page.wait_for_selector(".jp-Notebook", timeout=120_000)
-        chooser = self.page.locator(".jp-Dialog button", has_text="Select")
-        try:  # JupyterLab asks for a kernel when it cannot tell which to start: take the default, as a person would
-            chooser.click(timeout=3_000)
-        except Exception:
-            pass
-        self.page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                                    " && window.jupyterapp.shell.currentWidget.sessionContext"
-                                    " && window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'",
-                                    timeout=120_000)
+        self.page = lab_page.page
+        self._console_from = lab_page.open(f"{name}.ipynb")
         self.shot("opened")
+
+    @property
+    def console(self) -> list[str]:
+        """The browser errors logged since this notebook was opened."""
+        return self.app.console[self._console_from:]
 
     def shot(self, what: str) -> Path:
         self.step += 1
@@ -139,9 +132,9 @@ class Notebook:
         while time.time() < end:
             st = self.page.evaluate(CELLS_JS)
             quiet = quiet + 1 if st["kernel"] == "idle" and st["running"] == 0 else 0
-            if quiet >= 3:
+            if quiet >= QUIET_POLLS:
                 return st
-            time.sleep(1.0)
+            time.sleep(POLL_SECONDS)
         self.shot("timeout")
         raise AssertionError(f"{self.name}: cells still running after {timeout}s")
 
@@ -159,7 +152,7 @@ class Notebook:
             pending = [o for o in outs if o["widget"] and not o["rendered"] and "Error displaying widget" not in o["text"]]
             if not pending or time.time() > end:
                 break
-            time.sleep(0.5)
+            time.sleep(POLL_SECONDS)
         undrawn = [o for o in outs if o["widget"] and (not o["rendered"] or "Error displaying widget" in o["text"])]
         if undrawn:  # say why, in the output the assertion prints: a view whose model never reached the page differs from a late one
             why = self.page.evaluate(UNDRAWN_JS, [o["model_id"] for o in undrawn])
@@ -188,20 +181,8 @@ class Notebook:
         return self.page.locator(".jp-Notebook .jp-CodeCell").last
 
     def close(self) -> None:
-        """Save the copy (awaited: the tests read the saved file next), close the page and shut its kernel down (each
-        notebook's kernel holds memory)."""
-        session = self.page.evaluate("() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.id || null")
-        try:
-            self.page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")  # its promise: the write
-            self.page.wait_for_function("() => !window.jupyterapp.shell.currentWidget?.context?.model?.dirty", timeout=60_000)
-        finally:
-            self.page.close()
-        if session:
-            req = urllib.request.Request(f"{self.lab['url']}/api/sessions/{session}?token={self.lab['token']}", method="DELETE")
-            try:
-                urllib.request.urlopen(req, timeout=30).close()
-            except OSError as e:
-                print(f"[browser] could not shut down {self.name}'s kernel: {e}")
+        """Save the copy (awaited: the tests read the saved file next), close its tab and shut its kernel down."""
+        self.app.close(save=True)
 
 
 def _field_input(scope, label: str):
@@ -229,11 +210,11 @@ print("second run:", status2)
 """
 
 
-def test_quickstart_form_dashboard_and_stop(browser, lab, artefacts):
+def test_quickstart_form_dashboard_and_stop(lab_page, artefacts):
     from playwright.sync_api import expect
 
     t0 = time.time()
-    nb = Notebook(browser, lab, artefacts, "01_quickstart",
+    nb = Notebook(lab_page, artefacts, "01_quickstart",
                   {"ci": True, "steps": 6, "out_dir": str(artefacts / "quickstart-out"), "max_new_tokens": 8},
                   extra_cells=[SECOND_RUN])
     page = nb.page
@@ -289,7 +270,7 @@ def test_quickstart_form_dashboard_and_stop(browser, lab, artefacts):
         while time.time() < end:
             if img.get_attribute("src") != first_src and dash.locator(".progress-bar").first.get_attribute("style") != first_bar:
                 break
-            time.sleep(1.0)
+            time.sleep(POLL_SECONDS)
         else:
             raise AssertionError(f"the dashboard did not move: {first_status!r} -> {status.inner_text()!r}")
         assert status.inner_text() != first_status
@@ -298,7 +279,7 @@ def test_quickstart_form_dashboard_and_stop(browser, lab, artefacts):
         stacks = dash.locator(".widget-accordion .widget-html").nth(1)
         end = time.time() + 30
         while "rank 0" not in (stacks.text_content() or "") and time.time() < end:
-            time.sleep(0.5)
+            time.sleep(POLL_SECONDS)
         assert "rank 0" in stacks.text_content() and "File" in stacks.text_content(), stacks.text_content()[:500]
         assert _alive(run2), "the stacks button ended the run"
         nb.shot("stacks")
@@ -328,12 +309,12 @@ def _wait_text(locator, pattern: str, timeout: float) -> str:
             text = ""
         if re.search(pattern, text, re.S):
             return text
-        time.sleep(0.5)
+        time.sleep(POLL_SECONDS)
     raise AssertionError(f"timed out after {timeout}s waiting for /{pattern}/; text: {text[-1500:]!r}")
 
 
-def test_memory_planner_numbers_and_chart(browser, lab, artefacts):
-    nb = Notebook(browser, lab, artefacts, "02_memory_planner", {"ci": True})
+def test_memory_planner_numbers_and_chart(lab_page, artefacts):
+    nb = Notebook(lab_page, artefacts, "02_memory_planner", {"ci": True})
     page = nb.page
     try:
         took = nb.run_all(240)

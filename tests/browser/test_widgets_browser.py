@@ -15,9 +15,9 @@ a screenshot of each step in ``<artefacts>/screenshots``.
 
 The notebook pages here are scratch notebooks: the cells a test needs, some copied verbatim from the
 repository's notebooks (the cells that show a plan), so a notebook that went back to printing the text
-table fails here.  The tests that each show a few widgets share one scratch page (``shared``: one kernel and
-one page load for all of them, each test's cells a group of their own that only that test reads and drives);
-02 runs whole on a page of its own.
+table fails here.  The tests that each show a few widgets share one scratch notebook (``shared``: one kernel and
+one Run All for all of them, each test's cells a group of their own that only that test reads and drives);
+02 runs whole in a notebook of its own.  Each opens in the worker's JupyterLab page (``lab_page``, conftest.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser.test_notebooks_in_jupyterlab import POLL_SECONDS, QUIET_POLLS
 from tests.support import ROOT
 
 pytestmark = pytest.mark.slow
@@ -94,29 +95,24 @@ CLIPPED_JS = """(root) => {
 
 
 class Scratch:
-    """A scratch notebook of ``cells`` open in a JupyterLab page whose output area is 1050 px wide."""
+    """A scratch notebook of ``cells`` open in the worker's JupyterLab page (``lab_page``), its output area 1050 px
+    wide once run."""
 
-    def __init__(self, browser, lab, artefacts: Path, name: str, cells: list[str]):
+    def __init__(self, lab_page, artefacts: Path, name: str, cells: list[str]):
         import nbformat
 
-        self.name, self.artefacts, self.lab, self.step = name, artefacts, lab, 0
+        self.name, self.artefacts, self.app, self.step = name, artefacts, lab_page, 0
         nb = nbformat.v4.new_notebook()
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
         nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-        nbformat.write(nb, lab["root"] / f"{name}.ipynb")
-        self.console: list[str] = []
-        self.page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        self.page.set_default_timeout(60_000)
-        self.page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
-        self.page.goto(f"{lab['url']}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={lab['token']}")
-        self.page.wait_for_selector(".jp-Notebook", timeout=120_000)
-        try:  # JupyterLab asks for a kernel when it cannot tell which to start
-            self.page.locator(".jp-Dialog button", has_text="Select").click(timeout=3_000)
-        except Exception:
-            pass
-        self.page.wait_for_function("() => window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel?.status"
-                                    " === 'idle'", timeout=120_000)
+        nbformat.write(nb, lab_page.lab["root"] / f"{name}.ipynb")
+        self.page = lab_page.page
+        self._console_from = lab_page.open(f"{name}.ipynb")
+
+    @property
+    def console(self) -> list[str]:
+        """The browser errors logged since this notebook was opened."""
+        return self.app.console[self._console_from:]
 
     def run_all(self, timeout: float) -> None:
         self.page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
@@ -131,9 +127,9 @@ class Scratch:
         while time.time() < end:
             st = self.page.evaluate(STATE_JS)
             quiet = quiet + 1 if st["kernel"] == "idle" and st["running"] == 0 else 0
-            if quiet >= 3:
+            if quiet >= QUIET_POLLS:
                 return
-            time.sleep(0.7)
+            time.sleep(POLL_SECONDS)
         self.shot("timeout")
         raise AssertionError(f"{self.name}: cells still running after {timeout}s")
 
@@ -171,24 +167,16 @@ class Scratch:
         return path
 
     def close(self) -> None:
-        session = self.page.evaluate("() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.id || null")
-        self.page.close()
-        if session:
-            import urllib.request
-
-            req = urllib.request.Request(f"{self.lab['url']}/api/sessions/{session}?token={self.lab['token']}", method="DELETE")
-            try:
-                urllib.request.urlopen(req, timeout=30).close()
-            except OSError as e:
-                print(f"[browser] could not shut down {self.name}'s kernel: {e}")
+        """Close its tab and shut its kernel down."""
+        self.app.close(save=False)
 
 
 @pytest.fixture
-def scratch(browser, lab, artefacts):
+def scratch(lab_page, artefacts):
     pages: list[Scratch] = []
 
     def make(name: str, cells: list[str]) -> Scratch:
-        pages.append(Scratch(browser, lab, artefacts, name, cells))
+        pages.append(Scratch(lab_page, artefacts, name, cells))
         return pages[-1]
 
     yield make
@@ -224,8 +212,8 @@ def _shared_groups(run_root: Path) -> list[tuple[str, list[str]]]:
 
 
 @pytest.fixture(scope="module")
-def shared(browser, lab, artefacts):
-    """One scratch page (one kernel, one page load) for the tests that each show a few widgets: every test's cells
+def shared(lab_page, artefacts):
+    """One scratch notebook (one kernel, one Run All) for the tests that each show a few widgets: every test's cells
     (:func:`_shared_groups`) run once through "Run All"; a test reads and drives only the outputs of its own cells.
     ``(page, {test name: the index of its first code cell})``."""
     import shutil
@@ -238,9 +226,9 @@ def shared(browser, lab, artefacts):
         cells += group
     page = None
     try:
-        page = Scratch(browser, lab, artefacts, "shared", cells)
+        page = Scratch(lab_page, artefacts, "shared", cells)
         page.run_all(300)
-        page.console_after_run = list(page.console)  # what Run All logged; each test then checks only its own
+        page.console_after_run = page.console  # what Run All logged; each test then checks only its own
         yield page, at
     finally:
         try:
@@ -277,7 +265,7 @@ def _not_clipped(page, root, what: str) -> None:
 # --------------------------------------------------------------------------- item: tables
 
 
-def test_memory_planner_notebook_tables_are_one_line_per_row(browser, lab, artefacts, scratch):
+def test_memory_planner_notebook_tables_are_one_line_per_row(scratch):
     """02 as a whole (its memory plans, frames and the GPU-evidence table): every table fits the output
     and no cell wraps; no text table printed."""
     import nbformat

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from tests.browser.test_notebook_runs_browser import REOPENED, WIDGET_MIME, _close, _reopen, \
-    runs_with_its_defaults_and_keeps_its_figures
+    runs_with_its_defaults_and_keeps_its_figures, within
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +23,11 @@ WIDGETS = {"02_memory_planner": ("micro-batch size", "worst"), "03_pipeline_sche
 
 
 @pytest.mark.parametrize("name", list(WIDGETS))
-def test_widgets_keep_what_they_showed_when_reopened(browser, lab, artefacts, name):
+def test_widgets_keep_what_they_showed_when_reopened(lab_page, browser, artefacts, name):
     assert set(WIDGETS) == set(REOPENED)  # the notebooks test_notebook_runs_browser.py leaves to this file
     label, status = WIDGETS[name]
-    saved = runs_with_its_defaults_and_keeps_its_figures(browser, lab, artefacts, name)  # Run All, saved, its checks
+    lab = lab_page.lab
+    saved = runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name)  # Run All, saved, its checks
     if os.environ.get("WORKBENCH_STOCK_JUPYTERLAB") == "1":
         pytest.skip("ran with its defaults and passed; a stock JupyterLab saves no widget state: its reopened widgets "
                     "say 'model not found' (docs/notebooks.md)")
@@ -35,7 +36,11 @@ def test_widgets_keep_what_they_showed_when_reopened(browser, lab, artefacts, na
     assert widget_cells, f"{name}: no widget output saved"
     page, console = _reopen(browser, lab, artefacts, name)
     try:
-        page.wait_for_timeout(3_000)
+        # _reopen waited for every widget output to be drawn or to say it cannot be; the widgets inside them, and the
+        # interactive widget's chart and status line, are drawn next
+        widget = page.locator(".jp-CodeCell", has=page.locator(f"label.widget-label:text-is('{label}')")).last
+        within(30, lambda: widget.count() == 1 and widget.locator(".jp-OutputArea-output img").count() >= 1
+               and status in widget.inner_text())
         trusted = page.evaluate("() => window.jupyterapp.shell.currentWidget.content.widgets"
                                 ".filter(c => c.model.type === 'code').every(c => c.model.trusted)")
         print(f"{name} reopened: outputs trusted: {trusted}")  # trusted: JupyterLab prefers the widget view to any fallback
@@ -48,7 +53,6 @@ def test_widgets_keep_what_they_showed_when_reopened(browser, lab, artefacts, na
             cell = cells.nth(i)
             assert "Error displaying widget" not in cell.inner_text(), f"{name}: reopened cell {i}"
         # the interactive widget: its controls, status line and chart, as they were
-        widget = page.locator(".jp-CodeCell", has=page.locator(f"label.widget-label:text-is('{label}')")).last
         assert widget.count() == 1, f"{name}: the interactive widget is not drawn again"
         widget.scroll_into_view_if_needed()
         page.screenshot(path=str(artefacts / "screenshots" / f"{name}-reopened-widget.png"))
