@@ -158,7 +158,8 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     #: context parallelism: each sequence split over this many ranks (megatron's ``context_parallel_size``) in the
-    #: load-balanced order, attention by a K/V ring over SDPA; its rules: :mod:`workbench.config_cp`
+    #: load-balanced order, attention by a K/V ring (the workbench's over SDPA, or TE's under attention_backend te); its
+    #: rules: :mod:`workbench.config_cp`
     context_parallel: int = 1
     #: model chunks per pipeline rank (interleaved 1F1B); None or 1 = plain 1F1B.
     virtual_pipeline_parallel: int | None = None

@@ -286,10 +286,10 @@ class KernelChoice:
 
 
 #: why context parallelism keeps CUDA graphs off: the compiled layer runs the ring attention eagerly between its
-#: compiled pieces (``compiled_layer._ring_context``), and its point-to-point exchanges are not captured; TE's ring
-#: (``attention_backend: te``) under megatron's CUDA graphs is not verified here
-CP_BLOCKER = ("context parallel: the ring attention's point-to-point exchanges run eagerly between the compiled pieces "
-              "(and TE's ring is not graphed here)")
+#: compiled pieces (``compiled_layer._ring_context``), and its point-to-point exchanges are not captured ...
+CP_BLOCKER = "context parallel: the ring attention's point-to-point exchanges run eagerly between the compiled pieces"
+#: ... and TE's ring (``attention_backend: te``) under megatron's CUDA graphs is not verified here
+CP_TE_BLOCKER = "context parallel in Transformer Engine: its ring under megatron's CUDA graphs is not verified here"
 #: what async TP measured (Llama-3.2-3B, TP=2 + SP, 2 H200s, aedb434: docs/performance.md)
 ASYNC_TP_MEASURED = ("measured 0.53-0.58x TP=2 + SP without it on 2 H200s without NVLink multicast: symmetric-memory "
                      "barriers between each GEMM's pieces")
@@ -461,7 +461,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         graphs_reason = (te_graphs_off if attention == "te" else graphs_off_reason(cfg)) or (
             "" if cuda and cuda_available else "no GPU")
     if t.cuda_graphs and cp > 1:
-        graphs_reason = CP_BLOCKER
+        graphs_reason = CP_TE_BLOCKER if attention == "te" else CP_BLOCKER
     async_tp = bool(p.async_tp) and layer == "compiled" and not _async_tp_rules(cfg)
     if t.cuda_graphs and async_tp and not graphs_reason:
         graphs_reason = ASYNC_TP_BLOCKER
@@ -483,7 +483,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         experts=(experts := _experts_slot(cfg, attention, fast)),
         moe_dispatch=(dispatch := _dispatch_slot(cfg, experts)),
         moe_router=_router_slot(cfg, dispatch),
-        context_parallel=("te" if attention == "te" else "ring") if cp > 1 else "",
+        context_parallel={"te": "te", "sdpa": "ring"}.get(attention, "") if cp > 1 else "",
         **_fp8_slot(t.fp8, layer, attention, m.hidden_size),
     )
 

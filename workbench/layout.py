@@ -81,7 +81,7 @@ class Layout:
     #: expert tensor-parallel size (``expert_tensor_parallel_size``); None on input: the tensor-parallel size
     etp: int | None = None
     #: context-parallel size: each sequence split over this many ranks (``context_parallel_size``; GPT and BERT on the
-    #: workbench SDPA attention's ring, :mod:`workbench.backend.context_parallel`)
+    #: workbench SDPA attention's ring, :mod:`workbench.backend.context_parallel`; GPT also on TE's)
     cp: int = 1
     #: nodes of the launch (``parallel.nnodes``)
     nnodes: int = 1

@@ -175,7 +175,9 @@ def test_the_fit_accepts_a_cp_row():
 
 def test_measured_cp_rows_join_the_fit_and_are_predicted_within_ten_percent():
     """The committed CP=2 rows and their one-GPU rows (Llama-3.2-1B, 16k and 32k tokens, 2 H200s) are kept rows of
-    today's path, and the shipped profile predicts each within 10% (a ring or attention term that is off fails it)."""
+    today's path, and the shipped profile predicts each within 10% (an attention or GEMM term that is off fails it; the
+    ring's hops are hidden under the blocks at these shapes, and the one-GPU 32k row is also the H200's attention
+    source at 32k)."""
     from workbench.advisor.calibration import error_table
     from workbench.advisor.perf_model import Constants
     from workbench.advisor.rows import measured_rows

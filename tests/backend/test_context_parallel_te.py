@@ -6,7 +6,6 @@ path and the benchmark rows say which ring runs.  TE is not importable here: the
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from workbench import kernel_rule
@@ -32,7 +31,7 @@ def test_te_context_parallel_is_accepted_for_causal_families_and_refused_where_i
 def test_the_kernel_rule_names_whose_ring_runs():
     te = kernel_rule.choose(_cfg(**{"model.attention_backend": "te", "train.cuda_graphs": True}), te=True, cuda_available=True)
     assert (te.attention, te.context_parallel, te.layer) == ("te", "te", "stock")
-    assert not te.cuda_graphs and te.cuda_graphs_reason == kernel_rule.CP_BLOCKER
+    assert not te.cuda_graphs and te.cuda_graphs_reason == kernel_rule.CP_TE_BLOCKER
     assert "context parallel in Transformer Engine" in te.describe()
     path = kernel_path(_cfg(**{"model.attention_backend": "te"}), te)["attention"]
     assert "megatron-core's, in Transformer Engine's attention" in path and "ring attention over the CP group" not in path
@@ -44,8 +43,8 @@ def test_the_kernel_rule_names_whose_ring_runs():
     assert one.context_parallel == "" and "context parallel" not in one.describe()
 
 
-def test_the_benchmark_has_te_cp_rows_only_where_te_is_importable():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+def test_the_benchmark_has_te_cp_rows_only_where_te_is_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
     from bench import train_throughput as tt
 
     with_te = {v.name: v for v in tt.cp_variants(["llama3.2-1b"], have_te=True)}

@@ -215,7 +215,9 @@ def _shared_groups(run_root: Path) -> list[tuple[str, list[str]]]:
 def shared(lab_page, artefacts):
     """One scratch notebook (one kernel, one Run All) for the tests that each show a few widgets: every test's cells
     (:func:`_shared_groups`) run once through "Run All"; a test reads and drives only the outputs of its own cells.
-    ``(page, {test name: the index of its first code cell})``."""
+    ``(page, {test name: the index of its first code cell})``.  Its notebook stays open in the worker's page until the
+    module ends, so the one test on a ``scratch`` notebook of its own comes first in this file (pytest runs in file
+    order; ``LabPage.open`` refuses to open a second notebook beside one still open)."""
     import shutil
 
     root = artefacts / "widgets-dashboard-runs"

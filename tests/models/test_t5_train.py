@@ -108,7 +108,7 @@ def test_resume_repeats_the_straight_run_exactly(runs):
         assert e["lr"] == ref[it]["lr"] and e["consumed_samples"] == ref[it]["consumed_samples"]
 
 
-def test_pipeline_parallel_is_refused_with_the_reason(tmp_path, capfd):
+def test_pipeline_parallel_is_refused_with_the_reason(tmp_path, capfd, monkeypatch):
     """The rank's entry point (``workbench.rank.train.main``: what ``python -m workbench.rank`` runs under torchrun)
     refuses a two-rank PP=2 T5 config before any step, exit code 2 with megatron-core's reason.  Called in this process:
     the refusal is the config check at the top of ``main``, before any process group or model (a subprocess would only
@@ -116,8 +116,11 @@ def test_pipeline_parallel_is_refused_with_the_reason(tmp_path, capfd):
     import faulthandler
     import signal
 
+    from workbench.rank import train
     from workbench.rank.train import main
 
+    # past a missed refusal main would train (and os._exit this process): the test fails there instead
+    monkeypatch.setattr(train, "Trainer", lambda *a, **k: pytest.fail("the PP=2 T5 config was not refused"))
     run_dir = tmp_path / "pp2"
     run_dir.mkdir()
     cfg = _cfg(**{"parallel.pipeline_parallel": 2})

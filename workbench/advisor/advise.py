@@ -214,7 +214,8 @@ def _offloaded(cfg: RunConfig, rows: list[AdvisedLayout], model: Model, spec: An
 
 
 def _cp_note(cfg: RunConfig, gpus: int, nodes: int, layouts: list) -> str:
-    """What the listing says about context parallelism: listed (their ring's cost uncalibrated) or why not."""
+    """What the listing says about context parallelism: listed (their ring's cost modelled, its factor unfitted) or why
+    not."""
     n = sum(1 for lay, _ in layouts if lay.cp > 1)
     if n:
         return (f"{n} context-parallel layouts listed (CP's ring time is modelled with an unfitted factor 1.0; the "
