@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import RANK_ENV, ROOT, tiny_run_config, torchrun_args
+from tests.support import RANK_ENV, ROOT, free_port, tiny_run_config, torchrun_args
 from tests.support.trainer_runs import run_trainers
 from workbench.config import preset
 from workbench.run.reader import read_events
@@ -257,7 +257,7 @@ from workbench.rank.data import MicroBatchStream
 cfg = preset("tiny", **{"data.source": "synthetic", "train.train_iters": 4, "train.global_batch_size": 4,
                         "train.eval_interval": 0, "checkpoint.save_on_exit": False, "train.return_logits": True,
                         "train.loss_func": "workbench.hooks:keytoken_weighted_loss"})
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29705", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["CHECK_PORT"], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 first = MicroBatchStream(__import__("workbench.models.gpt.data", fromlist=["x"]).SyntheticGPTDataset(
     cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), cfg, 0)
 batches = [next(first) for _ in range(2)]  # the two micro-batches of step 1
@@ -309,7 +309,7 @@ sys.exit(0)  # not reached
 def hook_then_teardown(tmp_path_factory):
     """One plain process (one start and one set of imports for both checks): :data:`HOOK_SCRIPT`, then
     :data:`TEARDOWN_SCRIPT`: (the process, the time it ended)."""
-    env = {**ENV, "RUN_DIR": str(tmp_path_factory.mktemp("hook") / "hook")}
+    env = {**ENV, "RUN_DIR": str(tmp_path_factory.mktemp("hook") / "hook"), "CHECK_PORT": str(free_port())}
     # unbuffered: the hook's line is out before the guard's os._exit
     proc = subprocess.run([PY, "-u", "-c", textwrap.dedent(HOOK_SCRIPT) + TEARDOWN_SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)

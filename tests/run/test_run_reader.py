@@ -4,6 +4,7 @@ lines), kernel path / layout accessors, and committed evidence runs."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -136,7 +137,28 @@ def test_file_helpers(tmp_path):
             raise RuntimeError
     assert not (tmp_path / "b.bin").exists() and list(tmp_path.iterdir()) == [tmp_path / "a.txt"]
     assert read_json(tmp_path / "a.txt") is None and read_json(tmp_path / "missing.json") is None
-    assert 0 < free_port() < 65536
+
+
+def test_free_port_is_below_the_ephemeral_range_handed_in_turn_and_skips_a_listener(tmp_path, monkeypatch):
+    """Ports come from below the range the OS gives outgoing connections (one of those took a rendezvous port between
+    the pick and the bind), one after another through the counter file, never one someone listens on."""
+    import socket
+    import tempfile
+
+    from workbench.run import files
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))  # a private counter file, far from the wrap
+    (tmp_path / f"workbench-ports-{os.getuid()}").write_text(str(files.PORT_FLOOR + 100))
+    first = free_port()
+    assert files.PORT_FLOOR <= first < files._ephemeral_floor()
+    with socket.socket() as listener:  # the next port in turn is taken
+        listener.bind(("127.0.0.1", first + 1))
+        listener.listen()
+        second = free_port()
+    assert second == first + 2
+    assert free_port() == first + 3
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", second))
 
 
 def test_run_contract_is_torch_free():

@@ -9,7 +9,6 @@ tests run as subprocesses live beside this file (``compiled_layer_check.py``, ``
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import textwrap
 import time
@@ -39,10 +38,11 @@ def checkpointing_run_config(**over):
 
 
 def free_port() -> int:
-    """A TCP port that is free right now on 127.0.0.1 (other test runs may share this machine)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free right now on 127.0.0.1 and that no outgoing connection can take before the test's
+    listener binds it (other tests and test runs share this machine): :func:`workbench.run.files.free_port`."""
+    from workbench.run.files import free_port as port
+
+    return port()
 
 
 APT_LOCK = Path("/tmp/workbench-tests-apt.lock")

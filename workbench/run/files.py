@@ -4,7 +4,8 @@
   fsync it, then ``os.replace`` it over the target, so a reader never sees half a file;
   :func:`atomic_output` is the same for any writer (``torch.save(x, tmp)``).
 - :func:`read_json`: a JSON file as a dict, or None when it is missing or unreadable.
-- :func:`free_port`: a TCP port that was free a moment ago (for a private rendezvous).
+- :func:`free_port`: a TCP port that was free a moment ago and that no outgoing connection can take (for a
+  private rendezvous).
 
 Whether a directory can be written at all: :mod:`workbench.writable`.
 """
@@ -63,8 +64,60 @@ def read_json(path: str | Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+#: ports :func:`free_port` hands out start here and stay below the OS's ephemeral range
+PORT_FLOOR = 20000
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the OS gives an outgoing connection (Linux: ``ip_local_port_range``; 32768 when unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that no one was listening on when asked (the OS picks it)."""
+    """A TCP port on ``host`` that no one was listening on when asked, for a listener bound a moment later.
+
+    The port comes from below the OS's ephemeral range, so no outgoing connection (a gloo pair, a client socket of
+    another process) can take it between this call and the listener's bind, as one the OS picks can (seen: a
+    rendezvous store's ``EADDRINUSE`` under parallel tests).  Processes on the machine take ports in turn through a
+    locked counter file in the temp dir, so two callers a moment apart never get the same one.  Where that file
+    cannot be used, or the range below the ephemeral one is too small, the OS picks."""
+    import fcntl
+    import random
+    import tempfile
+
+    ceiling = _ephemeral_floor()
+    span = ceiling - PORT_FLOOR
+    if span >= 1000:
+        try:
+            with open(Path(tempfile.gettempdir()) / f"workbench-ports-{os.getuid()}", "a+") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                fh.seek(0)
+                try:
+                    last = int(fh.read().strip())
+                except ValueError:
+                    last = PORT_FLOOR + random.randrange(span)
+                for step in range(1, span + 1):
+                    port = PORT_FLOOR + (last - PORT_FLOOR + step) % span
+                    if _bindable(host, port):
+                        fh.seek(0)
+                        fh.truncate()
+                        fh.write(str(port))
+                        fh.flush()
+                        return port
+        except OSError:
+            pass
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
