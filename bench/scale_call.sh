@@ -21,6 +21,11 @@
 #           without CUDA graphs beside the same with async TP (its own effect: async TP runs no graphs), or the
 #           one-GPU default path beside TP=2 + SP with async TP (the scaling row); CALL=17: Llama-3.1-8B TP=2 + SP with
 #           async TP beside torchtitan 0.3.0 (as CALL=8).  A 3B TP process ~50-80 s: ~450 s a call
+#   CALL=18: TP=2 + SP beside its no-collective bound (tp2-bound: TP=2 with its all-reduces skipped, a diagnostic),
+#           8 micro-batches: the "TP collectives hidden" target (>= 90% of the bound)
+#   CALL=19 / 20 (WITH_TE=1, .whl/te_site.tar.xz carried: bench/te_carry.py): TE's layer at TP=2 + SP with its
+#           userbuffers (tp2-te-ub: GEMMs chunked with their all-gather / reduce-scatter, UB_SKIPMC=1) beside the
+#           bound, or beside TE's layer without userbuffers (tp2-te): what the overlap itself is worth
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
 #           tokens a step, micro-batch 1: the one-GPU default path at that length (the recompute the planner says it
 #           needs: none on an H200 at both) beside CP=2 (ring attention; cuDNN blocks where they run): the scaling row
@@ -33,7 +38,7 @@
 #   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT
 set -u
 out="${1:?usage: scale_call.sh OUTDIR}"
-call="${CALL:?set CALL=1 to 17}"
+call="${CALL:?set CALL=1 to 20}"
 case "$call" in 7|8|9|14|17) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
 mkdir -p "$out"
 source tests/gpu_proofs/device_env.sh || exit 1
@@ -65,6 +70,9 @@ case "$call" in
   15) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-sp-nograph tp2-sp-async)" ;;
   16) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench tp2-sp-async)" ;;
   17) bench "${LIMIT:-570}" --variants "$(names tp2-sp-async torchtitan)" ;;
-  *) echo "CALL must be 1 to 17" >&2; exit 2 ;;
+  18) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-sp tp2-bound)" ;;
+  19) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te-ub tp2-bound)" ;;
+  20) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te tp2-te-ub)" ;;
+  *) echo "CALL must be 1 to 20" >&2; exit 2 ;;
 esac
 cd "$out" && tar czf logs.tgz *.log && rm -f *.log

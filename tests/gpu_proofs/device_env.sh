@@ -23,7 +23,18 @@ if [[ -n "$missing" ]]; then
   echo "[device_env] installed $(echo $missing | wc -w) carried wheels the image lacks (.whl/extra, .whl/titan)"
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Transformer Engine only where asked (WITH_TE=1): TE importable changes kernel choices, so rows without it never see
+# it.  .whl/te_site.tar.xz is bench/te_carry.py's pack, unpacked once per warm lease into /tmp/te_site.
+if [[ "${WITH_TE:-0}" == 1 ]]; then
+  if [[ ! -d /tmp/te_site/transformer_engine ]]; then
+    mkdir -p /tmp/te_site && tar -xJf .whl/te_site.tar.xz -C /tmp/te_site || return 1
+  fi
+  export PYTHONPATH="/tmp/te_site:$PYTHONPATH"
+fi
 # one on-disk compile cache for the call: a benchmark's repeats after the first hit it (set here, once, for every call)
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 python3 -c 'import torch, megatron.core as m; print(f"[device_env] torch {torch.__version__}, megatron-core {m.__version__}, {torch.cuda.device_count()} GPU(s)")'
+if [[ "${WITH_TE:-0}" == 1 ]]; then
+  python3 -c 'import transformer_engine.pytorch as te, transformer_engine as t; print(f"[device_env] transformer-engine {t.__version__}")' || return 1
+fi
