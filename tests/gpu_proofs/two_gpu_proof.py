@@ -429,8 +429,9 @@ def phase_a(args: argparse.Namespace, work: Path, log: Callable) -> tuple[list[l
     from workbench.kernel_rule import te_available
 
     if tiny or not te_available():
-        if [n for n in layouts if n in TE_ONLY]:
-            log(f"skipped (Transformer Engine not importable{' on CPU' if tiny else ''}): {', '.join(TE_ONLY)}")
+        skipped = [n for n in layouts if n in TE_ONLY]
+        if skipped:
+            log(f"skipped (Transformer Engine not importable{' on CPU' if tiny else ''}): {', '.join(skipped)}")
         layouts = [n for n in layouts if n not in TE_ONLY]
     repeat = select(["gpt-repeat"], args.only) if not tiny else []
     for r in resumes:  # a resume needs the run that saved

@@ -248,9 +248,10 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
     terms["act_output"] = e * tok * sh.ffn / t * _act_tensors(sh, kp)
     if sh.hidden_dropout:
         terms["dropout_masks"] = 2 * tok * h / tsp
-    terms["norm_stats"] = 2 * (8 if sh.layernorm else 4) * tok / tsp
+    stat_bytes = 8 if sh.layernorm else 4  # per normalised row: fp32 mean and rstd (LayerNorm), rstd alone (RMSNorm)
+    terms["norm_stats"] = 2 * stat_bytes * tok / tsp
     if sh.qk_norm == "head":  # megatron's q/k norms over each head: the norm's input is the QKV output's view
-        terms["qk_norm_stats"] = (8 if sh.layernorm else 4) * tok * (a_loc + g_loc)
+        terms["qk_norm_stats"] = stat_bytes * tok * (a_loc + g_loc)
         if not sh.rope:  # attention keeps the normed q, k (with RoPE it keeps the rotated copies instead)
             terms["qk_norm_output"] = e * tok * (a_loc + g_loc) * d
     elif sh.qk_norm == "all_heads":  # workbench.backend.qk_norms: rms_norm over an fp32 copy, then the weight
