@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from bench import harness  # noqa: E402
 from workbench.config import preset  # noqa: E402
 from workbench.provenance import git_commit  # noqa: E402
+from workbench.run.files import free_port  # noqa: E402
 from workbench.run.reader import RunReader  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
         run_dir = Path(td) / name
         run_dir.mkdir()
         cfg.save(run_dir / "config.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ep), "--master-port", str(29600 + ep),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ep), "--master-port", str(free_port()),
                "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
         t0 = time.time()
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}

@@ -23,7 +23,7 @@
 #           async TP beside torchtitan 0.3.0 (as CALL=8).  A 3B TP process ~50-80 s: ~450 s a call
 #   CALL=18: TP=2 + SP beside its no-collective bound (tp2-bound: TP=2 with its all-reduces skipped, a diagnostic),
 #           8 micro-batches: the "TP collectives hidden" target (>= 90% of the bound)
-#   CALL=19 / 20 (WITH_TE=1, .whl/te_site.tar.xz carried: bench/te_carry.py): TE's layer at TP=2 + SP with its
+#   CALL=19 / 20 (.whl/te_site.tar.xz carried: bench/te_carry.py; they set WITH_TE=1): TE's layer at TP=2 + SP with its
 #           userbuffers (tp2-te-ub: GEMMs chunked with their all-gather / reduce-scatter, UB_SKIPMC=1) beside the
 #           bound, or beside TE's layer without userbuffers (tp2-te): what the overlap itself is worth
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
@@ -41,6 +41,7 @@ out="${1:?usage: scale_call.sh OUTDIR}"
 call="${CALL:?set CALL=1 to 20}"
 case "$call" in 7|8|9|14|17) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
 mkdir -p "$out"
+case "$call" in 19|20) export WITH_TE=1 ;; esac  # TE's rows: without TE they would match nothing (or half the call)
 source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
 names() { local v out=""; for v in "$@"; do out+="${out:+,}$v/$model"; done; echo "$out"; }  # full names: no other model

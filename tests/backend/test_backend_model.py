@@ -134,6 +134,7 @@ import json, torch
 from workbench.config import preset
 from workbench.backend import distributed
 from workbench.backend.attention import SDPAttention
+from workbench.run.files import free_port
 from workbench.backend.model import transformer_config
 from megatron.core.transformer.enums import AttnMaskType
 out = {}
@@ -142,7 +143,7 @@ for name, heads, groups, alibi in [("mha", 4, 4, False), ("gqa", 8, 2, False), (
                             "model.attention_type": "grouped", "model.num_query_groups": groups,
                             "model.position_embedding": "alibi" if alibi else "learned"})
     if name == "mha":
-        distributed.initialize_for_tests(cfg, port=29611)
+        distributed.initialize_for_tests(cfg, port=free_port())
     tc = transformer_config(cfg)
     att = SDPAttention(tc, 1, AttnMaskType.causal, "self").eval()
     torch.manual_seed(0)
@@ -179,6 +180,7 @@ import json, torch
 from workbench.config import preset
 from workbench.backend import distributed
 from workbench.rank.build import build_model
+from workbench.run.files import free_port
 variants = {
     "gpt2": {},
     "llama": {"model.position_embedding": "rope", "model.normalization": "rmsnorm", "model.activation": "swiglu",
@@ -190,7 +192,7 @@ out = {}
 for i, (variant, over) in enumerate(variants.items()):
     cfg = preset("tiny", **{"data.source": "synthetic", "model.num_layers": 2, **over})
     if i == 0:
-        distributed.initialize_for_tests(cfg, port=29612)
+        distributed.initialize_for_tests(cfg, port=free_port())
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg).eval()
     sd = {k: v.detach().float() for k, v in model.state_dict().items() if v is not None and torch.is_tensor(v)}
@@ -215,7 +217,7 @@ TP_WORKER = r'''
 import json, os, sys, torch
 import torch.multiprocessing as mp
 
-def worker(rank, world, q):
+def worker(rank, world, q, port):
     from workbench.config import preset
     from workbench.backend import distributed
     from workbench.rank.build import build_model
@@ -226,7 +228,7 @@ def worker(rank, world, q):
                                 "model.attention_type": "grouped", "model.num_query_groups": 2})
         if not sp:
             os.environ["LOCAL_RANK"] = str(rank)
-            distributed.initialize_for_tests(cfg, rank=rank, world_size=world, port=29620 + world)
+            distributed.initialize_for_tests(cfg, rank=rank, world_size=world, port=port)
         torch.manual_seed(cfg.train.seed)
         model = build_model(cfg)
         g = torch.Generator().manual_seed(3)
@@ -243,16 +245,18 @@ def worker(rank, world, q):
     distributed.destroy()
 
 if __name__ == "__main__":
+    from workbench.run.files import free_port
     for world in map(int, sys.argv[1:]):  # each world's result on its own line, in order
         if world == 1:  # in this process (its group is torn down before the next world's ranks start)
             import queue
             q = queue.Queue()
-            worker(0, 1, q)
+            worker(0, 1, q, free_port())
             print(json.dumps([q.get()[1]]), flush=True)
         else:
             ctx = mp.get_context("spawn")
             q = ctx.Queue()
-            procs = [ctx.Process(target=worker, args=(r, world, q)) for r in range(world)]
+            port = free_port()  # one rendezvous port for the world's ranks
+            procs = [ctx.Process(target=worker, args=(r, world, q, port)) for r in range(world)]
             [p.start() for p in procs]
             res = sorted((q.get(timeout=200) for _ in procs), key=lambda r: r[0])
             [p.join() for p in procs]

@@ -193,15 +193,14 @@ def test_cuda_graphs_only_on_a_gpu_with_compiled_kernels():
 
 
 CLIP_CHECK = r'''
-import json, socket, torch, torch.distributed as dist
+import json, torch, torch.distributed as dist
 from megatron.core.optimizer import clip_grads
 from workbench.backend import cpu_mode, optimizer_paths
 
 megatron_clip = clip_grads.clip_grad_by_total_norm_fp32  # before cpu_mode swaps in its own CPU copy
 cpu_mode.enable()  # 'cuda' factories -> CPU, CUDA tensor type names: megatron's own code runs on CPU
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from workbench.run.files import free_port
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 optimizer_paths.install_multi_tensor_fallbacks()
 out = {}
 for max_norm in (0.5, 1e6):  # clipping, and a coefficient clamped to exactly 1.0

@@ -26,8 +26,9 @@ export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Transformer Engine only where asked (WITH_TE=1): TE importable changes kernel choices, so rows without it never see
 # it.  .whl/te_site.tar.xz is bench/te_carry.py's pack, unpacked once per warm lease into /tmp/te_site.
 if [[ "${WITH_TE:-0}" == 1 ]]; then
-  if [[ ! -d /tmp/te_site/transformer_engine ]]; then
-    mkdir -p /tmp/te_site && tar -xJf .whl/te_site.tar.xz -C /tmp/te_site || return 1
+  if [[ ! -d /tmp/te_site/transformer_engine ]]; then  # unpacked whole or not at all (a half tree is never reused)
+    rm -rf /tmp/te_site.part && mkdir -p /tmp/te_site.part && tar -xJf .whl/te_site.tar.xz -C /tmp/te_site.part \
+      && rm -rf /tmp/te_site && mv /tmp/te_site.part /tmp/te_site || return 1
   fi
   export PYTHONPATH="/tmp/te_site:$PYTHONPATH"
 fi

@@ -43,7 +43,7 @@ def _cfg(**over):
                               "train.microbatch_timing_interval": 2, "checkpoint.save_interval": 3, **over})
 
 
-def _torchrun(cfg, run_dir: Path, nproc: int, port: int, timeout: int = 240, **popen):
+def _torchrun(cfg, run_dir: Path, nproc: int, timeout: int = 240, **popen):
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.parallel.nproc_per_node = nproc
     cfg.save(run_dir / "config.json")
@@ -61,7 +61,7 @@ def _by(events, kind, rank=None):
 @pytest.fixture(scope="module")
 def pp2_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("pp2")
-    proc = _torchrun(_cfg(**{"parallel.pipeline_parallel": 2, "train.tensorboard": True}), run_dir, 2, 29701)
+    proc = _torchrun(_cfg(**{"parallel.pipeline_parallel": 2, "train.tensorboard": True}), run_dir, 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return run_dir, read_events(run_dir)
 
@@ -187,7 +187,7 @@ def test_sigterm_stops_cleanly_with_checkpoint(tmp_path):
     run_dir = tmp_path / "stop"
     cfg = _cfg(**{"parallel.tensor_parallel": 2, "parallel.sequence_parallel": True, "train.train_iters": 2000,
                   "train.lr_decay_iters": None, "train.eval_interval": 0, "checkpoint.save_interval": 0})
-    proc = _torchrun(cfg, run_dir, 2, 29703, start_new_session=True)
+    proc = _torchrun(cfg, run_dir, 2, start_new_session=True)
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -229,7 +229,7 @@ def test_sigterm_stops_cleanly_with_checkpoint(tmp_path):
 def test_exception_in_a_rank_is_an_error_event_and_nonzero_exit(tmp_path):
     # math.sqrt as a loss hook raises TypeError inside the schedule on the last stage
     cfg = _cfg(**{"train.loss_func": "math:sqrt", "train.train_iters": 3, "train.lr_decay_iters": 3, "train.lr_warmup_iters": 1})
-    proc = _torchrun(cfg, tmp_path / "err", 1, 29704)
+    proc = _torchrun(cfg, tmp_path / "err", 1)
     assert proc.returncode != 0
     ev = read_events(tmp_path / "err")
     err = _by(ev, "error", 0)

@@ -141,25 +141,27 @@ def test_file_helpers(tmp_path):
 
 def test_free_port_is_below_the_ephemeral_range_handed_in_turn_and_skips_a_listener(tmp_path, monkeypatch):
     """Ports come from below the range the OS gives outgoing connections (one of those took a rendezvous port between
-    the pick and the bind), one after another through the counter file, never one someone listens on."""
+    the pick and the bind), one after another through the counter file, never one someone listens on (on any
+    address: a rendezvous store listens on all)."""
     import socket
     import tempfile
 
     from workbench.run import files
 
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))  # a private counter file, far from the wrap
+    monkeypatch.setattr(files, "_ephemeral_floor", lambda: 32768)  # Linux's default range, whatever this host's is
     (tmp_path / f"workbench-ports-{os.getuid()}").write_text(str(files.PORT_FLOOR + 100))
     first = free_port()
-    assert files.PORT_FLOOR <= first < files._ephemeral_floor()
-    with socket.socket() as listener:  # the next port in turn is taken
-        listener.bind(("127.0.0.1", first + 1))
+    assert files.PORT_FLOOR + 100 < first < 32768
+    with socket.socket() as listener:  # the next port that is free is taken, on every address
+        taken = next(p for p in range(first + 1, first + 200) if files._bindable("127.0.0.1", p))
+        listener.bind(("0.0.0.0", taken))
         listener.listen()
         second = free_port()
-    assert second == first + 2
-    assert free_port() == first + 3
+    assert second > taken  # skipped, and the ports before it are never handed out again until the wrap
+    assert free_port() > second
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", second))
-
 
 def test_run_contract_is_torch_free():
     import subprocess

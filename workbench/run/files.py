@@ -13,6 +13,7 @@ Whether a directory can be written at all: :mod:`workbench.writable`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -77,12 +78,37 @@ def _ephemeral_floor() -> int:
 
 
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """Whether ``port`` can be bound on ``host`` and on every address (IPv4 and, where the machine has it, IPv6):
+    a rendezvous store listens on all of them, so a listener on any address takes the port from it."""
+    for family, addr in ((socket.AF_INET, host), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         try:
-            sock.bind((host, port))
-        except OSError:
-            return False
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this machine
+            continue
+        with sock:
+            try:
+                sock.bind((addr, port))
+            except OSError as e:
+                if family == socket.AF_INET6 and e.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 present but without an address to bind
+                return False
     return True
+
+
+def _lock(fh, seconds: float = 5.0) -> bool:
+    """Take ``fh``'s exclusive lock within ``seconds`` (a caller stopped while holding it must not hang the rest)."""
+    import fcntl
+    import time
+
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.01)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,8 +118,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     another process) can take it between this call and the listener's bind, as one the OS picks can (seen: a
     rendezvous store's ``EADDRINUSE`` under parallel tests).  Processes on the machine take ports in turn through a
     locked counter file in the temp dir, so two callers a moment apart never get the same one.  Where that file
-    cannot be used, or the range below the ephemeral one is too small, the OS picks."""
-    import fcntl
+    cannot be used (or its lock is held for seconds), or the range below the ephemeral one is too small, the OS
+    picks."""
     import random
     import tempfile
 
@@ -102,7 +128,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     if span >= 1000:
         try:
             with open(Path(tempfile.gettempdir()) / f"workbench-ports-{os.getuid()}", "a+") as fh:
-                fcntl.flock(fh, fcntl.LOCK_EX)
+                if not _lock(fh):
+                    raise OSError("the port counter's lock is held")
                 fh.seek(0)
                 try:
                     last = int(fh.read().strip())
