@@ -26,6 +26,8 @@
 #   CALL=19 / 20 (.whl/te_site.tar.xz carried: bench/te_carry.py; they set WITH_TE=1): TE's layer at TP=2 + SP with its
 #           userbuffers (tp2-te-ub: GEMMs chunked with their all-gather / reduce-scatter, UB_SKIPMC=1) beside the
 #           bound, or beside TE's layer without userbuffers (tp2-te): what the overlap itself is worth
+#   CALL=21: PP=2 interleaved (VPP=2) beside PP=2 1F1B, 8 micro-batches: CALL=4 without its no-graph variant (CALL=4's
+#           9 processes do not fit one call at 3B)
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
 #           tokens a step, micro-batch 1: the one-GPU default path at that length (the recompute the planner says it
 #           needs: none on an H200 at both) beside CP=2 (ring attention; cuDNN blocks where they run): the scaling row
@@ -38,7 +40,7 @@
 #   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT
 set -u
 out="${1:?usage: scale_call.sh OUTDIR}"
-call="${CALL:?set CALL=1 to 20}"
+call="${CALL:?set CALL=1 to 21}"
 case "$call" in 7|8|9|14|17) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
 mkdir -p "$out"
 case "$call" in 19|20) export WITH_TE=1 ;; esac  # TE's rows: without TE they would match nothing (or half the call)
@@ -74,6 +76,7 @@ case "$call" in
   18) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-sp tp2-bound)" ;;
   19) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te-ub tp2-bound)" ;;
   20) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te tp2-te-ub)" ;;
-  *) echo "CALL must be 1 to 20" >&2; exit 2 ;;
+  21) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names pp2-m8 pp2-vpp2-m8)" ;;
+  *) echo "CALL must be 1 to 21" >&2; exit 2 ;;
 esac
 cd "$out" && tar czf logs.tgz *.log && rm -f *.log
