@@ -471,15 +471,19 @@ def _libraries() -> dict[str, Any]:
 
 def worker(a: argparse.Namespace) -> int:
     v = Variant(**json.loads(a.worker))
+    rank = int(os.environ.get("RANK", "0"))
     if os.environ.get("WORKBENCH_BENCH_STACKS_AFTER"):
         import faulthandler
 
-        faulthandler.dump_traceback_later(float(os.environ["WORKBENCH_BENCH_STACKS_AFTER"]), exit=False)
+        # each rank's stacks into a file of its own beside the result (the launcher keeps their innermost frames,
+        # which a shared log's tail cuts off); stderr without a result file
+        out = open(Path(a.result_file).with_name(f"stacks-{rank}.txt"), "w") if a.result_file else sys.stderr
+        _STACKS.append(out)
+        faulthandler.dump_traceback_later(float(os.environ["WORKBENCH_BENCH_STACKS_AFTER"]), exit=False, file=out)
     if v.kind == "workbench":  # as the backend's entry point does, before anything starts CUDA
         from workbench.config import apply_rank_environment
 
         apply_rank_environment(bench_config(v, a.cpu_smoke))
-    rank = int(os.environ.get("RANK", "0"))
     try:
         if v.kind == "fsdp2":
             from bench import reference_fsdp2
@@ -498,8 +502,28 @@ def worker(a: argparse.Namespace) -> int:
         traceback.print_exc()
         res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     if rank == 0 and a.result_file:
+        res["result_at"] = time.time()  # the launcher's exit_s: how long the process took to end after its result
         Path(a.result_file).write_text(json.dumps(res, default=str))
-    return 0 if res["ok"] else 1
+    code = 0 if res["ok"] else 1
+    if v.kind == "workbench":  # the backend's own end: graphs freed before the communicators, groups destroyed,
+        from workbench.rank.train import teardown  # and a hung teardown leaves after 30 s (not the variant's limit)
+
+        return teardown(code, timeout_s=30.0)
+    return code
+
+
+_STACKS: list[Any] = []  # the open stack-dump file of this worker (faulthandler writes into it at the deadline)
+
+
+def _rank_stacks(folder: Path, keep: int = 12000) -> dict[str, str]:
+    """Each rank's dumped stacks (``stacks-<rank>.txt``), the head of each: faulthandler writes a thread's innermost
+    frame first."""
+    found = {}
+    for f in sorted(folder.glob("stacks-*.txt")):
+        text = f.read_text(errors="replace")
+        if text.strip():
+            found[f.stem.removeprefix("stacks-")] = text[:keep]
+    return found
 
 
 # --------------------------------------------------------------------------- launcher side
@@ -535,11 +559,16 @@ def _launch(v: Variant, a: argparse.Namespace, passthrough: list[str]) -> dict[s
         except subprocess.TimeoutExpired as e:  # the output so far, with the ranks' stacks dumped before the limit
             rc, log = 124, (e.output or "") + (e.stderr or "")
             tail = f"timed out after {a.variant_timeout}s\n" + log[-6000:]
-        wall = time.perf_counter() - t0
+        wall, ended = time.perf_counter() - t0, time.time()
         if result.exists():
             res = json.loads(result.read_text())
+            # seconds from the result to the process's end: teardown, or a hang the variant's limit cut (rc 124)
+            res["exit_s"] = round(ended - res.pop("result_at", ended), 1)
         else:
             res = {"ok": False, "error": f"worker exited {rc} without a result"}
+        if rc == 124:  # where each rank was when the limit came, the innermost frames first
+            res["exit_hung" if res.get("ok") else "hung"] = True
+            res["stacks"] = _rank_stacks(Path(tmp))
         if not res.get("ok"):
             res["log_tail"] = tail
             # the slow steps' times (harness.progress) from the whole log: the stacks dumped at the end bury them
@@ -563,6 +592,7 @@ def summarise(v: Variant, res: dict[str, Any], cfg, peak: float, gpus: int) -> d
                            "ok": bool(res.get("ok")), "wall_s": res.get("wall_s")}
     if "gpu_strangers" in res:  # processes already on the GPUs when the repeat started ([]: checked, none)
         row["gpu_strangers"] = res["gpu_strangers"]
+    row.update({k: res[k] for k in ("exit_s", "exit_hung", "hung", "stacks") if k in res})
     if not res.get("ok"):
         row["error"] = res.get("error")
         row["log_tail"] = res.get("log_tail")
@@ -600,8 +630,8 @@ def merge_repeats(rs: list[dict[str, Any]]) -> dict[str, Any]:
     """One variant's row from its repeats (the protocol): the median repeat's row, with every repeat's tokens/s,
     their median and spread (``repeats``), each repeat's brief (``repeat_rows``), and the first repeat's profile
     and event-stream cost (only it measures them).  A failed repeat fails the row (its error kept)."""
-    brief = [{k: r.get(k) for k in ("repeat", "ok", "tokens_per_s", "step_s", "warmup_steps", "steady", "wall_s", "mem_peak_gib", "error",
-                                     "gpu_strangers")}
+    brief = [{k: r.get(k) for k in ("repeat", "ok", "tokens_per_s", "step_s", "warmup_steps", "steady", "wall_s", "exit_s", "mem_peak_gib",
+                                     "error", "gpu_strangers")}
              for r in rs]
     ok = [r for r in rs if r["ok"]]
     if len(ok) < len(rs):
@@ -761,7 +791,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             row = summarise(v, res, bench_config(v, a.cpu_smoke), a.peak_tflops, gpus)
             row.update({"device": device, "date": date, "git_commit": commit, "repeat": i})
             repeats[v.name].append(row)
-            print(f"[bench] {v.name}: " + (f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, wall {row['wall_s']} s, "
+            print(f"[bench] {v.name}: " + (f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, wall {row['wall_s']} s (exit {row.get('exit_s')} s), "
                                            f"warm-up {row.get('warmup_steps')} steps{'' if row.get('steady') else ' (NOT steady)'}"
                                            if row["ok"] else f"FAILED: {row.get('error')}\n{row.get('log_tail', '')}"), flush=True)
             with open(partial, "a") as fh:  # survives a launch that is cut short

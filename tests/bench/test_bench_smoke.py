@@ -46,10 +46,28 @@ def test_cpu_smoke_writes_one_row_per_variant(tmp_path):
     # where a repeat's wall time goes besides its steps; the GPUs were checked for strangers (none on CPU)
     assert 0 < wb["setup_s"] < wb["wall_s"] and 0 < wb["first_step_s"] < wb["wall_s"], wb
     assert wb["gpu_strangers"] == [] and wb["repeat_rows"][0]["gpu_strangers"] == []
+    # the process ended after its result (the workbench side through the backend's teardown), within its wall time
+    for r in rows:
+        assert 0 <= r["exit_s"] < r["wall_s"] and r["repeat_rows"][0]["exit_s"] == r["exit_s"], r
+        assert "exit_hung" not in r and "stacks" not in r and "result_at" not in r
     cost = wb["stream_cost"]
     assert cost["step_s_bare"] > 0 and cost["n"] == 3 and cost["loop_s_2n"] > 0 and cost["loop_s_n"] > 0
     assert math.isclose(cost["step_s_loop_events_timing_every_step"], (cost["loop_s_2n"] - cost["loop_s_n"]) / 3)
     assert "workbench/tiny" in proc.stdout and "tok/s" in proc.stdout  # the table
+
+
+def test_a_repeat_cut_by_its_limit_keeps_each_ranks_innermost_frames(tmp_path):
+    """A worker past ``--variant-timeout`` is ended with its group; the row says it hung and keeps the stacks each rank
+    dumped before the limit (from their own files: a shared log's tail loses the innermost frames)."""
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--variants", "workbench/", "--variant-timeout", "6",
+                           "--no-stream-cost", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = [json.loads(l) for l in out.read_text().splitlines()]
+    assert not row["ok"] and row["hung"] and row["error"] == "worker exited 124 without a result", row
+    stacks = row["stacks"]["0"]  # one rank: its dump, innermost frame first, down to the worker's entry
+    assert stacks.startswith("Timeout (") and "most recent call first" in stacks.splitlines()[1], stacks[:2000]
+    assert "train_throughput.py" in stacks and "in worker" in stacks, stacks
 
 
 def test_bad_arguments_exit_2_with_a_message(tmp_path):
