@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from workbench.config import RunConfig, preset  # noqa: E402
+from workbench.run.files import free_port  # noqa: E402
 from workbench.run.reader import read_events  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def run(cfg: RunConfig, run_dir: Path, nproc: int, log) -> list[dict]:
     cfg.parallel.nproc_per_node = nproc
     cfg.check()
     cfg.save(run_dir / "config.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(29400 + (hash(run_dir.name) % 500)),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
            "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     t0 = time.time()
     with open(run_dir / "log.txt", "w") as fh:
@@ -168,7 +169,7 @@ def main() -> int:
         f"t=Trainer(load_config('{init_dir}/config.json'), '{init_dir}'); t.setup(); t.save(); "
         "from workbench.backend import distributed; distributed.destroy()"
     )
-    rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29399", "--no-python", sys.executable, "-c", script],
+    rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()), "--no-python", sys.executable, "-c", script],
                         cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}).returncode
     if rc != 0:
         print("failed to create the initial checkpoint", file=sys.stderr)

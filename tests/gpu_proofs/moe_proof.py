@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from workbench.config import preset  # noqa: E402
 from workbench.launch.ownership import SUPERVISOR_ENV, die_with_parent, supervisor_token  # noqa: E402
 from workbench.provenance import git_commit  # noqa: E402
+from workbench.run.files import free_port  # noqa: E402
 from workbench.run.reader import RunReader  # noqa: E402
 
 
@@ -125,13 +126,13 @@ def _record(name: str, work: Path, rc: int, tail: str, seconds: float) -> dict:
 
 def parity(a: argparse.Namespace, work: Path) -> dict:
     init = work / "init"
-    rc, tail = _train(config(a.device, 1, **{"train.lr_warmup_iters": 0}), init, 1, 29710, a.timeout)
+    rc, tail = _train(config(a.device, 1, **{"train.lr_warmup_iters": 0}), init, 1, free_port(), a.timeout)
     if rc != 0:
         return {"phase": "parity", "status": "failed", "stage": "init", "log_tail": tail}
     load = {"checkpoint.load_dir": str(init / "checkpoints"), "checkpoint.finetune": True, "checkpoint.save_on_exit": False}
     out: dict = {"phase": "parity", "steps": a.steps}
     # the one-GPU run and its repeat side by side, on GPUs 0 and 1 of this machine (on CPU: one after the other)
-    side = [("1gpu", 29711, "0"), ("1gpu-repeat", 29713, "1")]
+    side = [("1gpu", free_port(), "0"), ("1gpu-repeat", free_port(), "1")]
     if a.device == "cpu":
         for name, port, _ in side:
             t0 = time.time()
@@ -151,7 +152,7 @@ def parity(a: argparse.Namespace, work: Path) -> dict:
             rc, tail = _finish(proc, work / name, deadline)
             out[name] = _record(name, work, rc, tail, time.time() - t0)
     t0 = time.time()
-    rc, tail = _train(config(a.device, a.steps, 2, **load), work / "ep2", 2, 29712, a.timeout)
+    rc, tail = _train(config(a.device, a.steps, 2, **load), work / "ep2", 2, free_port(), a.timeout)
     out["ep2"] = _record("ep2", work, rc, tail, time.time() - t0)
     ref, rep, ep2 = out["1gpu"]["losses"], out["1gpu-repeat"]["losses"], out["ep2"]["losses"]
     if len(ref) == len(ep2) == a.steps:
@@ -169,10 +170,10 @@ def planner_rows(a: argparse.Namespace, work: Path) -> list[dict]:
     pm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pm)
     rows = []
-    for name, ep, port in (("moe-research-ep1", 1, 29720), ("moe-research-ep2", 2, 29721)):
+    for name, ep in (("moe-research-ep1", 1), ("moe-research-ep2", 2)):
         cfg = config(a.device, a.planner_steps, ep, **{"checkpoint.save_on_exit": False})
         t0 = time.time()
-        proc = pm.launch(name, cfg, ep, work, port, None)
+        proc = pm.launch(name, cfg, ep, work, free_port(), None)
         try:
             rc = proc.wait(timeout=a.timeout)
         except subprocess.TimeoutExpired:

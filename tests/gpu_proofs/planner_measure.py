@@ -57,6 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from workbench.run.files import free_port  # noqa: E402
 
 GiB = 2**30
 SMALL = {"model.num_layers": 12, "model.hidden_size": 768, "model.num_attention_heads": 12}
@@ -520,7 +521,6 @@ def main() -> int:
         else:
             print(f"[{time.time() - t_all:6.1f}s] {name}: FAILED (rc {rc}):\n{recs[0].get('log_tail', '')[-2500:]}", flush=True)
 
-    port = 29611
     n_gpus = 0
     if not tiny:
         import torch
@@ -573,8 +573,7 @@ def main() -> int:
                 use = room(g, need)
                 if use is None:
                     continue
-                proc = launch(n, cfg, g, work, port, None if tiny else ",".join(map(str, use)))
-                port += 1
+                proc = launch(n, cfg, g, work, free_port(), None if tiny else ",".join(map(str, use)))
                 running.append((n, g, cfg, proc, time.time(), use, need))
                 for ln in use:
                     used[ln] += need

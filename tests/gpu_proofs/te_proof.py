@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from workbench.run.files import free_port  # noqa: E402
 
 LOSS_BAR = 0.02
 LOGITS_BAR = 0.02
@@ -95,7 +96,7 @@ def worker(job: dict) -> dict:
     """One process: build the Trainer, optionally load weights, train, save, write logits."""
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.get("port", 29561)), RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.get("port") or free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     from workbench.checkpoint import dist as checkpointing
     from workbench.rank.train import Trainer
@@ -160,8 +161,8 @@ def ab(out: Path | None, model: str, steps: int, timeout: float) -> None:
     variants = {"product (TE FusedAdam, megatron's choice)": {}, "torch fused AdamW": {"torch_adamw": True},
                 "product, cuDNN SDPA off (flash)": {"no_cudnn_sdpa": True}}
     rows = {}
-    for i, (name, extra) in enumerate(variants.items()):
-        r = _spawn({**base, **extra, "port": 29561 + i}, timeout)
+    for name, extra in variants.items():
+        r = _spawn({**base, **extra, "port": free_port()}, timeout)
         rows[name] = r
         _emit(out, {"proof": "te-present default path A/B", "variant": name, "te": te_status()[0],
                     **{k: r.get(k) for k in ("tokens_per_s", "kernel_path", "cudnn", "error")},
@@ -195,8 +196,8 @@ def parity(out: Path | None, model: str, steps: int, timeout: float) -> None:
                           "logits": str(tmp / "l_te_in_default.pt")},
     }
     res = {}
-    for i, (name, job) in enumerate(jobs.items()):
-        res[name] = _spawn({**job, "port": 29571 + i}, timeout)
+    for name, job in jobs.items():
+        res[name] = _spawn({**job, "port": free_port()}, timeout)
         r = res[name]
         _emit(out, {"proof": "te parity", "model": model, "run": name, "error": r.get("error"),
                     "kernel_path": r.get("kernel_path"), "tokens_per_s": r.get("tokens_per_s"),

@@ -97,6 +97,7 @@ def _bindable(host: str, port: int) -> bool:
 
 def _lock(fh, seconds: float = 5.0) -> bool:
     """Take ``fh``'s exclusive lock within ``seconds`` (a caller stopped while holding it must not hang the rest)."""
+    import errno
     import fcntl
     import time
 
@@ -105,8 +106,8 @@ def _lock(fh, seconds: float = 5.0) -> bool:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
-        except OSError:
-            if time.monotonic() > end:
+        except OSError as e:  # only a lock another holds is waited for; any other failure: no lock at once
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or time.monotonic() > end:
                 return False
             time.sleep(0.01)
 
