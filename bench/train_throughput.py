@@ -508,8 +508,23 @@ def worker(a: argparse.Namespace) -> int:
     if v.kind == "workbench":  # the backend's own end: graphs freed before the communicators, groups destroyed,
         from workbench.rank.train import teardown  # and a hung teardown leaves after 30 s (not the variant's limit)
 
-        return teardown(code, timeout_s=30.0)
+        code = teardown(code, timeout_s=30.0)
+        _leave_later(30.0, code)  # an interpreter exit still running then (exit handlers: the loader's workers) ends
     return code
+
+
+def _leave_later(seconds: float, code: int) -> None:
+    """A daemon timer that ends this process with ``code`` after ``seconds`` (it dies with a process that ends first)."""
+    import threading
+
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, leave)
+    timer.daemon = True
+    timer.start()
 
 
 _STACKS: list[Any] = []  # the open stack-dump file of this worker (faulthandler writes into it at the deadline)
