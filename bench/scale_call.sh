@@ -21,8 +21,10 @@
 #           without CUDA graphs beside the same with async TP (its own effect: async TP runs no graphs), or the
 #           one-GPU default path beside TP=2 + SP with async TP (the scaling row); CALL=17: Llama-3.1-8B TP=2 + SP with
 #           async TP beside torchtitan 0.3.0 (as CALL=8).  A 3B TP process ~50-80 s: ~450 s a call
-#   CALL=18: TP=2 + SP beside its no-collective bound (tp2-bound: TP=2 with its all-reduces skipped, a diagnostic),
-#           8 micro-batches: the "TP collectives hidden" target (>= 90% of the bound)
+#   CALL=18: TP=2 + SP beside its no-collective bound (tp2-sp-bound: TP=2 + SP with its all-gathers and
+#           reduce-scatters local copies of the same shapes, a diagnostic), 8 micro-batches: the "TP collectives
+#           hidden" target (>= 90% of the bound); at 5e098e1 it ran beside tp2-bound (TP=2 without SP, all-reduces
+#           skipped), whose norms run on the whole sequence: a lower bar
 #   CALL=19 / 20 (.whl/te_site.tar.xz carried: bench/te_carry.py; they set WITH_TE=1): TE's layer at TP=2 + SP with its
 #           userbuffers (tp2-te-ub: GEMMs chunked with their all-gather / reduce-scatter, UB_SKIPMC=1) beside the
 #           bound, or beside TE's layer without userbuffers (tp2-te): what the overlap itself is worth
@@ -73,7 +75,7 @@ case "$call" in
   15) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-sp-nograph tp2-sp-async)" ;;
   16) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench tp2-sp-async)" ;;
   17) bench "${LIMIT:-570}" --variants "$(names tp2-sp-async torchtitan)" ;;
-  18) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-sp tp2-bound)" ;;
+  18) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-sp tp2-sp-bound)" ;;
   19) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te-ub tp2-bound)" ;;
   20) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te tp2-te-ub)" ;;
   21) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names pp2-m8 pp2-vpp2-m8)" ;;

@@ -41,7 +41,8 @@ tp2-nograph               2     tp2 without CUDA graphs
 tp2-sp                    2     tp2 plus sequence parallelism (also ``-no-overlap``, ``-nograph``)
 tp2-sp-async              2     tp2-sp with ``parallel.async_tp`` (inductor's micro-pipelined TP over symmetric memory;
                                 no CUDA graphs: against ``-nograph`` for its own effect)
-tp2-bound                 2     diagnostic, not the maths: tp2 with its TP all-reduces skipped
+tp2-bound                 2     diagnostic, not the maths: tp2 with its TP all-reduces skipped (``tp2-sp-bound``:
+                                tp2-sp with its all-gathers / reduce-scatters local copies of the same shapes)
 tp2-te                    2     TE's layer at TP=2 with sequence parallelism (only when TE is importable)
 tp2-te-ub                 2     tp2-te with ``parallel.te_userbuffers`` (TE userbuffers, ``UB_SKIPMC=1``); also
                                 ``-nograph``; ``tp2-te-fp8`` / ``tp2-te-ub-fp8``: both with TE's delayed FP8
@@ -207,6 +208,8 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             "tp2-sp-nograph": ({"parallel.sequence_parallel": True, "train.cuda_graphs": False}, {}, None),
             "tp2-sp-async": ({"parallel.sequence_parallel": True, "parallel.async_tp": True}, {}, None),
             "tp2-bound": ({}, {}, "no-tp-comm"),
+            "tp2-sp-bound": ({"parallel.sequence_parallel": True}, {}, "no-tp-comm"),  # SP's own bound (its norms on
+            # a sequence shard): TP=2 + SP's "collectives hidden" target
             # NCCL picked its low-latency protocol (RING_LL, ~105 GB/s) for the 21 MB all-reduces of GPT-2 large on
             # 2 H100s: these rows exclude it
             "tp2-nccl-simple": ({}, {"NCCL_PROTO": "Simple"}, None),
@@ -358,12 +361,16 @@ def run_reference(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _skip_tp_collectives() -> None:
-    """Diagnostic bound (wrong maths, bench only): the compiled layer's TP all-reduces become
-    no-ops, so TP=2 runs its half-size GEMMs and replicated element-wise work without talking."""
+def _skip_tp_collectives(tp: int) -> None:
+    """Diagnostic bound (wrong maths, bench only): the compiled layer's TP collectives become local copies of the
+    right shapes, so TP runs its 1/tp GEMMs and its element-wise work without talking: all-reduces return their
+    input; under SP an all-gather repeats this rank's sequence shard ``tp`` times and a reduce-scatter keeps the
+    first 1/tp of the sequence."""
     from workbench.backend import compiled_layer
 
     compiled_layer._all_reduce_sum = lambda x, group: x.contiguous()
+    compiled_layer._all_gather_seq = lambda x, group: x.repeat(tp, *([1] * (x.dim() - 1)))
+    compiled_layer._reduce_scatter_seq = lambda x, group: x.narrow(0, 0, x.shape[0] // tp).contiguous()
 
 
 def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
@@ -375,7 +382,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     cfg = bench_config(v, a.cpu_smoke)
     cuda = not a.cpu_smoke
     if v.bound == "no-tp-comm":
-        _skip_tp_collectives()
+        _skip_tp_collectives(cfg.parallel.tensor_parallel)
     run_dir = Path(tempfile.mkdtemp(prefix="wb-bench-"))
     t0 = time.perf_counter()
     tr = Trainer(cfg, run_dir)

@@ -118,11 +118,11 @@ def test_planned_layouts_are_valid_configs_with_the_intended_layout():
     for name, sp, overlap in (("tp2/gpt2-large", False, True), ("tp2-nograph/gpt2-large", False, True),
                               ("tp2-sp/gpt2-large", True, True), ("tp2-no-overlap/gpt2-large", False, False),
                               ("tp2-sp-no-overlap/gpt2-large", True, False), ("tp2-8queues/gpt2-large", False, True),
-                              ("tp2-bound/gpt2-large", False, True)):
+                              ("tp2-bound/gpt2-large", False, True), ("tp2-sp-bound/gpt2-large", True, True)):
         cfg = tt.bench_config(by_name[name])
         assert (cfg.parallel.sequence_parallel, cfg.parallel.tp_comm_overlap) == (sp, overlap), name
     assert by_name["tp2-8queues/gpt2-large"].env == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
-    assert [v.name for v in variants if v.bound] == ["tp2-bound/gpt2-large"]
+    assert [v.name for v in variants if v.bound] == ["tp2-bound/gpt2-large", "tp2-sp-bound/gpt2-large"]
     for name, (tp, pp, dp, micro, mbs) in expect.items():
         cfg = tt.bench_config(by_name[name])
         assert cfg.validate() == [], (name, cfg.validate())
@@ -214,3 +214,24 @@ def test_llama_rows_are_valid_configs_at_seq_2048():
             assert (cfg.model.seq_length, cfg.train.micro_batch_size, derive(cfg).num_microbatches) == (2048, mbs, 4)
             assert (cfg.model.num_query_groups, cfg.model.normalization, cfg.train.precision) == (8, "rmsnorm", "bf16")
     assert tt.bench_config(tt.Variant("workbench/gpt2-small", "workbench", "gpt2-small")).model.seq_length == 1024
+
+
+def test_the_bound_makes_each_tp_collective_a_local_copy_of_its_shape(monkeypatch):
+    """tp2-bound / tp2-sp-bound (a diagnostic): the compiled layer's all-reduce returns its input, SP's all-gather
+    gives the gathered shape (this rank's shard repeated) and its reduce-scatter the scattered one, without a group."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_throughput as tt
+
+    from workbench.backend import compiled_layer as cl
+
+    for name in ("_all_reduce_sum", "_all_gather_seq", "_reduce_scatter_seq"):
+        monkeypatch.setattr(cl, name, getattr(cl, name))  # the real collectives come back after the test
+    tt._skip_tp_collectives(2)
+    x = torch.arange(24.0).reshape(6, 2, 2)  # [sequence shard, batch, hidden]
+    assert torch.equal(cl._all_reduce_sum(x, "no-group"), x)
+    gathered = cl._all_gather_seq(x, "no-group")
+    assert gathered.shape == (12, 2, 2) and torch.equal(gathered[:6], x) and torch.equal(gathered[6:], x)
+    assert torch.equal(cl._reduce_scatter_seq(gathered, "no-group"), x)
