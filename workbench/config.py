@@ -191,14 +191,14 @@ class ParallelConfig:
     tp_comm_overlap: bool = True
     #: TP > 1 on Transformer Engine's layer with sequence parallelism: megatron's ``tp_comm_overlap`` through TE's
     #: userbuffers (``initialize_ub``), each all-gather / reduce-scatter split and pipelined with its GEMM.  Off by
-    #: default: not measured yet (two GPUs; ``bench/train_throughput.py`` rows ``tp2-te`` / ``tp2-te-ub``).
+    #: default: measured slower than the compiled layer's TP + SP (Llama-3.2-3B, 2 H200s: 0.94x; docs/performance.md).
     te_userbuffers: bool = False
     #: TP > 1 with sequence parallelism on the compiled layer: torch's micro-pipelined ("async") TP, inductor's
     #: ``_micro_pipeline_tp`` pass over symmetric memory: each all-gather + GEMM and GEMM + reduce-scatter of the
     #: layer's graph split per rank and pipelined (``symm_mem.fused_all_gather_matmul`` /
     #: ``fused_matmul_reduce_scatter``, copy engines; no NVLink multicast).  CUDA only, no CUDA graphs (their capture
-    #: of the symmetric-memory kernels is unproven here).  Off by default: not measured yet
-    #: (``bench/train_throughput.py`` ``tp2-sp-async``).
+    #: of the symmetric-memory kernels is unproven here).  Off by default: measured slower without NVLink multicast
+    #: (Llama-3.2-3B, 2 H200s: 0.53-0.58x TP + SP without graphs; docs/performance.md).
     async_tp: bool = False
     #: expert parallelism (MoE): experts split over this many ranks; expert TP: None -> tensor_parallel
     expert_parallel: int = 1
