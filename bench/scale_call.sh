@@ -26,8 +26,8 @@
 #           hidden" target (>= 90% of the bound); at 5e098e1 it ran beside tp2-bound (TP=2 without SP, all-reduces
 #           skipped), whose norms run on the whole sequence: a lower bar
 #   CALL=19 / 20 (.whl/te_site.tar.xz carried: bench/te_carry.py; they set WITH_TE=1): TE's layer at TP=2 + SP with its
-#           userbuffers (tp2-te-ub: GEMMs chunked with their all-gather / reduce-scatter, UB_SKIPMC=1) beside the
-#           bound, or beside TE's layer without userbuffers (tp2-te): what the overlap itself is worth
+#           userbuffers (tp2-te-ub: GEMMs chunked with their all-gather / reduce-scatter, UB_SKIPMC=1) beside SP's
+#           bound (tp2-sp-bound; tp2-bound at 5e098e1), or beside TE's layer without userbuffers (tp2-te): what the overlap itself is worth
 #   CALL=21: PP=2 interleaved (VPP=2) beside PP=2 1F1B, 8 micro-batches: CALL=4 without its no-graph variant (CALL=4's
 #           9 processes do not fit one call at 3B)
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
@@ -49,11 +49,12 @@ case "$call" in 19|20) export WITH_TE=1 ;; esac  # TE's rows: without TE they wo
 source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
 names() { local v out=""; for v in "$@"; do out+="${out:+,}$v/$model"; done; echo "$out"; }  # full names: no other model
-bench() {  # bench LIMIT ARGS...: one protocol measurement, its log kept; the call's limit is the backstop
-  timeout -k 20 "$1" python3 bench/train_throughput.py --models "$model" --no-stream-cost \
+bench() {  # bench LIMIT ARGS...: one protocol measurement, its log kept; no repeat starts that would end past LIMIT
+  # (--deadline: the call returns early, its rows so far in train_throughput.partial.jsonl); the limit is the backstop
+  timeout -k 20 "$1" python3 bench/train_throughput.py --models "$model" --no-stream-cost --deadline "$(( $1 - 10 ))" \
     --variant-timeout "${VARIANT_TIMEOUT:-200}" --out "$out/train_throughput.jsonl" "${@:2}" > "$out/call$call.log" 2>&1
   echo "call $call rc=$? after $(( $(date +%s) - t0 ))s"; grep -A30 "^device:" "$out/call$call.log" | head -30
-  grep -E "FAILED|Error|error:" "$out/call$call.log" | head -8
+  grep -E "FAILED|Error|error:|stopped before" "$out/call$call.log" | head -8
 }
 case "$call" in
   10) bench "${LIMIT:-570}" --variants "$(names workbench-16k cp2-16k)" ;;
@@ -76,7 +77,7 @@ case "$call" in
   16) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names workbench tp2-sp-async)" ;;
   17) bench "${LIMIT:-570}" --variants "$(names tp2-sp-async torchtitan)" ;;
   18) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-sp tp2-sp-bound)" ;;
-  19) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te-ub tp2-bound)" ;;
+  19) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te-ub tp2-sp-bound)" ;;
   20) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te tp2-te-ub)" ;;
   21) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names pp2-m8 pp2-vpp2-m8)" ;;
   *) echo "CALL must be 1 to 21" >&2; exit 2 ;;

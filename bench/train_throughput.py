@@ -512,11 +512,15 @@ def worker(a: argparse.Namespace) -> int:
         res["result_at"] = time.time()  # the launcher's exit_s: how long the process took to end after its result
         Path(a.result_file).write_text(json.dumps(res, default=str))
     code = 0 if res["ok"] else 1
+    sys.stdout.flush()  # the log so far, whatever the end below does
+    sys.stderr.flush()
+    if hold := float(os.environ.get("WORKBENCH_BENCH_HOLD_AFTER_RESULT_S", "0")):  # the launcher's own test: a
+        time.sleep(hold)  # process that does not end after its result (the teardown hangs seen on two H200s)
     if v.kind == "workbench":  # the backend's own end: graphs freed before the communicators, groups destroyed,
         from workbench.rank.train import teardown  # and a hung teardown leaves after 30 s (not the variant's limit)
 
         code = teardown(code, timeout_s=30.0)
-        _leave_later(30.0, code)  # an interpreter exit still running then (exit handlers: the loader's workers) ends
+    _leave_later(30.0, code)  # an interpreter exit still running then (exit handlers: the loader's workers) ends
     return code
 
 
@@ -525,8 +529,11 @@ def _leave_later(seconds: float, code: int) -> None:
     import threading
 
     def leave() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed pipe must not keep the process
+                pass
         os._exit(code)
 
     timer = threading.Timer(seconds, leave)
@@ -537,18 +544,32 @@ def _leave_later(seconds: float, code: int) -> None:
 _STACKS: list[Any] = []  # the open stack-dump file of this worker (faulthandler writes into it at the deadline)
 
 
-def _rank_stacks(folder: Path, keep: int = 12000) -> dict[str, str]:
-    """Each rank's dumped stacks (``stacks-<rank>.txt``), the head of each: faulthandler writes a thread's innermost
-    frame first."""
+def _rank_stacks(folder: Path, keep: int = 24000) -> dict[str, str]:
+    """Each rank's dumped stacks (``stacks-<rank>.txt``), the main thread's first: faulthandler writes the threads
+    newest first (the main thread last), each innermost frame first; ``keep`` characters of that order."""
     found = {}
     for f in sorted(folder.glob("stacks-*.txt")):
-        text = f.read_text(errors="replace")
-        if text.strip():
-            found[f.stem.removeprefix("stacks-")] = text[:keep]
+        lines = f.read_text(errors="replace").splitlines(keepends=True)
+        starts = [i for i, ln in enumerate(lines) if ln.startswith(("Thread 0x", "Current thread 0x"))]
+        if not starts:
+            continue
+        blocks = ["".join(lines[i:j]) for i, j in zip(starts, starts[1:] + [len(lines)])]
+        found[f.stem.removeprefix("stacks-")] = "".join(lines[:starts[0]] + [blocks[-1]] + blocks[:-1])[:keep]
     return found
 
 
 # --------------------------------------------------------------------------- launcher side
+
+
+def _past_deadline(deadline: float, elapsed: float, done: dict[str, list[dict[str, Any]]], name: str) -> str:
+    """Why the next repeat of ``name`` would end past ``deadline`` seconds (the longest wall time of its own earlier
+    repeats, else of any repeat so far, as its estimate), or "" when it fits."""
+    own = [r.get("wall_s") or 0.0 for r in done.get(name, [])]
+    every = [r.get("wall_s") or 0.0 for rs in done.values() for r in rs]
+    guess = max(own or every or [0.0])
+    if elapsed + guess <= deadline:
+        return ""
+    return f"{elapsed:.0f} s gone + {guess:.0f} s (the longest repeat so far) > --deadline {deadline:g} s"
 
 
 def _device_name(cpu_smoke: bool) -> str:
@@ -653,7 +674,7 @@ def merge_repeats(rs: list[dict[str, Any]]) -> dict[str, Any]:
     their median and spread (``repeats``), each repeat's brief (``repeat_rows``), and the first repeat's profile
     and event-stream cost (only it measures them).  A failed repeat fails the row (its error kept)."""
     brief = [{k: r.get(k) for k in ("repeat", "ok", "tokens_per_s", "step_s", "warmup_steps", "steady", "wall_s", "exit_s", "mem_peak_gib",
-                                     "error", "gpu_strangers")}
+                                     "error", "gpu_strangers", "exit_hung", "hung")}
              for r in rs]
     ok = [r for r in rs if r["ok"]]
     if len(ok) < len(rs):
@@ -752,6 +773,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-stream-cost", action="store_true", help="skip the event-stream cost measurement")
     ap.add_argument("--no-compile-reference", action="store_true", help="run the reference eagerly")
     ap.add_argument("--variant-timeout", type=float, default=900.0, help="seconds before a variant is abandoned")
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="seconds from the start: launch no repeat that would end past it by the longest repeat so far "
+                         "(its variant's, else any); the rows so far stay in OUT's .partial.jsonl and the exit code is 3 "
+                         "(0: none)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON-lines file to append results to")
     ap.add_argument("--gpus", type=int, default=None, help="use at most this many GPUs (default: all visible)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -764,6 +789,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         a.microbatches, a.steps, a.repeats = 2, min(a.steps, harness.SMOKE.steps), harness.SMOKE.repeats
     if a.steps < 1 or a.warmup < 0 or a.microbatches < 1 or a.repeats < 1:
         ap.error("--steps must be >= 1, --warmup >= 0, --microbatches >= 1, --repeats >= 1")
+    if not a.deadline >= 0:  # NaN too
+        ap.error("--deadline must be >= 0 seconds (0: none)")
 
     if a.worker:
         return worker(a)
@@ -806,8 +833,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     partial = Path(a.out).with_suffix(".partial.jsonl")
     partial.parent.mkdir(parents=True, exist_ok=True)
     repeats: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
+    t_start = time.monotonic()
     for i in range(proto.repeats):  # interleaved: every variant once, then again (fresh processes each time)
         for v in variants:
+            if a.deadline > 0 and (late := _past_deadline(a.deadline, time.monotonic() - t_start, repeats, v.name)):
+                print(f"[bench] stopped before {v.name} repeat {i + 1}/{proto.repeats}: {late}; the rows so far are in "
+                      f"{partial} (not a protocol row)", flush=True)
+                return 3
             print(f"[bench] {v.name} on {v.gpus or 'cpu'} GPU(s), repeat {i + 1}/{proto.repeats} ...", flush=True)
             res = _launch(v, a, passthrough + [f"--repeat-index={i}"])
             row = summarise(v, res, bench_config(v, a.cpu_smoke), a.peak_tflops, gpus)

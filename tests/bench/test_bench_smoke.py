@@ -56,23 +56,51 @@ def test_cpu_smoke_writes_one_row_per_variant(tmp_path):
     assert "workbench/tiny" in proc.stdout and "tok/s" in proc.stdout  # the table
 
 
-def test_a_repeat_cut_by_its_limit_keeps_each_ranks_innermost_frames(tmp_path):
-    """A worker past ``--variant-timeout`` is ended with its group; the row says it hung and keeps the stacks each rank
-    dumped before the limit (from their own files: a shared log's tail loses the innermost frames)."""
+def test_a_process_that_does_not_end_after_its_result_is_cut_and_keeps_its_stacks(tmp_path):
+    """A worker still running at ``--variant-timeout`` after writing its result (held there, as teardown hangs held
+    two-GPU processes on H200s) is ended with its group: the row keeps its result, says the exit hung, and keeps
+    each rank's stacks, dumped before the limit into a file of its own, the main thread's first."""
+    import os
+
     out = tmp_path / "rows.jsonl"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--variants", "workbench/", "--variant-timeout", "6",
-                           "--no-stream-cost", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    env = {**os.environ, "WORKBENCH_BENCH_HOLD_AFTER_RESULT_S": "120"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--variants", "reference/", "--variant-timeout", "25",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (row,) = [json.loads(l) for l in out.read_text().splitlines()]
-    assert not row["ok"] and row["hung"] and row["error"] == "worker exited 124 without a result", row
-    stacks = row["stacks"]["0"]  # one rank: its dump, innermost frame first, down to the worker's entry
+    assert row["ok"] and row["tokens_per_s"] > 0 and row["exit_hung"] and row["repeat_rows"][0]["exit_hung"], row
+    assert 0 < row["exit_s"] < row["wall_s"] and row["wall_s"] >= 25, row  # held from its result to the limit
+    stacks = row["stacks"]["0"]  # one rank: the main thread first, innermost frame first, down to the worker
     assert stacks.startswith("Timeout (") and "most recent call first" in stacks.splitlines()[1], stacks[:2000]
-    assert "train_throughput.py" in stacks and "in worker" in stacks, stacks
+    main = stacks.split("\nThread 0x")[1]  # after the "Timeout (...)!" line
+    assert "train_throughput.py" in main and "in worker" in main, stacks
+
+
+def test_the_exit_timer_ends_a_process_that_would_not_end(tmp_path):
+    """_leave_later: a process whose exit would hang leaves with the code it was given once the timer runs out."""
+    script = ("import sys, time; sys.path.insert(0, 'bench'); import train_throughput as tt; "
+              "tt._leave_later(0.5, 7); time.sleep(60)")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 7, proc.stderr[-2000:]
+
+
+def test_a_deadline_stops_before_a_repeat_that_would_end_past_it(tmp_path):
+    """--deadline: the first repeat runs (nothing to estimate from); the next would end past the deadline by the first's
+    wall time, so none starts: exit 3, the first repeat's row in the partial file, no final rows."""
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--deadline", "1", "--no-stream-cost", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "stopped before workbench/tiny repeat 1/1" in proc.stdout and "> --deadline 1 s" in proc.stdout, proc.stdout
+    assert not out.exists()
+    (row,) = [json.loads(l) for l in out.with_suffix(".partial.jsonl").read_text().splitlines()]
+    assert row["variant"] == "reference/tiny" and row["ok"], row
 
 
 def test_bad_arguments_exit_2_with_a_message(tmp_path):
     for args, needle in ((["--models", "gpt5"], "unknown model"), (["--cpu-smoke", "--variants", "nope"], "matches nothing"),
-                         (["--cpu-smoke", "--steps", "0"], "--steps")):
+                         (["--cpu-smoke", "--steps", "0"], "--steps"), (["--cpu-smoke", "--deadline", "-1"], "--deadline"),
+                         (["--cpu-smoke", "--deadline", "nan"], "--deadline")):
         proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path / "x.jsonl")], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (args, proc.stderr)
@@ -235,3 +263,29 @@ def test_the_bound_makes_each_tp_collective_a_local_copy_of_its_shape(monkeypatc
     gathered = cl._all_gather_seq(x, "no-group")
     assert gathered.shape == (12, 2, 2) and torch.equal(gathered[:6], x) and torch.equal(gathered[6:], x)
     assert torch.equal(cl._reduce_scatter_seq(gathered, "no-group"), x)
+
+
+def test_a_ranks_stacks_put_the_main_thread_first(tmp_path):
+    """faulthandler writes the threads newest first, the main thread (the one a hang is about) last: _rank_stacks
+    moves it to the front, so a cut keeps it."""
+    import faulthandler
+    import threading
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_throughput as tt
+
+    stop = threading.Event()
+    helpers = [threading.Thread(target=stop.wait, daemon=True) for _ in range(3)]
+    for t in helpers:
+        t.start()
+    try:
+        with open(tmp_path / "stacks-1.txt", "w") as fh:
+            faulthandler.dump_traceback(file=fh, all_threads=True)
+    finally:
+        stop.set()
+    (tmp_path / "stacks-0.txt").write_text("")  # a rank that dumped nothing is left out
+    found = tt._rank_stacks(tmp_path)
+    assert list(found) == ["1"]
+    first = found["1"].split("\n\n")[0]
+    assert first.startswith(("Current thread 0x", "Thread 0x")) and "test_a_ranks_stacks_put_the_main_thread_first" in first, found
+    assert found["1"].count("Thread 0x") + found["1"].count("thread 0x") >= 4  # every thread kept

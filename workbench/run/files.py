@@ -97,7 +97,6 @@ def _bindable(host: str, port: int) -> bool:
 
 def _lock(fh, seconds: float = 5.0) -> bool:
     """Take ``fh``'s exclusive lock within ``seconds`` (a caller stopped while holding it must not hang the rest)."""
-    import errno
     import fcntl
     import time
 
