@@ -483,9 +483,8 @@ def worker(a: argparse.Namespace) -> int:
         import faulthandler
 
         # each rank's stacks into a file of its own beside the result (the launcher keeps their innermost frames,
-        # which a shared log's tail cuts off); stderr without a result file
+        # which a shared log's tail cuts off); stderr without a result file.  faulthandler holds the file open.
         out = open(Path(a.result_file).with_name(f"stacks-{rank}.txt"), "w") if a.result_file else sys.stderr
-        _STACKS.append(out)
         faulthandler.dump_traceback_later(float(os.environ["WORKBENCH_BENCH_STACKS_AFTER"]), exit=False, file=out)
     if v.kind == "workbench":  # as the backend's entry point does, before anything starts CUDA
         from workbench.config import apply_rank_environment
@@ -539,9 +538,6 @@ def _leave_later(seconds: float, code: int) -> None:
     timer = threading.Timer(seconds, leave)
     timer.daemon = True
     timer.start()
-
-
-_STACKS: list[Any] = []  # the open stack-dump file of this worker (faulthandler writes into it at the deadline)
 
 
 def _rank_stacks(folder: Path, keep: int = 24000) -> dict[str, str]:
