@@ -82,7 +82,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -247,36 +247,6 @@ def _clip(params: list, max_norm: float) -> None:
 # --------------------------------------------------------------------------- the measurement
 
 
-def measure_agreed(step: Callable[[], Any], cuda: bool, p: Any, agree: Callable[[bool], bool],
-                   before_timing: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """``harness.measure_steps`` with the warm-up's end agreed by every rank (``agree``: True once all say so): ranks
-    that decided alone could run different numbers of steps and hang in a collective.  Warm-up until the last
-    ``p.window`` step times agree within ``p.tolerance`` (at least ``p.warmup_min``, at most ``p.warmup_max`` steps or
-    ``p.warmup_max_s`` seconds: ``steady`` false), then ``p.steps`` timed steps."""
-    times: list[float] = []
-    t0 = time.perf_counter()
-    while True:
-        harness.sync(cuda)
-        s = time.perf_counter()
-        step()
-        harness.sync(cuda)
-        times.append(time.perf_counter() - s)
-        last = times[-p.window:]
-        settled = len(times) >= max(p.warmup_min, p.window) and (max(last) - min(last)) / harness.median(last) <= p.tolerance
-        bound = len(times) >= p.warmup_max or time.perf_counter() - t0 >= p.warmup_max_s
-        if agree(settled):
-            steady = True
-            break
-        if not agree(not bound):  # any rank at its bound: all stop
-            steady = False
-            break
-    warm = {"warmup_steps": len(times), "warmup_times": times, "warmup_s": time.perf_counter() - t0, "steady": steady}
-    if before_timing is not None:
-        before_timing()
-    timed = harness.time_steps(step, p.steps, cuda)
-    return {"step_times": timed, "step_s": harness.median(timed), **warm}
-
-
 def train(cfg, opts: Options, measure: Any, *, kind: str = "fsdp2", preset_name: str | None = None) -> dict[str, Any]:
     """One measurement in this torchrun process (every rank calls it; rank 0's result is the row's): build the sharded
     model, warm up and time steps under ``measure`` (a ``harness.Protocol``); the
@@ -343,15 +313,9 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "fsdp2", preset_name:
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
 
-    flag = torch.zeros(1, device=device)
-
-    def agree(mine: bool) -> bool:  # True only when every rank says True
-        flag.fill_(1.0 if mine else 0.0)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() > 0.5)
-
     dist.barrier()
-    measured = measure_agreed(step, cuda, measure, agree, before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
+    measured = harness.measure_steps(step, cuda, measure, before_timing=torch.cuda.reset_peak_memory_stats if cuda else None,
+                                     agree=harness.rank_vote(device))
     step_s = measured["step_s"]
     mem = [int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())] if cuda else [0, 0]
     peak = torch.tensor(mem, dtype=torch.float64, device=device)

@@ -349,16 +349,9 @@ def train(cfg, opts: Options, measure: Any, *, kind: str = "torchtitan", preset_
         optimizers.step()
         losses.append(total)
 
-    flag = torch.zeros(1, device=device)
-
-    def agree(mine: bool) -> bool:
-        flag.fill_(1.0 if mine else 0.0)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() > 0.5)
-
     dist.barrier()
-    measured = fsdp2.measure_agreed(step, cuda, measure, agree,
-                                    before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
+    measured = harness.measure_steps(step, cuda, measure, before_timing=torch.cuda.reset_peak_memory_stats if cuda else None,
+                                     agree=harness.rank_vote(device))
     step_s = measured["step_s"]
     mem = [int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())] if cuda else [0, 0]
     peak = torch.tensor(mem, dtype=torch.float64, device=device)

@@ -395,7 +395,8 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     harness.sync(cuda)
     first_step_s = time.perf_counter() - t0  # compiles (cold or from the on-disk cache), first allocations
     measured = harness.measure_steps(tr.train_step, cuda, harness.protocol(a),
-                                     before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
+                                     before_timing=torch.cuda.reset_peak_memory_stats if cuda else None,
+                                     agree=harness.rank_vote(torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"))
     mem_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
     stream = None
     if not a.no_stream_cost and v.name.startswith("workbench/") and a.repeat_index == 0:

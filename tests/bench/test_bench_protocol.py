@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
 import sys
 
@@ -66,6 +67,68 @@ def test_the_warm_up_is_bounded_in_seconds_too():
     t = Planted([3.0, 1.0] * 100)  # never settles; 2 s a pair
     res = harness.warm_up(t.step, False, p, clock=t.clock)
     assert not res["steady"] and res["warmup_s"] >= 10.0 and res["warmup_steps"] < 10
+
+
+def test_warm_up_ends_only_when_every_rank_votes_so():
+    """``agree``: settled steps end the warm-up only when every rank settled; a rank at its bound stops all (``steady``
+    false); then the timed steps."""
+    p = harness.Protocol(steps=3, warmup_min=2, warmup_max=6, window=2, tolerance=10.0)
+    calls = []
+    res = harness.measure_steps(lambda: calls.append(1), False, p, agree=lambda mine: mine)
+    assert res["steady"] and res["warmup_steps"] == 2 and len(res["step_times"]) == 3 and len(calls) == 5
+    votes = []
+
+    def other_rank_unsettled(mine: bool) -> bool:  # the settle vote fails; the bound vote is this rank's own
+        votes.append(mine)
+        return False if len(votes) % 2 else mine
+
+    res = harness.measure_steps(lambda: None, False, p, agree=other_rank_unsettled)
+    assert not res["steady"] and res["warmup_steps"] == 6 and len(res["step_times"]) == 3
+
+
+_TWO_RANKS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+from bench import harness
+from tests.bench.test_bench_protocol import Planted, rank_durations
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[3]}", rank=rank, world_size=2)
+p = harness.Protocol(steps=4, warmup_min=5, warmup_max=60, window=5, tolerance=0.03)
+t = Planted(rank_durations(rank))
+res = harness.measure_steps(t.step, False, p, clock=t.clock, agree=harness.rank_vote("cpu"))
+dist.barrier()
+print(json.dumps({"rank": rank, "warmup_steps": res["warmup_steps"], "steady": res["steady"], "calls": t.calls}))
+dist.destroy_process_group()
+"""
+
+
+def rank_durations(rank: int) -> list[float]:
+    """Rank 0 is steady from its first step; rank 1 compiles, then settles slowly (the PP=2 exit hang's shape)."""
+    return (WARMUP if rank else []) + list(itertools.islice(itertools.cycle(STEADY), 200))
+
+
+def test_two_ranks_whose_steps_settle_apart_warm_up_for_the_same_steps():
+    """Two gloo ranks under :func:`harness.rank_vote`: alone they would end their warm-ups steps apart (the later one
+    then waits for its peer in a collective forever); voting, both run the later rank's count of steps."""
+    import subprocess
+
+    from tests.support import free_port
+
+    p = harness.Protocol(steps=4, warmup_min=5, warmup_max=60, window=5, tolerance=0.03)
+    alone = []
+    for r in (0, 1):
+        t = Planted(rank_durations(r))
+        alone.append(harness.warm_up(t.step, False, p, clock=t.clock)["warmup_steps"])
+    assert alone[0] < alone[1]
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RANKS, str(ROOT), str(r), port], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [pr.communicate(timeout=120) for pr in procs]
+    assert all(pr.returncode == 0 for pr in procs), [o[1][-2000:] for o in outs]
+    rows = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert [r["warmup_steps"] for r in rows] == [alone[1], alone[1]] and all(r["steady"] for r in rows)
+    assert rows[0]["calls"] == rows[1]["calls"] == alone[1] + 4
 
 
 def test_slow_steps_say_their_time_so_a_cut_row_shows_how_far_it_got(capsys):

@@ -59,24 +59,3 @@ def test_bad_batch_is_an_argument_error_before_any_launch():
     assert proc.returncode == 2 and "not a multiple" in proc.stderr, proc.stderr[-2000:]
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "gpt5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not one of" in proc.stderr, proc.stderr[-2000:]
-
-
-def test_warm_up_ends_when_every_rank_agrees():
-    """measure_agreed: settled steps end the warm-up only when ``agree`` says all ranks settled; a rank at its bound
-    stops all (``steady`` false); then the timed steps."""
-    from bench.harness import Protocol
-    from bench.reference_fsdp2 import measure_agreed
-
-    calls = []
-    m = Protocol(steps=3, warmup_min=2, warmup_max=6, window=2, tolerance=10.0)
-    res = measure_agreed(lambda: calls.append(1), False, m, agree=lambda mine: mine)
-    assert res["steady"] and res["warmup_steps"] == 2 and len(res["step_times"]) == 3 and len(calls) == 5
-    # another rank never settles: this one warms up to its bound, then all stop together
-    votes = []
-
-    def other_rank_unsettled(mine: bool) -> bool:
-        votes.append(mine)
-        return False if len(votes) % 2 else mine  # the settle vote fails; the bound vote is this rank's own
-
-    res = measure_agreed(lambda: None, False, m, agree=other_rank_unsettled)
-    assert not res["steady"] and res["warmup_steps"] == 6 and len(res["step_times"]) == 3
