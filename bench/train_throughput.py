@@ -41,6 +41,8 @@ tp2-nograph               2     tp2 without CUDA graphs
 tp2-sp                    2     tp2 plus sequence parallelism (also ``-no-overlap``, ``-nograph``)
 tp2-sp-async              2     tp2-sp with ``parallel.async_tp`` (inductor's micro-pipelined TP over symmetric memory;
                                 no CUDA graphs: against ``-nograph`` for its own effect)
+tp2-sp-chunked            2     tp2-sp with ``parallel.tp_chunked`` (each GEMM in two row chunks, each collective an
+                                exchange with the peer under the other chunk's GEMM)
 tp2-bound                 2     diagnostic, not the maths: tp2 with its TP all-reduces skipped (``tp2-sp-bound``:
                                 tp2-sp with its all-gathers / reduce-scatters local copies of the same shapes)
 tp2-te                    2     TE's layer at TP=2 with sequence parallelism (only when TE is importable)
@@ -89,7 +91,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -207,6 +209,7 @@ def plan(models: list[str], gpus: int, have_te: bool, microbatches: int) -> list
             "tp2-sp-no-overlap": ({"parallel.sequence_parallel": True, **no_overlap}, {}, None),
             "tp2-sp-nograph": ({"parallel.sequence_parallel": True, "train.cuda_graphs": False}, {}, None),
             "tp2-sp-async": ({"parallel.sequence_parallel": True, "parallel.async_tp": True}, {}, None),
+            "tp2-sp-chunked": ({"parallel.sequence_parallel": True, "parallel.tp_chunked": True}, {}, None),
             "tp2-bound": ({}, {}, "no-tp-comm"),
             "tp2-sp-bound": ({"parallel.sequence_parallel": True}, {}, "no-tp-comm"),  # SP's own bound (its norms on
             # a sequence shard): TP=2 + SP's "collectives hidden" target
@@ -477,7 +480,7 @@ def _libraries() -> dict[str, Any]:
             "sdpa_causal_bf16": sdpa, "ring_blocks": cp.ring_block_kernels() if cp is not None else {}}
 
 
-def worker(a: argparse.Namespace) -> int:
+def worker(a: argparse.Namespace) -> NoReturn:
     v = Variant(**json.loads(a.worker))
     rank = int(os.environ.get("RANK", "0"))
     if os.environ.get("WORKBENCH_BENCH_STACKS_AFTER"):
@@ -516,27 +519,34 @@ def worker(a: argparse.Namespace) -> int:
     sys.stderr.flush()
     if hold := float(os.environ.get("WORKBENCH_BENCH_HOLD_AFTER_RESULT_S", "0")):  # the launcher's own test: a
         time.sleep(hold)  # process that does not end after its result (the teardown hangs seen on two H200s)
-    if v.kind == "workbench":  # the backend's own end: graphs freed before the communicators, groups destroyed,
-        from workbench.rank.train import teardown  # and a hung teardown leaves after 30 s (not the variant's limit)
+    t_end = time.perf_counter()
+    _leave_later(45.0, code)  # whatever below hangs ends after 45 s (not the variant's limit; teardown's own 30 s first)
+    if v.kind == "workbench":  # the backend's own end: graphs freed before the communicators, groups destroyed
+        from workbench.rank.train import teardown
 
         code = teardown(code, timeout_s=30.0)
-    _leave_later(30.0, code)  # an interpreter exit still running then (exit handlers: the loader's workers) ends
-    return code
+    # the row is written and the groups are gone: nothing the interpreter's exit does (freeing the model object by
+    # object, exit handlers, the compile workers' shutdown) is worth device time (workbench workers took 15-26 s
+    # from their result to their end at fd12390, torchtitan's 3.5 s)
+    print(f"[bench] rank {rank}: teardown {time.perf_counter() - t_end:.1f} s, leaving", file=sys.stderr, flush=True)
+    _leave(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """End this process now with ``code``, its output flushed (no interpreter exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed pipe must not keep the process
+            pass
+    os._exit(code)
 
 
 def _leave_later(seconds: float, code: int) -> None:
     """A daemon timer that ends this process with ``code`` after ``seconds`` (it dies with a process that ends first)."""
     import threading
 
-    def leave() -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # a closed pipe must not keep the process
-                pass
-        os._exit(code)
-
-    timer = threading.Timer(seconds, leave)
+    timer = threading.Timer(seconds, _leave, (code,))
     timer.daemon = True
     timer.start()
 

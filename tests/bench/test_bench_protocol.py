@@ -1,6 +1,6 @@
-"""bench/harness's measurement protocol on planted step times (no torch, no processes): the warm-up waits for
-steady steps, the timed median is the steady one, a run that never settles says so, repeats interleave, and a
-ratio whose range crosses its target is not met."""
+"""bench/harness's measurement protocol on planted step times: the warm-up waits for steady steps (on two gloo ranks,
+for the same steps on both), the timed median is the steady one, a run that never settles says so, repeats
+interleave, and a ratio whose range crosses its target is not met."""
 
 from __future__ import annotations
 
