@@ -193,6 +193,12 @@ class ParallelConfig:
     #: userbuffers (``initialize_ub``), each all-gather / reduce-scatter split and pipelined with its GEMM.  Off by
     #: default: measured slower than the compiled layer's TP + SP (Llama-3.2-3B, 2 H200s: 0.94x; docs/performance.md).
     te_userbuffers: bool = False
+    #: TP = 2 with sequence parallelism on the compiled layer: each self-attention and MLP GEMM split in two row
+    #: chunks, its all-gather / reduce-scatter an exchange with the peer that runs under the other chunk's GEMM, in
+    #: forward and backward (:mod:`workbench.backend.tp_chunked`; NCCL, CUDA-graph capturable).  Same maths.  Off by
+    #: default: not yet measured on GPUs (bench variant ``tp2-sp-chunked``).  Not with FP8, async TP or selective
+    #: recompute's MLP (that MLP keeps the plain collectives).
+    tp_chunked: bool = False
     #: TP > 1 with sequence parallelism on the compiled layer: torch's micro-pipelined ("async") TP, inductor's
     #: ``_micro_pipeline_tp`` pass over symmetric memory: each all-gather + GEMM and GEMM + reduce-scatter of the
     #: layer's graph split per rank and pipelined (``symm_mem.fused_all_gather_matmul`` /
@@ -211,6 +217,11 @@ class ParallelConfig:
     @property
     def vpp(self) -> int:
         return self.virtual_pipeline_parallel or 1
+
+    @property
+    def offload_fraction(self) -> float:
+        """``optimizer_cpu_offload`` as a number (0.0 when unset): what the optimizer, planner and advisor read."""
+        return float(self.optimizer_cpu_offload or 0.0)
 
 
 @dataclass

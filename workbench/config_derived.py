@@ -126,7 +126,8 @@ def rank_environment(cfg: Any) -> dict[str, str]:
     env: dict[str, str] = {}
     k = kernel_rule.choose(cfg)
     userbuffers = k.tp_overlap == "userbuffers"
-    if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or userbuffers) and not k.async_tp:
+    if p.device == "cuda" and p.tensor_parallel > 1 and (p.tp_comm_overlap or userbuffers or k.tp_overlap == "chunked") \
+            and not k.async_tp:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if userbuffers and os.environ.get("NCCL_NVLS_ENABLE") == "0":
         env["UB_SKIPMC"] = "1"

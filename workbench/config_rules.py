@@ -211,7 +211,7 @@ def _train_rules(cfg: Any, add: Add) -> None:
                 add("train.global_batch_size", f"interleaved 1F1B needs the number of micro-batches ({micro}) divisible by pipeline_parallel {pp}",
                     f"use a global batch giving a multiple of {pp} micro-batches", "parallel.virtual_pipeline_parallel", *batch_fields)
     for field_name, rule, fix in (kernel_rule.fp8_problems(cfg) + kernel_rule.userbuffer_problems(cfg)
-                                    + kernel_rule.async_tp_problems(cfg)) if known else ():
+                                    + kernel_rule.async_tp_problems(cfg) + kernel_rule.chunked_problems(cfg)) if known else ():
         add(field_name, rule, fix, None)
     if t.min_lr > t.lr:
         add("train.min_lr", f"must be in [0, lr] (lr={t.lr}, min_lr={t.min_lr})", "lower min_lr", "train.lr")

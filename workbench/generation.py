@@ -166,7 +166,9 @@ def layout_problems(info: CheckpointInfo, tp: int, pp: int, device: str, vpp: in
     if out:
         return out
     over = {"parallel.nnodes": 1, "parallel.sequence_parallel": False, "parallel.recompute": "none", "parallel.device": device,
-            "parallel.context_parallel": 1}  # generation's ranks load a CP checkpoint without CP (the backend does)
+            "parallel.context_parallel": 1,  # generation's ranks load a CP checkpoint without CP (the backend does)
+            # training's TP overlaps (they need SP, which generation runs without): not generation's to refuse
+            "parallel.tp_chunked": False, "parallel.async_tp": False, "parallel.te_userbuffers": False}
     flags = {"parallel.pipeline_parallel": "pp", "parallel.virtual_pipeline_parallel": "vpp"}
 
     def rules(t: int, p: int, v: int | None) -> list[Problem]:

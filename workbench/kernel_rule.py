@@ -48,6 +48,7 @@ __all__ = [
     "guard_transformer_engine",
     "allow_fast_paths_on_cpu",
     "fp8_problems",
+    "chunked_problems",
     "userbuffer_problems",
     "async_tp_problems",
     "FP8_RECIPES",
@@ -68,7 +69,7 @@ _FAST_ON_CPU = False
 #: compiled layer, its CUDA graphs and its TP overlap (:func:`fast_paths_wanted`), and validation refuses
 #: FP8, TE's userbuffers and communication overlap.  The config form shows them only on ``device: cuda``.
 GPU_ONLY_FIELDS = ("train.compile_kernels", "train.cuda_graphs", "train.fp8", "parallel.tp_comm_overlap",
-                   "parallel.te_userbuffers", "parallel.async_tp", "parallel.overlap_grad_reduce",
+                   "parallel.te_userbuffers", "parallel.async_tp", "parallel.tp_chunked", "parallel.overlap_grad_reduce",
                    "parallel.overlap_param_gather", "parallel.optimizer_cpu_offload")
 
 
@@ -227,8 +228,10 @@ class KernelChoice:
     #: compiled layer's backward computes weight gradients under the input-gradient collective), "userbuffers"
     #: (``parallel.te_userbuffers``:
     #: TE's layer through megatron's ``tp_comm_overlap``, GEMMs split and pipelined with the all-gather /
-    #: reduce-scatter in TE's userbuffers), "" (none: TP = 1, or the layer's collectives are exposed)
-    tp_overlap: Literal["", "compiled", "userbuffers"] = ""
+    #: reduce-scatter in TE's userbuffers), "chunked" (``parallel.tp_chunked``: TP = 2 + SP, the compiled layer's GEMMs
+    #: in two row chunks, each exchange with the peer under the other chunk's GEMM), "" (none: TP = 1, or the layer's
+    #: collectives are exposed)
+    tp_overlap: Literal["", "compiled", "userbuffers", "chunked"] = ""
     #: ``parallel.async_tp``: the compiled layer's sequence-parallel all-gathers / reduce-scatters micro-pipelined
     #: with their GEMMs (inductor's ``_micro_pipeline_tp`` over symmetric memory; :func:`async_tp_problems`)
     async_tp: bool = False
@@ -468,7 +471,9 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
     graphs = bool(t.cuda_graphs) and graphed_layer and not graphs_reason
     impl = graphs_impl(cfg, layer) if graphs else ""
     tp_overlap = ""
-    if p.tensor_parallel > 1 and layer == "compiled" and p.tp_comm_overlap and not async_tp:
+    if p.tp_chunked and layer == "compiled" and not _chunked_rules(cfg):
+        tp_overlap = "chunked"
+    elif p.tensor_parallel > 1 and layer == "compiled" and p.tp_comm_overlap and not async_tp:
         tp_overlap = "compiled"  # (async TP leaves the backward no plain collective to move GEMMs under)
     elif p.te_userbuffers and not _userbuffer_rules(cfg, attention):
         tp_overlap = "userbuffers"
@@ -678,19 +683,47 @@ def _async_tp_rules(cfg: Any) -> list[tuple[str, str]]:
     return out
 
 
+def _chunked_rules(cfg: Any) -> list[tuple[str, str]]:
+    """``(rule, fix)`` for each reason ``parallel.tp_chunked`` cannot run with this config (:func:`choose` and
+    :func:`chunked_problems` share it); the layer itself is judged by :func:`choose`."""
+    p, t = cfg.parallel, cfg.train
+    out = _tp_sp_rules(cfg, "tp_chunked", "tp_chunked splits tensor-parallel collectives",
+                       "tp_chunked splits sequence parallelism's all-gather / reduce-scatter with their GEMMs")
+    if p.tensor_parallel > 2:
+        out.append((f"tp_chunked exchanges with one peer: tensor_parallel is {p.tensor_parallel}",
+                    "set tensor_parallel: 2, or tp_chunked: false"))
+    if t.fp8 != "off":
+        out.append(("tp_chunked runs bf16 / fp32 GEMMs (fp8 is on)", "set fp8: off, or tp_chunked: false"))
+    if p.async_tp:
+        out.append(("tp_chunked and async_tp both split the same collectives", "set one of them false"))
+    return out
+
+
+def _compiled_layer_field_problems(cfg: Any, field: str, what: str, rules: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
+    """``(field, rule, fix)`` for a compiled-layer TP option ``parallel.<field>`` that is on: its ``rules``, else a
+    layer the kernel rule keeps stock (attention backend, family), with that reason."""
+    out = [(f"parallel.{field}", rule, fix) for rule, fix in rules]
+    if not out and (k := choose(cfg)).layer != "compiled":
+        out.append((f"parallel.{field}", f"{what} runs on the compiled layer; this run's layer is stock ({k.layer_reason})",
+                    f"set {field}: false"))
+    return out
+
+
+def chunked_problems(cfg: Any) -> list[tuple[str, str, str]]:
+    """``(field, rule, fix)`` where ``parallel.tp_chunked`` cannot run (config validation calls it): TP = 2, sequence
+    parallelism, no FP8, no async TP, the compiled layer."""
+    if not cfg.parallel.tp_chunked:
+        return []
+    return _compiled_layer_field_problems(cfg, "tp_chunked", "tp_chunked", _chunked_rules(cfg))
+
+
 def async_tp_problems(cfg: Any) -> list[tuple[str, str, str]]:
     """``(field, rule, fix)`` where ``parallel.async_tp`` cannot run (config validation calls it): TP > 1, sequence
     parallelism, CUDA, bf16 or fp32 GEMMs, the compiled layer; a layer the kernel rule keeps stock (attention
     backend, family) is refused too, with that reason."""
     if not cfg.parallel.async_tp:
         return []
-    out = [("parallel.async_tp", rule, fix) for rule, fix in _async_tp_rules(cfg)]
-    if not out:
-        k = choose(cfg)
-        if k.layer != "compiled":
-            out.append(("parallel.async_tp", f"async TP runs on the compiled layer; this run's layer is stock "
-                        f"({k.layer_reason})", "set async_tp: false"))
-    return out
+    return _compiled_layer_field_problems(cfg, "async_tp", "async TP", _async_tp_rules(cfg))
 
 
 def userbuffer_problems(cfg: Any) -> list[tuple[str, str, str]]:

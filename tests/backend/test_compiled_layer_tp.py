@@ -12,7 +12,7 @@ from tests.support import free_port
 from tests.support.compiled_layer_run import assert_tp2_matches_stock, gemms_in_flight, run_check, tp2_check
 
 
-COMPILED_CASES = ("gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full")
+COMPILED_CASES = ("gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full", "gpt+sp+chunked", "rope+sp+chunked")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,20 @@ def test_tensor_parallel_fast_layer_matches_stock_across_two_ranks(tp2):
         assert v["local_qkv_rows"] == (heads_per_rank + 2 * groups_per_rank) * head_dim
     for name in ("gpt+sp", "llama-like+sp", "rope+sp", "gpt+sp+selective", "gpt+full"):
         assert_tp2_matches_stock(r[name], rel=1e-5, passes=2 if name == "gpt+full" else 1)
+        assert r[name]["chunked"] == [False] * 4, r[name]
+
+
+def test_chunked_tensor_parallel_matches_stock_across_two_ranks(tp2):
+    """parallel.tp_chunked (TP=2 + SP): each GEMM in two row chunks and each collective an exchange with the peer, on
+    every layer, with and without biases (GPT-2, Llama with RoPE), eagerly and under torch.compile (one graph), and
+    beside selective recompute (the recomputed MLP keeps the plain collectives): the stock layer's losses and
+    gradients."""
+    for name in ("gpt+sp+chunked", "rope+sp+chunked", "gpt+sp+selective+chunked", "compile:gpt+sp+chunked",
+                 "compile:rope+sp+chunked"):
+        v = tp2[name]
+        assert v["chunked"] == [True] * 4, v
+        assert_tp2_matches_stock(v, rel=1e-5)
+        assert v["graph_breaks"] == 0, v
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +78,23 @@ def test_tp_backward_collectives_run_under_the_weight_gradient_gemms(tp2_order):
     assert on.count("mm") == off.count("mm") == 8, (on, off)
 
 
+def test_chunked_exchanges_run_under_the_other_chunks_gemms(tp2_order):
+    """parallel.tp_chunked, on inductor's generated code of each rank of TP=2 + SP (their halves join in opposite
+    orders): the forward's four exchanges (QKV's and fc1's input, the projection's and fc2's partial sums) each have a
+    GEMM between their start and their wait, and so do the backward's four (the own rows' input gradient, and for QKV
+    the weight gradients too), where the plain TP=2 + SP layer waits at once on its forward collectives and its
+    backward all-gathers.  No all-gather or reduce-scatter is left; 8 GEMMs forward (the plain layer's 4 split in
+    two), 12 backward (each input gradient in two, each weight gradient one GEMM over the whole sequence, as
+    megatron's)."""
+    for rank in (0, 1):
+        fwd, bwd = (tp2_order[f"chunked,rank={rank}"][k] for k in ("forward", "backward"))
+        assert "start" not in fwd + bwd, (rank, fwd, bwd)
+        assert gemms_in_flight(fwd) == [1] * 4 and fwd.count("gemm") == 8, (rank, fwd)
+        flight = gemms_in_flight(bwd)
+        assert len(flight) == 4 and min(flight) >= 1, (rank, bwd)
+        assert bwd.count("gemm") == 12, (rank, bwd)
+
+
 def test_async_tp_fuses_every_sequence_parallel_collective_with_its_gemm(tp2_order):
     """parallel.async_tp: inductor's micro-pipeline TP pass replaces the SP layer's collectives by symmetric-memory ops
     that split each with its GEMM.  Without biases (Llama): all of them, forward (QKV and fc1's all-gather, the
@@ -85,7 +116,7 @@ def test_tensor_parallel_one_graph_layer_under_torch_compile(tp2):
     """The same under torch.compile: the collectives stay inside one graph (no graph breaks),
     with the recomputed MLP and under megatron's full recompute too."""
     r = {name[len("compile:"):]: v for name, v in tp2.items() if name.startswith("compile:")}
-    assert set(r) == {"gpt+sp", "llama-like+sp", "gpt+sp+selective", "gpt+full"}
+    assert set(r) == set(COMPILED_CASES)
     for name, v in r.items():
         assert_tp2_matches_stock(v, rel=1e-5, passes=2 if name == "gpt+full" else 1)
         assert v["graph_breaks"] == 0, v

@@ -134,3 +134,20 @@ def test_async_tp_rows_are_tp2_sp_with_async_tp_and_the_calls_name_planned_varia
         assert re.search(r'names ([^)]*)\)', line).group(1).split() == want
         assert all(f"{n}/{model}" in planned for n in want) and "--steps" not in line
     assert '7|8|9|14|17) model="${MODEL:-llama3.1-8b}"' in script
+
+
+def test_the_chunked_tp_row_is_tp2_sp_chunked_and_its_call_names_planned_variants():
+    """parallel.tp_chunked's row (#50): TP=2 + SP with its GEMMs chunked beside TP=2 + SP at 3B (CALL=22); the config
+    validates, differs from its neighbour only in the field, and gets the chunked kernel choice."""
+    import re
+
+    from workbench import kernel_rule
+
+    tt = _tt()
+    three = {v.name: v for v in tt.plan(["llama3.2-3b"], gpus=2, have_te=False, microbatches=8)}
+    c, s = (tt.bench_config(three[f"{n}/llama3.2-3b"]) for n in ("tp2-sp-chunked", "tp2-sp"))
+    assert c.validate() == [] and c.parallel.tp_chunked and not s.parallel.tp_chunked
+    assert c.replace(**{"parallel.tp_chunked": False}) == s
+    assert kernel_rule.choose(c, te=False).tp_overlap == "chunked"
+    line = next(x for x in (ROOT / "bench" / "scale_call.sh").read_text().splitlines() if x.strip().startswith("22)"))
+    assert re.search(r'names ([^)]*)\)', line).group(1).split() == ["tp2-sp-chunked", "tp2-sp"] and "--microbatches 8" in line

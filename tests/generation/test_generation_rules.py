@@ -46,3 +46,16 @@ def test_a_context_parallel_checkpoint_runs_at_any_layout_without_cp():
     assert layout_problems(info, 1, 1, "cpu") == []
     assert layout_problems(info, 2, 1, "cpu") == []
     assert [p.field for p in layout_problems(info, 3, 1, "cpu")] != []  # a layout the model cannot take still fails
+
+
+@pytest.mark.parametrize("field", ["parallel.tp_chunked", "parallel.async_tp"])
+def test_a_checkpoint_trained_with_a_tp_overlap_runs_at_any_layout(field):
+    """Training's TP overlaps need TP and sequence parallelism, which generation runs without: a checkpoint trained
+    with one loads at its own TP and at TP=1."""
+    from workbench.generation import layout_problems
+
+    cfg = preset("tiny", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2, "parallel.sequence_parallel": True,
+                            "parallel.device": "cuda", field: True})
+    info = CheckpointInfo(path="ckpt/iter_0000001", config=cfg, meta={})
+    assert layout_problems(info, 1, 1, "cpu") == []
+    assert layout_problems(info, 2, 1, "cpu") == []

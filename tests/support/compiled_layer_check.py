@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from workbench import kernel_rule  # noqa: E402
 from workbench.config import preset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/support: live_bytes.py
@@ -143,6 +144,9 @@ def _eval_calls(cfg, stock, fast) -> dict:
 TP2_SEQ = 16
 
 
+CHUNKED = {"parallel.sequence_parallel": True, "parallel.tp_chunked": True, "train.compile_kernels": True}
+
+
 def check_tp2() -> dict:
     """Under torchrun --nproc_per_node 2 (CPU, gloo): the TP=2 fast layer vs stock, per rank.
 
@@ -165,7 +169,12 @@ def check_tp2() -> dict:
              # selective recompute: the checkpointed MLP's partial product is reduced outside the checkpoint
              "gpt+sp+selective": {**VARIANTS["gpt"], "parallel.sequence_parallel": True, "parallel.recompute": "selective"},
              # full recompute: megatron's checkpoint re-runs the layer, collectives included, in backward
-             "gpt+full": {**VARIANTS["gpt"], "parallel.recompute": "full"}}
+             "gpt+full": {**VARIANTS["gpt"], "parallel.recompute": "full"},
+             # parallel.tp_chunked: each GEMM in two row chunks, its collective an exchange with the peer (the kernel
+             # rule's choice for the compiled layer: compile_kernels on)
+             "gpt+sp+chunked": {**VARIANTS["gpt"], **CHUNKED},
+             "rope+sp+chunked": {**VARIANTS["llama-like"], **VARIANTS["rope"], **CHUNKED},
+             "gpt+sp+selective+chunked": {**VARIANTS["gpt"], **CHUNKED, "parallel.recompute": "selective"}}
     phases = [(os.environ.get("CHECK_COMPILE") == "1", os.environ.get("CHECK_CASES"), "")]
     if os.environ.get("CHECK_THEN_COMPILE"):
         phases.append((True, os.environ["CHECK_THEN_COMPILE"], "compile:"))
@@ -180,7 +189,10 @@ def check_tp2() -> dict:
             if first:
                 distributed.initialize(cfg)
                 first = False
+            # tp_chunked is the kernel rule's choice for the compiled layer, which on CPU runs only when allowed
+            kernel_rule.allow_fast_paths_on_cpu(bool(over.get("parallel.tp_chunked")))
             stock, fast, losses, rel, _ = _stock_vs_fast(cfg)
+            kernel_rule.allow_fast_paths_on_cpu(False)
             worst = torch.tensor([rel, abs(losses[0] - losses[1])])
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             calls = torch.tensor([float(sum(l.fast_calls for l in fast.decoder.layers))])
@@ -190,6 +202,7 @@ def check_tp2() -> dict:
                 "loss_diff_max": worst[1].item(), "fast_calls_all_ranks": calls.item(),
                 "blockers": [l.fast_path_blocker for l in fast.decoder.layers],
                 "one_graph": ["tp_group" in getattr(l, "_static", {}) for l in fast.decoder.layers],
+                "chunked": ["tp_chunk_rank" in getattr(l, "_static", {}) for l in fast.decoder.layers],
                 "graph_breaks": _graph_breaks() - breaks_before,
                 "local_qkv_rows": int(fast.decoder.layers[0].self_attention.linear_qkv.weight.shape[0])}
     return out
@@ -226,6 +239,12 @@ def check_tp2_order() -> dict:
     for async_tp, bias in ((True, False), (True, True), (False, False)):
         fwd, bwd = _tp2_code(False, True, None, async_tp=async_tp, bias=bias, events=False)
         out[f"async_tp={async_tp},bias={bias}"] = {"forward": _collective_calls(fwd), "backward": _collective_calls(bwd)}
+    # parallel.tp_chunked (each rank of two: their halves join in opposite orders; SP, Llama's no biases): the
+    # exchanges and GEMMs of forward and backward
+    kinds = ("gemm", "start", "exchange", "wait")
+    for rank in (0, 1):
+        fwd, bwd = _tp2_code(False, True, None, bias=False, events=False, chunk=rank)
+        out[f"chunked,rank={rank}"] = {"forward": _events(fwd, kinds), "backward": _events(bwd, kinds)}
     return out
 
 
@@ -237,12 +256,34 @@ def _collective_calls(code: str) -> dict:
     return {n: len(re.findall(rf"\.{n}\.default\(", code)) for n in names}
 
 
-def _tp2_code(overlap: bool, sp: bool, fp8, async_tp: bool = False, bias: bool = True, events: bool = True):
+_KINDS = (("mm", r"extern_kernels\.mm\(|_scaled_mm(\.default)?\("),
+          ("gemm", r"extern_kernels\.(mm|addmm)\("),  # a GEMM, its epilogue's add included (tp_chunked's wgrads)
+          ("start", r"_c10d_functional\.(all_reduce_?|reduce_scatter_tensor|all_gather_into_tensor)\.default\("),
+          ("exchange", r"_c10d_functional\.all_to_all_single\.default\("),
+          ("wait", r"_c10d_functional\.wait_tensor\.default\("))
+
+
+def _events(code: str, kinds=("mm", "start", "exchange", "wait")) -> list[str]:
+    """The GEMMs ("mm"; "gemm": an addmm too), collective starts ("start", "exchange": an all-to-all) and waits of
+    generated code, in order."""
+    import re
+
+    pats = [(k, re.compile(p)) for k, p in _KINDS if k in kinds]
+    found = []
+    for line in code.split("def call", 1)[1].splitlines():
+        for kind, pattern in pats:
+            if pattern.search(line):
+                found.append(kind)
+    return found
+
+
+def _tp2_code(overlap: bool, sp: bool, fp8, async_tp: bool = False, bias: bool = True, events: bool = True,
+              chunk: int | None = None):
     """Inductor's generated (forward, backward) code of one rank of the TP=2 layer (backward as "mm" / "start" / "wait"
     events with ``events``; ``bias``: the linear layers' and norms' biases, as GPT-2's, else none, as Llama's).  ``async_tp``: under torch's symmetric-memory test mode (no GPU: its ops run their
-    reference implementations, registered here for CPU tensors; what is checked is the code inductor generates)."""
+    reference implementations, registered here for CPU tensors; what is checked is the code inductor generates).
+    ``chunk``: ``parallel.tp_chunked``'s ``tp_chunk_rank`` (the code of that rank of two)."""
     import contextlib
-    import re
 
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
@@ -250,9 +291,6 @@ def _tp2_code(overlap: bool, sp: bool, fp8, async_tp: bool = False, bias: bool =
     from workbench.backend import compiled_layer
 
     h, heads, s, b, tp = 64, 4, TP2_SEQ, 2, 2
-    kinds = [("mm", re.compile(r"extern_kernels\.mm\(|_scaled_mm(\.default)?\(")),
-             ("start", re.compile(r"_c10d_functional\.(all_reduce_?|reduce_scatter_tensor|all_gather_into_tensor)\.default\(")),
-             ("wait", re.compile(r"_c10d_functional\.wait_tensor\.default\("))]
     compiled_layer._compiled.cache_clear()
     g = torch.Generator().manual_seed(0)
 
@@ -264,21 +302,18 @@ def _tp2_code(overlap: bool, sp: bool, fp8, async_tp: bool = False, bias: bool =
 
     args = [p(s // tp if sp else s, b, h), p(h), pb(h), p(3 * h // tp, h), pb(3 * h // tp), p(h, h // tp), pb(h),
             p(h), pb(h), p(4 * h // tp, h), pb(4 * h // tp), p(h, 4 * h // tp), pb(h)]
-    fn = compiled_layer._compiled("layer", False, overlap, async_tp)
+    fn = compiled_layer._compiled("layer", False, overlap, async_tp, chunk is not None)
     kw = dict(norm="layernorm", eps1=1e-5, eps2=1e-5, heads=heads // tp, groups=heads // tp, head_dim=h // heads,
               scale=0.25, activation="gelu", tp_group=dist.group.WORLD.group_name, sequence_parallel=sp, fp8=fp8)
+    if chunk is not None:
+        kw["tp_chunk_rank"] = chunk
     with _symm_mem_test_mode() if async_tp else contextlib.nullcontext():
         _, codes = run_and_get_code(lambda: fn(*args, **kw).sum().backward())
     backward = next(c for c in codes if "tangents_1" in c.split("def call", 1)[-1].split("\n", 2)[1])
     forward = next(c for c in codes if c is not backward)
     if not events:
         return forward, backward
-    found = []
-    for line in backward.split("def call", 1)[1].splitlines():
-        for kind, pattern in kinds:
-            if pattern.search(line):
-                found.append(kind)
-    return forward, found
+    return forward, _events(backward, ("mm", "start", "wait"))
 
 
 @contextlib.contextmanager

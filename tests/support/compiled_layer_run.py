@@ -62,10 +62,10 @@ def assert_tp2_matches_stock(v: dict, rel: float, passes: int = 1) -> None:
 
 
 def gemms_in_flight(events: list[str]) -> list[int]:
-    """Per collective start in code order: how many GEMMs run before its wait."""
+    """Per collective start (an all-to-all "exchange" too) in code order: how many GEMMs run before its wait."""
     counts = []
     for i, kind in enumerate(events):
-        if kind == "start":
+        if kind in ("start", "exchange"):
             rest = events[i + 1:]
-            counts.append(rest[:rest.index("wait")].count("mm"))
+            counts.append(sum(rest[:rest.index("wait")].count(k) for k in ("mm", "gemm")))
     return counts

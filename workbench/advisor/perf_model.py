@@ -246,7 +246,7 @@ class Model:
         dpcp = d.data_parallel * cp  # megatron's gradient buffers (and the optimizer's shards) span DP x CP
         br["dp_comm"] = self._dp_seconds(cfg, sh, params_local, dpcp, per_node, fwd[r_busy], bwd[r_busy])
         opt_params = max(params_local) / (dpcp if p.distributed_optimizer else 1)
-        off = float(p.optimizer_cpu_offload or 0.0)  # that share of the shard steps on the host (optimizer CPU offload)
+        off = p.offload_fraction  # that share of the shard steps on the host (optimizer CPU offload)
         ns = (1 - off) * self.profile.optimizer_ns_per_param.value + off * self.c.offload_ns_per_param
         br["optimizer"] = opt_params * ns * 1e-9 + self.c.step_ms * 1e-3
         step = sum(br.values())

@@ -25,7 +25,8 @@ same dtypes, no skipped work):
    collectives; inductor's compute/communication reordering and its async-TP pass gained
    nothing or failed there: bench/README.md.)  With ``parallel.tp_comm_overlap`` the
    backward's collectives run under the weight-gradient GEMMs
-   (:func:`workbench.backend.tp_overlap.sink_weight_gradients`; 1.40x with ``CUDA_DEVICE_MAX_CONNECTIONS=1``).
+   (:func:`workbench.backend.tp_overlap.sink_weight_gradients`; 1.40x with ``CUDA_DEVICE_MAX_CONNECTIONS=1``);
+   with ``parallel.tp_chunked`` each GEMM in two row chunks (:mod:`workbench.backend.tp_chunked`).
    Any other case (ALiBi, a KV cache, packed sequences, ...) falls back to the stock forward.
    Dropout's random numbers come from torch's generator inside the graph (inductor's philox; under CUDA
    graphs each replay reads the generator's seed and offset and advances it), so the checkpointed RNG
@@ -72,7 +73,8 @@ from workbench.backend.layer_rules import MASK_TYPES, activation_name, eps_of, f
 from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_step, linear as fp8_linear, \
     open_step as fp8_open_step
 from workbench.backend.optimizer_paths import STATE as _STATE
-from workbench.backend.tp_overlap import tp_overlap_pass
+from workbench.backend.tp_overlap import chunked_pass, tp_overlap_pass
+from workbench.backend import tp_chunked
 
 __all__ = [
     "layer_module",
@@ -296,13 +298,15 @@ def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 def _self_attention(
     h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], *, heads: int, groups: int, head_dim: int,
     scale: float, causal: bool, mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], rope: Optional[torch.Tensor],
-    fp8: Optional[str] = None, dropout: float = 0.0, cp: bool = False,
+    fp8: Optional[str] = None, dropout: float = 0.0, cp: bool = False, chunk: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Fused QKV GEMM in megatron's layout (per KV group ``[q_1..q_{n/g}, k, v]``), then :func:`_sdpa`, or under
-    context parallelism (``cp``) :func:`_ring_context` over the CP group."""
-    s, b, _ = h.shape
+    context parallelism (``cp``) :func:`_ring_context` over the CP group.  ``chunk``: ``(rank, tp group)`` where the
+    QKV GEMM gathers its sequence-parallel input itself (:func:`tp_chunked.column_linear`; ``h`` is the shard)."""
+    qkv = fp8_linear(h, qkv_w, qkv_b, fp8) if chunk is None else tp_chunked.column_linear(h, qkv_w, qkv_b, *chunk)
+    s, b, _ = qkv.shape
     per_group = heads // groups
-    qkv = fp8_linear(h, qkv_w, qkv_b, fp8).view(s, b, groups, (per_group + 2) * head_dim)
+    qkv = qkv.view(s, b, groups, (per_group + 2) * head_dim)
     q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
     q = _rotate(q.reshape(s, b, heads, head_dim), rope)
     k = _rotate(k, rope)
@@ -380,6 +384,7 @@ def dense_layer_forward(
     hidden_dropout: float = 0.0,
     attention_dropout: float = 0.0,
     cp: bool = False,
+    tp_chunk_rank: Optional[int] = None,
 ) -> torch.Tensor:
     """One pre-norm transformer layer on ``[s, b, h]``, with megatron's exact layouts and maths.
 
@@ -412,16 +417,24 @@ def dense_layer_forward(
     ``cp`` (``parallel.context_parallel`` > 1): ``x`` is this CP rank's load-balanced sequence shard and
     self-attention runs the ring over the CP group (:func:`_ring_context`, outside the graph); no attention bias,
     no cross-attention, no attention dropout (the config refuses them under CP).
+
+    ``tp_chunk_rank`` (``parallel.tp_chunked``, TP = 2 + SP: this rank's index in the TP group): the attention and
+    (without ``recompute_mlp``) MLP GEMMs in two row chunks (:mod:`workbench.backend.tp_chunked`).
     """
     sp, p, masks = sequence_parallel, hidden_dropout, hidden_masks
     x = attention_sublayer_forward(x, ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, mask, bias, rope, masks, norm=norm,
                                    eps1=eps1, heads=heads, groups=groups, head_dim=head_dim, scale=scale, causal=causal,
                                    tp_group=tp_group, sequence_parallel=sp, fp8=fp8, hidden_dropout=p,
-                                   attention_dropout=attention_dropout, cp=cp)
+                                   attention_dropout=attention_dropout, cp=cp, tp_chunk_rank=tp_chunk_rank)
     if cross is not None:
         y = _cross_attention_sublayer(x, cross, norm=norm, eps=eps_cross, heads=heads, head_dim=head_dim, scale=scale,
                                       tp_group=tp_group, sp=sp, fp8=fp8, dropout=attention_dropout)
         x = x + _hidden_dropout(y, p, masks, 1)
+    if tp_chunk_rank is not None and not recompute_mlp:
+        c = (tp_chunk_rank, tp_group)
+        h = tp_chunked.column_linear(_norm(x, norm, ln2_w, ln2_b, eps2), fc1_w, fc1_b, *c)
+        y = tp_chunked.row_linear(_activate(h, activation), fc2_w, *c)
+        return x + _hidden_dropout(y if fc2_b is None else y + fc2_b, p, masks, -1)
     h_mlp = _column_parallel_input(_norm(x, norm, ln2_w, ln2_b, eps2), tp_group, sp)
     y = _mlp_sublayer(h_mlp, fc1_w, fc1_b, fc2_w, fc2_b, activation, tp_group, sp, fp8, recompute=recompute_mlp)
     return x + _hidden_dropout(y, p, masks, -1)
@@ -453,11 +466,19 @@ def attention_sublayer_forward(
     hidden_dropout: float = 0.0,
     attention_dropout: float = 0.0,
     cp: bool = False,
+    tp_chunk_rank: Optional[int] = None,
 ) -> torch.Tensor:
     """The self-attention half of :func:`dense_layer_forward` (its arguments, the same maths): ``x`` plus the
     attention block's output (norm, QKV, SDPA, output projection with its bias, hidden dropout with the first of
     ``hidden_masks``).  Compiled alone for a mixture-of-experts layer, whose MLP half is megatron's own."""
     sp = sequence_parallel
+    if tp_chunk_rank is not None:
+        c = (tp_chunk_rank, tp_group)
+        ctx = _self_attention(_norm(x, norm, ln1_w, ln1_b, eps1), qkv_w, qkv_b, heads=heads, groups=groups,
+                              head_dim=head_dim, scale=scale, causal=causal, mask=mask, bias=bias, rope=rope,
+                              dropout=attention_dropout, cp=cp, chunk=c)
+        y = tp_chunked.row_linear(ctx, proj_w, *c)
+        return x + _hidden_dropout(y if proj_b is None else y + proj_b, hidden_dropout, hidden_masks, 0)
     h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
     ctx = _self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
                           causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8, dropout=attention_dropout, cp=cp)
@@ -495,7 +516,7 @@ def _mlp_sublayer(
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_tp: bool = False):
+def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_tp: bool = False, chunked: bool = False):
     """The compiled piece ``name``; ``graphs``: replayed as CUDA graphs (cudagraph trees).
 
     With graphs, each call site in a step (layer i, micro-batch j, forward or backward) becomes
@@ -510,6 +531,8 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_t
     ``async_tp`` (``parallel.async_tp``): inductor's micro-pipeline TP pass turns each sequence-parallel all-gather
     and its GEMM, and each GEMM and its reduce-scatter, into one ``symm_mem`` op that splits them per rank and
     pipelines the pieces (the TP group's symmetric memory: :func:`enable_async_tp`).
+
+    ``chunked`` (``parallel.tp_chunked``): each exchange waited at its first use (``tp_overlap.sink_exchange_waits``).
     """
     fn = {"layer": dense_layer_forward, "attention": attention_sublayer_forward, "ce": _cross_entropy_sb}[name]
     if not _COMPILE:
@@ -521,8 +544,9 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_t
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 32))
     options: dict[str, Any] = {"triton.cudagraphs": True} if graphs else {}  # = mode="reduce-overhead"
-    if tp_overlap:
-        options.update({"reorder_for_peak_memory": False, "post_grad_custom_post_pass": tp_overlap_pass()})
+    if tp_overlap or chunked:
+        options.update({"reorder_for_peak_memory": False,
+                        "post_grad_custom_post_pass": tp_overlap_pass() if tp_overlap else chunked_pass()})
     if async_tp:
         options["_micro_pipeline_tp"] = True
     return torch.compile(fn, dynamic=False, options=options or None)
@@ -532,9 +556,9 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_t
 _GRAPHS = False
 
 
-def _piece(name: str, tp_overlap: bool = False, async_tp: bool = False):
+def _piece(name: str, tp_overlap: bool = False, async_tp: bool = False, chunked: bool = False):
     """The compiled piece for this call: graph-replayed in training (grad on), plain otherwise."""
-    return _compiled(name, _GRAPHS and torch.is_grad_enabled(), tp_overlap, async_tp)
+    return _compiled(name, _GRAPHS and torch.is_grad_enabled(), tp_overlap, async_tp, chunked)
 
 
 def enable_async_tp(group_name: str) -> None:
@@ -615,10 +639,14 @@ class CompiledTransformerLayer(TransformerLayer):
                 self._static["cp"] = True
             if c.tensor_model_parallel_size > 1:  # the TP collectives go inside the layer's graph
                 self._static.update(tp_group=attn.linear_qkv.tp_group.group_name, sequence_parallel=bool(c.sequence_parallel))
+                if getattr(c, "workbench_tp_chunked", False):  # parallel.tp_chunked (the kernel rule checked TP = 2 + SP)
+                    self._static["tp_chunk_rank"] = attn.linear_qkv.tp_group.rank()
             self._attention_dropout = float(attn.core_attention.dropout_p)
         #: parallel.tp_comm_overlap: backward collectives under the weight-gradient GEMMs
         self.tp_overlap = self.fast_path_blocker is None and "tp_group" in self._static \
             and bool(getattr(self.config, "workbench_tp_comm_overlap", False))
+        #: parallel.tp_chunked: the GEMMs in two row chunks, each exchange under the other chunk's GEMM
+        self.tp_chunked = "tp_chunk_rank" in self._static
         #: parallel.async_tp (the kernel rule's choice: TP > 1 with SP): the SP all-gathers / reduce-scatters
         #: micro-pipelined with their GEMMs
         self.async_tp = self.fast_path_blocker is None and "tp_group" in self._static \
@@ -723,7 +751,7 @@ class CompiledTransformerLayer(TransformerLayer):
                      xa.linear_q.bias, gemm_w(xa.linear_kv), xa.linear_kv.bias, gemm_w(xa.linear_proj),
                      xa.linear_proj.bias)
         with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
-            out = _piece("layer", self.tp_overlap, self.async_tp)(
+            out = _piece("layer", self.tp_overlap, self.async_tp, self.tp_chunked)(
                 x,
                 ln1.weight, getattr(ln1, "bias", None),
                 gemm_w(attn.linear_qkv), attn.linear_qkv.bias,
@@ -751,7 +779,7 @@ class CompiledTransformerLayer(TransformerLayer):
         router, token dispatch, experts, bias-dropout-add: ``TransformerLayer._forward_mlp``)."""
         attn, ln1 = self.self_attention, self.input_layernorm
         with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
-            h = _piece("attention")(
+            h = _piece("attention", chunked=self.tp_chunked)(
                 x, ln1.weight, getattr(ln1, "bias", None), gemm_w(attn.linear_qkv), attn.linear_qkv.bias,
                 gemm_w(attn.linear_proj), attn.linear_proj.bias, None if mask is None else mask.bool(),
                 kwargs.get("attention_bias"), rope[0] if isinstance(rope, tuple) else rope, masks, **self._static,
@@ -815,6 +843,8 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                 notes["layer"] += f", one graph per layer with its TP collectives{sp}"
                 if compiled[0].async_tp:
                     notes["layer"] += ", its all-gathers / reduce-scatters micro-pipelined with their GEMMs (async TP)"
+                if compiled[0].tp_chunked:
+                    notes["layer"] += ", its GEMMs in two row chunks, each exchange with the TP peer under the other chunk's GEMM"
                 if compiled[0].tp_overlap:
                     notes["layer"] += ", backward collectives under the weight-gradient GEMMs"
                     if compiled[0]._static["fp8"]:

@@ -75,6 +75,8 @@ class WorkbenchTransformerConfig(TransformerConfig):
     workbench_recompute_mlp: bool = False
     #: parallel.tp_comm_overlap on the compiled layer (:func:`workbench.backend.tp_overlap.sink_weight_gradients`).
     workbench_tp_comm_overlap: bool = False
+    #: parallel.tp_chunked on the compiled layer (:mod:`workbench.backend.tp_chunked`).
+    workbench_tp_chunked: bool = False
     #: train.fp8 on the compiled layer: "tensorwise" | "rowwise" | "delayed" (:mod:`workbench.backend.fp8`), None = off.
     workbench_fp8: Optional[str] = None
     #: the kernel rule's decision for this model, made once (:func:`transformer_config`); the spec builders read it
@@ -243,6 +245,7 @@ def transformer_config(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoic
         batch_p2p_comm=False,
         workbench_alibi=m.position_embedding == "alibi",
         workbench_tp_comm_overlap=kernels.tp_overlap == "compiled",
+        workbench_tp_chunked=kernels.tp_overlap == "chunked",
         workbench_kernels=kernels,
     )
     kwargs.update(_fp8_fields(kernels))
@@ -350,6 +353,9 @@ def kernel_path(cfg: RunConfig, kernels: Optional[kernel_rule.KernelChoice] = No
     if choice.tp_overlap == "userbuffers":
         out["tp_comm_overlap"] = ("Transformer Engine userbuffers (megatron tp_comm_overlap): the SP all-gather / "
                                   "reduce-scatter of qkv, proj, fc1, fc2 pipelined with their GEMMs")
+    elif choice.tp_overlap == "chunked":
+        out["tp_comm_overlap"] = ("chunked (parallel.tp_chunked): qkv, proj, fc1, fc2 in two row chunks, each exchange "
+                                  "with the TP peer under the other chunk's GEMM")
     notes = transformer_config_overrides(cfg)
     out["fusions"] = ", ".join(f"{k}={v}" for k, v in notes.items() if "fusion" in k and v) or "none"
     return out

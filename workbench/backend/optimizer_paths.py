@@ -30,7 +30,7 @@ def offload_fields(p: Any) -> dict[str, Any]:
     HybridDeviceOptimizer (CPU AdamW for that share of the distributed optimizer's shard, the GPU's for the rest),
     which megatron runs on the precision-aware optimizer path (Megatron-LM's own argument check requires both), with
     the gradients' copies to the host and the parameters' back overlapped with the step; none when off."""
-    f = float(p.optimizer_cpu_offload or 0.0)
+    f = p.offload_fraction
     if f <= 0:
         return {}
     return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": f, "use_precision_aware_optimizer": True,

@@ -2,6 +2,8 @@
 
 - The compiled layer (``parallel.tp_comm_overlap``): an inductor post-grad pass that moves each backward
   graph's weight-gradient GEMMs under the next collective (used by :func:`workbench.backend.compiled_layer._compiled`).
+- The compiled layer's chunked GEMMs (``parallel.tp_chunked``, :mod:`workbench.backend.tp_chunked`): a post-grad pass
+  that moves each exchange's wait to its first use, so the GEMM written between them runs under it.
 - Transformer Engine's layer (``parallel.te_userbuffers``): TE's userbuffers, set up once per training process
   (:func:`initialize_userbuffers`, Megatron-LM's ``_initialize_tp_communicators``) for megatron's
   ``tp_comm_overlap`` (``model.training_step_fields``), and freed at teardown.
@@ -13,7 +15,8 @@ from typing import Any, Optional
 
 from workbench import kernel_rule
 
-__all__ = ["sink_weight_gradients", "tp_overlap_pass", "initialize_userbuffers", "destroy_userbuffers"]
+__all__ = ["sink_weight_gradients", "tp_overlap_pass", "sink_exchange_waits", "chunked_pass", "initialize_userbuffers",
+           "destroy_userbuffers"]
 
 _VIEW_OPS = ("view", "_unsafe_view", "reshape", "permute", "t", "transpose")
 #: the GEMMs a weight gradient can be: bf16 (``mm``) or FP8 (``_scaled_mm``, train.fp8)
@@ -81,18 +84,73 @@ def sink_weight_gradients(graph: Any) -> int:
     return moved
 
 
-def tp_overlap_pass() -> Any:
-    """:func:`sink_weight_gradients` as inductor's post-grad custom pass (with a cache key)."""
+def sink_exchange_waits(graph: Any) -> int:
+    """Start each all-to-all of a backward graph (:mod:`workbench.backend.tp_chunked`'s exchanges) as early as its input
+    allows, and wait for every all-to-all just before the first node that uses its result.  Traced, a functional collective is waited at once, and the
+    partitioner may put the GEMM meant to run under it first; after this pass the exchange's input chain comes as
+    early as its own inputs allow, then the exchange, then everything independent of it, then its wait.  Other
+    collectives are left alone.  Returns the number of exchanges placed."""
+    placed = 0
+    backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+    for node in list(graph.nodes):
+        if _op_name(node) != "all_to_all_single":
+            continue
+        if backward:  # (forward: the traced order already starts each exchange before the GEMM that runs under it)
+            _hoist(graph, node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for wait in [u for u in node.users if _op_name(u) == "wait_tensor"]:
+            first = min(wait.users, key=order.__getitem__, default=None)
+            if first is not None:
+                first.prepend(wait)
+        placed += 1
+    if placed:
+        graph.lint()
+    return placed
+
+
+def _hoist(graph: Any, node: Any) -> None:
+    """Move ``node`` and the ancestors it needs to just after their latest input, earliest first (a placeholder or
+    anything else without inputs stays where it is)."""
+    needed, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in needed or n.op != "call_function":
+            continue
+        needed.add(n)
+        stack.extend(a for a in n.all_input_nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted(needed, key=order.__getitem__):
+        inputs = n.all_input_nodes
+        if not inputs:
+            continue
+        order = {m: i for i, m in enumerate(graph.nodes)}
+        latest = max(inputs, key=order.__getitem__)
+        if order[latest] + 1 < order[n]:
+            latest.append(n)
+
+
+def _custom_pass(fn: Any, uuid: str) -> Any:
+    """``fn(graph)`` as an inductor post-grad custom pass whose cache key is ``uuid``."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    class _SinkWeightGradients(CustomGraphPass):
+    class _Pass(CustomGraphPass):
         def __call__(self, graph: Any) -> None:
-            sink_weight_gradients(graph)
+            fn(graph)
 
         def uuid(self) -> str:
-            return "workbench.sink_weight_gradients.v1"
+            return uuid
 
-    return _SinkWeightGradients()
+    return _Pass()
+
+
+def chunked_pass() -> Any:
+    """:func:`sink_exchange_waits` as inductor's post-grad custom pass."""
+    return _custom_pass(sink_exchange_waits, "workbench.sink_exchange_waits.v2")
+
+
+def tp_overlap_pass() -> Any:
+    """:func:`sink_weight_gradients` as inductor's post-grad custom pass."""
+    return _custom_pass(sink_weight_gradients, "workbench.sink_weight_gradients.v1")
 
 
 _UB_LIVE = False

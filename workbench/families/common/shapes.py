@@ -131,7 +131,7 @@ def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
         rope=m.position_embedding == "rope", learned_pos=m.position_embedding == "learned", tied=m.tie_embeddings,
         hidden_dropout=m.hidden_dropout > 0, attention_dropout=m.attention_dropout > 0, recompute=p.recompute,
         recompute_num_layers=p.recompute_num_layers, dist_opt=p.distributed_optimizer, max_pos=m.max_position_embeddings,
-        relu=m.activation == "relu", offload=float(p.optimizer_cpu_offload or 0.0),
+        relu=m.activation == "relu", offload=p.offload_fraction,
         qk_norm=(getattr(m, "qk_norm_scope", "head") if getattr(m, "qk_layernorm", False) else ""),
         **moe_shapes.shape_fields(cfg),
     )
