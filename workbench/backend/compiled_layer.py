@@ -75,6 +75,7 @@ from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_
 from workbench.backend.optimizer_paths import STATE as _STATE
 from workbench.backend.tp_overlap import chunked_pass, tp_overlap_pass
 from workbench.backend import tp_chunked
+from workbench.backend.tp_chunked import waited as _waited
 
 __all__ = [
     "layer_module",
@@ -144,13 +145,6 @@ def _norm(x: torch.Tensor, kind: str, weight: torch.Tensor, bias: Optional[torch
 # torch >= 2.12 names them *_single (the *_tensor names warn); 2.11 has only the old names
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    """A functional collective's result, waited.  Traced, the collective already carries its one ``wait_tensor``; a
-    second one would stand between an all-gather and its GEMM and hide the pair from inductor's micro-pipeline TP
-    pass (``parallel.async_tp``).  Eagerly it is an ``AsyncCollectiveTensor``: waited here."""
-    return t if torch.compiler.is_compiling() else funcol.wait_tensor(t)
 
 
 def _all_gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch.distributed import _functional_collectives as funcol
 
-__all__ = ["column_linear", "row_linear"]
+__all__ = ["column_linear", "row_linear", "waited"]
 
 
 def _splits(rank: int, n: int) -> list[int]:
@@ -38,12 +38,16 @@ def _splits(rank: int, n: int) -> list[int]:
 
 def _start(x: torch.Tensor, rank: int, group: str) -> torch.Tensor:
     """The exchange with the peer, started: ``x`` goes to it, its tensor of the same shape comes back (wait with
-    :func:`_wait` where it is needed)."""
+    :func:`waited` where it is needed)."""
     s = _splits(rank, x.shape[0])
     return funcol.all_to_all_single(x.contiguous(), s, s, group)
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited.  Traced, the collective already carries its one ``wait_tensor`` (a
+    second would stand between an all-gather and its GEMM and hide the pair from inductor's micro-pipeline TP pass,
+    ``parallel.async_tp``; a post-grad pass places an exchange's wait); eagerly it is an ``AsyncCollectiveTensor``:
+    waited here.  The compiled layer's collectives use it too."""
     return t if torch.compiler.is_compiling() else funcol.wait_tensor(t)
 
 
@@ -67,7 +71,7 @@ class _ColumnChunked(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], rank: int, group: str):
         pending = _start(x, rank, group)
         y_mine = _mm(x, w)  # under the exchange
-        x_other = _wait(pending)
+        x_other = waited(pending)
         y_other = _mm(x_other, w)
         ctx.save_for_backward(_in_order(x, x_other, rank), w)  # the gathered input, for one weight-gradient GEMM
         ctx.rank, ctx.group, ctx.bias = rank, group, b is not None
@@ -84,7 +88,7 @@ class _ColumnChunked(torch.autograd.Function):
         dx = g_mine.matmul(w)  # under the exchange: this rank's own input gradient and the weight gradient
         dw = _wgrad(gy, x_full)
         db = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.bias else None
-        return dx + _wait(pending), dw, db, None, None
+        return dx + waited(pending), dw, db, None, None
 
 
 class _RowChunked(torch.autograd.Function):
@@ -96,7 +100,7 @@ class _RowChunked(torch.autograd.Function):
         z = _mm(a_mine, w)  # under the exchange
         ctx.save_for_backward(a, w)
         ctx.rank, ctx.group = rank, group
-        return z + _wait(pending)
+        return z + waited(pending)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -104,7 +108,7 @@ class _RowChunked(torch.autograd.Function):
         g = g.contiguous()
         pending = _start(g, ctx.rank, ctx.group)  # the gradient of the peer's partial product of these rows
         da_mine = g.matmul(w)  # under the exchange
-        g_other = _wait(pending)
+        g_other = waited(pending)
         dw = _wgrad(_in_order(g, g_other, ctx.rank), a)  # the output gradient of every row: one GEMM
         return _in_order(da_mine, g_other.matmul(w), ctx.rank), dw, None, None
 
