@@ -46,6 +46,7 @@ __all__ = [
     "te_available",
     "apex_available",
     "guard_transformer_engine",
+    "pin_torch_cudnn_for_te",
     "allow_fast_paths_on_cpu",
     "fp8_problems",
     "chunked_problems",
@@ -168,6 +169,8 @@ def guard_transformer_engine(stream: Any = None) -> str | None:
     """
     global _TE_REPORTED
     status, why = te_status()
+    if status == "ok":
+        pin_torch_cudnn_for_te()
     if status != "broken":
         return None
     for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
@@ -178,6 +181,32 @@ def guard_transformer_engine(stream: Any = None) -> str | None:
         print(msg, file=stream or sys.stderr, flush=True)
         _TE_REPORTED = True
     return msg
+
+
+def pin_torch_cudnn_for_te() -> str | None:
+    """Point Transformer Engine at torch's own cuDNN (``CUDNN_PATH``), unless the user chose one.
+
+    TE loads the first ``libcudnn.so*`` it finds under ``CUDNN_HOME``, ``CUDNN_PATH``, ``CUDA_HOME``, ``CUDA_PATH``
+    or ``/usr/local/cuda`` into the global symbol scope, before torch first needs cuDNN; torch then binds to
+    that one, and where it is older than the one torch was built against every cuDNN call fails ("cuDNN
+    version incompatibility", seen with an image's 9.14 beside torch's 9.19).  The folder of torch's wheel
+    (``nvidia/cudnn`` on the path, the one torch loads) is the same file for both.  Returns the folder set.
+    """
+    import os
+
+    if os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH"):
+        return None
+    try:
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except (ImportError, ValueError):
+        return None
+    import pathlib
+
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if any((pathlib.Path(loc) / "lib").glob("libcudnn.so*")):
+            os.environ["CUDNN_PATH"] = str(loc)
+            return str(loc)
+    return None
 
 
 # --------------------------------------------------------------------------- the rule

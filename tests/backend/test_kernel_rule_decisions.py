@@ -5,6 +5,7 @@ What the backend really builds for each decision is checked in tests/backend/tes
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -227,3 +228,49 @@ def test_a_pypi_transformer_engine_is_found_where_te_itself_looks(tmp_path):
     assert missing.startswith("broken|") and "no PyTorch extension" in missing
     mixed = _te_status_with(_pypi_te(tmp_path / "mixed", versions=("2.20.2", "2.19.0", "2.20.2")))
     assert mixed.startswith("broken|") and "2.19.0" in mixed and "fix:" in mixed
+
+
+_TE_CUDNN = """
+import glob, os, sys
+import workbench
+path = os.environ.get("CUDNN_PATH")
+# Transformer Engine's own lookup (transformer_engine/common/__init__.py, _load_cuda_library_from_system)
+libs = sorted((l for l in glob.glob(f"{path}/**/libcudnn.so*", recursive=True) if "stub" not in l),
+              reverse=True, key=os.path.basename) if path else []
+print(path, libs[0] if libs else None)
+"""
+
+
+def _torch_cudnn():
+    """The libcudnn torch's wheel loads (torch/lib's RPATH: ../../nvidia/cudnn/lib), where it has one."""
+    import pathlib
+
+    import torch
+
+    lib = pathlib.Path(torch.__file__).parent.parent / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9"
+    return lib if lib.exists() else None
+
+
+def test_transformer_engine_loads_torchs_own_cudnn(tmp_path):
+    torch_lib = _torch_cudnn()
+    if torch_lib is None:
+        pytest.skip("this torch has no cuDNN of its own (a CPU-only wheel)")
+    env = {k: v for k, v in _env().items() if k not in ("CUDNN_PATH", "CUDNN_HOME")}
+    te = _pypi_te(tmp_path / "ok")
+
+    def run(extra, path):
+        out = subprocess.run([sys.executable, "-c", _TE_CUDNN], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                             env={**env, **extra, "PYTHONPATH": f"{path}:{ROOT}"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
+
+    # with TE usable, the first libcudnn TE's lookup finds is the very file torch loads
+    folder, first = run({}, te)
+    assert folder != "None" and first != "None" and os.path.samefile(first, torch_lib), (folder, first, torch_lib)
+    # a cuDNN the user chose is kept
+    mine = tmp_path / "my_cudnn"
+    (mine / "lib").mkdir(parents=True)
+    (mine / "lib" / "libcudnn.so.9").write_bytes(b"")
+    assert run({"CUDNN_PATH": str(mine)}, te)[0] == str(mine)
+    # without TE nothing is set (torch finds its own)
+    assert run({}, tmp_path / "nothing")[0] == "None"
