@@ -32,6 +32,8 @@
 #           9 processes do not fit one call at 3B)
 #   CALL=22: TP=2 + SP with its GEMMs chunked (parallel.tp_chunked: each collective an exchange with the peer under the
 #           other chunk's GEMM) beside TP=2 + SP, 8 micro-batches (SP's bound: CALL=18's, 50.3k at fd12390)
+#   CALL=23: CP=2 at 32k through megatron-core's CP in TE's attention (cp2-te-32k) beside the workbench ring (cp2-32k)
+#           in one call (WITH_TE=1; Llama-3.2-1B): whether `auto` should take TE's ring where TE is usable
 #   CALL=10 / 11: context parallelism (#53), Llama-3.2-1B (MODEL defaults to llama3.2-1b) at 16k / 32k tokens, 32k
 #           tokens a step, micro-batch 1: the one-GPU default path at that length (the recompute the planner says it
 #           needs: none on an H200 at both) beside CP=2 (ring attention; cuDNN blocks where they run): the scaling row
@@ -44,10 +46,10 @@
 #   CALL=1 GIT_COMMIT=<sha> bash bench/scale_call.sh $OUT
 set -u
 out="${1:?usage: scale_call.sh OUTDIR}"
-call="${CALL:?set CALL=1 to 22}"
-case "$call" in 7|8|9|14|17) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
+call="${CALL:?set CALL=1 to 23}"
+case "$call" in 7|8|9|14|17) model="${MODEL:-llama3.1-8b}" ;; 10|11|12|13|23) model="${MODEL:-llama3.2-1b}" ;; *) model="${MODEL:-llama3.2-3b}" ;; esac
 mkdir -p "$out"
-case "$call" in 19|20) export WITH_TE=1 ;; esac  # TE's rows: without TE they would match nothing (or half the call)
+case "$call" in 19|20|23) export WITH_TE=1 ;; esac  # TE's rows: without TE they would match nothing (or half the call)
 source tests/gpu_proofs/device_env.sh || exit 1
 t0=$(date +%s)
 names() { local v out=""; for v in "$@"; do out+="${out:+,}$v/$model"; done; echo "$out"; }  # full names: no other model
@@ -83,6 +85,7 @@ case "$call" in
   20) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-te tp2-te-ub)" ;;
   21) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names pp2-m8 pp2-vpp2-m8)" ;;
   22) bench "${LIMIT:-570}" --microbatches 8 --variants "$(names tp2-sp-chunked tp2-sp)" ;;
-  *) echo "CALL must be 1 to 22" >&2; exit 2 ;;
+  23) bench "${LIMIT:-570}" --variants "$(names cp2-32k cp2-te-32k)" ;;
+  *) echo "CALL must be 1 to 23" >&2; exit 2 ;;
 esac
 cd "$out" && tar czf logs.tgz *.log && rm -f *.log

@@ -117,7 +117,13 @@ def test_scale_calls_10_to_13_name_planned_variants_and_keep_the_protocol():
         assert names == want
         assert all(f"{n}/llama3.2-1b" in planned for n in names)
         assert "--steps" not in line
-    assert '10|11|12|13) model="${MODEL:-llama3.2-1b}"' in script
+    assert '10|11|12|13|23) model="${MODEL:-llama3.2-1b}"' in script
+    # CALL=23: TE's CP beside the ring in one call, with TE carried (WITH_TE=1); the TE row exists only where TE is
+    with_te = {v.name for v in tt.plan(["llama3.2-1b"], gpus=2, have_te=True, microbatches=4)}
+    line = next(x for x in script.splitlines() if x.strip().startswith("23)"))
+    assert re.search(r'names ([^)]*)\)', line).group(1).split() == ["cp2-32k", "cp2-te-32k"]
+    assert {"cp2-32k/llama3.2-1b", "cp2-te-32k/llama3.2-1b"} <= with_te and "cp2-te-32k/llama3.2-1b" not in planned
+    assert re.search(r'case "\$call" in [0-9|]*\b23\) export WITH_TE=1', script)
     for tag in ("16k", "32k"):
         cp2 = planned[f"cp2-{tag}/llama3.2-1b"]
         assert cp2.baseline == f"workbench-{tag}/llama3.2-1b" and cp2.reference == f"torchtitan-cp2-{tag}/llama3.2-1b"
