@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 from workbench.config import ConfigError, GenerationConfig, Problem
 from workbench.families import family_of
+from workbench.kernel_rule import SP_OVERLAP_FIELDS
 from workbench.launch import local_torchrun, run_supervised
 from workbench.checkpoint import CheckpointInfo, checkpoint_info  # noqa: F401
 from workbench.data.tokenizer import resolve_tokenizer, special_ids, tokenizer_size  # noqa: F401
@@ -168,7 +169,7 @@ def layout_problems(info: CheckpointInfo, tp: int, pp: int, device: str, vpp: in
     over = {"parallel.nnodes": 1, "parallel.sequence_parallel": False, "parallel.recompute": "none", "parallel.device": device,
             "parallel.context_parallel": 1,  # generation's ranks load a CP checkpoint without CP (the backend does)
             # training's TP overlaps (they need SP, which generation runs without): not generation's to refuse
-            "parallel.tp_chunked": False, "parallel.async_tp": False, "parallel.te_userbuffers": False}
+            **dict.fromkeys(SP_OVERLAP_FIELDS, False)}
     flags = {"parallel.pipeline_parallel": "pp", "parallel.virtual_pipeline_parallel": "vpp"}
 
     def rules(t: int, p: int, v: int | None) -> list[Problem]:

@@ -46,6 +46,7 @@ __all__ = [
     "te_available",
     "apex_available",
     "guard_transformer_engine",
+    "SP_OVERLAP_FIELDS",
     "pin_torch_cudnn_for_te",
     "allow_fast_paths_on_cpu",
     "fp8_problems",
@@ -72,6 +73,10 @@ _FAST_ON_CPU = False
 GPU_ONLY_FIELDS = ("train.compile_kernels", "train.cuda_graphs", "train.fp8", "parallel.tp_comm_overlap",
                    "parallel.te_userbuffers", "parallel.async_tp", "parallel.tp_chunked", "parallel.overlap_grad_reduce",
                    "parallel.overlap_param_gather", "parallel.optimizer_cpu_offload")
+
+#: Training's TP overlaps that split sequence parallelism's collectives (each refused without TP >= 2 and SP:
+#: :func:`_tp_sp_rules`).  Generation runs without SP and ignores them (``workbench.generation``).
+SP_OVERLAP_FIELDS = ("parallel.tp_chunked", "parallel.async_tp", "parallel.te_userbuffers")
 
 
 def allow_fast_paths_on_cpu(enabled: bool = True) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from workbench.config import ConfigError, GenerationConfig, preset
@@ -46,6 +48,21 @@ def test_a_context_parallel_checkpoint_runs_at_any_layout_without_cp():
     assert layout_problems(info, 1, 1, "cpu") == []
     assert layout_problems(info, 2, 1, "cpu") == []
     assert [p.field for p in layout_problems(info, 3, 1, "cpu")] != []  # a layout the model cannot take still fails
+
+
+def test_every_overlap_refused_without_sequence_parallelism_is_one_generation_ignores():
+    """kernel_rule.SP_OVERLAP_FIELDS is the list generation ignores: every parallel flag that, on at TP=2 without SP,
+    is refused for want of sequence parallelism is in it (a new such field cannot be missed), and each in it is."""
+    from workbench.kernel_rule import SP_OVERLAP_FIELDS
+
+    base = preset("tiny", **{"parallel.tensor_parallel": 2, "parallel.nproc_per_node": 2, "parallel.device": "cuda"})
+    needs_sp = set()
+    for f in dataclasses.fields(base.parallel):
+        if f.type in (bool, "bool") and getattr(base.parallel, f.name) is False:
+            cfg = base.replace(**{f"parallel.{f.name}": True})
+            if any("sequence_parallel" in (p.fix or "") for p in cfg.validate()):
+                needs_sp.add(f"parallel.{f.name}")
+    assert needs_sp == set(SP_OVERLAP_FIELDS), needs_sp
 
 
 @pytest.mark.parametrize("field", ["parallel.tp_chunked", "parallel.async_tp"])
