@@ -110,13 +110,13 @@ def settled(times: list[float], window: int, tolerance: float) -> bool:
 
 
 def warm_up(step: Callable[[], Any], cuda: bool, p: Protocol, clock: Callable[[], float] = time.perf_counter,
-            agree: Callable[[bool], bool] | None = None) -> dict[str, Any]:
+            agree: Callable[[bool, bool], tuple[bool, bool]] | None = None) -> dict[str, Any]:
     """Untimed-for-the-row steps until steady (see :class:`Protocol`): their times, count, seconds, and whether
     the bound was reached first (``steady: false``).  ``clock``: the time source (tests plant one).  ``agree``: on
-    more than one rank, the vote that ends every rank's warm-up at the same step (:func:`rank_vote`: steady once all
-    ranks settled, unsteady once any rank reached its bound); a rank that decided alone runs more steps than its
-    peers and waits for them in a collective until its process is killed."""
-    vote = agree or (lambda mine: mine)
+    more than one rank, the vote that ends every rank's warm-up at the same step (:func:`rank_vote`: this rank's
+    (settled, at its bound) in, (every rank settled, any rank at its bound) out); a rank that decided alone runs
+    more steps than its peers and waits for them in a collective until its process is killed."""
+    vote = agree or (lambda settled_here, bound_here: (settled_here, bound_here))
     times: list[float] = []
     t0 = clock()
     while True:
@@ -128,29 +128,29 @@ def warm_up(step: Callable[[], Any], cuda: bool, p: Protocol, clock: Callable[[]
         progress("warm-up", len(times), None, times[-1])
         here = len(times) >= p.warmup_min and settled(times, p.window, p.tolerance)
         bound = len(times) >= p.warmup_max or clock() - t0 >= p.warmup_max_s
-        if vote(here):
-            steady = True
-            break
-        if not vote(not bound):  # any rank at its bound: all stop
-            steady = False
+        all_settled, any_bound = vote(here, bound)
+        if all_settled or any_bound:  # every rank settled, or any rank at its bound: all stop
+            steady = all_settled
             break
     return {"warmup_steps": len(times), "warmup_times": times, "warmup_s": clock() - t0, "steady": steady}
 
 
-def rank_vote(device: Any) -> Callable[[bool], bool] | None:
-    """The ranks' vote for :func:`warm_up`'s ``agree``: True only when every rank of the default process group says
-    True (an all-reduce MIN of one number on ``device``, the backend's device); None in a single process."""
+def rank_vote(device: Any) -> Callable[[bool, bool], tuple[bool, bool]] | None:
+    """The ranks' vote for :func:`warm_up`'s ``agree``: (every rank of the default process group settled, any rank at
+    its bound), one all-reduce MIN of two numbers on ``device`` (the backend's device) a step; None in a single
+    process."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    flag = torch.zeros(1, device=device)
+    flag = torch.zeros(2, device=device)
 
-    def vote(mine: bool) -> bool:
-        flag.fill_(1.0 if mine else 0.0)
+    def vote(settled: bool, bound: bool) -> tuple[bool, bool]:
+        flag.copy_(torch.tensor([1.0 if settled else 0.0, 0.0 if bound else 1.0]))
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() > 0.5)
+        out = flag.tolist()
+        return out[0] > 0.5, out[1] < 0.5
 
     return vote
 
@@ -179,7 +179,7 @@ def split_recorded(times: list[float], p: Protocol) -> dict[str, Any]:
 
 def measure_steps(step: Callable[[], Any], cuda: bool, p: Protocol, clock: Callable[[], float] = time.perf_counter,
                   before_timing: Callable[[], Any] | None = None,
-                  agree: Callable[[bool], bool] | None = None) -> dict[str, Any]:
+                  agree: Callable[[bool, bool], tuple[bool, bool]] | None = None) -> dict[str, Any]:
     """One process's measurement under ``p``: :func:`warm_up` (``agree``: the ranks' vote, required where ranks step
     together), then ``p.steps`` timed steps; the median step (``step_s``), every step time and the warm-up record.
     ``before_timing`` runs between the two (e.g. a reset of the peak-memory counters)."""

@@ -74,16 +74,20 @@ def test_warm_up_ends_only_when_every_rank_votes_so():
     false); then the timed steps."""
     p = harness.Protocol(steps=3, warmup_min=2, warmup_max=6, window=2, tolerance=10.0)
     calls = []
-    res = harness.measure_steps(lambda: calls.append(1), False, p, agree=lambda mine: mine)
+    res = harness.measure_steps(lambda: calls.append(1), False, p, agree=lambda settled, bound: (settled, bound))
     assert res["steady"] and res["warmup_steps"] == 2 and len(res["step_times"]) == 3 and len(calls) == 5
+    # another rank never settles: this rank runs to its own bound, unsteady
+    res = harness.measure_steps(lambda: None, False, p, agree=lambda settled, bound: (False, bound))
+    assert not res["steady"] and res["warmup_steps"] == 6 and len(res["step_times"]) == 3
+    # another rank reaches its bound first (after 3 steps): every rank stops there, unsteady, although this one settled
     votes = []
 
-    def other_rank_unsettled(mine: bool) -> bool:  # the settle vote fails; the bound vote is this rank's own
-        votes.append(mine)
-        return False if len(votes) % 2 else mine
+    def other_rank_bounded(settled: bool, bound: bool) -> tuple[bool, bool]:
+        votes.append(settled)
+        return False, bound or len(votes) >= 3
 
-    res = harness.measure_steps(lambda: None, False, p, agree=other_rank_unsettled)
-    assert not res["steady"] and res["warmup_steps"] == 6 and len(res["step_times"]) == 3
+    res = harness.measure_steps(lambda: None, False, p, agree=other_rank_bounded)
+    assert not res["steady"] and res["warmup_steps"] == 3
 
 
 _TWO_RANKS = """
