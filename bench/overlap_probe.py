@@ -6,11 +6,11 @@ GEMMs beside NCCL's kernels slower by more than that (bench/README.md).  This pr
 and together, at the 3B's shapes (4,096 tokens a micro-batch, hidden 3,072, the MLP's 8,192 gate + up columns a
 rank; each exchange 12 MiB):
 
-- ``gemm``: K GEMMs on the compute stream, alone;
-- ``nccl``: K all-gathers of a [T/2, H] shard on a side stream, alone; ``gemm+nccl``: both at once;
-- ``ce``: K copies of the peer's shard out of its symmetric-memory buffer (the copy engines over NVLink: no
-  SMs), alone; ``gemm+ce``: both at once; ``signal``: K symmetric-memory barriers (what each exchange would
-  add to say its data is there).
+- ``gemm``: K GEMMs alone;
+- ``nccl_ag`` / ``nccl_rs``: K NCCL all-gathers of a [T/2, H] shard / reduce-scatters into one (async), alone;
+- ``lc_ag`` / ``lc_rs``: the same through torch's low-contention symmetric-memory ops (the copy engines over
+  NVLink, no SMs for the transfer itself, a barrier before and after each), alone;
+- ``gemm+<transfer>``: the transfers issued, then the GEMMs, then the wait.
 
 For each pair it prints how much of the transfer was hidden: (gemm + transfer - both) / transfer, and how
 much the GEMMs slowed.  Run what NCCL's channel count does by setting ``NCCL_MAX_NCHANNELS`` around it.
@@ -18,7 +18,7 @@ much the GEMMs slowed.  Run what NCCL's channel count does by setting ``NCCL_MAX
     torchrun --nproc-per-node 2 bench/overlap_probe.py --out bench/results/overlap_probe.jsonl
 
 Appends JSON lines (device, date, commit, env, case, ms).  ``--cpu`` runs the NCCL cases over gloo at a
-tiny shape with host timers (checks the script; a test runs it).
+tiny shape with host timers (checks the script; a test runs it); the copy-engine cases are GPU-only.
 """
 
 from __future__ import annotations
@@ -62,87 +62,65 @@ def _time(fn, iters: int, cuda: bool) -> float:
 
 
 class Probe:
-    """The tensors and streams of one rank; every case is a method returning nothing (timed by :func:`_time`)."""
+    """The tensors of one rank.  Each transfer issues its K exchanges asynchronously and returns their waiter; a case
+    runs it alone (issue, wait) or beside the K GEMMs (issue, GEMMs, wait)."""
 
     def __init__(self, tokens: int, hidden: int, cols: int, k: int, cuda: bool):
         self.k, self.cuda = k, cuda
         dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
         self.rank, self.peer = dist.get_rank(), 1 - dist.get_rank()
+        self.group = dist.group.WORLD.group_name
         self.x = torch.randn(tokens, hidden, device=dev, dtype=dt)
         self.w = torch.randn(hidden, cols, device=dev, dtype=dt) / hidden**0.5
         self.y = torch.empty(tokens, cols, device=dev, dtype=dt)
         self.shard = torch.randn(tokens // 2, hidden, device=dev, dtype=dt)
         self.full = torch.empty(tokens, hidden, device=dev, dtype=dt)
-        self.side = torch.cuda.Stream() if cuda else None
-        self.symm = None
+        if cuda:
+            try:  # older torch needs it before the low-contention ops' workspace; newer ones ignore it
+                import torch.distributed._symmetric_memory as symm_mem
 
-    def _on_side(self, fn):
-        if not self.cuda:
-            return fn()
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            fn()
-        torch.cuda.current_stream().wait_stream(self.side)
+                symm_mem.enable_symm_mem_for_group(self.group)
+            except Exception:  # noqa: BLE001 - the lc cases then fail and say why
+                pass
 
     def gemm(self):
         for _ in range(self.k):
             torch.matmul(self.x, self.w, out=self.y)
 
-    def _gathers(self):
-        for _ in range(self.k):
-            if self.cuda:
-                dist.all_gather_into_tensor(self.full, self.shard)
-            else:
-                dist.all_gather(list(self.full.chunk(2)), self.shard)
+    # ------------------------------------------------------------------ transfers: issue K, return the waiter
+    def nccl_ag(self):
+        if self.cuda:
+            works = [dist.all_gather_into_tensor(self.full, self.shard, async_op=True) for _ in range(self.k)]
+        else:
+            works = [dist.all_gather(list(self.full.chunk(2)), self.shard, async_op=True) for _ in range(self.k)]
+        return lambda: [w.wait() for w in works]
 
-    def nccl(self):
-        self._on_side(self._gathers)
+    def nccl_rs(self):
+        if self.cuda:
+            works = [dist.reduce_scatter_tensor(self.shard, self.full, async_op=True) for _ in range(self.k)]
+        else:  # gloo has no reduce-scatter: an all-reduce of the same bytes stands in for the script's check
+            works = [dist.all_reduce(self.full, async_op=True) for _ in range(self.k)]
+        return lambda: [w.wait() for w in works]
 
-    def gemm_nccl(self):
-        self._on_side_with_gemm(self._gathers)
+    def lc_ag(self):
+        """torch's low-contention all-gather: the copy engines pull the peer's shard (plus one SM copy of this rank's
+        into the symmetric workspace), between two symmetric-memory barriers, on torch's backend stream."""
+        outs = [torch.ops.symm_mem._low_contention_all_gather(self.shard, self.group) for _ in range(self.k)]
+        return lambda: [torch.ops._c10d_functional.wait_tensor(o) for o in outs]
 
-    def _on_side_with_gemm(self, transfer):
-        if not self.cuda:  # one host thread: the pieces run one after the other (the script's own check)
+    def lc_rs(self):
+        outs = [torch.ops.symm_mem._low_contention_reduce_scatter(self.full, "sum", self.group) for _ in range(self.k)]
+        return lambda: [torch.ops._c10d_functional.wait_tensor(o) for o in outs]
+
+    def alone(self, transfer):
+        return lambda: transfer()()
+
+    def beside(self, transfer):
+        def both():
+            wait = transfer()
             self.gemm()
-            return transfer()
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            transfer()
-        self.gemm()
-        torch.cuda.current_stream().wait_stream(self.side)
-
-    # ------------------------------------------------------------------ copy engines (symmetric memory)
-    def setup_symm(self) -> str | None:
-        """The peer's shard as a tensor this rank can copy from (None when set up; else why not)."""
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            group = dist.group.WORLD.group_name
-            symm_mem.enable_symm_mem_for_group(group)
-            buf = symm_mem.empty(self.shard.shape, dtype=self.shard.dtype, device=self.shard.device)
-            hdl = symm_mem.rendezvous(buf, group)
-            buf.copy_(self.shard)
-            hdl.barrier(channel=0)
-            self.symm = (buf, hdl, hdl.get_buffer(self.peer, tuple(self.shard.shape), self.shard.dtype))
-        except Exception as e:  # noqa: BLE001 - a torch or link without it: the row says so
-            return f"{type(e).__name__}: {e}"[:300]
-        return None
-
-    def _copies(self):
-        half = self.full.shape[0] // 2
-        dst = self.full[self.peer * half:(self.peer + 1) * half]
-        for _ in range(self.k):
-            dst.copy_(self.symm[2], non_blocking=True)
-
-    def ce(self):
-        self._on_side(self._copies)
-
-    def gemm_ce(self):
-        self._on_side_with_gemm(self._copies)
-
-    def signal(self):
-        for _ in range(self.k):
-            self.symm[1].barrier(channel=0)
+            wait()
+        return both
 
 
 def run(a) -> list[dict]:
@@ -152,18 +130,19 @@ def run(a) -> list[dict]:
 
     def case(name, fn):
         dist.barrier()
-        rows.append({"case": name, "ms": _time(fn, a.iters, cuda), "k": a.k})
+        try:
+            rows.append({"case": name, "ms": _time(fn, a.iters, cuda), "k": a.k})
+        except Exception as e:  # noqa: BLE001 - a torch or link without it: the row says so
+            rows.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            if cuda:
+                torch.cuda.synchronize()
 
     case("gemm", p.gemm)
-    case("nccl", p.nccl)
-    case("gemm+nccl", p.gemm_nccl)
-    why = p.setup_symm() if cuda else "copy engines: GPUs only"
-    if why is None:
-        case("ce", p.ce)
-        case("gemm+ce", p.gemm_ce)
-        case("signal", p.signal)
-    else:
-        rows.append({"case": "ce", "error": why})
+    for t in ("nccl_ag", "nccl_rs") + (("lc_ag", "lc_rs") if cuda else ()):
+        case(t, p.alone(getattr(p, t)))
+        case(f"gemm+{t}", p.beside(getattr(p, t)))
+    if not cuda:
+        rows.append({"case": "lc_ag", "error": "copy engines: GPUs only"})
     return rows
 
 
@@ -171,11 +150,11 @@ def summary(rows: list[dict]) -> list[str]:
     """One line per transfer: hidden fraction and the GEMMs' slow-down beside it."""
     ms = {r["case"]: r["ms"] for r in rows if "ms" in r}
     out = []
-    for t in ("nccl", "ce"):
+    for t in ("nccl_ag", "nccl_rs", "lc_ag", "lc_rs"):
         if t in ms and f"gemm+{t}" in ms:
             both, g, x = ms[f"gemm+{t}"], ms["gemm"], ms[t]
             hidden = (g + x - both) / x if x > 0 else 0.0
-            out.append(f"{t:5s}: gemm {g:.3f} ms, transfer {x:.3f} ms, both {both:.3f} ms: {100 * hidden:.0f}% of the "
+            out.append(f"{t:7s}: gemm {g:.3f} ms, transfer {x:.3f} ms, both {both:.3f} ms: {100 * hidden:.0f}% of the "
                        f"transfer hidden, the pair {both / max(g, x):.2f}x the longer alone")
     return out
 

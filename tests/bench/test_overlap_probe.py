@@ -1,4 +1,4 @@
-"""bench/overlap_probe.py on two gloo ranks (its --cpu mode): every NCCL-side case timed and written, the copy-engine
+"""bench/overlap_probe.py on two gloo ranks (its --cpu mode): every NCCL case timed and written, the copy-engine
 cases skipped with the reason, the summary's hidden fraction printed.  The GPU numbers come from the device."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_the_overlap_probe_times_each_case_on_two_ranks(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     timed = {r["case"]: r["ms"] for r in rows if "ms" in r}
-    assert set(timed) == {"gemm", "nccl", "gemm+nccl"} and all(v > 0 for v in timed.values())
-    assert [r["error"] for r in rows if r["case"] == "ce"] == ["copy engines: GPUs only"]
+    assert set(timed) == {"gemm", "nccl_ag", "gemm+nccl_ag", "nccl_rs", "gemm+nccl_rs"} and all(v > 0 for v in timed.values())
+    assert [r["error"] for r in rows if r["case"] == "lc_ag"] == ["copy engines: GPUs only"]
     assert all(r["probe"] == "overlap" and r["git_commit"] and r["tokens"] == 64 for r in rows)
     assert "of the transfer hidden" in run.stdout
