@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,30 +27,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.harness import median_ms  # noqa: E402
 from workbench.provenance import stamp  # noqa: E402
 
 #: 20 MiB = one GPT-2 large activation [1024, 8, 1280] bf16 (the benchmark's TP=2 micro-batch)
 SIZES_MIB = (1, 5, 20, 80)
-
-
-def _time(fn, iters: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs (CUDA events around each on GPUs)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def _symm_mem_rows(x: torch.Tensor, iters: int) -> list[dict]:
@@ -70,7 +50,7 @@ def _symm_mem_rows(x: torch.Tensor, iters: int) -> list[dict]:
     for op, fn in (("symm_one_shot", lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group)),
                    ("symm_two_shot", lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group))):
         try:
-            ms = _time(fn, iters, True)
+            ms = median_ms(fn, iters, True)
         except Exception as e:  # noqa: BLE001 - a torch without the kernel: say so in the table
             rows.append({"op": op, "mib": nbytes >> 20, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
@@ -95,7 +75,7 @@ def main() -> int:
     rows = []
     for mib in SIZES_MIB if cuda else SIZES_MIB[:1]:
         x = torch.randn(mib * 2**19, device=device, dtype=torch.bfloat16 if cuda else torch.float16)  # mib MiB
-        ms = _time(lambda: dist.all_reduce(x), a.iters, cuda)
+        ms = median_ms(lambda: dist.all_reduce(x), a.iters, cuda)
         nbytes = x.numel() * x.element_size()
         rows.append({"op": "all_reduce", "mib": mib, "ms": ms, "busbw_gbs": 2 * (world - 1) / world * nbytes / ms / 1e6})
         if world == 2:
@@ -106,7 +86,7 @@ def main() -> int:
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
 
-            ms = _time(exchange, a.iters, cuda)
+            ms = median_ms(exchange, a.iters, cuda)
             rows.append({"op": "sendrecv", "mib": mib, "ms": ms, "busbw_gbs": nbytes / ms / 1e6})
         if a.symm_mem:
             rows += _symm_mem_rows(x, a.iters)

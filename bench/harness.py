@@ -36,6 +36,14 @@ def sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
+def median_ms(fn: Callable[[], Any], iters: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` calls after 3 untimed ones: a probe's timer for one kernel-sized
+    piece (``workbench.advisor.measure.median_seconds``), not the training protocol."""
+    from workbench.advisor.measure import median_seconds
+
+    return 1e3 * median_seconds(fn, iters, cuda)
+
+
 #: a step at least this long prints a progress line (stderr), so a row cut by its timeout shows in its log how far it
 #: got and what each step cost (fast steps stay quiet)
 PROGRESS_MIN_S = 1.0

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,29 +35,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.harness import median_ms  # noqa: E402
 from workbench.provenance import stamp  # noqa: E402
-
-
-def _time(fn, iters: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs after 3 warm-ups (CUDA events on GPUs)."""
-    for _ in range(3):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 class Probe:
@@ -131,7 +109,7 @@ def run(a) -> list[dict]:
     def case(name, fn):
         dist.barrier()
         try:
-            rows.append({"case": name, "ms": _time(fn, a.iters, cuda), "k": a.k})
+            rows.append({"case": name, "ms": median_ms(fn, a.iters, cuda), "k": a.k})
         except Exception as e:  # noqa: BLE001 - a torch or link without it: the row says so
             rows.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
             if cuda:

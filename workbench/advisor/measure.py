@@ -36,8 +36,10 @@ SIZES_MIB = (1, 4, 16, 64, 256)
 CPU_SIZES_MIB = (0.0625, 0.25, 1)
 
 
-def _timer(fn: Callable[[], Any], iters: int, cuda: bool) -> float:
-    """Median seconds of ``fn`` (3 warm-up calls first)."""
+def median_seconds(fn: Callable[[], Any], iters: int, cuda: bool) -> float:
+    """Median seconds of ``fn`` over ``iters`` calls, 3 untimed ones first (CUDA events around each call on GPUs, the
+    host clock on CPU): the timer of every kernel-sized probe (the bench's probes call it through
+    ``bench.harness.median_ms``)."""
     for _ in range(3):
         fn()
     times = []
@@ -75,7 +77,7 @@ def measure_compute(cfg: Any, dev: str, iters: int) -> dict[str, Any]:
     for tp in tps:
         shapes = gemm_shapes(cfg, tp, b * s)
         mats = [(torch.randn(M, K, device=dev, dtype=dtype), torch.randn(K, N, device=dev, dtype=dtype)) for M, K, N in shapes]
-        sec = _timer(lambda: [x @ w for x, w in mats], iters, cuda)
+        sec = median_seconds(lambda: [x @ w for x, w in mats], iters, cuda)
         flops = sum(2.0 * M * K * N for M, K, N in shapes)
         out["gemm"].append({"tp": tp, "gflop_per_call": flops / 4 / 1e9, "tflops": flops / sec / 1e12})
         del mats
@@ -86,23 +88,23 @@ def measure_compute(cfg: Any, dev: str, iters: int) -> dict[str, Any]:
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         o.backward(torch.ones_like(o))
 
-    sec = _timer(attn, iters, cuda)
+    sec = median_seconds(attn, iters, cuda)
     out["attention"].append({"seq": s, "tflops": flop_split(cfg, 1)["layer_attn"] * b * s / sec / 1e12})
     n = (256 if cuda else 4) * 2**20
     src, dst = torch.empty(n, device=dev, dtype=torch.float32), torch.empty(n, device=dev, dtype=torch.float32)
-    out["memory_gbs"] = 2 * 4 * n / _timer(lambda: dst.copy_(src), iters, cuda) / 1e9
+    out["memory_gbs"] = 2 * 4 * n / median_seconds(lambda: dst.copy_(src), iters, cuda) / 1e9
     p = torch.nn.Parameter(torch.zeros(n // 4, device=dev, dtype=torch.float32))
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=cuda)
-    out["optimizer_ns_per_param"] = _timer(opt.step, iters, cuda) / p.numel() * 1e9
+    out["optimizer_ns_per_param"] = median_seconds(opt.step, iters, cuda) / p.numel() * 1e9
     if cuda and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9):
         M, K, N = gemm_shapes(cfg, 1, b * s)[2]
         x = torch.randn(M, K, device=dev).to(torch.float8_e4m3fn)
         w = torch.randn(N, K, device=dev).to(torch.float8_e4m3fn).t()
         one = torch.ones((), device=dev)
         xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
-        t8 = _timer(lambda: torch._scaled_mm(x, w, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), iters, cuda)
-        t16 = _timer(lambda: xb @ wb, iters, cuda)
+        t8 = median_seconds(lambda: torch._scaled_mm(x, w, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), iters, cuda)
+        t16 = median_seconds(lambda: xb @ wb, iters, cuda)
         out["fp8"] = {"speedup": t16 / t8, "shape": [M, K, N]}
     return out
 
@@ -124,7 +126,7 @@ def measure_links(dev: str, iters: int) -> dict[str, list[dict[str, float]]]:
 
         def timed(fn: Callable[[], Any]) -> float:
             dist.barrier()
-            sec = _timer(lambda: (fn(), sync()), iters, False)  # host timer around a synchronised call: every rank's view
+            sec = median_seconds(lambda: (fn(), sync()), iters, False)  # host timer around a synchronised call: every rank's view
             t = torch.tensor([sec], device=dev, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return float(t.item())
