@@ -1,7 +1,7 @@
 """Can a TP=2 exchange hide under a GEMM on this machine, and on which transport?
 
 TP=2 + SP's collectives on Llama-3.2-3B cost ~147 ms of a ~800 ms step (2x H200) and none of it overlaps;
-chunking each GEMM so NCCL runs beside the other chunk (``parallel.tp_chunked``) overlapped ~58 ms but made the
+chunking each GEMM so NCCL runs beside the other chunk (``parallel.tp_chunked``) overlapped ~48 ms more but made the
 GEMMs beside NCCL's kernels slower by more than that (bench/README.md).  This probe times the pieces alone
 and together, at the 3B's shapes (4,096 tokens a micro-batch, hidden 3,072, the MLP's 8,192 gate + up columns a
 rank; each exchange 12 MiB):
@@ -13,7 +13,8 @@ rank; each exchange 12 MiB):
 - ``gemm+<transfer>``: the transfers issued, then the GEMMs, then the wait.
 
 For each pair it prints how much of the transfer was hidden: (gemm + transfer - both) / transfer, and how
-much the GEMMs slowed.  Run what NCCL's channel count does by setting ``NCCL_MAX_NCHANNELS`` around it.
+much the GEMMs slowed.  Run what NCCL's channel count does by setting ``NCCL_MAX_NCHANNELS`` around it, and the
+training rows' one hardware queue with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (the TP rows run with it).
 
     torchrun --nproc-per-node 2 bench/overlap_probe.py --out bench/results/overlap_probe.jsonl
 
@@ -112,7 +113,7 @@ def run(a) -> list[dict]:
             rows.append({"case": name, "ms": median_ms(fn, a.iters, cuda), "k": a.k})
         except Exception as e:  # noqa: BLE001 - a torch or link without it: the row says so
             rows.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
-            if cuda:
+            if cuda:  # (an op that failed on one rank only can leave the peer in a device barrier: the call's limit ends it)
                 torch.cuda.synchronize()
 
     case("gemm", p.gemm)
@@ -120,7 +121,7 @@ def run(a) -> list[dict]:
         case(t, p.alone(getattr(p, t)))
         case(f"gemm+{t}", p.beside(getattr(p, t)))
     if not cuda:
-        rows.append({"case": "lc_ag", "error": "copy engines: GPUs only"})
+        rows += [{"case": t, "error": "copy engines: GPUs only"} for t in ("lc_ag", "lc_rs")]
     return rows
 
 
@@ -161,7 +162,7 @@ def main() -> int:
         if rank == 0:
             base = {**stamp(), "probe": "overlap", "tokens": a.tokens, "hidden": a.hidden, "cols": a.cols,
                     "exchange_mib": a.tokens // 2 * a.hidden * (4 if a.cpu else 2) / 2**20,
-                    "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+                    "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_") or k == "CUDA_DEVICE_MAX_CONNECTIONS"}}
             for r in rows:
                 print(f"{r['case']:10s} " + (f"{r['ms']:8.3f} ms" if "ms" in r else f"skipped: {r['error']}"))
             for line in summary(rows):

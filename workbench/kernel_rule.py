@@ -195,11 +195,13 @@ def pin_torch_cudnn_for_te() -> str | None:
     or ``/usr/local/cuda`` into the global symbol scope, before torch first needs cuDNN; torch then binds to
     that one, and where it is older than the one torch was built against every cuDNN call fails ("cuDNN
     version incompatibility", seen with an image's 9.14 beside torch's 9.19).  The folder of torch's wheel
-    (``nvidia/cudnn`` on the path, the one torch loads) is the same file for both.  Returns the folder set.
+    (``nvidia/cudnn`` on the path, the one torch loads) is the same file for both.  Set in this process's
+    environment, so the ranks it starts inherit it; too late (and left alone) where TE was imported before
+    ``workbench``.  Returns the folder set.
     """
     import os
 
-    if os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH"):
+    if os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH") or "transformer_engine" in sys.modules:
         return None
     try:
         spec = importlib.util.find_spec("nvidia.cudnn")

@@ -252,9 +252,16 @@ def _torch_cudnn():
 
 
 def test_transformer_engine_loads_torchs_own_cudnn(tmp_path):
+    import importlib.util
+
     torch_lib = _torch_cudnn()
     if torch_lib is None:
         pytest.skip("this torch has no cuDNN of its own (a CPU-only wheel)")
+    if kernel_rule.te_status()[0] != "absent":
+        pytest.skip("a real Transformer Engine is installed here: the runs below plant their own")
+    spec = importlib.util.find_spec("nvidia.cudnn")
+    if spec is None or not any(os.path.samefile(loc, torch_lib.parent.parent) for loc in spec.submodule_search_locations):
+        pytest.skip("nvidia.cudnn on the path is not the folder of torch's libcudnn")
     env = {k: v for k, v in _env().items() if k not in ("CUDNN_PATH", "CUDNN_HOME")}
     te = _pypi_te(tmp_path / "ok")
 
