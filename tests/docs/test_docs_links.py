@@ -34,6 +34,7 @@ COMMAND_RE = re.compile(r"^\s*(?:\$ )?workbench ([a-z][a-z-]*)")
 #: Paths the docs name before they exist: what a GPU script writes once it has run on the device.
 NOT_YET = {
     "evidence/advisor/": "tests/gpu_proofs/advisor_measure.py writes it (docs/advisor.md)",
+    "bench/results/overlap_probe.jsonl": "bench/overlap_probe.py writes it on two GPUs (bench/README.md)",
 }
 
 
