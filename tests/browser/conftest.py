@@ -22,6 +22,7 @@ import secrets
 import signal
 import shutil
 import subprocess
+import tempfile
 import sys
 import time
 import urllib.request
@@ -112,8 +113,12 @@ def lab(artefacts):
     app_settings = _app_settings(artefacts / "lab-app-settings")
     token = secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "WORKBENCH_HEADLESS")}  # a person's live kernel
+    # kernels talk over unix sockets (ipc), not TCP: a kernel given a TCP port that a rank's gloo or rendezvous took in
+    # the meantime died binding it ("Address already in use") and hung in its exit while the server waited for it
+    # (CI at 8f7ff95); the socket paths live in the runtime folder, which stays short for the 107-byte limit
+    runtime = Path(tempfile.mkdtemp(prefix="wb-lab-", dir="/tmp"))
     env.update(JUPYTERLAB_SETTINGS_DIR=str(artefacts / "lab-settings"), JUPYTERLAB_WORKSPACES_DIR=str(artefacts / "lab-workspaces"),
-               JUPYTER_RUNTIME_DIR=str(artefacts / "lab-runtime"), PYTHONPATH=str(ROOT))
+               JUPYTER_RUNTIME_DIR=str(runtime), PYTHONPATH=str(ROOT))
     log = open(artefacts / "jupyterlab.log", "wb")
     server = None
     try:
@@ -122,7 +127,7 @@ def lab(artefacts):
         for _ in range(3):
             port = free_port()
             cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-                   "--ServerApp.port_retries=0", "--allow-root",
+                   "--ServerApp.port_retries=0", "--allow-root", "--KernelManager.transport=ipc",
                    f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
                    "--ServerApp.disable_check_xsrf=False", "--LabServerApp.open_browser=False",
                    f"--LabApp.app_settings_dir={app_settings}"]
@@ -155,6 +160,7 @@ def lab(artefacts):
                 server.kill()
                 server.wait()
         log.close()
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
