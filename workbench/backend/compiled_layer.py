@@ -703,8 +703,11 @@ class CompiledTransformerLayer(TransformerLayer):
         """Run the forward pre-hooks of the submodules whose ``forward`` the compiled graph replaces, as their
         own call would: megatron's DDP finishes a parameter's all-gather there (``overlap_param_gather`` with the
         distributed optimizer), so the graph and the step's FP8 weight copies never read a stale shard."""
-        for m in self.modules():
-            if m is self or not m._forward_pre_hooks:
+        subs = self.__dict__.get("_submodules")
+        if subs is None:  # the layer's submodules, walked once (not a ``modules()`` walk every call)
+            subs = self.__dict__["_submodules"] = [m for m in self.modules() if m is not self]
+        for m in subs:
+            if not m._forward_pre_hooks:
                 continue
             for hid, hook in list(m._forward_pre_hooks.items()):
                 if m._forward_pre_hooks_with_kwargs.get(hid):

@@ -170,16 +170,18 @@ class _StackedWeights(torch.autograd.Function):
     """``torch.stack`` of the local experts' weights.  Backward with a ``sink`` (the module's
     :attr:`GroupedGemmMLP.main_grad_direct`): the stacked gradient is added into the weights' ``main_grad``
     (megatron DDP's buffer) by :class:`_MainGradSink` -- under DDP one ``add_`` into a strided view of the buffer --
-    and the weights, passed in detached with an empty ``anchor`` leaf that keeps the stack in the graph, are not
-    reached at all: no ``.grad``, no accumulator, no DDP hook.  (Before, one ``torch._foreach_add_`` of fp32 ``main_grad`` and bf16 slices,
-    which torch runs per tensor: one add kernel per weight, 8,192 a step on moe-research, one H200,
-    ``bench/results/moe_profile.jsonl``.)  Without a sink each weight gets its slice."""
+    and the weights, passed in as one tuple (autograd sees no tensor in it) beside an empty ``anchor`` leaf that keeps
+    the stack in the graph, are not reached at all: no ``.grad``, no accumulator, no DDP hook, and no per-weight
+    ``detach`` or argument for autograd to walk (128 a layer and micro-batch on moe-research).  (Before, one
+    ``torch._foreach_add_`` of fp32 ``main_grad`` and bf16 slices, which torch runs per tensor: one add kernel per
+    weight, 8,192 a step on moe-research, one H200, ``bench/results/moe_profile.jsonl``.)  Without a sink the weights
+    come as arguments and each gets its slice."""
 
     @staticmethod
     def forward(ctx, sink: "_MainGradSink | None", anchor: "torch.Tensor | None",  # noqa: D102
-                *weights: torch.Tensor) -> torch.Tensor:
+                *weights: "torch.Tensor | tuple[torch.Tensor, ...]") -> torch.Tensor:
         ctx.sink = sink
-        return torch.stack(weights)
+        return torch.stack(weights[0] if sink is not None else weights)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
@@ -187,7 +189,7 @@ class _StackedWeights(torch.autograd.Function):
         if sink is None:
             return (None, None, *grad.unbind(0))
         sink.add(grad)
-        return (None,) * (grad.shape[0] + 2)
+        return None, None, None
 
 
 class GroupedGemmMLP(SequentialMLP):
@@ -208,9 +210,18 @@ class GroupedGemmMLP(SequentialMLP):
     #: the fc1 and fc2 stacks' :class:`_MainGradSink` (laid out by :meth:`main_grad_path` or the first direct forward)
     _sinks: "tuple[_MainGradSink, _MainGradSink] | None" = None
 
+    #: the fc1 and fc2 weights of the local experts, as :meth:`_stacks` last found them
+    _stack_weights: "tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None" = None
+
     def _stacks(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        experts = self.local_experts
-        return tuple(e.linear_fc1.weight for e in experts), tuple(e.linear_fc2.weight for e in experts)
+        """The local experts' fc1 and fc2 weights (the same parameter objects for a module's life: looked up again
+        only where the first or last expert's were replaced, not 256 module lookups a layer and micro-batch)."""
+        experts, found = self.local_experts, self._stack_weights
+        if (found is None or len(found[0]) != len(experts) or experts[0].linear_fc1.weight is not found[0][0]
+                or experts[-1].linear_fc2.weight is not found[1][-1]):
+            found = self._stack_weights = (tuple(e.linear_fc1.weight for e in experts),
+                                           tuple(e.linear_fc2.weight for e in experts))
+        return found
 
     def _main_grad_sinks(self, stacks: tuple) -> "tuple[_MainGradSink, _MainGradSink]":
         sinks = self._sinks
@@ -238,12 +249,12 @@ class GroupedGemmMLP(SequentialMLP):
         stacks = self._stacks()
         if self.main_grad_direct and torch.is_grad_enabled():
             sinks = self._main_grad_sinks(stacks)
-            # the weights enter detached: the stack's backward adds into main_grad itself, so nothing reaches their
-            # accumulators, and autograd runs neither those nor DDP's hook on each (8,192 a step on moe-research,
-            # each adding nothing); a fresh empty leaf keeps the stack in the graph
+            # the weights enter as one tuple, out of autograd's sight: the stack's backward adds into main_grad
+            # itself, so nothing reaches their accumulators, and autograd runs neither those nor DDP's hook on each
+            # (8,192 a step on moe-research, each adding nothing); a fresh empty leaf keeps the stack in the graph
             anchor = torch.empty(0, device=x.device, requires_grad=True)
-            w1 = _StackedWeights.apply(sinks[0], anchor, *(w.detach() for w in stacks[0]))
-            w2 = _StackedWeights.apply(sinks[1], anchor, *(w.detach() for w in stacks[1]))
+            w1 = _StackedWeights.apply(sinks[0], anchor, stacks[0])
+            w2 = _StackedWeights.apply(sinks[1], anchor, stacks[1])
         else:
             w1 = _StackedWeights.apply(None, None, *stacks[0])
             w2 = _StackedWeights.apply(None, None, *stacks[1])
