@@ -17,7 +17,9 @@ logs keep the notes), and a note on stderr is a pink box on every default run th
 reader.  They are kept in :data:`DROPPED` (``workbench.noise.DROPPED``).  Hugging Face's progress bars
 (transformers' "Loading weights" / "Writing model shards", hub downloads) are switched off there too
 (:func:`quiet_notebook_progress`): they are ipywidgets that a saved and reopened notebook can no longer
-draw ("Error displaying widget: model not found").
+draw ("Error displaying widget: model not found").  For the same reason the workbench's own progress bars (a
+conversion's, preprocessing's) come from :func:`progress_bar`: a text bar on stdout in a kernel, which
+a reopened notebook still shows, and tqdm's usual choice elsewhere.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import sys
 import warnings
 from typing import Any
 
-__all__ = ["quiet_third_party", "quiet_notebook_progress", "in_notebook_kernel", "DROPPED", "TE_APEX_NOTE",
-           "TE_PRESENT_NOTE"]
+__all__ = ["quiet_third_party", "quiet_notebook_progress", "in_notebook_kernel", "progress_bar", "DROPPED",
+           "TE_APEX_NOTE", "TE_PRESENT_NOTE"]
 
 TE_APEX_NOTE = ("Transformer Engine / Apex not installed: megatron-core uses its torch fallbacks "
                 "(expected on CPU; install them on GPUs for its fused kernels)")
@@ -93,6 +95,24 @@ def quiet_notebook_progress() -> bool:
     except Exception:
         return False
     return True
+
+
+def progress_bar(iterable: Any = None, **kwargs: Any):
+    """The workbench's progress bar: ``tqdm(iterable, **kwargs)``, chosen here once for every caller.
+
+    In a notebook kernel a plain text bar on stdout (``tqdm.std``), never tqdm.auto's ipywidget, which a saved and
+    reopened notebook can no longer draw ("Error displaying widget: model not found"), and nothing on stderr (a pink
+    box on a default run).  It stays when done (``leave`` is ignored there: a text bar that clears itself would leave
+    an empty output) and redraws at most once a second (each redraw is a message to the frontend and text in the
+    saved notebook).  Elsewhere (a terminal, the CLI, a script) ``tqdm.auto`` with ``kwargs`` as given, as before."""
+    if in_notebook_kernel():
+        from tqdm.std import tqdm
+
+        kwargs = {"mininterval": 1.0, **kwargs, "file": sys.stdout, "leave": True}
+        return tqdm(iterable, **kwargs)
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, **kwargs)
 
 
 class _Drop(logging.Filter):

@@ -334,7 +334,7 @@ def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, *, p
     before anything runs.
     """
     import pandas as pd
-    from tqdm.auto import tqdm
+    from workbench.noise import progress_bar  # a text bar in a notebook kernel, no widget
 
     problems = [p for p in [notebook_problem(notebook)] if p is not None]
     problems += [Problem(f"grid.{k}", f"{v!r} is not a non-empty list of values", f"write it as {k}=[v1, v2, ...]")
@@ -348,7 +348,7 @@ def sweep(notebook: str | Path, grid: dict[str, list], out_dir: str | Path, *, p
     names = list(grid)
     points = [dict(zip(names, combo)) for combo in itertools.product(*(grid[n] for n in names))]
     rows = []
-    for i, point in enumerate(tqdm(points, desc="sweep", disable=not progress)):
+    for i, point in enumerate(progress_bar(points, desc="sweep", disable=not progress)):
         label = "-".join(f"{k}={v}" for k, v in point.items())
         sub = out / re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{i:03d}-{label}")
         res = run_notebook(notebook, {**(parameters or {}), **point}, sub, html=html)

@@ -70,3 +70,35 @@ def test_a_kernel_shows_no_known_import_notes_and_no_transformers_progress_widge
     # transformers' progress bars: no widget (tqdm.auto's bar is an HBox of a FloatProgress) and no text bar
     assert "FloatProgressModel" not in models, models
     assert "Loading weights" not in stderr + stdout and "Writing model shards" not in stderr + stdout, stderr
+
+
+def test_the_workbench_progress_bars_are_text_on_stdout_in_a_kernel(tmp_path):
+    """The workbench's own bars (a conversion's, notebook 04; preprocessing's, notebook 06) are a text line on stdout
+    in a kernel, which a reopened notebook still shows: no widget (tqdm.auto's would be a FloatProgress) and nothing on
+    stderr (a pink box on a default run)."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORKBENCH_HEADLESS", "PYTHONWARNINGS")}
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT), env={**env, "MPLBACKEND": "Agg"})
+    try:
+        code = textwrap.dedent(f'''
+            from pathlib import Path
+            from tests.support import hf_gpt2
+            from workbench.conversion import hf_to_megatron
+            from workbench.data.preprocess import preprocess
+            work = Path({str(tmp_path)!r})
+            hf_gpt2().save_pretrained(work / "hf")
+            res = hf_to_megatron(work / "hf", work / "megatron", device="cpu")
+            (work / "a.txt").write_text("In the beginning.\\n\\nAnd the earth was without form.\\n", encoding="utf-8")
+            summary = preprocess([work / "a.txt"], work / "corpus", tokenizer="demo")
+            print("CONVERTED", res.checkpoint.name, "PREPROCESSED", summary.documents)
+        ''')
+        stdout, stderr, models = _outputs(kc, kc.execute(code), 600)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert "CONVERTED" in stdout and "PREPROCESSED 2" in stdout, (stdout, stderr)
+    assert models == [], models
+    assert stderr == "", stderr
+    # replaced, not silenced: each bar's last state is a line of text on stdout
+    assert "gpt2 -> mcore" in stdout and "preprocess corpus" in stdout, stdout

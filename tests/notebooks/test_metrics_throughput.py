@@ -41,3 +41,15 @@ def test_tokens_per_s_is_total_tokens_over_wall_time(tmp_path):
 def test_one_step_run_uses_its_step_time(tmp_path):
     _write_steps(tmp_path, [(10.0, 0.5, 2000)], ranks=1)
     assert Run(tmp_path).final_metrics()["tokens_per_s"] == pytest.approx(4000)
+
+
+def test_steps_with_an_mfu_and_no_step_time_give_no_throughput_and_no_error(tmp_path):
+    """Records that carry an MFU and tokens/s but no step time (a run logging before its first timed step): no
+    tokens/s and no MFU to give, and no division by zero."""
+    (tmp_path / "events").mkdir()
+    with open(tmp_path / "events" / "rank-0.jsonl", "w") as fh:
+        for it in (1, 2, 3):
+            fh.write(json.dumps({"event": "step", "time": 10.0, "rank": 0, "iteration": it, "loss": 3.0,
+                                 "step_time": 0.0, "tokens_per_s": 100.0, "mfu": 0.2}) + "\n")
+    m = Run(tmp_path).final_metrics()
+    assert "tokens_per_s" not in m and "mfu" not in m, m

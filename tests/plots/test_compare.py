@@ -193,6 +193,47 @@ def test_runs_under_a_folder_and_their_table(two_runs, tmp_path):
     assert df.loc["alpha", "steps"] == "5/5" and df.loc["beta", "steps"] == "8/10"
     assert df.loc["alpha", "last loss"] == pytest.approx(a_loss[-1]) and df.loc["beta", "last loss"] == pytest.approx(b_loss[8])
     assert set(df["status"]) == {"finished"}
+    # tokens/s follows the last loss; these records carry no step time, so no run-level throughput: empty cells
+    assert list(df.columns).index("tokens/s") == list(df.columns).index("last loss") + 1
+    assert df["tokens/s"].isna().all()
+
+
+def test_the_tables_tokens_per_s_is_the_runs_throughput_as_final_metrics_reports_it(tmp_path):
+    """Two ranks, rank 1 the slower; a slow first step (warm-up) and a pause (an eval) before step 4: the table's
+    tokens/s is the tokens of steps 2..N over the wall time between the first and the last step event, the same
+    number ``Run.final_metrics`` (a sweep's metrics.json) gives, not a mean or median of the per-step rates."""
+    from workbench.launch import Run
+
+    seq, gbs = 32, 4
+    tokens = seq * gbs  # per step, the whole job's
+    step_times = {1: 3.0, 2: 0.5, 3: 0.5, 4: 1.0, 5: 0.5}  # rank 0's; rank 1 takes 1.25x as long
+    pauses = {4: 2.0}
+    slow = 1.25
+    steps, start = [], T0
+    for i, st in step_times.items():
+        start += pauses.get(i, 0.0)
+        for rank, factor in ((0, 1.0), (1, slow)):  # each rank writes its record when its own step ends
+            steps.append({"iteration": i, "time": start + st * factor, "rank": rank, "loss": 4.0 - 0.1 * i,
+                          "step_time": st * factor, "tokens_per_s": tokens / (st * factor),
+                          "consumed_samples": gbs * i})
+        start += st * slow  # the next step starts when the slowest rank is done
+    run = write_run(tmp_path / "runs" / "timed", steps, ranks=(0, 1),
+                    cfg=config(seq_length=seq, global_batch_size=gbs, train_iters=5, nproc=2))
+    untimed = write_run(tmp_path / "runs" / "untimed", [{"iteration": 1, "time": T0 + 1, "loss": 5.0}])
+    empty = write_run(tmp_path / "runs" / "empty", [])  # started, no step yet
+
+    ends = {i: max(s["time"] for s in steps if s["iteration"] == i) for i in step_times}  # the slowest rank's
+    wall = ends[5] - ends[1]  # steps 2..5 happen between the first and the last step's end
+    busy = sum(st * slow for i, st in step_times.items() if i > 1)  # the slowest rank's step times
+    expected = tokens * (len(step_times) - 1) / max(wall, busy)
+    df = runs_frame([run, untimed, empty]).set_index("run")
+    assert df.loc["timed", "tokens/s"] == pytest.approx(expected)
+    assert df.loc["timed", "tokens/s"] == pytest.approx(Run(run).final_metrics()["tokens_per_s"])  # one definition
+    rates = sorted(tokens / (st * slow) for i, st in step_times.items() if i > 1)
+    assert abs(df.loc["timed", "tokens/s"] - (rates[1] + rates[2]) / 2) > 0.1 * expected  # not the median rate
+    # no throughput recorded (no tokens/s, no step record at all): an empty cell, not an error
+    assert math.isnan(df.loc["untimed", "tokens/s"]) and math.isnan(df.loc["empty", "tokens/s"])
+    assert df.loc["empty", "steps"] == "0/10"
 
 
 def test_labels_must_name_every_run(two_runs):

@@ -11,20 +11,27 @@ import pytest
 from tests.support.event_runs import T0, config, write_run
 
 
+#: the ``ft`` run's tokens per step and the step time of each of its steps (the first: warm-up)
+FT_TOKENS = 128
+FT_STEP_TIME = {1: 0.9, 2: 0.3, 3: 0.4, 4: 0.3, 5: 0.8, 6: 0.3}
+
+
 def _metrics(w) -> list[str]:
     return [value for _label, value in w.metric.options]
 
 
 @pytest.fixture
 def runs(tmp_path):
-    """``ft``: fine-tuning (train and eval accuracy) logging every step; ``pre``: pretraining logging every 3rd step,
-    written later (the newer run)."""
+    """``ft``: fine-tuning (train and eval accuracy, step time and tokens/s) logging every step; ``pre``: pretraining
+    logging every 3rd step, no throughput, written later (the newer run)."""
     root = tmp_path / "runs"
     ft_loss = [0.9, 0.7, 0.6, 0.5, 0.45, 0.4]
     ft = write_run(root / "bert" / "ft", [
-        {"iteration": i, "time": T0 + i, "loss": v, "accuracy": 0.5 + 0.05 * i, "grad_norm": 1.0, "lr": 1e-3}
+        {"iteration": i, "time": T0 + i, "loss": v, "accuracy": 0.5 + 0.05 * i, "grad_norm": 1.0, "lr": 1e-3,
+         "step_time": FT_STEP_TIME[i], "tokens_per_s": FT_TOKENS / FT_STEP_TIME[i]}
         for i, v in enumerate(ft_loss, 1)], [{"iteration": 6, "time": T0 + 6.5, "loss": 0.55, "ppl": math.exp(0.55),
-                                               "accuracy": 0.8}], cfg=config(arch="bert", num_labels=2, train_iters=6))
+                                               "accuracy": 0.8}],
+        cfg=config(arch="bert", num_labels=2, train_iters=6, seq_length=FT_TOKENS // 4, global_batch_size=4))
     pre_loss = {3: 7.0, 6: 6.0, 9: 5.5}
     pre = write_run(root / "pre", [{"iteration": i, "time": T0 + 100 + i, "loss": v, "grad_norm": 3.0, "lr": 5e-4}
                                    for i, v in pre_loss.items()], cfg=config(train_iters=9))
@@ -42,6 +49,15 @@ def test_browser_lists_the_runs_and_overlays_the_newest(runs):
     row = w.table.set_index("run").loc["ft"]
     assert row["family"] == "bert classifier" and row["steps"] == "6/6" and row["status"] == "finished"
     assert row["last loss"] == pytest.approx(ft_loss[-1])
+    # tokens/s, after the last loss: the tokens of steps 2..6 over the wall time from step 1's event to step 6's
+    # (one second apart, as written), as Run.final_metrics gives it; the run without throughput: an empty cell
+    cols = list(w.table.columns)
+    assert cols.index("tokens/s") == cols.index("last loss") + 1
+    n = len(FT_STEP_TIME)
+    expected = FT_TOKENS * (n - 1) / max(float(n - 1), sum(FT_STEP_TIME[i] for i in range(2, n + 1)))
+    assert row["tokens/s"] == pytest.approx(expected)
+    assert math.isnan(w.table.set_index("run").loc["pre", "tokens/s"])
+    assert ">tokens/s<" in w.runs_html.value and f">{round(expected)}<" in w.runs_html.value  # whole tokens/s
     assert "ft" in w.runs_html.value and "pre" in w.runs_html.value and "bert classifier" in w.runs_html.value
     assert set(w.selection.value) == {str(ft), str(pre)}  # the newest runs are selected at first
     assert w.metric.value == "loss" and sorted(c.run for c in w.comparison.curves) == ["ft", "pre"]

@@ -82,10 +82,10 @@ class ConversionResult:
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+    from workbench.noise import progress_bar  # a text bar in a notebook kernel, no widget
 
     def wrap(it):
-        return tqdm(it, total=total, desc=desc, disable=not enabled, leave=False)
+        return progress_bar(it, total=total, desc=desc, disable=not enabled, leave=False)
 
     return wrap
 

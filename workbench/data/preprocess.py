@@ -278,7 +278,8 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
                progress: bool = True, split_sentences: bool = False) -> PreprocessSummary:
     """Tokenize ``inputs`` into ``output_prefix``.bin/.idx; returns the summary (also stored as a sidecar)."""
     import numpy as np
-    from tqdm.auto import tqdm
+
+    from workbench.noise import progress_bar  # a text bar in a notebook kernel, no widget
 
     paths = resolve_inputs(inputs)
     tok = _checked_tokenizer(tokenizer, append_eod, workers, model_vocab_size)
@@ -292,7 +293,8 @@ def preprocess(inputs: "list[str | Path] | str | Path", output_prefix: str | Pat
     _remove_stale_tmp(*finals)
     stats = ReadStats()
     total_bytes = sum(uncompressed_size(p) for p in paths)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"preprocess {Path(prefix).name}", disable=not progress)
+    bar = progress_bar(total=total_bytes, unit="B", unit_scale=True, desc=f"preprocess {Path(prefix).name}",
+                       disable=not progress)
     t0 = time.perf_counter()
     pool = None
     builder = None

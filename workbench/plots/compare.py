@@ -24,7 +24,8 @@ hover would show.
 
 Runs are read with :class:`workbench.run.RunReader` (a run directory, a reader, or a
 :class:`workbench.launch.Run`, whose reader is reused); :func:`find_runs` / :func:`runs_frame` list the runs under
-a folder for the run browser (:mod:`workbench.widgets.runs`).  Torch-free.
+a folder for the run browser (:mod:`workbench.widgets.runs`), each with its last loss and its tokens/s as
+``Run.final_metrics`` reports it (:func:`workbench.launch.frames.throughput`).  Torch-free.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from workbench.families import FAMILIES
-from workbench.launch import Run
+from workbench.launch import Run, frames
 from workbench.run.events import Event, events_dir
 from workbench.run.nodes import LAUNCH_FILE
 from workbench.run.reader import CONFIG_FILE, RunReader, as_reader
@@ -469,8 +470,24 @@ def _status(source: Any) -> str:
         return "unknown"
 
 
+def _tokens_per_s(reader: RunReader) -> float:
+    """The run's tokens/s as :meth:`workbench.launch.Run.final_metrics` (and so a sweep's ``metrics.json``) reports
+    it, by the same function (:func:`workbench.launch.frames.throughput`): the tokens of iterations 2..N (a step's
+    tokens: its tokens/s x its step time) over the wall time between the first and the last step's end (the slowest
+    rank's record), never above what the slowest rank's step times allow; the first iteration (warm-up, compilation)
+    is left out.  NaN where no step records both tokens/s and a step time."""
+    records = reader.records("step", refresh=False)
+    if not records:
+        return float("nan")
+    value = frames.throughput(frames.steps(records)).get("tokens_per_s")
+    return float(value) if value is not None and math.isfinite(value) else float("nan")
+
+
 def run_summary(source: Any) -> dict[str, Any]:
-    """One row of the run browser's table: run, family, layout, steps (done / planned), last loss, status, started."""
+    """One row of the run browser's table: run, family, layout, steps (done / planned), last loss, tokens/s, status,
+    started.  ``last loss``: the loss of the last step recorded (:func:`metric_curve`); ``tokens/s``: the run's
+    throughput over all its steps but the first, as ``Run.final_metrics`` reports it (:func:`_tokens_per_s`); NaN
+    (an empty cell) where the run records none."""
     reader = reader_of(source)
     reader.poll()
     cfg = reader.config_dict() or {}
@@ -488,13 +505,13 @@ def run_summary(source: Any) -> dict[str, Any]:
     t0 = start.time if start is not None and start.time else _started(reader.run_dir)
     return {"run": reader.run_dir.name, "family": family, "layout": layout,
             "steps": f"{done}/{total}" if total else str(done), "last loss": loss.y[-1] if loss else float("nan"),
-            "status": _status(source), "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(t0)),
-            "run_dir": str(reader.run_dir)}
+            "tokens/s": _tokens_per_s(reader), "status": _status(source),
+            "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(t0)), "run_dir": str(reader.run_dir)}
 
 
 def runs_frame(runs: Iterable[Any]):
     """:func:`run_summary` of each run as a pandas DataFrame (one row per run, in the order given)."""
     import pandas as pd
 
-    cols = ["run", "family", "layout", "steps", "last loss", "status", "started", "run_dir"]
+    cols = ["run", "family", "layout", "steps", "last loss", "tokens/s", "status", "started", "run_dir"]
     return pd.DataFrame([run_summary(r) for r in runs], columns=cols)

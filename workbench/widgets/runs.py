@@ -1,12 +1,12 @@
 """The run browser: the runs under a folder as a table, several of them overlaid on one metric.
 
 A thin widget over :mod:`workbench.plots.compare`: the table of runs (:func:`~workbench.plots.compare.runs_frame`:
-name, family, layout, steps, last loss, status, start), a multi-select of runs, a metric dropdown filled from the
-selected runs' events (:func:`~workbench.plots.compare.available_metrics`: whatever they record, a fine-tuning run's
-``eval accuracy`` included), a smoothing slider (TensorBoard's EMA weight), a log-scale toggle, the x axis (step,
-tokens, wall time) and a step slider: the figure marks that step and a table gives each selected run's value there
-(what hovering would show; the figures are static PNGs).  A selected run that does not record the metric is named
-on the figure and in the table.
+name, family, layout, steps, last loss, tokens/s, status, start), a multi-select of runs, a metric dropdown filled
+from the selected runs' events (:func:`~workbench.plots.compare.available_metrics`: whatever they record, a
+fine-tuning run's ``eval accuracy`` included), a smoothing slider (TensorBoard's EMA weight), a log-scale toggle, the
+x axis (step, tokens, wall time) and a step slider: the figure marks that step and a table gives each selected
+run's value there (what hovering would show; the figures are static PNGs).  A selected run that does not record the
+metric is named on the figure and in the table.
 
 Headless-friendly like the other workbench widgets: constructing :class:`RunBrowser` needs no browser,
 :meth:`RunBrowser.set` drives it from code (tests, papermill), and :attr:`~RunBrowser.comparison` /
@@ -105,6 +105,8 @@ class RunBrowser:
         runs = [self._run(d) for d in dirs]
         self.table = runs_frame(runs)
         shown = self.table.drop(columns=["run_dir"])
+        # whole tokens/s (the table's 4 decimals are for the loss); a run without throughput: an empty cell ("-")
+        shown["tokens/s"] = shown["tokens/s"].astype("float64").round().astype("Int64")
         where = str(self.runs_dir)
         if len(shown):
             table = html_table(shown, precision=4)
