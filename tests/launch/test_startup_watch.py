@@ -39,7 +39,7 @@ def test_a_rank_that_never_reaches_step_one_fails_the_run_at_the_limit_its_launc
     """The launch hands its supervisor the limit derived from the config (not the 1800 s default), and the supervisor
     fails a run at the limit it was handed.  The derived limit of any config is a minute or more
     (``STARTUP_BASE_S``), so the run that waits it out is given a shorter one the same way (``startup_timeout=``
-    only replaces the number the launch passes on): the same supervisor, watch and message, 15 s instead of 61 s."""
+    only replaces the number the launch passes on): the same supervisor, watch and message, 10 s instead of 61 s."""
     cfg = _tiny()
     derived = startup_limit(cfg)
     run = Run.launch(cfg, run_root=tmp_path / "derived", entry=[str(rank_script)], env={"FAKE_MODE": "partial"},
@@ -53,7 +53,7 @@ def test_a_rank_that_never_reaches_step_one_fails_the_run_at_the_limit_its_launc
         for p in living(run_processes(run.run_dir)):
             p.kill()
 
-    limit = 15.0
+    limit = 10.0
     run = Run.launch(cfg, run_root=tmp_path / "runs", entry=[str(rank_script)], env={"FAKE_MODE": "partial"},
                      stall_floor=1, startup_timeout=limit)
     try:
