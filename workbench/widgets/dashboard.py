@@ -559,8 +559,8 @@ def static_figures(run, predicted_memory: Mapping[int, float] | float | None = N
 
 def figure_image(name: str, png: bytes):
     """A run figure as an IPython PNG image whose output names it (``metadata["image/png"]["workbench_figure"]``:
-    ``training``, ``schedule`` or ``router`` from a run's dashboard, ``compare`` from the run browser), so a saved
-    notebook says which figure each output is."""
+    ``training``, ``schedule`` or ``router`` from a run's dashboard, ``compare`` from the run browser, a notebook's
+    own, as 07's ``accuracy``), so a saved notebook says which figure each output is."""
     from IPython.display import Image
 
     return Image(data=png, format="png", metadata={"workbench_figure": name})
