@@ -180,14 +180,17 @@ class _StackedWeights(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sink: "_MainGradSink | None", anchor: "torch.Tensor | None",  # noqa: D102
                 *weights: "torch.Tensor | tuple[torch.Tensor, ...]") -> torch.Tensor:
-        ctx.sink = sink
+        ctx.sink, ctx.direct = sink, sink is not None
         return torch.stack(weights[0] if sink is not None else weights)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        if not ctx.direct:
+            return (None, None, *grad.unbind(0))
         sink, ctx.sink = ctx.sink, None
         if sink is None:
-            return (None, None, *grad.unbind(0))
+            raise RuntimeError("a second backward through the experts' weight stack: their gradients went into "
+                               "main_grad on the first (megatron's schedules never retain the graph)")
         sink.add(grad)
         return None, None, None
 
@@ -210,18 +213,9 @@ class GroupedGemmMLP(SequentialMLP):
     #: the fc1 and fc2 stacks' :class:`_MainGradSink` (laid out by :meth:`main_grad_path` or the first direct forward)
     _sinks: "tuple[_MainGradSink, _MainGradSink] | None" = None
 
-    #: the fc1 and fc2 weights of the local experts, as :meth:`_stacks` last found them
-    _stack_weights: "tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None" = None
-
     def _stacks(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """The local experts' fc1 and fc2 weights (the same parameter objects for a module's life: looked up again
-        only where the first or last expert's were replaced, not 256 module lookups a layer and micro-batch)."""
-        experts, found = self.local_experts, self._stack_weights
-        if (found is None or len(found[0]) != len(experts) or experts[0].linear_fc1.weight is not found[0][0]
-                or experts[-1].linear_fc2.weight is not found[1][-1]):
-            found = self._stack_weights = (tuple(e.linear_fc1.weight for e in experts),
-                                           tuple(e.linear_fc2.weight for e in experts))
-        return found
+        experts = self.local_experts
+        return tuple(e.linear_fc1.weight for e in experts), tuple(e.linear_fc2.weight for e in experts)
 
     def _main_grad_sinks(self, stacks: tuple) -> "tuple[_MainGradSink, _MainGradSink]":
         sinks = self._sinks

@@ -99,7 +99,7 @@ def throughput(st) -> dict:
     if tail["tokens"].notna().any():
         wall = float(per_it["time"].iloc[-1] - per_it["time"].iloc[0]) if len(per_it) > 1 else 0.0
         busy = float(tail["step_time"].sum())
-        if max(wall, busy) > 0:  # (steps of no duration at all: no throughput to give)
+        if max(wall, busy) > 0 and tail["tokens"].sum() > 0:  # (steps of no duration: no throughput to give)
             out["tokens_per_s"] = float(tail["tokens"].sum()) / max(wall, busy)  # never faster than the steps themselves
     ok = tail[tail["mfu"].notna() & (tail["step_time"] > 0)]
     if len(ok):  # weighted by step time: records with an MFU but no step time cannot weigh in

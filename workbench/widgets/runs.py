@@ -106,7 +106,7 @@ class RunBrowser:
         self.table = runs_frame(runs)
         shown = self.table.drop(columns=["run_dir"])
         # whole tokens/s (the table's 4 decimals are for the loss); a run without throughput: an empty cell ("-")
-        shown["tokens/s"] = shown["tokens/s"].astype("float64").round().astype("Int64")
+        shown["tokens/s"] = ["-" if v != v else f"{v:.0f}" for v in shown["tokens/s"].astype("float64")]
         where = str(self.runs_dir)
         if len(shown):
             table = html_table(shown, precision=4)
