@@ -185,9 +185,10 @@ def test_the_declarations_import_nothing_above_the_config():
     assert found == []
 
 
-#: what the data tools (workbench/data/) may import of the workbench: themselves and the stdlib helper below them; a run
-#: config's datasets (workbench/datasets.py) and the data commands (workbench/data_cli.py) stand above the config
-DATA_MAY_IMPORT = ("workbench.data", "workbench.writable")
+#: what the data tools (workbench/data/) may import of the workbench: themselves and the stdlib helpers below them (the
+#: writable-path check; the kernel-quiet progress bar); a run config's datasets (workbench/datasets.py) and the data
+#: commands (workbench/data_cli.py) stand above the config
+DATA_MAY_IMPORT = ("workbench.data", "workbench.writable", "workbench.noise")
 
 
 def test_the_data_tools_stand_below_the_declarations():
