@@ -56,6 +56,7 @@ FILE_SECONDS = {
     "docs/test_readme_tour.py": 200, "bench/test_moe_bench_smoke.py": 120, "docs/test_readme_multi_gpu.py": 120,
     "launch/test_startup_watch.py": 35, "generation/test_generate_progress.py": 60, "data_pipeline/test_demo_models.py": 60,
     "backend/test_context_parallel_training.py": 200, "backend/test_context_parallel.py": 60,
+    "browser/test_run_browser_browser.py": 50,
 }
 
 

@@ -9,8 +9,10 @@
   chart is drawn at a scale where its block labels are readable).  On the copy JupyterLab saved: the checks the
   papermill run applies (``check_shows``: written to the notebook convention, no error, every cell run, and the
   notebook's own checks of what it shows and of the runs it names), and it exports to HTML.
-- Saved and reopened, a notebook keeps the figures of its runs: each cell that watched a run shows PNG
-  figures and no "Error displaying widget"; its HTML export carries them too.
+- Saved and reopened (a fresh page, a new kernel: every notebook this file, ``test_widgets_reopened_browser.py`` and
+  ``test_long_notebook_runs_browser.py`` run), a notebook shows what it saved: every PNG output drawn again, nowhere on
+  the page "model not found" or "Error displaying widget"; each cell that watched a run shows its named figures; its
+  HTML export carries them too.
 - Stop during "Run All" halts the notebook (the quickstart): the watching cell says so in one line and the cells
   below it do not run (no evaluation, no generation, no metrics written on the stopped run); saved and reopened, it
   keeps the figures of the run up to the stop (the quickstart's widgets and dashboard are otherwise used in
@@ -21,6 +23,7 @@ A screenshot of every step goes to ``<artefacts>/screenshots``.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import urllib.request
@@ -49,6 +52,14 @@ OUTPUT_TEXT_JS = """() => window.jupyterapp.shell.currentWidget.content.widgets.
 # natural vs displayed width of every figure a cell output (PNG), e.g. the schedules notebook's Gantt charts
 IMAGES_JS = """() => Array.from(document.querySelectorAll('.jp-RenderedImage img')).map(
   i => ({natural: i.naturalWidth, shown: i.getBoundingClientRect().width}))"""
+
+# the <img> each cell's output area draws, by cell (the page's cells are the saved notebook's, in order)
+CELL_IMAGES_JS = """() => window.jupyterapp.shell.currentWidget.content.widgets.map(
+  c => c.model.type === 'code' ? c.outputArea.node.querySelectorAll('.jp-OutputArea-output img').length : 0)"""
+
+#: the output types JupyterLab draws before a PNG when an output holds both (its renderers' ranks): a PNG output of the
+#: saved copy counts as an image only without one of these
+RANKED_ABOVE_PNG = (WIDGET_MIME, "application/javascript", "text/html", "text/markdown", "image/svg+xml", "text/latex")
 
 # a reopened notebook's page: its kernel started, or JupyterLab asking which to start
 REOPENED_JS = """() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'
@@ -197,9 +208,10 @@ def test_notebook_runs_with_its_defaults_and_keeps_its_figures(lab_page, browser
     runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name)
 
 
-def runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name: str):
-    """Run All with the notebook's defaults, its checks on the page and on the saved copy, then reopened; the saved
-    copy (``nbformat``)."""
+def runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name: str, reopened=None):
+    """Run All with the notebook's defaults, its checks on the page and on the saved copy, then reopened
+    (:func:`_keeps_its_figures`; ``reopened``: a caller's own checks of the reopened page, so that a notebook is reopened
+    once); the saved copy (``nbformat``)."""
     from nbconvert import HTMLExporter
 
     lab = lab_page.lab
@@ -222,15 +234,26 @@ def runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, n
     check_shows(saved, name)  # what the papermill run checked: tests/support/notebook_checks.py
     body, _ = HTMLExporter().from_notebook_node(saved)
     assert body.strip(), f"{name}: empty HTML export"
-    if watch_cells:
-        _keeps_its_figures(browser, lab, artefacts, nb, watch_cells, saved, body)
     _shows_like_its_family(name, shown, scales)
+    _keeps_its_figures(browser, lab, artefacts, nb, watch_cells, saved, body, then=reopened)
     return saved
 
 
-def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells: list[int], saved, html: str) -> None:
-    """Saved (``saved``: the copy's notebook; ``html``: its HTML export) and reopened: every cell that watched a run
-    shows its figures, no "model not found"."""
+def _saved_images(saved) -> dict[int, int]:
+    """The PNG outputs of the saved copy a page draws as an <img>, by cell index (cells without one left out)."""
+    counts = {i: sum(1 for o in c.get("outputs", []) if "image/png" in o.get("data", {})
+                     and not any(m in o["data"] for m in RANKED_ABOVE_PNG))
+              for i, c in enumerate(saved.cells) if c.cell_type == "code"}
+    return {i: n for i, n in counts.items() if n}
+
+
+def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells: list[int], saved, html: str,
+                       then=None) -> None:
+    """Saved (``saved``: the copy's notebook; ``html``: its HTML export) and reopened in a fresh page: every PNG output
+    the copy holds is drawn again (an <img> in its cell's output area), the page nowhere says "model not found" or
+    "Error displaying widget" (with ``WORKBENCH_STOCK_JUPYTERLAB=1`` a saved widget output says it, as
+    docs/notebooks.md warns: not checked then); every cell that watched a run shows its named figures.  ``then``: more
+    checks on the reopened page (``page`` -> None), before it is closed."""
     name = nb.name
     shown = {}
     for i in watch_cells:
@@ -238,8 +261,25 @@ def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells:
         shown[i] = figure_names(saved.cells[i])
         assert "training" in shown[i] and None not in shown[i], f"{name}: cell {i} saved without its named figures: {shown[i]}"
         assert not any(WIDGET_MIME in d for d in data), f"{name}: cell {i} saved a widget a reopened notebook cannot show"
+    images = _saved_images(saved)
+    stock = os.environ.get("WORKBENCH_STOCK_JUPYTERLAB") == "1" and any(
+        WIDGET_MIME in o.get("data", {}) for c in saved.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    t0 = time.time()
     page, _console = _reopen(browser, lab, artefacts, name)
     try:
+        def lost() -> dict[int, str]:
+            now = page.evaluate(CELL_IMAGES_JS)
+            return {i: f"{now[i] if i < len(now) else 0} of {n}" for i, n in images.items() if i >= len(now) or now[i] < n}
+
+        within(30, lambda: not lost())
+        page.screenshot(path=str(artefacts / "screenshots" / f"{name}-{nb.step + 1:02d}-reopened.png"))
+        missing = lost()
+        assert not missing, f"{name} reopened: cells whose saved PNG outputs are not drawn again (drawn of saved): {missing}"
+        print(f"{name} reopened in {time.time() - t0:.0f}s: {sum(images.values())} saved PNG outputs in {len(images)} cells, "
+              "drawn again")
+        text = page.locator("body").inner_text()
+        said = [ln for ln in text.splitlines() if "model not found" in ln or "Error displaying widget" in ln]
+        assert stock or not said, f"{name} reopened: {said}"
         cells = page.locator(".jp-Notebook .jp-Cell")
         for k, i in enumerate(watch_cells):
             cell = cells.nth(i)
@@ -250,9 +290,11 @@ def _keeps_its_figures(browser, lab, artefacts: Path, nb: Notebook, watch_cells:
             # every figure it saved (the router dashboard of an MoE run too), drawn again
             assert imgs.count() >= len(shown[i]), f"{name}: reopened cell {i}: {shown[i]}"
             assert "Error displaying widget" not in cell.inner_text(), f"{name}: reopened cell {i}: {cell.inner_text()[:500]}"
+        if then is not None:
+            then(page)
     finally:
         _close(page, lab)
-    assert html.count("data:image/png") >= len(watch_cells)
+    assert html.count("data:image/png") >= max(len(watch_cells), sum(images.values())), f"{name}: the HTML export lacks figures"
 
 
 def test_stop_during_run_all_halts_the_notebook(lab_page, browser, artefacts):

@@ -1,9 +1,10 @@
 """Saved and reopened (a fresh page, a new kernel), the interactive widgets keep what they showed (issue #55).
 
 Run All on a copy of the notebook with its defaults -- CI's one such run of 02 and 03, with every check of
-``test_notebook_runs_browser.py`` (``REOPENED`` there) -- save, reopen: every cell whose saved outputs hold a widget
-shows it again as a static snapshot (the planner's and the explorer's chart as an <img>, their status line) and
-nowhere says "Error displaying widget" / "model not found".  Interactivity needs a kernel and is not checked.
+``test_notebook_runs_browser.py`` (``REOPENED`` there), its checks of the reopened page included (every saved PNG drawn
+again, no "Error displaying widget" / "model not found" on the page) -- save, reopen once: every cell whose saved
+outputs hold a widget shows it again as a static snapshot (the planner's and the explorer's chart as an <img>, their
+status line).  Interactivity needs a kernel and is not checked.
 Set-up in conftest.py; the reopening helpers are ``test_notebook_runs_browser.py``'s.
 """
 
@@ -13,7 +14,7 @@ import os
 
 import pytest
 
-from tests.browser.test_notebook_runs_browser import REOPENED, WIDGET_MIME, _close, _reopen, \
+from tests.browser.test_notebook_runs_browser import REOPENED, WIDGET_MIME, _saved, \
     runs_with_its_defaults_and_keeps_its_figures, within
 
 pytestmark = pytest.mark.slow
@@ -26,16 +27,13 @@ WIDGETS = {"02_memory_planner": ("micro-batch size", "worst"), "03_pipeline_sche
 def test_widgets_keep_what_they_showed_when_reopened(lab_page, browser, artefacts, name):
     assert set(WIDGETS) == set(REOPENED)  # the notebooks test_notebook_runs_browser.py leaves to this file
     label, status = WIDGETS[name]
-    lab = lab_page.lab
-    saved = runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name)  # Run All, saved, its checks
-    if os.environ.get("WORKBENCH_STOCK_JUPYTERLAB") == "1":
-        pytest.skip("ran with its defaults and passed; a stock JupyterLab saves no widget state: its reopened widgets "
-                    "say 'model not found' (docs/notebooks.md)")
-    widget_cells = [i for i, c in enumerate(saved.cells) if c.cell_type == "code"
-                    and any(WIDGET_MIME in o.get("data", {}) for o in c.get("outputs", []))]
-    assert widget_cells, f"{name}: no widget output saved"
-    page, console = _reopen(browser, lab, artefacts, name)
-    try:
+    stock = os.environ.get("WORKBENCH_STOCK_JUPYTERLAB") == "1"
+
+    def widgets_drawn_again(page) -> None:
+        """On the reopened page (the runs file reopened it and checked it): the widgets, as they were."""
+        widget_cells = [i for i, c in enumerate(_saved(lab_page.lab, name).cells) if c.cell_type == "code"
+                        and any(WIDGET_MIME in o.get("data", {}) for o in c.get("outputs", []))]
+        assert widget_cells, f"{name}: no widget output saved"
         # _reopen waited for every widget output to be drawn or to say it cannot be; the widgets inside them, and the
         # interactive widget's chart and status line, are drawn next
         widget = page.locator(".jp-CodeCell", has=page.locator(f"label.widget-label:text-is('{label}')")).last
@@ -44,7 +42,7 @@ def test_widgets_keep_what_they_showed_when_reopened(lab_page, browser, artefact
         trusted = page.evaluate("() => window.jupyterapp.shell.currentWidget.content.widgets"
                                 ".filter(c => c.model.type === 'code').every(c => c.model.trusted)")
         print(f"{name} reopened: outputs trusted: {trusted}")  # trusted: JupyterLab prefers the widget view to any fallback
-        page.screenshot(path=str(artefacts / "screenshots" / f"{name}-reopened.png"), full_page=True)
+        page.screenshot(path=str(artefacts / "screenshots" / f"{name}-reopened-widgets.png"), full_page=True)
         text = page.locator(".jp-Notebook").inner_text()
         assert "Error displaying widget" not in text and "model not found" not in text, \
             [ln for ln in text.splitlines() if "Error displaying widget" in ln or "model not found" in ln]
@@ -58,5 +56,10 @@ def test_widgets_keep_what_they_showed_when_reopened(lab_page, browser, artefact
         page.screenshot(path=str(artefacts / "screenshots" / f"{name}-reopened-widget.png"))
         assert widget.locator(".jp-OutputArea-output img").count() >= 1, f"{name}: the widget's chart is gone"
         assert status in widget.inner_text(), widget.inner_text()[:500]
-    finally:
-        _close(page, lab)
+
+    # Run All, saved, its checks, reopened once: the runs file's checks of the reopened page, then these
+    runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name,
+                                                 reopened=None if stock else widgets_drawn_again)
+    if stock:
+        pytest.skip("ran with its defaults and passed; a stock JupyterLab saves no widget state: its reopened widgets "
+                    "say 'model not found' (docs/notebooks.md)")

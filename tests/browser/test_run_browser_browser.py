@@ -1,0 +1,158 @@
+"""The run browser (``workbench/widgets/runs.py``, the quickstart's last cell) driven through the page (issue #55).
+
+Two finished tiny CPU runs (the backend's own ``Trainer``, one launch: ``tests/support/trainer_runs.py``; their learning
+rates differ, so their curves do) in a folder; a scratch notebook whose one cell shows ``RunBrowser(<that folder>)``
+opens in the worker's JupyterLab page (``lab_page``, conftest.py) and runs.  Then, with the real ipywidgets controls:
+
+- the page lists both runs, finished, and overlays both (the newest two of two are selected at first);
+- a click on one run in the multi-select: the values table names that run alone and the figure is drawn again;
+  a Ctrl+click on the other: the table names both, the status says two runs, the figure changes again;
+- the metric dropdown set to grad norm, the log-scale toggle, the smoothing slider at 0: each redraws the figure
+  (its PNG changes) and what the page says follows (the status names the metric; the table's values are the grad
+  norms; unsmoothed, each run's smoothed value is its value).
+
+Every check reads the page (the figure's <img>, the status line, the tables' cells), not the widget's Python state.
+A screenshot of every step goes to ``<artefacts>/screenshots``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.browser.test_widgets_browser import Scratch, _field, _set_slider
+from tests.support import tiny_run_config
+from tests.support.trainer_runs import run_trainers
+
+pytestmark = pytest.mark.slow
+
+#: run name -> its learning rate (6 steps of the tiny preset each, no checkpoint)
+RUNS = {"tiny-lr-3e-3": 3e-3, "tiny-lr-3e-4": 3e-4}
+
+# the tables under a root: each one's header cells and its rows' cells, as the page shows them
+TABLES_JS = """(root) => Array.from(root.querySelectorAll('table')).map(t => ({
+  head: Array.from(t.querySelectorAll('thead th')).map(c => c.innerText.trim()),
+  rows: Array.from(t.querySelectorAll('tbody tr')).map(r => Array.from(r.querySelectorAll('th, td')).map(c => c.innerText.trim()))
+}))"""
+
+
+def _runs(folder: Path) -> dict[str, Path]:
+    """The two runs, trained in one launch (a fresh folder: a rerun with the same artefacts starts over)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    over = {"checkpoint.save_interval": 0, "checkpoint.save_on_exit": False}
+    dirs = {name: folder / name for name in RUNS}
+    t0 = time.time()
+    run_trainers({dirs[name]: tiny_run_config(**{"train.lr": lr, **over}) for name, lr in RUNS.items()}, timeout=300)
+    print(f"[browser] the two runs trained in {time.time() - t0:.0f}s", flush=True)
+    return dirs
+
+
+class Shown:
+    """What the run browser's output shows: its figure, status line and tables."""
+
+    def __init__(self, nb: Scratch, ui):
+        self.nb, self.ui, self.page = nb, ui, nb.page
+        self.figure = ui.locator(".widget-output img")
+
+    def src(self) -> str | None:
+        return self.figure.first.get_attribute("src") if self.figure.count() == 1 else None
+
+    def tables(self) -> list[dict]:
+        return self.page.evaluate(TABLES_JS, self.ui.element_handle())
+
+    def runs_table(self) -> dict:
+        return next(t for t in self.tables() if "status" in t["head"])
+
+    def values(self) -> dict[str, dict[str, str]]:
+        """The values table: run -> {column: cell}."""
+        tables = [t for t in self.tables() if "smoothed" in t["head"]]
+        if not tables:
+            return {}
+        head = tables[-1]["head"]
+        return {row[head.index("run")]: dict(zip(head, row)) for row in tables[-1]["rows"]}
+
+    def says(self, line: str) -> bool:
+        """The output says ``line`` (the status line: ``2 runs with train loss``)."""
+        return line in self.ui.inner_text()
+
+    def after(self, what: str, before: str | None, ok, timeout: float = 60) -> str:
+        """Wait until the figure is a new one (its PNG not ``before``) and ``ok()`` holds, the kernel idle; the new
+        figure's src.  A screenshot either way."""
+        end = time.time() + timeout
+        while time.time() < end:
+            src = self.src()
+            if src and src != before and ok():
+                break
+            time.sleep(0.25)
+        self.nb.wait_idle(60)
+        self.nb.shot(what, self.ui)
+        src = self.src()
+        assert src and src.startswith("data:image/png"), f"{what}: no figure on the page ({self.figure.count()} <img>)"
+        assert src != before, f"{what}: the figure was not drawn again"
+        assert ok(), f"{what}: the page shows {self.values()} / {self.ui.inner_text()[-800:]!r}"
+        return src
+
+
+def test_run_browser_overlays_two_runs_through_the_page(lab_page, artefacts):
+    """Select runs, a metric, log scale and smoothing by clicking the controls; the figure and the tables follow."""
+    a, b = RUNS
+    dirs = _runs(artefacts / "run-browser-runs")
+    t0 = time.time()
+    cell = f"from workbench.widgets.runs import RunBrowser\n\nRunBrowser({str(dirs[a].parent)!r})"
+    nb = Scratch(lab_page, artefacts, "run_browser", [cell])  # opened in the worker's page
+    try:
+        nb.run_all(180)
+        ui = nb.outputs(0).first
+        shown = Shown(nb, ui)
+
+        # both runs listed, finished, and overlaid
+        src = shown.after("opened", None, lambda: set(shown.values()) == {a, b})
+        table = shown.runs_table()
+        rows = {r[table["head"].index("run")]: r for r in table["rows"]}
+        assert set(rows) == {a, b}, table
+        assert all(r[table["head"].index("status")] == "finished" for r in rows.values()), table
+        assert all(r[table["head"].index("steps")] == "6/6" for r in rows.values()), table
+        assert shown.says("2 runs under") and shown.says("2 runs with train loss")
+
+        # one run alone (a click), then both (Ctrl+click the other): the table and the figure follow
+        select = ui.locator(".widget-select-multiple select")
+        assert sorted(select.locator("option").all_inner_texts()) == sorted(RUNS)
+        select.locator("option", has_text=b).click()
+        src = shown.after(f"only-{b}", src, lambda: set(shown.values()) == {b} and shown.says("1 run with train loss"))
+        alone = shown.values()[b]
+        select.locator("option", has_text=a).click(modifiers=["Control"])
+        src = shown.after("both", src, lambda: set(shown.values()) == {a, b} and shown.says("2 runs with train loss"))
+        both = shown.values()
+        assert both[b] == alone, (both, alone)  # the other run's row is what it showed alone
+        assert all(v["step"] == "6" for v in both.values()), both  # each run's value at its last step
+        loss = {run: float(v["value"]) for run, v in both.items()}
+        assert all(5 < x < 12 for x in loss.values()), loss  # a tiny GPT's loss on synthetic data (ln 32k ~ 10.4)
+
+        # another metric: the status names it, the values are the grad norms
+        _field(ui, "metric").locator("select").select_option(label="grad norm")
+        src = shown.after("grad-norm", src, lambda: shown.says("2 runs with grad norm")
+                          and set(shown.values()) == {a, b}
+                          and all(float(v["value"]) != loss[r] for r, v in shown.values().items()))
+        norms = shown.values()
+        assert any(v["smoothed"] != v["value"] for v in norms.values()), norms  # smoothed at the default 0.6
+
+        # log scale: the figure is drawn again, the values stay
+        box = ui.locator(".widget-checkbox", has_text="log scale").locator("input[type=checkbox]")
+        assert not box.is_checked()
+        box.click()
+        src = shown.after("log-scale", src, lambda: box.is_checked())
+        assert shown.values() == norms and shown.says("2 runs with grad norm")
+
+        # no smoothing: each run's smoothed value is its value
+        _set_slider(nb.page, ui, "smoothing", 0)
+        src = shown.after("unsmoothed", src, lambda: shown.values() and all(
+            v["smoothed"] == v["value"] for v in shown.values().values()))
+        assert {r: v["value"] for r, v in shown.values().items()} == {r: v["value"] for r, v in norms.items()}
+        assert not nb.console, nb.console
+        print(f"run browser driven through the page in {time.time() - t0:.0f}s")
+    finally:
+        nb.shot("end")
+        nb.close()
