@@ -245,9 +245,11 @@ def workbench_profile_row(a: argparse.Namespace) -> dict:
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="moe-prof-"))
     tr.setup()
     tr.cfg.train.microbatch_timing_interval = 0
-    meas = harness.measure_steps(tr.train_step, cuda, a.proto)
+    with tr.collector:  # the garbage collection of the Trainer's own loop
+        meas = harness.measure_steps(tr.train_step, cuda, a.proto)
+        profiles = _profiles(tr.train_step, cuda, a)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    return {**_profiles(tr.train_step, cuda, a), "row": "workbench-profile", "preset": "moe-research", "ep": 1, "gpus": 1,
+    return {**profiles, "row": "workbench-profile", "preset": "moe-research", "ep": 1, "gpus": 1,
             "status": "ok", "tokens_per_s": tokens / meas["step_s"], "step_time_s": meas["step_s"],
             "warmup_steps": meas["warmup_steps"], "steady": meas["steady"], "step_times": meas["step_times"],
             "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None, "kernels": tr.kernel_choice,

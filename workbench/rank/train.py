@@ -55,6 +55,7 @@ from workbench.config import ConfigError, RunConfig, derive, load_config
 from workbench.hooks import Batch, TrainHooks, load_hooks
 from workbench.models.parts import parts_of
 from workbench.provenance import git_commit
+from workbench.rank.collector import StepCollector
 from workbench.run import writer
 from workbench.run.events import Checkpoint, Error, Eval, EvalProgress, EventWriter, Microbatch, RunEnd, RunStart, Step, fusion_entries
 from workbench.run.nodes import LAUNCH_FILE
@@ -111,6 +112,8 @@ class Trainer:
         self._stop_pending: Optional[tuple[Any, torch.Tensor]] = None  # (work, flag) of the lagged stop agreement
         self.monitor: Any = None  # the family's per-step monitor (setup)
         self.tensorboard: Any = None  # train.tensorboard on the rank that logs: a workbench.run.tensorboard.TensorBoardLog
+        #: Python's garbage collector: once at the end of each step while the loop runs (``with self.collector``)
+        self.collector = StepCollector()
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -441,6 +444,7 @@ class Trainer:
         if ok:
             self.scheduler.step(increment=1)
         losses = self._reduce_loss(reports)
+        self.collector.after_step()  # while the device runs the optimizer's kernels; counted in the step's time
         if self.cuda:
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
@@ -580,7 +584,8 @@ class Trainer:
         self._install_signals()
         try:
             self.setup()
-            return self._loop()
+            with self.collector:
+                return self._loop()
         except BaseException as e:  # noqa: BLE001 - every failure must reach the event stream
             tb = traceback.format_exc()
             print(tb, file=sys.stderr, flush=True)
