@@ -117,9 +117,11 @@ class _Cycle:
         self.me = self
 
 
-def test_step_collector_collects_cycles_at_the_step_end_and_restores_the_collector():
+def test_step_collector_collects_cycles_at_the_step_end_and_restores_the_collector(monkeypatch):
+    from workbench.rank import collector
     from workbench.rank.collector import WARM_STEPS, StepCollector
 
+    monkeypatch.setattr(collector, "FULL_EVERY", WARM_STEPS + 3)
     enabled, frozen = gc.isenabled(), gc.get_freeze_count()
     col = StepCollector()
     col.after_step()  # not entered: nothing happens
@@ -127,16 +129,24 @@ def test_step_collector_collects_cycles_at_the_step_end_and_restores_the_collect
     with col:
         assert not gc.isenabled() and col.active
         assert gc.get_freeze_count() > frozen  # what lives for the run is set aside
-        for step in range(WARM_STEPS + 2):
+        for step in range(1, WARM_STEPS + 4):
             c = _Cycle()
             alive = weakref.ref(c)
             del c
             for _ in range(2000):  # allocations that would have started the automatic collector
                 _Cycle()
             assert alive() is not None  # a cycle outlives nothing inside the step...
+            if step == WARM_STEPS + 1:
+                kept = _Cycle()  # ...nor, once the warm steps are over, a cycle that outlives its step
+                old = weakref.ref(kept)
             col.after_step()
-            assert alive() is None  # ...and nothing after it
-        assert col.steps == WARM_STEPS + 2 and col.last_ms >= 0
+            assert alive() is None  # ...and the step's own cycles go at its end
+            if step == WARM_STEPS + 1:
+                del kept
+            elif step == WARM_STEPS + 2:
+                assert old() is not None  # outlived its step: left to the next full pass (young passes only)
+        assert old() is None  # the full pass, FULL_EVERY steps in
+        assert col.steps == WARM_STEPS + 3 and col.last_ms >= 0
     assert gc.isenabled() == enabled and gc.get_freeze_count() == 0 and not col.active
 
     off = StepCollector(enabled=False)

@@ -13,13 +13,15 @@ host-bound step), so step times jitter and the device waits.  Megatron-LM's ``--
   modules, the optimizer, the imported libraries -- goes to the permanent generation, which no later pass walks) and
   ``gc.disable()``;
 - :meth:`~StepCollector.after_step` (the Trainer calls it inside the step, before the step's last device sync, so its
-  time is part of the step time it reports): one full collection of what the step left (~4 ms on a 2-core CPU for
-  that MoE at toy widths, against ~60 ms a step the automatic collector took there); after each of the first :data:`WARM_STEPS` steps the survivors (the compiled kernels' graphs and guards, the
-  first steps' caches) are frozen too;
+  time is part of the step time it reports): a collection of the young generations, what the step allocated and left
+  alive (a few milliseconds: its cost does not grow with the objects older steps left, which a full pass would walk
+  every step -- 0.5 s a step on one H200 under the torch profiler's records, ``bench/results/moe_profile.jsonl:11``);
+  every :data:`FULL_EVERY` steps a full pass of what is not frozen; after each of the first :data:`WARM_STEPS` steps
+  the survivors (the compiled kernels' graphs and guards, the first steps' caches) are frozen too;
 - on leaving: the automatic collector back as it was, the frozen objects returned to it.
 
-Garbage in reference cycles lives at most until the end of its step, as with a collection per step; no cycle
-outlives the run.
+Garbage in reference cycles made within a step goes at the end of that step; a cycle among objects that outlived
+their step goes at the next full pass, at most :data:`FULL_EVERY` steps later.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from __future__ import annotations
 import gc
 import time
 
-__all__ = ["StepCollector", "WARM_STEPS"]
+__all__ = ["StepCollector", "WARM_STEPS", "FULL_EVERY"]
 
 #: steps after which what survived the step's collection is frozen too (compilation happens in the first steps)
 WARM_STEPS = 3
+#: steps between full passes (the others collect the young generations only)
+FULL_EVERY = 100
 
 
 class StepCollector:
@@ -53,12 +57,13 @@ class StepCollector:
         return self
 
     def after_step(self) -> None:
-        """One full collection of the objects that are not frozen (a no-op unless entered)."""
+        """Collect the young generations, or every :data:`FULL_EVERY` steps all that is not frozen (a no-op unless
+        entered)."""
         if not self.active:
             return
         t0 = time.perf_counter()
-        gc.collect()
         self.steps += 1
+        gc.collect() if self.steps % FULL_EVERY == 0 else gc.collect(1)
         if self.steps <= WARM_STEPS:
             gc.freeze()
         self.last_ms = (time.perf_counter() - t0) * 1e3
