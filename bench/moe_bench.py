@@ -105,6 +105,7 @@ def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
         router = reader.router()
         return {**out, "status": "ok", "tokens_per_s": tokens / meas["step_s"], "step_time_s": meas["step_s"],
                 "warmup_steps": meas["warmup_steps"], "steady": meas["steady"], "step_times": meas["step_times"],
+                "every_step_s": [round(r.step_time, 4) for r in rows],  # warm-up included: where a repeat slows
                 "mem_peak": max((r.mem_peak or 0) for r in rows),
                 "loss_first": rows[0].loss, "loss_last": rows[-1].loss, "kernels": start.kernels if start else None,
                 "router_cv_per_layer": router[-1].coefficient_of_variation() if router else None,
@@ -292,7 +293,8 @@ def merged(phase: str, reps: list[dict]) -> dict:
     row = dict(next(r for r in ok if r["tokens_per_s"] == harness.median(tps)))
     row.pop("step_times", None)
     return {**row, "tokens_per_s": harness.median(tps), "repeats": harness.side(tps),
-            "repeat_rows": [{k: r.get(k) for k in ("tokens_per_s", "warmup_steps", "steady", "repeat_wall_s", "gpu_strangers")} for r in ok]}
+            "repeat_rows": [{k: r.get(k) for k in ("tokens_per_s", "warmup_steps", "steady", "repeat_wall_s", "gpu_strangers",
+                                                   "every_step_s")} for r in ok]}
 
 
 def main() -> int:
