@@ -17,6 +17,8 @@ import pytest
 from tests.browser.test_notebook_runs_browser import REOPENED, WIDGET_MIME, _saved, \
     runs_with_its_defaults_and_keeps_its_figures, within
 
+from workbench.widgets.layout import LIVE_NOTE
+
 pytestmark = pytest.mark.slow
 
 #: notebook -> (label of a control of its interactive widget, text its status line shows)
@@ -56,6 +58,8 @@ def test_widgets_keep_what_they_showed_when_reopened(lab_page, browser, artefact
         page.screenshot(path=str(artefacts / "screenshots" / f"{name}-reopened-widget.png"))
         assert widget.locator(".jp-OutputArea-output img").count() >= 1, f"{name}: the widget's chart is gone"
         assert status in widget.inner_text(), widget.inner_text()[:500]
+        # under it, the note that this is a snapshot, live again once its cell re-runs
+        assert LIVE_NOTE in " ".join(widget.inner_text().split()), widget.inner_text()[-500:]
 
     # Run All, saved, its checks, reopened once: the runs file's checks of the reopened page, then these
     runs_with_its_defaults_and_keeps_its_figures(lab_page, browser, artefacts, name,

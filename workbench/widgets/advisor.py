@@ -146,6 +146,9 @@ class AdvisorWidget:
         return cfg
 
     def _ipython_display_(self) -> None:
+        import ipywidgets as W
         from IPython.display import display
 
-        display(self.widget)
+        from workbench.widgets.layout import live_view
+
+        display(live_view(W, self.widget))

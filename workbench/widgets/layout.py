@@ -2,7 +2,8 @@
 "make_vocab_size_divisible...") and an input box never overlaps the column next to it; columns
 of controls keep their width and wrap onto the next line where the output is too narrow, so
 nothing is clipped (a column narrower than its boxes scrolls them sideways when one is edited).
-Also the small text helpers the widgets share (:func:`plural`)."""
+Also the small text helpers the widgets share (:func:`plural`) and the note under every interactive widget
+(:func:`live_view`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ def column(W, widgets: Sequence[Any]) -> Any:
 def columns(W, cols: Sequence[Any]) -> Any:
     """An HBox of :func:`column` s that wraps a column onto the next line where the output is narrower."""
     return W.HBox(list(cols), layout=W.Layout(flex_flow="row wrap", overflow="visible"))
+
+
+#: under every interactive widget: what a saved and reopened notebook shows of it (its widget state, drawn as it was)
+LIVE_NOTE = ("Interactive while this notebook's kernel runs. Saved and reopened, this is a snapshot of what it showed: "
+             "re-run the cell to make it live again.")
+
+
+def live_view(W, ui: Any) -> Any:
+    """``ui`` with :data:`LIVE_NOTE` below it, small and grey: what a widget's ``_ipython_display_`` displays."""
+    note = W.HTML(f"<span style='color:#777;font-size:85%'>{LIVE_NOTE}</span>")
+    note.add_class("workbench-live-note")
+    return W.VBox([ui, note])
 
 
 def plural(n: float, one: str, many: str) -> str:

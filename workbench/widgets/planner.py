@@ -220,6 +220,9 @@ class MemoryPlanner:
         self.suggestions_box.children = tuple([W.HTML("<b>what to change:</b>")] + rows) if rows else ()
 
     def _ipython_display_(self) -> None:
+        import ipywidgets as W
         from IPython.display import display
 
-        display(self.ui)
+        from workbench.widgets.layout import live_view
+
+        display(live_view(W, self.ui))

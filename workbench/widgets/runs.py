@@ -292,4 +292,8 @@ class RunBrowser:
             for item in self.static():
                 display(item)
         else:
-            display(self.ui)
+            import ipywidgets as W
+
+            from workbench.widgets.layout import live_view
+
+            display(live_view(W, self.ui))

@@ -116,6 +116,9 @@ class ScheduleExplorer:
         return tl
 
     def _ipython_display_(self) -> None:
+        import ipywidgets as W
         from IPython.display import display
 
-        display(self.ui)
+        from workbench.widgets.layout import live_view
+
+        display(live_view(W, self.ui))
