@@ -40,7 +40,7 @@ from workbench.config import preset
 FILE_SECONDS = {
     "browser/test_long_notebook_runs_browser.py": 450, "browser/test_notebook_runs_browser.py": 300,
     "backend/test_compiled_layer_compile.py": 450,
-    "notebooks/test_notebooks.py": 210,
+    "notebooks/test_notebooks.py": 210, "notebooks/test_notebooks_headless.py": 420,
     "backend/test_compiled_layer.py": 250, "backend/test_compiled_layer_tp.py": 200, "launch/test_multinode.py": 170,
     "conversion/test_convert_streaming.py": 280, "models/test_t5_train.py": 240, "rank/test_rank_train.py": 300,
     "backend/test_compiled_dropout.py": 250, "conversion/test_conversion.py": 130, "launch/test_loopback_only.py": 180,

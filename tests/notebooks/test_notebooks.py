@@ -1,9 +1,11 @@
-"""The notebooks that run with their defaults headless through papermill (``workbench notebook run``): the quickstart
-alone (``PAPERMILL_RUNS`` in ``tests/support/notebook_checks.py``).  It is the README's main path, and its checks read
-the ``metrics.json`` and the run directory that papermill's injected ``out_dir`` puts next to the executed notebook,
-and the command's output.  Every other notebook runs with its defaults once, through "Run All" in JupyterLab
-(``tests/browser/test_notebook_runs_browser.py``), which applies the same checks (``check_shows``) to the copy
-JupyterLab saved.  Also here: the ``workbench notebook run`` / ``sweep`` commands on a tiny notebook.
+"""Every notebook runs with its defaults headless through papermill (``workbench notebook run``), the path of
+``papermill`` users and of the README's main command, where the widgets take their headless paths (static tables and
+figures, no widget state): the quickstart (``PAPERMILL_RUNS`` in ``tests/support/notebook_checks.py``) with its own
+checks, which read the ``metrics.json`` and the run directory that papermill's injected ``out_dir`` puts next to the
+executed notebook, and the command's output; every other notebook (``BROWSER_RUNS``) with the checks its "Run All" in
+JupyterLab gets (``check_shows``; ``test_notebooks_headless.py``, a file of its own so that the two test workers share
+the runs; ``tests/browser/test_notebook_runs_browser.py`` runs them in JupyterLab too).  Also here: the
+``workbench notebook run`` / ``sweep`` commands on a tiny notebook.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ PAPERMILL = [p for p in NOTEBOOKS if p.stem in PAPERMILL_RUNS]
 
 
 def test_there_are_notebooks():
-    """Every notebook runs with its defaults in exactly one of the two paths; the quickstart through papermill."""
+    """Every notebook is one of the two kinds: the quickstart (papermill, its own checks) or a "Run All" notebook (also
+    headless, ``test_notebooks_headless.py``)."""
     names = [p.stem for p in NOTEBOOKS]
     assert "01_quickstart" in names and "01_quickstart" in PAPERMILL_RUNS
     assert set(PAPERMILL_RUNS) <= set(names), f"PAPERMILL_RUNS names a notebook that is not in notebooks/: {PAPERMILL_RUNS}"

@@ -1,16 +1,18 @@
 """The notebook tests' shared part: the checks of what each notebook of ``notebooks/`` shows when it runs with its own
 defaults, and the headless run of those that run through papermill.
 
-Each notebook runs with its defaults once in CI, in one of two paths:
+Each notebook runs with its defaults in CI headless through papermill (``workbench notebook run`` in a fresh
+process: :func:`run_with_defaults`), and every one but the quickstart also through "Run All" in JupyterLab:
 
-- headless through papermill (``workbench notebook run`` in a fresh process: :func:`run_with_defaults`, called by
-  ``tests/notebooks/test_notebooks.py``): :data:`PAPERMILL_RUNS`, the quickstart alone -- the README's main path,
-  and its checks (:data:`PAPERMILL_CHECKS`) read the ``metrics.json`` and the run directory that the injected
-  ``out_dir`` puts next to the executed notebook, and the command's own output;
-- "Run All" in JupyterLab in headless Chromium (``tests/browser/test_notebook_runs_browser.py``): :data:`BROWSER_RUNS`,
-  every other notebook; the test applies the same checks to the copy JupyterLab saved.
+- :data:`PAPERMILL_RUNS`, the quickstart -- the README's main path (``tests/notebooks/test_notebooks.py``): its
+  checks (:data:`PAPERMILL_CHECKS`) also read the ``metrics.json`` and the run directory that the injected ``out_dir``
+  puts next to the executed notebook, and the command's own output (in JupyterLab it is driven by its widgets,
+  ``tests/browser/test_notebooks_in_jupyterlab.py``);
+- :data:`BROWSER_RUNS`, every other notebook: headless (``tests/notebooks/test_notebooks_headless.py``), and "Run All"
+  in JupyterLab in headless Chromium (``tests/browser/test_notebook_runs_browser.py``), which applies the same checks
+  to the copy JupyterLab saved.
 
-Both paths apply :func:`check_executed` and the notebook's entry of :data:`CHECKS`, which read only the executed
+Every run applies :func:`check_executed` and the notebook's entry of :data:`CHECKS`, which read only the executed
 notebook's outputs and the run directories it names (``run directory: ...``, absolute paths).
 
 The notebooks show results and never assert: a check that can fail belongs here.  Convention for notebook
@@ -33,13 +35,13 @@ from workbench.run.reader import read_events
 from tests.support import ROOT, run_in_fresh_process
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-#: the notebooks that run with their defaults headless through papermill (``tests/notebooks/test_notebooks.py``)
+#: the notebooks whose papermill run has checks of its own (``tests/notebooks/test_notebooks.py``)
 PAPERMILL_RUNS = ("01_quickstart",)
 #: the notebooks that run with their defaults in JupyterLab (``tests/browser/test_notebook_runs_browser.py``): every
 #: other one, so a new notebook is covered there without being named anywhere
 BROWSER_RUNS = tuple(p.stem for p in NOTEBOOKS if p.stem not in PAPERMILL_RUNS)
 #: seconds one papermill attempt may take on a busy 2-core machine (a hung kernel is retried, see run_in_fresh_process)
-SECONDS = {"01_quickstart": 600}
+SECONDS = {"01_quickstart": 600, "07_bert": 900, "08_t5": 600, "09_moe": 600}
 
 
 def _parameters_cell(nb) -> str | None:
@@ -87,13 +89,17 @@ def _losses(run_dir: Path) -> list[float]:
 
 def check_executed(nb, name: str) -> None:
     """What any notebook run with its defaults must be, whichever path ran it: written to the convention (a cell
-    tagged ``parameters`` declaring ``ci = False``; no ``assert`` in its cells), no error output, every code cell run."""
+    tagged ``parameters`` declaring ``ci = False``; no ``assert`` in its cells), no error output, nothing on stderr
+    (JupyterLab's pink box: a warning or a progress bar a default run must not show), every code cell run."""
     params = _parameters_cell(nb)
     assert params is not None, f"{name}: no cell tagged 'parameters'"
     assert "ci = False" in params.replace("ci=False", "ci = False"), f"{name}: the parameters cell must declare ci = False"
     assert not [c for c in nb.cells if c.cell_type == "code" and re.search(r"^\s*assert\b", c.source, re.M)], \
         f"{name}: a notebook shows results; its checks belong in tests/support/notebook_checks.py"
     assert _errors(nb) == [], f"{name}: {_errors(nb)}"
+    stderr = [(i, o.get("text", "")[:300]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              for o in c.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+    assert stderr == [], f"{name}: cells wrote to stderr: {stderr}"
     assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code"), f"{name}: a cell did not run"
 
 
