@@ -335,6 +335,7 @@ def train_worker(kind: str, preset_name: str, cfg: Any, a: argparse.Namespace, *
 
         tr = Trainer(cfg, tempfile.mkdtemp(prefix=tmp_prefix))
         tr.setup()
+        tr.collector.start()  # the training loop's garbage collection (this worker process ends with its row)
         step = tr.train_step
     measured = measure_steps(step, cuda, protocol(a), before_timing=torch.cuda.reset_peak_memory_stats if cuda else None)
     if getattr(a, "profile", False):  # after the timed steps: the profilers never slow a timed one

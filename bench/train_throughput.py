@@ -391,6 +391,7 @@ def run_workbench(v: Variant, a: argparse.Namespace) -> dict[str, Any]:
     tr = Trainer(cfg, run_dir)
     tr.setup()
     setup_s = time.perf_counter() - t0  # process groups, model build and init, DDP, optimizer, data
+    tr.collector.start()  # the training loop's garbage collection (this worker process ends with its row)
     t = tr.cfg.train
     t.microbatch_timing_interval = 0  # the timed steps: no micro-batch timing, no events
     t0 = time.perf_counter()

@@ -87,11 +87,17 @@ def test_temporaries_reset_on_their_holders_like_megatron_and_found_once(monkeyp
     fmg = optimizer_paths._finalize_module()
 
     monkeypatch.setattr(fmg, "reset_model_temporary_tensors", fmg.reset_model_temporary_tensors)  # restored after
+    monkeypatch.setattr(optimizer_paths, "STATE", dict(optimizer_paths.STATE))
+    # megatron's own function, also where an earlier test in this process installed the replacement
+    megatron_reset = (optimizer_paths._MEGATRON_RESET[0]
+                      if fmg.reset_model_temporary_tensors is optimizer_paths.reset_temporaries_of_holders
+                      else fmg.reset_model_temporary_tensors)
+    assert megatron_reset.__module__ == "megatron.core.distributed.finalize_model_grads"
     config = types.SimpleNamespace(moe_router_enable_expert_bias=True, moe_router_load_balancing_type=balancing)
     megatrons, ours = _chunk(), _chunk()
     for c in (megatrons, ours):
         _dirty(c)
-    fmg.reset_model_temporary_tensors(config, [megatrons])
+    megatron_reset(config, [megatrons])
     assert optimizer_paths.install_per_parameter_fallbacks()
     assert fmg.reset_model_temporary_tensors is optimizer_paths.reset_temporaries_of_holders
     assert optimizer_paths.install_per_parameter_fallbacks()  # idempotent: megatron's stays the one it calls
@@ -105,10 +111,10 @@ def test_temporaries_reset_on_their_holders_like_megatron_and_found_once(monkeyp
         raise AssertionError("the chunk's modules walked again")
     _dirty(ours)
     _dirty(megatrons)
-    monkeypatch.setattr(ours, "modules", walked)
-    fmg.reset_model_temporary_tensors(config, [ours])
-    monkeypatch.undo()
-    optimizer_paths._MEGATRON_RESET[0](config, [megatrons])
+    with monkeypatch.context() as mp:
+        mp.setattr(ours, "modules", walked)
+        fmg.reset_model_temporary_tensors(config, [ours])
+    megatron_reset(config, [megatrons])
     assert _state(ours) == _state(megatrons)
 
 
@@ -122,6 +128,7 @@ def test_step_collector_collects_cycles_at_the_step_end_and_restores_the_collect
     from workbench.rank.collector import WARM_STEPS, StepCollector
 
     monkeypatch.setattr(collector, "FULL_EVERY", WARM_STEPS + 3)
+    gc.unfreeze()  # (what another test froze): this collector then unfreezes what it froze at its end
     enabled, frozen = gc.isenabled(), gc.get_freeze_count()
     col = StepCollector()
     col.after_step()  # not entered: nothing happens
@@ -148,6 +155,13 @@ def test_step_collector_collects_cycles_at_the_step_end_and_restores_the_collect
         assert old() is None  # the full pass, FULL_EVERY steps in
         assert col.steps == WARM_STEPS + 3 and col.last_ms >= 0
     assert gc.isenabled() == enabled and gc.get_freeze_count() == 0 and not col.active
+
+    gc.freeze()  # someone froze objects before the loop started: they stay frozen after it
+    before = gc.get_freeze_count()
+    with StepCollector():
+        pass
+    assert gc.get_freeze_count() >= before > 0
+    gc.unfreeze()
 
     off = StepCollector(enabled=False)
     with off:

@@ -16,12 +16,6 @@ pytestmark = pytest.mark.slow
 HEADLESS = [p for p in NOTEBOOKS if p.stem in BROWSER_RUNS]
 
 
-def test_every_notebook_runs_headless_somewhere():
-    from tests.support.notebook_checks import PAPERMILL_RUNS
-
-    assert sorted([p.stem for p in HEADLESS] + list(PAPERMILL_RUNS)) == sorted(p.stem for p in NOTEBOOKS)
-
-
 @pytest.mark.parametrize("path", HEADLESS, ids=[p.stem for p in HEADLESS])
 def test_notebook_runs_headless_with_its_defaults(path: Path, tmp_path: Path):
     """The notebooks JupyterLab's "Run All" checks in the browser, headless through papermill with the same checks."""

@@ -3,8 +3,9 @@
 Without apex, megatron falls back to ``local_multi_tensor_l2_norm`` (a Python loop of ``torch.norm`` plus a host
 round trip per tensor: hundreds of device syncs a step) and ``local_multi_tensor_scale`` (a Python loop of copies).
 :func:`install_multi_tensor_fallbacks` replaces them with ``torch._foreach_norm`` / ``_foreach_mul_`` /
-``_foreach_copy_`` (a handful of multi-tensor kernels, no syncs); :func:`install_per_parameter_fallbacks` two loops of
-every step over each parameter or module (the bf16 copy back to the model, the reset of per-batch temporaries); :func:`use_fused_adam` switches torch's AdamW under
+``_foreach_copy_`` (a handful of multi-tensor kernels, no syncs); :func:`install_per_parameter_fallbacks` replaces two
+loops of every step over each parameter or module (the bf16 copy back to the model, the reset of per-batch
+temporaries); :func:`use_fused_adam` switches torch's AdamW under
 megatron's optimizer to its fused CUDA kernel (the same AdamW update).  What was switched on is recorded in
 :data:`STATE` (the fast paths' summary, ``compiled_layer.summary()``).  :func:`offload_fields`: megatron's optimizer
 CPU offload for ``parallel.optimizer_cpu_offload``.
@@ -13,7 +14,6 @@ CPU offload for ``parallel.optimizer_cpu_offload``.
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any
 
 import torch
@@ -106,9 +106,6 @@ def foreach_copy_this_to_that(this: list, that: list, overflow_buf: "torch.Tenso
         torch._foreach_copy_(that, this)
 
 
-_TEMPORARY_HOLDERS: "weakref.WeakKeyDictionary[Any, _Holders]" = weakref.WeakKeyDictionary()
-
-
 class _Holders:
     """A model chunk's modules that hold per-batch temporaries, in the place of the chunk for megatron's
     ``reset_model_temporary_tensors`` (which reaches them through ``.modules()``)."""
@@ -120,20 +117,26 @@ class _Holders:
         return iter(self._modules)
 
 
+#: the attribute of a model chunk that keeps its :class:`_Holders` (found at the chunk's first reset, living with it)
+_HOLDERS_ATTR = "_workbench_temporary_holders"
+
+
 def reset_temporaries_of_holders(config: Any, model: list) -> None:
     """megatron's ``reset_model_temporary_tensors`` (run by ``finalize_model_grads`` every step) over the modules that
-    can hold what it resets -- an expert bias, a global aux-loss tracker, ``qb_beta`` accumulators -- found once per
-    model chunk, instead of a walk of every module every step (~3,300 on ``moe-research``: its 1,024 experts' linears;
-    37,781 ``named_modules`` calls a step in ``bench/results/moe_profile.jsonl:9``)."""
+    can hold what it resets -- an expert bias, a global aux-loss tracker, ``qb_beta`` accumulators -- found at a model
+    chunk's first reset, instead of a walk of every module every step (~3,300 on ``moe-research``: its 1,024 experts'
+    linears; 37,781 ``named_modules`` calls a step in ``bench/results/moe_profile.jsonl:9``).  The modules are found
+    once: a model's modules are not replaced after it is built (a checkpoint load copies into them)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     holders = []
     for chunk in model:
-        found = _TEMPORARY_HOLDERS.get(chunk)
+        found = chunk.__dict__.get(_HOLDERS_ATTR)
         if found is None:
-            found = _TEMPORARY_HOLDERS[chunk] = _Holders([
-                m for m in get_attr_wrapped_model(chunk, "modules")()
-                if hasattr(m, "expert_bias") or hasattr(m, "reset_global_aux_loss_tracker") or hasattr(m, "qb_beta_accum")])
+            found = _Holders([m for m in get_attr_wrapped_model(chunk, "modules")()
+                              if hasattr(m, "expert_bias") or hasattr(m, "reset_global_aux_loss_tracker")
+                              or hasattr(m, "qb_beta_accum")])
+            chunk.__dict__[_HOLDERS_ATTR] = found
         holders.append(found)
     _MEGATRON_RESET[0](config, holders)
 

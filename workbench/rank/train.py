@@ -443,8 +443,8 @@ class Trainer:
         ok, grad_norm, _zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
+        self.collector.after_step()  # while the device runs the optimizer's kernels (nothing waited on it yet)
         losses = self._reduce_loss(reports)
-        self.collector.after_step()  # while the device runs the optimizer's kernels; counted in the step's time
         if self.cuda:
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
