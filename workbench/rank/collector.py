@@ -4,7 +4,8 @@ A rank holds hundreds of thousands of Python objects once megatron-core, torch a
 itself, Python's collector runs dozens of young-generation passes a step (one every 700 allocations: autograd nodes,
 the dispatcher's tensors) and, every few steps, a full pass over all of those objects, at whatever point of the step
 the allocation count runs out: inside the forward, between two kernel launches of a host-bound step
-(``bench/gc_probe.py``; ``bench/results/gc_probe.jsonl``).  Megatron-LM's ``--manual-gc`` and torchtitan's
+(``bench/gc_probe.py``, ``bench/results/gc_probe.jsonl``: on a 2-core CPU at ``moe-research``'s depth, 57.7 ms a step,
+a full pass of ~250 ms every ~6 steps; the step's collection below, 1.1 ms a step).  Megatron-LM's ``--manual-gc`` and torchtitan's
 ``GarbageCollection`` switch the automatic collector off for this reason.
 
 :class:`StepCollector` does what they do, with the objects that live for the whole run set aside:
