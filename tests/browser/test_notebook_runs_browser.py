@@ -58,8 +58,10 @@ CELL_IMAGES_JS = """() => window.jupyterapp.shell.currentWidget.content.widgets.
   c => c.model.type === 'code' ? c.outputArea.node.querySelectorAll('.jp-OutputArea-output img').length : 0)"""
 
 #: the output types JupyterLab draws before a PNG when an output holds both (its renderers' ranks): a PNG output of the
-#: saved copy counts as an image only without one of these
-RANKED_ABOVE_PNG = (WIDGET_MIME, "application/javascript", "text/html", "text/markdown", "image/svg+xml", "text/latex")
+#: saved copy counts as an image only without one of these (the run browser's figure carries plotly's JSON: plotly's renderer
+#: draws it, not an <img>)
+RANKED_ABOVE_PNG = (WIDGET_MIME, "application/vnd.plotly.v1+json", "application/javascript", "text/html", "text/markdown",
+                    "image/svg+xml", "text/latex")
 
 # a reopened notebook's page: its kernel started, or JupyterLab asking which to start
 REOPENED_JS = """() => window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'

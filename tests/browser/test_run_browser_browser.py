@@ -5,13 +5,18 @@ rates differ, so their curves do) in a folder; a scratch notebook whose one cell
 opens in the worker's JupyterLab page (``lab_page``, conftest.py) and runs.  Then, with the real ipywidgets controls:
 
 - the page lists both runs, finished, and overlays both (the newest two of two are selected at first);
-- a click on one run in the multi-select: the values table names that run alone and the figure is drawn again;
-  a Ctrl+click on the other: the table names both, the status says two runs, the figure changes again;
+- the figure is plotly's (``workbench/plots/compare_plotly.py``), drawn by JupyterLab's plotly renderer (not the
+  PNG the same output carries): its legend names the runs, and hovering over the plot area shows a hover label that
+  names both runs;
+- a click on one run in the multi-select: the values table names that run alone and the figure is drawn again (its
+  legend names that run alone); a Ctrl+click on the other: the table names both, the status says two runs, the
+  figure changes again;
 - the metric dropdown set to grad norm, the log-scale toggle, the smoothing slider at 0: each redraws the figure
-  (its PNG changes) and what the page says follows (the status names the metric; the table's values are the grad
-  norms; unsmoothed, each run's smoothed value is its value).
+  (its y-axis title, axis type or lines change) and what the page says follows (the status names the metric; the
+  table's values are the grad norms; unsmoothed, each run's smoothed value is its value).
 
-Every check reads the page (the figure's <img>, the status line, the tables' cells), not the widget's Python state.
+Every check reads the page (the plotly chart's SVG, the status line, the tables' cells), not the widget's Python
+state.
 A screenshot of every step goes to ``<artefacts>/screenshots``.
 """
 
@@ -50,15 +55,58 @@ def _runs(folder: Path) -> dict[str, Path]:
     return dirs
 
 
+# what a plotly chart draws: its y-axis title and tick labels, its legend's names, its lines (as JSON: a signature
+# that changes when the chart is drawn for other runs, another metric, a log axis or other smoothing)
+PLOT_JS = """(plot) => JSON.stringify({
+  ytitle: plot.querySelector('.g-ytitle')?.textContent || '',
+  ytype: plot._fullLayout?.yaxis?.type || '',
+  yticks: Array.from(plot.querySelectorAll('.yaxislayer-above .ytick text, .ytick text')).map(t => t.textContent),
+  legend: Array.from(plot.querySelectorAll('.legend .legendtext')).map(t => t.textContent),
+  lines: Array.from(plot.querySelectorAll('.scatterlayer .trace path.js-line')).map(p => p.getAttribute('d'))
+})"""
+
+
 class Shown:
-    """What the run browser's output shows: its figure, status line and tables."""
+    """What the run browser's output shows: its figure (a plotly chart), status line and tables."""
 
     def __init__(self, nb: Scratch, ui):
         self.nb, self.ui, self.page = nb, ui, nb.page
-        self.figure = ui.locator(".widget-output img")
+        self.figure = ui.locator(".widget-output .js-plotly-plot")
 
     def src(self) -> str | None:
-        return self.figure.first.get_attribute("src") if self.figure.count() == 1 else None
+        """The chart's signature (:data:`PLOT_JS`), None while there is not exactly one chart with lines."""
+        if self.figure.count() != 1:
+            return None
+        try:
+            sig = self.figure.first.evaluate(PLOT_JS)
+        except Exception:  # redrawn under us
+            return None
+        return sig if '"lines":[]' not in sig else None
+
+    def plot(self) -> dict:
+        import json
+
+        return json.loads(self.src() or "{}")
+
+    def legend(self) -> list[str]:
+        return self.plot().get("legend", [])
+
+    def hover(self) -> str:
+        """Hover over the middle of the plot area; the hover label's text (empty when none shows)."""
+        drag = self.figure.first.locator(".nsewdrag").first
+        drag.scroll_into_view_if_needed()
+        box = drag.bounding_box()
+        text = ""
+        for dx in (0.5, 0.55, 0.45, 0.7, 0.3):  # a few points across the plot, should one fall between steps
+            self.page.mouse.move(1, 1)
+            drag.hover(position={"x": box["width"] * dx, "y": box["height"] * 0.5}, force=True)
+            end = time.time() + 5
+            while time.time() < end:
+                text = self.figure.first.locator(".hoverlayer").first.text_content() or ""
+                if text.strip():
+                    return text
+                time.sleep(0.2)
+        return text
 
     def tables(self) -> list[dict]:
         return self.page.evaluate(TABLES_JS, self.ui.element_handle())
@@ -90,7 +138,9 @@ class Shown:
         self.nb.wait_idle(60)
         self.nb.shot(what, self.ui)
         src = self.src()
-        assert src and src.startswith("data:image/png"), f"{what}: no figure on the page ({self.figure.count()} <img>)"
+        imgs = self.ui.locator(".widget-output img:visible").count()  # plotly's renderer keeps a hidden <img>
+        assert src, f"{what}: no plotly chart on the page ({self.figure.count()} charts, {imgs} <img>)"
+        assert imgs == 0, f"{what}: the figure is shown as a PNG, not by plotly's renderer"
         assert src != before, f"{what}: the figure was not drawn again"
         assert ok(), f"{what}: the page shows {self.values()} / {self.ui.inner_text()[-800:]!r}"
         return src
@@ -116,6 +166,12 @@ def test_run_browser_overlays_two_runs_through_the_page(lab_page, artefacts):
         assert all(r[table["head"].index("status")] == "finished" for r in rows.values()), table
         assert all(r[table["head"].index("steps")] == "6/6" for r in rows.values()), table
         assert shown.says("2 runs under") and shown.says("2 runs with train loss")
+        assert sorted(shown.legend()) == sorted(RUNS), shown.plot()  # the legend names both runs
+        assert shown.plot()["ytitle"] == "train loss", shown.plot()
+        label = shown.hover()  # hover: a label naming both runs (unified by x) with their values
+        nb.shot("hover", ui)
+        assert a in label and b in label, f"hover label: {label!r}"
+        nb.page.mouse.move(0, 0)
 
         # one run alone (a click), then both (Ctrl+click the other): the table and the figure follow
         select = ui.locator(".widget-select-multiple select")
@@ -123,9 +179,11 @@ def test_run_browser_overlays_two_runs_through_the_page(lab_page, artefacts):
         select.locator("option", has_text=b).click()
         src = shown.after(f"only-{b}", src, lambda: set(shown.values()) == {b} and shown.says("1 run with train loss"))
         alone = shown.values()[b]
+        assert shown.legend() == [b], shown.plot()
         select.locator("option", has_text=a).click(modifiers=["Control"])
         src = shown.after("both", src, lambda: set(shown.values()) == {a, b} and shown.says("2 runs with train loss"))
         both = shown.values()
+        assert sorted(shown.legend()) == sorted(RUNS), shown.plot()
         assert both[b] == alone, (both, alone)  # the other run's row is what it showed alone
         assert all(v["step"] == "6" for v in both.values()), both  # each run's value at its last step
         loss = {run: float(v["value"]) for run, v in both.items()}
@@ -137,6 +195,8 @@ def test_run_browser_overlays_two_runs_through_the_page(lab_page, artefacts):
                           and set(shown.values()) == {a, b}
                           and all(float(v["value"]) != loss[r] for r, v in shown.values().items()))
         norms = shown.values()
+        assert shown.plot()["ytitle"] == "grad norm", shown.plot()  # the chart follows the metric
+        assert shown.plot()["ytype"] == "linear", shown.plot()
         assert any(v["smoothed"] != v["value"] for v in norms.values()), norms  # smoothed at the default 0.6
 
         # log scale: the figure is drawn again, the values stay
@@ -145,6 +205,7 @@ def test_run_browser_overlays_two_runs_through_the_page(lab_page, artefacts):
         box.click()
         src = shown.after("log-scale", src, lambda: box.is_checked())
         assert shown.values() == norms and shown.says("2 runs with grad norm")
+        assert shown.plot()["ytype"] == "log", shown.plot()  # the chart's y axis is a log axis now (lines redrawn)
 
         # no smoothing: each run's smoothed value is its value
         _set_slider(nb.page, ui, "smoothing", 0)

@@ -19,8 +19,8 @@ grad norm, the worst rank's memory, the mean for the rest (the loss of the ranks
 TensorBoard's smoothing (a debiased exponential moving average, :func:`ema`, weight in [0, 1)) with the raw curve
 faint behind it; optionally a log y axis; the legend names each run; each run's last value is marked and written
 next to its end.  A run that does not record the metric is said on the figure and in :attr:`Comparison.lacking`.
-The figures are static PNGs, so :meth:`Comparison.values_at` gives each run's value at a step as a table: what a
-hover would show.
+:meth:`Comparison.values_at` gives each run's value at a step as a table; :meth:`Comparison.plotly` draws the same
+overlay as a plotly figure with hover values (:mod:`workbench.plots.compare_plotly`; the PNG stays for saved copies).
 
 Runs are read with :class:`workbench.run.RunReader` (a run directory, a reader, or a
 :class:`workbench.launch.Run`, whose reader is reused); :func:`find_runs` / :func:`runs_frame` list the runs under
@@ -290,6 +290,7 @@ class Comparison:
     log_y: bool
     curves: list[Curve] = field(default_factory=list)
     lacking: list[str] = field(default_factory=list)
+    at_step: int | None = None  # the step :meth:`mark_step` marked last
 
     def steps(self) -> list[int]:
         """Every step any run records the metric at, in order."""
@@ -322,6 +323,7 @@ class Comparison:
 
     def mark_step(self, step: int) -> None:
         """A dashed vertical line at ``step`` (on a ``step`` x axis; on the others, at each run's x of that step)."""
+        self.at_step = int(step)
         if not self.curves:
             return
         ax = self.figure.axes[0]
@@ -339,6 +341,13 @@ class Comparison:
         from workbench.plots.training import figure_png
 
         return figure_png(self.figure, dpi=dpi)
+
+    def plotly(self, at_step: int | None = None):
+        """The same overlay as a plotly Figure, with hover values (:func:`workbench.plots.compare_plotly.plotly_figure`;
+        ``at_step`` default: the marked step)."""
+        from workbench.plots.compare_plotly import plotly_figure
+
+        return plotly_figure(self, at_step=at_step)
 
 
 def compare_runs(runs: Iterable[Any], metric: str = "loss", *, x: str = "step", smoothing: float = DEFAULT_SMOOTHING,

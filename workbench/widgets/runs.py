@@ -5,8 +5,11 @@ name, family, layout, steps, last loss, tokens/s, status, start), a multi-select
 from the selected runs' events (:func:`~workbench.plots.compare.available_metrics`: whatever they record, a
 fine-tuning run's ``eval accuracy`` included), a smoothing slider (TensorBoard's EMA weight), a log-scale toggle, the
 x axis (step, tokens, wall time) and a step slider: the figure marks that step and a table gives each selected
-run's value there (what hovering would show; the figures are static PNGs).  A selected run that does not record the
-metric is named on the figure and in the table.
+run's value there.  A selected run that does not record the metric is named on the figure and in the table.
+
+Live, the figure is plotly's (:mod:`workbench.plots.compare_plotly`): hovering over it gives each run's value (smoothed
+and raw) and step at that x, and it zooms and pans (saved, the chart is part of the widget state: docs/notebooks.md
+says what is checked of a reopened one).  The step table stays: values at a chosen step, in text.
 
 Headless-friendly like the other workbench widgets: constructing :class:`RunBrowser` needs no browser,
 :meth:`RunBrowser.set` drives it from code (tests, papermill), and :attr:`~RunBrowser.comparison` /
@@ -218,8 +221,6 @@ class RunBrowser:
     def update(self, step: int | None = None) -> Comparison:
         """Redraw the figure for the current controls, and the values table at ``step`` (default: the step slider's;
         the last step when the steps recorded changed, e.g. another run or metric)."""
-        from workbench.widgets.charts import show_figure
-
         chosen = set(self.selection.value)
         names = [label for label, v in self.selection.options if v in chosen]  # as listed: unique where names repeat
         self.comparison = comp = compare_runs(self.selected_runs, self.metric.value or "loss", x=self.x_axis.value,
@@ -243,8 +244,25 @@ class RunBrowser:
         self.values = comp.values_at(at)
         self._render_values(at)
         if self._show:  # one state update replaces the old chart (widgets/charts.py says why)
-            show_figure(self.out, self.figure)
+            self._show_figure(comp)
         return comp
+
+    def _show_figure(self, comp: Comparison) -> None:
+        """Live: the plotly figure (:func:`~workbench.plots.compare_plotly.figure_bundle`, without the PNG);
+        headless (or without plotly): the PNG alone, as before."""
+        from workbench.widgets.charts import show_figure
+        from workbench.widgets.dashboard import is_headless
+
+        if not is_headless():
+            try:
+                from workbench.plots.compare_plotly import figure_bundle
+
+                # no PNG: plotly's renderer would show it until hovered (figure_bundle says why)
+                self.out.outputs = (figure_bundle(comp, FIGURE_NAME, png=False),)
+                return
+            except ImportError:  # plotly missing: the static figure
+                pass
+        show_figure(self.out, self.figure)
 
     def _step_range(self, lo: int, hi: int) -> None:
         """The step slider's bounds (in an order the slider accepts: never min above max)."""
