@@ -10,8 +10,8 @@ import os
 import pytest
 
 from tests.support.event_runs import T0, config, write_run
+from workbench.plots.compare_plotly import plotly_figure
 
-pytest.importorskip("plotly")
 
 PLOTLY = "application/vnd.plotly.v1+json"
 
@@ -38,7 +38,7 @@ def test_one_line_per_run_with_the_comparisons_values(two_runs):
 
     _root, a, b = two_runs
     comp = compare_runs([a, b], "loss", smoothing=0.6, at_step=4)
-    fig = comp.plotly()
+    fig = plotly_figure(comp)
     lines = _lines(fig)
     assert [t.name for t in lines] == ["a", "b"]
     for t, c in zip(lines, comp.curves):
@@ -57,12 +57,12 @@ def test_unsmoothed_log_scale_and_a_run_lacking_the_metric(two_runs):
 
     _root, a, b = two_runs
     comp = compare_runs([a, b], "grad_norm", smoothing=0.0, log_y=True)
-    fig = comp.plotly()
+    fig = plotly_figure(comp)
     assert [t.name for t in fig.data] == ["a"] and comp.lacking == ["b"]  # no raw trace when not smoothed
     assert list(fig.data[0].y) == pytest.approx(comp.curves[0].y)
     assert fig.layout.yaxis.type == "log"
     assert any("not recorded by: b" in (n.text or "") for n in fig.layout.annotations)
-    assert compare_runs([a], "loss", log_y=False).plotly().layout.yaxis.type == "linear"
+    assert plotly_figure(compare_runs([a], "loss", log_y=False)).layout.yaxis.type == "linear"
 
 
 def test_the_bundle_carries_plotly_and_the_named_png(two_runs):

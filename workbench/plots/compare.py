@@ -19,8 +19,9 @@ grad norm, the worst rank's memory, the mean for the rest (the loss of the ranks
 TensorBoard's smoothing (a debiased exponential moving average, :func:`ema`, weight in [0, 1)) with the raw curve
 faint behind it; optionally a log y axis; the legend names each run; each run's last value is marked and written
 next to its end.  A run that does not record the metric is said on the figure and in :attr:`Comparison.lacking`.
-:meth:`Comparison.values_at` gives each run's value at a step as a table; :meth:`Comparison.plotly` draws the same
-overlay as a plotly figure with hover values (:mod:`workbench.plots.compare_plotly`; the PNG stays for saved copies).
+:meth:`Comparison.values_at` gives each run's value at a step as a table;
+:func:`workbench.plots.compare_plotly.plotly_figure` draws the same overlay as a plotly figure with hover values (the
+PNG stays for saved copies).
 
 Runs are read with :class:`workbench.run.RunReader` (a run directory, a reader, or a
 :class:`workbench.launch.Run`, whose reader is reused); :func:`find_runs` / :func:`runs_frame` list the runs under
@@ -341,13 +342,6 @@ class Comparison:
         from workbench.plots.training import figure_png
 
         return figure_png(self.figure, dpi=dpi)
-
-    def plotly(self, at_step: int | None = None):
-        """The same overlay as a plotly Figure, with hover values (:func:`workbench.plots.compare_plotly.plotly_figure`;
-        ``at_step`` default: the marked step)."""
-        from workbench.plots.compare_plotly import plotly_figure
-
-        return plotly_figure(self, at_step=at_step)
 
 
 def compare_runs(runs: Iterable[Any], metric: str = "loss", *, x: str = "step", smoothing: float = DEFAULT_SMOOTHING,

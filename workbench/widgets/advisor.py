@@ -146,9 +146,6 @@ class AdvisorWidget:
         return cfg
 
     def _ipython_display_(self) -> None:
-        import ipywidgets as W
-        from IPython.display import display
+        from workbench.widgets.layout import show_live
 
-        from workbench.widgets.layout import live_view
-
-        display(live_view(W, self.widget))
+        show_live(self.widget)

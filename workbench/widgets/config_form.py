@@ -491,12 +491,9 @@ class ConfigForm:
         return self.config.to_yaml()
 
     def _ipython_display_(self) -> None:
-        import ipywidgets as W
-        from IPython.display import display
+        from workbench.widgets.layout import show_live
 
-        from workbench.widgets.layout import live_view
-
-        display(live_view(W, self.widget))
+        show_live(self.widget)
 
     def __repr__(self) -> str:
         return f"ConfigForm({self.config.name!r}, {len(self.problems)} problem(s))"

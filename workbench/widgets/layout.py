@@ -3,7 +3,7 @@
 of controls keep their width and wrap onto the next line where the output is too narrow, so
 nothing is clipped (a column narrower than its boxes scrolls them sideways when one is edited).
 Also the small text helpers the widgets share (:func:`plural`) and the note under every interactive widget
-(:func:`live_view`)."""
+(:func:`live_view`, :func:`show_live`)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,18 @@ LIVE_NOTE = ("Interactive while this notebook's kernel runs. Saved and reopened,
 
 
 def live_view(W, ui: Any) -> Any:
-    """``ui`` with :data:`LIVE_NOTE` below it, small and grey: what a widget's ``_ipython_display_`` displays."""
+    """``ui`` with :data:`LIVE_NOTE` below it, small and grey."""
     note = W.HTML(f"<span style='color:#777;font-size:85%'>{LIVE_NOTE}</span>")
     note.add_class("workbench-live-note")
     return W.VBox([ui, note])
+
+
+def show_live(ui: Any) -> None:
+    """Display an interactive widget's ``ui`` with its :func:`live_view` note (each widget's ``_ipython_display_``)."""
+    import ipywidgets as W
+    from IPython.display import display
+
+    display(live_view(W, ui))
 
 
 def plural(n: float, one: str, many: str) -> str:

@@ -310,8 +310,6 @@ class RunBrowser:
             for item in self.static():
                 display(item)
         else:
-            import ipywidgets as W
+            from workbench.widgets.layout import show_live
 
-            from workbench.widgets.layout import live_view
-
-            display(live_view(W, self.ui))
+            show_live(self.ui)

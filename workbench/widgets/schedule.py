@@ -116,9 +116,6 @@ class ScheduleExplorer:
         return tl
 
     def _ipython_display_(self) -> None:
-        import ipywidgets as W
-        from IPython.display import display
+        from workbench.widgets.layout import show_live
 
-        from workbench.widgets.layout import live_view
-
-        display(live_view(W, self.ui))
+        show_live(self.ui)
