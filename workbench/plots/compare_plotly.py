@@ -6,10 +6,10 @@ chosen x axis (the smoothed values; the raw values faint behind, when smoothed),
 step as a dashed vertical line, each run's last value written at its end, and a unified hover by x naming each run
 with its value (smoothed and raw) and step.
 
-:func:`figure_bundle` is the display output the run browser shows live: the plotly JSON (JupyterLab's plotly
-renderer, which ships in plotly's wheel, draws it, with hover, also in a saved notebook reopened without a kernel),
-the matplotlib PNG (what nbconvert's HTML export and anything without that renderer shows; left out live, see there)
-and a text line, the PNG named like :func:`workbench.widgets.dashboard.figure_image` names it.  plotly is imported here only, lazily.
+:func:`figure_bundle` is the display output the run browser shows live: the plotly JSON (drawn, with hover, by
+JupyterLab's plotly renderer, which ships in plotly's wheel), the matplotlib PNG (for what lacks that renderer, e.g.
+nbconvert's HTML export; left out live, see there) and a text line, the PNG named like
+:func:`workbench.widgets.dashboard.figure_image` names it.  plotly is imported here only, lazily.
 """
 
 from __future__ import annotations
