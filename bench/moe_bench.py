@@ -17,12 +17,14 @@ clears the target.  Rows (JSON lines, each with device, date, git commit):
   variation per layer from the last ``router`` record.  The run trains ``--warmup-max`` + ``--steps`` iterations.
 - ``workbench-ep2``: the same model and global batch on two GPUs with ``parallel.expert_parallel: 2`` (DP 2 for the
   dense part, the experts split); the ratio to ``workbench-1gpu`` (target >= 1.8x).
+- ``workbench-1gpu-omp2``: ``workbench-1gpu`` with ``OMP_NUM_THREADS=2`` in the rank's environment (as the rows
+  before it ran), for an A/B of the host's thread setting (not a product row).
 - ``torch-compiled``: the same shapes written as a capable user would in plain PyTorch: bf16 weights in an fp32
   master copy under autocast, SDPA attention with RoPE and GQA, top-k softmax routing with a sort-based permutation,
   one ``grouped_mm`` per expert linear, the same load-balancing and z-loss, fused AdamW, the whole model under
   ``torch.compile``; synthetic tokens of the same vocabulary.  The ratio workbench / torch (target >= 1.1x).
 
-``--phases`` picks rows (``workbench-1gpu,workbench-ep2,torch-compiled``); ``--steps`` / ``--repeats`` / ``--warmup`` /
+``--phases`` picks rows (default ``workbench-1gpu,workbench-ep2,torch-compiled``); ``--steps`` / ``--repeats`` / ``--warmup`` /
 ``--warmup-max`` the protocol; ``--smoke`` runs tiny shapes on CPU, the protocol at its smallest, to check the script.
 
 ``--profile`` measures where the time goes instead (one process a side, not a ratio): ``workbench-profile`` trains
@@ -82,7 +84,7 @@ def workbench_row(a: argparse.Namespace, ep: int, name: str) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ep), "--master-port", str(free_port()),
                "-m", "workbench.rank", "--config", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
         t0 = time.time()
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", **RANK_ENV.get(name, {})}
         strangers = harness.check_gpus(name)
         proc = harness.run_group(cmd, a.timeout, cwd=ROOT, env=env)  # a timeout ends the ranks too
         reader = RunReader(run_dir)
@@ -257,9 +259,14 @@ def workbench_profile_row(a: argparse.Namespace) -> dict:
             "kernel_path": tr.kernel_path, **_stamp(torch.cuda.get_device_name() if cuda else "cpu")}
 
 
-PHASES = ("workbench-1gpu", "workbench-ep2", "torch-compiled")
+PHASES = ("workbench-1gpu", "workbench-ep2", "torch-compiled", "workbench-1gpu-omp2")
+#: what a workbench row sets in its ranks' environment beyond the launching shell's.  The product's rows set nothing
+#: (``workbench launch`` passes the shell's environment on); ``workbench-1gpu-omp2`` is the one-GPU row as the rows
+#: before this variant ran it (``OMP_NUM_THREADS=2``), kept to measure what that setting costs side by side.
+RANK_ENV = {"workbench-1gpu-omp2": {"OMP_NUM_THREADS": "2"}}
 #: (row over row, target): the ratios each measurement reports
-RATIOS = {"workbench-ep2": ("workbench-1gpu", 1.8), "torch-compiled": ("workbench-1gpu", 1.1)}
+RATIOS = {"workbench-ep2": ("workbench-1gpu", 1.8), "torch-compiled": ("workbench-1gpu", 1.1),
+          "workbench-1gpu-omp2": ("workbench-1gpu", None)}
 
 
 def one_repeat(a: argparse.Namespace, phase: str) -> dict:
@@ -300,7 +307,7 @@ def merged(phase: str, reps: list[dict]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe_bench.jsonl"))
-    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--phases", default=",".join(PHASES[:3]))
     harness.add_protocol_args(ap)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per process")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, the protocol at its smallest (checks the script)")
@@ -326,8 +333,9 @@ def main() -> int:
     rows = {p: merged(p, runs[p]) for p in phases}
     for p, (base, target) in RATIOS.items():
         if p in rows and base in rows and rows[p].get("status") == rows[base].get("status") == "ok":
-            over, under = (base, p) if p == "torch-compiled" else (p, base)  # workbench over torch; EP=2 over one GPU
-            key = "workbench_over_torch" if p == "torch-compiled" else "speedup_over_1gpu"
+            # workbench over torch; EP=2 over one GPU; the shipped environment over OMP_NUM_THREADS=2
+            over, under = (p, base) if p == "workbench-ep2" else (base, p)
+            key = {"torch-compiled": "workbench_over_torch", "workbench-ep2": "speedup_over_1gpu"}.get(p, "shipped_env_over_omp2")
             rows[p][key] = harness.ratio(rows[over]["repeats"]["repeats"], rows[under]["repeats"]["repeats"], target)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -338,7 +346,8 @@ def main() -> int:
             fh.write(json.dumps({**rows[p], "smoke": a.smoke, "measured": measured, "protocol": a.proto.record()}) + "\n")
     for p in phases:
         r = rows[p]
-        brief = {k: r.get(k) for k in ("row", "status", "tokens_per_s", "speedup_over_1gpu", "workbench_over_torch", "error")}
+        brief = {k: r.get(k) for k in ("row", "status", "tokens_per_s", "speedup_over_1gpu", "workbench_over_torch",
+                                       "shipped_env_over_omp2", "error")}
         print(json.dumps({k: v for k, v in brief.items() if v is not None}), flush=True)
     return 0 if all(r.get("status") == "ok" for r in rows.values()) else 1
 

@@ -17,6 +17,8 @@ One device call on two GPUs (``nvidia-h100-x2``; about 6-8 minutes)::
 - ``planner``: ``moe-research`` at EP=1 on one GPU and EP=2 on two, 30 steps each (``--planner-steps``) through
   ``tests/gpu_proofs/planner_measure.py``'s rank entry (the backend's Trainer with the allocator's peaks recorded per rank):
   one row per rank with measured and predicted peak allocated and reserved, the errors in percent (target within 5%).
+  ``--planner-configs`` adds the q/k-norm runs on one GPU (``moe-research-qknorm-ep1``: Qwen3-MoE's per-head norms;
+  ``moe-research-qknorm-all-heads-ep1``: OLMoE's all-heads norms).
 
 ``--phases parity,planner`` picks phases; ``--device cpu`` runs tiny shapes on CPU (gloo) to check the script.
 """
@@ -165,13 +167,24 @@ def parity(a: argparse.Namespace, work: Path) -> dict:
     return out
 
 
+#: the planner phase's runs: name -> (EP, overrides of ``moe-research``).  The q/k-norm rows put Qwen3-MoE's per-head
+#: norms and OLMoE's all-heads norms (``model.qk_layernorm``, ``model.qk_norm_scope``) on the same MoE, one GPU.
+PLANNER_CONFIGS: dict[str, tuple[int, dict]] = {
+    "moe-research-ep1": (1, {}),
+    "moe-research-ep2": (2, {}),
+    "moe-research-qknorm-ep1": (1, {"model.qk_layernorm": True}),
+    "moe-research-qknorm-all-heads-ep1": (1, {"model.qk_layernorm": True, "model.qk_norm_scope": "all_heads"}),
+}
+
+
 def planner_rows(a: argparse.Namespace, work: Path) -> list[dict]:
     spec = importlib.util.spec_from_file_location("planner_measure", ROOT / "tests" / "gpu_proofs" / "planner_measure.py")
     pm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pm)
     rows = []
-    for name, ep in (("moe-research-ep1", 1), ("moe-research-ep2", 2)):
-        cfg = config(a.device, a.planner_steps, ep, **{"checkpoint.save_on_exit": False})
+    for name in a.planner_configs.split(","):
+        ep, over = PLANNER_CONFIGS[name]
+        cfg = config(a.device, a.planner_steps, ep, **{"checkpoint.save_on_exit": False, **over})
         t0 = time.time()
         proc = pm.launch(name, cfg, ep, work, free_port(), None)
         try:
@@ -179,7 +192,7 @@ def planner_rows(a: argparse.Namespace, work: Path) -> list[dict]:
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = -9
-        recs = pm.records(name, cfg, ep, {"parallel.expert_parallel": ep}, work / name, rc, time.time() - t0, pm._stamp())
+        recs = pm.records(name, cfg, ep, {"parallel.expert_parallel": ep, **over}, work / name, rc, time.time() - t0, pm._stamp())
         for r in recs:
             errs = [r.get("error_allocated_pct"), r.get("error_reserved_pct")]
             r["phase"] = "planner"
@@ -197,12 +210,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--planner-steps", type=int, default=30,
                     help="steps of the planner phase's runs: the routers specialise, the busiest EP rank's peak with them")
+    ap.add_argument("--planner-configs", default="moe-research-ep1,moe-research-ep2",
+                    help=f"the planner phase's runs, comma-separated, of: {', '.join(PLANNER_CONFIGS)}")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per training job")
     a = ap.parse_args()
     phases = [p for p in a.phases.split(",") if p]
     if set(phases) - {"parity", "planner"}:
         print(f"--phases: unknown {sorted(set(phases) - {'parity', 'planner'})} -> parity, planner", file=sys.stderr)
+        return 2
+    if unknown := sorted(set(a.planner_configs.split(",")) - set(PLANNER_CONFIGS)):
+        print(f"--planner-configs: unknown {unknown} -> {', '.join(PLANNER_CONFIGS)}", file=sys.stderr)
         return 2
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

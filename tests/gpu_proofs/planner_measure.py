@@ -152,6 +152,10 @@ ONE_GPU: dict[str, tuple[str, dict]] = {
                                               "parallel.recompute": "full", **OFF}),
     "g2s-eager-full": ("gpt2-small", {"train.micro_batch_size": 16, "parallel.recompute": "full", **OFF}),
     "llama1b-eager": ("gpt2-small", {**LLAMA_1B, "train.micro_batch_size": 2, **OFF}),
+    # q/k norms (the stock megatron layer keeps them): Qwen3's per-head norms, OLMoE's norms over all heads
+    "llama1b-qknorm": ("gpt2-small", {**LLAMA_1B, "train.micro_batch_size": 4, "model.qk_layernorm": True}),
+    "llama1b-qknorm-all-heads": ("gpt2-small", {**LLAMA_1B, "train.micro_batch_size": 4, "model.qk_layernorm": True,
+                                                "model.qk_norm_scope": "all_heads"}),
     # the other families (issues 20, 21): their default path (the kernel rule's stock layer for encoders)
     "bert-base": ("bert-base", {"train.micro_batch_size": 8}),
     "bert-large": ("bert-large", {"train.micro_batch_size": 8}),
