@@ -22,7 +22,8 @@ clears the target.  Rows (JSON lines, each with device, date, git commit):
 - ``torch-compiled``: the same shapes written as a capable user would in plain PyTorch: bf16 weights in an fp32
   master copy under autocast, SDPA attention with RoPE and GQA, top-k softmax routing with a sort-based permutation,
   one ``grouped_mm`` per expert linear, the same load-balancing and z-loss, fused AdamW, the whole model under
-  ``torch.compile``; synthetic tokens of the same vocabulary.  The ratio workbench / torch (target >= 1.1x).
+  ``torch.compile``; the same micro-batches of the preset's data, in the same order (its loss mask aside: every
+  token counts).  The ratio workbench / torch (target >= 1.1x).
 
 ``--phases`` picks rows (default ``workbench-1gpu,workbench-ep2,torch-compiled``); ``--steps`` / ``--repeats`` / ``--warmup`` /
 ``--warmup-max`` the protocol; ``--smoke`` runs tiny shapes on CPU, the protocol at its smallest, to check the script.
@@ -200,16 +201,17 @@ def torch_row(a: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,
                             fused=cuda)
     fwd = torch.compile(model) if cuda else model
-    mb, micro = t.micro_batch_size, t.global_batch_size // t.micro_batch_size
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    micro = t.global_batch_size // t.micro_batch_size
+    batches = preset_batches(cfg, micro * (a.proto.warmup_max + a.proto.steps + 10), dev)
+    at = iter(range(10**9))
 
     def step():
         opt.zero_grad(set_to_none=True)
         last = None
         for _ in range(micro):
-            tokens = torch.randint(0, V, (mb, s + 1), generator=gen).to(dev, non_blocking=True)
+            tokens, labels = batches[next(at) % len(batches)]
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-                total, lm = fwd(tokens[:, :-1], tokens[:, 1:])
+                total, lm = fwd(tokens, labels)
             (total / micro).backward()
             last = lm
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
@@ -223,8 +225,22 @@ def torch_row(a: argparse.Namespace) -> dict:
     return {**_profiles(step, cuda, a), "row": "torch-compiled", "preset": "moe-research", "ep": 1, "gpus": 1, "status": "ok",
             "tokens_per_s": tokens / meas["step_s"], "step_time_s": meas["step_s"], "warmup_steps": meas["warmup_steps"],
             "steady": meas["steady"], "step_times": meas["step_times"],
+            "every_step_s": [round(x, 4) for x in meas["warmup_times"] + meas["step_times"]],
             "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None, "loss_first": losses[0], "loss_last": losses[-1],
-            "seconds": round(time.time() - t0, 1), "data": "synthetic tokens", **_stamp(torch.cuda.get_device_name() if cuda else "cpu")}
+            "seconds": round(time.time() - t0, 1), "data": "the preset's (the workbench's micro-batches, in its order)",
+            **_stamp(torch.cuda.get_device_name() if cuda else "cpu")}
+
+
+def preset_batches(cfg, n: int, dev) -> list:
+    """The first ``n`` micro-batches (tokens, labels) the workbench's one-GPU run trains on -- the preset's data through
+    the backend's own data module, in its order -- on ``dev``: the plain model learns from the same text, so its
+    routers see the same tokens (synthetic tokens keep the experts near-balanced; the corpus does not)."""
+    from workbench.rank.data import MicroBatchStream, build_datasets
+
+    with tempfile.TemporaryDirectory(prefix="moe-bench-data-") as td:
+        train_ds, _valid, _desc = build_datasets(cfg, td, log=lambda *_: None)
+        stream = MicroBatchStream(train_ds, cfg, 0)
+        return [(b["tokens"].to(dev), b["labels"].to(dev)) for b in (next(stream) for _ in range(n))]
 
 
 def _profiles(step, cuda: bool, a: argparse.Namespace) -> dict:
