@@ -29,7 +29,12 @@ def test_smoke_rows_carry_repeats_and_the_ratio_with_its_range(tmp_path):
         assert r["warmup_steps"] >= r["protocol"]["warmup_min"] and r["tokens_per_s"] > 0
     wb = rows["workbench-1gpu"]
     assert wb["router_cv_per_layer"] and len(wb["router_cv_per_layer"]) == 2  # the smoke's two MoE layers
-    ratio = rows["torch-compiled"]["workbench_over_torch"]
+    plain = rows["torch-compiled"]
+    assert "preset" in plain["data"]  # the workbench's micro-batches, not random tokens
+    # every step of each repeat, warm-up included (the workbench's run trains the longest warm-up and the timed steps)
+    assert len(plain["repeat_rows"][0]["every_step_s"]) == plain["warmup_steps"] + plain["protocol"]["steps"]
+    assert len(wb["repeat_rows"][0]["every_step_s"]) >= wb["warmup_steps"] + wb["protocol"]["steps"]
+    ratio = plain["workbench_over_torch"]
     assert ratio["target"] == 1.1 and ratio["worst"] <= ratio["ratio"] <= ratio["best"]
     assert ratio["ratio"] == pytest.approx(wb["tokens_per_s"] / rows["torch-compiled"]["tokens_per_s"])
 
