@@ -40,13 +40,17 @@ def test_a_cpu_config_is_host_memory_without_the_cuda_context_line(tmp_path, cap
 
 
 def test_cuda_graphs_footnote_only_under_cuda_graphs():
-    graphed = predict(preset("gpt2-medium"), gpu="H100", assumptions=NO_TE)
+    trees = PlannerAssumptions(transformer_engine=False, step_graph=False)  # the layers graphed one by one
+    graphed = predict(preset("gpt2-medium"), gpu="H100", assumptions=trees)
     assert graphed.kernel_path.cuda_graphs and graphed.worst.reserved_terms.get("cuda_graph_pool")
     text = format_plan(graphed)
     assert "CUDA graphs:" in text and "graph pool holds the" in text and "~0" in text
+    step = predict(preset("gpt2-medium"), gpu="H100", assumptions=NO_TE)
+    assert step.kernel_path.cuda_graphs_impl == "step"
+    assert "CUDA graphs (the step as one graph): the allocated peak is the last eager warm-up step" in format_plan(step)
     eager = predict(preset("gpt2-medium", **{"train.cuda_graphs": False}), gpu="H100", assumptions=NO_TE)
     assert not eager.kernel_path.cuda_graphs
-    assert "CUDA graphs:" not in format_plan(eager)
+    assert "CUDA graphs" not in format_plan(eager)
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])

@@ -415,10 +415,11 @@ def test_oom_on_a_balanced_first_stage_suggests_the_even_split():
 
 
 def test_cuda_graphs_split_allocated_and_reserved():
-    """With CUDA graphs the layers' activations are allocated only at the warm-up step (before
-    Adam's moments exist) and live in the graph pool afterwards: reserved, not allocated."""
+    """With the layers graphed one by one (torch's cudagraph trees) their activations are allocated only at the
+    warm-up step (before Adam's moments exist) and live in the graph pool afterwards: reserved, not allocated."""
     ov = {"train.micro_batch_size": 16, "train.global_batch_size": 64}
-    graphs = planner.predict(preset("gpt2-small", **ov), assumptions=PlannerAssumptions(transformer_engine=False))
+    graphs = planner.predict(preset("gpt2-small", **ov), assumptions=PlannerAssumptions(transformer_engine=False,
+                                                                                         step_graph=False))
     plain = planner.predict(preset("gpt2-small", **ov, **{"train.cuda_graphs": False}),
                             assumptions=PlannerAssumptions(transformer_engine=False))
     g, p = graphs.stages[0], plain.stages[0]
@@ -430,6 +431,19 @@ def test_cuda_graphs_split_allocated_and_reserved():
     assert g.peak_reserved > p.peak_reserved > p.peak_allocated
     assert graphs.decides == "peak_reserved" and g.total == g.peak_reserved + sum(
         v for k, v in g.overheads.items() if k != "reserved_over_allocated")
+
+
+def test_the_step_graph_allocates_the_whole_forward_backward_with_the_moments():
+    """The step captured as one graph: its second eager warm-up step (moments allocated) and its capture allocate
+    the whole forward-backward; the layers graphed one by one peak before the moments exist."""
+    cfg = preset("gpt2-small", **{"train.micro_batch_size": 16, "train.global_batch_size": 64})
+    step = planner.predict(cfg, assumptions=PlannerAssumptions(transformer_engine=False))
+    trees = planner.predict(cfg, assumptions=PlannerAssumptions(transformer_engine=False, step_graph=False))
+    assert step.kernel_path.cuda_graphs_impl == "step" and trees.kernel_path.cuda_graphs_impl == "torch"
+    s, t = step.stages[0], trees.stages[0]
+    assert s.peak_phase == "forward_backward" and s.components["optimizer_moments"] > 0
+    assert s.peak_allocated == t.peak_allocated + s.components["optimizer_moments"]
+    assert "cuda_graph_pool" not in s.reserved_terms and s.peak_reserved >= s.peak_allocated
 
 
 def test_segment_slack_follows_the_allocator_rules():

@@ -875,9 +875,7 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
                 notes["cuda_graphs"] = ("compiled layers' forward+backward replayed as CUDA graphs (training steps; "
                                         f"not the whole step: {why})")
             elif choice.cuda_graphs_impl == "step":
-                notes["cuda_graphs"] = ("the training step's forward+backward (every layer and micro-batch) captured as "
-                                        "one CUDA graph after the eager warm-up steps, replayed each step "
-                                        "(workbench.backend.step_graph; micro-batch timing is not sampled)")
+                notes["cuda_graphs"] = kernel_rule.STEP_GRAPH_NOTE
             elif compiled[0].config.cuda_graph_impl == "local":
                 notes["cuda_graphs"] = ("compiled layers' forward+backward replayed as megatron's CUDA graphs, one per "
                                         "layer and micro-batch in the pipeline schedule's order (recorded in the first step)")

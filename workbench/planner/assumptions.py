@@ -49,7 +49,8 @@ class PlannerAssumptions:
     performance helper's compiled dense layer), ``optimizer`` ('foreach' torch AdamW keeps
     ``sqrt(v)`` of all its parameters, 'fused' kernel: no step temporaries, 'for-loop':
     torch's single-tensor AdamW off CUDA, two temporaries of the largest tensor).  ``deallocate_pipeline_outputs`` mirrors the
-    backend's TransformerConfig (True on CUDA).
+    backend's TransformerConfig (True on CUDA).  ``step_graph`` False: the graphed compiled layers replay one by one
+    (torch's cudagraph trees) where the rule would capture the whole step (a run measured before the step graph).
     """
 
     cublas_workspace_bytes: int = 64 * MiB
@@ -61,6 +62,7 @@ class PlannerAssumptions:
     compiled_layer: bool | None = None
     optimizer: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
     deallocate_pipeline_outputs: bool = True
+    step_graph: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,6 +84,8 @@ def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -
         kp = dataclasses.replace(kp, layer="compiled" if a.compiled_layer else "stock",
                                  layer_reason="" if a.compiled_layer else "pinned by PlannerAssumptions.compiled_layer",
                                  cuda_graphs_impl=kernel_rule.graphs_impl(cfg, "compiled") if kp.cuda_graphs and a.compiled_layer else "")
+    if a.step_graph is False and kp.cuda_graphs_impl == "step":
+        kp = dataclasses.replace(kp, cuda_graphs_impl="torch")
     if a.optimizer != "auto":
         kp = dataclasses.replace(kp, optimizer=a.optimizer)
     return kp

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from workbench import planner
+from workbench import kernel_rule, planner
 from workbench.config import RunConfig
 from workbench.run.reader import as_reader
 
@@ -22,20 +22,24 @@ __all__ = ["BAR", "EVIDENCE_DIR", "ONE_GPU_FILES", "evidence_table", "replan", "
 BAR = 0.05
 
 EVIDENCE_DIR = Path(__file__).resolve().parents[2] / "evidence"
-#: the one-GPU measurements: GPT layouts, then the BERT / T5 layouts, then the compiled layer's
+#: the one-GPU measurements: GPT layouts, then the BERT / T5 layouts, then the compiled layer's, then the step graph's
+#: and the q/k norms' (each file one device call)
 ONE_GPU_FILES = (EVIDENCE_DIR / "planner_1gpu.jsonl", EVIDENCE_DIR / "planner_1gpu_families.jsonl",
-                 EVIDENCE_DIR / "planner_1gpu_compiled_layer.jsonl")
+                 EVIDENCE_DIR / "planner_1gpu_compiled_layer.jsonl", EVIDENCE_DIR / "planner_1gpu_step_graph_qk_norms.jsonl")
 
 
 def replan(rec: dict) -> planner.Plan:
-    """Today's plan for a measured record, on the kernel path the run reported: TE or not, and the
+    """Today's plan for a measured record, on the kernel path the run reported: TE or not, the
     compiled layer or megatron's (a record taken before the rule moved a config to the compiled
-    layer is re-planned on the layer it measured)."""
+    layer is re-planned on the layer it measured), the step captured as one graph or the layers
+    graphed one by one."""
     kp = rec.get("kernel_path") or {}
     te = "Transformer Engine" in json.dumps(kp)
     compiled = "compiled dense layer" in str(kp.get("fast_layer", ""))
+    step = kp.get("fast_cuda_graphs") == kernel_rule.STEP_GRAPH_NOTE
     return planner.predict(RunConfig.from_dict(json.loads(json.dumps(rec["run_config"]))), suggest=False,
-                           assumptions=planner.PlannerAssumptions(transformer_engine=te, compiled_layer=compiled))
+                           assumptions=planner.PlannerAssumptions(transformer_engine=te, compiled_layer=compiled,
+                                                                  step_graph=step))
 
 
 def evidence_table(paths: Iterable[Path] = ONE_GPU_FILES):

@@ -325,11 +325,18 @@ def _peak(st: _Static, kept: _Kept, tr: _Transients, kp: KernelPath, a: PlannerA
     CUDA graphs: the compiled layers warm up, record and replay in the cudagraph trees' private pool.  Replays
     allocate nothing, so from the second step on the layers' kept tensors and backward working set are reserved
     there but not allocated; the first step (warm-up: the layers run eagerly, allocating) sees them allocated, but
-    not yet Adam's moments, which the first optimizer step creates."""
+    not yet Adam's moments, which the first optimizer step creates.
+
+    The step captured as one graph (``cuda_graphs_impl == "step"``): its second eager warm-up step runs with the
+    moments allocated, and the capture allocates the same working set in the graph's pool: the whole
+    forward-backward peak is allocated (Llama-3.2-1B on one H200: 34.8 GiB measured in both steps,
+    ``evidence/planner_1gpu_step_graph_qk_norms.jsonl``); replays allocate nothing."""
     fb_peak = st.total + kept.saved + tr.head + tr.pipeline + tr.workspace
     opt_peak = st.total + a.cublas_workspace_bytes + tr.gbuf + step_tmp
     layers_kept = kept.saved_layers if kp.cuda_graphs and sh.recompute != "full" else 0.0
     phases = {"forward_backward": fb_peak, "optimizer_step": opt_peak}
+    if kp.cuda_graphs_impl == "step":
+        layers_kept = 0.0
     comp_fb = {"activations": kept.saved, "logits_loss": tr.head, "pipeline_buffers": tr.pipeline,
                "workspace": tr.workspace}
     if layers_kept:

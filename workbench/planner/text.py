@@ -62,6 +62,10 @@ def notes_after(plan: Any) -> list[str]:
         else:
             out.append(f"CUDA graphs: the graph pool holds the graphed layers' activations ({pool}): allocated shows "
                        f"them as ~0, so activ is only what runs outside the graphs")
+    elif kp.cuda_graphs_impl == "step":
+        out.append("CUDA graphs (the step as one graph): the allocated peak is the last eager warm-up step and the "
+                   "capture (the whole forward-backward, Adam's moments allocated); replays allocate nothing, and "
+                   "the graph's pool holds the step's activations from then on")
     if lay.get("recompute") == "selective":
         out.append(f"selective recompute here means: {SELECTIVE_MEANS.get(kp.selective, kp.selective)}")
     host = [plan.stages[r.pp_rank].detail.get("optimizer_host_bytes", 0) for r in plan.ranks]
