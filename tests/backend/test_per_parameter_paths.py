@@ -98,9 +98,9 @@ def test_temporaries_reset_on_their_holders_like_megatron_and_found_once(monkeyp
     for c in (megatrons, ours):
         _dirty(c)
     megatron_reset(config, [megatrons])
-    assert optimizer_paths.install_per_parameter_fallbacks()
+    optimizer_paths.install_per_parameter_fallbacks()
     assert fmg.reset_model_temporary_tensors is optimizer_paths.reset_temporaries_of_holders
-    assert optimizer_paths.install_per_parameter_fallbacks()  # idempotent: megatron's stays the one it calls
+    optimizer_paths.install_per_parameter_fallbacks()  # idempotent: megatron's stays the one it calls
     fmg.reset_model_temporary_tensors(config, [ours])
     dirty = _chunk()
     _dirty(dirty)
@@ -162,9 +162,3 @@ def test_step_collector_collects_cycles_at_the_step_end_and_restores_the_collect
         pass
     assert gc.get_freeze_count() >= before > 0
     gc.unfreeze()
-
-    off = StepCollector(enabled=False)
-    with off:
-        assert gc.isenabled() == enabled
-        off.after_step()
-    assert off.steps == 0

@@ -80,7 +80,7 @@ def test_the_bundle_carries_plotly_and_the_named_png(two_runs):
     import json
 
     json.dumps(out)  # a widget output: plain JSON
-    assert "image/png" not in figure_bundle(comp, "compare", png=False)["data"]
+    assert "image/png" not in figure_bundle(comp, "compare", with_png=False)["data"]
 
 
 def test_the_browser_shows_plotly_live_and_the_png_headless(two_runs, monkeypatch):

@@ -141,7 +141,7 @@ def reset_temporaries_of_holders(config: Any, model: list) -> None:
     _MEGATRON_RESET[0](config, holders)
 
 
-#: megatron's own ``reset_model_temporary_tensors`` (set by :func:`install_multi_tensor_fallbacks`)
+#: megatron's own ``reset_model_temporary_tensors`` (set by :func:`install_per_parameter_fallbacks`)
 _MEGATRON_RESET: list = []
 
 
@@ -154,9 +154,9 @@ def _finalize_module() -> Any:
     return sys.modules["megatron.core.distributed.finalize_model_grads"]
 
 
-def install_per_parameter_fallbacks() -> bool:
+def install_per_parameter_fallbacks() -> None:
     """Replace megatron's per-parameter and per-module Python loops of every step with :func:`foreach_copy_this_to_that`
-    and :func:`reset_temporaries_of_holders` (idempotent); whether they are in place."""
+    and :func:`reset_temporaries_of_holders` (idempotent)."""
     from megatron.core.optimizer import optimizer as mopt
 
     fmg = _finalize_module()
@@ -167,7 +167,6 @@ def install_per_parameter_fallbacks() -> bool:
         _MEGATRON_RESET[:] = [fmg.reset_model_temporary_tensors]
         fmg.reset_model_temporary_tensors = reset_temporaries_of_holders
     STATE["per_parameter"] = "foreach copy to the model's parameters; temporaries reset on the modules that hold them"
-    return True
 
 
 def install_multi_tensor_fallbacks() -> bool:

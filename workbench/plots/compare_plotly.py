@@ -98,22 +98,21 @@ def plotly_figure(comp: Any, *, at_step: int | None = None, height: int = 430) -
     return fig
 
 
-def figure_bundle(comp: Any, name: str, *, png: bytes | bool | None = None, at_step: int | None = None) -> dict:
+def figure_bundle(comp: Any, name: str, *, with_png: bool = True, at_step: int | None = None) -> dict:
     """``comp`` as a Jupyter ``display_data`` output: the plotly figure (:data:`PLOTLY_MIME`), its matplotlib PNG
-    (``png``, default ``comp.png()``; base64 as IPython writes it; ``False``: none) and a text line; the metadata names
+    (``comp.png()``, base64 as IPython writes it; none when ``with_png`` is False) and a text line; the metadata names
     it ``name`` (``metadata["image/png"]["workbench_figure"]``, as :func:`workbench.widgets.dashboard.figure_image`
     does, and the same under the plotly mimetype).  ``display(out["data"], raw=True, metadata=out["metadata"])``
     shows it.
 
-    Why ``png=False`` live: JupyterLab's plotly renderer shows a bundle's PNG as an image and only draws the chart
+    Why no PNG live: JupyterLab's plotly renderer shows a bundle's PNG as an image and only draws the chart
     when the mouse enters it (its design for saved notebooks); without one it draws the chart at once and then puts
     its own PNG snapshot into the output (what a saved copy and a viewer without plotly's renderer show)."""
     fig = plotly_figure(comp, at_step=at_step)
     text = f"<{name} figure: {comp.metric} of {', '.join(c.run for c in comp.curves) or 'no run'}>"
     data: dict[str, Any] = {PLOTLY_MIME: json.loads(fig.to_json())}
-    if png is not False:
-        png = comp.png() if png is None or png is True else png
-        data["image/png"] = base64.b64encode(png).decode("ascii")
+    if with_png:
+        data["image/png"] = base64.b64encode(comp.png()).decode("ascii")
     data["text/plain"] = text
     return {"output_type": "display_data", "data": data,
             "metadata": {"image/png": {"workbench_figure": name}, PLOTLY_MIME: {"workbench_figure": name}}}

@@ -5,8 +5,8 @@ itself, Python's collector runs dozens of young-generation passes a step (one ev
 the dispatcher's tensors) and, every few steps, a full pass over all of those objects, at whatever point of the step
 the allocation count runs out: inside the forward, between two kernel launches of a host-bound step
 (``bench/gc_probe.py``, ``bench/results/gc_probe.jsonl``: on a 2-core CPU at ``moe-research``'s depth, 57.7 ms a step,
-a full pass of ~250 ms every ~6 steps; the step's collection below, 1.1 ms a step).  Megatron-LM's ``--manual-gc`` and torchtitan's
-``GarbageCollection`` switch the automatic collector off for this reason.
+a full pass of ~250 ms every ~6 steps; the step's collection below, 1.1 ms a step).  Megatron-LM's ``--manual-gc``
+and torchtitan's ``GarbageCollection`` switch the automatic collector off for this reason.
 
 :class:`StepCollector` does what they do, with the objects that live for the whole run set aside:
 
@@ -40,11 +40,9 @@ FULL_EVERY = 100
 
 
 class StepCollector:
-    """Collect garbage once a step (:meth:`after_step`) between :meth:`start` and :meth:`stop` (or inside ``with``);
-    ``enabled=False``: a no-op throughout."""
+    """Collect garbage once a step (:meth:`after_step`) between :meth:`start` and :meth:`stop` (or inside ``with``)."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self) -> None:
         self.active = False
         self.steps = 0
         self.last_ms = 0.0  #: the last step's collection, milliseconds
@@ -53,7 +51,7 @@ class StepCollector:
 
     def start(self) -> "StepCollector":
         """The automatic collector off, what is alive now frozen (idempotent)."""
-        if self.enabled and not self.active:
+        if not self.active:
             self._was_enabled = gc.isenabled()
             # objects another caller froze stay frozen at stop(): unfreeze only what this froze
             self._froze = gc.get_freeze_count() == 0

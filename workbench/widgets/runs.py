@@ -258,7 +258,7 @@ class RunBrowser:
                 from workbench.plots.compare_plotly import figure_bundle
 
                 # no PNG: plotly's renderer would show it until hovered (figure_bundle says why)
-                self.out.outputs = (figure_bundle(comp, FIGURE_NAME, png=False),)
+                self.out.outputs = (figure_bundle(comp, FIGURE_NAME, with_png=False),)
                 return
             except ImportError:  # plotly missing: the static figure
                 pass
