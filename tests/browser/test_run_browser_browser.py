@@ -13,7 +13,10 @@ opens in the worker's JupyterLab page (``lab_page``, conftest.py) and runs.  The
   figure changes again;
 - the metric dropdown set to grad norm, the log-scale toggle, the smoothing slider at 0: each redraws the figure
   (its y-axis title, axis type or lines change) and what the page says follows (the status names the metric; the
-  table's values are the grad norms; unsmoothed, each run's smoothed value is its value).
+  table's values are the grad norms; unsmoothed, each run's smoothed value is its value);
+- saved and reopened (a fresh page, a new kernel): the overlay as it was last (plotly's renderer drawing the saved
+  figure, or the image it saved), its legend naming both runs, its status line and the note that it is live again
+  after re-running, and no "model not found".
 
 Every check reads the page (the plotly chart's SVG, the status line, the tables' cells), not the widget's Python
 state.
@@ -214,6 +217,38 @@ def test_run_browser_overlays_two_runs_through_the_page(lab_page, artefacts):
         assert {r: v["value"] for r, v in shown.values().items()} == {r: v["value"] for r, v in norms.items()}
         assert not nb.console, nb.console
         print(f"run browser driven through the page in {time.time() - t0:.0f}s")
-    finally:
+    except BaseException:
         nb.shot("end")
         nb.close()
+        raise
+    nb.shot("end")
+    lab_page.close(save=True)
+    _reopened_shows_the_overlay(lab_page, artefacts, nb.name, sorted(RUNS))
+
+
+def _reopened_shows_the_overlay(lab_page, artefacts, name: str, runs: list[str]) -> None:
+    """Saved and reopened (a fresh page, a new kernel): the run browser's output shows the last overlay as it was
+    (drawn by plotly's renderer from the saved figure, or as the snapshot image it saved), its legend naming both runs,
+    with the note that it is live again after re-running; no widget says its model is missing."""
+    from tests.browser.test_notebook_runs_browser import _close, _reopen, within
+    from workbench.widgets.layout import LIVE_NOTE
+
+    page, console = _reopen(lab_page.browser, lab_page.lab, artefacts, name)
+    try:
+        cell = page.locator(".jp-CodeCell").first
+        chart, image = cell.locator(".js-plotly-plot"), cell.locator(".jp-OutputArea-output img")
+        within(60, lambda: chart.count() + image.count() >= 1)
+        cell.scroll_into_view_if_needed()
+        page.screenshot(path=str(artefacts / "screenshots" / f"{name}-reopened.png"), full_page=True)
+        text = " ".join(cell.inner_text().split())
+        assert "Error displaying widget" not in text and "model not found" not in text, text[-800:]
+        assert chart.count() + image.count() >= 1, f"the reopened run browser shows no figure: {text[-800:]!r}"
+        if chart.count():  # plotly's renderer drew the saved figure: the same legend as live
+            legend = chart.first.evaluate(PLOT_JS)
+            assert all(run in legend for run in runs), legend
+        print(f"[browser] {name} reopened: {chart.count()} plotly chart(s), {image.count()} image(s)")
+        assert "2 runs with grad norm" in text, text[-800:]  # the status line as it was last
+        assert LIVE_NOTE in text, text[-500:]
+        assert not [c for c in console if "model not found" in c], console
+    finally:
+        _close(page, lab_page.lab)
