@@ -34,6 +34,10 @@ import pytest
 from tests.support import ROOT, apt_install, free_port
 from workbench.launch.ownership import die_with_parent
 
+# the helpers the browser test files share (tests/support/browser_*.py): pytest rewrites their assertions as it does
+# the test files' own, so that a failing check there reports its values as it did when it lived in a test file
+pytest.register_assert_rewrite("tests.support.browser_notebooks", "tests.support.browser_widgets")
+
 CHROMIUM = "/usr/bin/chromium"
 VIEWPORT = {"width": 1500, "height": 1100}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser.test_notebook_runs_browser import LONG, runs_with_its_defaults_and_keeps_its_figures
+from tests.support.browser_notebooks import LONG, runs_with_its_defaults_and_keeps_its_figures
 from tests.support.notebook_checks import BROWSER_RUNS
 
 pytestmark = pytest.mark.slow

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.test_widgets_browser import Scratch, _field, _set_slider
 from tests.support import tiny_run_config
+from tests.support.browser_notebooks import close_page, reopen, within
+from tests.support.browser_widgets import Scratch, field, set_slider
 from tests.support.trainer_runs import run_trainers
 
 pytestmark = pytest.mark.slow
@@ -193,7 +194,7 @@ def test_run_browser_overlays_two_runs_through_the_page(lab_page, artefacts):
         assert all(5 < x < 12 for x in loss.values()), loss  # a tiny GPT's loss on synthetic data (ln 32k ~ 10.4)
 
         # another metric: the status names it, the values are the grad norms
-        _field(ui, "metric").locator("select").select_option(label="grad norm")
+        field(ui, "metric").locator("select").select_option(label="grad norm")
         src = shown.after("grad-norm", src, lambda: shown.says("2 runs with grad norm")
                           and set(shown.values()) == {a, b}
                           and all(float(v["value"]) != loss[r] for r, v in shown.values().items()))
@@ -211,7 +212,7 @@ def test_run_browser_overlays_two_runs_through_the_page(lab_page, artefacts):
         assert shown.plot()["ytype"] == "log", shown.plot()  # the chart's y axis is a log axis now (lines redrawn)
 
         # no smoothing: each run's smoothed value is its value
-        _set_slider(nb.page, ui, "smoothing", 0)
+        set_slider(nb.page, ui, "smoothing", 0)
         src = shown.after("unsmoothed", src, lambda: shown.values() and all(
             v["smoothed"] == v["value"] for v in shown.values().values()))
         assert {r: v["value"] for r, v in shown.values().items()} == {r: v["value"] for r, v in norms.items()}
@@ -227,28 +228,34 @@ def test_run_browser_overlays_two_runs_through_the_page(lab_page, artefacts):
 
 
 def _reopened_shows_the_overlay(lab_page, artefacts, name: str, runs: list[str]) -> None:
-    """Saved and reopened (a fresh page, a new kernel): the run browser's output shows the last overlay as it was
-    (drawn by plotly's renderer from the saved figure, or as the snapshot image it saved), its legend naming both runs,
-    with the note that it is live again after re-running; no widget says its model is missing."""
-    from tests.browser.test_notebook_runs_browser import _close, _reopen, within
+    """Saved and reopened (a fresh page, a new kernel): the run browser's output shows the last overlay as it was,
+    drawn by plotly's renderer from the saved figure (its legend naming both runs, its y axis the last metric), the
+    run table and the values table naming both runs, the status line, and the note that it is live again after
+    re-running; no widget says its model is missing."""
     from workbench.widgets.layout import LIVE_NOTE
 
-    page, console = _reopen(lab_page.browser, lab_page.lab, artefacts, name)
+    page, console = reopen(lab_page.browser, lab_page.lab, artefacts, name)
     try:
         cell = page.locator(".jp-CodeCell").first
         chart, image = cell.locator(".js-plotly-plot"), cell.locator(".jp-OutputArea-output img")
-        within(60, lambda: chart.count() + image.count() >= 1)
+        within(60, lambda: chart.count() >= 1)
         cell.scroll_into_view_if_needed()
         page.screenshot(path=str(artefacts / "screenshots" / f"{name}-reopened.png"), full_page=True)
         text = " ".join(cell.inner_text().split())
         assert "Error displaying widget" not in text and "model not found" not in text, text[-800:]
-        assert chart.count() + image.count() >= 1, f"the reopened run browser shows no figure: {text[-800:]!r}"
-        if chart.count():  # plotly's renderer drew the saved figure: the same legend as live
-            legend = chart.first.evaluate(PLOT_JS)
-            assert all(run in legend for run in runs), legend
         print(f"[browser] {name} reopened: {chart.count()} plotly chart(s), {image.count()} image(s)")
+        assert chart.count() >= 1, f"no plotly chart reopened ({image.count()} images): {text[-800:]!r}"
+        import json
+
+        plot = json.loads(chart.first.evaluate(PLOT_JS))  # the saved figure, drawn: the same legend and axis as live
+        assert sorted(plot["legend"]) == runs and plot["ytitle"] == "grad norm" and plot["lines"], plot
+        tables = page.evaluate(TABLES_JS, cell.element_handle())
+        named = [t for t in tables if "run" in t["head"]]
+        assert len(named) >= 2, tables  # the run table and the values table
+        for t in named:
+            assert sorted(r[t["head"].index("run")] for r in t["rows"]) == runs, t
         assert "2 runs with grad norm" in text, text[-800:]  # the status line as it was last
         assert LIVE_NOTE in text, text[-500:]
         assert not [c for c in console if "model not found" in c], console
     finally:
-        _close(page, lab_page.lab)
+        close_page(page, lab_page.lab)

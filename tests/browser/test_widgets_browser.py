@@ -29,23 +29,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.test_notebooks_in_jupyterlab import POLL_SECONDS, QUIET_POLLS
 from tests.support import ROOT
+from tests.support.browser_widgets import Scratch, field, set_slider
 
 pytestmark = pytest.mark.slow
 
 NOTEBOOKS = ROOT / "notebooks"
-OUTPUT_PX = 1050
-
-STATE_JS = """() => {
-  const w = window.jupyterapp.shell.currentWidget;
-  const kernel = w.sessionContext.session?.kernel;
-  const code = w.content.widgets.filter(c => c.model.type === 'code');
-  return {kernel: kernel ? kernel.status : null, counts: code.map(c => c.model.executionCount),
-          running: code.filter(c => (c.promptNode?.textContent || '').includes('*')).length,
-          errors: code.flatMap(c => c.model.outputs.toJSON().filter(o => o.output_type === 'error')
-                                      .map(o => o.ename + ': ' + o.evalue))};
-}"""
 
 # every th / td of every table under a root: its line boxes (a wrapped cell has more than one),
 # and each table's width against its output's
@@ -92,83 +81,6 @@ CLIPPED_JS = """(root) => {
   });
   return Array.from(new Set(bad));
 }"""
-
-
-class Scratch:
-    """A scratch notebook of ``cells`` open in the worker's JupyterLab page (``lab_page``), its output area 1050 px
-    wide once run."""
-
-    def __init__(self, lab_page, artefacts: Path, name: str, cells: list[str]):
-        import nbformat
-
-        self.name, self.artefacts, self.app, self.step = name, artefacts, lab_page, 0
-        nb = nbformat.v4.new_notebook()
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-        nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-        nbformat.write(nb, lab_page.lab["root"] / f"{name}.ipynb")
-        self.page = lab_page.page
-        self._console_from = lab_page.open(f"{name}.ipynb")
-
-    @property
-    def console(self) -> list[str]:
-        """The browser errors logged since this notebook was opened."""
-        return self.app.console[self._console_from:]
-
-    def run_all(self, timeout: float) -> None:
-        self.page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-        self.wait_idle(timeout)
-        st = self.page.evaluate(STATE_JS)
-        assert not st["errors"], f"{self.name}: cells failed: {st['errors']}"
-        assert all(c is not None for c in st["counts"]), f"{self.name}: cells that did not run: {st['counts']}"
-        self.fit()
-
-    def wait_idle(self, timeout: float) -> None:
-        end, quiet = time.time() + timeout, 0
-        while time.time() < end:
-            st = self.page.evaluate(STATE_JS)
-            quiet = quiet + 1 if st["kernel"] == "idle" and st["running"] == 0 else 0
-            if quiet >= QUIET_POLLS:
-                return
-            time.sleep(POLL_SECONDS)
-        self.shot("timeout")
-        raise AssertionError(f"{self.name}: cells still running after {timeout}s")
-
-    def fit(self) -> None:
-        """Resize the page so that the output area is 1050 px wide."""
-        width = lambda: self.page.evaluate(  # noqa: E731
-            "() => document.querySelector('.jp-OutputArea-output').getBoundingClientRect().width")
-        for _ in range(3):
-            w = width()
-            if abs(w - OUTPUT_PX) <= 1:
-                return
-            vp = self.page.viewport_size
-            self.page.set_viewport_size({"width": int(round(vp["width"] + OUTPUT_PX - w)), "height": vp["height"]})
-            time.sleep(0.5)
-        assert abs(width() - OUTPUT_PX) <= 1, width()
-
-    def cell(self, index: int):
-        return self.page.locator(".jp-Notebook .jp-CodeCell").nth(index)
-
-    def outputs(self, index: int):
-        return self.cell(index).locator(".jp-OutputArea-output")
-
-    def shot(self, what: str, locator=None) -> Path:
-        self.step += 1
-        path = self.artefacts / "screenshots" / f"widgets-{self.name}-{self.step:02d}-{what}.png"
-        print(f"[browser] {self.name} step {self.step}: {what}", flush=True)
-        try:
-            if locator is not None:
-                locator.scroll_into_view_if_needed(timeout=10_000)
-                locator.screenshot(path=str(path), timeout=20_000, animations="disabled")
-                return path
-        except Exception as e:  # a picture is evidence, not the check: fall back to the viewport
-            print(f"[browser] element screenshot failed ({e}); the page instead")
-        self.page.screenshot(path=str(path))
-        return path
-
-    def close(self) -> None:
-        """Close its tab and shut its kernel down."""
-        self.app.close(save=False)
 
 
 @pytest.fixture
@@ -363,14 +275,6 @@ def test_config_form_and_schedule_explorer_inputs_are_never_clipped(shared):
 # --------------------------------------------------------------------------- item: stale chart
 
 
-def _set_slider(page, scope, label: str, value: int) -> None:
-    slider = scope.locator(".widget-slider", has=page.locator(f"label.widget-label:text-is('{label}')")).first
-    slider.locator(".widget-readout").click()
-    page.keyboard.press("Control+A")
-    page.keyboard.type(str(value))
-    page.keyboard.press("Enter")
-
-
 def test_schedule_explorer_never_leaves_a_chart_under_a_refusal(shared):
     """Two changes within ~0.1 s, the second refused (p=2 then m=9, interleaved): the chart goes; back to a
     valid layout, one chart comes back."""
@@ -381,9 +285,9 @@ def test_schedule_explorer_never_leaves_a_chart_under_a_refusal(shared):
     charts.first.wait_for()
     stale = []
     for attempt in range(4):
-        _set_slider(pg, ui, "p (stages)", 2)
+        set_slider(pg, ui, "p (stages)", 2)
         time.sleep(0.1)
-        _set_slider(pg, ui, "m (micro-b.)", 9)
+        set_slider(pg, ui, "m (micro-b.)", 9)
         end = time.time() + 20
         while "m=9" not in status.inner_text() and time.time() < end:
             time.sleep(0.2)
@@ -393,9 +297,9 @@ def test_schedule_explorer_never_leaves_a_chart_under_a_refusal(shared):
         if charts.count():
             stale.append(attempt)
             page.shot(f"stale-chart-{attempt}", ui)
-        _set_slider(pg, ui, "p (stages)", 4)
+        set_slider(pg, ui, "p (stages)", 4)
         time.sleep(0.1)
-        _set_slider(pg, ui, "m (micro-b.)", 8)
+        set_slider(pg, ui, "m (micro-b.)", 8)
         end = time.time() + 20
         while ("bubble" not in status.inner_text() or charts.count() != 1) and time.time() < end:
             time.sleep(0.2)
@@ -481,12 +385,6 @@ def test_dashboard_status_charts_and_wording(shared):
 # --------------------------------------------------------------------------- item: config form fields
 
 
-def _field(scope, label: str):
-    """An ipywidgets control (input, dropdown or checkbox) by its description."""
-    named = scope.page.locator(f"label.widget-label:text-is('{label}'), .widget-label-basic span:text-is('{label}')")
-    return scope.locator(".widget-inline-hbox").filter(has=named).first
-
-
 def _tab(scope, name: str) -> None:
     scope.locator(".lm-TabBar-tab", has_text=re.compile(rf"^\s*{name}\s*$")).first.click()
     time.sleep(0.3)
@@ -505,32 +403,32 @@ def test_config_form_shows_each_family_and_devices_fields(shared):
     form = page.outputs(at["form_fields"]).first
     t5_only = ("decoder_num_layers", "decoder_seq_length", "relative_attention_num_buckets", "relative_attention_max_distance")
     _tab(form, "model")
-    assert _field(form, "num_layers").is_visible()
+    assert field(form, "num_layers").is_visible()
     for label in t5_only:
-        _wait_visible(_field(form, label), False, f"GPT form: {label}")
+        _wait_visible(field(form, label), False, f"GPT form: {label}")
     page.shot("gpt-cpu-model", form)
     _tab(form, "train")
-    assert _field(form, "train_iters").is_visible()
+    assert field(form, "train_iters").is_visible()
     for label in ("cuda_graphs", "compile_kernels", "fp8"):
-        _wait_visible(_field(form, label), False, f"CPU: {label}")
+        _wait_visible(field(form, label), False, f"CPU: {label}")
     page.shot("gpt-cpu-train", form)
     _tab(form, "parallel")
-    _wait_visible(_field(form, "tp_comm_overlap"), False, "CPU: tp_comm_overlap")
-    _field(form, "device").locator("select").select_option("cuda")  # live: the device field alone switches them
-    _wait_visible(_field(form, "tp_comm_overlap"), True, "CUDA: tp_comm_overlap")
+    _wait_visible(field(form, "tp_comm_overlap"), False, "CPU: tp_comm_overlap")
+    field(form, "device").locator("select").select_option("cuda")  # live: the device field alone switches them
+    _wait_visible(field(form, "tp_comm_overlap"), True, "CUDA: tp_comm_overlap")
     _tab(form, "train")
-    _wait_visible(_field(form, "cuda_graphs"), True, "CUDA: cuda_graphs")
+    _wait_visible(field(form, "cuda_graphs"), True, "CUDA: cuda_graphs")
     page.shot("gpt-cuda-train", form)
     _tab(form, "model")
-    _field(form, "arch").locator("select").select_option("t5")
+    field(form, "arch").locator("select").select_option("t5")
     for label in t5_only:
-        _wait_visible(_field(form, label), True, f"T5 form: {label}")
-    _wait_visible(_field(form, "num_tokentypes"), False, "T5 form: BERT's num_tokentypes")
+        _wait_visible(field(form, label), True, f"T5 form: {label}")
+    _wait_visible(field(form, "num_tokentypes"), False, "T5 form: BERT's num_tokentypes")
     page.shot("t5-model", form)
-    _field(form, "arch").locator("select").select_option("bert")
+    field(form, "arch").locator("select").select_option("bert")
     for label in t5_only:
-        _wait_visible(_field(form, label), False, f"BERT form: {label}")
-    _wait_visible(_field(form, "num_tokentypes"), True, "BERT form: num_tokentypes")
+        _wait_visible(field(form, label), False, f"BERT form: {label}")
+    _wait_visible(field(form, "num_tokentypes"), True, "BERT form: num_tokentypes")
     _not_clipped(page.page, form, "config form")
     page.shot("bert-model", form)
     assert not page.console[logged:], page.console[logged:]
@@ -574,21 +472,21 @@ def test_moe_settings_are_an_optional_group_and_messages_wrap_between_words(shar
     group = form.locator(".lm-AccordionPanel-title, .jupyter-widget-Collapse-header, .p-Collapse-header",
                          has_text="mixture of experts (optional").first
     _wait_visible(group, True, "the MoE group's title")
-    _wait_visible(_field(form, "num_experts"), False, "a collapsed group: num_experts")
+    _wait_visible(field(form, "num_experts"), False, "a collapsed group: num_experts")
     group.click()
-    _wait_visible(_field(form, "num_experts"), True, "the opened group: num_experts")
-    _wait_visible(_field(form, "top_k"), False, "a dense config: top_k")
-    box = _field(form, "num_experts").locator("input")
+    _wait_visible(field(form, "num_experts"), True, "the opened group: num_experts")
+    _wait_visible(field(form, "top_k"), False, "a dense config: top_k")
+    box = field(form, "num_experts").locator("input")
     box.fill("8")
     box.press("Enter")
-    _wait_visible(_field(form, "top_k"), True, "8 experts: top_k")
-    _wait_visible(_field(form, "load_balancing"), True, "8 experts: load_balancing")
+    _wait_visible(field(form, "top_k"), True, "8 experts: top_k")
+    _wait_visible(field(form, "load_balancing"), True, "8 experts: load_balancing")
     _not_clipped(page.page, form, "config form, MoE group open")
     page.shot("moe-group", form)
     box.fill("0")
     box.press("Enter")
-    _wait_visible(_field(form, "top_k"), False, "dense again: top_k")
-    _field(form, "arch").locator("select").select_option("bert")
+    _wait_visible(field(form, "top_k"), False, "dense again: top_k")
+    field(form, "arch").locator("select").select_option("bert")
     _wait_visible(group, False, "BERT: the MoE group")
     message = page.outputs(at["moe_group_say"] + 1).first
     found = page.page.evaluate(BREAKS_JS, message.element_handle())

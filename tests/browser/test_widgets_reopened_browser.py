@@ -1,11 +1,11 @@
 """Saved and reopened (a fresh page, a new kernel), the interactive widgets keep what they showed (issue #55).
 
 Run All on a copy of the notebook with its defaults -- CI's one such run of 02 and 03, with every check of
-``test_notebook_runs_browser.py`` (``REOPENED`` there), its checks of the reopened page included (every saved PNG drawn
-again, no "Error displaying widget" / "model not found" on the page) -- save, reopen once: every cell whose saved
-outputs hold a widget shows it again as a static snapshot (the planner's and the explorer's chart as an <img>, their
-status line).  Interactivity needs a kernel and is not checked.
-Set-up in conftest.py; the reopening helpers are ``test_notebook_runs_browser.py``'s.
+``test_notebook_runs_browser.py`` (``REOPENED`` in ``tests/support/browser_notebooks.py``), its checks of the reopened
+page included (every saved PNG drawn again, no "Error displaying widget" / "model not found" on the page) -- save,
+reopen once: every cell whose saved outputs hold a widget shows it again as a static snapshot (the planner's and the
+explorer's chart as an <img>, their status line).  Interactivity needs a kernel and is not checked.
+Set-up in conftest.py; the reopening helpers are ``tests/support/browser_notebooks.py``'s.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from tests.browser.test_notebook_runs_browser import REOPENED, WIDGET_MIME, _saved, \
-    runs_with_its_defaults_and_keeps_its_figures, within
+from tests.support.browser_notebooks import REOPENED, WIDGET_MIME, runs_with_its_defaults_and_keeps_its_figures, \
+    saved_copy, within
 
 from workbench.widgets.layout import LIVE_NOTE
 
@@ -33,10 +33,10 @@ def test_widgets_keep_what_they_showed_when_reopened(lab_page, browser, artefact
 
     def widgets_drawn_again(page) -> None:
         """On the reopened page (the runs file reopened it and checked it): the widgets, as they were."""
-        widget_cells = [i for i, c in enumerate(_saved(lab_page.lab, name).cells) if c.cell_type == "code"
+        widget_cells = [i for i, c in enumerate(saved_copy(lab_page.lab, name).cells) if c.cell_type == "code"
                         and any(WIDGET_MIME in o.get("data", {}) for o in c.get("outputs", []))]
         assert widget_cells, f"{name}: no widget output saved"
-        # _reopen waited for every widget output to be drawn or to say it cannot be; the widgets inside them, and the
+        # reopen waited for every widget output to be drawn or to say it cannot be; the widgets inside them, and the
         # interactive widget's chart and status line, are drawn next
         widget = page.locator(".jp-CodeCell", has=page.locator(f"label.widget-label:text-is('{label}')")).last
         within(30, lambda: widget.count() == 1 and widget.locator(".jp-OutputArea-output img").count() >= 1
