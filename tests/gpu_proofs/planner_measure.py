@@ -385,6 +385,8 @@ def child(args: argparse.Namespace) -> int:
         rec["peak_reserved"] = max([s["peak_reserved"] for s in rec["steps"]] + [rec["setup"]["peak_reserved"]])
         rec["device"] = torch.cuda.get_device_name()
         rec["kernel_path"] = tr.kernel_path
+        rec["kernels"] = tr.kernel_choice  # the rule's decision (cuda_graphs_impl: how the run was graphed)
+        rec["step_graph_failed"] = bool(tr.step_graph is not None and tr.step_graph.failed)
     (run_dir / f"memory-rank{rank}.json").write_text(json.dumps(rec))
     return teardown(code)
 
@@ -416,8 +418,10 @@ def records(name: str, cfg, gpus: int, overrides: dict, run_dir: Path, rc: int, 
     for f in sorted(run_dir.glob("memory-rank*.json")):
         r = json.loads(f.read_text())
         mems[int(r["rank"])] = r
+    first = mems.get(0) or {}
     common = {"config": name, "overrides": overrides, "run_config": cfg.to_dict(), "gpus": gpus,
-              "seconds": round(seconds, 1), "kernel_path": (mems.get(0) or {}).get("kernel_path") or {}, **stamp}
+              "seconds": round(seconds, 1), "kernel_path": first.get("kernel_path") or {},
+              **{k: first[k] for k in ("kernels", "step_graph_failed") if k in first}, **stamp}
     if mems.get(0, {}).get("device"):
         common["device"] = mems[0]["device"]
     cuda = cfg.parallel.device == "cuda"

@@ -442,8 +442,13 @@ def test_the_step_graph_allocates_the_whole_forward_backward_with_the_moments():
     assert step.kernel_path.cuda_graphs_impl == "step" and trees.kernel_path.cuda_graphs_impl == "torch"
     s, t = step.stages[0], trees.stages[0]
     assert s.peak_phase == "forward_backward" and s.components["optimizer_moments"] > 0
-    assert s.peak_allocated == t.peak_allocated + s.components["optimizer_moments"]
-    assert "cuda_graph_pool" not in s.reserved_terms and s.peak_reserved >= s.peak_allocated
+    assert s.peak_allocated == s.phases["forward_backward"] > t.peak_allocated
+    # reserved: the capture empties the cache, then the default pool keeps what outlives a step (the optimizer step's
+    # peak) and the graph's own pool the step's working set: together at least the allocated peak
+    terms = s.reserved_terms
+    assert terms["default_pool"] < s.peak_allocated and terms["default_pool"] >= s.phases["optimizer_step"]
+    assert terms["default_pool"] + terms["cuda_graph_pool"] >= s.peak_allocated
+    assert s.peak_reserved >= s.peak_allocated
 
 
 def test_segment_slack_follows_the_allocator_rules():

@@ -9,6 +9,7 @@ re-plans each record and lays predicted next to measured; the memory-planner not
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -25,7 +26,8 @@ EVIDENCE_DIR = Path(__file__).resolve().parents[2] / "evidence"
 #: the one-GPU measurements: GPT layouts, then the BERT / T5 layouts, then the compiled layer's, then the step graph's
 #: and the q/k norms' (each file one device call)
 ONE_GPU_FILES = (EVIDENCE_DIR / "planner_1gpu.jsonl", EVIDENCE_DIR / "planner_1gpu_families.jsonl",
-                 EVIDENCE_DIR / "planner_1gpu_compiled_layer.jsonl", EVIDENCE_DIR / "planner_1gpu_step_graph_qk_norms.jsonl")
+                 EVIDENCE_DIR / "planner_1gpu_compiled_layer.jsonl",
+                 EVIDENCE_DIR / "planner_1gpu_step_graph_qk_norms.jsonl")
 
 
 def replan(rec: dict) -> planner.Plan:
@@ -36,10 +38,18 @@ def replan(rec: dict) -> planner.Plan:
     kp = rec.get("kernel_path") or {}
     te = "Transformer Engine" in json.dumps(kp)
     compiled = "compiled dense layer" in str(kp.get("fast_layer", ""))
-    step = kp.get("fast_cuda_graphs") == kernel_rule.STEP_GRAPH_NOTE
+    impl = (rec.get("kernels") or {}).get("cuda_graphs_impl")  # recorded since 84dd336's rows; before, the note
+    step = (impl == "step" if impl is not None else kp.get("fast_cuda_graphs") == kernel_rule.STEP_GRAPH_NOTE) \
+        and not rec.get("step_graph_failed")  # a failed capture trains eagerly
     return planner.predict(RunConfig.from_dict(json.loads(json.dumps(rec["run_config"]))), suggest=False,
                            assumptions=planner.PlannerAssumptions(transformer_engine=te, compiled_layer=compiled,
                                                                   step_graph=step))
+
+
+def _short_device(name: str) -> str:
+    """"NVIDIA H100 80GB HBM3" -> "H100" (the GPU's model; the name as recorded when it names none)."""
+    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name)
+    return m.group(1) if m else name
 
 
 def evidence_table(paths: Iterable[Path] = ONE_GPU_FILES):
@@ -63,7 +73,8 @@ def evidence_table(paths: Iterable[Path] = ONE_GPU_FILES):
                          "alloc err %": 100 * (r.peak_allocated - ma) / ma,
                          "reserved GiB": mr / 2**30, "reserved pred": r.peak_reserved / 2**30,
                          "reserved err %": 100 * (r.peak_reserved - mr) / mr,
-                         "device": rec["device"], "date": rec["date"][:10], "commit": rec["commit"], "file": path.name})
+                         "device": _short_device(rec["device"]), "date": rec["date"][:10],
+                         "commit": rec["commit"][:7], "file": path.name})
     return pd.DataFrame(rows).round(2)
 
 

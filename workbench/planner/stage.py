@@ -378,12 +378,18 @@ def _reserved(sh: Any, kp: KernelPath, a: PlannerAssumptions, S: Any, r: int, st
     # megatron's per-layer graphs (TE's layer) keep every layer's backward working set (H100: GPT-2 medium, Llama-1B)
     graph_pool = (layers_kept + tr.backward * (kept.layers if kp.cuda_graphs_impl == "megatron" else 1) + sum(copies)
                   if graphed else 0.0)
+    step = kp.cuda_graphs_impl == "step"
+    if step:
+        # the step as one graph: the capture empties the cache first (workbench.backend.step_graph), then the default
+        # pool keeps the static state and the optimizer step's temporaries, the graph's own pool the step's working set
+        default_pool = phases["optimizer_step"]
+        graph_pool = phases["forward_backward"] - st.total
     terms = _reserved_terms(sh, a, default_pool, st.moments, largest, graph_pool)
     terms["activation_segments"] = float(slack)  # in the graph pool when graphed, else the default pool
     # The optimizer step's temporaries are per-parameter tensors: the blocks they free serve later
     # requests only up to the largest parameter, so a step's larger buffers need segments besides.
     big_n = 4 * (S.largest_param_elements(sh) if hasattr(S, "largest_param_elements") else sh.vocab * h / t)
-    big = tr.head if last and tr.logits_kept > big_n else 0.0
+    big = tr.head if last and tr.logits_kept > big_n and not step else 0.0  # (the step graph's logits: its pool)
     if not graphed and sh.recompute != "full":
         big += sum(n for n in per_layer if n > big_n) * kept.chunks * kept.per_chunk_layers
     terms["optimizer_temporaries"] = max(0.0, st.total + step_tmp + big + a.cublas_workspace_bytes - default_pool)

@@ -53,8 +53,12 @@ def notes_after(plan: Any) -> list[str]:
     if lay.get("device") != "cpu":
         terms = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.2f}" for k, v in worst.reserved_terms.items() if v)
         out.append(f"reserved (decides fits, with CUDA context + NCCL) on stage {worst.pp_rank}: {terms}")
-    if worst.reserved_terms.get("cuda_graph_pool"):
-        pool = f"graph pool {worst.reserved_terms['cuda_graph_pool'] / GiB:.2f} GiB, in reserv"
+    pool = f"graph pool {worst.reserved_terms.get('cuda_graph_pool', 0) / GiB:.2f} GiB, in reserv"
+    if kp.cuda_graphs_impl == "step":
+        out.append(f"CUDA graphs (the step as one graph): the allocated peak is the last eager warm-up step and the "
+                   f"capture (the whole forward-backward, Adam's moments allocated); replays allocate nothing, and "
+                   f"the graph's pool holds the step's working set from then on ({pool})")
+    elif worst.reserved_terms.get("cuda_graph_pool"):
         if worst.peak_phase == "cuda_graph_warmup":
             out.append(f"CUDA graphs: the allocated peak is the first step's warm-up (the graphed layers run eagerly, "
                        f"before Adam's moments exist: adam 0); from the second step the graph pool holds the layers' "
@@ -62,10 +66,6 @@ def notes_after(plan: Any) -> list[str]:
         else:
             out.append(f"CUDA graphs: the graph pool holds the graphed layers' activations ({pool}): allocated shows "
                        f"them as ~0, so activ is only what runs outside the graphs")
-    elif kp.cuda_graphs_impl == "step":
-        out.append("CUDA graphs (the step as one graph): the allocated peak is the last eager warm-up step and the "
-                   "capture (the whole forward-backward, Adam's moments allocated); replays allocate nothing, and "
-                   "the graph's pool holds the step's activations from then on")
     if lay.get("recompute") == "selective":
         out.append(f"selective recompute here means: {SELECTIVE_MEANS.get(kp.selective, kp.selective)}")
     host = [plan.stages[r.pp_rank].detail.get("optimizer_host_bytes", 0) for r in plan.ranks]
