@@ -23,9 +23,12 @@ clears the target.  Rows (JSON lines, each with device, date, git commit):
   master copy under autocast, SDPA attention with RoPE and GQA, top-k softmax routing with a sort-based permutation,
   one ``grouped_mm`` per expert linear, the same load-balancing and z-loss, fused AdamW, the whole model under
   ``torch.compile``; the same micro-batches of the preset's data, in the same order (its loss mask aside: every
-  token counts).  The ratio workbench / torch (target >= 1.1x).
+  token counts; they wait on the GPU, where the workbench's loader copies each in), the same learning-rate schedule
+  (:func:`scheduled_lr`).  Each side times its own steps after its own warm-up, so the timed steps' indices (and the
+  routers' balance by then) can differ.  The ratio workbench / torch (target >= 1.1x).
 
-``--phases`` picks rows (default ``workbench-1gpu,workbench-ep2,torch-compiled``); ``--steps`` / ``--repeats`` / ``--warmup`` /
+``--phases`` picks rows (default ``workbench-1gpu,workbench-ep2,torch-compiled``);
+``--steps`` / ``--repeats`` / ``--warmup`` /
 ``--warmup-max`` the protocol; ``--smoke`` runs tiny shapes on CPU, the protocol at its smallest, to check the script.
 
 ``--profile`` measures where the time goes instead (one process a side, not a ratio): ``workbench-profile`` trains
@@ -40,7 +43,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -204,8 +209,11 @@ def torch_row(a: argparse.Namespace) -> dict:
     micro = t.global_batch_size // t.micro_batch_size
     batches = preset_batches(cfg, micro * (a.proto.warmup_max + a.proto.steps + 10), dev)
     at = iter(range(10**9))
+    done = iter(range(10**9))  # optimizer steps taken: the learning rate's schedule, as the workbench's run has it
 
     def step():
+        for group in opt.param_groups:
+            group["lr"] = scheduled_lr(t, next(done))
         opt.zero_grad(set_to_none=True)
         last = None
         for _ in range(micro):
@@ -228,7 +236,29 @@ def torch_row(a: argparse.Namespace) -> dict:
             "every_step_s": [round(x, 4) for x in meas["warmup_times"] + meas["step_times"]],
             "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None, "loss_first": losses[0], "loss_last": losses[-1],
             "seconds": round(time.time() - t0, 1), "data": "the preset's (the workbench's micro-batches, in its order)",
+            "first_tokens_sha256": tokens_digest(batches[0][0]),
             **_stamp(torch.cuda.get_device_name() if cuda else "cpu")}
+
+
+def tokens_digest(tokens) -> str:
+    """A micro-batch's token ids, hashed (the row says which data the plain model trained on)."""
+    return hashlib.sha256(tokens.detach().cpu().numpy().tobytes()).hexdigest()
+
+
+def scheduled_lr(t, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) under the run's schedule, as megatron's
+    ``OptimizerParamScheduler`` gives it to the workbench's run (from 0: linear warm-up over ``lr_warmup_iters``, then
+    ``lr_decay_style`` down to ``min_lr`` at ``lr_decay_iters``): the plain model follows the same rates."""
+    warm, decay = t.lr_warmup_iters, t.lr_decay_iters or t.train_iters
+    if warm > 0 and step <= warm:
+        return t.lr * step / warm
+    if t.lr_decay_style == "constant":
+        return t.lr
+    if step > decay:
+        return t.min_lr
+    frac = (step - warm) / (decay - warm)
+    coeff = 1.0 - frac if t.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)  # cosine
+    return t.min_lr + coeff * (t.lr - t.min_lr)
 
 
 def preset_batches(cfg, n: int, dev) -> list:
@@ -275,7 +305,10 @@ def workbench_profile_row(a: argparse.Namespace) -> dict:
             "kernel_path": tr.kernel_path, **_stamp(torch.cuda.get_device_name() if cuda else "cpu")}
 
 
-PHASES = ("workbench-1gpu", "workbench-ep2", "torch-compiled", "workbench-1gpu-omp2")
+#: the rows a plain run measures (``--phases``' default) ...
+DEFAULT_PHASES = ("workbench-1gpu", "workbench-ep2", "torch-compiled")
+#: ... and every row it knows
+PHASES = (*DEFAULT_PHASES, "workbench-1gpu-omp2")
 #: what a workbench row sets in its ranks' environment beyond the launching shell's.  The product's rows set nothing
 #: (``workbench launch`` passes the shell's environment on); ``workbench-1gpu-omp2`` is the one-GPU row as the rows
 #: before this variant ran it (``OMP_NUM_THREADS=2``), kept to measure what that setting costs side by side.
@@ -323,7 +356,7 @@ def merged(phase: str, reps: list[dict]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe_bench.jsonl"))
-    ap.add_argument("--phases", default=",".join(PHASES[:3]))
+    ap.add_argument("--phases", default=",".join(DEFAULT_PHASES))
     harness.add_protocol_args(ap)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per process")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, the protocol at its smallest (checks the script)")
@@ -351,7 +384,8 @@ def main() -> int:
         if p in rows and base in rows and rows[p].get("status") == rows[base].get("status") == "ok":
             # workbench over torch; EP=2 over one GPU; the shipped environment over OMP_NUM_THREADS=2
             over, under = (p, base) if p == "workbench-ep2" else (base, p)
-            key = {"torch-compiled": "workbench_over_torch", "workbench-ep2": "speedup_over_1gpu"}.get(p, "shipped_env_over_omp2")
+            key = {"torch-compiled": "workbench_over_torch",
+                   "workbench-ep2": "speedup_over_1gpu"}.get(p, "shipped_env_over_omp2")
             rows[p][key] = harness.ratio(rows[over]["repeats"]["repeats"], rows[under]["repeats"]["repeats"], target)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -192,7 +192,8 @@ def planner_rows(a: argparse.Namespace, work: Path) -> list[dict]:
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = -9
-        recs = pm.records(name, cfg, ep, {"parallel.expert_parallel": ep, **over}, work / name, rc, time.time() - t0, pm._stamp())
+        recs = pm.records(name, cfg, ep, {"parallel.expert_parallel": ep, **over}, work / name, rc, time.time() - t0,
+                          pm._stamp())
         for r in recs:
             errs = [r.get("error_allocated_pct"), r.get("error_reserved_pct")]
             r["phase"] = "planner"
