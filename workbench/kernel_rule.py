@@ -327,9 +327,9 @@ class KernelChoice:
 
 #: what a run's kernel path says (``fast_cuda_graphs``) when the step is captured as one graph
 #: (``workbench.backend.step_graph``; the planner re-plans a measured run on the graphs it reported)
-STEP_GRAPH_NOTE = ("the training step's forward+backward (every layer and micro-batch) captured as one CUDA graph after "
-                   "the eager warm-up steps, replayed each step (workbench.backend.step_graph; micro-batch timing is not "
-                   "sampled)")
+STEP_GRAPH_NOTE = ("the training step's forward+backward (every layer and micro-batch) captured as one CUDA graph "
+                   "after the eager warm-up steps, replayed each step (workbench.backend.step_graph; micro-batch "
+                   "timing is not sampled)")
 #: why context parallelism keeps CUDA graphs off: the compiled layer runs the ring attention eagerly between its
 #: compiled pieces (``compiled_layer._ring_context``), and its point-to-point exchanges are not captured ...
 CP_BLOCKER = "context parallel: the ring attention's point-to-point exchanges run eagerly between the compiled pieces"
