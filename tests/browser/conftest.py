@@ -245,6 +245,9 @@ class LabPage:
                         urllib.request.urlopen(req, timeout=30).close()
                     except OSError as e:
                         print(f"[browser] could not shut down a kernel: {e}")
+                # what the disposed views still log (a widget view whose model went with the kernel) is this
+                # notebook's, not the next one's: a moment for it to arrive before the mark
+                page.wait_for_timeout(1000)
                 self.mark = len(self.console)
 
 
