@@ -42,6 +42,7 @@ __all__ = [
     "fast_paths_wanted",
     "layer_blocker",
     "graphs_off_reason",
+    "moe_graphs_blocker",
     "te_status",
     "te_available",
     "apex_available",
@@ -399,7 +400,31 @@ def graphs_off_reason(cfg: Any) -> str | None:
     if cfg.parallel.recompute == "full":
         return "full recompute (each layer runs forward twice per step)"
     if getattr(getattr(cfg.model, "moe", None), "num_experts", 0):
-        return "mixture of experts (token counts per expert change every step)"
+        return moe_graphs_blocker(cfg)
+    return None
+
+
+#: why an MoE model's layers are not replayed one by one (cudagraph trees, megatron's manager): the tokens each
+#: expert receives change every step, and megatron's dispatcher reads them on the host
+MOE_GRAPHS_BLOCKER = "mixture of experts (token counts per expert change every step)"
+
+
+def moe_graphs_blocker(cfg: Any) -> str | None:
+    """Why an MoE config's step is not graphed (None: it is captured whole, :mod:`workbench.backend.step_graph`).
+
+    The whole step holds an MoE step where nothing in it reads the routing on the host: one process (no expert
+    parallel exchange, whose split sizes the host reads), the workbench's router and token dispatch on the compiled
+    layer (the counts per expert stay on the device, the grouped GEMMs take their offsets from there, the tokens
+    per micro-batch are fixed) and nothing else :func:`step_graph_blocker` refuses.  The router monitor's counts and
+    megatron's metrics tracker accumulate in tensors made in the eager warm-up and zeroed in place after each step,
+    so a replay adds into them as the eager step did.  Layers replayed one by one stay off for every MoE config."""
+    if step_graph_blocker(cfg) is not None or layer_blocker(cfg) is not None or not fast_paths_wanted(cfg):
+        return MOE_GRAPHS_BLOCKER
+    if cfg.model.attention_backend not in ("auto", "sdpa"):
+        return MOE_GRAPHS_BLOCKER
+    experts = _experts_slot(cfg, "sdpa", True)
+    if _router_slot(cfg, _dispatch_slot(cfg, experts)) != "workbench":
+        return MOE_GRAPHS_BLOCKER + " with megatron's router or token dispatch (it reads them on the host)"
     return None
 
 
@@ -442,6 +467,8 @@ def _te_graphs_off(cfg: Any, te_spec: bool) -> str:
     """Why TE's layer would not replay as megatron's CUDA graphs for this layout ("": it would)."""
     if not te_spec:
         return "this family's TE layer is not graphed (its cross-attention mask pair)"
+    if getattr(getattr(cfg.model, "moe", None), "num_experts", 0):
+        return MOE_GRAPHS_BLOCKER
     if cfg.parallel.recompute != "none":
         return "recompute on TE's layer (megatron's CUDA graphs capture the layer whole)"
     if int(cfg.parallel.pipeline_parallel) > 1:

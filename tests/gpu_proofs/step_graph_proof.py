@@ -33,7 +33,10 @@ CASES = {"bert-base": ("bert-base", {"train.micro_batch_size": 8, "train.global_
          # as shipped: dropout 0.1 in the graph (inductor's and SDPA's random numbers from the default generator, whose
          # offsets a replay advances as the eager step does)
          "bert-base-dropout": ("bert-base", {"train.micro_batch_size": 8, "train.global_batch_size": 64,
-                                             "model.hidden_dropout": 0.1, "model.attention_dropout": 0.1})}
+                                             "model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}),
+         # mixture of experts at EP=1 as shipped (4 micro-batches of 8 x 2048, 64 experts, top 8): the workbench's
+         # router and token dispatch in the graph, the router monitor's counts added by the replays
+         "moe-research": ("moe-research", {})}
 DEFAULT = "bert-base,gpt2-small,t5-small"
 BAR = 1e-3
 
@@ -54,11 +57,38 @@ def run(name: str, graphs: bool, steps: int, timeout: float) -> dict:
     start = next((e for e in ev if e["event"] == "run_start"), {})
     steps_ev = [e for e in ev if e["event"] == "step"]
     times = [e["step_time"] for e in steps_ev if e.get("step_time")][len(steps_ev) // 2:]
+    router = [{k: e.get(k) for k in ("iteration", "tokens_per_expert", "load_balancing_loss", "z_loss")}
+              for e in ev if e["event"] == "router"]
     return {"returncode": proc.returncode, "impl": (start.get("kernels") or {}).get("cuda_graphs_impl"),
+            "router": router,
             "modes": [e.get("step_graph") for e in steps_ev],
             "cuda_graphs": (start.get("kernel_path") or {}).get("fast_cuda_graphs"),
             "losses": [e.get("loss") for e in steps_ev], "step_s": harness.median(times) if times else None,
             "error": None if proc.returncode == 0 else _first_traceback(proc.stderr)}
+
+
+def router_agreement(graphed: list[dict], eager: list[dict]) -> dict:
+    """An MoE case's router records (the monitor's counts and megatron's tracked losses, every sampled step) of the
+    graphed run against the eager one: the same steps sampled, every count there (none lost in a replay: each step's
+    assignments add up to tokens x top_k), the largest difference in tokens per expert as a share of the step's
+    assignments, and the largest relative difference of the logged losses (both within :data:`BAR`).  ``{}``: no
+    router records (a dense case)."""
+    if not graphed and not eager:
+        return {}
+    if [r["iteration"] for r in graphed] != [r["iteration"] for r in eager]:
+        return {"met": False, "why": "different steps sampled", "graphed": [r["iteration"] for r in graphed],
+                "eager": [r["iteration"] for r in eager]}
+    count_diff, loss_diff = 0.0, 0.0
+    for g, e in zip(graphed, eager):
+        for lg, le in zip(g["tokens_per_expert"], e["tokens_per_expert"]):
+            total = max(sum(le), 1)
+            count_diff = max(count_diff, sum(abs(x - y) for x, y in zip(lg, le)) / total,
+                             abs(sum(lg) - sum(le)) / total)
+        for key in ("load_balancing_loss", "z_loss"):
+            for x, y in zip(g.get(key) or [], e.get(key) or []):
+                loss_diff = max(loss_diff, abs(x - y) / max(abs(y), 1e-9))
+    return {"steps": [r["iteration"] for r in graphed], "max_count_share_diff": count_diff,
+            "max_rel_router_loss_diff": loss_diff, "met": count_diff <= BAR and loss_diff <= BAR}
 
 
 def _first_traceback(err: str) -> str:
@@ -85,10 +115,11 @@ def main() -> int:
         # back to eager steps, which would match the eager run trivially)
         replayed = graphed["modes"][:2] == ["eager"] * 2 and graphed["modes"][2:3] == ["captured"] and all(
             m == "replayed" for m in graphed["modes"][3:])
+        router = router_agreement(graphed["router"], eager["router"])
         met = (graphed["impl"] == "step" and replayed and len(pairs) == a.steps and diff is not None and diff <= BAR
-               and graphed["returncode"] == 0 and eager["returncode"] == 0)
+               and graphed["returncode"] == 0 and eager["returncode"] == 0 and router.get("met", True))
         row = {**stamp(), "family": name, "steps": a.steps, "settings": CASES[name][1], "graphed": graphed, "eager": eager,
-               "max_rel_loss_diff": diff, "bar": BAR, "met": met,
+               "max_rel_loss_diff": diff, "bar": BAR, "router_agreement": router, "met": met,
                "step_time_ratio": (eager["step_s"] / graphed["step_s"]) if graphed["step_s"] and eager["step_s"] else None}
         with open(a.out, "a") as fh:
             fh.write(json.dumps(row) + "\n")

@@ -158,3 +158,25 @@ def test_unknown_moe_key_is_named():
     with pytest.raises(ConfigError) as e:
         RunConfig.from_dict({"model": {"moe": {"num_expert": 4}}})
     assert "model.moe.num_expert" in str(e.value)
+
+
+def test_an_moe_step_is_graphed_whole_only_where_nothing_reads_the_routing_on_the_host():
+    gpu = preset("moe-research")
+    shipped = kernel_rule.choose(gpu, te=False)
+    # one process, the workbench's router and token dispatch: the whole step as one graph (never layer by layer)
+    assert (shipped.cuda_graphs, shipped.cuda_graphs_impl, shipped.cuda_graphs_reason) == (True, "step", "")
+    assert (shipped.moe_router, shipped.moe_dispatch) == ("workbench", "workbench")
+    refused = {
+        "expert parallel": {"parallel.expert_parallel": 2, "parallel.nproc_per_node": 2},
+        "megatron's router": {"model.moe.load_balancing": "seq_aux_loss"},
+        "megatron's dispatcher": {"model.moe.capacity_factor": 1.5},
+        "fp16's loss scale": {"train.precision": "fp16"},
+        "TE's layer": {"model.attention_backend": "te"},
+    }
+    for why, over in refused.items():
+        k = kernel_rule.choose(gpu.replace(**over), te=True)
+        assert not k.cuda_graphs and k.cuda_graphs_impl == "", why
+        assert k.cuda_graphs_reason.startswith(kernel_rule.MOE_GRAPHS_BLOCKER), (why, k.cuda_graphs_reason)
+    assert "megatron's router or token dispatch" in kernel_rule.moe_graphs_blocker(
+        gpu.replace(**refused["megatron's router"]))
+    assert kernel_rule.moe_graphs_blocker(gpu) is None

@@ -51,6 +51,8 @@ class PlannerAssumptions:
     torch's single-tensor AdamW off CUDA, two temporaries of the largest tensor).  ``deallocate_pipeline_outputs`` mirrors the
     backend's TransformerConfig (True on CUDA).  ``step_graph`` False: the graphed compiled layers replay one by one
     (torch's cudagraph trees) where the rule would capture the whole step (a run measured before the step graph).
+    ``cuda_graphs`` False: no CUDA graphs where the rule would record some (a run measured while the rule kept them
+    off, e.g. an MoE step before it was captured whole).
     """
 
     cublas_workspace_bytes: int = 64 * MiB
@@ -63,6 +65,7 @@ class PlannerAssumptions:
     optimizer: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
     deallocate_pipeline_outputs: bool = True
     step_graph: bool | None = None
+    cuda_graphs: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -84,6 +87,9 @@ def kernel_path(cfg: RunConfig, assumptions: PlannerAssumptions | None = None) -
         kp = dataclasses.replace(kp, layer="compiled" if a.compiled_layer else "stock",
                                  layer_reason="" if a.compiled_layer else "pinned by PlannerAssumptions.compiled_layer",
                                  cuda_graphs_impl=kernel_rule.graphs_impl(cfg, "compiled") if kp.cuda_graphs and a.compiled_layer else "")
+    if a.cuda_graphs is False and kp.cuda_graphs:
+        kp = dataclasses.replace(kp, cuda_graphs_impl="", cuda_graphs_reason="pinned by PlannerAssumptions.cuda_graphs",
+                                 grad_accumulation="workbench")
     if a.step_graph is False and kp.cuda_graphs_impl == "step":
         kp = dataclasses.replace(kp, cuda_graphs_impl="torch")
     if a.optimizer != "auto":

@@ -34,7 +34,7 @@ def replan(rec: dict) -> planner.Plan:
     """Today's plan for a measured record, on the kernel path the run reported: TE or not, the
     compiled layer or megatron's (a record taken before the rule moved a config to the compiled
     layer is re-planned on the layer it measured), the step captured as one graph or the layers
-    graphed one by one."""
+    graphed one by one, or none (a record the rule has graphed since)."""
     kp = rec.get("kernel_path") or {}
     te = "Transformer Engine" in json.dumps(kp)
     compiled = "compiled dense layer" in str(kp.get("fast_layer", ""))
@@ -43,7 +43,16 @@ def replan(rec: dict) -> planner.Plan:
         and not rec.get("step_graph_failed")  # a failed capture trains eagerly
     return planner.predict(RunConfig.from_dict(json.loads(json.dumps(rec["run_config"]))), suggest=False,
                            assumptions=planner.PlannerAssumptions(transformer_engine=te, compiled_layer=compiled,
-                                                                  step_graph=step))
+                                                                  step_graph=step,
+                                                                  cuda_graphs=False if _graphs_were_off(impl, kp) else None))
+
+
+def _graphs_were_off(impl: str | None, kp: dict) -> bool:
+    """A record that ran without CUDA graphs: its kernels say so (``cuda_graphs_impl`` "", since 84dd336's rows), or
+    before that its kernel path said why they were off and named none on."""
+    if impl is not None:
+        return impl == ""
+    return "fast_cuda_graphs_off" in kp and "fast_cuda_graphs" not in kp
 
 
 def _short_device(name: str) -> str:
