@@ -390,7 +390,7 @@ def _reserved(sh: Any, kp: KernelPath, a: PlannerAssumptions, S: Any, r: int, st
     # requests only up to the largest parameter, so a step's larger buffers need segments besides.
     big_n = 4 * (S.largest_param_elements(sh) if hasattr(S, "largest_param_elements") else sh.vocab * h / t)
     big = tr.head if last and tr.logits_kept > big_n and not step else 0.0  # (the step graph's logits: its pool)
-    if not graphed and sh.recompute != "full":
+    if not graphed and not step and sh.recompute != "full":  # (a graph's activations: its own pool)
         big += sum(n for n in per_layer if n > big_n) * kept.chunks * kept.per_chunk_layers
     terms["optimizer_temporaries"] = max(0.0, st.total + step_tmp + big + a.cublas_workspace_bytes - default_pool)
     return terms
