@@ -21,7 +21,8 @@ clears the target.  Rows (JSON lines, each with device, date, git commit):
   before it ran), for an A/B of the host's thread setting (not a product row).
 - ``torch-compiled``: the same shapes written as a capable user would in plain PyTorch: bf16 weights in an fp32
   master copy under autocast, SDPA attention with RoPE and GQA, top-k softmax routing with a sort-based permutation,
-  one ``grouped_mm`` per expert linear, the same load-balancing and z-loss, fused AdamW, the whole model under
+  one ``grouped_mm`` per expert linear, the same load-balancing and z-loss (each layer's, summed as megatron
+  attaches them; the row records its routers' balance after the timed steps), fused AdamW, the whole model under
   ``torch.compile``; the same micro-batches of the preset's data, in the same order (its loss mask aside: every
   token counts; they wait on the GPU, where the workbench's loader copies each in), the same learning-rate schedule
   (:func:`scheduled_lr`).  Each side times its own steps after its own warm-up, so the timed steps' indices (and the
@@ -200,7 +201,9 @@ def torch_row(a: argparse.Namespace) -> dict:
                 x, a_, z_ = layer(x, self.cos.to(x.dtype), self.sin.to(x.dtype))
                 aux, z = aux + a_, z + z_
             loss = F.cross_entropy(self.head(self.norm(x)).float().reshape(-1, V), labels.reshape(-1))
-            return loss + moe.aux_loss_coeff * aux / L + moe.z_loss_coeff * z / L, loss
+            # each layer's losses times their coefficients, summed over the layers: megatron attaches every layer's
+            # (rows 1-26 averaged them, a 16th of the routers' regularising gradient)
+            return loss + moe.aux_loss_coeff * aux + moe.z_loss_coeff * z, loss
 
     model = Model().to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay,
@@ -229,6 +232,7 @@ def torch_row(a: argparse.Namespace) -> dict:
     losses: list[float] = []
     t0 = time.time()
     meas = harness.measure_steps(lambda: losses.append(float(step().detach())), cuda, a.proto)
+    cv = router_balance(model, batches[next(at) % len(batches)], k, E, dev, cuda)
     tokens = t.global_batch_size * s
     return {**_profiles(step, cuda, a), "row": "torch-compiled", "preset": "moe-research", "ep": 1, "gpus": 1, "status": "ok",
             "tokens_per_s": tokens / meas["step_s"], "step_time_s": meas["step_s"], "warmup_steps": meas["warmup_steps"],
@@ -236,8 +240,29 @@ def torch_row(a: argparse.Namespace) -> dict:
             "every_step_s": [round(x, 4) for x in meas["warmup_times"] + meas["step_times"]],
             "mem_peak": int(torch.cuda.max_memory_allocated()) if cuda else None, "loss_first": losses[0], "loss_last": losses[-1],
             "seconds": round(time.time() - t0, 1), "data": "the preset's (the workbench's micro-batches, in its order)",
-            "first_tokens_sha256": tokens_digest(batches[0][0]),
+            "first_tokens_sha256": tokens_digest(batches[0][0]), "router_cv_per_layer": cv,
             **_stamp(torch.cuda.get_device_name() if cuda else "cpu")}
+
+
+def router_balance(model, batch, k: int, experts: int, dev, cuda: bool) -> list[float]:
+    """The plain model's routers after its timed steps, as the workbench's ``router`` records state them: per layer the
+    coefficient of variation of the experts' token counts over one micro-batch (an eager forward, no grad)."""
+    import torch
+
+    from workbench.run.events import Router
+
+    counts: list = []
+    hooks = [layer.router.register_forward_hook(
+        lambda _m, _i, out: counts.append(torch.bincount(out.float().topk(k, dim=-1).indices.flatten(),
+                                                         minlength=experts).tolist()))
+        for layer in model.layers]
+    try:
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            model(*batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return Router(tokens_per_expert=counts).coefficient_of_variation()
 
 
 def tokens_digest(tokens) -> str:

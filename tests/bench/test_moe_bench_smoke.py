@@ -30,6 +30,7 @@ def test_smoke_rows_carry_repeats_and_the_ratio_with_its_range(tmp_path):
     wb = rows["workbench-1gpu"]
     assert wb["router_cv_per_layer"] and len(wb["router_cv_per_layer"]) == 2  # the smoke's two MoE layers
     plain = rows["torch-compiled"]
+    assert len(plain["router_cv_per_layer"]) == 2 and all(cv >= 0 for cv in plain["router_cv_per_layer"])
     # the plain model's first micro-batch is the workbench run's first: the backend's own data module, same config
     import argparse
     import types
