@@ -52,7 +52,9 @@ class PlannerAssumptions:
     backend's TransformerConfig (True on CUDA).  ``step_graph`` False: the graphed compiled layers replay one by one
     (torch's cudagraph trees) where the rule would capture the whole step (a run measured before the step graph).
     ``cuda_graphs`` False: no CUDA graphs where the rule would record some (a run measured while the rule kept them
-    off, e.g. an MoE step before it was captured whole).
+    off, e.g. an MoE step before it was captured whole).  ``lm_head_every_position``: the LM head on every position
+    of a sequence where the family's runs only the rows it needs (a run measured before BERT's masked-LM head ran on
+    the masked positions only).
     """
 
     cublas_workspace_bytes: int = 64 * MiB
@@ -66,6 +68,7 @@ class PlannerAssumptions:
     deallocate_pipeline_outputs: bool = True
     step_graph: bool | None = None
     cuda_graphs: bool | None = None
+    lm_head_every_position: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -24,17 +24,24 @@ BAR = 0.05
 
 EVIDENCE_DIR = Path(__file__).resolve().parents[2] / "evidence"
 #: the one-GPU measurements: GPT layouts, then the BERT / T5 layouts, then the compiled layer's, then the step graph's
-#: and the q/k norms' (each file one device call)
+#: and the q/k norms', then BERT, T5 and selective recompute on the step graph (each file one device call)
 ONE_GPU_FILES = (EVIDENCE_DIR / "planner_1gpu.jsonl", EVIDENCE_DIR / "planner_1gpu_families.jsonl",
                  EVIDENCE_DIR / "planner_1gpu_compiled_layer.jsonl",
-                 EVIDENCE_DIR / "planner_1gpu_step_graph_qk_norms.jsonl")
+                 EVIDENCE_DIR / "planner_1gpu_step_graph_qk_norms.jsonl",
+                 EVIDENCE_DIR / "planner_1gpu_step_graph_families.jsonl")
+
+
+#: the day BERT's masked-LM head began running on the masked positions only (09f287d): records before it ran the
+#: head on every position
+MASKED_HEAD_SINCE = "2026-11-25"
 
 
 def replan(rec: dict) -> planner.Plan:
     """Today's plan for a measured record, on the kernel path the run reported: TE or not, the
     compiled layer or megatron's (a record taken before the rule moved a config to the compiled
     layer is re-planned on the layer it measured), the step captured as one graph or the layers
-    graphed one by one, or none (a record the rule has graphed since)."""
+    graphed one by one, or none (a record the rule has graphed since), the LM head on every position or only the
+    rows the family's head needs (:data:`MASKED_HEAD_SINCE`)."""
     kp = rec.get("kernel_path") or {}
     te = "Transformer Engine" in json.dumps(kp)
     compiled = "compiled dense layer" in str(kp.get("fast_layer", ""))
@@ -44,7 +51,8 @@ def replan(rec: dict) -> planner.Plan:
     return planner.predict(RunConfig.from_dict(json.loads(json.dumps(rec["run_config"]))), suggest=False,
                            assumptions=planner.PlannerAssumptions(transformer_engine=te, compiled_layer=compiled,
                                                                   step_graph=step,
-                                                                  cuda_graphs=False if _graphs_were_off(impl, kp) else None))
+                                                                  cuda_graphs=False if _graphs_were_off(impl, kp) else None,
+                                                                  lm_head_every_position=rec["date"] < MASKED_HEAD_SINCE))
 
 
 def _graphs_were_off(impl: str | None, kp: dict) -> bool:

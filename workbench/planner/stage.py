@@ -439,6 +439,8 @@ def stages_of(cfg: RunConfig, kp: KernelPath, a: PlannerAssumptions, micro_batch
     d = d or derive(cfg)
     S = family_of(cfg).shapes
     sh = S.shape(cfg, d, micro_batch)
+    if a.lm_head_every_position:
+        sh = dataclasses.replace(sh, head_rows=0)
     cp = max(int(getattr(cfg.parallel, "context_parallel", 1) or 1), 1)
     if cp > 1:  # context parallel: every rank holds seq_length / cp tokens of each sequence (its activations / cp)
         sh = dataclasses.replace(sh, s=sh.s // cp)

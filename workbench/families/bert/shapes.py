@@ -19,16 +19,34 @@ on the last stage).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 from workbench.families.common import shapes as _stack
 
-__all__ = ["param_counts", "head_params", "layer_and_head_flops", "Shape", "shape", "stage_params",
+__all__ = ["MASKED_SHARE", "masked_per_sequence", "param_counts", "head_params", "layer_and_head_flops", "Shape", "shape", "stage_params",
            "layer_activation_terms", "layer_backward_transient", "logits_bytes"]
 
 Shape = _stack.Shape
-shape = _stack.shape
 layer_backward_transient = _stack.layer_backward_transient
+
+#: the share of a sequence's positions the masked-LM data masks (megatron's ``BERTMaskedWordPieceDataset`` masks at
+#: most that many: ``workbench.models.bert.data.MASKING``), so the rows the model's masked-LM head runs on
+MASKED_SHARE = 0.15
+
+
+def masked_per_sequence(seq_length: int) -> int:
+    """The most masked positions one sequence holds: the rows a sequence gives the masked-LM head."""
+    return math.ceil(MASKED_SHARE * seq_length)
+
+
+def shape(cfg: Any, d: Any, micro_batch: int | None = None) -> Shape:
+    """The common shape, with the rows the masked-LM head runs on a sequence (:func:`masked_per_sequence`, the
+    model's ``masked_lm_losses``); every position under sequence parallelism (megatron's head there)."""
+    base = _stack.shape(cfg, d, micro_batch)
+    rows = 0 if cfg.parallel.sequence_parallel else min(base.s, masked_per_sequence(cfg.model.seq_length))
+    return dataclasses.replace(base, head_rows=rows)
 
 
 def head_params(cfg: Any, padded_vocab: int) -> dict[str, int]:
@@ -115,7 +133,10 @@ def layer_activation_terms(sh: Shape, kp: Any) -> dict[str, float]:
 def logits_bytes(sh: Shape, kp: Any) -> tuple[float, float]:
     """(peak, kept) of the LM head and loss: GPT's logits + loss terms plus the LM-head transform,
     which keeps its input, the GELU input, the LayerNorm input and statistics, and the output
-    layer's input (``e sbh`` each, ``/t`` under sequence parallelism)."""
+    layer's input (``e sbh`` each, ``/t`` under sequence parallelism) -- on the rows the head runs on
+    (``sh.head_rows`` a sequence: the masked positions)."""
+    if sh.head_rows:
+        sh = dataclasses.replace(sh, s=min(sh.s, sh.head_rows))
     peak, kept = _stack.logits_bytes(sh, kp)
     tok = sh.s * sh.b
     tsp = sh.tp if sh.sp else 1

@@ -104,6 +104,7 @@ class Shape:
     relu: bool = False  # ReLU keeps only its output (fc2's input), not its input
     qk_norm: str = ""  # model.qk_layernorm: "head" (megatron's per-head norms), "all_heads" (OLMoE's), "" (none)
     offload: float = 0.0  # parallel.optimizer_cpu_offload: the share of the optimizer's shard kept in host memory
+    head_rows: int = 0  # the positions of a sequence the LM head runs on in training (0: every one; BERT's masked ones)
     # mixture of experts (workbench.families.common.moe_shapes.shape_fields): share of MoE layers, experts, EP / ETP /
     # expert DP, top_k, a routed expert's and all shared experts' FFN sizes, capacity factor (0: dropless)
     moe_frac: float = 0.0

@@ -21,13 +21,14 @@ import torch
 
 from workbench.data.errors import DataError
 from workbench.datasets import check_tokenizer_fits, dataset_sizes, resolve_blend
+from workbench.families.bert.shapes import MASKED_SHARE
 from workbench.families.bert.vocab import check_bert_tokenizer, check_sentence_data
 from workbench.models.common.seeds import mix32
 
 __all__ = ["SyntheticBertDataset", "BertSamples", "bert_dataset_config", "build_datasets", "MASKING"]
 
 #: megatron-core masking settings (Megatron-LM pretrain_bert's defaults)
-MASKING = dict(masking_probability=0.15, short_sequence_probability=0.10, masking_max_ngram=3, masking_do_full_word=True,
+MASKING = dict(masking_probability=MASKED_SHARE, short_sequence_probability=0.10, masking_max_ngram=3, masking_do_full_word=True,
                masking_do_permutation=False, masking_use_longer_ngrams=False, masking_use_geometric_distribution=False)
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any, Iterator, Optional
 
 import torch
@@ -242,6 +241,6 @@ def build(
 def masked_per_sequence(cfg: RunConfig) -> int:
     """The most masked positions one sequence of this family's data holds: ``masking_probability`` of the sequence
     (megatron's ``BERTMaskedWordPieceDataset`` masks at most that many; the synthetic set, 15% of its words)."""
-    from workbench.models.bert.data import MASKING
+    from workbench.families.bert.shapes import masked_per_sequence as per_sequence
 
-    return math.ceil(MASKING["masking_probability"] * cfg.model.seq_length)
+    return per_sequence(cfg.model.seq_length)
