@@ -29,13 +29,12 @@ rank (:class:`WorkbenchMoELayer`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from workbench.backend import compiled_layer
+from workbench.backend import compiled_layer, moe_kernels
 from workbench.backend.moe_router import WorkbenchRouter
 
 __all__ = ["LocalTokenDispatcher", "WorkbenchMoELayer", "routing_indices", "regroup_index"]
@@ -127,21 +126,13 @@ def _gather_sum(y: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
     return y.index_select(0, slots).view(slots.numel() // k, k, y.shape[-1]).sum(1, dtype=torch.float32).to(y.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _gather_sum_compiled():
-    """:func:`_gather_sum` compiled: the gather, the fp32 sum and the rounding in one kernel, no ``[tokens, k,
-    hidden]`` copy in between (eagerly three kernels: moe-research's profile had the bf16 sum alone at 15 ms a step
-    on an H200, ``bench/results/moe_profile.jsonl:5``).  Its callers always hand it ``tokens x k`` rows (at EP > 1
-    too: the un-permutation runs after the combine's all-to-all), so its shapes are fixed; the forward's inputs
-    require grad and the backward's do not: two graphs."""
-    return torch.compile(_gather_sum)
-
-
 def _sum_rows(y: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
-    """Each token's ``k`` rows of ``y`` (``slots``: their positions, grouped by token) summed in fp32, rounded once;
-    compiled on CUDA in the kernel rule's compiled paths (``compiled_layer.compiling``)."""
+    """Each token's ``k`` rows of ``y`` (``slots``: their positions, grouped by token) summed in fp32, rounded once:
+    on CUDA in the kernel rule's compiled paths (``compiled_layer.compiling``) one Triton kernel
+    (:func:`workbench.backend.moe_kernels.gather_sum`; eagerly three kernels and a ``[tokens, k, hidden]`` copy, and
+    inductor's fused kernel read at about a fifth of an H200's bandwidth), else :func:`_gather_sum`."""
     if y.is_cuda and compiled_layer.compiling():
-        return _gather_sum_compiled()(y, slots, k)
+        return moe_kernels.gather_sum(y, slots, k)
     return _gather_sum(y, slots, k)
 
 

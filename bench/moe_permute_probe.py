@@ -1,0 +1,87 @@
+"""The MoE token permutation's gathers at moe-research's shapes (one micro-batch of 8 x 2048 tokens, top-8 of 64
+experts, hidden 1024, bf16), each way it can run on CUDA: the un-permutation's gather-and-sum eagerly (three
+kernels), compiled by inductor (the path before :mod:`workbench.backend.moe_kernels`) and as the workbench's Triton
+kernel; the permutation's row gather as ``index_select`` and as the Triton kernel.  CUDA events over 50 calls after
+10; each Triton kernel's output against the eager result (the gather bitwise; the sum: elements that differ and the
+largest difference, in units of the eager value's last place).  Prints one JSON line per operation; ``--out``
+appends them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def timed(fn, iters: int = 50, warmup: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> int:
+    from workbench.backend import moe_kernels
+    from workbench.backend.moe_dispatch import _gather_sum, routing_indices
+    from workbench.provenance import stamp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("moe_permute_probe: needs a GPU", file=sys.stderr)
+        return 2
+    tokens, experts, k, hidden = 8 * 2048, 64, 8, 1024
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    routing = torch.zeros(tokens, experts, dtype=torch.bool, device="cuda")
+    routing.scatter_(1, logits.topk(k, dim=1).indices, True)
+    rows, slots, _ = routing_indices(routing, k)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = torch.randn(tokens * k, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    moved = (tokens * k + tokens) * hidden * 2  # bytes each op reads and writes (the index aside)
+    compiled = torch.compile(_gather_sum)
+    out = []
+
+    want = _gather_sum(y, slots, k)
+    got = moe_kernels.gather_sum(y, slots, k)
+    differ = got != want
+    ulp = (want.float().abs().clamp_min(1e-30).log2().floor() - 7).exp2()  # bf16: 8 significant bits
+    ms = {"eager": timed(lambda: _gather_sum(y, slots, k)), "inductor": timed(lambda: compiled(y, slots, k)),
+          "triton": timed(lambda: moe_kernels.gather_sum(y, slots, k))}
+    out.append({"op": "gather_sum (un-permute; the permutation's backward)", "ms": ms,
+                "tb_per_s": {n: moved / (v * 1e-3) / 1e12 for n, v in ms.items()},
+                "triton_over_inductor": ms["inductor"] / ms["triton"],
+                "elements_differing": int(differ.sum()), "elements": want.numel(),
+                "max_diff_in_ulps": float(((got.float() - want.float()).abs() / ulp).max())})
+
+    want = x.index_select(0, rows)
+    ms = {"index_select": timed(lambda: x.index_select(0, rows)),
+          "triton": timed(lambda: moe_kernels.gather_rows(x, rows))}
+    out.append({"op": "gather_rows (permute; the un-permutation's backward)", "ms": ms,
+                "tb_per_s": {n: moved / (v * 1e-3) / 1e12 for n, v in ms.items()},
+                "triton_over_index_select": ms["index_select"] / ms["triton"],
+                "bitwise": bool(torch.equal(moe_kernels.gather_rows(x, rows), want))})
+    for row in out:
+        row = {"probe": "moe_permute", "tokens": tokens, "experts": experts, "top_k": k, "hidden": hidden,
+               **row, **stamp()}
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

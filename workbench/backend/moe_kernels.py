@@ -1,0 +1,94 @@
+"""Triton kernels of the workbench's MoE token permutation (:mod:`workbench.backend.moe_dispatch`) on CUDA.
+
+- :func:`gather_sum`: each token's ``k`` rows of the experts' output summed in fp32 and rounded once (the
+  un-permutation, and the permutation's backward).  Inductor's kernel for the same gather-and-sum (one persistent
+  reduction over ``k`` beside ``tokens x hidden``) read its rows at about a fifth of an H200's bandwidth: 40.8 ms a
+  step of moe-research, 128 calls (``bench/results/moe_profile.jsonl:17``); here one program per token and block of
+  the hidden dimension reads its ``k`` rows whole, contiguous, and writes one.
+- :func:`gather_rows`: ``x[index]`` of whole rows (the permutation, and the un-permutation's backward), one
+  program per output row.
+
+Both run where :func:`workbench.backend.moe_dispatch` asks for them (training on CUDA in the kernel rule's compiled
+paths) and under Triton's interpreter on the CPU (the tests).  The sum is in fp32 in the rows' order (slot 0 first),
+then rounded to the rows' dtype: what ``index_select(...).sum(1, dtype=float32).to(dtype)`` computes, up to the
+order of an fp32 sum of ``k`` terms.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["gather_sum", "gather_rows"]
+
+#: the widest block of the hidden dimension one program takes (wider rows: several programs a row)
+MAX_BLOCK = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_sum_kernel(y_ptr, slots_ptr, out_ptr, hidden, y_stride, K: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < hidden
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(K):
+            row = tl.load(slots_ptr + t * K + r).to(tl.int64)
+            acc += tl.load(y_ptr + row * y_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, hidden, x_stride, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < hidden
+        row = tl.load(index_ptr + i).to(tl.int64)
+        tl.store(out_ptr + i * hidden + offs, tl.load(x_ptr + row * x_stride + offs, mask=mask), mask=mask)
+
+    return _gather_sum_kernel, _gather_rows_kernel
+
+
+def _launch(hidden: int, block: int | None) -> tuple[int, int, int]:
+    """``(block, blocks a row, warps)`` for rows of ``hidden`` elements."""
+    import triton
+
+    block = block or min(MAX_BLOCK, triton.next_power_of_2(hidden))
+    return block, -(-hidden // block), max(1, min(8, block // 256))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, hidden]`` with unit stride along the hidden dimension (a copy only where it has none)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def gather_sum(y: torch.Tensor, slots: torch.Tensor, k: int, block: int | None = None) -> torch.Tensor:
+    """``out[t] = sum(y[slots[t * k + r]] for r in range(k))`` in fp32, rounded once to ``y``'s dtype:
+    ``[slots.numel() // k, hidden]``.  ``block``: the hidden dimension's block (tests; a power of two)."""
+    y = _rows(y)
+    slots = slots.contiguous()
+    tokens, hidden = slots.numel() // k, y.shape[-1]
+    out = torch.empty((tokens, hidden), dtype=y.dtype, device=y.device)
+    if tokens == 0 or hidden == 0:
+        return out
+    block, blocks, warps = _launch(hidden, block)
+    _kernels()[0][(tokens, blocks)](y, slots, out, hidden, y.stride(0), K=k, BLOCK=block, num_warps=warps)
+    return out
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """``x.index_select(0, index)`` for a ``[rows, hidden]`` ``x``: ``[index.numel(), hidden]``."""
+    x = _rows(x)
+    index = index.contiguous()
+    hidden = x.shape[-1]
+    out = torch.empty((index.numel(), hidden), dtype=x.dtype, device=x.device)
+    if index.numel() == 0 or hidden == 0:
+        return out
+    block, blocks, warps = _launch(hidden, block)
+    _kernels()[1][(index.numel(), blocks)](x, index, out, hidden, x.stride(0), BLOCK=block, num_warps=warps)
+    return out
