@@ -1,9 +1,9 @@
 """The MoE token permutation's gathers at moe-research's shapes (one micro-batch of 8 x 2048 tokens, top-8 of 64
 experts, hidden 1024, bf16), each way it can run on CUDA: the un-permutation's gather-and-sum eagerly (three
 kernels), compiled by inductor (the path before :mod:`workbench.backend.moe_kernels`) and as the workbench's Triton
-kernel; the permutation's row gather as ``index_select`` and as the Triton kernel.  CUDA events over 50 calls after
-10; each Triton kernel's output against the eager result (the gather bitwise; the sum: elements that differ and the
-largest difference, in units of the eager value's last place).  Prints one JSON line per operation; ``--out``
+kernel.  CUDA events over 50 calls after 10; the Triton kernel's output against the eager result (elements that
+differ and the largest difference, in units of the eager value's last place).  (At 21afaaa it also timed a Triton row
+gather against ``index_select``: no faster, ``bench/results/moe_permute.jsonl:2``; not kept.)  Prints one JSON line per operation; ``--out``
 appends them."""
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ def main() -> int:
     logits = torch.randn(tokens, experts, device="cuda", generator=gen)
     routing = torch.zeros(tokens, experts, dtype=torch.bool, device="cuda")
     routing.scatter_(1, logits.topk(k, dim=1).indices, True)
-    rows, slots, _ = routing_indices(routing, k)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    _, slots, _ = routing_indices(routing, k)
     y = torch.randn(tokens * k, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     moved = (tokens * k + tokens) * hidden * 2  # bytes each op reads and writes (the index aside)
     compiled = torch.compile(_gather_sum)
@@ -66,13 +65,6 @@ def main() -> int:
                 "elements_differing": int(differ.sum()), "elements": want.numel(),
                 "max_diff_in_ulps": float(((got.float() - want.float()).abs() / ulp).max())})
 
-    want = x.index_select(0, rows)
-    ms = {"index_select": timed(lambda: x.index_select(0, rows)),
-          "triton": timed(lambda: moe_kernels.gather_rows(x, rows))}
-    out.append({"op": "gather_rows (permute; the un-permutation's backward)", "ms": ms,
-                "tb_per_s": {n: moved / (v * 1e-3) / 1e12 for n, v in ms.items()},
-                "triton_over_index_select": ms["index_select"] / ms["triton"],
-                "bitwise": bool(torch.equal(moe_kernels.gather_rows(x, rows), want))})
     for row in out:
         row = {"probe": "moe_permute", "tokens": tokens, "experts": experts, "top_k": k, "hidden": hidden,
                **row, **stamp()}

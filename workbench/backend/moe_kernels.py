@@ -1,17 +1,17 @@
 """Triton kernels of the workbench's MoE token permutation (:mod:`workbench.backend.moe_dispatch`) on CUDA.
 
-- :func:`gather_sum`: each token's ``k`` rows of the experts' output summed in fp32 and rounded once (the
-  un-permutation, and the permutation's backward).  Inductor's kernel for the same gather-and-sum (one persistent
-  reduction over ``k`` beside ``tokens x hidden``) read its rows at about a fifth of an H200's bandwidth: 40.8 ms a
-  step of moe-research, 128 calls (``bench/results/moe_profile.jsonl:17``); here one program per token and block of
-  the hidden dimension reads its ``k`` rows whole, contiguous, and writes one.
-- :func:`gather_rows`: ``x[index]`` of whole rows (the permutation, and the un-permutation's backward), one
-  program per output row.
+:func:`gather_sum`: each token's ``k`` rows of the experts' output summed in fp32 and rounded once (the
+un-permutation, and the permutation's backward).  Inductor's kernel for the same gather-and-sum (one persistent
+reduction over ``k`` beside ``tokens x hidden``) read its rows at about a fifth of an H200's bandwidth (40.8 ms a step
+of moe-research, 128 calls, ``bench/results/moe_profile.jsonl:17``); here one program per token and block of the
+hidden dimension reads its ``k`` rows whole and writes one: 0.076 ms against inductor's 0.325 at moe-research's
+shapes, bitwise the eager sum (``bench/results/moe_permute.jsonl:1``).  The sum is in fp32 in slot order, then
+rounded to the rows' dtype: ``index_select(...).sum(1, dtype=float32).to(dtype)`` up to the order of an fp32 sum
+of ``k`` terms.
 
-Both run where :func:`workbench.backend.moe_dispatch` asks for them (training on CUDA in the kernel rule's compiled
-paths) and under Triton's interpreter on the CPU (the tests).  The sum is in fp32 in the rows' order (slot 0 first),
-then rounded to the rows' dtype: what ``index_select(...).sum(1, dtype=float32).to(dtype)`` computes, up to the
-order of an fp32 sum of ``k`` terms.
+It runs where :mod:`workbench.backend.moe_dispatch` asks for it (training on CUDA in the kernel rule's compiled
+paths) and under Triton's interpreter on the CPU (the tests).  The permutation's row gather stays ``index_select``:
+a Triton kernel of one program a row ran it no faster (0.120 ms either way, ``bench/results/moe_permute.jsonl:2``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-__all__ = ["gather_sum", "gather_rows"]
+__all__ = ["gather_sum"]
 
 #: the widest block of the hidden dimension one program takes (wider rows: several programs a row)
 MAX_BLOCK = 4096
@@ -42,15 +42,7 @@ def _kernels():
             acc += tl.load(y_ptr + row * y_stride + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, hidden, x_stride, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < hidden
-        row = tl.load(index_ptr + i).to(tl.int64)
-        tl.store(out_ptr + i * hidden + offs, tl.load(x_ptr + row * x_stride + offs, mask=mask), mask=mask)
-
-    return _gather_sum_kernel, _gather_rows_kernel
+    return _gather_sum_kernel
 
 
 def _launch(hidden: int, block: int | None) -> tuple[int, int, int]:
@@ -77,18 +69,6 @@ def gather_sum(y: torch.Tensor, slots: torch.Tensor, k: int, block: int | None =
     if tokens == 0 or hidden == 0:
         return out
     block, blocks, warps = _launch(hidden, block)
-    _kernels()[0][(tokens, blocks)](y, slots, out, hidden, y.stride(0), K=k, BLOCK=block, num_warps=warps)
+    _kernels()[(tokens, blocks)](y, slots, out, hidden, y.stride(0), K=k, BLOCK=block, num_warps=warps)
     return out
 
-
-def gather_rows(x: torch.Tensor, index: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """``x.index_select(0, index)`` for a ``[rows, hidden]`` ``x``: ``[index.numel(), hidden]``."""
-    x = _rows(x)
-    index = index.contiguous()
-    hidden = x.shape[-1]
-    out = torch.empty((index.numel(), hidden), dtype=x.dtype, device=x.device)
-    if index.numel() == 0 or hidden == 0:
-        return out
-    block, blocks, warps = _launch(hidden, block)
-    _kernels()[1][(index.numel(), blocks)](x, index, out, hidden, x.stride(0), BLOCK=block, num_warps=warps)
-    return out
