@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.profiling import cuda_ms  # noqa: E402
+
 
 def offsets(rows: int, experts: int, skew: float, gen: torch.Generator) -> torch.Tensor:
     """Group end rows: ``skew`` 0 splits evenly; 1 draws each expert's share from an exponential (a router far from
@@ -26,19 +28,6 @@ def offsets(rows: int, experts: int, skew: float, gen: torch.Generator) -> torch
     counts = (w / w.sum() * rows).floor().long()
     counts[-1] += rows - counts.sum()
     return torch.cumsum(counts, 0).to(torch.int32)
-
-
-def timed(fn, iters: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def case(layout: str, offs: torch.Tensor, rows: int, E: int, h: int, f: int) -> float:
@@ -62,7 +51,7 @@ def case(layout: str, offs: torch.Tensor, rows: int, E: int, h: int, f: int) -> 
         out.backward(grad)
         x.grad = b1.grad = b2.grad = None
 
-    return timed(step)
+    return cuda_ms(step)
 
 
 def main() -> int:

@@ -3,8 +3,8 @@ experts, hidden 1024, bf16), each way it can run on CUDA: the un-permutation's g
 kernels), compiled by inductor (the path before :mod:`workbench.backend.moe_kernels`) and as the workbench's Triton
 kernel.  CUDA events over 50 calls after 10; the Triton kernel's output against the eager result (elements that
 differ and the largest difference, in units of the eager value's last place).  (At 21afaaa it also timed a Triton row
-gather against ``index_select``: no faster, ``bench/results/moe_permute.jsonl:2``; not kept.)  Prints one JSON line per operation; ``--out``
-appends them."""
+gather against ``index_select``: no faster, ``bench/results/moe_permute.jsonl:2``; not kept.)  Prints one JSON line
+per operation; ``--out`` appends them."""
 
 from __future__ import annotations
 
@@ -17,18 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def timed(fn, iters: int = 50, warmup: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from bench.profiling import cuda_ms  # noqa: E402
 
 
 def main() -> int:
@@ -57,8 +46,9 @@ def main() -> int:
     got = moe_kernels.gather_sum(y, slots, k)
     differ = got != want
     ulp = (want.float().abs().clamp_min(1e-30).log2().floor() - 7).exp2()  # bf16: 8 significant bits
-    ms = {"eager": timed(lambda: _gather_sum(y, slots, k)), "inductor": timed(lambda: compiled(y, slots, k)),
-          "triton": timed(lambda: moe_kernels.gather_sum(y, slots, k))}
+    ms = {"eager": cuda_ms(lambda: _gather_sum(y, slots, k), 50, 10),
+          "inductor": cuda_ms(lambda: compiled(y, slots, k), 50, 10),
+          "triton": cuda_ms(lambda: moe_kernels.gather_sum(y, slots, k), 50, 10)}
     out.append({"op": "gather_sum (un-permute; the permutation's backward)", "ms": ms,
                 "tb_per_s": {n: moved / (v * 1e-3) / 1e12 for n, v in ms.items()},
                 "triton_over_inductor": ms["inductor"] / ms["triton"],

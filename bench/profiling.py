@@ -7,7 +7,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["profile_steps", "summary", "host_profile"]
+__all__ = ["profile_steps", "summary", "host_profile", "cuda_ms"]
+
+
+def cuda_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 5) -> float:
+    """Milliseconds a call of ``fn`` takes on the GPU: CUDA events around ``iters`` calls after ``warmup``."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def profile_steps(step_fn: Callable[[], Any], cuda: bool, want: bool, steps: int = 3, top: int = 15) -> Optional[dict]:
