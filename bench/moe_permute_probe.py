@@ -3,8 +3,8 @@ experts, hidden 1024, bf16), each way it can run on CUDA: the un-permutation's g
 kernels), compiled by inductor (the path before :mod:`workbench.backend.moe_kernels`) and as the workbench's Triton
 kernel.  CUDA events over 50 calls after 10; the Triton kernel's output against the eager result (elements that
 differ and the largest difference, in units of the eager value's last place).  (At 21afaaa it also timed a Triton row
-gather against ``index_select``: no faster, ``bench/results/moe_permute.jsonl:2``; not kept.)  Prints one JSON line
-per operation; ``--out`` appends them."""
+gather against ``index_select``: no faster, ``bench/results/moe_permute.jsonl:2``; not kept.)  Prints one JSON line;
+``--out`` appends it."""
 
 from __future__ import annotations
 
@@ -40,28 +40,22 @@ def main() -> int:
     y = torch.randn(tokens * k, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     moved = (tokens * k + tokens) * hidden * 2  # bytes each op reads and writes (the index aside)
     compiled = torch.compile(_gather_sum)
-    out = []
-
     want = _gather_sum(y, slots, k)
     got = moe_kernels.gather_sum(y, slots, k)
-    differ = got != want
     ulp = (want.float().abs().clamp_min(1e-30).log2().floor() - 7).exp2()  # bf16: 8 significant bits
     ms = {"eager": cuda_ms(lambda: _gather_sum(y, slots, k), 50, 10),
           "inductor": cuda_ms(lambda: compiled(y, slots, k), 50, 10),
           "triton": cuda_ms(lambda: moe_kernels.gather_sum(y, slots, k), 50, 10)}
-    out.append({"op": "gather_sum (un-permute; the permutation's backward)", "ms": ms,
-                "tb_per_s": {n: moved / (v * 1e-3) / 1e12 for n, v in ms.items()},
-                "triton_over_inductor": ms["inductor"] / ms["triton"],
-                "elements_differing": int(differ.sum()), "elements": want.numel(),
-                "max_diff_in_ulps": float(((got.float() - want.float()).abs() / ulp).max())})
-
-    for row in out:
-        row = {"probe": "moe_permute", "tokens": tokens, "experts": experts, "top_k": k, "hidden": hidden,
-               **row, **stamp()}
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+    row = {"probe": "moe_permute", "tokens": tokens, "experts": experts, "top_k": k, "hidden": hidden,
+           "op": "gather_sum (un-permute; the permutation's backward)", "ms": ms,
+           "tb_per_s": {n: moved / (v * 1e-3) / 1e12 for n, v in ms.items()},
+           "triton_over_inductor": ms["inductor"] / ms["triton"],
+           "elements_differing": int((got != want).sum()), "elements": want.numel(),
+           "max_diff_in_ulps": float(((got.float() - want.float()).abs() / ulp).max()), **stamp()}
+    print(json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
     return 0
 
 

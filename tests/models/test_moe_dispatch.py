@@ -121,9 +121,10 @@ def test_two_expert_parallel_ranks_equal_the_per_token_reference():
 def test_the_triton_gather_sum_equals_the_eager_sum_under_the_interpreter():
     """The CUDA path of the un-permutation (:func:`moe_kernels.gather_sum`), under Triton's interpreter (CPU): rows
     of a strided view (row stride wider than the row), a hidden size that is no multiple of the block, top-1 to top-8
-    on megatron's permutation.  On fp32 rows the sum is bitwise a sequential fp32 sum of each token's rows in slot
-    order; on bf16 rows within one bf16 place of it rounded (the interpreter truncates where the GPU rounds to
-    nearest: ``bench/moe_permute_probe.py`` counts the GPU's differences from the eager sum)."""
+    on megatron's permutation, rows whose hidden dimension is strided.  On fp32 rows the sum is bitwise a sequential
+    fp32 sum of each token's rows in slot order; on bf16 rows within one bf16 place of it rounded (the interpreter
+    truncates where the GPU rounds to nearest: ``bench/moe_permute_probe.py`` counts the GPU's differences from the
+    eager sum)."""
     import os
     import subprocess
     import sys
@@ -151,7 +152,11 @@ for tokens, experts, k, hidden, block in ((9, 8, 2, 37, 16), (6, 16, 8, 20, 32),
         else:
             place = (want.abs().clamp_min(1e-30).log2().floor() - 7).exp2()
             assert ((got.float() - want).abs() <= place).all(), (tokens, k)
-            assert not torch.equal(got, moe_kernels.gather_sum(y, slots.flip(0), k, block=block)) or tokens == 1
+            assert not torch.equal(got, moe_kernels.gather_sum(y, slots.flip(0), k, block=block))
+    columns = wide.t().contiguous().t()[:, :hidden]  # unit stride along the rows, not along the hidden dimension
+    assert columns.stride(-1) != 1
+    assert torch.equal(moe_kernels.gather_sum(columns, slots, k, block=block), moe_kernels.gather_sum(
+        columns.contiguous(), slots, k, block=block))
 print("ok")
 """
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from torch.autograd.function import once_differentiable
 
 from workbench.backend import compiled_layer, moe_kernels
 from workbench.backend.moe_router import WorkbenchRouter
@@ -103,6 +104,7 @@ class _Permute(torch.autograd.Function):
         return x.index_select(0, rows)
 
     @staticmethod
+    @once_differentiable  # (the CUDA sum is a Triton kernel: no double backward through it)
     def backward(ctx: Any, grad: torch.Tensor):
         (slots,) = ctx.saved_tensors
         return _sum_rows(grad, slots, ctx.k), None, None, None

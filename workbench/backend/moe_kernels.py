@@ -16,6 +16,7 @@ a Triton kernel of one program a row ran it no faster (0.120 ms either way, ``be
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -61,14 +62,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def gather_sum(y: torch.Tensor, slots: torch.Tensor, k: int, block: int | None = None) -> torch.Tensor:
     """``out[t] = sum(y[slots[t * k + r]] for r in range(k))`` in fp32, rounded once to ``y``'s dtype:
-    ``[slots.numel() // k, hidden]``.  ``block``: the hidden dimension's block (tests; a power of two)."""
-    y = _rows(y)
-    slots = slots.contiguous()
+    ``[slots.numel() // k, hidden]``.  ``slots`` must index rows of ``y`` (unchecked: no host sync; megatron's
+    permutation makes them).  ``block``: the hidden dimension's block (tests; a power of two)."""
+    if slots.numel() % k:
+        raise ValueError(f"gather_sum: {slots.numel()} slots are not {k} a token")
     tokens, hidden = slots.numel() // k, y.shape[-1]
     out = torch.empty((tokens, hidden), dtype=y.dtype, device=y.device)
     if tokens == 0 or hidden == 0:
         return out
+    y, slots = _rows(y), slots.contiguous()
     block, blocks, warps = _launch(hidden, block)
-    _kernels()[(tokens, blocks)](y, slots, out, hidden, y.stride(0), K=k, BLOCK=block, num_warps=warps)
+    with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # (Triton launches on the current one)
+        _kernels()[(tokens, blocks)](y, slots, out, hidden, y.stride(0), K=k, BLOCK=block, num_warps=warps)
     return out
 
