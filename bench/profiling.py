@@ -50,7 +50,9 @@ def summary(prof: Any, steps: int, wall_s: Optional[float] = None, top: int = 15
     events = prof.key_averages()
     rows = []
     for e in events:
-        if e.device_type == DeviceType.CPU:  # CPU ops also carry their kernels' time: count kernels only
+        # CPU ops also carry their kernels' time: count kernels only; a range a user annotated (the optimizer's
+        # ``Optimizer.step#AdamW.step``) is mirrored on the device's timeline over kernels already counted
+        if e.device_type == DeviceType.CPU or getattr(e, "is_user_annotation", False):
             continue
         dev = getattr(e, "self_device_time_total", None)
         if dev is None:

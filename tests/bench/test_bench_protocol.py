@@ -201,6 +201,27 @@ def test_the_host_profile_names_where_a_step_spends_its_python_time():
     assert profiling.host_profile(step, False, False) is None and profiling.profile_steps(step, False, True) is None  # no GPU
 
 
+def test_the_device_time_counts_kernels_not_the_ranges_annotated_over_them():
+    """A profiler's events of one step: two kernels, the optimizer's annotated range over one of them (on the device's
+    timeline, as torch mirrors it) and a CPU op: the step's device time is the kernels' alone."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench import profiling
+
+    def event(key, device_us, kind=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(key=key, device_type=kind, self_device_time_total=device_us, count=1,
+                               is_user_annotation=annotation, self_cpu_time_total=0.0)
+
+    events = [event("nvjet_sm90_gemm", 3000.0), event("multi_tensor_apply_kernel", 1000.0),
+              event("Optimizer.step#AdamW.step", 1000.0, annotation=True), event("aten::mm", 0.0, DeviceType.CPU)]
+    got = profiling.summary(SimpleNamespace(key_averages=lambda: events), steps=1, wall_s=0.005)
+    assert got["device_ms_per_step"] == 4.0 and got["kernels_per_step"] == 2
+    assert got["by_category_ms"] == {"gemm": 3.0, "optimizer / multi-tensor": 1.0}
+    assert got["device_busy_fraction"] == 0.8
+
+
 @pytest.mark.parametrize("durations, p", [
     (WARMUP + STEADY * 30, harness.Protocol(steps=21, warmup_min=5, warmup_max=60, window=5, tolerance=0.03)),
     ([1.0 + random.Random(3).uniform(-0.15, 0.15) for _ in range(80)],
