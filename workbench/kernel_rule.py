@@ -277,6 +277,12 @@ class KernelChoice:
     #: the step's first, a vectorised add after: workbench.backend.grad_accumulation) or "megatron" (its DDP hook's
     #: add_; where megatron's own CUDA graphs accumulate inside the graph)
     grad_accumulation: Literal["workbench", "megatron"] = "megatron"
+    #: the compiled layer's weight-gradient GEMMs add their fp32 sums into ``main_grad`` themselves (cuBLAS's
+    #: ``beta = 1``, :func:`workbench.backend.grad_accumulation.wgrad_into`; megatron's ``gradient_accumulation_fusion``
+    #: without apex or TE): no 16-bit weight gradient written, no add after it.  Where the compiled layer runs without
+    #: TP, FP8, recompute or inductor's cudagraph trees (they would skip a graph that changes an input); its other
+    #: weights (embeddings, norms, biases) as :attr:`grad_accumulation` says
+    wgrad_fused: bool = False
     #: MoE layers' experts ("" without): te_grouped (TE's grouped MLP, on TE's layer), torch_grouped (one
     #: ``grouped_mm`` per expert GEMM, :mod:`workbench.backend.moe_experts`), sequential (megatron's SequentialMLP)
     experts: Literal["", "sequential", "torch_grouped", "te_grouped"] = ""
@@ -552,6 +558,8 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         optimizer=optimizer, selective="core_attn" if attention == "te" else "mlp",
         cuda_graphs_reason=graphs_reason, cuda_graphs_impl=impl, transformer_engine=te,
         tp_overlap=tp_overlap, async_tp=async_tp, grad_accumulation="megatron" if impl == "megatron" else "workbench",
+        wgrad_fused=(layer == "compiled" and p.tensor_parallel == 1 and not tp_overlap and t.fp8 == "off"
+                     and p.recompute == "none" and impl in ("", "step")),
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         experts=(experts := _experts_slot(cfg, attention, fast)),

@@ -115,6 +115,77 @@ def test_the_kernel_rule_leaves_megatrons_graphed_te_layer_to_megatrons_hook():
     assert te.cuda_graphs_impl == "megatron" and te.grad_accumulation == "megatron"
 
 
+def test_the_kernel_rule_fuses_weight_gradients_only_where_the_compiled_layer_can_add_them_itself():
+    base = {"parallel.device": "cuda", "train.precision": "bf16", "train.compile_kernels": True}
+    assert kernel_rule.choose(preset("tiny", **base), te=False).wgrad_fused  # the step graph's default
+    assert kernel_rule.choose(preset("tiny", **base, **{"train.cuda_graphs": False}), te=False).wgrad_fused
+    for why in ({"train.fp8": "tensorwise"}, {"parallel.recompute": "selective"}, {"parallel.tensor_parallel": 2},
+                {"train.compile_kernels": False}):
+        choice = kernel_rule.choose(preset("tiny", **{**base, **why}), te=False)
+        assert not choice.wgrad_fused, (why, choice)
+    te = kernel_rule.choose(preset("tiny", **base, **{"model.attention_backend": "te", "train.cuda_graphs": True}), te=True)
+    assert te.layer == "stock" and not te.wgrad_fused
+
+
+def _fused_ddp(cfg, fused: bool):
+    """``cfg``'s model on the compiled layer (eagerly, on CPU) under megatron DDP, the workbench's hooks installed;
+    ``fused``: as the kernel rule built it (its GEMM weights' gradients added in their GEMMs), else with that
+    switched off before DDP (every weight through ``.grad`` and the hooks)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from workbench.backend import grad_accumulation
+    from workbench.backend.compiled_layer import CompiledTransformerLayer
+    from workbench.backend.model import transformer_config
+    from workbench.rank.build import build_model
+
+    torch.manual_seed(0)
+    tc = transformer_config(cfg)
+    model = build_model(cfg, config=tc)
+    layers = [m for m in model.modules() if isinstance(m, CompiledTransformerLayer)]
+    assert layers and all(m.wgrad_fused for m in layers)
+    if not fused:
+        for m in layers:
+            m.wgrad_fused = False
+            for linear in m._gemm_linears():
+                del linear.weight._workbench_wgrad_fused
+    ddp = DistributedDataParallel(config=tc, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  module=model)
+    return ddp, grad_accumulation.install([ddp], min_numel=0), layers
+
+
+def test_fused_weight_gradients_sum_what_the_hooks_sum(dist_group):
+    """``KernelChoice.wgrad_fused``: the compiled layer's GEMM weights get their gradients added into main_grad by
+    :func:`grad_accumulation.linear` -- over three micro-batches and two steps the same sums as ``.grad`` and the
+    workbench's hooks; those weights get no hook of ours, and megatron's drops their placeholder ``.grad``."""
+    from workbench.backend import compiled_layer
+
+    compiled_layer.allow_on_cpu()
+    compiled_layer.set_compile(False)
+    try:
+        cfg = preset("tiny", **{"train.compile_kernels": True})
+        hooks, n_hooks, _ = _fused_ddp(cfg, fused=False)
+        fused, n_fused, layers = _fused_ddp(cfg, fused=True)
+        gemm = {id(linear.weight) for m in layers for linear in m._gemm_linears()}
+        assert len(gemm) == 4 * len(layers) and n_hooks - n_fused == len(gemm)  # no hook of ours on them
+        for step_seeds in ([1, 2, 3], [4, 5]):
+            for m in (hooks, fused):
+                m.zero_grad_buffer()
+                _micro_batches(m, step_seeds)
+            a, b = _main_grads(hooks), _main_grads(fused)
+            assert a.keys() == b.keys()
+            for name in a:
+                assert a[name].abs().sum() > 0, name
+                torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert sum(m.fast_calls for m in layers) == 5 * len(layers)  # every micro-batch took the compiled path
+        for p in fused.module.parameters():
+            assert p.grad is None
+            if id(p) in gemm:
+                assert p.grad_added_to_main_grad  # set in forward: DDP's hook dropped the placeholder
+    finally:
+        compiled_layer.set_compile(True)
+        compiled_layer.allow_on_cpu(False)
+
+
 def _moe_ddp(precision: str, direct: bool):
     """moe-tiny (8 grouped-GEMM experts a layer, the workbench's dispatch) under megatron DDP with fp32 main_grad;
     ``direct``: the experts add their stacked gradients into main_grad themselves (install_experts)."""

@@ -72,6 +72,7 @@ from workbench.backend.attention import sdpa_mask
 from workbench.backend.layer_rules import MASK_TYPES, activation_name, eps_of, fast_path_blocker, norm_kind, softmax_scale
 from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_step, linear as fp8_linear, \
     open_step as fp8_open_step
+from workbench.backend.grad_accumulation import fused_weight
 from workbench.backend.optimizer_paths import STATE as _STATE
 from workbench.backend.tp_overlap import chunked_pass, tp_overlap_pass
 from workbench.backend import tp_chunked
@@ -647,7 +648,25 @@ class CompiledTransformerLayer(TransformerLayer):
             and bool(getattr(getattr(self.config, "workbench_kernels", None), "async_tp", False))
         if self.async_tp:
             enable_async_tp(self._static["tp_group"])
+        #: the kernel rule's ``wgrad_fused``: the GEMM weights' gradients added into main_grad in their GEMMs
+        #: (:func:`workbench.backend.grad_accumulation.fused_weight`); marked so that no hook adds them again
+        self.wgrad_fused = self.fast_path_blocker is None and bool(
+            getattr(getattr(self.config, "workbench_kernels", None), "wgrad_fused", False))
+        if self.wgrad_fused:
+            for linear in self._gemm_linears():
+                linear.weight._workbench_wgrad_fused = True
         self.fast_calls = 0  # observable: how many forwards took the compiled path
+
+    def _gemm_linears(self) -> list:
+        """The linear modules whose weights the compiled graph multiplies (``gemm_w`` in :meth:`forward`)."""
+        attn = self.self_attention
+        out = [attn.linear_qkv, attn.linear_proj]
+        if not self._moe:
+            out += [self.mlp.linear_fc1, self.mlp.linear_fc2]
+        if self._cross:
+            xa = self.cross_attention
+            out += [xa.linear_q, xa.linear_kv, xa.linear_proj]
+        return out
 
     @property
     def _cross(self) -> bool:
@@ -729,6 +748,8 @@ class CompiledTransformerLayer(TransformerLayer):
         recipe = self._static["fp8"]
 
         def gemm_w(linear: torch.nn.Module):  # under FP8: the weight with this step's FP8 copies
+            if self.wgrad_fused:  # (never with FP8: the kernel rule's)
+                return fused_weight(linear.weight)
             return fp8_cached(linear.weight, recipe)
 
         # dropout in training mode (megatron's rule: eval has none).  megatron draws attention dropout on each TP

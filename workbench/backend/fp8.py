@@ -51,6 +51,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from workbench.backend import grad_accumulation
 from workbench.kernel_rule import FP8_RECIPES
 
 __all__ = ["RECIPES", "GEMMS", "FP8Weight", "Delayed", "quantize", "transpose", "scaled_mm", "linear", "supported_here",
@@ -374,11 +375,14 @@ class _FP8Linear(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw, None, None, None, None, None, None, None, g_amax
 
 
-def linear(x: torch.Tensor, w: Union[torch.Tensor, FP8Weight], bias: Optional[torch.Tensor],
-           recipe: Optional[str]) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Union[torch.Tensor, FP8Weight, "grad_accumulation.MainGradWeight"],
+           bias: Optional[torch.Tensor], recipe: Optional[str]) -> torch.Tensor:
     """``F.linear(x, w, bias)`` with the GEMM in FP8 under ``recipe`` (plain ``F.linear`` when None).
-    ``w`` may be the step's :class:`FP8Weight` (:func:`cached`): its FP8 copies are used as they are.
+    ``w`` may be the step's :class:`FP8Weight` (:func:`cached`): its FP8 copies are used as they are; or a
+    :class:`~workbench.backend.grad_accumulation.MainGradWeight` (no FP8): its gradient goes into its ``main_grad``.
     The bias is added in the output's precision after the GEMM (as a bf16 GEMM epilogue would)."""
+    if isinstance(w, grad_accumulation.MainGradWeight):  # bf16: the weight gradient added into main_grad in its GEMM
+        return grad_accumulation.linear(x, w, bias)
     fwd = fwd_inv = bwd = bwd_inv = x_scale = g_scale = x_amax = probe = None
     if isinstance(w, FP8Weight):
         w, fwd, fwd_inv, bwd, bwd_inv, x_scale, g_scale, x_amax, probe = w

@@ -30,11 +30,12 @@ before the replay, so the recorded copy-then-add order is each step's.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["install", "install_experts", "accumulate", "MIN_NUMEL", "EXPERT_PATHS"]
+__all__ = ["install", "install_experts", "accumulate", "wgrad_into", "MainGradWeight", "linear", "MIN_NUMEL",
+           "EXPERT_PATHS"]
 
 #: the smallest parameter (elements) that gets the workbench's hook; smaller ones keep megatron's add (see above)
 MIN_NUMEL = 1 << 22
@@ -81,6 +82,66 @@ def accumulate(main_grad: torch.Tensor, grad: torch.Tensor, first: bool) -> None
         main_grad.add_(grad.view_as(main_grad))
 
 
+def wgrad_into(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+    """``main_grad += grad_out^T @ inp`` for a linear layer's weight ``[out, in]``, the product of the 16-bit
+    operands accumulated in fp32 and added to the fp32 ``main_grad`` inside the GEMM (cuBLAS's ``beta = 1``:
+    ``addmm`` with ``out_dtype``), so no 16-bit weight gradient is written and no add runs after it (megatron's
+    ``gradient_accumulation_fusion``, which needs apex's or TE's extension, does the same).  ``grad_out`` is
+    ``[tokens, out]`` and ``inp`` ``[tokens, in]`` (any leading shape, flattened).  Elsewhere (CPU, other dtypes)
+    the same sum in fp32 through torch's ``addmm_``."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    x = inp.reshape(-1, inp.shape[-1])
+    if main_grad.is_cuda and main_grad.dtype == torch.float32 and g.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(main_grad, g.t(), x, out_dtype=torch.float32, out=main_grad)
+    else:
+        main_grad.addmm_(g.t().to(main_grad.dtype), x.to(main_grad.dtype))
+
+
+class MainGradWeight(NamedTuple):
+    """A linear layer's weight ``w`` [out, in] whose gradient :func:`linear` adds into ``main_grad`` (megatron DDP's
+    fp32 buffer view) inside the backward (``KernelChoice.wgrad_fused``: the compiled layer's GEMMs)."""
+
+    w: torch.Tensor
+    main_grad: torch.Tensor
+
+
+class _WgradIntoMainGrad(torch.autograd.Function):
+    """``x @ w.T`` whose backward adds the weight gradient into ``main_grad`` (:func:`wgrad_into`) and hands autograd
+    an unwritten placeholder for ``w`` (megatron's fused accumulation does the same): DDP's hook still fires on it
+    (a bucket's readiness), sees ``grad_added_to_main_grad`` and drops it.  Traced whole by ``torch.compile`` (the
+    add is a mutation of a forward input inside the compiled backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.main_grad = main_grad  # (not saved: a view of DDP's buffer, whose version every add into it moves)
+        return torch.nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        wgrad_into(ctx.main_grad, g, x)
+        return g @ w, torch.empty_like(w), None
+
+
+def linear(x: torch.Tensor, w: MainGradWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, w.w, bias)`` with ``w.w``'s gradient added into ``w.main_grad`` in its GEMM (the bias's through
+    autograd as usual)."""
+    y = _WgradIntoMainGrad.apply(x, w.w, w.main_grad)
+    return y if bias is None else y + bias
+
+
+def fused_weight(w: torch.Tensor) -> Any:
+    """``w`` as a :class:`MainGradWeight` for this micro-batch's forward when its gradient can go straight into
+    ``main_grad`` (training with grad on, DDP gave it a ``main_grad``), with megatron's flag set so that DDP's hook
+    drops the placeholder ``.grad``; ``w`` itself otherwise (its gradient through ``.grad`` and the hooks)."""
+    main_grad = getattr(w, "main_grad", None)
+    if main_grad is None or not (torch.is_grad_enabled() and w.requires_grad) or not hasattr(w, "grad_added_to_main_grad"):
+        return w
+    w.grad_added_to_main_grad = True  # (megatron's zero_grad_buffer clears it at each step's start)
+    return MainGradWeight(w, main_grad)
+
+
 #: megatron's "its own CUDA graphs are capturing" (set by :func:`install`); a torch capture of the whole step
 #: (workbench.backend.step_graph) records this hook's kernels with the step instead
 _megatron_capturing: Any = None
@@ -117,8 +178,9 @@ def install(ddp_chunks: Iterable[Any], min_numel: int | None = None) -> int:
         for param in chunk.module.parameters():
             if not (param.requires_grad and getattr(param, "main_grad", None) is not None
                     and hasattr(param, "grad_added_to_main_grad")) or hasattr(param, "_workbench_grad_hook") \
-                    or param.numel() < least:
-                continue  # (a second install would add twice; a small one: megatron's hook adds it)
+                    or param.numel() < least or getattr(param, "_workbench_wgrad_fused", False):
+                continue  # (a second install would add twice; a small one: megatron's hook adds it; a fused one:
+                #            its GEMM adds it, :func:`linear`)
             param.zero_out_wgrad = False
             param._workbench_grad_hook = param.register_post_accumulate_grad_hook(_hook)
             n += 1

@@ -254,6 +254,10 @@ class Trainer:
             "first micro-batch, then added (vectorised); megatron DDP's hook (main_grad.add_) on the rest"
             + (f"; {_experts_note(self._direct_experts)}" if self._direct_experts else "")
             if choice.grad_accumulation == "workbench" else "megatron DDP's hook (main_grad.add_)")
+        if choice.wgrad_fused:
+            self.kernel_path["grad_accumulation"] = (
+                "the compiled layers' GEMM weights: their weight-gradient GEMMs add into DDP's fp32 main_grad "
+                "(addmm with out_dtype, beta 1); " + self.kernel_path["grad_accumulation"])
         self.kernel_path["schedule"] = ("interleaved 1F1B" if p.vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
         overlap = [x for x in (self.kernel_path.get("tp_comm_overlap"), userbuffers, distributed.hardware_queue_note(cfg)) if x]
         if overlap:

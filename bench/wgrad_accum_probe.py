@@ -1,0 +1,116 @@
+"""Weight gradients into the fp32 ``main_grad`` at Llama-3.2-1B's shapes (one micro-batch of 4 x 2048 tokens, bf16),
+both ways on CUDA: today's (the weight-gradient GEMM writes a bf16 ``.grad``, then
+:func:`workbench.backend.grad_accumulation.accumulate` copies it into ``main_grad`` on a step's first micro-batch and
+adds it on the others) and :func:`~workbench.backend.grad_accumulation.wgrad_into` (the GEMM adds its fp32 sum into
+``main_grad`` itself).  CUDA events over 20 calls after 5, per weight shape, and the totals of one Llama-3.2-1B step
+(16 layers x 4 weights, 4 micro-batches, the tied output layer once a micro-batch); each way's error against an fp64
+sum over four micro-batches; and whether the fused add survives ``torch.compile`` inside an autograd Function's
+backward (the compiled layer's use: ``main_grad`` changed in place, equal to the eager result).  Prints one JSON
+line; ``--out`` appends it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.profiling import cuda_ms  # noqa: E402
+
+#: Llama-3.2-1B's layer weights [out, in] (q + the GQA k, v; output; SwiGLU's gate + up; down) and its tied head
+LAYER_SHAPES = {"qkv": (3072, 2048), "proj": (2048, 2048), "fc1": (16384, 2048), "fc2": (2048, 8192)}
+HEAD_SHAPE = (128256, 2048)
+LAYERS, MICRO, TOKENS = 16, 4, 4 * 2048
+
+
+def _compiled_in_backward() -> dict:
+    """A two-linear block compiled whole, its weight gradients added into ``main_grad`` by :func:`wgrad_into` inside
+    the autograd Function's backward: in place and equal to the same Function run eagerly."""
+    from workbench.backend.grad_accumulation import wgrad_into
+
+    class Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, main_grad):
+            ctx.save_for_backward(x, w, main_grad)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w, main_grad = ctx.saved_tensors
+            wgrad_into(main_grad, g, x)
+            return g @ w, torch.empty_like(w), None
+
+    def block(x, w1, m1, w2, m2):
+        return Linear.apply(torch.nn.functional.silu(Linear.apply(x, w1, m1)), w2, m2)
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w = [torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_() for s in ((256, 128), (128, 256))]
+    xs = [torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+    out = {}
+    for name, fn in (("eager", block), ("compiled", torch.compile(block, fullgraph=True))):
+        m = [torch.zeros(s, device="cuda") for s in ((256, 128), (128, 256))]
+        ptrs = [t.data_ptr() for t in m]
+        for x in xs:
+            fn(x, w[0], m[0], w[1], m[1]).float().square().sum().backward()
+        out[name] = (m, all(t.data_ptr() == p for t, p in zip(m, ptrs)))
+    (me, _), (mc, in_place) = out["eager"], out["compiled"]
+    diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(mc, me))
+    return {"compiled_in_place": in_place, "compiled_vs_eager_max_rel_diff": diff,
+            "compiled_ok": bool(in_place and diff < 1e-5 and all(bool(t.abs().sum() > 0) for t in mc))}
+
+
+def main() -> int:
+    from workbench.backend.grad_accumulation import accumulate, wgrad_into
+    from workbench.provenance import stamp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("wgrad_accum_probe: needs a GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = {}
+    for name, (n, k) in {**LAYER_SHAPES, "head": HEAD_SHAPE}.items():
+        x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        g = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.01
+        mg = torch.zeros(n, k, device="cuda")
+        ms = {"gemm_bf16": cuda_ms(lambda: g.t() @ x),
+              "today_first": cuda_ms(lambda: accumulate(mg, g.t() @ x, first=True)),
+              "today_add": cuda_ms(lambda: accumulate(mg, g.t() @ x, first=False)),
+              "fused": cuda_ms(lambda: wgrad_into(mg, g, x))}
+        rows[name] = {"shape": [n, k], "ms": ms, "fused_tflops": 2 * TOKENS * n * k / (ms["fused"] * 1e-3) / 1e12}
+    today = LAYERS * sum(r["ms"]["today_first"] + (MICRO - 1) * r["ms"]["today_add"] for k, r in rows.items() if k != "head")
+    fused = LAYERS * MICRO * sum(r["ms"]["fused"] for k, r in rows.items() if k != "head")
+    head = rows["head"]["ms"]
+    today += head["today_first"] + (MICRO - 1) * head["today_add"]
+    fused += MICRO * head["fused"]
+    # error of each way over four micro-batches at fc2's shape, against an fp64 sum of the bf16 products
+    n, k = LAYER_SHAPES["fc2"]
+    want = torch.zeros(n, k, device="cuda", dtype=torch.float64)
+    via_today, via_fused = torch.zeros(n, k, device="cuda"), torch.zeros(n, k, device="cuda")
+    for i in range(MICRO):
+        x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        g = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.01
+        want += g.double().t() @ x.double()
+        accumulate(via_today, g.t() @ x, first=i == 0)
+        wgrad_into(via_fused, g, x)
+    scale = float(want.abs().max())
+    row = {"probe": "wgrad_accum", "tokens": TOKENS, "layers": LAYERS, "micro_batches": MICRO, "per_weight": rows,
+           "step_ms": {"today": today, "fused": fused, "saved": today - fused},
+           "max_rel_error_vs_fp64": {"today": float((via_today.double() - want).abs().max()) / scale,
+                                     "fused": float((via_fused.double() - want).abs().max()) / scale},
+           **_compiled_in_backward(), **stamp()}
+    print(json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
