@@ -88,13 +88,22 @@ def wgrad_into(main_grad: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tenso
     ``addmm`` with ``out_dtype``), so no 16-bit weight gradient is written and no add runs after it (megatron's
     ``gradient_accumulation_fusion``, which needs apex's or TE's extension, does the same).  ``grad_out`` is
     ``[tokens, out]`` and ``inp`` ``[tokens, in]`` (any leading shape, flattened).  Elsewhere (CPU, other dtypes)
-    the same sum in fp32 through torch's ``addmm_``."""
-    g = grad_out.reshape(-1, grad_out.shape[-1])
-    x = inp.reshape(-1, inp.shape[-1])
+    the same sum in fp32 through torch's ``addmm_``.  One opaque op (``workbench::wgrad_into``) to ``torch.compile``:
+    inductor would split the GEMM from its add (its decomposition of ``addmm`` with ``out_dtype``)."""
+    torch.ops.workbench.wgrad_into(main_grad, grad_out.reshape(-1, grad_out.shape[-1]), inp.reshape(-1, inp.shape[-1]))
+
+
+@torch.library.custom_op("workbench::wgrad_into", mutates_args=("main_grad",))
+def _wgrad_into(main_grad: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
     if main_grad.is_cuda and main_grad.dtype == torch.float32 and g.dtype in (torch.bfloat16, torch.float16):
         torch.addmm(main_grad, g.t(), x, out_dtype=torch.float32, out=main_grad)
     else:
         main_grad.addmm_(g.t().to(main_grad.dtype), x.to(main_grad.dtype))
+
+
+@_wgrad_into.register_fake
+def _(main_grad: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
+    return None
 
 
 class MainGradWeight(NamedTuple):
