@@ -37,7 +37,7 @@ else
     [[ $rows == *t5* ]] && row t5 0 "${T5_S:-270}" $(family t5_bench.py t5-base) --out "$out/t5_bench.jsonl"; } &
   (( ngpu == 1 )) && wait  # one GPU: the Llama row after the others
   [[ $rows == *llama* ]] && row llama $lgpu "${LLAMA_S:-560}" bench/train_throughput.py --models llama3.2-1b --variants reference/,workbench/ \
-    --no-stream-cost --variant-timeout 200 --out "$out/train_throughput.jsonl" &
+    --no-stream-cost --variant-timeout 200 ${PROFILE:+--profile --profile-model llama3.2-1b} --out "$out/train_throughput.jsonl" &
   wait
 fi
 for f in bert t5 llama; do
