@@ -23,6 +23,12 @@ from workbench.kernel_rule import guard_transformer_engine  # noqa: E402
 # with it the whole backend): found and hidden here, before anything can import megatron-core.
 guard_transformer_engine()
 
+from workbench.lazy_compile import install as defer_megatron_fusers  # noqa: E402
+
+# megatron-core's fused functions compiled at their first call, not at its import (which would import torch's
+# whole compiler stack in every rank and helper process): workbench/lazy_compile.py
+defer_megatron_fusers()
+
 from workbench.config import RunConfig, preset, load_config, ConfigError  # noqa: E402,F401
 
 __version__ = "0.1.0"

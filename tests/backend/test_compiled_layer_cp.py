@@ -41,6 +41,7 @@ def test_the_compiled_layer_runs_the_ring_outside_its_graph(cp_world, kind):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from workbench.backend import compiled_layer
     from workbench.backend.compiled_layer import dense_layer_forward
 
     s, b, h, heads, groups, ffn = 16, 2, 32, 4, 2 if kind == "llama" else 4, 64
@@ -71,6 +72,7 @@ def test_the_compiled_layer_runs_the_ring_outside_its_graph(cp_world, kind):
         return out.detach(), grads
 
     ref_out, ref_grads = run(dense_layer_forward, cp=False)
+    compiled_layer._eager_in_graphs()  # what compiled_layer._compiled does before it compiles its first piece
     torch._dynamo.reset()
     counters.clear()
     got_out, got_grads = run(torch.compile(dense_layer_forward, backend="aot_eager", dynamic=False), cp=True)

@@ -20,13 +20,10 @@ same dtypes, no skipped work):
    shapes, not one graph per module).  With tensor parallelism the layer is still one compiled
    graph, with its TP collectives inside (torch functional collectives exactly where
    Column/RowParallelLinear put them: all-reduce, or all-gather / reduce-scatter under
-   sequence parallelism), so CUDA graphs capture the whole layer.  (Measured on 2 H200s,
-   GPT-2 large: 1.27x one GPU, against 1.11x for compiled pieces around megatron's eager
-   collectives; inductor's compute/communication reordering and its async-TP pass gained
-   nothing or failed there: bench/README.md.)  With ``parallel.tp_comm_overlap`` the
-   backward's collectives run under the weight-gradient GEMMs
-   (:func:`workbench.backend.tp_overlap.sink_weight_gradients`; 1.40x with ``CUDA_DEVICE_MAX_CONNECTIONS=1``);
-   with ``parallel.tp_chunked`` each GEMM in two row chunks (:mod:`workbench.backend.tp_chunked`).
+   sequence parallelism), so CUDA graphs capture the whole layer.  ``parallel.tp_comm_overlap``: the backward's
+   collectives under the weight-gradient GEMMs (:func:`workbench.backend.tp_overlap.sink_weight_gradients`);
+   ``parallel.tp_chunked``: each GEMM in two row chunks (:mod:`workbench.backend.tp_chunked`).  The GEMM weights'
+   gradients go into megatron DDP's ``main_grad`` in their GEMMs where the kernel rule says ``wgrad_fused``.
    Any other case (ALiBi, a KV cache, packed sequences, ...) falls back to the stock forward.
    Dropout's random numbers come from torch's generator inside the graph (inductor's philox; under CUDA
    graphs each replay reads the generator's seed and offset and advances it), so the checkpointed RNG
@@ -37,15 +34,12 @@ same dtypes, no skipped work):
    fp32 log-softmax maths (the reference's autocast runs cross-entropy in fp32 too) in one
    fused pass, recomputed from the bf16 logits in backward.
 
-The other fast paths live beside it: the optimizer's (:mod:`workbench.backend.optimizer_paths`) and
-megatron's own fused switches for the stock forward
-(:func:`workbench.backend.model.transformer_config_overrides`).
+The other fast paths live beside it: the optimizer's (:mod:`workbench.backend.optimizer_paths`) and megatron's
+fused switches for the stock forward (:func:`workbench.backend.model.transformer_config_overrides`).
 
-CUDA graphs here cover the compiled layers (``train.cuda_graphs``, :func:`graphs_wanted`):
-mcore DDP's per-parameter backward hooks and the Python schedules are not capture-safe
-without TE's graph machinery, so embedding, loss, optimizer and schedule stay eager.  TE's
-layer replays as megatron's own per-layer graphs instead (``cuda_graph_impl: local``, the training
-step's ``model.training_step_fields``; :class:`workbench.backend.model.GraphedTransformerLayer`).
+CUDA graphs (``train.cuda_graphs``, :func:`graphs_wanted`): the whole step where the kernel rule says ``step``
+(:mod:`workbench.backend.step_graph`), else the compiled layers' cudagraph trees; TE's layer replays as megatron's
+own per-layer graphs (``cuda_graph_impl: local``; :class:`workbench.backend.model.GraphedTransformerLayer`).
 FP8 is opt-in (``train.fp8``, :mod:`workbench.backend.fp8`): the compiled layer's GEMMs only.
 """
 
@@ -70,13 +64,12 @@ from megatron.core.utils import make_viewless_tensor
 from workbench import kernel_rule
 from workbench.backend.attention import sdpa_mask
 from workbench.backend.layer_rules import MASK_TYPES, activation_name, eps_of, fast_path_blocker, norm_kind, softmax_scale
-from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_step, linear as fp8_linear, \
-    open_step as fp8_open_step
+from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_step, linear as fp8_linear, open_step as fp8_open_step
 from workbench.backend.grad_accumulation import fused_weight
 from workbench.backend.optimizer_paths import STATE as _STATE
-from workbench.backend.tp_overlap import chunked_pass, tp_overlap_pass
+from workbench.backend.tp_overlap import chunked_pass, enable_async_tp, tp_overlap_pass
 from workbench.backend import tp_chunked
-from workbench.backend.tp_chunked import waited as _waited
+_waited = tp_chunked.waited
 
 __all__ = [
     "layer_module",
@@ -257,12 +250,10 @@ def _sdpa(
 
 
 def _rotate(t: torch.Tensor, freqs: Optional[torch.Tensor]) -> torch.Tensor:
-    """megatron's own non-interleaved rotary embedding (bshd) on ``[s, b, n, d]`` with ``freqs`` ``[s, 1, 1, rot]``
-    (partial rotation included), traced into the layer's graph."""
+    """megatron's non-interleaved rotary embedding (bshd) on ``[s, b, n, d]``, ``freqs`` ``[s, 1, 1, rot]``."""
     return t if freqs is None else _apply_rotary_pos_emb_bshd(t, freqs)
 
 
-@torch.compiler.disable
 def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                   mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Context parallelism's attention inside the compiled layer: this CP rank's ``[s_local, b, n, d]`` queries against
@@ -271,7 +262,7 @@ def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     :class:`workbench.backend.attention.SDPAttention` runs it: GPT's implicit causal mask, or BERT's key padding
     (``mask [b, 1, 1, s_local]``, True = padded).  Returns the context ``[s_local, b, n * d]``.
 
-    Outside the compiled graph (``torch.compiler.disable``: a graph break): the ring's point-to-point exchanges and
+    Outside the compiled graph (``torch.compiler.disable``, applied by :func:`_eager_in_graphs`: a graph break): the ring's point-to-point exchanges and
     its autograd function run eagerly between the layer's compiled pieces (norm, QKV and rotary before; output
     projection, residual and MLP after), whose backward graphs surround the ring's own backward."""
     from megatron.core import parallel_state
@@ -534,6 +525,8 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_t
         return fn
     import torch._dynamo
 
+    _eager_in_graphs()
+
     # one graph serves every layer (guards are on shapes/dtypes); leave room for eval shapes
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
@@ -547,6 +540,18 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_t
     return torch.compile(fn, dynamic=False, options=options or None)
 
 
+#: what the compiled pieces call but dynamo must not trace (a graph break each): ``torch.compiler.disable`` applied at
+#: the first compile, not at import (which would import torch's compiler in every process, CPU ones too)
+_EAGER_IN_GRAPHS = ["_ring_context"]
+
+
+def _eager_in_graphs() -> None:
+    g = globals()
+    while _EAGER_IN_GRAPHS:
+        name = _EAGER_IN_GRAPHS.pop()
+        g[name] = torch.compiler.disable(g[name])
+
+
 #: CUDA graphs for the compiled layer's training calls (set by :func:`prepare_model`).
 _GRAPHS = False
 
@@ -554,20 +559,6 @@ _GRAPHS = False
 def _piece(name: str, tp_overlap: bool = False, async_tp: bool = False, chunked: bool = False):
     """The compiled piece for this call: graph-replayed in training (grad on), plain otherwise."""
     return _compiled(name, _GRAPHS and torch.is_grad_enabled(), tp_overlap, async_tp, chunked)
-
-
-def enable_async_tp(group_name: str) -> None:
-    """Symmetric memory for the TP group ``group_name`` (what inductor's micro-pipeline TP pass asks for before it
-    fuses a collective with its GEMM); idempotent.  NVLink multicast is never asked for (the fused ops copy through
-    the copy engines; hosts that share GPUs keep ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``)."""
-    import warnings
-
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    if not symm_mem.is_symm_mem_enabled_for_group(group_name):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch >= 2.12 deprecates the call; 2.11 needs it
-            symm_mem.enable_symm_mem_for_group(group_name)
 
 
 def graphs_wanted(cfg: Any, config: Any = None) -> bool:
@@ -650,23 +641,17 @@ class CompiledTransformerLayer(TransformerLayer):
             enable_async_tp(self._static["tp_group"])
         #: the kernel rule's ``wgrad_fused``: the GEMM weights' gradients added into main_grad in their GEMMs
         #: (:func:`workbench.backend.grad_accumulation.fused_weight`); marked so that no hook adds them again
-        self.wgrad_fused = self.fast_path_blocker is None and bool(
-            getattr(getattr(self.config, "workbench_kernels", None), "wgrad_fused", False))
-        if self.wgrad_fused:
-            for linear in self._gemm_linears():
-                linear.weight._workbench_wgrad_fused = True
+        choice = getattr(self.config, "workbench_kernels", None)
+        self.wgrad_fused = self.fast_path_blocker is None and bool(getattr(choice, "wgrad_fused", False))
+        for linear in self._gemm_linears() if self.wgrad_fused else ():
+            linear.weight._workbench_wgrad_fused = True
         self.fast_calls = 0  # observable: how many forwards took the compiled path
 
     def _gemm_linears(self) -> list:
         """The linear modules whose weights the compiled graph multiplies (``gemm_w`` in :meth:`forward`)."""
-        attn = self.self_attention
-        out = [attn.linear_qkv, attn.linear_proj]
-        if not self._moe:
-            out += [self.mlp.linear_fc1, self.mlp.linear_fc2]
-        if self._cross:
-            xa = self.cross_attention
-            out += [xa.linear_q, xa.linear_kv, xa.linear_proj]
-        return out
+        attn, xa = self.self_attention, self.cross_attention
+        return ([attn.linear_qkv, attn.linear_proj] + ([] if self._moe else [self.mlp.linear_fc1, self.mlp.linear_fc2])
+                + ([xa.linear_q, xa.linear_kv, xa.linear_proj] if self._cross else []))
 
     @property
     def _cross(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from workbench import kernel_rule
 
-__all__ = ["sink_weight_gradients", "tp_overlap_pass", "sink_exchange_waits", "chunked_pass", "initialize_userbuffers",
+__all__ = ["enable_async_tp", "sink_weight_gradients", "tp_overlap_pass", "sink_exchange_waits", "chunked_pass", "initialize_userbuffers",
            "destroy_userbuffers"]
 
 _VIEW_OPS = ("view", "_unsafe_view", "reshape", "permute", "t", "transpose")
@@ -200,3 +200,17 @@ def destroy_userbuffers() -> None:
         te_base.destroy_ub()
     except Exception:
         pass
+
+
+def enable_async_tp(group_name: str) -> None:
+    """Symmetric memory for the TP group ``group_name`` (what inductor's micro-pipeline TP pass asks for before it
+    fuses a collective with its GEMM); idempotent.  NVLink multicast is never asked for (the fused ops copy through
+    the copy engines; hosts that share GPUs keep ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``)."""
+    import warnings
+
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if not symm_mem.is_symm_mem_enabled_for_group(group_name):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch >= 2.12 deprecates the call; 2.11 needs it
+            symm_mem.enable_symm_mem_for_group(group_name)
