@@ -8,8 +8,6 @@ appends them."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.profiling import cuda_ms  # noqa: E402
+from bench.profiling import cuda_ms, probe_args, probe_emit  # noqa: E402
 
 
 def offsets(rows: int, experts: int, skew: float, gen: torch.Generator) -> torch.Tensor:
@@ -57,11 +55,8 @@ def case(layout: str, offs: torch.Tensor, rows: int, E: int, h: int, f: int) -> 
 def main() -> int:
     from workbench.provenance import stamp
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("grouped_mm_layout_probe: needs a GPU", file=sys.stderr)
+    a = probe_args("grouped_mm_layout_probe", __doc__)
+    if a is None:
         return 2
     E, h, f, rows = 64, 1024, 512, 8 * 2048 * 8  # one micro-batch of 8 x 2048 tokens, top-8
     gen = torch.Generator().manual_seed(0)
@@ -70,10 +65,7 @@ def main() -> int:
         ms = {layout: case(layout, offs, rows, E, h, f) for layout in ("transposed-view", "contiguous")}
         row = {"probe": "grouped_mm_layout", "experts": E, "hidden": h, "ffn": f, "rows": rows, "skew": skew,
                "ms_fwd_bwd": ms, "contiguous_over_view": ms["transposed-view"] / ms["contiguous"], **stamp()}
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+        probe_emit(row, a.out)
     return 0
 
 

@@ -8,8 +8,6 @@ gather against ``index_select``: no faster, ``bench/results/moe_permute.jsonl:2`
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.profiling import cuda_ms  # noqa: E402
+from bench.profiling import cuda_ms, probe_args, probe_emit  # noqa: E402
 
 
 def main() -> int:
@@ -25,11 +23,8 @@ def main() -> int:
     from workbench.backend.moe_dispatch import _gather_sum, routing_indices
     from workbench.provenance import stamp
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("moe_permute_probe: needs a GPU", file=sys.stderr)
+    a = probe_args("moe_permute_probe", __doc__)
+    if a is None:
         return 2
     tokens, experts, k, hidden = 8 * 2048, 64, 8, 1024
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -52,10 +47,7 @@ def main() -> int:
            "triton_over_inductor": ms["inductor"] / ms["triton"],
            "elements_differing": int((got != want).sum()), "elements": want.numel(),
            "max_diff_in_ulps": float(((got.float() - want.float()).abs() / ulp).max()), **stamp()}
-    print(json.dumps(row), flush=True)
-    if a.out:
-        with open(a.out, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+    probe_emit(row, a.out)
     return 0
 
 

@@ -3,11 +3,36 @@ wall vs device time, host waits and kernel launches per step).  Benchmark-only c
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["profile_steps", "summary", "host_profile", "cuda_ms"]
+__all__ = ["profile_steps", "summary", "host_profile", "cuda_ms", "probe_args", "probe_emit"]
+
+
+def probe_args(name: str, doc: str) -> Optional[argparse.Namespace]:
+    """A GPU kernel probe's command line (``--out``: a JSONL file its row is appended to); None, said on stderr, where
+    no GPU is seen (the probe then exits 2)."""
+    import torch
+
+    ap = argparse.ArgumentParser(prog=name, description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a GPU", file=sys.stderr)
+        return None
+    return args
+
+
+def probe_emit(row: dict, out: Optional[str]) -> None:
+    """A probe's row: one JSON line on stdout, appended to ``out`` when given."""
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
 
 
 def cuda_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 5) -> float:

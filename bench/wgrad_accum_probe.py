@@ -10,8 +10,6 @@ line; ``--out`` appends it."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.profiling import cuda_ms  # noqa: E402
+from bench.profiling import cuda_ms, probe_args, probe_emit  # noqa: E402
 
 #: Llama-3.2-1B's layer weights [out, in] (q + the GQA k, v; output; SwiGLU's gate + up; down) and its tied head
 LAYER_SHAPES = {"qkv": (3072, 2048), "proj": (2048, 2048), "fc1": (16384, 2048), "fc2": (2048, 8192)}
@@ -67,11 +65,8 @@ def main() -> int:
     from workbench.backend.grad_accumulation import accumulate, wgrad_into
     from workbench.provenance import stamp
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("wgrad_accum_probe: needs a GPU", file=sys.stderr)
+    a = probe_args("wgrad_accum_probe", __doc__)
+    if a is None:
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = {}
@@ -105,10 +100,7 @@ def main() -> int:
            "max_rel_error_vs_fp64": {"today": float((via_today.double() - want).abs().max()) / scale,
                                      "fused": float((via_fused.double() - want).abs().max()) / scale},
            **_compiled_in_backward(), **stamp()}
-    print(json.dumps(row), flush=True)
-    if a.out:
-        with open(a.out, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+    probe_emit(row, a.out)
     return 0
 
 

@@ -242,3 +242,22 @@ def test_a_recorded_run_too_short_for_the_timed_steps_is_refused():
     p = harness.Protocol(steps=20, warmup_min=5, warmup_max=60, window=5, tolerance=0.03)
     with pytest.raises(ValueError, match="timed steps"):
         harness.split_recorded(WARMUP + STEADY * 2, p)
+
+
+def test_a_gpu_probe_refuses_a_machine_without_one_and_appends_its_row(tmp_path, monkeypatch, capsys):
+    """``bench.profiling.probe_args`` / ``probe_emit``: the kernel probes' shared command line and output."""
+    import torch
+
+    from bench import profiling
+
+    monkeypatch.setattr(sys, "argv", ["probe", "--out", str(tmp_path / "rows.jsonl")])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert profiling.probe_args("some_probe", "What it measures.\n\nMore.") is None
+    assert "some_probe: needs a GPU" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = profiling.probe_args("some_probe", "What it measures.")
+    for ms in (1.5, 2.5):
+        profiling.probe_emit({"probe": "some_probe", "ms": ms}, args.out)
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert rows == [{"probe": "some_probe", "ms": 1.5}, {"probe": "some_probe", "ms": 2.5}]
+    assert [json.loads(line)["ms"] for line in capsys.readouterr().out.splitlines()] == [1.5, 2.5]
