@@ -280,8 +280,11 @@ class KernelChoice:
     #: the compiled layer's weight-gradient GEMMs add their fp32 sums into ``main_grad`` themselves (cuBLAS's
     #: ``beta = 1``, :func:`workbench.backend.grad_accumulation.wgrad_into`; megatron's ``gradient_accumulation_fusion``
     #: without apex or TE): no 16-bit weight gradient written, no add after it.  Where the compiled layer runs without
-    #: TP, FP8, recompute or inductor's cudagraph trees (they would skip a graph that changes an input); its other
-    #: weights (embeddings, norms, biases) as :attr:`grad_accumulation` says
+    #: TP, FP8, recompute or inductor's cudagraph trees (they would skip a graph that changes an input), and without a
+    #: custom ``train.forward_step`` (whose calls may take megatron's stock forward in some micro-batches: a stock
+    #: call clears the flag that makes DDP's hook drop the placeholder ``.grad``, which holds only while a
+    #: micro-batch's backward follows its forward); its other weights (embeddings, norms, biases) as
+    #: :attr:`grad_accumulation` says
     wgrad_fused: bool = False
     #: MoE layers' experts ("" without): te_grouped (TE's grouped MLP, on TE's layer), torch_grouped (one
     #: ``grouped_mm`` per expert GEMM, :mod:`workbench.backend.moe_experts`), sequential (megatron's SequentialMLP)
@@ -559,7 +562,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         cuda_graphs_reason=graphs_reason, cuda_graphs_impl=impl, transformer_engine=te,
         tp_overlap=tp_overlap, async_tp=async_tp, grad_accumulation="megatron" if impl == "megatron" else "workbench",
         wgrad_fused=(layer == "compiled" and p.tensor_parallel == 1 and not tp_overlap and t.fp8 == "off"
-                     and p.recompute == "none" and impl in ("", "step")),
+                     and p.recompute == "none" and impl in ("", "step") and not t.forward_step),
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         experts=(experts := _experts_slot(cfg, attention, fast)),

@@ -120,7 +120,7 @@ def test_the_kernel_rule_fuses_weight_gradients_only_where_the_compiled_layer_ca
     assert kernel_rule.choose(preset("tiny", **base), te=False).wgrad_fused  # the step graph's default
     assert kernel_rule.choose(preset("tiny", **base, **{"train.cuda_graphs": False}), te=False).wgrad_fused
     for why in ({"train.fp8": "tensorwise"}, {"parallel.recompute": "selective"}, {"parallel.tensor_parallel": 2},
-                {"train.compile_kernels": False}):
+                {"train.compile_kernels": False}, {"train.forward_step": "my_hooks:forward_step"}):
         choice = kernel_rule.choose(preset("tiny", **{**base, **why}), te=False)
         assert not choice.wgrad_fused, (why, choice)
     te = kernel_rule.choose(preset("tiny", **base, **{"model.attention_backend": "te", "train.cuda_graphs": True}), te=True)
@@ -181,6 +181,36 @@ def test_fused_weight_gradients_sum_what_the_hooks_sum(dist_group):
             assert p.grad is None
             if id(p) in gemm:
                 assert p.grad_added_to_main_grad  # set in forward: DDP's hook dropped the placeholder
+    finally:
+        compiled_layer.set_compile(True)
+        compiled_layer.allow_on_cpu(False)
+
+
+def test_a_stock_call_among_fused_ones_keeps_its_weight_gradients(dist_group, monkeypatch):
+    """A training micro-batch that takes megatron's stock forward on a ``wgrad_fused`` layer writes real ``.grad``s:
+    its forward clears the flag the fused micro-batch before it set, so DDP's hook adds them (without it the hook
+    would drop them and main_grad would lack that micro-batch)."""
+    from workbench.backend import compiled_layer
+    from workbench.backend.compiled_layer import CompiledTransformerLayer
+
+    compiled_layer.allow_on_cpu()
+    compiled_layer.set_compile(False)
+    try:
+        cfg = preset("tiny", **{"train.compile_kernels": True})
+        hooks, _, _ = _fused_ddp(cfg, fused=False)
+        fused, _, layers = _fused_ddp(cfg, fused=True)
+        for m in (hooks, fused):
+            m.zero_grad_buffer()
+        _micro_batches(hooks, [1, 2, 3])
+        _micro_batches(fused, [1])
+        with monkeypatch.context() as patch:
+            patch.setattr(CompiledTransformerLayer, "_call_is_plain", lambda self, args, kwargs: False)
+            _micro_batches(fused, [2])
+        _micro_batches(fused, [3])
+        assert sum(m.fast_calls for m in layers) == 2 * len(layers)  # micro-batch 2 took the stock forward
+        a, b = _main_grads(hooks), _main_grads(fused)
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
     finally:
         compiled_layer.set_compile(True)
         compiled_layer.allow_on_cpu(False)

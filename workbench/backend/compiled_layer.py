@@ -546,10 +546,9 @@ _EAGER_IN_GRAPHS = ["_ring_context"]
 
 
 def _eager_in_graphs() -> None:
-    g = globals()
     while _EAGER_IN_GRAPHS:
         name = _EAGER_IN_GRAPHS.pop()
-        g[name] = torch.compiler.disable(g[name])
+        globals()[name] = torch.compiler.disable(globals()[name])
 
 
 #: CUDA graphs for the compiled layer's training calls (set by :func:`prepare_model`).
@@ -639,10 +638,9 @@ class CompiledTransformerLayer(TransformerLayer):
             and bool(getattr(getattr(self.config, "workbench_kernels", None), "async_tp", False))
         if self.async_tp:
             enable_async_tp(self._static["tp_group"])
-        #: the kernel rule's ``wgrad_fused``: the GEMM weights' gradients added into main_grad in their GEMMs
-        #: (:func:`workbench.backend.grad_accumulation.fused_weight`); marked so that no hook adds them again
-        choice = getattr(self.config, "workbench_kernels", None)
-        self.wgrad_fused = self.fast_path_blocker is None and bool(getattr(choice, "wgrad_fused", False))
+        #: the kernel rule's ``wgrad_fused``: GEMM weights' gradients into main_grad in their GEMMs (marked: no hook adds them)
+        self.wgrad_fused = self.fast_path_blocker is None and not self._static["fp8"] and "tp_group" not in self._static \
+            and bool(getattr(getattr(self.config, "workbench_kernels", None), "wgrad_fused", False))
         for linear in self._gemm_linears() if self.wgrad_fused else ():
             linear.weight._workbench_wgrad_fused = True
         self.fast_calls = 0  # observable: how many forwards took the compiled path
@@ -721,6 +719,9 @@ class CompiledTransformerLayer(TransformerLayer):
 
     def forward(self, *args: Any, **kwargs: Any):
         if not self._call_is_plain(args, kwargs):
+            if self.wgrad_fused and torch.is_grad_enabled():  # megatron's GEMMs write .grad: DDP's hook must add it
+                for linear in self._gemm_linears():
+                    linear.weight.grad_added_to_main_grad = False
             return super().forward(*args, **kwargs)
         x = kwargs["hidden_states"]
         self._bypassed_pre_hooks()
@@ -733,7 +734,7 @@ class CompiledTransformerLayer(TransformerLayer):
         recipe = self._static["fp8"]
 
         def gemm_w(linear: torch.nn.Module):  # under FP8: the weight with this step's FP8 copies
-            if self.wgrad_fused:  # (never with FP8: the kernel rule's)
+            if self.wgrad_fused and self.training:  # (never with FP8: the kernel rule's)
                 return fused_weight(linear.weight)
             return fp8_cached(linear.weight, recipe)
 
