@@ -200,6 +200,10 @@ def child(step: str, args: dict[str, Any]) -> dict[str, Any]:
         import torch  # noqa: F401  (the imports the steps need, before the baseline)
         import megatron.core.dist_checkpointing  # noqa: F401
         import safetensors.torch  # noqa: F401
+        # torch's compiler, which megatron-core no longer imports (workbench/lazy_compile.py) while the steps' own code
+        # may (transformers' model modules do): its ~250 MB of modules are imports, not the step's tensors
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
 
         import workbench.checkpoint  # noqa: F401
         import workbench.backend.model  # noqa: F401
