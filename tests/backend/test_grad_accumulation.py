@@ -153,67 +153,64 @@ def _fused_ddp(cfg, fused: bool):
     return ddp, grad_accumulation.install([ddp], min_numel=0), layers
 
 
-def test_fused_weight_gradients_sum_what_the_hooks_sum(dist_group):
+@pytest.fixture()
+def fused_pair(dist_group):
+    """The tiny model on the compiled layer (eagerly, on CPU) twice, as :func:`_fused_ddp` builds it: ``(hooks,
+    fused)``, each ``(ddp, hooks installed, compiled layers)``."""
+    from workbench.backend import compiled_layer
+
+    compiled_layer.allow_on_cpu()
+    compiled_layer.set_compile(False)
+    try:
+        cfg = preset("tiny", **{"train.compile_kernels": True})
+        yield _fused_ddp(cfg, fused=False), _fused_ddp(cfg, fused=True)
+    finally:
+        compiled_layer.set_compile(True)
+        compiled_layer.allow_on_cpu(False)
+
+
+def test_fused_weight_gradients_sum_what_the_hooks_sum(fused_pair):
     """``KernelChoice.wgrad_fused``: the compiled layer's GEMM weights get their gradients added into main_grad by
     :func:`grad_accumulation.linear` -- over three micro-batches and two steps the same sums as ``.grad`` and the
     workbench's hooks; those weights get no hook of ours, and megatron's drops their placeholder ``.grad``."""
-    from workbench.backend import compiled_layer
-
-    compiled_layer.allow_on_cpu()
-    compiled_layer.set_compile(False)
-    try:
-        cfg = preset("tiny", **{"train.compile_kernels": True})
-        hooks, n_hooks, _ = _fused_ddp(cfg, fused=False)
-        fused, n_fused, layers = _fused_ddp(cfg, fused=True)
-        gemm = {id(linear.weight) for m in layers for linear in m._gemm_linears()}
-        assert len(gemm) == 4 * len(layers) and n_hooks - n_fused == len(gemm)  # no hook of ours on them
-        for step_seeds in ([1, 2, 3], [4, 5]):
-            for m in (hooks, fused):
-                m.zero_grad_buffer()
-                _micro_batches(m, step_seeds)
-            a, b = _main_grads(hooks), _main_grads(fused)
-            assert a.keys() == b.keys()
-            for name in a:
-                assert a[name].abs().sum() > 0, name
-                torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
-        assert sum(m.fast_calls for m in layers) == 5 * len(layers)  # every micro-batch took the compiled path
-        for p in fused.module.parameters():
-            assert p.grad is None
-            if id(p) in gemm:
-                assert p.grad_added_to_main_grad  # set in forward: DDP's hook dropped the placeholder
-    finally:
-        compiled_layer.set_compile(True)
-        compiled_layer.allow_on_cpu(False)
+    (hooks, n_hooks, _), (fused, n_fused, layers) = fused_pair
+    gemm = {id(linear.weight) for m in layers for linear in m._gemm_linears()}
+    assert len(gemm) == 4 * len(layers) and n_hooks - n_fused == len(gemm)  # no hook of ours on them
+    for step_seeds in ([1, 2, 3], [4, 5]):
+        for m in (hooks, fused):
+            m.zero_grad_buffer()
+            _micro_batches(m, step_seeds)
+        a, b = _main_grads(hooks), _main_grads(fused)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name].abs().sum() > 0, name
+            torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert sum(m.fast_calls for m in layers) == 5 * len(layers)  # every micro-batch took the compiled path
+    for p in fused.module.parameters():
+        assert p.grad is None
+        if id(p) in gemm:
+            assert p.grad_added_to_main_grad  # set in forward: DDP's hook dropped the placeholder
 
 
-def test_a_stock_call_among_fused_ones_keeps_its_weight_gradients(dist_group, monkeypatch):
+def test_a_stock_call_among_fused_ones_keeps_its_weight_gradients(fused_pair, monkeypatch):
     """A training micro-batch that takes megatron's stock forward on a ``wgrad_fused`` layer writes real ``.grad``s:
     its forward clears the flag the fused micro-batch before it set, so DDP's hook adds them (without it the hook
     would drop them and main_grad would lack that micro-batch)."""
-    from workbench.backend import compiled_layer
     from workbench.backend.compiled_layer import CompiledTransformerLayer
 
-    compiled_layer.allow_on_cpu()
-    compiled_layer.set_compile(False)
-    try:
-        cfg = preset("tiny", **{"train.compile_kernels": True})
-        hooks, _, _ = _fused_ddp(cfg, fused=False)
-        fused, _, layers = _fused_ddp(cfg, fused=True)
-        for m in (hooks, fused):
-            m.zero_grad_buffer()
-        _micro_batches(hooks, [1, 2, 3])
-        _micro_batches(fused, [1])
-        with monkeypatch.context() as patch:
-            patch.setattr(CompiledTransformerLayer, "_call_is_plain", lambda self, args, kwargs: False)
-            _micro_batches(fused, [2])
-        _micro_batches(fused, [3])
-        assert sum(m.fast_calls for m in layers) == 2 * len(layers)  # micro-batch 2 took the stock forward
-        a, b = _main_grads(hooks), _main_grads(fused)
-        for name in a:
-            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
-    finally:
-        compiled_layer.set_compile(True)
-        compiled_layer.allow_on_cpu(False)
+    (hooks, _, _), (fused, _, layers) = fused_pair
+    for m in (hooks, fused):
+        m.zero_grad_buffer()
+    _micro_batches(hooks, [1, 2, 3])
+    _micro_batches(fused, [1])
+    with monkeypatch.context() as patch:
+        patch.setattr(CompiledTransformerLayer, "_call_is_plain", lambda self, args, kwargs: False)
+        _micro_batches(fused, [2])
+    _micro_batches(fused, [3])
+    assert sum(m.fast_calls for m in layers) == 2 * len(layers)  # micro-batch 2 took the stock forward
+    a, b = _main_grads(hooks), _main_grads(fused)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _moe_ddp(precision: str, direct: bool):
