@@ -10,11 +10,12 @@ pays that at start, most of them never running a single fusion (the compiled lay
 element-wise paths on GPUs; CPU runs keep them off).
 
 :func:`install` (run by ``workbench/__init__.py`` before anything can import megatron-core; torch-free) puts a
-finder in front of Python's import system for ``megatron.core.jit`` alone: once that module has run, its
-``jit_fuser`` is :func:`lazy_compile` instead of ``torch.compile``, so every module that imports it after (all of
-megatron's fusions) gets the deferred one.  :func:`lazy_compile` makes the same ``torch.compile(fn, **options)`` at
-the fusion's first eager call and calls it; inside another compiled region (``torch.compiler.is_compiling()``) it
-calls the plain function, which dynamo then traces inline, as it does a ``torch.compile``'d function there.
+finder in front of Python's import system for the modules of :data:`_MODULES` alone: each runs with ``torch.compile``
+being :func:`lazy_compile`, so ``megatron.core.jit`` binds ``jit_fuser`` to it (and every fusion module that imports
+it after gets the deferred one) and the router's decorated method is deferred too.  :func:`lazy_compile` makes the
+same ``torch.compile(fn, **options)`` at the function's first eager call and calls it; inside another compiled region
+(``torch.compiler.is_compiling()``) it calls the plain function, which dynamo then traces inline, as it does a
+``torch.compile``'d function there.
 """
 
 from __future__ import annotations
