@@ -55,7 +55,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core import tensor_parallel
 from torch.distributed import _functional_collectives as funcol
-from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -68,7 +67,7 @@ from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_
 from workbench.backend.grad_accumulation import fused_weight
 from workbench.backend.optimizer_paths import STATE as _STATE
 from workbench.backend.tp_overlap import chunked_pass, enable_async_tp, tp_overlap_pass
-from workbench.backend import tp_chunked
+from workbench.backend import glu, rotary, tp_chunked
 _waited = tp_chunked.waited
 
 __all__ = [
@@ -219,7 +218,10 @@ def _mlp_partial(h: torch.Tensor, fc1_w: torch.Tensor, fc1_b: Optional[torch.Ten
 
 
 def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
-    """SwiGLU / GEGLU on the [gate, up] halves (megatron's GLU order), ReLU, or exact / tanh GELU."""
+    """SwiGLU / GEGLU on the [gate, up] halves (megatron's GLU order), ReLU, or exact / tanh GELU; ``swiglu_triton``:
+    SwiGLU through :mod:`workbench.backend.glu`'s Triton ops (the kernel rule's ``KernelChoice.swiglu_triton``)."""
+    if activation == "swiglu_triton":
+        return glu.swiglu(z, triton=True)
     if activation in ("swiglu", "geglu", "geglu_tanh"):
         gate, up = torch.chunk(z, 2, dim=-1)
         if activation == "swiglu":
@@ -247,11 +249,6 @@ def _sdpa(
     attn_mask, is_causal = sdpa_mask(None if mask is None else ~mask, bias, causal, sq, k.shape[2], q.device)
     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal, scale=scale)
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
-
-
-def _rotate(t: torch.Tensor, freqs: Optional[torch.Tensor]) -> torch.Tensor:
-    """megatron's non-interleaved rotary embedding (bshd) on ``[s, b, n, d]``, ``freqs`` ``[s, 1, 1, rot]``."""
-    return t if freqs is None else _apply_rotary_pos_emb_bshd(t, freqs)
 
 
 def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -294,8 +291,8 @@ def _self_attention(
     per_group = heads // groups
     qkv = qkv.view(s, b, groups, (per_group + 2) * head_dim)
     q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
-    q = _rotate(q.reshape(s, b, heads, head_dim), rope)
-    k = _rotate(k, rope)
+    q = rotary.rotate(q.reshape(s, b, heads, head_dim), rope)
+    k = rotary.rotate(k, rope)
     if cp:  # the ring takes K/V per group (GQA) and gathers no more than it needs
         if bias is not None:
             raise NotImplementedError("context parallelism: the ring attention takes no additive bias (attention_bias)")
@@ -616,7 +613,7 @@ class CompiledTransformerLayer(TransformerLayer):
                 fp8=getattr(c, "workbench_fp8", None),
             )
             if not self._moe:  # the dense MLP half's
-                self._static.update(eps2=eps_of(self.pre_mlp_layernorm), activation=activation_name(c),
+                self._static.update(eps2=eps_of(self.pre_mlp_layernorm), activation=activation_name(c, kernels=True),
                                     recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)))
             if self._cross:
                 self._static["eps_cross"] = eps_of(self.pre_cross_attn_layernorm)
@@ -765,7 +762,7 @@ class CompiledTransformerLayer(TransformerLayer):
                 gemm_w(mlp.linear_fc2), mlp.linear_fc2.bias,
                 None if mask is None else mask.bool(),
                 kwargs.get("attention_bias"),
-                rope[0] if isinstance(rope, tuple) else rope,
+                rotary.rope_tables(rope[0] if isinstance(rope, tuple) else rope, x.dtype),
                 cross,
                 masks,
                 **self._static,
@@ -786,7 +783,8 @@ class CompiledTransformerLayer(TransformerLayer):
             h = _piece("attention", chunked=self.tp_chunked)(
                 x, ln1.weight, getattr(ln1, "bias", None), gemm_w(attn.linear_qkv), attn.linear_qkv.bias,
                 gemm_w(attn.linear_proj), attn.linear_proj.bias, None if mask is None else mask.bool(),
-                kwargs.get("attention_bias"), rope[0] if isinstance(rope, tuple) else rope, masks, **self._static,
+                kwargs.get("attention_bias"), rotary.rope_tables(rope[0] if isinstance(rope, tuple) else rope, x.dtype),
+                masks, **self._static,
                 hidden_dropout=p_hidden, attention_dropout=p_attn)
         self.fast_calls += 1
         return self._forward_mlp(h)
