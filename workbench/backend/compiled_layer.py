@@ -12,18 +12,17 @@ same dtypes, no skipped work):
    every element-wise op makes its own pass over HBM.  On the dense path (GPT's causal
    self-attention, BERT's padding-masked bidirectional one, T5's relative-position bias and
    cross-attention, rotary embeddings, GELU / GEGLU / SwiGLU / ReLU, hidden and attention dropout
-   on megatron's RNG streams) the layer's forward runs as one ``torch.compile``'d free function
-   of its parameters: norms fuse with the residual adds, biases fuse into GEMM epilogues,
-   GELU/SwiGLU fuse with their bias, and backward is one compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
+   on megatron's RNG streams) the layer's forward runs as one ``torch.compile``'d free function of its parameters:
+   norms fuse with the residual adds, biases fuse into GEMM epilogues, GELU/SwiGLU fuse with their bias, and backward is one compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
    gradients flow to them through autograd as usual, so mcore DDP's grad hooks, buffers and
    overlap are untouched.  All layers share one compiled graph (a free function guarded on
-   shapes, not one graph per module).  With tensor parallelism the layer is still one compiled
-   graph, with its TP collectives inside (torch functional collectives exactly where
-   Column/RowParallelLinear put them: all-reduce, or all-gather / reduce-scatter under
-   sequence parallelism), so CUDA graphs capture the whole layer.  ``parallel.tp_comm_overlap``: the backward's
+   shapes, not one graph per module).  With tensor parallelism the layer is still one compiled graph, with its TP
+   collectives inside (torch functional collectives exactly where Column/RowParallelLinear put them: all-reduce,
+   or all-gather / reduce-scatter under sequence parallelism), so CUDA graphs capture the whole layer.  ``parallel.tp_comm_overlap``: the backward's
    collectives under the weight-gradient GEMMs (:func:`workbench.backend.tp_overlap.sink_weight_gradients`);
    ``parallel.tp_chunked``: each GEMM in two row chunks (:mod:`workbench.backend.tp_chunked`).  The GEMM weights'
-   gradients go into megatron DDP's ``main_grad`` in their GEMMs where the kernel rule says ``wgrad_fused``.
+   gradients go into megatron DDP's ``main_grad`` in their GEMMs where the kernel rule says ``wgrad_fused``; SwiGLU
+   is one Triton kernel each way where it says ``swiglu_triton`` (:mod:`workbench.backend.glu`).
    Any other case (ALiBi, a KV cache, packed sequences, ...) falls back to the stock forward.
    Dropout's random numbers come from torch's generator inside the graph (inductor's philox; under CUDA
    graphs each replay reads the generator's seed and offset and advances it), so the checkpointed RNG
@@ -55,6 +54,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core import tensor_parallel
 from torch.distributed import _functional_collectives as funcol
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -67,7 +67,7 @@ from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_
 from workbench.backend.grad_accumulation import fused_weight
 from workbench.backend.optimizer_paths import STATE as _STATE
 from workbench.backend.tp_overlap import chunked_pass, enable_async_tp, tp_overlap_pass
-from workbench.backend import glu, rotary, tp_chunked
+from workbench.backend import glu, tp_chunked
 _waited = tp_chunked.waited
 
 __all__ = [
@@ -218,8 +218,7 @@ def _mlp_partial(h: torch.Tensor, fc1_w: torch.Tensor, fc1_b: Optional[torch.Ten
 
 
 def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
-    """SwiGLU / GEGLU on the [gate, up] halves (megatron's GLU order), ReLU, or exact / tanh GELU; ``swiglu_triton``:
-    SwiGLU through :mod:`workbench.backend.glu`'s Triton ops (the kernel rule's ``KernelChoice.swiglu_triton``)."""
+    """SwiGLU / GEGLU on the [gate, up] halves (megatron's order; ``swiglu_triton``: :mod:`.glu`'s), ReLU, or GELU."""
     if activation == "swiglu_triton":
         return glu.swiglu(z, triton=True)
     if activation in ("swiglu", "geglu", "geglu_tanh"):
@@ -249,6 +248,11 @@ def _sdpa(
     attn_mask, is_causal = sdpa_mask(None if mask is None else ~mask, bias, causal, sq, k.shape[2], q.device)
     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal, scale=scale)
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def _rotate(t: torch.Tensor, freqs: Optional[torch.Tensor]) -> torch.Tensor:
+    """megatron's non-interleaved rotary embedding (bshd) on ``[s, b, n, d]``, ``freqs`` ``[s, 1, 1, rot]``."""
+    return t if freqs is None else _apply_rotary_pos_emb_bshd(t, freqs)
 
 
 def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -291,8 +295,8 @@ def _self_attention(
     per_group = heads // groups
     qkv = qkv.view(s, b, groups, (per_group + 2) * head_dim)
     q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
-    q = rotary.rotate(q.reshape(s, b, heads, head_dim), rope)
-    k = rotary.rotate(k, rope)
+    q = _rotate(q.reshape(s, b, heads, head_dim), rope)
+    k = _rotate(k, rope)
     if cp:  # the ring takes K/V per group (GQA) and gathers no more than it needs
         if bias is not None:
             raise NotImplementedError("context parallelism: the ring attention takes no additive bias (attention_bias)")
@@ -762,7 +766,7 @@ class CompiledTransformerLayer(TransformerLayer):
                 gemm_w(mlp.linear_fc2), mlp.linear_fc2.bias,
                 None if mask is None else mask.bool(),
                 kwargs.get("attention_bias"),
-                rotary.rope_tables(rope[0] if isinstance(rope, tuple) else rope, x.dtype),
+                rope[0] if isinstance(rope, tuple) else rope,
                 cross,
                 masks,
                 **self._static,
@@ -774,7 +778,6 @@ class CompiledTransformerLayer(TransformerLayer):
         out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
         return out, context
 
-
     def _moe_forward(self, x, kwargs, mask, rope, gemm_w, masks, fork, p_hidden, p_attn) -> torch.Tensor:
         """A mixture-of-experts layer: the attention half compiled, then megatron's own MLP half (pre-MLP norm,
         router, token dispatch, experts, bias-dropout-add: ``TransformerLayer._forward_mlp``)."""
@@ -783,8 +786,7 @@ class CompiledTransformerLayer(TransformerLayer):
             h = _piece("attention", chunked=self.tp_chunked)(
                 x, ln1.weight, getattr(ln1, "bias", None), gemm_w(attn.linear_qkv), attn.linear_qkv.bias,
                 gemm_w(attn.linear_proj), attn.linear_proj.bias, None if mask is None else mask.bool(),
-                kwargs.get("attention_bias"), rotary.rope_tables(rope[0] if isinstance(rope, tuple) else rope, x.dtype),
-                masks, **self._static,
+                kwargs.get("attention_bias"), rope[0] if isinstance(rope, tuple) else rope, masks, **self._static,
                 hidden_dropout=p_hidden, attention_dropout=p_attn)
         self.fast_calls += 1
         return self._forward_mlp(h)

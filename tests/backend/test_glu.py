@@ -1,7 +1,7 @@
-"""The compiled layer's rotary tables and SwiGLU kernels: the same maths as megatron's, where the kernel rule takes them.
+"""The compiled layer's SwiGLU kernels (workbench.backend.glu): the same maths as torch's, where the kernel rule takes them.
 
 The Triton kernels run here through Triton's interpreter (``TRITON_INTERPRET=1``, numpy on the CPU, in a child
-process: the variable is read when Triton is imported); on GPUs ``bench/glu_rope_probe.py`` checks them compiled."""
+process: the variable is read when Triton is imported); on GPUs ``bench/swiglu_probe.py`` checks them compiled."""
 
 from __future__ import annotations
 
@@ -14,41 +14,7 @@ import pytest
 import torch
 
 from workbench import kernel_rule
-from workbench.backend import rotary
 from workbench.config import preset
-
-
-def _freqs(s: int, rot: int) -> torch.Tensor:
-    inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
-    f = torch.outer(torch.arange(s, dtype=torch.float32), inv)
-    return torch.cat((f, f), dim=-1)[:, None, None, :]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rot", [16, 8])  # the whole head, and a partial rotary (rotary_percent 0.5)
-def test_tables_rotate_exactly_as_megatron(dtype, rot):
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
-    t = torch.randn(12, 2, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
-    freqs = _freqs(12, rot)
-    got = rotary.rotate(t, rotary.rope_tables(freqs, dtype))
-    assert torch.equal(got, _apply_rotary_pos_emb_bshd(t, freqs))
-    assert torch.equal(rotary.rotate(t, freqs), got) and rotary.rotate(t, None) is t
-
-
-def test_tables_are_made_once_per_frequencies_tensor_and_dtype(monkeypatch):
-    monkeypatch.setattr(rotary, "_TABLES", {})
-    a, b = _freqs(8, 8), _freqs(8, 8)
-    first = rotary.rope_tables(a, torch.bfloat16)
-    assert rotary.rope_tables(a, torch.bfloat16) is first  # the same tensors for every layer and step
-    assert rotary.rope_tables(b, torch.bfloat16) is not first  # another tensor (equal values): its own tables
-    assert rotary.rope_tables(a, torch.float32)[0].dtype == torch.float32
-    assert rotary.rope_tables(None, torch.float32) is None
-    monkeypatch.setattr(rotary, "MAX_TABLES", 3)  # full: made, not kept, and nothing kept is dropped
-    kept = dict(rotary._TABLES)
-    c = _freqs(8, 8)
-    assert rotary.rope_tables(c, torch.bfloat16) is not rotary.rope_tables(c, torch.bfloat16)
-    assert rotary._TABLES == kept
 
 
 _KERNELS = r"""
