@@ -286,10 +286,10 @@ class KernelChoice:
     #: micro-batch's backward follows its forward); its other weights (embeddings, norms, biases) as
     #: :attr:`grad_accumulation` says
     wgrad_fused: bool = False
-    #: the compiled layer's SwiGLU as one Triton kernel each way (:mod:`workbench.backend.glu`: the product written once
-    #: in the forward, the gate's and up's gradients from it in the backward) instead of inductor's fused point-wise
-    #: kernels; on CUDA (Triton), for ``model.activation: swiglu``
-    swiglu_triton: bool = False
+    #: the compiled layer's hand-written Triton ops on CUDA, instead of inductor's fused point-wise kernels: SwiGLU
+    #: (``model.activation: swiglu``, :mod:`workbench.backend.glu`) and the QKV split + rotary + GQA repeat into
+    #: SDPA's layout (rotary embeddings, :mod:`workbench.backend.qkv_rope`), one kernel each way
+    triton_ops: bool = False
     #: MoE layers' experts ("" without): te_grouped (TE's grouped MLP, on TE's layer), torch_grouped (one
     #: ``grouped_mm`` per expert GEMM, :mod:`workbench.backend.moe_experts`), sequential (megatron's SequentialMLP)
     experts: Literal["", "sequential", "torch_grouped", "te_grouped"] = ""
@@ -567,7 +567,7 @@ def choose(cfg: Any, *, te: bool | None = None, apex: bool | None = None, cuda_a
         tp_overlap=tp_overlap, async_tp=async_tp, grad_accumulation="megatron" if impl == "megatron" else "workbench",
         wgrad_fused=(layer == "compiled" and p.tensor_parallel == 1 and not tp_overlap and t.fp8 == "off"
                      and p.recompute == "none" and impl in ("", "step") and not t.forward_step),
-        swiglu_triton=layer == "compiled" and cuda and m.activation == "swiglu",
+        triton_ops=layer == "compiled" and cuda,
         sdpa_order=SDPA_CUDNN_FIRST if (attention == "sdpa" and cuda and te
                                         and all(n % 128 == 0 for n in (m.seq_length, m.decoder_seq))) else (),
         experts=(experts := _experts_slot(cfg, attention, fast)),

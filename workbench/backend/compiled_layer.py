@@ -1,37 +1,32 @@
 """The compiled dense layer: one ``torch.compile``'d function per transformer layer, its CUDA graphs, and the
 compiled cross-entropy, for megatron-core when Transformer Engine and apex are absent (the usual case).
 
-Where stock megatron-core (local spec, no TE/apex) loses time against a compiled plain-PyTorch
-GPT, and what this module does about it -- every change keeps the training maths (same ops,
-same dtypes, no skipped work):
+Where stock megatron-core (local spec, no TE/apex) loses time against a compiled plain-PyTorch GPT, and what this
+module does about it -- every change keeps the training maths (same ops, same dtypes, no skipped work):
 
-1. **One compiled function per transformer layer** (:class:`CompiledTransformerLayer`, put in
-   the layer spec by :mod:`workbench.backend.model` when ``train.compile_kernels`` is on and the
-   device is CUDA).  Eagerly, a megatron layer is ~40 kernel launches with Python between each
-   (norm, linear, split, SDPA, bias-dropout-add, norm, linear, bias+GELU, linear, add) and
-   every element-wise op makes its own pass over HBM.  On the dense path (GPT's causal
-   self-attention, BERT's padding-masked bidirectional one, T5's relative-position bias and
-   cross-attention, rotary embeddings, GELU / GEGLU / SwiGLU / ReLU, hidden and attention dropout
-   on megatron's RNG streams) the layer's forward runs as one ``torch.compile``'d free function of its parameters:
-   norms fuse with the residual adds, biases fuse into GEMM epilogues, GELU/SwiGLU fuse with their bias, and backward is one compiled graph too.  The parameters are the layer's own (same names, same checkpoint);
-   gradients flow to them through autograd as usual, so mcore DDP's grad hooks, buffers and
-   overlap are untouched.  All layers share one compiled graph (a free function guarded on
-   shapes, not one graph per module).  With tensor parallelism the layer is still one compiled graph, with its TP
-   collectives inside (torch functional collectives exactly where Column/RowParallelLinear put them: all-reduce,
-   or all-gather / reduce-scatter under sequence parallelism), so CUDA graphs capture the whole layer.  ``parallel.tp_comm_overlap``: the backward's
-   collectives under the weight-gradient GEMMs (:func:`workbench.backend.tp_overlap.sink_weight_gradients`);
-   ``parallel.tp_chunked``: each GEMM in two row chunks (:mod:`workbench.backend.tp_chunked`).  The GEMM weights'
-   gradients go into megatron DDP's ``main_grad`` in their GEMMs where the kernel rule says ``wgrad_fused``; SwiGLU
-   is one Triton kernel each way where it says ``swiglu_triton`` (:mod:`workbench.backend.glu`).
-   Any other case (ALiBi, a KV cache, packed sequences, ...) falls back to the stock forward.
-   Dropout's random numbers come from torch's generator inside the graph (inductor's philox; under CUDA
-   graphs each replay reads the generator's seed and offset and advances it), so the checkpointed RNG
-   state (``checkpointing.rng_state``) carries the stream.
-2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy
-   makes ~10 passes over the fp32 up-cast [tokens, vocab] logits and keeps an fp32 softmax
-   for backward.  With TP=1 the loss is ``F.cross_entropy(logits.float())`` compiled: the same
-   fp32 log-softmax maths (the reference's autocast runs cross-entropy in fp32 too) in one
-   fused pass, recomputed from the bf16 logits in backward.
+1. **One compiled function per transformer layer** (:class:`CompiledTransformerLayer`, put in the layer spec by
+   :mod:`workbench.backend.model` when ``train.compile_kernels`` is on and the device is CUDA).  Eagerly, a megatron
+   layer is ~40 kernel launches with Python between each and every element-wise op makes its own pass over HBM.  On
+   the dense path (GPT's causal self-attention, BERT's padding-masked bidirectional one, T5's relative-position bias
+   and cross-attention, rotary embeddings, GELU / GEGLU / SwiGLU / ReLU, hidden and attention dropout on megatron's
+   RNG streams) the layer's forward runs as one ``torch.compile``'d free function of its parameters (norms fuse with
+   the residual adds, biases with GEMM epilogues; backward is one compiled graph too), shared by all layers (guarded
+   on shapes).  The parameters are the layer's own; gradients reach them through autograd, so mcore DDP's hooks,
+   buffers and overlap are untouched.  With tensor parallelism the graph holds the TP collectives exactly where
+   Column/RowParallelLinear put them (all-reduce, or all-gather / reduce-scatter under sequence parallelism), so CUDA
+   graphs capture the whole layer.  ``parallel.tp_comm_overlap``: the backward's collectives under the weight-gradient
+   GEMMs (:func:`workbench.backend.tp_overlap.sink_weight_gradients`); ``parallel.tp_chunked``: each GEMM in two row
+   chunks (:mod:`workbench.backend.tp_chunked`).  The kernel rule's ``wgrad_fused``: the GEMM weights' gradients go into
+   megatron DDP's ``main_grad`` in their GEMMs; its ``triton_ops``: SwiGLU (:mod:`workbench.backend.glu`) and the QKV
+   split + rotary + GQA repeat (:mod:`workbench.backend.qkv_rope`) as hand-written Triton kernels.
+   Any other case (ALiBi, a KV cache, packed sequences, ...) falls back to the stock forward.  Dropout's random
+   numbers come from torch's generator inside the graph (inductor's philox; under CUDA graphs each replay reads the
+   generator's seed and offset and advances it), so the checkpointed RNG state (``checkpointing.rng_state``) carries
+   the stream.
+2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy makes ~10 passes over
+   the fp32 up-cast [tokens, vocab] logits and keeps an fp32 softmax for backward.  With TP=1 the loss is
+   ``F.cross_entropy(logits.float())`` compiled: the same fp32 log-softmax maths in one fused pass, recomputed from
+   the bf16 logits in backward.
 
 The other fast paths live beside it: the optimizer's (:mod:`workbench.backend.optimizer_paths`) and megatron's
 fused switches for the stock forward (:func:`workbench.backend.model.transformer_config_overrides`).
@@ -54,7 +49,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core import tensor_parallel
 from torch.distributed import _functional_collectives as funcol
-from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -67,7 +61,7 @@ from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_
 from workbench.backend.grad_accumulation import fused_weight
 from workbench.backend.optimizer_paths import STATE as _STATE
 from workbench.backend.tp_overlap import chunked_pass, enable_async_tp, tp_overlap_pass
-from workbench.backend import glu, tp_chunked
+from workbench.backend import glu, qkv_rope, tp_chunked
 _waited = tp_chunked.waited
 
 __all__ = [
@@ -233,7 +227,7 @@ def _activate(z: torch.Tensor, activation: str) -> torch.Tensor:
 
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-    mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], dropout: float = 0.0,
+    mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], dropout: float = 0.0, bnsd: bool = False,
 ) -> torch.Tensor:
     """Core attention on ``[s, b, n, d]`` q and k / v with as many heads as q (GQA already expanded): the
     context ``[sq, b, n * d]``, masked as :class:`workbench.backend.attention.SDPAttention` masks (:func:`sdpa_mask`):
@@ -243,16 +237,12 @@ def _sdpa(
     ``causal``: top-left aligned when sq == sk (bottom-right otherwise), combined with either;
     ``dropout``: attention dropout on the probabilities (SDPA's ``dropout_p``, the current RNG stream).
     """
-    sq, b = q.shape[0], q.shape[1]
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    if not bnsd:  # (else already [b, n, s, d])
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    sq, b = q.shape[2], q.shape[0]
     attn_mask, is_causal = sdpa_mask(None if mask is None else ~mask, bias, causal, sq, k.shape[2], q.device)
     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal, scale=scale)
     return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
-
-
-def _rotate(t: torch.Tensor, freqs: Optional[torch.Tensor]) -> torch.Tensor:
-    """megatron's non-interleaved rotary embedding (bshd) on ``[s, b, n, d]``, ``freqs`` ``[s, 1, 1, rot]``."""
-    return t if freqs is None else _apply_rotary_pos_emb_bshd(t, freqs)
 
 
 def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -285,7 +275,7 @@ def _ring_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 def _self_attention(
     h: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], *, heads: int, groups: int, head_dim: int,
     scale: float, causal: bool, mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], rope: Optional[torch.Tensor],
-    fp8: Optional[str] = None, dropout: float = 0.0, cp: bool = False, chunk: Optional[tuple] = None,
+    fp8: Optional[str] = None, dropout: float = 0.0, cp: bool = False, chunk: Optional[tuple] = None, triton: bool = False,
 ) -> torch.Tensor:
     """Fused QKV GEMM in megatron's layout (per KV group ``[q_1..q_{n/g}, k, v]``), then :func:`_sdpa`, or under
     context parallelism (``cp``) :func:`_ring_context` over the CP group.  ``chunk``: ``(rank, tp group)`` where the
@@ -293,10 +283,13 @@ def _self_attention(
     qkv = fp8_linear(h, qkv_w, qkv_b, fp8) if chunk is None else tp_chunked.column_linear(h, qkv_w, qkv_b, *chunk)
     s, b, _ = qkv.shape
     per_group = heads // groups
+    if triton and chunk is None and not cp and qkv_rope.applies(qkv, rope, head_dim):  # KernelChoice.triton_ops
+        q, k, v = qkv_rope.rotate_split(qkv, rope, groups, per_group)
+        return _sdpa(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias, dropout=dropout, bnsd=True)
     qkv = qkv.view(s, b, groups, (per_group + 2) * head_dim)
     q, k, v = qkv.split([per_group * head_dim, head_dim, head_dim], dim=3)
-    q = _rotate(q.reshape(s, b, heads, head_dim), rope)
-    k = _rotate(k, rope)
+    q = qkv_rope.rotate(q.reshape(s, b, heads, head_dim), rope)
+    k = qkv_rope.rotate(k, rope)
     if cp:  # the ring takes K/V per group (GQA) and gathers no more than it needs
         if bias is not None:
             raise NotImplementedError("context parallelism: the ring attention takes no additive bias (attention_bias)")
@@ -372,47 +365,47 @@ def dense_layer_forward(
     attention_dropout: float = 0.0,
     cp: bool = False,
     tp_chunk_rank: Optional[int] = None,
+    triton: bool = False,
 ) -> torch.Tensor:
     """One pre-norm transformer layer on ``[s, b, h]``, with megatron's exact layouts and maths.
 
-    megatron's fused QKV output is grouped per KV group: ``[q_1..q_{n/g}, k, v]`` for each of
-    the g groups (see ``SelfAttention.get_query_key_value_tensors``).  Self-attention is SDPA,
-    ``causal`` (GPT, T5's decoder) or not (BERT, T5's encoder), under megatron's boolean ``mask``
-    (True = masked out) and an additive score ``bias`` (T5's relative positions), with the rotary
-    embedding ``rope`` (freqs ``[s, 1, 1, rot]``) applied to q and k.  ``cross``: T5's decoder
-    cross-attention block between attention and MLP, ``(context, context_mask, norm_w, norm_b, q_w,
-    q_b, kv_w, kv_b, proj_w, proj_b)``.  Biases of the output projections are added before the
-    residual (megatron adds them in bias-dropout-add, which is the same sum).
+    megatron's fused QKV output is grouped per KV group: ``[q_1..q_{n/g}, k, v]`` for each of the g groups (see
+    ``SelfAttention.get_query_key_value_tensors``).  Self-attention is SDPA, ``causal`` (GPT, T5's decoder) or not
+    (BERT, T5's encoder), under megatron's boolean ``mask`` (True = masked out) and an additive score ``bias`` (T5's
+    relative positions), with the rotary embedding ``rope`` (freqs ``[s, 1, 1, rot]``) applied to q and k.  ``cross``:
+    T5's decoder cross-attention block between attention and MLP, ``(context, context_mask, norm_w, norm_b, q_w, q_b,
+    kv_w, kv_b, proj_w, proj_b)``.  Biases of the output projections are added before the residual (megatron adds
+    them in bias-dropout-add, which is the same sum).
 
-    ``tp_group`` (a process-group name): this rank's shard of a tensor-parallel layer, with
-    the TP collectives in the graph exactly where Column/RowParallelLinear put them (``x`` is
-    the local sequence shard ``[s/tp, b, h]`` under ``sequence_parallel``).
+    ``tp_group`` (a process-group name): this rank's shard of a tensor-parallel layer, with the TP collectives in the
+    graph exactly where Column/RowParallelLinear put them (``x`` is the local sequence shard ``[s/tp, b, h]`` under
+    ``sequence_parallel``).
 
-    ``recompute_mlp`` (``parallel.recompute: selective``): only the MLP's input is kept for
-    backward; fc1 and the activation (the layer's largest activations) are rebuilt there.
-    Under ``torch.compile`` the checkpoint becomes a recompute tag on the graph's partition.
+    ``recompute_mlp`` (``parallel.recompute: selective``): only the MLP's input is kept for backward; fc1 and the
+    activation (the layer's largest activations) are rebuilt there (a recompute tag on the graph's partition).
 
     ``fp8`` (``train.fp8``: ``tensorwise`` | ``rowwise`` | ``delayed``): every GEMM above in FP8
     (:mod:`workbench.backend.fp8`); norms, attention and residuals unchanged.
 
-    Dropout, where megatron's layer has it: ``attention_dropout`` on the attention probabilities (self- and
-    cross-attention, SDPA's ``dropout_p``) and ``hidden_dropout`` on each sublayer's output (bias included) before
-    its residual add (megatron's bias-dropout-add), in megatron's order, from the current RNG stream; or the
-    ``hidden_masks`` given (one per sublayer, :func:`draw_hidden_masks`) where the caller draws them on another
-    stream than attention's.  Zero (the default, and eval) is the dropout-free layer.
+    Dropout, where megatron's layer has it: ``attention_dropout`` on the attention probabilities (SDPA's
+    ``dropout_p``) and ``hidden_dropout`` on each sublayer's output (bias included) before its residual add, in
+    megatron's order, from the current RNG stream; or the ``hidden_masks`` given (one per sublayer,
+    :func:`draw_hidden_masks`) where the caller draws them on another stream.  Zero (eval) is the dropout-free layer.
 
-    ``cp`` (``parallel.context_parallel`` > 1): ``x`` is this CP rank's load-balanced sequence shard and
-    self-attention runs the ring over the CP group (:func:`_ring_context`, outside the graph); no attention bias,
-    no cross-attention, no attention dropout (the config refuses them under CP).
+    ``cp`` (``parallel.context_parallel`` > 1): ``x`` is this CP rank's load-balanced sequence shard and self-attention
+    runs the ring over the CP group (:func:`_ring_context`, outside the graph); no attention bias, cross-attention or
+    attention dropout (the config refuses them under CP).
 
     ``tp_chunk_rank`` (``parallel.tp_chunked``, TP = 2 + SP: this rank's index in the TP group): the attention and
-    (without ``recompute_mlp``) MLP GEMMs in two row chunks (:mod:`workbench.backend.tp_chunked`).
+    (without ``recompute_mlp``) MLP GEMMs in two row chunks (:mod:`workbench.backend.tp_chunked`).  ``triton``: the
+    QKV split, rotary and GQA repeat as :mod:`workbench.backend.qkv_rope`'s op (``KernelChoice.triton_ops``).
     """
     sp, p, masks = sequence_parallel, hidden_dropout, hidden_masks
     x = attention_sublayer_forward(x, ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, mask, bias, rope, masks, norm=norm,
                                    eps1=eps1, heads=heads, groups=groups, head_dim=head_dim, scale=scale, causal=causal,
                                    tp_group=tp_group, sequence_parallel=sp, fp8=fp8, hidden_dropout=p,
-                                   attention_dropout=attention_dropout, cp=cp, tp_chunk_rank=tp_chunk_rank)
+                                   attention_dropout=attention_dropout, cp=cp, tp_chunk_rank=tp_chunk_rank,
+                                   triton=triton)
     if cross is not None:
         y = _cross_attention_sublayer(x, cross, norm=norm, eps=eps_cross, heads=heads, head_dim=head_dim, scale=scale,
                                       tp_group=tp_group, sp=sp, fp8=fp8, dropout=attention_dropout)
@@ -454,6 +447,7 @@ def attention_sublayer_forward(
     attention_dropout: float = 0.0,
     cp: bool = False,
     tp_chunk_rank: Optional[int] = None,
+    triton: bool = False,
 ) -> torch.Tensor:
     """The self-attention half of :func:`dense_layer_forward` (its arguments, the same maths): ``x`` plus the
     attention block's output (norm, QKV, SDPA, output projection with its bias, hidden dropout with the first of
@@ -468,7 +462,8 @@ def attention_sublayer_forward(
         return x + _hidden_dropout(y if proj_b is None else y + proj_b, hidden_dropout, hidden_masks, 0)
     h_in = _column_parallel_input(_norm(x, norm, ln1_w, ln1_b, eps1), tp_group, sp)
     ctx = _self_attention(h_in, qkv_w, qkv_b, heads=heads, groups=groups, head_dim=head_dim, scale=scale,
-                          causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8, dropout=attention_dropout, cp=cp)
+                          causal=causal, mask=mask, bias=bias, rope=rope, fp8=fp8, dropout=attention_dropout, cp=cp,
+                          triton=triton)
     return x + _hidden_dropout(_row_parallel_linear(ctx, proj_w, proj_b, tp_group, sp, fp8), hidden_dropout,
                                hidden_masks, 0)
 
@@ -506,14 +501,13 @@ def _mlp_sublayer(
 def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_tp: bool = False, chunked: bool = False):
     """The compiled piece ``name``; ``graphs``: replayed as CUDA graphs (cudagraph trees).
 
-    With graphs, each call site in a step (layer i, micro-batch j, forward or backward) becomes
-    one node of inductor's cudagraph tree, recorded once and replayed every step: the
-    parameters are static inputs (marked in :func:`prepare_model`), a layer's input is the
-    previous node's output (no copy), and :func:`step_begin` starts each step's path.
+    With graphs, each call site in a step (layer i, micro-batch j, forward or backward) becomes one node of inductor's
+    cudagraph tree, recorded once and replayed every step: the parameters are static inputs (marked in
+    :func:`prepare_model`), a layer's input is the previous node's output, and :func:`step_begin` starts each path.
 
-    ``tp_overlap`` (``parallel.tp_comm_overlap`` at TP > 1): the backward's collectives run
-    under the weight-gradient GEMMs (:func:`workbench.backend.tp_overlap.sink_weight_gradients`); inductor's peak-memory
-    reordering is off for this graph so it keeps that order (it would move the GEMMs back).
+    ``tp_overlap`` (``parallel.tp_comm_overlap`` at TP > 1): the backward's collectives run under the weight-gradient
+    GEMMs (:func:`workbench.backend.tp_overlap.sink_weight_gradients`); inductor's peak-memory reordering is off for
+    this graph so it keeps that order (it would move the GEMMs back).
 
     ``async_tp`` (``parallel.async_tp``): inductor's micro-pipeline TP pass turns each sequence-parallel all-gather
     and its GEMM, and each GEMM and its reduce-scatter, into one ``symm_mem`` op that splits them per rank and
@@ -616,6 +610,8 @@ class CompiledTransformerLayer(TransformerLayer):
                 causal=MASK_TYPES[attn.attn_mask_type],
                 fp8=getattr(c, "workbench_fp8", None),
             )
+            if getattr(getattr(c, "workbench_kernels", None), "triton_ops", False):
+                self._static["triton"] = True  # the QKV op (SwiGLU's: in the activation's name)
             if not self._moe:  # the dense MLP half's
                 self._static.update(eps2=eps_of(self.pre_mlp_layernorm), activation=activation_name(c, kernels=True),
                                     recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)))

@@ -1,4 +1,4 @@
-"""SwiGLU (``silu(gate) * up`` on fc1's ``[gate, up]`` halves) as one Triton kernel each way: ``KernelChoice.swiglu``.
+"""SwiGLU (``silu(gate) * up`` on fc1's ``[gate, up]`` halves) as one Triton kernel each way: ``KernelChoice.triton_ops``.
 
 Inside the compiled layer, inductor fuses the backward of ``silu(gate) * up`` with a recompute of its output (its
 min-cut partitioner keeps fc1's output and recomputes the product for fc2's weight gradient) into one point-wise
@@ -101,7 +101,7 @@ _swiglu.register_autograd(_backward, setup_context=_setup)
 
 def swiglu(z: torch.Tensor, triton: bool) -> torch.Tensor:
     """``silu(gate) * up`` on ``z``'s halves: the Triton ops where ``triton`` (the kernel rule's
-    ``KernelChoice.swiglu == "triton"``) and ``z`` is a contiguous CUDA tensor, else :func:`swiglu_reference`."""
+    ``KernelChoice.triton_ops``) and ``z`` is a contiguous CUDA tensor, else :func:`swiglu_reference`."""
     if triton and z.is_cuda and z.is_contiguous() and z.shape[-1] % 2 == 0:
         return torch.ops.workbench.swiglu(z)
     return swiglu_reference(z)

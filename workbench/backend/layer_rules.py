@@ -128,8 +128,8 @@ def fast_path_blocker(layer: TransformerLayer) -> Optional[str]:
 def activation_name(c: Any, kernels: bool = False) -> Optional[str]:
     """'gelu' | 'gelu_tanh' | 'swiglu' | 'geglu' | 'geglu_tanh' | 'relu' for the activations the dense path
     implements, else None; with ``kernels``, 'swiglu_triton' for SwiGLU where the config's kernel rule runs it
-    through the Triton ops (``KernelChoice.swiglu_triton``, :mod:`workbench.backend.glu`)."""
-    if kernels and activation_name(c) == "swiglu" and getattr(getattr(c, "workbench_kernels", None), "swiglu_triton",
+    through the Triton ops (``KernelChoice.triton_ops``, :mod:`workbench.backend.glu`)."""
+    if kernels and activation_name(c) == "swiglu" and getattr(getattr(c, "workbench_kernels", None), "triton_ops",
                                                                False):
         return "swiglu_triton"
     act = c.activation_func

@@ -1,0 +1,116 @@
+"""The compiled layer's hand-written Triton ops (``KernelChoice.triton_ops``: workbench.backend.glu's SwiGLU,
+workbench.backend.qkv_rope's QKV split + rotary + GQA repeat): the same maths as the torch expressions they replace.
+
+The kernels run here through Triton's interpreter (``TRITON_INTERPRET=1``, numpy on the CPU, in one child process:
+the variable is read when Triton is imported); on GPUs ``bench/triton_ops_probe.py`` and the Llama rows run them compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from workbench import kernel_rule
+from workbench.config import preset
+
+_KERNELS = r"""
+import json, torch
+from workbench.backend import glu, qkv_rope
+
+
+def rel(got, want):
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    z = (torch.randn(3, 5, 2 * 1100, generator=torch.Generator().manual_seed(1)) * 3).to(dtype).requires_grad_()
+    gy = torch.randn(3, 5, 1100, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y = torch.ops.workbench.swiglu(z)
+    dz, = torch.autograd.grad(y, z, gy)
+    z64 = z.detach().double().requires_grad_()
+    ref = glu.swiglu_reference(z64)
+    dref, = torch.autograd.grad(ref, z64, gy.double())
+    out["swiglu", str(dtype)] = {"y": rel(y, ref), "dz": rel(dz, dref), "dtype": str(y.dtype), "shape": list(y.shape)}
+
+# QKV: 3 KV groups of 3 query heads (neither a power of two: the kernels pad and mask), head dim 8, s 6, b 3
+s, b, g, pg, d = 6, 3, 3, 3, 8
+inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+f = torch.outer(torch.arange(s).float(), inv)
+freqs = torch.cat((f, f), -1)[:, None, None, :]
+
+
+def torch_path(qkv):  # the compiled layer's expression: split, rotate, repeat, SDPA's [b, n, s, d] views
+    q, k, v = qkv.view(s, b, g, (pg + 2) * d).split([pg * d, d, d], dim=3)
+    q, k = qkv_rope.rotate(q.reshape(s, b, g * pg, d), freqs), qkv_rope.rotate(k, freqs)
+    return [t.permute(1, 2, 0, 3) for t in (q, k.repeat_interleave(pg, dim=2), v.repeat_interleave(pg, dim=2))]
+
+
+for dtype in (torch.float32, torch.bfloat16):
+    qkv = torch.randn(s, b, g * (pg + 2) * d, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_()
+    got, want = qkv_rope.rotate_split(qkv, freqs, g, pg), torch_path(qkv)
+    grads = [torch.randn(t.shape, generator=torch.Generator().manual_seed(4 + i)).to(dtype) for i, t in enumerate(want)]
+    dgot, = torch.autograd.grad(got, qkv, grads)
+    dwant, = torch.autograd.grad(want, qkv, grads)
+    out["qkv", str(dtype)] = {"q_k_v": max(rel(a, c) for a, c in zip(got, want)), "dqkv": rel(dgot, dwant),
+                              "contiguous": all(t.is_contiguous() for t in got), "shape": list(got[1].shape),
+                              "v_exact": bool(torch.equal(got[2], want[2]))}
+# the compiled layer's attention through the op (here its CUDA check stands aside: the interpreter runs on the CPU)
+from workbench.backend import compiled_layer
+x, w = torch.randn(s, b, 16), torch.randn(g * (pg + 2) * d, 16) * 0.2
+kw = dict(heads=g * pg, groups=g, head_dim=d, scale=d ** -0.5, causal=True, mask=None, bias=None, rope=freqs)
+plain = compiled_layer._self_attention(x, w, None, **kw)
+qkv_rope.applies = lambda *a: True
+out["layer", "attention"] = {"diff": rel(compiled_layer._self_attention(x, w, None, triton=True, **kw), plain)}
+print(json.dumps({" ".join(k): v for k, v in out.items()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def kernels() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _KERNELS], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_swiglu_kernels_compute_silu_gate_times_up_and_its_gradients(kernels):
+    fp32, bf16 = kernels["swiglu torch.float32"], kernels["swiglu torch.bfloat16"]
+    assert fp32["shape"] == [3, 5, 1100] and bf16["dtype"] == "torch.bfloat16"
+    assert fp32["y"] < 1e-6 and fp32["dz"] < 1e-6, fp32  # fp32 maths, one rounding at the store
+    assert bf16["y"] < 1e-2 and bf16["dz"] < 1e-2, bf16
+
+
+def test_qkv_kernels_rotate_and_repeat_as_the_torch_path_in_sdpas_layout(kernels):
+    fp32, bf16 = kernels["qkv torch.float32"], kernels["qkv torch.bfloat16"]
+    assert fp32["shape"] == [3, 9, 6, 8] and fp32["contiguous"] and fp32["v_exact"] and bf16["v_exact"]
+    assert fp32["q_k_v"] < 1e-6 and fp32["dqkv"] < 1e-6, fp32  # the gradient sums each group's repeats
+    assert bf16["q_k_v"] < 1e-2 and bf16["dqkv"] < 2e-2, bf16  # (eager rounds every intermediate to bf16)
+
+
+def test_the_compiled_layers_attention_through_the_op_is_the_same_attention(kernels):
+    assert kernels["layer attention"]["diff"] < 1e-6  # SDPA takes the op's [b, n, s, d] tensors as they are
+
+
+def test_off_cuda_the_compiled_layer_keeps_torchs_expressions():
+    from workbench.backend import glu, qkv_rope
+
+    z = torch.randn(4, 6)
+    assert torch.equal(glu.swiglu(z, triton=True), glu.swiglu_reference(z))  # CPU: no Triton launch
+    freqs = torch.zeros(5, 1, 1, 8)
+    assert not qkv_rope.applies(torch.zeros(5, 2, 48, dtype=torch.bfloat16), freqs, 8)
+    assert not qkv_rope.applies(torch.zeros(5, 2, 48), None, 8)
+
+
+def test_kernel_rule_takes_the_triton_ops_on_cuda_compiled_layers_only():
+    base = {"parallel.device": "cuda", "train.precision": "bf16", "train.compile_kernels": True}
+    assert kernel_rule.choose(preset("llama-small", **base), te=False).triton_ops
+    for why in ({"parallel.device": "cpu"}, {"train.compile_kernels": False}):
+        choice = kernel_rule.choose(preset("llama-small", **{**base, **why}), te=False)
+        assert not choice.triton_ops, (why, choice)
+    te = kernel_rule.choose(preset("llama-small", **base, **{"model.attention_backend": "te"}), te=True)
+    assert te.layer == "stock" and not te.triton_ops
