@@ -20,8 +20,8 @@ def triton_qkv_rope_forward(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, S, B
     j = tl.arange(0, HALF)
     g = tl.arange(0, GB)
     p = tl.arange(0, PB)
-    D: tl.constexpr = 2 * HALF
-    N: tl.constexpr = G * PG
+    D = 2 * HALF
+    N = G * PG
     dtype = q_ptr.dtype.element_ty
     c_lo, c_hi, s_lo, s_hi = _tables(cos_ptr, sin_ptr, s, j, HALF)
     gm = g < G
@@ -53,8 +53,8 @@ def triton_qkv_rope_backward(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr,
     j = tl.arange(0, HALF)
     g = tl.arange(0, GB)
     p = tl.arange(0, PB)
-    D: tl.constexpr = 2 * HALF
-    N: tl.constexpr = G * PG
+    D = 2 * HALF
+    N = G * PG
     dtype = dqkv_ptr.dtype.element_ty
     c_lo, c_hi, s_lo, s_hi = _tables(cos_ptr, sin_ptr, s, j, HALF)
     gm = g < G
