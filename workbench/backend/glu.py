@@ -38,7 +38,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def forward(z_ptr, y_ptr, half, BLOCK: tl.constexpr):
+    def triton_swiglu_forward(z_ptr, y_ptr, half, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = col < half
@@ -49,7 +49,7 @@ def _kernels():
         tl.store(y_ptr + row * half + col, y.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def backward(dy_ptr, z_ptr, dz_ptr, half, BLOCK: tl.constexpr):
+    def triton_swiglu_backward(dy_ptr, z_ptr, dz_ptr, half, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = col < half
@@ -63,7 +63,7 @@ def _kernels():
         tl.store(dzrow + col, dg.to(dz_ptr.dtype.element_ty), mask=m)
         tl.store(dzrow + half + col, (dy * silu).to(dz_ptr.dtype.element_ty), mask=m)
 
-    return forward, backward
+    return triton_swiglu_forward, triton_swiglu_backward
 
 
 def _grid(z: torch.Tensor) -> tuple[int, int, int]:

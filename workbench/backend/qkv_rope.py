@@ -1,15 +1,15 @@
-"""The fused QKV output to SDPA's q, k, v with the rotary embedding, one Triton kernel each way (``KernelChoice.triton_ops``).
+"""The fused QKV output to SDPA's q, k, v with the rotary embedding: one Triton kernel forward (``KernelChoice.triton_ops``).
 
 megatron's QKV GEMM writes, per token, each KV group's ``[q_1..q_{n/g}, k, v]`` heads; the compiled layer splits them,
 rotates q and k (megatron's non-interleaved rotate-half, ``cos`` / ``sin`` of the frequencies cast to the activations'
 dtype), repeats k and v over their group's query heads (grouped-query attention) and hands SDPA ``[b, n, s, d]`` views.
-Inductor fused that into a kernel that recomputes two fp32 transcendentals for every element of q and k and writes
-across the layout change (Llama-3.2-1B on an H200: 0.134 ms a call forward, ~3.5x the time of the bytes it moves).
-Here one program a token loads its row of QKV and of the frequencies once, computes the row's ``cos`` / ``sin`` once,
-and writes q, the repeated k and v straight into contiguous ``[b, n, s, d]`` tensors; the backward reads their
-gradients, sums each group's k and v gradients over its query heads, rotates back and writes the QKV gradient row.
-Maths as inductor's kernels: fp32 inside, the tables rounded to the activations' dtype as megatron casts them, one
-rounding at each store.  Where it does not apply (:func:`applies`) the compiled layer keeps the torch expression.
+Inductor fused the forward into a kernel that recomputes two fp32 transcendentals for every element of q and k
+(Llama-3.2-1B on an H200: 0.112 ms a call).  Here the tables are made once a call (s x d values) and one program a
+token loads its row of QKV and of the tables once and writes q, the repeated k and v straight into contiguous
+``[b, n, s, d]`` tensors (0.040 ms, ``bench/results/triton_ops_probe.jsonl``).  The backward is the transpose in
+torch, which inductor fuses (:func:`_backward`).  Maths as inductor's kernels: fp32 inside, the tables rounded to
+the activations' dtype as megatron casts them, one rounding at each store.  Where it does not apply (:func:`applies`)
+the compiled layer keeps the torch expression (:func:`rotate`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def applies(qkv: torch.Tensor, freqs: torch.Tensor | None, head_dim: int) -> boo
 def _kernels():
     from workbench.backend import qkv_rope_kernels as k  # (imports Triton: only where the kernels run)
 
-    return k.triton_qkv_rope_forward, k.triton_qkv_rope_backward
+    return k.triton_qkv_rope_forward
 
 
 def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,17 +64,8 @@ def _qkv_rope(qkv: torch.Tensor, freqs: torch.Tensor, groups: int, per_group: in
     s, b = qkv.shape[0], qkv.shape[1]
     d = qkv.shape[-1] // (groups * (per_group + 2))
     q, k, v = (qkv.new_empty((b, groups * per_group, s, d)) for _ in range(3))
-    _launch(_kernels()[0], (qkv, *_tables(freqs, qkv.dtype), q, k, v), s, b, groups, per_group, d // 2)
+    _launch(_kernels(), (qkv, *_tables(freqs, qkv.dtype), q, k, v), s, b, groups, per_group, d // 2)
     return q, k, v
-
-
-@torch.library.triton_op("workbench::qkv_rope_backward", mutates_args=())
-def _qkv_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, freqs: torch.Tensor, groups: int,
-                       per_group: int) -> torch.Tensor:
-    b, _, s, d = dq.shape
-    dqkv = dq.new_empty((s, b, groups * (per_group + 2) * d))
-    _launch(_kernels()[1], (dq, dk, dv, *_tables(freqs, dq.dtype), dqkv), s, b, groups, per_group, d // 2)
-    return dqkv
 
 
 def _setup(ctx, inputs, output) -> None:
@@ -83,10 +74,24 @@ def _setup(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dq, dk, dv):
+    """The transpose of the forward in torch, which inductor fuses into one kernel (a Triton backward that gathered
+    the ``[b, n, s, d]`` gradients a token at a time ran at 0.31 ms a call against inductor's 0.06 on an H200,
+    ``bench/results/triton_ops_probe.jsonl`` row 2): each group's k and v gradients summed over its query heads, q's
+    and k's rotated back (``g * cos + rotate_half^T(g * sin)``, ``rotate_half^T(y) = [y_hi, -y_lo]``), in QKV's layout."""
     (freqs,) = ctx.saved_tensors
-    dqkv = torch.ops.workbench.qkv_rope_backward(dq.contiguous(), dk.contiguous(), dv.contiguous(), freqs, ctx.groups,
-                                                 ctx.per_group)
-    return dqkv, None, None, None
+    g, pg = ctx.groups, ctx.per_group
+    b, _, s, d = dq.shape
+    cos, sin = (t.view(s, 1, 1, 1, d) for t in _tables(freqs, dq.dtype))
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [b, n, s, d] -> [s, b, g, pg, d]
+        return t.permute(2, 0, 1, 3).reshape(s, b, g, pg, d)
+
+    def unrotate(t: torch.Tensor) -> torch.Tensor:
+        lo, hi = (t * sin).chunk(2, dim=-1)
+        return t * cos + torch.cat((hi, -lo), dim=-1)
+
+    parts = (unrotate(grouped(dq)), unrotate(grouped(dk).sum(3, keepdim=True)), grouped(dv).sum(3, keepdim=True))
+    return torch.cat(parts, dim=3).reshape(s, b, -1), None, None, None
 
 
 _qkv_rope.register_autograd(_backward, setup_context=_setup)

@@ -44,37 +44,3 @@ def triton_qkv_rope_forward(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, S, B
     tl.store(k_ptr + dst + HALF, tl.broadcast_to(((k2 * c_hi + k1 * s_hi).to(dtype))[:, None, :], (GB, PB, HALF)), mask=m3)
     tl.store(v_ptr + dst, tl.broadcast_to(v1[:, None, :], (GB, PB, HALF)), mask=m3)
     tl.store(v_ptr + dst + HALF, tl.broadcast_to(v2[:, None, :], (GB, PB, HALF)), mask=m3)
-
-@triton.jit
-def triton_qkv_rope_backward(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dqkv_ptr, S, B, G: tl.constexpr, PG: tl.constexpr,
-                             HALF: tl.constexpr, GB: tl.constexpr, PB: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    s, b = t // B, t % B
-    j = tl.arange(0, HALF)
-    g = tl.arange(0, GB)
-    p = tl.arange(0, PB)
-    D = 2 * HALF
-    N = G * PG
-    dtype = dqkv_ptr.dtype.element_ty
-    c_lo, c_hi, s_lo, s_hi = _tables(cos_ptr, sin_ptr, s, j, HALF)
-    gm = g < G
-    m3 = (gm[:, None] & (p < PG)[None, :])[:, :, None]
-    head = g[:, None] * PG + p[None, :]
-    src = (((b * N + head) * S + s) * D)[:, :, None] + j[None, None, :]
-    # out_lo = x_lo c_lo - x_hi s_lo, out_hi = x_hi c_hi + x_lo s_hi: the transpose of that rotation
-    g1 = tl.load(dq_ptr + src, mask=m3, other=0.0).to(tl.float32)
-    g2 = tl.load(dq_ptr + src + HALF, mask=m3, other=0.0).to(tl.float32)
-    row = dqkv_ptr + t * (G * (PG + 2) * D)
-    dst = row + ((g[:, None] * (PG + 2) + p[None, :]) * D)[:, :, None] + j[None, None, :]
-    tl.store(dst, (g1 * c_lo + g2 * s_hi).to(dtype), mask=m3)
-    tl.store(dst + HALF, (g2 * c_hi - g1 * s_lo).to(dtype), mask=m3)
-    k1 = tl.sum(tl.load(dk_ptr + src, mask=m3, other=0.0).to(tl.float32), axis=1)  # [GB, HALF]
-    k2 = tl.sum(tl.load(dk_ptr + src + HALF, mask=m3, other=0.0).to(tl.float32), axis=1)
-    v1 = tl.sum(tl.load(dv_ptr + src, mask=m3, other=0.0).to(tl.float32), axis=1)
-    v2 = tl.sum(tl.load(dv_ptr + src + HALF, mask=m3, other=0.0).to(tl.float32), axis=1)
-    kdst = row + ((g * (PG + 2) + PG) * D)[:, None] + j[None, :]
-    gm2 = gm[:, None]
-    tl.store(kdst, (k1 * c_lo + k2 * s_hi).to(dtype), mask=gm2)
-    tl.store(kdst + HALF, (k2 * c_hi - k1 * s_lo).to(dtype), mask=gm2)
-    tl.store(kdst + D, v1.to(dtype), mask=gm2)
-    tl.store(kdst + D + HALF, v2.to(dtype), mask=gm2)
