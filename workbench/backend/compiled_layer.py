@@ -612,6 +612,8 @@ class CompiledTransformerLayer(TransformerLayer):
             )
             if getattr(getattr(c, "workbench_kernels", None), "triton_ops", False):
                 self._static["triton"] = True  # the QKV op (SwiGLU's: in the activation's name)
+                glu.register()  # the ops, before a compile traces their first use
+                qkv_rope.register()
             if not self._moe:  # the dense MLP half's
                 self._static.update(eps2=eps_of(self.pre_mlp_layernorm), activation=activation_name(c, kernels=True),
                                     recompute_mlp=bool(getattr(c, "workbench_recompute_mlp", False)))

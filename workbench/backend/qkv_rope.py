@@ -19,7 +19,7 @@ import functools
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-__all__ = ["applies", "rotate", "rotate_split"]
+__all__ = ["applies", "register", "rotate", "rotate_split"]
 
 
 def rotate(t: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
@@ -58,9 +58,8 @@ def _launch(kernel, args: tuple, s: int, b: int, groups: int, per_group: int, ha
                                                  PB=_pow2(per_group))
 
 
-@torch.library.triton_op("workbench::qkv_rope", mutates_args=())
-def _qkv_rope(qkv: torch.Tensor, freqs: torch.Tensor, groups: int, per_group: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                             torch.Tensor]:
+def _forward(qkv: torch.Tensor, freqs: torch.Tensor, groups: int, per_group: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                            torch.Tensor]:
     s, b = qkv.shape[0], qkv.shape[1]
     d = qkv.shape[-1] // (groups * (per_group + 2))
     q, k, v = (qkv.new_empty((b, groups * per_group, s, d)) for _ in range(3))
@@ -94,10 +93,21 @@ def _backward(ctx, dq, dk, dv):
     return torch.cat(parts, dim=3).reshape(s, b, -1), None, None, None
 
 
-_qkv_rope.register_autograd(_backward, setup_context=_setup)
+_REGISTERED: list = []
+
+
+def register() -> None:
+    """Registers ``workbench::qkv_rope`` (once; ``torch.library.triton_op`` imports torch's compiler, so never at
+    import: the compiled layer calls this when it is built with the ops, :func:`rotate_split` before its first use)."""
+    if _REGISTERED:
+        return
+    op = torch.library.triton_op("workbench::qkv_rope", _forward, mutates_args=())
+    op.register_autograd(_backward, setup_context=_setup)
+    _REGISTERED.append(op)
 
 
 def rotate_split(qkv: torch.Tensor, freqs: torch.Tensor, groups: int, per_group: int) -> tuple:
     """``qkv`` ``[s, b, g * (n/g + 2) * d]`` (megatron's per-group layout) to SDPA's rotated q and repeated k, v,
     each contiguous ``[b, n, s, d]``; ``freqs`` ``[s, 1, 1, d]`` fp32 (where :func:`applies`)."""
+    register()
     return torch.ops.workbench.qkv_rope(qkv, freqs.contiguous(), groups, per_group)
