@@ -104,7 +104,8 @@ def main() -> int:
         return 2
     from workbench.backend import glu, qkv_rope
 
-    glu.register(), qkv_rope.register()  # (as the compiled layer does when built: before a compile traces a first use)
+    glu.register()  # (as the compiled layer does when built: before a compile traces a first use)
+    qkv_rope.register()
     gen = torch.Generator(device="cuda").manual_seed(0)
     mlp, attn = _mlp(gen), _attention(gen)
     row = {"probe": "triton_ops", "shape": {"s": S, "b": B, "hidden": H, "ffn": F, "heads": HEADS, "groups": GROUPS},

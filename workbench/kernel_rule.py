@@ -288,7 +288,7 @@ class KernelChoice:
     wgrad_fused: bool = False
     #: the compiled layer's hand-written Triton ops on CUDA, instead of inductor's fused point-wise kernels: SwiGLU
     #: (``model.activation: swiglu``, :mod:`workbench.backend.glu`) and the QKV split + rotary + GQA repeat into
-    #: SDPA's layout (rotary embeddings, :mod:`workbench.backend.qkv_rope`), one kernel each way
+    #: SDPA's layout (rotary embeddings, :mod:`workbench.backend.qkv_rope`: its forward; its backward is torch's)
     triton_ops: bool = False
     #: MoE layers' experts ("" without): te_grouped (TE's grouped MLP, on TE's layer), torch_grouped (one
     #: ``grouped_mm`` per expert GEMM, :mod:`workbench.backend.moe_experts`), sequential (megatron's SequentialMLP)

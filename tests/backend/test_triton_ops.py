@@ -38,8 +38,9 @@ for dtype in (torch.float32, torch.bfloat16):
     dref, = torch.autograd.grad(ref, z64, gy.double())
     out["swiglu", str(dtype)] = {"y": rel(y, ref), "dz": rel(dz, dref), "dtype": str(y.dtype), "shape": list(y.shape)}
 
-# QKV: 3 KV groups of 3 query heads (neither a power of two: the kernels pad and mask), head dim 8, s 6, b 3
-s, b, g, pg, d = 6, 3, 3, 3, 8
+# QKV: 3 KV groups of 3 query heads (neither a power of two: the kernels pad and mask), multi-head (1 query head a
+# group) and one group; head dim 8, s 6, b 3
+s, b, d = 6, 3, 8
 inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
 f = torch.outer(torch.arange(s).float(), inv)
 freqs = torch.cat((f, f), -1)[:, None, None, :]
@@ -51,15 +52,17 @@ def torch_path(qkv):  # the compiled layer's expression: split, rotate, repeat, 
     return [t.permute(1, 2, 0, 3) for t in (q, k.repeat_interleave(pg, dim=2), v.repeat_interleave(pg, dim=2))]
 
 
-for dtype in (torch.float32, torch.bfloat16):
+for dtype, g, pg in ((torch.float32, 3, 3), (torch.bfloat16, 3, 3), (torch.float32, 2, 1), (torch.float32, 1, 4)):
     qkv = torch.randn(s, b, g * (pg + 2) * d, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_()
     got, want = qkv_rope.rotate_split(qkv, freqs, g, pg), torch_path(qkv)
     grads = [torch.randn(t.shape, generator=torch.Generator().manual_seed(4 + i)).to(dtype) for i, t in enumerate(want)]
     dgot, = torch.autograd.grad(got, qkv, grads)
     dwant, = torch.autograd.grad(want, qkv, grads)
-    out["qkv", str(dtype)] = {"q_k_v": max(rel(a, c) for a, c in zip(got, want)), "dqkv": rel(dgot, dwant),
-                              "contiguous": all(t.is_contiguous() for t in got), "shape": list(got[1].shape),
-                              "v_exact": bool(torch.equal(got[2], want[2]))}
+    out["qkv", str(dtype), f"{g}x{pg}"] = {
+        "q_k_v": max(rel(a, c) for a, c in zip(got, want)), "dqkv": rel(dgot, dwant),
+        "contiguous": all(t.is_contiguous() for t in got), "shape": list(got[1].shape),
+        "v_exact": bool(torch.equal(got[2], want[2]))}
+g, pg = 3, 3
 # the compiled layer's attention through the op (here its CUDA check stands aside: the interpreter runs on the CPU)
 from workbench.backend import compiled_layer
 x, w = torch.randn(s, b, 16), torch.randn(g * (pg + 2) * d, 16) * 0.2
@@ -73,7 +76,7 @@ print(json.dumps({" ".join(k): v for k, v in out.items()}))
 
 @pytest.fixture(scope="module")
 def kernels() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", _KERNELS], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -87,10 +90,13 @@ def test_swiglu_kernels_compute_silu_gate_times_up_and_its_gradients(kernels):
 
 
 def test_qkv_kernels_rotate_and_repeat_as_the_torch_path_in_sdpas_layout(kernels):
-    fp32, bf16 = kernels["qkv torch.float32"], kernels["qkv torch.bfloat16"]
+    fp32, bf16 = kernels["qkv torch.float32 3x3"], kernels["qkv torch.bfloat16 3x3"]
     assert fp32["shape"] == [3, 9, 6, 8] and fp32["contiguous"] and fp32["v_exact"] and bf16["v_exact"]
     assert fp32["q_k_v"] < 1e-6 and fp32["dqkv"] < 1e-6, fp32  # the gradient sums each group's repeats
     assert bf16["q_k_v"] < 1e-2 and bf16["dqkv"] < 2e-2, bf16  # (eager rounds every intermediate to bf16)
+    for case, heads in (("2x1", 2), ("1x4", 4)):  # multi-head attention (no repeat), one KV group
+        got = kernels[f"qkv torch.float32 {case}"]
+        assert got["shape"] == [3, heads, 6, 8] and got["v_exact"] and got["q_k_v"] < 1e-6 and got["dqkv"] < 1e-6, got
 
 
 def test_the_compiled_layers_attention_through_the_op_is_the_same_attention(kernels):
@@ -102,9 +108,38 @@ def test_off_cuda_the_compiled_layer_keeps_torchs_expressions():
 
     z = torch.randn(4, 6)
     assert torch.equal(glu.swiglu(z, triton=True), glu.swiglu_reference(z))  # CPU: no Triton launch
-    freqs = torch.zeros(5, 1, 1, 8)
-    assert not qkv_rope.applies(torch.zeros(5, 2, 48, dtype=torch.bfloat16), freqs, 8)
-    assert not qkv_rope.applies(torch.zeros(5, 2, 48), None, 8)
+    qkv, freqs = torch.zeros(5, 2, 48, dtype=torch.bfloat16), torch.zeros(5, 1, 1, 8)
+    assert qkv_rope.fits(qkv, freqs, 8) and not qkv_rope.applies(qkv, freqs, 8)  # CPU: the torch path
+
+
+def test_the_qkv_kernel_takes_only_what_it_reads():
+    from workbench.backend import qkv_rope
+
+    qkv, freqs = torch.zeros(5, 2, 120, dtype=torch.bfloat16), torch.zeros(5, 1, 1, 8)
+    assert qkv_rope.fits(qkv, freqs, 8)
+    assert not qkv_rope.fits(qkv.float(), freqs, 8)  # 16-bit activations
+    assert not qkv_rope.fits(qkv, freqs.bfloat16(), 8)  # fp32 frequencies
+    assert not qkv_rope.fits(qkv, None, 8)  # no rotary
+    assert not qkv_rope.fits(qkv, freqs[..., :4], 8)  # partial rotary
+    assert not qkv_rope.fits(qkv.transpose(0, 1), freqs, 8)  # whole rows only
+    assert not qkv_rope.fits(qkv, torch.zeros(4, 1, 1, 8), 8)  # a table row per position
+    assert not qkv_rope.fits(torch.zeros(5, 2, 240, dtype=torch.bfloat16), torch.zeros(5, 1, 1, 24), 24)  # half 12
+
+
+def test_the_compiled_layer_names_swiglu_for_the_triton_op_only_where_the_rule_says():
+    import torch.nn.functional as F
+    from types import SimpleNamespace
+
+    from workbench.backend.layer_rules import activation_name
+
+    def config(act, glu, triton_ops):
+        return SimpleNamespace(activation_func=act, gated_linear_unit=glu, bias_activation_fusion=False,
+                               workbench_kernels=SimpleNamespace(triton_ops=triton_ops))
+
+    assert activation_name(config(F.silu, True, True), kernels=True) == "swiglu_triton"
+    assert activation_name(config(F.silu, True, True)) == "swiglu"  # the activation itself (the layer rules)
+    assert activation_name(config(F.silu, True, False), kernels=True) == "swiglu"
+    assert activation_name(config(F.gelu, False, True), kernels=True) == "gelu"  # no op for other activations
 
 
 def test_kernel_rule_takes_the_triton_ops_on_cuda_compiled_layers_only():

@@ -235,7 +235,8 @@ def _sdpa(
     ``mask``: megatron's boolean mask (True = masked out; ``[b, 1, 1, sk]`` keys or ``[b, 1, sq, sk]``);
     ``bias``: an additive score bias (T5's relative positions), masked positions set to -inf;
     ``causal``: top-left aligned when sq == sk (bottom-right otherwise), combined with either;
-    ``dropout``: attention dropout on the probabilities (SDPA's ``dropout_p``, the current RNG stream).
+    ``dropout``: attention dropout on the probabilities (SDPA's ``dropout_p``, the current RNG stream);
+    ``bnsd``: q, k, v come as ``[b, n, s, d]`` already (:mod:`workbench.backend.qkv_rope`'s op).
     """
     if not bnsd:  # (else already [b, n, s, d])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]

@@ -1,15 +1,14 @@
 """SwiGLU (``silu(gate) * up`` on fc1's ``[gate, up]`` halves) as one Triton kernel each way: ``KernelChoice.triton_ops``.
 
-Inside the compiled layer, inductor fuses the backward of ``silu(gate) * up`` with a recompute of its output (its
-min-cut partitioner keeps fc1's output and recomputes the product for fc2's weight gradient) into one point-wise
-kernel that also concatenates the two halves' gradients: Llama-3.2-1B on an H200 spent 20.4 ms a step there (64 calls
-of 8192 x 8192, 0.32 ms each, ~1.9x the time of the bytes it moves; the plain compiled Llama the same).  Here both
+Inside the compiled layer, inductor fuses the backward of ``silu(gate) * up`` into one point-wise kernel that also
+concatenates the two halves' gradients: Llama-3.2-1B on an H200 spent 20.4 ms a step there (64 calls of 8192 x 8192,
+0.32 ms each, ~2x the time of the bytes it moves; the plain compiled Llama the same).  Here both
 directions are opaque ops (``workbench::swiglu``, ``workbench::swiglu_backward``, :func:`torch.library.triton_op`:
 inductor calls the kernels inside its graph, no graph break): the forward writes the product once (saved for fc2's
 weight gradient, as eager autograd saves it) and the backward reads ``dy`` and fc1's output and writes the two halves'
 gradients in place, one program a row block of each half: 0.161 against 0.297 ms a backward call on an H200
-(``bench/results/triton_ops_probe.jsonl``), 10.4 against 20.9 ms of Llama-3.2-1B's step (``train_throughput.jsonl:221``).
-The product is kept for fc2 (8192 x 8192 x 2 bytes a layer and micro-batch) where inductor recomputed it.
+(``bench/results/triton_ops_probe.jsonl``), 10.4 against 20.4 ms of Llama-3.2-1B's step (``train_throughput.jsonl:221``
+against ``:219``), the step's peak memory unchanged.
 
 Maths as inductor's fused kernel: every operation in fp32, one rounding to the activations' dtype at the store.
 Elsewhere (CPU, no Triton) :func:`swiglu` is the same expression in torch.
@@ -74,6 +73,7 @@ def _grid(z: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _forward(z: torch.Tensor) -> torch.Tensor:
+    z = z.contiguous()  # (the kernels read whole rows; a no-op where inductor kept the layout)
     rows, blocks, half = _grid(z)
     y = z.new_empty((*z.shape[:-1], half))
     torch.library.wrap_triton(_kernels()[0])[(rows, blocks)](z, y, half, BLOCK=BLOCK)
@@ -81,6 +81,7 @@ def _forward(z: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_op(dy: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    dy, z = dy.contiguous(), z.contiguous()
     rows, blocks, half = _grid(z)
     dz = torch.empty_like(z)
     torch.library.wrap_triton(_kernels()[1])[(rows, blocks)](dy, z, dz, half, BLOCK=BLOCK)
@@ -115,6 +116,7 @@ def swiglu(z: torch.Tensor, triton: bool) -> torch.Tensor:
     """``silu(gate) * up`` on ``z``'s halves: the Triton ops where ``triton`` (the kernel rule's
     ``KernelChoice.triton_ops``) and ``z`` is a contiguous CUDA tensor, else :func:`swiglu_reference`."""
     if triton and z.is_cuda and z.is_contiguous() and z.shape[-1] % 2 == 0:
-        register()
+        if not torch.compiler.is_compiling():  # (compiled layers registered it when built)
+            register()
         return torch.ops.workbench.swiglu(z)
     return swiglu_reference(z)

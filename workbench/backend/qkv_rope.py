@@ -7,8 +7,9 @@ Inductor fused the forward into a kernel that recomputes two fp32 transcendental
 (Llama-3.2-1B on an H200: 0.112 ms a call).  Here the tables are made once a call (s x d values) and one program a
 token loads its row of QKV and of the tables once and writes q, the repeated k and v straight into contiguous
 ``[b, n, s, d]`` tensors (0.040 ms, ``bench/results/triton_ops_probe.jsonl``).  The backward is the transpose in
-torch, which inductor fuses (:func:`_backward`).  Maths as inductor's kernels: fp32 inside, the tables rounded to
-the activations' dtype as megatron casts them, one rounding at each store.  Where it does not apply (:func:`applies`)
+torch, which inductor fuses (:func:`_backward`).  The same operations as inductor's kernels, fp32 inside, the tables
+rounded to the activations' dtype as megatron casts them, one rounding at each store; not bit-equal to them
+(Llama-3.2-1B's first loss 12.16597 before, 12.16604 with the op: ``train_throughput.jsonl:221, 223``).  Where it does not apply (:func:`applies`)
 the compiled layer keeps the torch expression (:func:`rotate`).
 """
 
@@ -19,7 +20,7 @@ import functools
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-__all__ = ["applies", "register", "rotate", "rotate_split"]
+__all__ = ["applies", "fits", "register", "rotate", "rotate_split"]
 
 
 def rotate(t: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
@@ -33,11 +34,16 @@ def _pow2(n: int) -> int:
 
 
 def applies(qkv: torch.Tensor, freqs: torch.Tensor | None, head_dim: int) -> bool:
-    """The kernels serve this call: CUDA, 16-bit contiguous QKV, fp32 frequencies over the whole head ``[s, 1, 1, d]``
-    (no partial rotary) with a power-of-two half."""
-    return (freqs is not None and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and qkv.is_contiguous()
-            and freqs.dtype == torch.float32 and freqs.shape[-1] == head_dim and freqs.numel() == qkv.shape[0] * head_dim
-            and head_dim % 2 == 0 and _pow2(head_dim // 2) == head_dim // 2)
+    """The kernel serves this call: a CUDA QKV that :func:`fits`."""
+    return qkv.is_cuda and fits(qkv, freqs, head_dim)
+
+
+def fits(qkv: torch.Tensor, freqs: torch.Tensor | None, head_dim: int) -> bool:
+    """What the kernel takes, wherever the tensors are: 16-bit contiguous QKV ``[s, b, w]``, fp32 frequencies over
+    the whole head ``[s, 1, 1, d]`` (no partial rotary), a power-of-two half head."""
+    return (freqs is not None and qkv.dim() == 3 and qkv.dtype in (torch.bfloat16, torch.float16)
+            and qkv.is_contiguous() and freqs.dtype == torch.float32 and freqs.shape[-1] == head_dim
+            and freqs.numel() == qkv.shape[0] * head_dim and head_dim % 2 == 0 and _pow2(head_dim // 2) == head_dim // 2)
 
 
 @functools.cache
@@ -60,6 +66,7 @@ def _launch(kernel, args: tuple, s: int, b: int, groups: int, per_group: int, ha
 
 def _forward(qkv: torch.Tensor, freqs: torch.Tensor, groups: int, per_group: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                             torch.Tensor]:
+    qkv = qkv.contiguous()  # (the kernel reads whole rows; a no-op where inductor kept the layout)
     s, b = qkv.shape[0], qkv.shape[1]
     d = qkv.shape[-1] // (groups * (per_group + 2))
     q, k, v = (qkv.new_empty((b, groups * per_group, s, d)) for _ in range(3))
@@ -73,10 +80,11 @@ def _setup(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dq, dk, dv):
-    """The transpose of the forward in torch, which inductor fuses into one kernel (a Triton backward that gathered
-    the ``[b, n, s, d]`` gradients a token at a time ran at 0.31 ms a call against inductor's 0.06 on an H200,
-    ``bench/results/triton_ops_probe.jsonl`` row 2): each group's k and v gradients summed over its query heads, q's
-    and k's rotated back (``g * cos + rotate_half^T(g * sin)``, ``rotate_half^T(y) = [y_hi, -y_lo]``), in QKV's layout."""
+    """The transpose of the forward in torch, for inductor to fuse (a Triton backward that gathered the
+    ``[b, n, s, d]`` gradients a token at a time ran at 0.31 ms a call on an H200, where the torch path's backward
+    took 0.06: ``bench/results/triton_ops_probe.jsonl`` row 2; this transpose is not yet profiled alone): each group's
+    k and v gradients summed over its query heads, q's and k's rotated back (``g * cos + rotate_half^T(g * sin)``,
+    ``rotate_half^T(y) = [y_hi, -y_lo]``), in QKV's layout."""
     (freqs,) = ctx.saved_tensors
     g, pg = ctx.groups, ctx.per_group
     b, _, s, d = dq.shape
@@ -109,5 +117,6 @@ def register() -> None:
 def rotate_split(qkv: torch.Tensor, freqs: torch.Tensor, groups: int, per_group: int) -> tuple:
     """``qkv`` ``[s, b, g * (n/g + 2) * d]`` (megatron's per-group layout) to SDPA's rotated q and repeated k, v,
     each contiguous ``[b, n, s, d]``; ``freqs`` ``[s, 1, 1, d]`` fp32 (where :func:`applies`)."""
-    register()
+    if not torch.compiler.is_compiling():  # (compiled layers registered it when built)
+        register()
     return torch.ops.workbench.qkv_rope(qkv, freqs.contiguous(), groups, per_group)
