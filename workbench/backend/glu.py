@@ -97,19 +97,14 @@ def _backward(ctx, dy: torch.Tensor) -> torch.Tensor:
     return torch.ops.workbench.swiglu_backward(dy.contiguous(), z)
 
 
-_REGISTERED: list = []
-
-
+@functools.cache
 def register() -> None:
     """Registers ``workbench::swiglu`` and its backward (once; ``torch.library.triton_op`` imports torch's compiler,
     so never at import: the compiled layer calls this when it is built with the ops, :func:`swiglu` before its first
     use)."""
-    if _REGISTERED:
-        return
     op = torch.library.triton_op("workbench::swiglu", _forward, mutates_args=())
     torch.library.triton_op("workbench::swiglu_backward", _backward_op, mutates_args=())
     op.register_autograd(_backward, setup_context=_setup)
-    _REGISTERED.append(op)
 
 
 def swiglu(z: torch.Tensor, triton: bool) -> torch.Tensor:

@@ -29,10 +29,6 @@ def rotate(t: torch.Tensor, freqs: torch.Tensor | None) -> torch.Tensor:
     return t if freqs is None else _apply_rotary_pos_emb_bshd(t, freqs)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def applies(qkv: torch.Tensor, freqs: torch.Tensor | None, head_dim: int) -> bool:
     """The kernel serves this call: a CUDA QKV that :func:`fits`."""
     return qkv.is_cuda and fits(qkv, freqs, head_dim)
@@ -43,14 +39,7 @@ def fits(qkv: torch.Tensor, freqs: torch.Tensor | None, head_dim: int) -> bool:
     the whole head ``[s, 1, 1, d]`` (no partial rotary), a power-of-two half head."""
     return (freqs is not None and qkv.dim() == 3 and qkv.dtype in (torch.bfloat16, torch.float16)
             and qkv.is_contiguous() and freqs.dtype == torch.float32 and freqs.shape[-1] == head_dim
-            and freqs.numel() == qkv.shape[0] * head_dim and head_dim % 2 == 0 and _pow2(head_dim // 2) == head_dim // 2)
-
-
-@functools.cache
-def _kernels():
-    from workbench.backend import qkv_rope_kernels as k  # (imports Triton: only where the kernels run)
-
-    return k.triton_qkv_rope_forward
+            and freqs.numel() == qkv.shape[0] * head_dim and head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0)
 
 
 def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,18 +48,19 @@ def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
 
 
-def _launch(kernel, args: tuple, s: int, b: int, groups: int, per_group: int, half: int) -> None:
-    torch.library.wrap_triton(kernel)[(s * b,)](*args, s, b, G=groups, PG=per_group, HALF=half, GB=_pow2(groups),
-                                                 PB=_pow2(per_group))
-
-
 def _forward(qkv: torch.Tensor, freqs: torch.Tensor, groups: int, per_group: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                             torch.Tensor]:
+    from triton import next_power_of_2
+
+    from workbench.backend.qkv_rope_kernels import triton_qkv_rope_forward  # (Triton: only where the kernel runs)
+
     qkv = qkv.contiguous()  # (the kernel reads whole rows; a no-op where inductor kept the layout)
     s, b = qkv.shape[0], qkv.shape[1]
     d = qkv.shape[-1] // (groups * (per_group + 2))
     q, k, v = (qkv.new_empty((b, groups * per_group, s, d)) for _ in range(3))
-    _launch(_kernels(), (qkv, *_tables(freqs, qkv.dtype), q, k, v), s, b, groups, per_group, d // 2)
+    torch.library.wrap_triton(triton_qkv_rope_forward)[(s * b,)](
+        qkv, *_tables(freqs, qkv.dtype), q, k, v, s, b, G=groups, PG=per_group, HALF=d // 2,
+        GB=next_power_of_2(groups), PB=next_power_of_2(per_group))
     return q, k, v
 
 
@@ -101,17 +91,12 @@ def _backward(ctx, dq, dk, dv):
     return torch.cat(parts, dim=3).reshape(s, b, -1), None, None, None
 
 
-_REGISTERED: list = []
-
-
+@functools.cache
 def register() -> None:
     """Registers ``workbench::qkv_rope`` (once; ``torch.library.triton_op`` imports torch's compiler, so never at
     import: the compiled layer calls this when it is built with the ops, :func:`rotate_split` before its first use)."""
-    if _REGISTERED:
-        return
-    op = torch.library.triton_op("workbench::qkv_rope", _forward, mutates_args=())
-    op.register_autograd(_backward, setup_context=_setup)
-    _REGISTERED.append(op)
+    torch.library.triton_op("workbench::qkv_rope", _forward, mutates_args=()).register_autograd(
+        _backward, setup_context=_setup)
 
 
 def rotate_split(qkv: torch.Tensor, freqs: torch.Tensor, groups: int, per_group: int) -> tuple:
