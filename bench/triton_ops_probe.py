@@ -5,7 +5,10 @@ micro-batch of 4 x 2048 tokens, bf16), each piece compiled whole as the layer is
   fuses ``silu(gate) * up`` ("swiglu") and as :mod:`workbench.backend.glu`'s ops ("swiglu_triton");
 - the attention's QKV GEMM, split, rotary, GQA repeat and SDPA
   (:func:`workbench.backend.compiled_layer._self_attention`) as inductor fuses them ("torch") and with
-  :mod:`workbench.backend.qkv_rope`'s op ("triton").
+  :mod:`workbench.backend.qkv_rope`'s op ("triton");
+- the loss over the 128,256-token vocabulary (:func:`workbench.backend.cross_entropy.cross_entropy_sb`) compiled as
+  ``F.cross_entropy(logits.float())`` ("torch") and as the Triton op ("triton"), 4 calls a step, and the op's two
+  kernels alone at several block sizes and warp counts.
 
 Forward + backward milliseconds (CUDA events, 20 calls after 5), the step's total (64 calls: 16 layers x 4
 micro-batches), each way's top kernels (torch profiler), and the errors of outputs and gradients against the same
@@ -26,6 +29,7 @@ from bench.profiling import cuda_ms, probe_args, probe_emit, profile_steps  # no
 
 S, B, H, F, HEADS, GROUPS, D = 2048, 4, 2048, 8192, 32, 8, 64
 CALLS_PER_STEP = 64
+VOCAB, MICROBATCHES = 128256, 4
 
 
 def _fwd_bwd(fn, inputs: list, grad: torch.Tensor):
@@ -96,20 +100,67 @@ def _attention(gen) -> dict:
     return out
 
 
+def _cross_entropy(gen) -> dict:
+    """The loss over Llama-3.2-1B's vocabulary (one micro-batch: 8192 tokens x 128,256, bf16 logits) compiled as
+    ``F.cross_entropy(logits.float())`` ("torch") and as :mod:`workbench.backend.cross_entropy`'s op ("triton"),
+    forward + backward; then each kernel alone at several block sizes and warp counts."""
+    from workbench.backend import cross_entropy as ce
+
+    x = (torch.randn(S, B, VOCAB, device="cuda", generator=gen) * 2).bfloat16().requires_grad_()
+    labels = torch.randint(0, VOCAB, (B, S), device="cuda", generator=gen)
+    w = torch.rand(B, S, device="cuda", generator=gen) / (B * S)  # (a loss mask over the tokens)
+    ref_in = x.detach().float().requires_grad_()
+    ref = ce.cross_entropy_sb(ref_in, labels)
+    (ref * w).sum().backward()
+    want = [ref.detach(), ref_in.grad]
+    out: dict = {}
+    for name in ("torch", "triton"):
+        fn = torch.compile(lambda a, b, t=name == "triton": ce.cross_entropy_sb(a, b, t), fullgraph=True)
+
+        def run(fn=fn):
+            x.grad = None
+            (fn(x, labels) * w).sum().backward()
+        run()
+        got = [fn(x, labels).detach(), x.grad.clone()]
+        ms = cuda_ms(run)
+        prof = profile_steps(run, True, True, steps=3, top=6)
+        out[name] = {"ms": round(ms, 4), "ms_per_step": round(ms * MICROBATCHES, 2),
+                     "max_rel_err_vs_fp32": _errors(got, want), "top_kernels": (prof or {}).get("top_kernels")}
+    fwd, bwd = ce._kernels()
+    n, rows = B * S, x.detach().reshape(B * S, VOCAB)
+    flat = labels.t().reshape(n).contiguous()
+    loss, lse = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    dx, g = torch.empty_like(rows), torch.rand(n, device="cuda", generator=gen)
+    sweep = {}
+    for block in (2048, 4096, 8192, 16384):
+        for warps in (4, 8, 16):
+            sweep[f"forward {block} x{warps}"] = round(cuda_ms(lambda: fwd[(n,)](
+                rows, flat, loss, lse, VOCAB, IGNORE=ce.IGNORE_INDEX, BLOCK=block, num_warps=warps)), 4)
+            if block <= 8192:
+                sweep[f"backward {block // 2} x{warps}"] = round(cuda_ms(lambda: bwd[(n, -(-VOCAB // (block // 2)))](
+                    g, rows, flat, lse, dx, VOCAB, IGNORE=ce.IGNORE_INDEX, BLOCK=block // 2, num_warps=warps)), 4)
+    out["kernel_ms"] = sweep
+    out["bytes_ms_at_4tb"] = round(rows.numel() * 2 / 4e9, 4)  # one read of the bf16 logits at 4 TB/s
+    return out
+
+
 def main() -> int:
     from workbench.provenance import stamp
 
     a = probe_args("triton_ops_probe", __doc__)
     if a is None:
         return 2
-    from workbench.backend import glu, qkv_rope
+    from workbench.backend import cross_entropy, glu, qkv_rope
 
     glu.register()  # (as the compiled layer does when built: before a compile traces a first use)
     qkv_rope.register()
+    cross_entropy.register()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    ce = _cross_entropy(gen)
     mlp, attn = _mlp(gen), _attention(gen)
     row = {"probe": "triton_ops", "shape": {"s": S, "b": B, "hidden": H, "ffn": F, "heads": HEADS, "groups": GROUPS},
-           "mlp": mlp, "attention": attn,
+           "mlp": mlp, "attention": attn, "cross_entropy": ce,
+           "ce_saved_ms_per_step": round(ce["torch"]["ms_per_step"] - ce["triton"]["ms_per_step"], 2),
            "swiglu_saved_ms_per_step": round(mlp["swiglu"]["ms_per_step"] - mlp["swiglu_triton"]["ms_per_step"], 2),
            "qkv_saved_ms_per_step": round(attn["torch"]["ms_per_step"] - attn["triton"]["ms_per_step"], 2),
            **stamp()}

@@ -70,6 +70,28 @@ kw = dict(heads=g * pg, groups=g, head_dim=d, scale=d ** -0.5, causal=True, mask
 plain = compiled_layer._self_attention(x, w, None, **kw)
 qkv_rope.applies = lambda *a: True
 out["layer", "attention"] = {"diff": rel(compiled_layer._self_attention(x, w, None, triton=True, **kw), plain)}
+
+# cross-entropy: 14 tokens (logits [s, b, V] = [7, 2, V]) over a vocabulary of 5,000 (two blocks of
+# 4,096, the second masked); one label ignored, one the last column; the gradient weighted per token like a loss mask
+from workbench.backend import cross_entropy as ce
+ce.register()
+for dtype in (torch.float32, torch.bfloat16):
+    logits = (torch.randn(7, 2, 5000, generator=torch.Generator().manual_seed(5)) * 4).to(dtype).requires_grad_()
+    labels = torch.randint(0, 5000, (2, 7), generator=torch.Generator().manual_seed(6))
+    labels[0, 3], labels[1, 6] = ce.IGNORE_INDEX, 4999
+    w = torch.rand(2, 7, generator=torch.Generator().manual_seed(7))
+    loss, lse = torch.ops.workbench.cross_entropy(logits.reshape(14, 5000), labels.t().reshape(14))
+    got = loss.view(7, 2).t()
+    dgot, = torch.autograd.grad((got * w).sum(), logits)
+    l64 = logits.detach().double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(l64.reshape(14, 5000), labels.t().reshape(14), reduction="none").view(7, 2).t()
+    dwant, = torch.autograd.grad((want * w).sum(), l64)
+    ce.applies = lambda *a: True  # (the layer's path: its CUDA check stands aside for the interpreter)
+    layer = ce.cross_entropy_sb(logits, labels, triton=True)
+    out["ce", str(dtype)] = {"loss": rel(got, want), "dlogits": rel(dgot, dwant), "ignored": float(got[0, 3]),
+                             "ignored_grad": float(dgot[3, 0].abs().max()), "dtype": str(dgot.dtype),
+                             "loss_dtype": str(got.dtype), "layer": rel(layer, want), "shape": list(layer.shape),
+                             "lse": rel(lse, torch.logsumexp(l64.reshape(14, 5000), -1))}
 print(json.dumps({" ".join(k): v for k, v in out.items()}))
 """
 
@@ -103,6 +125,16 @@ def test_the_compiled_layers_attention_through_the_op_is_the_same_attention(kern
     assert kernels["layer attention"]["diff"] < 1e-6  # SDPA takes the op's [b, n, s, d] tensors as they are
 
 
+def test_cross_entropy_kernels_compute_fp32_log_softmax_loss_and_its_gradient(kernels):
+    fp32, bf16 = kernels["ce torch.float32"], kernels["ce torch.bfloat16"]
+    assert fp32["loss"] < 1e-6 and fp32["dlogits"] < 1e-6 and fp32["lse"] < 1e-6, fp32  # fp32 maths in the kernels
+    assert bf16["loss"] < 1e-6 and bf16["dlogits"] < 1e-2, bf16  # (bf16 logits read exactly; the gradient rounded)
+    for got in (fp32, bf16):
+        assert got["ignored"] == 0.0 and got["ignored_grad"] == 0.0, got  # ignore_index: no loss, no gradient
+        assert got["loss_dtype"] == "torch.float32" and got["shape"] == [2, 7] and got["layer"] < 1e-6, got
+    assert bf16["dtype"] == "torch.bfloat16"  # the gradient in the logits' dtype
+
+
 def test_off_cuda_the_compiled_layer_keeps_torchs_expressions():
     from workbench.backend import glu, qkv_rope
 
@@ -110,6 +142,11 @@ def test_off_cuda_the_compiled_layer_keeps_torchs_expressions():
     assert torch.equal(glu.swiglu(z, triton=True), glu.swiglu_reference(z))  # CPU: no Triton launch
     qkv, freqs = torch.zeros(5, 2, 48, dtype=torch.bfloat16), torch.zeros(5, 1, 1, 8)
     assert qkv_rope.fits(qkv, freqs, 8) and not qkv_rope.applies(qkv, freqs, 8)  # CPU: the torch path
+    from workbench.backend import cross_entropy
+
+    logits, labels = torch.randn(3, 2, 11), torch.randint(0, 11, (2, 3))
+    want = torch.nn.functional.cross_entropy(logits.reshape(6, 11), labels.t().reshape(6), reduction="none")
+    assert torch.equal(cross_entropy.cross_entropy_sb(logits, labels, triton=True), want.view(3, 2).t())
 
 
 def test_the_qkv_kernel_takes_only_what_it_reads():

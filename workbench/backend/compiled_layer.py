@@ -23,10 +23,9 @@ module does about it -- every change keeps the training maths (same ops, same dt
    numbers come from torch's generator inside the graph (inductor's philox; under CUDA graphs each replay reads the
    generator's seed and offset and advances it), so the checkpointed RNG state (``checkpointing.rng_state``) carries
    the stream.
-2. **Compiled cross-entropy** (:func:`prepare_model`): megatron's vocab-parallel cross entropy makes ~10 passes over
-   the fp32 up-cast [tokens, vocab] logits and keeps an fp32 softmax for backward.  With TP=1 the loss is
-   ``F.cross_entropy(logits.float())`` compiled: the same fp32 log-softmax maths in one fused pass, recomputed from
-   the bf16 logits in backward.
+2. **Cross-entropy at TP=1** (:func:`prepare_model`, :mod:`workbench.backend.cross_entropy`): instead of megatron's
+   vocab-parallel cross entropy (~10 passes over the fp32 up-cast logits), ``F.cross_entropy(logits.float())``
+   compiled, or with ``triton_ops`` a Triton op that reads the bf16 logits once each way.
 
 The other fast paths live beside it: the optimizer's (:mod:`workbench.backend.optimizer_paths`) and megatron's
 fused switches for the stock forward (:func:`workbench.backend.model.transformer_config_overrides`).
@@ -61,7 +60,7 @@ from workbench.backend.fp8 import cached as fp8_cached, close_step as fp8_close_
 from workbench.backend.grad_accumulation import fused_weight
 from workbench.backend.optimizer_paths import STATE as _STATE
 from workbench.backend.tp_overlap import chunked_pass, enable_async_tp, tp_overlap_pass
-from workbench.backend import glu, qkv_rope, tp_chunked
+from workbench.backend import cross_entropy, glu, qkv_rope, tp_chunked
 _waited = tp_chunked.waited
 
 __all__ = [
@@ -516,7 +515,7 @@ def _compiled(name: str, graphs: bool = False, tp_overlap: bool = False, async_t
 
     ``chunked`` (``parallel.tp_chunked``): each exchange waited at its first use (``tp_overlap.sink_exchange_waits``).
     """
-    fn = {"layer": dense_layer_forward, "attention": attention_sublayer_forward, "ce": _cross_entropy_sb}[name]
+    fn = {"layer": dense_layer_forward, "attention": attention_sublayer_forward, "ce": cross_entropy.cross_entropy_sb}[name]
     if not _COMPILE:
         return fn
     import torch._dynamo
@@ -794,16 +793,10 @@ class CompiledTransformerLayer(TransformerLayer):
 # --------------------------------------------------------------------------- cross entropy
 
 
-def _cross_entropy_sb(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token loss [b, s] from logits [s, b, V] and labels [b, s]; fp32 log-softmax like megatron."""
-    s, b, v = logits.shape
-    loss = F.cross_entropy(logits.reshape(s * b, v).float(), labels.t().reshape(s * b), reduction="none")
-    return loss.view(s, b).t().contiguous()
-
-
-def lm_cross_entropy(self: Any, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Drop-in for ``LanguageModule.compute_language_model_loss`` at TP=1 (bound per model instance)."""
-    return _compiled("ce")(logits, labels)
+def lm_cross_entropy(self: Any, labels: torch.Tensor, logits: torch.Tensor, triton: bool = False) -> torch.Tensor:
+    """Drop-in for ``LanguageModule.compute_language_model_loss`` at TP=1 (bound per model instance; ``triton``:
+    :mod:`workbench.backend.cross_entropy`'s op, ``KernelChoice.triton_ops``)."""
+    return _compiled("ce")(logits, labels, triton)
 
 
 # --------------------------------------------------------------------------- model hook
@@ -831,8 +824,13 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             continue
         c = gpt.config
         if c.tensor_model_parallel_size == 1 and getattr(c, "calculate_per_token_loss", False) is False:
-            gpt.compute_language_model_loss = types.MethodType(lm_cross_entropy, gpt)
-            notes["cross_entropy"] = "compiled F.cross_entropy (fp32 log-softmax)"
+            triton = kernel_rule.decided(cfg, c).triton_ops
+            if triton:
+                cross_entropy.register()  # (before a compile traces its first use)
+            gpt.compute_language_model_loss = types.MethodType(functools.partial(lm_cross_entropy, triton=triton), gpt)
+            notes["cross_entropy"] = ("Triton cross-entropy (workbench::cross_entropy: fp32 online log-softmax, one "
+                                      "read of the logits each way)" if triton else
+                                      "compiled F.cross_entropy (fp32 log-softmax)")
     layers = [m for chunk in model_chunks for m in _unwrap(chunk).modules() if isinstance(m, TransformerLayer)]
     if layers:
         choice = kernel_rule.decided(cfg, getattr(layers[0], "config", None))  # what the model was built with
