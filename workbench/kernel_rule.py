@@ -283,8 +283,9 @@ class KernelChoice:
     #: TP, FP8, recompute or inductor's cudagraph trees (they would skip a graph that changes an input), and without a
     #: custom ``train.forward_step`` (whose calls may take megatron's stock forward in some micro-batches: a stock
     #: call clears the flag that makes DDP's hook drop the placeholder ``.grad``, which holds only while a
-    #: micro-batch's backward follows its forward); its other weights (embeddings, norms, biases) as
-    #: :attr:`grad_accumulation` says
+    #: micro-batch's backward follows its forward); a tied embedding / LM head weight the same way (the head's GEMM
+    #: and the lookup's row adds, :mod:`workbench.backend.tied_embedding`); its other weights (untied embeddings,
+    #: norms, biases) as :attr:`grad_accumulation` says
     wgrad_fused: bool = False
     #: the compiled layer's hand-written Triton ops on CUDA, instead of inductor's fused point-wise kernels: SwiGLU
     #: (``model.activation: swiglu``, :mod:`workbench.backend.glu`) and the QKV split + rotary + GQA repeat into

@@ -133,7 +133,7 @@ def _fused_ddp(cfg, fused: bool):
     switched off before DDP (every weight through ``.grad`` and the hooks)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from workbench.backend import grad_accumulation
+    from workbench.backend import grad_accumulation, tied_embedding
     from workbench.backend.compiled_layer import CompiledTransformerLayer
     from workbench.backend.model import transformer_config
     from workbench.rank.build import build_model
@@ -150,6 +150,8 @@ def _fused_ddp(cfg, fused: bool):
                 del linear.weight._workbench_wgrad_fused
     ddp = DistributedDataParallel(config=tc, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                   module=model)
+    tied = tied_embedding.install([ddp]) if fused else 0  # (as the trainer does with wgrad_fused, before the hooks)
+    assert tied == (1 if fused else 0)  # (tiny ties its embedding and LM head)
     return ddp, grad_accumulation.install([ddp], min_numel=0), layers
 
 
@@ -171,11 +173,14 @@ def fused_pair(dist_group):
 
 def test_fused_weight_gradients_sum_what_the_hooks_sum(fused_pair):
     """``KernelChoice.wgrad_fused``: the compiled layer's GEMM weights get their gradients added into main_grad by
-    :func:`grad_accumulation.linear` -- over three micro-batches and two steps the same sums as ``.grad`` and the
-    workbench's hooks; those weights get no hook of ours, and megatron's drops their placeholder ``.grad``."""
+    :func:`grad_accumulation.linear`, and the tied embedding / LM head weight its two parts (the head's GEMM, the
+    lookup's rows) -- over three micro-batches and two steps the same sums as ``.grad`` and the workbench's hooks;
+    those weights get no hook of ours, and megatron's drops their placeholder ``.grad``."""
     (hooks, n_hooks, _), (fused, n_fused, layers) = fused_pair
-    gemm = {id(linear.weight) for m in layers for linear in m._gemm_linears()}
-    assert len(gemm) == 4 * len(layers) and n_hooks - n_fused == len(gemm)  # no hook of ours on them
+    tied = fused.module.embedding.word_embeddings.weight  # the tied embedding / LM head (workbench.backend.tied_embedding)
+    assert tied is fused.module.shared_embedding_or_output_weight()
+    gemm = {id(linear.weight) for m in layers for linear in m._gemm_linears()} | {id(tied)}
+    assert len(gemm) == 4 * len(layers) + 1 and n_hooks - n_fused == len(gemm)  # no hook of ours on them
     for step_seeds in ([1, 2, 3], [4, 5]):
         for m in (hooks, fused):
             m.zero_grad_buffer()

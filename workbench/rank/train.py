@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from workbench import kernel_rule
-from workbench.backend import compiled_layer, distributed, grad_accumulation, step_graph
+from workbench.backend import compiled_layer, distributed, grad_accumulation, step_graph, tied_embedding
 from workbench.backend.attention import apply_sdpa_order
 from workbench.backend.model import kernel_path, training_step_fields, transformer_config
 from workbench.backend.optimizer_paths import offload_fields, offload_threads, prepare_optimizer, release_offload_startup
@@ -181,6 +181,7 @@ class Trainer:
         self.model = [DistributedDataParallel(config=tc, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
                       for i, c in enumerate(chunks)]
         hooked, self._direct_experts = 0, {}
+        self._tied_fused = tied_embedding.install(self.model) if choice.wgrad_fused else 0  # (before the hooks)
         if choice.grad_accumulation == "workbench":  # before megatron's hooks fire (kernel_rule.KernelChoice.grad_accumulation)
             hooked = grad_accumulation.install(self.model)
             self._direct_experts = grad_accumulation.install_experts(self.model)
@@ -257,7 +258,8 @@ class Trainer:
         if choice.wgrad_fused:
             self.kernel_path["grad_accumulation"] = (
                 "the compiled layers' GEMM weights: their weight-gradient GEMMs add into DDP's fp32 main_grad "
-                "(addmm with out_dtype, beta 1); " + self.kernel_path["grad_accumulation"])
+                "(addmm with out_dtype, beta 1)" + ("; the tied embedding / LM head weight: the head's GEMM and the "
+                "lookup's row adds into main_grad" if self._tied_fused else "") + "; " + self.kernel_path["grad_accumulation"])
         self.kernel_path["schedule"] = ("interleaved 1F1B" if p.vpp > 1 else "1F1B") if p.pipeline_parallel > 1 else "no pipelining"
         overlap = [x for x in (self.kernel_path.get("tp_comm_overlap"), userbuffers, distributed.hardware_queue_note(cfg)) if x]
         if overlap:
