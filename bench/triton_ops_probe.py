@@ -130,7 +130,7 @@ def _cross_entropy(gen) -> dict:
     n, rows = B * S, x.detach().reshape(B * S, VOCAB)
     flat = labels.t().reshape(n).contiguous()
     loss, lse = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
-    dx, g = torch.empty_like(rows), torch.rand(n, device="cuda", generator=gen)
+    dx, g, dlse = torch.empty_like(rows), torch.rand(n, device="cuda", generator=gen), torch.zeros(n, device="cuda")
     sweep = {}
     for block in (2048, 4096, 8192, 16384):
         for warps in (4, 8, 16):
@@ -138,7 +138,7 @@ def _cross_entropy(gen) -> dict:
                 rows, flat, loss, lse, VOCAB, IGNORE=ce.IGNORE_INDEX, BLOCK=block, num_warps=warps)), 4)
             if block <= 8192:
                 sweep[f"backward {block // 2} x{warps}"] = round(cuda_ms(lambda: bwd[(n, -(-VOCAB // (block // 2)))](
-                    g, rows, flat, lse, dx, VOCAB, IGNORE=ce.IGNORE_INDEX, BLOCK=block // 2, num_warps=warps)), 4)
+                    g, dlse, rows, flat, lse, dx, VOCAB, IGNORE=ce.IGNORE_INDEX, BLOCK=block // 2, num_warps=warps)), 4)
     out["kernel_ms"] = sweep
     out["bytes_ms_at_4tb"] = round(rows.numel() * 2 / 4e9, 4)  # one read of the bf16 logits at 4 TB/s
     return out

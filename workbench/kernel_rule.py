@@ -288,8 +288,9 @@ class KernelChoice:
     #: norms, biases) as :attr:`grad_accumulation` says
     wgrad_fused: bool = False
     #: the compiled layer's hand-written Triton ops on CUDA, instead of inductor's fused point-wise kernels: SwiGLU
-    #: (``model.activation: swiglu``, :mod:`workbench.backend.glu`) and the QKV split + rotary + GQA repeat into
-    #: SDPA's layout (rotary embeddings, :mod:`workbench.backend.qkv_rope`: its forward; its backward is torch's)
+    #: (``model.activation: swiglu``, :mod:`workbench.backend.glu`), the QKV split + rotary + GQA repeat into
+    #: SDPA's layout (rotary embeddings, :mod:`workbench.backend.qkv_rope`: its forward; its backward is torch's) and
+    #: the TP = 1 cross-entropy (:mod:`workbench.backend.cross_entropy`: one read of the logits each way)
     triton_ops: bool = False
     #: MoE layers' experts ("" without): te_grouped (TE's grouped MLP, on TE's layer), torch_grouped (one
     #: ``grouped_mm`` per expert GEMM, :mod:`workbench.backend.moe_experts`), sequential (megatron's SequentialMLP)

@@ -179,6 +179,7 @@ def test_fused_weight_gradients_sum_what_the_hooks_sum(fused_pair):
     (hooks, n_hooks, _), (fused, n_fused, layers) = fused_pair
     tied = fused.module.embedding.word_embeddings.weight  # the tied embedding / LM head (workbench.backend.tied_embedding)
     assert tied is fused.module.shared_embedding_or_output_weight()
+    assert tied.zero_out_wgrad is False  # (else DDP's hook would add the head's unwritten placeholder)
     gemm = {id(linear.weight) for m in layers for linear in m._gemm_linears()} | {id(tied)}
     assert len(gemm) == 4 * len(layers) + 1 and n_hooks - n_fused == len(gemm)  # no hook of ours on them
     for step_seeds in ([1, 2, 3], [4, 5]):
@@ -195,6 +196,28 @@ def test_fused_weight_gradients_sum_what_the_hooks_sum(fused_pair):
         assert p.grad is None
         if id(p) in gemm:
             assert p.grad_added_to_main_grad  # set in forward: DDP's hook dropped the placeholder
+
+
+def test_the_tied_weight_path_only_where_every_training_forward_runs_the_head(dist_group):
+    """``workbench.backend.tied_embedding``: installed on a tied BERT (its masked-LM head runs in every training
+    forward), not on one with a sequence classifier (its forward skips the head: the lookup alone would leave DDP's hook
+    without the placeholder ``.grad`` it expects under ``overlap_grad_reduce``), nor on an untied model."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from workbench.backend import tied_embedding
+    from workbench.backend.model import transformer_config
+    from workbench.rank.build import build_model
+
+    def installed(name: str, **over) -> int:
+        cfg = preset(name, **{"train.compile_kernels": True, **over})
+        tc = transformer_config(cfg)
+        ddp = DistributedDataParallel(config=tc, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                      module=build_model(cfg, config=tc))
+        return tied_embedding.install([ddp])
+
+    assert installed("bert-tiny") == 1
+    assert installed("bert-tiny", **{"model.num_labels": 2}) == 0
+    assert installed("tiny", **{"model.tie_embeddings": False}) == 0
 
 
 def test_a_stock_call_among_fused_ones_keeps_its_weight_gradients(fused_pair, monkeypatch):

@@ -82,16 +82,24 @@ for dtype in (torch.float32, torch.bfloat16):
     w = torch.rand(2, 7, generator=torch.Generator().manual_seed(7))
     loss, lse = torch.ops.workbench.cross_entropy(logits.reshape(14, 5000), labels.t().reshape(14))
     got = loss.view(7, 2).t()
-    dgot, = torch.autograd.grad((got * w).sum(), logits)
+    dgot, = torch.autograd.grad((got * w).sum(), logits, retain_graph=True)
     l64 = logits.detach().double().requires_grad_()
     want = torch.nn.functional.cross_entropy(l64.reshape(14, 5000), labels.t().reshape(14), reduction="none").view(7, 2).t()
     dwant, = torch.autograd.grad((want * w).sum(), l64)
     ce.applies = lambda *a: True  # (the layer's path: its CUDA check stands aside for the interpreter)
     layer = ce.cross_entropy_sb(logits, labels, triton=True)
+    # the log-sum-exp is an output with its own gradient (a z-loss on it: d lse / dx = softmax)
+    lse_w = torch.rand(14, generator=torch.Generator().manual_seed(8))
+    dz, = torch.autograd.grad((lse * lse_w).sum(), logits)
+    dz_want, = torch.autograd.grad((torch.logsumexp(l64.reshape(14, 5000), -1) * lse_w).sum(), l64)
+    bad = labels.t().reshape(14).clone()
+    bad[2], bad[5] = 5000, -3  # outside the vocabulary (not the ignore index)
+    bad_loss = torch.ops.workbench.cross_entropy(logits.detach().reshape(14, 5000), bad)[0]
     out["ce", str(dtype)] = {"loss": rel(got, want), "dlogits": rel(dgot, dwant), "ignored": float(got[0, 3]),
                              "ignored_grad": float(dgot[3, 0].abs().max()), "dtype": str(dgot.dtype),
                              "loss_dtype": str(got.dtype), "layer": rel(layer, want), "shape": list(layer.shape),
-                             "lse": rel(lse, torch.logsumexp(l64.reshape(14, 5000), -1))}
+                             "lse": rel(lse, torch.logsumexp(l64.reshape(14, 5000), -1)), "dlse": rel(dz, dz_want),
+                             "bad_nan": [bool(torch.isnan(bad_loss[i])) for i in range(14)]}
 print(json.dumps({" ".join(k): v for k, v in out.items()}))
 """
 
@@ -129,9 +137,11 @@ def test_cross_entropy_kernels_compute_fp32_log_softmax_loss_and_its_gradient(ke
     fp32, bf16 = kernels["ce torch.float32"], kernels["ce torch.bfloat16"]
     assert fp32["loss"] < 1e-6 and fp32["dlogits"] < 1e-6 and fp32["lse"] < 1e-6, fp32  # fp32 maths in the kernels
     assert bf16["loss"] < 1e-6 and bf16["dlogits"] < 1e-2, bf16  # (bf16 logits read exactly; the gradient rounded)
+    assert fp32["dlse"] < 1e-6 and bf16["dlse"] < 1e-2, (fp32, bf16)  # the log-sum-exp's own gradient
     for got in (fp32, bf16):
         assert got["ignored"] == 0.0 and got["ignored_grad"] == 0.0, got  # ignore_index: no loss, no gradient
         assert got["loss_dtype"] == "torch.float32" and got["shape"] == [2, 7] and got["layer"] < 1e-6, got
+        assert got["bad_nan"] == [i in (2, 5) for i in range(14)], got  # a label outside the vocabulary: NaN
     assert bf16["dtype"] == "torch.bfloat16"  # the gradient in the logits' dtype
 
 

@@ -7,15 +7,16 @@ compiles it: one fused pass, the softmax recomputed from the bf16 logits in back
 :func:`torch.library.triton_op`):
 
 - forward: one program a token reads its row of logits once (online max and sum of exponentials, fp32) and writes
-  the loss and the log-sum-exp;
-- backward: one program a block of a row reads the logits again and writes ``(softmax - onehot) * dloss`` in the
-  logits' dtype (one rounding, as the compiled path's cast).
+  the loss and the log-sum-exp (an output of its own, differentiable: ``d lse / dx = softmax``);
+- backward: one program a block of a row reads the logits again and writes ``(softmax - onehot) * dloss`` (plus
+  ``softmax * dlse``) in the logits' dtype (one rounding, as the compiled path's cast).
 
 Inductor's fused kernels for the same maths took 1.33 (forward) and 1.26 ms (backward) a micro-batch of Llama-3.2-1B
-(8192 tokens x 128,256, bf16; H200), these 0.57 and 1.08 ms: 10.5 against 6.8 ms of the step
-(``bench/results/triton_ops_probe.jsonl`` row 4; errors against fp32 equal).  The saved tensors are the compiled
-path's (the bf16 logits) plus the log-sum-exp (4 bytes a token).  Labels of ``ignore_index`` (-100, as
-``F.cross_entropy``) give a zero loss and gradient.
+(8192 tokens x 128,256, bf16; H200), these kernels 0.57 and 1.08 ms at 4,096 columns and 8 warps (10.5 against 6.8 ms
+of the step; errors against fp32 equal) and 0.50 and 1.07 ms as shipped (below), one and two passes over the logits
+at ~4.2 TB/s (``bench/results/triton_ops_probe.jsonl`` row 4).  The saved tensors are the compiled path's (the bf16
+logits) plus the log-sum-exp (4 bytes a token).  Labels of ``ignore_index`` (-100, as ``F.cross_entropy``) give a
+zero loss and gradient; a label outside the vocabulary a NaN loss (``F.cross_entropy`` raises).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ IGNORE_INDEX = -100
 
 #: vocabulary columns a forward program reads at a time (a loop over the row), and a backward program's block; four
 #: warps each (the fastest of 2,048-16,384 x 4-16 warps on an H200 at Llama-3.2-1B's vocabulary: forward 0.50 ms,
-#: backward 1.07 ms a micro-batch, one and two passes over the logits at ~4.2 TB/s; triton_ops_probe.jsonl row 4)
+#: backward 1.07 ms a micro-batch; triton_ops_probe.jsonl row 4)
 FORWARD_BLOCK = 8192
 BACKWARD_BLOCK = 4096
 
@@ -58,13 +59,14 @@ def _kernels():
         lse = m + tl.log(s)
         label = tl.load(label_ptr + row)
         keep = label != IGNORE
-        picked = tl.load(x_row + tl.where(keep, label, 0)).to(tl.float32)
-        tl.store(loss_ptr + row, tl.where(keep, lse - picked, 0.0))
+        valid = (label >= 0) & (label < V)  # (another label reads nothing and gives a NaN loss, not a wrong one)
+        picked = tl.load(x_row + tl.where(valid, label, 0)).to(tl.float32)
+        tl.store(loss_ptr + row, tl.where(keep, tl.where(valid, lse - picked, float("nan")), 0.0))
         tl.store(lse_ptr + row, lse)
 
     @triton.jit
-    def triton_cross_entropy_backward(dloss_ptr, x_ptr, label_ptr, lse_ptr, dx_ptr, V, IGNORE: tl.constexpr,
-                                      BLOCK: tl.constexpr):
+    def triton_cross_entropy_backward(dloss_ptr, dlse_ptr, x_ptr, label_ptr, lse_ptr, dx_ptr, V,
+                                      IGNORE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = col < V
@@ -72,7 +74,8 @@ def _kernels():
         g = tl.where(label != IGNORE, tl.load(dloss_ptr + row), 0.0)
         lse = tl.load(lse_ptr + row)
         x = tl.load(x_ptr + row * V + col, mask=m, other=0.0).to(tl.float32)
-        dx = (tl.exp(x - lse) - tl.where(col == label, 1.0, 0.0)) * g
+        # d loss / dx = softmax - onehot(label); d lse / dx = softmax
+        dx = tl.exp(x - lse) * (g + tl.load(dlse_ptr + row)) - tl.where(col == label, g, 0.0)
         tl.store(dx_ptr + row * V + col, dx.to(dx_ptr.dtype.element_ty), mask=m)
 
     return triton_cross_entropy_forward, triton_cross_entropy_backward
@@ -88,12 +91,13 @@ def _forward(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, 
     return loss, lse
 
 
-def _backward_op(dloss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    dloss, logits = dloss.contiguous(), logits.contiguous()
+def _backward_op(dloss: torch.Tensor, dlse: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                 lse: torch.Tensor) -> torch.Tensor:
+    dloss, dlse, logits, labels, lse = (t.contiguous() for t in (dloss, dlse, logits, labels, lse))
     n, v = logits.shape
     dx = torch.empty_like(logits)
     grid = (n, -(-v // BACKWARD_BLOCK))
-    torch.library.wrap_triton(_kernels()[1])[grid](dloss, logits, labels, lse, dx, v, IGNORE=IGNORE_INDEX,
+    torch.library.wrap_triton(_kernels()[1])[grid](dloss, dlse, logits, labels, lse, dx, v, IGNORE=IGNORE_INDEX,
                                                    BLOCK=BACKWARD_BLOCK, num_warps=4)
     return dx
 
@@ -102,9 +106,11 @@ def _setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(inputs[0], inputs[1], output[1])
 
 
-def _backward(ctx, dloss: torch.Tensor, _dlse: torch.Tensor):
+def _backward(ctx, dloss: torch.Tensor, dlse: torch.Tensor):
     logits, labels, lse = ctx.saved_tensors
-    return torch.ops.workbench.cross_entropy_backward(dloss.float(), logits, labels, lse), None
+    dloss = torch.zeros_like(lse) if dloss is None else dloss.float()
+    dlse = torch.zeros_like(lse) if dlse is None else dlse.float()
+    return torch.ops.workbench.cross_entropy_backward(dloss, dlse, logits, labels, lse), None
 
 
 @functools.cache
@@ -118,7 +124,7 @@ def register() -> None:
 
 
 def applies(logits: torch.Tensor) -> bool:
-    """The op reads ``logits`` as contiguous rows of a CUDA tensor of 16 or 32 bits."""
+    """The op runs on a CUDA tensor of 16 or 32 bits (it reads contiguous rows: a strided one is copied first)."""
     return logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 

@@ -9,15 +9,17 @@ besides the bf16 rounding of each part.  Here (:func:`install`):
 - the LM head (``output_layer._forward_impl``) multiplies through :func:`workbench.backend.grad_accumulation.linear`:
   its weight gradient is added into ``main_grad`` inside the GEMM (``beta = 1``), an unwritten placeholder handed to
   autograd so that DDP's hook still fires and drops it;
-- the embedding lookup's backward adds its rows' gradients into ``main_grad`` (``index_add_`` in fp32: the
-  ``tokens x hidden`` rows, not the vocabulary) and hands autograd nothing.
+- the embedding lookup's backward adds its rows' gradients into ``main_grad`` (``index_put_`` with accumulate, in
+  fp32: the ``tokens x hidden`` rows, not the vocabulary) and hands autograd nothing.
 
 Where a forward runs without grad (evaluation, generation) both are the stock calls.  Elsewhere (TP > 1, pipeline
-stages that hold only one of the two, untied heads) nothing is installed.
+stages that hold only one of the two, untied heads, megatron's ``deterministic_mode``, a model with a sequence
+classifier whose forward skips the head) nothing is installed.  Installed for the life of the model (the trainer's).
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any, Iterable
 
 import torch
@@ -41,17 +43,18 @@ class _LookupIntoMainGrad(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor):
         (ids,) = ctx.saved_tensors
         mg = ctx.main_grad
-        mg.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]).to(mg.dtype))
+        # index_put_ with accumulate: on CUDA a sort and an ordered sum per row (deterministic, unlike index_add_'s
+        # atomics); no host sync, so the step graph records it
+        mg.index_put_((ids.reshape(-1),), g.reshape(-1, g.shape[-1]).to(mg.dtype), accumulate=True)
         return None, None, None
 
 
-def _lookup(embedding: torch.nn.Module):
-    def forward(input_: torch.Tensor) -> torch.Tensor:
-        w = embedding.weight
-        if getattr(w, "main_grad", None) is None or not (torch.is_grad_enabled() and w.requires_grad):
-            return F.embedding(input_, w)
-        return _LookupIntoMainGrad.apply(input_, w, w.main_grad)
-    return forward
+def _lookup(self: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+    """``VocabParallelEmbedding.forward`` at TP = 1 (bound to the module)."""
+    w = self.weight
+    if getattr(w, "main_grad", None) is None or not (torch.is_grad_enabled() and w.requires_grad):
+        return F.embedding(input_, w)
+    return _LookupIntoMainGrad.apply(input_, w, w.main_grad)
 
 
 def _lm_head(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, **_: Any) -> torch.Tensor:
@@ -61,30 +64,32 @@ def _lm_head(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, **_: A
     return linear(input, w, bias) if isinstance(w, MainGradWeight) else F.linear(input, weight, bias)
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
-
-
 def install(ddp_chunks: Iterable[Any]) -> int:
     """On each DDP-wrapped chunk that holds both ends of a tied embedding at TP = 1: the LM head and the lookup as
     above, the shared weight marked so that no other hook adds its ``.grad`` (call before
     :func:`workbench.backend.grad_accumulation.install`).  How many chunks got it."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+    from megatron.core.utils import unwrap_model
+
     n = 0
     for chunk in ddp_chunks:
-        gpt = _unwrap(chunk)
+        gpt = unwrap_model(chunk)
         emb = getattr(getattr(gpt, "embedding", None), "word_embeddings", None)
         head = getattr(gpt, "output_layer", None)
+        c = gpt.config
         if not (getattr(gpt, "share_embeddings_and_output_weights", False) and gpt.pre_process and gpt.post_process
-                and emb is not None and head is not None and gpt.config.tensor_model_parallel_size == 1
-                and getattr(emb, "gtp_remat_size", 1) == 1 and not getattr(emb, "reduce_scatter_embeddings", False)
-                and not gpt.config.defer_embedding_wgrad_compute):
+                and type(emb) is VocabParallelEmbedding and type(head) is ColumnParallelLinear
+                and c.tensor_model_parallel_size == 1 and getattr(emb, "gtp_remat_size", 1) == 1
+                and not getattr(emb, "reduce_scatter_embeddings", False) and not emb.deterministic_mode
+                and not c.defer_embedding_wgrad_compute
+                # a model whose training forward may skip the head (a sequence classifier on the encoder): its
+                # lookup alone would leave the weight without the placeholder that DDP's hook expects
+                and getattr(gpt, "classifier", None) is None):
             continue
         w = emb.weight
         if getattr(w, "main_grad", None) is None or not hasattr(w, "grad_added_to_main_grad"):
             continue
-        emb.forward = _lookup(emb)
+        emb.forward = types.MethodType(_lookup, emb)
         head._forward_impl = _lm_head
         w.zero_out_wgrad = False  # (megatron's DDP hook would add the placeholder whatever the flag says)
         w._workbench_wgrad_fused = True  # (grad_accumulation.install leaves it alone)
