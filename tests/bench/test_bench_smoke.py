@@ -51,8 +51,11 @@ def test_cpu_smoke_writes_one_row_per_variant(tmp_path):
         assert 0 <= r["exit_s"] < r["wall_s"] and r["repeat_rows"][0]["exit_s"] == r["exit_s"], r
         assert "exit_hung" not in r and "stacks" not in r and "result_at" not in r
     cost = wb["stream_cost"]
-    assert cost["step_s_bare"] > 0 and cost["n"] == 3 and cost["loop_s_2n"] > 0 and cost["loop_s_n"] > 0
+    # (each side's per-step time is a difference of two timed loops: its sign on a busy 2-core machine is noise, so
+    # the test holds the loops and the arithmetic, not the timings; stop 83's CI saw step_s_bare at -0.05 s)
+    assert cost["n"] == 3 and min(cost[k] for k in ("loop_s_n", "loop_s_2n", "bare_s_n", "bare_s_2n")) > 0, cost
     assert math.isclose(cost["step_s_loop_events_timing_every_step"], (cost["loop_s_2n"] - cost["loop_s_n"]) / 3)
+    assert math.isclose(cost["step_s_bare"], (cost["bare_s_2n"] - cost["bare_s_n"]) / 3)
     assert "workbench/tiny" in proc.stdout and "tok/s" in proc.stdout  # the table
 
 

@@ -793,10 +793,10 @@ class CompiledTransformerLayer(TransformerLayer):
 # --------------------------------------------------------------------------- cross entropy
 
 
-def lm_cross_entropy(self: Any, labels: torch.Tensor, logits: torch.Tensor, triton: bool = False) -> torch.Tensor:
-    """Drop-in for ``LanguageModule.compute_language_model_loss`` at TP=1 (bound per model instance; ``triton``:
-    :mod:`workbench.backend.cross_entropy`'s op, ``KernelChoice.triton_ops``)."""
-    return _compiled("ce")(logits, labels, triton)
+def lm_cross_entropy(self: Any, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Drop-in for ``LanguageModule.compute_language_model_loss`` at TP=1 (bound per model instance; its
+    ``_workbench_ce_triton``: :mod:`workbench.backend.cross_entropy`'s op, ``KernelChoice.triton_ops``)."""
+    return _compiled("ce")(logits, labels, getattr(self, "_workbench_ce_triton", False))
 
 
 # --------------------------------------------------------------------------- model hook
@@ -824,10 +824,10 @@ def prepare_model(model_chunks: Iterable[torch.nn.Module], cfg: Any) -> dict[str
             continue
         c = gpt.config
         if c.tensor_model_parallel_size == 1 and getattr(c, "calculate_per_token_loss", False) is False:
-            triton = kernel_rule.decided(cfg, c).triton_ops
+            triton = gpt._workbench_ce_triton = kernel_rule.decided(cfg, c).triton_ops
             if triton:
                 cross_entropy.register()  # (before a compile traces its first use)
-            gpt.compute_language_model_loss = types.MethodType(functools.partial(lm_cross_entropy, triton=triton), gpt)
+            gpt.compute_language_model_loss = types.MethodType(lm_cross_entropy, gpt)
             notes["cross_entropy"] = ("Triton cross-entropy (workbench::cross_entropy: fp32 online log-softmax, one "
                                       "read of the logits each way)" if triton else
                                       "compiled F.cross_entropy (fp32 log-softmax)")
