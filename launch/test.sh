@@ -14,17 +14,10 @@ export MPLBACKEND=Agg PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 set +e
 # a private basetemp: another pytest session on the machine must not clean up this one's tmp dirs
 basetemp="$(mktemp -d -t workbench-tests-XXXXXX)"
-# compiled bytecode kept for the run in a temporary folder (not beside the sources; pytest empties basetemp at its
-# start): the suite starts ~900 Python processes (ranks, torchrun agents, kernels, helper scripts), and with
-# PYTHONDONTWRITEBYTECODE set each compiled the ~150 workbench modules it imports from source again (~0.6 s of CPU a
-# rank process on the 2-core machine)
-pycache="$(mktemp -d -t workbench-pycache-XXXXXX)"
-export PYTHONPYCACHEPREFIX="$pycache"
-unset PYTHONDONTWRITEBYTECODE
 "$venv/bin/python" -m pytest -q "${@:-tests}" -n "${WORKBENCH_TEST_WORKERS:-2}" --dist loadfile --ignore=tests/gpu_proofs -p no:cacheprovider --basetemp="$basetemp" --durations=15
 rc=$?
 set -e
-rm -rf "$basetemp" "$pycache"
+rm -rf "$basetemp"
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests; that is a failure, not a pass" >&2
   exit 1
